@@ -1,0 +1,225 @@
+"""Shared benchmark harness: timing, same-run rooflines, provider lookup, results on file.
+
+Every benchmark measures its ceilings in the same run (`measure_copy_gbps`, `measure_matmul_tflops`),
+times each provider with `bench` (median and p20/p80 in ms) and collects figures in `Results`, which
+appends them to `benchmarks/results/<gpu>/<bench>.csv` with the header in `CSV_HEADER` and renders the
+markdown table printed last. CPU runs are smoke tests of this machinery, not figures to keep.
+"""
+
+import argparse
+import csv
+import datetime
+import os
+import re
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+CSV_HEADER = ("date", "git_sha", "gpu", "torch", "triton", "bench", "case", "mode", "provider", "metric", "value")
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# Same-run ceilings: figure metric -> roofline metric it is divided by.
+ROOFLINES = {"GB/s": "copy GB/s", "TFLOP/s": "bf16 matmul TFLOP/s"}
+
+_VENDOR_WORDS = {"nvidia", "amd", "tesla", "geforce", "quadro", "radeon", "instinct"}
+
+
+class Unavailable(Exception):
+    """Raised by a provider loader whose provider cannot run here; the message says why."""
+
+
+def gpu_slug(device) -> str:
+    """Short accelerator name for file paths: 'NVIDIA H100 80GB HBM3' -> 'h100'; 'cpu' on CPU."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return device.type
+    words = re.split(r"[\s_-]+", torch.cuda.get_device_name(device).lower())
+    words = [w for w in words if w and w not in _VENDOR_WORDS]
+    if len(words) > 1 and words[0] in ("rtx", "gtx"):  # 'RTX 4090' -> 'rtx4090'
+        words[0] += words.pop(1)
+    return re.sub(r"[^a-z0-9]", "", words[0]) if words else "gpu"
+
+
+def git_sha() -> str:
+    """MEGAKERN_GIT_SHA if set (copies of the tree without .git), else the short HEAD (+'-dirty')."""
+    if sha := os.environ.get("MEGAKERN_GIT_SHA"):
+        return sha
+    repo = Path(__file__).resolve().parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return sha + "-dirty" if dirty else sha
+
+
+def bench(fn: Callable[[], object], *, device, warmup_ms: int = 100, rep_ms: int = 500) -> dict[str, float]:
+    """Time fn: {'median', 'p20', 'p80'} in ms.
+
+    CUDA: triton's do_bench (CUDA events, L2 flushed before every run, as many runs as fit in rep_ms).
+    CPU (smoke tests only): perf_counter_ns around each call, after a few warm-up calls.
+    """
+    if torch.device(device).type == "cuda":
+        from triton.testing import do_bench
+
+        median, p20, p80 = do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
+        return {"median": median, "p20": p20, "p80": p80}
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(20):
+        start = time.perf_counter_ns()
+        fn()
+        times.append((time.perf_counter_ns() - start) / 1e6)
+    deciles = statistics.quantiles(times, n=10, method="inclusive")
+    return {"median": deciles[4], "p20": deciles[1], "p80": deciles[7]}
+
+
+def measure_copy_gbps(device) -> float:
+    """Device-to-device copy throughput in GB/s, counting bytes read + written (2 GiB on CUDA)."""
+    device = torch.device(device)
+    numel = 2**29 if device.type == "cuda" else 2**22  # fp32: 2 GiB on CUDA, 16 MiB on CPU
+    src = torch.randn(numel, device=device)
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src), device=device)["median"]
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
+
+
+def measure_matmul_tflops(device) -> float:
+    """Dense matmul throughput in TFLOP/s: 8192^3 bf16 on CUDA, a small fp32 one on CPU."""
+    device = torch.device(device)
+    n, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (512, torch.float32)
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    ms = bench(lambda: torch.mm(a, b, out=out), device=device)["median"]
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def load_providers(loaders: dict[str, Callable], device, wanted: set[str] | None = None) -> dict:
+    """Call each loader(device) and keep what it returns; a loader that fails is skipped with one line.
+
+    Loaders import their provider lazily and raise (ImportError, Unavailable, anything) when it cannot
+    run here, so a missing peer or an unbuilt backend never stops the benchmark.
+    """
+    if unknown := (wanted or set()) - loaders.keys():
+        raise SystemExit(f"unknown providers {sorted(unknown)}; choose from {sorted(loaders)}")
+    providers = {}
+    for name, load in loaders.items():
+        if wanted and name not in wanted:
+            continue
+        try:
+            providers[name] = load(torch.device(device))
+        except Exception as e:
+            print(f"skip {name}: {_reason(e)}")
+    return providers
+
+
+def _reason(e: Exception) -> str:
+    return str(e) if isinstance(e, Unavailable) else f"{type(e).__name__}: {e}"
+
+
+def report_failure(provider: str, case: str, e: Exception) -> None:
+    """One line for a provider that raised or was wrong at run time; the benchmark goes on without it."""
+    print(f"skip {provider} on {case}: {_reason(e)}")
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.1f}" if abs(value) >= 1000 else f"{value:.4g}"
+
+
+def _fmt_short(value: float) -> str:
+    return f"{value:.0f}" if abs(value) >= 100 else f"{value:#.3g}"
+
+
+class Results:
+    """Figures of one benchmark run, saved as CSV rows and rendered as a markdown table.
+
+    Every figure whose metric has a same-run roofline (GB/s, TFLOP/s) is also put on file as a
+    `roofline_frac` row (value / roofline) right after it.
+    """
+
+    def __init__(self, device):
+        try:
+            import triton
+
+            triton_version = triton.__version__
+        except ImportError:
+            triton_version = "none"
+        self.meta = {"gpu": gpu_slug(device), "git_sha": git_sha(), "torch": torch.__version__,
+                     "triton": triton_version}
+        self.figures: list[tuple[str, str, str, str, float]] = []
+        self.rooflines: dict[str, float] = {}  # figure metric ('GB/s') -> roofline value
+
+    def add(self, case: str, mode: str, provider: str, metric: str, value: float) -> None:
+        self.figures.append((case, mode, provider, metric, float(value)))
+
+    def add_roofline(self, metric: str, value: float) -> None:
+        """Record a same-run ceiling: metric is a key of ROOFLINES ('GB/s' for the copy roofline)."""
+        self.rooflines[metric] = float(value)
+        self.add("roofline", "-", "roofline", ROOFLINES[metric], value)
+
+    def frac(self, metric: str, value: float) -> float | None:
+        roofline = self.rooflines.get(metric)
+        return value / roofline if roofline else None
+
+    def rows(self) -> list[tuple[str, str, str, str, float]]:
+        """All figures, each followed by its roofline_frac row where it has a roofline."""
+        rows = []
+        for case, mode, provider, metric, value in self.figures:
+            rows.append((case, mode, provider, metric, value))
+            if provider != "roofline" and (frac := self.frac(metric, value)) is not None:
+                rows.append((case, mode, provider, "roofline_frac", frac))
+        return rows
+
+    def save(self, bench_name: str, out_dir=RESULTS_DIR) -> Path:
+        """Append the rows to <out_dir>/<gpu>/<bench_name>.csv; the header is written to new files only."""
+        path = Path(out_dir) / self.meta["gpu"] / f"{bench_name}.csv"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        new = not path.exists() or path.stat().st_size == 0
+        date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+        meta = (date, self.meta["git_sha"], self.meta["gpu"], self.meta["torch"], self.meta["triton"], bench_name)
+        with path.open("a", newline="") as f:
+            writer = csv.writer(f, lineterminator="\n")
+            if new:
+                writer.writerow(CSV_HEADER)
+            writer.writerows(meta + (case, mode, provider, metric, _fmt(value))
+                             for case, mode, provider, metric, value in self.rows())
+        return path
+
+    def markdown(self, metric: str) -> str:
+        """Table of one metric: a row per (case, mode), a column per provider, cells 'value unit (frac)'."""
+        cells: dict[tuple[str, str], dict[str, str]] = {}
+        providers: list[str] = []
+        for case, mode, provider, m, value in self.figures:
+            if m != metric or provider == "roofline":
+                continue
+            if provider not in providers:
+                providers.append(provider)
+            frac = self.frac(metric, value)
+            cells.setdefault((case, mode), {})[provider] = (
+                f"{_fmt_short(value)} {metric}" + (f" ({frac:.2f})" if frac is not None else ""))
+        lines = []
+        if metric in self.rooflines:
+            lines += [f"Same-run roofline, {ROOFLINES[metric]}: {_fmt_short(self.rooflines[metric])}", ""]
+        lines += ["| " + " | ".join(["case", "mode", *providers]) + " |",
+                  "|" + "---|" * (2 + len(providers))]
+        lines += ["| " + " | ".join([case, mode, *(row.get(p, "-") for p in providers)]) + " |"
+                  for (case, mode), row in cells.items()]
+        return "\n".join(lines)
+
+
+def parse_args(description: str, argv: list[str] | None = None) -> argparse.Namespace:
+    """Options every benchmark takes: --quick, --out, --no-save, --device, --providers."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help="fewer cases")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results root (default: %(default)s)")
+    parser.add_argument("--no-save", action="store_true", help="print the table, write no CSV rows")
+    parser.add_argument("--device", type=torch.device, default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--providers", type=lambda s: {p.strip() for p in s.split(",") if p.strip()},
+                        help="comma-separated providers to run (default: all)")
+    return parser.parse_args(argv)

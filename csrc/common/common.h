@@ -1,0 +1,124 @@
+// Shared device helpers for megakern's CUDA kernels.
+//
+// CUDA headers only, never torch: every kernel source compiles unchanged with `nvcc -c` (the extension
+// megakern._C, bound in csrc/bindings.cpp) and with NVRTC (cupy.RawModule, megakern/_cuda.py). Host-only
+// code sits behind `#ifndef __CUDACC_RTC__`.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#ifndef __CUDACC_RTC__
+#include <cuda_runtime.h>
+#endif
+
+namespace megakern {
+
+typedef long long i64;
+
+// ---- conversions: every kernel computes in fp32 ------------------------------------------------------
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+// Round through T and back: the value a tensor of dtype T would hold.
+template <typename T> __device__ __forceinline__ float round_to(float v) { return to_float(from_float<T>(v)); }
+
+// ---- N consecutive elements of S <-> float[N] --------------------------------------------------------
+// VECTORIZED: p is 16-byte aligned and all N elements exist; moved as 16-byte transactions.
+// Otherwise element by element, the first `valid` only (loads give 0 beyond).
+template <typename S, int N>
+__device__ __forceinline__ void load_n(const S* __restrict__ p, float (&out)[N], int valid, bool vectorized) {
+  static_assert((N * sizeof(S)) % 16 == 0, "a group must be a whole number of 16-byte chunks");
+  if (vectorized) {
+    constexpr int PER = 16 / sizeof(S);
+#pragma unroll
+    for (int c = 0; c < N / PER; ++c) {
+      const uint4 raw = reinterpret_cast<const uint4*>(p)[c];
+      const S* e = reinterpret_cast<const S*>(&raw);
+#pragma unroll
+      for (int i = 0; i < PER; ++i) out[c * PER + i] = to_float(e[i]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = i < valid ? to_float(p[i]) : 0.f;
+  }
+}
+
+template <typename S, int N>
+__device__ __forceinline__ void store_n(S* __restrict__ p, const float (&in)[N], int valid, bool vectorized) {
+  if (vectorized) {
+    constexpr int PER = 16 / sizeof(S);
+#pragma unroll
+    for (int c = 0; c < N / PER; ++c) {
+      uint4 raw;
+      S* e = reinterpret_cast<S*>(&raw);
+#pragma unroll
+      for (int i = 0; i < PER; ++i) e[i] = from_float<S>(in[c * PER + i]);
+      reinterpret_cast<uint4*>(p)[c] = raw;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+      if (i < valid) p[i] = from_float<S>(in[i]);
+  }
+}
+
+// Tensors whose dtype is either the kernel's T or fp32, chosen at run time (a uniform branch).
+template <typename T, int N>
+__device__ __forceinline__ void load_t_or_f32(const void* p, bool f32, i64 offset, float (&out)[N], int valid,
+                                              bool vectorized) {
+  if (f32) load_n<float, N>(static_cast<const float*>(p) + offset, out, valid, vectorized);
+  else load_n<T, N>(static_cast<const T*>(p) + offset, out, valid, vectorized);
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store_t_or_f32(void* p, bool f32, i64 offset, const float (&in)[N], int valid,
+                                               bool vectorized) {
+  if (f32) store_n<float, N>(static_cast<float*>(p) + offset, in, valid, vectorized);
+  else store_n<T, N>(static_cast<T*>(p) + offset, in, valid, vectorized);
+}
+
+// ---- reductions --------------------------------------------------------------------------------------
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// Sums K values over the blockDim.x threads that share one row; every one of them gets the totals.
+// blockDim.x is 32 (a warp per row, several rows per block) or a multiple of 32 with blockDim.y == 1.
+// smem holds 32 * K floats. The leading barrier lets a block call this repeatedly on the same smem.
+template <int K>
+__device__ __forceinline__ void row_sum(float (&v)[K], float* smem) {
+#pragma unroll
+  for (int k = 0; k < K; ++k) v[k] = warp_sum(v[k]);
+  if (blockDim.x == 32) return;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  __syncthreads();
+  if (lane == 0) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) smem[k * 32 + warp] = v[k];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < K; ++k) v[k] = warp_sum(lane < warps ? smem[k * 32 + lane] : 0.f);
+}
+
+}  // namespace megakern
+
+// ---- host-side checks ---------------------------------------------------------------------------------
+#ifndef __CUDACC_RTC__
+#define MEGAKERN_CUDA_CHECK(expr)                                            \
+  do {                                                                       \
+    cudaError_t err_ = (expr);                                               \
+    if (err_ != cudaSuccess) return err_;                                    \
+  } while (0)
+#endif

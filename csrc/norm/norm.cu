@@ -1,0 +1,328 @@
+// LayerNorm and RMSNorm, forward and backward, with an optional fused residual add.
+//
+//   h    = x + residual                    (rounded to the residual's dtype, stored as residual_out)
+//   xhat = (h - mean) * rstd,  rstd = 1 / sqrt(var + eps)      (RMSNorm: mean = 0, var = mean(h^2))
+//   y    = xhat * w + b
+// Backward, per row, with g = dy * w:
+//   dh = rstd * (g - xhat * mean(g * xhat) - mean(g))  (+ d residual_out)     (RMSNorm: no mean(g))
+//   dw = sum over rows of dy * xhat,  db = sum over rows of dy
+// dw / db are reduced in two stages: each row slot of the persistent grid keeps its partial sums in
+// registers and writes one line of dw_partial; the caller sums the lines.
+//
+// All math in fp32. Geometry and flags: see norm.h. Kernel names are referenced by megakern/_norm_cuda.py
+// for the NVRTC path ("megakern::norm_fwd_kernel<__nv_bfloat16, 4>").
+#include "common/common.h"
+#include "norm/norm.h"
+
+namespace megakern {
+
+template <typename T, int NV>
+__global__ void __launch_bounds__(1024)
+norm_fwd_kernel(const T* __restrict__ x, const void* __restrict__ residual, const void* __restrict__ weight,
+                const void* __restrict__ bias, T* __restrict__ y, void* __restrict__ residual_out,
+                float* __restrict__ mean_out, float* __restrict__ rstd_out, i64 rows, int cols, i64 stride_x,
+                i64 stride_res, i64 stride_y, i64 stride_res_out, float eps, int flags) {
+  constexpr int VEC = 16 / sizeof(T);
+  __shared__ float smem[32];
+  const bool rms = flags & NORM_RMS, vec = flags & NORM_VECTORIZED;
+  const bool has_w = flags & NORM_HAS_WEIGHT, has_b = flags & NORM_HAS_BIAS, w_f32 = flags & NORM_W_F32;
+  const bool has_res = flags & NORM_HAS_RESIDUAL, res_f32 = flags & NORM_RES_F32;
+  const i64 row = (i64)blockIdx.x * blockDim.y + threadIdx.y;
+  if (row >= rows) return;  // only with a warp per row, where no barrier follows
+  const T* xr = x + row * stride_x;
+  const float inv_cols = 1.f / cols;
+
+  // The group of VEC inputs at column c. First visit: x (+ residual, rounded and stored as residual_out);
+  // later visits (streaming mode) read the stored sum back.
+  auto input = [&](int c, float(&v)[VEC], int valid, bool first) {
+    if (!has_res) return load_n<T, VEC>(xr + c, v, valid, vec);
+    if (!first) return load_t_or_f32<T, VEC>(residual_out, res_f32, row * stride_res_out + c, v, valid, vec);
+    float r[VEC];
+    load_n<T, VEC>(xr + c, v, valid, vec);
+    load_t_or_f32<T, VEC>(residual, res_f32, row * stride_res + c, r, valid, vec);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) v[i] = res_f32 ? v[i] + r[i] : round_to<T>(v[i] + r[i]);
+    store_t_or_f32<T, VEC>(residual_out, res_f32, row * stride_res_out + c, v, valid, vec);
+  };
+  auto output = [&](int c, const float(&v)[VEC], int valid, float mean, float rstd) {
+    float w[VEC], b[VEC], o[VEC];
+    if (has_w) load_t_or_f32<T, VEC>(weight, w_f32, c, w, valid, vec);
+    if (has_b) load_t_or_f32<T, VEC>(bias, w_f32, c, b, valid, vec);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      o[i] = (v[i] - mean) * rstd;
+      if (has_w) o[i] *= w[i];
+      if (has_b) o[i] += b[i];
+    }
+    store_n<T, VEC>(y + row * stride_y + c, o, valid, vec);
+  };
+  auto sq_dev = [&](int c, const float(&v)[VEC], float mean) {
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) s += c + i < cols ? (v[i] - mean) * (v[i] - mean) : 0.f;
+    return s;
+  };
+
+  float mean = 0.f, rstd;
+  if constexpr (NV > 0) {
+    // The row lives in registers: one read of x (and residual), one write of y.
+    float v[NV][VEC];
+#pragma unroll
+    for (int g = 0; g < NV; ++g) {
+      const int c = (g * blockDim.x + threadIdx.x) * VEC;
+      if (c < cols) input(c, v[g], cols - c, true);
+      else
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) v[g][i] = 0.f;
+    }
+    if (!rms) {
+      float s[1] = {0.f};
+#pragma unroll
+      for (int g = 0; g < NV; ++g)
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) s[0] += v[g][i];
+      row_sum<1>(s, smem);
+      mean = s[0] * inv_cols;
+    }
+    float ss[1] = {0.f};
+#pragma unroll
+    for (int g = 0; g < NV; ++g) ss[0] += sq_dev((g * blockDim.x + threadIdx.x) * VEC, v[g], mean);
+    row_sum<1>(ss, smem);
+    rstd = rsqrtf(ss[0] * inv_cols + eps);
+#pragma unroll
+    for (int g = 0; g < NV; ++g) {
+      const int c = (g * blockDim.x + threadIdx.x) * VEC;
+      if (c < cols) output(c, v[g], cols - c, mean, rstd);
+    }
+  } else {
+    // Streaming: rows too long for registers are read again (from L2) for each pass.
+    const int step = blockDim.x * VEC;
+    bool first = true;
+    if (!rms) {
+      float s[1] = {0.f};
+      for (int c = threadIdx.x * VEC; c < cols; c += step) {
+        float v[VEC];
+        input(c, v, cols - c, true);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) s[0] += v[i];
+      }
+      row_sum<1>(s, smem);
+      mean = s[0] * inv_cols;
+      first = false;
+    }
+    float ss[1] = {0.f};
+    for (int c = threadIdx.x * VEC; c < cols; c += step) {
+      float v[VEC];
+      input(c, v, cols - c, first);
+      ss[0] += sq_dev(c, v, mean);
+    }
+    row_sum<1>(ss, smem);
+    rstd = rsqrtf(ss[0] * inv_cols + eps);
+    for (int c = threadIdx.x * VEC; c < cols; c += step) {
+      float v[VEC];
+      input(c, v, cols - c, false);
+      output(c, v, cols - c, mean, rstd);
+    }
+  }
+  if (threadIdx.x == 0) {
+    rstd_out[row] = rstd;
+    if (mean_out != nullptr) mean_out[row] = mean;
+  }
+}
+
+template <typename T, int NV, bool HAS_DB>
+__global__ void __launch_bounds__(512)
+norm_bwd_kernel(const void* __restrict__ x, const T* __restrict__ dy, const void* __restrict__ dres_out,
+                const void* __restrict__ weight, const float* __restrict__ mean, const float* __restrict__ rstd,
+                T* __restrict__ dx, float* __restrict__ dres, float* __restrict__ dw_partial,
+                float* __restrict__ db_partial, i64 rows, int cols, i64 stride_x, i64 stride_dy,
+                i64 stride_dres_out, i64 stride_dx, i64 stride_dres, int flags) {
+  constexpr int VEC = 16 / sizeof(T);
+  __shared__ float smem[64];
+  const bool rms = flags & NORM_RMS, vec = flags & NORM_VECTORIZED, x_f32 = flags & NORM_RES_F32;
+  const bool has_w = flags & NORM_HAS_WEIGHT, w_f32 = flags & NORM_W_F32, has_dw = flags & NORM_HAS_DW;
+  const bool has_dres_out = flags & NORM_HAS_DRES_OUT, has_dres = flags & NORM_HAS_DRES;
+  const int slot = blockIdx.x * blockDim.y + threadIdx.y;  // this row slot's line of the partials
+  const i64 row_step = (i64)gridDim.x * blockDim.y;
+  const float inv_cols = 1.f / cols;
+
+  // Pass 1 for a group: xhat, dy and the two row sums sum(g * xhat), sum(g).
+  auto pass1 = [&](i64 row, int c, int valid, float mu, float rs, float(&xh)[VEC], float(&d)[VEC],
+                   float(&sums)[2]) {
+    float w[VEC];
+    load_t_or_f32<T, VEC>(x, x_f32, row * stride_x + c, xh, valid, vec);
+    load_n<T, VEC>(dy + row * stride_dy + c, d, valid, vec);
+    if (has_w) load_t_or_f32<T, VEC>(weight, w_f32, c, w, valid, vec);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      xh[i] = i < valid ? (xh[i] - mu) * rs : 0.f;
+      const float g = has_w ? d[i] * w[i] : d[i];
+      sums[0] += g * xh[i];
+      sums[1] += g;
+    }
+  };
+  // Pass 2 for a group: dx (+ d residual_out), stored; dw / db contributions added to acc_w / acc_b.
+  auto pass2 = [&](i64 row, int c, int valid, float rs, float a, float b, const float(&xh)[VEC],
+                   const float(&d)[VEC], float(&acc_w)[VEC], float(&acc_b)[VEC]) {
+    float w[VEC], o[VEC], r[VEC];
+    if (has_w) load_t_or_f32<T, VEC>(weight, w_f32, c, w, valid, vec);
+    if (has_dres_out) load_t_or_f32<T, VEC>(dres_out, x_f32, row * stride_dres_out + c, r, valid, vec);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      const float g = has_w ? d[i] * w[i] : d[i];
+      o[i] = rs * (g - xh[i] * a - b);
+      if (has_dres_out) o[i] += r[i];
+      acc_w[i] += d[i] * xh[i];
+      if (HAS_DB) acc_b[i] += d[i];
+    }
+    store_n<T, VEC>(dx + row * stride_dx + c, o, valid, vec);
+    if (has_dres) store_n<float, VEC>(dres + row * stride_dres + c, o, valid, vec);
+  };
+  auto row_stats = [&](i64 row, float& mu, float& rs) {
+    mu = rms ? 0.f : mean[row];
+    rs = rstd[row];
+  };
+  auto finish_sums = [&](float(&sums)[2], float& a, float& b) {
+    row_sum<2>(sums, smem);
+    a = sums[0] * inv_cols;
+    b = rms ? 0.f : sums[1] * inv_cols;
+  };
+  float* pw = dw_partial + (i64)slot * cols;
+  float* pb = HAS_DB ? db_partial + (i64)slot * cols : nullptr;
+
+  if constexpr (NV > 0) {
+    // x and dy of a row live in registers between the passes; dw / db accumulate in registers over the
+    // rows this slot visits and are written once at the end.
+    float acc_w[NV][VEC], acc_b[HAS_DB ? NV : 1][VEC];
+#pragma unroll
+    for (int g = 0; g < NV; ++g)
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        acc_w[g][i] = 0.f;
+        acc_b[HAS_DB ? g : 0][i] = 0.f;
+      }
+    for (i64 row = slot; row < rows; row += row_step) {
+      float xh[NV][VEC], d[NV][VEC], sums[2] = {0.f, 0.f}, mu, rs, a, b;
+      row_stats(row, mu, rs);
+#pragma unroll
+      for (int g = 0; g < NV; ++g) {
+        const int c = (g * blockDim.x + threadIdx.x) * VEC;
+        if (c < cols) pass1(row, c, cols - c, mu, rs, xh[g], d[g], sums);
+      }
+      finish_sums(sums, a, b);
+#pragma unroll
+      for (int g = 0; g < NV; ++g) {
+        const int c = (g * blockDim.x + threadIdx.x) * VEC;
+        if (c < cols) pass2(row, c, cols - c, rs, a, b, xh[g], d[g], acc_w[g], acc_b[HAS_DB ? g : 0]);
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < NV; ++g) {
+      const int c = (g * blockDim.x + threadIdx.x) * VEC;
+      if (c >= cols) continue;
+      if (has_dw) store_n<float, VEC>(pw + c, acc_w[g], cols - c, vec);
+      if (HAS_DB) store_n<float, VEC>(pb + c, acc_b[g], cols - c, vec);
+    }
+  } else {
+    // Streaming: x and dy are read twice per row, the partial lines updated in place (each thread owns
+    // its columns of its slot's line, so no two threads touch one element).
+    const int step = blockDim.x * VEC;
+    const float zero[VEC] = {};
+    for (int c = threadIdx.x * VEC; c < cols; c += step) {
+      if (has_dw) store_n<float, VEC>(pw + c, zero, cols - c, vec);
+      if (HAS_DB) store_n<float, VEC>(pb + c, zero, cols - c, vec);
+    }
+    for (i64 row = slot; row < rows; row += row_step) {
+      float sums[2] = {0.f, 0.f}, mu, rs, a, b;
+      row_stats(row, mu, rs);
+      for (int c = threadIdx.x * VEC; c < cols; c += step) {
+        float xh[VEC], d[VEC];
+        pass1(row, c, cols - c, mu, rs, xh, d, sums);
+      }
+      finish_sums(sums, a, b);
+      for (int c = threadIdx.x * VEC; c < cols; c += step) {
+        float xh[VEC], d[VEC], s[2] = {0.f, 0.f}, acc_w[VEC], acc_b[VEC];
+        pass1(row, c, cols - c, mu, rs, xh, d, s);
+        if (has_dw) load_n<float, VEC>(pw + c, acc_w, cols - c, vec);
+        if (HAS_DB) load_n<float, VEC>(pb + c, acc_b, cols - c, vec);
+        pass2(row, c, cols - c, rs, a, b, xh, d, acc_w, acc_b);
+        if (has_dw) store_n<float, VEC>(pw + c, acc_w, cols - c, vec);
+        if (HAS_DB) store_n<float, VEC>(pb + c, acc_b, cols - c, vec);
+      }
+    }
+  }
+}
+
+}  // namespace megakern
+
+#ifndef __CUDACC_RTC__
+namespace megakern {
+
+// Instantiates the kernel for each NV the launch rule can pick: NV groups of 16 bytes per thread, at most
+// CAP elements (the register budget, in megakern/_norm_cuda.py too), or 0 for streaming.
+#define MEGAKERN_NV_SWITCH(nv, CAP, ...)                                                          \
+  switch (nv) {                                                                                  \
+    case 0: { constexpr int NV = 0; __VA_ARGS__; break; }                                        \
+    case 1: { constexpr int NV = 1; __VA_ARGS__; break; }                                        \
+    case 2: { constexpr int NV = 2; __VA_ARGS__; break; }                                        \
+    case 4: { constexpr int NV = 4; if constexpr (4 * 16 / sizeof(T) <= CAP) { __VA_ARGS__; break; } } \
+    case 8: { constexpr int NV = 8; if constexpr (8 * 16 / sizeof(T) <= CAP) { __VA_ARGS__; break; } } \
+    default: return cudaErrorInvalidValue;                                                       \
+  }
+
+template <typename T>
+static cudaError_t norm_fwd_t(int nv, dim3 grid, dim3 block, const NormFwdArgs& a, cudaStream_t stream) {
+  MEGAKERN_NV_SWITCH(nv, 32, norm_fwd_kernel<T, NV><<<grid, block, 0, stream>>>(
+      static_cast<const T*>(a.x), a.residual, a.weight, a.bias, static_cast<T*>(a.y), a.residual_out, a.mean,
+      a.rstd, a.rows, a.cols, a.stride_x, a.stride_res, a.stride_y, a.stride_res_out, a.eps, a.flags));
+  return cudaGetLastError();
+}
+
+template <typename T, bool HAS_DB>
+static cudaError_t norm_bwd_t(int nv, dim3 grid, dim3 block, const NormBwdArgs& a, cudaStream_t stream, int* regs) {
+  if (regs != nullptr) {  // a query, no launch
+    cudaFuncAttributes attr;
+    MEGAKERN_NV_SWITCH(nv, 16, MEGAKERN_CUDA_CHECK(cudaFuncGetAttributes(&attr, norm_bwd_kernel<T, NV, HAS_DB>)));
+    *regs = attr.numRegs;
+    return cudaSuccess;
+  }
+  MEGAKERN_NV_SWITCH(nv, 16, norm_bwd_kernel<T, NV, HAS_DB><<<grid, block, 0, stream>>>(
+      a.x, static_cast<const T*>(a.dy), a.dres_out, a.weight, a.mean, a.rstd, static_cast<T*>(a.dx), a.dres,
+      a.dw_partial, a.db_partial, a.rows, a.cols, a.stride_x, a.stride_dy, a.stride_dres_out, a.stride_dx,
+      a.stride_dres, a.flags));
+  return cudaGetLastError();
+}
+
+cudaError_t norm_fwd(int dtype, int nv, dim3 grid, dim3 block, const NormFwdArgs& args, cudaStream_t stream) {
+  switch (dtype) {
+    case NORM_F32: return norm_fwd_t<float>(nv, grid, block, args, stream);
+    case NORM_F16: return norm_fwd_t<__half>(nv, grid, block, args, stream);
+    case NORM_BF16: return norm_fwd_t<__nv_bfloat16>(nv, grid, block, args, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+static cudaError_t norm_bwd_dispatch(int dtype, int nv, bool has_db, dim3 grid, dim3 block, const NormBwdArgs& a,
+                                     cudaStream_t stream, int* regs) {
+  switch (dtype * 2 + (has_db ? 1 : 0)) {
+    case NORM_F32 * 2: return norm_bwd_t<float, false>(nv, grid, block, a, stream, regs);
+    case NORM_F32 * 2 + 1: return norm_bwd_t<float, true>(nv, grid, block, a, stream, regs);
+    case NORM_F16 * 2: return norm_bwd_t<__half, false>(nv, grid, block, a, stream, regs);
+    case NORM_F16 * 2 + 1: return norm_bwd_t<__half, true>(nv, grid, block, a, stream, regs);
+    case NORM_BF16 * 2: return norm_bwd_t<__nv_bfloat16, false>(nv, grid, block, a, stream, regs);
+    case NORM_BF16 * 2 + 1: return norm_bwd_t<__nv_bfloat16, true>(nv, grid, block, a, stream, regs);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+cudaError_t norm_bwd(int dtype, int nv, bool has_db, dim3 grid, dim3 block, const NormBwdArgs& args,
+                     cudaStream_t stream) {
+  return norm_bwd_dispatch(dtype, nv, has_db, grid, block, args, stream, nullptr);
+}
+
+cudaError_t norm_bwd_num_regs(int dtype, int nv, bool has_db, int* regs) {
+  return norm_bwd_dispatch(dtype, nv, has_db, dim3(), dim3(), NormBwdArgs{}, nullptr, regs);
+}
+
+}  // namespace megakern
+#endif

@@ -1,0 +1,76 @@
+// LayerNorm / RMSNorm CUDA kernels: flags and host launchers (no torch; see csrc/common/common.h).
+//
+// Launch geometry is decided in one place, megakern/_norm_cuda.py (`launch_config`), and handed to the
+// launchers here, so the extension and the NVRTC path run the very same kernels with the same shapes:
+//   block = (threads per row, rows per block), rows per block > 1 only with 32 threads per row;
+//   NV > 0: each thread keeps NV groups of 16 bytes of its row in registers (one read of the row);
+//   NV == 0: streaming, for rows too long for registers (the row is read again from L2).
+#pragma once
+
+namespace megakern {
+
+// Bit values are mirrored in megakern/_norm_cuda.py.
+enum NormFlags {
+  NORM_RMS = 1 << 0,          // RMSNorm (no mean subtraction, no bias)
+  NORM_VECTORIZED = 1 << 1,   // every row pointer 16-byte aligned and cols % (16 / sizeof(T)) == 0
+  NORM_HAS_WEIGHT = 1 << 2,
+  NORM_HAS_BIAS = 1 << 3,
+  NORM_W_F32 = 1 << 4,        // weight / bias are fp32 (else T)
+  NORM_HAS_RESIDUAL = 1 << 5, // fwd: residual added before the norm, sum stored to residual_out
+  NORM_RES_F32 = 1 << 6,      // residual / residual_out (fwd), x / dres_out (bwd) are fp32 (else T)
+  NORM_HAS_DRES_OUT = 1 << 7, // bwd: gradient of residual_out added to dx
+  NORM_HAS_DRES = 1 << 8,     // bwd: dx also written as fp32 to dres (fp32 residual)
+  NORM_HAS_DW = 1 << 9,       // bwd: weight gradient partials wanted
+};
+
+}  // namespace megakern
+
+#ifndef __CUDACC_RTC__
+#include <cuda_runtime.h>
+
+namespace megakern {
+
+enum NormDType { NORM_F32 = 0, NORM_F16 = 1, NORM_BF16 = 2 };
+
+struct NormFwdArgs {
+  const void* x;
+  const void* residual;
+  const void* weight;
+  const void* bias;
+  void* y;
+  void* residual_out;
+  float* mean;  // per-row mean (LayerNorm only), may be null
+  float* rstd;  // per-row 1 / sqrt(var + eps)
+  long long rows;
+  int cols;
+  long long stride_x, stride_res, stride_y, stride_res_out;  // row strides, in elements
+  float eps;
+  int flags;
+};
+
+struct NormBwdArgs {
+  const void* x;         // the tensor that was normalized: x, or residual_out when a residual was fused
+  const void* dy;
+  const void* dres_out;  // gradient of residual_out, may be null
+  const void* weight;
+  const float* mean;
+  const float* rstd;
+  void* dx;
+  float* dres;           // fp32 copy of dx for an fp32 residual, may be null
+  float* dw_partial;     // [grid.x * block.y, cols] per-row-slot partial sums, may be null
+  float* db_partial;     // same, for the bias; null unless has_db
+  long long rows;
+  int cols;
+  long long stride_x, stride_dy, stride_dres_out, stride_dx, stride_dres;
+  int flags;
+};
+
+// dtype: NormDType of x / y / dy / dx. nv in {0, 1, 2, 4, 8}. Returns the launch's error, if any.
+cudaError_t norm_fwd(int dtype, int nv, dim3 grid, dim3 block, const NormFwdArgs& args, cudaStream_t stream);
+cudaError_t norm_bwd(int dtype, int nv, bool has_db, dim3 grid, dim3 block, const NormBwdArgs& args,
+                     cudaStream_t stream);
+// Registers per thread of the backward kernel the same arguments select (sizes its persistent grid).
+cudaError_t norm_bwd_num_regs(int dtype, int nv, bool has_db, int* regs);
+
+}  // namespace megakern
+#endif

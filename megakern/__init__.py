@@ -1,0 +1,15 @@
+"""megakern: kernels for training transformers at scale, each tested against a torch reference.
+
+Ops take ``backend=`` ('torch' | 'triton' | 'cuda', or a config's kernel table); see ``available_backends``.
+"""
+from megakern._backend import available_backends
+from megakern._cuda import runtime as cuda_runtime
+from megakern.layernorm import LayerNorm, layer_norm, layer_norm_ref
+from megakern.rmsnorm import RMSNorm, rms_norm, rms_norm_ref
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LayerNorm", "RMSNorm", "available_backends", "cuda_runtime", "layer_norm", "layer_norm_ref", "rms_norm",
+    "rms_norm_ref",
+]

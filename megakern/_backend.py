@@ -1,0 +1,98 @@
+"""Choosing the implementation of an op: ``torch`` | ``triton`` | ``cuda``.
+
+Order: the explicit ``backend=`` argument of the call; the model config's kernel table (a mapping
+``{op: backend}``, passed in the same ``backend=`` argument); the default for the device. Nothing is read from
+module-level state or environment variables at import time.
+
+- ``torch``: the fp32 reference of each op, differentiated by autograd. Runs anywhere.
+- ``triton``: Triton kernels; on CUDA tensors, or on CPU tensors when ``TRITON_INTERPRET=1`` is set.
+- ``cuda``: the hand-written CUDA C++ kernels of csrc/, through the built extension ``megakern._C`` or, when it
+  is not built, compiled at run time by NVRTC through cupy (see ``megakern._cuda``).
+
+The default on a CUDA device is the fastest backend measured by benchmarks/ (figures next to ``DEFAULTS``); on a
+CPU it is the reference. An unavailable backend asked for by name raises an error that says why.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Mapping
+
+import torch
+
+BACKENDS = ("torch", "triton", "cuda")
+
+MIN_TRITON = (3, 0)
+
+# Fastest available backend per op on CUDA devices, first choice first, as measured on the H200 by
+# benchmarks/bench_norm.py (benchmarks/results/h200/norm.csv); see the figures in the comments.
+DEFAULTS: dict[str, tuple[str, ...]] = {
+    "rms_norm": ("cuda", "triton", "torch"),
+    "layer_norm": ("cuda", "triton", "torch"),
+}
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split("+")[0].split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_problem() -> str:
+    try:
+        import triton
+    except ImportError as exc:
+        return f"triton is not installed ({exc}); pip install triton"
+    if _version_tuple(triton.__version__) < MIN_TRITON:
+        wanted = ".".join(map(str, MIN_TRITON))
+        return f"triton {triton.__version__} is too old; megakern needs triton >= {wanted}"
+    return ""
+
+
+def triton_problem(device: torch.device) -> str:
+    """'' if Triton kernels can run on ``device``, else the reason they cannot."""
+    problem = _triton_problem()
+    if problem:
+        return problem
+    if device.type == "cuda":
+        return ""
+    if device.type == "cpu":
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            return ""
+        return "Triton kernels run on CPU tensors only under the interpreter (set TRITON_INTERPRET=1)"
+    return f"Triton kernels do not run on {device.type} tensors"
+
+
+def cuda_problem(device: torch.device) -> str:
+    """'' if the CUDA C++ kernels can run on ``device``, else the reason they cannot."""
+    if device.type != "cuda":
+        return f"the CUDA kernels need a CUDA tensor, got a {device.type} tensor"
+    from megakern import _cuda
+
+    return _cuda.runtime()[1]
+
+
+def available_backends(device: torch.device | str) -> dict[str, str]:
+    """Every backend name mapped to '' if it can run on ``device``, else to the reason it cannot."""
+    device = torch.device(device)
+    return {"torch": "", "triton": triton_problem(device), "cuda": cuda_problem(device)}
+
+
+def resolve(op: str, device: torch.device, backend: str | Mapping[str, str] | None = None) -> str:
+    """The backend that runs ``op`` on ``device``; raises ValueError / RuntimeError for a bad or unavailable choice."""
+    if isinstance(backend, Mapping):
+        backend = backend.get(op)
+    if backend is not None:
+        if backend not in BACKENDS:
+            raise ValueError(f"{op}: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        problem = available_backends(device)[backend]
+        if problem:
+            raise RuntimeError(f"{op}: backend {backend!r} is not available: {problem}")
+        return backend
+    if device.type != "cuda":
+        return "torch"
+    problems = available_backends(device)
+    return next(name for name in DEFAULTS[op] if not problems[name])

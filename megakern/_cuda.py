@@ -1,0 +1,142 @@
+"""Running megakern's CUDA C++ kernels: the built extension, or NVRTC through cupy.
+
+Two paths reach the same kernel sources in csrc/:
+
+- ``extension``: ``megakern._C``, built by ``python setup.py build_ext --inplace`` (pybind11, nvcc, sm_90a by
+  default). Preferred when importable.
+- ``nvrtc``: when the extension is not built, each kernel is compiled at first use by NVRTC through
+  ``cupy.RawModule`` (about half a second a kernel, then cached on disk by cupy) and launched on torch's
+  current stream. No build step at all.
+
+``runtime()`` says which path is in use, or why neither is. Both take their launch geometry from the op's
+Python launcher, so they run identical kernels with identical shapes.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import re
+from pathlib import Path
+
+import torch
+
+PATHS = ("extension", "nvrtc")
+MIN_CUPY = (13, 0)
+
+
+def csrc_root() -> Path:
+    """The kernel sources: a copy installed inside the package, or csrc/ of a source checkout."""
+    here = Path(__file__).resolve().parent
+    for root in (here / "_csrc", here.parent / "csrc"):
+        if (root / "common" / "common.h").is_file():
+            return root
+    raise FileNotFoundError(f"megakern's CUDA sources are missing: neither {here / '_csrc'} nor {here.parent / 'csrc'}")
+
+
+@functools.lru_cache(maxsize=None)
+def extension():
+    """(module, '') if megakern._C imports, else (None, reason)."""
+    try:
+        from megakern import _C
+    except ImportError as exc:
+        return None, f"megakern._C is not built ({exc}); run `python setup.py build_ext --inplace`"
+    return _C, ""
+
+
+@functools.lru_cache(maxsize=None)
+def _cupy():
+    """(cupy, '') if a usable cupy is installed, else (None, reason)."""
+    try:
+        import cupy
+    except ImportError as exc:
+        return None, f"cupy is not installed ({exc}); pip install cupy-cuda12x or cupy-cuda13x"
+    from megakern._backend import _version_tuple
+
+    if _version_tuple(cupy.__version__) < MIN_CUPY:
+        return None, f"cupy {cupy.__version__} is too old; megakern needs cupy >= {'.'.join(map(str, MIN_CUPY))}"
+    return cupy, ""
+
+
+@functools.lru_cache(maxsize=None)
+def runtime() -> tuple[str | None, str]:
+    """('extension' | 'nvrtc', '') for the path in use, or (None, why neither works)."""
+    if not torch.cuda.is_available():
+        return None, "no CUDA device is available to torch"
+    ext, ext_problem = extension()
+    if ext is not None:
+        return "extension", ""
+    cupy, cupy_problem = _cupy()
+    if cupy is not None:
+        return "nvrtc", ""
+    return None, f"{ext_problem}; and the NVRTC fallback is unavailable: {cupy_problem}"
+
+
+def choose_path(path: str | None = None) -> str:
+    """The path to launch with: ``path`` if given (and available), else ``runtime()``'s."""
+    if path is None:
+        chosen, problem = runtime()
+        if chosen is None:
+            raise RuntimeError(f"megakern CUDA kernels are unavailable: {problem}")
+        return chosen
+    if path not in PATHS:
+        raise ValueError(f"unknown CUDA path {path!r}; choose one of {PATHS}")
+    problem = extension()[1] if path == "extension" else _cupy()[1]
+    if problem:
+        raise RuntimeError(f"CUDA path {path!r} is unavailable: {problem}")
+    return path
+
+
+def _inline_includes(path: Path, root: Path, seen: set[Path]) -> str:
+    """The source with megakern's own quoted includes pasted in, so cupy's cache key covers all of it."""
+    out = []
+    for line in path.read_text().splitlines():
+        m = re.match(r'\s*#\s*include\s+"([^"]+)"', line)
+        if m:
+            target = (root / m.group(1)).resolve()
+            if target not in seen:
+                seen.add(target)
+                out.append(_inline_includes(target, root, seen))
+        elif not re.match(r"\s*#\s*pragma\s+once", line):
+            out.append(line)
+    return "\n".join(out)
+
+
+def _cuda_include_dirs() -> list[str]:
+    dirs = []
+    for env in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(env):
+            dirs.append(Path(os.environ[env]) / "include")
+    dirs.append(Path("/usr/local/cuda/include"))
+    cupy, _ = _cupy()
+    if cupy is not None:
+        try:
+            dirs.append(Path(cupy.cuda.get_cuda_path()) / "include")
+        except Exception:  # cupy cannot always name a toolkit; NVRTC's own headers may still do
+            pass
+    return [f"-I{d}" for d in dirs if (d / "cuda_bf16.h").is_file()]
+
+
+@functools.lru_cache(maxsize=None)
+def nvrtc_kernel(source: str, name: str):
+    """The kernel ``name`` (a C++ name expression, e.g. 'megakern::norm_fwd_kernel<float, 2>') of csrc/``source``."""
+    cupy, problem = _cupy()
+    if cupy is None:
+        raise RuntimeError(problem)
+    root = csrc_root()
+    code = _inline_includes(root / source, root, set())
+    options = ("-std=c++17", *_cuda_include_dirs())
+    module = cupy.RawModule(code=code, options=options, name_expressions=(name,))
+    return module.get_function(name)
+
+
+def nvrtc_launch(kernel, grid: tuple, block: tuple, args: tuple, device: torch.device) -> None:
+    """Launch an NVRTC kernel on torch's current stream of ``device``."""
+    cupy, _ = _cupy()
+    stream = torch.cuda.current_stream(device)
+    with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(stream.cuda_stream):
+        kernel(grid, block, args)
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

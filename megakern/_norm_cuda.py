@@ -1,0 +1,226 @@
+"""Host side of csrc/norm/norm.cu: the launch geometry both CUDA paths use, the launchers, and the
+``torch.library`` custom ops (``megakern::norm_fwd``, ``megakern::norm_bwd``) that torch.compile traces.
+
+Tensors in, tensors out, no autograd (that is ``megakern._norm.NormFunction``). Inputs arrive validated and as
+2-D views (rows, cols) with unit stride along cols.
+"""
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megakern import _cuda
+
+# Flag bits, mirrored from csrc/norm/norm.h.
+RMS, VECTORIZED, HAS_WEIGHT, HAS_BIAS, W_F32 = 1, 2, 4, 8, 16
+HAS_RESIDUAL, RES_F32, HAS_DRES_OUT, HAS_DRES, HAS_DW = 32, 64, 128, 256, 512
+
+_CTYPES = {torch.float32: (0, "float"), torch.float16: (1, "__half"), torch.bfloat16: (2, "__nv_bfloat16")}
+
+# Elements of a row each thread keeps in registers, and the largest block: the budgets under which the kernels
+# compile without spills for sm_90a (nvcc -Xptxas -v). Longer rows stream (NV = 0).
+FWD_CAP, FWD_MAX_THREADS = 32, 1024
+BWD_CAP, BWD_MAX_THREADS = 16, 512
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    nv: int  # 16-byte groups per thread kept in registers; 0 = streaming
+    threads: int  # threads per row (block.x)
+    rows_per_block: int  # block.y
+
+
+def launch_config(cols: int, dtype: torch.dtype, backward: bool) -> LaunchConfig:
+    """Geometry for a row of ``cols`` elements: a few 16-byte groups per thread (at most the register
+    budget) and about 256 threads a row; a warp per row (4 rows a block) for short rows."""
+    vec = 16 // torch.empty((), dtype=dtype).element_size()
+    cap, max_threads = (BWD_CAP, BWD_MAX_THREADS) if backward else (FWD_CAP, FWD_MAX_THREADS)
+    groups = math.ceil(cols / vec)
+    nv = 1
+    while nv * vec < cap and math.ceil(groups / nv) > 256:
+        nv *= 2
+    threads = 32 * math.ceil(math.ceil(groups / nv) / 32)
+    if threads > max_threads:
+        return LaunchConfig(0, max_threads, 1)
+    return LaunchConfig(nv, threads, 4 if threads == 32 else 1)
+
+
+def _fwd_name(ctype: str, nv: int) -> str:
+    return f"megakern::norm_fwd_kernel<{ctype}, {nv}>"
+
+
+def _bwd_name(ctype: str, nv: int, has_db: bool) -> str:
+    return f"megakern::norm_bwd_kernel<{ctype}, {nv}, {'true' if has_db else 'false'}>"
+
+
+def kernel_names() -> list[str]:
+    """Every kernel instance the launchers can ask for: NVRTC name expressions, one per (dtype, NV[, has_db])."""
+    names = []
+    for dtype, (_, ctype) in _CTYPES.items():
+        vec = 16 // torch.empty((), dtype=dtype).element_size()
+        names += [_fwd_name(ctype, nv) for nv in (0, 1, 2, 4, 8) if nv * vec <= FWD_CAP]
+        names += [_bwd_name(ctype, nv, db) for nv in (0, 1, 2, 4, 8) if nv * vec <= BWD_CAP for db in (False, True)]
+    return names
+
+
+def _aligned(*tensors: Optional[torch.Tensor]) -> bool:
+    """Every row of every tensor starts on a 16-byte boundary."""
+    for t in tensors:
+        if t is None:
+            continue
+        if t.data_ptr() % 16 or (t.dim() == 2 and (t.stride(0) * t.element_size()) % 16):
+            return False
+    return True
+
+
+def _ptr(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _stride(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.stride(0)
+
+
+def _nvrtc_args(*args):
+    """Kernel arguments as fixed-width numpy scalars (pointers as uint64)."""
+    import numpy as np
+
+    out = []
+    for kind, value in args:
+        out.append({"p": np.uint64, "i64": np.int64, "i32": np.int32, "f32": np.float32}[kind](value))
+    return tuple(out)
+
+
+def _bwd_grid(rows: int, cfg: LaunchConfig, regs: int, device: torch.device) -> int:
+    """Persistent grid: as many blocks as the device holds at once (by registers and threads)."""
+    threads = cfg.threads * cfg.rows_per_block
+    regs_per_block = 8 * math.ceil(max(regs, 1) / 8) * threads
+    per_sm = max(1, min(65536 // regs_per_block, 2048 // threads, 32))
+    return min(math.ceil(rows / cfg.rows_per_block), per_sm * _cuda.sm_count(device.index))
+
+
+def fwd(x, residual, weight, bias, eps: float, is_rms: bool, path: Optional[str] = None):
+    """(y, residual_out | None, mean | None, rstd) for 2-D ``x``; see csrc/norm/norm.cu."""
+    path = _cuda.choose_path(path)
+    rows, cols = x.shape
+    dtype_code, ctype = _CTYPES[x.dtype]
+    y = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
+    res_out = None if residual is None else torch.empty((rows, cols), dtype=residual.dtype, device=x.device)
+    mean = None if is_rms else torch.empty(rows, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+    flags = (RMS if is_rms else 0) | (HAS_WEIGHT if weight is not None else 0) | (HAS_BIAS if bias is not None else 0)
+    if weight is not None and weight.dtype == torch.float32:
+        flags |= W_F32
+    if residual is not None:
+        flags |= HAS_RESIDUAL | (RES_F32 if residual.dtype == torch.float32 else 0)
+    vec = 16 // x.element_size()
+    if cols % vec == 0 and _aligned(x, residual, weight, bias, y, res_out):
+        flags |= VECTORIZED
+    cfg = launch_config(cols, x.dtype, backward=False)
+    grid = math.ceil(rows / cfg.rows_per_block)
+    if rows == 0:
+        return y, res_out, mean, rstd
+    if path == "extension":
+        _cuda.extension()[0].norm_fwd(x, residual, weight, bias, y, res_out, mean, rstd, eps, flags, dtype_code,
+                                      cfg.nv, cfg.threads, cfg.rows_per_block, grid)
+    else:
+        kernel = _cuda.nvrtc_kernel("norm/norm.cu", _fwd_name(ctype, cfg.nv))
+        args = _nvrtc_args(("p", _ptr(x)), ("p", _ptr(residual)), ("p", _ptr(weight)), ("p", _ptr(bias)),
+                           ("p", _ptr(y)), ("p", _ptr(res_out)), ("p", _ptr(mean)), ("p", _ptr(rstd)),
+                           ("i64", rows), ("i32", cols), ("i64", _stride(x)), ("i64", _stride(residual)),
+                           ("i64", _stride(y)), ("i64", _stride(res_out)), ("f32", eps), ("i32", flags))
+        _cuda.nvrtc_launch(kernel, (grid,), (cfg.threads, cfg.rows_per_block), args, x.device)
+    return y, res_out, mean, rstd
+
+
+def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype: Optional[torch.dtype],
+        need_dw: bool, need_db: bool, path: Optional[str] = None):
+    """(dx, dresidual | None, dweight | None, dbias | None).
+
+    ``x`` is the tensor that was normalized (the input, or residual_out when a residual was fused);
+    ``dres_out`` the gradient of residual_out, if any; ``residual_dtype`` the residual's dtype, if one was fused.
+    """
+    path = _cuda.choose_path(path)
+    rows, cols = dy.shape
+    dtype_code, ctype = _CTYPES[dy.dtype]
+    dx = torch.empty((rows, cols), dtype=dy.dtype, device=dy.device)
+    separate_dres = residual_dtype is not None and residual_dtype != dy.dtype
+    dres = torch.empty((rows, cols), dtype=torch.float32, device=dy.device) if separate_dres else None
+    has_db = need_db and not is_rms
+    flags = (RMS if is_rms else 0) | (HAS_WEIGHT if weight is not None else 0) | (HAS_DW if need_dw else 0)
+    if weight is not None and weight.dtype == torch.float32:
+        flags |= W_F32
+    if x.dtype == torch.float32:
+        flags |= RES_F32
+    flags |= (HAS_DRES_OUT if dres_out is not None else 0) | (HAS_DRES if separate_dres else 0)
+    vec = 16 // dy.element_size()
+    cfg = launch_config(cols, dy.dtype, backward=True)
+    if path == "extension":
+        ext = _cuda.extension()[0]
+        regs = ext.norm_bwd_num_regs(dtype_code, cfg.nv, has_db)
+    else:
+        kernel = _cuda.nvrtc_kernel("norm/norm.cu", _bwd_name(ctype, cfg.nv, has_db))
+        regs = kernel.num_regs
+    grid = _bwd_grid(max(rows, 1), cfg, regs, dy.device)
+    slots = grid * cfg.rows_per_block
+    dw_partial = torch.empty((slots, cols), dtype=torch.float32, device=dy.device) if need_dw else None
+    db_partial = torch.empty((slots, cols), dtype=torch.float32, device=dy.device) if has_db else None
+    if cols % vec == 0 and _aligned(x, dy, dres_out, weight, dx, dres, dw_partial, db_partial):
+        flags |= VECTORIZED
+    if path == "extension":
+        ext.norm_bwd(x, dy, dres_out, weight, mean, rstd, dx, dres, dw_partial, db_partial, flags, dtype_code,
+                     cfg.nv, has_db, cfg.threads, cfg.rows_per_block, grid)
+    else:
+        args = _nvrtc_args(("p", _ptr(x)), ("p", _ptr(dy)), ("p", _ptr(dres_out)), ("p", _ptr(weight)),
+                           ("p", _ptr(mean)), ("p", _ptr(rstd)), ("p", _ptr(dx)), ("p", _ptr(dres)),
+                           ("p", _ptr(dw_partial)), ("p", _ptr(db_partial)), ("i64", rows), ("i32", cols),
+                           ("i64", _stride(x)), ("i64", _stride(dy)), ("i64", _stride(dres_out)),
+                           ("i64", _stride(dx)), ("i64", _stride(dres)), ("i32", flags))
+        _cuda.nvrtc_launch(kernel, (grid,), (cfg.threads, cfg.rows_per_block), args, dy.device)
+    dw = dw_partial.sum(0).to(weight.dtype) if need_dw else None
+    db = db_partial.sum(0).to(weight.dtype) if has_db else None
+    if residual_dtype is None:
+        return dx, None, dw, db
+    return dx, (dres if separate_dres else dx), dw, db
+
+
+# ---- torch.library custom ops: what torch.compile sees of the CUDA path ----------------------------------------
+def _empty(like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty(0)
+
+
+@torch.library.custom_op("megakern::norm_fwd", mutates_args=())
+def norm_fwd_op(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Optional[torch.Tensor],
+                bias: Optional[torch.Tensor], eps: float, is_rms: bool
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    y, res_out, mean, rstd = fwd(x, residual, weight, bias, eps, is_rms)
+    return y, (res_out if res_out is not None else _empty(x)), (mean if mean is not None else _empty(rstd)), rstd
+
+
+@norm_fwd_op.register_fake
+def _(x, residual, weight, bias, eps, is_rms):
+    rows = x.shape[0]
+    res_out = x.new_empty(x.shape, dtype=residual.dtype) if residual is not None else x.new_empty(0)
+    stat = x.new_empty(rows, dtype=torch.float32)
+    return x.new_empty(x.shape), res_out, (x.new_empty(0, dtype=torch.float32) if is_rms else stat), stat.clone()
+
+
+@torch.library.custom_op("megakern::norm_bwd", mutates_args=())
+def norm_bwd_op(dy: torch.Tensor, x: torch.Tensor, dres_out: Optional[torch.Tensor], weight: Optional[torch.Tensor],
+                mean: Optional[torch.Tensor], rstd: torch.Tensor, is_rms: bool, residual_dtype: Optional[torch.dtype],
+                need_dw: bool, need_db: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx, dres, dw, db = bwd(dy, x, dres_out, weight, mean, rstd, is_rms, residual_dtype, need_dw, need_db)
+    # Outputs may not alias each other: dres is returned only when it differs from dx (an fp32 residual);
+    # the caller uses dx for a residual of dx's dtype.
+    dres = dres if dres is not None and dres is not dx else _empty(dy)
+    return dx, dres, (dw if dw is not None else _empty(dy)), (db if db is not None else _empty(dy))
+
+
+@norm_bwd_op.register_fake
+def _(dy, x, dres_out, weight, mean, rstd, is_rms, residual_dtype, need_dw, need_db):
+    separate = residual_dtype is not None and residual_dtype != dy.dtype
+    dres = dy.new_empty(dy.shape, dtype=torch.float32) if separate else dy.new_empty(0)
+    dw = weight.new_empty(weight.shape) if need_dw else dy.new_empty(0)
+    db = weight.new_empty(weight.shape) if (need_db and not is_rms) else dy.new_empty(0)
+    return dy.new_empty(dy.shape), dres, dw, db

@@ -1,0 +1,169 @@
+"""Triton kernels for LayerNorm and RMSNorm (one kernel pair, ``IS_RMS`` switches the math).
+
+Forward: one program per row; the row is read once (with the residual, if fused), the statistics reduced in
+registers, y written once. Backward: a persistent grid; each program walks a contiguous run of rows, reads x and
+dy once, writes dx, and keeps its dweight / dbias partial sums in registers until one final store, so the
+column reduction costs one small (programs, N) sum afterwards instead of a second pass over x and dy.
+
+Launchers take validated 2-D views (rows, N) with unit stride along N; tensors in, tensors out, no autograd.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_BLOCK = 65536
+
+
+@triton.jit
+def _norm_fwd_kernel(
+    X, RES, W, B, Y, RES_OUT, MEAN, RSTD,
+    stride_xm, stride_resm, stride_ym, stride_resoutm,
+    N, eps,
+    IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    # the row, plus the residual rounded to the residual's dtype and stored: what is normalized is what is kept
+    x = tl.load(X + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        r = tl.load(RES + row * stride_resm + cols, mask=mask, other=0.0).to(tl.float32)
+        h = (x + r).to(RES_OUT.dtype.element_ty)
+        tl.store(RES_OUT + row * stride_resoutm + cols, h, mask=mask)
+        x = h.to(tl.float32)
+    # statistics in fp32
+    if IS_RMS:
+        xc = x
+    else:
+        mean = tl.sum(x, axis=0) / N
+        xc = tl.where(mask, x - mean, 0.0)
+        tl.store(MEAN + row, mean)
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / N + eps)
+    tl.store(RSTD + row, rstd)
+    # scale, shift, store
+    y = xc * rstd
+    if HAS_W:
+        y = y * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_B:
+        y = y + tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + row * stride_ym + cols, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_bwd_kernel(
+    X, DY, DRES_OUT, W, MEAN, RSTD, DX, DRES, DW_PARTIAL, DB_PARTIAL,
+    stride_xm, stride_dym, stride_dresoutm, stride_dxm, stride_dresm,
+    M, N, rows_per_program,
+    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_DW: tl.constexpr, HAS_DB: tl.constexpr,
+    HAS_DRES_OUT: tl.constexpr, HAS_DRES: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    if HAS_W:
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    row_start = pid * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, M)
+    for row in range(row_start, row_end):
+        row64 = tl.cast(row, tl.int64)
+        x = tl.load(X + row64 * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + row64 * stride_dym + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + row64)
+        # xhat, and g = dy * w
+        if IS_RMS:
+            xhat = x * rstd
+        else:
+            xhat = tl.where(mask, (x - tl.load(MEAN + row64)) * rstd, 0.0)
+        g = dy * w if HAS_W else dy
+        # dx = rstd * (g - xhat * mean(g * xhat) - mean(g))   (RMSNorm: no mean(g))
+        dx = g - xhat * (tl.sum(g * xhat, axis=0) / N)
+        if not IS_RMS:
+            dx = dx - tl.sum(g, axis=0) / N
+        dx = dx * rstd
+        if HAS_DRES_OUT:
+            dx = dx + tl.load(DRES_OUT + row64 * stride_dresoutm + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + row64 * stride_dxm + cols, dx.to(DX.dtype.element_ty), mask=mask)
+        if HAS_DRES:
+            tl.store(DRES + row64 * stride_dresm + cols, dx, mask=mask)
+        # partial dweight / dbias stay in registers across this program's rows
+        if HAS_DW:
+            dw += dy * xhat
+        if HAS_DB:
+            db += dy
+    if HAS_DW:
+        tl.store(DW_PARTIAL + pid * N + cols, dw, mask=mask)
+    if HAS_DB:
+        tl.store(DB_PARTIAL + pid * N + cols, db, mask=mask)
+
+
+def _block_and_warps(n: int, backward: bool) -> tuple[int, int]:
+    block = triton.next_power_of_2(n)
+    if block > MAX_BLOCK:
+        raise ValueError(f"hidden size {n} exceeds the Triton kernels' limit of {MAX_BLOCK}")
+    # about 32 fp32 values of each row tensor per thread forward, 16 backward (x, dy and the partials live too)
+    per_thread = 16 if backward else 32
+    return block, min(32, max(4, block // (32 * per_thread)))
+
+
+def _programs(rows: int, device: torch.device) -> int:
+    """Persistent backward grid: a couple of programs per SM on a GPU; few under the CPU interpreter."""
+    if device.type == "cuda":
+        target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        target = 4
+    return max(1, min(rows, target))
+
+
+def fwd(x, residual, weight, bias, eps: float, is_rms: bool):
+    """(y, residual_out | None, mean | None, rstd) for 2-D ``x``."""
+    rows, n = x.shape
+    block, warps = _block_and_warps(n, backward=False)
+    y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    res_out = None if residual is None else torch.empty((rows, n), dtype=residual.dtype, device=x.device)
+    mean = None if is_rms else torch.empty(rows, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return y, res_out, mean, rstd
+    _norm_fwd_kernel[(rows,)](
+        x, residual, weight, bias, y, res_out, mean, rstd,
+        x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
+        res_out.stride(0) if res_out is not None else 0,
+        n, eps,
+        IS_RMS=is_rms, HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
+        BLOCK_N=block, num_warps=warps,
+    )
+    return y, res_out, mean, rstd
+
+
+def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype, need_dw: bool, need_db: bool):
+    """(dx, dresidual | None, dweight | None, dbias | None); arguments as megakern._norm_cuda.bwd."""
+    rows, n = dy.shape
+    block, warps = _block_and_warps(n, backward=True)
+    programs = _programs(rows, dy.device)
+    rows_per_program = math.ceil(rows / programs) if rows else 0
+    dx = torch.empty((rows, n), dtype=dy.dtype, device=dy.device)
+    separate_dres = residual_dtype is not None and residual_dtype != dy.dtype
+    dres = torch.empty((rows, n), dtype=torch.float32, device=dy.device) if separate_dres else None
+    has_db = need_db and not is_rms
+    dw_partial = torch.empty((programs, n), dtype=torch.float32, device=dy.device) if need_dw else None
+    db_partial = torch.empty((programs, n), dtype=torch.float32, device=dy.device) if has_db else None
+    _norm_bwd_kernel[(programs,)](
+        x, dy, dres_out, weight, mean, rstd, dx, dres, dw_partial, db_partial,
+        x.stride(0), dy.stride(0), dres_out.stride(0) if dres_out is not None else 0, dx.stride(0),
+        dres.stride(0) if dres is not None else 0,
+        rows, n, rows_per_program,
+        IS_RMS=is_rms, HAS_W=weight is not None, HAS_DW=need_dw, HAS_DB=has_db,
+        HAS_DRES_OUT=dres_out is not None, HAS_DRES=separate_dres, BLOCK_N=block, num_warps=warps,
+    )
+    dw = dw_partial.sum(0).to(weight.dtype) if need_dw else None
+    db = db_partial.sum(0).to(weight.dtype) if has_db else None
+    if residual_dtype is None:
+        return dx, None, dw, db
+    return dx, (dres if separate_dres else dx), dw, db

@@ -1,0 +1,4 @@
+"""megakern.models: GPT and MoE models assembled from megakern's kernels.
+
+Installed as ``megakern.models`` (the source folder is models/), so no top-level ``models`` package is installed.
+"""

@@ -1,0 +1,86 @@
+"""Profile the norm kernels: each backend's forward and backward once, inside NVTX ranges.
+
+    python profiles/profile_norm.py                       # run under any profiler (Nsight Systems / Compute)
+    python profiles/profile_norm.py --ncu OUT.csv         # re-run itself under ncu and summarize per kernel
+
+With --ncu: duration, DRAM bytes read + written, and achieved bandwidth per kernel, from the hardware counters
+(clocks left alone), next to the bytes a fused kernel must move. DRAM bytes well over that mean re-reads.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import io
+import shutil
+import subprocess
+import sys
+
+import torch
+
+ROWS, HIDDEN = 16384, 8192
+METRICS = "gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum"
+
+
+def run_ops(backends: list[str]) -> None:
+    import megakern
+
+    x = torch.randn(ROWS, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+    for backend in backends:
+        for op, args in (("rms_norm", (x, w)), ("layer_norm", (x, w, b))):
+            with torch.cuda.nvtx.range(f"{op}[{backend}]"):
+                y = getattr(megakern, op)(*args, backend=backend)
+                torch.autograd.grad(y, args, dy)
+    torch.cuda.synchronize()
+
+
+def find_ncu() -> str | None:
+    return shutil.which("ncu") or next(iter(sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu"))), None)
+
+
+def profile(out_csv: str, backends: list[str]) -> None:
+    ncu = find_ncu()
+    if ncu is None:
+        sys.exit("ncu (Nsight Compute) not found")
+    cmd = [ncu, "--clock-control", "none", "--metrics", METRICS, "--kernel-name", "regex:norm", "--csv",
+           sys.executable, __file__, "--backends", ",".join(backends)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    text = proc.stdout[proc.stdout.find('"ID"'):]
+    if proc.returncode or not text:
+        sys.exit(f"ncu failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    with open(out_csv, "w") as f:
+        f.write(text)
+    kernels: dict[tuple[str, str], dict[str, float]] = {}
+    for row in csv.DictReader(io.StringIO(text)):
+        key = (row["ID"], row["Kernel Name"][:60])
+        value = float(row["Metric Value"].replace(",", ""))
+        scale = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "nsecond": 1e-9, "usecond": 1e-6,
+                 "msecond": 1e-3}.get(row["Metric Unit"], 1)
+        kernels.setdefault(key, {})[row["Metric Name"]] = value * scale
+    act = ROWS * HIDDEN * 2
+    print(f"per kernel, {ROWS}x{HIDDEN} bf16 (one activation tensor = {act / 1e6:.0f} MB; fused fwd moves 2 of them, "
+          f"bwd 3):")
+    print(f"{'kernel':62} {'us':>8} {'DRAM MB':>9} {'tensors':>8} {'GB/s':>7}")
+    for (_, name), m in kernels.items():
+        t = m["gpu__time_duration.sum"]
+        moved = m["dram__bytes_read.sum"] + m["dram__bytes_write.sum"]
+        print(f"{name:62} {t * 1e6:8.1f} {moved / 1e6:9.1f} {moved / act:8.2f} {moved / t / 1e9:7.0f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ncu", metavar="CSV", help="profile under Nsight Compute, raw metrics to CSV")
+    parser.add_argument("--backends", default="triton,cuda")
+    args = parser.parse_args()
+    backends = args.backends.split(",")
+    if args.ncu:
+        profile(args.ncu, backends)
+    else:
+        run_ops(backends)
+
+
+if __name__ == "__main__":
+    main()

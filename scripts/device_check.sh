@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The whole GPU check in one command, for a CUDA machine (the H200 of the device tool, or any other):
+#   build megakern._C, run the full test suite (GPU tests included), run every benchmark, and leave logs and
+#   result files under $OUT (default: ./device-out).
+#
+#   MEGAKERN_GIT_SHA=$(git rev-parse --short HEAD) bash scripts/device_check.sh [build] [test] [bench] [profile]
+#
+# With no stage named, all four run. Wheels of missing Python packages (e.g. liger_kernel for the side-by-side
+# benchmarks) are installed from .whl/ when present. Benchmark rows are appended to benchmarks/results/<gpu>/
+# in this tree and copied to $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/device-out}
+mkdir -p "$OUT"
+STAGES=${*:-build test bench profile}
+export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
+status=0
+want() { [[ " $STAGES " == *" $1 "* ]]; }
+step() { echo; echo "=== $1 ($(date -u +%H:%M:%S))"; }
+
+step environment
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/env.txt"
+python3 -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__)" | tee -a "$OUT/env.txt"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/megakern-site .whl/*.whl && \
+    export PYTHONPATH=/tmp/megakern-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+if want build; then
+  step "build megakern._C"
+  start=$(date +%s)
+  python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { status=1; tail -40 "$OUT/build.log"; }
+  echo "build: $(( $(date +%s) - start )) s"; tail -3 "$OUT/build.log"
+  python3 -c "import megakern; print('CUDA path:', megakern.cuda_runtime())"
+fi
+
+if want test; then
+  step "test suite"
+  python3 -m pytest tests -q -n 8 -p no:cacheprovider --junitxml="$OUT/pytest.xml" > "$OUT/pytest.log" 2>&1 || status=1
+  grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -40; tail -15 "$OUT/pytest.log"
+fi
+
+if want bench; then
+  step benchmarks
+  for bench in benchmarks/bench_*.py; do
+    name=$(basename "$bench" .py)
+    python3 -m "benchmarks.$name" > "$OUT/$name.log" 2>&1 || { status=1; tail -30 "$OUT/$name.log"; }
+  done
+  gpu=$(python3 -c "from benchmarks.common import gpu_slug; import torch; print(gpu_slug(torch.device('cuda')))")
+  cp benchmarks/results/"$gpu"/*.csv "$OUT/" 2>/dev/null
+  for bench in benchmarks/bench_*.py; do sed -n '/^|/,$p' "$OUT/$(basename "$bench" .py).log"; done
+fi
+
+if want profile; then
+  step "profile (ncu, one pass per kernel)"
+  timeout 240 python3 profiles/profile_norm.py --ncu "$OUT/ncu_norm.csv" > "$OUT/profile.log" 2>&1 || { status=1; tail -20 "$OUT/profile.log"; }
+  tail -25 "$OUT/profile.log"
+fi
+
+step "done (status $status)"
+exit $status

@@ -1,0 +1,159 @@
+"""The benchmark harness on CPU: timing, rooflines, provider lookup, CSV rows and the markdown table."""
+
+import csv
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from benchmarks import bench_norm
+from benchmarks.common import (CSV_HEADER, Results, Unavailable, bench, gpu_slug, git_sha, load_providers,
+                               measure_copy_gbps, measure_matmul_tflops)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _read_csv(path: Path) -> list[list[str]]:
+    with path.open(newline="") as f:
+        return list(csv.reader(f))
+
+
+@pytest.mark.parametrize("name, slug", [
+    ("NVIDIA H200", "h200"),
+    ("NVIDIA H100 80GB HBM3", "h100"),
+    ("NVIDIA A100-SXM4-80GB", "a100"),
+    ("Tesla V100-SXM2-16GB", "v100"),
+    ("NVIDIA GeForce RTX 4090", "rtx4090"),
+    ("AMD Instinct MI300X", "mi300x"),
+])
+def test_gpu_slug(monkeypatch, name, slug):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert gpu_slug("cuda") == slug
+
+
+def test_gpu_slug_cpu():
+    assert gpu_slug("cpu") == "cpu"
+
+
+def test_git_sha(monkeypatch):
+    monkeypatch.setenv("MEGAKERN_GIT_SHA", "1a2b3c4")
+    assert git_sha() == "1a2b3c4"
+    monkeypatch.delenv("MEGAKERN_GIT_SHA")
+    assert git_sha()  # short sha, sha-dirty, or 'unknown' outside a repository with commits
+
+
+def test_bench_and_rooflines():
+    t = bench(lambda: torch.randn(64, 64).sum(), device="cpu")
+    assert 0 < t["p20"] <= t["median"] <= t["p80"]
+    assert measure_copy_gbps("cpu") > 0
+    assert measure_matmul_tflops("cpu") > 0
+
+
+def test_load_providers(capsys):
+    def unavailable(device):
+        raise Unavailable("not built here")
+
+    def broken(device):
+        raise ImportError("No module named 'peer'")
+
+    loaded = load_providers({"ok": lambda device: "fn", "unbuilt": unavailable, "peer": broken}, "cpu")
+    assert loaded == {"ok": "fn"}
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["skip unbuilt: not built here", "skip peer: ImportError: No module named 'peer'"]
+    assert load_providers({"ok": lambda device: "fn", "peer": broken}, "cpu", {"ok"}) == {"ok": "fn"}
+    with pytest.raises(SystemExit, match="unknown providers"):
+        load_providers({"ok": lambda device: "fn"}, "cpu", {"typo"})
+
+
+def test_results_fractions_and_markdown():
+    results = Results("cpu")
+    results.add_roofline("GB/s", 4000.0)
+    results.add("rmsnorm 16384x8192 bf16", "fwd", "torch", "ms", 0.25)
+    results.add("rmsnorm 16384x8192 bf16", "fwd", "torch", "GB/s", 3000.0)
+    results.add("rmsnorm 16384x8192 bf16", "fwd", "megakern-triton", "GB/s", 3987.0)
+    rows = results.rows()
+    assert ("roofline", "-", "roofline", "copy GB/s", 4000.0) in rows
+    assert ("rmsnorm 16384x8192 bf16", "fwd", "torch", "roofline_frac", 0.75) in rows
+    assert not any(r[2] == "torch" and r[3] == "roofline_frac" and r[4] == 0.25 / 4000 for r in rows)  # no ms frac
+    table = results.markdown("GB/s")
+    assert "| case | mode | torch | megakern-triton |" in table
+    assert "| rmsnorm 16384x8192 bf16 | fwd | 3000 GB/s (0.75) | 3987 GB/s (1.00) |" in table
+
+
+def _wrong(device):
+    return lambda op: lambda x, w, b: 2 * x * w + (0 if b is None else b)
+
+
+def _raises(device):
+    def make(op):
+        raise RuntimeError("kernel launch failed")
+
+    return make
+
+
+def test_bench_norm_cpu_smoke(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(bench_norm.PROVIDERS, "wrong", _wrong)
+    monkeypatch.setitem(bench_norm.PROVIDERS, "raises", _raises)
+    argv = ["--device", "cpu", "--providers", "torch,wrong,raises", "--out", str(tmp_path)]
+    bench_norm.main(argv)
+    bench_norm.main(argv)  # appends: the header must appear once
+    out = capsys.readouterr().out
+    assert "skip wrong on rmsnorm 64x256 fp32: AssertionError: y is off the fp32 reference" in out
+    assert "skip raises on layernorm 16x1024 fp32: RuntimeError: kernel launch failed" in out
+    assert "| case | mode | torch |" in out.split("saved ")[-1]  # the table comes after the save line
+
+    path = tmp_path / "cpu" / "norm.csv"
+    assert b"\r" not in path.read_bytes()
+    rows = _read_csv(path)
+    assert rows[0] == list(CSV_HEADER)
+    assert all(len(row) == 11 for row in rows)
+    assert sum(row == list(CSV_HEADER) for row in rows) == 1
+    records = [dict(zip(CSV_HEADER, row)) for row in rows[1:]]
+    assert all(r["date"] and r["git_sha"] and r["gpu"] == "cpu" and r["bench"] == "norm" for r in records)
+    assert {r["provider"] for r in records} == {"torch", "roofline"}
+    figures = {(r["case"], r["mode"], r["provider"], r["metric"]) for r in records}
+    for op in bench_norm.OPS:
+        for mode in bench_norm.MODES:
+            for metric in ("ms", "GB/s", "roofline_frac"):
+                assert (f"{op} 64x256 fp32", mode, "torch", metric) in figures
+    assert ("roofline", "-", "roofline", "copy GB/s") in figures
+
+
+def test_bench_norm_as_script():
+    proc = subprocess.run([sys.executable, "benchmarks/bench_norm.py", "--device", "cpu", "--providers", "torch",
+                           "--no-save"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "| layernorm 16x1024 fp32 | fwd+bwd |" in proc.stdout
+
+
+def test_bench_norm_megakern_providers(monkeypatch, capsys):
+    """The megakern providers against a stand-in with megakern's public signatures."""
+    def rms_norm(x, weight, eps=1e-6, *, residual=None, backend=None):
+        assert residual is None and backend == "torch"
+        return F.rms_norm(x, x.shape[-1:], weight, eps)
+
+    def layer_norm(x, weight, bias, eps=1e-5, *, residual=None, backend=None):
+        assert residual is None and backend == "torch"
+        return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
+
+    backends = {"torch": "", "triton": "Triton needs CUDA", "cuda": "megakern._C is not built"}
+    stand_in = types.SimpleNamespace(rms_norm=rms_norm, layer_norm=layer_norm, available_backends=lambda d: backends)
+    monkeypatch.setitem(sys.modules, "megakern", stand_in)
+    results = bench_norm.main(["--device", "cpu", "--providers", "megakern-torch,megakern-triton,megakern-cuda",
+                               "--no-save"])
+    out = capsys.readouterr().out
+    assert "skip megakern-triton: Triton needs CUDA" in out and "skip megakern-cuda: megakern._C is not built" in out
+    assert {figure[2] for figure in results.figures} == {"roofline", "megakern-torch"}
+
+
+def test_bench_norm_megakern_torch_backend():
+    megakern = pytest.importorskip("megakern", reason="megakern is not importable yet")
+    if not hasattr(megakern, "available_backends"):
+        pytest.skip("megakern.available_backends is not written yet")
+    results = bench_norm.main(["--device", "cpu", "--providers", "megakern-torch", "--no-save"])
+    providers = {figure[2] for figure in results.figures}
+    assert providers == {"roofline", "megakern-torch"}

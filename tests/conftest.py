@@ -1,0 +1,103 @@
+"""Shared test machinery: devices and backends under test, and the error rule every kernel is held to.
+
+On a machine without CUDA, Triton kernels run on CPU tensors through the interpreter (TRITON_INTERPRET=1, set
+here before any kernel is defined) and tests marked ``gpu`` are skipped with the reason.
+"""
+from __future__ import annotations
+
+import os
+from functools import partial
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+
+# Extra error allowed beyond 2x plain low-precision torch's, per dtype.
+ATOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (none here)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def kernel_variants() -> list[str]:
+    """Implementations to test on DEVICE: 'torch', 'triton', and on a GPU each CUDA path ('cuda-extension',
+    'cuda-nvrtc'). An unavailable one skips with the reason when used."""
+    from megakern import _cuda
+
+    return ["torch", "triton"] + ([f"cuda-{p}" for p in _cuda.PATHS] if HAS_CUDA else [])
+
+
+def cuda_path_problem(path: str) -> str:
+    from megakern import _cuda
+
+    return _cuda.extension()[1] if path == "extension" else _cuda._cupy()[1]
+
+
+def skip_interpreter_faults(variant: str, dtype: torch.dtype) -> None:
+    """The Triton interpreter truncates fp32 -> bf16 casts (about half round wrong): bf16 results of Triton
+    kernels are only meaningful on a GPU."""
+    if variant == "triton" and not HAS_CUDA and dtype == torch.bfloat16:
+        pytest.skip("the Triton CPU interpreter rounds fp32->bf16 casts wrongly; bf16 Triton numerics run on the GPU")
+
+
+def launchers_for(variant: str):
+    """(fwd, bwd) launchers of one implementation, for megakern._norm.NormFunction; None for 'torch'."""
+    if variant == "torch":
+        return None
+    if variant == "triton":
+        import megakern
+
+        problem = megakern.available_backends(DEVICE)["triton"]
+        if problem:
+            pytest.skip(f"Triton unavailable: {problem}")
+        from megakern import _norm_triton
+
+        return _norm_triton.fwd, _norm_triton.bwd
+    path = variant.split("-", 1)[1]
+    problem = cuda_path_problem(path)
+    if problem:
+        pytest.skip(f"CUDA path {path!r} unavailable: {problem}")
+    from megakern import _norm_cuda
+
+    return partial(_norm_cuda.fwd, path=path), partial(_norm_cuda.bwd, path=path)
+
+
+def poison_cuda_allocator(nbytes: int) -> None:
+    """Leave NaN in the memory torch's caching allocator hands out next, so unwritten outputs show up as NaN."""
+    if HAS_CUDA:
+        torch.empty(nbytes // 4 + 1024, dtype=torch.float32, device=DEVICE).fill_(float("nan"))
+
+
+def assert_close_to_ref(name: str, out: torch.Tensor, truth: torch.Tensor, lowp: torch.Tensor, atol: float) -> None:
+    """flash-attention's rule: max|out - truth| <= 2 * max|lowp - truth| + atol, where truth is the reference in
+    fp64 and lowp is plain torch in the low precision. NaN / Inf never pass. The report names the worst elements."""
+    assert out.shape == truth.shape, f"{name}: shape {tuple(out.shape)} != reference {tuple(truth.shape)}"
+    out64, truth64, lowp64 = out.detach().double().cpu(), truth.detach().double().cpu(), lowp.detach().double().cpu()
+    finite = torch.isfinite(out64)
+    if not finite.all():
+        idx = (~finite).nonzero()[:5].tolist()
+        raise AssertionError(f"{name}: {(~finite).sum().item()} non-finite values of {out64.numel()}, e.g. at {idx}")
+    err = (out64 - truth64).abs()
+    base = (lowp64 - truth64).abs().max().item() if lowp64.numel() else 0.0
+    bound = 2 * base + atol
+    worst = err.max().item() if err.numel() else 0.0
+    if worst > bound:
+        flat = err.flatten().topk(min(5, err.numel())).indices
+        rows = []
+        for i in flat.tolist():
+            at = tuple(int(v) for v in torch.unravel_index(torch.tensor(i), err.shape))
+            rows.append(f"  at {at}: got {out64[at].item():.6g}, fp64 ref {truth64[at].item():.6g}, "
+                        f"low-precision torch {lowp64[at].item():.6g}")
+        raise AssertionError(f"{name}: max error {worst:.3g} > bound {bound:.3g} (2 x torch's {base:.3g} + atol "
+                             f"{atol:g}); {(err > bound).sum().item()} of {err.numel()} elements over\n" + "\n".join(rows))

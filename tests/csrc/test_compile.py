@@ -1,0 +1,57 @@
+"""csrc/: every .cu compiles with nvcc for sm_90a, and every kernel instance the launchers can ask for compiles
+with NVRTC (the extension-free path), on machines with no GPU. Skips with the reason where a compiler is missing."""
+import shutil
+import subprocess
+
+import pytest
+import torch
+from nvrtc import compile_ptx, find_libnvrtc
+
+from megakern import _cuda, _norm_cuda
+
+CSRC = _cuda.csrc_root()
+SOURCES = sorted(CSRC.glob("*/*.cu"))
+
+
+def test_kernel_sources_are_torch_free():
+    for path in [*SOURCES, *CSRC.glob("*/*.h")]:
+        text = path.read_text()
+        assert "torch/" not in text and "ATen/" not in text and "c10/" not in text, f"{path} includes torch headers"
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: str(p.relative_to(CSRC)))
+def test_nvcc_compiles_for_sm90a(source, tmp_path):
+    cmd = ["nvcc", "-std=c++17", "-O3", f"-I{CSRC}", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v", "-c",
+           str(source), "-o", str(tmp_path / "out.o")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "bytes spill stores" in proc.stderr
+
+
+@pytest.mark.skipif(find_libnvrtc() is None, reason="libnvrtc not found (pip install nvidia-cuda-nvrtc)")
+def test_nvrtc_compiles_every_norm_kernel():
+    names = _norm_cuda.kernel_names()
+    code = _cuda._inline_includes(CSRC / "norm" / "norm.cu", CSRC, set())
+    ok, log = compile_ptx(code, names, ["-std=c++17", "-arch=compute_90a", *_cuda._cuda_include_dirs()])
+    assert ok, log[-4000:]
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("backward", (False, True), ids=("fwd", "bwd"))
+def test_launch_config_covers_rows(dtype, backward):
+    """Every row length gets a geometry the kernels were instantiated and budgeted for."""
+    vec = 16 // torch.empty((), dtype=dtype).element_size()
+    cap, max_threads = (_norm_cuda.BWD_CAP, _norm_cuda.BWD_MAX_THREADS) if backward else \
+        (_norm_cuda.FWD_CAP, _norm_cuda.FWD_MAX_THREADS)
+    names = set(_norm_cuda.kernel_names())
+    for cols in [1, 7, 31, 123, 256, 1000, 1024, 4097, 8192, 12288, 16384, 32768, 50000, 65536]:
+        cfg = _norm_cuda.launch_config(cols, dtype, backward)
+        assert cfg.threads % 32 == 0 and 32 <= cfg.threads <= max_threads, (cols, cfg)
+        assert cfg.rows_per_block == (4 if cfg.threads == 32 else 1), (cols, cfg)
+        assert cfg.nv * vec <= cap, (cols, cfg)
+        if cfg.nv:
+            assert cfg.nv * cfg.threads * vec >= cols, (cols, cfg)  # the row fits in registers
+        ctype = _norm_cuda._CTYPES[dtype][1]
+        name = _norm_cuda._bwd_name(ctype, cfg.nv, True) if backward else _norm_cuda._fwd_name(ctype, cfg.nv)
+        assert name in names, (cols, name)

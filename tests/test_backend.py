@@ -1,0 +1,52 @@
+"""megakern/_backend.py: the order of choice (argument > kernel table > default) and the reasons given."""
+import pytest
+import torch
+from conftest import HAS_CUDA
+
+from megakern import _backend, available_backends
+
+
+def test_available_backends_reasons():
+    status = available_backends("cpu")
+    assert set(status) == set(_backend.BACKENDS)
+    assert status["torch"] == ""
+    assert "CUDA tensor" in status["cuda"]
+    assert _backend.triton_problem(torch.device("meta")).startswith("Triton kernels do not run on meta")
+
+
+def test_resolve_order():
+    cpu = torch.device("cpu")
+    assert _backend.resolve("rms_norm", cpu) == "torch"  # the reference is the CPU default
+    assert _backend.resolve("rms_norm", cpu, "torch") == "torch"
+    assert _backend.resolve("rms_norm", cpu, {"layer_norm": "cuda"}) == "torch"  # table without this op: default
+    with pytest.raises(RuntimeError, match="rms_norm: backend 'cuda' is not available"):
+        _backend.resolve("rms_norm", cpu, {"rms_norm": "cuda"})
+    with pytest.raises(ValueError, match="unknown backend 'cudnn'"):
+        _backend.resolve("rms_norm", cpu, "cudnn")
+
+
+def test_triton_on_cpu_needs_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert "TRITON_INTERPRET=1" in _backend.triton_problem(torch.device("cpu"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert _backend.triton_problem(torch.device("cpu")) in ("", _backend._triton_problem())
+
+
+def test_version_parsing():
+    assert _backend._version_tuple("3.6.0") == (3, 6)
+    assert _backend._version_tuple("2.11.0+cu130") == (2, 11)
+    assert _backend._version_tuple("3.0.0rc1") == (3, 0)
+
+
+def test_defaults_are_known_backends():
+    for op, order in _backend.DEFAULTS.items():
+        assert order[-1] == "torch" and set(order) <= set(_backend.BACKENDS), op
+
+
+@pytest.mark.gpu
+def test_cuda_default_is_available_backend():
+    dev = torch.device("cuda")
+    chosen = _backend.resolve("rms_norm", dev)
+    assert available_backends(dev)[chosen] == ""
+    assert chosen == next(b for b in _backend.DEFAULTS["rms_norm"] if not available_backends(dev)[b])
+    assert HAS_CUDA

@@ -1,0 +1,249 @@
+"""LayerNorm and RMSNorm (megakern/_norm.py, rmsnorm.py, layernorm.py) on every implementation.
+
+Outputs and every gradient are held to the 2x rule against the fp64 reference (see conftest), on fresh random
+inputs, odd and strided shapes, fused residuals of both dtypes, fp32 weights, no weights. On a CPU the Triton
+kernels run under the interpreter on small shapes; on a GPU, also both CUDA paths and large and long rows.
+"""
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import (ATOL, DEVICE, HAS_CUDA, assert_close_to_ref, cuda_path_problem, kernel_variants,
+                      launchers_for, poison_cuda_allocator, skip_interpreter_faults)
+
+import megakern
+from megakern import _norm
+from megakern.layernorm import layer_norm_ref
+from megakern.rmsnorm import rms_norm_ref
+
+OPS = ("rms_norm", "layer_norm")
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# odd sizes (scalar path), 16-byte multiples (vector path), short rows (a warp per row), long rows (streaming)
+SHAPES = [(5, 123, 123), (4, 333, 1024), (2, 300, 8192), (64, 16384), (3, 4097), (2, 3, 65536), (7, 33)] if HAS_CUDA \
+    else [(5, 7, 123), (3, 64), (2, 1)]
+SETUPS = ("affine", "residual", "fp32-residual-fp32-weight", "no-affine")
+
+
+def _seed(*key) -> None:
+    torch.manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def _ref(op, x, w, b, eps, residual):
+    if op == "rms_norm":
+        return rms_norm_ref(x, w, eps, residual)
+    return layer_norm_ref(x, w, b, eps, residual)
+
+
+def _lowp(op, x, w, b, eps, residual):
+    """Plain torch in the inputs' precision: torch's own rms_norm / layer_norm, weights in the input's dtype."""
+    h = None if residual is None else (x + residual).to(residual.dtype)
+    inp = x if h is None else h
+    w, b = (None if t is None else t.to(inp.dtype) for t in (w, b))
+    if op == "rms_norm":
+        y = F.rms_norm(inp, (inp.shape[-1],), w, eps)
+    else:
+        y = F.layer_norm(inp, (inp.shape[-1],), w, b, eps)
+    y = y.to(x.dtype)
+    return y if h is None else (y, h)
+
+
+def run(variant, op, x, w, b, eps, residual):
+    """One implementation: the public op for 'torch' / 'triton', the autograd Function for a CUDA path."""
+    if variant in ("torch", "triton"):
+        launchers_for(variant)  # skips when unavailable
+        fn = getattr(megakern, op)
+        args = (x, w) if op == "rms_norm" else (x, w, b)
+        return fn(*args, eps, residual=residual, backend=variant)
+    return _norm.NormFunction.apply(x, w, b, residual, eps, op == "rms_norm", launchers_for(variant))
+
+
+def make_inputs(op, dtype, shape, setup, device=DEVICE):
+    n = shape[-1]
+    wdtype = torch.float32 if setup == "fp32-residual-fp32-weight" else dtype
+    x = torch.randn(shape, dtype=dtype, device=device)
+    w = b = r = None
+    if setup != "no-affine":
+        w = 1 + 0.5 * torch.randn(n, dtype=wdtype, device=device)
+        b = 0.5 * torch.randn(n, dtype=wdtype, device=device) if op == "layer_norm" else None
+    if setup in ("residual", "no-affine"):
+        r = torch.randn(shape, dtype=dtype, device=device)
+    elif setup == "fp32-residual-fp32-weight":
+        r = torch.randn(shape, dtype=torch.float32, device=device)
+    return x, w, b, r
+
+
+def check_fwd_bwd(variant, op, dtype, x, w, b, r, eps=1e-5, dy_fn=torch.randn_like):
+    """Run one implementation and the two references, compare outputs and all gradients, check inputs intact."""
+    skip_interpreter_faults(variant, dtype)
+    leaves = [t for t in (x, w, b, r) if t is not None]
+    saved = [t.clone() for t in leaves]
+    for t in leaves:
+        t.requires_grad_(True)
+    poison_cuda_allocator(8 * x.numel() * 4)
+    out = run(variant, op, x, w, b, eps, r)
+    outs = out if isinstance(out, tuple) else (out,)
+    douts = [dy_fn(o) for o in outs]
+    grads = torch.autograd.grad(outs, leaves, douts)
+
+    truth_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
+    lowp_leaves = [t.detach().clone().requires_grad_(True) for t in leaves]
+
+    def unpack(ls):
+        it = iter(ls)
+        return [next(it) if t is not None else None for t in (x, w, b, r)]
+
+    tx, tw, tb, tr = unpack(truth_leaves)
+    truth = _ref(op, tx, tw, tb, eps, tr)
+    lx, lw, lb, lr = unpack(lowp_leaves)
+    lowp = _lowp(op, lx, lw, lb, eps, lr)
+    truth, lowp = (truth if isinstance(truth, tuple) else (truth,)), (lowp if isinstance(lowp, tuple) else (lowp,))
+    truth_grads = torch.autograd.grad(truth, truth_leaves, [d.double() for d in douts])
+    lowp_grads = torch.autograd.grad(lowp, lowp_leaves, douts)
+
+    atol = ATOL[dtype]
+    for name, o, t, lo in zip(("y", "residual_out"), outs, truth, lowp):
+        assert o.dtype == lo.dtype, f"{name}: dtype {o.dtype}, expected {lo.dtype}"
+        assert_close_to_ref(f"{variant} {op} {name}", o, t, lo, atol)
+    names = [n for n, t in zip(("dx", "dweight", "dbias", "dresidual"), (x, w, b, r)) if t is not None]
+    for name, g, t, lo, leaf in zip(names, grads, truth_grads, lowp_grads, leaves):
+        assert g.dtype == leaf.dtype and g.shape == leaf.shape, f"{name}: {g.dtype} {tuple(g.shape)} for {leaf.dtype}"
+        assert_close_to_ref(f"{variant} {op} {name}", g, t, lo, atol * max(1.0, t.abs().max().item()))
+    for t, s in zip(leaves, saved):
+        assert torch.equal(t.detach(), s), "an input was modified"
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("variant", kernel_variants())
+@pytest.mark.parametrize("op", OPS)
+def test_matches_reference(op, variant, dtype, shape, setup):
+    _seed(op, variant, dtype, shape, setup)
+    x, w, b, r = make_inputs(op, dtype, shape, setup)
+    check_fwd_bwd(variant, op, dtype, x, w, b, r)
+
+
+LAYOUTS = ("padded-rows", "strided-leading", "transposed", "misaligned")
+
+
+def _strided(layout, shape, dtype):
+    """x of ``shape`` laid out as a non-contiguous view of a larger buffer."""
+    *lead, n = shape
+    if layout == "padded-rows":  # rows 16-byte aligned, gaps between them
+        return torch.randn(*lead, n + 16, dtype=dtype, device=DEVICE)[..., 8:n + 8]
+    if layout == "strided-leading":  # every other row
+        return torch.randn(lead[0], 2 * lead[1], n, dtype=dtype, device=DEVICE)[:, ::2]
+    if layout == "transposed":  # hidden dim not unit-stride
+        return torch.randn(lead[0], n, lead[1], dtype=dtype, device=DEVICE).transpose(1, 2)
+    return torch.randn(lead[0] * lead[1] * n + 1, dtype=dtype, device=DEVICE)[1:].view(shape)  # misaligned start
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("variant", kernel_variants())
+@pytest.mark.parametrize("op", OPS)
+def test_non_contiguous(op, variant, dtype, layout):
+    shape = (3, 50, 1024) if HAS_CUDA else (2, 5, 64)
+    _seed(op, variant, dtype, layout)
+    x = _strided(layout, shape, dtype)
+    _, w, b, _ = make_inputs(op, dtype, shape, "affine")
+    r = _strided(layout, shape, dtype)
+    # dy broadcast along rows: stride 0 between rows
+    check_fwd_bwd(variant, op, dtype, x, w, b, r, dy_fn=lambda o: torch.randn_like(o[..., :1, :]).expand_as(o))
+
+
+@pytest.mark.parametrize("variant", kernel_variants())
+@pytest.mark.parametrize("op", OPS)
+def test_empty_rows(op, variant):
+    x = torch.randn(0, 3, 64, device=DEVICE, requires_grad=True)
+    w = torch.randn(64, device=DEVICE, requires_grad=True)
+    y = run(variant, op, x, w, None, 1e-5, None)
+    assert y.shape == x.shape
+    dx, dw = torch.autograd.grad(y, (x, w), torch.randn_like(y))
+    assert dx.shape == x.shape and torch.equal(dw, torch.zeros_like(w))
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_modules(op):
+    """The nn.Module forms: same as the functional, parameters trained, kernel table honoured."""
+    n = 96
+    mod = megakern.RMSNorm(n, backend={op: "torch"}) if op == "rms_norm" else megakern.LayerNorm(n, backend="torch")
+    with torch.no_grad():
+        for p in mod.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    x, r = torch.randn(4, 5, n), torch.randn(4, 5, n)
+    y, h = mod(x, r)
+    fn = getattr(megakern, op)
+    args = (x, mod.weight) if op == "rms_norm" else (x, mod.weight, mod.bias)
+    y_fn, h_fn = fn(*args, mod.eps, residual=r, backend="torch")
+    assert torch.equal(y, y_fn) and torch.equal(h, h_fn)
+    y.square().sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in mod.parameters())
+    assert "backend=" in repr(mod)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_bad_input(op):
+    fn = getattr(megakern, op)
+    x = torch.randn(4, 8)
+    w = torch.randn(8)
+
+    def call(x=x, w=w, **kw):
+        return fn(x, w, **kw)
+
+    with pytest.raises(TypeError, match="dtype torch.int64"):
+        call(x=torch.ones(4, 8, dtype=torch.long))
+    with pytest.raises(TypeError, match="must be a torch.Tensor"):
+        call(x=[[1.0] * 8])
+    with pytest.raises(ValueError, match=r"weight has shape \(7,\)"):
+        call(w=torch.randn(7))
+    with pytest.raises(TypeError, match="weight has dtype torch.float16"):
+        call(w=torch.randn(8, dtype=torch.float16))
+    with pytest.raises(ValueError, match="hidden size .* 65537"):
+        call(x=torch.randn(1, 65537), w=None)
+    with pytest.raises(ValueError, match="at least one dimension"):
+        call(x=torch.tensor(1.0), w=None)
+    with pytest.raises(ValueError, match=r"residual has shape \(4, 9\)"):
+        call(residual=torch.randn(4, 9))
+    with pytest.raises(TypeError, match="residual has dtype torch.float16"):
+        call(residual=torch.randn(4, 8, dtype=torch.float16))
+    with pytest.raises(ValueError, match="weight is on meta"):
+        call(w=torch.randn(8, device="meta"))
+    with pytest.raises(ValueError, match="eps must be"):
+        call(eps=-1.0)
+    with pytest.raises(ValueError, match="eps must be"):
+        call(eps=float("nan"))
+    with pytest.raises(ValueError, match="unknown backend 'fast'"):
+        call(backend="fast")
+    if not HAS_CUDA:
+        with pytest.raises(RuntimeError, match="backend 'cuda' is not available: the CUDA kernels need a CUDA tensor"):
+            call(backend="cuda")
+    if op == "layer_norm":
+        with pytest.raises(TypeError, match="bias has dtype torch.float32 but weight has torch.bfloat16"):
+            fn(x.bfloat16(), w.bfloat16(), torch.randn(8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=lambda d: str(d).removeprefix("torch."))
+def test_triton_cuda_parity(op, dtype):
+    """Triton and both CUDA paths agree closely (same fp32 math, different reduction orders), and the public
+    'cuda' backend is the runtime's path exactly."""
+    _seed(op, dtype)
+    x, w, b, r = make_inputs(op, dtype, (8, 1000, 4096), "residual")
+    outs = {v: run(v, op, x, w, b, 1e-5, r) for v in ("triton", "cuda-extension", "cuda-nvrtc")
+            if not (v.startswith("cuda-") and cuda_path_problem(v[5:]))}
+    assert len(outs) >= 2, f"need Triton and a CUDA path, have {list(outs)}"
+    base_y, base_h = outs.pop("triton")
+    for v, (y, h) in outs.items():
+        assert torch.equal(h, base_h), f"{v}: residual_out differs from triton"
+        ulp = torch.finfo(dtype).eps * base_y.float().abs().clamp_min(1.0)
+        assert ((y.float() - base_y.float()).abs() <= ulp).all(), f"{v}: y differs from triton by more than an ulp"
+    fn = getattr(megakern, op)
+    args = (x, w) if op == "rms_norm" else (x, w, b)
+    y_public, _ = fn(*args, 1e-5, residual=r, backend="cuda")
+    path = megakern.cuda_runtime()[0]
+    assert torch.equal(y_public, run(f"cuda-{path}", op, x, w, b, 1e-5, r)[0])
