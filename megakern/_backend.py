@@ -78,7 +78,15 @@ def cuda_problem(device: torch.device) -> str:
 def available_backends(device: torch.device | str) -> dict[str, str]:
     """Every backend name mapped to '' if it can run on ``device``, else to the reason it cannot."""
     device = torch.device(device)
+    if device.type == "cuda":
+        return dict(_cuda_device_backends(device.index))
     return {"torch": "", "triton": triton_problem(device), "cuda": cuda_problem(device)}
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_device_backends(index: int | None) -> tuple[tuple[str, str], ...]:
+    device = torch.device("cuda", index)
+    return (("torch", ""), ("triton", triton_problem(device)), ("cuda", cuda_problem(device)))
 
 
 def resolve(op: str, device: torch.device, backend: str | Mapping[str, str] | None = None) -> str:

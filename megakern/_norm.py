@@ -23,11 +23,19 @@ def _triton_impl():
 
 
 def _cuda_fwd(x, residual, weight, bias, eps, is_rms):
+    from megakern import _norm_cuda
+
+    if not torch.compiler.is_compiling():  # eager: straight to the launcher, no dispatcher round trip
+        return _norm_cuda.fwd(x, residual, weight, bias, eps, is_rms)
     y, res_out, mean, rstd = torch.ops.megakern.norm_fwd(x, residual, weight, bias, eps, is_rms)
     return y, (res_out if residual is not None else None), (None if is_rms else mean), rstd
 
 
 def _cuda_bwd(dy, x, dres_out, weight, mean, rstd, is_rms, residual_dtype, need_dw, need_db):
+    from megakern import _norm_cuda
+
+    if not torch.compiler.is_compiling():
+        return _norm_cuda.bwd(dy, x, dres_out, weight, mean, rstd, is_rms, residual_dtype, need_dw, need_db)
     dx, dres, dw, db = torch.ops.megakern.norm_bwd(dy, x, dres_out, weight, mean, rstd, is_rms, residual_dtype,
                                                    need_dw, need_db)
     if residual_dtype is None:
@@ -38,8 +46,8 @@ def _cuda_bwd(dy, x, dres_out, weight, mean, rstd, is_rms, residual_dtype, need_
 
 
 def _cuda_impl():
-    from megakern import _norm_cuda  # noqa: F401  (registers the megakern:: custom ops)
-
+    # Eager calls go straight to the launchers; under torch.compile the torch.library custom ops
+    # (megakern::norm_fwd / norm_bwd, registered on import of _norm_cuda) keep the kernels opaque to tracing.
     return _cuda_fwd, _cuda_bwd
 
 

@@ -4,6 +4,7 @@
 Tensors in, tensors out, no autograd (that is ``megakern._norm.NormFunction``). Inputs arrive validated and as
 2-D views (rows, cols) with unit stride along cols.
 """
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -17,11 +18,12 @@ RMS, VECTORIZED, HAS_WEIGHT, HAS_BIAS, W_F32 = 1, 2, 4, 8, 16
 HAS_RESIDUAL, RES_F32, HAS_DRES_OUT, HAS_DRES, HAS_DW = 32, 64, 128, 256, 512
 
 _CTYPES = {torch.float32: (0, "float"), torch.float16: (1, "__half"), torch.bfloat16: (2, "__nv_bfloat16")}
+_VEC = {torch.float32: 4, torch.float16: 8, torch.bfloat16: 8}  # elements in 16 bytes
 
 # Elements of a row each thread keeps in registers, and the largest block: the budgets under which the kernels
 # compile without spills for sm_90a (nvcc -Xptxas -v). Longer rows stream (NV = 0).
 FWD_CAP, FWD_MAX_THREADS = 32, 1024
-BWD_CAP, BWD_MAX_THREADS = 16, 512
+BWD_CAP, BWD_MAX_THREADS = 32, 512
 
 
 @dataclass(frozen=True)
@@ -31,10 +33,11 @@ class LaunchConfig:
     rows_per_block: int  # block.y
 
 
+@functools.lru_cache(maxsize=None)
 def launch_config(cols: int, dtype: torch.dtype, backward: bool) -> LaunchConfig:
     """Geometry for a row of ``cols`` elements: a few 16-byte groups per thread (at most the register
     budget) and about 256 threads a row; a warp per row (4 rows a block) for short rows."""
-    vec = 16 // torch.empty((), dtype=dtype).element_size()
+    vec = _VEC[dtype]
     cap, max_threads = (BWD_CAP, BWD_MAX_THREADS) if backward else (FWD_CAP, FWD_MAX_THREADS)
     groups = math.ceil(cols / vec)
     nv = 1
@@ -58,7 +61,7 @@ def kernel_names() -> list[str]:
     """Every kernel instance the launchers can ask for: NVRTC name expressions, one per (dtype, NV[, has_db])."""
     names = []
     for dtype, (_, ctype) in _CTYPES.items():
-        vec = 16 // torch.empty((), dtype=dtype).element_size()
+        vec = _VEC[dtype]
         names += [_fwd_name(ctype, nv) for nv in (0, 1, 2, 4, 8) if nv * vec <= FWD_CAP]
         names += [_bwd_name(ctype, nv, db) for nv in (0, 1, 2, 4, 8) if nv * vec <= BWD_CAP for db in (False, True)]
     return names
@@ -100,8 +103,10 @@ def _bwd_grid(rows: int, cfg: LaunchConfig, regs: int, device: torch.device) -> 
     return min(math.ceil(rows / cfg.rows_per_block), per_sm * _cuda.sm_count(device.index))
 
 
-def fwd(x, residual, weight, bias, eps: float, is_rms: bool, path: Optional[str] = None):
-    """(y, residual_out | None, mean | None, rstd) for 2-D ``x``; see csrc/norm/norm.cu."""
+def fwd(x, residual, weight, bias, eps: float, is_rms: bool, path: Optional[str] = None,
+        config: Optional[LaunchConfig] = None):
+    """(y, residual_out | None, mean | None, rstd) for 2-D ``x``; see csrc/norm/norm.cu.
+    ``config`` overrides ``launch_config`` (for tuning)."""
     path = _cuda.choose_path(path)
     rows, cols = x.shape
     dtype_code, ctype = _CTYPES[x.dtype]
@@ -114,10 +119,9 @@ def fwd(x, residual, weight, bias, eps: float, is_rms: bool, path: Optional[str]
         flags |= W_F32
     if residual is not None:
         flags |= HAS_RESIDUAL | (RES_F32 if residual.dtype == torch.float32 else 0)
-    vec = 16 // x.element_size()
-    if cols % vec == 0 and _aligned(x, residual, weight, bias, y, res_out):
+    if cols % _VEC[x.dtype] == 0 and _aligned(x, residual, weight, bias, y, res_out):
         flags |= VECTORIZED
-    cfg = launch_config(cols, x.dtype, backward=False)
+    cfg = config or launch_config(cols, x.dtype, backward=False)
     grid = math.ceil(rows / cfg.rows_per_block)
     if rows == 0:
         return y, res_out, mean, rstd
@@ -135,7 +139,7 @@ def fwd(x, residual, weight, bias, eps: float, is_rms: bool, path: Optional[str]
 
 
 def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype: Optional[torch.dtype],
-        need_dw: bool, need_db: bool, path: Optional[str] = None):
+        need_dw: bool, need_db: bool, path: Optional[str] = None, config: Optional[LaunchConfig] = None):
     """(dx, dresidual | None, dweight | None, dbias | None).
 
     ``x`` is the tensor that was normalized (the input, or residual_out when a residual was fused);
@@ -154,8 +158,7 @@ def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype: Optio
     if x.dtype == torch.float32:
         flags |= RES_F32
     flags |= (HAS_DRES_OUT if dres_out is not None else 0) | (HAS_DRES if separate_dres else 0)
-    vec = 16 // dy.element_size()
-    cfg = launch_config(cols, dy.dtype, backward=True)
+    cfg = config or launch_config(cols, dy.dtype, backward=True)
     if path == "extension":
         ext = _cuda.extension()[0]
         regs = ext.norm_bwd_num_regs(dtype_code, cfg.nv, has_db)
@@ -166,7 +169,7 @@ def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype: Optio
     slots = grid * cfg.rows_per_block
     dw_partial = torch.empty((slots, cols), dtype=torch.float32, device=dy.device) if need_dw else None
     db_partial = torch.empty((slots, cols), dtype=torch.float32, device=dy.device) if has_db else None
-    if cols % vec == 0 and _aligned(x, dy, dres_out, weight, dx, dres, dw_partial, db_partial):
+    if cols % _VEC[dy.dtype] == 0 and _aligned(x, dy, dres_out, weight, dx, dres, dw_partial, db_partial):
         flags |= VECTORIZED
     if path == "extension":
         ext.norm_bwd(x, dy, dres_out, weight, mean, rstd, dx, dres, dw_partial, db_partial, flags, dtype_code,

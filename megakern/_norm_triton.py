@@ -9,6 +9,7 @@ Launchers take validated 2-D views (rows, N) with unit stride along N; tensors i
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -30,9 +31,10 @@ def _norm_fwd_kernel(
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
     # the row, plus the residual rounded to the residual's dtype and stored: what is normalized is what is kept
-    x = tl.load(X + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(X + row * stride_xm + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
     if HAS_RES:
-        r = tl.load(RES + row * stride_resm + cols, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(RES + row * stride_resm + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+        r = r.to(tl.float32)
         h = (x + r).to(RES_OUT.dtype.element_ty)
         tl.store(RES_OUT + row * stride_resoutm + cols, h, mask=mask)
         x = h.to(tl.float32)
@@ -48,9 +50,9 @@ def _norm_fwd_kernel(
     # scale, shift, store
     y = xc * rstd
     if HAS_W:
-        y = y * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        y = y * tl.load(W + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
     if HAS_B:
-        y = y + tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+        y = y + tl.load(B + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
     tl.store(Y + row * stride_ym + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -73,8 +75,9 @@ def _norm_bwd_kernel(
     row_end = tl.minimum(row_start + rows_per_program, M)
     for row in range(row_start, row_end):
         row64 = tl.cast(row, tl.int64)
-        x = tl.load(X + row64 * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + row64 * stride_dym + cols, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(X + row64 * stride_xm + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+        dy = tl.load(DY + row64 * stride_dym + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+        x, dy = x.to(tl.float32), dy.to(tl.float32)
         rstd = tl.load(RSTD + row64)
         # xhat, and g = dy * w
         if IS_RMS:
@@ -112,19 +115,22 @@ def _block_and_warps(n: int, backward: bool) -> tuple[int, int]:
     return block, min(32, max(4, block // (32 * per_thread)))
 
 
-def _programs(rows: int, device: torch.device) -> int:
-    """Persistent backward grid: a couple of programs per SM on a GPU; few under the CPU interpreter."""
-    if device.type == "cuda":
-        target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        target = 4
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _programs(rows: int, device: torch.device, per_sm: int = 2) -> int:
+    """Persistent backward grid: ``per_sm`` programs per SM on a GPU; few under the CPU interpreter."""
+    target = per_sm * _sm_count(device) if device.type == "cuda" else 4
     return max(1, min(rows, target))
 
 
-def fwd(x, residual, weight, bias, eps: float, is_rms: bool):
-    """(y, residual_out | None, mean | None, rstd) for 2-D ``x``."""
+def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | None = None):
+    """(y, residual_out | None, mean | None, rstd) for 2-D ``x``; ``num_warps`` overrides the default (tuning)."""
     rows, n = x.shape
     block, warps = _block_and_warps(n, backward=False)
+    warps = num_warps or warps
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     res_out = None if residual is None else torch.empty((rows, n), dtype=residual.dtype, device=x.device)
     mean = None if is_rms else torch.empty(rows, dtype=torch.float32, device=x.device)
@@ -142,11 +148,14 @@ def fwd(x, residual, weight, bias, eps: float, is_rms: bool):
     return y, res_out, mean, rstd
 
 
-def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype, need_dw: bool, need_db: bool):
-    """(dx, dresidual | None, dweight | None, dbias | None); arguments as megakern._norm_cuda.bwd."""
+def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype, need_dw: bool, need_db: bool,
+        num_warps: int | None = None, programs_per_sm: int = 2):
+    """(dx, dresidual | None, dweight | None, dbias | None); arguments as megakern._norm_cuda.bwd, plus tuning
+    overrides."""
     rows, n = dy.shape
     block, warps = _block_and_warps(n, backward=True)
-    programs = _programs(rows, dy.device)
+    warps = num_warps or warps
+    programs = _programs(rows, dy.device, programs_per_sm)
     rows_per_program = math.ceil(rows / programs) if rows else 0
     dx = torch.empty((rows, n), dtype=dy.dtype, device=dy.device)
     separate_dres = residual_dtype is not None and residual_dtype != dy.dtype

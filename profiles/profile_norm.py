@@ -19,7 +19,8 @@ import sys
 import torch
 
 ROWS, HIDDEN = 16384, 8192
-METRICS = "gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum"
+METRICS = ("gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,launch__registers_per_thread,"
+           "sm__warps_active.avg.pct_of_peak_sustained_active,launch__block_size,launch__grid_size")
 
 
 def run_ops(backends: list[str]) -> None:
@@ -63,11 +64,15 @@ def profile(out_csv: str, backends: list[str]) -> None:
     act = ROWS * HIDDEN * 2
     print(f"per kernel, {ROWS}x{HIDDEN} bf16 (one activation tensor = {act / 1e6:.0f} MB; fused fwd moves 2 of them, "
           f"bwd 3):")
-    print(f"{'kernel':62} {'us':>8} {'DRAM MB':>9} {'tensors':>8} {'GB/s':>7}")
+    print(f"{'kernel':62} {'us':>8} {'DRAM MB':>9} {'tensors':>8} {'GB/s':>7} {'regs':>5} {'occ%':>5} "
+          f"{'block':>6} {'grid':>7}")
     for (_, name), m in kernels.items():
         t = m["gpu__time_duration.sum"]
         moved = m["dram__bytes_read.sum"] + m["dram__bytes_write.sum"]
-        print(f"{name:62} {t * 1e6:8.1f} {moved / 1e6:9.1f} {moved / act:8.2f} {moved / t / 1e9:7.0f}")
+        print(f"{name:62} {t * 1e6:8.1f} {moved / 1e6:9.1f} {moved / act:8.2f} {moved / t / 1e9:7.0f} "
+              f"{m.get('launch__registers_per_thread', 0):5.0f} "
+              f"{m.get('sm__warps_active.avg.pct_of_peak_sustained_active', 0):5.1f} "
+              f"{m.get('launch__block_size', 0):6.0f} {m.get('launch__grid_size', 0):7.0f}")
 
 
 def main() -> None:

@@ -191,8 +191,9 @@ norm_bwd_kernel(const void* __restrict__ x, const T* __restrict__ dy, const void
   float* pb = HAS_DB ? db_partial + (i64)slot * cols : nullptr;
 
   if constexpr (NV > 0) {
-    // x and dy of a row live in registers between the passes; dw / db accumulate in registers over the
-    // rows this slot visits and are written once at the end.
+    // dw / db accumulate in registers over the rows this slot visits and are written once at the end. x and dy
+    // are not held across the row reduction: pass 2 reads them again from L1, so that registers hold only the
+    // accumulators and two rows of 8192 fit in flight per SM.
     float acc_w[NV][VEC], acc_b[HAS_DB ? NV : 1][VEC];
 #pragma unroll
     for (int g = 0; g < NV; ++g)
@@ -202,18 +203,22 @@ norm_bwd_kernel(const void* __restrict__ x, const T* __restrict__ dy, const void
         acc_b[HAS_DB ? g : 0][i] = 0.f;
       }
     for (i64 row = slot; row < rows; row += row_step) {
-      float xh[NV][VEC], d[NV][VEC], sums[2] = {0.f, 0.f}, mu, rs, a, b;
+      float sums[2] = {0.f, 0.f}, mu, rs, a, b;
       row_stats(row, mu, rs);
 #pragma unroll
       for (int g = 0; g < NV; ++g) {
         const int c = (g * blockDim.x + threadIdx.x) * VEC;
-        if (c < cols) pass1(row, c, cols - c, mu, rs, xh[g], d[g], sums);
+        float xh[VEC], d[VEC];
+        if (c < cols) pass1(row, c, cols - c, mu, rs, xh, d, sums);
       }
       finish_sums(sums, a, b);
 #pragma unroll
       for (int g = 0; g < NV; ++g) {
         const int c = (g * blockDim.x + threadIdx.x) * VEC;
-        if (c < cols) pass2(row, c, cols - c, rs, a, b, xh[g], d[g], acc_w[g], acc_b[HAS_DB ? g : 0]);
+        float xh[VEC], d[VEC], unused[2] = {0.f, 0.f};
+        if (c >= cols) continue;
+        pass1(row, c, cols - c, mu, rs, xh, d, unused);
+        pass2(row, c, cols - c, rs, a, b, xh, d, acc_w[g], acc_b[HAS_DB ? g : 0]);
       }
     }
 #pragma unroll
@@ -224,7 +229,7 @@ norm_bwd_kernel(const void* __restrict__ x, const T* __restrict__ dy, const void
       if (HAS_DB) store_n<float, VEC>(pb + c, acc_b[g], cols - c, vec);
     }
   } else {
-    // Streaming: x and dy are read twice per row, the partial lines updated in place (each thread owns
+    // Streaming: as above, with the partial lines updated in place in global memory (each thread owns
     // its columns of its slot's line, so no two threads touch one element).
     const int step = blockDim.x * VEC;
     const float zero[VEC] = {};
@@ -282,11 +287,11 @@ template <typename T, bool HAS_DB>
 static cudaError_t norm_bwd_t(int nv, dim3 grid, dim3 block, const NormBwdArgs& a, cudaStream_t stream, int* regs) {
   if (regs != nullptr) {  // a query, no launch
     cudaFuncAttributes attr;
-    MEGAKERN_NV_SWITCH(nv, 16, MEGAKERN_CUDA_CHECK(cudaFuncGetAttributes(&attr, norm_bwd_kernel<T, NV, HAS_DB>)));
+    MEGAKERN_NV_SWITCH(nv, 32, MEGAKERN_CUDA_CHECK(cudaFuncGetAttributes(&attr, norm_bwd_kernel<T, NV, HAS_DB>)));
     *regs = attr.numRegs;
     return cudaSuccess;
   }
-  MEGAKERN_NV_SWITCH(nv, 16, norm_bwd_kernel<T, NV, HAS_DB><<<grid, block, 0, stream>>>(
+  MEGAKERN_NV_SWITCH(nv, 32, norm_bwd_kernel<T, NV, HAS_DB><<<grid, block, 0, stream>>>(
       a.x, static_cast<const T*>(a.dy), a.dres_out, a.weight, a.mean, a.rstd, static_cast<T*>(a.dx), a.dres,
       a.dw_partial, a.db_partial, a.rows, a.cols, a.stride_x, a.stride_dy, a.stride_dres_out, a.stride_dx,
       a.stride_dres, a.flags));

@@ -1,0 +1,98 @@
+"""Launch-geometry sweep for the norm kernels, and host overhead per call.
+
+Times the kernel-level launchers (no autograd) of megakern._norm_triton and megakern._norm_cuda over their tuning
+knobs, bf16, against the copy roofline measured in the same run, and the host time of one public call on a tiny
+input (what a launch costs the CPU). The defaults in the launchers are set from this table.
+
+    python profiles/tune_norm.py [--hidden 8192,16384]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from benchmarks.common import bench, measure_copy_gbps
+from megakern import _norm_cuda, _norm_triton
+from megakern._norm_cuda import LaunchConfig
+
+
+def host_us(fn, calls: int = 300) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter_ns()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter_ns() - start) / calls / 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--hidden", default="8192,16384,32768")
+    args = parser.parse_args()
+    dev = torch.device("cuda")
+    copy = measure_copy_gbps(dev)
+    print(f"copy roofline {copy:.0f} GB/s")
+    rows_total = 2**27
+    for n in map(int, args.hidden.split(",")):
+        m = rows_total // n
+        x = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
+        dy = torch.randn_like(x)
+        w = 1 + 0.1 * torch.randn(n, device=dev, dtype=torch.bfloat16)
+        b = 0.1 * torch.randn(n, device=dev, dtype=torch.bfloat16)
+        act = x.numel() * 2
+        for op, is_rms, bias in (("rms", True, None), ("ln", False, b)):
+            _, _, mean, rstd = _norm_triton.fwd(x, None, w, bias, 1e-5, is_rms)
+            runs = []
+            for warps in (4, 8, 16, 32):
+                runs.append((f"triton fwd warps={warps}", 2 * act,
+                             lambda warps=warps: _norm_triton.fwd(x, None, w, bias, 1e-5, is_rms, num_warps=warps)))
+            for nv in (1, 2, 4):
+                threads = max(32, n // 8 // nv)
+                if threads <= 1024:
+                    cfg = LaunchConfig(nv, threads, 1)
+                    runs.append((f"cuda fwd nv={nv} threads={threads}", 2 * act,
+                                 lambda cfg=cfg: _norm_cuda.fwd(x, None, w, bias, 1e-5, is_rms, config=cfg)))
+            runs.append(("cuda fwd default " + str(_norm_cuda.launch_config(n, x.dtype, False)), 2 * act,
+                         lambda: _norm_cuda.fwd(x, None, w, bias, 1e-5, is_rms)))
+            for warps in (8, 16, 32):
+                for per_sm in (1, 2, 3):
+                    runs.append((f"triton bwd warps={warps} per_sm={per_sm}", 3 * act,
+                                 lambda warps=warps, per_sm=per_sm: _norm_triton.bwd(
+                                     dy, x, None, w, mean, rstd, is_rms, None, True, not is_rms, num_warps=warps,
+                                     programs_per_sm=per_sm)))
+            for nv in (2, 4):
+                threads = max(32, n // 8 // nv)
+                if threads <= 512:
+                    cfg = LaunchConfig(nv, threads, 1)
+                    runs.append((f"cuda bwd nv={nv} threads={threads}", 3 * act,
+                                 lambda cfg=cfg: _norm_cuda.bwd(dy, x, None, w, mean, rstd, is_rms, None, True,
+                                                                not is_rms, config=cfg)))
+            runs.append(("cuda bwd default " + str(_norm_cuda.launch_config(n, x.dtype, True)), 3 * act,
+                         lambda: _norm_cuda.bwd(dy, x, None, w, mean, rstd, is_rms, None, True, not is_rms)))
+            for name, nbytes, fn in runs:
+                try:
+                    t = bench(fn, device=dev)["median"]
+                except Exception as exc:  # a geometry the kernel rejects: report it, keep sweeping
+                    print(f"{op} {m}x{n} {name:55} failed: {str(exc).splitlines()[0][:80]}")
+                    continue
+                gbps = nbytes / t / 1e6
+                print(f"{op} {m}x{n} {name:55} {t * 1e3:8.1f} us {gbps:6.0f} GB/s {gbps / copy:5.2f}")
+    import megakern
+
+    xs = torch.randn(4, 1024, device=dev, dtype=torch.bfloat16)
+    ws = torch.ones(1024, device=dev, dtype=torch.bfloat16)
+    for backend in ("torch", "triton", "cuda"):
+        us = host_us(lambda: megakern.rms_norm(xs, ws, backend=backend))
+        xg = xs.clone().requires_grad_()
+        us_g = host_us(lambda: megakern.rms_norm(xg, ws, backend=backend))
+        print(f"host per call, rms_norm 4x1024 [{backend}]: {us:6.1f} us (no grad) {us_g:6.1f} us (x requires grad)")
+    print(f"  kernel-only launch of triton fwd: {host_us(lambda: _norm_triton.fwd(xs, None, ws, None, 1e-6, True)):6.1f} us,"
+          f" cuda fwd: {host_us(lambda: _norm_cuda.fwd(xs, None, ws, None, 1e-6, True)):6.1f} us")
+
+
+if __name__ == "__main__":
+    main()
