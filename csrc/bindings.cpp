@@ -71,9 +71,9 @@ void norm_bwd(const at::Tensor& x, const at::Tensor& dy, const OptTensor& dres_o
                "norm_bwd launch");
 }
 
-int64_t norm_bwd_num_regs(int64_t dtype, int64_t nv, bool has_db) {
+int64_t norm_bwd_num_regs(int64_t dtype, int64_t nv, bool has_db, bool vectorized) {
   int regs = 0;
-  check_launch(megakern::norm_bwd_num_regs(static_cast<int>(dtype), static_cast<int>(nv), has_db, &regs),
+  check_launch(megakern::norm_bwd_num_regs(static_cast<int>(dtype), static_cast<int>(nv), has_db, vectorized, &regs),
                "norm_bwd_num_regs");
   return regs;
 }

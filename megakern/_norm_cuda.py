@@ -21,9 +21,10 @@ _CTYPES = {torch.float32: (0, "float"), torch.float16: (1, "__half"), torch.bflo
 _VEC = {torch.float32: 4, torch.float16: 8, torch.bfloat16: 8}  # elements in 16 bytes
 
 # Elements of a row each thread keeps in registers, and the largest block: the budgets under which the kernels
-# compile without spills for sm_90a (nvcc -Xptxas -v). Longer rows stream (NV = 0).
-FWD_CAP, FWD_MAX_THREADS = 32, 1024
-BWD_CAP, BWD_MAX_THREADS = 32, 512
+# compile without spills for sm_90a (nvcc -Xptxas -v; __launch_bounds__ in norm.cu). Forward blocks holding more
+# than 16 elements a thread are capped at 512 threads. Longer rows stream (NV = 0).
+FWD_CAP, FWD_MAX_THREADS, FWD_WIDE = 32, 1024, 16
+BWD_CAP, BWD_MAX_THREADS = 16, 512
 
 
 @dataclass(frozen=True)
@@ -44,26 +45,36 @@ def launch_config(cols: int, dtype: torch.dtype, backward: bool) -> LaunchConfig
     while nv * vec < cap and math.ceil(groups / nv) > 256:
         nv *= 2
     threads = 32 * math.ceil(math.ceil(groups / nv) / 32)
+    if not backward and nv * vec > FWD_WIDE and threads > 512:  # wide rows: fewer, narrower threads
+        nv //= 2
+        threads = 32 * math.ceil(math.ceil(groups / nv) / 32)
     if threads > max_threads:
         return LaunchConfig(0, max_threads, 1)
     return LaunchConfig(nv, threads, 4 if threads == 32 else 1)
 
 
-def _fwd_name(ctype: str, nv: int) -> str:
-    return f"megakern::norm_fwd_kernel<{ctype}, {nv}>"
+def _b(flag: bool) -> str:
+    return "true" if flag else "false"
 
 
-def _bwd_name(ctype: str, nv: int, has_db: bool) -> str:
-    return f"megakern::norm_bwd_kernel<{ctype}, {nv}, {'true' if has_db else 'false'}>"
+def _fwd_name(ctype: str, nv: int, vecio: bool) -> str:
+    return f"megakern::norm_fwd_kernel<{ctype}, {nv}, {_b(vecio)}>"
+
+
+def _bwd_name(ctype: str, nv: int, has_db: bool, vecio: bool) -> str:
+    return f"megakern::norm_bwd_kernel<{ctype}, {nv}, {_b(has_db)}, {_b(vecio)}>"
 
 
 def kernel_names() -> list[str]:
-    """Every kernel instance the launchers can ask for: NVRTC name expressions, one per (dtype, NV[, has_db])."""
+    """Every kernel instance the launchers can ask for: NVRTC name expressions, one per
+    (dtype, NV, vectorized[, has_db])."""
     names = []
     for dtype, (_, ctype) in _CTYPES.items():
         vec = _VEC[dtype]
-        names += [_fwd_name(ctype, nv) for nv in (0, 1, 2, 4, 8) if nv * vec <= FWD_CAP]
-        names += [_bwd_name(ctype, nv, db) for nv in (0, 1, 2, 4, 8) if nv * vec <= BWD_CAP for db in (False, True)]
+        for io in (False, True):
+            names += [_fwd_name(ctype, nv, io) for nv in (0, 1, 2, 4, 8) if nv * vec <= FWD_CAP]
+            names += [_bwd_name(ctype, nv, db, io) for nv in (0, 1, 2, 4, 8) if nv * vec <= BWD_CAP
+                      for db in (False, True)]
     return names
 
 
@@ -129,7 +140,7 @@ def fwd(x, residual, weight, bias, eps: float, is_rms: bool, path: Optional[str]
         _cuda.extension()[0].norm_fwd(x, residual, weight, bias, y, res_out, mean, rstd, eps, flags, dtype_code,
                                       cfg.nv, cfg.threads, cfg.rows_per_block, grid)
     else:
-        kernel = _cuda.nvrtc_kernel("norm/norm.cu", _fwd_name(ctype, cfg.nv))
+        kernel = _cuda.nvrtc_kernel("norm/norm.cu", _fwd_name(ctype, cfg.nv, bool(flags & VECTORIZED)))
         args = _nvrtc_args(("p", _ptr(x)), ("p", _ptr(residual)), ("p", _ptr(weight)), ("p", _ptr(bias)),
                            ("p", _ptr(y)), ("p", _ptr(res_out)), ("p", _ptr(mean)), ("p", _ptr(rstd)),
                            ("i64", rows), ("i32", cols), ("i64", _stride(x)), ("i64", _stride(residual)),
@@ -158,19 +169,21 @@ def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype: Optio
     if x.dtype == torch.float32:
         flags |= RES_F32
     flags |= (HAS_DRES_OUT if dres_out is not None else 0) | (HAS_DRES if separate_dres else 0)
+    # partial lines are fresh, contiguous, cols * 4 bytes apart: aligned whenever the rest is
+    if cols % _VEC[dy.dtype] == 0 and _aligned(x, dy, dres_out, weight, dx, dres):
+        flags |= VECTORIZED
+    vecio = bool(flags & VECTORIZED)
     cfg = config or launch_config(cols, dy.dtype, backward=True)
     if path == "extension":
         ext = _cuda.extension()[0]
-        regs = ext.norm_bwd_num_regs(dtype_code, cfg.nv, has_db)
+        regs = ext.norm_bwd_num_regs(dtype_code, cfg.nv, has_db, vecio)
     else:
-        kernel = _cuda.nvrtc_kernel("norm/norm.cu", _bwd_name(ctype, cfg.nv, has_db))
+        kernel = _cuda.nvrtc_kernel("norm/norm.cu", _bwd_name(ctype, cfg.nv, has_db, vecio))
         regs = kernel.num_regs
     grid = _bwd_grid(max(rows, 1), cfg, regs, dy.device)
     slots = grid * cfg.rows_per_block
     dw_partial = torch.empty((slots, cols), dtype=torch.float32, device=dy.device) if need_dw else None
     db_partial = torch.empty((slots, cols), dtype=torch.float32, device=dy.device) if has_db else None
-    if cols % _VEC[dy.dtype] == 0 and _aligned(x, dy, dres_out, weight, dx, dres, dw_partial, db_partial):
-        flags |= VECTORIZED
     if path == "extension":
         ext.norm_bwd(x, dy, dres_out, weight, mean, rstd, dx, dres, dw_partial, db_partial, flags, dtype_code,
                      cfg.nv, has_db, cfg.threads, cfg.rows_per_block, grid)

@@ -62,48 +62,55 @@ def _norm_bwd_kernel(
     stride_xm, stride_dym, stride_dresoutm, stride_dxm, stride_dresm,
     M, N, rows_per_program,
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_DW: tl.constexpr, HAS_DB: tl.constexpr,
-    HAS_DRES_OUT: tl.constexpr, HAS_DRES: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_DRES_OUT: tl.constexpr, HAS_DRES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
-    mask = cols < N
+    col_mask = cols < N
     if HAS_W:
-        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK_N], dtype=tl.float32)
     db = tl.zeros([BLOCK_N], dtype=tl.float32)
     row_start = pid * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, M)
-    for row in range(row_start, row_end):
-        row64 = tl.cast(row, tl.int64)
-        x = tl.load(X + row64 * stride_xm + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-        dy = tl.load(DY + row64 * stride_dym + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-        x, dy = x.to(tl.float32), dy.to(tl.float32)
-        rstd = tl.load(RSTD + row64)
+    # BLOCK_M rows per step: a (BLOCK_M, BLOCK_N) tile keeps more loads in flight per program
+    for row0 in range(row_start, row_end, BLOCK_M):
+        rows = row0 + tl.arange(0, BLOCK_M)
+        row_mask = rows < row_end
+        rows64 = rows.to(tl.int64)
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(X + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0,
+                    eviction_policy="evict_first").to(tl.float32)
+        dy = tl.load(DY + rows64[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0,
+                     eviction_policy="evict_first").to(tl.float32)
+        rstd = tl.load(RSTD + rows64, mask=row_mask, other=0.0)[:, None]
         # xhat, and g = dy * w
         if IS_RMS:
             xhat = x * rstd
         else:
-            xhat = tl.where(mask, (x - tl.load(MEAN + row64)) * rstd, 0.0)
-        g = dy * w if HAS_W else dy
+            mean = tl.load(MEAN + rows64, mask=row_mask, other=0.0)[:, None]
+            xhat = tl.where(mask, (x - mean) * rstd, 0.0)
+        g = dy * w[None, :] if HAS_W else dy
         # dx = rstd * (g - xhat * mean(g * xhat) - mean(g))   (RMSNorm: no mean(g))
-        dx = g - xhat * (tl.sum(g * xhat, axis=0) / N)
+        dx = g - xhat * (tl.sum(g * xhat, axis=1) / N)[:, None]
         if not IS_RMS:
-            dx = dx - tl.sum(g, axis=0) / N
+            dx = dx - (tl.sum(g, axis=1) / N)[:, None]
         dx = dx * rstd
         if HAS_DRES_OUT:
-            dx = dx + tl.load(DRES_OUT + row64 * stride_dresoutm + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(DX + row64 * stride_dxm + cols, dx.to(DX.dtype.element_ty), mask=mask)
+            dx = dx + tl.load(DRES_OUT + rows64[:, None] * stride_dresoutm + cols[None, :], mask=mask,
+                              other=0.0).to(tl.float32)
+        tl.store(DX + rows64[:, None] * stride_dxm + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         if HAS_DRES:
-            tl.store(DRES + row64 * stride_dresm + cols, dx, mask=mask)
+            tl.store(DRES + rows64[:, None] * stride_dresm + cols[None, :], dx, mask=mask)
         # partial dweight / dbias stay in registers across this program's rows
         if HAS_DW:
-            dw += dy * xhat
+            dw += tl.sum(dy * xhat, axis=0)
         if HAS_DB:
-            db += dy
+            db += tl.sum(dy, axis=0)
     if HAS_DW:
-        tl.store(DW_PARTIAL + pid * N + cols, dw, mask=mask)
+        tl.store(DW_PARTIAL + pid * N + cols, dw, mask=col_mask)
     if HAS_DB:
-        tl.store(DB_PARTIAL + pid * N + cols, db, mask=mask)
+        tl.store(DB_PARTIAL + pid * N + cols, db, mask=col_mask)
 
 
 def _block_and_warps(n: int, backward: bool) -> tuple[int, int]:
@@ -149,7 +156,7 @@ def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | No
 
 
 def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype, need_dw: bool, need_db: bool,
-        num_warps: int | None = None, programs_per_sm: int = 2):
+        num_warps: int | None = None, programs_per_sm: int = 2, rows_per_step: int = 1):
     """(dx, dresidual | None, dweight | None, dbias | None); arguments as megakern._norm_cuda.bwd, plus tuning
     overrides."""
     rows, n = dy.shape
@@ -169,7 +176,8 @@ def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype, need_
         dres.stride(0) if dres is not None else 0,
         rows, n, rows_per_program,
         IS_RMS=is_rms, HAS_W=weight is not None, HAS_DW=need_dw, HAS_DB=has_db,
-        HAS_DRES_OUT=dres_out is not None, HAS_DRES=separate_dres, BLOCK_N=block, num_warps=warps,
+        HAS_DRES_OUT=dres_out is not None, HAS_DRES=separate_dres, BLOCK_M=rows_per_step, BLOCK_N=block,
+        num_warps=warps,
     )
     dw = dw_partial.sum(0).to(weight.dtype) if need_dw else None
     db = db_partial.sum(0).to(weight.dtype) if has_db else None

@@ -71,7 +71,49 @@ __device__ __forceinline__ void store_n(S* __restrict__ p, const float (&in)[N],
   }
 }
 
+// NV groups of VEC elements of a row, group g at column (g * blockDim.x + threadIdx.x) * VEC, into v[g].
+// All loads are issued before the first use (one straight-line phase, predicated, no branches), which is what
+// keeps NV * 16 bytes per thread in flight. VECIO: 16-byte transactions (row start 16-byte aligned, cols a
+// multiple of VEC); else element by element. Groups past the row's end read as 0.
+template <typename S, int NV, int VEC, bool VECIO>
+__device__ __forceinline__ void load_groups(const S* __restrict__ row, int cols, float (&v)[NV][VEC]) {
+  if constexpr (VECIO) {
+    constexpr int CH = VEC * sizeof(S) / 16, PER = 16 / sizeof(S);
+    static_assert((VEC * sizeof(S)) % 16 == 0, "a group must be a whole number of 16-byte chunks");
+    uint4 raw[NV][CH];
+#pragma unroll
+    for (int g = 0; g < NV; ++g) {
+      const int c = (g * blockDim.x + threadIdx.x) * VEC;
+#pragma unroll
+      for (int k = 0; k < CH; ++k)
+        raw[g][k] = c < cols ? reinterpret_cast<const uint4*>(row + c)[k] : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int g = 0; g < NV; ++g)
+#pragma unroll
+      for (int k = 0; k < CH; ++k) {
+        const S* e = reinterpret_cast<const S*>(&raw[g][k]);
+#pragma unroll
+        for (int i = 0; i < PER; ++i) v[g][k * PER + i] = to_float(e[i]);
+      }
+  } else {
+#pragma unroll
+    for (int g = 0; g < NV; ++g) {
+      const int c = (g * blockDim.x + threadIdx.x) * VEC;
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) v[g][i] = c + i < cols ? to_float(row[c + i]) : 0.f;
+    }
+  }
+}
+
 // Tensors whose dtype is either the kernel's T or fp32, chosen at run time (a uniform branch).
+template <typename T, int NV, int VEC, bool VECIO>
+__device__ __forceinline__ void load_groups_t_or_f32(const void* base, bool f32, i64 offset, int cols,
+                                                     float (&v)[NV][VEC]) {
+  if (f32) load_groups<float, NV, VEC, VECIO>(static_cast<const float*>(base) + offset, cols, v);
+  else load_groups<T, NV, VEC, VECIO>(static_cast<const T*>(base) + offset, cols, v);
+}
+
 template <typename T, int N>
 __device__ __forceinline__ void load_t_or_f32(const void* p, bool f32, i64 offset, float (&out)[N], int valid,
                                               bool vectorized) {

@@ -16,15 +16,16 @@
 
 namespace megakern {
 
-template <typename T, int NV>
-__global__ void __launch_bounds__(1024)
+template <typename T, int NV, bool VECIO>
+__global__ void __launch_bounds__(NV * 16 / sizeof(T) > 16 ? 512 : 1024)
 norm_fwd_kernel(const T* __restrict__ x, const void* __restrict__ residual, const void* __restrict__ weight,
                 const void* __restrict__ bias, T* __restrict__ y, void* __restrict__ residual_out,
                 float* __restrict__ mean_out, float* __restrict__ rstd_out, i64 rows, int cols, i64 stride_x,
                 i64 stride_res, i64 stride_y, i64 stride_res_out, float eps, int flags) {
   constexpr int VEC = 16 / sizeof(T);
   __shared__ float smem[32];
-  const bool rms = flags & NORM_RMS, vec = flags & NORM_VECTORIZED;
+  constexpr bool vec = VECIO;
+  const bool rms = flags & NORM_RMS;
   const bool has_w = flags & NORM_HAS_WEIGHT, has_b = flags & NORM_HAS_BIAS, w_f32 = flags & NORM_W_F32;
   const bool has_res = flags & NORM_HAS_RESIDUAL, res_f32 = flags & NORM_RES_F32;
   const i64 row = (i64)blockIdx.x * blockDim.y + threadIdx.y;
@@ -67,13 +68,17 @@ norm_fwd_kernel(const T* __restrict__ x, const void* __restrict__ residual, cons
   if constexpr (NV > 0) {
     // The row lives in registers: one read of x (and residual), one write of y.
     float v[NV][VEC];
+    load_groups<T, NV, VEC, VECIO>(xr, cols, v);
+    if (has_res) {
+      float r[NV][VEC];
+      load_groups_t_or_f32<T, NV, VEC, VECIO>(residual, res_f32, row * stride_res, cols, r);
 #pragma unroll
-    for (int g = 0; g < NV; ++g) {
-      const int c = (g * blockDim.x + threadIdx.x) * VEC;
-      if (c < cols) input(c, v[g], cols - c, true);
-      else
+      for (int g = 0; g < NV; ++g) {
+        const int c = (g * blockDim.x + threadIdx.x) * VEC;
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) v[g][i] = 0.f;
+        for (int i = 0; i < VEC; ++i) v[g][i] = res_f32 ? v[g][i] + r[g][i] : round_to<T>(v[g][i] + r[g][i]);
+        if (c < cols) store_t_or_f32<T, VEC>(residual_out, res_f32, row * stride_res_out + c, v[g], cols - c, vec);
+      }
     }
     if (!rms) {
       float s[1] = {0.f};
@@ -130,7 +135,7 @@ norm_fwd_kernel(const T* __restrict__ x, const void* __restrict__ residual, cons
   }
 }
 
-template <typename T, int NV, bool HAS_DB>
+template <typename T, int NV, bool HAS_DB, bool VECIO>
 __global__ void __launch_bounds__(512)
 norm_bwd_kernel(const void* __restrict__ x, const T* __restrict__ dy, const void* __restrict__ dres_out,
                 const void* __restrict__ weight, const float* __restrict__ mean, const float* __restrict__ rstd,
@@ -139,7 +144,8 @@ norm_bwd_kernel(const void* __restrict__ x, const T* __restrict__ dy, const void
                 i64 stride_dres_out, i64 stride_dx, i64 stride_dres, int flags) {
   constexpr int VEC = 16 / sizeof(T);
   __shared__ float smem[64];
-  const bool rms = flags & NORM_RMS, vec = flags & NORM_VECTORIZED, x_f32 = flags & NORM_RES_F32;
+  constexpr bool vec = VECIO;
+  const bool rms = flags & NORM_RMS, x_f32 = flags & NORM_RES_F32;
   const bool has_w = flags & NORM_HAS_WEIGHT, w_f32 = flags & NORM_W_F32, has_dw = flags & NORM_HAS_DW;
   const bool has_dres_out = flags & NORM_HAS_DRES_OUT, has_dres = flags & NORM_HAS_DRES;
   const int slot = blockIdx.x * blockDim.y + threadIdx.y;  // this row slot's line of the partials
@@ -191,9 +197,8 @@ norm_bwd_kernel(const void* __restrict__ x, const T* __restrict__ dy, const void
   float* pb = HAS_DB ? db_partial + (i64)slot * cols : nullptr;
 
   if constexpr (NV > 0) {
-    // dw / db accumulate in registers over the rows this slot visits and are written once at the end. x and dy
-    // are not held across the row reduction: pass 2 reads them again from L1, so that registers hold only the
-    // accumulators and two rows of 8192 fit in flight per SM.
+    // x and dy of a row are loaded in one phase (all groups in flight) and held in registers across the row
+    // reduction; dw / db accumulate in registers over the rows this slot visits and are written once at the end.
     float acc_w[NV][VEC], acc_b[HAS_DB ? NV : 1][VEC];
 #pragma unroll
     for (int g = 0; g < NV; ++g)
@@ -203,22 +208,28 @@ norm_bwd_kernel(const void* __restrict__ x, const T* __restrict__ dy, const void
         acc_b[HAS_DB ? g : 0][i] = 0.f;
       }
     for (i64 row = slot; row < rows; row += row_step) {
-      float sums[2] = {0.f, 0.f}, mu, rs, a, b;
+      float sums[2] = {0.f, 0.f}, mu, rs, a, b, xh[NV][VEC], d[NV][VEC];
+      load_groups_t_or_f32<T, NV, VEC, VECIO>(x, x_f32, row * stride_x, cols, xh);
+      load_groups<T, NV, VEC, VECIO>(dy + row * stride_dy, cols, d);
       row_stats(row, mu, rs);
 #pragma unroll
       for (int g = 0; g < NV; ++g) {
         const int c = (g * blockDim.x + threadIdx.x) * VEC;
-        float xh[VEC], d[VEC];
-        if (c < cols) pass1(row, c, cols - c, mu, rs, xh, d, sums);
+        float w[VEC];
+        if (has_w && c < cols) load_t_or_f32<T, VEC>(weight, w_f32, c, w, cols - c, vec);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          xh[g][i] = c + i < cols ? (xh[g][i] - mu) * rs : 0.f;
+          const float gw = has_w ? d[g][i] * w[i] : d[g][i];
+          sums[0] += gw * xh[g][i];
+          sums[1] += gw;
+        }
       }
       finish_sums(sums, a, b);
 #pragma unroll
       for (int g = 0; g < NV; ++g) {
         const int c = (g * blockDim.x + threadIdx.x) * VEC;
-        float xh[VEC], d[VEC], unused[2] = {0.f, 0.f};
-        if (c >= cols) continue;
-        pass1(row, c, cols - c, mu, rs, xh, d, unused);
-        pass2(row, c, cols - c, rs, a, b, xh, d, acc_w[g], acc_b[HAS_DB ? g : 0]);
+        if (c < cols) pass2(row, c, cols - c, rs, a, b, xh[g], d[g], acc_w[g], acc_b[HAS_DB ? g : 0]);
       }
     }
 #pragma unroll
@@ -275,27 +286,39 @@ namespace megakern {
     default: return cudaErrorInvalidValue;                                                       \
   }
 
-template <typename T>
-static cudaError_t norm_fwd_t(int nv, dim3 grid, dim3 block, const NormFwdArgs& a, cudaStream_t stream) {
-  MEGAKERN_NV_SWITCH(nv, 32, norm_fwd_kernel<T, NV><<<grid, block, 0, stream>>>(
+template <typename T, bool VECIO>
+static cudaError_t norm_fwd_v(int nv, dim3 grid, dim3 block, const NormFwdArgs& a, cudaStream_t stream) {
+  MEGAKERN_NV_SWITCH(nv, 32, norm_fwd_kernel<T, NV, VECIO><<<grid, block, 0, stream>>>(
       static_cast<const T*>(a.x), a.residual, a.weight, a.bias, static_cast<T*>(a.y), a.residual_out, a.mean,
       a.rstd, a.rows, a.cols, a.stride_x, a.stride_res, a.stride_y, a.stride_res_out, a.eps, a.flags));
   return cudaGetLastError();
 }
 
-template <typename T, bool HAS_DB>
-static cudaError_t norm_bwd_t(int nv, dim3 grid, dim3 block, const NormBwdArgs& a, cudaStream_t stream, int* regs) {
+template <typename T>
+static cudaError_t norm_fwd_t(int nv, dim3 grid, dim3 block, const NormFwdArgs& a, cudaStream_t stream) {
+  return (a.flags & NORM_VECTORIZED) ? norm_fwd_v<T, true>(nv, grid, block, a, stream)
+                                     : norm_fwd_v<T, false>(nv, grid, block, a, stream);
+}
+
+template <typename T, bool HAS_DB, bool VECIO>
+static cudaError_t norm_bwd_v(int nv, dim3 grid, dim3 block, const NormBwdArgs& a, cudaStream_t stream, int* regs) {
   if (regs != nullptr) {  // a query, no launch
     cudaFuncAttributes attr;
-    MEGAKERN_NV_SWITCH(nv, 32, MEGAKERN_CUDA_CHECK(cudaFuncGetAttributes(&attr, norm_bwd_kernel<T, NV, HAS_DB>)));
+    MEGAKERN_NV_SWITCH(nv, 16, MEGAKERN_CUDA_CHECK(cudaFuncGetAttributes(&attr, norm_bwd_kernel<T, NV, HAS_DB, VECIO>)));
     *regs = attr.numRegs;
     return cudaSuccess;
   }
-  MEGAKERN_NV_SWITCH(nv, 32, norm_bwd_kernel<T, NV, HAS_DB><<<grid, block, 0, stream>>>(
+  MEGAKERN_NV_SWITCH(nv, 16, norm_bwd_kernel<T, NV, HAS_DB, VECIO><<<grid, block, 0, stream>>>(
       a.x, static_cast<const T*>(a.dy), a.dres_out, a.weight, a.mean, a.rstd, static_cast<T*>(a.dx), a.dres,
       a.dw_partial, a.db_partial, a.rows, a.cols, a.stride_x, a.stride_dy, a.stride_dres_out, a.stride_dx,
       a.stride_dres, a.flags));
   return cudaGetLastError();
+}
+
+template <typename T, bool HAS_DB>
+static cudaError_t norm_bwd_t(int nv, dim3 grid, dim3 block, const NormBwdArgs& a, cudaStream_t stream, int* regs) {
+  return (a.flags & NORM_VECTORIZED) ? norm_bwd_v<T, HAS_DB, true>(nv, grid, block, a, stream, regs)
+                                     : norm_bwd_v<T, HAS_DB, false>(nv, grid, block, a, stream, regs);
 }
 
 cudaError_t norm_fwd(int dtype, int nv, dim3 grid, dim3 block, const NormFwdArgs& args, cudaStream_t stream) {
@@ -325,8 +348,10 @@ cudaError_t norm_bwd(int dtype, int nv, bool has_db, dim3 grid, dim3 block, cons
   return norm_bwd_dispatch(dtype, nv, has_db, grid, block, args, stream, nullptr);
 }
 
-cudaError_t norm_bwd_num_regs(int dtype, int nv, bool has_db, int* regs) {
-  return norm_bwd_dispatch(dtype, nv, has_db, dim3(), dim3(), NormBwdArgs{}, nullptr, regs);
+cudaError_t norm_bwd_num_regs(int dtype, int nv, bool has_db, bool vectorized, int* regs) {
+  NormBwdArgs args{};
+  args.flags = vectorized ? NORM_VECTORIZED : 0;
+  return norm_bwd_dispatch(dtype, nv, has_db, dim3(), dim3(), args, nullptr, regs);
 }
 
 }  // namespace megakern

@@ -65,12 +65,13 @@ struct NormBwdArgs {
   int flags;
 };
 
-// dtype: NormDType of x / y / dy / dx. nv in {0, 1, 2, 4, 8}. Returns the launch's error, if any.
+// dtype: NormDType of x / y / dy / dx. nv in {0, 1, 2, 4, 8}; args.flags & NORM_VECTORIZED picks the 16-byte
+// instance. Returns the launch's error, if any.
 cudaError_t norm_fwd(int dtype, int nv, dim3 grid, dim3 block, const NormFwdArgs& args, cudaStream_t stream);
 cudaError_t norm_bwd(int dtype, int nv, bool has_db, dim3 grid, dim3 block, const NormBwdArgs& args,
                      cudaStream_t stream);
 // Registers per thread of the backward kernel the same arguments select (sizes its persistent grid).
-cudaError_t norm_bwd_num_regs(int dtype, int nv, bool has_db, int* regs);
+cudaError_t norm_bwd_num_regs(int dtype, int nv, bool has_db, bool vectorized, int* regs);
 
 }  // namespace megakern
 #endif
