@@ -20,10 +20,11 @@ HAS_RESIDUAL, RES_F32, HAS_DRES_OUT, HAS_DRES, HAS_DW = 32, 64, 128, 256, 512
 _CTYPES = {torch.float32: (0, "float"), torch.float16: (1, "__half"), torch.bfloat16: (2, "__nv_bfloat16")}
 _VEC = {torch.float32: 4, torch.float16: 8, torch.bfloat16: 8}  # elements in 16 bytes
 
-# Elements of a row each thread keeps in registers, and the largest block: the budgets under which the kernels
-# compile without spills for sm_90a (nvcc -Xptxas -v; __launch_bounds__ in norm.cu). Forward blocks holding more
-# than 16 elements a thread are capped at 512 threads. Longer rows stream (NV = 0).
-FWD_CAP, FWD_MAX_THREADS, FWD_WIDE = 32, 1024, 16
+# Elements of a row each thread keeps in registers, and the largest block (__launch_bounds__ in norm.cu): the
+# budgets under which the kernels compile without spills for sm_90a (nvcc -Xptxas -v: forward 53-58 registers,
+# backward, with the next row in flight, 94-128) and ran fastest on the H200 (profiles/tune_norm.py).
+# Longer rows stream (NV = 0).
+FWD_CAP, FWD_MAX_THREADS = 16, 1024
 BWD_CAP, BWD_MAX_THREADS = 16, 512
 
 
@@ -45,9 +46,6 @@ def launch_config(cols: int, dtype: torch.dtype, backward: bool) -> LaunchConfig
     while nv * vec < cap and math.ceil(groups / nv) > 256:
         nv *= 2
     threads = 32 * math.ceil(math.ceil(groups / nv) / 32)
-    if not backward and nv * vec > FWD_WIDE and threads > 512:  # wide rows: fewer, narrower threads
-        nv //= 2
-        threads = 32 * math.ceil(math.ceil(groups / nv) / 32)
     if threads > max_threads:
         return LaunchConfig(0, max_threads, 1)
     return LaunchConfig(nv, threads, 4 if threads == 32 else 1)

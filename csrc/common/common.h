@@ -128,6 +128,16 @@ __device__ __forceinline__ void store_t_or_f32(void* p, bool f32, i64 offset, co
   else store_n<T, N>(static_cast<T*>(p) + offset, in, valid, vectorized);
 }
 
+// Ask for the NV groups of this thread in L1 ahead of use (a parameter row read after a barrier).
+template <typename S, int NV, int VEC>
+__device__ __forceinline__ void prefetch_groups_l1(const S* row, int cols) {
+#pragma unroll
+  for (int g = 0; g < NV; ++g) {
+    const int c = (g * blockDim.x + threadIdx.x) * VEC;
+    if (c < cols) asm volatile("prefetch.global.L1 [%0];" ::"l"(row + c));
+  }
+}
+
 // ---- reductions --------------------------------------------------------------------------------------
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

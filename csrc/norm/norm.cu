@@ -17,7 +17,7 @@
 namespace megakern {
 
 template <typename T, int NV, bool VECIO>
-__global__ void __launch_bounds__(NV * 16 / sizeof(T) > 16 ? 512 : 1024)
+__global__ void __launch_bounds__(1024)
 norm_fwd_kernel(const T* __restrict__ x, const void* __restrict__ residual, const void* __restrict__ weight,
                 const void* __restrict__ bias, T* __restrict__ y, void* __restrict__ residual_out,
                 float* __restrict__ mean_out, float* __restrict__ rstd_out, i64 rows, int cols, i64 stride_x,
@@ -67,6 +67,15 @@ norm_fwd_kernel(const T* __restrict__ x, const void* __restrict__ residual, cons
   float mean = 0.f, rstd;
   if constexpr (NV > 0) {
     // The row lives in registers: one read of x (and residual), one write of y.
+    // weight and bias are read after the row reductions' barriers: start bringing them into L1 now
+    if (has_w) {
+      if (w_f32) prefetch_groups_l1<float, NV, VEC>(static_cast<const float*>(weight), cols);
+      else prefetch_groups_l1<T, NV, VEC>(static_cast<const T*>(weight), cols);
+    }
+    if (has_b) {
+      if (w_f32) prefetch_groups_l1<float, NV, VEC>(static_cast<const float*>(bias), cols);
+      else prefetch_groups_l1<T, NV, VEC>(static_cast<const T*>(bias), cols);
+    }
     float v[NV][VEC];
     load_groups<T, NV, VEC, VECIO>(xr, cols, v);
     if (has_res) {
@@ -207,15 +216,29 @@ norm_bwd_kernel(const void* __restrict__ x, const T* __restrict__ dy, const void
         acc_w[g][i] = 0.f;
         acc_b[HAS_DB ? g : 0][i] = 0.f;
       }
+    // Software pipelining: the next row's x and dy are loaded before this row's reduction and stay in flight
+    // across its barriers.
+    float xh[NV][VEC], d[NV][VEC], xn[NV][VEC], dn[NV][VEC];
+    auto load_row = [&](i64 row, float(&xv)[NV][VEC], float(&dv)[NV][VEC]) {
+      load_groups_t_or_f32<T, NV, VEC, VECIO>(x, x_f32, row * stride_x, cols, xv);
+      load_groups<T, NV, VEC, VECIO>(dy + row * stride_dy, cols, dv);
+    };
+    if (slot < rows) load_row(slot, xn, dn);
     for (i64 row = slot; row < rows; row += row_step) {
-      float sums[2] = {0.f, 0.f}, mu, rs, a, b, xh[NV][VEC], d[NV][VEC];
-      load_groups_t_or_f32<T, NV, VEC, VECIO>(x, x_f32, row * stride_x, cols, xh);
-      load_groups<T, NV, VEC, VECIO>(dy + row * stride_dy, cols, d);
+      float sums[2] = {0.f, 0.f}, mu, rs, a, b;
+#pragma unroll
+      for (int g = 0; g < NV; ++g)
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          xh[g][i] = xn[g][i];
+          d[g][i] = dn[g][i];
+        }
+      if (row + row_step < rows) load_row(row + row_step, xn, dn);
       row_stats(row, mu, rs);
 #pragma unroll
       for (int g = 0; g < NV; ++g) {
         const int c = (g * blockDim.x + threadIdx.x) * VEC;
-        float w[VEC];
+        float w[VEC] = {};
         if (has_w && c < cols) load_t_or_f32<T, VEC>(weight, w_f32, c, w, cols - c, vec);
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
@@ -288,7 +311,7 @@ namespace megakern {
 
 template <typename T, bool VECIO>
 static cudaError_t norm_fwd_v(int nv, dim3 grid, dim3 block, const NormFwdArgs& a, cudaStream_t stream) {
-  MEGAKERN_NV_SWITCH(nv, 32, norm_fwd_kernel<T, NV, VECIO><<<grid, block, 0, stream>>>(
+  MEGAKERN_NV_SWITCH(nv, 16, norm_fwd_kernel<T, NV, VECIO><<<grid, block, 0, stream>>>(
       static_cast<const T*>(a.x), a.residual, a.weight, a.bias, static_cast<T*>(a.y), a.residual_out, a.mean,
       a.rstd, a.rows, a.cols, a.stride_x, a.stride_res, a.stride_y, a.stride_res_out, a.eps, a.flags));
   return cudaGetLastError();
