@@ -23,37 +23,41 @@ MAX_BLOCK = 65536
 def _norm_fwd_kernel(
     X, RES, W, B, Y, RES_OUT, MEAN, RSTD,
     stride_xm, stride_resm, stride_ym, stride_resoutm,
-    N, eps,
+    M, N, eps,
     IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    # BLOCK_M rows per program, as a (BLOCK_M, BLOCK_N) tile
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
-    mask = cols < N
-    # the row, plus the residual rounded to the residual's dtype and stored: what is normalized is what is kept
-    x = tl.load(X + row * stride_xm + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    row_mask = rows < M
+    col_mask = cols < N
+    mask = row_mask[:, None] & col_mask[None, :]
+    # the rows, plus the residual rounded to the residual's dtype and stored: what is normalized is what is kept
+    x = tl.load(X + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+    x = x.to(tl.float32)
     if HAS_RES:
-        r = tl.load(RES + row * stride_resm + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-        r = r.to(tl.float32)
-        h = (x + r).to(RES_OUT.dtype.element_ty)
-        tl.store(RES_OUT + row * stride_resoutm + cols, h, mask=mask)
+        r = tl.load(RES + rows[:, None] * stride_resm + cols[None, :], mask=mask, other=0.0,
+                    eviction_policy="evict_first")
+        h = (x + r.to(tl.float32)).to(RES_OUT.dtype.element_ty)
+        tl.store(RES_OUT + rows[:, None] * stride_resoutm + cols[None, :], h, mask=mask)
         x = h.to(tl.float32)
     # statistics in fp32
     if IS_RMS:
         xc = x
     else:
-        mean = tl.sum(x, axis=0) / N
-        xc = tl.where(mask, x - mean, 0.0)
-        tl.store(MEAN + row, mean)
-    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / N + eps)
-    tl.store(RSTD + row, rstd)
+        mean = tl.sum(x, axis=1) / N
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+        tl.store(MEAN + rows, mean, mask=row_mask)
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
+    tl.store(RSTD + rows, rstd, mask=row_mask)
     # scale, shift, store
-    y = xc * rstd
+    y = xc * rstd[:, None]
     if HAS_W:
-        y = y * tl.load(W + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        y = y * tl.load(W + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)[None, :]
     if HAS_B:
-        y = y + tl.load(B + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-    tl.store(Y + row * stride_ym + cols, y.to(Y.dtype.element_ty), mask=mask)
+        y = y + tl.load(B + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)[None, :]
+    tl.store(Y + rows[:, None] * stride_ym + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -133,8 +137,10 @@ def _programs(rows: int, device: torch.device, per_sm: int = 2) -> int:
     return max(1, min(rows, target))
 
 
-def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | None = None):
-    """(y, residual_out | None, mean | None, rstd) for 2-D ``x``; ``num_warps`` overrides the default (tuning)."""
+def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | None = None,
+        rows_per_program: int = 1):
+    """(y, residual_out | None, mean | None, rstd) for 2-D ``x``; ``num_warps`` and ``rows_per_program`` override
+    the defaults (tuning)."""
     rows, n = x.shape
     block, warps = _block_and_warps(n, backward=False)
     warps = num_warps or warps
@@ -144,13 +150,13 @@ def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | No
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows == 0:
         return y, res_out, mean, rstd
-    _norm_fwd_kernel[(rows,)](
+    _norm_fwd_kernel[(triton.cdiv(rows, rows_per_program),)](
         x, residual, weight, bias, y, res_out, mean, rstd,
         x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
         res_out.stride(0) if res_out is not None else 0,
-        n, eps,
+        rows, n, eps,
         IS_RMS=is_rms, HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
-        BLOCK_N=block, num_warps=warps,
+        BLOCK_M=rows_per_program, BLOCK_N=block, num_warps=warps,
     )
     return y, res_out, mean, rstd
 

@@ -15,7 +15,6 @@ import torch
 
 from benchmarks.common import bench, measure_copy_gbps
 from megakern import _norm_cuda, _norm_triton
-from megakern._norm_cuda import LaunchConfig
 
 
 def host_us(fn, calls: int = 300) -> float:
@@ -31,7 +30,7 @@ def host_us(fn, calls: int = 300) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--hidden", default="8192,16384")
+    parser.add_argument("--hidden", default="1024,4096,8192")
     args = parser.parse_args()
     dev = torch.device("cuda")
     copy = measure_copy_gbps(dev)
@@ -47,29 +46,17 @@ def main() -> None:
         for op, is_rms, bias in (("rms", True, None), ("ln", False, b)):
             _, _, mean, rstd = _norm_triton.fwd(x, None, w, bias, 1e-5, is_rms)
             runs = []
-            for warps in (8, 16):
-                runs.append((f"triton fwd warps={warps}", 2 * act,
-                             lambda warps=warps: _norm_triton.fwd(x, None, w, bias, 1e-5, is_rms, num_warps=warps)))
-            for nv in (1, 2):
-                threads = max(32, n // 8 // nv)
-                if threads <= 1024:
-                    cfg = LaunchConfig(nv, threads, 1)
-                    runs.append((f"cuda fwd nv={nv} threads={threads}", 2 * act,
-                                 lambda cfg=cfg: _norm_cuda.fwd(x, None, w, bias, 1e-5, is_rms, config=cfg)))
+            for warps, rows_pp in ((8, 1), (16, 1), (8, 2), (16, 2), (16, 4), (4, 4), (8, 8)):
+                runs.append((f"triton fwd warps={warps} rows/program={rows_pp}", 2 * act,
+                             lambda warps=warps, rows_pp=rows_pp: _norm_triton.fwd(
+                                 x, None, w, bias, 1e-5, is_rms, num_warps=warps, rows_per_program=rows_pp)))
             runs.append(("cuda fwd default " + str(_norm_cuda.launch_config(n, x.dtype, False)), 2 * act,
                          lambda: _norm_cuda.fwd(x, None, w, bias, 1e-5, is_rms)))
-            for warps, per_sm, block_m in ((16, 1, 1), (32, 1, 1), (16, 1, 2), (16, 2, 2), (8, 1, 1), (8, 2, 1)):
+            for warps, per_sm, block_m in ((16, 1, 1), (16, 1, 2), (8, 1, 2), (8, 1, 4), (4, 1, 4)):
                 runs.append((f"triton bwd warps={warps} per_sm={per_sm} rows/step={block_m}", 3 * act,
                              lambda warps=warps, per_sm=per_sm, block_m=block_m: _norm_triton.bwd(
                                  dy, x, None, w, mean, rstd, is_rms, None, True, not is_rms, num_warps=warps,
                                  programs_per_sm=per_sm, rows_per_step=block_m)))
-            for nv in (1, 2):
-                threads = max(32, n // 8 // nv)
-                if threads <= 512:
-                    cfg = LaunchConfig(nv, threads, 1)
-                    runs.append((f"cuda bwd nv={nv} threads={threads}", 3 * act,
-                                 lambda cfg=cfg: _norm_cuda.bwd(dy, x, None, w, mean, rstd, is_rms, None, True,
-                                                                not is_rms, config=cfg)))
             runs.append(("cuda bwd default " + str(_norm_cuda.launch_config(n, x.dtype, True)), 3 * act,
                          lambda: _norm_cuda.bwd(dy, x, None, w, mean, rstd, is_rms, None, True, not is_rms)))
             for name, nbytes, fn in runs:
