@@ -24,12 +24,21 @@ BACKENDS = ("torch", "triton", "cuda")
 
 MIN_TRITON = (3, 0)
 
-# Fastest available backend per op on CUDA devices, first choice first, as measured on the H200 by
-# benchmarks/bench_norm.py (benchmarks/results/h200/norm.csv); see the figures in the comments.
-DEFAULTS: dict[str, tuple[str, ...]] = {
-    "rms_norm": ("cuda", "triton", "torch"),
-    "layer_norm": ("cuda", "triton", "torch"),
+# Preference per op on CUDA devices, by hidden size: (largest hidden size, backends fastest first). Measured on the
+# H200 for training (forward + backward, bf16, fractions of the same-run copy bandwidth; profiles/tune_norm.py and
+# benchmarks/results/h200/norm.csv):
+# - up to 8192 (RMSNorm: 16384) Triton: forward 0.90-0.92 vs CUDA 0.57-0.69, backward 0.65-0.79 vs 0.41-0.48.
+# - longer rows CUDA: its streaming backward (RMSNorm 32768: 0.29, LayerNorm 16384: 0.28) beats Triton's, whose
+#   whole-row tiles spill (0.16 / 0.11), which outweighs Triton's faster forward.
+DEFAULTS: dict[str, tuple[tuple[int, tuple[str, ...]], ...]] = {
+    "rms_norm": ((16384, ("triton", "cuda", "torch")), (1 << 30, ("cuda", "triton", "torch"))),
+    "layer_norm": ((8192, ("triton", "cuda", "torch")), (1 << 30, ("cuda", "triton", "torch"))),
 }
+
+
+def default_order(op: str, size: int) -> tuple[str, ...]:
+    """The preference order of ``op``'s backends on a CUDA device for problem size ``size`` (the hidden size)."""
+    return next(order for limit, order in DEFAULTS[op] if size <= limit)
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
@@ -89,8 +98,9 @@ def _cuda_device_backends(index: int | None) -> tuple[tuple[str, str], ...]:
     return (("torch", ""), ("triton", triton_problem(device)), ("cuda", cuda_problem(device)))
 
 
-def resolve(op: str, device: torch.device, backend: str | Mapping[str, str] | None = None) -> str:
-    """The backend that runs ``op`` on ``device``; raises ValueError / RuntimeError for a bad or unavailable choice."""
+def resolve(op: str, device: torch.device, backend: str | Mapping[str, str] | None = None, size: int = 0) -> str:
+    """The backend that runs ``op`` on ``device`` for problem size ``size``; raises ValueError / RuntimeError for a
+    bad or unavailable choice."""
     if isinstance(backend, Mapping):
         backend = backend.get(op)
     if backend is not None:
@@ -103,4 +113,4 @@ def resolve(op: str, device: torch.device, backend: str | Mapping[str, str] | No
     if device.type != "cuda":
         return "torch"
     problems = available_backends(device)
-    return next(name for name in DEFAULTS[op] if not problems[name])
+    return next(name for name in default_order(op, size) if not problems[name])

@@ -130,7 +130,7 @@ class NormFunction(torch.autograd.Function):
 def norm(op: str, reference, x, weight, bias, residual, eps, backend: str | Mapping[str, str] | None, is_rms: bool):
     """Check, pick the backend, and run; ``reference`` is the op's fp32 torch reference (the torch backend)."""
     check_inputs(op, x, weight, bias, residual, eps)
-    name = _backend.resolve(op, x.device, backend)
+    name = _backend.resolve(op, x.device, backend, size=x.shape[-1])
     with _nvtx.annotate(f"megakern.{op}[{name}]"):
         if name == "torch":
             return reference(x, weight, bias, eps, residual)

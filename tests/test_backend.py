@@ -39,14 +39,20 @@ def test_version_parsing():
 
 
 def test_defaults_are_known_backends():
-    for op, order in _backend.DEFAULTS.items():
-        assert order[-1] == "torch" and set(order) <= set(_backend.BACKENDS), op
+    for op, table in _backend.DEFAULTS.items():
+        limits = [limit for limit, _ in table]
+        assert limits == sorted(limits) and limits[-1] >= 65536, op  # every hidden size has an order
+        for _, order in table:
+            assert order[-1] == "torch" and sorted(order) == sorted(_backend.BACKENDS), op
+    assert _backend.default_order("layer_norm", 8192)[0] == "triton"
+    assert _backend.default_order("layer_norm", 8193)[0] == "cuda"
 
 
 @pytest.mark.gpu
 def test_cuda_default_is_available_backend():
     dev = torch.device("cuda")
-    chosen = _backend.resolve("rms_norm", dev)
-    assert available_backends(dev)[chosen] == ""
-    assert chosen == next(b for b in _backend.DEFAULTS["rms_norm"] if not available_backends(dev)[b])
+    for size in (1024, 65536):
+        chosen = _backend.resolve("rms_norm", dev, size=size)
+        assert available_backends(dev)[chosen] == ""
+        assert chosen == next(b for b in _backend.default_order("rms_norm", size) if not available_backends(dev)[b])
     assert HAS_CUDA
