@@ -20,7 +20,10 @@ adds torch.autograd.grad of y w.r.t. x, weight (and bias) for a fixed random dy.
 provider's y and gradients are checked against the fp32 torch reference; a wrong provider is reported
 and skipped.
 
-    python -m benchmarks.bench_norm [--quick] [--providers torch,megakern-triton] [--no-save]
+    python -m benchmarks.bench_norm [--quick] [--providers torch,megakern-triton] [--no-save] [--graph]
+
+With --graph every provider is timed by CUDA-graph replay instead (modes 'fwd graph', 'fwd+bwd graph'): GPU
+time without host launch overhead, which eager autograd timings include when the host falls behind.
 
 (`python benchmarks/bench_norm.py` works too, but finds megakern only where it is installed.)
 """
@@ -165,11 +168,12 @@ def main(argv: list[str] | None = None) -> Results:
                     fn = make(op)
                     _check(_outputs(fn, *inputs), ref, tol)  # also the warm-up (compilation, autotuning)
                     for mode in MODES:
-                        t = bench(_step(fn, mode, *inputs), device=device)
+                        t = bench(_step(fn, mode, *inputs), device=device, graph=args.graph)
                         gbps = bytes_moved(op, mode, rows, hidden, x.element_size()) / (t["median"] * 1e-3) / 1e9
-                        results.add(case, mode, name, "ms", t["median"])
-                        results.add(case, mode, name, "GB/s", gbps)
-                        print(f"{case:<26} {mode:<8} {name:<16} {t['median']:9.4f} ms "
+                        label = mode + (" graph" if args.graph else "")
+                        results.add(case, label, name, "ms", t["median"])
+                        results.add(case, label, name, "GB/s", gbps)
+                        print(f"{case:<26} {label:<8} {name:<16} {t['median']:9.4f} ms "
                               f"[p20 {t['p20']:.4f}, p80 {t['p80']:.4f}] {gbps:8.1f} GB/s "
                               f"({results.frac('GB/s', gbps):.2f})")
                 except Exception as e:

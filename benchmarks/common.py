@@ -58,16 +58,22 @@ def git_sha() -> str:
     return sha + "-dirty" if dirty else sha
 
 
-def bench(fn: Callable[[], object], *, device, warmup_ms: int = 100, rep_ms: int = 500) -> dict[str, float]:
+def bench(fn: Callable[[], object], *, device, warmup_ms: int = 100, rep_ms: int = 500,
+          graph: bool = False) -> dict[str, float]:
     """Time fn: {'median', 'p20', 'p80'} in ms.
 
-    CUDA: triton's do_bench (CUDA events, L2 flushed before every run, as many runs as fit in rep_ms).
+    CUDA: triton's do_bench (CUDA events, L2 flushed before every run, as many runs as fit in rep_ms), or with
+    ``graph`` its do_bench_cudagraph: fn captured in a CUDA graph and replayed, i.e. the GPU time without the host
+    overhead of launching (eager timings include it wherever the host cannot keep ahead of the GPU).
     CPU (smoke tests only): perf_counter_ns around each call, after a few warm-up calls.
     """
     if torch.device(device).type == "cuda":
-        from triton.testing import do_bench
+        from triton.testing import do_bench, do_bench_cudagraph
 
-        median, p20, p80 = do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
+        if graph:
+            median, p20, p80 = do_bench_cudagraph(fn, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
+        else:
+            median, p20, p80 = do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
         return {"median": median, "p20": p20, "p80": p80}
     for _ in range(3):
         fn()
@@ -214,7 +220,7 @@ class Results:
 
 
 def parse_args(description: str, argv: list[str] | None = None) -> argparse.Namespace:
-    """Options every benchmark takes: --quick, --out, --no-save, --device, --providers."""
+    """Options every benchmark takes: --quick, --out, --no-save, --device, --providers, --graph."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="fewer cases")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results root (default: %(default)s)")
@@ -222,4 +228,6 @@ def parse_args(description: str, argv: list[str] | None = None) -> argparse.Name
     parser.add_argument("--device", type=torch.device, default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--providers", type=lambda s: {p.strip() for p in s.split(",") if p.strip()},
                         help="comma-separated providers to run (default: all)")
+    parser.add_argument("--graph", action="store_true",
+                        help="time CUDA-graph replays (GPU time without launch overhead); modes get a ' graph' suffix")
     return parser.parse_args(argv)
