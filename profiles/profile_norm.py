@@ -54,12 +54,17 @@ def profile(out_csv: str, backends: list[str]) -> None:
         sys.exit(f"ncu failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     with open(out_csv, "w") as f:
         f.write(text)
+    summarize(text)
+
+
+def summarize(text: str) -> None:
+    """Per-kernel table from ncu's CSV."""
     kernels: dict[tuple[str, str], dict[str, float]] = {}
     for row in csv.DictReader(io.StringIO(text)):
         key = (row["ID"], row["Kernel Name"][:60])
         value = float(row["Metric Value"].replace(",", ""))
-        scale = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "nsecond": 1e-9, "usecond": 1e-6,
-                 "msecond": 1e-3}.get(row["Metric Unit"], 1)
+        scale = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "ns": 1e-9, "nsecond": 1e-9, "us": 1e-6,
+                 "usecond": 1e-6, "ms": 1e-3, "msecond": 1e-3}.get(row["Metric Unit"], 1)
         kernels.setdefault(key, {})[row["Metric Name"]] = value * scale
     act = ROWS * HIDDEN * 2
     print(f"per kernel, {ROWS}x{HIDDEN} bf16 (one activation tensor = {act / 1e6:.0f} MB; fused fwd moves 2 of them, "
@@ -79,9 +84,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ncu", metavar="CSV", help="profile under Nsight Compute, raw metrics to CSV")
     parser.add_argument("--backends", default="triton,cuda")
+    parser.add_argument("--summarize", metavar="CSV", help="only print the table of an earlier --ncu CSV")
     args = parser.parse_args()
     backends = args.backends.split(",")
-    if args.ncu:
+    if args.summarize:
+        with open(args.summarize) as f:
+            summarize(f.read())
+    elif args.ncu:
         profile(args.ncu, backends)
     else:
         run_ops(backends)
