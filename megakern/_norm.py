@@ -92,6 +92,17 @@ def check_inputs(op: str, x, weight, bias, residual, eps) -> None:
             raise ValueError(f"{op}: residual is on {residual.device} but x is on {x.device}")
 
 
+def ref_input(x, residual, upcast: bool):
+    """For the torch references: (tensor to normalize, in the compute dtype; h = x + residual rounded to the
+    residual's dtype, or None; the compute dtype). ``upcast``: fp32 (fp64 for fp64 inputs), else x's dtype."""
+    compute = torch.promote_types(x.dtype, torch.float32) if upcast else x.dtype
+    h = None
+    if residual is not None:
+        h = (x.to(compute) + residual.to(compute)).to(residual.dtype)
+        x = h
+    return x.to(compute), h, compute
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """A (rows, hidden) view with unit stride along hidden; copies only when no such view exists."""
     t2 = t.reshape(-1, t.shape[-1])

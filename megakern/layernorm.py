@@ -23,12 +23,7 @@ from megakern import _norm
 def layer_norm_ref(x, weight=None, bias=None, eps: float = 1e-5, residual=None, *, upcast: bool = True):
     """The torch reference. ``upcast``: compute in fp32 (fp64 for fp64 inputs); else in x's dtype."""
     out_dtype = x.dtype
-    compute = torch.promote_types(x.dtype, torch.float32) if upcast else x.dtype
-    h = None
-    if residual is not None:
-        h = (x.to(compute) + residual.to(compute)).to(residual.dtype)
-        x = h
-    xf = x.to(compute)
+    xf, h, compute = _norm.ref_input(x, residual, upcast)
     xc = xf - xf.mean(-1, keepdim=True)
     y = xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:

@@ -22,12 +22,7 @@ from megakern import _norm
 def rms_norm_ref(x, weight=None, eps: float = 1e-6, residual=None, *, upcast: bool = True):
     """The torch reference. ``upcast``: compute in fp32 (fp64 for fp64 inputs); else in x's dtype."""
     out_dtype = x.dtype
-    compute = torch.promote_types(x.dtype, torch.float32) if upcast else x.dtype
-    h = None
-    if residual is not None:
-        h = (x.to(compute) + residual.to(compute)).to(residual.dtype)
-        x = h
-    xf = x.to(compute)
+    xf, h, compute = _norm.ref_input(x, residual, upcast)
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
         y = y * weight.to(compute)
