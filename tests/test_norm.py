@@ -247,3 +247,35 @@ def test_triton_cuda_parity(op, dtype):
     y_public, _ = fn(*args, 1e-5, residual=r, backend="cuda")
     path = megakern.cuda_runtime()[0]
     assert torch.equal(y_public, run(f"cuda-{path}", op, x, w, b, 1e-5, r)[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS)
+def test_torch_compile_with_cuda_ops(op):
+    """torch.compile runs models that use the CUDA backend (traced as the megakern:: custom ops) and gives the
+    eager outputs and gradients; the ops' schemas and fake implementations pass torch.library.opcheck."""
+    from megakern import _norm_cuda
+
+    _seed(op, "compile")
+    x, w, b, r = make_inputs(op, torch.bfloat16, (4, 64, 1024), "residual")
+    fn = getattr(megakern, op)
+
+    def loss(x, w, b, r):
+        args = (x, w) if op == "rms_norm" else (x, w, b)
+        y, h = fn(*args, 1e-5, residual=r, backend="cuda")
+        return y.float().square().sum() + h.float().sum()
+
+    leaves = [t.requires_grad_() for t in (x, w, r)] + ([b.requires_grad_()] if b is not None else [])
+    eager = torch.autograd.grad(loss(x, w, b, r), leaves)
+    torch.compiler.reset()
+    compiled = torch.autograd.grad(torch.compile(loss)(x, w, b, r), leaves)
+    for e, c in zip(eager, compiled):
+        torch.testing.assert_close(c, e, rtol=1e-2, atol=1e-2)
+
+    x2, r2 = x.detach().view(-1, 1024), r.detach().view(-1, 1024)
+    is_rms = op == "rms_norm"
+    torch.library.opcheck(_norm_cuda.norm_fwd_op, (x2, r2, w.detach(), None if is_rms else b.detach(), 1e-5, is_rms))
+    y, res_out, mean, rstd = _norm_cuda.norm_fwd_op(x2, r2, w.detach(), None if is_rms else b.detach(), 1e-5, is_rms)
+    dy = torch.randn_like(y)
+    torch.library.opcheck(_norm_cuda.norm_bwd_op, (dy, res_out, torch.randn_like(res_out), w.detach(),
+                                                   None if is_rms else mean, rstd, is_rms, r2.dtype, True, not is_rms))
