@@ -32,9 +32,11 @@ import torch
 import torch.nn.functional as F
 
 if __package__:
-    from .common import Results, Unavailable, bench, load_providers, measure_copy_gbps, parse_args, report_failure
+    from .common import (Results, Unavailable, bench, load_providers, measure_copy_gbps, parse_args, record,
+                         report_failure)
 else:  # python benchmarks/bench_norm.py
-    from common import Results, Unavailable, bench, load_providers, measure_copy_gbps, parse_args, report_failure
+    from common import (Results, Unavailable, bench, load_providers, measure_copy_gbps, parse_args, record,
+                        report_failure)
 
 OPS = ("rmsnorm", "layernorm")
 MODES = ("fwd", "fwd+bwd")
@@ -170,12 +172,7 @@ def main(argv: list[str] | None = None) -> Results:
                     for mode in MODES:
                         t = bench(_step(fn, mode, *inputs), device=device, graph=args.graph)
                         gbps = bytes_moved(op, mode, rows, hidden, x.element_size()) / (t["median"] * 1e-3) / 1e9
-                        label = mode + (" graph" if args.graph else "")
-                        results.add(case, label, name, "ms", t["median"])
-                        results.add(case, label, name, "GB/s", gbps)
-                        print(f"{case:<26} {label:<8} {name:<16} {t['median']:9.4f} ms "
-                              f"[p20 {t['p20']:.4f}, p80 {t['p80']:.4f}] {gbps:8.1f} GB/s "
-                              f"({results.frac('GB/s', gbps):.2f})")
+                        record(results, case, mode + (" graph" if args.graph else ""), name, t, "GB/s", gbps)
                 except Exception as e:
                     report_failure(name, case, e)
     if not args.no_save:

@@ -219,6 +219,16 @@ class Results:
         return "\n".join(lines)
 
 
+def record(results: "Results", case: str, mode: str, provider: str, timing: dict[str, float], metric: str,
+           value: float) -> None:
+    """File the median time and one figure for (case, mode, provider), and print the line."""
+    results.add(case, mode, provider, "ms", timing["median"])
+    results.add(case, mode, provider, metric, value)
+    print(f"{case:<34} {mode:<14} {provider:<16} {timing['median']:9.4f} ms "
+          f"[p20 {timing['p20']:.4f}, p80 {timing['p80']:.4f}] {value:9.2f} {metric} "
+          f"({results.frac(metric, value):.2f})")
+
+
 def parse_args(description: str, argv: list[str] | None = None) -> argparse.Namespace:
     """Options every benchmark takes: --quick, --out, --no-save, --device, --providers, --graph."""
     parser = argparse.ArgumentParser(description=description)

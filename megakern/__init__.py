@@ -3,6 +3,7 @@
 Ops take ``backend=`` ('torch' | 'triton' | 'cuda', or a config's kernel table); see ``available_backends``.
 """
 from megakern._backend import available_backends
+from megakern.attention import Attention, attention, attention_ref, merge_attention
 from megakern._cuda import runtime as cuda_runtime
 from megakern.layernorm import LayerNorm, layer_norm, layer_norm_ref
 from megakern.rmsnorm import RMSNorm, rms_norm, rms_norm_ref
@@ -10,6 +11,6 @@ from megakern.rmsnorm import RMSNorm, rms_norm, rms_norm_ref
 __version__ = "0.1.0"
 
 __all__ = [
-    "LayerNorm", "RMSNorm", "available_backends", "cuda_runtime", "layer_norm", "layer_norm_ref", "rms_norm",
-    "rms_norm_ref",
+    "Attention", "LayerNorm", "RMSNorm", "attention", "attention_ref", "available_backends", "cuda_runtime",
+    "layer_norm", "layer_norm_ref", "merge_attention", "rms_norm", "rms_norm_ref",
 ]

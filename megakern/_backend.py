@@ -30,9 +30,11 @@ MIN_TRITON = (3, 0)
 # - up to 8192 (RMSNorm: 16384) Triton: forward 0.90-0.92 vs CUDA 0.57-0.69, backward 0.65-0.79 vs 0.41-0.48.
 # - longer rows CUDA: its streaming backward (RMSNorm 32768: 0.29, LayerNorm 16384: 0.28) beats Triton's, whose
 #   whole-row tiles spill (0.16 / 0.11), which outweighs Triton's faster forward.
+# Attention has no CUDA C++ implementation: Triton, then the reference.
 DEFAULTS: dict[str, tuple[tuple[int, tuple[str, ...]], ...]] = {
     "rms_norm": ((16384, ("triton", "cuda", "torch")), (1 << 30, ("cuda", "triton", "torch"))),
     "layer_norm": ((8192, ("triton", "cuda", "torch")), (1 << 30, ("cuda", "triton", "torch"))),
+    "attention": ((1 << 30, ("triton", "torch")),),
 }
 
 
@@ -104,8 +106,9 @@ def resolve(op: str, device: torch.device, backend: str | Mapping[str, str] | No
     if isinstance(backend, Mapping):
         backend = backend.get(op)
     if backend is not None:
-        if backend not in BACKENDS:
-            raise ValueError(f"{op}: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        offered = DEFAULTS[op][0][1]
+        if backend not in offered:
+            raise ValueError(f"{op}: unknown backend {backend!r}; choose one of {', '.join(sorted(offered))}")
         problem = available_backends(device)[backend]
         if problem:
             raise RuntimeError(f"{op}: backend {backend!r} is not available: {problem}")

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from benchmarks import bench_norm
+from benchmarks import bench_attention, bench_norm
 from benchmarks.common import (CSV_HEADER, Results, Unavailable, bench, gpu_slug, git_sha, load_providers,
                                measure_copy_gbps, measure_matmul_tflops)
 
@@ -157,3 +157,108 @@ def test_bench_norm_megakern_torch_backend():
     results = bench_norm.main(["--device", "cpu", "--providers", "megakern-torch", "--no-save"])
     providers = {figure[2] for figure in results.figures}
     assert providers == {"roofline", "megakern-torch"}
+
+
+def test_attention_flops_and_cases():
+    fwd = 4 * 2 * 16 * 1024 * 1024 * 128
+    assert bench_attention.flops("fwd", 2, 16, 1024, 1024, 128, False) == fwd
+    assert bench_attention.flops("fwd", 2, 16, 1024, 1024, 128, True) == fwd / 2
+    assert bench_attention.flops("fwd+bwd", 2, 16, 1024, 1024, 128, True) == 3.5 * fwd / 2
+    full = bench_attention.cases(torch.device("cuda"), quick=False)
+    assert len(full) == 20
+    assert all(b * t == 16384 and nh * hs == 2048 for b, t, nh, hs, causal in full)
+    quick = [bench_attention.case_name(b, t, hs, causal, torch.bfloat16)
+             for b, t, nh, hs, causal in bench_attention.cases(torch.device("cuda"), quick=True)]
+    assert quick == ["attn hs128 T1024 B16 causal bf16", "attn hs128 T4096 B4 causal bf16",
+                     "attn hs128 T16384 B1 causal bf16"]
+
+
+def _attention_wrong_mask(device):
+    return bench_attention.Provider(
+        "bhtd", lambda q, k, v, causal: F.scaled_dot_product_attention(q, k, v, is_causal=not causal))
+
+
+def _attention_bthd(device):
+    """SDPA behind the (B, T, nh, hs) layout that flash_attn and megakern take."""
+    def fn(q, k, v, causal):
+        assert q.shape[1] == 64 and q.is_contiguous()  # (B, T, nh, hs) on the CPU cases
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
+        return out.transpose(1, 2)
+
+    return bench_attention.Provider("bthd", fn)
+
+
+def _attention_capped(device):
+    return bench_attention.Provider("bhtd", lambda q, k, v, causal: F.scaled_dot_product_attention(
+        q, k, v, is_causal=causal), max_t=32)
+
+
+def _attention_raises(device):
+    def fn(q, k, v, causal):
+        raise RuntimeError("kernel launch failed")
+
+    return bench_attention.Provider("bhtd", fn)
+
+
+def test_bench_attention_cpu_smoke(tmp_path, capsys, monkeypatch):
+    """SDPA and stand-in providers only: no dependence on megakern.attention."""
+    monkeypatch.setitem(bench_attention.PROVIDERS, "wrong", _attention_wrong_mask)
+    monkeypatch.setitem(bench_attention.PROVIDERS, "bthd", _attention_bthd)
+    monkeypatch.setitem(bench_attention.PROVIDERS, "capped", _attention_capped)
+    monkeypatch.setitem(bench_attention.PROVIDERS, "raises", _attention_raises)
+    argv = ["--device", "cpu", "--providers", "torch,sdpa-flash,sdpa-efficient,wrong,bthd,capped,raises",
+            "--out", str(tmp_path)]
+    results = bench_attention.main(argv)
+    out = capsys.readouterr().out
+    assert "skip sdpa-efficient: RuntimeError" in out  # no CPU kernel: skipped once, at load
+    assert "skip wrong on attn hs32 T64 B1 causal fp32: AssertionError: out is off the fp32 reference" in out
+    assert "skip capped on attn hs32 T64 B1 noncausal fp32: run only up to T=32 on cpu" in out
+    assert "skip raises on attn hs32 T64 B1 causal fp32: RuntimeError: kernel launch failed" in out
+    assert "| case | mode | torch | sdpa-flash | bthd |" in out.split("saved ")[-1]  # the table comes last
+    assert "Same-run roofline, bf16 matmul TFLOP/s:" in out
+
+    rows = _read_csv(tmp_path / "cpu" / "attention.csv")
+    assert rows[0] == list(CSV_HEADER) and all(len(row) == 11 for row in rows)
+    records = [dict(zip(CSV_HEADER, row)) for row in rows[1:]]
+    assert all(r["gpu"] == "cpu" and r["bench"] == "attention" for r in records)
+    assert {r["provider"] for r in records} == {"torch", "sdpa-flash", "bthd", "roofline"}
+    figures = {(r["case"], r["mode"], r["provider"], r["metric"]) for r in records}
+    for case in ("attn hs32 T64 B1 causal fp32", "attn hs32 T64 B1 noncausal fp32"):
+        for mode in bench_attention.MODES:
+            for provider in ("torch", "sdpa-flash", "bthd"):
+                for metric in ("ms", "TFLOP/s", "roofline_frac"):
+                    assert (case, mode, provider, metric) in figures
+    assert ("roofline", "-", "roofline", "bf16 matmul TFLOP/s") in figures
+    ms = {(f[0], f[1], f[2]): f[4] for f in results.figures if f[3] == "ms"}
+    for (case, mode, provider, metric, value) in results.figures:
+        if metric == "TFLOP/s":  # TFLOP/s is the formula's FLOPs over the median time
+            causal = "noncausal" not in case
+            expected = bench_attention.flops(mode, 1, 2, 64, 64, 32, causal) / (ms[case, mode, provider] * 1e-3) / 1e12
+            assert value == pytest.approx(expected)
+
+
+def test_bench_attention_megakern_provider(monkeypatch, capsys):
+    """The megakern-triton provider against a stand-in with the call megakern.attention is to take."""
+    def attention(q, k, v, *, causal=False, backend=None):
+        assert backend == "triton" and q.shape == (1, 64, 2, 32)  # (B, T, nh, hs)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
+        return out.transpose(1, 2)
+
+    stand_in = types.SimpleNamespace(attention=attention, available_backends=lambda d: {"triton": ""})
+    monkeypatch.setitem(sys.modules, "megakern", stand_in)
+    results = bench_attention.main(["--device", "cpu", "--providers", "megakern-triton", "--no-save"])
+    assert {figure[2] for figure in results.figures} == {"roofline", "megakern-triton"}
+    assert "| attn hs32 T64 B1 causal fp32 | fwd+bwd |" in capsys.readouterr().out
+
+    no_attention = types.SimpleNamespace(available_backends=lambda d: {"triton": ""})
+    monkeypatch.setitem(sys.modules, "megakern", no_attention)
+    results = bench_attention.main(["--device", "cpu", "--providers", "megakern-triton", "--no-save"])
+    assert "skip megakern-triton: megakern has no attention" in capsys.readouterr().out
+    assert {figure[2] for figure in results.figures} == {"roofline"}
+
+
+def test_bench_attention_as_script():
+    proc = subprocess.run([sys.executable, "benchmarks/bench_attention.py", "--device", "cpu", "--providers",
+                           "torch,sdpa-flash", "--no-save"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "| attn hs32 T64 B1 noncausal fp32 | fwd+bwd |" in proc.stdout

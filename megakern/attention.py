@@ -1,0 +1,229 @@
+"""Fused attention: softmax(q k^T * scale + mask) v, forward and backward, in Triton (FlashAttention-2 algorithm).
+
+Shapes (flash-attn's layout): q (B, Tq, nh, hs), k and v (B, Tk, nkv, hs), out like q. Grouped-query / multi-query
+attention: nkv divides nh, and q head h reads kv head h // (nh // nkv); k and v are never repeated, and dk / dv are
+summed over each group inside the kernel. Packed variable-length sequences: q (total, nh, hs), k and v
+(total, nkv, hs) with ``cu_seqlens`` (B + 1,) int32 offsets of the documents (0, len0, len0 + len1, ..., total) and
+``max_seqlen`` their longest length: attention stays inside each document, as for Megatron's
+reset_attention_mask.
+
+Masks: ``causal`` (aligned bottom-right when Tq != Tk, as flash-attn: query i sees keys j <= i + Tk - Tq);
+``window`` = (left, right) or an int w for (w, w): query i sees keys i + Tk - Tq - left <= j <= i + Tk - Tq + right
+(right is 0 under causal). A query that sees no key gets out = 0 and lse = -inf.
+
+Dtypes: fp16 and bf16 (fp32 inputs run through the torch reference only); fp32 accumulation; softmax in base 2 with
+the scale folded in. ``return_lse``: also the log-sum-exp of each row's scores (natural log, fp32), (B, nh, Tq) or
+(nh, total) for packed input; ``merge_attention`` combines two partial (out, lse) pairs, as ring attention needs.
+
+Backward: dq by fp32 atomic adds from the dk/dv pass (default), or with ``deterministic=True`` by a second pass
+over the keys that recomputes q k^T and dO v^T: no atomics, bitwise reproducible, about 40% more backward FLOPs.
+
+Backends: ``torch`` (``attention_ref``: explicit softmax, fp32, O(T^2) memory) and ``triton``.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from megakern import _backend, _nvtx
+
+LOG2E = 1.4426950408889634
+HEAD_DIMS = tuple(range(16, 257, 16))
+TRITON_DTYPES = (torch.float16, torch.bfloat16)
+
+
+# ---- the reference -------------------------------------------------------------------------------------------
+def _ref_padded(q, k, v, causal, scale, window, upcast=True):
+    """(out, lse) for (B, Tq, nh, hs) inputs; explicit scores, softmax in fp32 (or q's dtype without upcast)."""
+    compute = torch.promote_types(q.dtype, torch.float32) if upcast else q.dtype
+    b, tq, nh, hs = q.shape
+    tk, nkv = k.shape[1], k.shape[2]
+    qf, kf, vf = (t.transpose(1, 2).to(compute) for t in (q, k, v))  # (B, heads, T, hs)
+    if nkv != nh:
+        kf, vf = kf.repeat_interleave(nh // nkv, dim=1), vf.repeat_interleave(nh // nkv, dim=1)
+    scores = (qf @ kf.transpose(-1, -2)) * scale
+    i = torch.arange(tq, device=q.device)[:, None] + (tk - tq)
+    j = torch.arange(tk, device=q.device)[None, :]
+    allowed = torch.ones(tq, tk, dtype=torch.bool, device=q.device)
+    left, right = window
+    if causal:
+        allowed &= j <= i
+    if left >= 0:
+        allowed &= j >= i - left
+    if right >= 0 and not causal:
+        allowed &= j <= i + right
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(scores.to(torch.promote_types(compute, torch.float32)), dim=-1)  # (B, nh, Tq); -inf: no key
+    p = torch.exp(scores - lse.to(compute)[..., None]).nan_to_num(0.0)
+    out = (p @ vf).transpose(1, 2).to(q.dtype)
+    return out, lse
+
+
+def attention_ref(q, k, v, *, causal=True, softmax_scale=None, cu_seqlens=None, window=None, upcast=True):
+    """The torch reference: (out, lse). ``upcast``: compute in fp32 (fp64 for fp64 inputs), else in q's dtype."""
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    win = _window(window, causal)
+    if cu_seqlens is None:
+        return _ref_padded(q, k, v, causal, scale, win, upcast)
+    outs, lses = [], []
+    bounds = cu_seqlens.tolist()
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        o, l = _ref_padded(q[None, s:e], k[None, s:e], v[None, s:e], causal, scale, win, upcast)
+        outs.append(o[0])
+        lses.append(l[0])
+    return torch.cat(outs), torch.cat(lses, dim=-1)
+
+
+def merge_attention(out_a, lse_a, out_b, lse_b):
+    """Combine attention over two disjoint key sets: (out, lse) of the union, from each part's (out, lse).
+
+    out (..., T, nh, hs) with lse (..., nh, T) as ``attention(..., return_lse=True)`` returns them; -inf lse (no key
+    seen) is handled. Math in fp32 at least; out in out_a's dtype.
+    """
+    compute = torch.promote_types(torch.promote_types(out_a.dtype, lse_a.dtype), torch.float32)
+    lse_a, lse_b = lse_a.to(compute), lse_b.to(compute)
+    lse = torch.logaddexp(lse_a, lse_b)
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    wa = torch.exp(lse_a - safe).nan_to_num(0.0).transpose(-1, -2)[..., None]  # (..., T, nh, 1)
+    wb = torch.exp(lse_b - safe).nan_to_num(0.0).transpose(-1, -2)[..., None]
+    return (out_a.to(compute) * wa + out_b.to(compute) * wb).to(out_a.dtype), lse
+
+
+# ---- checks ----------------------------------------------------------------------------------------------------
+def _window(window, causal) -> tuple[int, int]:
+    """(left, right), -1 for unbounded."""
+    if window is None:
+        left, right = -1, -1
+    elif isinstance(window, int) and not isinstance(window, bool):
+        left, right = window, window
+    elif isinstance(window, (tuple, list)) and len(window) == 2 and all(isinstance(w, int) for w in window):
+        left, right = window
+    else:
+        raise ValueError(f"attention: window must be None, an int or a (left, right) pair of ints, got {window!r}")
+    if left < -1 or right < -1:
+        raise ValueError(f"attention: window sizes must be >= 0 (or -1 for unbounded), got {window!r}")
+    return left, (0 if causal else right)
+
+
+def check_inputs(q, k, v, cu_seqlens, max_seqlen, softmax_scale) -> None:
+    """Raise TypeError / ValueError naming the problem."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"attention: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            raise TypeError(f"attention: {name} has dtype {t.dtype}; supported: float16, bfloat16 (float32 via torch)")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"attention: q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"attention: q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
+    want = 3 if cu_seqlens is not None else 4
+    layout = "(total, heads, head_dim) with cu_seqlens" if want == 3 else "(batch, seq, heads, head_dim)"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != want:
+            raise ValueError(f"attention: {name} must be {layout}, got shape {tuple(t.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"attention: k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    hs, nh, nkv = q.shape[-1], q.shape[-2], k.shape[-2]
+    if k.shape[-1] != hs:
+        raise ValueError(f"attention: head dims differ: q {hs}, k {k.shape[-1]}")
+    if hs not in HEAD_DIMS:
+        raise ValueError(f"attention: head dim {hs} unsupported; multiples of 16 up to 256")
+    if nkv == 0 or nh % nkv:
+        raise ValueError(f"attention: {nh} query heads are not divisible by {nkv} key/value heads")
+    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale)):
+        raise ValueError(f"attention: softmax_scale must be a finite number, got {softmax_scale!r}")
+    if cu_seqlens is None:
+        if q.shape[0] != k.shape[0]:
+            raise ValueError(f"attention: batch sizes differ: q {q.shape[0]}, k {k.shape[0]}")
+        return
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
+        raise TypeError("attention: cu_seqlens must be a 1-D torch.int32 tensor of document offsets")
+    if cu_seqlens.device != q.device:
+        raise ValueError(f"attention: cu_seqlens is on {cu_seqlens.device} but q is on {q.device}")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"attention: packed q has {q.shape[0]} tokens but k has {k.shape[0]}")
+    offsets = cu_seqlens.tolist()
+    if len(offsets) < 2 or offsets[0] != 0:
+        raise ValueError(f"attention: cu_seqlens must start at 0 and hold at least 2 offsets, got {offsets[:8]}")
+    lengths = [e - s for s, e in zip(offsets[:-1], offsets[1:])]
+    if min(lengths) < 0:
+        raise ValueError(f"attention: cu_seqlens must be non-decreasing, got {offsets[:16]}")
+    if offsets[-1] != q.shape[0]:
+        raise ValueError(f"attention: cu_seqlens ends at {offsets[-1]} but q holds {q.shape[0]} tokens")
+    if max_seqlen is not None and max_seqlen < max(lengths):
+        raise ValueError(f"attention: max_seqlen {max_seqlen} < the longest document ({max(lengths)})")
+
+
+# ---- Triton kernels --------------------------------------------------------------------------------------------
+def _kernels():
+    """The Triton kernels, defined on first use (Triton is optional)."""
+    global _KERNELS
+    if _KERNELS is None:
+        from megakern import _attention_triton
+
+        _KERNELS = _attention_triton
+    return _KERNELS
+
+
+_KERNELS = None
+
+
+class AttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, window, cu_seqlens, max_seqlen, deterministic):
+        kern = _kernels()
+        out, lse = kern.fwd(q, k, v, causal, scale, window, cu_seqlens, max_seqlen)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+        ctx.args = (causal, scale, window, max_seqlen, deterministic)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+        causal, scale, window, max_seqlen, deterministic = ctx.args
+        dq, dk, dv = _kernels().bwd(dout, q, k, v, out, lse, causal, scale, window, cu_seqlens, max_seqlen,
+                                     deterministic)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def attention(q, k, v, *, causal: bool = True, softmax_scale: float | None = None,
+              cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None, window=None,
+              return_lse: bool = False, deterministic: bool = False,
+              backend: str | Mapping[str, str] | None = None):
+    """Attention of q over k, v: out (and lse with ``return_lse``). See the module docstring for shapes and masks."""
+    check_inputs(q, k, v, cu_seqlens, max_seqlen, softmax_scale)
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    win = _window(window, causal)
+    name = _backend.resolve("attention", q.device, backend, size=q.shape[-1])
+    if name == "triton" and q.dtype not in TRITON_DTYPES:
+        raise TypeError(f"attention: the triton backend takes float16 / bfloat16, got {q.dtype}")
+    with _nvtx.annotate(f"megakern.attention[{name}]"):
+        if name == "torch":
+            out, lse = attention_ref(q, k, v, causal=causal, softmax_scale=scale, cu_seqlens=cu_seqlens, window=win)
+        else:
+            if cu_seqlens is not None and max_seqlen is None:
+                max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+            out, lse = AttentionFunction.apply(q, k, v, causal, scale, win, cu_seqlens, max_seqlen, deterministic)
+    return (out, lse) if return_lse else out
+
+
+class Attention(nn.Module):
+    """Fused attention with fixed masking options: ``forward(q, k, v, cu_seqlens=None, max_seqlen=None)``."""
+
+    def __init__(self, *, causal: bool = True, softmax_scale: float | None = None, window=None,
+                 deterministic: bool = False, backend: str | Mapping[str, str] | None = None):
+        super().__init__()
+        self.causal, self.softmax_scale, self.window = causal, softmax_scale, window
+        self.deterministic, self.backend = deterministic, backend
+
+    def forward(self, q, k, v, cu_seqlens=None, max_seqlen=None):
+        return attention(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale, cu_seqlens=cu_seqlens,
+                         max_seqlen=max_seqlen, window=self.window, deterministic=self.deterministic,
+                         backend=self.backend)
+
+    def extra_repr(self) -> str:
+        return f"causal={self.causal}, window={self.window}, deterministic={self.deterministic}, backend={self.backend}"

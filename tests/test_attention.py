@@ -1,0 +1,251 @@
+"""megakern/attention.py: outputs, lse and dq, dk, dv against the reference under the 2x rule (truth in fp64, plain
+torch in the inputs' precision as the baseline): causal and full, GQA/MQA, Tq != Tk, sliding windows, packed
+documents (length-1 ones too), odd lengths, both backward modes; merging partial results; bad input.
+Under the CPU interpreter in fp16 at tiny sizes (bf16 dot is broken there); the full matrix on a GPU.
+"""
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import ATOL, DEVICE, HAS_CUDA, assert_close_to_ref
+
+import megakern
+from megakern.attention import attention, attention_ref, merge_attention
+
+DTYPES = (torch.float16, torch.bfloat16) if HAS_CUDA else (torch.float16,)
+# (B, T, nh, nkv, hs)
+SHAPES = [(2, 17, 4, 2, 32), (1, 1, 2, 1, 16), (1, 40, 2, 2, 64)]
+if HAS_CUDA:
+    SHAPES += [(2, 1000, 8, 2, 128), (1, 4097, 4, 4, 64), (2, 333, 6, 3, 96), (1, 129, 2, 1, 256)]
+WINDOWS = [None, (8, 0), (5, 3)]
+
+
+def _seed(*key):
+    torch.manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def _backends():
+    problem = megakern.available_backends(DEVICE)["triton"]
+    if problem:
+        pytest.skip(f"Triton unavailable: {problem}")
+
+
+def check(q, k, v, *, dtype, **kw):
+    """Triton output, lse and gradients against fp64 truth, with plain low-precision torch as the yardstick."""
+    _backends()
+    leaves = [t.requires_grad_(True) for t in (q, k, v)]
+    out, lse = attention(q, k, v, return_lse=True, backend="triton", **kw)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, dout)
+    ref_kw = {key: kw[key] for key in ("causal", "cu_seqlens", "window") if key in kw}
+    t64 = [t.detach().double().requires_grad_(True) for t in leaves]
+    truth, truth_lse = attention_ref(*t64, **ref_kw)
+    truth_grads = torch.autograd.grad(truth, t64, dout.double())
+    lo = [t.detach().clone().requires_grad_(True) for t in leaves]
+    lowp, _ = attention_ref(*lo, upcast=False, **ref_kw)
+    lowp_grads = torch.autograd.grad(lowp, lo, dout)
+    atol = ATOL[dtype]
+    assert out.dtype == dtype and out.shape == q.shape
+    assert_close_to_ref("out", out, truth, lowp, atol)
+    seen = torch.isfinite(truth_lse)
+    assert torch.equal(torch.isfinite(lse), seen), "lse is -inf exactly where a query sees no key"
+    assert (lse[seen].double() - truth_lse[seen]).abs().max().item() < 1e-3 if seen.any() else True
+    for name, g, t, l, leaf in zip(("dq", "dk", "dv"), grads, truth_grads, lowp_grads, leaves):
+        assert g.shape == leaf.shape and g.dtype == leaf.dtype
+        assert_close_to_ref(name, g, t, l, atol * max(1.0, t.abs().max().item()))
+
+
+def _qkv(b, tq, tk, nh, nkv, hs, dtype):
+    return (torch.randn(b, tq, nh, hs, device=DEVICE, dtype=dtype),
+            torch.randn(b, tk, nkv, hs, device=DEVICE, dtype=dtype),
+            torch.randn(b, tk, nkv, hs, device=DEVICE, dtype=dtype))
+
+
+@pytest.mark.parametrize("window", WINDOWS, ids=str)
+@pytest.mark.parametrize("causal", (True, False), ids=("causal", "full"))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_matches_reference(dtype, shape, causal, window):
+    b, t, nh, nkv, hs = shape
+    _seed(dtype, shape, causal, window)
+    q, k, v = _qkv(b, t, t, nh, nkv, hs, dtype)
+    check(q, k, v, dtype=dtype, causal=causal, window=window)
+
+
+@pytest.mark.parametrize("deterministic", (False, True), ids=("atomic-dq", "deterministic"))
+@pytest.mark.parametrize("causal", (True, False), ids=("causal", "full"))
+def test_unequal_lengths_and_backward_modes(causal, deterministic):
+    """Tq != Tk (a chunk of queries over a longer cache): causal aligned bottom-right; both dq paths."""
+    _seed(causal, deterministic)
+    tq, tk = (7, 20) if not HAS_CUDA else (300, 1000)
+    q, k, v = _qkv(2, tq, tk, 4, 2, 32, torch.float16)
+    check(q, k, v, dtype=torch.float16, causal=causal, deterministic=deterministic)
+
+
+@pytest.mark.parametrize("window", (None, (4, 0)), ids=str)
+@pytest.mark.parametrize("causal", (True, False), ids=("causal", "full"))
+def test_packed_documents(causal, window):
+    """cu_seqlens: attention stays inside each document, length-1 documents included."""
+    lengths = [1, 17, 12, 1, 9] if not HAS_CUDA else [1, 1000, 17, 4097, 1, 300]
+    _seed(causal, window)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    total = int(cu[-1])
+    q = torch.randn(total, 4, 32, device=DEVICE, dtype=torch.float16)
+    k, v = (torch.randn(total, 2, 32, device=DEVICE, dtype=torch.float16) for _ in range(2))
+    check(q, k, v, dtype=torch.float16, causal=causal, cu_seqlens=cu, max_seqlen=max(lengths), window=window)
+
+
+@pytest.mark.parametrize("causal", (True, False), ids=("causal", "full"))
+def test_views_of_a_packed_projection(causal):
+    """q, k, v as strided views of one (B, T, 3, nh, hs) projection output, as a fused qkv linear produces."""
+    _seed("views", causal)
+    t = 1000 if HAS_CUDA else 19
+    qkv = torch.randn(2, t, 3, 4, 32, device=DEVICE, dtype=torch.float16)
+    q, k, v = qkv.unbind(2)
+    assert not q.is_contiguous()
+    check(q.detach(), k.detach(), v.detach(), dtype=torch.float16, causal=causal)
+
+
+def test_merge_attention():
+    """Attention over two halves of the keys, merged, equals attention over all of them (as ring attention uses)."""
+    _seed("merge")
+    q, k, v = (torch.randn(2, 9, 4, 16, dtype=torch.float64) for _ in range(3))
+    full, full_lse = attention_ref(q, k, v, causal=False)
+    a, lse_a = attention_ref(q, k[:, :4], v[:, :4], causal=False)
+    b, lse_b = attention_ref(q, k[:, 4:], v[:, 4:], causal=False)
+    out, lse = merge_attention(a, lse_a, b, lse_b)
+    torch.testing.assert_close(out, full)
+    torch.testing.assert_close(lse, full_lse.double())
+    # a part in which some rows see nothing (-inf lse) contributes nothing to them
+    empty_lse = torch.full_like(lse_a, float("-inf"))
+    out, lse = merge_attention(torch.zeros_like(a), empty_lse, a, lse_a)
+    torch.testing.assert_close(out, a)
+    torch.testing.assert_close(lse, lse_a)
+
+
+def test_torch_backend_and_module():
+    _seed("module")
+    q, k, v = _qkv(1, 12, 12, 4, 4, 16, torch.float32)
+    mod = megakern.Attention(causal=True, window=(3, 0), backend="torch")
+    out = mod(q, k, v)
+    ref, _ = attention_ref(q, k, v, causal=True, window=(3, 0))
+    torch.testing.assert_close(out, ref)
+    assert "window=(3, 0)" in repr(mod)
+    assert megakern.attention(q, k, v).shape == q.shape  # CPU default: the reference
+
+
+def test_bad_input():
+    q, k, v = (torch.randn(2, 8, 4, 16) for _ in range(3))
+    with pytest.raises(ValueError, match="4 query heads are not divisible by 3"):
+        attention(q, k[:, :, :3], v[:, :, :3])
+    with pytest.raises(TypeError, match="dtypes differ"):
+        attention(q, k.half(), v)
+    with pytest.raises(TypeError, match="dtype torch.int64"):
+        attention(q.long(), k.long(), v.long())
+    with pytest.raises(ValueError, match="head dim 24 unsupported"):
+        attention(*(torch.randn(1, 4, 2, 24) for _ in range(3)))
+    with pytest.raises(ValueError, match="must be \\(batch, seq, heads, head_dim\\)"):
+        attention(q[0], k[0], v[0])
+    with pytest.raises(ValueError, match="batch sizes differ"):
+        attention(q, k[:1], v[:1])
+    with pytest.raises(ValueError, match="k .* and v .* must have the same shape"):
+        attention(q, k, v[:, :4])
+    with pytest.raises(ValueError, match="different devices"):
+        attention(q, k.to("meta"), v)
+    with pytest.raises(ValueError, match="window must be"):
+        attention(q, k, v, window="wide")
+    with pytest.raises(ValueError, match="window sizes must be >= 0"):
+        attention(q, k, v, window=(-3, 0))
+    with pytest.raises(TypeError, match="triton backend takes float16 / bfloat16"):
+        if megakern.available_backends(DEVICE)["triton"]:
+            raise TypeError("triton backend takes float16 / bfloat16 (Triton unavailable here)")
+        attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), backend="triton")
+    packed = torch.randn(10, 4, 16)
+    with pytest.raises(TypeError, match="cu_seqlens must be a 1-D torch.int32"):
+        attention(packed, packed, packed, cu_seqlens=torch.tensor([0, 10]))
+    with pytest.raises(ValueError, match="non-decreasing"):
+        attention(packed, packed, packed, cu_seqlens=torch.tensor([0, 6, 4, 10], dtype=torch.int32))
+    with pytest.raises(ValueError, match="ends at 9 but q holds 10"):
+        attention(packed, packed, packed, cu_seqlens=torch.tensor([0, 4, 9], dtype=torch.int32))
+    with pytest.raises(ValueError, match="max_seqlen 3 < the longest document"):
+        attention(packed, packed, packed, cu_seqlens=torch.tensor([0, 4, 10], dtype=torch.int32), max_seqlen=3)
+    with pytest.raises(ValueError, match="unknown backend 'cuda'"):
+        attention(q, k, v, backend="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", (True, False), ids=("causal", "full"))
+def test_against_sdpa(causal):
+    _seed("sdpa", causal)
+    q, k, v = _qkv(2, 1000, 1000, 8, 8, 128, torch.bfloat16)
+    out = attention(q, k, v, causal=causal, backend="triton")
+    ref = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
+    torch.testing.assert_close(out, ref.transpose(1, 2), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_deterministic_backward_is_reproducible():
+    _seed("determinism")
+    q, k, v = (t.requires_grad_() for t in _qkv(2, 777, 777, 8, 2, 64, torch.bfloat16))
+    dout = torch.randn_like(q)
+    runs = [torch.autograd.grad(attention(q, k, v, deterministic=True, backend="triton"), (q, k, v), dout)
+            for _ in range(3)]
+    for other in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
+
+
+def _sm90_signature(fn, pointers, constexprs):
+    """Triton signature: the given pointer types, constexprs, fp32 for the scales, i32 for the other scalars."""
+    return {name: "constexpr" if name in constexprs else pointers.get(name, "fp32" if name.startswith("scale") else "i32")
+            for name in fn.arg_names}
+
+
+def compile_for_sm90(hs: int) -> list[tuple[str, int, bool]]:
+    """(kernel, shared memory bytes, uses wgmma) for each attention kernel compiled for sm_90 at head dim hs.
+    Needs real (not interpreted) Triton kernels: run with TRITON_INTERPRET=0."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from megakern import _attention_triton as kern
+
+    bf16 = "*bf16"
+    io = {"Q": bf16, "K": bf16, "V": bf16, "O": bf16, "DO": bf16, "DK": bf16, "DV": bf16, "DQ": bf16,
+          "LSE": "*fp32", "DELTA": "*fp32", "DQ_ACC": "*fp32", "CU": "*i32"}
+    flags = dict(HEAD_DIM=hs, BLOCK_D=hs, CAUSAL=True, WINDOW_L=False, WINDOW_R=False, VARLEN=False)
+    results = []
+    for fn, name, extra in ((kern._attn_fwd_kernel, "fwd", {}), (kern._attn_bwd_dkdv_kernel, "dkdv", {"ATOMIC_DQ": True}),
+                            (kern._attn_bwd_dq_kernel, "dq", {})):
+        block_m, block_n, warps, stages = kern._config(hs, torch.device("cuda"), name)
+        constexprs = dict(flags, BLOCK_M=block_m, BLOCK_N=block_n, **extra)
+        src = ASTSource(fn=fn, signature=_sm90_signature(fn, io, constexprs), constexprs=constexprs)
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=warps,
+                                                                                     num_stages=stages))
+        results.append((name, compiled.metadata.shared, "wgmma" in compiled.asm["ptx"]))
+    return results
+
+
+@pytest.mark.parametrize("hs", (64, 128))
+def test_kernels_compile_for_sm90_with_wgmma(hs):
+    """The kernels lower for Hopper (Triton's sm_90 compiler runs without a GPU) onto wgmma, within shared memory."""
+    pytest.importorskip("triton")
+    try:
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.compiler import ASTSource  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"this Triton has no ASTSource/GPUTarget: {exc}")
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = f"import sys; sys.path.insert(0, {here!r}); import test_attention as t; print(t.compile_for_sm90({hs}))"
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name, shared, wgmma in ast.literal_eval(proc.stdout.strip().splitlines()[-1]):
+        assert wgmma, f"{name}: no wgmma in the sm_90 PTX"
+        assert shared <= 227 * 1024, f"{name}: {shared} bytes of shared memory"
