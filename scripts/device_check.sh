@@ -5,7 +5,8 @@
 #
 #   MEGAKERN_GIT_SHA=$(git rev-parse --short HEAD) bash scripts/device_check.sh [build] [test] [bench] [profile]
 #
-# With no stage named, all four run. Wheels of missing Python packages (e.g. liger_kernel for the side-by-side
+# With no stage named, all four run. BENCHES="norm attention" picks benchmarks (default: every bench_*.py); each
+# full benchmark takes minutes, so split them across calls when a call has a time limit. Wheels of missing Python packages (e.g. liger_kernel for the side-by-side
 # benchmarks) are installed from .whl/ when present. Benchmark rows are appended to benchmarks/results/<gpu>/
 # in this tree and copied to $OUT.
 set -uo pipefail
@@ -42,13 +43,13 @@ fi
 
 if want bench; then
   step benchmarks
-  for bench in benchmarks/bench_*.py; do
-    name=$(basename "$bench" .py)
-    python3 -m "benchmarks.$name" > "$OUT/$name.log" 2>&1 || { status=1; tail -30 "$OUT/$name.log"; }
+  names=${BENCHES:-$(ls benchmarks/bench_*.py | sed 's|benchmarks/bench_||; s|\.py$||')}
+  for name in $names; do
+    python3 -m "benchmarks.bench_$name" ${BENCH_ARGS:-} > "$OUT/bench_$name.log" 2>&1 || { status=1; tail -30 "$OUT/bench_$name.log"; }
   done
   gpu=$(python3 -c "from benchmarks.common import gpu_slug; import torch; print(gpu_slug(torch.device('cuda')))")
   cp benchmarks/results/"$gpu"/*.csv "$OUT/" 2>/dev/null
-  for bench in benchmarks/bench_*.py; do sed -n '/^|/,$p' "$OUT/$(basename "$bench" .py).log"; done
+  for name in $names; do sed -n '/^|/,$p' "$OUT/bench_$name.log"; done
 fi
 
 if want profile; then
