@@ -19,7 +19,8 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
-PACKAGE_DIRS = {"megakern": "megakern", "megakern.parallel": "parallel", "megakern.models": "models"}
+PACKAGE_DIRS = {"megakern": "megakern", "megakern.data": "megakern/data", "megakern.parallel": "parallel",
+                "megakern.models": "models"}
 KERNEL_SUFFIXES = {".cu", ".cuh", ".h"}
 
 
@@ -70,11 +71,11 @@ setup(
     packages=list(PACKAGE_DIRS),
     package_dir=PACKAGE_DIRS,
     python_requires=">=3.10",
-    install_requires=["torch>=2.4"],
+    install_requires=["torch>=2.4", "numpy", "tiktoken>=0.5", "tokenizers>=0.19"],
     extras_require={
         "triton": ["triton>=3.0"],
         "nvrtc": ["cupy-cuda12x", "numpy"],
-        "dev": ["pytest", "triton>=3.0", "nvtx", "numpy"],
+        "dev": ["pytest", "triton>=3.0", "nvtx", "tqdm"],
     },
     ext_modules=ext_modules,
     cmdclass={"build_py": build_py_with_kernels, **cmdclass},

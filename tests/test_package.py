@@ -18,7 +18,7 @@ def test_pip_install_gives_working_imports(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert not (target / "models").exists() and not (target / "parallel").exists()
     assert (target / "megakern" / "_csrc" / "norm" / "norm.cu").is_file()
-    check = ("import megakern, megakern.parallel, megakern.models, megakern._cuda as c; "
+    check = ("import megakern, megakern.data.gpt_dataset, megakern.parallel, megakern.models, megakern._cuda as c; "
              "print(megakern.__file__); print(c.csrc_root())")
     env = {**os.environ, "PYTHONPATH": str(target)}
     out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=tmp_path, env=env)

@@ -1,0 +1,20 @@
+"""megakern.data: raw text -> token files -> training samples, with every assumption checked.
+
+tokenizers (byte, char, GPT-2 BPE, any tokenizer.json) -> preprocess (streaming, multiprocess:
+``megakern.data.preprocess.preprocess`` and ``python -m megakern.data.preprocess``) -> indexed (.bin/.idx with checksums) -> gpt_dataset (deterministic sample
+indices, cached) -> blended (weighted mixes) -> sampler (resumable, data-parallel). corpus: the default corpus that
+is always present (the Python standard library's sources), built into a cache on first use.
+"""
+from megakern.data.blended import BlendedDataset
+from megakern.data.corpus import ensure_default_dataset
+from megakern.data.gpt_dataset import GPTDataset, build_indices
+from megakern.data.indexed import DataError, IndexedDataset, IndexedDatasetWriter, dtype_for_vocab
+from megakern.data.sampler import PretrainingSampler, build_dataloader, check_ranks_agree
+from megakern.data.tokenizers import (ByteTokenizer, CharTokenizer, GPT2BPETokenizer, HFTokenizer, Tokenizer,
+                                      load_tokenizer)
+
+__all__ = [
+    "BlendedDataset", "ByteTokenizer", "CharTokenizer", "DataError", "GPT2BPETokenizer", "GPTDataset", "HFTokenizer",
+    "IndexedDataset", "IndexedDatasetWriter", "PretrainingSampler", "Tokenizer", "build_dataloader", "build_indices",
+    "check_ranks_agree", "dtype_for_vocab", "ensure_default_dataset", "load_tokenizer",
+]

@@ -1,0 +1,249 @@
+"""Indexed token datasets: PREFIX.bin (token ids) + PREFIX.idx (document sizes, checksums), memory-mapped.
+
+Megatron's .bin/.idx, with the checks it lacks: a magic and a format version in both files; an id written into both
+that ties the .idx to its .bin; the exact payload size; a CRC32 per chunk of tokens, verified on open; the dtype
+chosen from the vocabulary (uint16 only when every id fits) and every id checked against the vocabulary when written
+and when verified; files written to temporary names, synced and renamed (the .idx last), so a crash never leaves a
+half-written pair and existing files are never overwritten unless asked; modification after opening detected.
+
+Layout (little-endian):
+    .bin  MAGIC_BIN(8) version u32, reserved u32, pair id (16)  | tokens (dtype) ...
+    .idx  MAGIC_IDX(8) version u32, dtype code u32, vocab_size u64, documents u64, tokens u64, chunk tokens u64,
+          chunks u64, pair id (16)  | sizes int64[documents] | chunk CRC32 uint32[chunks] | CRC32 of all before u32
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import uuid
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+MAGIC_BIN = b"MKTOKBIN"
+MAGIC_IDX = b"MKTOKIDX"
+VERSION = 1
+BIN_HEADER = struct.Struct("<8sII16s")
+IDX_HEADER = struct.Struct("<8sIIQQQQQ16s")
+CHUNK_TOKENS = 1 << 20
+DTYPES = {0: np.dtype(np.uint16), 1: np.dtype(np.int32)}
+
+
+class DataError(ValueError):
+    """A dataset file is missing, corrupt, mismatched, modified, or inconsistent with its parameters."""
+
+
+def dtype_for_vocab(vocab_size: int) -> np.dtype:
+    """uint16 when every id < vocab_size fits (vocab_size <= 65536), else int32."""
+    if not isinstance(vocab_size, int) or vocab_size < 1:
+        raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
+    if vocab_size > np.iinfo(np.int32).max:
+        raise ValueError(f"vocab_size {vocab_size} does not fit int32 token ids")
+    return DTYPES[0] if vocab_size <= 65536 else DTYPES[1]
+
+
+def paths(prefix) -> tuple[Path, Path]:
+    prefix = Path(prefix)
+    return prefix.with_name(prefix.name + ".bin"), prefix.with_name(prefix.name + ".idx")
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+class IndexedDatasetWriter:
+    """Streams documents into PREFIX.bin / PREFIX.idx; ``finalize`` (or leaving the ``with`` block) commits them."""
+
+    def __init__(self, prefix, vocab_size: int, *, overwrite: bool = False):
+        self.bin_path, self.idx_path = paths(prefix)
+        self.overwrite = overwrite
+        self._refuse_existing()
+        self.vocab_size, self.dtype = vocab_size, dtype_for_vocab(vocab_size)
+        self.pair_id = uuid.uuid4().bytes
+        suffix = f".tmp-{os.getpid()}-{self.pair_id.hex()[:8]}"
+        self._bin_tmp = self.bin_path.with_name(self.bin_path.name + suffix)
+        self._idx_tmp = self.idx_path.with_name(self.idx_path.name + suffix)
+        self.bin_path.parent.mkdir(parents=True, exist_ok=True)
+        self._bin = open(self._bin_tmp, "wb")
+        self._bin.write(BIN_HEADER.pack(MAGIC_BIN, VERSION, 0, self.pair_id))
+        self._sizes: list[int] = []
+        self._crcs: list[int] = []
+        self._crc, self._in_chunk, self._tokens = 0, 0, 0
+        self._done = False
+
+    def _refuse_existing(self) -> None:
+        if not self.overwrite:
+            for path in (self.bin_path, self.idx_path):
+                if path.exists():
+                    raise FileExistsError(f"{path} exists; refusing to overwrite it (pass overwrite=True)")
+
+    def add_document(self, ids) -> None:
+        arr = np.asarray(ids)
+        if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+            raise ValueError(f"document {len(self._sizes)}: token ids must be a 1-D sequence of ints, got "
+                             f"shape {arr.shape} dtype {arr.dtype}")
+        if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
+            bad = int(arr.min()) if arr.min() < 0 else int(arr.max())
+            raise ValueError(f"document {len(self._sizes)}: token id {bad} outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        data = arr.astype(self.dtype, copy=False).tobytes()
+        self._bin.write(data)
+        self._checksum(data)
+        self._sizes.append(int(arr.size))
+        self._tokens += int(arr.size)
+
+    def _checksum(self, data: bytes) -> None:
+        """CRC32 per CHUNK_TOKENS tokens of payload, across document boundaries."""
+        chunk_bytes = CHUNK_TOKENS * self.dtype.itemsize
+        view = memoryview(data)
+        while view:
+            take = min(len(view), chunk_bytes - self._in_chunk)
+            self._crc = zlib.crc32(view[:take], self._crc)
+            self._in_chunk += take
+            view = view[take:]
+            if self._in_chunk == chunk_bytes:
+                self._crcs.append(self._crc)
+                self._crc, self._in_chunk = 0, 0
+
+    def finalize(self) -> None:
+        if self._done:
+            return
+        self._refuse_existing()
+        if self._in_chunk:
+            self._crcs.append(self._crc)
+        self._bin.close()
+        code = next(c for c, d in DTYPES.items() if d == self.dtype)
+        header = IDX_HEADER.pack(MAGIC_IDX, VERSION, code, self.vocab_size, len(self._sizes), self._tokens,
+                                 CHUNK_TOKENS, len(self._crcs), self.pair_id)
+        body = header + np.asarray(self._sizes, dtype=np.int64).tobytes() + np.asarray(self._crcs, np.uint32).tobytes()
+        with open(self._idx_tmp, "wb") as f:
+            f.write(body + struct.pack("<I", zlib.crc32(body)))
+        _fsync(self._bin_tmp)
+        _fsync(self._idx_tmp)
+        os.replace(self._bin_tmp, self.bin_path)
+        os.replace(self._idx_tmp, self.idx_path)  # the .idx last: it commits the pair
+        self._done = True
+
+    def abort(self) -> None:
+        """Drop the temporary files; nothing existing is touched."""
+        self._bin.close()
+        for path in (self._bin_tmp, self._idx_tmp):
+            path.unlink(missing_ok=True)
+        self._done = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.finalize()
+        else:
+            self.abort()
+        return False
+
+
+class IndexedDataset:
+    """A memory-mapped PREFIX.bin / PREFIX.idx pair, checked on open (``verify``: every chunk's CRC and the ids)."""
+
+    def __init__(self, prefix, *, vocab_size: int | None = None, verify: bool = True):
+        self.prefix = Path(prefix)
+        self.bin_path, self.idx_path = paths(prefix)
+        for path in (self.idx_path, self.bin_path):
+            if not path.is_file():
+                raise DataError(f"{path}: missing (expected the pair {self.bin_path.name} + {self.idx_path.name})")
+        self._stat = self._stats()
+        self._read_index()
+        self._open_bin()
+        if vocab_size is not None and vocab_size < self.vocab_size:
+            raise DataError(f"{self.idx_path}: built for a vocabulary of {self.vocab_size} ids, larger than the "
+                            f"tokenizer's {vocab_size}")
+        self.checked_vocab = vocab_size or self.vocab_size
+        if verify:
+            self.verify()
+
+    def _stats(self):
+        return tuple((s.st_size, s.st_mtime_ns) for s in (self.bin_path.stat(), self.idx_path.stat()))
+
+    def _read_index(self) -> None:
+        raw = self.idx_path.read_bytes()
+        if len(raw) < IDX_HEADER.size + 4 or raw[:8] != MAGIC_IDX:
+            raise DataError(f"{self.idx_path}: not a megakern index (bad magic or truncated header)")
+        magic, version, code, vocab, docs, tokens, chunk, chunks, pair = IDX_HEADER.unpack_from(raw)
+        if version != VERSION:
+            raise DataError(f"{self.idx_path}: format version {version}; this megakern reads version {VERSION}")
+        if code not in DTYPES:
+            raise DataError(f"{self.idx_path}: unknown dtype code {code}")
+        expected = IDX_HEADER.size + 8 * docs + 4 * chunks + 4
+        if len(raw) != expected:
+            raise DataError(f"{self.idx_path}: {len(raw)} bytes, expected {expected} (truncated or corrupt)")
+        if zlib.crc32(raw[:-4]) != struct.unpack("<I", raw[-4:])[0]:
+            raise DataError(f"{self.idx_path}: checksum mismatch (the index is corrupt)")
+        self.dtype, self.vocab_size, self.pair_id, self.chunk_tokens = DTYPES[code], vocab, pair, chunk
+        self.sizes = np.frombuffer(raw, np.int64, docs, IDX_HEADER.size)
+        self.chunk_crcs = np.frombuffer(raw, np.uint32, chunks, IDX_HEADER.size + 8 * docs)
+        if self.sizes.sum() != tokens or (docs and self.sizes.min() < 0):
+            raise DataError(f"{self.idx_path}: document sizes do not add up to {tokens} tokens")
+        self.num_tokens = int(tokens)
+        self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
+        self.fingerprint = hashlib.sha256(raw[:IDX_HEADER.size - 16] + raw[IDX_HEADER.size:-4]).hexdigest()[:16]
+
+    def _open_bin(self) -> None:
+        size = self.bin_path.stat().st_size
+        expected = BIN_HEADER.size + self.num_tokens * self.dtype.itemsize
+        with open(self.bin_path, "rb") as f:
+            head = f.read(BIN_HEADER.size)
+        if len(head) < BIN_HEADER.size or head[:8] != MAGIC_BIN:
+            raise DataError(f"{self.bin_path}: not a megakern token file (bad magic)")
+        _, version, _, pair = BIN_HEADER.unpack(head)
+        if version != VERSION:
+            raise DataError(f"{self.bin_path}: format version {version}; this megakern reads version {VERSION}")
+        if pair != self.pair_id:
+            raise DataError(f"{self.bin_path} and {self.idx_path} are not a pair (written separately): "
+                            f"ids {pair.hex()[:8]} vs {self.pair_id.hex()[:8]}")
+        if size != expected:
+            raise DataError(f"{self.bin_path}: {size} bytes, expected {expected} for {self.num_tokens} tokens "
+                            f"(truncated or appended to)")
+        self.tokens = (np.memmap(self.bin_path, dtype=self.dtype, mode="r", offset=BIN_HEADER.size,
+                                 shape=(self.num_tokens,)) if self.num_tokens else np.zeros(0, self.dtype))
+
+    def verify(self) -> None:
+        """Check every chunk's CRC32 and that every id is below the vocabulary; DataError naming the chunk."""
+        for i, crc in enumerate(self.chunk_crcs):
+            chunk = self.tokens[i * self.chunk_tokens:(i + 1) * self.chunk_tokens]
+            if zlib.crc32(chunk.tobytes()) != int(crc):
+                first = i * self.chunk_tokens
+                raise DataError(f"{self.bin_path}: checksum mismatch in tokens {first}..{first + len(chunk) - 1} "
+                                f"(chunk {i}): the file is corrupt")
+            if chunk.size and int(chunk.max()) >= self.checked_vocab:
+                raise DataError(f"{self.bin_path}: token id {int(chunk.max())} in chunk {i} is outside the "
+                                f"vocabulary of {self.checked_vocab}")
+
+    def check_unmodified(self) -> None:
+        """DataError if either file changed on disk (size or modification time) since it was opened."""
+        try:
+            now = self._stats()
+        except FileNotFoundError as exc:
+            raise DataError(f"{exc.filename}: removed while in use") from None
+        if now != self._stat:
+            raise DataError(f"{self.prefix}: .bin/.idx modified on disk since they were opened; reopen the dataset")
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def get(self, doc: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Tokens offset .. offset + length of document ``doc`` (a view of the mapping)."""
+        if not 0 <= doc < len(self.sizes):
+            raise IndexError(f"document {doc} out of range [0, {len(self.sizes)})")
+        size = int(self.sizes[doc])
+        length = size - offset if length is None else length
+        if offset < 0 or length < 0 or offset + length > size:
+            raise IndexError(f"tokens {offset}..{offset + length} outside document {doc} of {size} tokens")
+        start = int(self.offsets[doc]) + offset
+        return self.tokens[start:start + length]
+
+    def __repr__(self) -> str:
+        return (f"IndexedDataset({str(self.prefix)!r}, documents={len(self)}, tokens={self.num_tokens}, "
+                f"dtype={self.dtype}, vocab_size={self.vocab_size})")
