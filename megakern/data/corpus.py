@@ -25,7 +25,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from megakern.data.preprocess import preprocess_documents, write_json_atomic
 from megakern.data.tokenizers import Tokenizer
 
 LEFT_OUT = {"sitecustomize.py", "usercustomize.py"}  # site-specific, where present
@@ -79,6 +78,9 @@ def ensure_default_dataset(cache_dir: str | Path | None, tokenizer: Tokenizer, *
     with _exclusive(prefix.with_name(prefix.name + ".lock"), lock_timeout_s):
         if _complete(prefix):  # built by another process while this one waited
             return prefix
+        # imported here: `python -m megakern.data.preprocess` must find that module not yet imported
+        from megakern.data.preprocess import preprocess_documents, write_json_atomic
+
         files = default_corpus_files()
         total = sum(p.stat().st_size for p in files)
         stats = preprocess_documents(default_corpus_documents(), tokenizer, prefix, workers=workers, append_eod=True,
