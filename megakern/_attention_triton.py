@@ -299,8 +299,9 @@ def _masks(causal, window):
     return dict(CAUSAL=causal, WINDOW_L=left >= 0, WINDOW_R=right >= 0 and not causal), max(left, 0), max(right, 0)
 
 
-def fwd(q, k, v, causal: bool, scale: float, window, cu_seqlens, max_seqlen):
-    """(out, lse): out like q; lse (B, nh, Tq) or (nh, total) fp32."""
+def fwd(q, k, v, causal: bool, scale: float, window, cu_seqlens, max_seqlen, config=None):
+    """(out, lse): out like q; lse (B, nh, Tq) or (nh, total) fp32. ``config`` (BLOCK_M, BLOCK_N, warps, stages)
+    overrides ``_config`` (tuning)."""
     varlen, batch, tq, tk = _geometry(q, k, cu_seqlens, max_seqlen)
     q4, k4, v4 = (_as4d(t, varlen) for t in (q, k, v))
     nh, hs, nkv = q.shape[-2], q.shape[-1], k.shape[-2]
@@ -308,7 +309,7 @@ def fwd(q, k, v, causal: bool, scale: float, window, cu_seqlens, max_seqlen):
     o4 = _as4d(out, varlen)
     lse = torch.empty((nh, q.shape[0]) if varlen else (batch, nh, tq), dtype=torch.float32, device=q.device)
     stride_lb, stride_lh = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
-    block_m, block_n, warps, stages = _config(hs, q.device, "fwd")
+    block_m, block_n, warps, stages = config or _config(hs, q.device, "fwd")
     flags, left, right = _masks(causal, window)
     if batch == 0 or tq == 0:
         return out, lse
@@ -323,8 +324,10 @@ def fwd(q, k, v, causal: bool, scale: float, window, cu_seqlens, max_seqlen):
     return out, lse
 
 
-def bwd(dout, q, k, v, out, lse, causal: bool, scale: float, window, cu_seqlens, max_seqlen, deterministic: bool):
-    """(dq, dk, dv)."""
+def bwd(dout, q, k, v, out, lse, causal: bool, scale: float, window, cu_seqlens, max_seqlen, deterministic: bool,
+        configs=None):
+    """(dq, dk, dv). ``configs`` {'dkdv': ..., 'dq': ...} override ``_config`` (tuning)."""
+    configs = configs or {}
     varlen, batch, tq, tk = _geometry(q, k, cu_seqlens, max_seqlen)
     q4, k4, v4, o4, do4 = (_as4d(t, varlen) for t in (q, k, v, out, dout))
     nh, hs, nkv = q.shape[-2], q.shape[-1], k.shape[-2]
@@ -344,7 +347,7 @@ def bwd(dout, q, k, v, out, lse, causal: bool, scale: float, window, cu_seqlens,
         nh, tq, HEAD_DIM=hs, BLOCK_D=block_d, BLOCK_M=block_m, VARLEN=varlen, num_warps=warps,
     )
     common = dict(HEAD_DIM=hs, BLOCK_D=block_d, VARLEN=varlen, **flags)
-    block_m, block_n, warps, stages = _config(hs, q.device, "dkdv")
+    block_m, block_n, warps, stages = configs.get("dkdv") or _config(hs, q.device, "dkdv")
     _attn_bwd_dkdv_kernel[(triton.cdiv(tk, block_n), batch * nkv)](
         q4, k4, v4, do4, lse, delta, dk4, dv4, dq4, cu_seqlens,
         *_strides(q4, varlen), *_strides(k4, varlen), *_strides(v4, varlen), *_strides(do4, varlen),
@@ -354,7 +357,7 @@ def bwd(dout, q, k, v, out, lse, causal: bool, scale: float, window, cu_seqlens,
     )
     if atomic:
         return dq.to(q.dtype), dk, dv
-    block_m, block_n, warps, stages = _config(hs, q.device, "dq")
+    block_m, block_n, warps, stages = configs.get("dq") or _config(hs, q.device, "dq")
     _attn_bwd_dq_kernel[(triton.cdiv(tq, block_m), batch * nh)](
         q4, k4, v4, do4, lse, delta, dq4, cu_seqlens,
         *_strides(q4, varlen), *_strides(k4, varlen), *_strides(v4, varlen), *_strides(do4, varlen),
