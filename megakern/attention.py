@@ -159,16 +159,10 @@ def check_inputs(q, k, v, cu_seqlens, max_seqlen, softmax_scale) -> None:
 
 # ---- Triton kernels --------------------------------------------------------------------------------------------
 def _kernels():
-    """The Triton kernels, defined on first use (Triton is optional)."""
-    global _KERNELS
-    if _KERNELS is None:
-        from megakern import _attention_triton
+    """The Triton kernels' module, imported on first use (Triton is optional)."""
+    from megakern import _attention_triton
 
-        _KERNELS = _attention_triton
-    return _KERNELS
-
-
-_KERNELS = None
+    return _attention_triton
 
 
 class AttentionFunction(torch.autograd.Function):
