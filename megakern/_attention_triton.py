@@ -1,11 +1,18 @@
-"""Triton kernels of megakern.attention (FlashAttention-2 algorithm).
+"""Triton kernels of megakern.attention (FlashAttention-2 algorithm, laid out for Hopper).
 
-Forward: a program per (block of BLOCK_M queries, batch x head); it walks the key blocks its masks allow, keeping
-the running max, the running sum and the output in fp32 registers (online softmax, base 2, scale folded in), and
-writes out and the row's log-sum-exp. Backward: delta = rowsum(dO * O) first; then a program per (block of BLOCK_N
-keys, batch x kv head) walks every query head of its group and every query block that sees its keys, accumulating
-dk and dv in registers (GQA groups reduced in the kernel, no atomics); dq either by fp32 atomic adds from that pass,
-or (deterministic) by a second kernel per query block that recomputes the scores.
+Forward: a program per (batch x head, block of BLOCK_M queries); it walks the key blocks its masks allow, keeping
+the running max, the running sum and the output in fp32 registers (online softmax, base 2, scale folded into one
+multiply-add), and writes out and the row's log-sum-exp. The key range is cut in three: blocks that the masks cut
+(causal diagonal, window edges, the ragged end) get the mask, the blocks between them run without one.
+
+Backward: delta = rowsum(dO * O) first; then a program per (batch x kv head, block of BLOCK_N keys) walks every
+query head of its group and every query block that sees its keys, accumulating dk and dv in registers (GQA groups
+reduced in the kernel); dq either by fp32 atomic adds from that pass (a TMA reduce where tensor descriptors are
+used; element atomics under the interpreter, which has no TMA reduce), or (deterministic) by a second kernel per query block that recomputes the scores.
+
+Tiles move by TMA through device-side tensor descriptors (one per (sequence, head), its shape the sequence's own
+length, so ragged ends read zeros and stores stop at the end) on Hopper and newer when the strides allow (16-byte
+aligned), else by masked pointer loads; both paths compute the same thing and both are tested.
 
 Packed sequences (cu_seqlens): the batch index is the document; its rows start at cu_seqlens[b]. Tensors come in
 as (B, T, heads, hs) views with unit stride along hs (packed ones as (1, total, heads, hs), batch stride unused).
@@ -20,47 +27,175 @@ LN2 = 0.6931471805599453
 LOG2E = 1.4426950408889634
 
 
+# ---- tile access: a TMA tensor descriptor or a plain pointer ----------------------------------------------------
+@triton.jit
+def _tile_src(BASE, rows, stride_t, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+              TMA: tl.constexpr):
+    """What _load / _store take for the (rows, HEAD_DIM) matrix at BASE (row stride stride_t, unit column stride)."""
+    if TMA:
+        return tl.make_tensor_descriptor(BASE, shape=[rows, HEAD_DIM], strides=[stride_t, 1],
+                                         block_shape=[BLOCK, BLOCK_D])
+    else:
+        return BASE
+
+
+@triton.jit
+def _load(src, row, rows, stride_t, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+          TMA: tl.constexpr, CHECK_ROWS: tl.constexpr):
+    """Rows row .. row + BLOCK - 1 of the matrix, zeros past ``rows`` (pointer path: only if CHECK_ROWS) and past
+    HEAD_DIM."""
+    if TMA:
+        return src.load([row, 0])
+    else:
+        offs = row + tl.arange(0, BLOCK)
+        offs_d = tl.arange(0, BLOCK_D)
+        ptrs = src + offs.to(tl.int64)[:, None] * stride_t + offs_d[None, :]
+        if CHECK_ROWS:
+            return tl.load(ptrs, mask=(offs[:, None] < rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        elif BLOCK_D != HEAD_DIM:
+            return tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        else:
+            return tl.load(ptrs)
+
+
+@triton.jit
+def _store(dst, row, rows, stride_t, value, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+           TMA: tl.constexpr):
+    """Store rows row .. row + BLOCK - 1 (those before ``rows``, columns before HEAD_DIM)."""
+    if TMA:
+        dst.store([row, 0], value)
+    else:
+        offs = row + tl.arange(0, BLOCK)
+        offs_d = tl.arange(0, BLOCK_D)
+        tl.store(dst + offs.to(tl.int64)[:, None] * stride_t + offs_d[None, :], value,
+                 mask=(offs[:, None] < rows) & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _atomic_add(dst, row, rows, stride_t, value, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+                HEAD_DIM: tl.constexpr, TMA: tl.constexpr):
+    """fp32 add of ``value`` into rows row .. row + BLOCK - 1 (a TMA reduce with descriptors)."""
+    if TMA:
+        dst.atomic_add([row, 0], value)
+    else:
+        offs = row + tl.arange(0, BLOCK)
+        offs_d = tl.arange(0, BLOCK_D)
+        tl.atomic_add(dst + offs.to(tl.int64)[:, None] * stride_t + offs_d[None, :], value,
+                      mask=(offs[:, None] < rows) & (offs_d[None, :] < HEAD_DIM), sem="relaxed")
+
+
+# ---- masks and ranges ------------------------------------------------------------------------------------------
 @triton.jit
 def _bounds(CU, b, TQ, TK, VARLEN: tl.constexpr):
-    """(first row of q, first row of k, length of q, length of k) of batch entry / document b."""
+    """(first row of q, first row of k, length of q, length of k) of batch entry / document b; rows in int64."""
     if VARLEN:
         start = tl.load(CU + b)
         length = tl.load(CU + b + 1) - start
-        return start, start, length, length
+        return start.to(tl.int64), start.to(tl.int64), length, length
     else:
         return 0, 0, TQ, TK
 
 
 @triton.jit
-def _allowed(offs_m, offs_n, len_q, len_k, win_left, win_right,
+def _visible(i, j, len_q, len_k, win_left, win_right,
              CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr):
-    """(BLOCK_M, BLOCK_N) mask: key j visible to query i (bottom-right aligned diagonal)."""
+    """Key j visible to query i (broadcast index tiles); the causal diagonal is aligned bottom-right."""
     diag = len_k - len_q
-    ok = (offs_m[:, None] < len_q) & (offs_n[None, :] < len_k)
+    ok = (i < len_q) & (j < len_k)
     if CAUSAL:
-        ok = ok & (offs_n[None, :] <= offs_m[:, None] + diag)
+        ok = ok & (j <= i + diag)
     if WINDOW_L:
-        ok = ok & (offs_n[None, :] >= offs_m[:, None] + diag - win_left)
+        ok = ok & (j >= i + diag - win_left)
     if WINDOW_R:
-        ok = ok & (offs_n[None, :] <= offs_m[:, None] + diag + win_right)
+        ok = ok & (j <= i + diag + win_right)
     return ok
 
 
 @triton.jit
-def _key_range(start_m, len_q, len_k, win_left, win_right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr):
-    """[lo, hi) of key blocks that queries start_m .. start_m + BLOCK_M - 1 may see; lo a multiple of BLOCK_N."""
+def _key_blocks(start_m, len_q, len_k, win_left, win_right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr):
+    """Key range of the queries start_m .. start_m + BLOCK_M - 1: lo <= full_lo <= full_hi <= hi, with blocks of
+    BLOCK_N from lo; [lo, full_lo) and [full_hi, hi) need the mask, [full_lo, full_hi) is visible to every query."""
     diag = len_k - len_q
     lo = 0
     hi = len_k
+    full_hi = len_k  # keys every query of the block sees: below full_hi ...
+    full_lo = 0  # ... and from full_lo
     if CAUSAL:
         hi = tl.minimum(hi, start_m + BLOCK_M + diag)
+        full_hi = tl.minimum(full_hi, start_m + diag + 1)
     if WINDOW_R:
         hi = tl.minimum(hi, start_m + BLOCK_M + diag + win_right)
+        full_hi = tl.minimum(full_hi, start_m + diag + win_right + 1)
     if WINDOW_L:
         lo = tl.maximum(0, start_m + diag - win_left)
+        full_lo = tl.maximum(0, start_m + BLOCK_M - 1 + diag - win_left)
     lo = (lo // BLOCK_N) * BLOCK_N
-    return lo, hi
+    full_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, lo), tl.maximum(hi, lo))
+    full_hi = (tl.maximum(full_hi, 0) // BLOCK_N) * BLOCK_N
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), tl.maximum(hi, lo))
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _query_blocks(start_n, len_q, len_k, win_left, win_right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr):
+    """Query range that sees keys start_n .. start_n + BLOCK_N - 1, cut as _key_blocks: lo <= full_lo <= full_hi
+    <= hi, blocks of BLOCK_M from lo; every pair in [full_lo, full_hi) is visible (query rows past len_q are
+    harmless there: their lse reads +inf, so their p is 0)."""
+    diag = len_k - len_q
+    lo = 0
+    hi = len_q
+    full_lo = 0
+    full_hi = len_q
+    if CAUSAL:
+        lo = tl.maximum(0, start_n - diag)
+        full_lo = tl.maximum(full_lo, start_n + BLOCK_N - 1 - diag)
+    if WINDOW_R:
+        lo = tl.maximum(lo, start_n - diag - win_right)
+        full_lo = tl.maximum(full_lo, start_n + BLOCK_N - 1 - diag - win_right)
+    if WINDOW_L:
+        hi = tl.minimum(hi, start_n + BLOCK_N - diag + win_left)
+        full_hi = (tl.maximum(start_n - diag + win_left + 1, 0) // BLOCK_M) * BLOCK_M
+    else:
+        full_hi = hi
+    lo = (lo // BLOCK_M) * BLOCK_M
+    full_lo = tl.cdiv(full_lo, BLOCK_M) * BLOCK_M
+    full_lo = tl.where(start_n + BLOCK_N > len_k, hi, full_lo)  # a ragged key block: masked throughout
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), tl.maximum(hi, lo))
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), tl.maximum(hi, lo))
+    return lo, full_lo, full_hi, hi
+
+
+# ---- forward ---------------------------------------------------------------------------------------------------
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, lo, hi, offs_m, len_q, len_k, win_left, win_right,
+               stride_kt, stride_vt, scale_log2,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+               CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, TMA: tl.constexpr,
+               MASKED: tl.constexpr):
+    for start_n in range(lo, hi, BLOCK_N):
+        k = _load(k_src, start_n, len_k, stride_kt, BLOCK_N, BLOCK_D, HEAD_DIM, TMA, MASKED)
+        qk = tl.dot(q, tl.trans(k))
+        if MASKED:
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            ok = _visible(offs_m[:, None], offs_n[None, :], len_q, len_k, win_left, win_right,
+                          CAUSAL, WINDOW_L, WINDOW_R)
+            qk = tl.where(ok, qk * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+            p = tl.math.exp2(qk - m_use[:, None])
+        else:  # scale > 0, so max(qk) * scale = max(qk * scale): one multiply-add per score
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
+            m_use = m_new
+            p = tl.math.exp2(qk * scale_log2 - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v = _load(v_src, start_n, len_k, stride_vt, BLOCK_N, BLOCK_D, HEAD_DIM, TMA, MASKED)
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    return acc, l_i, m_i
 
 
 @triton.jit
@@ -71,56 +206,53 @@ def _attn_fwd_kernel(
     NH, GROUP, TQ, TK, scale_log2, win_left, win_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, VARLEN: tl.constexpr,
+    TMA: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    if CAUSAL:  # the longest rows first: the tail of the grid is short work
+        pid_m = tl.num_programs(1) - 1 - pid_m
     b = pid_bh // NH
     h = pid_bh % NH
     hk = h // GROUP
     q_start, k_start, len_q, len_k = _bounds(CU, b, TQ, TK, VARLEN)
     start_m = pid_m * BLOCK_M
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    m_ok = offs_m < len_q
-    # the query block, kept in registers
-    q = tl.load(Q + b * stride_qb + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-                mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    lo, hi = _key_range(start_m, len_q, len_k, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW_L, WINDOW_R)
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < len_k
-        kv_rows = (k_start + offs_n)[:, None]
-        k = tl.load(K + b * stride_kb + kv_rows * stride_kt + hk * stride_kh + offs_d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        # scores in base 2, masked
-        s = tl.dot(q, tl.trans(k)) * scale_log2
-        ok = _allowed(offs_m, offs_n, len_q, len_k, win_left, win_right, CAUSAL, WINDOW_L, WINDOW_R)
-        s = tl.where(ok, s, float("-inf"))
-        # online softmax: rescale what was accumulated to the new running max
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + b * stride_vb + kv_rows * stride_vt + hk * stride_vh + offs_d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc)
-        m_i = m_new
-    # normalize; a row that saw no key gets 0 and lse -inf
-    seen = l_i > 0.0
-    l_use = tl.where(seen, l_i, 1.0)
-    out = acc / l_use[:, None]
-    lse = tl.where(seen, (m_i + tl.math.log2(l_use)) * 0.6931471805599453, float("-inf"))
-    tl.store(O + b * stride_ob + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-             out.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
-    tl.store(LSE + b * stride_lb + h * stride_lh + q_start + offs_m, lse, mask=m_ok)
+    if start_m < len_q:  # packed documents: blocks past this document's end have nothing to do
+        bb = b.to(tl.int64)
+        q_src = _tile_src(Q + bb * stride_qb + q_start * stride_qt + h * stride_qh, len_q, stride_qt,
+                          BLOCK_M, BLOCK_D, HEAD_DIM, TMA)
+        k_src = _tile_src(K + bb * stride_kb + k_start * stride_kt + hk * stride_kh, len_k, stride_kt,
+                          BLOCK_N, BLOCK_D, HEAD_DIM, TMA)
+        v_src = _tile_src(V + bb * stride_vb + k_start * stride_vt + hk * stride_vh, len_k, stride_vt,
+                          BLOCK_N, BLOCK_D, HEAD_DIM, TMA)
+        o_dst = _tile_src(O + bb * stride_ob + q_start * stride_ot + h * stride_oh, len_q, stride_ot,
+                          BLOCK_M, BLOCK_D, HEAD_DIM, TMA)
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q = _load(q_src, start_m, len_q, stride_qt, BLOCK_M, BLOCK_D, HEAD_DIM, TMA, True)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        lo, full_lo, full_hi, hi = _key_blocks(start_m, len_q, len_k, win_left, win_right, BLOCK_M, BLOCK_N,
+                                               CAUSAL, WINDOW_L, WINDOW_R)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, full_lo, full_hi, offs_m, len_q, len_k, win_left, win_right,
+                                   stride_kt, stride_vt, scale_log2, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, WINDOW_L,
+                                   WINDOW_R, TMA, False)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, full_hi, hi, offs_m, len_q, len_k, win_left, win_right,
+                                   stride_kt, stride_vt, scale_log2, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, WINDOW_L,
+                                   WINDOW_R, TMA, True)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, lo, full_lo, offs_m, len_q, len_k, win_left, win_right,
+                                   stride_kt, stride_vt, scale_log2, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, WINDOW_L,
+                                   WINDOW_R, TMA, True)
+        # normalize; a row that saw no key gets 0 and lse -inf
+        seen = l_i > 0.0
+        l_use = tl.where(seen, l_i, 1.0)
+        out = acc / l_use[:, None]
+        lse = tl.where(seen, (m_i + tl.math.log2(l_use)) * 0.6931471805599453, float("-inf"))
+        _store(o_dst, start_m, len_q, stride_ot, out.to(O.dtype.element_ty), BLOCK_M, BLOCK_D, HEAD_DIM, TMA)
+        tl.store(LSE + bb * stride_lb + h * stride_lh + q_start + offs_m, lse, mask=offs_m < len_q)
 
 
+# ---- backward --------------------------------------------------------------------------------------------------
 @triton.jit
 def _attn_bwd_delta_kernel(
     O, DO, DELTA, CU,
@@ -137,10 +269,49 @@ def _attn_bwd_delta_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_m < len_q)[:, None] & (offs_d < HEAD_DIM)[None, :]
     rows = (q_start + offs_m)[:, None]
-    o = tl.load(O + b * stride_ob + rows * stride_ot + h * stride_oh + offs_d[None, :], mask=mask, other=0.0)
-    do = tl.load(DO + b * stride_db + rows * stride_dt + h * stride_dh + offs_d[None, :], mask=mask, other=0.0)
+    bb = b.to(tl.int64)
+    o = tl.load(O + bb * stride_ob + rows * stride_ot + h * stride_oh + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(DO + bb * stride_db + rows * stride_dt + h * stride_dh + offs_d[None, :], mask=mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(DELTA + b * stride_lb + h * stride_lh + q_start + offs_m, delta, mask=offs_m < len_q)
+    tl.store(DELTA + bb * stride_lb + h * stride_lh + q_start + offs_m, delta, mask=offs_m < len_q)
+
+
+@triton.jit
+def _row_stats(LSE_H, DELTA_H, offs_m, len_q):
+    """Base-2 lse (+inf where a row saw no key, or past the end: p = 0 there) and delta of the query rows."""
+    m_ok = offs_m < len_q
+    lse = tl.load(LSE_H + offs_m, mask=m_ok, other=float("-inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    delta = tl.load(DELTA_H + offs_m, mask=m_ok, other=0.0)
+    return lse2, delta
+
+
+@triton.jit
+def _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, dq_dst, LSE_H, DELTA_H, lo, hi, offs_n, len_q, len_k,
+                    win_left, win_right, stride_qt, stride_dot, stride_dqt, scale_log2, scale,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                    CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, TMA: tl.constexpr,
+                    ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, MASKED: tl.constexpr):
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q = _load(q_src, start_m, len_q, stride_qt, BLOCK_M, BLOCK_D, HEAD_DIM, TMA, True)
+        lse2, delta = _row_stats(LSE_H, DELTA_H, offs_m, len_q)
+        # P^T recomputed from the saved lse, then dV += P^T dO, dS^T = P^T * (dP^T - delta), dK += dS^T Q
+        s_t = tl.dot(k, tl.trans(q))
+        p_t = tl.math.exp2(s_t * scale_log2 - lse2[None, :])
+        if MASKED:
+            ok_t = _visible(offs_m[None, :], offs_n[:, None], len_q, len_k, win_left, win_right,
+                            CAUSAL, WINDOW_L, WINDOW_R)
+            p_t = tl.where(ok_t, p_t, 0.0)
+        do = _load(do_src, start_m, len_q, stride_dot, BLOCK_M, BLOCK_D, HEAD_DIM, TMA, True)
+        dv = tl.dot(p_t.to(do.dtype), do, dv)
+        dp_t = tl.dot(v, tl.trans(do))
+        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+        dk = tl.dot(ds_t, q, dk)
+        if ATOMIC_DQ:
+            dq = tl.dot(tl.trans(ds_t), k) * scale
+            _atomic_add(dq_dst, start_m, len_q, stride_dqt, dq, BLOCK_M, BLOCK_D, HEAD_DIM, DQ_TMA)
+    return dk, dv
 
 
 @triton.jit
@@ -152,68 +323,80 @@ def _attn_bwd_dkdv_kernel(
     NKV, GROUP, TQ, TK, scale_log2, scale, win_left, win_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, VARLEN: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, TMA: tl.constexpr, DQ_TMA: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(0)
+    pid_n = tl.program_id(1)  # causal: the first key blocks see the most queries and go first
     b = pid_bh // NKV
     hk = pid_bh % NKV
     q_start, k_start, len_q, len_k = _bounds(CU, b, TQ, TK, VARLEN)
     start_n = pid_n * BLOCK_N
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    n_ok = offs_n < len_k
-    kv_mask = n_ok[:, None] & d_ok[None, :]
-    kv_rows = (k_start + offs_n)[:, None]
-    k = tl.load(K + b * stride_kb + kv_rows * stride_kt + hk * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(V + b * stride_vb + kv_rows * stride_vt + hk * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    # query blocks that can see this key block
-    diag = len_k - len_q
-    lo = 0
-    hi = len_q
-    if CAUSAL:
-        lo = tl.maximum(0, start_n - diag)
-    if WINDOW_R:
-        lo = tl.maximum(lo, start_n - diag - win_right)
-    if WINDOW_L:
-        hi = tl.minimum(hi, start_n + BLOCK_N - diag + win_left)
-    lo = (lo // BLOCK_M) * BLOCK_M
-    for g in range(GROUP):  # every query head of this kv head's group: dk, dv summed in registers
-        h = hk * GROUP + g
-        for start_m in range(lo, hi, BLOCK_M):
-            offs_m = start_m + tl.arange(0, BLOCK_M)
-            m_ok = offs_m < len_q
-            q_mask = m_ok[:, None] & d_ok[None, :]
-            q_rows = (q_start + offs_m)[:, None]
-            q = tl.load(Q + b * stride_qb + q_rows * stride_qt + h * stride_qh + offs_d[None, :], mask=q_mask,
-                        other=0.0)
-            do = tl.load(DO + b * stride_dob + q_rows * stride_dot + h * stride_doh + offs_d[None, :], mask=q_mask,
-                         other=0.0)
-            stat = b * stride_lb + h * stride_lh + q_start + offs_m
-            lse = tl.load(LSE + stat, mask=m_ok, other=0.0)
-            delta = tl.load(DELTA + stat, mask=m_ok, other=0.0)
-            lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-            # P^T recomputed from the saved lse, then dV += P^T dO, dS^T = P^T * (dP^T - delta), dK += dS^T Q
-            s_t = tl.dot(k, tl.trans(q)) * scale_log2
-            ok_t = tl.trans(_allowed(offs_m, offs_n, len_q, len_k, win_left, win_right, CAUSAL, WINDOW_L,
-                                     WINDOW_R))
-            p_t = tl.where(ok_t, tl.math.exp2(s_t - lse2[None, :]), 0.0)
-            dv = tl.dot(p_t.to(do.dtype), do, dv)
-            dp_t = tl.dot(v, tl.trans(do))
-            ds_t = p_t * (dp_t - delta[None, :])
-            dk = tl.dot(ds_t.to(q.dtype), q, dk)
+    if start_n < len_k:
+        bb = b.to(tl.int64)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k_src = _tile_src(K + bb * stride_kb + k_start * stride_kt + hk * stride_kh, len_k, stride_kt,
+                          BLOCK_N, BLOCK_D, HEAD_DIM, TMA)
+        v_src = _tile_src(V + bb * stride_vb + k_start * stride_vt + hk * stride_vh, len_k, stride_vt,
+                          BLOCK_N, BLOCK_D, HEAD_DIM, TMA)
+        k = _load(k_src, start_n, len_k, stride_kt, BLOCK_N, BLOCK_D, HEAD_DIM, TMA, True)
+        v = _load(v_src, start_n, len_k, stride_vt, BLOCK_N, BLOCK_D, HEAD_DIM, TMA, True)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        lo, full_lo, full_hi, hi = _query_blocks(start_n, len_q, len_k, win_left, win_right, BLOCK_M, BLOCK_N,
+                                                 CAUSAL, WINDOW_L, WINDOW_R)
+        for g in range(GROUP):  # every query head of this kv head's group: dk, dv summed in registers
+            h = hk * GROUP + g
+            q_src = _tile_src(Q + bb * stride_qb + q_start * stride_qt + h * stride_qh, len_q, stride_qt,
+                              BLOCK_M, BLOCK_D, HEAD_DIM, TMA)
+            do_src = _tile_src(DO + bb * stride_dob + q_start * stride_dot + h * stride_doh, len_q, stride_dot,
+                               BLOCK_M, BLOCK_D, HEAD_DIM, TMA)
             if ATOMIC_DQ:
-                dq = tl.dot(tl.trans(ds_t).to(k.dtype), k) * scale
-                tl.atomic_add(DQ_ACC + b * stride_dqb + q_rows * stride_dqt + h * stride_dqh + offs_d[None, :], dq,
-                              mask=q_mask)
-    dk = dk * scale
-    tl.store(DK + b * stride_dkb + kv_rows * stride_dkt + hk * stride_dkh + offs_d[None, :],
-             dk.to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + b * stride_dvb + kv_rows * stride_dvt + hk * stride_dvh + offs_d[None, :],
-             dv.to(DV.dtype.element_ty), mask=kv_mask)
+                dq_dst = _tile_src(DQ_ACC + bb * stride_dqb + q_start * stride_dqt + h * stride_dqh, len_q,
+                                   stride_dqt, BLOCK_M, BLOCK_D, HEAD_DIM, DQ_TMA)
+            else:
+                dq_dst = DQ_ACC
+            stats = bb * stride_lb + h * stride_lh + q_start
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, dq_dst, LSE + stats, DELTA + stats,
+                                     full_lo, full_hi, offs_n, len_q, len_k, win_left, win_right, stride_qt, stride_dot,
+                                     stride_dqt, scale_log2, scale, HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, WINDOW_L,
+                                     WINDOW_R, TMA, ATOMIC_DQ, DQ_TMA, False)
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, dq_dst, LSE + stats, DELTA + stats,
+                                     lo, full_lo, offs_n, len_q, len_k, win_left, win_right, stride_qt, stride_dot,
+                                     stride_dqt, scale_log2, scale, HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, WINDOW_L,
+                                     WINDOW_R, TMA, ATOMIC_DQ, DQ_TMA, True)
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, dq_dst, LSE + stats, DELTA + stats,
+                                     full_hi, hi, offs_n, len_q, len_k, win_left, win_right, stride_qt, stride_dot,
+                                     stride_dqt, scale_log2, scale, HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, WINDOW_L,
+                                     WINDOW_R, TMA, ATOMIC_DQ, DQ_TMA, True)
+        dk_dst = _tile_src(DK + bb * stride_dkb + k_start * stride_dkt + hk * stride_dkh, len_k, stride_dkt,
+                           BLOCK_N, BLOCK_D, HEAD_DIM, TMA)
+        dv_dst = _tile_src(DV + bb * stride_dvb + k_start * stride_dvt + hk * stride_dvh, len_k, stride_dvt,
+                           BLOCK_N, BLOCK_D, HEAD_DIM, TMA)
+        _store(dk_dst, start_n, len_k, stride_dkt, (dk * scale).to(DK.dtype.element_ty), BLOCK_N, BLOCK_D,
+               HEAD_DIM, TMA)
+        _store(dv_dst, start_n, len_k, stride_dvt, dv.to(DV.dtype.element_ty), BLOCK_N, BLOCK_D, HEAD_DIM, TMA)
+
+
+@triton.jit
+def _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, lo, hi, offs_m, len_q, len_k, win_left, win_right,
+                  stride_kt, stride_vt, scale_log2,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                  CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, TMA: tl.constexpr,
+                  MASKED: tl.constexpr):
+    for start_n in range(lo, hi, BLOCK_N):
+        k = _load(k_src, start_n, len_k, stride_kt, BLOCK_N, BLOCK_D, HEAD_DIM, TMA, MASKED)
+        v = _load(v_src, start_n, len_k, stride_vt, BLOCK_N, BLOCK_D, HEAD_DIM, TMA, MASKED)
+        s = tl.dot(q, tl.trans(k))
+        p = tl.math.exp2(s * scale_log2 - lse2[:, None])
+        if MASKED:
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            ok = _visible(offs_m[:, None], offs_n[None, :], len_q, len_k, win_left, win_right,
+                          CAUSAL, WINDOW_L, WINDOW_R)
+            p = tl.where(ok, p, 0.0)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq)
+    return dq
 
 
 @triton.jit
@@ -224,57 +407,75 @@ def _attn_bwd_dq_kernel(
     NH, GROUP, TQ, TK, scale_log2, scale, win_left, win_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, VARLEN: tl.constexpr,
+    TMA: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    if CAUSAL:
+        pid_m = tl.num_programs(1) - 1 - pid_m
     b = pid_bh // NH
     h = pid_bh % NH
     hk = h // GROUP
     q_start, k_start, len_q, len_k = _bounds(CU, b, TQ, TK, VARLEN)
     start_m = pid_m * BLOCK_M
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    m_ok = offs_m < len_q
-    q_mask = m_ok[:, None] & d_ok[None, :]
-    q_rows = (q_start + offs_m)[:, None]
-    q = tl.load(Q + b * stride_qb + q_rows * stride_qt + h * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
-    do = tl.load(DO + b * stride_dob + q_rows * stride_dot + h * stride_doh + offs_d[None, :], mask=q_mask,
-                 other=0.0)
-    stat = b * stride_lb + h * stride_lh + q_start + offs_m
-    lse = tl.load(LSE + stat, mask=m_ok, other=0.0)
-    delta = tl.load(DELTA + stat, mask=m_ok, other=0.0)
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    lo, hi = _key_range(start_m, len_q, len_k, win_left, win_right, BLOCK_M, BLOCK_N, CAUSAL, WINDOW_L, WINDOW_R)
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_mask = (offs_n < len_k)[:, None] & d_ok[None, :]
-        kv_rows = (k_start + offs_n)[:, None]
-        k = tl.load(K + b * stride_kb + kv_rows * stride_kt + hk * stride_kh + offs_d[None, :], mask=kv_mask,
-                    other=0.0)
-        v = tl.load(V + b * stride_vb + kv_rows * stride_vt + hk * stride_vh + offs_d[None, :], mask=kv_mask,
-                    other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale_log2
-        ok = _allowed(offs_m, offs_n, len_q, len_k, win_left, win_right, CAUSAL, WINDOW_L, WINDOW_R)
-        p = tl.where(ok, tl.math.exp2(s - lse2[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v))
-        ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq)
-    tl.store(DQ + b * stride_dqb + q_rows * stride_dqt + h * stride_dqh + offs_d[None, :],
-             (dq * scale).to(DQ.dtype.element_ty), mask=q_mask)
+    if start_m < len_q:
+        bb = b.to(tl.int64)
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q_src = _tile_src(Q + bb * stride_qb + q_start * stride_qt + h * stride_qh, len_q, stride_qt,
+                          BLOCK_M, BLOCK_D, HEAD_DIM, TMA)
+        do_src = _tile_src(DO + bb * stride_dob + q_start * stride_dot + h * stride_doh, len_q, stride_dot,
+                           BLOCK_M, BLOCK_D, HEAD_DIM, TMA)
+        k_src = _tile_src(K + bb * stride_kb + k_start * stride_kt + hk * stride_kh, len_k, stride_kt,
+                          BLOCK_N, BLOCK_D, HEAD_DIM, TMA)
+        v_src = _tile_src(V + bb * stride_vb + k_start * stride_vt + hk * stride_vh, len_k, stride_vt,
+                          BLOCK_N, BLOCK_D, HEAD_DIM, TMA)
+        dq_dst = _tile_src(DQ + bb * stride_dqb + q_start * stride_dqt + h * stride_dqh, len_q, stride_dqt,
+                           BLOCK_M, BLOCK_D, HEAD_DIM, TMA)
+        q = _load(q_src, start_m, len_q, stride_qt, BLOCK_M, BLOCK_D, HEAD_DIM, TMA, True)
+        do = _load(do_src, start_m, len_q, stride_dot, BLOCK_M, BLOCK_D, HEAD_DIM, TMA, True)
+        stats = bb * stride_lb + h * stride_lh + q_start
+        lse2, delta = _row_stats(LSE + stats, DELTA + stats, offs_m, len_q)
+        dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        lo, full_lo, full_hi, hi = _key_blocks(start_m, len_q, len_k, win_left, win_right, BLOCK_M, BLOCK_N,
+                                               CAUSAL, WINDOW_L, WINDOW_R)
+        dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, full_lo, full_hi, offs_m, len_q, len_k, win_left,
+                           win_right, stride_kt, stride_vt, scale_log2, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL,
+                           WINDOW_L, WINDOW_R, TMA, False)
+        dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, full_hi, hi, offs_m, len_q, len_k, win_left,
+                           win_right, stride_kt, stride_vt, scale_log2, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL,
+                           WINDOW_L, WINDOW_R, TMA, True)
+        dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, lo, full_lo, offs_m, len_q, len_k, win_left,
+                           win_right, stride_kt, stride_vt, scale_log2, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL,
+                           WINDOW_L, WINDOW_R, TMA, True)
+        _store(dq_dst, start_m, len_q, stride_dqt, (dq * scale).to(DQ.dtype.element_ty), BLOCK_M, BLOCK_D,
+               HEAD_DIM, TMA)
 
 
 # ---- launchers -------------------------------------------------------------------------------------------------
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head dim (a head dim uses the entry of the smallest
+# tuned one >= it); small tiles under the CPU interpreter. Measured on the H200 with profiles/tune_attention.py
+# (bf16, T 4096, B 4, nh * hs 2048, TFLOP/s of the same-run 679-682 bf16 matmul; tensor descriptors):
+# - fwd hs128: 128x128 8 warps 3 stages 393 causal / 431 full; 128x64 8w3s 378 / 412; Triton's warp
+#   specialization of the loop (128x128 8w3s) 385 / 419, so it is not used. hs64: 128x64 4w3s 326 causal.
+# - backward, two passes (dk/dv kernel, then dq kernel): hs128 dk/dv 64x64 4w2s + dq 128x64 8w3s 321 causal /
+#   349 full; hs64 dk/dv 32x64 4w3s 249 causal. The single pass with atomic dq was slower at its best config:
+#   hs128 291 / 304 (32x128 8w3s), hs64 224 (64x64 4w2s); so dq comes from the second pass by default.
+# - hs256: not tuned; tiles that fit the shared memory.
+CONFIGS = {
+    "fwd": {64: (128, 64, 4, 3), 128: (128, 128, 8, 3), 256: (64, 32, 4, 2)},
+    "dkdv": {64: (32, 64, 4, 3), 128: (64, 64, 4, 2), 256: (32, 64, 4, 2)},
+    "dkdv_atomic": {64: (64, 64, 4, 2), 128: (32, 128, 8, 3), 256: (32, 64, 4, 2)},
+    "dq": {64: (64, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
+}
+
+
 def _config(hs: int, device: torch.device, kind: str) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages). Small tiles under the CPU interpreter."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of ``kind`` (a key of CONFIGS) for head dim hs: the entry of
+    the smallest tuned head dim >= hs."""
     if device.type != "cuda":
         return 16, 16, 4, 1
-    if kind == "fwd":
-        return (128, 64, 4, 3) if hs <= 64 else (128, 64, 8, 3) if hs <= 128 else (64, 32, 4, 2)
-    if kind == "dkdv":
-        return (32, 128, 4, 3) if hs <= 128 else (32, 64, 4, 2)
-    return (128, 32, 4, 3) if hs <= 128 else (64, 32, 4, 2)  # dq
+    table = CONFIGS[kind]
+    return table[min(d for d in table if d >= hs)]
 
 
 def _as4d(t: torch.Tensor, varlen: bool) -> torch.Tensor:
@@ -299,9 +500,57 @@ def _masks(causal, window):
     return dict(CAUSAL=causal, WINDOW_L=left >= 0, WINDOW_R=right >= 0 and not causal), max(left, 0), max(right, 0)
 
 
-def fwd(q, k, v, causal: bool, scale: float, window, cu_seqlens, max_seqlen, config=None):
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _tma_ok(tensors) -> bool:
+    """Tensor descriptors (TMA) can carry these 4-D tensors: Hopper or newer (or the interpreter), 16-byte aligned
+    base and row / head / batch strides."""
+    first = tensors[0]
+    if first.device.type == "cuda":
+        if torch.cuda.get_device_capability(first.device)[0] < 9:
+            return False
+    elif not _interpreting():
+        return False
+    for t in tensors:
+        size = t.element_size()
+        if t.data_ptr() % 16 or any((s * size) % 16 for s in t.stride()[:3]):
+            return False
+    return True
+
+
+def _scratch(size: int, alignment: int, stream):
+    """Global scratch for device-side tensor descriptors (Triton asks for it at launch)."""
+    device = "cpu" if _interpreting() or not torch.cuda.is_available() else torch.cuda.current_device()
+    return torch.empty(size, dtype=torch.int8, device=device)
+
+
+def _ensure_allocator() -> None:
+    """Device-side descriptors need a Triton allocator; set one unless the application has its own."""
+    try:
+        from triton.runtime import _allocation
+
+        current = _allocation._allocator.get()
+        if not isinstance(current, _allocation.NullAllocator):
+            return
+    except (ImportError, AttributeError):
+        pass
+    triton.set_allocator(_scratch)
+
+
+def _pick_tma(tma, tensors) -> bool:
+    use = _tma_ok(tensors) if tma is None else bool(tma)
+    if use:
+        _ensure_allocator()
+    return use
+
+
+def fwd(q, k, v, causal: bool, scale: float, window, cu_seqlens, max_seqlen, config=None, tma=None):
     """(out, lse): out like q; lse (B, nh, Tq) or (nh, total) fp32. ``config`` (BLOCK_M, BLOCK_N, warps, stages)
-    overrides ``_config`` (tuning)."""
+    overrides ``_config``; ``tma`` forces tensor descriptors on or off (tests, tuning)."""
     varlen, batch, tq, tk = _geometry(q, k, cu_seqlens, max_seqlen)
     q4, k4, v4 = (_as4d(t, varlen) for t in (q, k, v))
     nh, hs, nkv = q.shape[-2], q.shape[-1], k.shape[-2]
@@ -313,20 +562,21 @@ def fwd(q, k, v, causal: bool, scale: float, window, cu_seqlens, max_seqlen, con
     flags, left, right = _masks(causal, window)
     if batch == 0 or tq == 0:
         return out, lse
-    _attn_fwd_kernel[(triton.cdiv(tq, block_m), batch * nh)](
+    use_tma = _pick_tma(tma, (q4, k4, v4, o4))
+    _attn_fwd_kernel[(batch * nh, triton.cdiv(tq, block_m))](
         q4, k4, v4, o4, lse, cu_seqlens,
         *_strides(q4, varlen), *_strides(k4, varlen), *_strides(v4, varlen), *_strides(o4, varlen),
         stride_lb, stride_lh,
         nh, nh // nkv, tq, tk, scale * LOG2E, left, right,
         HEAD_DIM=hs, BLOCK_D=max(16, triton.next_power_of_2(hs)), BLOCK_M=block_m, BLOCK_N=block_n,
-        VARLEN=varlen, num_warps=warps, num_stages=stages, **flags,
+        VARLEN=varlen, TMA=use_tma, num_warps=warps, num_stages=stages, **flags,
     )
     return out, lse
 
 
 def bwd(dout, q, k, v, out, lse, causal: bool, scale: float, window, cu_seqlens, max_seqlen, deterministic: bool,
-        configs=None):
-    """(dq, dk, dv). ``configs`` {'dkdv': ..., 'dq': ...} override ``_config`` (tuning)."""
+        configs=None, tma=None):
+    """(dq, dk, dv). ``configs`` {'dkdv': ..., 'dq': ...} override ``_config``; ``tma`` as for ``fwd``."""
     configs = configs or {}
     varlen, batch, tq, tk = _geometry(q, k, cu_seqlens, max_seqlen)
     q4, k4, v4, o4, do4 = (_as4d(t, varlen) for t in (q, k, v, out, dout))
@@ -336,29 +586,32 @@ def bwd(dout, q, k, v, out, lse, causal: bool, scale: float, window, cu_seqlens,
     stride_lb, stride_lh = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
     dk, dv = torch.empty(k.shape, dtype=k.dtype, device=k.device), torch.empty(v.shape, dtype=v.dtype, device=v.device)
     atomic = not deterministic
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic else torch.empty_like(q, memory_format=torch.contiguous_format)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic else torch.empty(
+        q.shape, dtype=q.dtype, device=q.device)
     if batch == 0 or tq == 0 or tk == 0:
-        return dq.to(q.dtype) if atomic else dq.zero_(), dk.zero_(), dv.zero_()
+        return dq.zero_().to(q.dtype), dk.zero_(), dv.zero_()
     dk4, dv4, dq4 = (_as4d(t, varlen) for t in (dk, dv, dq))
+    use_tma = _pick_tma(tma, (q4, k4, v4, do4, dk4, dv4, dq4))
     delta = torch.empty_like(lse)
-    block_m, _, warps, _ = _config(hs, q.device, "dq")
-    _attn_bwd_delta_kernel[(triton.cdiv(tq, block_m), batch * nh)](
+    rows = 64 if q.device.type == "cuda" else 16
+    _attn_bwd_delta_kernel[(triton.cdiv(tq, rows), batch * nh)](
         o4, do4, delta, cu_seqlens, *_strides(o4, varlen), *_strides(do4, varlen), stride_lb, stride_lh,
-        nh, tq, HEAD_DIM=hs, BLOCK_D=block_d, BLOCK_M=block_m, VARLEN=varlen, num_warps=warps,
+        nh, tq, HEAD_DIM=hs, BLOCK_D=block_d, BLOCK_M=rows, VARLEN=varlen, num_warps=4,
     )
-    common = dict(HEAD_DIM=hs, BLOCK_D=block_d, VARLEN=varlen, **flags)
-    block_m, block_n, warps, stages = configs.get("dkdv") or _config(hs, q.device, "dkdv")
-    _attn_bwd_dkdv_kernel[(triton.cdiv(tk, block_n), batch * nkv)](
+    common = dict(HEAD_DIM=hs, BLOCK_D=block_d, VARLEN=varlen, TMA=use_tma, **flags)
+    block_m, block_n, warps, stages = configs.get("dkdv") or _config(hs, q.device, "dkdv_atomic" if atomic else "dkdv")
+    _attn_bwd_dkdv_kernel[(batch * nkv, triton.cdiv(tk, block_n))](
         q4, k4, v4, do4, lse, delta, dk4, dv4, dq4, cu_seqlens,
         *_strides(q4, varlen), *_strides(k4, varlen), *_strides(v4, varlen), *_strides(do4, varlen),
         stride_lb, stride_lh, *_strides(dk4, varlen), *_strides(dv4, varlen), *_strides(dq4, varlen),
         nkv, nh // nkv, tq, tk, scale * LOG2E, scale, left, right,
-        BLOCK_M=block_m, BLOCK_N=block_n, ATOMIC_DQ=atomic, num_warps=warps, num_stages=stages, **common,
+        BLOCK_M=block_m, BLOCK_N=block_n, ATOMIC_DQ=atomic, DQ_TMA=use_tma and not _interpreting(),
+        num_warps=warps, num_stages=stages, **common,
     )
     if atomic:
         return dq.to(q.dtype), dk, dv
     block_m, block_n, warps, stages = configs.get("dq") or _config(hs, q.device, "dq")
-    _attn_bwd_dq_kernel[(triton.cdiv(tq, block_m), batch * nh)](
+    _attn_bwd_dq_kernel[(batch * nh, triton.cdiv(tq, block_m))](
         q4, k4, v4, do4, lse, delta, dq4, cu_seqlens,
         *_strides(q4, varlen), *_strides(k4, varlen), *_strides(v4, varlen), *_strides(do4, varlen),
         stride_lb, stride_lh, *_strides(dq4, varlen),

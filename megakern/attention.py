@@ -15,10 +15,14 @@ Dtypes: fp16 and bf16 (fp32 inputs run through the torch reference only); fp32 a
 the scale folded in. ``return_lse``: also the log-sum-exp of each row's scores (natural log, fp32), (B, nh, Tq) or
 (nh, total) for packed input; ``merge_attention`` combines two partial (out, lse) pairs, as ring attention needs.
 
-Backward: dq by fp32 atomic adds from the dk/dv pass (default), or with ``deterministic=True`` by a second pass
-over the keys that recomputes q k^T and dO v^T: no atomics, bitwise reproducible, about 40% more backward FLOPs.
+Backward: by default (``deterministic=True``) two passes: dk and dv per key block, then dq per query block, which
+recomputes q k^T and dO v^T (7 matmuls instead of 5) but needs no atomics, so it is bitwise reproducible; on the H200
+it is also the faster one (hs 128, T 4096: 321 against 291 TFLOP/s causal, 349 against 304 full; see
+``CONFIGS`` in megakern/_attention_triton.py). ``deterministic=False`` computes dq in the dk/dv pass by fp32
+atomic adds (a TMA reduce on Hopper): fewer FLOPs, results that vary in the last bits from run to run.
 
-Backends: ``torch`` (``attention_ref``: explicit softmax, fp32, O(T^2) memory) and ``triton``.
+Backends: ``torch`` (``attention_ref``: explicit softmax, fp32, O(T^2) memory) and ``triton``. The default is
+``triton`` for fp16 / bf16 on a GPU, else ``torch`` (fp32 and fp64 inputs, CPU tensors).
 """
 from __future__ import annotations
 
@@ -133,8 +137,9 @@ def check_inputs(q, k, v, cu_seqlens, max_seqlen, softmax_scale) -> None:
         raise ValueError(f"attention: head dim {hs} unsupported; multiples of 16 up to 256")
     if nkv == 0 or nh % nkv:
         raise ValueError(f"attention: {nh} query heads are not divisible by {nkv} key/value heads")
-    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale)):
-        raise ValueError(f"attention: softmax_scale must be a finite number, got {softmax_scale!r}")
+    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale)
+                                          and softmax_scale > 0):
+        raise ValueError(f"attention: softmax_scale must be a finite number > 0, got {softmax_scale!r}")
     if cu_seqlens is None:
         if q.shape[0] != k.shape[0]:
             raise ValueError(f"attention: batch sizes differ: q {q.shape[0]}, k {k.shape[0]}")
@@ -186,13 +191,17 @@ class AttentionFunction(torch.autograd.Function):
 
 def attention(q, k, v, *, causal: bool = True, softmax_scale: float | None = None,
               cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None, window=None,
-              return_lse: bool = False, deterministic: bool = False,
+              return_lse: bool = False, deterministic: bool = True,
               backend: str | Mapping[str, str] | None = None):
     """Attention of q over k, v: out (and lse with ``return_lse``). See the module docstring for shapes and masks."""
     check_inputs(q, k, v, cu_seqlens, max_seqlen, softmax_scale)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     win = _window(window, causal)
-    name = _backend.resolve("attention", q.device, backend, size=q.shape[-1])
+    explicit = backend.get("attention") if isinstance(backend, Mapping) else backend
+    if explicit is None and q.dtype not in TRITON_DTYPES:
+        name = "torch"  # the default for fp32 / fp64 inputs on any device: the kernels take fp16 / bf16
+    else:
+        name = _backend.resolve("attention", q.device, backend, size=q.shape[-1])
     if name == "triton" and q.dtype not in TRITON_DTYPES:
         raise TypeError(f"attention: the triton backend takes float16 / bfloat16, got {q.dtype}")
     with _nvtx.annotate(f"megakern.attention[{name}]"):
@@ -209,7 +218,7 @@ class Attention(nn.Module):
     """Fused attention with fixed masking options: ``forward(q, k, v, cu_seqlens=None, max_seqlen=None)``."""
 
     def __init__(self, *, causal: bool = True, softmax_scale: float | None = None, window=None,
-                 deterministic: bool = False, backend: str | Mapping[str, str] | None = None):
+                 deterministic: bool = True, backend: str | Mapping[str, str] | None = None):
         super().__init__()
         self.causal, self.softmax_scale, self.window = causal, softmax_scale, window
         self.deterministic, self.backend = deterministic, backend

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from conftest import ATOL, DEVICE, HAS_CUDA, assert_close_to_ref
 
 import megakern
-from megakern.attention import attention, attention_ref, merge_attention
+from megakern.attention import _window, attention, attention_ref, merge_attention
 
 DTYPES = (torch.float16, torch.bfloat16) if HAS_CUDA else (torch.float16,)
 # (B, T, nh, nkv, hs)
@@ -87,6 +87,66 @@ def test_unequal_lengths_and_backward_modes(causal, deterministic):
     tq, tk = (7, 20) if not HAS_CUDA else (300, 1000)
     q, k, v = _qkv(2, tq, tk, 4, 2, 32, torch.float16)
     check(q, k, v, dtype=torch.float16, causal=causal, deterministic=deterministic)
+
+
+# (B, Tq, Tk, window, causal, packed document lengths or None)
+PATH_CASES = [(2, 45, 83, None, True, None), (1, 83, 45, (20, 7), False, None), (1, 70, 70, (9, 0), True, None),
+              (0, 0, 0, None, True, [1, 30, 1, 19]), (0, 0, 0, (5, 0), False, [1, 30, 1, 19])]
+if HAS_CUDA:
+    PATH_CASES += [(2, 300, 1000, None, True, None), (1, 1000, 1000, (256, 100), False, None),
+                   (0, 0, 0, None, True, [1, 1000, 17, 4097, 1, 300])]
+
+
+@pytest.mark.parametrize("deterministic", (True, False), ids=("two-pass", "atomic-dq"))
+@pytest.mark.parametrize("tma", (True, False), ids=("tma", "pointers"))
+@pytest.mark.parametrize("case", PATH_CASES, ids=lambda c: "-".join(map(str, c)).replace(" ", ""))
+def test_tile_paths(case, tma, deterministic):
+    """Both ways of moving tiles (tensor descriptors, masked pointer loads) and both dq passes match the reference,
+    with tiles of unequal height and width (on CPU) so that every range is cut into masked and unmasked parts."""
+    _backends()
+    from megakern import _attention_triton as kern
+
+    b, tq, tk, window, causal, docs = case
+    _seed("paths", case, tma, deterministic)
+    dtype, nh, nkv, hs = torch.float16, 4, 2, 32
+    cu = max_seqlen = None
+    if docs:
+        cu = torch.tensor([0] + torch.tensor(docs).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+        max_seqlen, total = max(docs), sum(docs)
+        q, k, v = (torch.randn(total, h, hs, device=DEVICE, dtype=dtype) for h in (nh, nkv, nkv))
+    else:
+        q, k, v = _qkv(b, tq, tk, nh, nkv, hs, dtype)
+    win = _window(window, causal)
+    cfg = {} if HAS_CUDA else {"fwd": (32, 16, 4, 1), "dkdv": (16, 32, 4, 1), "dq": (32, 16, 4, 1)}
+    out, lse = kern.fwd(q, k, v, causal, hs ** -0.5, win, cu, max_seqlen, cfg.get("fwd"), tma)
+    dout = torch.randn_like(out)
+    grads = kern.bwd(dout, q, k, v, out, lse, causal, hs ** -0.5, win, cu, max_seqlen, deterministic, cfg, tma)
+    ref_kw = dict(causal=causal, cu_seqlens=cu, window=window)
+    t64 = [t.double().requires_grad_(True) for t in (q, k, v)]
+    truth, truth_lse = attention_ref(*t64, **ref_kw)
+    truth_grads = torch.autograd.grad(truth, t64, dout.double())
+    lo = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    lowp, _ = attention_ref(*lo, upcast=False, **ref_kw)
+    lowp_grads = torch.autograd.grad(lowp, lo, dout)
+    assert_close_to_ref("out", out, truth, lowp, ATOL[dtype])
+    assert torch.equal(torch.isfinite(lse), torch.isfinite(truth_lse))
+    for name, g, t, l in zip(("dq", "dk", "dv"), grads, truth_grads, lowp_grads):
+        assert_close_to_ref(name, g, t, l, ATOL[dtype] * max(1.0, t.abs().max().item()))
+
+
+def test_unaligned_views_take_the_pointer_path():
+    """Tensor descriptors need 16-byte aligned strides: a view whose token stride is odd falls back to pointer
+    loads, and still matches the reference."""
+    _backends()
+    from megakern import _attention_triton as kern
+
+    _seed("unaligned")
+    t = 33 if not HAS_CUDA else 1001
+    buf = torch.randn(2, t, 4 * 32 + 1, device=DEVICE, dtype=torch.float16)
+    q = buf[..., :128].unflatten(-1, (4, 32))
+    k, v = (torch.randn(2, t, 2, 32, device=DEVICE, dtype=torch.float16) for _ in range(2))
+    assert q.stride(1) == 129 and not kern._tma_ok([q, k, v])
+    check(q, k, v, dtype=torch.float16, causal=True)
 
 
 @pytest.mark.parametrize("window", (None, (4, 0)), ids=str)
@@ -161,6 +221,8 @@ def test_bad_input():
         attention(q, k.to("meta"), v)
     with pytest.raises(ValueError, match="window must be"):
         attention(q, k, v, window="wide")
+    with pytest.raises(ValueError, match="softmax_scale must be a finite number > 0"):
+        attention(q, k, v, softmax_scale=-0.5)
     with pytest.raises(ValueError, match="window sizes must be >= 0"):
         attention(q, k, v, window=(-3, 0))
     with pytest.raises(TypeError, match="triton backend takes float16 / bfloat16"):
@@ -207,8 +269,9 @@ def _sm90_signature(fn, pointers, constexprs):
             for name in fn.arg_names}
 
 
-def compile_for_sm90(hs: int) -> list[tuple[str, int, bool]]:
-    """(kernel, shared memory bytes, uses wgmma) for each attention kernel compiled for sm_90 at head dim hs.
+def compile_for_sm90(hs: int, tma: bool = True) -> list[tuple[str, int, bool]]:
+    """(kernel, shared memory bytes, uses wgmma) for each attention kernel compiled for sm_90 at head dim hs, with
+    tensor descriptors (TMA) or pointer loads.
     Needs real (not interpreted) Triton kernels: run with TRITON_INTERPRET=0."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -219,9 +282,10 @@ def compile_for_sm90(hs: int) -> list[tuple[str, int, bool]]:
     bf16 = "*bf16"
     io = {"Q": bf16, "K": bf16, "V": bf16, "O": bf16, "DO": bf16, "DK": bf16, "DV": bf16, "DQ": bf16,
           "LSE": "*fp32", "DELTA": "*fp32", "DQ_ACC": "*fp32", "CU": "*i32"}
-    flags = dict(HEAD_DIM=hs, BLOCK_D=hs, CAUSAL=True, WINDOW_L=False, WINDOW_R=False, VARLEN=False)
+    flags = dict(HEAD_DIM=hs, BLOCK_D=hs, CAUSAL=True, WINDOW_L=False, WINDOW_R=False, VARLEN=False, TMA=tma)
     results = []
-    for fn, name, extra in ((kern._attn_fwd_kernel, "fwd", {}), (kern._attn_bwd_dkdv_kernel, "dkdv", {"ATOMIC_DQ": True}),
+    for fn, name, extra in ((kern._attn_fwd_kernel, "fwd", {}),
+                            (kern._attn_bwd_dkdv_kernel, "dkdv", {"ATOMIC_DQ": True, "DQ_TMA": tma}),
                             (kern._attn_bwd_dq_kernel, "dq", {})):
         block_m, block_n, warps, stages = kern._config(hs, torch.device("cuda"), name)
         constexprs = dict(flags, BLOCK_M=block_m, BLOCK_N=block_n, **extra)
