@@ -1,11 +1,13 @@
 // megakern._C: the one translation unit that sees torch. It turns tensors into raw pointers, strides and
 // torch's current stream, and calls the torch-free launchers of csrc/<op>/. Validation and launch geometry
-// live in Python (megakern/_norm_cuda.py); the checks here guard against misuse of the raw entry points.
+// live in Python (megakern/_norm_cuda.py, megakern/_rotary_cuda.py); the checks here guard against misuse of
+// the raw entry points.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
 #include "norm/norm.h"
+#include "rotary/rotary.h"
 
 namespace {
 
@@ -78,11 +80,78 @@ int64_t norm_bwd_num_regs(int64_t dtype, int64_t nv, bool has_db, bool vectorize
   return regs;
 }
 
+// q / k (B, T, heads, hs) with unit stride along hs, outputs likewise (q_out may be q: in place).
+void check_heads(const at::Tensor& t, const at::Tensor& q, const char* name) {
+  TORCH_CHECK(t.is_cuda() && t.device() == q.device(), "megakern._C: ", name, " must be a CUDA tensor on ", q.device());
+  TORCH_CHECK(t.dim() == 4 && t.size(0) == q.size(0) && t.size(1) == q.size(1) && t.size(3) == q.size(3) &&
+                  t.stride(3) == 1 && t.scalar_type() == q.scalar_type(),
+              "megakern._C: ", name, " must be (B, T, heads, hs) of q's dtype with unit stride along hs, got sizes ",
+              t.sizes(), " strides ", t.strides());
+}
+
+void rotary(const at::Tensor& q, const OptTensor& k, at::Tensor& q_out, const OptTensor& k_out, const at::Tensor& cos,
+            const at::Tensor& sin, const OptTensor& position_ids, const OptTensor& cu_seqlens, const OptTensor& offsets,
+            int64_t offset, int64_t rot_half, int64_t flags, int64_t dtype, bool table_f32, bool interleaved,
+            int64_t items, int64_t threads, int64_t tokens_per_block, int64_t grid) {
+  check_heads(q, q, "q");
+  check_heads(q_out, q, "q_out");
+  TORCH_CHECK(k.has_value() == k_out.has_value(), "megakern._C: k and k_out must be given together");
+  if (k) {
+    check_heads(*k, q, "k");
+    check_heads(*k_out, *k, "k_out");
+  }
+  for (auto [t, name] : {std::pair{&cos, "cos"}, {&sin, "sin"}})
+    TORCH_CHECK(t->is_cuda() && t->device() == q.device() && t->dim() == 2 && t->size(1) == rot_half &&
+                    t->stride(1) == 1 && (t->scalar_type() == at::kFloat) == table_f32,
+                "megakern._C: ", name, " must be a (positions, rot_half) CUDA table with unit column stride");
+  for (auto [t, name] : {std::pair{opt(position_ids), "position_ids"}, {opt(cu_seqlens), "cu_seqlens"},
+                         {opt(offsets), "offsets"}})
+    if (t) TORCH_CHECK(t->is_cuda() && t->device() == q.device(), "megakern._C: ", name, " must be on ", q.device());
+  TORCH_CHECK(!position_ids || position_ids->dim() == 2, "megakern._C: position_ids must be (1 or B, T)");
+  TORCH_CHECK(!cu_seqlens || (cu_seqlens->scalar_type() == at::kInt && cu_seqlens->is_contiguous()),
+              "megakern._C: cu_seqlens must be contiguous int32");
+  const c10::cuda::CUDAGuard guard(q.device());
+  megakern::RotaryArgs a{};
+  a.q = q.data_ptr();
+  a.k = k ? k->data_ptr() : nullptr;
+  a.q_out = q_out.data_ptr();
+  a.k_out = k_out ? k_out->data_ptr() : nullptr;
+  a.cos = cos.data_ptr();
+  a.sin = sin.data_ptr();
+  a.pos_ids = cptr(position_ids);
+  a.cu_seqlens = cu_seqlens ? cu_seqlens->data_ptr<int>() : nullptr;
+  a.offsets = cptr(offsets);
+  a.tokens = q.size(0) * q.size(1);
+  a.seqlen = q.size(1);
+  a.nh = static_cast<int>(q.size(2));
+  a.nkv = k ? static_cast<int>(k->size(2)) : 0;
+  a.head_dim = static_cast<int>(q.size(3));
+  a.rot_half = static_cast<int>(rot_half);
+  a.tokens_per_block = static_cast<int>(tokens_per_block);
+  a.stride_qb = q.stride(0), a.stride_qt = q.stride(1), a.stride_qh = q.stride(2);
+  a.stride_qob = q_out.stride(0), a.stride_qot = q_out.stride(1), a.stride_qoh = q_out.stride(2);
+  if (k) {
+    a.stride_kb = k->stride(0), a.stride_kt = k->stride(1), a.stride_kh = k->stride(2);
+    a.stride_kob = k_out->stride(0), a.stride_kot = k_out->stride(1), a.stride_koh = k_out->stride(2);
+  }
+  a.stride_cos = cos.stride(0);
+  a.stride_sin = sin.stride(0);
+  a.stride_pb = position_ids && position_ids->size(0) > 1 ? position_ids->stride(0) : 0;
+  a.stride_pt = position_ids ? position_ids->stride(1) : 0;
+  a.ndocs = cu_seqlens ? static_cast<int>(cu_seqlens->numel() - 1) : 1;
+  a.offset = offset;
+  a.flags = static_cast<int>(flags);
+  check_launch(megakern::rotary(static_cast<int>(dtype), table_f32, interleaved, static_cast<int>(items), dim3(grid),
+                                dim3(threads), a, at::cuda::getCurrentCUDAStream()),
+               "rotary launch");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "megakern CUDA kernels (raw entry points; use megakern.rms_norm / megakern.layer_norm)";
+  m.doc() = "megakern CUDA kernels (raw entry points; use megakern.rms_norm / megakern.layer_norm / megakern.apply_rotary)";
   m.def("norm_fwd", &norm_fwd, "LayerNorm / RMSNorm forward (see csrc/norm/norm.cu)");
   m.def("norm_bwd", &norm_bwd, "LayerNorm / RMSNorm backward (see csrc/norm/norm.cu)");
   m.def("norm_bwd_num_regs", &norm_bwd_num_regs, "registers per thread of a norm_bwd kernel instance");
+  m.def("rotary", &rotary, "rotary position embeddings of q and k, either direction (see csrc/rotary/rotary.cu)");
 }

@@ -7,10 +7,12 @@ from megakern.attention import Attention, attention, attention_ref, merge_attent
 from megakern._cuda import runtime as cuda_runtime
 from megakern.layernorm import LayerNorm, layer_norm, layer_norm_ref
 from megakern.rmsnorm import RMSNorm, rms_norm, rms_norm_ref
+from megakern.rotary import RotaryEmbedding, apply_rotary, rotary_ref, rotary_table
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Attention", "LayerNorm", "RMSNorm", "attention", "attention_ref", "available_backends", "cuda_runtime",
-    "layer_norm", "layer_norm_ref", "merge_attention", "rms_norm", "rms_norm_ref",
+    "Attention", "LayerNorm", "RMSNorm", "RotaryEmbedding", "apply_rotary", "attention", "attention_ref",
+    "available_backends", "cuda_runtime", "layer_norm", "layer_norm_ref", "merge_attention", "rms_norm",
+    "rms_norm_ref", "rotary_ref", "rotary_table",
 ]

@@ -31,10 +31,12 @@ MIN_TRITON = (3, 0)
 # - longer rows CUDA: its streaming backward (RMSNorm 32768: 0.29, LayerNorm 16384: 0.28) beats Triton's, whose
 #   whole-row tiles spill (0.16 / 0.11), which outweighs Triton's faster forward.
 # Attention has no CUDA C++ implementation: Triton, then the reference.
+# Rotary (size: the head dim): unmeasured; Triton first, CUDA second until the H200 run of benchmarks/bench_rotary.py.
 DEFAULTS: dict[str, tuple[tuple[int, tuple[str, ...]], ...]] = {
     "rms_norm": ((16384, ("triton", "cuda", "torch")), (1 << 30, ("cuda", "triton", "torch"))),
     "layer_norm": ((8192, ("triton", "cuda", "torch")), (1 << 30, ("cuda", "triton", "torch"))),
     "attention": ((1 << 30, ("triton", "torch")),),
+    "rotary": ((1 << 30, ("triton", "cuda", "torch")),),
 }
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from nvrtc import compile_ptx, find_libnvrtc
 
-from megakern import _cuda, _norm_cuda
+from megakern import _cuda, _norm_cuda, _rotary_cuda
 
 CSRC = _cuda.csrc_root()
 SOURCES = sorted(CSRC.glob("*/*.cu"))
@@ -35,6 +35,30 @@ def test_nvrtc_compiles_every_norm_kernel():
     code = _cuda._inline_includes(CSRC / "norm" / "norm.cu", CSRC, set())
     ok, log = compile_ptx(code, names, ["-std=c++17", "-arch=compute_90a", *_cuda._cuda_include_dirs()])
     assert ok, log[-4000:]
+
+
+@pytest.mark.skipif(find_libnvrtc() is None, reason="libnvrtc not found (pip install nvidia-cuda-nvrtc)")
+def test_nvrtc_compiles_every_rotary_kernel():
+    names = _rotary_cuda.kernel_names()
+    code = _cuda._inline_includes(CSRC / "rotary" / "rotary.cu", CSRC, set())
+    ok, log = compile_ptx(code, names, ["-std=c++17", "-arch=compute_90a", *_cuda._cuda_include_dirs()])
+    assert ok, log[-4000:]
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=str)
+def test_rotary_launch_config_covers_shapes(dtype):
+    """Every head count and head dim gets a geometry within the kernel's limits and an instantiated kernel."""
+    names = set(_rotary_cuda.kernel_names())
+    for heads, hs, rd in [(1, 2, 2), (3, 26, 10), (40, 128, 128), (40, 128, 32), (128, 256, 256), (2, 64, 48)]:
+        for copy_rest in (False, True):
+            _, groups = _rotary_cuda.groups_per_row(hs, rd, dtype, copy_rest)
+            cfg = _rotary_cuda.launch_config(heads, groups)
+            assert cfg.threads % 32 == 0 and cfg.threads <= _rotary_cuda.MAX_THREADS, (heads, hs, cfg)
+            assert 1 <= cfg.tokens_per_block <= _rotary_cuda.MAX_TOKENS, (heads, hs, cfg)
+            for table_f32 in ((True,) if dtype == torch.float32 else (True, False)):
+                for interleaved in (False, True):
+                    for vecio in (False, True):
+                        assert _rotary_cuda.kernel_name(dtype, table_f32, interleaved, vecio, cfg.items) in names
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=str)

@@ -1,0 +1,190 @@
+"""Host side of csrc/rotary/rotary.cu: the launch geometry both CUDA paths use, the launcher, and the
+``torch.library`` custom ops (``megakern::rotary``, ``megakern::rotary_``) that torch.compile traces.
+
+Tensors in, tensors out, no autograd (that is ``megakern.rotary.RotaryFunction``). Inputs arrive validated, as
+4-D (B, T, heads, hs) views with unit stride along hs; positions as ``megakern.rotary.Rotation`` holds them.
+"""
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megakern import _cuda
+
+# Flag bits, mirrored from csrc/rotary/rotary.h.
+VECTORIZED, CONJ, COPY_REST, POS_IDS, POS_I64, CU_SEQLENS, OFFSETS, OFFSETS_I64 = 1, 2, 4, 8, 16, 32, 64, 128
+MAX_TOKENS, MAX_THREADS = 256, 256  # ROTARY_MAX_TOKENS, ROTARY_MAX_THREADS
+ITEMS = (1, 2)  # the instances compiled
+
+_CTYPES = {torch.float32: (0, "float"), torch.float16: (1, "__half"), torch.bfloat16: (2, "__nv_bfloat16")}
+_VEC = {torch.float32: 4, torch.float16: 8, torch.bfloat16: 8}  # elements in 16 bytes
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    threads: int  # block.x
+    items: int  # groups each thread loads before any math (template ITEMS)
+    tokens_per_block: int
+
+
+# Defaults, to be measured on the H200 (benchmarks/bench_rotary.py --tune sweeps them). Registers on sm_90a
+# (nvcc -Xptxas -v, 16-bit inputs): ITEMS=1 50-54, ITEMS=2 84-86, no spills; at 256 threads, 5 or 2 blocks an SM.
+DEFAULT_THREADS, DEFAULT_ITEMS, ITEMS_PER_BLOCK = 256, 1, 2048
+
+
+def launch_config(heads: int, groups: int, threads: Optional[int] = None, items: Optional[int] = None,
+                  tokens_per_block: Optional[int] = None) -> LaunchConfig:
+    """Geometry for ``heads`` (q's + k's) rows of ``groups`` groups a token: about ITEMS_PER_BLOCK groups a block,
+    whole tokens, at most MAX_TOKENS. Arguments override the defaults (tuning)."""
+    threads = threads or DEFAULT_THREADS
+    items = items or DEFAULT_ITEMS
+    if threads % 32 or not 32 <= threads <= MAX_THREADS or items not in ITEMS:
+        raise ValueError(f"rotary launch: threads must be a multiple of 32 up to {MAX_THREADS} and items in {ITEMS}, "
+                         f"got {threads}, {items}")
+    per_token = max(1, heads * groups)
+    tokens = tokens_per_block or max(1, round(ITEMS_PER_BLOCK / per_token))
+    return LaunchConfig(threads, items, max(1, min(MAX_TOKENS, tokens)))
+
+
+def kernel_name(dtype: torch.dtype, table_f32: bool, interleaved: bool, vecio: bool, items: int) -> str:
+    ctype = _CTYPES[dtype][1]
+    table = "float" if table_f32 else ctype
+    b = lambda flag: "true" if flag else "false"  # noqa: E731
+    return f"megakern::rotary_kernel<{ctype}, {table}, {b(interleaved)}, {b(vecio)}, {items}>"
+
+
+def kernel_names() -> list[str]:
+    """Every kernel instance the launcher can ask for: NVRTC name expressions, one per
+    (dtype, table dtype, layout, vectorized, items)."""
+    names = []
+    for dtype in _CTYPES:
+        for table_f32 in ((True,) if dtype == torch.float32 else (True, False)):
+            names += [kernel_name(dtype, table_f32, il, io, it) for il in (False, True) for io in (False, True)
+                      for it in ITEMS]
+    return names
+
+
+def groups_per_row(head_dim: int, rotary_dim: int, dtype: torch.dtype, copy_rest: bool) -> tuple[int, int]:
+    """(rotary groups, all groups) of one head row: a group is two chunks of 16 bytes (see rotary.cu)."""
+    vec = _VEC[dtype]
+    rot = math.ceil(rotary_dim // 2 / vec)
+    return rot, rot + (math.ceil((head_dim - rotary_dim) / (2 * vec)) if copy_rest else 0)
+
+
+def _vectorizable(tensors, vec: int, cos, sin, rot_half: int, head_dim: int, copy_rest: bool) -> bool:
+    """16-byte I/O is safe: every row and chunk of q / k / outputs and of the table starts 16-byte aligned, and no
+    group is partial."""
+    if rot_half % vec or (copy_rest and head_dim % vec):
+        return False
+    for t in tensors:
+        if t is not None and (t.data_ptr() % 16 or any(s % vec for s in t.stride()[:3])):
+            return False
+    table_vec = 16 // cos.element_size()
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) % table_vec == 0 for t in (cos, sin))
+
+
+def _ptr(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _nvrtc_args(*args):
+    """Kernel arguments as fixed-width numpy scalars (pointers as uint64)."""
+    import numpy as np
+
+    kinds = {"p": np.uint64, "i64": np.int64, "i32": np.int32}
+    return tuple(kinds[kind](value) for kind, value in args)
+
+
+def fwd(q, k, cos, sin, position_ids, cu_seqlens, offsets, offset: int, rotary_dim: int, interleaved: bool,
+        conj: bool, inplace: bool, path: Optional[str] = None, config: Optional[LaunchConfig] = None):
+    """(q_out, k_out | None) for 4-D q (B, T, nh, hs), k (B, T, nkv, hs) or None; see csrc/rotary/rotary.cu.
+    ``conj``: rotate by -theta (the backward); ``inplace``: q_out is q, k_out is k."""
+    path = _cuda.choose_path(path)
+    batch, seqlen, nh, hs = q.shape
+    nkv = k.shape[2] if k is not None else 0
+    if inplace:
+        q_out, k_out = q, k
+    else:
+        q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        k_out = None if k is None else torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    tokens = batch * seqlen
+    if tokens == 0 or nh + nkv == 0:
+        return q_out, k_out
+    rot_half = rotary_dim // 2
+    copy_rest = not inplace and rotary_dim < hs
+    dtype_code = _CTYPES[q.dtype][0]
+    table_f32 = cos.dtype == torch.float32
+    flags = (CONJ if conj else 0) | (COPY_REST if copy_rest else 0)
+    if position_ids is not None:
+        flags |= POS_IDS | (POS_I64 if position_ids.dtype == torch.int64 else 0)
+    if cu_seqlens is not None:
+        flags |= CU_SEQLENS
+    if offsets is not None:
+        flags |= OFFSETS | (OFFSETS_I64 if offsets.dtype == torch.int64 else 0)
+    if _vectorizable((q, k, q_out, k_out), _VEC[q.dtype], cos, sin, rot_half, hs, copy_rest):
+        flags |= VECTORIZED
+    _, groups = groups_per_row(hs, rotary_dim, q.dtype, copy_rest)
+    cfg = config or launch_config(nh + nkv, groups)
+    grid = math.ceil(tokens / cfg.tokens_per_block)
+    if path == "extension":
+        _cuda.extension()[0].rotary(q, k, q_out, k_out, cos, sin, position_ids, cu_seqlens, offsets, offset, rot_half,
+                                    flags, dtype_code, table_f32, interleaved, cfg.items, cfg.threads,
+                                    cfg.tokens_per_block, grid)
+        return q_out, k_out
+    kernel = _cuda.nvrtc_kernel("rotary/rotary.cu",
+                                kernel_name(q.dtype, table_f32, interleaved, bool(flags & VECTORIZED), cfg.items))
+    ks = k.stride()[:3] if k is not None else (0, 0, 0)
+    kos = k_out.stride()[:3] if k is not None else (0, 0, 0)
+    stride_pb = position_ids.stride(0) if position_ids is not None and position_ids.shape[0] > 1 else 0
+    stride_pt = position_ids.stride(1) if position_ids is not None else 0
+    ndocs = cu_seqlens.numel() - 1 if cu_seqlens is not None else 1
+    args = _nvrtc_args(
+        ("p", _ptr(q)), ("p", _ptr(k)), ("p", _ptr(q_out)), ("p", _ptr(k_out)), ("p", _ptr(cos)), ("p", _ptr(sin)),
+        ("p", _ptr(position_ids)), ("p", _ptr(cu_seqlens)), ("p", _ptr(offsets)), ("i64", tokens), ("i64", seqlen),
+        ("i32", nh), ("i32", nkv), ("i32", hs), ("i32", rot_half), ("i32", cfg.tokens_per_block),
+        *(("i64", s) for s in (*q.stride()[:3], *ks, *q_out.stride()[:3], *kos)),
+        ("i64", cos.stride(0)), ("i64", sin.stride(0)), ("i64", stride_pb), ("i64", stride_pt), ("i32", ndocs),
+        ("i64", offset), ("i32", flags))
+    _cuda.nvrtc_launch(kernel, (grid,), (cfg.threads,), args, q.device)
+    return q_out, k_out
+
+
+# ---- torch.library custom ops: what torch.compile sees of the CUDA path ----------------------------------------
+@torch.library.custom_op("megakern::rotary", mutates_args=())
+def rotary_op(q: torch.Tensor, k: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+              position_ids: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], offsets: Optional[torch.Tensor],
+              offset: int, rotary_dim: int, interleaved: bool, conj: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    q_out, k_out = fwd(q, k, cos, sin, position_ids, cu_seqlens, offsets, offset, rotary_dim, interleaved, conj, False)
+    return q_out, (k_out if k_out is not None else q.new_empty(0))
+
+
+@rotary_op.register_fake
+def _(q, k, cos, sin, position_ids, cu_seqlens, offsets, offset, rotary_dim, interleaved, conj):
+    return q.new_empty(q.shape), (k.new_empty(k.shape) if k is not None else q.new_empty(0))
+
+
+@torch.library.custom_op("megakern::rotary_", mutates_args=("q", "k"))
+def rotary_inplace_op(q: torch.Tensor, k: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                      position_ids: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+                      offsets: Optional[torch.Tensor], offset: int, rotary_dim: int, interleaved: bool,
+                      conj: bool) -> None:
+    fwd(q, k, cos, sin, position_ids, cu_seqlens, offsets, offset, rotary_dim, interleaved, conj, True)
+
+
+@rotary_inplace_op.register_fake
+def _(q, k, cos, sin, position_ids, cu_seqlens, offsets, offset, rotary_dim, interleaved, conj):
+    return None
+
+
+def apply(q, k, cos, sin, position_ids, cu_seqlens, offsets, offset, rotary_dim, interleaved, conj, inplace):
+    """The launcher ``megakern.rotary`` uses: eager calls go straight to ``fwd``; under torch.compile the custom
+    ops keep the kernel opaque to tracing."""
+    args = (q, k, cos, sin, position_ids, cu_seqlens, offsets, offset, rotary_dim, interleaved, conj)
+    if not torch.compiler.is_compiling():
+        return fwd(*args, inplace)
+    if inplace:
+        torch.ops.megakern.rotary_(*args)
+        return q, k
+    q_out, k_out = torch.ops.megakern.rotary(*args)
+    return q_out, (k_out if k is not None else None)

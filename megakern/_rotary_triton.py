@@ -1,0 +1,167 @@
+"""Triton kernel for rotary position embeddings (megakern/rotary.py has the math).
+
+One launch rotates q and k: a 1-D grid over (sequence, block of BLOCK_T tokens); each program resolves its tokens'
+positions once (position ids, a binary search of cu_seqlens, offsets), loads their (cos, sin) rows in fp32, and
+walks q's heads, then k's, in (BLOCK_T, BLOCK_H, pairs) tiles: each element is read once and written once. GPT-NeoX
+pairs are two contiguous half-rows; GPT-J pairs are split out of one contiguous row with reshape + split, and joined
+back the same way, so loads and stores stay contiguous. Features past rotary_dim are copied (out of place) or left
+alone (in place). The backward is the same kernel with sin negated (CONJ).
+
+Launchers take 4-D (B, T, heads, hs) views with unit stride along hs; tensors in, tensors out, no autograd.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Elements of q or k per (BLOCK_T, BLOCK_H, row) tile, and warps by tile size: defaults to be measured on the H200
+# (benchmarks/bench_rotary.py --tune sweeps them). 8192 bf16 elements: 16 KiB in flight per program, 32 values a
+# thread at 8 warps (sm_90a: 64-80 registers, no spills).
+TILE = 8192
+
+
+def _prev_pow2(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+@triton.jit
+def _rotate_heads(X, O, t, t_mask, c, s, nheads, stride_xt, stride_xh, stride_ot, stride_oh,
+                  ROT_HALF: tl.constexpr, HEAD_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
+                  COPY_REST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
+                  BLOCK_REST: tl.constexpr):
+    # X, O: this sequence's first token of one tensor (q or k); t (BLOCK_T,) int64 token indices; c, s
+    # (BLOCK_T, BLOCK_P) fp32 rows of the table
+    p = tl.arange(0, BLOCK_P)
+    c3 = c[:, None, :]
+    s3 = s[:, None, :]
+    for h0 in range(0, nheads, BLOCK_H):
+        h = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
+        row_mask = t_mask[:, None] & (h < nheads)[None, :]
+        x_rows = X + (t[:, None] * stride_xt + h[None, :] * stride_xh)[:, :, None]  # (BLOCK_T, BLOCK_H, 1)
+        o_rows = O + (t[:, None] * stride_ot + h[None, :] * stride_oh)[:, :, None]
+        if INTERLEAVED:
+            # one contiguous row of 2 * BLOCK_P features, split into its (even, odd) pairs and joined back
+            d = tl.arange(0, 2 * BLOCK_P)
+            mask = row_mask[:, :, None] & (d < 2 * ROT_HALF)[None, None, :]
+            x = tl.load(x_rows + d[None, None, :], mask=mask, other=0.0).to(tl.float32)
+            x1, x2 = tl.split(tl.reshape(x, (BLOCK_T, BLOCK_H, BLOCK_P, 2)))
+            y = tl.reshape(tl.join(x1 * c3 - x2 * s3, x2 * c3 + x1 * s3), (BLOCK_T, BLOCK_H, 2 * BLOCK_P))
+            tl.store(o_rows + d[None, None, :], y.to(O.dtype.element_ty), mask=mask)
+        else:
+            # the two halves of the rotary features, each contiguous
+            mask = row_mask[:, :, None] & (p < ROT_HALF)[None, None, :]
+            x1 = tl.load(x_rows + p[None, None, :], mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(x_rows + ROT_HALF + p[None, None, :], mask=mask, other=0.0).to(tl.float32)
+            tl.store(o_rows + p[None, None, :], (x1 * c3 - x2 * s3).to(O.dtype.element_ty), mask=mask)
+            tl.store(o_rows + ROT_HALF + p[None, None, :], (x2 * c3 + x1 * s3).to(O.dtype.element_ty), mask=mask)
+        if COPY_REST:
+            # features past rotary_dim, unchanged
+            r = tl.arange(0, BLOCK_REST)
+            mask = row_mask[:, :, None] & (r < HEAD_DIM - 2 * ROT_HALF)[None, None, :]
+            v = tl.load(x_rows + 2 * ROT_HALF + r[None, None, :], mask=mask, other=0.0)
+            tl.store(o_rows + 2 * ROT_HALF + r[None, None, :], v, mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    Q, K, QO, KO, COS, SIN, POS, CU, OFFS,
+    T, t_blocks, NH, NKV, ndocs, search_steps, offset,
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+    stride_qob, stride_qot, stride_qoh, stride_kob, stride_kot, stride_koh,
+    stride_cos, stride_sin, stride_pb, stride_pt,
+    ROT_HALF: tl.constexpr, HEAD_DIM: tl.constexpr, POS_MODE: tl.constexpr, HAS_OFFSETS: tl.constexpr,
+    HAS_K: tl.constexpr, INTERLEAVED: tl.constexpr, CONJ: tl.constexpr, COPY_REST: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_REST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = (pid // t_blocks).to(tl.int64)
+    t = ((pid % t_blocks) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    t_mask = t < T
+    # positions: POS_MODE 0 = t, 1 = position ids, 2 = t - start of its document (cu_seqlens, B == 1)
+    seq = tl.zeros([BLOCK_T], dtype=tl.int64) + b  # which entry of OFFS: the sequence, or the document
+    if POS_MODE == 1:
+        pos = tl.load(POS + b * stride_pb + t * stride_pt, mask=t_mask, other=0).to(tl.int64)
+    elif POS_MODE == 2:
+        # the last document starting at or before t: binary search over cu_seqlens[0 .. ndocs - 1]
+        lo = tl.zeros([BLOCK_T], dtype=tl.int32)
+        hi = tl.zeros([BLOCK_T], dtype=tl.int32) + (ndocs - 1)
+        for _ in range(search_steps):
+            mid = (lo + hi + 1) // 2
+            go_right = tl.load(CU + mid) <= t
+            lo = tl.where(go_right, mid, lo)
+            hi = tl.where(go_right, hi, mid - 1)
+        seq = lo.to(tl.int64)
+        pos = t - tl.load(CU + lo).to(tl.int64)
+    else:
+        pos = t
+    if HAS_OFFSETS:
+        pos += tl.load(OFFS + seq, mask=t_mask, other=0).to(tl.int64)
+    pos += offset
+    # the (cos, sin) rows of these tokens, in fp32; the backward rotates by -theta
+    p = tl.arange(0, BLOCK_P)
+    cs_mask = t_mask[:, None] & (p < ROT_HALF)[None, :]
+    c = tl.load(COS + pos[:, None] * stride_cos + p[None, :], mask=cs_mask, other=0.0).to(tl.float32)
+    s = tl.load(SIN + pos[:, None] * stride_sin + p[None, :], mask=cs_mask, other=0.0).to(tl.float32)
+    if CONJ:
+        s = -s
+    # q's heads, then k's
+    _rotate_heads(Q + b * stride_qb, QO + b * stride_qob, t, t_mask, c, s, NH, stride_qt, stride_qh, stride_qot,
+                  stride_qoh, ROT_HALF, HEAD_DIM, INTERLEAVED, COPY_REST, BLOCK_T, BLOCK_HQ, BLOCK_P, BLOCK_REST)
+    if HAS_K:
+        _rotate_heads(K + b * stride_kb, KO + b * stride_kob, t, t_mask, c, s, NKV, stride_kt, stride_kh,
+                      stride_kot, stride_koh, ROT_HALF, HEAD_DIM, INTERLEAVED, COPY_REST, BLOCK_T, BLOCK_HK, BLOCK_P,
+                      BLOCK_REST)
+
+
+def config(nh: int, nkv: int, rot_half: int, rest: int = 0, block_t: int | None = None,
+           num_warps: int | None = None, tile: int = TILE) -> tuple[int, int, int, int]:
+    """(BLOCK_T, BLOCK_HQ, BLOCK_HK, warps) for rows of ``rot_half`` pairs and ``rest`` copied features: as many
+    heads per step as fit ``tile`` elements, then as many tokens."""
+    row = 2 * triton.next_power_of_2(rot_half) + (triton.next_power_of_2(rest) if rest else 0)
+    heads_fit = _prev_pow2(tile // row)
+    block_hq = min(triton.next_power_of_2(nh), heads_fit)
+    block_hk = min(triton.next_power_of_2(max(nkv, 1)), heads_fit)
+    block_t = block_t or _prev_pow2(tile // (block_hq * row))
+    if block_t & (block_t - 1):
+        raise ValueError(f"rotary: block_t must be a power of 2, got {block_t}")
+    warps = num_warps or (4 if block_t * block_hq * row <= 4096 else 8)
+    return block_t, block_hq, block_hk, warps
+
+
+def fwd(q, k, cos, sin, position_ids, cu_seqlens, offsets, offset: int, rotary_dim: int, interleaved: bool,
+        conj: bool, inplace: bool, *, block_t: int | None = None, num_warps: int | None = None, tile: int = TILE):
+    """(q_out, k_out | None) for 4-D q (B, T, nh, hs), k (B, T, nkv, hs) or None; arguments as
+    megakern.rotary.Rotation. ``conj``: rotate by -theta (the backward). ``inplace``: q_out is q, k_out is k.
+    ``block_t``, ``num_warps``, ``tile`` override the launch defaults (tuning)."""
+    batch, seqlen, nh, hs = q.shape
+    nkv = k.shape[2] if k is not None else 0
+    if inplace:
+        q_out, k_out = q, k
+    else:
+        q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        k_out = None if k is None else torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if batch * seqlen == 0 or nh + nkv == 0:
+        return q_out, k_out
+    rot_half = rotary_dim // 2
+    copy_rest = not inplace and rotary_dim < hs
+    block_t, block_hq, block_hk, warps = config(nh, nkv, rot_half, hs - rotary_dim if copy_rest else 0, block_t,
+                                                num_warps, tile)
+    t_blocks = triton.cdiv(seqlen, block_t)
+    pos_mode = 1 if position_ids is not None else 2 if cu_seqlens is not None else 0
+    ndocs = cu_seqlens.numel() - 1 if cu_seqlens is not None else 1
+    kk, kko = (k, k_out) if k is not None else (q, q_out)  # unused (HAS_K=False), any valid pointer
+    _rotary_kernel[(batch * t_blocks,)](
+        q, kk, q_out, kko, cos, sin, position_ids, cu_seqlens, offsets,
+        seqlen, t_blocks, nh, nkv, ndocs, (ndocs - 1).bit_length(), offset,
+        *q.stride()[:3], *kk.stride()[:3], *q_out.stride()[:3], *kko.stride()[:3],
+        cos.stride(0), sin.stride(0),
+        (position_ids.stride(0) if position_ids.shape[0] > 1 else 0) if position_ids is not None else 0,
+        position_ids.stride(1) if position_ids is not None else 0,
+        ROT_HALF=rot_half, HEAD_DIM=hs, POS_MODE=pos_mode, HAS_OFFSETS=offsets is not None, HAS_K=k is not None,
+        INTERLEAVED=interleaved, CONJ=conj, COPY_REST=copy_rest, BLOCK_T=block_t, BLOCK_HQ=block_hq,
+        BLOCK_HK=block_hk, BLOCK_P=triton.next_power_of_2(rot_half),
+        BLOCK_REST=triton.next_power_of_2(hs - rotary_dim) if copy_rest else 1, num_warps=warps,
+    )
+    return q_out, k_out
