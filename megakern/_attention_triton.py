@@ -452,30 +452,53 @@ def _attn_bwd_dq_kernel(
 
 
 # ---- launchers -------------------------------------------------------------------------------------------------
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head dim (a head dim uses the entry of the smallest
-# tuned one >= it); small tiles under the CPU interpreter. Measured on the H200 with profiles/tune_attention.py
-# (bf16, T 4096, B 4, nh * hs 2048, TFLOP/s of the same-run 679-682 bf16 matmul; tensor descriptors):
-# - fwd hs128: 128x128 8 warps 3 stages 393 causal / 431 full; 128x64 8w3s 378 / 412; Triton's warp
-#   specialization of the loop (128x128 8w3s) 385 / 419, so it is not used. hs64: 128x64 4w3s 326 causal.
-# - backward, two passes (dk/dv kernel, then dq kernel): hs128 dk/dv 64x64 4w2s + dq 128x64 8w3s 321 causal /
-#   349 full; hs64 dk/dv 32x64 4w3s 249 causal. The single pass with atomic dq was slower at its best config:
-#   hs128 291 / 304 (32x128 8w3s), hs64 224 (64x64 4w2s); so dq comes from the second pass by default.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, tensor descriptors) per kernel, head dim and sequence length: a head dim
+# uses the entry of the smallest tuned one >= it, a sequence (the longer of Tq and Tk, or max_seqlen) the first row
+# whose limit it does not pass. Measured on the H200 with profiles/tune_attention.py (bf16, B * T = 16384,
+# nh * hs = 2048, causal unless said; TFLOP/s, the same-run bf16 matmul at 679-693):
+# - fwd, T 4096: hs128 128x128 8 warps 3 stages 393 (full 431); 128x64 8w3s 378 (412); Triton's warp
+#   specialization of the loop (128x128 8w3s) 385 (419), so it is not used. hs64 128x64 4w3s 326.
+# - fwd, T 1024: short loops, where creating the descriptors costs: hs128 128x32 4w4s 262 against 214 for the
+#   long-sequence tile; hs64 128x32 4w4s 227 against 208.
+# - backward, two passes (dk/dv kernel, then dq kernel), T 4096: hs128 dk/dv 64x64 4w2s + dq 128x64 8w3s 321
+#   (full 349); hs64 dk/dv 32x64 4w3s 249. The single pass with atomic dq is slower at its best tile: hs128 291
+#   (full 304, 32x128 8w3s), hs64 224 (64x64 4w2s); so dq comes from the second pass by default.
+# - backward, T 1024: hs128 dk/dv 64x128 8w2s with pointer loads 204, dq 128x32 4w3s 203; hs64 dk/dv 32x64 4w3s
+#   163, dq 128x64 8w2s with pointer loads 170.
 # - hs256: not tuned; tiles that fit the shared memory.
+_LONG = 1 << 62
 CONFIGS = {
-    "fwd": {64: (128, 64, 4, 3), 128: (128, 128, 8, 3), 256: (64, 32, 4, 2)},
-    "dkdv": {64: (32, 64, 4, 3), 128: (64, 64, 4, 2), 256: (32, 64, 4, 2)},
-    "dkdv_atomic": {64: (64, 64, 4, 2), 128: (32, 128, 8, 3), 256: (32, 64, 4, 2)},
-    "dq": {64: (64, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
+    "fwd": {64: ((1024, (128, 32, 4, 4, True)), (_LONG, (128, 64, 4, 3, True))),
+            128: ((1024, (128, 32, 4, 4, True)), (_LONG, (128, 128, 8, 3, True))),
+            256: ((_LONG, (64, 32, 4, 2, True)),)},
+    "dkdv": {64: ((_LONG, (32, 64, 4, 3, True)),),
+             128: ((1024, (64, 128, 8, 2, False)), (_LONG, (64, 64, 4, 2, True))),
+             256: ((_LONG, (32, 64, 4, 2, True)),)},
+    "dkdv_atomic": {64: ((_LONG, (64, 64, 4, 2, True)),), 128: ((_LONG, (32, 128, 8, 3, True)),),
+                    256: ((_LONG, (32, 64, 4, 2, True)),)},
+    "dq": {64: ((1024, (128, 64, 8, 2, False)), (_LONG, (64, 64, 4, 3, True))),
+           128: ((1024, (128, 32, 4, 3, True)), (_LONG, (128, 64, 8, 3, True))),
+           256: ((_LONG, (64, 32, 4, 2, True)),)},
 }
 
 
-def _config(hs: int, device: torch.device, kind: str) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of ``kind`` (a key of CONFIGS) for head dim hs: the entry of
-    the smallest tuned head dim >= hs."""
+def _config(hs: int, device: torch.device, kind: str, seqlen: int) -> tuple[int, int, int, int, bool]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, tma) of ``kind`` (a key of CONFIGS) for head dim hs and sequence
+    length seqlen."""
     if device.type != "cuda":
-        return 16, 16, 4, 1
+        return 16, 16, 4, 1, True
     table = CONFIGS[kind]
-    return table[min(d for d in table if d >= hs)]
+    rows = table[min(d for d in table if d >= hs)]
+    return next(cfg for limit, cfg in rows if seqlen <= limit)
+
+
+def _tiles(config, tma, hs, device, kind, seqlen):
+    """(BLOCK_M, BLOCK_N, warps, stages, prefer descriptors): an explicit 4-tuple ``config`` with ``tma`` (None: yes),
+    else the table's entry; an explicit ``tma`` wins over the table's preference."""
+    if config is not None:
+        return (*config[:4], True if tma is None else tma)
+    *tiles, prefer = _config(hs, device, kind, seqlen)
+    return (*tiles, prefer if tma is None else tma)
 
 
 def _as4d(t: torch.Tensor, varlen: bool) -> torch.Tensor:
@@ -541,8 +564,9 @@ def _ensure_allocator() -> None:
     triton.set_allocator(_scratch)
 
 
-def _pick_tma(tma, tensors) -> bool:
-    use = _tma_ok(tensors) if tma is None else bool(tma)
+def _pick_tma(prefer: bool, forced, tensors) -> bool:
+    """Tensor descriptors if forced on (tests, tuning), else if preferred and the tensors allow them."""
+    use = bool(forced) if forced is not None else prefer and _tma_ok(tensors)
     if use:
         _ensure_allocator()
     return use
@@ -550,7 +574,7 @@ def _pick_tma(tma, tensors) -> bool:
 
 def fwd(q, k, v, causal: bool, scale: float, window, cu_seqlens, max_seqlen, config=None, tma=None):
     """(out, lse): out like q; lse (B, nh, Tq) or (nh, total) fp32. ``config`` (BLOCK_M, BLOCK_N, warps, stages)
-    overrides ``_config``; ``tma`` forces tensor descriptors on or off (tests, tuning)."""
+    overrides the CONFIGS entry; ``tma`` forces tensor descriptors on or off (tests, tuning)."""
     varlen, batch, tq, tk = _geometry(q, k, cu_seqlens, max_seqlen)
     q4, k4, v4 = (_as4d(t, varlen) for t in (q, k, v))
     nh, hs, nkv = q.shape[-2], q.shape[-1], k.shape[-2]
@@ -558,11 +582,11 @@ def fwd(q, k, v, causal: bool, scale: float, window, cu_seqlens, max_seqlen, con
     o4 = _as4d(out, varlen)
     lse = torch.empty((nh, q.shape[0]) if varlen else (batch, nh, tq), dtype=torch.float32, device=q.device)
     stride_lb, stride_lh = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
-    block_m, block_n, warps, stages = config or _config(hs, q.device, "fwd")
+    block_m, block_n, warps, stages, prefer = _tiles(config, tma, hs, q.device, "fwd", max(tq, tk))
     flags, left, right = _masks(causal, window)
     if batch == 0 or tq == 0:
         return out, lse
-    use_tma = _pick_tma(tma, (q4, k4, v4, o4))
+    use_tma = _pick_tma(prefer, tma, (q4, k4, v4, o4))
     _attn_fwd_kernel[(batch * nh, triton.cdiv(tq, block_m))](
         q4, k4, v4, o4, lse, cu_seqlens,
         *_strides(q4, varlen), *_strides(k4, varlen), *_strides(v4, varlen), *_strides(o4, varlen),
@@ -576,7 +600,7 @@ def fwd(q, k, v, causal: bool, scale: float, window, cu_seqlens, max_seqlen, con
 
 def bwd(dout, q, k, v, out, lse, causal: bool, scale: float, window, cu_seqlens, max_seqlen, deterministic: bool,
         configs=None, tma=None):
-    """(dq, dk, dv). ``configs`` {'dkdv': ..., 'dq': ...} override ``_config``; ``tma`` as for ``fwd``."""
+    """(dq, dk, dv). ``configs`` {'dkdv': ..., 'dq': ...} override the CONFIGS entries; ``tma`` as for ``fwd``."""
     configs = configs or {}
     varlen, batch, tq, tk = _geometry(q, k, cu_seqlens, max_seqlen)
     q4, k4, v4, o4, do4 = (_as4d(t, varlen) for t in (q, k, v, out, dout))
@@ -591,31 +615,34 @@ def bwd(dout, q, k, v, out, lse, causal: bool, scale: float, window, cu_seqlens,
     if batch == 0 or tq == 0 or tk == 0:
         return dq.zero_().to(q.dtype), dk.zero_(), dv.zero_()
     dk4, dv4, dq4 = (_as4d(t, varlen) for t in (dk, dv, dq))
-    use_tma = _pick_tma(tma, (q4, k4, v4, do4, dk4, dv4, dq4))
+    seqlen = max(tq, tk)
     delta = torch.empty_like(lse)
     rows = 64 if q.device.type == "cuda" else 16
     _attn_bwd_delta_kernel[(triton.cdiv(tq, rows), batch * nh)](
         o4, do4, delta, cu_seqlens, *_strides(o4, varlen), *_strides(do4, varlen), stride_lb, stride_lh,
         nh, tq, HEAD_DIM=hs, BLOCK_D=block_d, BLOCK_M=rows, VARLEN=varlen, num_warps=4,
     )
-    common = dict(HEAD_DIM=hs, BLOCK_D=block_d, VARLEN=varlen, TMA=use_tma, **flags)
-    block_m, block_n, warps, stages = configs.get("dkdv") or _config(hs, q.device, "dkdv_atomic" if atomic else "dkdv")
+    common = dict(HEAD_DIM=hs, BLOCK_D=block_d, VARLEN=varlen, **flags)
+    block_m, block_n, warps, stages, prefer = _tiles(configs.get("dkdv"), tma, hs, q.device,
+                                                     "dkdv_atomic" if atomic else "dkdv", seqlen)
+    use_tma = _pick_tma(prefer, tma, (q4, k4, v4, do4, dk4, dv4, dq4))
     _attn_bwd_dkdv_kernel[(batch * nkv, triton.cdiv(tk, block_n))](
         q4, k4, v4, do4, lse, delta, dk4, dv4, dq4, cu_seqlens,
         *_strides(q4, varlen), *_strides(k4, varlen), *_strides(v4, varlen), *_strides(do4, varlen),
         stride_lb, stride_lh, *_strides(dk4, varlen), *_strides(dv4, varlen), *_strides(dq4, varlen),
         nkv, nh // nkv, tq, tk, scale * LOG2E, scale, left, right,
         BLOCK_M=block_m, BLOCK_N=block_n, ATOMIC_DQ=atomic, DQ_TMA=use_tma and not _interpreting(),
-        num_warps=warps, num_stages=stages, **common,
+        TMA=use_tma, num_warps=warps, num_stages=stages, **common,
     )
     if atomic:
         return dq.to(q.dtype), dk, dv
-    block_m, block_n, warps, stages = configs.get("dq") or _config(hs, q.device, "dq")
+    block_m, block_n, warps, stages, prefer = _tiles(configs.get("dq"), tma, hs, q.device, "dq", seqlen)
+    use_tma = _pick_tma(prefer, tma, (q4, k4, v4, do4, dq4))
     _attn_bwd_dq_kernel[(batch * nh, triton.cdiv(tq, block_m))](
         q4, k4, v4, do4, lse, delta, dq4, cu_seqlens,
         *_strides(q4, varlen), *_strides(k4, varlen), *_strides(v4, varlen), *_strides(do4, varlen),
         stride_lb, stride_lh, *_strides(dq4, varlen),
         nh, nh // nkv, tq, tk, scale * LOG2E, scale, left, right,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **common,
+        BLOCK_M=block_m, BLOCK_N=block_n, TMA=use_tma, num_warps=warps, num_stages=stages, **common,
     )
     return dq, dk, dv

@@ -287,7 +287,7 @@ def compile_for_sm90(hs: int, tma: bool = True) -> list[tuple[str, int, bool]]:
     for fn, name, extra in ((kern._attn_fwd_kernel, "fwd", {}),
                             (kern._attn_bwd_dkdv_kernel, "dkdv", {"ATOMIC_DQ": True, "DQ_TMA": tma}),
                             (kern._attn_bwd_dq_kernel, "dq", {})):
-        block_m, block_n, warps, stages = kern._config(hs, torch.device("cuda"), name)
+        block_m, block_n, warps, stages = kern._config(hs, torch.device("cuda"), name, 4096)[:4]
         constexprs = dict(flags, BLOCK_M=block_m, BLOCK_N=block_n, **extra)
         src = ASTSource(fn=fn, signature=_sm90_signature(fn, io, constexprs), constexprs=constexprs)
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=warps,
