@@ -465,18 +465,21 @@ def _attn_bwd_dq_kernel(
 #   (full 304, 32x128 8w3s), hs64 224 (64x64 4w2s); so dq comes from the second pass by default.
 # - backward, T 1024: hs128 dk/dv 64x128 8w2s with pointer loads 204, dq 128x32 4w3s 203; hs64 dk/dv 32x64 4w3s
 #   163, dq 128x64 8w2s with pointer loads 170.
-# - hs256: not tuned; tiles that fit the shared memory.
+# - hs256: not tuned; tiles that fit the shared memory. Head dims up to 32 keep the long-sequence tiles at every
+#   length: with the short-sequence ones, ptxas 13.0 (on the H200 machine) crashed compiling hs16 at T 1.
 _LONG = 1 << 62
 CONFIGS = {
-    "fwd": {64: ((1024, (128, 32, 4, 4, True)), (_LONG, (128, 64, 4, 3, True))),
+    "fwd": {32: ((_LONG, (128, 64, 4, 3, True)),),
+            64: ((1024, (128, 32, 4, 4, True)), (_LONG, (128, 64, 4, 3, True))),
             128: ((1024, (128, 32, 4, 4, True)), (_LONG, (128, 128, 8, 3, True))),
             256: ((_LONG, (64, 32, 4, 2, True)),)},
-    "dkdv": {64: ((_LONG, (32, 64, 4, 3, True)),),
+    "dkdv": {32: ((_LONG, (32, 64, 4, 3, True)),), 64: ((_LONG, (32, 64, 4, 3, True)),),
              128: ((1024, (64, 128, 8, 2, False)), (_LONG, (64, 64, 4, 2, True))),
              256: ((_LONG, (32, 64, 4, 2, True)),)},
-    "dkdv_atomic": {64: ((_LONG, (64, 64, 4, 2, True)),), 128: ((_LONG, (32, 128, 8, 3, True)),),
+    "dkdv_atomic": {32: ((_LONG, (64, 64, 4, 2, True)),), 64: ((_LONG, (64, 64, 4, 2, True)),), 128: ((_LONG, (32, 128, 8, 3, True)),),
                     256: ((_LONG, (32, 64, 4, 2, True)),)},
-    "dq": {64: ((1024, (128, 64, 8, 2, False)), (_LONG, (64, 64, 4, 3, True))),
+    "dq": {32: ((_LONG, (64, 64, 4, 3, True)),),
+           64: ((1024, (128, 64, 8, 2, False)), (_LONG, (64, 64, 4, 3, True))),
            128: ((1024, (128, 32, 4, 3, True)), (_LONG, (128, 64, 8, 3, True))),
            256: ((_LONG, (64, 32, 4, 2, True)),)},
 }

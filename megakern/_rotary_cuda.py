@@ -73,10 +73,9 @@ def groups_per_row(head_dim: int, rotary_dim: int, dtype: torch.dtype, copy_rest
 
 
 def _vectorizable(tensors, vec: int, cos, sin, rot_half: int, head_dim: int, copy_rest: bool) -> bool:
-    """16-byte I/O is safe: every row and chunk of q / k / outputs and of the table starts 16-byte aligned, and no
-    group is partial."""
-    if rot_half % vec or (copy_rest and head_dim % vec):
-        return False
+    """16-byte I/O is safe: every row of q / k / outputs and of the table starts 16-byte aligned. The kernel then
+    moves each whole chunk at a column that is a multiple of the vector width in 16 bytes, and the rest (partial
+    chunks, a second NeoX half or a pass-through part that starts mid-chunk) element by element."""
     for t in tensors:
         if t is not None and (t.data_ptr() % 16 or any(s % vec for s in t.stride()[:3])):
             return False

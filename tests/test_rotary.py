@@ -687,6 +687,29 @@ def test_long_tables_and_unaligned_views(variant):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["triton", "cuda-extension", "cuda-nvrtc"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_partial_rotary_mid_chunk(variant, layout):
+    """GPT-NeoX-20B's partial rotary (hs 96, rotary_dim 24) on 16-byte aligned rows: the CUDA kernel moves whole
+    chunks 16 bytes at a time and the rotary part's partial / mid-chunk pieces element by element (the second NeoX
+    half starts at column 12); forward and backward against the reference."""
+    _seed(variant, layout, "partial")
+    interleaved = layout == "interleaved"
+    cos, sin = rotary_table(512, 24, device=DEVICE)
+    q = torch.randn(2, 256, 8, 96, dtype=torch.bfloat16, device=DEVICE, requires_grad=True)
+    k = torch.randn(2, 256, 4, 96, dtype=torch.bfloat16, device=DEVICE, requires_grad=True)
+    dq, dk = torch.randn_like(q), torch.randn_like(k)
+    got = run(variant, q, k, cos, sin, interleaved=interleaved, offset=100)
+    got = (*got, *torch.autograd.grad(got, (q, k), (dq, dk)))
+    qf, kf = (x.detach().float().requires_grad_() for x in (q, k))
+    want = rotary_ref(qf, kf, cos, sin, interleaved=interleaved, offset=100)
+    want = (*want, *torch.autograd.grad(want, (qf, kf), (dq.float(), dk.float())))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.float(), w, rtol=0, atol=2 ** -7 * w.abs().max().item())
+        assert torch.equal(g[..., 24:].float(), w[..., 24:]), "the features past rotary_dim must pass through"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("inplace", (False, True))
 def test_torch_compile_with_cuda_ops(inplace):
     """torch.compile runs a model that uses the CUDA backend (traced as the megakern:: custom ops) and matches

@@ -103,16 +103,20 @@ rotary_kernel(const T* q, const T* k, T* q_out, T* k_out, const TC* __restrict__
       vb = min(VEC, head_dim - cb);
     }
   };
-  auto load_chunk = [&](const T* p, float(&v)[VEC], int valid) {
+  // 16-byte I/O for a whole chunk at a column that is a multiple of VEC (VECIO: rows start 16-byte aligned);
+  // element by element otherwise (a partial chunk, or a NeoX second half / pass-through part that starts
+  // mid-chunk, as with rotary_dim 24 in bf16), so a partial rotary dim never drops the whole row to scalar I/O.
+  auto vec_ok = [&](int col, int valid) { return VECIO && valid == VEC && col % VEC == 0; };
+  auto load_chunk = [&](const T* p, float(&v)[VEC], int valid, int col) {
     if (valid > 0) {
-      load_n<T, VEC>(p, v, valid, VECIO);
+      load_n<T, VEC>(p, v, valid, vec_ok(col, valid));
     } else {
 #pragma unroll
       for (int e = 0; e < VEC; ++e) v[e] = 0.f;
     }
   };
-  auto store_chunk = [&](T* p, const float(&v)[VEC], int valid) {
-    if (valid > 0) store_n<T, VEC>(p, v, valid, VECIO);
+  auto store_chunk = [&](T* p, const float(&v)[VEC], int valid, int col) {
+    if (valid > 0) store_n<T, VEC>(p, v, valid, vec_ok(col, valid));
   };
 
   for (int base = 0; base < items; base += blockDim.x * ITEMS) {
@@ -127,13 +131,13 @@ rotary_kernel(const T* q, const T* k, T* q_out, T* k_out, const TC* __restrict__
       int g, slot, ca, cb, va, vb;
       locate(i, src, dst, g, slot);
       columns(g, ca, cb, va, vb);
-      load_chunk(src + ca, xa[u], va);
-      load_chunk(src + cb, xb[u], vb);
+      load_chunk(src + ca, xa[u], va, ca);
+      load_chunk(src + cb, xb[u], vb, cb);
       if (g < groups_rot) {
         const int j = g * VEC, valid = min(VEC, rot_half - j);
         const i64 m = s_pos[slot];
-        load_n<TC, VEC>(cos + m * stride_cos + j, c[u], valid, VECIO);
-        load_n<TC, VEC>(sin + m * stride_sin + j, s[u], valid, VECIO);
+        load_n<TC, VEC>(cos + m * stride_cos + j, c[u], valid, VECIO && valid == VEC);
+        load_n<TC, VEC>(sin + m * stride_sin + j, s[u], valid, VECIO && valid == VEC);
       }
     }
     // Rotate and store.
@@ -169,8 +173,8 @@ rotary_kernel(const T* q, const T* k, T* q_out, T* k_out, const TC* __restrict__
           }
         }
       }
-      store_chunk(dst + ca, xa[u], va);
-      store_chunk(dst + cb, xb[u], vb);
+      store_chunk(dst + ca, xa[u], va, ca);
+      store_chunk(dst + cb, xb[u], vb, cb);
     }
   }
 }
