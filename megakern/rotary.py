@@ -455,13 +455,22 @@ def _apply(q, k, rot: Rotation, inplace: bool, launcher):
             _bump_version(q, k)
             return q, k
         return q_out.view(q.shape), (k_out.view(k.shape) if k is not None else None)
+    if inplace and torch.compiler.is_compiling():
+        # traced: rotate out of place, then torch's own copy_ into q and k, which autograd handles on views of a
+        # fused tensor too (a custom Function may not return a view it modified in place)
+        out = RotaryFunction.apply(q, k, rot, False, launcher)
+        q_out, k_out = out if k is not None else (out, None)
+        q.copy_(q_out)
+        if k is not None:
+            k.copy_(k_out)
+        return q, k
     if inplace and k is not None and (q._base is not None or k._base is not None):
         base = q._base
-        if base is not None and k._base is base and not torch.compiler.is_compiling():
+        if base is not None and k._base is base:
             # views of one fused tensor: one launch (its view geometry, storage offsets, is opaque to tracing)
             RotaryInBaseFunction.apply(base, (q, k), rot, launcher)
             return q, k
-        # views of different tensors, or under torch.compile: one launch each
+        # views of different tensors: one launch each
         return RotaryFunction.apply(q, None, rot, True, launcher), RotaryFunction.apply(k, None, rot, True, launcher)
     out = RotaryFunction.apply(q, k, rot, inplace, launcher)
     return out if k is not None else (out, None)
