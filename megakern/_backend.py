@@ -31,7 +31,9 @@ MIN_TRITON = (3, 0)
 # - longer rows CUDA: its streaming backward (RMSNorm 32768: 0.29, LayerNorm 16384: 0.28) beats Triton's, whose
 #   whole-row tiles spill (0.16 / 0.11), which outweighs Triton's faster forward.
 # Attention has no CUDA C++ implementation: Triton, then the reference.
-# Rotary (size: the head dim): unmeasured; Triton first, CUDA second until the H200 run of benchmarks/bench_rotary.py.
+# Rotary (size: the head dim): Triton first. H200, q (8, 4096, 32, 128) + k (8 kv heads) bf16, fractions of copy
+# (benchmarks/results/h200/rotary.csv): Triton fwd 0.90, CUDA 0.80 (extension; 0.64 through NVRTC); fwd+bwd timings
+# are host-bound and vary between runs (Triton 0.57-0.88, CUDA 0.46-0.81).
 DEFAULTS: dict[str, tuple[tuple[int, tuple[str, ...]], ...]] = {
     "rms_norm": ((16384, ("triton", "cuda", "torch")), (1 << 30, ("cuda", "triton", "torch"))),
     "layer_norm": ((8192, ("triton", "cuda", "torch")), (1 << 30, ("cuda", "triton", "torch"))),
