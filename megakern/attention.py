@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from megakern import _backend, _nvtx
+from megakern._checks import document_lengths
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = tuple(range(16, 257, 16))
@@ -144,20 +145,11 @@ def check_inputs(q, k, v, cu_seqlens, max_seqlen, softmax_scale) -> None:
         if q.shape[0] != k.shape[0]:
             raise ValueError(f"attention: batch sizes differ: q {q.shape[0]}, k {k.shape[0]}")
         return
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
-        raise TypeError("attention: cu_seqlens must be a 1-D torch.int32 tensor of document offsets")
-    if cu_seqlens.device != q.device:
+    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.device != q.device:
         raise ValueError(f"attention: cu_seqlens is on {cu_seqlens.device} but q is on {q.device}")
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"attention: packed q has {q.shape[0]} tokens but k has {k.shape[0]}")
-    offsets = cu_seqlens.tolist()
-    if len(offsets) < 2 or offsets[0] != 0:
-        raise ValueError(f"attention: cu_seqlens must start at 0 and hold at least 2 offsets, got {offsets[:8]}")
-    lengths = [e - s for s, e in zip(offsets[:-1], offsets[1:])]
-    if min(lengths) < 0:
-        raise ValueError(f"attention: cu_seqlens must be non-decreasing, got {offsets[:16]}")
-    if offsets[-1] != q.shape[0]:
-        raise ValueError(f"attention: cu_seqlens ends at {offsets[-1]} but q holds {q.shape[0]} tokens")
+    lengths = document_lengths("attention", cu_seqlens, q.shape[0])
     if max_seqlen is not None and max_seqlen < max(lengths):
         raise ValueError(f"attention: max_seqlen {max_seqlen} < the longest document ({max(lengths)})")
 

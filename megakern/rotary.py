@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from megakern import _backend, _nvtx
+from megakern._checks import document_lengths
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -324,16 +325,7 @@ def check_inputs(q, k, cos, sin, rotary_dim, interleaved, cu_seqlens, position_i
         position_ids = position_ids.reshape(-1, tokens)  # (1 or B, T)
     elif cu_seqlens is not None:
         _check_index_tensor("cu_seqlens", cu_seqlens, q.device)
-        if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
-            raise TypeError("apply_rotary: cu_seqlens must be a 1-D torch.int32 tensor of document offsets")
-        bounds = cu_seqlens.tolist()
-        if len(bounds) < 2 or bounds[0] != 0:
-            raise ValueError(f"apply_rotary: cu_seqlens must start at 0 and hold at least 2 offsets, got {bounds[:8]}")
-        lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
-        if min(lengths) < 0:
-            raise ValueError(f"apply_rotary: cu_seqlens must be non-decreasing, got {bounds[:16]}")
-        if bounds[-1] != tokens:
-            raise ValueError(f"apply_rotary: cu_seqlens ends at {bounds[-1]} but q holds {tokens} tokens")
+        lengths = document_lengths("apply_rotary", cu_seqlens, tokens)
         starts = offsets.tolist() if offsets is not None else [offset] * len(lengths)
         if min(starts) < 0:
             raise ValueError(f"apply_rotary: offset has a negative entry ({min(starts)})")
