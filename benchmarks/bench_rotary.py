@@ -260,8 +260,8 @@ def tune(device: torch.device, copy_gbps: float) -> None:
     for interleaved in (False, True):
         args = (q, k, cos, sin, None, None, None, 0, case.rd, interleaved, False, False)
         if not status["triton"]:
-            for tile in (2048, 4096, 8192, 16384, 32768):
-                for warps in (2, 4, 8, 16):
+            for tile in (1024, 2048, 4096, 8192, 16384):
+                for warps in (2, 4, 8):
                     t = bench(lambda: _rotary_triton.fwd(*args, num_warps=warps, tile=tile), device=device)
                     cfg = _rotary_triton.config(case.nh, case.nkv, case.rd // 2, 0, None, warps, tile)
                     rows.append((gb / (t["median"] * 1e-3), f"triton il={interleaved} tile={tile} "

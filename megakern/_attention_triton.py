@@ -10,9 +10,11 @@ query head of its group and every query block that sees its keys, accumulating d
 reduced in the kernel); dq either by fp32 atomic adds from that pass (a TMA reduce where tensor descriptors are
 used; element atomics under the interpreter, which has no TMA reduce), or (deterministic) by a second kernel per query block that recomputes the scores.
 
-Tiles move by TMA through device-side tensor descriptors (one per (sequence, head), its shape the sequence's own
-length, so ragged ends read zeros and stores stop at the end) on Hopper and newer when the strides allow (16-byte
-aligned), else by masked pointer loads; both paths compute the same thing and both are tested.
+Tiles move by TMA on Hopper and newer when the strides allow (16-byte aligned): through the launcher's 4-D
+(B, T, heads, hs) tensor descriptors where the batch has one length (the forward), or through device-side descriptors
+made per (sequence, head), each shaped to its sequence's own length (packed documents, the backward); either way
+ragged ends read zeros and stores stop at the end. Elsewhere tiles move by masked pointer loads. All three paths
+compute the same thing and all are tested; CONFIGS says which each kernel takes, and why.
 
 Packed sequences (cu_seqlens): the batch index is the document; its rows start at cu_seqlens[b]. Tensors come in
 as (B, T, heads, hs) views with unit stride along hs (packed ones as (1, total, heads, hs), batch stride unused).
@@ -23,28 +25,40 @@ import torch
 import triton
 import triton.language as tl
 
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # Triton < 3.4: device-side descriptors or pointers only
+    TensorDescriptor = None
+
 LN2 = 0.6931471805599453
 LOG2E = 1.4426950408889634
 
 
 # ---- tile access: a TMA tensor descriptor or a plain pointer ----------------------------------------------------
+# TMA modes: 0 masked pointer loads; 1 a device-side descriptor per (sequence, head), made by the program; 2 the
+# launcher's 4-D (B, T, heads, hs) descriptor, addressed at (batch, row, head, 0) (fixed-length batches only).
 @triton.jit
-def _tile_src(BASE, rows, stride_t, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+def _tile_src(BASE, offset, rows, stride_t, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
               TMA: tl.constexpr):
-    """What _load / _store take for the (rows, HEAD_DIM) matrix at BASE (row stride stride_t, unit column stride)."""
-    if TMA:
-        return tl.make_tensor_descriptor(BASE, shape=[rows, HEAD_DIM], strides=[stride_t, 1],
+    """What _load / _store take for the (rows, HEAD_DIM) matrix at BASE + offset (row stride stride_t, unit column
+    stride); BASE itself in mode 2."""
+    if TMA == 2:
+        return BASE
+    elif TMA == 1:
+        return tl.make_tensor_descriptor(BASE + offset, shape=[rows, HEAD_DIM], strides=[stride_t, 1],
                                          block_shape=[BLOCK, BLOCK_D])
     else:
-        return BASE
+        return BASE + offset
 
 
 @triton.jit
-def _load(src, row, rows, stride_t, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+def _load(src, b, h, row, rows, stride_t, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
           TMA: tl.constexpr, CHECK_ROWS: tl.constexpr):
-    """Rows row .. row + BLOCK - 1 of the matrix, zeros past ``rows`` (pointer path: only if CHECK_ROWS) and past
-    HEAD_DIM."""
-    if TMA:
+    """Rows row .. row + BLOCK - 1 of the matrix of batch entry b, head h, zeros past ``rows`` (pointer path: only if
+    CHECK_ROWS) and past HEAD_DIM."""
+    if TMA == 2:
+        return src.load([b, row, h, 0]).reshape(BLOCK, BLOCK_D)
+    elif TMA == 1:
         return src.load([row, 0])
     else:
         offs = row + tl.arange(0, BLOCK)
@@ -59,10 +73,12 @@ def _load(src, row, rows, stride_t, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, 
 
 
 @triton.jit
-def _store(dst, row, rows, stride_t, value, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-           TMA: tl.constexpr):
+def _store(dst, b, h, row, rows, stride_t, value, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+           HEAD_DIM: tl.constexpr, TMA: tl.constexpr):
     """Store rows row .. row + BLOCK - 1 (those before ``rows``, columns before HEAD_DIM)."""
-    if TMA:
+    if TMA == 2:
+        dst.store([b, row, h, 0], value.reshape(1, BLOCK, 1, BLOCK_D))
+    elif TMA == 1:
         dst.store([row, 0], value)
     else:
         offs = row + tl.arange(0, BLOCK)
@@ -169,13 +185,13 @@ def _query_blocks(start_n, len_q, len_k, win_left, win_right, BLOCK_M: tl.conste
 
 # ---- forward ---------------------------------------------------------------------------------------------------
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, lo, hi, offs_m, len_q, len_k, win_left, win_right,
+def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, b, hk, lo, hi, offs_m, len_q, len_k, win_left, win_right,
                stride_kt, stride_vt, scale_log2,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, TMA: tl.constexpr,
                MASKED: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
-        k = _load(k_src, start_n, len_k, stride_kt, BLOCK_N, BLOCK_D, HEAD_DIM, TMA, MASKED)
+        k = _load(k_src, b, hk, start_n, len_k, stride_kt, BLOCK_N, BLOCK_D, HEAD_DIM, TMA, MASKED)
         qk = tl.dot(q, tl.trans(k))
         if MASKED:
             offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -192,7 +208,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, lo, hi, offs_m, len_q, len_k, win
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v = _load(v_src, start_n, len_k, stride_vt, BLOCK_N, BLOCK_D, HEAD_DIM, TMA, MASKED)
+        v = _load(v_src, b, hk, start_n, len_k, stride_vt, BLOCK_N, BLOCK_D, HEAD_DIM, TMA, MASKED)
         acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
     return acc, l_i, m_i
@@ -219,28 +235,28 @@ def _attn_fwd_kernel(
     start_m = pid_m * BLOCK_M
     if start_m < len_q:  # packed documents: blocks past this document's end have nothing to do
         bb = b.to(tl.int64)
-        q_src = _tile_src(Q + bb * stride_qb + q_start * stride_qt + h * stride_qh, len_q, stride_qt,
+        q_src = _tile_src(Q, bb * stride_qb + q_start * stride_qt + h * stride_qh, len_q, stride_qt,
                           BLOCK_M, BLOCK_D, HEAD_DIM, TMA)
-        k_src = _tile_src(K + bb * stride_kb + k_start * stride_kt + hk * stride_kh, len_k, stride_kt,
+        k_src = _tile_src(K, bb * stride_kb + k_start * stride_kt + hk * stride_kh, len_k, stride_kt,
                           BLOCK_N, BLOCK_D, HEAD_DIM, TMA)
-        v_src = _tile_src(V + bb * stride_vb + k_start * stride_vt + hk * stride_vh, len_k, stride_vt,
+        v_src = _tile_src(V, bb * stride_vb + k_start * stride_vt + hk * stride_vh, len_k, stride_vt,
                           BLOCK_N, BLOCK_D, HEAD_DIM, TMA)
-        o_dst = _tile_src(O + bb * stride_ob + q_start * stride_ot + h * stride_oh, len_q, stride_ot,
+        o_dst = _tile_src(O, bb * stride_ob + q_start * stride_ot + h * stride_oh, len_q, stride_ot,
                           BLOCK_M, BLOCK_D, HEAD_DIM, TMA)
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = _load(q_src, start_m, len_q, stride_qt, BLOCK_M, BLOCK_D, HEAD_DIM, TMA, True)
+        q = _load(q_src, b, h, start_m, len_q, stride_qt, BLOCK_M, BLOCK_D, HEAD_DIM, TMA, True)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         lo, full_lo, full_hi, hi = _key_blocks(start_m, len_q, len_k, win_left, win_right, BLOCK_M, BLOCK_N,
                                                CAUSAL, WINDOW_L, WINDOW_R)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, full_lo, full_hi, offs_m, len_q, len_k, win_left, win_right,
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, b, hk, full_lo, full_hi, offs_m, len_q, len_k, win_left, win_right,
                                    stride_kt, stride_vt, scale_log2, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, WINDOW_L,
                                    WINDOW_R, TMA, False)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, full_hi, hi, offs_m, len_q, len_k, win_left, win_right,
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, b, hk, full_hi, hi, offs_m, len_q, len_k, win_left, win_right,
                                    stride_kt, stride_vt, scale_log2, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, WINDOW_L,
                                    WINDOW_R, TMA, True)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, lo, full_lo, offs_m, len_q, len_k, win_left, win_right,
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, b, hk, lo, full_lo, offs_m, len_q, len_k, win_left, win_right,
                                    stride_kt, stride_vt, scale_log2, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, WINDOW_L,
                                    WINDOW_R, TMA, True)
         # normalize; a row that saw no key gets 0 and lse -inf
@@ -248,7 +264,7 @@ def _attn_fwd_kernel(
         l_use = tl.where(seen, l_i, 1.0)
         out = acc / l_use[:, None]
         lse = tl.where(seen, (m_i + tl.math.log2(l_use)) * 0.6931471805599453, float("-inf"))
-        _store(o_dst, start_m, len_q, stride_ot, out.to(O.dtype.element_ty), BLOCK_M, BLOCK_D, HEAD_DIM, TMA)
+        _store(o_dst, b, h, start_m, len_q, stride_ot, out.to(q.dtype), BLOCK_M, BLOCK_D, HEAD_DIM, TMA)
         tl.store(LSE + bb * stride_lb + h * stride_lh + q_start + offs_m, lse, mask=offs_m < len_q)
 
 
@@ -287,14 +303,14 @@ def _row_stats(LSE_H, DELTA_H, offs_m, len_q):
 
 
 @triton.jit
-def _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, dq_dst, LSE_H, DELTA_H, lo, hi, offs_n, len_q, len_k,
+def _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, dq_dst, LSE_H, DELTA_H, b, h, lo, hi, offs_n, len_q, len_k,
                     win_left, win_right, stride_qt, stride_dot, stride_dqt, scale_log2, scale,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                     CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, TMA: tl.constexpr,
                     ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, MASKED: tl.constexpr):
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = _load(q_src, start_m, len_q, stride_qt, BLOCK_M, BLOCK_D, HEAD_DIM, TMA, True)
+        q = _load(q_src, b, h, start_m, len_q, stride_qt, BLOCK_M, BLOCK_D, HEAD_DIM, TMA, True)
         lse2, delta = _row_stats(LSE_H, DELTA_H, offs_m, len_q)
         # P^T recomputed from the saved lse, then dV += P^T dO, dS^T = P^T * (dP^T - delta), dK += dS^T Q
         s_t = tl.dot(k, tl.trans(q))
@@ -303,7 +319,7 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, dq_dst, LSE_H, DELTA_H, lo, hi,
             ok_t = _visible(offs_m[None, :], offs_n[:, None], len_q, len_k, win_left, win_right,
                             CAUSAL, WINDOW_L, WINDOW_R)
             p_t = tl.where(ok_t, p_t, 0.0)
-        do = _load(do_src, start_m, len_q, stride_dot, BLOCK_M, BLOCK_D, HEAD_DIM, TMA, True)
+        do = _load(do_src, b, h, start_m, len_q, stride_dot, BLOCK_M, BLOCK_D, HEAD_DIM, TMA, True)
         dv = tl.dot(p_t.to(do.dtype), do, dv)
         dp_t = tl.dot(v, tl.trans(do))
         ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
@@ -334,58 +350,57 @@ def _attn_bwd_dkdv_kernel(
     if start_n < len_k:
         bb = b.to(tl.int64)
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k_src = _tile_src(K + bb * stride_kb + k_start * stride_kt + hk * stride_kh, len_k, stride_kt,
+        k_src = _tile_src(K, bb * stride_kb + k_start * stride_kt + hk * stride_kh, len_k, stride_kt,
                           BLOCK_N, BLOCK_D, HEAD_DIM, TMA)
-        v_src = _tile_src(V + bb * stride_vb + k_start * stride_vt + hk * stride_vh, len_k, stride_vt,
+        v_src = _tile_src(V, bb * stride_vb + k_start * stride_vt + hk * stride_vh, len_k, stride_vt,
                           BLOCK_N, BLOCK_D, HEAD_DIM, TMA)
-        k = _load(k_src, start_n, len_k, stride_kt, BLOCK_N, BLOCK_D, HEAD_DIM, TMA, True)
-        v = _load(v_src, start_n, len_k, stride_vt, BLOCK_N, BLOCK_D, HEAD_DIM, TMA, True)
+        k = _load(k_src, b, hk, start_n, len_k, stride_kt, BLOCK_N, BLOCK_D, HEAD_DIM, TMA, True)
+        v = _load(v_src, b, hk, start_n, len_k, stride_vt, BLOCK_N, BLOCK_D, HEAD_DIM, TMA, True)
         dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         lo, full_lo, full_hi, hi = _query_blocks(start_n, len_q, len_k, win_left, win_right, BLOCK_M, BLOCK_N,
                                                  CAUSAL, WINDOW_L, WINDOW_R)
         for g in range(GROUP):  # every query head of this kv head's group: dk, dv summed in registers
             h = hk * GROUP + g
-            q_src = _tile_src(Q + bb * stride_qb + q_start * stride_qt + h * stride_qh, len_q, stride_qt,
+            q_src = _tile_src(Q, bb * stride_qb + q_start * stride_qt + h * stride_qh, len_q, stride_qt,
                               BLOCK_M, BLOCK_D, HEAD_DIM, TMA)
-            do_src = _tile_src(DO + bb * stride_dob + q_start * stride_dot + h * stride_doh, len_q, stride_dot,
+            do_src = _tile_src(DO, bb * stride_dob + q_start * stride_dot + h * stride_doh, len_q, stride_dot,
                                BLOCK_M, BLOCK_D, HEAD_DIM, TMA)
             if ATOMIC_DQ:
-                dq_dst = _tile_src(DQ_ACC + bb * stride_dqb + q_start * stride_dqt + h * stride_dqh, len_q,
+                dq_dst = _tile_src(DQ_ACC, bb * stride_dqb + q_start * stride_dqt + h * stride_dqh, len_q,
                                    stride_dqt, BLOCK_M, BLOCK_D, HEAD_DIM, DQ_TMA)
             else:
                 dq_dst = DQ_ACC
             stats = bb * stride_lb + h * stride_lh + q_start
-            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, dq_dst, LSE + stats, DELTA + stats,
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, dq_dst, LSE + stats, DELTA + stats, b, h,
                                      full_lo, full_hi, offs_n, len_q, len_k, win_left, win_right, stride_qt, stride_dot,
                                      stride_dqt, scale_log2, scale, HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, WINDOW_L,
                                      WINDOW_R, TMA, ATOMIC_DQ, DQ_TMA, False)
-            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, dq_dst, LSE + stats, DELTA + stats,
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, dq_dst, LSE + stats, DELTA + stats, b, h,
                                      lo, full_lo, offs_n, len_q, len_k, win_left, win_right, stride_qt, stride_dot,
                                      stride_dqt, scale_log2, scale, HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, WINDOW_L,
                                      WINDOW_R, TMA, ATOMIC_DQ, DQ_TMA, True)
-            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, dq_dst, LSE + stats, DELTA + stats,
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, dq_dst, LSE + stats, DELTA + stats, b, h,
                                      full_hi, hi, offs_n, len_q, len_k, win_left, win_right, stride_qt, stride_dot,
                                      stride_dqt, scale_log2, scale, HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, WINDOW_L,
                                      WINDOW_R, TMA, ATOMIC_DQ, DQ_TMA, True)
-        dk_dst = _tile_src(DK + bb * stride_dkb + k_start * stride_dkt + hk * stride_dkh, len_k, stride_dkt,
+        dk_dst = _tile_src(DK, bb * stride_dkb + k_start * stride_dkt + hk * stride_dkh, len_k, stride_dkt,
                            BLOCK_N, BLOCK_D, HEAD_DIM, TMA)
-        dv_dst = _tile_src(DV + bb * stride_dvb + k_start * stride_dvt + hk * stride_dvh, len_k, stride_dvt,
+        dv_dst = _tile_src(DV, bb * stride_dvb + k_start * stride_dvt + hk * stride_dvh, len_k, stride_dvt,
                            BLOCK_N, BLOCK_D, HEAD_DIM, TMA)
-        _store(dk_dst, start_n, len_k, stride_dkt, (dk * scale).to(DK.dtype.element_ty), BLOCK_N, BLOCK_D,
-               HEAD_DIM, TMA)
-        _store(dv_dst, start_n, len_k, stride_dvt, dv.to(DV.dtype.element_ty), BLOCK_N, BLOCK_D, HEAD_DIM, TMA)
+        _store(dk_dst, b, hk, start_n, len_k, stride_dkt, (dk * scale).to(k.dtype), BLOCK_N, BLOCK_D, HEAD_DIM, TMA)
+        _store(dv_dst, b, hk, start_n, len_k, stride_dvt, dv.to(v.dtype), BLOCK_N, BLOCK_D, HEAD_DIM, TMA)
 
 
 @triton.jit
-def _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, lo, hi, offs_m, len_q, len_k, win_left, win_right,
+def _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, b, hk, lo, hi, offs_m, len_q, len_k, win_left, win_right,
                   stride_kt, stride_vt, scale_log2,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                   CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, TMA: tl.constexpr,
                   MASKED: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
-        k = _load(k_src, start_n, len_k, stride_kt, BLOCK_N, BLOCK_D, HEAD_DIM, TMA, MASKED)
-        v = _load(v_src, start_n, len_k, stride_vt, BLOCK_N, BLOCK_D, HEAD_DIM, TMA, MASKED)
+        k = _load(k_src, b, hk, start_n, len_k, stride_kt, BLOCK_N, BLOCK_D, HEAD_DIM, TMA, MASKED)
+        v = _load(v_src, b, hk, start_n, len_k, stride_vt, BLOCK_N, BLOCK_D, HEAD_DIM, TMA, MASKED)
         s = tl.dot(q, tl.trans(k))
         p = tl.math.exp2(s * scale_log2 - lse2[:, None])
         if MASKED:
@@ -421,75 +436,82 @@ def _attn_bwd_dq_kernel(
     if start_m < len_q:
         bb = b.to(tl.int64)
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q_src = _tile_src(Q + bb * stride_qb + q_start * stride_qt + h * stride_qh, len_q, stride_qt,
+        q_src = _tile_src(Q, bb * stride_qb + q_start * stride_qt + h * stride_qh, len_q, stride_qt,
                           BLOCK_M, BLOCK_D, HEAD_DIM, TMA)
-        do_src = _tile_src(DO + bb * stride_dob + q_start * stride_dot + h * stride_doh, len_q, stride_dot,
+        do_src = _tile_src(DO, bb * stride_dob + q_start * stride_dot + h * stride_doh, len_q, stride_dot,
                            BLOCK_M, BLOCK_D, HEAD_DIM, TMA)
-        k_src = _tile_src(K + bb * stride_kb + k_start * stride_kt + hk * stride_kh, len_k, stride_kt,
+        k_src = _tile_src(K, bb * stride_kb + k_start * stride_kt + hk * stride_kh, len_k, stride_kt,
                           BLOCK_N, BLOCK_D, HEAD_DIM, TMA)
-        v_src = _tile_src(V + bb * stride_vb + k_start * stride_vt + hk * stride_vh, len_k, stride_vt,
+        v_src = _tile_src(V, bb * stride_vb + k_start * stride_vt + hk * stride_vh, len_k, stride_vt,
                           BLOCK_N, BLOCK_D, HEAD_DIM, TMA)
-        dq_dst = _tile_src(DQ + bb * stride_dqb + q_start * stride_dqt + h * stride_dqh, len_q, stride_dqt,
+        dq_dst = _tile_src(DQ, bb * stride_dqb + q_start * stride_dqt + h * stride_dqh, len_q, stride_dqt,
                            BLOCK_M, BLOCK_D, HEAD_DIM, TMA)
-        q = _load(q_src, start_m, len_q, stride_qt, BLOCK_M, BLOCK_D, HEAD_DIM, TMA, True)
-        do = _load(do_src, start_m, len_q, stride_dot, BLOCK_M, BLOCK_D, HEAD_DIM, TMA, True)
+        q = _load(q_src, b, h, start_m, len_q, stride_qt, BLOCK_M, BLOCK_D, HEAD_DIM, TMA, True)
+        do = _load(do_src, b, h, start_m, len_q, stride_dot, BLOCK_M, BLOCK_D, HEAD_DIM, TMA, True)
         stats = bb * stride_lb + h * stride_lh + q_start
         lse2, delta = _row_stats(LSE + stats, DELTA + stats, offs_m, len_q)
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         lo, full_lo, full_hi, hi = _key_blocks(start_m, len_q, len_k, win_left, win_right, BLOCK_M, BLOCK_N,
                                                CAUSAL, WINDOW_L, WINDOW_R)
-        dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, full_lo, full_hi, offs_m, len_q, len_k, win_left,
+        dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, b, hk, full_lo, full_hi, offs_m, len_q, len_k, win_left,
                            win_right, stride_kt, stride_vt, scale_log2, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL,
                            WINDOW_L, WINDOW_R, TMA, False)
-        dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, full_hi, hi, offs_m, len_q, len_k, win_left,
+        dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, b, hk, full_hi, hi, offs_m, len_q, len_k, win_left,
                            win_right, stride_kt, stride_vt, scale_log2, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL,
                            WINDOW_L, WINDOW_R, TMA, True)
-        dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, lo, full_lo, offs_m, len_q, len_k, win_left,
+        dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, b, hk, lo, full_lo, offs_m, len_q, len_k, win_left,
                            win_right, stride_kt, stride_vt, scale_log2, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL,
                            WINDOW_L, WINDOW_R, TMA, True)
-        _store(dq_dst, start_m, len_q, stride_dqt, (dq * scale).to(DQ.dtype.element_ty), BLOCK_M, BLOCK_D,
-               HEAD_DIM, TMA)
+        _store(dq_dst, b, h, start_m, len_q, stride_dqt, (dq * scale).to(q.dtype), BLOCK_M, BLOCK_D, HEAD_DIM, TMA)
 
 
 # ---- launchers -------------------------------------------------------------------------------------------------
-# (BLOCK_M, BLOCK_N, num_warps, num_stages, tensor descriptors) per kernel, head dim and sequence length: a head dim
-# uses the entry of the smallest tuned one >= it, a sequence (the longer of Tq and Tk, or max_seqlen) the first row
-# whose limit it does not pass. Measured on the H200 with profiles/tune_attention.py (bf16, B * T = 16384,
-# nh * hs = 2048, causal unless said; TFLOP/s, the same-run bf16 matmul at 679-693):
-# - fwd, T 4096: hs128 128x128 8 warps 3 stages 393 (full 431); 128x64 8w3s 378 (412); Triton's warp
-#   specialization of the loop (128x128 8w3s) 385 (419), so it is not used. hs64 128x64 4w3s 326.
-# - fwd, T 1024: short loops, where creating the descriptors costs: hs128 128x32 4w4s 262 against 214 for the
-#   long-sequence tile; hs64 128x32 4w4s 227 against 208.
-# - backward, two passes (dk/dv kernel, then dq kernel), T 4096: hs128 dk/dv 64x64 4w2s + dq 128x64 8w3s 321
-#   (full 349); hs64 dk/dv 32x64 4w3s 249. The single pass with atomic dq is slower at its best tile: hs128 291
-#   (full 304, 32x128 8w3s), hs64 224 (64x64 4w2s); so dq comes from the second pass by default.
-# - backward, T 1024: hs128 dk/dv 64x128 8w2s with pointer loads 204, dq 128x32 4w3s 203; hs64 dk/dv 32x64 4w3s
-#   163, dq 128x64 8w2s with pointer loads 170.
-# - hs256: not tuned; tiles that fit the shared memory. Head dims up to 32 keep the long-sequence tiles at every
-#   length: with the short-sequence ones, ptxas 13.0 (on the H200 machine) crashed compiling hs16 at T 1.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, tile moves) per kernel, head dim and sequence length: a head dim uses
+# the entry of the smallest tuned one >= it, a sequence (the longer of Tq and Tk, or max_seqlen) the first row whose
+# limit it does not pass. Tile moves: "host" the launcher's 4-D descriptors (device-side ones for packed documents),
+# "device" device-side descriptors, False masked pointer loads. Measured on the H200 with profiles/tune_attention.py
+# (bf16, B * T = 16384, nh * hs = 2048, causal unless said; TFLOP/s, the same-run bf16 matmul at 679-701):
+# - fwd, the launcher's descriptors against device-side ones (same tiles): hs128 T 4096 128x128 8 warps 3 stages
+#   423 against 392, 128x64 8w3s 404 / 374; T 1024 128x32 4w4s 274 / 264, 128x128 8w3s 264 / 214; hs64 T 4096
+#   128x64 4w3s 368 / 339. Beside dropping the per-program descriptor setup, the loaded-once q tile goes to registers
+#   (wgmma's A operand) rather than shared memory.
+# - fwd tiles, T 4096: hs128 128x128 8w3s as above (full 431 with device-side descriptors); 128x128 8w2s 373;
+#   Triton's warp specialization of the loop (128x128 8w3s, device-side) 385, so it is not used. T 2048: hs128
+#   128x128 8w3s 350, 64x64 4w3s 343, 128x64 8w3s 339, 128x32 4w4s 332; hs64 128x64 4w3s 305, 64x64 4w3s 295,
+#   128x32 4w4s 284, 128x128 8w3s 247. T 1024: hs128 128x32 4w4s 274, 64x64 4w3s 224, 128x64 4w3s 218.
+# - backward, two passes (dk/dv kernel, then dq kernel), T 4096: hs128 dk/dv 64x64 4w2s + dq 128x64 8w3s 321-331
+#   (full 349); hs64 dk/dv 32x64 4w3s 249. The launcher's descriptors are slower here (hs128 272 against 331; T 1024
+#   167 / 203): the loaded-once k and v (dk/dv) or q and dO (dq) tiles go to registers, which these kernels lack
+#   (255 registers and spills). The single pass with atomic dq is slower at its best tile: hs128 291 (full 304,
+#   32x128 8w3s), hs64 224 (64x64 4w2s); so dq comes from the second pass by default.
+# - backward, T 1024: hs128 dk/dv 64x128 8w2s with pointer loads 204 (64x64 4w2s device-side 203), dq 128x32 4w3s
+#   192-203; hs64 dk/dv 32x64 4w3s 163, dq 128x64 8w2s with pointer loads 170.
+# - hs256: not tuned; tiles that fit the shared memory, device-side descriptors (a 64x256 q tile in registers would
+#   spill). Head dims up to 32 keep the long-sequence tiles at every length: with the short-sequence ones, ptxas 13.0
+#   (on the H200 machine) crashed compiling hs16 at T 1.
 _LONG = 1 << 62
 CONFIGS = {
-    "fwd": {32: ((_LONG, (128, 64, 4, 3, True)),),
-            64: ((1024, (128, 32, 4, 4, True)), (_LONG, (128, 64, 4, 3, True))),
-            128: ((1024, (128, 32, 4, 4, True)), (_LONG, (128, 128, 8, 3, True))),
-            256: ((_LONG, (64, 32, 4, 2, True)),)},
-    "dkdv": {32: ((_LONG, (32, 64, 4, 3, True)),), 64: ((_LONG, (32, 64, 4, 3, True)),),
-             128: ((1024, (64, 128, 8, 2, False)), (_LONG, (64, 64, 4, 2, True))),
-             256: ((_LONG, (32, 64, 4, 2, True)),)},
-    "dkdv_atomic": {32: ((_LONG, (64, 64, 4, 2, True)),), 64: ((_LONG, (64, 64, 4, 2, True)),), 128: ((_LONG, (32, 128, 8, 3, True)),),
-                    256: ((_LONG, (32, 64, 4, 2, True)),)},
-    "dq": {32: ((_LONG, (64, 64, 4, 3, True)),),
-           64: ((1024, (128, 64, 8, 2, False)), (_LONG, (64, 64, 4, 3, True))),
-           128: ((1024, (128, 32, 4, 3, True)), (_LONG, (128, 64, 8, 3, True))),
-           256: ((_LONG, (64, 32, 4, 2, True)),)},
+    "fwd": {32: ((_LONG, (128, 64, 4, 3, "host")),),
+            64: ((1024, (128, 32, 4, 4, "host")), (_LONG, (128, 64, 4, 3, "host"))),
+            128: ((1024, (128, 32, 4, 4, "host")), (_LONG, (128, 128, 8, 3, "host"))),
+            256: ((_LONG, (64, 32, 4, 2, "device")),)},
+    "dkdv": {32: ((_LONG, (32, 64, 4, 3, "device")),), 64: ((_LONG, (32, 64, 4, 3, "device")),),
+             128: ((1024, (64, 128, 8, 2, False)), (_LONG, (64, 64, 4, 2, "device"))),
+             256: ((_LONG, (32, 64, 4, 2, "device")),)},
+    "dkdv_atomic": {32: ((_LONG, (64, 64, 4, 2, "device")),), 64: ((_LONG, (64, 64, 4, 2, "device")),), 128: ((_LONG, (32, 128, 8, 3, "device")),),
+                    256: ((_LONG, (32, 64, 4, 2, "device")),)},
+    "dq": {32: ((_LONG, (64, 64, 4, 3, "device")),),
+           64: ((1024, (128, 64, 8, 2, False)), (_LONG, (64, 64, 4, 3, "device"))),
+           128: ((1024, (128, 32, 4, 3, "device")), (_LONG, (128, 64, 8, 3, "device"))),
+           256: ((_LONG, (64, 32, 4, 2, "device")),)},
 }
 
 
 def _config(hs: int, device: torch.device, kind: str, seqlen: int) -> tuple[int, int, int, int, bool]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages, tma) of ``kind`` (a key of CONFIGS) for head dim hs and sequence
     length seqlen."""
-    if device.type != "cuda":
-        return 16, 16, 4, 1, True
+    if device.type != "cuda":  # the interpreter: small tiles, each kind's choice of descriptors
+        return 16, 16, 4, 1, CONFIGS[kind][128][-1][1][4]
     table = CONFIGS[kind]
     rows = table[min(d for d in table if d >= hs)]
     return next(cfg for limit, cfg in rows if seqlen <= limit)
@@ -567,12 +589,28 @@ def _ensure_allocator() -> None:
     triton.set_allocator(_scratch)
 
 
-def _pick_tma(prefer: bool, forced, tensors) -> bool:
-    """Tensor descriptors if forced on (tests, tuning), else if preferred and the tensors allow them."""
-    use = bool(forced) if forced is not None else prefer and _tma_ok(tensors)
-    if use:
+def _pick_tma(prefer: bool, forced, tensors, varlen: bool) -> int:
+    """TMA mode (see _tile_src) of a launch: tensor descriptors if forced on (tests, tuning: True, or 'host' /
+    'device' for that kind) or else if preferred and the tensors allow them; the launcher's 4-D descriptors where
+    the batch has one length, device-side ones per (sequence, head) for packed documents."""
+    use = forced if forced is not None else (prefer if _tma_ok(tensors) else False)
+    if not use:
+        return 0
+    if use == "device" or varlen or TensorDescriptor is None or any(t.numel() == 0 for t in tensors):
+        if forced == "host":
+            raise ValueError("attention: launcher-side tensor descriptors need a fixed-length batch and Triton >= 3.4")
         _ensure_allocator()
-    return use
+        return 1
+    return 2
+
+
+def _descs(mode: int, tensors, rows):
+    """The kernel's tensor arguments: in mode 2 each 4-D tensor as a descriptor of (1, rows, 1, hs-block) tiles
+    (``rows`` per tensor), else the tensors themselves."""
+    if mode != 2:
+        return tensors
+    return [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, r, 1, max(16, triton.next_power_of_2(t.shape[-1]))])
+            for t, r in zip(tensors, rows)]
 
 
 def fwd(q, k, v, causal: bool, scale: float, window, cu_seqlens, max_seqlen, config=None, tma=None):
@@ -589,14 +627,14 @@ def fwd(q, k, v, causal: bool, scale: float, window, cu_seqlens, max_seqlen, con
     flags, left, right = _masks(causal, window)
     if batch == 0 or tq == 0:
         return out, lse
-    use_tma = _pick_tma(prefer, tma, (q4, k4, v4, o4))
+    mode = _pick_tma(prefer, tma, (q4, k4, v4, o4), varlen)
     _attn_fwd_kernel[(batch * nh, triton.cdiv(tq, block_m))](
-        q4, k4, v4, o4, lse, cu_seqlens,
+        *_descs(mode, (q4, k4, v4, o4), (block_m, block_n, block_n, block_m)), lse, cu_seqlens,
         *_strides(q4, varlen), *_strides(k4, varlen), *_strides(v4, varlen), *_strides(o4, varlen),
         stride_lb, stride_lh,
         nh, nh // nkv, tq, tk, scale * LOG2E, left, right,
         HEAD_DIM=hs, BLOCK_D=max(16, triton.next_power_of_2(hs)), BLOCK_M=block_m, BLOCK_N=block_n,
-        VARLEN=varlen, TMA=use_tma, num_warps=warps, num_stages=stages, **flags,
+        VARLEN=varlen, TMA=mode, num_warps=warps, num_stages=stages, **flags,
     )
     return out, lse
 
@@ -628,24 +666,29 @@ def bwd(dout, q, k, v, out, lse, causal: bool, scale: float, window, cu_seqlens,
     common = dict(HEAD_DIM=hs, BLOCK_D=block_d, VARLEN=varlen, **flags)
     block_m, block_n, warps, stages, prefer = _tiles(configs.get("dkdv"), tma, hs, q.device,
                                                      "dkdv_atomic" if atomic else "dkdv", seqlen)
-    use_tma = _pick_tma(prefer, tma, (q4, k4, v4, do4, dk4, dv4, dq4))
+    mode = _pick_tma(prefer, tma, (q4, k4, v4, do4, dk4, dv4, dq4), varlen)
+    if mode == 2 and atomic and not _interpreting():
+        _ensure_allocator()  # dq's TMA reduce goes through a device-side descriptor
+    q_, k_, v_, do_, dk_, dv_ = _descs(mode, (q4, k4, v4, do4, dk4, dv4),
+                                       (block_m, block_n, block_n, block_m, block_n, block_n))
     _attn_bwd_dkdv_kernel[(batch * nkv, triton.cdiv(tk, block_n))](
-        q4, k4, v4, do4, lse, delta, dk4, dv4, dq4, cu_seqlens,
+        q_, k_, v_, do_, lse, delta, dk_, dv_, dq4, cu_seqlens,
         *_strides(q4, varlen), *_strides(k4, varlen), *_strides(v4, varlen), *_strides(do4, varlen),
         stride_lb, stride_lh, *_strides(dk4, varlen), *_strides(dv4, varlen), *_strides(dq4, varlen),
         nkv, nh // nkv, tq, tk, scale * LOG2E, scale, left, right,
-        BLOCK_M=block_m, BLOCK_N=block_n, ATOMIC_DQ=atomic, DQ_TMA=use_tma and not _interpreting(),
-        TMA=use_tma, num_warps=warps, num_stages=stages, **common,
+        BLOCK_M=block_m, BLOCK_N=block_n, ATOMIC_DQ=atomic, DQ_TMA=int(mode > 0 and not _interpreting()),
+        TMA=mode, num_warps=warps, num_stages=stages, **common,
     )
     if atomic:
         return dq.to(q.dtype), dk, dv
     block_m, block_n, warps, stages, prefer = _tiles(configs.get("dq"), tma, hs, q.device, "dq", seqlen)
-    use_tma = _pick_tma(prefer, tma, (q4, k4, v4, do4, dq4))
+    mode = _pick_tma(prefer, tma, (q4, k4, v4, do4, dq4), varlen)
     _attn_bwd_dq_kernel[(batch * nh, triton.cdiv(tq, block_m))](
-        q4, k4, v4, do4, lse, delta, dq4, cu_seqlens,
+        *_descs(mode, (q4, k4, v4, do4), (block_m, block_n, block_n, block_m)), lse, delta,
+        *_descs(mode, (dq4,), (block_m,)), cu_seqlens,
         *_strides(q4, varlen), *_strides(k4, varlen), *_strides(v4, varlen), *_strides(do4, varlen),
         stride_lb, stride_lh, *_strides(dq4, varlen),
         nh, nh // nkv, tq, tk, scale * LOG2E, scale, left, right,
-        BLOCK_M=block_m, BLOCK_N=block_n, TMA=use_tma, num_warps=warps, num_stages=stages, **common,
+        BLOCK_M=block_m, BLOCK_N=block_n, TMA=mode, num_warps=warps, num_stages=stages, **common,
     )
     return dq, dk, dv

@@ -15,10 +15,13 @@ import torch
 import triton
 import triton.language as tl
 
-# Elements of q or k per (BLOCK_T, BLOCK_H, row) tile, and warps by tile size: defaults to be measured on the H200
-# (benchmarks/bench_rotary.py --tune sweeps them). 8192 bf16 elements: 16 KiB in flight per program, 32 values a
-# thread at 8 warps (sm_90a: 64-80 registers, no spills).
-TILE = 8192
+# Elements of q or k per (BLOCK_T, BLOCK_H, row) tile, by layout (interleaved or not), and warps by tile size
+# (4 up to 4096 elements, else 8). Measured on the H200 (benchmarks/bench_rotary.py --tune, forward of the headline
+# q (8, 4096, 32, 128) + k (8 heads) bf16, fraction of the same-run copy bandwidth, two runs): GPT-NeoX 2048 elements
+# (one token, 16 heads a step) 4 warps 0.930-0.931, against 0.906-0.911 for 8192 (2 tokens x 32 heads) and
+# 0.921-0.923 for 2048 at 2 warps; interleaved 4096 at 4 warps 0.933-0.937, 2048 0.924-0.932. Loads marked
+# evict-first with streaming (.cs) stores were slower (interleaved 4096: 0.905).
+TILE = {False: 2048, True: 4096}
 
 
 def _prev_pow2(n: int) -> int:
@@ -116,7 +119,7 @@ def _rotary_kernel(
 
 
 def config(nh: int, nkv: int, rot_half: int, rest: int = 0, block_t: int | None = None,
-           num_warps: int | None = None, tile: int = TILE) -> tuple[int, int, int, int]:
+           num_warps: int | None = None, tile: int = TILE[False]) -> tuple[int, int, int, int]:
     """(BLOCK_T, BLOCK_HQ, BLOCK_HK, warps) for rows of ``rot_half`` pairs and ``rest`` copied features: as many
     heads per step as fit ``tile`` elements, then as many tokens."""
     row = 2 * triton.next_power_of_2(rot_half) + (triton.next_power_of_2(rest) if rest else 0)
@@ -131,7 +134,8 @@ def config(nh: int, nkv: int, rot_half: int, rest: int = 0, block_t: int | None 
 
 
 def fwd(q, k, cos, sin, position_ids, cu_seqlens, offsets, offset: int, rotary_dim: int, interleaved: bool,
-        conj: bool, inplace: bool, *, block_t: int | None = None, num_warps: int | None = None, tile: int = TILE):
+        conj: bool, inplace: bool, *, block_t: int | None = None, num_warps: int | None = None,
+        tile: int | None = None):
     """(q_out, k_out | None) for 4-D q (B, T, nh, hs), k (B, T, nkv, hs) or None; arguments as
     megakern.rotary.Rotation. ``conj``: rotate by -theta (the backward). ``inplace``: q_out is q, k_out is k.
     ``block_t``, ``num_warps``, ``tile`` override the launch defaults (tuning)."""
@@ -147,7 +151,7 @@ def fwd(q, k, cos, sin, position_ids, cu_seqlens, offsets, offset: int, rotary_d
     rot_half = rotary_dim // 2
     copy_rest = not inplace and rotary_dim < hs
     block_t, block_hq, block_hk, warps = config(nh, nkv, rot_half, hs - rotary_dim if copy_rest else 0, block_t,
-                                                num_warps, tile)
+                                                num_warps, tile or TILE[interleaved])
     t_blocks = triton.cdiv(seqlen, block_t)
     pos_mode = 1 if position_ids is not None else 2 if cu_seqlens is not None else 0
     ndocs = cu_seqlens.numel() - 1 if cu_seqlens is not None else 1

@@ -3,6 +3,11 @@ rate: forward configs, backward with atomic dq (kind dkdv: dk/dv kernel configs)
 kernel (dkdv-det) and its dq kernel (dq), per head dim and mask, with tensor descriptors (TMA) or pointer loads.
 
     python profiles/tune_attention.py [--hs 64,128] [--seq 4096] [--masks causal,full] [--kinds fwd,dkdv,dq]
+                                      [--modes host,device,ptr] [--tiles "fwd=128x128x8x3,128x64x8x3 dq=..."]
+
+Tile moves (--modes): host = the launcher's 4-D tensor descriptors, device = device-side descriptors per (sequence,
+head), ptr = masked pointer loads; each tile of the lists below (or of --tiles, BLOCK_M x BLOCK_N x warps x stages)
+is timed in each mode.
 
 FLOPs as benchmarks/bench_attention.py: forward 4 * B * nh * T^2 * hs (halved causal), backward 2.5x forward (the
 deterministic backward does 3.5x: two more matmuls, counted as 2.5x here so the two modes compare by time).
@@ -21,15 +26,28 @@ import torch.nn.functional as F
 from benchmarks.common import bench, measure_matmul_tflops
 from megakern import _attention_triton as kern
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages, tma)
-FWD = [(128, 64, 8, 3, True), (128, 64, 8, 4, True), (128, 128, 8, 2, True), (128, 128, 8, 3, True),
-       (128, 64, 4, 3, True), (64, 64, 4, 3, True), (64, 128, 4, 3, True), (128, 32, 4, 4, True),
-       (128, 64, 8, 3, False), (128, 128, 8, 2, False)]
-DKDV = [(64, 128, 8, 2, True), (32, 128, 8, 2, True), (32, 128, 8, 3, True), (16, 128, 8, 3, True),
-        (64, 64, 4, 2, True), (32, 64, 4, 3, True), (64, 128, 8, 1, True), (32, 128, 4, 2, True),
-        (64, 128, 8, 2, False), (32, 128, 8, 2, False)]
-DQ = [(128, 64, 8, 2, True), (128, 64, 8, 3, True), (64, 64, 4, 3, True), (128, 128, 8, 2, True),
-      (64, 128, 8, 2, True), (128, 32, 4, 3, True), (128, 64, 8, 2, False)]
+# (BLOCK_M, BLOCK_N, num_warps, num_stages)
+TILES = {
+    "fwd": [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3),
+            (64, 128, 4, 3), (128, 32, 4, 4)],
+    "dkdv": [(64, 128, 8, 2), (32, 128, 8, 2), (32, 128, 8, 3), (16, 128, 8, 3), (64, 64, 4, 2), (32, 64, 4, 3),
+             (64, 128, 8, 1), (32, 128, 4, 2)],
+    "dq": [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 8, 2), (128, 32, 4, 3)],
+}
+MODES = {"host": True, "device": "device", "ptr": False}
+
+
+def _configs(kind: str, tiles: dict, modes: list[str]) -> list[tuple]:
+    """(BLOCK_M, BLOCK_N, warps, stages, tma argument) for each tile of ``kind`` in each mode."""
+    return [(*tile, MODES[m]) for tile in tiles[kind] for m in modes]
+
+
+def _parse_tiles(text: str | None) -> dict:
+    tiles = dict(TILES)
+    for part in (text or "").split():
+        kind, _, spec = part.partition("=")
+        tiles[kind] = [tuple(int(x) for x in t.split("x")) for t in spec.split(",")]
+    return tiles
 
 
 def _rel_err(got, want) -> float:
@@ -42,7 +60,11 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--masks", default="causal,full")
     parser.add_argument("--kinds", default="fwd,dkdv,dkdv-det,dq")
+    parser.add_argument("--modes", default="host,device,ptr")
+    parser.add_argument("--tiles", default=None)
     args = parser.parse_args()
+    tiles, modes = _parse_tiles(args.tiles), args.modes.split(",")
+    FWD, DKDV, DQ = (_configs(kind, tiles, modes) for kind in ("fwd", "dkdv", "dq"))
     dev = torch.device("cuda")
     peak = measure_matmul_tflops(dev)
     print(f"bf16 matmul {peak:.0f} TFLOP/s")

@@ -98,15 +98,18 @@ if HAS_CUDA:
 
 
 @pytest.mark.parametrize("deterministic", (True, False), ids=("two-pass", "atomic-dq"))
-@pytest.mark.parametrize("tma", (True, False), ids=("tma", "pointers"))
+@pytest.mark.parametrize("tma", (True, "device", False), ids=("tma", "tma-device", "pointers"))
 @pytest.mark.parametrize("case", PATH_CASES, ids=lambda c: "-".join(map(str, c)).replace(" ", ""))
 def test_tile_paths(case, tma, deterministic):
-    """Both ways of moving tiles (tensor descriptors, masked pointer loads) and both dq passes match the reference,
-    with tiles of unequal height and width (on CPU) so that every range is cut into masked and unmasked parts."""
+    """Every way of moving tiles (the launcher's 4-D tensor descriptors for a fixed-length batch, device-side ones
+    per (sequence, head), masked pointer loads) and both dq passes match the reference, with tiles of unequal height
+    and width (on CPU) so that every range is cut into masked and unmasked parts."""
     _backends()
     from megakern import _attention_triton as kern
 
     b, tq, tk, window, causal, docs = case
+    if tma == "device" and docs:
+        pytest.skip("packed documents always take device-side descriptors: the 'tma' case covers them")
     _seed("paths", case, tma, deterministic)
     dtype, nh, nkv, hs = torch.float16, 4, 2, 32
     cu = max_seqlen = None
@@ -269,9 +272,10 @@ def _sm90_signature(fn, pointers, constexprs):
             for name in fn.arg_names}
 
 
-def compile_for_sm90(hs: int, tma: bool = True) -> list[tuple[str, int, bool]]:
-    """(kernel, shared memory bytes, uses wgmma) for each attention kernel compiled for sm_90 at head dim hs, with
-    tensor descriptors (TMA) or pointer loads.
+def compile_for_sm90(hs: int, tma: int = 2, seqlen: int = 4096, keep: bool = False) -> list:
+    """(kernel, shared memory bytes, uses wgmma) for each attention kernel compiled for sm_90 at head dim hs with the
+    tiles of sequence length ``seqlen``, in TMA mode ``tma`` (0 pointer loads, 1 device-side descriptors, 2 the
+    launcher's 4-D descriptors); ``keep``: the compiled kernels too.
     Needs real (not interpreted) Triton kernels: run with TRITON_INTERPRET=0."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -285,19 +289,24 @@ def compile_for_sm90(hs: int, tma: bool = True) -> list[tuple[str, int, bool]]:
     flags = dict(HEAD_DIM=hs, BLOCK_D=hs, CAUSAL=True, WINDOW_L=False, WINDOW_R=False, VARLEN=False, TMA=tma)
     results = []
     for fn, name, extra in ((kern._attn_fwd_kernel, "fwd", {}),
-                            (kern._attn_bwd_dkdv_kernel, "dkdv", {"ATOMIC_DQ": True, "DQ_TMA": tma}),
+                            (kern._attn_bwd_dkdv_kernel, "dkdv", {"ATOMIC_DQ": False, "DQ_TMA": int(tma > 0)}),
                             (kern._attn_bwd_dq_kernel, "dq", {})):
-        block_m, block_n, warps, stages = kern._config(hs, torch.device("cuda"), name, 4096)[:4]
+        block_m, block_n, warps, stages = kern._config(hs, torch.device("cuda"), name, seqlen)[:4]
         constexprs = dict(flags, BLOCK_M=block_m, BLOCK_N=block_n, **extra)
-        src = ASTSource(fn=fn, signature=_sm90_signature(fn, io, constexprs), constexprs=constexprs)
+        tensors = dict(io)
+        if tma == 2:  # the launcher's descriptors: (1, rows, 1, hs) tiles, rows by tensor
+            for t in ("Q", "O", "DO", "DQ", "K", "V", "DK", "DV"):
+                tensors[t] = f"tensordesc<bf16[1,{block_m if t in ('Q', 'O', 'DO', 'DQ') else block_n},1,{hs}]>"
+        src = ASTSource(fn=fn, signature=_sm90_signature(fn, tensors, constexprs), constexprs=constexprs)
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=warps,
                                                                                      num_stages=stages))
-        results.append((name, compiled.metadata.shared, "wgmma" in compiled.asm["ptx"]))
+        results.append((name, compiled.metadata.shared, "wgmma" in compiled.asm["ptx"]) + ((compiled,) if keep else ()))
     return results
 
 
+@pytest.mark.parametrize("tma", (2, 1, 0), ids=("tma", "tma-device", "pointers"))
 @pytest.mark.parametrize("hs", (64, 128))
-def test_kernels_compile_for_sm90_with_wgmma(hs):
+def test_kernels_compile_for_sm90_with_wgmma(hs, tma):
     """The kernels lower for Hopper (Triton's sm_90 compiler runs without a GPU) onto wgmma, within shared memory."""
     pytest.importorskip("triton")
     try:
@@ -306,7 +315,7 @@ def test_kernels_compile_for_sm90_with_wgmma(hs):
     except ImportError as exc:
         pytest.skip(f"this Triton has no ASTSource/GPUTarget: {exc}")
     here = os.path.dirname(os.path.abspath(__file__))
-    script = f"import sys; sys.path.insert(0, {here!r}); import test_attention as t; print(t.compile_for_sm90({hs}))"
+    script = f"import sys; sys.path.insert(0, {here!r}); import test_attention as t; print(t.compile_for_sm90({hs}, {tma}))"
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

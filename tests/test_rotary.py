@@ -585,7 +585,8 @@ def compile_for_sm90() -> list[tuple[int, int, int]]:
     fn = kern._rotary_kernel
     out = []
     for dtype, table, rot_half, hs, interleaved, copy_rest, pos_mode, has_offsets, conj in SM90_VARIANTS:
-        block_t, block_hq, block_hk, warps = kern.config(32, 8, rot_half, hs - 2 * rot_half if copy_rest else 0)
+        block_t, block_hq, block_hk, warps = kern.config(32, 8, rot_half, hs - 2 * rot_half if copy_rest else 0,
+                                                         tile=kern.TILE[interleaved])
         constexprs = dict(ROT_HALF=rot_half, HEAD_DIM=hs, POS_MODE=pos_mode, HAS_OFFSETS=has_offsets, HAS_K=True,
                           INTERLEAVED=interleaved, CONJ=conj, COPY_REST=copy_rest, BLOCK_T=block_t,
                           BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_P=triton.next_power_of_2(rot_half),
