@@ -5,6 +5,7 @@ import gzip
 import json
 import multiprocessing
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -199,7 +200,8 @@ def test_progress_shows_rates(tmp_path, capsys, monkeypatch, with_tqdm):
     src = write_jsonl(tmp_path / "a.jsonl", [{"text": d} for d in DOCS])
     pp.preprocess([src], BYTE, tmp_path / "d", progress=True)
     err = capsys.readouterr().err
-    assert "docs/s" in err and "MB/s" in err and ("100%" in err) == with_tqdm
+    # tqdm scales its byte rate (kB/s on a slow machine, MB/s on a fast one); the periodic lines print MB/s
+    assert "docs/s" in err and re.search(r"[0-9.]+ ?[kMG]?B/s", err) and ("100%" in err) == with_tqdm
 
 
 def build_default(cache, queue):
