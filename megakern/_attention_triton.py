@@ -5,15 +5,18 @@ the running max, the running sum and the output in fp32 registers (online softma
 multiply-add), and writes out and the row's log-sum-exp. The key range is cut in three: blocks that the masks cut
 (causal diagonal, window edges, the ragged end) get the mask, the blocks between them run without one.
 
-Backward: delta = rowsum(dO * O) first; then a program per (batch x kv head, block of BLOCK_N keys) walks every
-query head of its group and every query block that sees its keys, accumulating dk and dv in registers (GQA groups
-reduced in the kernel); dq either by fp32 atomic adds from that pass (a TMA reduce where tensor descriptors are
-used; element atomics under the interpreter, which has no TMA reduce), or (deterministic) by a second kernel per query block that recomputes the scores.
+Backward, deterministic (the default): first a program per (batch x head, block of BLOCK_M queries) computes its
+rows' delta = rowsum(dO * O) (kept for the next kernel) and walks the key blocks its rows see, accumulating dq;
+then a program per (batch x kv head, block of BLOCK_N keys) walks every query head of its group and every query
+block that sees its keys, accumulating dk and dv in registers (GQA groups reduced in the kernel). No atomics: the
+same inputs give the same bits. With atomics: delta by its own small kernel, then the dk/dv pass also adds each
+block's dq in fp32 (a TMA reduce where tensor descriptors are used; element atomics under the interpreter, which
+has no TMA reduce): two fewer matmuls per block pair, results that vary in the last bits.
 
 Tiles move by TMA on Hopper and newer when the strides allow (16-byte aligned): through the launcher's 4-D
-(B, T, heads, hs) tensor descriptors where the batch has one length (the forward), or through device-side descriptors
-made per (sequence, head), each shaped to its sequence's own length (packed documents, the backward); either way
-ragged ends read zeros and stores stop at the end. Elsewhere tiles move by masked pointer loads. All three paths
+(B, T, heads, hs) tensor descriptors where the batch has one length (the forward's tiles, the backward's loop
+tiles), or through device-side descriptors made per (sequence, head), each shaped to its sequence's own length
+(packed documents, the backward's loaded-once tiles); either way ragged ends read zeros and stores stop at the end. Elsewhere tiles move by masked pointer loads. All three paths
 compute the same thing and all are tested; CONFIGS says which each kernel takes, and why.
 
 Packed sequences (cu_seqlens): the batch index is the document; its rows start at cu_seqlens[b]. Tensors come in
@@ -222,7 +225,7 @@ def _attn_fwd_kernel(
     NH, GROUP, TQ, TK, scale_log2, win_left, win_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, VARLEN: tl.constexpr,
-    TMA: tl.constexpr,
+    TMA: tl.constexpr, TMA_LOOP: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -238,9 +241,9 @@ def _attn_fwd_kernel(
         q_src = _tile_src(Q, bb * stride_qb + q_start * stride_qt + h * stride_qh, len_q, stride_qt,
                           BLOCK_M, BLOCK_D, HEAD_DIM, TMA)
         k_src = _tile_src(K, bb * stride_kb + k_start * stride_kt + hk * stride_kh, len_k, stride_kt,
-                          BLOCK_N, BLOCK_D, HEAD_DIM, TMA)
+                          BLOCK_N, BLOCK_D, HEAD_DIM, TMA_LOOP)
         v_src = _tile_src(V, bb * stride_vb + k_start * stride_vt + hk * stride_vh, len_k, stride_vt,
-                          BLOCK_N, BLOCK_D, HEAD_DIM, TMA)
+                          BLOCK_N, BLOCK_D, HEAD_DIM, TMA_LOOP)
         o_dst = _tile_src(O, bb * stride_ob + q_start * stride_ot + h * stride_oh, len_q, stride_ot,
                           BLOCK_M, BLOCK_D, HEAD_DIM, TMA)
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -252,13 +255,13 @@ def _attn_fwd_kernel(
                                                CAUSAL, WINDOW_L, WINDOW_R)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, b, hk, full_lo, full_hi, offs_m, len_q, len_k, win_left, win_right,
                                    stride_kt, stride_vt, scale_log2, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, WINDOW_L,
-                                   WINDOW_R, TMA, False)
+                                   WINDOW_R, TMA_LOOP, False)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, b, hk, full_hi, hi, offs_m, len_q, len_k, win_left, win_right,
                                    stride_kt, stride_vt, scale_log2, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, WINDOW_L,
-                                   WINDOW_R, TMA, True)
+                                   WINDOW_R, TMA_LOOP, True)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, b, hk, lo, full_lo, offs_m, len_q, len_k, win_left, win_right,
                                    stride_kt, stride_vt, scale_log2, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, WINDOW_L,
-                                   WINDOW_R, TMA, True)
+                                   WINDOW_R, TMA_LOOP, True)
         # normalize; a row that saw no key gets 0 and lse -inf
         seen = l_i > 0.0
         l_use = tl.where(seen, l_i, 1.0)
@@ -339,7 +342,7 @@ def _attn_bwd_dkdv_kernel(
     NKV, GROUP, TQ, TK, scale_log2, scale, win_left, win_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, VARLEN: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, TMA: tl.constexpr, DQ_TMA: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, TMA: tl.constexpr, TMA_LOOP: tl.constexpr, DQ_TMA: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     pid_n = tl.program_id(1)  # causal: the first key blocks see the most queries and go first
@@ -363,9 +366,9 @@ def _attn_bwd_dkdv_kernel(
         for g in range(GROUP):  # every query head of this kv head's group: dk, dv summed in registers
             h = hk * GROUP + g
             q_src = _tile_src(Q, bb * stride_qb + q_start * stride_qt + h * stride_qh, len_q, stride_qt,
-                              BLOCK_M, BLOCK_D, HEAD_DIM, TMA)
+                              BLOCK_M, BLOCK_D, HEAD_DIM, TMA_LOOP)
             do_src = _tile_src(DO, bb * stride_dob + q_start * stride_dot + h * stride_doh, len_q, stride_dot,
-                               BLOCK_M, BLOCK_D, HEAD_DIM, TMA)
+                               BLOCK_M, BLOCK_D, HEAD_DIM, TMA_LOOP)
             if ATOMIC_DQ:
                 dq_dst = _tile_src(DQ_ACC, bb * stride_dqb + q_start * stride_dqt + h * stride_dqh, len_q,
                                    stride_dqt, BLOCK_M, BLOCK_D, HEAD_DIM, DQ_TMA)
@@ -375,15 +378,15 @@ def _attn_bwd_dkdv_kernel(
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, dq_dst, LSE + stats, DELTA + stats, b, h,
                                      full_lo, full_hi, offs_n, len_q, len_k, win_left, win_right, stride_qt, stride_dot,
                                      stride_dqt, scale_log2, scale, HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, WINDOW_L,
-                                     WINDOW_R, TMA, ATOMIC_DQ, DQ_TMA, False)
+                                     WINDOW_R, TMA_LOOP, ATOMIC_DQ, DQ_TMA, False)
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, dq_dst, LSE + stats, DELTA + stats, b, h,
                                      lo, full_lo, offs_n, len_q, len_k, win_left, win_right, stride_qt, stride_dot,
                                      stride_dqt, scale_log2, scale, HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, WINDOW_L,
-                                     WINDOW_R, TMA, ATOMIC_DQ, DQ_TMA, True)
+                                     WINDOW_R, TMA_LOOP, ATOMIC_DQ, DQ_TMA, True)
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, dq_dst, LSE + stats, DELTA + stats, b, h,
                                      full_hi, hi, offs_n, len_q, len_k, win_left, win_right, stride_qt, stride_dot,
                                      stride_dqt, scale_log2, scale, HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, WINDOW_L,
-                                     WINDOW_R, TMA, ATOMIC_DQ, DQ_TMA, True)
+                                     WINDOW_R, TMA_LOOP, ATOMIC_DQ, DQ_TMA, True)
         dk_dst = _tile_src(DK, bb * stride_dkb + k_start * stride_dkt + hk * stride_dkh, len_k, stride_dkt,
                            BLOCK_N, BLOCK_D, HEAD_DIM, TMA)
         dv_dst = _tile_src(DV, bb * stride_dvb + k_start * stride_dvt + hk * stride_dvh, len_k, stride_dvt,
@@ -416,13 +419,14 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, b, hk, lo, hi, offs_m, l
 
 @triton.jit
 def _attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, CU,
+    Q, K, V, O, DO, LSE, DELTA, DQ, CU,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_dob, stride_dot, stride_doh, stride_lb, stride_lh, stride_dqb, stride_dqt, stride_dqh,
+    stride_ob, stride_ot, stride_oh, stride_dob, stride_dot, stride_doh, stride_lb, stride_lh,
+    stride_dqb, stride_dqt, stride_dqh,
     NH, GROUP, TQ, TK, scale_log2, scale, win_left, win_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, VARLEN: tl.constexpr,
-    TMA: tl.constexpr,
+    TMA: tl.constexpr, TMA_LOOP: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -441,35 +445,43 @@ def _attn_bwd_dq_kernel(
         do_src = _tile_src(DO, bb * stride_dob + q_start * stride_dot + h * stride_doh, len_q, stride_dot,
                            BLOCK_M, BLOCK_D, HEAD_DIM, TMA)
         k_src = _tile_src(K, bb * stride_kb + k_start * stride_kt + hk * stride_kh, len_k, stride_kt,
-                          BLOCK_N, BLOCK_D, HEAD_DIM, TMA)
+                          BLOCK_N, BLOCK_D, HEAD_DIM, TMA_LOOP)
         v_src = _tile_src(V, bb * stride_vb + k_start * stride_vt + hk * stride_vh, len_k, stride_vt,
-                          BLOCK_N, BLOCK_D, HEAD_DIM, TMA)
+                          BLOCK_N, BLOCK_D, HEAD_DIM, TMA_LOOP)
         dq_dst = _tile_src(DQ, bb * stride_dqb + q_start * stride_dqt + h * stride_dqh, len_q, stride_dqt,
                            BLOCK_M, BLOCK_D, HEAD_DIM, TMA)
         q = _load(q_src, b, h, start_m, len_q, stride_qt, BLOCK_M, BLOCK_D, HEAD_DIM, TMA, True)
         do = _load(do_src, b, h, start_m, len_q, stride_dot, BLOCK_M, BLOCK_D, HEAD_DIM, TMA, True)
+        # delta = rowsum(dO * O) of these rows, here (no separate pass over O and dO), kept for the dk/dv kernel
+        o_src = _tile_src(O, bb * stride_ob + q_start * stride_ot + h * stride_oh, len_q, stride_ot,
+                          BLOCK_M, BLOCK_D, HEAD_DIM, TMA)
+        o = _load(o_src, b, h, start_m, len_q, stride_ot, BLOCK_M, BLOCK_D, HEAD_DIM, TMA, True)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
         stats = bb * stride_lb + h * stride_lh + q_start
-        lse2, delta = _row_stats(LSE + stats, DELTA + stats, offs_m, len_q)
+        tl.store(DELTA + stats + offs_m, delta, mask=offs_m < len_q)
+        lse = tl.load(LSE + stats + offs_m, mask=offs_m < len_q, other=float("-inf"))
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         lo, full_lo, full_hi, hi = _key_blocks(start_m, len_q, len_k, win_left, win_right, BLOCK_M, BLOCK_N,
                                                CAUSAL, WINDOW_L, WINDOW_R)
         dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, b, hk, full_lo, full_hi, offs_m, len_q, len_k, win_left,
                            win_right, stride_kt, stride_vt, scale_log2, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL,
-                           WINDOW_L, WINDOW_R, TMA, False)
+                           WINDOW_L, WINDOW_R, TMA_LOOP, False)
         dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, b, hk, full_hi, hi, offs_m, len_q, len_k, win_left,
                            win_right, stride_kt, stride_vt, scale_log2, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL,
-                           WINDOW_L, WINDOW_R, TMA, True)
+                           WINDOW_L, WINDOW_R, TMA_LOOP, True)
         dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_src, v_src, b, hk, lo, full_lo, offs_m, len_q, len_k, win_left,
                            win_right, stride_kt, stride_vt, scale_log2, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL,
-                           WINDOW_L, WINDOW_R, TMA, True)
+                           WINDOW_L, WINDOW_R, TMA_LOOP, True)
         _store(dq_dst, b, h, start_m, len_q, stride_dqt, (dq * scale).to(q.dtype), BLOCK_M, BLOCK_D, HEAD_DIM, TMA)
 
 
 # ---- launchers -------------------------------------------------------------------------------------------------
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, tile moves) per kernel, head dim and sequence length: a head dim uses
 # the entry of the smallest tuned one >= it, a sequence (the longer of Tq and Tk, or max_seqlen) the first row whose
-# limit it does not pass. Tile moves: "host" the launcher's 4-D descriptors (device-side ones for packed documents),
-# "device" device-side descriptors, False masked pointer loads. Measured on the H200 with profiles/tune_attention.py
+# limit it does not pass. Tile moves: "host" the launcher's 4-D descriptors, "hybrid" device-side descriptors for the
+# tiles a program loads or stores once and the launcher's for the tiles of its loop, "device" device-side descriptors
+# (packed documents always take these), False masked pointer loads. Measured on the H200 with profiles/tune_attention.py
 # (bf16, B * T = 16384, nh * hs = 2048, causal unless said; TFLOP/s, the same-run bf16 matmul at 679-701):
 # - fwd, the launcher's descriptors against device-side ones (same tiles): hs128 T 4096 128x128 8 warps 3 stages
 #   423 against 392, 128x64 8w3s 404 / 374; T 1024 128x32 4w4s 274 / 264, 128x128 8w3s 264 / 214; hs64 T 4096
@@ -479,13 +491,15 @@ def _attn_bwd_dq_kernel(
 #   Triton's warp specialization of the loop (128x128 8w3s, device-side) 385, so it is not used. T 2048: hs128
 #   128x128 8w3s 350, 64x64 4w3s 343, 128x64 8w3s 339, 128x32 4w4s 332; hs64 128x64 4w3s 305, 64x64 4w3s 295,
 #   128x32 4w4s 284, 128x128 8w3s 247. T 1024: hs128 128x32 4w4s 274, 64x64 4w3s 224, 128x64 4w3s 218.
-# - backward, two passes (dk/dv kernel, then dq kernel), T 4096: hs128 dk/dv 64x64 4w2s + dq 128x64 8w3s 321-331
-#   (full 349); hs64 dk/dv 32x64 4w3s 249. The launcher's descriptors are slower here (hs128 272 against 331; T 1024
-#   167 / 203): the loaded-once k and v (dk/dv) or q and dO (dq) tiles go to registers, which these kernels lack
-#   (255 registers and spills). The single pass with atomic dq is slower at its best tile: hs128 291 (full 304,
-#   32x128 8w3s), hs64 224 (64x64 4w2s); so dq comes from the second pass by default.
-# - backward, T 1024: hs128 dk/dv 64x128 8w2s with pointer loads 204 (64x64 4w2s device-side 203), dq 128x32 4w3s
-#   192-203; hs64 dk/dv 32x64 4w3s 163, dq 128x64 8w2s with pointer loads 170.
+# - backward, two passes (dq kernel, making delta as it goes, then the dk/dv kernel), T 4096: hs128 dk/dv 64x64
+#   4w2s + dq 128x64 8w3s 329-331 with the loop's tiles through the launcher's descriptors ("hybrid"), 322-328
+#   all device-side (full 349); hs64 dk/dv 32x64 4w3s + dq 64x64 4w3s 272-274 hybrid, 267-270 device-side. With
+#   the launcher's descriptors everywhere the backward is slower (hs128 265-271): the loaded-once k and v (dk/dv)
+#   or q and dO (dq) tiles go to registers, which these kernels lack (255 registers and spills). The single pass
+#   with atomic dq is slower at its best tile: hs128 291 (full 304, 32x128 8w3s), hs64 224 (64x64 4w2s); so dq
+#   comes from its own pass by default.
+# - backward, T 1024: hs128 dk/dv 64x64 4w2s + dq 128x32 4w3s 203-216 hybrid, 195-206 device-side (the earlier
+#   dk/dv 64x128 8w2s with pointer loads 204); hs64 dk/dv 32x64 4w3s 163, dq 128x64 8w2s with pointer loads 170.
 # - hs256: not tuned; tiles that fit the shared memory, device-side descriptors (a 64x256 q tile in registers would
 #   spill). Head dims up to 32 keep the long-sequence tiles at every length: with the short-sequence ones, ptxas 13.0
 #   (on the H200 machine) crashed compiling hs16 at T 1.
@@ -495,14 +509,14 @@ CONFIGS = {
             64: ((1024, (128, 32, 4, 4, "host")), (_LONG, (128, 64, 4, 3, "host"))),
             128: ((1024, (128, 32, 4, 4, "host")), (_LONG, (128, 128, 8, 3, "host"))),
             256: ((_LONG, (64, 32, 4, 2, "device")),)},
-    "dkdv": {32: ((_LONG, (32, 64, 4, 3, "device")),), 64: ((_LONG, (32, 64, 4, 3, "device")),),
-             128: ((1024, (64, 128, 8, 2, False)), (_LONG, (64, 64, 4, 2, "device"))),
+    "dkdv": {32: ((_LONG, (32, 64, 4, 3, "device")),), 64: ((_LONG, (32, 64, 4, 3, "hybrid")),),
+             128: ((_LONG, (64, 64, 4, 2, "hybrid")),),
              256: ((_LONG, (32, 64, 4, 2, "device")),)},
     "dkdv_atomic": {32: ((_LONG, (64, 64, 4, 2, "device")),), 64: ((_LONG, (64, 64, 4, 2, "device")),), 128: ((_LONG, (32, 128, 8, 3, "device")),),
                     256: ((_LONG, (32, 64, 4, 2, "device")),)},
     "dq": {32: ((_LONG, (64, 64, 4, 3, "device")),),
-           64: ((1024, (128, 64, 8, 2, False)), (_LONG, (64, 64, 4, 3, "device"))),
-           128: ((1024, (128, 32, 4, 3, "device")), (_LONG, (128, 64, 8, 3, "device"))),
+           64: ((1024, (128, 64, 8, 2, False)), (_LONG, (64, 64, 4, 3, "hybrid"))),
+           128: ((1024, (128, 32, 4, 3, "hybrid")), (_LONG, (128, 64, 8, 3, "hybrid"))),
            256: ((_LONG, (64, 32, 4, 2, "device")),)},
 }
 
@@ -589,28 +603,31 @@ def _ensure_allocator() -> None:
     triton.set_allocator(_scratch)
 
 
-def _pick_tma(prefer: bool, forced, tensors, varlen: bool) -> int:
-    """TMA mode (see _tile_src) of a launch: tensor descriptors if forced on (tests, tuning: True, or 'host' /
-    'device' for that kind) or else if preferred and the tensors allow them; the launcher's 4-D descriptors where
-    the batch has one length, device-side ones per (sequence, head) for packed documents."""
+def _pick_tma(prefer, forced, tensors, varlen: bool) -> tuple[int, int]:
+    """TMA modes (see _tile_src) of a launch, (tiles loaded or stored once per program, tiles of the loop): tensor
+    descriptors if forced on (tests, tuning: True, or one of the kinds below) or else if preferred and the tensors
+    allow them. Kinds: 'host' the launcher's 4-D descriptors for all tiles, 'hybrid' device-side descriptors for the
+    once-per-program tiles and the launcher's for the loop's, 'device' device-side ones for all. Packed documents
+    always take device-side descriptors."""
     use = forced if forced is not None else (prefer if _tma_ok(tensors) else False)
     if not use:
-        return 0
+        return 0, 0
     if use == "device" or varlen or TensorDescriptor is None or any(t.numel() == 0 for t in tensors):
-        if forced == "host":
-            raise ValueError("attention: launcher-side tensor descriptors need a fixed-length batch and Triton >= 3.4")
+        if forced in ("host", "hybrid"):
+            raise ValueError(f"attention: tma={forced!r} needs a fixed-length batch and Triton >= 3.4")
         _ensure_allocator()
-        return 1
-    return 2
+        return 1, 1
+    if use == "hybrid":
+        _ensure_allocator()
+        return 1, 2
+    return 2, 2
 
 
-def _descs(mode: int, tensors, rows):
-    """The kernel's tensor arguments: in mode 2 each 4-D tensor as a descriptor of (1, rows, 1, hs-block) tiles
-    (``rows`` per tensor), else the tensors themselves."""
-    if mode != 2:
-        return tensors
+def _descs(*items):
+    """The kernel's tensor arguments, from (tensor, tile rows, mode) items: in mode 2 the tensor's 4-D descriptor of
+    (1, rows, 1, hs-block) tiles, else the tensor itself."""
     return [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, r, 1, max(16, triton.next_power_of_2(t.shape[-1]))])
-            for t, r in zip(tensors, rows)]
+            if mode == 2 else t for t, r, mode in items]
 
 
 def fwd(q, k, v, causal: bool, scale: float, window, cu_seqlens, max_seqlen, config=None, tma=None):
@@ -627,14 +644,14 @@ def fwd(q, k, v, causal: bool, scale: float, window, cu_seqlens, max_seqlen, con
     flags, left, right = _masks(causal, window)
     if batch == 0 or tq == 0:
         return out, lse
-    mode = _pick_tma(prefer, tma, (q4, k4, v4, o4), varlen)
+    once, loop = _pick_tma(prefer, tma, (q4, k4, v4, o4), varlen)
     _attn_fwd_kernel[(batch * nh, triton.cdiv(tq, block_m))](
-        *_descs(mode, (q4, k4, v4, o4), (block_m, block_n, block_n, block_m)), lse, cu_seqlens,
+        *_descs((q4, block_m, once), (k4, block_n, loop), (v4, block_n, loop), (o4, block_m, once)), lse, cu_seqlens,
         *_strides(q4, varlen), *_strides(k4, varlen), *_strides(v4, varlen), *_strides(o4, varlen),
         stride_lb, stride_lh,
         nh, nh // nkv, tq, tk, scale * LOG2E, left, right,
         HEAD_DIM=hs, BLOCK_D=max(16, triton.next_power_of_2(hs)), BLOCK_M=block_m, BLOCK_N=block_n,
-        VARLEN=varlen, TMA=mode, num_warps=warps, num_stages=stages, **flags,
+        VARLEN=varlen, TMA=once, TMA_LOOP=loop, num_warps=warps, num_stages=stages, **flags,
     )
     return out, lse
 
@@ -658,37 +675,39 @@ def bwd(dout, q, k, v, out, lse, causal: bool, scale: float, window, cu_seqlens,
     dk4, dv4, dq4 = (_as4d(t, varlen) for t in (dk, dv, dq))
     seqlen = max(tq, tk)
     delta = torch.empty_like(lse)
-    rows = 64 if q.device.type == "cuda" else 16
-    _attn_bwd_delta_kernel[(triton.cdiv(tq, rows), batch * nh)](
-        o4, do4, delta, cu_seqlens, *_strides(o4, varlen), *_strides(do4, varlen), stride_lb, stride_lh,
-        nh, tq, HEAD_DIM=hs, BLOCK_D=block_d, BLOCK_M=rows, VARLEN=varlen, num_warps=4,
-    )
     common = dict(HEAD_DIM=hs, BLOCK_D=block_d, VARLEN=varlen, **flags)
+    if atomic:  # delta = rowsum(dO * O) first; the deterministic path's dq kernel makes it as it goes, and runs first
+        rows = 64 if q.device.type == "cuda" else 16
+        _attn_bwd_delta_kernel[(triton.cdiv(tq, rows), batch * nh)](
+            o4, do4, delta, cu_seqlens, *_strides(o4, varlen), *_strides(do4, varlen), stride_lb, stride_lh,
+            nh, tq, HEAD_DIM=hs, BLOCK_D=block_d, BLOCK_M=rows, VARLEN=varlen, num_warps=4,
+        )
+    else:
+        block_m, block_n, warps, stages, prefer = _tiles(configs.get("dq"), tma, hs, q.device, "dq", seqlen)
+        once, loop = _pick_tma(prefer, tma, (q4, k4, v4, o4, do4, dq4), varlen)
+        _attn_bwd_dq_kernel[(batch * nh, triton.cdiv(tq, block_m))](
+            *_descs((q4, block_m, once), (k4, block_n, loop), (v4, block_n, loop), (o4, block_m, once),
+                    (do4, block_m, once)), lse, delta, *_descs((dq4, block_m, once)), cu_seqlens,
+            *_strides(q4, varlen), *_strides(k4, varlen), *_strides(v4, varlen), *_strides(o4, varlen),
+            *_strides(do4, varlen), stride_lb, stride_lh, *_strides(dq4, varlen),
+            nh, nh // nkv, tq, tk, scale * LOG2E, scale, left, right,
+            BLOCK_M=block_m, BLOCK_N=block_n, TMA=once, TMA_LOOP=loop, num_warps=warps, num_stages=stages,
+            **common,
+        )
     block_m, block_n, warps, stages, prefer = _tiles(configs.get("dkdv"), tma, hs, q.device,
                                                      "dkdv_atomic" if atomic else "dkdv", seqlen)
-    mode = _pick_tma(prefer, tma, (q4, k4, v4, do4, dk4, dv4, dq4), varlen)
-    if mode == 2 and atomic and not _interpreting():
-        _ensure_allocator()  # dq's TMA reduce goes through a device-side descriptor
-    q_, k_, v_, do_, dk_, dv_ = _descs(mode, (q4, k4, v4, do4, dk4, dv4),
-                                       (block_m, block_n, block_n, block_m, block_n, block_n))
+    once, loop = _pick_tma(prefer, tma, (q4, k4, v4, do4, dk4, dv4, dq4), varlen)
+    dq_tma = int(once + loop > 0 and not _interpreting())  # dq's TMA reduce: a device-side descriptor
+    if atomic and dq_tma:
+        _ensure_allocator()
+    q_, k_, v_, do_, dk_, dv_ = _descs((q4, block_m, loop), (k4, block_n, once), (v4, block_n, once),
+                                       (do4, block_m, loop), (dk4, block_n, once), (dv4, block_n, once))
     _attn_bwd_dkdv_kernel[(batch * nkv, triton.cdiv(tk, block_n))](
         q_, k_, v_, do_, lse, delta, dk_, dv_, dq4, cu_seqlens,
         *_strides(q4, varlen), *_strides(k4, varlen), *_strides(v4, varlen), *_strides(do4, varlen),
         stride_lb, stride_lh, *_strides(dk4, varlen), *_strides(dv4, varlen), *_strides(dq4, varlen),
         nkv, nh // nkv, tq, tk, scale * LOG2E, scale, left, right,
-        BLOCK_M=block_m, BLOCK_N=block_n, ATOMIC_DQ=atomic, DQ_TMA=int(mode > 0 and not _interpreting()),
-        TMA=mode, num_warps=warps, num_stages=stages, **common,
+        BLOCK_M=block_m, BLOCK_N=block_n, ATOMIC_DQ=atomic, DQ_TMA=dq_tma, TMA=once, TMA_LOOP=loop,
+        num_warps=warps, num_stages=stages, **common,
     )
-    if atomic:
-        return dq.to(q.dtype), dk, dv
-    block_m, block_n, warps, stages, prefer = _tiles(configs.get("dq"), tma, hs, q.device, "dq", seqlen)
-    mode = _pick_tma(prefer, tma, (q4, k4, v4, do4, dq4), varlen)
-    _attn_bwd_dq_kernel[(batch * nh, triton.cdiv(tq, block_m))](
-        *_descs(mode, (q4, k4, v4, do4), (block_m, block_n, block_n, block_m)), lse, delta,
-        *_descs(mode, (dq4,), (block_m,)), cu_seqlens,
-        *_strides(q4, varlen), *_strides(k4, varlen), *_strides(v4, varlen), *_strides(do4, varlen),
-        stride_lb, stride_lh, *_strides(dq4, varlen),
-        nh, nh // nkv, tq, tk, scale * LOG2E, scale, left, right,
-        BLOCK_M=block_m, BLOCK_N=block_n, TMA=mode, num_warps=warps, num_stages=stages, **common,
-    )
-    return dq, dk, dv
+    return (dq.to(q.dtype) if atomic else dq), dk, dv

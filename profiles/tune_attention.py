@@ -6,7 +6,8 @@ kernel (dkdv-det) and its dq kernel (dq), per head dim and mask, with tensor des
                                       [--modes host,device,ptr] [--tiles "fwd=128x128x8x3,128x64x8x3 dq=..."]
 
 Tile moves (--modes): host = the launcher's 4-D tensor descriptors, device = device-side descriptors per (sequence,
-head), ptr = masked pointer loads; each tile of the lists below (or of --tiles, BLOCK_M x BLOCK_N x warps x stages)
+head), hybrid = device-side for the tiles a program loads or stores once and the launcher's for its loop, ptr =
+masked pointer loads; each tile of the lists below (or of --tiles, BLOCK_M x BLOCK_N x warps x stages)
 is timed in each mode.
 
 FLOPs as benchmarks/bench_attention.py: forward 4 * B * nh * T^2 * hs (halved causal), backward 2.5x forward (the
@@ -34,7 +35,7 @@ TILES = {
              (64, 128, 8, 1), (32, 128, 4, 2)],
     "dq": [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 8, 2), (128, 32, 4, 3)],
 }
-MODES = {"host": True, "device": "device", "ptr": False}
+MODES = {"host": True, "hybrid": "hybrid", "device": "device", "ptr": False}
 
 
 def _configs(kind: str, tiles: dict, modes: list[str]) -> list[tuple]:

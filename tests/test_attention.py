@@ -98,7 +98,7 @@ if HAS_CUDA:
 
 
 @pytest.mark.parametrize("deterministic", (True, False), ids=("two-pass", "atomic-dq"))
-@pytest.mark.parametrize("tma", (True, "device", False), ids=("tma", "tma-device", "pointers"))
+@pytest.mark.parametrize("tma", (True, "hybrid", "device", False), ids=("tma", "tma-hybrid", "tma-device", "pointers"))
 @pytest.mark.parametrize("case", PATH_CASES, ids=lambda c: "-".join(map(str, c)).replace(" ", ""))
 def test_tile_paths(case, tma, deterministic):
     """Every way of moving tiles (the launcher's 4-D tensor descriptors for a fixed-length batch, device-side ones
@@ -108,7 +108,7 @@ def test_tile_paths(case, tma, deterministic):
     from megakern import _attention_triton as kern
 
     b, tq, tk, window, causal, docs = case
-    if tma == "device" and docs:
+    if tma in ("device", "hybrid") and docs:
         pytest.skip("packed documents always take device-side descriptors: the 'tma' case covers them")
     _seed("paths", case, tma, deterministic)
     dtype, nh, nkv, hs = torch.float16, 4, 2, 32
@@ -275,7 +275,7 @@ def _sm90_signature(fn, pointers, constexprs):
 def compile_for_sm90(hs: int, tma: int = 2, seqlen: int = 4096, keep: bool = False) -> list:
     """(kernel, shared memory bytes, uses wgmma) for each attention kernel compiled for sm_90 at head dim hs with the
     tiles of sequence length ``seqlen``, in TMA mode ``tma`` (0 pointer loads, 1 device-side descriptors, 2 the
-    launcher's 4-D descriptors); ``keep``: the compiled kernels too.
+    launcher's 4-D descriptors, 3 device-side ones for the once-per-program tiles and the launcher's in the loop); ``keep``: the compiled kernels too.
     Needs real (not interpreted) Triton kernels: run with TRITON_INTERPRET=0."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -286,7 +286,9 @@ def compile_for_sm90(hs: int, tma: int = 2, seqlen: int = 4096, keep: bool = Fal
     bf16 = "*bf16"
     io = {"Q": bf16, "K": bf16, "V": bf16, "O": bf16, "DO": bf16, "DK": bf16, "DV": bf16, "DQ": bf16,
           "LSE": "*fp32", "DELTA": "*fp32", "DQ_ACC": "*fp32", "CU": "*i32"}
-    flags = dict(HEAD_DIM=hs, BLOCK_D=hs, CAUSAL=True, WINDOW_L=False, WINDOW_R=False, VARLEN=False, TMA=tma)
+    once, loop = (1, 2) if tma == 3 else (tma, tma)
+    flags = dict(HEAD_DIM=hs, BLOCK_D=hs, CAUSAL=True, WINDOW_L=False, WINDOW_R=False, VARLEN=False, TMA=once,
+                 TMA_LOOP=loop)
     results = []
     for fn, name, extra in ((kern._attn_fwd_kernel, "fwd", {}),
                             (kern._attn_bwd_dkdv_kernel, "dkdv", {"ATOMIC_DQ": False, "DQ_TMA": int(tma > 0)}),
@@ -294,8 +296,9 @@ def compile_for_sm90(hs: int, tma: int = 2, seqlen: int = 4096, keep: bool = Fal
         block_m, block_n, warps, stages = kern._config(hs, torch.device("cuda"), name, seqlen)[:4]
         constexprs = dict(flags, BLOCK_M=block_m, BLOCK_N=block_n, **extra)
         tensors = dict(io)
-        if tma == 2:  # the launcher's descriptors: (1, rows, 1, hs) tiles, rows by tensor
-            for t in ("Q", "O", "DO", "DQ", "K", "V", "DK", "DV"):
+        loop_tiles = {"fwd": ("K", "V"), "dkdv": ("Q", "DO"), "dq": ("K", "V")}[name]
+        for t in ("Q", "O", "DO", "DQ", "K", "V", "DK", "DV"):  # the launcher's descriptors: (1, rows, 1, hs) tiles
+            if (loop if t in loop_tiles else once) == 2:
                 tensors[t] = f"tensordesc<bf16[1,{block_m if t in ('Q', 'O', 'DO', 'DQ') else block_n},1,{hs}]>"
         src = ASTSource(fn=fn, signature=_sm90_signature(fn, tensors, constexprs), constexprs=constexprs)
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=warps,
@@ -304,7 +307,7 @@ def compile_for_sm90(hs: int, tma: int = 2, seqlen: int = 4096, keep: bool = Fal
     return results
 
 
-@pytest.mark.parametrize("tma", (2, 1, 0), ids=("tma", "tma-device", "pointers"))
+@pytest.mark.parametrize("tma", (2, 3, 1, 0), ids=("tma", "tma-hybrid", "tma-device", "pointers"))
 @pytest.mark.parametrize("hs", (64, 128))
 def test_kernels_compile_for_sm90_with_wgmma(hs, tma):
     """The kernels lower for Hopper (Triton's sm_90 compiler runs without a GPU) onto wgmma, within shared memory."""
