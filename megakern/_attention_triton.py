@@ -500,23 +500,28 @@ def _attn_bwd_dq_kernel(
 #   comes from its own pass by default.
 # - backward, T 1024: hs128 dk/dv 64x64 4w2s + dq 128x32 4w3s 203-216 hybrid, 195-206 device-side (the earlier
 #   dk/dv 64x128 8w2s with pointer loads 204); hs64 dk/dv 32x64 4w3s 163, dq 128x64 8w2s with pointer loads 170.
+# - the launcher's descriptors cost host time: on the H200 machine's host, kern.fwd takes 137 us with them against
+#   77 us device-side (profiles/profile_attention_launch.py), and a forward + backward through autograd at B 16
+#   T 1024 hs128 took 1324 us of host time against 926 device-side, above its 1059 us of GPU time: the GPU waited.
+#   So up to T 1024 every kernel takes device-side descriptors (GPU-side a few percent slower, see above).
 # - hs256: not tuned; tiles that fit the shared memory, device-side descriptors (a 64x256 q tile in registers would
 #   spill). Head dims up to 32 keep the long-sequence tiles at every length: with the short-sequence ones, ptxas 13.0
 #   (on the H200 machine) crashed compiling hs16 at T 1.
 _LONG = 1 << 62
 CONFIGS = {
     "fwd": {32: ((_LONG, (128, 64, 4, 3, "host")),),
-            64: ((1024, (128, 32, 4, 4, "host")), (_LONG, (128, 64, 4, 3, "host"))),
-            128: ((1024, (128, 32, 4, 4, "host")), (_LONG, (128, 128, 8, 3, "host"))),
+            64: ((1024, (128, 32, 4, 4, "device")), (_LONG, (128, 64, 4, 3, "host"))),
+            128: ((1024, (128, 32, 4, 4, "device")), (_LONG, (128, 128, 8, 3, "host"))),
             256: ((_LONG, (64, 32, 4, 2, "device")),)},
-    "dkdv": {32: ((_LONG, (32, 64, 4, 3, "device")),), 64: ((_LONG, (32, 64, 4, 3, "hybrid")),),
-             128: ((_LONG, (64, 64, 4, 2, "hybrid")),),
+    "dkdv": {32: ((_LONG, (32, 64, 4, 3, "device")),),
+             64: ((1024, (32, 64, 4, 3, "device")), (_LONG, (32, 64, 4, 3, "hybrid"))),
+             128: ((1024, (64, 64, 4, 2, "device")), (_LONG, (64, 64, 4, 2, "hybrid"))),
              256: ((_LONG, (32, 64, 4, 2, "device")),)},
     "dkdv_atomic": {32: ((_LONG, (64, 64, 4, 2, "device")),), 64: ((_LONG, (64, 64, 4, 2, "device")),), 128: ((_LONG, (32, 128, 8, 3, "device")),),
                     256: ((_LONG, (32, 64, 4, 2, "device")),)},
     "dq": {32: ((_LONG, (64, 64, 4, 3, "device")),),
            64: ((1024, (128, 64, 8, 2, False)), (_LONG, (64, 64, 4, 3, "hybrid"))),
-           128: ((1024, (128, 32, 4, 3, "hybrid")), (_LONG, (128, 64, 8, 3, "hybrid"))),
+           128: ((1024, (128, 32, 4, 3, "device")), (_LONG, (128, 64, 8, 3, "hybrid"))),
            256: ((_LONG, (64, 32, 4, 2, "device")),)},
 }
 

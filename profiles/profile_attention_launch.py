@@ -1,0 +1,64 @@
+"""Host time of megakern.attention against its GPU time: what an eager step pays per call on the host.
+
+    python profiles/profile_attention_launch.py
+
+Microseconds of host time per call (perf_counter over many calls, no synchronization inside) of the forward kernel
+launcher alone (kern.fwd), of megakern.attention without and with autograd, and of forward + backward, for each
+way of moving tiles (the CONFIGS choice, device-side descriptors only, pointer loads only); next to the GPU time of
+forward + backward by CUDA-graph replay. A small problem keeps the GPU time short, so the host cost shows. Where
+the host time of a step is above its GPU time, the GPU waits for the host: an eager benchmark that times each call
+between CUDA events (triton's do_bench) measures part of the host.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def host_us(fn, calls: int = 200) -> float:
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def main() -> None:
+    import megakern
+    from megakern import _attention_triton as kern
+    from triton.testing import do_bench_cudagraph
+
+    saved = {kind: {hs: rows for hs, rows in table.items()} for kind, table in kern.CONFIGS.items()}
+    for b, t, nh, hs in ((2, 256, 16, 128), (16, 1024, 16, 128)):
+        q, k, v = (torch.randn(b, t, nh, hs, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        dout = torch.randn_like(q)
+        qd, kd, vd = (x.detach() for x in (q, k, v))
+        for label, move in (("table", None), ("device", "device"), ("pointers", False)):
+            for kind, table in kern.CONFIGS.items():  # every entry's tile moves replaced, tiles kept
+                for key, rows in saved[kind].items():
+                    table[key] = tuple((lim, cfg if move is None else (*cfg[:4], move)) for lim, cfg in rows)
+
+            def fb():
+                return torch.autograd.grad(megakern.attention(q, k, v), (q, k, v), dout)
+
+            rows = {
+                "kern.fwd": host_us(lambda: kern.fwd(qd, kd, vd, True, hs ** -0.5, (-1, -1), None, None)),
+                "attention (no grad)": host_us(lambda: megakern.attention(qd, kd, vd)),
+                "attention (grad)": host_us(lambda: megakern.attention(q, k, v)),
+                "fwd+bwd": host_us(fb),
+            }
+            gpu = do_bench_cudagraph(fb, rep=200) * 1e3
+            print(f"B{b} T{t} nh{nh} hs{hs} causal, {label:8}: GPU fwd+bwd {gpu:6.0f} us (graph); host "
+                  + ", ".join(f"{name} {us:.0f} us" for name, us in rows.items()), flush=True)
+    for kind in saved:
+        kern.CONFIGS[kind] = saved[kind]
+
+
+if __name__ == "__main__":
+    main()
