@@ -24,9 +24,13 @@ as (B, T, heads, hs) views with unit stride along hs (packed ones as (1, total, 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+
+from megakern._intmath import cdiv, next_power_of_2
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -573,12 +577,18 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@functools.lru_cache(maxsize=None)
+def _hopper_or_newer(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
 def _tma_ok(tensors) -> bool:
     """Tensor descriptors (TMA) can carry these 4-D tensors: Hopper or newer (or the interpreter), 16-byte aligned
-    base and row / head / batch strides."""
+    base and row / head / batch strides. (The launchers pass the caller's tensors only: their own outputs are fresh
+    contiguous allocations with head dims that are multiples of 16, aligned by construction.)"""
     first = tensors[0]
     if first.device.type == "cuda":
-        if torch.cuda.get_device_capability(first.device)[0] < 9:
+        if not _hopper_or_newer(first.device.index):
             return False
     elif not _interpreting():
         return False
@@ -631,7 +641,7 @@ def _pick_tma(prefer, forced, tensors, varlen: bool) -> tuple[int, int]:
 def _descs(*items):
     """The kernel's tensor arguments, from (tensor, tile rows, mode) items: in mode 2 the tensor's 4-D descriptor of
     (1, rows, 1, hs-block) tiles, else the tensor itself."""
-    return [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, r, 1, max(16, triton.next_power_of_2(t.shape[-1]))])
+    return [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, r, 1, max(16, next_power_of_2(t.shape[-1]))])
             if mode == 2 else t for t, r, mode in items]
 
 
@@ -649,13 +659,13 @@ def fwd(q, k, v, causal: bool, scale: float, window, cu_seqlens, max_seqlen, con
     flags, left, right = _masks(causal, window)
     if batch == 0 or tq == 0:
         return out, lse
-    once, loop = _pick_tma(prefer, tma, (q4, k4, v4, o4), varlen)
-    _attn_fwd_kernel[(batch * nh, triton.cdiv(tq, block_m))](
+    once, loop = _pick_tma(prefer, tma, (q4, k4, v4), varlen)
+    _attn_fwd_kernel[(batch * nh, cdiv(tq, block_m))](
         *_descs((q4, block_m, once), (k4, block_n, loop), (v4, block_n, loop), (o4, block_m, once)), lse, cu_seqlens,
         *_strides(q4, varlen), *_strides(k4, varlen), *_strides(v4, varlen), *_strides(o4, varlen),
         stride_lb, stride_lh,
         nh, nh // nkv, tq, tk, scale * LOG2E, left, right,
-        HEAD_DIM=hs, BLOCK_D=max(16, triton.next_power_of_2(hs)), BLOCK_M=block_m, BLOCK_N=block_n,
+        HEAD_DIM=hs, BLOCK_D=max(16, next_power_of_2(hs)), BLOCK_M=block_m, BLOCK_N=block_n,
         VARLEN=varlen, TMA=once, TMA_LOOP=loop, num_warps=warps, num_stages=stages, **flags,
     )
     return out, lse
@@ -668,7 +678,7 @@ def bwd(dout, q, k, v, out, lse, causal: bool, scale: float, window, cu_seqlens,
     varlen, batch, tq, tk = _geometry(q, k, cu_seqlens, max_seqlen)
     q4, k4, v4, o4, do4 = (_as4d(t, varlen) for t in (q, k, v, out, dout))
     nh, hs, nkv = q.shape[-2], q.shape[-1], k.shape[-2]
-    block_d = max(16, triton.next_power_of_2(hs))
+    block_d = max(16, next_power_of_2(hs))
     flags, left, right = _masks(causal, window)
     stride_lb, stride_lh = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
     dk, dv = torch.empty(k.shape, dtype=k.dtype, device=k.device), torch.empty(v.shape, dtype=v.dtype, device=v.device)
@@ -683,14 +693,14 @@ def bwd(dout, q, k, v, out, lse, causal: bool, scale: float, window, cu_seqlens,
     common = dict(HEAD_DIM=hs, BLOCK_D=block_d, VARLEN=varlen, **flags)
     if atomic:  # delta = rowsum(dO * O) first; the deterministic path's dq kernel makes it as it goes, and runs first
         rows = 64 if q.device.type == "cuda" else 16
-        _attn_bwd_delta_kernel[(triton.cdiv(tq, rows), batch * nh)](
+        _attn_bwd_delta_kernel[(cdiv(tq, rows), batch * nh)](
             o4, do4, delta, cu_seqlens, *_strides(o4, varlen), *_strides(do4, varlen), stride_lb, stride_lh,
             nh, tq, HEAD_DIM=hs, BLOCK_D=block_d, BLOCK_M=rows, VARLEN=varlen, num_warps=4,
         )
     else:
         block_m, block_n, warps, stages, prefer = _tiles(configs.get("dq"), tma, hs, q.device, "dq", seqlen)
-        once, loop = _pick_tma(prefer, tma, (q4, k4, v4, o4, do4, dq4), varlen)
-        _attn_bwd_dq_kernel[(batch * nh, triton.cdiv(tq, block_m))](
+        once, loop = _pick_tma(prefer, tma, (q4, k4, v4, o4, do4), varlen)
+        _attn_bwd_dq_kernel[(batch * nh, cdiv(tq, block_m))](
             *_descs((q4, block_m, once), (k4, block_n, loop), (v4, block_n, loop), (o4, block_m, once),
                     (do4, block_m, once)), lse, delta, *_descs((dq4, block_m, once)), cu_seqlens,
             *_strides(q4, varlen), *_strides(k4, varlen), *_strides(v4, varlen), *_strides(o4, varlen),
@@ -701,13 +711,13 @@ def bwd(dout, q, k, v, out, lse, causal: bool, scale: float, window, cu_seqlens,
         )
     block_m, block_n, warps, stages, prefer = _tiles(configs.get("dkdv"), tma, hs, q.device,
                                                      "dkdv_atomic" if atomic else "dkdv", seqlen)
-    once, loop = _pick_tma(prefer, tma, (q4, k4, v4, do4, dk4, dv4, dq4), varlen)
+    once, loop = _pick_tma(prefer, tma, (q4, k4, v4, do4), varlen)
     dq_tma = int(once + loop > 0 and not _interpreting())  # dq's TMA reduce: a device-side descriptor
     if atomic and dq_tma:
         _ensure_allocator()
     q_, k_, v_, do_, dk_, dv_ = _descs((q4, block_m, loop), (k4, block_n, once), (v4, block_n, once),
                                        (do4, block_m, loop), (dk4, block_n, once), (dv4, block_n, once))
-    _attn_bwd_dkdv_kernel[(batch * nkv, triton.cdiv(tk, block_n))](
+    _attn_bwd_dkdv_kernel[(batch * nkv, cdiv(tk, block_n))](
         q_, k_, v_, do_, lse, delta, dk_, dv_, dq4, cu_seqlens,
         *_strides(q4, varlen), *_strides(k4, varlen), *_strides(v4, varlen), *_strides(do4, varlen),
         stride_lb, stride_lh, *_strides(dk4, varlen), *_strides(dv4, varlen), *_strides(dq4, varlen),

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from megakern._intmath import cdiv, next_power_of_2
+
 MAX_BLOCK = 65536
 
 
@@ -118,7 +120,7 @@ def _norm_bwd_kernel(
 
 
 def _block(n: int) -> int:
-    block = triton.next_power_of_2(n)
+    block = next_power_of_2(n)
     if block > MAX_BLOCK:
         raise ValueError(f"hidden size {n} exceeds the Triton kernels' limit of {MAX_BLOCK}")
     return block
@@ -175,7 +177,7 @@ def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | No
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows == 0:
         return y, res_out, mean, rstd
-    _norm_fwd_kernel[(triton.cdiv(rows, rows_per_program),)](
+    _norm_fwd_kernel[(cdiv(rows, rows_per_program),)](
         x, residual, weight, bias, y, res_out, mean, rstd,
         x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
         res_out.stride(0) if res_out is not None else 0,

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from megakern._intmath import cdiv, next_power_of_2
+
 # Elements of q or k per (BLOCK_T, BLOCK_H, row) tile, by layout (interleaved or not), and warps by tile size
 # (4 up to 4096 elements, else 8). Measured on the H200 (benchmarks/bench_rotary.py --tune, forward of the headline
 # q (8, 4096, 32, 128) + k (8 heads) bf16, fraction of the same-run copy bandwidth, two runs): GPT-NeoX 2048 elements
@@ -122,10 +124,10 @@ def config(nh: int, nkv: int, rot_half: int, rest: int = 0, block_t: int | None 
            num_warps: int | None = None, tile: int = TILE[False]) -> tuple[int, int, int, int]:
     """(BLOCK_T, BLOCK_HQ, BLOCK_HK, warps) for rows of ``rot_half`` pairs and ``rest`` copied features: as many
     heads per step as fit ``tile`` elements, then as many tokens."""
-    row = 2 * triton.next_power_of_2(rot_half) + (triton.next_power_of_2(rest) if rest else 0)
+    row = 2 * next_power_of_2(rot_half) + (next_power_of_2(rest) if rest else 0)
     heads_fit = _prev_pow2(tile // row)
-    block_hq = min(triton.next_power_of_2(nh), heads_fit)
-    block_hk = min(triton.next_power_of_2(max(nkv, 1)), heads_fit)
+    block_hq = min(next_power_of_2(nh), heads_fit)
+    block_hk = min(next_power_of_2(max(nkv, 1)), heads_fit)
     block_t = block_t or _prev_pow2(tile // (block_hq * row))
     if block_t & (block_t - 1):
         raise ValueError(f"rotary: block_t must be a power of 2, got {block_t}")
@@ -152,7 +154,7 @@ def fwd(q, k, cos, sin, position_ids, cu_seqlens, offsets, offset: int, rotary_d
     copy_rest = not inplace and rotary_dim < hs
     block_t, block_hq, block_hk, warps = config(nh, nkv, rot_half, hs - rotary_dim if copy_rest else 0, block_t,
                                                 num_warps, tile or TILE[interleaved])
-    t_blocks = triton.cdiv(seqlen, block_t)
+    t_blocks = cdiv(seqlen, block_t)
     pos_mode = 1 if position_ids is not None else 2 if cu_seqlens is not None else 0
     ndocs = cu_seqlens.numel() - 1 if cu_seqlens is not None else 1
     kk, kko = (k, k_out) if k is not None else (q, q_out)  # unused (HAS_K=False), any valid pointer
@@ -165,7 +167,7 @@ def fwd(q, k, cos, sin, position_ids, cu_seqlens, offsets, offset: int, rotary_d
         position_ids.stride(1) if position_ids is not None else 0,
         ROT_HALF=rot_half, HEAD_DIM=hs, POS_MODE=pos_mode, HAS_OFFSETS=offsets is not None, HAS_K=k is not None,
         INTERLEAVED=interleaved, CONJ=conj, COPY_REST=copy_rest, BLOCK_T=block_t, BLOCK_HQ=block_hq,
-        BLOCK_HK=block_hk, BLOCK_P=triton.next_power_of_2(rot_half),
-        BLOCK_REST=triton.next_power_of_2(hs - rotary_dim) if copy_rest else 1, num_warps=warps,
+        BLOCK_HK=block_hk, BLOCK_P=next_power_of_2(rot_half),
+        BLOCK_REST=next_power_of_2(hs - rotary_dim) if copy_rest else 1, num_warps=warps,
     )
     return q_out, k_out
