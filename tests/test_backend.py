@@ -59,3 +59,15 @@ def test_cuda_default_is_available_backend():
         assert available_backends(dev)[chosen] == ""
         assert chosen == next(b for b in _backend.default_order("rms_norm", size) if not available_backends(dev)[b])
     assert HAS_CUDA
+
+
+def test_launch_integer_helpers_match_triton():
+    """The launchers' plain-Python cdiv / next_power_of_2 give Triton's values (sizes, grids and block widths)."""
+    triton = pytest.importorskip("triton")
+    from megakern._intmath import cdiv, next_power_of_2
+
+    sizes = list(range(0, 2100)) + [2 ** e + d for e in range(11, 40) for d in (-1, 0, 1)]
+    for n in sizes:
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for b in (1, 3, 16, 64, 128, 1000):
+            assert cdiv(n, b) == triton.cdiv(n, b), (n, b)
