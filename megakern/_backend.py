@@ -32,13 +32,15 @@ MIN_TRITON = (3, 0)
 #   whole-row tiles spill (0.16 / 0.11), which outweighs Triton's faster forward.
 # Attention has no CUDA C++ implementation: Triton, then the reference.
 # Rotary (size: the head dim): Triton first. H200, q (8, 4096, 32, 128) + k (8 kv heads) bf16, fractions of copy
-# (benchmarks/results/h200/rotary.csv): Triton fwd 0.90, CUDA 0.80 (extension; 0.64 through NVRTC); fwd+bwd timings
-# are host-bound and vary between runs (Triton 0.57-0.88, CUDA 0.46-0.81).
+# (benchmarks/results/h200/rotary.csv): Triton fwd 0.94 (8cb13c0), CUDA 0.65 (extension), 0.80 in an earlier run;
+# fwd+bwd timings are host-bound and vary between runs (Triton 0.56-0.88, CUDA 0.46-0.81).
 DEFAULTS: dict[str, tuple[tuple[int, tuple[str, ...]], ...]] = {
     "rms_norm": ((16384, ("triton", "cuda", "torch")), (1 << 30, ("cuda", "triton", "torch"))),
     "layer_norm": ((8192, ("triton", "cuda", "torch")), (1 << 30, ("cuda", "triton", "torch"))),
     "attention": ((1 << 30, ("triton", "torch")),),
     "rotary": ((1 << 30, ("triton", "cuda", "torch")),),
+    # FP8 casts (megakern.fp8.quantize): Triton, then the reference; not yet measured on the H200
+    "fp8_cast": ((1 << 30, ("triton", "torch")),),
 }
 
 

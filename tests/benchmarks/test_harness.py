@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from benchmarks import bench_attention, bench_norm
+from benchmarks import bench_attention, bench_fp8, bench_norm
 from benchmarks.common import (CSV_HEADER, Results, Unavailable, bench, gpu_slug, git_sha, load_providers,
                                measure_copy_gbps, measure_matmul_tflops)
 
@@ -262,3 +262,16 @@ def test_bench_attention_as_script():
                            "torch,sdpa-flash", "--no-save"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "| attn hs32 T64 B1 noncausal fp32 | fwd+bwd |" in proc.stdout
+
+
+def test_bench_fp8_bytes_and_cpu_smoke(tmp_path, capsys):
+    assert bench_fp8.bytes_moved("delayed", 4, 256, 2) == 4 * 256 * 3 + 4
+    assert bench_fp8.bytes_moved("delayed+T", 4, 256, 2) == 4 * 256 * 4 + 4
+    assert bench_fp8.bytes_moved("block", 4, 256, 2) == 4 * 256 * 3 + 4 * 4 * 2
+    assert bench_fp8.bytes_moved("tile", 130, 256, 2) == 130 * 256 * 3 + 4 * 2 * 2
+    bench_fp8.main(["--device", "cpu", "--providers", "torch", "--out", str(tmp_path)])
+    records = [dict(zip(CSV_HEADER, row)) for row in _read_csv(tmp_path / "cpu" / "fp8.csv")[1:]]
+    figures = {(r["case"], r["mode"], r["provider"], r["metric"]) for r in records}
+    for mode in bench_fp8.MODES:
+        assert ("fp8 64x96 fp32 e4m3", mode, "torch", "GB/s") in figures
+    assert "| fp8 64x96 fp32 e4m3 | tile |" in capsys.readouterr().out

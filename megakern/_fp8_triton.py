@@ -1,0 +1,183 @@
+"""Triton kernels of megakern.fp8: casts of high-precision tensors to scaled FP8 (megakern/fp8.py has the math).
+
+Every kernel sees its input as a 2-D (M, N) matrix with arbitrary strides (the last dim of the tensor is N) and
+reads it once per pass in (BLOCK_M, BLOCK_N) tiles, computing in fp32:
+
+- ``_cast_kernel``: y = sat(x * scale) with one scale for the tensor (delayed scaling: the scale comes from the amax
+  history; current scaling: from this tensor's amax, made on the device by ``_amax_kernel`` first). It can write the
+  transposed copy (N, M) from the same tile (the weight-gradient GEMM's operand) and this tensor's amax in the same
+  pass (delayed scaling's point: no second read).
+- ``_amax_kernel``: max |x| of the tensor.
+- ``_rows_kernel``: a scale per row (row-wise scaling) or per (row, block of BLOCK_N columns) (1 x 128 block
+  scaling): the amax of the group, then the cast; the group is one tile wide, so the second pass re-reads from L2.
+- ``_tiles_kernel``: a scale per (BLOCK_M x BLOCK_N) tile (128 x 128 block scaling).
+
+amax maps NaN to +inf, so a non-finite input always shows as a non-finite amax (the skip-step signal); saturation
+clamps finite values to +-FMAX before the cast (round to nearest even), so only NaN stays NaN.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from megakern._intmath import cdiv, next_power_of_2
+
+
+@triton.jit
+def _abs_nan_inf(x):
+    """|x| with NaN mapped to +inf (so that a max over it is non-finite whenever an input is)."""
+    return tl.where(x == x, tl.abs(x), float("inf"))
+
+
+@triton.jit
+def _to_fp8(y, FMAX: tl.constexpr, E4M3: tl.constexpr):
+    y = tl.minimum(tl.maximum(y, -FMAX), FMAX)  # saturate (NaN passes through)
+    if E4M3:
+        return y.to(tl.float8e4nv)
+    else:
+        return y.to(tl.float8e5)
+
+
+@triton.jit
+def _tile(X, M, N, stride_xm, stride_xn, pid_m, pid_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    x = tl.load(X + rows.to(tl.int64)[:, None] * stride_xm + cols.to(tl.int64)[None, :] * stride_xn, mask=mask,
+                other=0.0).to(tl.float32)
+    return x, rows, cols, mask
+
+
+@triton.jit
+def _amax_kernel(X, AMAX, M, N, stride_xm, stride_xn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    x, rows, cols, mask = _tile(X, M, N, stride_xm, stride_xn, tl.program_id(0), tl.program_id(1), BLOCK_M, BLOCK_N)
+    tl.atomic_max(AMAX, tl.max(tl.max(tl.where(mask, _abs_nan_inf(x), 0.0), 1), 0))
+
+
+@triton.jit
+def _cast_kernel(X, Y, YT, SCALE, AMAX, M, N, stride_xm, stride_xn,
+                 FMAX: tl.constexpr, E4M3: tl.constexpr, TRANSPOSE: tl.constexpr, WRITE_AMAX: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    x, rows, cols, mask = _tile(X, M, N, stride_xm, stride_xn, tl.program_id(0), tl.program_id(1), BLOCK_M, BLOCK_N)
+    if WRITE_AMAX:  # this tensor's amax, in the same pass (delayed scaling)
+        tl.atomic_max(AMAX, tl.max(tl.max(tl.where(mask, _abs_nan_inf(x), 0.0), 1), 0))
+    y = _to_fp8(x * tl.load(SCALE), FMAX, E4M3)
+    r64 = rows.to(tl.int64)
+    c64 = cols.to(tl.int64)
+    tl.store(Y + r64[:, None] * N + c64[None, :], y, mask=mask)
+    if TRANSPOSE:  # the (N, M) copy from the same tile, transposed in the SM so that its rows store contiguously
+        tl.store(YT + c64[:, None] * M + r64[None, :], tl.trans(y), mask=tl.trans(mask))
+
+
+@triton.jit
+def _scale_of(amax, FMAX: tl.constexpr):
+    """Quantizing scale of a group: FMAX / amax; 1 for an all-zero group; 0 for a non-finite amax (its scale_inv is
+    then inf, which the caller reports)."""
+    return tl.where(amax > 0.0, FMAX / tl.where(amax > 0.0, amax, 1.0), 1.0)
+
+
+@triton.jit
+def _rows_kernel(X, Y, SCALE_INV, M, N, stride_xm, stride_xn, stride_sm,
+                 FMAX: tl.constexpr, E4M3: tl.constexpr, GROUPS_PER_ROW: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # GROUPS_PER_ROW: one scale per row (False: the program walks the whole row twice) or one per BLOCK_N columns
+    pid_m = tl.program_id(0)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    r64 = rows.to(tl.int64)
+    if GROUPS_PER_ROW:
+        pid_n = tl.program_id(1)
+        x, rows, cols, mask = _tile(X, M, N, stride_xm, stride_xn, pid_m, pid_n, BLOCK_M, BLOCK_N)
+        amax = tl.max(tl.where(mask, _abs_nan_inf(x), 0.0), 1)
+        scale = _scale_of(amax, FMAX)
+        y = _to_fp8(x * scale[:, None], FMAX, E4M3)
+        tl.store(Y + r64[:, None] * N + cols.to(tl.int64)[None, :], y, mask=mask)
+        tl.store(SCALE_INV + r64 * stride_sm + pid_n, amax / FMAX, mask=rows < M)
+    else:
+        amax = tl.zeros([BLOCK_M], tl.float32)
+        for n0 in range(0, N, BLOCK_N):
+            x, rows, cols, mask = _tile(X, M, N, stride_xm, stride_xn, pid_m, n0 // BLOCK_N, BLOCK_M, BLOCK_N)
+            amax = tl.maximum(amax, tl.max(tl.where(mask, _abs_nan_inf(x), 0.0), 1))
+        scale = _scale_of(amax, FMAX)
+        for n0 in range(0, N, BLOCK_N):
+            x, rows, cols, mask = _tile(X, M, N, stride_xm, stride_xn, pid_m, n0 // BLOCK_N, BLOCK_M, BLOCK_N)
+            y = _to_fp8(x * scale[:, None], FMAX, E4M3)
+            tl.store(Y + r64[:, None] * N + cols.to(tl.int64)[None, :], y, mask=mask)
+        tl.store(SCALE_INV + r64 * stride_sm, amax / FMAX, mask=rows < M)
+
+
+@triton.jit
+def _tiles_kernel(X, Y, SCALE_INV, M, N, stride_xm, stride_xn, stride_sm,
+                  FMAX: tl.constexpr, E4M3: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    x, rows, cols, mask = _tile(X, M, N, stride_xm, stride_xn, pid_m, pid_n, BLOCK_M, BLOCK_N)
+    amax = tl.max(tl.max(tl.where(mask, _abs_nan_inf(x), 0.0), 1), 0)
+    y = _to_fp8(x * _scale_of(amax, FMAX), FMAX, E4M3)
+    tl.store(Y + rows.to(tl.int64)[:, None] * N + cols.to(tl.int64)[None, :], y, mask=mask)
+    tl.store(SCALE_INV + pid_m * stride_sm + pid_n, amax / FMAX)
+
+
+# ---- launchers: 2-D views in, tensors out ----------------------------------------------------------------------
+def _tiles_for(x: torch.Tensor) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps) for the per-tensor kernels; small tiles under the interpreter."""
+    if x.device.type != "cuda":
+        return 16, 32, 4
+    return 64, 128, 8
+
+
+def amax(x2: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """max |x| (NaN -> inf) of the 2-D view ``x2`` into the fp32 scalar tensor ``out`` (which must hold 0)."""
+    m, n = x2.shape
+    bm, bn, warps = _tiles_for(x2)
+    if m and n:
+        _amax_kernel[(cdiv(m, bm), cdiv(n, bn))](x2, out, m, n, *x2.stride(), BLOCK_M=bm, BLOCK_N=bn,
+                                                               num_warps=warps)
+    return out
+
+
+def cast(x2: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, fmax: float, *, transpose: bool,
+         amax_out: torch.Tensor | None):
+    """(y (M, N), y^T (N, M) or None) = sat(x2 * scale) in ``fp8_dtype``; with ``amax_out`` (an fp32 scalar holding
+    0) also x2's amax."""
+    m, n = x2.shape
+    y = torch.empty((m, n), dtype=fp8_dtype, device=x2.device)
+    yt = torch.empty((n, m), dtype=fp8_dtype, device=x2.device) if transpose else None
+    if m and n:
+        bm, bn, warps = _tiles_for(x2)
+        _cast_kernel[(cdiv(m, bm), cdiv(n, bn))](
+            x2, y, yt if transpose else y, scale, amax_out if amax_out is not None else scale, m, n, *x2.stride(),
+            FMAX=fmax, E4M3=fp8_dtype == torch.float8_e4m3fn, TRANSPOSE=transpose, WRITE_AMAX=amax_out is not None,
+            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+        )
+    return y, yt
+
+
+def cast_rows(x2: torch.Tensor, fp8_dtype: torch.dtype, fmax: float, group: int | None):
+    """(y (M, N), scale_inv): a scale per row (``group`` None; scale_inv (M, 1)) or per row and group of ``group``
+    columns (scale_inv (M, ceil(N / group)))."""
+    m, n = x2.shape
+    y = torch.empty((m, n), dtype=fp8_dtype, device=x2.device)
+    groups = 1 if group is None else cdiv(n, group)
+    scale_inv = torch.empty((m, groups), dtype=torch.float32, device=x2.device)
+    if m and n:
+        cpu = x2.device.type != "cuda"
+        bm = 16 if cpu else 32
+        bn = group if group is not None else (32 if cpu else min(1024, next_power_of_2(n)))
+        grid = (cdiv(m, bm), groups) if group is not None else (cdiv(m, bm),)
+        _rows_kernel[grid](x2, y, scale_inv, m, n, *x2.stride(), scale_inv.stride(0), FMAX=fmax,
+                           E4M3=fp8_dtype == torch.float8_e4m3fn, GROUPS_PER_ROW=group is not None,
+                           BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
+    return y, scale_inv
+
+
+def cast_tiles(x2: torch.Tensor, fp8_dtype: torch.dtype, fmax: float, block: int):
+    """(y (M, N), scale_inv (ceil(M / block), ceil(N / block))): a scale per block x block tile."""
+    m, n = x2.shape
+    y = torch.empty((m, n), dtype=fp8_dtype, device=x2.device)
+    scale_inv = torch.empty((cdiv(m, block), cdiv(n, block)), dtype=torch.float32, device=x2.device)
+    if m and n:
+        _tiles_kernel[scale_inv.shape](x2, y, scale_inv, m, n, *x2.stride(), scale_inv.stride(0), FMAX=fmax,
+                                       E4M3=fp8_dtype == torch.float8_e4m3fn, BLOCK_M=block, BLOCK_N=block,
+                                       num_warps=8 if x2.device.type == "cuda" else 4)
+    return y, scale_inv

@@ -1,0 +1,311 @@
+"""FP8 scaling: recipes, scaling state and the casts that turn high-precision tensors into scaled FP8.
+
+Formats (OCP FP8): E4M3 (``torch.float8_e4m3fn``, largest finite 448: more precision, for weights and activations)
+and E5M2 (``torch.float8_e5m2``, largest finite 57344: more range, for gradients). ``HYBRID`` uses E4M3 in the
+forward and E5M2 for gradients, as TransformerEngine's default; ``E4M3`` uses E4M3 everywhere.
+
+A cast computes ``x_fp8 = sat(x * scale)`` (fp32 math, round to nearest even, finite values clamped to the format's
+largest, NaN kept) and returns ``scale_inv = 1 / scale``, the factor that dequantizes: ``x ~ x_fp8 * scale_inv``
+(what the FP8 GEMMs take). Scales come from an amax, the largest |x| of a group:
+
+- per tensor, delayed (``DelayedScaling``): the scale comes from the history of earlier steps' amaxes, so one pass
+  reads x, casts it, and records this step's amax for the next (``quantize(x, scale=..., amax_out=...)``);
+- per tensor, current (``CurrentScaling``): this tensor's own amax, then the cast (two passes over x);
+- per row, or per 1 x 128 / 128 x 128 block (``BlockScaling``, DeepSeek-V3 style), fp32 scales.
+
+scale = fmax / amax / 2^margin. An amax of 0 keeps the previous scale (delayed) or gives 1; a non-finite amax (an inf
+or NaN in x: the kernels map NaN to inf) is never turned into a scale: the delayed state keeps its scale and counts
+the event, and per-group casts return an inf scale_inv for that group, so ``Quantized.nonfinite()`` (a device bool,
+no sync) tells the trainer to skip the step.
+
+Backends: ``torch`` (the reference, ``quantize_ref``) and ``triton`` (megakern/_fp8_triton.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from megakern import _backend
+
+FP8_DTYPES = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class Format(str, enum.Enum):
+    """Which FP8 format each role uses."""
+    E4M3 = "E4M3"  # everywhere
+    HYBRID = "HYBRID"  # E4M3 forward (activations, weights), E5M2 gradients
+
+    def dtype(self, role: str) -> torch.dtype:
+        """The FP8 dtype of ``role``: 'x' (activations), 'w' (weights) or 'grad'."""
+        if role not in ("x", "w", "grad"):
+            raise ValueError(f"fp8: role must be 'x', 'w' or 'grad', got {role!r}")
+        return torch.float8_e5m2 if self is Format.HYBRID and role == "grad" else torch.float8_e4m3fn
+
+
+def _check_format(fmt) -> Format:
+    try:
+        return Format(fmt)
+    except ValueError:
+        raise ValueError(f"fp8: unknown format {fmt!r}; choose one of {', '.join(f.value for f in Format)}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class DelayedScaling:
+    """Per-tensor scales from the amax history of earlier steps (TransformerEngine's default recipe).
+
+    Defaults and why: HYBRID, since gradients need E5M2's range; a 1024-step history with ``amax_compute="max"``,
+    so that one quiet step does not raise the scale into overflow on the next spike; margin 0, since saturation
+    already bounds an overshoot. ``amax_compute="most_recent"`` follows the data faster and overflows more often.
+    """
+    fp8_format: Format = Format.HYBRID
+    margin: int = 0
+    amax_history_len: int = 1024
+    amax_compute: str = "max"
+
+    def __post_init__(self):
+        object.__setattr__(self, "fp8_format", _check_format(self.fp8_format))
+        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
+            raise ValueError(f"DelayedScaling: margin must be an int >= 0, got {self.margin!r}")
+        if (isinstance(self.amax_history_len, bool) or not isinstance(self.amax_history_len, int)
+                or self.amax_history_len < 1):
+            raise ValueError(f"DelayedScaling: amax_history_len must be an int >= 1, got {self.amax_history_len!r}")
+        if self.amax_compute not in ("max", "most_recent"):
+            raise ValueError(f"DelayedScaling: amax_compute must be 'max' or 'most_recent', got {self.amax_compute!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CurrentScaling:
+    """Per-tensor scales from the tensor's own amax (two passes over it; no state)."""
+    fp8_format: Format = Format.HYBRID
+    margin: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "fp8_format", _check_format(self.fp8_format))
+        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
+            raise ValueError(f"CurrentScaling: margin must be an int >= 0, got {self.margin!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockScaling:
+    """DeepSeek-V3 block scales: activations and gradients per 1 x ``block`` (a row's run of ``block`` features),
+    weights per ``block`` x ``block`` tile; fp32 scales; E4M3 everywhere by default (the fine grain leaves little
+    for E5M2's range to do)."""
+    block: int = 128
+    fp8_format: Format = Format.E4M3
+
+    def __post_init__(self):
+        object.__setattr__(self, "fp8_format", _check_format(self.fp8_format))
+        if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 16 or self.block & (
+                self.block - 1):
+            raise ValueError(f"BlockScaling: block must be a power of 2 >= 16, got {self.block!r}")
+
+
+def scale_from_amax(amax: torch.Tensor, fmax: float, margin: int = 0,
+                    previous: torch.Tensor | None = None) -> torch.Tensor:
+    """fmax / amax / 2^margin, elementwise; where amax is 0 or not finite, ``previous`` (default 1). On the device,
+    no sync."""
+    amax = amax.float()
+    fallback = previous.float() if previous is not None else torch.ones_like(amax)
+    ok = torch.isfinite(amax) & (amax > 0)
+    return torch.where(ok, (fmax / torch.where(ok, amax, 1.0)) / (2.0 ** margin), fallback)
+
+
+class DelayedScalingState(nn.Module):
+    """The amax history and scale of one tensor role under ``DelayedScaling``; buffers, so they go into checkpoints
+    with the module that owns them.
+
+    Per step: cast with ``scale`` (``quantize(x, scale=state.scale, amax_out=...)``), then ``update(amax)``: the amax
+    enters the history and the next scale is computed from it. A non-finite amax is not entered: the history and
+    scale stay, ``nonfinite_steps`` counts it, and ``update`` returns the device flag.
+    """
+
+    def __init__(self, recipe: DelayedScaling, fp8_dtype: torch.dtype, device=None):
+        super().__init__()
+        if not isinstance(recipe, DelayedScaling):
+            raise TypeError(f"DelayedScalingState: recipe must be a DelayedScaling, got {type(recipe).__name__}")
+        if fp8_dtype not in FP8_DTYPES:
+            raise TypeError(f"DelayedScalingState: fp8_dtype must be float8_e4m3fn or float8_e5m2, got {fp8_dtype}")
+        self.recipe, self.fp8_dtype, self.fmax = recipe, fp8_dtype, FP8_DTYPES[fp8_dtype]
+        self.register_buffer("amax_history", torch.zeros(recipe.amax_history_len, device=device))
+        self.register_buffer("scale", torch.ones(1, device=device))
+        self.register_buffer("nonfinite_steps", torch.zeros((), dtype=torch.int64, device=device))
+
+    @property
+    def scale_inv(self) -> torch.Tensor:
+        return 1.0 / self.scale
+
+    @torch.no_grad()
+    def update(self, amax: torch.Tensor) -> torch.Tensor:
+        """Enter this step's amax (a scalar tensor) and compute the next scale; returns a device bool: True if the
+        amax was not finite (then nothing changed but the count)."""
+        amax = amax.reshape(()).float()
+        bad = ~torch.isfinite(amax)
+        rolled = torch.roll(self.amax_history, 1)
+        rolled[0] = amax
+        self.amax_history.copy_(torch.where(bad, self.amax_history, rolled))
+        ref = self.amax_history.max() if self.recipe.amax_compute == "max" else self.amax_history[0]
+        self.scale.copy_(scale_from_amax(ref.reshape(1), self.fmax, self.recipe.margin, self.scale))
+        self.nonfinite_steps.add_(bad.to(torch.int64))
+        return bad
+
+    def extra_repr(self) -> str:
+        return f"{self.recipe}, {self.fp8_dtype}"
+
+
+class Quantized(NamedTuple):
+    """An FP8 tensor and what dequantizes it: ``data`` (x's shape), ``scale_inv`` (per tensor: (1,); per row:
+    (rows, 1); 1 x B blocks: (rows, ceil(N / B)); B x B tiles: (ceil(rows / B), ceil(N / B)), rows = numel / N),
+    ``data_t`` (the (N, rows) transposed copy, when asked for), ``amax`` (per-tensor casts: x's amax), and the
+    ``granularity`` and ``block`` the scales were made with."""
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+    data_t: torch.Tensor | None = None
+    amax: torch.Tensor | None = None
+    granularity: str = "tensor"
+    block: int = 0
+
+    def nonfinite(self) -> torch.Tensor:
+        """Device bool: the input held an inf or NaN (its amax, or a group's scale, is not finite)."""
+        if self.amax is not None:
+            return ~torch.isfinite(self.amax).all()
+        return ~torch.isfinite(self.scale_inv).all()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """data * scale_inv broadcast over its groups, in ``dtype``."""
+        x = self.data.float()
+        s = self.scale_inv
+        x2 = x.reshape(-1, x.shape[-1])
+        rows, n = x2.shape
+        if self.granularity in ("tensor", "row"):
+            out = x2 * (s.reshape(()) if self.granularity == "tensor" else s)
+        elif self.granularity == "block":
+            out = x2 * s.repeat_interleave(self.block, dim=1)[:, :n]
+        else:
+            out = x2 * s.repeat_interleave(self.block, dim=0)[:rows].repeat_interleave(self.block, dim=1)[:, :n]
+        return out.reshape(x.shape).to(dtype)
+
+
+# ---- the reference ---------------------------------------------------------------------------------------------
+def _saturating_cast(y: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    fmax = FP8_DTYPES[fp8_dtype]
+    return torch.where(torch.isnan(y), y, y.clamp(-fmax, fmax)).to(fp8_dtype)
+
+
+def _abs_nan_inf(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isnan(x), torch.full_like(x, float("inf")), x.abs())
+
+
+def quantize_ref(x: torch.Tensor, fp8_dtype: torch.dtype, *, scale: torch.Tensor | None = None,
+                 granularity: str = "tensor", block: int = 128, margin: int = 0,
+                 transpose: bool = False) -> Quantized:
+    """The torch reference of ``quantize``, in fp32."""
+    x2 = x.reshape(-1, x.shape[-1]).float()
+    rows, n = x2.shape
+    fmax = FP8_DTYPES[fp8_dtype]
+    if granularity == "tensor":
+        amax = _abs_nan_inf(x2).amax().reshape(1) if x2.numel() else torch.zeros(1, device=x.device)
+        s = scale.float().reshape(1) if scale is not None else scale_from_amax(amax, fmax, margin)
+        y = _saturating_cast(x2 * s, fp8_dtype)
+        return Quantized(y.reshape(x.shape), 1.0 / s, y.t().contiguous() if transpose else None, amax)
+    if granularity == "row":
+        groups = x2.reshape(rows, 1, n)
+    elif granularity == "block":
+        pad = -n % block
+        groups = torch.nn.functional.pad(x2, (0, pad)).reshape(rows, -1, block)
+    elif granularity == "tile":
+        pr, pc = -rows % block, -n % block
+        t = torch.nn.functional.pad(x2, (0, pc, 0, pr))
+        groups = t.reshape(t.shape[0] // block, block, t.shape[1] // block, block).permute(0, 2, 1, 3)
+        groups = groups.reshape(groups.shape[0], groups.shape[1], block * block)
+    else:
+        raise ValueError(f"fp8: granularity must be 'tensor', 'row', 'block' or 'tile', got {granularity!r}")
+    amax = _abs_nan_inf(groups).amax(-1) if groups.shape[-1] else torch.zeros(groups.shape[:2], device=x.device)
+    s = torch.where(amax > 0, fmax / torch.where(amax > 0, amax, 1.0), torch.ones_like(amax))
+    scale_inv = amax / fmax
+    if granularity == "row":
+        y = x2 * s
+    elif granularity == "block":
+        y = (groups * s[..., None]).reshape(rows, -1)[:, :n]
+    else:
+        b = block
+        y = (groups * s[..., None]).reshape(groups.shape[0], groups.shape[1], b, b).permute(0, 2, 1, 3)
+        y = y.reshape(groups.shape[0] * b, groups.shape[1] * b)[:rows, :n]
+    return Quantized(_saturating_cast(y, fp8_dtype).reshape(x.shape), scale_inv, granularity=granularity,
+                     block=block if granularity in ("block", "tile") else 0)
+
+
+# ---- the public cast ---------------------------------------------------------------------------------------------
+def check_inputs(x, fp8_dtype, scale, granularity, block, amax_out, transpose) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"fp8.quantize: x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in INPUT_DTYPES:
+        raise TypeError(f"fp8.quantize: x has dtype {x.dtype}; supported: float32, float16, bfloat16")
+    if x.dim() < 1:
+        raise ValueError("fp8.quantize: x must have at least one dimension (its last is the feature dimension)")
+    if fp8_dtype not in FP8_DTYPES:
+        raise TypeError(f"fp8.quantize: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype}")
+    if granularity not in ("tensor", "row", "block", "tile"):
+        raise ValueError(f"fp8.quantize: granularity must be 'tensor', 'row', 'block' or 'tile', got {granularity!r}")
+    if granularity in ("block", "tile") and (isinstance(block, bool) or not isinstance(block, int) or block < 16
+                                             or block & (block - 1)):
+        raise ValueError(f"fp8.quantize: block must be a power of 2 >= 16, got {block!r}")
+    if scale is not None:
+        if granularity != "tensor":
+            raise ValueError(f"fp8.quantize: a given scale is per tensor; granularity {granularity!r} computes its own")
+        if not isinstance(scale, torch.Tensor) or scale.numel() != 1 or scale.dtype != torch.float32:
+            raise TypeError("fp8.quantize: scale must be a one-element float32 tensor")
+        if scale.device != x.device:
+            raise ValueError(f"fp8.quantize: scale is on {scale.device} but x is on {x.device}")
+    if amax_out is not None:
+        if scale is None:
+            raise ValueError("fp8.quantize: amax_out records x's amax in the cast's pass (delayed scaling): give the "
+                             "scale too")
+        if not isinstance(amax_out, torch.Tensor) or amax_out.numel() != 1 or amax_out.dtype != torch.float32 \
+                or amax_out.device != x.device:
+            raise TypeError("fp8.quantize: amax_out must be a one-element float32 tensor on x's device")
+    if transpose and granularity != "tensor":
+        raise ValueError("fp8.quantize: transpose=True is for per-tensor scaling (the weight-gradient operand)")
+
+
+def quantize(x: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn, *, scale: torch.Tensor | None = None,
+             amax_out: torch.Tensor | None = None, granularity: str = "tensor", block: int = 128, margin: int = 0,
+             transpose: bool = False, backend: str | Mapping[str, str] | None = None) -> Quantized:
+    """Cast ``x`` (..., N) to ``fp8_dtype`` with scales of ``granularity``: 'tensor' (with ``scale`` given: delayed
+    scaling, one pass, ``amax_out`` receiving x's amax by a max into it; without: current scaling, x's own amax,
+    two passes), 'row', 'block' (1 x ``block`` runs of each row) or 'tile' (``block`` x ``block`` tiles of the
+    (numel / N, N) matrix). ``transpose``: also the (N, numel / N) copy (per tensor only). No autograd."""
+    check_inputs(x, fp8_dtype, scale, granularity, block, amax_out, transpose)
+    name = _backend.resolve("fp8_cast", x.device, backend)
+    if name == "torch":
+        q = quantize_ref(x, fp8_dtype, scale=scale, granularity=granularity, block=block, margin=margin,
+                         transpose=transpose)
+        if amax_out is not None:
+            amax_out.copy_(torch.maximum(amax_out.reshape(1), q.amax).reshape(amax_out.shape))
+        return q
+    from megakern import _fp8_triton as kern
+
+    x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    fmax = FP8_DTYPES[fp8_dtype]
+    if granularity == "tensor":
+        amax = torch.zeros(1, dtype=torch.float32, device=x.device)
+        if scale is None:  # current scaling: this tensor's amax first, the scale from it on the device
+            kern.amax(x2, amax)
+            scale = scale_from_amax(amax, fmax, margin)
+            y, yt = kern.cast(x2, scale.reshape(1), fp8_dtype, fmax, transpose=transpose, amax_out=None)
+        else:
+            y, yt = kern.cast(x2, scale.reshape(1), fp8_dtype, fmax, transpose=transpose, amax_out=amax)
+            if amax_out is not None:
+                amax_out.copy_(torch.maximum(amax_out.reshape(1), amax).reshape(amax_out.shape))
+        return Quantized(y.reshape(x.shape), 1.0 / scale.reshape(1).float(), yt, amax)
+    if granularity == "tile":
+        y, scale_inv = kern.cast_tiles(x2, fp8_dtype, fmax, block)
+    else:
+        y, scale_inv = kern.cast_rows(x2, fp8_dtype, fmax, block if granularity == "block" else None)
+    return Quantized(y.reshape(x.shape), scale_inv, granularity=granularity,
+                     block=block if granularity in ("block", "tile") else 0)
