@@ -18,7 +18,8 @@ or NaN in x: the kernels map NaN to inf) is never turned into a scale: the delay
 the event, and per-group casts return an inf scale_inv for that group, so ``Quantized.nonfinite()`` (a device bool,
 no sync) tells the trainer to skip the step.
 
-Backends: ``torch`` (the reference, ``quantize_ref``) and ``triton`` (megakern/_fp8_triton.py).
+Backends: ``torch`` (the reference, ``quantize_ref``) and ``triton`` (megakern/_fp8_triton.py). ``gemm`` multiplies
+two ``Quantized`` operands through torch._scaled_mm (cuBLASLt; per-tensor or per-row scales) or the reference.
 """
 from __future__ import annotations
 
@@ -309,3 +310,74 @@ def quantize(x: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn, *, s
         y, scale_inv = kern.cast_rows(x2, fp8_dtype, fmax, block if granularity == "block" else None)
     return Quantized(y.reshape(x.shape), scale_inv, granularity=granularity,
                      block=block if granularity in ("block", "tile") else 0)
+
+
+# ---- GEMM ----------------------------------------------------------------------------------------------------------
+GEMM_BACKENDS = ("torch", "scaled_mm")
+
+
+def _gemm_backend(a: Quantized, backend: str | None) -> str:
+    if backend is not None:
+        if backend not in GEMM_BACKENDS:
+            raise ValueError(f"fp8.gemm: unknown backend {backend!r}; choose one of {', '.join(GEMM_BACKENDS)}")
+        if backend == "scaled_mm":
+            problem = scaled_mm_problem(a.data.device)
+            if problem:
+                raise RuntimeError(f"fp8.gemm: backend 'scaled_mm' is not available: {problem}")
+        return backend
+    return "scaled_mm" if not scaled_mm_problem(a.data.device) and a.granularity in ("tensor", "row") else "torch"
+
+
+def scaled_mm_problem(device: torch.device) -> str:
+    """'' if torch._scaled_mm (cuBLASLt FP8) runs on ``device``, else why not."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"FP8 GEMMs need a CUDA device with compute capability >= 8.9, got a {device.type} tensor"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        return f"FP8 GEMMs need compute capability >= 8.9 (Ada, Hopper or newer); this GPU has {major}.{minor}"
+    return ""
+
+
+def gemm(a: Quantized, b: Quantized, *, out_dtype: torch.dtype = torch.bfloat16, bias: torch.Tensor | None = None,
+         backend: str | None = None) -> torch.Tensor:
+    """out (M, N) = (a.data * a's scales) @ (b.data * b's scales)^T (+ bias), for a (M, K) and b (N, K), both
+    K-contiguous (x and a Linear's weight as they are). Scales: both per tensor, or both per row (a's rows and b's
+    rows); backends 'scaled_mm' (torch._scaled_mm, cuBLASLt; the default on GPUs of compute capability >= 8.9) and
+    'torch' (dequantize, fp32 matmul: the reference, runs anywhere). Block-scaled operands take 'torch' until
+    megakern's Triton FP8 GEMM lands."""
+    for name, q in (("a", a), ("b", b)):
+        if not isinstance(q, Quantized):
+            raise TypeError(f"fp8.gemm: {name} must be a Quantized (from fp8.quantize), got {type(q).__name__}")
+        if q.data.dim() != 2:
+            raise ValueError(f"fp8.gemm: {name} must be 2-D (rows, K), got shape {tuple(q.data.shape)}")
+    (m, k), (n, kb) = a.data.shape, b.data.shape
+    if k != kb:
+        raise ValueError(f"fp8.gemm: a is (M, K) = ({m}, {k}) and b is (N, K) = ({n}, {kb}): K differs")
+    if a.data.dtype == b.data.dtype == torch.float8_e5m2:
+        raise TypeError("fp8.gemm: both operands are E5M2; FP8 GEMMs take at most one E5M2 operand (the gradient)")
+    if a.data.device != b.data.device:
+        raise ValueError(f"fp8.gemm: a is on {a.data.device} but b is on {b.data.device}")
+    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"fp8.gemm: out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
+    if bias is not None and (bias.shape != (n,) or bias.device != a.data.device):
+        raise ValueError(f"fp8.gemm: bias must be ({n},) on {a.data.device}, got {tuple(bias.shape)} on {bias.device}")
+    name = _gemm_backend(a, backend)
+    if name == "torch":
+        out = a.dequantize() @ b.dequantize().t()
+        if bias is not None:
+            out = out + bias.float()
+        return out.to(out_dtype)
+    if a.granularity != b.granularity or a.granularity not in ("tensor", "row"):
+        raise ValueError(f"fp8.gemm: backend 'scaled_mm' takes both operands per tensor or both per row, got "
+                         f"{a.granularity!r} and {b.granularity!r}")
+    if k % 16 or n % 16:
+        raise ValueError(f"fp8.gemm: cuBLASLt's FP8 GEMM needs K and N multiples of 16, got K={k}, N={n}; pad the "
+                         "features (megakern does not pad silently) or use backend='torch'")
+    if a.granularity == "row" and out_dtype != torch.bfloat16:
+        raise TypeError("fp8.gemm: row-wise scales in torch._scaled_mm give bfloat16 output only")
+    data_a = a.data if a.data.is_contiguous() else a.data.contiguous()
+    data_b = b.data if b.data.is_contiguous() else b.data.contiguous()
+    scale_a = a.scale_inv.float().reshape(()) if a.granularity == "tensor" else a.scale_inv.float().reshape(m, 1)
+    scale_b = b.scale_inv.float().reshape(()) if b.granularity == "tensor" else b.scale_inv.float().reshape(1, n)
+    return torch._scaled_mm(data_a, data_b.t(), scale_a, scale_b, bias=bias, out_dtype=out_dtype)

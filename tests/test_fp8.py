@@ -290,3 +290,60 @@ def test_cast_kernels_compile_for_sm90():
     for name, cvts in ast.literal_eval(proc.stdout.strip().splitlines()[-1]):
         if name != "amax":
             assert cvts > 0, f"{name}: no cvt.rn.satfinite to fp8 in the sm_90 PTX"
+
+
+# ---- GEMM -----------------------------------------------------------------------------------------------------------
+def _gemm_operands(granularity, m=48, n=32, k=64, seed=3):
+    a = _x((m, k), scale=2.0, seed=seed)
+    b = _x((n, k), scale=0.05, seed=seed + 1)
+    kw = dict(granularity=granularity, block=16) if granularity != "tensor" else {}
+    qa = quantize_ref(a, E4, **kw)
+    qb = quantize_ref(b, E4, **{**kw, "granularity": "tile"} if granularity == "block" else kw)
+    return a, b, qa, qb
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
+def test_gemm_reference_matches_dequantized_matmul(granularity):
+    a, b, qa, qb = _gemm_operands(granularity)
+    bias = _x((32,), seed=9)
+    out = fp8.gemm(qa, qb, out_dtype=torch.float32, bias=bias, backend="torch")
+    want = qa.dequantize() @ qb.dequantize().t() + bias
+    assert torch.equal(out, want)
+    # and close to the high-precision product (FP8's error)
+    exact = a @ b.t() + bias
+    assert ((out - exact).abs().max() / exact.abs().max()).item() < 0.06
+
+
+def test_gemm_bad_inputs():
+    _, _, qa, qb = _gemm_operands("tensor")
+    with pytest.raises(TypeError, match="a must be a Quantized"):
+        fp8.gemm(torch.ones(2, 2), qb)
+    with pytest.raises(ValueError, match="K differs"):
+        fp8.gemm(qa, quantize_ref(_x((32, 48)), E4))
+    with pytest.raises(TypeError, match="both operands are E5M2"):
+        fp8.gemm(quantize_ref(_x((4, 64)), E5), quantize_ref(_x((32, 64)), E5))
+    with pytest.raises(ValueError, match="bias must be"):
+        fp8.gemm(qa, qb, bias=torch.ones(5, device=DEVICE))
+    with pytest.raises(ValueError, match="unknown backend 'cublas'"):
+        fp8.gemm(qa, qb, backend="cublas")
+    with pytest.raises(TypeError, match="out_dtype must be"):
+        fp8.gemm(qa, qb, out_dtype=torch.int32)
+    if not HAS_CUDA:
+        with pytest.raises(RuntimeError, match="backend 'scaled_mm' is not available: FP8 GEMMs need a CUDA device"):
+            fp8.gemm(qa, qb, backend="scaled_mm")
+        assert fp8._gemm_backend(qa, None) == "torch"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (none here)")
+@pytest.mark.parametrize("granularity", ["tensor", "row"])
+def test_gemm_scaled_mm_matches_reference(granularity):
+    if fp8.scaled_mm_problem(DEVICE):
+        pytest.skip(fp8.scaled_mm_problem(DEVICE))
+    _, _, qa, qb = _gemm_operands(granularity, m=200, n=96, k=256)
+    bias = _x((96,), torch.bfloat16, seed=9)
+    got = fp8.gemm(qa, qb, bias=bias, backend="scaled_mm")
+    want = fp8.gemm(qa, qb, bias=bias.float(), out_dtype=torch.float32, backend="torch")
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    with pytest.raises(ValueError, match="K and N multiples of 16"):
+        fp8.gemm(*_gemm_operands(granularity, n=40, k=72)[2:], backend="scaled_mm")
