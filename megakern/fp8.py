@@ -142,16 +142,19 @@ class DelayedScalingState(nn.Module):
         return 1.0 / self.scale
 
     @torch.no_grad()
-    def update(self, amax: torch.Tensor) -> torch.Tensor:
+    def update(self, amax: torch.Tensor, skip: torch.Tensor | None = None) -> torch.Tensor:
         """Enter this step's amax (a scalar tensor) and compute the next scale; returns a device bool: True if the
-        amax was not finite (then nothing changed but the count)."""
+        amax was not finite (then nothing changed but the count). ``skip`` (a device bool): leave the history and
+        scale as they are (the step is being discarded for another tensor's non-finite amax)."""
         amax = amax.reshape(()).float()
         bad = ~torch.isfinite(amax)
+        hold = bad if skip is None else bad | skip.reshape(())
         rolled = torch.roll(self.amax_history, 1)
         rolled[0] = amax
-        self.amax_history.copy_(torch.where(bad, self.amax_history, rolled))
+        self.amax_history.copy_(torch.where(hold, self.amax_history, rolled))
         ref = self.amax_history.max() if self.recipe.amax_compute == "max" else self.amax_history[0]
-        self.scale.copy_(scale_from_amax(ref.reshape(1), self.fmax, self.recipe.margin, self.scale))
+        self.scale.copy_(torch.where(hold, self.scale,
+                                     scale_from_amax(ref.reshape(1), self.fmax, self.recipe.margin, self.scale)))
         self.nonfinite_steps.add_(bad.to(torch.int64))
         return bad
 
@@ -381,3 +384,201 @@ def gemm(a: Quantized, b: Quantized, *, out_dtype: torch.dtype = torch.bfloat16,
     scale_a = a.scale_inv.float().reshape(()) if a.granularity == "tensor" else a.scale_inv.float().reshape(m, 1)
     scale_b = b.scale_inv.float().reshape(()) if b.granularity == "tensor" else b.scale_inv.float().reshape(1, n)
     return torch._scaled_mm(data_a, data_b.t(), scale_a, scale_b, bias=bias, out_dtype=out_dtype)
+
+
+# ---- FP8 Linear ----------------------------------------------------------------------------------------------------
+def fp8_gemm_problem(device: torch.device) -> str:
+    """'' if this device runs FP8 GEMMs, else why not (CPU, compute capability < 8.9)."""
+    return scaled_mm_problem(device)
+
+
+class _Scaling:
+    """How one role (x, w or grad) of a Linear is cast: delayed (from its state, recording the amax), current,
+    or block; and which dtype."""
+
+    def __init__(self, linear: "Linear", role: str):
+        self.linear, self.role = linear, role
+        self.dtype = linear.recipe.fp8_format.dtype(role)
+
+    def cast(self, t: torch.Tensor, transpose: bool) -> Quantized:
+        recipe, lin = self.linear.recipe, self.linear
+        backend = "torch" if lin._emulated(t) else None
+        if isinstance(recipe, DelayedScaling):
+            state = lin.scaling_state(self.role)
+            return quantize(t, self.dtype, scale=state.scale, amax_out=lin._pending_amax(self.role),
+                            transpose=transpose, backend=backend)
+        if isinstance(recipe, CurrentScaling):
+            return quantize(t, self.dtype, margin=recipe.margin, transpose=transpose, backend=backend)
+        granularity = "tile" if self.role == "w" else "block"
+        return quantize(t, self.dtype, granularity=granularity, block=recipe.block, backend=backend)
+
+
+def _transposed(q: Quantized, t: torch.Tensor, scaling: _Scaling) -> Quantized:
+    """The operand of ``t``'s transpose: the per-tensor cast's transposed copy, or (per-group scales, whose groups
+    run along the other dimension there) a fresh cast of t^T."""
+    if q.data_t is not None:
+        return Quantized(q.data_t, q.scale_inv, granularity=q.granularity)
+    return scaling.cast(t.t(), transpose=False)
+
+
+class _FP8LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, weight, bias, linear):
+        per_tensor = not isinstance(linear.recipe, BlockScaling)
+        qx = linear._x.cast(x2, transpose=per_tensor and weight.requires_grad)
+        qw = linear._weight_fp8(weight, transpose=per_tensor and x2.requires_grad)
+        out_dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled() and x2.is_cuda else x2.dtype
+        out = gemm(qx, qw, out_dtype=out_dtype, bias=None, backend=linear._gemm_backend(x2, qx))
+        if bias is not None:
+            out = out + bias.to(out.dtype)
+        ctx.linear, ctx.has_bias = linear, bias is not None
+        ctx.save_for_backward(x2, weight)
+        ctx.q = (qx, qw)
+        ctx.out_dtype = out_dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x2, weight = ctx.saved_tensors
+        qx, qw = ctx.q
+        linear = ctx.linear
+        grad = grad.contiguous()
+        per_tensor = not isinstance(linear.recipe, BlockScaling)
+        qg = linear._g.cast(grad, transpose=per_tensor and ctx.needs_input_grad[1])
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:  # dx = grad @ w: (M, N) x (N, K), as grad (M, N) . (w^T) (K, N)^T
+            qwt = _transposed(qw, weight, linear._w)
+            dx = gemm(qg, qwt, out_dtype=ctx.out_dtype, backend=linear._gemm_backend(grad, qg)).to(x2.dtype)
+        if ctx.needs_input_grad[1]:  # dW = grad^T @ x: (N, M) x (M, K), as grad^T (N, M) . (x^T) (K, M)^T
+            qgt = _transposed(qg, grad, linear._g)
+            qxt = _transposed(qx, x2, linear._x)
+            dw = gemm(qgt, qxt, out_dtype=torch.float32, backend=linear._gemm_backend(grad, qgt)).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = grad.float().sum(0).to(weight.dtype)
+        ctx.q = None
+        return dx, dw, db, None
+
+
+class Linear(nn.Module):
+    """y = x W^T + b with the GEMMs in FP8: x and W in E4M3, the incoming gradient in E5M2 (HYBRID) or E4M3, scaled
+    by ``recipe`` (``DelayedScaling`` by default). Master weights stay in the parameter's dtype.
+
+    Delayed scaling: each cast records its tensor's amax in a pending buffer (a max over the micro-batches of the
+    step); call ``update_scales(model)`` once per optimizer step to move them into the histories and compute the
+    next scales. The weight's FP8 copy is made once and reused until the weight changes (its version counter), so
+    the micro-batches of one step share it.
+
+    Where FP8 GEMMs cannot run (CPU, compute capability < 8.9) the layer warns once and computes a plain linear,
+    unless ``emulate=True``: then FP8 is emulated (casts by the reference, GEMMs by dequantize and matmul), slowly,
+    for tests and for checking a recipe's numerics anywhere.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, recipe=None,
+                 emulate: bool = False, device=None, dtype=None):
+        super().__init__()
+        recipe = recipe if recipe is not None else DelayedScaling()
+        if not isinstance(recipe, (DelayedScaling, CurrentScaling, BlockScaling)):
+            raise TypeError(f"fp8.Linear: recipe must be DelayedScaling, CurrentScaling or BlockScaling, got "
+                            f"{type(recipe).__name__}")
+        for name, v in (("in_features", in_features), ("out_features", out_features)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"fp8.Linear: {name} must be a positive int, got {v!r}")
+        self.in_features, self.out_features, self.recipe, self.emulate = in_features, out_features, recipe, emulate
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        nn.Linear.reset_parameters(self)  # torch's init, the same as nn.Linear's
+        if isinstance(recipe, DelayedScaling):
+            for role in ("x", "w", "grad"):
+                self.add_module(f"{role}_scaling", DelayedScalingState(recipe, recipe.fp8_format.dtype(role), device))
+                self.register_buffer(f"{role}_amax_pending", torch.zeros(1, device=device), persistent=False)
+        self._x, self._w, self._g = _Scaling(self, "x"), _Scaling(self, "w"), _Scaling(self, "grad")
+        self._w_cache = None  # (weight version, Quantized)
+        self._warned = False
+
+    def scaling_state(self, role: str) -> DelayedScalingState:
+        return getattr(self, f"{role}_scaling")
+
+    def _pending_amax(self, role: str) -> torch.Tensor:
+        return getattr(self, f"{role}_amax_pending")
+
+    def _emulated(self, t: torch.Tensor) -> bool:
+        return bool(fp8_gemm_problem(t.device)) or t.device.type != "cuda"
+
+    def _gemm_backend(self, t: torch.Tensor, q: Quantized) -> str:
+        return "torch" if self._emulated(t) or q.granularity not in ("tensor", "row") else "scaled_mm"
+
+    def _weight_fp8(self, weight: torch.Tensor, transpose: bool) -> Quantized:
+        key = (weight._version, weight.data_ptr(), transpose)
+        if self._w_cache is None or self._w_cache[0] != key:
+            self._w_cache = (key, self._w.cast(weight.detach(), transpose=transpose))
+        return self._w_cache[1]
+
+    def pending_nonfinite(self) -> torch.Tensor:
+        """Device bool: a pending amax of this step is not finite."""
+        if not isinstance(self.recipe, DelayedScaling):
+            return torch.zeros((), dtype=torch.bool, device=self.weight.device)
+        pending = torch.cat([self._pending_amax(role) for role in ("x", "w", "grad")])
+        return ~torch.isfinite(pending).all()
+
+    @torch.no_grad()
+    def update_scales(self, skip: torch.Tensor | None = None) -> torch.Tensor:
+        """Delayed scaling: enter the pending amaxes into the histories, compute the next scales, reset the pending
+        ones; returns a device bool (True: an amax was not finite, the step should be skipped, and no history or
+        scale of this layer changed). ``skip``: discard this step's amaxes (another layer's was not finite).
+        Other recipes: False."""
+        bad = self.pending_nonfinite()
+        if isinstance(self.recipe, DelayedScaling):
+            hold = bad if skip is None else bad | skip
+            for role in ("x", "w", "grad"):
+                pending = self._pending_amax(role)
+                self.scaling_state(role).update(pending, skip=hold)
+                pending.zero_()
+            self._w_cache = None  # the weight's scale may have changed
+        return bad
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"fp8.Linear: x has {x.shape[-1]} features, the layer takes {self.in_features}")
+        if self._emulated(x) and not self.emulate:
+            if not self._warned:
+                import warnings
+
+                warnings.warn(f"fp8.Linear: {fp8_gemm_problem(x.device)}; computing a plain linear instead (pass "
+                              "emulate=True to emulate FP8)", stacklevel=2)
+                self._warned = True
+            return nn.functional.linear(x, self.weight, self.bias)
+        x2 = x.reshape(-1, self.in_features)
+        out = _FP8LinearFunction.apply(x2, self.weight, self.bias, self)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, recipe={self.recipe}")
+
+
+def update_scales(model: nn.Module) -> torch.Tensor:
+    """Call once per optimizer step: ``update_scales`` of every fp8.Linear in ``model``. Returns a device bool,
+    True if any amax of the step was not finite: then the trainer skips the step, and no layer's history or scale
+    changes (the step's amaxes are discarded everywhere)."""
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    if not layers:
+        return torch.zeros((), dtype=torch.bool)
+    bad = torch.stack([m.pending_nonfinite() for m in layers]).any()
+    for m in layers:
+        m.update_scales(skip=bad)
+    return bad
+
+
+def convert_linears(model: nn.Module, *, recipe=None, emulate: bool = False, skip=()) -> nn.Module:
+    """Replace every nn.Linear of ``model`` (but those whose qualified names are in ``skip``, e.g. the output
+    head) by an fp8.Linear holding the same parameters; returns the model."""
+    for name, child in list(model.named_children()):
+        if isinstance(child, nn.Linear) and name not in skip and not isinstance(child, Linear):
+            new = Linear(child.in_features, child.out_features, child.bias is not None, recipe=recipe,
+                         emulate=emulate, device=child.weight.device, dtype=child.weight.dtype)
+            new.weight, new.bias = child.weight, child.bias
+            setattr(model, name, new)
+        else:
+            convert_linears(child, recipe=recipe, emulate=emulate,
+                            skip={s.split(".", 1)[1] for s in skip if s.startswith(name + ".")})
+    return model

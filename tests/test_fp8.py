@@ -102,6 +102,8 @@ def test_delayed_state_history_nonfinite_and_checkpoint():
     assert state.update(torch.tensor(float("inf"))).item()
     assert torch.equal(state.amax_history, before[0]) and torch.equal(state.scale, before[1])
     assert state.nonfinite_steps.item() == 2
+    assert not state.update(torch.tensor(3.0), skip=torch.tensor(True)).item()  # a step discarded elsewhere
+    assert torch.equal(state.amax_history, before[0]) and torch.equal(state.scale, before[1])
     recent = DelayedScalingState(DelayedScaling(amax_history_len=4, amax_compute="most_recent"), E5)
     recent.update(torch.tensor(100.0))
     recent.update(torch.tensor(1.0))
@@ -347,3 +349,105 @@ def test_gemm_scaled_mm_matches_reference(granularity):
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
     with pytest.raises(ValueError, match="K and N multiples of 16"):
         fp8.gemm(*_gemm_operands(granularity, n=40, k=72)[2:], backend="scaled_mm")
+
+
+# ---- FP8 Linear ------------------------------------------------------------------------------------------------
+def _linear_pair(recipe, seed=5, bias=True):
+    torch.manual_seed(seed)
+    ref = torch.nn.Linear(64, 48, bias=bias).to(DEVICE)
+    lin = fp8.Linear(64, 48, bias=bias, recipe=recipe, emulate=True, device=DEVICE)
+    lin.weight, lin.bias = torch.nn.Parameter(ref.weight.detach().clone()), (
+        torch.nn.Parameter(ref.bias.detach().clone()) if bias else None)
+    return ref, lin
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(), CurrentScaling(), BlockScaling(block=16)],
+                         ids=["delayed", "current", "block"])
+def test_linear_forward_backward_within_fp8_error(recipe):
+    ref, lin = _linear_pair(recipe)
+    x = _x((3, 17, 64), seed=6).requires_grad_()
+    dy = _x((3, 17, 48), scale=0.01, seed=7)
+    if isinstance(recipe, DelayedScaling):  # scales that fit this data, as after a few steps
+        for role, t in (("x", x), ("w", lin.weight), ("grad", dy)):
+            lin.scaling_state(role).update(t.detach().abs().max())
+    y = lin(x)
+    want = ref(x)
+    assert y.shape == want.shape and _rel(y, want) < 0.06
+    dx, dw, db = torch.autograd.grad(y, (x, lin.weight, lin.bias), dy)
+    rx, rw, rb = torch.autograd.grad(want, (x, ref.weight, ref.bias), dy)
+    assert _rel(dx, rx) < 0.08 and _rel(dw, rw) < 0.08
+    torch.testing.assert_close(db, rb)  # the bias gradient is a plain sum, not FP8
+
+
+def test_linear_forward_is_the_fp8_product():
+    _, lin = _linear_pair(DelayedScaling(fp8_format="E4M3"), bias=False)
+    x = _x((5, 64), seed=8)
+    y = lin(x)
+    qx = quantize_ref(x, E4, scale=lin.x_scaling.scale)
+    qw = quantize_ref(lin.weight.detach(), E4, scale=lin.w_scaling.scale)
+    assert torch.equal(y, qx.dequantize() @ qw.dequantize().t())
+
+
+def test_linear_delayed_scaling_steps_weight_cache_and_checkpoint():
+    _, lin = _linear_pair(DelayedScaling(amax_history_len=4))
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    x1, x2 = _x((8, 64), scale=2.0, seed=10), _x((8, 64), scale=5.0, seed=11)
+    for x in (x1, x2):  # two micro-batches of one step share the weight's FP8 copy
+        lin(x.requires_grad_()).square().mean().backward()
+    cached = lin._w_cache
+    lin(x1)
+    assert lin._w_cache is cached
+    assert lin.x_amax_pending.item() == max(x1.abs().max().item(), x2.abs().max().item())
+    assert lin.grad_amax_pending.item() > 0 and lin.w_amax_pending.item() == lin.weight.abs().max().item()
+    assert not fp8.update_scales(lin).item()
+    assert torch.equal(lin.x_scaling.scale, 448.0 / lin.x_scaling.amax_history.max().reshape(1))
+    assert lin.x_amax_pending.item() == 0.0
+    opt.step()  # the weight changes: a new FP8 copy on the next forward
+    lin(x1)
+    assert lin._w_cache is not cached
+    sd = lin.state_dict()
+    assert {"x_scaling.amax_history", "w_scaling.scale", "grad_scaling.nonfinite_steps"} <= set(sd)
+    other = fp8.Linear(64, 48, recipe=DelayedScaling(amax_history_len=4), emulate=True, device=DEVICE)
+    other.load_state_dict(sd)
+    assert torch.equal(other.grad_scaling.scale, lin.grad_scaling.scale)
+
+
+def test_linear_nonfinite_amax_signals_a_skip():
+    _, lin = _linear_pair(DelayedScaling())
+    scales = [lin.scaling_state(r).scale.clone() for r in ("x", "w", "grad")]
+    x = _x((4, 64), seed=12)
+    x[1, 2] = float("nan")
+    lin(x)
+    assert fp8.update_scales(lin).item()
+    assert lin.x_scaling.nonfinite_steps.item() == 1 and lin.w_scaling.nonfinite_steps.item() == 0
+    assert all(torch.equal(s, lin.scaling_state(r).scale) for s, r in zip(scales, ("x", "w", "grad")))
+
+
+def test_linear_without_fp8_falls_back_with_a_message():
+    if HAS_CUDA and not fp8.fp8_gemm_problem(DEVICE):
+        pytest.skip("this GPU runs FP8 GEMMs")
+    torch.manual_seed(0)
+    lin = fp8.Linear(16, 8, device=DEVICE)
+    x = _x((2, 16))
+    with pytest.warns(UserWarning, match="computing a plain linear instead"):
+        y = lin(x)
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, lin.weight, lin.bias))
+    with pytest.raises(ValueError, match="x has 15 features, the layer takes 16"):
+        lin(_x((2, 15)))
+    with pytest.raises(TypeError, match="recipe must be"):
+        fp8.Linear(4, 4, recipe="delayed")
+
+
+def test_convert_linears_keeps_parameters_and_skips():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)))
+    w = model[2][0].weight
+    fp8.convert_linears(model, emulate=True, skip={"2.1"})
+    assert isinstance(model[0], fp8.Linear) and isinstance(model[2][0], fp8.Linear)
+    assert type(model[2][1]) is torch.nn.Linear and model[2][0].weight is w
+    assert model(torch.randn(3, 8)).shape == (3, 4)
