@@ -316,19 +316,22 @@ def quantize(x: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn, *, s
 
 
 # ---- GEMM ----------------------------------------------------------------------------------------------------------
-GEMM_BACKENDS = ("torch", "scaled_mm")
+GEMM_BACKENDS = ("torch", "scaled_mm", "triton")
 
 
 def _gemm_backend(a: Quantized, backend: str | None) -> str:
+    device = a.data.device
     if backend is not None:
         if backend not in GEMM_BACKENDS:
             raise ValueError(f"fp8.gemm: unknown backend {backend!r}; choose one of {', '.join(GEMM_BACKENDS)}")
-        if backend == "scaled_mm":
-            problem = scaled_mm_problem(a.data.device)
-            if problem:
-                raise RuntimeError(f"fp8.gemm: backend 'scaled_mm' is not available: {problem}")
+        problem = {"scaled_mm": scaled_mm_problem(device), "triton": _backend.triton_problem(device),
+                   "torch": ""}[backend]
+        if problem:
+            raise RuntimeError(f"fp8.gemm: backend {backend!r} is not available: {problem}")
         return backend
-    return "scaled_mm" if not scaled_mm_problem(a.data.device) and a.granularity in ("tensor", "row") else "torch"
+    if scaled_mm_problem(device):
+        return "torch"
+    return "scaled_mm" if a.granularity in ("tensor", "row") else "triton"
 
 
 def scaled_mm_problem(device: torch.device) -> str:
@@ -345,10 +348,11 @@ def scaled_mm_problem(device: torch.device) -> str:
 def gemm(a: Quantized, b: Quantized, *, out_dtype: torch.dtype = torch.bfloat16, bias: torch.Tensor | None = None,
          backend: str | None = None) -> torch.Tensor:
     """out (M, N) = (a.data * a's scales) @ (b.data * b's scales)^T (+ bias), for a (M, K) and b (N, K), both
-    K-contiguous (x and a Linear's weight as they are). Scales: both per tensor, or both per row (a's rows and b's
-    rows); backends 'scaled_mm' (torch._scaled_mm, cuBLASLt; the default on GPUs of compute capability >= 8.9) and
-    'torch' (dequantize, fp32 matmul: the reference, runs anywhere). Block-scaled operands take 'torch' until
-    megakern's Triton FP8 GEMM lands."""
+    K-contiguous (x and a Linear's weight as they are). Scales: both per tensor, both per row (a's rows and b's
+    rows), or a per 1 x B block and b per B x B tile (DeepSeek-V3). Backends: 'scaled_mm' (torch._scaled_mm,
+    cuBLASLt: per tensor or per row; the default for those on GPUs of compute capability >= 8.9), 'triton'
+    (megakern/_fp8_gemm_triton.py: every scaling; the default for block scales) and 'torch' (dequantize, fp32 matmul:
+    the reference, runs anywhere; the default where FP8 GEMMs cannot run)."""
     for name, q in (("a", a), ("b", b)):
         if not isinstance(q, Quantized):
             raise TypeError(f"fp8.gemm: {name} must be a Quantized (from fp8.quantize), got {type(q).__name__}")
@@ -371,6 +375,17 @@ def gemm(a: Quantized, b: Quantized, *, out_dtype: torch.dtype = torch.bfloat16,
         if bias is not None:
             out = out + bias.float()
         return out.to(out_dtype)
+    if name == "triton":
+        from megakern import _fp8_gemm_triton as kern
+
+        pairs = {("tensor", "tensor"): kern.TENSOR, ("row", "row"): kern.ROW, ("block", "tile"): kern.BLOCK}
+        scaling = pairs.get((a.granularity, b.granularity))
+        if scaling is None or (scaling == kern.BLOCK and a.block != b.block):
+            raise ValueError(f"fp8.gemm: the operands' scales must be both per tensor, both per row, or a per 1 x B "
+                             f"block and b per B x B tile (the same B); got {a.granularity!r} ({a.block}) and "
+                             f"{b.granularity!r} ({b.block})")
+        return kern.gemm(a.data, b.data, a.scale_inv.float(), b.scale_inv.float(), scaling, out_dtype, bias,
+                         block=a.block or 128)
     if a.granularity != b.granularity or a.granularity not in ("tensor", "row"):
         raise ValueError(f"fp8.gemm: backend 'scaled_mm' takes both operands per tensor or both per row, got "
                          f"{a.granularity!r} and {b.granularity!r}")
@@ -504,8 +519,9 @@ class Linear(nn.Module):
     def _emulated(self, t: torch.Tensor) -> bool:
         return bool(fp8_gemm_problem(t.device)) or t.device.type != "cuda"
 
-    def _gemm_backend(self, t: torch.Tensor, q: Quantized) -> str:
-        return "torch" if self._emulated(t) or q.granularity not in ("tensor", "row") else "scaled_mm"
+    def _gemm_backend(self, t: torch.Tensor, q: Quantized) -> str | None:
+        """'torch' when emulating, else gemm's default for q's scales (cuBLASLt, or Triton for block scales)."""
+        return "torch" if self._emulated(t) else None
 
     def _weight_fp8(self, weight: torch.Tensor, transpose: bool) -> Quantized:
         key = (weight._version, weight.data_ptr(), transpose)

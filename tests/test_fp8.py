@@ -267,6 +267,21 @@ def compile_for_sm90() -> list[tuple[str, int]]:
         src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=8))
         out.append((name, len(re.findall(r"cvt\.rn\.satfinite\.e[45]m[23]x2", compiled.asm["ptx"]))))
+    # the GEMM, with the unit K strides the runtime specializes: FP8 wgmma fed by pipelined async copies
+    from megakern import _fp8_gemm_triton as gemm_kern
+
+    fn = gemm_kern._fp8_gemm_kernel
+    types = {"A": "*fp8e4nv", "B": "*fp8e5", "C": "*bf16", "SA": "*fp32", "SB": "*fp32", "BIAS": "*bf16"}
+    for scaling in (gemm_kern.TENSOR, gemm_kern.ROW, gemm_kern.BLOCK):
+        constexprs = dict(SCALING=scaling, HAS_BIAS=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8,
+                          stride_ak=1, stride_bk=1, stride_cn=1)
+        signature = {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in fn.arg_names}
+        aligned = {"stride_am", "stride_bn", "stride_cm", "K", *types}  # the 16-divisibility aligned launches get
+        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a in aligned}
+        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=8, num_stages=3)).asm["ptx"]
+        out.append((f"gemm scaling {scaling}", int("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e5m2" in ptx
+                                                   and "cp.async" in ptx)))
     return out
 
 
@@ -290,7 +305,9 @@ def test_cast_kernels_compile_for_sm90():
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for name, cvts in ast.literal_eval(proc.stdout.strip().splitlines()[-1]):
-        if name != "amax":
+        if name.startswith("gemm"):
+            assert cvts == 1, f"{name}: not an e4m3 x e5m2 wgmma fed by cp.async in the sm_90 PTX"
+        elif name != "amax":
             assert cvts > 0, f"{name}: no cvt.rn.satfinite to fp8 in the sm_90 PTX"
 
 
@@ -314,6 +331,20 @@ def test_gemm_reference_matches_dequantized_matmul(granularity):
     # and close to the high-precision product (FP8's error)
     exact = a @ b.t() + bias
     assert ((out - exact).abs().max() / exact.abs().max()).item() < 0.06
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
+def test_gemm_triton_matches_reference(granularity):
+    if "triton" not in _backends():
+        pytest.skip("triton unavailable here")
+    a, b, qa, qb = _gemm_operands(granularity, m=37, n=40, k=72)  # ragged M, N and K tiles
+    bias = _x((40,), seed=9)
+    got = fp8.gemm(qa, qb, out_dtype=torch.float32, bias=bias, backend="triton")
+    want = fp8.gemm(qa, qb, out_dtype=torch.float32, bias=bias, backend="torch")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    if granularity == "tensor":
+        with pytest.raises(ValueError, match="the operands' scales must be"):
+            fp8.gemm(qa, quantize_ref(b, E4, granularity="row"), backend="triton")
 
 
 def test_gemm_bad_inputs():
