@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,18 @@ DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 
 # Extra error allowed beyond 2x plain low-precision torch's, per dtype.
 ATOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+
+
+def shared_data(*needed: str) -> Path:
+    """../shared/data relative to the repository's root (holding each of ``needed``), or a skip saying it is
+    absent."""
+    here = Path(__file__)
+    root = here.absolute().parents[1]  # the repository, as reached (through any symlink)
+    for candidate in (here.resolve().parents[2] / "shared" / "data", root / ".." / "shared" / "data"):
+        if all((candidate / name).exists() for name in needed):
+            return candidate
+    pytest.skip(f"../shared/data ({', '.join(needed)}) is absent: it comes with the project's shared files, "
+                "not with a clone")
 
 
 def pytest_collection_modifyitems(config, items):

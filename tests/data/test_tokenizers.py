@@ -7,6 +7,7 @@ import sys
 import types
 from pathlib import Path
 
+import conftest
 import pytest
 
 from megakern.data.tokenizers import (
@@ -24,14 +25,7 @@ SAMPLES = ["Hello world", "", "  two  spaces\n\nand\ttabs \r\n", "I'm don't we'l
 
 
 def shared_data() -> Path:
-    """../shared/data relative to the repository's root, or a skip saying it is absent."""
-    here = Path(__file__)
-    root = here.absolute().parents[2]  # the repository, as reached (through any symlink)
-    for candidate in (here.resolve().parents[3] / "shared" / "data", root / ".." / "shared" / "data"):
-        if (candidate / "tinyshakespeare.txt").is_file() and (candidate / "gpt2").is_dir():
-            return candidate
-    pytest.skip("../shared/data (tinyshakespeare.txt, gpt2/) is absent: it comes with the project's shared files, "
-                "not with a clone")
+    return conftest.shared_data("tinyshakespeare.txt", "gpt2")
 
 
 @pytest.fixture(scope="module")
