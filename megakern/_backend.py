@@ -39,8 +39,9 @@ DEFAULTS: dict[str, tuple[tuple[int, tuple[str, ...]], ...]] = {
     "layer_norm": ((8192, ("triton", "cuda", "torch")), (1 << 30, ("cuda", "triton", "torch"))),
     "attention": ((1 << 30, ("triton", "torch")),),
     "rotary": ((1 << 30, ("triton", "cuda", "torch")),),
-    # FP8 casts (megakern.fp8.quantize): Triton, then the reference; not yet measured on the H200
-    "fp8_cast": ((1 << 30, ("triton", "torch")),),
+    # FP8 casts (megakern.fp8.quantize): Triton (every granularity), then the CUDA C++ cast (per tensor, through
+    # NVRTC), then the reference. Not yet measured on the H200.
+    "fp8_cast": ((1 << 30, ("triton", "cuda", "torch")),),
 }
 
 

@@ -296,6 +296,8 @@ def quantize(x: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn, *, s
 
     x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
     fmax = FP8_DTYPES[fp8_dtype]
+    if name == "cuda":
+        return _quantize_cuda(x, x2, fp8_dtype, scale, amax_out, granularity, margin, transpose, kern)
     if granularity == "tensor":
         amax = torch.zeros(1, dtype=torch.float32, device=x.device)
         if scale is None:  # current scaling: this tensor's amax first, the scale from it on the device
@@ -313,6 +315,26 @@ def quantize(x: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn, *, s
         y, scale_inv = kern.cast_rows(x2, fp8_dtype, fmax, block if granularity == "block" else None)
     return Quantized(y.reshape(x.shape), scale_inv, granularity=granularity,
                      block=block if granularity in ("block", "tile") else 0)
+
+
+def _quantize_cuda(x, x2, fp8_dtype, scale, amax_out, granularity, margin, transpose, kern) -> Quantized:
+    """The per-tensor cast by the CUDA C++ kernel (csrc/fp8/fp8.cu); current scaling takes its amax from Triton's
+    amax kernel first."""
+    from megakern import _fp8_cuda
+
+    if granularity != "tensor" or transpose:
+        raise ValueError("fp8.quantize: backend 'cuda' casts per tensor without the transposed copy; use "
+                         "backend='triton' for that")
+    amax = torch.zeros(1, dtype=torch.float32, device=x.device)
+    if scale is None:
+        kern.amax(x2, amax)
+        scale = scale_from_amax(amax, FP8_DTYPES[fp8_dtype], margin)
+        y = _fp8_cuda.cast(x2, scale.reshape(1), fp8_dtype, None)
+    else:
+        y = _fp8_cuda.cast(x2, scale.reshape(1), fp8_dtype, amax)
+        if amax_out is not None:
+            amax_out.copy_(torch.maximum(amax_out.reshape(1), amax).reshape(amax_out.shape))
+    return Quantized(y.reshape(x.shape), 1.0 / scale.reshape(1).float(), None, amax)
 
 
 # ---- GEMM ----------------------------------------------------------------------------------------------------------

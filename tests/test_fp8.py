@@ -531,3 +531,39 @@ def test_training_loss_tracks_the_high_precision_run():
     got, _ = _train_char_mlp(text, True, **kw)
     assert ref < 0.8 * first, f"the model did not learn ({first:.3f} -> {ref:.3f})"
     assert abs(got - ref) / ref < 0.02, f"FP8 loss {got:.4f} vs high precision {ref:.4f}"
+
+
+# ---- the CUDA C++ cast ---------------------------------------------------------------------------------------------
+def test_cuda_backend_is_per_tensor_only():
+    x = _x((4, 32))
+    if "cuda" in fp8._backend.available_backends(DEVICE) and not fp8._backend.available_backends(DEVICE)["cuda"]:
+        with pytest.raises(ValueError, match="backend 'cuda' casts per tensor without the transposed copy"):
+            quantize(x, granularity="row", backend="cuda")
+    else:
+        with pytest.raises(RuntimeError, match="backend 'cuda' is not available"):
+            quantize(x, backend="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (none here)")
+@pytest.mark.parametrize("fp8_dtype", [E4, E5], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("shape", [(257, 1000), (3, 5, 7)], ids=["vectorized", "ragged"])
+def test_cuda_cast_bytes_and_amax(fp8_dtype, dtype, shape):
+    from megakern import _fp8_cuda
+
+    if _fp8_cuda.problem():
+        pytest.skip(_fp8_cuda.problem())
+    x = _x(shape, dtype, scale=30.0, seed=4)
+    x.view(-1)[3] = 4096.0  # saturates
+    x.view(-1)[-1] = -float("inf")
+    scale = torch.tensor([0.5 if fp8_dtype == E4 else 16.0], device=DEVICE)
+    amax_out = torch.zeros(1, device=DEVICE)
+    q = quantize(x, fp8_dtype, scale=scale, amax_out=amax_out, backend="cuda")
+    ref = quantize_ref(x, fp8_dtype, scale=scale)
+    assert torch.equal(q.data.view(torch.uint8), ref.data.view(torch.uint8))
+    assert q.amax.item() == amax_out.item() == float("inf") and q.nonfinite().item()
+    cur = quantize(x[..., :-1], fp8_dtype, backend="cuda")  # current scaling on a strided view
+    want = quantize_ref(x[..., :-1], fp8_dtype)
+    assert torch.equal(cur.data.view(torch.uint8), want.data.view(torch.uint8))
+    assert torch.equal(cur.scale_inv, want.scale_inv)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from nvrtc import compile_ptx, find_libnvrtc
 
-from megakern import _cuda, _norm_cuda, _rotary_cuda
+from megakern import _cuda, _fp8_cuda, _norm_cuda, _rotary_cuda
 
 CSRC = _cuda.csrc_root()
 SOURCES = sorted(CSRC.glob("*/*.cu"))
@@ -30,18 +30,12 @@ def test_nvcc_compiles_for_sm90a(source, tmp_path):
 
 
 @pytest.mark.skipif(find_libnvrtc() is None, reason="libnvrtc not found (pip install nvidia-cuda-nvrtc)")
-def test_nvrtc_compiles_every_norm_kernel():
-    names = _norm_cuda.kernel_names()
-    code = _cuda._inline_includes(CSRC / "norm" / "norm.cu", CSRC, set())
-    ok, log = compile_ptx(code, names, ["-std=c++17", "-arch=compute_90a", *_cuda._cuda_include_dirs()])
-    assert ok, log[-4000:]
-
-
-@pytest.mark.skipif(find_libnvrtc() is None, reason="libnvrtc not found (pip install nvidia-cuda-nvrtc)")
-def test_nvrtc_compiles_every_rotary_kernel():
-    names = _rotary_cuda.kernel_names()
-    code = _cuda._inline_includes(CSRC / "rotary" / "rotary.cu", CSRC, set())
-    ok, log = compile_ptx(code, names, ["-std=c++17", "-arch=compute_90a", *_cuda._cuda_include_dirs()])
+@pytest.mark.parametrize("source, host", [("norm/norm.cu", _norm_cuda), ("rotary/rotary.cu", _rotary_cuda),
+                                          ("fp8/fp8.cu", _fp8_cuda)], ids=["norm", "rotary", "fp8"])
+def test_nvrtc_compiles_every_kernel_instance(source, host):
+    """Every kernel instance the op's launcher can ask for compiles with NVRTC (the extension-free path)."""
+    code = _cuda._inline_includes(CSRC / source, CSRC, set())
+    ok, log = compile_ptx(code, host.kernel_names(), ["-std=c++17", "-arch=compute_90a", *_cuda._cuda_include_dirs()])
     assert ok, log[-4000:]
 
 
