@@ -29,6 +29,9 @@ def problem() -> str:
     """'' if this path can run, else why not."""
     if not torch.cuda.is_available():
         return "no CUDA device is available to torch"
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < (8, 9):
+        return f"FP8 conversions need compute capability >= 8.9; this GPU has {major}.{minor}"
     return _cuda._cupy()[1]
 
 
