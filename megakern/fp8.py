@@ -464,7 +464,8 @@ class _FP8LinearFunction(torch.autograd.Function):
         per_tensor = not isinstance(linear.recipe, BlockScaling)
         qx = linear._x.cast(x2, transpose=per_tensor and weight.requires_grad)
         qw = linear._weight_fp8(weight, transpose=per_tensor and x2.requires_grad)
-        out_dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled() and x2.is_cuda else x2.dtype
+        device_type = x2.device.type
+        out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x2.dtype
         out = gemm(qx, qw, out_dtype=out_dtype, bias=None, backend=linear._gemm_backend(x2, qx))
         if bias is not None:
             out = out + bias.to(out.dtype)
@@ -496,6 +497,13 @@ class _FP8LinearFunction(torch.autograd.Function):
         return dx, dw, db, None
 
 
+@torch.compiler.disable
+def _fp8_linear(x2, weight, bias, linear):
+    """The FP8 product, run eagerly under torch.compile (a graph break): its casts record amaxes into the module's
+    buffers and reuse the weight's FP8 copy across calls, state that a traced graph would not carry."""
+    return _FP8LinearFunction.apply(x2, weight, bias, linear)
+
+
 class Linear(nn.Module):
     """y = x W^T + b with the GEMMs in FP8: x and W in E4M3, the incoming gradient in E5M2 (HYBRID) or E4M3, scaled
     by ``recipe`` (``DelayedScaling`` by default). Master weights stay in the parameter's dtype.
@@ -508,6 +516,9 @@ class Linear(nn.Module):
     Where FP8 GEMMs cannot run (CPU, compute capability < 8.9) the layer warns once and computes a plain linear,
     unless ``emulate=True``: then FP8 is emulated (casts by the reference, GEMMs by dequantize and matmul), slowly,
     for tests and for checking a recipe's numerics anywhere.
+
+    Under torch.autocast the output takes the autocast dtype (the FP8 inputs are cast from whatever x is). Under
+    torch.compile the FP8 product runs eagerly between traced graphs (a graph break per layer).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, recipe=None,
@@ -586,7 +597,7 @@ class Linear(nn.Module):
                 self._warned = True
             return nn.functional.linear(x, self.weight, self.bias)
         x2 = x.reshape(-1, self.in_features)
-        out = _FP8LinearFunction.apply(x2, self.weight, self.bias, self)
+        out = _fp8_linear(x2, self.weight, self.bias, self)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

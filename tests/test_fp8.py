@@ -567,3 +567,17 @@ def test_cuda_cast_bytes_and_amax(fp8_dtype, dtype, shape):
     want = quantize_ref(x[..., :-1], fp8_dtype)
     assert torch.equal(cur.data.view(torch.uint8), want.data.view(torch.uint8))
     assert torch.equal(cur.scale_inv, want.scale_inv)
+
+
+def test_linear_under_autocast_and_torch_compile():
+    """Under autocast the output takes the autocast dtype; under torch.compile the layer gives eager's values and
+    gradients (its FP8 product runs between traced graphs)."""
+    _, lin = _linear_pair(CurrentScaling())
+    x = _x((8, 64), seed=13).requires_grad_()
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        assert lin(x).dtype == torch.bfloat16
+    eager = torch.autograd.grad(lin(x).square().sum(), (x, lin.weight))
+    torch.compiler.reset()
+    compiled = torch.autograd.grad(torch.compile(lambda t: lin(t).square().sum())(x), (x, lin.weight))
+    for a, b in zip(compiled, eager):
+        torch.testing.assert_close(a, b)
