@@ -58,6 +58,21 @@ def git_sha() -> str:
     return sha + "-dirty" if dirty else sha
 
 
+def host_us(fn: Callable[[], object], calls: int = 200) -> float:
+    """Host microseconds per call of ``fn`` on a CUDA device: perf_counter around ``calls`` calls with no
+    synchronization inside (after warm-up and a sync), so the figure is the time to issue the work, not to run it,
+    as long as the GPU's queue does not fill."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter_ns()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter_ns() - start
+    torch.cuda.synchronize()
+    return elapsed / calls / 1e3
+
+
 def bench(fn: Callable[[], object], *, device, warmup_ms: int = 100, rep_ms: int = 500,
           graph: bool = False) -> dict[str, float]:
     """Time fn: {'median', 'p20', 'p80'} in ms.

@@ -11,21 +11,9 @@ between CUDA events (triton's do_bench) measures part of the host.
 """
 from __future__ import annotations
 
-import time
-
 import torch
 
-
-def host_us(fn, calls: int = 200) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
+from benchmarks.common import host_us
 
 
 def main() -> None:

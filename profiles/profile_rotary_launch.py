@@ -10,23 +10,12 @@ benchmark that times each call between CUDA events (as triton's do_bench does, a
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
+from benchmarks.common import host_us
+
 CASES = [(8, 4096, 32, 8, 128), (16, 4096, 16, 4, 64)]  # (B, T, nh, nkv, hs), full rotary, GPT-NeoX
-
-
-def host_us(fn, calls: int = 200) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
 
 
 def main() -> None:

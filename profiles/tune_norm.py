@@ -9,23 +9,12 @@ input (what a launch costs the CPU). The defaults in the launchers are set from 
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
-from benchmarks.common import bench, measure_copy_gbps
+from benchmarks.common import bench, host_us, measure_copy_gbps
 from megakern import _norm_cuda, _norm_triton
 
-
-def host_us(fn, calls: int = 300) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter_ns()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter_ns() - start) / calls / 1e3
 
 
 def main() -> None:
