@@ -34,6 +34,28 @@ def shared_data(*needed: str) -> Path:
                 "not with a clone")
 
 
+def sm90_lowering(module: str, call: str):
+    """The Python literal printed by ``module.call`` (a test module's compile-for-sm_90 function) run with real
+    Triton kernels (TRITON_INTERPRET=0) in a subprocess, as this process may interpret them. Skips where this Triton
+    cannot compile for a target without a GPU."""
+    import ast
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    try:
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.compiler import ASTSource  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"this Triton has no ASTSource/GPUTarget: {exc}")
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = f"import sys; sys.path.insert(0, {here!r}); import {module} as t; print(t.{call})"
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+
+
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
         return

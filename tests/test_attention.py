@@ -5,16 +5,12 @@ Under the CPU interpreter in fp16 at tiny sizes (bf16 dot is broken there); the 
 """
 from __future__ import annotations
 
-import ast
-import os
-import subprocess
-import sys
 import zlib
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ATOL, DEVICE, HAS_CUDA, assert_close_to_ref
+from conftest import ATOL, DEVICE, HAS_CUDA, assert_close_to_ref, sm90_lowering
 
 import megakern
 from megakern.attention import _window, attention, attention_ref, merge_attention
@@ -311,17 +307,6 @@ def compile_for_sm90(hs: int, tma: int = 2, seqlen: int = 4096, keep: bool = Fal
 @pytest.mark.parametrize("hs", (64, 128))
 def test_kernels_compile_for_sm90_with_wgmma(hs, tma):
     """The kernels lower for Hopper (Triton's sm_90 compiler runs without a GPU) onto wgmma, within shared memory."""
-    pytest.importorskip("triton")
-    try:
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-        from triton.compiler import ASTSource  # noqa: F401
-    except ImportError as exc:
-        pytest.skip(f"this Triton has no ASTSource/GPUTarget: {exc}")
-    here = os.path.dirname(os.path.abspath(__file__))
-    script = f"import sys; sys.path.insert(0, {here!r}); import test_attention as t; print(t.compile_for_sm90({hs}, {tma}))"
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for name, shared, wgmma in ast.literal_eval(proc.stdout.strip().splitlines()[-1]):
+    for name, shared, wgmma in sm90_lowering("test_attention", f"compile_for_sm90({hs}, {tma})"):
         assert wgmma, f"{name}: no wgmma in the sm_90 PTX"
         assert shared <= 227 * 1024, f"{name}: {shared} bytes of shared memory"

@@ -6,7 +6,7 @@ the bytes are compared where that cannot happen, and amaxes and scales (fp32) ev
 """
 import pytest
 import torch
-from conftest import DEVICE, HAS_CUDA, shared_data
+from conftest import DEVICE, HAS_CUDA, shared_data, sm90_lowering
 
 from megakern import fp8
 from megakern.fp8 import (BlockScaling, CurrentScaling, DelayedScaling, DelayedScalingState, Format, quantize,
@@ -289,22 +289,7 @@ def compile_for_sm90() -> list[tuple[str, int]]:
 def test_cast_kernels_compile_for_sm90():
     """Every cast kernel lowers for Hopper, the casts onto the hardware's saturating round-to-nearest-even
     conversions."""
-    import ast
-    import os
-    import subprocess
-    import sys
-
-    try:
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-        from triton.compiler import ASTSource  # noqa: F401
-    except ImportError as exc:
-        pytest.skip(f"this Triton has no ASTSource/GPUTarget: {exc}")
-    here = os.path.dirname(os.path.abspath(__file__))
-    script = f"import sys; sys.path.insert(0, {here!r}); import test_fp8 as t; print(t.compile_for_sm90())"
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for name, cvts in ast.literal_eval(proc.stdout.strip().splitlines()[-1]):
+    for name, cvts in sm90_lowering("test_fp8", "compile_for_sm90()"):
         if name.startswith("gemm"):
             assert cvts == 1, f"{name}: not an e4m3 x e5m2 wgmma fed by cp.async in the sm_90 PTX"
         elif name != "amax":

@@ -8,19 +8,15 @@ small shapes; on a GPU, also both CUDA paths, large shapes, long tables and torc
 """
 from __future__ import annotations
 
-import ast
 import csv
 import functools
 import math
-import os
-import subprocess
-import sys
 import zlib
 
 import pytest
 import torch
 from conftest import (ATOL, DEVICE, HAS_CUDA, assert_close_to_ref, cuda_path_problem, kernel_variants,
-                      poison_cuda_allocator, skip_interpreter_faults)
+                      poison_cuda_allocator, skip_interpreter_faults, sm90_lowering)
 
 import megakern
 from megakern import rotary
@@ -608,17 +604,7 @@ def compile_for_sm90() -> list[tuple[int, int, int]]:
 def test_triton_kernel_compiles_for_sm90():
     """Every kind of launch lowers for Hopper (Triton's sm_90 compiler runs without a GPU), and the headline
     layout moves q and k in 16-byte loads and stores."""
-    try:
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-        from triton.compiler import ASTSource  # noqa: F401
-    except ImportError as exc:
-        pytest.skip(f"this Triton has no ASTSource/GPUTarget: {exc}")
-    here = os.path.dirname(os.path.abspath(__file__))
-    script = f"import sys; sys.path.insert(0, {here!r}); import test_rotary as t; print(t.compile_for_sm90())"
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+    results = sm90_lowering("test_rotary", "compile_for_sm90()")
     assert len(results) == len(SM90_VARIANTS)
     for (loads, stores, shared), variant in zip(results[:2], SM90_VARIANTS):
         assert loads > 0 and stores > 0, f"{variant}: no 16-byte global loads / stores in the sm_90 PTX"
