@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from megakern import _cuda
+from megakern.rotary import rotary_outputs
 
 # Flag bits, mirrored from csrc/rotary/rotary.h.
 VECTORIZED, CONJ, COPY_REST, POS_IDS, POS_I64, CU_SEQLENS, OFFSETS, OFFSETS_I64 = 1, 2, 4, 8, 16, 32, 64, 128
@@ -102,11 +103,7 @@ def fwd(q, k, cos, sin, position_ids, cu_seqlens, offsets, offset: int, rotary_d
     path = _cuda.choose_path(path)
     batch, seqlen, nh, hs = q.shape
     nkv = k.shape[2] if k is not None else 0
-    if inplace:
-        q_out, k_out = q, k
-    else:
-        q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        k_out = None if k is None else torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    q_out, k_out = rotary_outputs(q, k, inplace)
     tokens = batch * seqlen
     if tokens == 0 or nh + nkv == 0:
         return q_out, k_out

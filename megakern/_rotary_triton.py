@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from megakern._intmath import cdiv, next_power_of_2
+from megakern.rotary import rotary_outputs
 
 # Elements of q or k per (BLOCK_T, BLOCK_H, row) tile, by layout (interleaved or not), and warps by tile size
 # (4 up to 4096 elements, else 8). Measured on the H200 (benchmarks/bench_rotary.py --tune, forward of the headline
@@ -143,11 +144,7 @@ def fwd(q, k, cos, sin, position_ids, cu_seqlens, offsets, offset: int, rotary_d
     ``block_t``, ``num_warps``, ``tile`` override the launch defaults (tuning)."""
     batch, seqlen, nh, hs = q.shape
     nkv = k.shape[2] if k is not None else 0
-    if inplace:
-        q_out, k_out = q, k
-    else:
-        q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        k_out = None if k is None else torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    q_out, k_out = rotary_outputs(q, k, inplace)
     if batch * seqlen == 0 or nh + nkv == 0:
         return q_out, k_out
     rot_half = rotary_dim // 2

@@ -49,6 +49,12 @@ class Format(str, enum.Enum):
         return torch.float8_e5m2 if self is Format.HYBRID and role == "grad" else torch.float8_e4m3fn
 
 
+def _int_at_least(value, low: int, power_of_2: bool = False) -> bool:
+    """``value`` is an int (not a bool) >= low (and a power of 2)."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
+    return ok and (not power_of_2 or value & (value - 1) == 0)
+
+
 def _check_format(fmt) -> Format:
     try:
         return Format(fmt)
@@ -71,10 +77,9 @@ class DelayedScaling:
 
     def __post_init__(self):
         object.__setattr__(self, "fp8_format", _check_format(self.fp8_format))
-        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
+        if not _int_at_least(self.margin, 0):
             raise ValueError(f"DelayedScaling: margin must be an int >= 0, got {self.margin!r}")
-        if (isinstance(self.amax_history_len, bool) or not isinstance(self.amax_history_len, int)
-                or self.amax_history_len < 1):
+        if not _int_at_least(self.amax_history_len, 1):
             raise ValueError(f"DelayedScaling: amax_history_len must be an int >= 1, got {self.amax_history_len!r}")
         if self.amax_compute not in ("max", "most_recent"):
             raise ValueError(f"DelayedScaling: amax_compute must be 'max' or 'most_recent', got {self.amax_compute!r}")
@@ -88,7 +93,7 @@ class CurrentScaling:
 
     def __post_init__(self):
         object.__setattr__(self, "fp8_format", _check_format(self.fp8_format))
-        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
+        if not _int_at_least(self.margin, 0):
             raise ValueError(f"CurrentScaling: margin must be an int >= 0, got {self.margin!r}")
 
 
@@ -102,8 +107,7 @@ class BlockScaling:
 
     def __post_init__(self):
         object.__setattr__(self, "fp8_format", _check_format(self.fp8_format))
-        if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 16 or self.block & (
-                self.block - 1):
+        if not _int_at_least(self.block, 16, power_of_2=True):
             raise ValueError(f"BlockScaling: block must be a power of 2 >= 16, got {self.block!r}")
 
 
@@ -256,8 +260,7 @@ def check_inputs(x, fp8_dtype, scale, granularity, block, amax_out, transpose) -
         raise TypeError(f"fp8.quantize: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype}")
     if granularity not in ("tensor", "row", "block", "tile"):
         raise ValueError(f"fp8.quantize: granularity must be 'tensor', 'row', 'block' or 'tile', got {granularity!r}")
-    if granularity in ("block", "tile") and (isinstance(block, bool) or not isinstance(block, int) or block < 16
-                                             or block & (block - 1)):
+    if granularity in ("block", "tile") and not _int_at_least(block, 16, power_of_2=True):
         raise ValueError(f"fp8.quantize: block must be a power of 2 >= 16, got {block!r}")
     if scale is not None:
         if granularity != "tensor":
@@ -289,25 +292,32 @@ def quantize(x: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn, *, s
     if name == "torch":
         q = quantize_ref(x, fp8_dtype, scale=scale, granularity=granularity, block=block, margin=margin,
                          transpose=transpose)
-        if amax_out is not None:
-            amax_out.copy_(torch.maximum(amax_out.reshape(1), q.amax).reshape(amax_out.shape))
+        _record_amax(amax_out, q.amax)
         return q
     from megakern import _fp8_triton as kern
 
     x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
     fmax = FP8_DTYPES[fp8_dtype]
-    if name == "cuda":
-        return _quantize_cuda(x, x2, fp8_dtype, scale, amax_out, granularity, margin, transpose, kern)
+    if name == "cuda" and (granularity != "tensor" or transpose):
+        raise ValueError("fp8.quantize: backend 'cuda' casts per tensor without the transposed copy; use "
+                         "backend='triton' for that")
     if granularity == "tensor":
+        if name == "cuda":  # the CUDA C++ cast (csrc/fp8/fp8.cu); current scaling's amax still comes from Triton
+            from megakern import _fp8_cuda
+
+            def cast(s, out):
+                return _fp8_cuda.cast(x2, s, fp8_dtype, out), None
+        else:
+            def cast(s, out):
+                return kern.cast(x2, s, fp8_dtype, fmax, transpose=transpose, amax_out=out)
         amax = torch.zeros(1, dtype=torch.float32, device=x.device)
         if scale is None:  # current scaling: this tensor's amax first, the scale from it on the device
             kern.amax(x2, amax)
             scale = scale_from_amax(amax, fmax, margin)
-            y, yt = kern.cast(x2, scale.reshape(1), fp8_dtype, fmax, transpose=transpose, amax_out=None)
-        else:
-            y, yt = kern.cast(x2, scale.reshape(1), fp8_dtype, fmax, transpose=transpose, amax_out=amax)
-            if amax_out is not None:
-                amax_out.copy_(torch.maximum(amax_out.reshape(1), amax).reshape(amax_out.shape))
+            y, yt = cast(scale.reshape(1), None)
+        else:  # delayed: the given scale, this tensor's amax recorded in the same pass
+            y, yt = cast(scale.reshape(1), amax)
+            _record_amax(amax_out, amax)
         return Quantized(y.reshape(x.shape), 1.0 / scale.reshape(1).float(), yt, amax)
     if granularity == "tile":
         y, scale_inv = kern.cast_tiles(x2, fp8_dtype, fmax, block)
@@ -317,24 +327,10 @@ def quantize(x: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn, *, s
                      block=block if granularity in ("block", "tile") else 0)
 
 
-def _quantize_cuda(x, x2, fp8_dtype, scale, amax_out, granularity, margin, transpose, kern) -> Quantized:
-    """The per-tensor cast by the CUDA C++ kernel (csrc/fp8/fp8.cu); current scaling takes its amax from Triton's
-    amax kernel first."""
-    from megakern import _fp8_cuda
-
-    if granularity != "tensor" or transpose:
-        raise ValueError("fp8.quantize: backend 'cuda' casts per tensor without the transposed copy; use "
-                         "backend='triton' for that")
-    amax = torch.zeros(1, dtype=torch.float32, device=x.device)
-    if scale is None:
-        kern.amax(x2, amax)
-        scale = scale_from_amax(amax, FP8_DTYPES[fp8_dtype], margin)
-        y = _fp8_cuda.cast(x2, scale.reshape(1), fp8_dtype, None)
-    else:
-        y = _fp8_cuda.cast(x2, scale.reshape(1), fp8_dtype, amax)
-        if amax_out is not None:
-            amax_out.copy_(torch.maximum(amax_out.reshape(1), amax).reshape(amax_out.shape))
-    return Quantized(y.reshape(x.shape), 1.0 / scale.reshape(1).float(), None, amax)
+def _record_amax(amax_out: torch.Tensor | None, amax: torch.Tensor) -> None:
+    """amax_out = max(amax_out, amax), on the device (the max over the micro-batches of a step)."""
+    if amax_out is not None:
+        amax_out.copy_(torch.maximum(amax_out.reshape(1), amax).reshape(amax_out.shape))
 
 
 # ---- GEMM ----------------------------------------------------------------------------------------------------------
@@ -424,11 +420,6 @@ def gemm(a: Quantized, b: Quantized, *, out_dtype: torch.dtype = torch.bfloat16,
 
 
 # ---- FP8 Linear ----------------------------------------------------------------------------------------------------
-def fp8_gemm_problem(device: torch.device) -> str:
-    """'' if this device runs FP8 GEMMs, else why not (CPU, compute capability < 8.9)."""
-    return scaled_mm_problem(device)
-
-
 class _Scaling:
     """How one role (x, w or grad) of a Linear is cast: delayed (from its state, recording the amax), current,
     or block; and which dtype."""
@@ -529,7 +520,7 @@ class Linear(nn.Module):
             raise TypeError(f"fp8.Linear: recipe must be DelayedScaling, CurrentScaling or BlockScaling, got "
                             f"{type(recipe).__name__}")
         for name, v in (("in_features", in_features), ("out_features", out_features)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            if not _int_at_least(v, 1):
                 raise ValueError(f"fp8.Linear: {name} must be a positive int, got {v!r}")
         self.in_features, self.out_features, self.recipe, self.emulate = in_features, out_features, recipe, emulate
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
@@ -550,7 +541,7 @@ class Linear(nn.Module):
         return getattr(self, f"{role}_amax_pending")
 
     def _emulated(self, t: torch.Tensor) -> bool:
-        return bool(fp8_gemm_problem(t.device)) or t.device.type != "cuda"
+        return bool(scaled_mm_problem(t.device))
 
     def _gemm_backend(self, t: torch.Tensor, q: Quantized) -> str | None:
         """'torch' when emulating, else gemm's default for q's scales (cuBLASLt, or Triton for block scales)."""
@@ -592,7 +583,7 @@ class Linear(nn.Module):
             if not self._warned:
                 import warnings
 
-                warnings.warn(f"fp8.Linear: {fp8_gemm_problem(x.device)}; computing a plain linear instead (pass "
+                warnings.warn(f"fp8.Linear: {scaled_mm_problem(x.device)}; computing a plain linear instead (pass "
                               "emulate=True to emulate FP8)", stacklevel=2)
                 self._warned = True
             return nn.functional.linear(x, self.weight, self.bias)

@@ -349,6 +349,15 @@ def check_inputs(q, k, cos, sin, rotary_dim, interleaved, cu_seqlens, position_i
 
 
 # ---- the autograd Function -------------------------------------------------------------------------------------
+def rotary_outputs(q: torch.Tensor, k: torch.Tensor | None, inplace: bool):
+    """What a launcher writes: q and k themselves (in place), else fresh tensors of their shapes."""
+    if inplace:
+        return q, k
+    return torch.empty_like(q, memory_format=torch.contiguous_format), (
+        None if k is None else torch.empty_like(k, memory_format=torch.contiguous_format))
+
+
+
 def _triton_impl():
     from megakern import _rotary_triton
 

@@ -444,7 +444,7 @@ def test_linear_nonfinite_amax_signals_a_skip():
 
 
 def test_linear_without_fp8_falls_back_with_a_message():
-    if HAS_CUDA and not fp8.fp8_gemm_problem(DEVICE):
+    if HAS_CUDA and not fp8.scaled_mm_problem(DEVICE):
         pytest.skip("this GPU runs FP8 GEMMs")
     torch.manual_seed(0)
     lin = fp8.Linear(16, 8, device=DEVICE)
