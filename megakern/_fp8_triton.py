@@ -73,8 +73,9 @@ def _cast_kernel(X, Y, YT, SCALE, AMAX, M, N, stride_xm, stride_xn,
 @triton.jit
 def _scale_of(amax, FMAX: tl.constexpr):
     """Quantizing scale of a group: FMAX / amax; 1 for an all-zero group; 0 for a non-finite amax (its scale_inv is
-    then inf, which the caller reports)."""
-    return tl.where(amax > 0.0, FMAX / tl.where(amax > 0.0, amax, 1.0), 1.0)
+    then inf, which the caller reports). Correctly rounded division (div_rn): Triton's fp32 ``/`` is the
+    approximate one on GPUs, whose last-bit differences change cast bytes against the reference."""
+    return tl.where(amax > 0.0, tl.math.div_rn(FMAX, tl.where(amax > 0.0, amax, 1.0)), 1.0)
 
 
 @triton.jit
@@ -92,7 +93,7 @@ def _rows_kernel(X, Y, SCALE_INV, M, N, stride_xm, stride_xn, stride_sm,
         scale = _scale_of(amax, FMAX)
         y = _to_fp8(x * scale[:, None], FMAX, E4M3)
         tl.store(Y + r64[:, None] * N + cols.to(tl.int64)[None, :], y, mask=mask)
-        tl.store(SCALE_INV + r64 * stride_sm + pid_n, amax / FMAX, mask=rows < M)
+        tl.store(SCALE_INV + r64 * stride_sm + pid_n, tl.math.div_rn(amax, FMAX), mask=rows < M)
     else:
         amax = tl.zeros([BLOCK_M], tl.float32)
         for n0 in range(0, N, BLOCK_N):
@@ -103,7 +104,7 @@ def _rows_kernel(X, Y, SCALE_INV, M, N, stride_xm, stride_xn, stride_sm,
             x, rows, cols, mask = _tile(X, M, N, stride_xm, stride_xn, pid_m, n0 // BLOCK_N, BLOCK_M, BLOCK_N)
             y = _to_fp8(x * scale[:, None], FMAX, E4M3)
             tl.store(Y + r64[:, None] * N + cols.to(tl.int64)[None, :], y, mask=mask)
-        tl.store(SCALE_INV + r64 * stride_sm, amax / FMAX, mask=rows < M)
+        tl.store(SCALE_INV + r64 * stride_sm, tl.math.div_rn(amax, FMAX), mask=rows < M)
 
 
 @triton.jit
@@ -115,7 +116,7 @@ def _tiles_kernel(X, Y, SCALE_INV, M, N, stride_xm, stride_xn, stride_sm,
     amax = tl.max(tl.max(tl.where(mask, _abs_nan_inf(x), 0.0), 1), 0)
     y = _to_fp8(x * _scale_of(amax, FMAX), FMAX, E4M3)
     tl.store(Y + rows.to(tl.int64)[:, None] * N + cols.to(tl.int64)[None, :], y, mask=mask)
-    tl.store(SCALE_INV + pid_m * stride_sm + pid_n, amax / FMAX)
+    tl.store(SCALE_INV + pid_m * stride_sm + pid_n, tl.math.div_rn(amax, FMAX))
 
 
 # ---- launchers: 2-D views in, tensors out ----------------------------------------------------------------------

@@ -107,8 +107,9 @@ class BlockScaling:
 
     def __post_init__(self):
         object.__setattr__(self, "fp8_format", _check_format(self.fp8_format))
-        if not _int_at_least(self.block, 16, power_of_2=True):
-            raise ValueError(f"BlockScaling: block must be a power of 2 >= 16, got {self.block!r}")
+        if not _int_at_least(self.block, 32, power_of_2=True):  # an FP8 tensor-core product takes K >= 32
+            raise ValueError(f"BlockScaling: block must be a power of 2 >= 32 (the K step of the block-scaled GEMM), "
+                             f"got {self.block!r}")
 
 
 def scale_from_amax(amax: torch.Tensor, fmax: float, margin: int = 0,
@@ -402,6 +403,9 @@ def gemm(a: Quantized, b: Quantized, *, out_dtype: torch.dtype = torch.bfloat16,
             raise ValueError(f"fp8.gemm: the operands' scales must be both per tensor, both per row, or a per 1 x B "
                              f"block and b per B x B tile (the same B); got {a.granularity!r} ({a.block}) and "
                              f"{b.granularity!r} ({b.block})")
+        if scaling == kern.BLOCK and a.block < 32:
+            raise ValueError(f"fp8.gemm: block scales need B >= 32 (the GEMM's K step is B, and an FP8 tensor-core "
+                             f"product takes K >= 32); got B = {a.block}")
         return kern.gemm(a.data, b.data, a.scale_inv.float(), b.scale_inv.float(), scaling, out_dtype, bias,
                          block=a.block or 128)
     if a.granularity != b.granularity or a.granularity not in ("tensor", "row"):
@@ -588,7 +592,21 @@ class Linear(nn.Module):
                 self._warned = True
             return nn.functional.linear(x, self.weight, self.bias)
         x2 = x.reshape(-1, self.in_features)
+        rows = x2.shape[0]
+        pad = 0
+        if not self._emulated(x):
+            if not isinstance(self.recipe, BlockScaling) and (self.in_features % 16 or self.out_features % 16):
+                raise ValueError(f"fp8.Linear: per-tensor FP8 GEMMs (cuBLASLt) need in_features and out_features "
+                                 f"multiples of 16, got {self.in_features} -> {self.out_features}; pad the layer, "
+                                 "or use BlockScaling (the Triton GEMM takes any size)")
+            # the weight-gradient GEMM's K is the token count: zero rows make it a multiple of 16, exactly (they
+            # add nothing to any product or amax)
+            pad = -rows % 16
+            if pad:
+                x2 = nn.functional.pad(x2, (0, 0, 0, pad))
         out = _fp8_linear(x2, self.weight, self.bias, self)
+        if pad:
+            out = out[:rows]
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
