@@ -17,6 +17,8 @@ clamps finite values to +-FMAX before the cast (round to nearest even), so only 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -51,23 +53,48 @@ def _tile(X, M, N, stride_xm, stride_xn, pid_m, pid_n, BLOCK_M: tl.constexpr, BL
 
 @triton.jit
 def _amax_kernel(X, AMAX, M, N, stride_xm, stride_xn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    x, rows, cols, mask = _tile(X, M, N, stride_xm, stride_xn, tl.program_id(0), tl.program_id(1), BLOCK_M, BLOCK_N)
-    tl.atomic_max(AMAX, tl.max(tl.max(tl.where(mask, _abs_nan_inf(x), 0.0), 1), 0))
+    # persistent: a program walks tiles pid, pid + programs, ... and adds its max to AMAX once
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    amax = tl.full([], 0.0, tl.float32)
+    for t in range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * tiles_n, tl.num_programs(0)):
+        x, rows, cols, mask = _tile(X, M, N, stride_xm, stride_xn, t // tiles_n, t % tiles_n, BLOCK_M, BLOCK_N)
+        amax = tl.maximum(amax, tl.max(tl.max(tl.where(mask, _abs_nan_inf(x), 0.0), 1), 0))
+    tl.atomic_max(AMAX, amax)
 
 
 @triton.jit
-def _cast_kernel(X, Y, YT, SCALE, AMAX, M, N, stride_xm, stride_xn,
-                 FMAX: tl.constexpr, E4M3: tl.constexpr, TRANSPOSE: tl.constexpr, WRITE_AMAX: tl.constexpr,
+def _cast_kernel(X, Y, YT, SCALE, SCALE_INV, AMAX, AMAX_OUT, M, N, stride_xm, stride_xn,
+                 FMAX: tl.constexpr, E4M3: tl.constexpr, TRANSPOSE: tl.constexpr, CURRENT: tl.constexpr,
+                 WRITE_AMAX: tl.constexpr, ACCUMULATE: tl.constexpr, MARGIN_SCALE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    x, rows, cols, mask = _tile(X, M, N, stride_xm, stride_xn, tl.program_id(0), tl.program_id(1), BLOCK_M, BLOCK_N)
-    if WRITE_AMAX:  # this tensor's amax, in the same pass (delayed scaling)
-        tl.atomic_max(AMAX, tl.max(tl.max(tl.where(mask, _abs_nan_inf(x), 0.0), 1), 0))
-    y = _to_fp8(x * tl.load(SCALE), FMAX, E4M3)
-    r64 = rows.to(tl.int64)
-    c64 = cols.to(tl.int64)
-    tl.store(Y + r64[:, None] * N + c64[None, :], y, mask=mask)
-    if TRANSPOSE:  # the (N, M) copy from the same tile, transposed in the SM so that its rows store contiguously
-        tl.store(YT + c64[:, None] * M + r64[None, :], tl.trans(y), mask=tl.trans(mask))
+    # the scale: given (delayed scaling), or from this tensor's amax in AMAX (current scaling: FMAX / amax /
+    # 2^margin, 1 where the amax is 0 or not finite, as scale_from_amax); program 0 writes its inverse
+    if CURRENT:
+        a = tl.load(AMAX)
+        ok = (a > 0.0) & (a < float("inf"))
+        scale = tl.where(ok, tl.math.div_rn(FMAX, tl.where(ok, a, 1.0)) * MARGIN_SCALE, 1.0)
+    else:
+        scale = tl.load(SCALE)
+    if tl.program_id(0) == 0:
+        tl.store(SCALE_INV, tl.math.div_rn(1.0, scale))
+    # persistent: a program walks tiles pid, pid + programs, ...; with WRITE_AMAX (delayed scaling) it keeps the max
+    # of what it read and adds it once to this tensor's AMAX and to the step's running AMAX_OUT (ACCUMULATE)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    amax = tl.full([], 0.0, tl.float32)
+    for t in range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * tiles_n, tl.num_programs(0)):
+        x, rows, cols, mask = _tile(X, M, N, stride_xm, stride_xn, t // tiles_n, t % tiles_n, BLOCK_M, BLOCK_N)
+        if WRITE_AMAX:
+            amax = tl.maximum(amax, tl.max(tl.max(tl.where(mask, _abs_nan_inf(x), 0.0), 1), 0))
+        y = _to_fp8(x * scale, FMAX, E4M3)
+        r64 = rows.to(tl.int64)
+        c64 = cols.to(tl.int64)
+        tl.store(Y + r64[:, None] * N + c64[None, :], y, mask=mask)
+        if TRANSPOSE:  # the (N, M) copy from the same tile, transposed in the SM so that its rows store contiguously
+            tl.store(YT + c64[:, None] * M + r64[None, :], tl.trans(y), mask=tl.trans(mask))
+    if WRITE_AMAX:
+        tl.atomic_max(AMAX, amax)
+        if ACCUMULATE:
+            tl.atomic_max(AMAX_OUT, amax)
 
 
 @triton.jit
@@ -122,11 +149,26 @@ def _tiles_kernel(X, Y, SCALE_INV, M, N, stride_xm, stride_xn, stride_sm,
 # ---- launchers: 2-D views in, tensors out ----------------------------------------------------------------------
 def _tiles_for(x: torch.Tensor) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, warps) for the per-tensor kernels; small tiles under the interpreter. On sm_90a the cast
-    with its transposed copy and amax takes 196 registers at 64 x 128 and 8 warps, no spills (4 warps spill); to be
-    tuned on the H200."""
+    with its transposed copy and amax takes 196 registers at 64 x 128 and 8 warps, no spills (4 warps spill)."""
     if x.device.type != "cuda":
         return 16, 32, 4
-    return 64, 128, 8
+    return TILES
+
+
+TILES = (64, 128, 8)  # per-tensor kernels' (BLOCK_M, BLOCK_N, warps) on GPUs
+PROGRAMS_PER_SM = 8  # persistent grid of the per-tensor kernels: programs per SM (0: one program per tile)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _programs(x: torch.Tensor, tiles: int) -> int:
+    if x.device.type != "cuda" or not PROGRAMS_PER_SM:
+        return tiles
+    return min(tiles, PROGRAMS_PER_SM * _sm_count(x.device.index if x.device.index is not None else
+                                                  torch.cuda.current_device()))
 
 
 def amax(x2: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -134,26 +176,42 @@ def amax(x2: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     m, n = x2.shape
     bm, bn, warps = _tiles_for(x2)
     if m and n:
-        _amax_kernel[(cdiv(m, bm), cdiv(n, bn))](x2, out, m, n, *x2.stride(), BLOCK_M=bm, BLOCK_N=bn,
-                                                               num_warps=warps)
+        _amax_kernel[(_programs(x2, cdiv(m, bm) * cdiv(n, bn)),)](x2, out, m, n, *x2.stride(), BLOCK_M=bm,
+                                                                   BLOCK_N=bn, num_warps=warps)
     return out
 
 
-def cast(x2: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, fmax: float, *, transpose: bool,
-         amax_out: torch.Tensor | None):
-    """(y (M, N), y^T (N, M) or None) = sat(x2 * scale) in ``fp8_dtype``; with ``amax_out`` (an fp32 scalar holding
-    0) also x2's amax."""
+def cast(x2: torch.Tensor, scale: torch.Tensor | None, fp8_dtype: torch.dtype, fmax: float, *, transpose: bool,
+         amax: torch.Tensor, amax_out: torch.Tensor | None = None, margin: int = 0):
+    """(y (M, N), y^T (N, M) or None, scale_inv (1,)) = sat(x2 * scale) in ``fp8_dtype``.
+
+    ``scale`` given (delayed scaling): x2's amax is maxed into ``amax`` (an fp32 (1,) tensor holding 0) in the same
+    pass, and into ``amax_out`` too when given (the step's running max). ``scale`` None (current scaling): ``amax``
+    holds x2's amax already (from ``amax``), and the scale FMAX / amax / 2^margin is made in the kernel."""
     m, n = x2.shape
     y = torch.empty((m, n), dtype=fp8_dtype, device=x2.device)
     yt = torch.empty((n, m), dtype=fp8_dtype, device=x2.device) if transpose else None
+    scale_inv = torch.empty(1, dtype=torch.float32, device=x2.device)
+    current = scale is None
     if m and n:
         bm, bn, warps = _tiles_for(x2)
-        _cast_kernel[(cdiv(m, bm), cdiv(n, bn))](
-            x2, y, yt if transpose else y, scale, amax_out if amax_out is not None else scale, m, n, *x2.stride(),
-            FMAX=fmax, E4M3=fp8_dtype == torch.float8_e4m3fn, TRANSPOSE=transpose, WRITE_AMAX=amax_out is not None,
+        _cast_kernel[(_programs(x2, cdiv(m, bm) * cdiv(n, bn)),)](
+            x2, y, yt if transpose else y, amax if current else scale, scale_inv, amax,
+            amax_out if amax_out is not None else amax, m, n, *x2.stride(),
+            FMAX=fmax, E4M3=fp8_dtype == torch.float8_e4m3fn, TRANSPOSE=transpose, CURRENT=current,
+            WRITE_AMAX=not current, ACCUMULATE=amax_out is not None, MARGIN_SCALE=2.0 ** -margin,
             BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
         )
-    return y, yt
+    else:  # nothing to cast: the scale's inverse still
+        scale_inv.copy_(1.0 / (scale.reshape(1) if not current else
+                               _scale_from(amax, fmax, margin)))
+    return y, yt, scale_inv
+
+
+def _scale_from(amax: torch.Tensor, fmax: float, margin: int) -> torch.Tensor:
+    from megakern.fp8 import scale_from_amax
+
+    return scale_from_amax(amax, fmax, margin)
 
 
 def cast_rows(x2: torch.Tensor, fp8_dtype: torch.dtype, fmax: float, group: int | None):

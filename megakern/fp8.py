@@ -119,7 +119,8 @@ def scale_from_amax(amax: torch.Tensor, fmax: float, margin: int = 0,
     amax = amax.float()
     fallback = previous.float() if previous is not None else torch.ones_like(amax)
     ok = torch.isfinite(amax) & (amax > 0)
-    return torch.where(ok, (fmax / torch.where(ok, amax, 1.0)) / (2.0 ** margin), fallback)
+    fmax_t = torch.full_like(amax, fmax)  # a true division (``number / tensor`` goes through a reciprocal on GPUs)
+    return torch.where(ok, (fmax_t / torch.where(ok, amax, 1.0)) / (2.0 ** margin), fallback)
 
 
 class DelayedScalingState(nn.Module):
@@ -235,8 +236,11 @@ def quantize_ref(x: torch.Tensor, fp8_dtype: torch.dtype, *, scale: torch.Tensor
     else:
         raise ValueError(f"fp8: granularity must be 'tensor', 'row', 'block' or 'tile', got {granularity!r}")
     amax = _abs_nan_inf(groups).amax(-1) if groups.shape[-1] else torch.zeros(groups.shape[:2], device=x.device)
-    s = torch.where(amax > 0, fmax / torch.where(amax > 0, amax, 1.0), torch.ones_like(amax))
-    scale_inv = amax / fmax
+    # true divisions of tensors, correctly rounded on every device (torch computes ``number / tensor`` and
+    # ``tensor / number`` through a reciprocal on GPUs: one more rounding, other bits than the kernels' division)
+    fmax_t = torch.full_like(amax, fmax)
+    s = torch.where(amax > 0, fmax_t / torch.where(amax > 0, amax, 1.0), torch.ones_like(amax))
+    scale_inv = amax / fmax_t
     if granularity == "row":
         y = x2 * s
     elif granularity == "block":
@@ -303,23 +307,19 @@ def quantize(x: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn, *, s
         raise ValueError("fp8.quantize: backend 'cuda' casts per tensor without the transposed copy; use "
                          "backend='triton' for that")
     if granularity == "tensor":
+        amax = torch.zeros(1, dtype=torch.float32, device=x.device)
+        if scale is None:  # current scaling: this tensor's amax first; the cast makes the scale from it
+            kern.amax(x2, amax)
         if name == "cuda":  # the CUDA C++ cast (csrc/fp8/fp8.cu); current scaling's amax still comes from Triton
             from megakern import _fp8_cuda
 
-            def cast(s, out):
-                return _fp8_cuda.cast(x2, s, fp8_dtype, out), None
-        else:
-            def cast(s, out):
-                return kern.cast(x2, s, fp8_dtype, fmax, transpose=transpose, amax_out=out)
-        amax = torch.zeros(1, dtype=torch.float32, device=x.device)
-        if scale is None:  # current scaling: this tensor's amax first, the scale from it on the device
-            kern.amax(x2, amax)
-            scale = scale_from_amax(amax, fmax, margin)
-            y, yt = cast(scale.reshape(1), None)
-        else:  # delayed: the given scale, this tensor's amax recorded in the same pass
-            y, yt = cast(scale.reshape(1), amax)
+            s = scale_from_amax(amax, fmax, margin) if scale is None else scale.reshape(1)
+            y, yt, scale_inv = _fp8_cuda.cast(x2, s, fp8_dtype, amax if scale is not None else None), None, 1.0 / s
             _record_amax(amax_out, amax)
-        return Quantized(y.reshape(x.shape), 1.0 / scale.reshape(1).float(), yt, amax)
+        else:  # one Triton launch: the cast, the scale's inverse, and (delayed) the amaxes
+            y, yt, scale_inv = kern.cast(x2, scale, fp8_dtype, fmax, transpose=transpose, amax=amax,
+                                         amax_out=amax_out, margin=margin)
+        return Quantized(y.reshape(x.shape), scale_inv.float(), yt, amax)
     if granularity == "tile":
         y, scale_inv = kern.cast_tiles(x2, fp8_dtype, fmax, block)
     else:

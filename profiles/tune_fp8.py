@@ -1,10 +1,14 @@
-"""Tile sweep for the Triton FP8 GEMM (megakern/_fp8_gemm_triton.py) against torch._scaled_mm in the same run.
+"""Sweeps for megakern's FP8 kernels on a GPU; the launchers' defaults are set from these tables.
 
-TFLOP/s (2 * M * N * K / time) of the kernel-level launcher for each (BLOCK_M, BLOCK_N, warps, stages) and
-scaling (tensor, row, block 128), and of cuBLASLt (torch._scaled_mm, per tensor and per row) on the same operands.
-The launcher's defaults are set from this table.
+casts: the per-tensor Triton cast (megakern/_fp8_triton.py) for each tile (BLOCK_M x BLOCK_N, warps) and persistent
+grid size (programs per SM; 0 = one program per tile), delayed / delayed+T / current scaling, GB/s (bytes of
+benchmarks/bench_fp8.py) as a fraction of the same-run copy roofline, GPU time of CUDA-graph replays (no host).
 
-    python profiles/tune_fp8_gemm.py [--shapes 8192x8192x8192,16384x4096x14336]
+gemm: TFLOP/s (2 * M * N * K / time) of the Triton FP8 GEMM (megakern/_fp8_gemm_triton.py) for each
+(BLOCK_M, BLOCK_N, warps, stages) and scaling (tensor, row, block 128), and of cuBLASLt (torch._scaled_mm, per
+tensor and per row) on the same operands.
+
+    python profiles/tune_fp8.py [--part casts,gemm] [--shapes 8192x8192x8192,16384x4096x14336] [--cast 16384x4096]
 """
 from __future__ import annotations
 
@@ -12,9 +16,39 @@ import argparse
 
 import torch
 
-from benchmarks.common import bench
+from benchmarks.bench_fp8 import bytes_moved
+from benchmarks.common import bench, measure_copy_gbps
 from megakern import _fp8_gemm_triton as kern
+from megakern import _fp8_triton as casts
+from megakern import fp8
 from megakern.fp8 import quantize_ref
+
+CAST_TILES = ((64, 128, 8), (32, 256, 8), (64, 256, 8), (128, 128, 8), (32, 128, 4), (16, 256, 4), (8, 1024, 8))
+CAST_PROGRAMS = (0, 4, 8, 16)
+
+
+def tune_casts(shape: str) -> None:
+    dev = torch.device("cuda")
+    m, n = map(int, shape.split("x"))
+    copy = measure_copy_gbps(dev)
+    print(f"\n== casts {m}x{n} bf16 -> e4m3; copy roofline {copy:.0f} GB/s (CUDA-graph replays)")
+    x = torch.randn(m, n, device=dev, dtype=torch.bfloat16) * 3
+    scale = torch.tensor([0.37], device=dev)
+    amax_out = torch.zeros(1, device=dev)
+    for tiles in CAST_TILES:
+        for per_sm in CAST_PROGRAMS:
+            casts.TILES, casts.PROGRAMS_PER_SM = tiles, per_sm
+            row = []
+            for mode, kw in (("delayed", dict(scale=scale, amax_out=amax_out)),
+                             ("delayed+T", dict(scale=scale, amax_out=amax_out, transpose=True)), ("current", {})):
+                try:
+                    t = bench(lambda kw=kw: fp8.quantize(x, torch.float8_e4m3fn, backend="triton", **kw), device=dev,
+                              graph=True)["median"]
+                    gbps = bytes_moved(mode, m, n, 2) / t / 1e6
+                    row.append(f"{mode} {gbps:6.0f} ({gbps / copy:.2f})")
+                except Exception as exc:
+                    row.append(f"{mode} failed: {str(exc).splitlines()[0][:40]}")
+            print(f"  {'x'.join(map(str, tiles)):10s} programs/SM {per_sm:2d}: " + " | ".join(row))
 
 CONFIGS = ((128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (256, 128, 8, 3), (128, 128, 4, 4),
            (64, 256, 4, 4), (128, 64, 4, 4))
@@ -22,11 +56,17 @@ CONFIGS = ((128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (256, 128, 8, 3
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--part", default="casts,gemm")
+    parser.add_argument("--cast", default="16384x4096")
     parser.add_argument("--shapes", default="8192x8192x8192,16384x4096x14336,16384x14336x4096")
     parser.add_argument("--configs", default="", help="BMxBNxWxS,... (default: the built-in list)")
     args = parser.parse_args()
     dev = torch.device("cuda")
     configs = [tuple(map(int, c.split("x"))) for c in args.configs.split(",")] if args.configs else CONFIGS
+    if "casts" in args.part:
+        tune_casts(args.cast)
+    if "gemm" not in args.part:
+        return
     e4 = torch.float8_e4m3fn
     for shape in args.shapes.split(","):
         m, n, k = map(int, shape.split("x"))
