@@ -90,7 +90,10 @@ def _cast_kernel(X, Y, YT, SCALE, SCALE_INV, AMAX, AMAX_OUT, M, N, stride_xm, st
         c64 = cols.to(tl.int64)
         tl.store(Y + r64[:, None] * N + c64[None, :], y, mask=mask)
         if TRANSPOSE:  # the (N, M) copy from the same tile, transposed in the SM so that its rows store contiguously
-            tl.store(YT + c64[:, None] * M + r64[None, :], tl.trans(y), mask=tl.trans(mask))
+            # (its mask built in the transposed layout: tl.trans of the boolean mask lost elements of ragged tiles
+            # on sm_90 with Triton 3.6)
+            mask_t = (cols < N)[:, None] & (rows < M)[None, :]
+            tl.store(YT + c64[:, None] * M + r64[None, :], tl.trans(y), mask=mask_t)
     if WRITE_AMAX:
         tl.atomic_max(AMAX, amax)
         if ACCUMULATE:
@@ -147,16 +150,25 @@ def _tiles_kernel(X, Y, SCALE_INV, M, N, stride_xm, stride_xn, stride_sm,
 
 
 # ---- launchers: 2-D views in, tensors out ----------------------------------------------------------------------
-def _tiles_for(x: torch.Tensor) -> tuple[int, int, int]:
+def _tiles_for(x: torch.Tensor, transpose: bool = False) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, warps) for the per-tensor kernels; small tiles under the interpreter. On sm_90a the cast
     with its transposed copy and amax takes 196 registers at 64 x 128 and 8 warps, no spills (4 warps spill)."""
     if x.device.type != "cuda":
         return 16, 32, 4
-    return TILES
+    return TILES_TRANSPOSE if transpose else TILES
 
 
-TILES = (64, 128, 8)  # per-tensor kernels' (BLOCK_M, BLOCK_N, warps) on GPUs
-PROGRAMS_PER_SM = 8  # persistent grid of the per-tensor kernels: programs per SM (0: one program per tile)
+# Per-tensor kernels on GPUs: (BLOCK_M, BLOCK_N, warps) and the persistent grid's programs per SM (0: one program
+# per tile). H200, 16384 x 4096 bf16 -> e4m3, CUDA-graph replays, fractions of copy (profiles/tune_fp8.py):
+# - delayed: 16 x 256 at 4 warps, 8 per SM: 0.86 (64 x 128 at 8 warps: 0.78-0.79; one program per tile: 0.65-0.77,
+#   its per-program amax atomics on one address queue up);
+# - delayed with the transposed copy: 64 x 128 at 8 warps, 16 per SM: 0.80 (16 x 256: 0.28-0.41, its transposed
+#   stores are 16 bytes wide);
+# - current (amax pass, then the cast): 0.51-0.54 in every geometry (two reads of x).
+TILES = (16, 256, 4)
+TILES_TRANSPOSE = (64, 128, 8)
+PROGRAMS_PER_SM = 8
+PROGRAMS_PER_SM_TRANSPOSE = 16
 
 
 @functools.lru_cache(maxsize=None)
@@ -164,11 +176,11 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _programs(x: torch.Tensor, tiles: int) -> int:
-    if x.device.type != "cuda" or not PROGRAMS_PER_SM:
+def _programs(x: torch.Tensor, tiles: int, per_sm: int) -> int:
+    if x.device.type != "cuda" or not per_sm:
         return tiles
-    return min(tiles, PROGRAMS_PER_SM * _sm_count(x.device.index if x.device.index is not None else
-                                                  torch.cuda.current_device()))
+    return min(tiles, per_sm * _sm_count(x.device.index if x.device.index is not None else
+                                         torch.cuda.current_device()))
 
 
 def amax(x2: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -176,7 +188,7 @@ def amax(x2: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     m, n = x2.shape
     bm, bn, warps = _tiles_for(x2)
     if m and n:
-        _amax_kernel[(_programs(x2, cdiv(m, bm) * cdiv(n, bn)),)](x2, out, m, n, *x2.stride(), BLOCK_M=bm,
+        _amax_kernel[(_programs(x2, cdiv(m, bm) * cdiv(n, bn), PROGRAMS_PER_SM),)](x2, out, m, n, *x2.stride(), BLOCK_M=bm,
                                                                    BLOCK_N=bn, num_warps=warps)
     return out
 
@@ -194,8 +206,9 @@ def cast(x2: torch.Tensor, scale: torch.Tensor | None, fp8_dtype: torch.dtype, f
     scale_inv = torch.empty(1, dtype=torch.float32, device=x2.device)
     current = scale is None
     if m and n:
-        bm, bn, warps = _tiles_for(x2)
-        _cast_kernel[(_programs(x2, cdiv(m, bm) * cdiv(n, bn)),)](
+        bm, bn, warps = _tiles_for(x2, transpose)
+        programs = _programs(x2, cdiv(m, bm) * cdiv(n, bn), PROGRAMS_PER_SM_TRANSPOSE if transpose else PROGRAMS_PER_SM)
+        _cast_kernel[(programs,)](
             x2, y, yt if transpose else y, amax if current else scale, scale_inv, amax,
             amax_out if amax_out is not None else amax, m, n, *x2.stride(),
             FMAX=fmax, E4M3=fp8_dtype == torch.float8_e4m3fn, TRANSPOSE=transpose, CURRENT=current,

@@ -368,7 +368,8 @@ def gemm(a: Quantized, b: Quantized, *, out_dtype: torch.dtype = torch.bfloat16,
          backend: str | None = None) -> torch.Tensor:
     """out (M, N) = (a.data * a's scales) @ (b.data * b's scales)^T (+ bias), for a (M, K) and b (N, K), both
     K-contiguous (x and a Linear's weight as they are). Scales: both per tensor, both per row (a's rows and b's
-    rows), or a per 1 x B block and b per B x B tile (DeepSeek-V3). Backends: 'scaled_mm' (torch._scaled_mm,
+    rows), or a per 1 x B block and b per B x B tile (DeepSeek-V3) or per 1 x B block too (the weight-gradient
+    GEMM of block scaling). Backends: 'scaled_mm' (torch._scaled_mm,
     cuBLASLt: per tensor or per row; the default for those on GPUs of compute capability >= 8.9), 'triton'
     (megakern/_fp8_gemm_triton.py: every scaling; the default for block scales) and 'torch' (dequantize, fp32 matmul:
     the reference, runs anywhere; the default where FP8 GEMMs cannot run)."""
@@ -397,13 +398,14 @@ def gemm(a: Quantized, b: Quantized, *, out_dtype: torch.dtype = torch.bfloat16,
     if name == "triton":
         from megakern import _fp8_gemm_triton as kern
 
-        pairs = {("tensor", "tensor"): kern.TENSOR, ("row", "row"): kern.ROW, ("block", "tile"): kern.BLOCK}
+        pairs = {("tensor", "tensor"): kern.TENSOR, ("row", "row"): kern.ROW, ("block", "tile"): kern.BLOCK,
+                 ("block", "block"): kern.BLOCK_ROWS}
         scaling = pairs.get((a.granularity, b.granularity))
-        if scaling is None or (scaling == kern.BLOCK and a.block != b.block):
+        if scaling is None or (scaling in (kern.BLOCK, kern.BLOCK_ROWS) and a.block != b.block):
             raise ValueError(f"fp8.gemm: the operands' scales must be both per tensor, both per row, or a per 1 x B "
-                             f"block and b per B x B tile (the same B); got {a.granularity!r} ({a.block}) and "
-                             f"{b.granularity!r} ({b.block})")
-        if scaling == kern.BLOCK and a.block < 32:
+                             f"block and b per 1 x B block or B x B tile (the same B); got {a.granularity!r} "
+                             f"({a.block}) and {b.granularity!r} ({b.block})")
+        if scaling in (kern.BLOCK, kern.BLOCK_ROWS) and a.block < 32:
             raise ValueError(f"fp8.gemm: block scales need B >= 32 (the GEMM's K step is B, and an FP8 tensor-core "
                              f"product takes K >= 32); got B = {a.block}")
         return kern.gemm(a.data, b.data, a.scale_inv.float(), b.scale_inv.float(), scaling, out_dtype, bias,

@@ -37,7 +37,8 @@ def tune_casts(shape: str) -> None:
     amax_out = torch.zeros(1, device=dev)
     for tiles in CAST_TILES:
         for per_sm in CAST_PROGRAMS:
-            casts.TILES, casts.PROGRAMS_PER_SM = tiles, per_sm
+            casts.TILES = casts.TILES_TRANSPOSE = tiles
+            casts.PROGRAMS_PER_SM = casts.PROGRAMS_PER_SM_TRANSPOSE = per_sm
             row = []
             for mode, kw in (("delayed", dict(scale=scale, amax_out=amax_out)),
                              ("delayed+T", dict(scale=scale, amax_out=amax_out, transpose=True)), ("current", {})):

@@ -233,6 +233,12 @@ def test_gpu_bytes_equal_reference_at_scale(granularity):
     ref = quantize_ref(x, E4, granularity=granularity)
     assert torch.equal(q.data.view(torch.uint8), ref.data.view(torch.uint8))
     assert torch.equal(q.scale_inv, ref.scale_inv)
+    if granularity == "tensor":  # delayed scaling with the transposed copy, ragged tiles on both edges
+        scale = torch.tensor([0.37], device=DEVICE)
+        q = quantize(x, E4, scale=scale, transpose=True, backend="triton")
+        ref = quantize_ref(x, E4, scale=scale, transpose=True)
+        assert torch.equal(q.data_t.view(torch.uint8), ref.data_t.view(torch.uint8))
+        assert torch.equal(q.amax, ref.amax)
 
 
 # ---- lowering for Hopper -------------------------------------------------------------------------------------------
@@ -275,7 +281,7 @@ def compile_for_sm90() -> list[tuple[str, int]]:
 
     fn = gemm_kern._fp8_gemm_kernel
     types = {"A": "*fp8e4nv", "B": "*fp8e5", "C": "*bf16", "SA": "*fp32", "SB": "*fp32", "BIAS": "*bf16"}
-    for scaling in (gemm_kern.TENSOR, gemm_kern.ROW, gemm_kern.BLOCK):
+    for scaling in (gemm_kern.TENSOR, gemm_kern.ROW, gemm_kern.BLOCK, gemm_kern.BLOCK_ROWS):
         constexprs = dict(SCALING=scaling, HAS_BIAS=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8,
                           stride_ak=1, stride_bk=1, stride_cn=1)
         signature = {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in fn.arg_names}
@@ -309,13 +315,15 @@ _FP8_ACC = 1e-5 if DEVICE.type == "cpu" else 1e-3
 def _gemm_operands(granularity, m=48, n=32, k=64, seed=3):
     a = _x((m, k), scale=2.0, seed=seed)
     b = _x((n, k), scale=0.05, seed=seed + 1)
+    both_blocks = granularity == "block_rows"  # a and b per 1 x B block (block scaling's weight gradient)
+    granularity = "block" if both_blocks else granularity
     kw = dict(granularity=granularity, block=32) if granularity != "tensor" else {}
     qa = quantize_ref(a, E4, **kw)
-    qb = quantize_ref(b, E4, **{**kw, "granularity": "tile"} if granularity == "block" else kw)
+    qb = quantize_ref(b, E4, **{**kw, "granularity": "tile"} if granularity == "block" and not both_blocks else kw)
     return a, b, qa, qb
 
 
-@pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
+@pytest.mark.parametrize("granularity", ["tensor", "row", "block", "block_rows"])
 def test_gemm_reference_matches_dequantized_matmul(granularity):
     a, b, qa, qb = _gemm_operands(granularity)
     bias = _x((32,), seed=9)
@@ -327,7 +335,7 @@ def test_gemm_reference_matches_dequantized_matmul(granularity):
     assert ((out - exact).abs().max() / exact.abs().max()).item() < 0.06
 
 
-@pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
+@pytest.mark.parametrize("granularity", ["tensor", "row", "block", "block_rows"])
 def test_gemm_triton_matches_reference(granularity):
     if "triton" not in _backends():
         pytest.skip("triton unavailable here")
