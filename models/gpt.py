@@ -322,9 +322,8 @@ class CausalSelfAttention(nn.Module):
         # (B, T, nkv, g + 2, hs), or packed (B * T, ...) when documents are packed
         qkv = qkv.view(B * T, nkv, g + 2, hs) if pos.cu_seqlens is not None else qkv.view(B, T, nkv, g + 2, hs)
         rot, launcher = None, None
-        if pos.rope is not None:
-            k_shape = qkv[..., 0, :]
-            rot, launcher = pos.rotation(qkv[..., :g, :].flatten(-3, -2), k_shape)
+        if pos.rope is not None:  # checked once per forward, on tensors of q's and k's shapes (no copies)
+            rot, launcher = pos.rotation(qkv.new_empty(()).expand(*qkv.shape[:-3], self.n_head, hs), qkv[..., g, :])
         if launcher is not None:
             q, k, v = SplitRotate.apply(qkv, nkv, hs, rot, launcher)
         else:

@@ -20,7 +20,8 @@ LLAMA_LIKE = dict(n_layer=2, n_embd=64, n_head=4, n_kv_head=2, ffn_hidden=72, vo
                   tie_embeddings=False)
 MQA = dict(n_layer=1, n_embd=64, n_head=4, n_kv_head=1, vocab_size=77, max_seqlen=40, norm="layernorm",
            position="rotary", activation="gelu", bias=False, tie_embeddings=True, rotary_base=500.0)
-CONFIGS = {"gpt2-like": GPT2_LIKE, "llama-like": LLAMA_LIKE, "mqa": MQA}
+MHA_ROTARY = dict(LLAMA_LIKE, n_kv_head=4, rotary_pct=1.0)
+CONFIGS = {"gpt2-like": GPT2_LIKE, "llama-like": LLAMA_LIKE, "mqa": MQA, "mha-rotary": MHA_ROTARY}
 
 
 def make(config: dict, seed: int = 0, **overrides) -> GPT:
@@ -53,16 +54,18 @@ def loss_and_grads(model, *args, **kwargs):
 def check_against_reference(model: GPT, B: int, T: int, atol: float, doc_lengths=None, cu_seqlens=None):
     """Loss, logits and every gradient of ``model`` against the reference in fp64 (truth) and in model's dtype
     (plain low-precision torch), by the 2x rule."""
-    dtype = next(model.parameters()).dtype
-    idx, targets = batch(model.config, B, T)
-    truth, lowp = reference(model, torch.float64), reference(model, dtype)
-    loss, grads = loss_and_grads(model, idx, targets, cu_seqlens=cu_seqlens)
+    p = next(model.parameters())
+    idx, targets = batch(model.config, B, T)  # the references run on CPU, the model on its device
+    truth, lowp = reference(model, torch.float64), reference(model, p.dtype)
+    dev = dict(device=p.device)
+    cu_seqlens = None if cu_seqlens is None else cu_seqlens.to(**dev)
+    loss, grads = loss_and_grads(model, idx.to(**dev), targets.to(**dev), cu_seqlens=cu_seqlens)
     loss64, grads64 = loss_and_grads(truth, idx, targets, doc_lengths=doc_lengths)
     lossl, gradsl = loss_and_grads(lowp, idx, targets, doc_lengths=doc_lengths)
     assert_close_to_ref("loss", loss, loss64, lossl, atol)
     with torch.no_grad():
-        assert_close_to_ref("logits", model(idx, cu_seqlens=cu_seqlens), truth(idx, doc_lengths=doc_lengths),
-                            lowp(idx, doc_lengths=doc_lengths), atol)
+        assert_close_to_ref("logits", model(idx.to(**dev), cu_seqlens=cu_seqlens),
+                            truth(idx, doc_lengths=doc_lengths), lowp(idx, doc_lengths=doc_lengths), atol)
     assert grads.keys() == grads64.keys()
     for name in grads:
         assert_close_to_ref(f"grad {name}", grads[name], grads64[name], gradsl[name], atol)
@@ -311,46 +314,42 @@ def _triton_or_skip():
         pytest.skip(f"Triton unavailable: {problem}")
 
 
-@pytest.mark.parametrize("name", ["gpt2-like", "llama-like"])
+@pytest.mark.parametrize("name", CONFIGS)
 def test_triton_kernels_match_reference_fp32(name):
     """Norms, rotary and the fused cross-entropy in Triton (attention in fp32 takes the reference)."""
     _triton_or_skip()
-    model = make(CONFIGS[name], n_layer=1, kernels=TRITON_KERNELS, ce_chunk=7)
+    model = make(CONFIGS[name], n_layer=1, kernels=TRITON_KERNELS, ce_chunk=7).to(DEVICE)
     check_against_reference(model, B=2, T=9, atol=ATOL[torch.float32])
 
 
 @pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if HAS_CUDA else []))
 def test_triton_kernels_with_attention_low_precision(dtype):
-    """Every op in Triton, fp16 weights (bf16 on a GPU): the 2x rule against the fp64 reference and plain torch in
-    the same dtype, for the packed layout too."""
+    """Every op in Triton, fp16 weights (and bf16 on a GPU): the 2x rule against the fp64 reference and plain torch
+    in the same dtype, for the packed layout too."""
     _triton_or_skip()
     config = dict(LLAMA_LIKE, n_layer=1, n_embd=32, n_head=2, n_kv_head=1, ffn_hidden=24)
-    model = make(config, kernels={**TRITON_KERNELS, "attention": "triton"}).to(DEVICE if HAS_CUDA else "cpu")
-    model = model.to(dtype)
-    if not HAS_CUDA:
-        check_against_reference(model, B=1, T=18, atol=ATOL[dtype])
-        cu = torch.tensor([0, 7, 18], dtype=torch.int32)
-        check_against_reference(model, B=1, T=18, atol=ATOL[dtype], doc_lengths=[7, 11], cu_seqlens=cu)
+    model = make(config, kernels={**TRITON_KERNELS, "attention": "triton"}).to(DEVICE, dtype)
+    check_against_reference(model, B=1, T=18, atol=ATOL[dtype])
+    cu = torch.tensor([0, 7, 18], dtype=torch.int32)
+    check_against_reference(model, B=1, T=18, atol=ATOL[dtype], doc_lengths=[7, 11], cu_seqlens=cu)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["gpt2-like", "llama-like"])
 def test_gpu_default_kernels_bf16_match_reference(name):
-    config = dict(CONFIGS[name], n_embd=128, n_head=2, n_kv_head=(1 if name == "llama-like" else None))
+    """The default kernels of a GPU (Triton) in bf16, against the reference on CPU in fp64 and in bf16."""
+    config = dict(CONFIGS[name], n_embd=128, n_head=2, n_kv_head=1 if name == "llama-like" else None)
     with torch.device("cuda"):
         model = make(config)
     model = model.to(torch.bfloat16)
-    idx, targets = (t.cuda() for t in batch(model.config, 2, 64))
-    ref = reference(model, torch.float64)
-    loss, grads = loss_and_grads(model, idx, targets)
-    ref64, refl = reference(model.cpu(), torch.float64), reference(model.cpu(), torch.bfloat16)
-    model.cuda()
-    loss64, grads64 = loss_and_grads(ref64, idx.cpu(), targets.cpu())
-    lossl, gradsl = loss_and_grads(refl, idx.cpu(), targets.cpu())
+    idx, targets = batch(model.config, 2, 64)
+    loss, grads = loss_and_grads(model, idx.cuda(), targets.cuda())
+    ref64, refl = reference(model, torch.float64).cpu(), reference(model, torch.bfloat16).cpu()
+    loss64, grads64 = loss_and_grads(ref64, idx, targets)
+    lossl, gradsl = loss_and_grads(refl, idx, targets)
     assert_close_to_ref("loss", loss, loss64, lossl, ATOL[torch.bfloat16])
-    for name_ in grads:
-        assert_close_to_ref(f"grad {name_}", grads[name_], grads64[name_], gradsl[name_], ATOL[torch.bfloat16])
-    del ref
+    for key in grads:
+        assert_close_to_ref(f"grad {key}", grads[key], grads64[key], gradsl[key], ATOL[torch.bfloat16])
 
 
 def test_autocast_bf16_cpu_runs_and_tracks_fp32():
