@@ -56,7 +56,8 @@ def _cross_entropy_kernel(
         for start in range(0, V, BLOCK_V):
             mask = start + cols < V
             z = tl.load(logits + start + cols, mask=mask, other=float("-inf")).to(tl.float32)
-            z = _softcapped(z, softcap, HAS_SOFTCAP)
+            if HAS_SOFTCAP:
+                z = tl.where(mask, _softcapped(z, softcap, HAS_SOFTCAP), float("-inf"))
             m_new = tl.maximum(m, tl.max(z, axis=0))
             d = d * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
             if HAS_SMOOTHING:

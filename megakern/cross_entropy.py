@@ -189,10 +189,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         vocab = weight.shape[0]
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         need_grad = need_dx or need_dw or need_db
-        if reduction == "none" and need_grad:
-            raise ValueError("linear_cross_entropy: reduction 'none' is for evaluation (no gradient); training takes "
-                             "'mean' or 'sum'")
-        scale = _scale(targets, ignore_index, reduction, x.device) if need_grad else None
+        scale = _scale(targets, ignore_index, reduction, x.device)
         losses = torch.empty(n, dtype=torch.float32, device=x.device)
         grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_dx else None
         one_chunk = chunk >= n
@@ -293,6 +290,11 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
                                             reduction=reduction, label_smoothing=label_smoothing, softcap=softcap)
             return loss.reshape(targets.shape) if reduction == "none" else loss
         x2, t2 = x.reshape(-1, x.shape[-1]), targets.reshape(-1)
+        if not torch.is_grad_enabled():  # no gradient is computed for inputs that require one outside autograd
+            x2, weight, bias = (None if t is None else t.detach() for t in (x2, weight, bias))
+        elif reduction == "none" and any(t is not None and t.requires_grad for t in (x2, weight, bias)):
+            raise ValueError("linear_cross_entropy: reduction 'none' is for evaluation (no gradient); training takes "
+                             "'mean' or 'sum'")
         chunk = chunk_size or default_chunk(x2.shape[0], weight.shape[0], x.element_size())
         loss = LinearCrossEntropyFunction.apply(x2, weight, bias, t2, ignore_index, reduction,
                                                 float(label_smoothing), softcap, chunk)
@@ -322,6 +324,7 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: 
             loss = cross_entropy_ref(logits, targets, ignore_index=ignore_index, reduction=reduction,
                                      label_smoothing=label_smoothing, softcap=softcap)
         else:
-            loss = CrossEntropyFunction.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+            rows = logits.reshape(-1, logits.shape[-1])
+            loss = CrossEntropyFunction.apply(rows if torch.is_grad_enabled() else rows.detach(), targets.reshape(-1),
                                               ignore_index, reduction, float(label_smoothing), softcap)
         return loss.reshape(targets.shape) if reduction == "none" else loss
