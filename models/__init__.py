@@ -4,4 +4,4 @@ Installed as ``megakern.models`` (the source folder is models/), so no top-level
 """
 from megakern.models.gpt import GPT, PRESETS, GPTConfig
 
-__all__ = ["GPT", "GPTConfig", "PRESETS"]
+__all__ = ["GPT", "GPTConfig", "PRESETS"]  # generation: GPT.generate, or megakern.models.generate.generate

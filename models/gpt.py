@@ -500,6 +500,14 @@ class GPT(nn.Module):
         return linear_cross_entropy(y.reshape(B * T, -1), weight, targets.reshape(B * T), ignore_index=IGNORE_INDEX,
                                     reduction=reduction, chunk_size=config.ce_chunk, backend=config.kernels)
 
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0, top_k: Optional[int] = None,
+                 generator: Optional[torch.Generator] = None, eos_id=None) -> torch.Tensor:
+        """idx (B, T) -> (B, T + n) with a preallocated KV cache; see megakern.models.generate."""
+        from megakern.models.generate import generate
+
+        return generate(self, idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator,
+                        eos_id=eos_id)
+
     def _check_inputs(self, idx, targets, cu_seqlens, position_ids) -> tuple[int, int]:
         config = self.config
         if self.wte is not None:
