@@ -64,7 +64,10 @@ def _cross_entropy_kernel(
                 z_sum += tl.sum(tl.where(mask, z, 0.0), axis=0)
             m = m_new
         lse = m + tl.log(d)
-        z_t = _softcapped(tl.load(logits + target).to(tl.float32), softcap, HAS_SOFTCAP)
+        # a target outside [0, V) (unchecked when traced by torch.compile) reads nothing and makes the loss NaN
+        in_range = (target >= 0) & (target < V)
+        z_t = _softcapped(tl.load(logits + target, mask=in_range, other=float("nan")).to(tl.float32), softcap,
+                          HAS_SOFTCAP)
         # loss = (1 - eps) (lse - z_t) + eps (lse - mean(z))
         loss = lse - z_t
         if HAS_SMOOTHING:

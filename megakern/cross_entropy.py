@@ -22,6 +22,9 @@ so the gradients are done when the forward returns; the backward only scales the
 Memory beyond the inputs: one chunk of logits, grad_x (N, C) and grad_W (V, C). When no input requires a gradient
 the kernel writes none and no gradient GEMM runs.
 
+Targets must lie in [0, V) or equal ignore_index: checked on the host (one sync), except while torch.compile
+traces, when the kernel instead makes the loss of such a row NaN (never reading outside the row).
+
 Dtypes: x and weight fp32 / fp16 / bf16 (the same; under autocast both are cast to the autocast dtype), bias x's
 dtype or fp32; targets int64 / int32. The loss is fp32. Gradients in their inputs' dtypes.
 
@@ -92,7 +95,7 @@ def _check_common(op, targets, rows_shape, vocab, device, ignore_index, reductio
         raise ValueError(f"{op}: softcap must be None or a finite number > 0, got {softcap!r}")
     if vocab == 0:
         raise ValueError(f"{op}: the vocabulary is empty (V = 0)")
-    if targets.numel():
+    if targets.numel() and not torch.compiler.is_compiling():  # traced: no host sync (the kernel's loss goes NaN)
         bad = ((targets < 0) | (targets >= vocab)) & (targets != ignore_index)
         if bool(bad.any()):  # one host sync
             first = int(bad.flatten().nonzero()[0])
