@@ -324,11 +324,13 @@ class CausalSelfAttention(nn.Module):
         rot, launcher = None, None
         if pos.rope is not None:  # checked once per forward, on tensors of q's and k's shapes (no copies)
             rot, launcher = pos.rotation(qkv.new_empty(()).expand(*qkv.shape[:-3], self.n_head, hs), qkv[..., g, :])
-        if launcher is not None:
-            q, k, v = SplitRotate.apply(qkv, nkv, hs, rot, launcher)
+        if launcher is not None and not torch.compiler.is_compiling():
+            q, k, v = SplitRotate.apply(qkv, nkv, hs, rot, launcher)  # one launch, in place on the views
         else:
             q, k, v = SplitRotate.apply(qkv, nkv, hs, None, None)
-            if rot is not None:  # the torch reference under autograd
+            if launcher is not None:  # traced by torch.compile: out of place (an in-place kernel on views is opaque)
+                q, k = rotary._apply(q, k, rot, False, launcher)
+            elif rot is not None:  # the torch reference under autograd
                 q, k = rotary.rotary_ref(q, k, rot.cos, rot.sin, rotary_dim=rot.rotary_dim, cu_seqlens=rot.cu_seqlens,
                                          position_ids=rot.position_ids)
         if self.recompute_core and torch.is_grad_enabled():

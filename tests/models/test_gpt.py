@@ -322,6 +322,20 @@ def test_triton_kernels_match_reference_fp32(name):
     check_against_reference(model, B=2, T=9, atol=ATOL[torch.float32])
 
 
+@pytest.mark.parametrize("name", ["llama-like", "mqa"])
+def test_traced_rotary_path_matches_in_place(name, monkeypatch):
+    """Under torch.compile the rotation runs out of place after a plain split; same loss and gradients."""
+    _triton_or_skip()
+    model = make(CONFIGS[name], n_layer=1, kernels={"rotary": "triton"}).to(DEVICE)
+    idx, targets = (t.to(DEVICE) for t in batch(model.config, 2, 9))
+    loss, grads = loss_and_grads(model, idx, targets)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    traced_loss, traced_grads = loss_and_grads(model, idx, targets)
+    torch.testing.assert_close(traced_loss, loss, rtol=1e-6, atol=1e-6)
+    for key, g in grads.items():
+        torch.testing.assert_close(traced_grads[key], g, rtol=1e-5, atol=1e-6, msg=key)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if HAS_CUDA else []))
 def test_triton_kernels_with_attention_low_precision(dtype):
     """Every op in Triton, fp16 weights (and bf16 on a GPU): the 2x rule against the fp64 reference and plain torch
