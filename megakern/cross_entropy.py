@@ -161,7 +161,7 @@ def _fp32_accumulating_mm(device: torch.device) -> bool:
         c = torch.ones(16, 16, dtype=torch.float32, device=device)
         torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
         return bool((c == 17).all())
-    except (RuntimeError, TypeError, NotImplementedError):
+    except Exception:  # an older torch without out_dtype, or no such kernel for this device
         return False
 
 
@@ -219,6 +219,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                     _accumulate(grad_w, logits.t(), x_c)
             if need_db:
                 grad_b += logits.sum(0, dtype=torch.float32)
+            del logits  # before the next chunk's logits are allocated
         ctx.save_for_backward(grad_x, None if grad_w is None else grad_w.to(weight.dtype),
                               None if grad_b is None else grad_b.to(bias.dtype))
         if reduction == "none":
