@@ -422,14 +422,15 @@ class GPT(nn.Module):
         global RNG) and a hash of its name, so a pipeline stage holding some blocks initializes them exactly as the
         whole model does."""
         config = self.config
-        base = int(torch.randint(0, 2**62, (1,), generator=generator).item())
+        base = int(torch.randint(0, 2**62, (1,), generator=generator,
+                                 device=generator.device if generator is not None else "cpu").item())
         out_std = config.init_std / math.sqrt(2 * config.n_layer) if config.scaled_init else config.init_std
         for name, p in self.named_parameters():
             if p.is_meta:
                 raise RuntimeError(f"GPT.init_weights: {name} is on the meta device; call model.to_empty(device=...) "
                                    "first")
-            leaf = name.rsplit(".", 1)[-1]
-            if "norm" in name.rsplit(".", 2)[-2]:
+            owner, leaf = name.rsplit(".", 1)
+            if owner.rsplit(".", 1)[-1] in ("attn_norm", "mlp_norm", "norm_f"):
                 p.fill_(1.0 if leaf == "weight" else 0.0)
             elif leaf == "bias":
                 p.zero_()
