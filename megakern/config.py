@@ -91,7 +91,7 @@ class LoopConfig:
 
     steps: int = 300
     """Optimizer steps of the whole run (resumed runs continue up to it)."""
-    micro_batch_size: int = 8
+    micro_batch_size: int = 16
     """Sequences per forward/backward on each data-parallel rank."""
     global_batch_size: int | None = None
     """Sequences per optimizer step over all ranks; a multiple of micro_batch_size x data-parallel size, the

@@ -394,6 +394,10 @@ class Trainer:
                                eval_samples=c.eval.batches * self.eval_mbs * self.env.dp_size, log=self.log)
         self.log(f"data: {self.data.description}; fingerprint {self.data.fingerprint}")
         self.eod_id = self.data.tokenizer.eod_id if c.data.packed_documents else None
+        try:  # the final sample's prompt, checked now rather than after the run
+            self.prompt_ids = self.data.tokenizer.encode(t.sample_prompt) or [self.data.tokenizer.eod_id]
+        except ValueError as exc:
+            raise ConfigError(f"train.sample_prompt {t.sample_prompt!r}: {exc}") from None
 
         # model: meta device, materialized once, initialized from the run's seed
         from megakern.models.gpt import GPT
@@ -458,6 +462,23 @@ class Trainer:
         if self.masters is not None:
             tree["master"] = {self.names[p]: m for p, m in self.masters.items()}
         return tree
+
+    @torch.no_grad()
+    def _accumulate_master_grads(self, first: bool) -> None:
+        """fp32 master gradients (allocated once) += the bf16 gradients of this micro-batch (= on the first); the
+        bf16 gradients are then dropped."""
+        pairs = [(m, p.grad) for p, m in self.masters.items() if p.grad is not None]
+        if first:
+            for p, m in self.masters.items():
+                if m.grad is None:
+                    m.grad = torch.zeros_like(m)
+                elif p.grad is None:  # unused in this micro-batch
+                    m.grad.zero_()
+            torch._foreach_copy_([m.grad for m, _ in pairs], [g for _, g in pairs])
+        else:
+            torch._foreach_add_([m.grad for m, _ in pairs], [g for _, g in pairs])
+        for p in self.masters:
+            p.grad = None
 
     @torch.no_grad()
     def _copy_masters(self) -> None:
@@ -580,15 +601,8 @@ class Trainer:
                 with self._range("backward"):
                     (loss / accum).backward()
             loss_sum += loss.detach().float()
-            if self.masters is not None:  # fp32 accumulation of the bf16 gradients
-                pairs = [(m, p.grad) for p, m in self.masters.items() if p.grad is not None]
-                if micro == 0:
-                    for m, g in pairs:
-                        m.grad = g.float()
-                else:
-                    torch._foreach_add_([m.grad for m, _ in pairs], [g for _, g in pairs])
-                for p in self.masters:
-                    p.grad = None
+            if self.masters is not None:
+                self._accumulate_master_grads(first=micro == 0)
         with self._range("optimizer"):
             grads = [p for p in params if p.grad is not None]
             if self.config.train.grad_clip > 0:
@@ -607,7 +621,8 @@ class Trainer:
                 self.optimizer.step()
                 if self.masters is not None:
                     self._copy_masters()
-            self.optimizer.zero_grad(set_to_none=True)
+            if self.masters is None:  # the masters' gradients are overwritten by the next step's first micro-batch
+                self.optimizer.zero_grad(set_to_none=True)
         return loss_value, norm_value, finite
 
     @torch.no_grad()
@@ -633,21 +648,19 @@ class Trainer:
         t = self.config.train
         if t.sample_tokens == 0:
             return None
-        try:
-            from megakern.models.generate import generate
-        except ImportError as exc:
-            self.log(f"sample: skipped, megakern.models.generate is not available ({exc})")
-            return None
-        tok = self.data.tokenizer
-        prompt = tok.encode(t.sample_prompt) or [tok.eod_id]
+        from megakern.models.generate import generate
+
+        tok, prompt = self.data.tokenizer, self.prompt_ids
         length = min(t.sample_tokens, self.config.model.max_seqlen - len(prompt))
+        if length < 1:
+            self.log(f"sample: skipped, the prompt's {len(prompt)} tokens fill model.max_seqlen")
+            return None
         idx = torch.tensor([prompt], dtype=torch.long, device=self.device)
         gen = torch.Generator(device=self.device).manual_seed(t.seed)
         with self.autocast:
             out = generate(self.model_module(), idx, length, temperature=t.sample_temperature, top_k=t.sample_top_k,
-                           generator=gen)
-        ids = [i for i in out[0].tolist() if i < tok.vocab_size]
-        return tok.decode(ids)
+                           generator=gen, eos_id=tok.eod_id)
+        return tok.decode(out[0, len(prompt):].tolist())
 
     def run(self) -> RunResult:
         """Train from the current step to train.steps (or profile a few steps); see the module doc."""

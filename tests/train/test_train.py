@@ -55,7 +55,8 @@ def golden_run(run_dir: Path, data_cache: Path) -> list[float]:
 
 
 def test_tiny_run_loss_falls(tmp_path, data_cache):
-    t = trainer(tmp_path, data_cache, *TINY, "train.steps=80", "eval.every=40", "checkpoint.final=false")
+    t = trainer(tmp_path, data_cache, *TINY, "train.steps=80", "eval.every=40", "checkpoint.final=false",
+                "train.sample_tokens=40", "train.sample_prompt=import ")
     result = t.run()
     losses = [result.losses[s] for s in range(1, 81)]
     assert losses[0] > 5.0  # ln(257) = 5.55 at the start
@@ -65,6 +66,8 @@ def test_tiny_run_loss_falls(tmp_path, data_cache):
     log = (tmp_path / "run" / "train.log").read_text()
     assert "step     80/80 | loss" in log and "eval loss" in log and "MFU n/a" in log
     assert (tmp_path / "run" / "config.yaml").is_file()
+    assert isinstance(result.sample, str) and 0 < len(result.sample.encode()) <= 40
+    assert f"sample ({len(result.sample)} characters after 'import '):\nimport {result.sample}" in log
 
 
 def test_golden_losses_gpt_tiny(tmp_path, data_cache):
