@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")  # slowest to fastest
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+GRACE_S = 2.0  # how long the rendezvous host waits for the others to read the list of missing ranks
 
 
 class RendezvousError(RuntimeError):
@@ -237,7 +238,7 @@ def init_distributed(*, backend: str | None = None, timeout=DEFAULT_TIMEOUT, ran
                               f"{timeout.total_seconds():g} s: {host} (the store's host) never came up or the "
                               f"address is unreachable; missing: {'the agent' if agent_store else 'rank 0'} "
                               f"({type(exc).__name__}: {exc})") from exc
-    _wait_for_ranks(store, rank, world, timeout, where)
+    _wait_for_ranks(store, rank, world, timeout, where, hosting)
     kwargs = {}
     if backend == "nccl":
         local = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
@@ -247,21 +248,49 @@ def init_distributed(*, backend: str | None = None, timeout=DEFAULT_TIMEOUT, ran
                             timeout=timeout, **kwargs)
 
 
-def _wait_for_ranks(store, rank: int, world: int, timeout: datetime.timedelta, where: str) -> None:
-    """Announce this rank and wait (polling, bounded by ``timeout``) until all ``world`` ranks have."""
+def _wait_for_ranks(store, rank: int, world: int, timeout: datetime.timedelta, where: str, hosting: bool) -> None:
+    """Announce this rank and wait (polling, bounded by ``timeout``) until all ``world`` ranks have.
+
+    On timeout the store's host names the missing ranks in the store and gives the others up to GRACE_S to read
+    them, so every waiting rank reports the same list; the others wait GRACE_S longer than the host before
+    concluding on their own, and a store that vanishes (its host gave up) ends their wait too.
+    """
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     prefix = f"megakern/join/{attempt}"
-    store.set(f"{prefix}/{rank}", f"{socket.gethostname()}:{os.getpid()}")
-    store.add(f"{prefix}/count", 1)
-    deadline = time.monotonic() + timeout.total_seconds()
-    delay = 0.01
-    while store.add(f"{prefix}/count", 0) < world:
-        if time.monotonic() > deadline:
-            missing = [r for r in range(world) if not store.check([f"{prefix}/{r}"])]
-            raise RendezvousError(f"rendezvous at {where}: ranks {missing} of {world} did not join within "
-                                  f"{timeout.total_seconds():g} s (rank {rank} waited for them)")
-        time.sleep(delay)
-        delay = min(delay * 2, 0.5)
+    seconds = timeout.total_seconds()
+    start = time.monotonic()
+    deadline = start + seconds + (0.0 if hosting else GRACE_S)
+
+    def fail(missing) -> RendezvousError:
+        return RendezvousError(f"rendezvous at {where}: ranks {missing} of {world} did not join within {seconds:g} s "
+                               f"(rank {rank} waited for them)")
+
+    try:
+        store.set(f"{prefix}/{rank}", f"{socket.gethostname()}:{os.getpid()}")
+        joined = store.add(f"{prefix}/count", 1)
+        delay = 0.01
+        while joined < world:
+            if not hosting and store.check([f"{prefix}/missing"]):
+                missing = json.loads(store.get(f"{prefix}/missing"))
+                store.add(f"{prefix}/acks", 1)
+                raise fail(missing)
+            if time.monotonic() > deadline:
+                missing = [r for r in range(world) if not store.check([f"{prefix}/{r}"])]
+                if hosting:
+                    store.set(f"{prefix}/missing", json.dumps(missing))
+                    until = time.monotonic() + GRACE_S
+                    while store.add(f"{prefix}/acks", 0) < world - len(missing) - 1 and time.monotonic() < until:
+                        time.sleep(0.05)
+                raise fail(missing)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+            joined = store.add(f"{prefix}/count", 0)
+    except RendezvousError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the store's errors come as several types
+        raise RendezvousError(f"rendezvous at {where}: the store went away after {time.monotonic() - start:.1f} s "
+                              f"while rank {rank} waited for all {world} ranks (its host, rank 0, exited or gave up; "
+                              f"its own error names the missing ranks): {type(exc).__name__}: {exc}") from exc
 
 
 # ---- agreement -------------------------------------------------------------------------------------------------

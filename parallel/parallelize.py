@@ -27,7 +27,8 @@ from torch.nn.parallel import DistributedDataParallel
 from megakern.parallel.clip import clip_grad_norm_ as _clip
 from megakern.parallel.context import RingAttention, cp_positions, cp_shard
 from megakern.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megakern.parallel.data_parallel import DP_SHARDS, apply_ddp, apply_fsdp, set_grad_sync, zero1_optimizer
+from megakern.parallel.data_parallel import (DP_SHARDS, allreduce_grads, allreduce_tensors, apply_ddp, apply_fsdp,
+                                             broadcast_params, set_grad_sync, zero1_optimizer)
 from megakern.parallel.dims import ParallelDims, ParallelMesh
 from megakern.parallel.pipeline import PipelineChunk, build_schedule, check_schedule, cut_stage, stage_layout
 from megakern.parallel.state_dict import as_global, checkpoint_mesh, group_hparams, init_optimizer_state
@@ -154,14 +155,19 @@ class ParallelModel:
             self._init_weights(type(model), generator)
 
         # 5. data parallel over dp x cp
+        # (torch 2.13's pipelining breaks DDP's bucket rebuild with several micro-batches, so under pipeline
+        # parallelism "ddp" replicates by hand: parameters broadcast once, gradients all-reduced after the schedule)
         self.fsdp = options.dp_shard == "fsdp" and d.dp * d.cp > 1
-        self.ddp = options.dp_shard == "ddp" and d.dp * d.cp > 1
+        self.ddp = options.dp_shard == "ddp" and d.dp * d.cp > 1 and d.pp == 1
+        self.replicate = options.dp_shard == "ddp" and d.dp * d.cp > 1 and d.pp > 1
         runners = [PipelineChunk(g) for g in self.gpts] if d.pp > 1 else list(self.gpts)
         if self.fsdp:
             for r, g in zip(runners, self.gpts):
                 apply_fsdp(r, g.blocks.values(), pm.dp_cp_mesh, reshard_after_forward=d.pp == 1)
         elif self.ddp:
             runners = [apply_ddp(r, pm.dp_cp_group, pm.device) for r in runners]
+        elif self.replicate:
+            broadcast_params(list(self.parameters()), pm.dp_cp_group)
         self.modules_chunks = runners
 
         # tied embeddings across the first and last pipeline stages: one group per (dp, cp, tp) coordinate
@@ -331,8 +337,11 @@ class ParallelModel:
         return total / scale if train else total
 
     def finalize_grads(self) -> None:
-        """After the backward: all-reduce over tp the gradients that are partial there (sequence parallel), and sum
-        a tied head's gradient with wte's across the first and last pipeline stages. (forward_backward calls it.)"""
+        """After the backward: average gradients over dp x cp where no wrapper did (replicated pipeline stages),
+        all-reduce over tp the gradients that are partial there (sequence parallel), and sum a tied head's gradient
+        with wte's across the first and last pipeline stages. (forward_backward calls it.)"""
+        if self.replicate:
+            allreduce_grads(list(self.parameters()), self.mesh.dp_cp_group, average=True)
         partial, tied = [], []
         for name, p, _, sp_partial, tied_copy in self._param_table():
             if p.grad is None:
@@ -343,14 +352,8 @@ class ParallelModel:
             if self.tied_group is not None and (tied_copy or (name == "wte.weight" and self.has_first)):
                 tied.append(g)
         for grads, group in ((partial, self.mesh.tp_group if self.tp > 1 else None), (tied, self.tied_group)):
-            if group is None or not grads:
-                continue
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=group)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+            if group is not None and grads:
+                allreduce_tensors(grads, group)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
         """Clip all gradients by their total norm over every group; returns the norm (equal on all ranks)."""

@@ -118,3 +118,39 @@ def check_train(layout: dict, options: dict, style: str = "gpt", n_layer: int = 
     mine = slice(pm.dp_rank * b, (pm.dp_rank + 1) * b)
     torch.testing.assert_close(pmodel.eval_loss(idx[mine], targets[mine]), ref_eval, rtol=RTOL, atol=ATOL)
     return losses
+
+
+def train_and_checkpoint(layout: dict, options: dict, directory: str, *, save: bool, style: str = "gpt",
+                         seed: int = 0):
+    """save: train 2 AdamW steps, save a DCP checkpoint, then train 2 more. load (save=False): build the model
+    from another seed, load the checkpoint, train the same 2 more steps. Returns the losses of those 2 steps and,
+    after saving, the saved parameters gathered to full tensors by name (for the single-process load)."""
+    import torch.distributed.checkpoint as dcp
+
+    cfg = tiny_config(style, 2)
+    torch.manual_seed(seed)
+    model = GPT(cfg)
+    pm = ParallelDims(**layout).build("cpu", timeout=60)
+    pmodel = parallelize(model, pm, None, **options)
+    opt = pmodel.build_optimizer(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    d = pm.dims
+    b = 4 // d.dp
+    mine = slice(pm.dp_rank * b, (pm.dp_rank + 1) * b)
+    data = batches(4, 4, 16, cfg.vocab_size)
+
+    def step(idx, targets):
+        loss = pmodel.forward_backward(idx[mine], targets[mine])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss)
+
+    if save:
+        for idx, targets in data[:2]:
+            step(idx, targets)
+        dcp.save(pmodel.checkpoint_state(opt), checkpoint_id=directory)
+    else:
+        state = pmodel.checkpoint_state(opt, for_load=True)
+        dcp.load(state, checkpoint_id=directory)
+        pmodel.load_checkpoint_state(state, opt)
+        assert opt.param_groups[0]["lr"] == 1e-2
+    return [step(idx, targets) for idx, targets in data[2:]]

@@ -127,3 +127,43 @@ def _close_all() -> None:
     for p in _POOLS.values():
         if not p.broken:
             p.close()
+
+
+def _one_off(fn, rank, args, results) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        results.put((rank, "ok", fn(rank, *args)))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def spawn(fn, ranks, *args, timeout: float = RUN_TIMEOUT_S) -> dict:
+    """Run fn(rank, *args) in one fresh process per entry of ``ranks`` (no process group: fn makes its own);
+    {rank: result}. A process silent past ``timeout`` is killed and fails the check."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_one_off, args=(fn, r, args, results), daemon=True) for r in ranks]
+    for p in procs:
+        p.start()
+    outs, errors = {}, {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outs) + len(errors) < len(procs):
+            try:
+                rank, kind, payload = results.get(timeout=max(deadline - time.monotonic(), 0.01))
+            except queue.Empty:
+                break
+            (outs if kind == "ok" else errors)[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    if errors or len(outs) < len(procs):
+        report = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+        silent = [r for r in ranks if r not in outs and r not in errors]
+        raise AssertionError(f"{getattr(fn, '__name__', fn)} failed:{report}" +
+                             (f"\n--- ranks {silent} gave no answer within {timeout:g} s ---" if silent else ""))
+    return outs

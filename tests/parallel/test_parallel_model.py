@@ -30,3 +30,21 @@ def test_pipeline_parallel(schedule, n_layer, micro):
 @pytest.mark.parametrize("style", ["llama", "gpt"])
 def test_context_parallel(style):
     run(2, dict(cp=2), dict(dp_shard="ddp"), style=style)
+
+
+@pytest.mark.parametrize("layout,options,style", [
+    (dict(tp=2, pp=2), dict(pp_schedule="1f1b", microbatches=2), "gpt"),              # TP+SP x PP, tied head
+    (dict(tp=2, cp=2), dict(dp_shard="fsdp"), "llama"),                               # TP+SP x CP (FSDP over cp)
+    (dict(pp=2, dp=2), dict(pp_schedule="gpipe", dp_shard="fsdp", microbatches=2), "llama"),  # FSDP x PP
+])
+def test_combined_layouts(layout, options, style):
+    run(4, layout, options, style=style)
+
+
+def test_meta_device_model_is_initialized_per_shard():
+    run(2, dict(tp=2), dict(sequence_parallel=True), style="llama", meta=True, steps=1)
+
+
+def test_replicated_pipeline_with_zero1():
+    # pp x dp with "ddp": stages replicated by hand (all-reduce after the schedule), ZeRO-1 optimizer
+    run(4, dict(pp=2, dp=2), dict(pp_schedule="1f1b", dp_shard="ddp", zero1=True, microbatches=2), style="llama")
