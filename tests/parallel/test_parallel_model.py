@@ -41,8 +41,10 @@ def test_combined_layouts(layout, options, style):
     run(4, layout, options, style=style)
 
 
-def test_meta_device_model_is_initialized_per_shard():
-    run(2, dict(tp=2), dict(sequence_parallel=True), style="llama", meta=True, steps=1)
+@pytest.mark.parametrize("layout,options,style", [(dict(tp=2), dict(sequence_parallel=True), "llama"),
+                                                  (dict(pp=2), dict(pp_schedule="gpipe"), "gpt")])
+def test_meta_device_model_is_initialized_per_shard(layout, options, style):
+    run(2, layout, options, style=style, meta=True, steps=1)
 
 
 def test_replicated_pipeline_with_zero1():
