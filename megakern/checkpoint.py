@@ -168,22 +168,20 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
 # Optimizer state keyed by parameter names (so that it does not depend on parameter order).
 
 def optimizer_state_dict(optimizer: torch.optim.Optimizer, names: Mapping[torch.Tensor, str]) -> dict:
-    """{'state': {name: {key: tensor}}, 'param_groups': [{hyperparameters..., 'params': [names]}]}.
+    """{'state': {name: {key: tensor}}, 'param_groups': [hyperparameters of each group]}, the layout of
+    megakern.parallel's checkpoint state, so that checkpoints move between single-process and parallel runs.
 
     ``names`` maps every parameter the optimizer holds (e.g. fp32 master weights) to a stable name.
     """
     by_id = {id(p): n for p, n in names.items()}
-    state, groups = {}, []
+    state = {}
     for group in optimizer.param_groups:
-        group_names = []
         for p in group["params"]:
             if id(p) not in by_id:
                 raise CheckpointError(f"an optimizer parameter of shape {tuple(p.shape)} has no name")
-            name = by_id[id(p)]
-            group_names.append(name)
             if p in optimizer.state:
-                state[name] = dict(optimizer.state[p])
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": group_names})
+                state[by_id[id(p)]] = dict(optimizer.state[p])
+    groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     return {"state": state, "param_groups": groups}
 
 
@@ -253,6 +251,14 @@ def _barrier(group) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+
+def checkpoint_keys(path) -> set[str]:
+    """The flattened keys of a checkpoint's DCP tree ('model.wte.weight', 'optim.state.wte.weight.exp_avg', ...)."""
+    try:
+        return set(_storage_reader(Path(path)).read_metadata().state_dict_metadata)
+    except (OSError, EOFError, ValueError) as exc:
+        raise CheckpointError(f"{path}: the DCP metadata is unreadable ({exc})") from None
+
 
 def is_complete(path: Path) -> bool:
     """A step directory with a manifest (written last)."""

@@ -231,7 +231,7 @@ class ParallelConfig:
     """Context-parallel size (ring attention)."""
     pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = "1f1b"
     """Pipeline schedule."""
-    dp_shard: Literal["ddp", "fsdp"] = "ddp"
+    dp_shard: Literal["ddp", "fsdp"] = "fsdp"
     """Data parallelism by replication (DDP) or sharding (FSDP2)."""
     zero1: bool = False
     """Shard the optimizer state over data-parallel ranks (with dp_shard='ddp')."""

@@ -47,8 +47,8 @@ import torch.distributed as dist
 
 from megakern import _nvtx
 from megakern._log import LoggerError, RunLogger, format_count, memory_gib, peak_flops
-from megakern.checkpoint import (CheckpointError, CheckpointManager, init_optimizer_state, load_optimizer_state_dict,
-                                 optimizer_state_dict)
+from megakern.checkpoint import (CheckpointError, CheckpointManager, checkpoint_keys, init_optimizer_state,
+                                 load_optimizer_state_dict, optimizer_state_dict)
 from megakern.config import ConfigError, TrainConfig, describe_fields, load_config, to_dict, to_yaml
 from megakern.data import (BlendedDataset, DataError, GPTDataset, IndexedDataset, PretrainingSampler,
                            build_dataloader, check_ranks_agree, ensure_default_dataset, load_tokenizer)
@@ -176,7 +176,8 @@ def build_data(config: TrainConfig, *, seq_length: int, eval_seq_length: int, tr
         valid = BlendedDataset(factories(1, eval_seq_length, 1, f"-{eval_seq_length}"), weights, eval_samples,
                                seed=seed)
         description = "blend:\n" + train.describe()
-    fingerprint = hashlib.sha256(f"{train.fingerprint}:{valid.fingerprint}:{tokenizer.name}".encode()).hexdigest()
+    # what fixes the training samples' order (the held-out set depends on eval sizes, not recorded)
+    fingerprint = hashlib.sha256(f"{train.fingerprint}:{tokenizer.name}".encode()).hexdigest()
     return Data(train, valid, tokenizer, fingerprint[:32], description)
 
 
@@ -242,16 +243,19 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     return precision
 
 
-def param_groups(model: torch.nn.Module, config) -> list[dict]:
-    """AdamW groups: matrices decayed (embeddings only with optim.decay_embeddings), norm weights and biases not.
-    Each parameter once (a tied output head is the embedding's parameter)."""
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+EMBEDDINGS = ("wte.weight", "wpe.weight")
+
+
+def param_groups(named_parameters, config, *, tied: bool) -> list[dict]:
+    """AdamW groups from (name, parameter) pairs: matrices decayed (the embeddings wte/wpe, and a tied output head,
+    only with optim.decay_embeddings), norm weights and biases not. Each parameter once."""
+    embeddings = EMBEDDINGS + (("lm_head.weight",) if tied else ())
     decay, no_decay, seen = [], [], set()
-    for name, p in model.named_parameters():
+    for name, p in named_parameters:
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        if p.ndim >= 2 and (config.decay_embeddings or id(p) not in embeddings):
+        if p.ndim >= 2 and (config.decay_embeddings or name not in embeddings):
             decay.append(p)
         else:
             no_decay.append(p)
@@ -259,13 +263,13 @@ def param_groups(model: torch.nn.Module, config) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(groups: list[dict], config, device: torch.device) -> torch.optim.AdamW:
-    """torch.optim.AdamW over ``groups``; optim.fused='auto' takes the fused kernel on CUDA, foreach elsewhere."""
+def optimizer_kwargs(config, device: torch.device) -> dict:
+    """torch.optim.AdamW's arguments; optim.fused='auto' takes the fused kernel on CUDA, foreach elsewhere."""
     impl = config.fused
     if impl == "auto":
         impl = "fused" if device.type == "cuda" else "foreach"
     kwargs = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
-    return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps, **kwargs)
+    return dict(lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps, **kwargs)
 
 
 def fp8_recipe(name: str):
@@ -279,24 +283,24 @@ def fp8_recipe(name: str):
 
 @dataclass
 class Dist:
-    """This process's place: global rank and world size, the data-parallel rank and size the sampler uses."""
+    """This process's place: global rank and world size, the data-parallel rank and size the sampler uses, and
+    megakern.parallel's mesh (None for a single process)."""
 
     rank: int = 0
     world: int = 1
-    local_rank: int = 0
     dp_rank: int = 0
     dp_size: int = 1
     mesh: object = None
-    dp_group: object = None
 
     @property
     def writer(self) -> bool:
         return self.rank == 0
 
 
-def setup_distributed(config: TrainConfig, device_type: str) -> Dist:
-    """World size 1 (no torchrun, all dims 1): no process group. Otherwise megakern.parallel's ParallelDims builds
-    the process groups; without megakern.parallel such a run is refused with the reason."""
+def setup_distributed(config: TrainConfig, device: torch.device) -> Dist:
+    """One process with every parallel size 1: no process group. Otherwise (torchrun, or sizes > 1)
+    megakern.parallel's ParallelDims builds the groups, with the rendezvous timeout and a check that every rank
+    runs the same config."""
     p = config.parallel
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1 and max(p.tp, p.pp, p.cp) == 1 and p.dp in (-1, 1) and not dist.is_initialized():
@@ -305,24 +309,13 @@ def setup_distributed(config: TrainConfig, device_type: str) -> Dist:
         from megakern.parallel import ParallelDims
     except ImportError as exc:
         raise ConfigError(f"a run over {world} ranks (parallel: tp={p.tp} pp={p.pp} dp={p.dp} cp={p.cp}) needs "
-                          f"megakern.parallel.ParallelDims, which this build lacks ({exc})") from None
-    dims = ParallelDims(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp).resolve(world)
-    mesh = dims.build(device_type, timeout=datetime.timedelta(seconds=p.init_timeout_s))
-    rank = dist.get_rank()
-    coord = dims.coordinate(rank)
-    return Dist(rank=rank, world=dist.get_world_size(), local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-                dp_rank=coord["dp"], dp_size=dims.dp, mesh=mesh, dp_group=mesh.group("dp"))
-
-
-def apply_parallel(model: torch.nn.Module, env: Dist, config: TrainConfig) -> torch.nn.Module:
-    if env.world == 1:
-        return model
+                          f"megakern.parallel, which cannot be imported ({exc})") from None
     try:
-        from megakern.parallel import parallelize
-    except ImportError as exc:
-        raise ConfigError(f"a run over {env.world} ranks needs megakern.parallel.parallelize, which this build lacks "
-                          f"({exc})") from None
-    return parallelize(model, env.mesh, config)
+        mesh = ParallelDims(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp).build(
+            device.type, timeout=p.init_timeout_s, agree={"config": to_dict(config)})
+    except ValueError as exc:
+        raise ConfigError(f"parallel: {exc}") from None
+    return Dist(rank=mesh.rank, world=mesh.dims.world_size, dp_rank=mesh.dp_rank, dp_size=mesh.dims.dp, mesh=mesh)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -347,31 +340,31 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, *, profile: bool = False, stream=None):
         self.config, self.profiling = config, profile
-        c = config
+        c, t = config, config.train
         t0 = time.perf_counter_ns()
-        device_type = "cuda" if c.train.device.startswith("cuda") or (
-            c.train.device == "auto" and torch.cuda.is_available()) else "cpu"
-        self.env = setup_distributed(c, device_type)
-        self.device = resolve_device(c.train.device, self.env.local_rank)
-        self.precision = resolve_precision(c.train.precision, self.device)
+        self.device = resolve_device(t.device, int(os.environ.get("LOCAL_RANK", "0")))
+        self.env = setup_distributed(c, self.device)
+        self.parallel = self.env.mesh is not None
+        self.precision = resolve_precision(t.precision, self.device)
+        if self.parallel:
+            self._check_parallel_options()
 
         # run directory, logger (ASSUMPTIONS 29: every sink checked now), resolved config printed and saved
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         self.run_dir = Path(c.log.run_dir) if c.log.run_dir else Path("runs") / stamp
         self.ckpt_dir = Path(c.checkpoint.dir) if c.checkpoint.dir else self.run_dir / "checkpoints"
-        self.logger = RunLogger(self.run_dir, tensorboard=c.log.tensorboard,
-                                progress=c.log.progress, total_steps=c.train.steps, enabled=self.env.writer,
-                                stream=stream)
+        self.logger = RunLogger(self.run_dir, tensorboard=c.log.tensorboard, progress=c.log.progress,
+                                total_steps=t.steps, enabled=self.env.writer, stream=stream)
         self.log = self.logger.line
         self.config_yaml = to_yaml(c)
         if self.env.writer:
             (self.run_dir / "config.yaml").write_text(self.config_yaml)
             self.log("resolved config:\n" + self.config_yaml.rstrip())
-            self.log(f"run directory {self.run_dir}; device {self.device}, precision {self.precision}, "
-                     f"{self.env.world} rank(s)")
+            layout = (f"{self.env.world} ranks (tp {c.parallel.tp}, pp {c.parallel.pp}, cp {c.parallel.cp}, dp "
+                      f"{self.env.dp_size})" if self.parallel else "1 process")
+            self.log(f"run directory {self.run_dir}; device {self.device}, precision {self.precision}, {layout}")
 
-        # batch arithmetic
-        t = c.train
+        # batch arithmetic: a step is accum micro-batches of micro_batch_size on each data-parallel rank
         self.seq_length = t.seq_length or c.model.max_seqlen
         self.eval_seq_length = c.eval.seq_length or self.seq_length
         micro_total = t.micro_batch_size * self.env.dp_size
@@ -381,6 +374,13 @@ class Trainer:
                               f"{t.micro_batch_size} x data-parallel size {self.env.dp_size} = {micro_total}")
         self.accum = self.global_batch // micro_total
         self.eval_mbs = c.eval.micro_batch_size or t.micro_batch_size
+        # megakern.parallel takes a rank's whole step batch and cuts it into its micro-batches itself
+        self.microbatches = (c.parallel.microbatches or self.accum) if self.parallel else 1
+        self.draw = t.micro_batch_size * self.accum if self.parallel else t.micro_batch_size
+        self.eval_draw = self.eval_mbs * self.microbatches
+        if self.parallel and self.draw % self.microbatches:
+            raise ConfigError(f"parallel.microbatches {self.microbatches} does not divide a rank's step batch of "
+                              f"{self.draw} sequences (train.global_batch_size / data-parallel size)")
         self.tokens_per_step = self.global_batch * self.seq_length
 
         # seeds: the same weights on every rank; dropout streams differ per rank
@@ -391,7 +391,7 @@ class Trainer:
         # data
         self.data = build_data(c, seq_length=self.seq_length, eval_seq_length=self.eval_seq_length,
                                train_samples=t.steps * self.global_batch,
-                               eval_samples=c.eval.batches * self.eval_mbs * self.env.dp_size, log=self.log)
+                               eval_samples=c.eval.batches * self.eval_draw * self.env.dp_size, log=self.log)
         self.log(f"data: {self.data.description}; fingerprint {self.data.fingerprint}")
         self.eod_id = self.data.tokenizer.eod_id if c.data.packed_documents else None
         try:  # the final sample's prompt, checked now rather than after the run
@@ -399,29 +399,44 @@ class Trainer:
         except ValueError as exc:
             raise ConfigError(f"train.sample_prompt {t.sample_prompt!r}: {exc}") from None
 
-        # model: meta device, materialized once, initialized from the run's seed
+        # model: built on the meta device, materialized once (whole, or this rank's shards), seeded init
         from megakern.models.gpt import GPT
 
         with torch.device("meta"):
             model = GPT(c.model)
-        model.to_empty(device=self.device)
-        model.init_weights(generator=torch.Generator().manual_seed(t.seed))
-        if t.fp8 != "none":
-            from megakern import fp8
-
-            fp8.convert_linears(model.blocks, recipe=fp8_recipe(t.fp8))
-        self.model = model
-        self.has_fp8 = any(type(m).__module__ == "megakern.fp8" and type(m).__name__ == "Linear"
-                           for m in model.modules())
         self.flops_per_token = model.flops_per_token(self.seq_length)
+        n_params, n_body = model.num_params(), model.num_params(exclude_embeddings=True)
+        generator = torch.Generator().manual_seed(t.seed)
+        if self.parallel:
+            from megakern.parallel import parallelize
+
+            try:
+                self.pmodel = parallelize(model, self.env.mesh, c.parallel, generator=generator,
+                                          microbatches=self.microbatches)
+            except ValueError as exc:
+                raise ConfigError(f"parallel: {exc}") from None
+            self.model = self.pmodel.gpts[0]
+            named = list(self.pmodel.named_parameters())
+        else:
+            self.pmodel = None
+            model.to_empty(device=self.device)
+            model.init_weights(generator=generator)
+            if t.fp8 != "none":
+                from megakern import fp8
+
+                fp8.convert_linears(model.blocks, recipe=fp8_recipe(t.fp8))
+            self.model = model
+            named = list(model.named_parameters())
+        self.has_fp8 = any(type(m).__module__ == "megakern.fp8" and type(m).__name__ == "Linear"
+                           for m in self.model.modules())
         self.peak, peak_note = peak_flops(self.device)
         if self.peak is None:
             self.log(f"MFU: n/a ({peak_note})")
 
-        # precision: fp32 master weights for bf16 parameters
-        groups = param_groups(model, c.optim)
+        # precision: bf16 parameters get fp32 master weights, which the optimizer updates
+        groups = param_groups(named, c.optim, tied=c.model.tie_embeddings)
         self.names = {}
-        for name, p in model.named_parameters():
+        for name, p in named:
             self.names.setdefault(p, name)
         self.masters = None
         if self.precision == "bf16":
@@ -429,68 +444,78 @@ class Trainer:
             for g in groups:
                 g["params"] = [self.masters.setdefault(p, p.detach().float().clone().requires_grad_())
                                for p in g["params"]]
-            for p in self.masters:
-                p.data = p.data.to(torch.bfloat16)
+            with torch.no_grad():
+                for p in self.masters:
+                    p.data = p.data.to(torch.bfloat16)
             self.opt_names = {m: self.names[p] for p, m in self.masters.items()}
         else:
             self.opt_names = dict(self.names)
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.precision == "bf16-autocast"
                          else contextlib.nullcontext())
 
-        self.model = apply_parallel(model, self.env, c)
         self.forward = torch.compile(self.model) if t.compile else self.model
-        self.optimizer = build_optimizer(groups, c.optim, self.device)
+        kwargs = optimizer_kwargs(c.optim, self.device)
+        self.optimizer = (self.pmodel.build_optimizer(torch.optim.AdamW, params=groups, **kwargs) if self.parallel
+                          else torch.optim.AdamW(groups, **kwargs))
         self.schedule = LRSchedule(c.schedule, lr=c.optim.lr, total_steps=t.steps)
-        n_params = model.num_params()
-        self.log(f"model: {n_params / 1e6:.2f}M parameters ({model.num_params(exclude_embeddings=True) / 1e6:.2f}M "
-                 f"without embeddings), {self.flops_per_token / 1e6:.1f} MFLOP per token; global batch "
-                 f"{self.global_batch} x {self.seq_length} tokens = {self.accum} accumulation step(s) of "
-                 f"{t.micro_batch_size} x {self.env.dp_size} rank(s)")
+        self.log(f"model: {n_params / 1e6:.2f}M parameters ({n_body / 1e6:.2f}M without embeddings), "
+                 f"{self.flops_per_token / 1e6:.1f} MFLOP per token; global batch {self.global_batch} x "
+                 f"{self.seq_length} tokens = {self.accum} accumulation step(s) of {t.micro_batch_size} x "
+                 f"{self.env.dp_size} data-parallel rank(s)")
 
-        # checkpoints and resume
+        # checkpoints and resume; then every rank must agree on the data and where it starts (ASSUMPTIONS 12)
         self.manager = CheckpointManager(self.ckpt_dir, keep=c.checkpoint.keep, log=self.log)
         self.step, self.consumed_samples, self.nonfinite_total = 0, 0, 0
         self._resume()
-        check_ranks_agree(self.data.fingerprint, self.consumed_samples, group=self.env.dp_group,
-                          timeout=c.parallel.init_timeout_s)
+        check_ranks_agree(self.data.fingerprint, self.consumed_samples, timeout=c.parallel.init_timeout_s)
         self.log(f"ready in {(time.perf_counter_ns() - t0) / 1e9:.1f} s")
 
+    def _check_parallel_options(self) -> None:
+        """What the single-process trainer supports and megakern.parallel runs do not (yet): refused by name."""
+        c, problems = self.config, []
+        if self.config.train.precision == "auto":
+            self.precision = "bf16-autocast" if self.precision == "bf16" else self.precision
+        if self.precision == "bf16":
+            problems.append("train.precision=bf16 (fp32 master weights) is single-process only; use bf16-autocast")
+        if c.train.fp8 != "none":
+            problems.append("train.fp8 is single-process only")
+        if c.train.compile:
+            problems.append("train.compile is single-process only")
+        if c.data.packed_documents:
+            problems.append("data.packed_documents is single-process only")
+        if problems:
+            raise ConfigError(f"a run over {self.env.world} ranks: " + "; ".join(problems))
+
     # -- checkpoints ----------------------------------------------------------------------------------------------
-    def _tensor_tree(self) -> dict:
-        tree = {"model": self.model_module().state_dict(),
-                "optim": optimizer_state_dict(self.optimizer, self.opt_names)}
-        if self.masters is not None:
-            tree["master"] = {self.names[p]: m for p, m in self.masters.items()}
-        return tree
-
-    @torch.no_grad()
-    def _accumulate_master_grads(self, first: bool) -> None:
-        """fp32 master gradients (allocated once) += the bf16 gradients of this micro-batch (= on the first); the
-        bf16 gradients are then dropped."""
-        pairs = [(m, p.grad) for p, m in self.masters.items() if p.grad is not None]
-        if first:
-            for p, m in self.masters.items():
-                if m.grad is None:
-                    m.grad = torch.zeros_like(m)
-                elif p.grad is None:  # unused in this micro-batch
-                    m.grad.zero_()
-            torch._foreach_copy_([m.grad for m, _ in pairs], [g for _, g in pairs])
+    def _tensor_tree(self, saved_keys: set[str] | None = None) -> dict:
+        """The DCP tree: {"model": {name: parameter}, "optim": {...}, "master": {name: fp32 master} (bf16 runs),
+        "buffers": {...} (FP8 scaling state)}, in the single model's names (and, in parallel runs, full shapes
+        as DTensors), so checkpoints move between layouts. For a load (``saved_keys``: the checkpoint's keys), the
+        weights this run trains (masters, or the parameters) load from the checkpoint's masters when it has them,
+        else from its model."""
+        loading = saved_keys is not None
+        if self.parallel:
+            tree = self.pmodel.checkpoint_state(self.optimizer, for_load=loading)
         else:
-            torch._foreach_add_([m.grad for m, _ in pairs], [g for _, g in pairs])
-        for p in self.masters:
-            p.grad = None
-
-    @torch.no_grad()
-    def _copy_masters(self) -> None:
-        """bf16 parameters <- their fp32 master weights (round to nearest even)."""
-        torch._foreach_copy_(list(self.masters), list(self.masters.values()))
-
-    def model_module(self) -> torch.nn.Module:
-        """The model without wrappers (torch.compile, DDP)."""
-        m = self.model
-        while hasattr(m, "module") and isinstance(m.module, torch.nn.Module):
-            m = m.module
-        return m
+            if loading:
+                init_optimizer_state(self.optimizer)
+            params = {name: p.detach() for p, name in self.names.items()}
+            tree = {"model": params, "optim": optimizer_state_dict(self.optimizer, self.opt_names)}
+            if self.masters is not None:
+                tree["master"] = {self.names[p]: m.detach() for p, m in self.masters.items()}
+            buffers = {k: v for k, v in self.model.state_dict().items() if k not in params}
+            if buffers:
+                tree["buffers"] = buffers
+        if not loading:
+            return tree
+        trained = tree.pop("master") if "master" in tree else tree["model"]
+        tree.pop("model")
+        source = "master" if any(k.startswith("master.") for k in saved_keys) else "model"
+        tree[source] = trained
+        if "buffers" in tree and not any(k.startswith("buffers.") for k in saved_keys):
+            self.log("note: the checkpoint has no FP8 scaling state; it starts fresh")
+            tree.pop("buffers")
+        return tree
 
     def _state(self) -> dict:
         return {"consumed_samples": self.consumed_samples, "global_batch": self.global_batch,
@@ -519,11 +544,10 @@ class Trainer:
             if path is None:
                 raise CheckpointError(f"checkpoint.resume={c.resume!r}: no complete checkpoint there")
         self._check_compatible(path)
-        init_optimizer_state(self.optimizer)
-        tree = self._tensor_tree()
+        tree = self._tensor_tree(saved_keys=checkpoint_keys(path))
         state = self.manager.load(path, tree, verify=c.verify)
-        self.model_module().load_state_dict(tree["model"])
-        load_optimizer_state_dict(self.optimizer, self.opt_names, tree["optim"])
+        if not self.parallel:
+            load_optimizer_state_dict(self.optimizer, self.opt_names, tree["optim"])
         if self.masters is not None:
             self._copy_masters()
         if state["data_fingerprint"] != self.data.fingerprint:  # ASSUMPTIONS 34
@@ -537,6 +561,8 @@ class Trainer:
             self.log("note: the LR schedule differs from the checkpoint's: " + "; ".join(differences))
         if state["global_batch"] != self.global_batch:
             self.log(f"note: global batch {self.global_batch}, the checkpoint's was {state['global_batch']}")
+        if state.get("world_size", 1) != self.env.world:
+            self.log(f"note: {self.env.world} rank(s), the checkpoint was saved by {state['world_size']}")
         self.step, self.consumed_samples = int(state["step"]), int(state["consumed_samples"])
         self.nonfinite_total = int(state.get("nonfinite_total", 0))
         if self.consumed_samples + (self.config.train.steps - self.step) * self.global_batch > len(self.data.train):
@@ -554,6 +580,32 @@ class Trainer:
                   if k not in RUNTIME_MODEL_FIELDS and saved.get(k) != v]
         if differ:
             raise CheckpointError(f"{path} holds another model:\n  " + "\n  ".join(differ))
+
+    @torch.no_grad()
+    def _accumulate_master_grads(self, first: bool) -> None:
+        """fp32 master gradients (allocated once) += the bf16 gradients of this micro-batch (= on the first); the
+        bf16 gradients are then dropped."""
+        pairs = [(m, p.grad) for p, m in self.masters.items() if p.grad is not None]
+        if first:
+            for p, m in self.masters.items():
+                if m.grad is None:
+                    m.grad = torch.zeros_like(m)
+                elif p.grad is None:  # unused in this micro-batch
+                    m.grad.zero_()
+            torch._foreach_copy_([m.grad for m, _ in pairs], [g for _, g in pairs])
+        else:
+            torch._foreach_add_([m.grad for m, _ in pairs], [g for _, g in pairs])
+        for p in self.masters:
+            p.grad = None
+
+    @torch.no_grad()
+    def _copy_masters(self) -> None:
+        """bf16 parameters <- their fp32 master weights (round to nearest even)."""
+        torch._foreach_copy_(list(self.masters), list(self.masters.values()))
+
+    def model_module(self) -> torch.nn.Module:
+        """The single-device GPT (a parallel run's first local chunk)."""
+        return self.model
 
     # -- the loop -------------------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -577,77 +629,98 @@ class Trainer:
             self.log(f"note: {w.message}")
         return iter(loader)
 
-    def _reduce_mean(self, values: torch.Tensor) -> torch.Tensor:
-        if self.env.dp_size > 1:
-            dist.all_reduce(values, op=dist.ReduceOp.AVG, group=self.env.dp_group)
-        return values
-
     def train_step(self, batches) -> tuple[float, float, bool]:
-        """One optimizer step over ``accum`` micro-batches: (loss, grad norm, stepped)."""
-        model, accum = self.forward, self.accum
+        """One optimizer step: (loss, gradient norm, stepped). The loss is the mean over the global batch."""
         lr = self.schedule(self.step)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
+        clip = self.config.train.grad_clip
+        if self.parallel:
+            with self._range("data"):
+                batch = to_batch(next(batches), self.device, None)
+            with self._range("forward_backward"), self.autocast:
+                loss = self.pmodel.forward_backward(batch.inputs, batch.targets)
+            with self._range("optimizer"):
+                norm = self.pmodel.clip_grad_norm_(clip if clip > 0 else math.inf)
+                return self._finish_step([loss.float(), norm.float()])
+        model, accum = self.forward, self.accum
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
-        params = list(self.masters.values()) if self.masters is not None else [
-            p for g in self.optimizer.param_groups for p in g["params"]]
         for micro in range(accum):
             with self._range("data"):
                 batch = to_batch(next(batches), self.device, self.eod_id)
-            sync = (model.no_sync() if hasattr(model, "no_sync") and micro < accum - 1 else contextlib.nullcontext())
-            with sync:
-                with self._range("forward"), self.autocast:
-                    loss = model(batch.inputs, batch.targets, **batch.model_kwargs())
-                with self._range("backward"):
-                    (loss / accum).backward()
+            with self._range("forward"), self.autocast:
+                loss = model(batch.inputs, batch.targets, **batch.model_kwargs())
+            with self._range("backward"):
+                (loss / accum).backward()
             loss_sum += loss.detach().float()
             if self.masters is not None:
                 self._accumulate_master_grads(first=micro == 0)
         with self._range("optimizer"):
+            params = list(self.masters.values()) if self.masters is not None else [
+                p for g in self.optimizer.param_groups for p in g["params"]]
             grads = [p for p in params if p.grad is not None]
-            if self.config.train.grad_clip > 0:
-                norm = torch.nn.utils.clip_grad_norm_(grads, self.config.train.grad_clip, foreach=True)
+            if clip > 0:
+                norm = torch.nn.utils.clip_grad_norm_(grads, clip, foreach=True)
             else:
                 norm = torch.nn.utils.get_total_norm([p.grad for p in grads], foreach=True)
             figures = [loss_sum / accum, norm.float()]
             if self.has_fp8:
                 from megakern import fp8
 
-                figures.append(fp8.update_scales(self.model_module()).to(self.device, torch.float32))
-            values = self._reduce_mean(torch.stack([f.to(self.device) for f in figures])).tolist()  # one host sync
-            loss_value, norm_value = values[0], values[1]
-            finite = math.isfinite(loss_value) and math.isfinite(norm_value) and (len(values) < 3 or values[2] == 0)
-            if finite:
-                self.optimizer.step()
-                if self.masters is not None:
-                    self._copy_masters()
-            if self.masters is None:  # the masters' gradients are overwritten by the next step's first micro-batch
-                self.optimizer.zero_grad(set_to_none=True)
+                figures.append(fp8.update_scales(self.model).to(self.device, torch.float32))
+            return self._finish_step(figures)
+
+    def _finish_step(self, figures: list[torch.Tensor]) -> tuple[float, float, bool]:
+        """One host sync for (loss, norm[, FP8 non-finite flag]); the optimizer steps only if all are finite."""
+        values = torch.stack([f.to(self.device) for f in figures]).tolist()
+        loss_value, norm_value = values[0], values[1]
+        finite = math.isfinite(loss_value) and math.isfinite(norm_value) and (len(values) < 3 or values[2] == 0)
+        if finite:
+            self.optimizer.step()
+            if self.masters is not None:
+                self._copy_masters()
+        if self.masters is None:  # the masters' gradients are overwritten by the next step's first micro-batch
+            self.optimizer.zero_grad(set_to_none=True)
         return loss_value, norm_value, finite
+
+    def _set_training(self, mode: bool) -> None:
+        (self.pmodel if self.parallel else self.model).train(mode)
 
     @torch.no_grad()
     def evaluate(self) -> torch.Tensor:
-        """Mean held-out loss over eval.batches micro-batches (the same samples every time), averaged over
-        data-parallel ranks: a float32 scalar on the CPU (ASSUMPTIONS 33). The model's train/eval mode is
-        restored."""
-        model, was_training = self.forward, self.model.training
-        self.model.eval()
+        """Mean held-out loss over eval.batches micro-batches (the same samples every time) of every data-parallel
+        rank: a float32 scalar on the CPU (ASSUMPTIONS 33). The model's train/eval mode is restored."""
+        was_training = self.model.training
+        self._set_training(False)
         try:
             total = torch.zeros((), device=self.device, dtype=torch.float32)
-            batches = self._batches(self.data.valid, 0, self.eval_mbs)
+            batches = self._batches(self.data.valid, 0, self.eval_draw)
             for _ in range(self.config.eval.batches):
                 batch = to_batch(next(batches), self.device, self.eod_id)
                 with self.autocast:
-                    total += model(batch.inputs, batch.targets, **batch.model_kwargs()).float()
-            return self._reduce_mean(total / self.config.eval.batches).cpu()
+                    if self.parallel:
+                        total += self.pmodel.eval_loss(batch.inputs, batch.targets).float()
+                    else:
+                        total += self.forward(batch.inputs, batch.targets, **batch.model_kwargs()).float()
+            total /= self.config.eval.batches
+            if self.env.dp_size > 1 and not self.parallel:
+                dist.all_reduce(total, op=dist.ReduceOp.AVG)
+            return total.cpu()
         finally:
-            self.model.train(was_training)
+            self._set_training(was_training)
 
     def sample(self) -> str | None:
         """The final sample: train.sample_tokens tokens after train.sample_prompt, decoded."""
         t = self.config.train
         if t.sample_tokens == 0:
             return None
+        if self.parallel:
+            p = self.config.parallel
+            if max(p.tp, p.pp, p.cp) > 1 or p.dp_shard != "ddp":
+                self.log("sample: skipped, the model is sharded over ranks (tp/pp/cp or FSDP)")
+                return None
+            if not self.env.writer:
+                return None
         from megakern.models.generate import generate
 
         tok, prompt = self.data.tokenizer, self.prompt_ids
@@ -667,11 +740,11 @@ class Trainer:
         c, result = self.config, RunResult()
         if self.step >= c.train.steps:
             self.log(f"nothing to do: step {self.step} >= train.steps {c.train.steps}")
-        batches = self._batches(self.data.train, self.consumed_samples, c.train.micro_batch_size)
+        batches = self._batches(self.data.train, self.consumed_samples, self.draw)
         profiler = self._profiler() if self.profiling else None
         last = self.step + (c.log.profile_wait + c.log.profile_warmup + c.log.profile_active) if profiler else None
         consecutive, window_ns, window_tokens, window_loss = 0, 0, 0, []
-        self.model.train()
+        self._set_training(True)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         try:

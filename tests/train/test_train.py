@@ -10,6 +10,8 @@ and say why in the commit.
 """
 import json
 import math
+import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -272,6 +274,45 @@ def test_command_line(tmp_path, data_cache):
     bad = subprocess.run([sys.executable, "-m", "megakern.train", "train.stpes=3"], cwd=REPO, capture_output=True,
                          text=True, timeout=300)
     assert bad.returncode == 2 and "unknown config key 'train.stpes' (did you mean 'train.steps'" in bad.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _logged_losses(run_dir: Path) -> dict[int, float]:
+    lines = [json.loads(line) for line in (run_dir / "train.log").read_text().splitlines() if line.startswith("{")]
+    return {r["step"]: r["train/loss"] for r in lines if "train/loss" in r}
+
+
+def test_two_ranks_match_one_process_and_resume_in_one(tmp_path, data_cache):
+    """torchrun, 2 CPU ranks (gloo), FSDP over dp=2 through megakern.parallel: the same losses as one process on the
+    same global batch; its checkpoint (written by both ranks) resumes in one process with the same losses."""
+    pytest.importorskip("megakern.parallel")
+    common = [*TINY, "train.micro_batch_size=4", "train.global_batch_size=8", "eval.every=0",
+              f"data.cache_dir={data_cache}"]
+    single = trainer(tmp_path, data_cache, *common, "train.steps=5", name="single").run()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+           "-m", "megakern.train", *common, "train.steps=3", "parallel.dp=2", "parallel.dp_shard=fsdp",
+           f"log.run_dir={tmp_path / 'ranks'}"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "2 ranks (tp 1, pp 1, cp 1, dp 2)" in proc.stdout
+    ranks = _logged_losses(tmp_path / "ranks")
+    assert sorted(ranks) == [1, 2, 3]
+    for step, loss in ranks.items():
+        assert loss == pytest.approx(single.losses[step], abs=1e-5)
+    ckpt = tmp_path / "ranks" / "checkpoints" / "step_00000003"
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert manifest["world_size"] == 2 and {"rng-rank00000.pt", "rng-rank00001.pt"} <= set(manifest["files"])
+    resumed = trainer(tmp_path, data_cache, *common, "train.steps=5", f"checkpoint.resume={ckpt}",
+                      name="resumed").run()
+    assert sorted(resumed.losses) == [4, 5]
+    for step in (4, 5):
+        assert resumed.losses[step] == pytest.approx(single.losses[step], abs=1e-5)
 
 
 def test_console_script_is_declared():
