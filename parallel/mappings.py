@@ -18,7 +18,10 @@ reduce-scatters its output (``reduce_scatter_to_sp``) instead of all-reducing. A
 plus an all-gather, so SP moves the same bytes and divides the norm/dropout activations by tp.
 
 Collectives run on contiguous buffers along dim 0 (other dims are moved there and back). Chunks are equal:
-the split dim must be divisible by the group size (checked, with the numbers in the error).
+the split dim must be divisible by the group size (checked, with the numbers in the error). On gloo builds that
+lack the single-tensor collectives (gloo in torch 2.11 and 2.13 has both, for fp32 and bf16), all-gather falls
+back to the list form and reduce-scatter to an all-reduce of the whole tensor keeping this rank's chunk (twice the
+bytes, CPU only).
 """
 from __future__ import annotations
 
@@ -64,6 +67,10 @@ def split(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     return x.narrow(dim, group_rank(group) * size, size)
 
 
+def _gloo_lacks(exc: Exception, group) -> bool:
+    return dist.get_backend(group) == "gloo" and isinstance(exc, (RuntimeError, NotImplementedError))
+
+
 def all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     """Concatenation of every rank's x along ``dim`` (rank order)."""
     n = group_size(group)
@@ -72,7 +79,12 @@ def all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     dim = dim % x.dim()
     moved = x.movedim(dim, 0).contiguous()
     out = moved.new_empty((n * moved.shape[0], *moved.shape[1:]))
-    _ALL_GATHER(out, moved, group=group)
+    try:
+        _ALL_GATHER(out, moved, group=group)
+    except (RuntimeError, NotImplementedError) as exc:
+        if not _gloo_lacks(exc, group):
+            raise
+        dist.all_gather(list(out.chunk(n)), moved, group=group)
     return out.movedim(0, dim) if dim == 0 else out.movedim(0, dim).contiguous()
 
 
@@ -85,7 +97,14 @@ def reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     _check_split(x, dim, n, "reduce_scatter")
     moved = x.movedim(dim, 0).contiguous()
     out = moved.new_empty((moved.shape[0] // n, *moved.shape[1:]))
-    _REDUCE_SCATTER(out, moved, group=group)
+    try:
+        _REDUCE_SCATTER(out, moved, group=group)
+    except (RuntimeError, NotImplementedError) as exc:
+        if not _gloo_lacks(exc, group):
+            raise
+        whole = moved.clone()
+        dist.all_reduce(whole, group=group)
+        out.copy_(whole.chunk(n)[group_rank(group)])
     return out if dim == 0 else out.movedim(0, dim).contiguous()
 
 

@@ -118,6 +118,10 @@ class ParallelModel:
                                  "sequence_parallel=False or one of pp/cp = 1")
         else:
             spr = 1
+        if d.tp > 1 and cfg.dropout:
+            raise ValueError(f"parallelize: dropout={cfg.dropout} under tensor parallel would draw different masks on "
+                             "the tp ranks of a replicated activation (no per-region RNG tracking yet); use "
+                             "dropout=0 with tp > 1")
         d.check_model(n_layer=cfg.n_layer, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, vocab=cfg.padded_vocab,
                       ffn_hidden=cfg.ffn_hidden, stages_per_rank=spr, sequence_parallel=sp)
         self.stages_per_rank = spr

@@ -189,6 +189,25 @@ def test_mappings(n):
     assert all(pool(n).run(check_mappings, n))
 
 
+def check_gloo_fallbacks(n):
+    """Gloo without the single-tensor collectives: the list all-gather and all-reduce-and-slice paths agree."""
+    from megakern.parallel import mappings as m
+
+    def missing(*args, **kwargs):
+        raise RuntimeError("ProcessGroupGloo does not support this collective")
+
+    saved = m._ALL_GATHER, m._REDUCE_SCATTER
+    m._ALL_GATHER = m._REDUCE_SCATTER = missing
+    try:
+        return check_mappings(n)
+    finally:
+        m._ALL_GATHER, m._REDUCE_SCATTER = saved
+
+
+def test_gloo_fallbacks():
+    assert all(pool(2).run(check_gloo_fallbacks, 2))
+
+
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_column_row_linear(sequence_parallel):
     assert all(pool(2).run(check_linear_layers, 2, sequence_parallel))
