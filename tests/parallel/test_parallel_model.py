@@ -36,6 +36,7 @@ def test_context_parallel(style):
     (dict(tp=2, pp=2), dict(pp_schedule="1f1b", microbatches=2), "gpt"),              # TP+SP x PP, tied head
     (dict(tp=2, cp=2), dict(dp_shard="fsdp"), "llama"),                               # TP+SP x CP (FSDP over cp)
     (dict(pp=2, dp=2), dict(pp_schedule="gpipe", dp_shard="fsdp", microbatches=2), "llama"),  # FSDP x PP
+    (dict(pp=2, cp=2), dict(pp_schedule="1f1b", dp_shard="fsdp", microbatches=2), "llama"),   # CP x PP, rotary
 ])
 def test_combined_layouts(layout, options, style):
     run(4, layout, options, style=style)
