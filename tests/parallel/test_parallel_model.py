@@ -51,3 +51,15 @@ def test_meta_device_model_is_initialized_per_shard(layout, options, style):
 def test_replicated_pipeline_with_zero1():
     # pp x dp with "ddp": stages replicated by hand (all-reduce after the schedule), ZeRO-1 optimizer
     run(4, dict(pp=2, dp=2), dict(pp_schedule="1f1b", dp_shard="ddp", zero1=True, microbatches=2), style="llama")
+
+
+def test_three_dimensional_layout():
+    # tp2 (sequence parallel) x pp2 (interleaved, tied head) x dp2 (FSDP2): 8 ranks
+    ranks = pool(8)
+    try:
+        losses = ranks.run(check_train, dict(tp=2, pp=2, dp=2),
+                           dict(pp_schedule="interleaved-1f1b", dp_shard="fsdp", microbatches=2), style="gpt",
+                           n_layer=4, steps=2)
+        assert all(l == losses[0] for l in losses), losses
+    finally:
+        ranks.close()  # the only 8-rank check: free its processes
