@@ -134,11 +134,12 @@ class RunLogger:
             self.bar.write(text, file=self.stream)
         else:
             print(text, file=self.stream, flush=True)
-        self.file.write(text + "\n")
+        if self.file is not None:  # None after close(): console only
+            self.file.write(text + "\n")
 
     def record(self, step: int, scalars: dict[str, float]) -> None:
         """TensorBoard scalars of ``step`` and a JSON line in the log file."""
-        if not self.enabled:
+        if not self.enabled or self.file is None:
             return
         if self.tb is not None:
             for name, value in scalars.items():

@@ -18,6 +18,11 @@ One optimizer step, with A = global_batch / (micro_batch x data-parallel size) a
     finite: AdamW step at the schedule's lr;  not finite: the step is skipped and counted, and
     train.max_nonfinite skipped steps in a row stop the run with an error saying what to change
 
+Over several ranks (torchrun) the model is megakern.parallel's ParallelModel: a rank draws its whole step batch
+(A micro-batches) and ``forward_backward`` cuts it into parallel.microbatches (pipeline micro-batches or
+accumulation), returning the global mean loss; clipping spans every group. Checkpoints hold the single model's names
+and shapes, so a run may resume under another layout (or in one process).
+
 Every stage is checked before step 1: the config's keys and types, the log sinks (ASSUMPTIONS 29), the samples the
 run needs against what the data holds within data.max_epochs (26), eval lengths against model.max_seqlen (28),
 DataLoader workers against the CPUs (32), the data fingerprint against a resumed checkpoint's (34) and across
@@ -27,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import datetime
 import functools
 import hashlib
@@ -305,6 +309,9 @@ def setup_distributed(config: TrainConfig, device: torch.device) -> Dist:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1 and max(p.tp, p.pp, p.cp) == 1 and p.dp in (-1, 1) and not dist.is_initialized():
         return Dist()
+    if world == 1 and not dist.is_initialized():
+        raise ConfigError(f"parallel sizes tp={p.tp} pp={p.pp} dp={p.dp} cp={p.cp} need several ranks; launch with "
+                          f"torchrun --nproc-per-node N -m megakern.train ...")
     try:
         from megakern.parallel import ParallelDims
     except ImportError as exc:
@@ -839,7 +846,7 @@ class Trainer:
         out.mkdir(parents=True, exist_ok=True)
         profiler.export_chrome_trace(str(out / "trace.json"))
         on_gpu = self.device.type == "cuda"
-        sort = "self_cuda_time_total" if on_gpu else "self_cpu_time_total"
+        sort = "self_device_time_total" if on_gpu else "self_cpu_time_total"
         events = profiler.key_averages()
         lines = [f"# megakern-train --profile: {self.config.log.profile_active} steps of {self.global_batch} x "
                  f"{self.seq_length} tokens, {self.device} ({torch.cuda.get_device_name(self.device) if on_gpu else 'cpu'}), "

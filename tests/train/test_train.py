@@ -106,6 +106,25 @@ def test_resume_auto_and_nothing_left(tmp_path, data_cache):
     assert again.run().losses == {}
 
 
+@pytest.mark.filterwarnings("ignore:fp8.Linear")  # no FP8 GEMMs on a CPU: a plain linear, with the scaling state
+def test_fp8_scaling_state_is_checkpointed(tmp_path, data_cache):
+    from megakern.checkpoint import checkpoint_keys
+
+    common = [*TINY, "train.fp8=delayed", "eval.every=0"]
+    first = trainer(tmp_path, data_cache, *common, "train.steps=2", name="a")
+    assert first.has_fp8
+    with torch.no_grad():  # scaling state as FP8 hardware would leave it (a CPU run, without FP8 GEMMs, keeps it)
+        for name, buffer in first.model.named_buffers():
+            if name.endswith(("amax_history", "scale")):
+                buffer.copy_(torch.rand_like(buffer))
+    path = Path(first.run().checkpoint)
+    assert any(k.startswith("buffers.blocks.0.") and k.endswith("amax_history") for k in checkpoint_keys(path))
+    resumed = trainer(tmp_path, data_cache, *common, "train.steps=3", f"checkpoint.resume={path}", name="b")
+    state, before = resumed.model.state_dict(), first.model.state_dict()
+    scaling = [k for k in before if k.endswith(("amax_history", "scale"))]
+    assert scaling and all(torch.equal(state[k], before[k]) for k in scaling)
+
+
 def test_grad_accumulation_matches_one_big_batch(tmp_path, data_cache):
     common = [*TINY, "train.steps=3", "eval.every=0", "checkpoint.final=false"]
     big = trainer(tmp_path, data_cache, *common, "train.micro_batch_size=8", name="big").run()
@@ -274,6 +293,38 @@ def test_command_line(tmp_path, data_cache):
     bad = subprocess.run([sys.executable, "-m", "megakern.train", "train.stpes=3"], cwd=REPO, capture_output=True,
                          text=True, timeout=300)
     assert bad.returncode == 2 and "unknown config key 'train.stpes' (did you mean 'train.steps'" in bad.stderr
+
+
+GPU = ["train.device=cuda"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "bf16-autocast"])
+def test_gpu_tiny_run_loss_falls_with_mfu(tmp_path, data_cache, precision):
+    t = trainer(tmp_path, data_cache, *TINY, *GPU, f"train.precision={precision}", "train.steps=80", "eval.every=40",
+                "checkpoint.final=false", "train.sample_tokens=40")
+    result = t.run()
+    assert sum(result.losses[s] for s in range(71, 81)) / 10 < 3.3 and result.eval_losses[80] < 3.5
+    assert isinstance(result.sample, str)
+    log = (tmp_path / "run" / "train.log").read_text()
+    if t.peak is not None:
+        assert "MFU n/a" not in log and "peak alloc" in log
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_step_matches_eager(tmp_path, data_cache):
+    common = [*TINY, *GPU, "train.precision=bf16", "train.steps=3", "eval.every=0", "checkpoint.final=false"]
+    eager = trainer(tmp_path, data_cache, *common, name="eager").run()
+    compiled = trainer(tmp_path, data_cache, *common, "train.compile=true", name="compiled").run()
+    for s in (1, 2, 3):
+        assert compiled.losses[s] == pytest.approx(eager.losses[s], abs=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_profile_has_kernels(tmp_path, data_cache):
+    t = trainer(tmp_path, data_cache, *TINY, *GPU, f"log.profile_dir={tmp_path / 'profiles'}", profile=True)
+    table = (Path(t.run().profile_dir) / "kernels.txt").read_text()
+    assert "Self CUDA" in table and "forward" in table
 
 
 def _free_port() -> int:
