@@ -218,6 +218,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--providers", type=lambda s: {p.strip() for p in s.split(",") if p.strip()},
                         help=f"comma-separated, from {', '.join(PROVIDERS)} (default: all)")
     parser.add_argument("--tiny", action="store_true", help="a tiny shape (smoke test; the default on a CPU)")
+    parser.add_argument("--quick", action="store_true", help="fewer steps (4 warm-up, 10 timed)")
+    parser.add_argument("--graph", action="store_true",
+                        help="accepted for scripts/device_check.sh; does not apply (whole training steps are timed)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 8; tiny 1)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 20; tiny 3)")
     parser.add_argument("--micro-batch", type=int, default=None, help="override the shape's micro-batch")
@@ -233,8 +236,10 @@ def main(argv=None) -> Results:
     shape = TINY if tiny else GPT_350M
     if args.micro_batch:
         shape = Shape(**{**shape.__dict__, "micro_batch": args.micro_batch})
-    warmup = args.warmup if args.warmup is not None else (1 if tiny else 8)
-    steps = args.steps if args.steps is not None else (3 if tiny else 20)
+    warmup = args.warmup if args.warmup is not None else (1 if tiny else 4 if args.quick else 8)
+    steps = args.steps if args.steps is not None else (3 if tiny else 10 if args.quick else 20)
+    if args.graph:
+        print("bench_train: --graph does not apply (whole training steps are timed, CUDA events between steps)")
     if steps < 1 or warmup < 0:
         raise SystemExit("--steps must be >= 1 and --warmup >= 0")
     from megakern._log import peak_flops

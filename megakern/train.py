@@ -743,8 +743,20 @@ class Trainer:
         return tok.decode(out[0, len(prompt):].tolist())
 
     def run(self) -> RunResult:
-        """Train from the current step to train.steps (or profile a few steps); see the module doc."""
+        """Train from the current step to train.steps (or profile a few steps); see the module doc. The log sinks
+        are closed at the end, also when the run stops on an error (which goes to the log file too)."""
+        try:
+            return self._run()
+        except BaseException as exc:
+            if not isinstance(exc, KeyboardInterrupt):
+                self.log(f"error: {type(exc).__name__}: {exc}")
+            raise
+        finally:
+            self.logger.close()
+
+    def _run(self) -> RunResult:
         c, result = self.config, RunResult()
+        first_step = self.step
         if self.step >= c.train.steps:
             self.log(f"nothing to do: step {self.step} >= train.steps {c.train.steps}")
         batches = self._batches(self.data.train, self.consumed_samples, self.draw)
@@ -808,7 +820,8 @@ class Trainer:
         result.final_step = self.step
         if profiler is not None:
             result.profile_dir = str(self._write_profile(profiler))
-            self.logger.close()
+            return result
+        if self.step == first_step:
             return result
         if c.eval.every:
             self._eval(result)
@@ -819,7 +832,6 @@ class Trainer:
             self.log(f"sample ({len(result.sample)} characters after {c.train.sample_prompt!r}):\n"
                      f"{c.train.sample_prompt}{result.sample}")
             self.logger.text("sample", c.train.sample_prompt + result.sample, self.step)
-        self.logger.close()
         return result
 
     def _eval(self, result: RunResult) -> None:
