@@ -242,7 +242,6 @@ class ParallelConfig:
 
 
 DEFAULT_PRESET = "gpt-tiny"
-SECTIONS = ("model", "data", "train", "optim", "schedule", "eval", "checkpoint", "log", "parallel")
 
 
 @dataclass
