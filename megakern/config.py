@@ -720,3 +720,12 @@ def describe_fields(config=None) -> str:
 
     walk(config, "")
     return "\n".join(lines).lstrip("\n")
+
+
+def __getattr__(name: str):
+    """``ModelConfig``: the model section's class, megakern.models.gpt.GPTConfig (imported on first use)."""
+    if name == "ModelConfig":
+        from megakern.models.gpt import GPTConfig
+
+        return GPTConfig
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -140,3 +140,9 @@ def test_cli_print_and_help_config(capsys):
     assert "optim.lr: float = 0.002" in capsys.readouterr().out
     assert main(["--print-config", "train.lr=1"]) == 2
     assert "unknown config key 'train.lr' (did you mean 'optim.lr'?)" in capsys.readouterr().err
+
+
+def test_model_config_is_gpt_config():
+    from megakern.config import ModelConfig
+
+    assert ModelConfig is GPTConfig and isinstance(load_config().model, ModelConfig)
