@@ -11,6 +11,7 @@ and say why in the commit.
 import json
 import math
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -170,6 +171,34 @@ def test_nonfinite_steps_are_skipped_then_halt(tmp_path, data_cache):
     halting.forward = lambda *a, **k: forward(*a, **k) * float("nan")
     with pytest.raises(TrainingHalted, match=r"3 steps in a row \(steps 1..3\) had a non-finite loss .* lower optim.lr"):
         halting.run()
+
+
+def _small_dataset(prefix: Path, seed: int, docs: int = 40) -> Path:
+    from megakern.data import load_tokenizer
+    from megakern.data.preprocess import preprocess_documents
+
+    rng = random.Random(seed)
+    words = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "value", "x", "print"]
+    texts = [" ".join(rng.choice(words) for _ in range(rng.randint(200, 400))) for _ in range(docs)]
+    preprocess_documents(texts, load_tokenizer("byte"), prefix, progress=False)
+    return prefix
+
+
+def test_blend_of_two_datasets(tmp_path, data_cache):
+    a, b = _small_dataset(tmp_path / "a", 1), _small_dataset(tmp_path / "b", 2)
+    t = trainer(tmp_path, data_cache, *TINY, f"data.paths=[{a}, {b}]", "data.weights=[3, 1]", "train.steps=3",
+                "eval.every=3", "checkpoint.final=false")
+    assert len(t.data.train) == 3 * 8 and "blend:" in t.data.description
+    result = t.run()
+    assert all(math.isfinite(v) for v in result.losses.values()) and 3 in result.eval_losses
+    with pytest.raises(DataError, match=r"tokenized by char.* a run needs one tokenizer"):
+        from megakern.data import CharTokenizer
+        from megakern.data.preprocess import preprocess_documents
+
+        preprocess_documents(["abc cab"] * 4, CharTokenizer("abc "), tmp_path / "c", progress=False)
+        trainer(tmp_path, data_cache, *TINY, f"data.paths=[{a}, {tmp_path / 'c'}]", name="mixed")
+    with pytest.raises(DataError, match="missing; datasets from megakern.data.preprocess carry their tokenizer"):
+        trainer(tmp_path, data_cache, *TINY, f"data.paths=[{tmp_path / 'nothing'}]", name="missing")
 
 
 def test_too_few_samples_is_an_error_at_start(tmp_path, data_cache):
