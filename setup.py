@@ -77,6 +77,7 @@ setup(
         "nvrtc": ["cupy-cuda12x", "numpy"],
         "dev": ["pytest", "triton>=3.0", "nvtx", "tqdm"],
     },
+    entry_points={"console_scripts": ["megakern-train=megakern.train:main"]},
     ext_modules=ext_modules,
     cmdclass={"build_py": build_py_with_kernels, **cmdclass},
     zip_safe=False,

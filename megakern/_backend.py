@@ -42,6 +42,9 @@ DEFAULTS: dict[str, tuple[tuple[int, tuple[str, ...]], ...]] = {
     # FP8 casts (megakern.fp8.quantize): Triton (every granularity), then the CUDA C++ cast (per tensor, through
     # NVRTC), then the reference. Not yet measured on the H200.
     "fp8_cast": ((1 << 30, ("triton", "cuda", "torch")),),
+    # Cross-entropy (size: the vocabulary): the Triton kernel, then the reference (fp32 logits of every row). Not yet
+    # measured on the H200 (benchmarks/bench_cross_entropy.py).
+    "cross_entropy": ((1 << 30, ("triton", "torch")),),
 }
 
 

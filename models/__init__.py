@@ -2,3 +2,6 @@
 
 Installed as ``megakern.models`` (the source folder is models/), so no top-level ``models`` package is installed.
 """
+from megakern.models.gpt import GPT, PRESETS, GPTConfig
+
+__all__ = ["GPT", "GPTConfig", "PRESETS"]  # generation: GPT.generate, or megakern.models.generate.generate

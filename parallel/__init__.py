@@ -1,5 +1,32 @@
-"""megakern.parallel: tensor, sequence, pipeline, data, context and expert parallelism on torch.distributed.
+"""megakern.parallel: tensor, sequence, pipeline, data and context parallelism on torch.distributed.
 
 Installed as ``megakern.parallel`` (the source folder is parallel/). Process groups and layouts are passed
 explicitly; nothing here holds module-level state.
+
+    dims = ParallelDims(tp=2, pp=2, cp=1)                  # dp = world // (tp * pp * cp)
+    pm = dims.build("cuda", timeout=600, agree={"config": cfg})
+    pmodel = parallelize(model, pm, cfg.parallel)          # -> ParallelModel
+    loss = pmodel.forward_backward(idx, targets)           # this dp rank's batch; the global mean loss
+    pmodel.clip_grad_norm_(1.0); opt.step(); opt.zero_grad()
 """
+from megakern.parallel.clip import clip_grad_norm_
+from megakern.parallel.context import RingAttention, cp_positions, cp_shard, cp_unshard, ring_attention
+from megakern.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megakern.parallel.dims import (MESH_DIMS, DisagreementError, ParallelDims, ParallelMesh, RendezvousError,
+                                    check_agreement, config_hash, init_distributed, versions)
+from megakern.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, linear_reduce
+from megakern.parallel.parallelize import Options, ParallelModel, parallelize
+from megakern.parallel.pipeline import PipelineChunk, cut_stage, stage_layout
+from megakern.parallel.tensor_parallel import TPInfo, apply_tensor_parallel
+from megakern.parallel.mappings import (copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp,
+                                        reduce_scatter_to_sp, scatter_to_sp, scatter_to_tp)
+
+__all__ = [
+    "MESH_DIMS", "ColumnParallelLinear", "DisagreementError", "Options", "ParallelDims", "ParallelMesh",
+    "ParallelModel", "PipelineChunk", "RendezvousError", "RingAttention", "RowParallelLinear", "TPInfo",
+    "VocabParallelEmbedding", "apply_tensor_parallel", "check_agreement", "clip_grad_norm_", "config_hash",
+    "cut_stage", "parallelize", "stage_layout",
+    "copy_to_tp", "cp_positions", "cp_shard", "cp_unshard", "gather_from_sp", "gather_from_tp", "init_distributed",
+    "linear_reduce", "reduce_from_tp", "reduce_scatter_to_sp", "ring_attention", "scatter_to_sp", "scatter_to_tp",
+    "versions", "vocab_parallel_cross_entropy",
+]

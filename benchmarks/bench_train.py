@@ -1,0 +1,286 @@
+"""Training throughput of a GPT-350M-shaped model: megakern's training step against Hugging Face GPT2LMHeadModel.
+
+Shape (GPT-2 medium): 24 layers, hidden 1024, 16 heads, sequence 1024, vocabulary 50304, micro-batch 16, bf16,
+learned positions, tied embeddings, no dropout. One step = forward + loss + backward + clip the gradient norm to
+1.0 + AdamW (fused) + zero the gradients, on one device.
+
+Providers, each built fresh and freed before the next:
+- ``megakern``: ``megakern.train.Trainer.train_step``, the training program's own step (bf16 weights with fp32
+  master weights, megakern's kernels, fused linear cross-entropy, one host sync per step for the non-finite check);
+  ``megakern-compile`` the same under torch.compile (train.compile=true).
+- ``hf-eager`` / ``hf-compile``: transformers' GPT2LMHeadModel (its default attention, SDPA), fp32 weights under
+  bf16 autocast (the mixed precision of HF's Trainer with bf16=True), fused AdamW, no host sync; eager or
+  torch.compile'd. Skipped with the reason where transformers is not installed.
+
+Figures per provider: tok/s = micro_batch * seq / (median step time over the timed steps, warm-up steps
+excluded; CUDA events between consecutive steps), model TFLOP/s = tok/s * F, MFU = model FLOP/s / the GPU's dense
+bf16 peak (megakern._log.PEAK_BF16_FLOPS), peak GiB = torch.cuda.max_memory_allocated over the provider's run.
+F = megakern's GPT.flops_per_token(seq) for every provider (same architecture): 6 N (N = matmul weights, the tied
+output projection included) + 12 * n_layer * n_embd * seq (attention; the causal half not discounted), 2.42 GFLOP per
+token for this shape. TFLOP/s rows also get a fraction of the same-run bf16 matmul roofline.
+
+    python -m benchmarks.bench_train                       # the 350M shape, all providers
+    python -m benchmarks.bench_train --providers megakern,hf-compile --steps 30
+    python -m benchmarks.bench_train --tiny --device cpu   # smoke test of the machinery (fp32, a tiny shape)
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import (RESULTS_DIR, Results, Unavailable, load_providers, measure_matmul_tflops,
+                               report_failure)
+
+BENCH = "train"
+
+
+@dataclass(frozen=True)
+class Shape:
+    n_layer: int
+    n_embd: int
+    n_head: int
+    seq: int
+    vocab: int
+    micro_batch: int
+
+    @property
+    def name(self) -> str:
+        return f"gpt {self.n_layer}x{self.n_embd} h{self.n_head} T{self.seq} V{self.vocab} B{self.micro_batch}"
+
+
+GPT_350M = Shape(n_layer=24, n_embd=1024, n_head=16, seq=1024, vocab=50304, micro_batch=16)
+TINY = Shape(n_layer=2, n_embd=64, n_head=2, seq=64, vocab=257, micro_batch=2)
+
+
+def flops_per_token(shape: Shape) -> float:
+    """megakern GPT's count for this shape (built on the meta device: no memory)."""
+    from megakern.models.gpt import GPT, GPTConfig
+
+    with torch.device("meta"):
+        model = GPT(_gpt_config(shape, GPTConfig))
+    return model.flops_per_token(shape.seq)
+
+
+def _gpt_config(shape: Shape, cls):
+    return cls.preset("gpt-350m", n_layer=shape.n_layer, n_embd=shape.n_embd, n_head=shape.n_head,
+                      max_seqlen=shape.seq, vocab_size=shape.vocab, dropout=0.0)
+
+
+class Step:
+    """A provider's model and optimizer: ``step()`` runs one training step; ``close()`` frees it."""
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class MegakernStep(Step):
+    def __init__(self, shape: Shape, device: torch.device, compile: bool):
+        from megakern.config import load_config
+        from megakern.train import Trainer
+
+        self._tmp = tempfile.TemporaryDirectory(prefix="bench_train-")
+        precision = "bf16" if device.type == "cuda" else "fp32"
+        overrides = [f"model.{k}={v}" for k, v in (("n_layer", shape.n_layer), ("n_embd", shape.n_embd),
+                                                   ("n_head", shape.n_head), ("max_seqlen", shape.seq),
+                                                   ("vocab_size", shape.vocab), ("dropout", 0.0))]
+        overrides += ["model.preset=gpt-350m", f"train.micro_batch_size={shape.micro_batch}", f"train.device={device}",
+                      f"train.precision={precision}", f"train.compile={str(compile).lower()}", "train.steps=1000",
+                      "train.grad_clip=1.0", "optim.fused=auto", "data.max_epochs=1000", "data.num_workers=1",
+                      "eval.every=0", "checkpoint.final=false", "train.sample_tokens=0", "log.tensorboard=false",
+                      "log.progress=false", f"log.run_dir={self._tmp.name}"]
+        self.trainer = Trainer(load_config(None, overrides), stream=open(Path(self._tmp.name) / "console", "w"))
+        self.batches = self.trainer._batches(self.trainer.data.train, 0, shape.micro_batch)
+
+    def step(self) -> None:
+        self.trainer.train_step(self.batches)
+        self.trainer.step += 1
+
+    def close(self) -> None:
+        self.trainer.logger.close()
+        del self.trainer, self.batches
+        self._tmp.cleanup()
+
+
+class HFStep(Step):
+    def __init__(self, shape: Shape, device: torch.device, compile: bool):
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(vocab_size=shape.vocab, n_positions=shape.seq, n_embd=shape.n_embd, n_layer=shape.n_layer,
+                            n_head=shape.n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                            tie_word_embeddings=True)
+        torch.manual_seed(0)
+        self.model = GPT2LMHeadModel(config).to(device).train()
+        self.forward = torch.compile(self.model) if compile else self.model
+        fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
+                                           **fused)
+        self.autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda"
+                         else contextlib.nullcontext())
+        generator = torch.Generator(device=device).manual_seed(0)
+        self.tokens = torch.randint(0, min(shape.vocab, 50257), (shape.micro_batch, shape.seq), device=device,
+                                    generator=generator)
+
+    def step(self) -> None:
+        with self.autocast:
+            loss = self.forward(input_ids=self.tokens, labels=self.tokens).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0, foreach=True)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def close(self) -> None:
+        del self.model, self.forward, self.optimizer, self.tokens
+
+
+def _megakern(compile: bool):
+    def load(device):
+        import megakern.train  # noqa: F401 (import errors name what is missing)
+
+        return lambda shape: MegakernStep(shape, device, compile)
+
+    return load
+
+
+def _hf(compile: bool):
+    def load(device):
+        try:
+            import transformers
+        except ImportError:
+            raise Unavailable("transformers is not installed (pip install transformers)") from None
+        if not hasattr(transformers, "GPT2LMHeadModel"):
+            raise Unavailable(f"transformers {transformers.__version__} has no GPT2LMHeadModel")
+        return lambda shape: HFStep(shape, device, compile)
+
+    return load
+
+
+PROVIDERS = {"megakern": _megakern(False), "megakern-compile": _megakern(True), "hf-eager": _hf(False),
+             "hf-compile": _hf(True)}
+
+
+def time_steps(step: Step, device: torch.device, warmup: int, steps: int) -> list[float]:
+    """Milliseconds of each of ``steps`` timed steps after ``warmup`` untimed ones: CUDA events between consecutive
+    steps (the device's time per step once the queue is steady), or perf_counter_ns on a CPU."""
+    for _ in range(warmup):
+        step.step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+        events[0].record()
+        for i in range(steps):
+            step.step()
+            events[i + 1].record()
+        torch.cuda.synchronize(device)
+        return [events[i].elapsed_time(events[i + 1]) for i in range(steps)]
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter_ns()
+        step.step()
+        times.append((time.perf_counter_ns() - start) / 1e6)
+    return times
+
+
+def run_provider(name: str, build, shape: Shape, device: torch.device, warmup: int, steps: int) -> dict:
+    """{'ms': median step, 'p20', 'p80', 'GiB': peak memory} of one provider, its model freed afterwards."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    step = build(shape)
+    try:
+        times = time_steps(step, device, warmup, steps)
+    finally:
+        step.close()
+        del step
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    deciles = statistics.quantiles(times, n=10, method="inclusive") if len(times) > 1 else times * 9
+    return {"ms": statistics.median(times), "p20": deciles[1], "p80": deciles[7], "GiB": peak}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", type=torch.device, default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--providers", type=lambda s: {p.strip() for p in s.split(",") if p.strip()},
+                        help=f"comma-separated, from {', '.join(PROVIDERS)} (default: all)")
+    parser.add_argument("--tiny", action="store_true", help="a tiny shape (smoke test; the default on a CPU)")
+    parser.add_argument("--quick", action="store_true", help="fewer steps (4 warm-up, 10 timed)")
+    parser.add_argument("--graph", action="store_true",
+                        help="accepted for scripts/device_check.sh; does not apply (whole training steps are timed)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 8; tiny 1)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 20; tiny 3)")
+    parser.add_argument("--micro-batch", type=int, default=None, help="override the shape's micro-batch")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results root (default: %(default)s)")
+    parser.add_argument("--no-save", action="store_true", help="print the table, write no CSV rows")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> Results:
+    args = parse_args(argv)
+    device = args.device
+    tiny = args.tiny or device.type != "cuda"
+    shape = TINY if tiny else GPT_350M
+    if args.micro_batch:
+        shape = Shape(**{**shape.__dict__, "micro_batch": args.micro_batch})
+    warmup = args.warmup if args.warmup is not None else (1 if tiny else 4 if args.quick else 8)
+    steps = args.steps if args.steps is not None else (3 if tiny else 10 if args.quick else 20)
+    if args.graph:
+        print("bench_train: --graph does not apply (whole training steps are timed, CUDA events between steps)")
+    if steps < 1 or warmup < 0:
+        raise SystemExit("--steps must be >= 1 and --warmup >= 0")
+    from megakern._log import peak_flops
+
+    peak, peak_note = peak_flops(device)
+    fpt = flops_per_token(shape)
+    tokens = shape.micro_batch * shape.seq
+    dtype = "bf16" if device.type == "cuda" else "fp32"
+    case = f"{shape.name} {dtype}"
+    print(f"{case}: {fpt / 1e9:.3f} GFLOP per token, {tokens} tokens per step, {warmup} warm-up + {steps} timed steps; "
+          f"peak {'n/a (' + peak_note + ')' if peak is None else f'{peak / 1e12:.1f} TFLOP/s'}")
+
+    results = Results(device)
+    results.add_roofline("TFLOP/s", measure_matmul_tflops(device))
+    providers = load_providers(PROVIDERS, device, args.providers)
+    for name, build in providers.items():
+        try:
+            figures = run_provider(name, build, shape, device, warmup, steps)
+        except Exception as exc:  # one provider failing (OOM, a compile error) does not stop the others
+            report_failure(name, case, exc)
+            continue
+        tok_s = tokens / (figures["ms"] / 1e3)
+        tflops = tok_s * fpt / 1e12
+        results.add(case, "train step", name, "ms", figures["ms"])
+        results.add(case, "train step", name, "tok/s", tok_s)
+        results.add(case, "train step", name, "TFLOP/s", tflops)
+        if peak is not None:
+            results.add(case, "train step", name, "MFU", tok_s * fpt / peak)
+        if device.type == "cuda":
+            results.add(case, "train step", name, "GiB", figures["GiB"])
+        mfu = f"{100 * tok_s * fpt / peak:.1f}%" if peak else "n/a"
+        print(f"{name:<18} {figures['ms']:9.2f} ms [p20 {figures['p20']:.2f}, p80 {figures['p80']:.2f}] "
+              f"{tok_s:12.0f} tok/s {tflops:8.1f} TFLOP/s MFU {mfu} peak {figures['GiB']:.2f} GiB")
+    if not args.no_save:
+        print(f"saved {results.save(BENCH, args.out)}")
+    for metric in ("tok/s", "TFLOP/s", "MFU", "GiB"):
+        if any(f[3] == metric for f in results.figures):
+            print()
+            print(results.markdown(metric))
+    return results
+
+
+if __name__ == "__main__":
+    main()

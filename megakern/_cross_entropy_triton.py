@@ -1,0 +1,125 @@
+"""Triton kernel of megakern.cross_entropy: per-row loss and d(loss)/d(logits) in one program per row.
+
+A program reads its row of logits twice in blocks of BLOCK_V: first for the running max and the running sum of
+exp (online softmax, fp32; with label smoothing also the running sum of the logits), which give the row's
+log-sum-exp and loss; then again to write the gradient, softmax - target distribution, times the row's scale,
+into GRAD (which may be LOGITS itself: the fused linear cross-entropy overwrites each chunk's logits with their
+gradient). Ignored rows (target == ignore_index) get loss 0 and a zero gradient.
+
+With ``softcap`` s the logits are first squashed, z = s * tanh(logit / s) (Gemma 2), and the gradient carries the
+extra factor 1 - tanh^2.
+
+Launchers take validated 2-D (rows, V) views with unit stride along V; tensors in, tensors out, no autograd.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from megakern._intmath import next_power_of_2
+
+MAX_BLOCK_V = 32768
+
+
+@triton.jit
+def _softcapped(z, softcap, HAS_SOFTCAP: tl.constexpr):
+    # softcap * tanh(z / softcap), tanh(u) = 1 - 2 / (exp(2u) + 1) (saturates to +-1 without overflow trouble)
+    if HAS_SOFTCAP:
+        z = softcap * (1.0 - 2.0 / (tl.exp(2.0 * z / softcap) + 1.0))
+    return z
+
+
+@triton.jit
+def _cross_entropy_kernel(
+    LOGITS, GRAD, TARGETS, LOSS, LSE, SCALE,
+    stride_ln, stride_gn,
+    V, ignore_index, label_smoothing, softcap,
+    HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    logits = LOGITS + row * stride_ln
+    target = tl.load(TARGETS + row).to(tl.int64)
+    cols = tl.arange(0, BLOCK_V)
+    if target == ignore_index:
+        tl.store(LOSS + row, 0.0)
+        tl.store(LSE + row, 0.0)
+        if HAS_GRAD:
+            for start in range(0, V, BLOCK_V):
+                tl.store(GRAD + row * stride_gn + start + cols,
+                         tl.zeros([BLOCK_V], tl.float32).to(GRAD.dtype.element_ty), mask=start + cols < V)
+    else:
+        # pass 1: running max m and running sum d of exp(z - m), in fp32; the sum of z for label smoothing
+        m = tl.full([], float("-inf"), tl.float32)
+        d = tl.full([], 0.0, tl.float32)
+        z_sum = tl.full([], 0.0, tl.float32)
+        for start in range(0, V, BLOCK_V):
+            mask = start + cols < V
+            z = tl.load(logits + start + cols, mask=mask, other=float("-inf")).to(tl.float32)
+            if HAS_SOFTCAP:
+                z = tl.where(mask, _softcapped(z, softcap, HAS_SOFTCAP), float("-inf"))
+            m_new = tl.maximum(m, tl.max(z, axis=0))
+            d = d * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+            if HAS_SMOOTHING:
+                z_sum += tl.sum(tl.where(mask, z, 0.0), axis=0)
+            m = m_new
+        lse = m + tl.log(d)
+        # a target outside [0, V) (unchecked when traced by torch.compile) reads nothing and makes the loss NaN
+        in_range = (target >= 0) & (target < V)
+        z_t = _softcapped(tl.load(logits + target, mask=in_range, other=float("nan")).to(tl.float32), softcap,
+                          HAS_SOFTCAP)
+        # loss = (1 - eps) (lse - z_t) + eps (lse - mean(z))
+        loss = lse - z_t
+        if HAS_SMOOTHING:
+            loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - z_sum / V)
+        tl.store(LOSS + row, loss)
+        tl.store(LSE + row, lse)
+        # pass 2: grad = (softmax(z) - (1 - eps) onehot(target) - eps / V) * scale [* (1 - tanh^2)]
+        if HAS_GRAD:
+            scale = tl.load(SCALE).to(tl.float32)
+            for start in range(0, V, BLOCK_V):
+                mask = start + cols < V
+                z = tl.load(logits + start + cols, mask=mask, other=0.0).to(tl.float32)
+                z = _softcapped(z, softcap, HAS_SOFTCAP)
+                g = tl.exp(z - lse)
+                if HAS_SMOOTHING:
+                    g = g - label_smoothing / V
+                    g = tl.where(start + cols == target, g - (1.0 - label_smoothing), g)
+                else:
+                    g = tl.where(start + cols == target, g - 1.0, g)
+                if HAS_SOFTCAP:
+                    t = z / softcap
+                    g = g * (1.0 - t * t)
+                tl.store(GRAD + row * stride_gn + start + cols, (g * scale).to(GRAD.dtype.element_ty), mask=mask)
+
+
+def block_v(vocab: int, device: torch.device) -> tuple[int, int]:
+    """(BLOCK_V, num_warps) for a row of ``vocab`` logits: whole rows up to 32768 on a GPU (one pass over a row per
+    loop), 32 warps for the long ones; small blocks under the interpreter."""
+    if device.type != "cuda":
+        return min(next_power_of_2(vocab), 64), 4
+    block = min(next_power_of_2(vocab), MAX_BLOCK_V)
+    return block, (32 if block >= 16384 else 16 if block >= 4096 else 8 if block >= 1024 else 4)
+
+
+def fwd(logits: torch.Tensor, targets: torch.Tensor, grad: torch.Tensor | None, scale: torch.Tensor | None,
+        ignore_index: int, label_smoothing: float, softcap: float | None, block: int | None = None):
+    """(loss, lse), each (rows,) fp32; writes the gradient (times ``scale``, a 1-element tensor) into ``grad`` (which
+    may be ``logits``) when given. ``logits`` (rows, V), ``grad`` the same shape, unit stride along V."""
+    rows, vocab = logits.shape
+    loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    if rows == 0:
+        return loss, lse
+    block_size, warps = block_v(vocab, logits.device)
+    if block is not None:
+        block_size = block
+    has_grad = grad is not None
+    _cross_entropy_kernel[(rows,)](
+        logits, grad if has_grad else logits, targets, loss, lse, scale if has_grad else loss,
+        logits.stride(0), grad.stride(0) if has_grad else 0,
+        vocab, ignore_index, float(label_smoothing), float(softcap or 1.0),
+        HAS_SMOOTHING=label_smoothing > 0, HAS_SOFTCAP=softcap is not None, HAS_GRAD=has_grad, BLOCK_V=block_size,
+        num_warps=warps,
+    )
+    return loss, lse

@@ -1,0 +1,911 @@
+"""megakern's training program: a GPT built from megakern's kernels, trained on one device (or under torchrun).
+
+    python -m megakern.train                                   # gpt-tiny on the default corpus: minutes on a CPU
+    megakern-train --config configs/gpt-125m.yaml optim.lr=6e-4 train.steps=5000
+    megakern-train --config configs/gpt-tiny.yaml --profile    # a few steps under torch.profiler -> profiles/
+    megakern-train --help-config                               # every config key, its type, default and doc
+
+Flow: config (megakern.config) -> data (megakern.data: the default corpus or PREFIX.bin/.idx files, split by
+documents into train / held-out, GPTDataset or BlendedDataset, PretrainingSampler) -> model (GPT on the meta device,
+materialized and initialized once) -> precision (fp32 | bf16 autocast | bf16 weights with fp32 master weights) ->
+optional FP8 linears and torch.compile -> megakern.parallel.parallelize where ranks > 1 -> AdamW + LR schedule ->
+resume from a checkpoint -> the loop -> final eval, checkpoint and a text sample.
+
+One optimizer step, with A = global_batch / (micro_batch x data-parallel size) accumulation steps:
+
+    for each of A micro-batches:   data -> forward (loss, mean over its tokens) -> backward of loss / A
+    grad norm (clipped to train.grad_clip) -> one host sync for (loss, norm)
+    finite: AdamW step at the schedule's lr;  not finite: the step is skipped and counted, and
+    train.max_nonfinite skipped steps in a row stop the run with an error saying what to change
+
+Over several ranks (torchrun) the model is megakern.parallel's ParallelModel: a rank draws its whole step batch
+(A micro-batches) and ``forward_backward`` cuts it into parallel.microbatches (pipeline micro-batches or
+accumulation), returning the global mean loss; clipping spans every group. Checkpoints hold the single model's names
+and shapes, so a run may resume under another layout (or in one process).
+
+Every stage is checked before step 1: the config's keys and types, the log sinks (ASSUMPTIONS 29), the samples the
+run needs against what the data holds within data.max_epochs (26), eval lengths against model.max_seqlen (28),
+DataLoader workers against the CPUs (32), the data fingerprint against a resumed checkpoint's (34) and across
+data-parallel ranks (12). Timings are perf_counter_ns (1, 9).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import functools
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megakern import _nvtx
+from megakern._log import LoggerError, RunLogger, format_count, memory_gib, peak_flops
+from megakern.checkpoint import (CheckpointError, CheckpointManager, checkpoint_keys, init_optimizer_state,
+                                 load_optimizer_state_dict, optimizer_state_dict)
+from megakern.config import ConfigError, TrainConfig, describe_fields, load_config, to_dict, to_yaml
+from megakern.data import (BlendedDataset, DataError, GPTDataset, IndexedDataset, PretrainingSampler,
+                           build_dataloader, check_ranks_agree, ensure_default_dataset, load_tokenizer)
+from megakern.schedule import LRSchedule
+
+# Model fields that do not change the parameters: a checkpoint loads across changes of these.
+RUNTIME_MODEL_FIELDS = ("kernels", "recompute", "ce_chunk", "dropout")
+
+
+class TrainingHalted(RuntimeError):
+    """The run stopped on purpose (too many non-finite steps); the message says why and what to try."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data: documents split into train / held-out, samples, batches.
+
+class DocumentSubset:
+    """Some documents of an IndexedDataset, seen as a dataset of its own (what GPTDataset reads: sizes, get,
+    num_tokens, fingerprint, prefix, check_unmodified)."""
+
+    def __init__(self, indexed: IndexedDataset, docs: np.ndarray, split: str):
+        self.indexed, self.docs, self.split = indexed, np.asarray(docs, dtype=np.int64), split
+        self.sizes = indexed.sizes[self.docs]
+        self.num_tokens = int(self.sizes.sum())
+        self.prefix = indexed.prefix.with_name(f"{indexed.prefix.name}-{split}")
+        digest = hashlib.sha256(indexed.fingerprint.encode() + self.docs.tobytes()).hexdigest()
+        self.fingerprint = digest[:16]
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+    def get(self, doc: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        return self.indexed.get(int(self.docs[doc]), offset, length)
+
+    def check_unmodified(self) -> None:
+        self.indexed.check_unmodified()
+
+
+def split_documents(indexed: IndexedDataset, valid_fraction: float, seed: int) -> tuple[DocumentSubset, ...]:
+    """(train, valid): a seeded permutation of the documents, the first round(valid_fraction * D) (at least one)
+    held out; each part keeps the documents' original order."""
+    n = len(indexed)
+    if n < 2:
+        raise DataError(f"{indexed.prefix}: {n} document(s); holding out data.valid_fraction needs at least 2")
+    perm = np.random.default_rng((seed, 2)).permutation(n)
+    n_valid = min(max(1, round(valid_fraction * n)), n - 1)
+    return (DocumentSubset(indexed, np.sort(perm[n_valid:]), "train"),
+            DocumentSubset(indexed, np.sort(perm[:n_valid]), "valid"))
+
+
+@dataclass
+class Data:
+    """What the run reads: datasets, tokenizer and the fingerprint recorded in checkpoints."""
+
+    train: torch.utils.data.Dataset
+    valid: torch.utils.data.Dataset
+    tokenizer: object
+    fingerprint: str
+    description: str
+
+
+def _dataset_prefixes(config: TrainConfig, log) -> tuple[list[Path], object]:
+    """The dataset prefixes and their common tokenizer."""
+    d = config.data
+    if not d.paths:
+        tokenizer = load_tokenizer(d.tokenizer)
+        prefix = ensure_default_dataset(d.cache_dir, tokenizer)
+        log(f"data: the default corpus, {tokenizer.name} tokens, at {prefix}")
+        return [prefix], tokenizer
+    prefixes, tokenizer = [Path(p) for p in d.paths], None
+    for prefix in prefixes:
+        spec = prefix.with_name(prefix.name + ".tokenizer.json")
+        try:
+            this = load_tokenizer(json.loads(spec.read_text()))
+        except FileNotFoundError:
+            raise DataError(f"{spec}: missing; datasets from megakern.data.preprocess carry their tokenizer there")
+        if tokenizer is not None and this.name != tokenizer.name:
+            raise DataError(f"{prefix} was tokenized by {this.name}, {prefixes[0]} by {tokenizer.name}; a run "
+                            "needs one tokenizer")
+        tokenizer = this
+    return prefixes, tokenizer
+
+
+def build_data(config: TrainConfig, *, seq_length: int, eval_seq_length: int, train_samples: int,
+               eval_samples: int, log=print) -> Data:
+    """Train and held-out datasets for the run (checks in the module doc); DataError or ConfigError naming keys."""
+    d, seed = config.data, config.train.seed
+    prefixes, tokenizer = _dataset_prefixes(config, log)
+    if tokenizer.vocab_size > config.model.vocab_size:
+        raise ConfigError(f"model.vocab_size {config.model.vocab_size} is smaller than the tokenizer's "
+                          f"{tokenizer.vocab_size} ids ({tokenizer.name}); set model.vocab_size={tokenizer.vocab_size}")
+    splits = [split_documents(IndexedDataset(p, vocab_size=tokenizer.vocab_size), d.valid_fraction, d.split_seed)
+              for p in prefixes]
+    cache = d.index_cache_dir
+
+    if len(prefixes) == 1:
+        train_docs, valid_docs = splits[0]
+        per_epoch = (train_docs.num_tokens - 1) // seq_length
+        if per_epoch < 1:
+            raise DataError(f"{prefixes[0]}: {train_docs.num_tokens} training tokens, fewer than one sample of "
+                            f"{seq_length} + 1")
+        epochs = -(-train_samples // per_epoch)
+        if epochs > d.max_epochs:  # ASSUMPTIONS 26: say so now, not after an endless or repeated pass
+            raise DataError(
+                f"the run needs {train_samples} samples (train.steps x global batch) of {seq_length} tokens; the "
+                f"training split holds {per_epoch} per epoch ({train_docs.num_tokens} tokens), so {epochs} epochs, "
+                f"but data.max_epochs={d.max_epochs}: set data.max_epochs={epochs} to repeat the data, or lower "
+                f"train.steps to {d.max_epochs * per_epoch // max(train_samples // config.train.steps, 1)}")
+        # whole epochs, so that the sample order (and the fingerprint) does not depend on train.steps
+        train = GPTDataset(train_docs, seq_length, epochs * per_epoch, seed, cache_dir=cache, max_epochs=epochs,
+                           name=train_docs.prefix.name)
+        valid = GPTDataset(valid_docs, eval_seq_length, eval_samples, seed, cache_dir=cache,
+                           name=valid_docs.prefix.name + f"-{eval_seq_length}")
+        description = (f"{train_docs.prefix.name}: {len(train_docs)} documents, {format_count(train_docs.num_tokens)} "
+                       f"tokens ({len(valid_docs)} documents held out), {len(train)} samples of {seq_length} "
+                       f"({epochs} epoch{'s' * (epochs > 1)})")
+    else:
+        weights = d.weights or [1.0] * len(prefixes)
+
+        def factories(part: int, length: int, max_epochs: int, suffix: str):
+            return [functools.partial(_component, s[part], length, cache, max_epochs, s[part].prefix.name + suffix)
+                    for s in splits]
+
+        train = BlendedDataset(factories(0, seq_length, d.max_epochs, ""), weights, train_samples, seed=seed)
+        valid = BlendedDataset(factories(1, eval_seq_length, 1, f"-{eval_seq_length}"), weights, eval_samples,
+                               seed=seed)
+        description = "blend:\n" + train.describe()
+    # what fixes the training samples' order (the held-out set depends on eval sizes, not recorded)
+    fingerprint = hashlib.sha256(f"{train.fingerprint}:{tokenizer.name}".encode()).hexdigest()
+    return Data(train, valid, tokenizer, fingerprint[:32], description)
+
+
+def _component(docs: DocumentSubset, seq_length: int, cache, max_epochs: int, name: str, count: int, seed: int):
+    return GPTDataset(docs, seq_length, count, seed, cache_dir=cache, max_epochs=max_epochs, name=name)
+
+
+@dataclass
+class Batch:
+    """One micro-batch on the device: inputs and targets (B, T) int64; with packed documents cu_seqlens
+    (ndocs + 1,) int32 over the B * T tokens and its longest document."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    cu_seqlens: torch.Tensor | None = None
+    max_seqlen: int | None = None
+
+    def model_kwargs(self) -> dict:
+        return {} if self.cu_seqlens is None else {"cu_seqlens": self.cu_seqlens, "max_seqlen": self.max_seqlen}
+
+
+def document_offsets(inputs: torch.Tensor, eod_id: int) -> tuple[torch.Tensor, int]:
+    """cu_seqlens (int32) of the documents in (B, T) ``inputs`` flattened: a document ends after each eod token and
+    at each row's end; and the longest document's length."""
+    B, T = inputs.shape
+    flat = inputs.reshape(-1)
+    ends = torch.nonzero(flat == eod_id).flatten() + 1
+    rows = torch.arange(1, B + 1, dtype=ends.dtype) * T
+    bounds = torch.unique(torch.cat([torch.zeros(1, dtype=ends.dtype), ends, rows]))
+    return bounds.to(torch.int32), int(torch.diff(bounds).max())
+
+
+def to_batch(sample: dict, device: torch.device, eod_id: int | None) -> Batch:
+    tokens = sample["tokens"]
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    cu, longest = document_offsets(inputs, eod_id) if eod_id is not None else (None, None)
+    non_blocking = device.type == "cuda"
+    return Batch(inputs.to(device, non_blocking=non_blocking), targets.to(device, non_blocking=non_blocking),
+                 None if cu is None else cu.to(device, non_blocking=non_blocking), longest)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Devices, precision, optimizer.
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"train.device={name!r} but CUDA is not available (torch {torch.__version__})")
+        if device.index is None:
+            device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    return device
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    if precision == "auto":
+        return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+    if precision != "fp32" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError(f"train.precision={precision!r}: {torch.cuda.get_device_name(device)} has no bf16")
+    return precision
+
+
+EMBEDDINGS = ("wte.weight", "wpe.weight")
+
+
+def param_groups(named_parameters, config, *, tied: bool) -> list[dict]:
+    """AdamW groups from (name, parameter) pairs: matrices decayed (the embeddings wte/wpe, and a tied output head,
+    only with optim.decay_embeddings), norm weights and biases not. Each parameter once."""
+    embeddings = EMBEDDINGS + (("lm_head.weight",) if tied else ())
+    decay, no_decay, seen = [], [], set()
+    for name, p in named_parameters:
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        if p.ndim >= 2 and (config.decay_embeddings or name not in embeddings):
+            decay.append(p)
+        else:
+            no_decay.append(p)
+    return [{"params": decay, "weight_decay": config.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def optimizer_kwargs(config, device: torch.device) -> dict:
+    """torch.optim.AdamW's arguments; optim.fused='auto' takes the fused kernel on CUDA, foreach elsewhere."""
+    impl = config.fused
+    if impl == "auto":
+        impl = "fused" if device.type == "cuda" else "foreach"
+    kwargs = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
+    return dict(lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps, **kwargs)
+
+
+def fp8_recipe(name: str):
+    from megakern import fp8
+
+    return {"delayed": fp8.DelayedScaling, "current": fp8.CurrentScaling, "block": fp8.BlockScaling}[name]()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Distributed: world size 1 needs nothing; more ranks go through megakern.parallel.
+
+@dataclass
+class Dist:
+    """This process's place: global rank and world size, the data-parallel rank and size the sampler uses, and
+    megakern.parallel's mesh (None for a single process)."""
+
+    rank: int = 0
+    world: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
+    mesh: object = None
+
+    @property
+    def writer(self) -> bool:
+        return self.rank == 0
+
+
+def setup_distributed(config: TrainConfig, device: torch.device) -> Dist:
+    """One process with every parallel size 1: no process group. Otherwise (torchrun, or sizes > 1)
+    megakern.parallel's ParallelDims builds the groups, with the rendezvous timeout and a check that every rank
+    runs the same config."""
+    p = config.parallel
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1 and max(p.tp, p.pp, p.cp) == 1 and p.dp in (-1, 1) and not dist.is_initialized():
+        return Dist()
+    if world == 1 and not dist.is_initialized():
+        raise ConfigError(f"parallel sizes tp={p.tp} pp={p.pp} dp={p.dp} cp={p.cp} need several ranks; launch with "
+                          f"torchrun --nproc-per-node N -m megakern.train ...")
+    try:
+        from megakern.parallel import ParallelDims
+    except ImportError as exc:
+        raise ConfigError(f"a run over {world} ranks (parallel: tp={p.tp} pp={p.pp} dp={p.dp} cp={p.cp}) needs "
+                          f"megakern.parallel, which cannot be imported ({exc})") from None
+    try:
+        mesh = ParallelDims(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp).build(
+            device.type, timeout=p.init_timeout_s, agree={"config": to_dict(config)})
+    except ValueError as exc:
+        raise ConfigError(f"parallel: {exc}") from None
+    return Dist(rank=mesh.rank, world=mesh.dims.world_size, dp_rank=mesh.dp_rank, dp_size=mesh.dims.dp, mesh=mesh)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+@dataclass
+class RunResult:
+    """What ``Trainer.run`` returns: per-step training losses, eval losses, counters and the final sample."""
+
+    losses: dict[int, float] = field(default_factory=dict)   # step (1-based) -> loss, skipped steps included
+    eval_losses: dict[int, float] = field(default_factory=dict)
+    skipped_steps: list[int] = field(default_factory=list)
+    final_step: int = 0
+    checkpoint: str | None = None
+    sample: str | None = None
+    profile_dir: str | None = None
+
+
+class Trainer:
+    """Builds everything a run needs from ``config`` (failing before step 1 on anything that would fail later) and
+    runs it with ``run()``. ``profile``: run log.profile_wait + warmup + active steps under torch.profiler and stop.
+    """
+
+    def __init__(self, config: TrainConfig, *, profile: bool = False, stream=None):
+        self.config, self.profiling = config, profile
+        c, t = config, config.train
+        t0 = time.perf_counter_ns()
+        self.device = resolve_device(t.device, int(os.environ.get("LOCAL_RANK", "0")))
+        self.env = setup_distributed(c, self.device)
+        self.parallel = self.env.mesh is not None
+        self.precision = resolve_precision(t.precision, self.device)
+        if self.parallel:
+            self._check_parallel_options()
+
+        # run directory, logger (ASSUMPTIONS 29: every sink checked now), resolved config printed and saved
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        self.run_dir = Path(c.log.run_dir) if c.log.run_dir else Path("runs") / stamp
+        self.ckpt_dir = Path(c.checkpoint.dir) if c.checkpoint.dir else self.run_dir / "checkpoints"
+        self.logger = RunLogger(self.run_dir, tensorboard=c.log.tensorboard, progress=c.log.progress,
+                                total_steps=t.steps, enabled=self.env.writer, stream=stream)
+        self.log = self.logger.line
+        self.config_yaml = to_yaml(c)
+        if self.env.writer:
+            (self.run_dir / "config.yaml").write_text(self.config_yaml)
+            self.log("resolved config:\n" + self.config_yaml.rstrip())
+            layout = (f"{self.env.world} ranks (tp {c.parallel.tp}, pp {c.parallel.pp}, cp {c.parallel.cp}, dp "
+                      f"{self.env.dp_size})" if self.parallel else "1 process")
+            self.log(f"run directory {self.run_dir}; device {self.device}, precision {self.precision}, {layout}")
+
+        # batch arithmetic: a step is accum micro-batches of micro_batch_size on each data-parallel rank
+        self.seq_length = t.seq_length or c.model.max_seqlen
+        self.eval_seq_length = c.eval.seq_length or self.seq_length
+        micro_total = t.micro_batch_size * self.env.dp_size
+        self.global_batch = t.global_batch_size or micro_total
+        if self.global_batch % micro_total:
+            raise ConfigError(f"train.global_batch_size {self.global_batch} is not a multiple of train.micro_batch_size "
+                              f"{t.micro_batch_size} x data-parallel size {self.env.dp_size} = {micro_total}")
+        self.accum = self.global_batch // micro_total
+        self.eval_mbs = c.eval.micro_batch_size or t.micro_batch_size
+        # megakern.parallel takes a rank's whole step batch and cuts it into its micro-batches itself
+        self.microbatches = (c.parallel.microbatches or self.accum) if self.parallel else 1
+        self.draw = t.micro_batch_size * self.accum if self.parallel else t.micro_batch_size
+        self.eval_draw = self.eval_mbs * self.microbatches
+        if self.parallel and self.draw % self.microbatches:
+            raise ConfigError(f"parallel.microbatches {self.microbatches} does not divide a rank's step batch of "
+                              f"{self.draw} sequences (train.global_batch_size / data-parallel size)")
+        self.tokens_per_step = self.global_batch * self.seq_length
+
+        # seeds: the same weights on every rank; dropout streams differ per rank
+        torch.manual_seed(t.seed + self.env.rank)
+        random.seed(t.seed + self.env.rank)
+        np.random.seed((t.seed + self.env.rank) % 2**32)
+
+        # data
+        self.data = build_data(c, seq_length=self.seq_length, eval_seq_length=self.eval_seq_length,
+                               train_samples=t.steps * self.global_batch,
+                               eval_samples=c.eval.batches * self.eval_draw * self.env.dp_size, log=self.log)
+        self.log(f"data: {self.data.description}; fingerprint {self.data.fingerprint}")
+        self.eod_id = self.data.tokenizer.eod_id if c.data.packed_documents else None
+        try:  # the final sample's prompt, checked now rather than after the run
+            self.prompt_ids = self.data.tokenizer.encode(t.sample_prompt) or [self.data.tokenizer.eod_id]
+        except ValueError as exc:
+            raise ConfigError(f"train.sample_prompt {t.sample_prompt!r}: {exc}") from None
+
+        # model: built on the meta device, materialized once (whole, or this rank's shards), seeded init
+        from megakern.models.gpt import GPT
+
+        with torch.device("meta"):
+            model = GPT(c.model)
+        self.flops_per_token = model.flops_per_token(self.seq_length)
+        n_params, n_body = model.num_params(), model.num_params(exclude_embeddings=True)
+        generator = torch.Generator().manual_seed(t.seed)
+        if self.parallel:
+            from megakern.parallel import parallelize
+
+            try:
+                self.pmodel = parallelize(model, self.env.mesh, c.parallel, generator=generator,
+                                          microbatches=self.microbatches)
+            except ValueError as exc:
+                raise ConfigError(f"parallel: {exc}") from None
+            self.model = self.pmodel.gpts[0]
+            named = list(self.pmodel.named_parameters())
+        else:
+            self.pmodel = None
+            model.to_empty(device=self.device)
+            model.init_weights(generator=generator)
+            if t.fp8 != "none":
+                from megakern import fp8
+
+                fp8.convert_linears(model.blocks, recipe=fp8_recipe(t.fp8))
+            self.model = model
+            named = list(model.named_parameters())
+        self.has_fp8 = any(type(m).__module__ == "megakern.fp8" and type(m).__name__ == "Linear"
+                           for m in self.model.modules())
+        self.peak, peak_note = peak_flops(self.device)
+        if self.peak is None:
+            self.log(f"MFU: n/a ({peak_note})")
+
+        # precision: bf16 parameters get fp32 master weights, which the optimizer updates
+        groups = param_groups(named, c.optim, tied=c.model.tie_embeddings)
+        self.names = {}
+        for name, p in named:
+            self.names.setdefault(p, name)
+        self.masters = None
+        if self.precision == "bf16":
+            self.masters = {}
+            for g in groups:
+                g["params"] = [self.masters.setdefault(p, p.detach().float().clone().requires_grad_())
+                               for p in g["params"]]
+            with torch.no_grad():
+                for p in self.masters:
+                    p.data = p.data.to(torch.bfloat16)
+            self.opt_names = {m: self.names[p] for p, m in self.masters.items()}
+        else:
+            self.opt_names = dict(self.names)
+        self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.precision == "bf16-autocast"
+                         else contextlib.nullcontext())
+
+        self.forward = torch.compile(self.model) if t.compile else self.model
+        kwargs = optimizer_kwargs(c.optim, self.device)
+        self.optimizer = (self.pmodel.build_optimizer(torch.optim.AdamW, params=groups, **kwargs) if self.parallel
+                          else torch.optim.AdamW(groups, **kwargs))
+        self.schedule = LRSchedule(c.schedule, lr=c.optim.lr, total_steps=t.steps)
+        self.log(f"model: {n_params / 1e6:.2f}M parameters ({n_body / 1e6:.2f}M without embeddings), "
+                 f"{self.flops_per_token / 1e6:.1f} MFLOP per token; global batch {self.global_batch} x "
+                 f"{self.seq_length} tokens = {self.accum} accumulation step(s) of {t.micro_batch_size} x "
+                 f"{self.env.dp_size} data-parallel rank(s)")
+
+        # checkpoints and resume; then every rank must agree on the data and where it starts (ASSUMPTIONS 12)
+        self.manager = CheckpointManager(self.ckpt_dir, keep=c.checkpoint.keep, log=self.log)
+        self.step, self.consumed_samples, self.nonfinite_total = 0, 0, 0
+        self._resume()
+        check_ranks_agree(self.data.fingerprint, self.consumed_samples, timeout=c.parallel.init_timeout_s)
+        self.log(f"ready in {(time.perf_counter_ns() - t0) / 1e9:.1f} s")
+
+    def _check_parallel_options(self) -> None:
+        """What the single-process trainer supports and megakern.parallel runs do not (yet): refused by name."""
+        c, problems = self.config, []
+        if self.config.train.precision == "auto":
+            self.precision = "bf16-autocast" if self.precision == "bf16" else self.precision
+        if self.precision == "bf16":
+            problems.append("train.precision=bf16 (fp32 master weights) is single-process only; use bf16-autocast")
+        if c.train.fp8 != "none":
+            problems.append("train.fp8 is single-process only")
+        if c.train.compile:
+            problems.append("train.compile is single-process only")
+        if c.data.packed_documents:
+            problems.append("data.packed_documents is single-process only")
+        if problems:
+            raise ConfigError(f"a run over {self.env.world} ranks: " + "; ".join(problems))
+
+    # -- checkpoints ----------------------------------------------------------------------------------------------
+    def _tensor_tree(self, saved_keys: set[str] | None = None) -> dict:
+        """The DCP tree: {"model": {name: parameter}, "optim": {...}, "master": {name: fp32 master} (bf16 runs),
+        "buffers": {...} (FP8 scaling state)}, in the single model's names (and, in parallel runs, full shapes
+        as DTensors), so checkpoints move between layouts. For a load (``saved_keys``: the checkpoint's keys), the
+        weights this run trains (masters, or the parameters) load from the checkpoint's masters when it has them,
+        else from its model."""
+        loading = saved_keys is not None
+        if self.parallel:
+            tree = self.pmodel.checkpoint_state(self.optimizer, for_load=loading)
+        else:
+            if loading:
+                init_optimizer_state(self.optimizer)
+            params = {name: p.detach() for p, name in self.names.items()}
+            tree = {"model": params, "optim": optimizer_state_dict(self.optimizer, self.opt_names)}
+            if self.masters is not None:
+                tree["master"] = {self.names[p]: m.detach() for p, m in self.masters.items()}
+            buffers = {k: v for k, v in self.model.state_dict().items() if k not in params}
+            if buffers:
+                tree["buffers"] = buffers
+        if not loading:
+            return tree
+        trained = tree.pop("master") if "master" in tree else tree["model"]
+        tree.pop("model")
+        source = "master" if any(k.startswith("master.") for k in saved_keys) else "model"
+        tree[source] = trained
+        if "buffers" in tree and not any(k.startswith("buffers.") for k in saved_keys):
+            self.log("note: the checkpoint has no FP8 scaling state; it starts fresh")
+            tree.pop("buffers")
+        return tree
+
+    def _state(self) -> dict:
+        return {"consumed_samples": self.consumed_samples, "global_batch": self.global_batch,
+                "seq_length": self.seq_length, "data_fingerprint": self.data.fingerprint,
+                "schedule": self.schedule.state_dict(), "nonfinite_total": self.nonfinite_total,
+                "precision": self.precision, "world_size": self.env.world, "dp_size": self.env.dp_size,
+                "config": to_dict(self.config)}
+
+    def save(self) -> Path:
+        path = self.manager.save(self.step, self._tensor_tree(), state=self._state(),
+                                 files={"config.yaml": self.config_yaml})
+        self.log(f"checkpoint: {path}")
+        return path
+
+    def _resume(self) -> None:
+        c = self.config.checkpoint
+        if c.resume is None:
+            return
+        if c.resume == "auto":
+            path = self.manager.latest()
+            if path is None:
+                self.log(f"checkpoint.resume=auto: no checkpoint in {self.ckpt_dir}; starting fresh")
+                return
+        else:
+            path = CheckpointManager.resolve(c.resume)
+            if path is None:
+                raise CheckpointError(f"checkpoint.resume={c.resume!r}: no complete checkpoint there")
+        self._check_compatible(path)
+        tree = self._tensor_tree(saved_keys=checkpoint_keys(path))
+        state = self.manager.load(path, tree, verify=c.verify)
+        if not self.parallel:
+            load_optimizer_state_dict(self.optimizer, self.opt_names, tree["optim"])
+        if self.masters is not None:
+            self._copy_masters()
+        if state["data_fingerprint"] != self.data.fingerprint:  # ASSUMPTIONS 34
+            message = (f"the data's fingerprint {self.data.fingerprint} differs from the checkpoint's "
+                       f"{state['data_fingerprint']} ({path}): other files, split, seed or sequence length, so the "
+                       "sample order would not continue the checkpoint's")
+            if not self.config.data.allow_fingerprint_change:
+                raise DataError(message + "; set data.allow_fingerprint_change=true to resume anyway")
+            warnings.warn(message, stacklevel=2)
+        if differences := self.schedule.differences(state["schedule"]):
+            self.log("note: the LR schedule differs from the checkpoint's: " + "; ".join(differences))
+        if state["global_batch"] != self.global_batch:
+            self.log(f"note: global batch {self.global_batch}, the checkpoint's was {state['global_batch']}")
+        if state.get("world_size", 1) != self.env.world:
+            self.log(f"note: {self.env.world} rank(s), the checkpoint was saved by {state['world_size']}")
+        self.step, self.consumed_samples = int(state["step"]), int(state["consumed_samples"])
+        self.nonfinite_total = int(state.get("nonfinite_total", 0))
+        if self.consumed_samples + (self.config.train.steps - self.step) * self.global_batch > len(self.data.train):
+            raise DataError(f"resuming at step {self.step} ({self.consumed_samples} samples consumed) to step "
+                            f"{self.config.train.steps} needs more samples than the data's {len(self.data.train)}")
+        self.log(f"resumed from {path} at step {self.step} ({self.consumed_samples} samples consumed)")
+
+    def _check_compatible(self, path: Path) -> None:
+        """CheckpointError naming the model fields that differ (before DCP reports mismatched shapes)."""
+        from megakern.config import read_yaml
+
+        saved = read_yaml(path / "config.yaml").get("model", {})
+        now = to_dict(self.config)["model"]
+        differ = [f"model.{k}: {saved.get(k)!r} in the checkpoint, {v!r} now" for k, v in now.items()
+                  if k not in RUNTIME_MODEL_FIELDS and saved.get(k) != v]
+        if differ:
+            raise CheckpointError(f"{path} holds another model:\n  " + "\n  ".join(differ))
+
+    @torch.no_grad()
+    def _accumulate_master_grads(self, first: bool) -> None:
+        """fp32 master gradients (allocated once) += the bf16 gradients of this micro-batch (= on the first); the
+        bf16 gradients are then dropped."""
+        pairs = [(m, p.grad) for p, m in self.masters.items() if p.grad is not None]
+        if first:
+            for p, m in self.masters.items():
+                if m.grad is None:
+                    m.grad = torch.zeros_like(m)
+                elif p.grad is None:  # unused in this micro-batch
+                    m.grad.zero_()
+            torch._foreach_copy_([m.grad for m, _ in pairs], [g for _, g in pairs])
+        else:
+            torch._foreach_add_([m.grad for m, _ in pairs], [g for _, g in pairs])
+        for p in self.masters:
+            p.grad = None
+
+    @torch.no_grad()
+    def _copy_masters(self) -> None:
+        """bf16 parameters <- their fp32 master weights (round to nearest even)."""
+        torch._foreach_copy_(list(self.masters), list(self.masters.values()))
+
+    def model_module(self) -> torch.nn.Module:
+        """The single-device GPT (a parallel run's first local chunk)."""
+        return self.model
+
+    # -- the loop -------------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _range(self, name: str):
+        """An NVTX range (for Nsight Systems) and, when profiling, a torch.profiler range."""
+        with _nvtx.annotate(f"train.{name}"):
+            if self.profiling:
+                with torch.profiler.record_function(name):
+                    yield
+            else:
+                yield
+
+    def _batches(self, dataset, consumed: int, micro_batch_size: int):
+        sampler = PretrainingSampler(len(dataset), consumed, micro_batch_size, self.env.dp_rank, self.env.dp_size)
+        with warnings.catch_warnings(record=True) as caught:  # ASSUMPTIONS 32: the cap is logged, not just warned
+            warnings.simplefilter("always")
+            loader = build_dataloader(dataset, sampler, num_workers=self.config.data.num_workers)
+        # the loader's own generator: making an iterator would otherwise draw from the global RNG (dropout's)
+        loader.generator = torch.Generator().manual_seed(self.config.train.seed)
+        for w in caught:
+            self.log(f"note: {w.message}")
+        return iter(loader)
+
+    def train_step(self, batches) -> tuple[float, float, bool]:
+        """One optimizer step: (loss, gradient norm, stepped). The loss is the mean over the global batch."""
+        lr = self.schedule(self.step)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        clip = self.config.train.grad_clip
+        if self.parallel:
+            with self._range("data"):
+                batch = to_batch(next(batches), self.device, None)
+            with self._range("forward_backward"), self.autocast:
+                loss = self.pmodel.forward_backward(batch.inputs, batch.targets)
+            with self._range("optimizer"):
+                norm = self.pmodel.clip_grad_norm_(clip if clip > 0 else math.inf)
+                return self._finish_step([loss.float(), norm.float()])
+        model, accum = self.forward, self.accum
+        loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+        for micro in range(accum):
+            with self._range("data"):
+                batch = to_batch(next(batches), self.device, self.eod_id)
+            with self._range("forward"), self.autocast:
+                loss = model(batch.inputs, batch.targets, **batch.model_kwargs())
+            with self._range("backward"):
+                (loss / accum).backward()
+            loss_sum += loss.detach().float()
+            if self.masters is not None:
+                self._accumulate_master_grads(first=micro == 0)
+        with self._range("optimizer"):
+            params = list(self.masters.values()) if self.masters is not None else [
+                p for g in self.optimizer.param_groups for p in g["params"]]
+            grads = [p for p in params if p.grad is not None]
+            if clip > 0:
+                norm = torch.nn.utils.clip_grad_norm_(grads, clip, foreach=True)
+            else:
+                norm = torch.nn.utils.get_total_norm([p.grad for p in grads], foreach=True)
+            figures = [loss_sum / accum, norm.float()]
+            if self.has_fp8:
+                from megakern import fp8
+
+                figures.append(fp8.update_scales(self.model).to(self.device, torch.float32))
+            return self._finish_step(figures)
+
+    def _finish_step(self, figures: list[torch.Tensor]) -> tuple[float, float, bool]:
+        """One host sync for (loss, norm[, FP8 non-finite flag]); the optimizer steps only if all are finite."""
+        values = torch.stack([f.to(self.device) for f in figures]).tolist()
+        loss_value, norm_value = values[0], values[1]
+        finite = math.isfinite(loss_value) and math.isfinite(norm_value) and (len(values) < 3 or values[2] == 0)
+        if finite:
+            self.optimizer.step()
+            if self.masters is not None:
+                self._copy_masters()
+        if self.masters is None:  # the masters' gradients are overwritten by the next step's first micro-batch
+            self.optimizer.zero_grad(set_to_none=True)
+        return loss_value, norm_value, finite
+
+    def _set_training(self, mode: bool) -> None:
+        (self.pmodel if self.parallel else self.model).train(mode)
+
+    @torch.no_grad()
+    def evaluate(self) -> torch.Tensor:
+        """Mean held-out loss over eval.batches micro-batches (the same samples every time) of every data-parallel
+        rank: a float32 scalar on the CPU (ASSUMPTIONS 33). The model's train/eval mode is restored."""
+        was_training = self.model.training
+        self._set_training(False)
+        try:
+            total = torch.zeros((), device=self.device, dtype=torch.float32)
+            batches = self._batches(self.data.valid, 0, self.eval_draw)
+            for _ in range(self.config.eval.batches):
+                batch = to_batch(next(batches), self.device, self.eod_id)
+                with self.autocast:
+                    if self.parallel:
+                        total += self.pmodel.eval_loss(batch.inputs, batch.targets).float()
+                    else:
+                        total += self.forward(batch.inputs, batch.targets, **batch.model_kwargs()).float()
+            total /= self.config.eval.batches
+            if self.env.dp_size > 1 and not self.parallel:
+                dist.all_reduce(total, op=dist.ReduceOp.AVG)
+            return total.cpu()
+        finally:
+            self._set_training(was_training)
+
+    def sample(self) -> str | None:
+        """The final sample: train.sample_tokens tokens after train.sample_prompt, decoded."""
+        t = self.config.train
+        if t.sample_tokens == 0:
+            return None
+        if self.parallel:
+            p = self.config.parallel
+            if max(p.tp, p.pp, p.cp) > 1 or p.dp_shard != "ddp":
+                self.log("sample: skipped, the model is sharded over ranks (tp/pp/cp or FSDP)")
+                return None
+            if not self.env.writer:
+                return None
+        from megakern.models.generate import generate
+
+        tok, prompt = self.data.tokenizer, self.prompt_ids
+        length = min(t.sample_tokens, self.config.model.max_seqlen - len(prompt))
+        if length < 1:
+            self.log(f"sample: skipped, the prompt's {len(prompt)} tokens fill model.max_seqlen")
+            return None
+        idx = torch.tensor([prompt], dtype=torch.long, device=self.device)
+        gen = torch.Generator(device=self.device).manual_seed(t.seed)
+        with self.autocast:
+            out = generate(self.model_module(), idx, length, temperature=t.sample_temperature, top_k=t.sample_top_k,
+                           generator=gen, eos_id=tok.eod_id)
+        return tok.decode(out[0, len(prompt):].tolist())
+
+    def run(self) -> RunResult:
+        """Train from the current step to train.steps (or profile a few steps); see the module doc. The log sinks
+        are closed at the end, also when the run stops on an error (which goes to the log file too)."""
+        try:
+            return self._run()
+        except BaseException as exc:
+            if not isinstance(exc, KeyboardInterrupt):
+                self.log(f"error: {type(exc).__name__}: {exc}")
+            raise
+        finally:
+            self.logger.close()
+
+    def _run(self) -> RunResult:
+        c, result = self.config, RunResult()
+        first_step = self.step
+        if self.step >= c.train.steps:
+            self.log(f"nothing to do: step {self.step} >= train.steps {c.train.steps}")
+        batches = self._batches(self.data.train, self.consumed_samples, self.draw)
+        profiler = self._profiler() if self.profiling else None
+        last = self.step + (c.log.profile_wait + c.log.profile_warmup + c.log.profile_active) if profiler else None
+        consecutive, window_ns, window_tokens, window_loss = 0, 0, 0, []
+        self._set_training(True)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        try:
+            if profiler is not None:
+                profiler.start()
+            while self.step < c.train.steps and (last is None or self.step < last):
+                start = time.perf_counter_ns()
+                loss, norm, stepped = self.train_step(batches)
+                elapsed = time.perf_counter_ns() - start
+                lr = self.schedule(self.step)
+                self.step += 1
+                self.consumed_samples += self.global_batch
+                result.losses[self.step] = loss
+                if profiler is not None:
+                    profiler.step()
+                if not stepped:
+                    consecutive += 1
+                    self.nonfinite_total += 1
+                    result.skipped_steps.append(self.step)
+                    self.log(f"step {self.step}: non-finite loss {loss} or gradient norm {norm}; step skipped "
+                             f"({consecutive} in a row, {self.nonfinite_total} in all)")
+                    if consecutive >= c.train.max_nonfinite:
+                        raise TrainingHalted(
+                            f"{consecutive} steps in a row (steps {self.step - consecutive + 1}..{self.step}) had a "
+                            f"non-finite loss or gradient norm (train.max_nonfinite={c.train.max_nonfinite}); "
+                            f"stopping. Try a lower optim.lr (now {c.optim.lr:g}) or longer schedule.warmup_steps, "
+                            f"train.grad_clip, or check the data; the last checkpoint is in {self.ckpt_dir}")
+                else:
+                    consecutive = 0
+                window_ns += elapsed
+                window_tokens += self.tokens_per_step
+                window_loss.append(loss)
+                tok_s = window_tokens / (window_ns / 1e9)
+                mfu = (self.flops_per_token * tok_s / self.env.world / self.peak) if self.peak else None
+                mem, mem_what = memory_gib(self.device)
+                self.logger.progress(self.step, f"loss {loss:.4f} lr {lr:.2e} {format_count(tok_s)} tok/s MFU "
+                                     f"{'n/a' if mfu is None else f'{100 * mfu:.1f}%'} {mem:.2f} GiB")
+                self.logger.record(self.step, {"train/loss": loss, "train/lr": lr, "train/grad_norm": norm,
+                                               "perf/tokens_per_s": tok_s, "perf/mfu": mfu, "perf/memory_gib": mem,
+                                               "perf/step_ms": elapsed / 1e6})
+                if self.step % c.log.every == 0 or self.step == c.train.steps:
+                    self.log(f"step {self.step:>6}/{c.train.steps} | loss {sum(window_loss) / len(window_loss):.4f} | "
+                             f"lr {lr:.3e} | grad norm {norm:.3f} | {format_count(tok_s)} tok/s | MFU "
+                             f"{'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | {mem_what} {mem:.2f} GiB")
+                    window_ns, window_tokens, window_loss = 0, 0, []
+                if profiler is None:
+                    if c.eval.every and self.step % c.eval.every == 0 and self.step < c.train.steps:
+                        self._eval(result)
+                    if c.checkpoint.every and self.step % c.checkpoint.every == 0 and self.step < c.train.steps:
+                        result.checkpoint = str(self.save())
+        finally:
+            if profiler is not None:
+                profiler.stop()
+        result.final_step = self.step
+        if profiler is not None:
+            result.profile_dir = str(self._write_profile(profiler))
+            return result
+        if self.step == first_step:
+            return result
+        if c.eval.every:
+            self._eval(result)
+        if c.checkpoint.final or (c.checkpoint.every and self.step % c.checkpoint.every == 0):
+            result.checkpoint = str(self.save())
+        result.sample = self.sample()
+        if result.sample is not None:
+            self.log(f"sample ({len(result.sample)} characters after {c.train.sample_prompt!r}):\n"
+                     f"{c.train.sample_prompt}{result.sample}")
+            self.logger.text("sample", c.train.sample_prompt + result.sample, self.step)
+        return result
+
+    def _eval(self, result: RunResult) -> None:
+        loss = float(self.evaluate())
+        result.eval_losses[self.step] = loss
+        self.logger.record(self.step, {"eval/loss": loss})
+        self.log(f"step {self.step:>6} | eval loss {loss:.4f} (held out, {self.config.eval.batches} x "
+                 f"{self.eval_mbs} x {self.eval_seq_length})")
+
+    # -- profiling ------------------------------------------------------------------------------------------------
+    def _profiler(self):
+        lg = self.config.log
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        schedule = torch.profiler.schedule(wait=lg.profile_wait, warmup=lg.profile_warmup, active=lg.profile_active,
+                                           repeat=1)
+        return torch.profiler.profile(activities=activities, schedule=schedule, record_shapes=True)
+
+    def _write_profile(self, profiler) -> Path:
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        c = self.config.model
+        out = Path(self.config.log.profile_dir) / f"train-{c.n_layer}x{c.n_embd}-{self.device.type}-{stamp}"
+        out.mkdir(parents=True, exist_ok=True)
+        profiler.export_chrome_trace(str(out / "trace.json"))
+        on_gpu = self.device.type == "cuda"
+        sort = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+        events = profiler.key_averages()
+        lines = [f"# megakern-train --profile: {self.config.log.profile_active} steps of {self.global_batch} x "
+                 f"{self.seq_length} tokens, {self.device} ({torch.cuda.get_device_name(self.device) if on_gpu else 'cpu'}), "
+                 f"precision {self.precision}, torch {torch.__version__}",
+                 "# ranges: data, forward, backward, optimizer (also NVTX ranges train.* for Nsight Systems)", "",
+                 events.table(sort_by=sort, row_limit=40, max_name_column_width=80)]
+        (out / "kernels.txt").write_text("\n".join(lines))
+        self.log(f"profile: {out / 'trace.json'} (chrome://tracing or ui.perfetto.dev), {out / 'kernels.txt'}")
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="megakern-train", description="Train a GPT built from megakern's kernels. Config: defaults (gpt-tiny "
+        "on the default corpus), then --config FILE, then key=value overrides (optim.lr=3e-4 model.n_layer=12).")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides (see --help-config)")
+    parser.add_argument("--config", type=Path, help="a YAML file of sections (configs/*.yaml)")
+    parser.add_argument("--profile", action="store_true",
+                        help="run log.profile_wait + warmup + active steps under torch.profiler, write a trace and a "
+                             "top-kernels table into log.profile_dir, and stop")
+    parser.add_argument("--help-config", action="store_true", help="list every config key and exit")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        if args.help_config:
+            print(describe_fields())
+            return 0
+        config = load_config(args.config, args.overrides)
+        if args.print_config:
+            print(to_yaml(config), end="")
+            return 0
+        trainer = Trainer(config, profile=args.profile)
+        trainer.run()
+    except (ConfigError, DataError, CheckpointError, LoggerError, TrainingHalted) as exc:
+        print(f"megakern-train: error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ConfigError) else 1
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,565 @@
+"""GPT: a decoder-only transformer built from megakern's kernels, in one file.
+
+    idx (B, T) -> wte (+ wpe) -> dropout -> n_layer x Block -> norm_f -> lm_head -> logits (B, T, V)
+    Block:  y, h = attn_norm(x, residual=h)      h: the residual stream, the add fused into the norm
+            x    = dropout(attn(y))
+            y, h = mlp_norm(x, residual=h)
+            x    = dropout(mlp(y))
+    attn:   qkv = qkv(y) (B, T, nkv, g + 2, hs), g = nh / nkv query heads per kv head
+            q, k, v = views of qkv; q, k rotated (RoPE) in place
+            out = core(q, k, v) = megakern.attention(causal), (B, T, nh, hs) -> proj
+    mlp:    proj(gelu(fc(y)))  or  proj(silu(gate) * up) with (gate, up) interleaved rows of fc (SwiGLU)
+
+Letters: B batch, T sequence, C = n_embd, nh / nkv query / key-value heads, hs head dim, V the padded vocabulary.
+
+Kernels: every op takes its backend from ``config.kernels`` (``{op: backend}``, passed as ``backend=`` to the
+megakern ops: "rms_norm" | "layer_norm" | "rotary" | "attention" | "cross_entropy"); an op not named takes the
+fastest backend available for the tensors' device (the torch references on CPU).
+
+Loss: ``forward(idx, targets)`` returns the cross-entropy of the next tokens through
+``megakern.linear_cross_entropy``, which never holds fp32 logits for the whole vocabulary (chunked over tokens).
+
+Packed documents: ``cu_seqlens`` (ndocs + 1,) int32 offsets into the B * T flattened tokens; attention stays inside
+each document and positions (rotary or learned) restart at 0 in each.
+
+Construction: modules are built on the meta device, then materialized on the default device and initialized
+(``init_weights``) unless the caller is itself under ``torch.device("meta")``, so a model is never allocated and
+initialized twice:
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig.preset("gpt-350m"))
+    model.to_empty(device="cuda"); model.init_weights()
+
+Activation recomputation (``config.recompute``): "none"; "selective" recomputes the attention core in the backward
+(keeps q, k, v; drops the output and the log-sum-exp); "full" recomputes each block from its inputs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import megakern
+from megakern import _backend, rotary
+from megakern._checks import document_lengths
+from megakern.cross_entropy import linear_cross_entropy
+
+NORMS = ("layernorm", "rmsnorm")
+POSITIONS = ("rotary", "learned")
+ACTIVATIONS = ("gelu", "swiglu")
+RECOMPUTE = ("none", "selective", "full")
+VOCAB_MULTIPLE = 128
+KERNEL_OPS = ("rms_norm", "layer_norm", "rotary", "attention", "cross_entropy")
+IGNORE_INDEX = -100
+
+
+# ---- config ------------------------------------------------------------------------------------------------------
+@dataclass
+class GPTConfig:
+    """The architecture of a GPT. ``None`` for n_kv_head / ffn_hidden is resolved at construction (n_head; 4 * n_embd
+    for gelu, 8/3 * n_embd rounded up to a multiple of 64 for swiglu)."""
+
+    n_layer: int = 12
+    """Transformer blocks."""
+    n_embd: int = 768
+    """Hidden size C (the residual stream's width)."""
+    n_head: int = 12
+    """Query heads nh; the head dim is n_embd // n_head."""
+    n_kv_head: Optional[int] = None
+    """Key/value heads nkv (grouped-query attention: nkv divides nh; nkv == nh is multi-head attention)."""
+    ffn_hidden: Optional[int] = None
+    """MLP hidden size F (for swiglu the size of each of gate and up)."""
+    vocab_size: int = 50257
+    """Tokens the tokenizer makes (ids 0 .. vocab_size - 1); the embedding holds ``padded_vocab`` rows."""
+    max_seqlen: int = 1024
+    """Longest sequence (or packed document): the learned position table's length, the rotary table's length."""
+    norm: str = "layernorm"
+    """"layernorm" | "rmsnorm"."""
+    norm_eps: float = 1e-5
+    """The norms' epsilon."""
+    position: str = "learned"
+    """"learned" (an absolute position table wpe) | "rotary" (RoPE on q and k)."""
+    rotary_pct: float = 1.0
+    """Fraction of the head dim that is rotated (GPT-NeoX's rotary_pct); rotary_dim = hs * rotary_pct rounded down to
+    even."""
+    rotary_base: float = 10000.0
+    """RoPE base (rope_theta)."""
+    rope_scaling: Optional[dict] = None
+    """A Llama-family rope_scaling dict ({"rope_type": "llama3", "factor": 8.0, ...}), or None."""
+    activation: str = "gelu"
+    """"gelu" (tanh approximation, as GPT-2) | "swiglu" (silu(gate) * up)."""
+    tie_embeddings: bool = True
+    """The output projection reuses wte's weight (no lm_head parameters)."""
+    dropout: float = 0.0
+    """Dropout probability on the embeddings and on each block's attention and MLP outputs."""
+    bias: bool = True
+    """Biases in the linear layers and LayerNorms."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialization of embeddings and linear weights."""
+    scaled_init: bool = True
+    """Output projections (attn.proj, mlp.proj) start with std init_std / sqrt(2 * n_layer) (GPT-2)."""
+    recompute: str = "none"
+    """Activation recomputation: "none" | "selective" (the attention core) | "full" (each block)."""
+    kernels: dict = field(default_factory=dict)
+    """Backend per op, {op: "torch" | "triton" | "cuda"}, ops: rms_norm, layer_norm, rotary, attention,
+    cross_entropy; ops not named take the fastest available backend."""
+    ce_chunk: Optional[int] = None
+    """Tokens per chunk of the fused linear cross-entropy (None: chosen from the vocabulary size)."""
+
+    def __post_init__(self):
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        if self.ffn_hidden is None and isinstance(self.n_embd, int):
+            self.ffn_hidden = 4 * self.n_embd if self.activation != "swiglu" else _round_up(8 * self.n_embd // 3, 64)
+        self.kernels = dict(self.kernels) if self.kernels is not None else {}
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def padded_vocab(self) -> int:
+        """vocab_size rounded up to a multiple of 128 (tensor-core friendly GEMMs, TP shards)."""
+        return _round_up(self.vocab_size, VOCAB_MULTIPLE)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Features of each head that RoPE rotates (0 with learned positions)."""
+        if self.position != "rotary":
+            return 0
+        return int(self.head_dim * self.rotary_pct) // 2 * 2
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "GPTConfig":
+        """The named preset (see ``PRESETS``) with fields replaced by ``overrides``; validated."""
+        if name not in PRESETS:
+            raise ValueError(f"GPTConfig: unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        if unknown := sorted(set(overrides) - fields):
+            raise ValueError(f"GPTConfig: unknown fields {unknown}; fields: {', '.join(sorted(fields))}")
+        config = cls(**{**PRESETS[name], **overrides})
+        config.validate()
+        return config
+
+    def validate(self) -> "GPTConfig":
+        """Raise ValueError naming every bad field and its value; returns self."""
+        errors = []
+
+        def need(ok: bool, message: str):
+            if not ok:
+                errors.append(message)
+
+        for name in ("n_layer", "n_embd", "n_head", "n_kv_head", "ffn_hidden", "vocab_size", "max_seqlen"):
+            value = getattr(self, name)
+            need(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                 f"{name} must be an int >= 1, got {value!r}")
+        if errors:
+            raise ValueError("GPTConfig: " + "; ".join(errors))
+        need(self.n_embd % self.n_head == 0, f"n_head ({self.n_head}) must divide n_embd ({self.n_embd})")
+        need(self.n_head % self.n_kv_head == 0,
+             f"n_kv_head ({self.n_kv_head}) must divide n_head ({self.n_head}) (grouped-query attention)")
+        need(self.norm in NORMS, f"norm must be one of {NORMS}, got {self.norm!r}")
+        need(self.position in POSITIONS, f"position must be one of {POSITIONS}, got {self.position!r}")
+        need(self.activation in ACTIVATIONS, f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        need(self.recompute in RECOMPUTE, f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
+        for name in ("norm_eps", "init_std", "rotary_base", "rotary_pct", "dropout"):
+            value = getattr(self, name)
+            need(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+                 f"{name} must be a finite number, got {value!r}")
+        if not errors:
+            need(self.norm_eps > 0, f"norm_eps must be > 0, got {self.norm_eps}")
+            need(self.init_std > 0, f"init_std must be > 0, got {self.init_std}")
+            need(0 <= self.dropout < 1, f"dropout must be in [0, 1), got {self.dropout}")
+            if self.position == "rotary":
+                need(0 < self.rotary_pct <= 1, f"rotary_pct must be in (0, 1], got {self.rotary_pct}")
+                need(self.rotary_base > 1, f"rotary_base must be > 1, got {self.rotary_base}")
+                if self.n_embd % self.n_head == 0 and 0 < self.rotary_pct <= 1:
+                    need(self.rotary_dim >= 2, f"rotary_pct {self.rotary_pct} of head dim {self.head_dim} rotates "
+                                               f"{self.rotary_dim} features; at least 2 are needed")
+        if self.position == "rotary" and self.rope_scaling is not None:
+            try:
+                rotary.rotary_table(0, max(self.rotary_dim, 4), 10000.0, scaling=self.rope_scaling)
+            except (TypeError, ValueError) as exc:
+                errors.append(f"rope_scaling: {exc}")
+        for name in ("tie_embeddings", "bias", "scaled_init"):
+            need(isinstance(getattr(self, name), bool), f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.kernels, Mapping):
+            errors.append(f"kernels must be a dict {{op: backend}}, got {self.kernels!r}")
+        else:
+            for op, backend in self.kernels.items():
+                if op not in KERNEL_OPS:
+                    errors.append(f"kernels: unknown op {op!r}; ops: {', '.join(KERNEL_OPS)}")
+                elif backend not in _backend.DEFAULTS[op][0][1]:
+                    errors.append(f"kernels: {op} has no backend {backend!r}; choose one of "
+                                  f"{', '.join(sorted(_backend.DEFAULTS[op][0][1]))}")
+        need(self.ce_chunk is None or (isinstance(self.ce_chunk, int) and not isinstance(self.ce_chunk, bool)
+                                       and self.ce_chunk >= 1), f"ce_chunk must be None or an int >= 1, got "
+                                                                f"{self.ce_chunk!r}")
+        if errors:
+            raise ValueError("GPTConfig: " + "; ".join(errors))
+        return self
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+_GPT2 = dict(norm="layernorm", position="learned", activation="gelu", bias=True, tie_embeddings=True,
+             vocab_size=50304, norm_eps=1e-5)
+_LLAMA = dict(norm="rmsnorm", position="rotary", activation="swiglu", bias=False, tie_embeddings=False,
+              norm_eps=1e-5, rotary_base=500000.0)
+PRESETS: dict[str, dict[str, Any]] = {
+    # trains in minutes on 2 CPU cores on the default corpus (byte tokenizer: 257 ids)
+    "gpt-tiny": dict(_GPT2, n_layer=4, n_embd=128, n_head=4, vocab_size=257, max_seqlen=256),
+    "gpt-125m": dict(_GPT2, n_layer=12, n_embd=768, n_head=12, max_seqlen=1024),
+    "gpt-350m": dict(_GPT2, n_layer=24, n_embd=1024, n_head=16, max_seqlen=1024),
+    "gpt-1.3b": dict(_GPT2, n_layer=24, n_embd=2048, n_head=32, max_seqlen=2048),
+    "llama-tiny": dict(_LLAMA, n_layer=4, n_embd=128, n_head=4, n_kv_head=2, vocab_size=257, max_seqlen=256,
+                       rotary_base=10000.0),
+    "llama-1b": dict(_LLAMA, n_layer=16, n_embd=2048, n_head=32, n_kv_head=8, ffn_hidden=8192, vocab_size=128256,
+                     max_seqlen=8192, rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                                    "high_freq_factor": 4.0,
+                                                    "original_max_position_embeddings": 8192}),
+}
+
+
+# ---- positions: computed once per forward, shared by every block ----------------------------------------------------
+class Positions:
+    """What the blocks of one forward need about token positions: the packing (cu_seqlens, max_seqlen) and, with
+    rotary positions, the rotation (checked once, by the first block that rotates, then reused)."""
+
+    def __init__(self, rope: Optional[megakern.RotaryEmbedding], rope_backend, cu_seqlens, max_seqlen,
+                 position_ids):
+        self.rope, self.rope_backend = rope, rope_backend
+        self.cu_seqlens, self.max_seqlen, self.position_ids = cu_seqlens, max_seqlen, position_ids
+        self._rotation = None  # (rotary.Rotation, launcher or None for the torch reference)
+
+    def rotation(self, q: torch.Tensor, k: torch.Tensor):
+        if self._rotation is None:
+            cos, sin = self.rope.table(q.device)
+            rot = rotary.check_inputs(q, k, cos, sin, self.rope.dim, False, self.cu_seqlens, self.position_ids, 0)
+            name = _backend.resolve("rotary", q.device, self.rope_backend, size=q.shape[-1])
+            self._rotation = rot, (None if name == "torch" else rotary._LAUNCHERS[name]())
+        return self._rotation
+
+
+def _split_qkv(qkv: torch.Tensor, nkv: int, hs: int):
+    """q (..., nh, hs), k, v (..., nkv, hs) from qkv (..., nkv, g + 2, hs); k and v are views, q is a view unless
+    g > 1 and nkv > 1 (grouped-query attention), when its heads cannot be addressed by one stride."""
+    g = qkv.shape[-2] - 2
+    q = qkv[..., :g, :].reshape(*qkv.shape[:-3], nkv * g, hs)
+    return q, qkv[..., g, :], qkv[..., g + 1, :]
+
+
+class SplitRotate(torch.autograd.Function):
+    """The fused projection qkv (..., nkv, g + 2, hs) -> (q, k, v), q and k rotated in place by one launch of a
+    rotary kernel (none with ``rot`` None). Backward: the three gradients written once into one qkv-shaped tensor,
+    the rotation undone in place. (Plain views under autograd would instead sum three zero-filled qkv-sized
+    gradients.)"""
+
+    @staticmethod
+    def forward(ctx, qkv, nkv: int, hs: int, rot, launcher):
+        q, k, v = _split_qkv(qkv, nkv, hs)
+        if rot is not None:
+            rotary._launch(launcher, rotary._as_4d(q), rotary._as_4d(k), rot, False, True)
+            torch.autograd.graph.increment_version(qkv)  # kernels wrote into qkv
+        ctx.shape, ctx.nkv, ctx.hs, ctx.rot, ctx.launcher = qkv.shape, nkv, hs, rot, launcher
+        ctx.q_is_view = q._base is not None
+        return q, k, v
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        lead, g = ctx.shape[:-3], ctx.shape[-2] - 2
+        if ctx.rot is not None and not ctx.q_is_view:  # rotate back before the gather, q's gradient is separate
+            dq, dk = rotary._launch(ctx.launcher, rotary._as_4d(dq), rotary._as_4d(dk), ctx.rot, True, False)
+        dqkv = torch.cat((dq.reshape(*lead, ctx.nkv, g, ctx.hs), dk.reshape(*lead, ctx.nkv, 1, ctx.hs),
+                          dv.reshape(*lead, ctx.nkv, 1, ctx.hs)), dim=-2)
+        if ctx.rot is not None and ctx.q_is_view:
+            q, k, _ = _split_qkv(dqkv, ctx.nkv, ctx.hs)
+            rotary._launch(ctx.launcher, rotary._as_4d(q), rotary._as_4d(k), ctx.rot, True, True)
+        return dqkv, None, None, None, None
+
+
+# ---- modules -------------------------------------------------------------------------------------------------------
+class AttentionCore(nn.Module):
+    """softmax(q k^T / sqrt(hs), causal) v by megakern.attention: ``core(q, k, v, *, cu_seqlens, max_seqlen)``,
+    q (B, T, nh, hs), k / v (B, T, nkv, hs), or packed (total, heads, hs). Context parallelism replaces it."""
+
+    def __init__(self, backend=None):
+        super().__init__()
+        self.backend = backend
+
+    def forward(self, q, k, v, *, cu_seqlens=None, max_seqlen=None):
+        return megakern.attention(q, k, v, causal=True, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                                  backend=self.backend)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        hs = config.head_dim
+        # rows grouped per kv head: [g query heads, k head, v head] for each kv head (a TP shard is one row block)
+        self.qkv = nn.Linear(config.n_embd, (config.n_head + 2 * config.n_kv_head) * hs, bias=config.bias)
+        self.proj = nn.Linear(config.n_head * hs, config.n_embd, bias=config.bias)
+        self.core = AttentionCore(config.kernels)
+        self.recompute_core = config.recompute == "selective"
+        self.dropout = config.dropout
+
+    def forward(self, x: torch.Tensor, pos: Positions) -> torch.Tensor:
+        B, T, _ = x.shape
+        nkv, hs = self.n_kv_head, self.head_dim
+        g = self.n_head // nkv
+        qkv = self.qkv(x)
+        # (B, T, nkv, g + 2, hs), or packed (B * T, ...) when documents are packed
+        qkv = qkv.view(B * T, nkv, g + 2, hs) if pos.cu_seqlens is not None else qkv.view(B, T, nkv, g + 2, hs)
+        rot, launcher = None, None
+        if pos.rope is not None:  # checked once per forward, on tensors of q's and k's shapes (no copies)
+            rot, launcher = pos.rotation(qkv.new_empty(()).expand(*qkv.shape[:-3], self.n_head, hs), qkv[..., g, :])
+        if launcher is not None and not torch.compiler.is_compiling():
+            q, k, v = SplitRotate.apply(qkv, nkv, hs, rot, launcher)  # one launch, in place on the views
+        else:
+            q, k, v = SplitRotate.apply(qkv, nkv, hs, None, None)
+            if launcher is not None:  # traced by torch.compile: out of place (an in-place kernel on views is opaque)
+                q, k = rotary._apply(q, k, rot, False, launcher)
+            elif rot is not None:  # the torch reference under autograd
+                q, k = rotary.rotary_ref(q, k, rot.cos, rot.sin, rotary_dim=rot.rotary_dim, cu_seqlens=rot.cu_seqlens,
+                                         position_ids=rot.position_ids)
+        if self.recompute_core and torch.is_grad_enabled():
+            out = checkpoint(self.core, q, k, v, cu_seqlens=pos.cu_seqlens, max_seqlen=pos.max_seqlen,
+                             use_reentrant=False)
+        else:
+            out = self.core(q, k, v, cu_seqlens=pos.cu_seqlens, max_seqlen=pos.max_seqlen)
+        out = self.proj(out.reshape(B, T, self.n_head * hs))
+        return F.dropout(out, self.dropout, self.training) if self.dropout else out
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.swiglu = config.activation == "swiglu"
+        # swiglu: rows interleaved per unit, 2i the gate and 2i + 1 the up projection of unit i
+        self.fc = nn.Linear(config.n_embd, config.ffn_hidden * (2 if self.swiglu else 1), bias=config.bias)
+        self.proj = nn.Linear(config.ffn_hidden, config.n_embd, bias=config.bias)
+        self.dropout = config.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        if self.swiglu:
+            h = h.unflatten(-1, (-1, 2))
+            h = F.silu(h[..., 0]) * h[..., 1]
+        else:
+            h = F.gelu(h, approximate="tanh")
+        out = self.proj(h)
+        return F.dropout(out, self.dropout, self.training) if self.dropout else out
+
+
+def _norm(config: GPTConfig) -> nn.Module:
+    if config.norm == "rmsnorm":
+        return megakern.RMSNorm(config.n_embd, config.norm_eps, backend=config.kernels)
+    return megakern.LayerNorm(config.n_embd, config.norm_eps, bias=config.bias, backend=config.kernels)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block over (x, h): x the last branch's output, h the residual stream before it (None in
+    the first block); returns the same pair, so the next norm adds the residual in its own pass."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.attn_norm = _norm(config)
+        self.attn = CausalSelfAttention(config)
+        self.mlp_norm = _norm(config)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], pos: Positions):
+        if residual is None:
+            y, residual = self.attn_norm(x), x
+        else:
+            y, residual = self.attn_norm(x, residual)
+        x = self.attn(y, pos)
+        y, residual = self.mlp_norm(x, residual)
+        return self.mlp(y), residual
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        config.validate()
+        self.config = config
+        with torch.device("meta"):  # built without memory; materialized and initialized once, below
+            self.wte = nn.Embedding(config.padded_vocab, config.n_embd)
+            self.wpe = nn.Embedding(config.max_seqlen, config.n_embd) if config.position == "learned" else None
+            self.blocks = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layer)})
+            self.norm_f = _norm(config)
+            self.lm_head = None if config.tie_embeddings else nn.Linear(config.n_embd, config.padded_vocab,
+                                                                       bias=False)
+        self.rope = (megakern.RotaryEmbedding(config.rotary_dim, config.max_seqlen, config.rotary_base,
+                                              scaling=config.rope_scaling, backend=config.kernels)
+                     if config.position == "rotary" else None)
+        device = torch.get_default_device()
+        if device.type != "meta":
+            self.to_empty(device=device)
+            self.init_weights()
+
+    # -- parameters --
+    def output_weight(self) -> torch.Tensor:
+        """The (V, C) output projection: lm_head's weight, or wte's when tied."""
+        return self.wte.weight if self.lm_head is None else self.lm_head.weight
+
+    @torch.no_grad()
+    def init_weights(self, generator: Optional[torch.Generator] = None) -> None:
+        """(Re)initialize every parameter in place: embeddings and linear weights normal(0, init_std), output
+        projections (attn.proj, mlp.proj) normal(0, init_std / sqrt(2 n_layer)) with scaled_init, biases 0, norm
+        weights 1. Each parameter draws from its own generator seeded by one draw from ``generator`` (default: the
+        global RNG) and a hash of its name, so a pipeline stage holding some blocks initializes them exactly as the
+        whole model does."""
+        config = self.config
+        base = int(torch.randint(0, 2**62, (1,), generator=generator,
+                                 device=generator.device if generator is not None else "cpu").item())
+        out_std = config.init_std / math.sqrt(2 * config.n_layer) if config.scaled_init else config.init_std
+        for name, p in self.named_parameters():
+            if p.is_meta:
+                raise RuntimeError(f"GPT.init_weights: {name} is on the meta device; call model.to_empty(device=...) "
+                                   "first")
+            owner, leaf = name.rsplit(".", 1)
+            if owner.rsplit(".", 1)[-1] in ("attn_norm", "mlp_norm", "norm_f"):
+                p.fill_(1.0 if leaf == "weight" else 0.0)
+            elif leaf == "bias":
+                p.zero_()
+            else:
+                std = out_std if name.endswith(("attn.proj.weight", "mlp.proj.weight")) else config.init_std
+                gen = torch.Generator(device=p.device)
+                gen.manual_seed((base ^ zlib.crc32(name.encode())) & (2**63 - 1))
+                p.normal_(0.0, std, generator=gen)
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        """Parameters (each once, tied weights too); ``exclude_embeddings``: without wte and wpe (lm_head, when
+        untied, is counted)."""
+        skip = {id(m.weight) for m in (self.wte, self.wpe) if m is not None} if exclude_embeddings else set()
+        seen, total = set(), 0
+        for p in self.parameters():
+            if id(p) not in seen and id(p) not in skip:
+                seen.add(id(p))
+                total += p.numel()
+        return total
+
+    def flops_per_token(self, seqlen: int) -> float:
+        """Training FLOPs per token (forward + backward), the MFU numerator (PaLM's convention): 6 N for the matmul
+        weights N (every block's linears and the output projection, tied or not) plus 12 * n_layer * nh * hs * seqlen
+        for attention's two matmuls (full, not halved for the causal mask, as commonly reported)."""
+        c = self.config
+        n = self.num_params(exclude_embeddings=True) + (c.padded_vocab * c.n_embd if self.lm_head is None else 0)
+        return 6.0 * n + 12.0 * c.n_layer * c.n_head * c.head_dim * seqlen
+
+    # -- forward --
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
+                cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None,
+                position_ids: Optional[torch.Tensor] = None, reduction: str = "mean"):
+        """idx (B, T) int64 token ids (or, for a pipeline stage without wte, the hidden state (B, T, C)).
+
+        Returns logits (B, T, padded_vocab) without ``targets``, else the cross-entropy of ``targets`` (B, T) int64
+        (ignore_index -100; ``reduction`` "mean" | "sum"). A stage without norm_f returns the hidden state (B, T, C).
+        ``cu_seqlens`` (ndocs + 1,) int32 offsets of packed documents in the B * T tokens, ``max_seqlen`` their
+        longest length (computed when None); ``position_ids`` (B, T) or (T,) explicit positions.
+        """
+        config = self.config
+        B, T = self._check_inputs(idx, targets, cu_seqlens, position_ids)
+        if cu_seqlens is not None:
+            lengths = document_lengths("GPT", cu_seqlens, B * T)
+            longest = max(lengths)
+            if longest > config.max_seqlen:
+                raise ValueError(f"GPT: a packed document has {longest} tokens; max_seqlen is {config.max_seqlen}")
+            max_seqlen = longest if max_seqlen is None else max_seqlen
+        device = idx.device
+        if self.wte is not None:
+            x = self.wte(idx)  # (B, T, C)
+            if self.wpe is not None:
+                x = x + self.wpe(self._learned_positions(B, T, cu_seqlens, position_ids, device))
+            if config.dropout:
+                x = F.dropout(x, config.dropout, self.training)
+        else:
+            x = idx
+        pos = Positions(self.rope, config.kernels, cu_seqlens, max_seqlen, position_ids)
+        x, residual = x, None
+        for block in self.blocks.values():
+            if config.recompute == "full" and torch.is_grad_enabled():
+                x, residual = checkpoint(block, x, residual, pos, use_reentrant=False)
+            else:
+                x, residual = block(x, residual, pos)
+        if self.norm_f is None:  # a pipeline stage: the residual stream goes on
+            return x if residual is None else x + residual
+        y = self.norm_f(x) if residual is None else self.norm_f(x, residual)[0]
+        weight = self.output_weight()
+        if targets is None:
+            return F.linear(y, weight)
+        return linear_cross_entropy(y.reshape(B * T, -1), weight, targets.reshape(B * T), ignore_index=IGNORE_INDEX,
+                                    reduction=reduction, chunk_size=config.ce_chunk, backend=config.kernels)
+
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0, top_k: Optional[int] = None,
+                 generator: Optional[torch.Generator] = None, eos_id=None) -> torch.Tensor:
+        """idx (B, T) -> (B, T + n) with a preallocated KV cache; see megakern.models.generate."""
+        from megakern.models.generate import generate
+
+        return generate(self, idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator,
+                        eos_id=eos_id)
+
+    def _check_inputs(self, idx, targets, cu_seqlens, position_ids) -> tuple[int, int]:
+        config = self.config
+        if self.wte is not None:
+            if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
+                raise ValueError(f"GPT: idx must be a (B, T) int64 tensor of token ids, got "
+                                 f"{_describe(idx)}")
+        elif not isinstance(idx, torch.Tensor) or idx.dim() != 3 or idx.shape[-1] != config.n_embd:
+            raise ValueError(f"GPT: this stage has no embedding; its input is the hidden state (B, T, "
+                             f"{config.n_embd}), got {_describe(idx)}")
+        B, T = idx.shape[:2]
+        if cu_seqlens is None and T > config.max_seqlen:
+            raise ValueError(f"GPT: sequence length {T} exceeds max_seqlen {config.max_seqlen}")
+        if targets is not None:
+            if not isinstance(targets, torch.Tensor) or targets.shape != (B, T) or targets.dtype not in (
+                    torch.int64, torch.int32):
+                raise ValueError(f"GPT: targets must be a ({B}, {T}) int64 tensor like idx, got {_describe(targets)}")
+            if targets.device != idx.device:
+                raise ValueError(f"GPT: targets are on {targets.device} but idx is on {idx.device}")
+        if cu_seqlens is not None and position_ids is not None:
+            raise ValueError("GPT: pass cu_seqlens or position_ids, not both (positions restart in each document)")
+        if position_ids is not None:
+            if not isinstance(position_ids, torch.Tensor) or tuple(position_ids.shape) not in ((T,), (1, T), (B, T)):
+                raise ValueError(f"GPT: position_ids must be (B, T) or (T,) with B={B}, T={T}, got "
+                                 f"{_describe(position_ids)}")
+            if position_ids.numel():
+                lo, hi = (int(v) for v in torch.aminmax(position_ids))
+                if lo < 0 or hi >= config.max_seqlen:
+                    raise ValueError(f"GPT: position_ids span {lo}..{hi}; positions must lie in 0..{config.max_seqlen - 1}"
+                                     " (max_seqlen)")
+        return B, T
+
+    @staticmethod
+    def _learned_positions(B, T, cu_seqlens, position_ids, device) -> torch.Tensor:
+        """Rows of wpe: (B, T) or broadcastable."""
+        if position_ids is not None:
+            return position_ids
+        if cu_seqlens is not None:  # each document from 0
+            t = torch.arange(B * T, device=device)
+            doc = torch.searchsorted(cu_seqlens[1:].to(torch.int64), t, right=True)
+            return (t - cu_seqlens.to(torch.int64)[doc]).view(B, T)
+        return torch.arange(T, device=device)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (f"n_layer={c.n_layer}, n_embd={c.n_embd}, n_head={c.n_head}, n_kv_head={c.n_kv_head}, "
+                f"vocab={c.vocab_size} (padded {c.padded_vocab}), params={self.num_params() / 1e6:.2f}M")
+
+
+def _describe(t) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"a {tuple(t.shape)} {t.dtype} tensor"
+    return type(t).__name__

@@ -1,0 +1,103 @@
+"""Data parallelism from torch: FSDP2 (``fully_shard``) or DDP, over the flattened dp x cp ranks, and ZeRO-1.
+
+Context-parallel ranks hold the same parameters but see different tokens, so gradients are reduced over dp and
+cp together (the "dp_cp" mesh dim). Both wrappers average gradients over that group and overlap the reduction
+with the backward (DDP's buckets, FSDP2's per-block reduce-scatter); the loss each rank backpropagates carries
+the factor that turns the average into the gradient of the global mean loss (see ParallelModel).
+
+- "fsdp": each block, then the whole stage, is ``fully_shard``-ed: parameters, gradients and optimizer state are
+  sharded over dp_cp (dim 0), gathered per block for forward and backward. Under pipeline parallelism parameters
+  stay gathered between forward and backward (reshard_after_forward=False), as micro-batches come back.
+- "ddp": ``DistributedDataParallel``; with ``zero1`` the optimizer is ``ZeroRedundancyOptimizer`` (each dp_cp rank
+  keeps the optimizer state of a share of the parameters, updates them and broadcasts them). Under pipeline
+  parallelism the stages are replicated by hand instead (``broadcast_params`` once, ``allreduce_grads`` after the
+  schedule's last backward): torch 2.13's pipelining breaks DDP's bucket rebuild when a step has several
+  micro-batches (gradients come out wrong or the reducer asserts), which torch 2.11 did not.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
+
+DP_SHARDS = ("fsdp", "ddp")
+
+
+def apply_fsdp(module: nn.Module, blocks: Iterable[nn.Module], mesh, *, reshard_after_forward: bool = True):
+    """fully_shard each block, then ``module`` (the root); in place, returns module."""
+    for block in blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return module
+
+
+def apply_ddp(module: nn.Module, group, device) -> DistributedDataParallel:
+    device_ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(module, device_ids=device_ids, process_group=group)
+
+
+def set_grad_sync(modules: Iterable[nn.Module], enabled: bool) -> None:
+    """Turn gradient reduction off (accumulating micro-batches) or on (the last one), for FSDP2 roots. (DDP uses
+    its ``no_sync`` context instead; see ParallelModel.)"""
+    for m in modules:
+        if isinstance(m, FSDPModule):
+            m.set_requires_gradient_sync(enabled)
+
+
+def zero1_optimizer(params, optimizer_class, group, **kwargs) -> ZeroRedundancyOptimizer:
+    """ZeRO-1: ``optimizer_class`` over this rank's share of ``params`` (whole parameters, balanced by size)."""
+    return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, process_group=group, **kwargs)
+
+
+BUCKET_BYTES = 25 << 20  # DDP's default bucket size
+
+
+def _buckets(tensors: list[torch.Tensor]):
+    """Consecutive runs of same-dtype tensors of at most BUCKET_BYTES (one tensor may exceed it alone)."""
+    bucket, size = [], 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if bucket and (t.dtype != bucket[0].dtype or size + nbytes > BUCKET_BYTES):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(t)
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def allreduce_tensors(tensors: list[torch.Tensor], group, average: bool = False) -> None:
+    """Sum (or average) each tensor over ``group`` in place, a flat bucket per collective."""
+    n = dist.get_world_size(group)
+    for bucket in _buckets(tensors):
+        flat = torch.cat([t.reshape(-1) for t in bucket])
+        if average:
+            flat /= n
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for t in bucket:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def allreduce_grads(params: list[torch.Tensor], group, average: bool = True) -> None:
+    """Data-parallel gradient reduction by hand: every existing gradient averaged (or summed) over ``group``."""
+    allreduce_tensors([p.grad for p in params if p.grad is not None], group, average)
+
+
+@torch.no_grad()
+def broadcast_params(params: list[torch.Tensor], group) -> None:
+    """Every replica starts from the group's first rank's parameters (as DDP does at construction)."""
+    src = dist.get_global_rank(group, 0)
+    for bucket in _buckets(params):
+        flat = torch.cat([p.reshape(-1) for p in bucket])
+        dist.broadcast(flat, src=src, group=group)
+        offset = 0
+        for p in bucket:
+            p.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()

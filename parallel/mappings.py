@@ -1,0 +1,215 @@
+"""Tensor- and sequence-parallel communication as small paired autograd functions (Megatron core's mappings).
+
+Each function takes the process group it talks over (a group of size 1 makes it the identity) and is the
+transpose of its pair in backward:
+
+| function | forward | backward |
+|---|---|---|
+| ``copy_to_tp(x, g)`` | identity | all-reduce |
+| ``reduce_from_tp(x, g)`` | all-reduce | identity |
+| ``scatter_to_tp(x, g, dim)`` | keep this rank's chunk of dim | all-gather along dim |
+| ``gather_from_tp(x, g, dim)`` | all-gather along dim | keep this rank's chunk |
+| ``gather_from_sp(x, g, dim)`` | all-gather along dim (the sequence) | reduce-scatter along dim |
+| ``reduce_scatter_to_sp(x, g, dim)`` | reduce-scatter along dim | all-gather along dim |
+
+Sequence parallel (SP) keeps activations between blocks sharded along the sequence (dim 1 of (B, T, C)): a
+column-parallel layer all-gathers its input (``gather_from_sp``) instead of ``copy_to_tp``, a row-parallel layer
+reduce-scatters its output (``reduce_scatter_to_sp``) instead of all-reducing. An all-reduce is a reduce-scatter
+plus an all-gather, so SP moves the same bytes and divides the norm/dropout activations by tp.
+
+Collectives run on contiguous buffers along dim 0 (other dims are moved there and back). Chunks are equal:
+the split dim must be divisible by the group size (checked, with the numbers in the error). On gloo builds that
+lack the single-tensor collectives (gloo in torch 2.11 and 2.13 has both, for fp32 and bf16), all-gather falls
+back to the list form and reduce-scatter to an all-reduce of the whole tensor keeping this rank's chunk (twice the
+bytes, CPU only).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 renamed the tensor collectives (*_single); 2.11 has only the older names
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+# ---- the collectives (no autograd) -----------------------------------------------------------------------------
+def all_reduce(x: torch.Tensor, group, inplace: bool = False) -> torch.Tensor:
+    """Sum over the group; in place on x when ``inplace`` and x is contiguous, else on a copy."""
+    if group_size(group) == 1:
+        return x
+    out = x if inplace and x.is_contiguous() else x.contiguous().clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def _check_split(x: torch.Tensor, dim: int, n: int, what: str) -> int:
+    if x.shape[dim] % n:
+        raise ValueError(f"{what}: dim {dim} of shape {tuple(x.shape)} ({x.shape[dim]}) is not divisible by the "
+                         f"group size {n}")
+    return x.shape[dim] // n
+
+
+def split(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """This rank's chunk of ``dim`` (a view)."""
+    n = group_size(group)
+    if n == 1:
+        return x
+    size = _check_split(x, dim, n, "split")
+    return x.narrow(dim, group_rank(group) * size, size)
+
+
+def _gloo_lacks(exc: Exception, group) -> bool:
+    return dist.get_backend(group) == "gloo" and isinstance(exc, (RuntimeError, NotImplementedError))
+
+
+def all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """Concatenation of every rank's x along ``dim`` (rank order)."""
+    n = group_size(group)
+    if n == 1:
+        return x
+    dim = dim % x.dim()
+    moved = x.movedim(dim, 0).contiguous()
+    out = moved.new_empty((n * moved.shape[0], *moved.shape[1:]))
+    try:
+        _ALL_GATHER(out, moved, group=group)
+    except (RuntimeError, NotImplementedError) as exc:
+        if not _gloo_lacks(exc, group):
+            raise
+        dist.all_gather(list(out.chunk(n)), moved, group=group)
+    return out.movedim(0, dim) if dim == 0 else out.movedim(0, dim).contiguous()
+
+
+def reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """This rank's chunk of ``dim`` of the sum over the group."""
+    n = group_size(group)
+    if n == 1:
+        return x
+    dim = dim % x.dim()
+    _check_split(x, dim, n, "reduce_scatter")
+    moved = x.movedim(dim, 0).contiguous()
+    out = moved.new_empty((moved.shape[0] // n, *moved.shape[1:]))
+    try:
+        _REDUCE_SCATTER(out, moved, group=group)
+    except (RuntimeError, NotImplementedError) as exc:
+        if not _gloo_lacks(exc, group):
+            raise
+        whole = moved.clone()
+        dist.all_reduce(whole, group=group)
+        out.copy_(whole.chunk(n)[group_rank(group)])
+    return out if dim == 0 else out.movedim(0, dim).contiguous()
+
+
+# ---- the autograd pairs ----------------------------------------------------------------------------------------
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, inplace):
+        if inplace and x.is_contiguous():
+            ctx.mark_dirty(x)  # autograd then refuses any earlier use of x that saved it for backward
+            return all_reduce(x, group, inplace=True)
+        return all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return split(x, group, dim).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, ctx.group, ctx.dim), None, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return all_gather(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return split(grad, ctx.group, ctx.dim).contiguous(), None, None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return all_gather(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter(grad, ctx.group, ctx.dim), None, None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return reduce_scatter(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, ctx.group, ctx.dim), None, None
+
+
+def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
+    """Enter a tensor-parallel region: identity forward, all-reduce of the gradient backward."""
+    return x if group_size(group) == 1 else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group, inplace: bool = False) -> torch.Tensor:
+    """Leave a tensor-parallel region: all-reduce forward (partial sums -> the sum), identity backward.
+    ``inplace``: reduce in x's own memory (for a fresh temporary such as a matmul's output)."""
+    return x if group_size(group) == 1 else _ReduceFromTP.apply(x, group, inplace)
+
+
+def scatter_to_tp(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
+    """Keep this rank's chunk of ``dim``; the gradient is all-gathered back."""
+    return x if group_size(group) == 1 else _ScatterToTP.apply(x, group, dim)
+
+
+def gather_from_tp(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
+    """All-gather along ``dim``; the gradient is split back to this rank's chunk."""
+    return x if group_size(group) == 1 else _GatherFromTP.apply(x, group, dim)
+
+
+def gather_from_sp(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    """Sequence-parallel shard -> the whole sequence (before a column-parallel layer); the gradient, a partial sum
+    on each rank, is reduce-scattered back to the shards."""
+    return x if group_size(group) == 1 else _GatherFromSP.apply(x, group, dim)
+
+
+def reduce_scatter_to_sp(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    """Partial sums over the whole sequence (after a row-parallel layer) -> this rank's shard of their sum; the
+    gradient is all-gathered."""
+    return x if group_size(group) == 1 else _ReduceScatterToSP.apply(x, group, dim)
+
+
+def scatter_to_sp(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    """The whole sequence (equal on every rank) -> this rank's shard; the gradient is all-gathered."""
+    return scatter_to_tp(x, group, dim)

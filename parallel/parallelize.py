@@ -1,0 +1,460 @@
+"""Apply a parallel layout to a built GPT: ``parallelize(model, mesh_or_dims, config) -> ParallelModel``.
+
+Order (torchtitan's "parallelize after build"): pipeline stages are cut from the model (pipeline.py), each stage is
+sharded for tensor (+ sequence) parallelism (tensor_parallel.py), the attention cores become ring attention under
+context parallelism (context.py), parameters are materialized (a model built on the meta device is initialized
+shard by shard exactly as the single model's ``init_weights`` would), and data parallelism wraps each stage
+(data_parallel.py). The model file stays a single-device model.
+
+Loss and gradients: ``forward_backward(idx, targets)`` takes this data-parallel rank's batch and returns the mean
+cross-entropy over the global batch (every dp rank's non-ignored tokens), equal on all ranks. Each rank
+backpropagates (sum of its tokens' losses) * dp * cp / N_global; DDP / FSDP average over the dp x cp ranks, so
+the gradients are those of the global mean, as the single-process model's on the whole batch. After the
+backward: gradients that are partial sums over tp (sequence-parallel norms and biases) are all-reduced over tp, and
+a tied head's copy on the last pipeline stage is summed with wte's on the first.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from megakern.parallel.clip import clip_grad_norm_ as _clip
+from megakern.parallel.context import RingAttention, cp_positions, cp_shard
+from megakern.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megakern.parallel.data_parallel import (DP_SHARDS, allreduce_grads, allreduce_tensors, apply_ddp, apply_fsdp,
+                                             broadcast_params, set_grad_sync, zero1_optimizer)
+from megakern.parallel.dims import ParallelDims, ParallelMesh
+from megakern.parallel.pipeline import PipelineChunk, build_schedule, check_schedule, cut_stage, stage_layout
+from megakern.parallel.state_dict import as_global, checkpoint_mesh, group_hparams, init_optimizer_state
+from megakern.parallel.tensor_parallel import apply_tensor_parallel
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class Options:
+    """The plan's choices (read from a ParallelConfig-like object by attribute, or given as keywords)."""
+
+    sequence_parallel: bool = True
+    """Shard norm/dropout activations along the sequence over tp (only meaningful with tp > 1)."""
+    pp_schedule: str = "1f1b"
+    """"gpipe" | "1f1b" | "interleaved-1f1b"."""
+    pp_stages_per_rank: int | None = None
+    """Stages per pipeline rank (None: 2 for interleaved-1f1b, else 1)."""
+    microbatches: int | None = None
+    """Micro-batches per step (pipeline micro-batches, or gradient accumulation without pp); None: 1, or pp under
+    pipeline parallelism."""
+    dp_shard: str = "fsdp"
+    """"fsdp" (FSDP2 fully_shard) | "ddp"."""
+    zero1: bool = False
+    """With dp_shard "ddp": shard the optimizer state (ZeroRedundancyOptimizer)."""
+
+
+def _options(config, overrides) -> Options:
+    values = {}
+    for f in dataclasses.fields(Options):
+        if config is not None and hasattr(config, f.name):
+            values[f.name] = getattr(config, f.name)
+    if config is not None and "microbatches" not in values and hasattr(config, "pp_microbatches"):
+        values["microbatches"] = config.pp_microbatches
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    unknown = set(overrides) - {f.name for f in dataclasses.fields(Options)}
+    if unknown:
+        raise TypeError(f"parallelize: unknown options {sorted(unknown)}")
+    return Options(**values)
+
+
+def parallelize(model: nn.Module, mesh: ParallelMesh | ParallelDims, config=None, *, generator=None,
+                **overrides) -> ParallelModel:
+    """Shard ``model`` (a megakern.models.gpt.GPT, materialized or on the meta device) over ``mesh``.
+
+    ``config``: a ParallelConfig (or any object with some of Options' fields); keywords override it.
+    ``generator``: for a meta-device model, the generator of its initialization (as ``GPT.init_weights``).
+    """
+    if isinstance(mesh, ParallelDims):
+        mesh = mesh.build()
+    if not isinstance(mesh, ParallelMesh):
+        raise TypeError(f"parallelize: want a ParallelMesh (ParallelDims(...).build()) or ParallelDims, got "
+                        f"{type(mesh).__name__}")
+    return ParallelModel(model, mesh, _options(config, overrides), generator)
+
+
+class ParallelModel:
+    """The local part of a parallel GPT and its training-step machinery (see the module docstring).
+
+    Attributes: ``mesh`` (ParallelMesh), ``gpts`` (this rank's GPT chunks: one, or its pipeline stages),
+    ``modules_chunks`` (the same, as wrapped for data parallelism), ``options``.
+    """
+
+    def __init__(self, model: nn.Module, pm: ParallelMesh, options: Options, generator=None):
+        d = pm.dims
+        cfg = getattr(model, "config", None)
+        if cfg is None or not isinstance(getattr(model, "blocks", None), nn.ModuleDict):
+            raise TypeError("parallelize: model must be a megakern.models.gpt.GPT (config, blocks ModuleDict)")
+        self.mesh, self.options, self.config = pm, options, cfg
+        self.tp, self.pp, self.cp, self.dp = d.tp, d.pp, d.cp, d.dp
+        sp = options.sequence_parallel and d.tp > 1
+        self.sequence_parallel = sp
+        if options.dp_shard not in DP_SHARDS:
+            raise ValueError(f"parallelize: dp_shard must be one of {DP_SHARDS}, got {options.dp_shard!r}")
+        if options.zero1 and options.dp_shard != "ddp":
+            raise ValueError("parallelize: zero1 shards the optimizer of DDP; FSDP (dp_shard='fsdp') already shards "
+                             "it: use dp_shard='ddp' with zero1, or zero1=False")
+        spr = options.pp_stages_per_rank or (2 if options.pp_schedule == "interleaved-1f1b" and d.pp > 1 else 1)
+        self.microbatches = options.microbatches or (d.pp if d.pp > 1 else 1)
+        if not isinstance(self.microbatches, int) or self.microbatches < 1:
+            raise ValueError(f"parallelize: microbatches must be an int >= 1, got {self.microbatches!r}")
+        if d.pp > 1:
+            check_schedule(options.pp_schedule, d.pp, spr, self.microbatches)
+            if sp and d.cp > 1:
+                raise ValueError("parallelize: pipeline + sequence parallel + context parallel together need "
+                                 "position ids per stage that the model's input check refuses; use "
+                                 "sequence_parallel=False or one of pp/cp = 1")
+        else:
+            spr = 1
+        if d.tp > 1 and cfg.dropout:
+            raise ValueError(f"parallelize: dropout={cfg.dropout} under tensor parallel would draw different masks on "
+                             "the tp ranks of a replicated activation (no per-region RNG tracking yet); use "
+                             "dropout=0 with tp > 1")
+        d.check_model(n_layer=cfg.n_layer, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, vocab=cfg.padded_vocab,
+                      ffn_hidden=cfg.ffn_hidden, stages_per_rank=spr, sequence_parallel=sp)
+        self.stages_per_rank = spr
+        meta = any(p.is_meta for p in model.parameters())
+
+        # 1. pipeline stages (GPT chunks holding their blocks)
+        self.num_stages = d.pp * spr
+        layout = stage_layout(cfg.n_layer, d.pp, spr, pm.pp_rank) if d.pp > 1 else [(0, range(cfg.n_layer))]
+        self.stage_indices = [s for s, _ in layout]
+        self.gpts, self.tied_copy = [], []
+        for j, (stage, blocks) in enumerate(layout):
+            if d.pp > 1:
+                chunk, tied = cut_stage(model, stage, self.num_stages, blocks, reuse=j == len(layout) - 1)
+            else:
+                chunk, tied = model, False
+            self.gpts.append(chunk)
+            self.tied_copy.append(tied)
+        self.has_first = 0 in self.stage_indices
+        self.has_last = self.num_stages - 1 in self.stage_indices
+
+        # 2. tensor (+ sequence) parallel, 3. context parallel
+        self.tp_info = [apply_tensor_parallel(g, pm.tp_group if d.tp > 1 else None, sp) for g in self.gpts]
+        if d.cp > 1:
+            for g in self.gpts:
+                for block in g.blocks.values():
+                    block.attn.core = RingAttention(pm.cp_group, backend=getattr(block.attn.core, "backend", None))
+
+        # 4. materialize: slices of a materialized model are copied already; a meta model is initialized here
+        for g in self.gpts:
+            if meta:
+                g.to_empty(device=pm.device)
+            else:
+                g.to(pm.device)
+        if meta:
+            self._init_weights(type(model), generator)
+
+        # 5. data parallel over dp x cp
+        # (torch 2.13's pipelining breaks DDP's bucket rebuild with several micro-batches, so under pipeline
+        # parallelism "ddp" replicates by hand: parameters broadcast once, gradients all-reduced after the schedule)
+        self.fsdp = options.dp_shard == "fsdp" and d.dp * d.cp > 1
+        self.ddp = options.dp_shard == "ddp" and d.dp * d.cp > 1 and d.pp == 1
+        self.replicate = options.dp_shard == "ddp" and d.dp * d.cp > 1 and d.pp > 1
+        runners = [PipelineChunk(g) for g in self.gpts] if d.pp > 1 else list(self.gpts)
+        if self.fsdp:
+            for r, g in zip(runners, self.gpts):
+                apply_fsdp(r, g.blocks.values(), pm.dp_cp_mesh, reshard_after_forward=d.pp == 1)
+        elif self.ddp:
+            runners = [apply_ddp(r, pm.dp_cp_group, pm.device) for r in runners]
+        elif self.replicate:
+            broadcast_params(list(self.parameters()), pm.dp_cp_group)
+        self.modules_chunks = runners
+
+        # tied embeddings across the first and last pipeline stages: one group per (dp, cp, tp) coordinate
+        self.tied_group = None
+        if d.pp > 1 and cfg.tie_embeddings:
+            for dp in range(d.dp):
+                for c in range(d.cp):
+                    for t in range(d.tp):
+                        ranks = [d.rank_of(pp=0, dp=dp, cp=c, tp=t), d.rank_of(pp=d.pp - 1, dp=dp, cp=c, tp=t)]
+                        group = dist.new_group(ranks)
+                        if pm.rank in ranks:
+                            self.tied_group = group
+        self._schedules = {}
+        self._ckpt_mesh = None
+        self._checked_batch = False
+
+    # ---- parameters ------------------------------------------------------------------------------------------------
+    def named_parameters(self):
+        """(name in the single model, parameter) of this rank (a tied head copy appears as lm_head.weight)."""
+        for g in self.gpts:
+            yield from g.named_parameters()
+
+    def parameters(self):
+        for _, p in self.named_parameters():
+            yield p
+
+    def _param_table(self):
+        """[(name, param, tp dim or None, sp partial, tied copy)] over this rank's chunks."""
+        rows = []
+        for g, info, tied in zip(self.gpts, self.tp_info, self.tied_copy):
+            for name, p in g.named_parameters():
+                rows.append((name, p, info.shard_dims.get(name), name in info.sp_partial,
+                             tied and name == "lm_head.weight"))
+        return rows
+
+    def train(self, mode: bool = True) -> ParallelModel:
+        for m in self.modules_chunks:
+            m.train(mode)
+        return self
+
+    def eval(self) -> ParallelModel:
+        return self.train(False)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for m in self.modules_chunks:
+            m.zero_grad(set_to_none=set_to_none)
+
+    # ---- steps -----------------------------------------------------------------------------------------------------
+    def _check_batch(self, idx, targets) -> None:
+        if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"ParallelModel: idx must be a (B, T) int64 tensor, got "
+                             f"{getattr(idx, 'shape', type(idx).__name__)}")
+        if not isinstance(targets, torch.Tensor) or targets.shape != idx.shape:
+            raise ValueError(f"ParallelModel: targets must be shaped like idx {tuple(idx.shape)}, got "
+                             f"{getattr(targets, 'shape', type(targets).__name__)}")
+        b, t = idx.shape
+        if b % self.microbatches:
+            raise ValueError(f"ParallelModel: batch {b} is not divisible into {self.microbatches} micro-batches")
+        if self.cp > 1 and t % (2 * self.cp):
+            raise ValueError(f"ParallelModel: sequence length {t} is not divisible by 2*cp = {2 * self.cp}")
+        if self.sequence_parallel and (t // self.cp) % self.tp:
+            raise ValueError(f"ParallelModel: sequence parallel needs each cp rank's {t // self.cp} tokens "
+                             f"divisible by tp={self.tp}")
+        if not self._checked_batch:  # once: ranks that must share a batch (same dp index) do
+            self._checked_batch = True
+            weights = torch.arange(idx.numel(), device=idx.device).view_as(idx) % 65521 + 1
+            mine = (self.mesh.dp_rank, int((idx.long() * weights).sum()), int((targets.long() * weights).sum()))
+            seen = [None] * dist.get_world_size()
+            dist.all_gather_object(seen, mine)
+            bad = sorted({r for r, s in enumerate(seen) if s[0] == mine[0] and s[1:] != mine[1:]})
+            if bad:
+                raise RuntimeError(f"ParallelModel: ranks {bad} got a different batch than rank {self.mesh.rank} "
+                                   f"(same data-parallel index {mine[0]}): every tp/cp/pp rank of a data-parallel "
+                                   "replica must read the same batch (sampler rank = mesh.dp_rank)")
+
+    def _global_tokens(self, targets) -> torch.Tensor:
+        n = (targets != IGNORE_INDEX).sum().to(torch.float32)
+        if self.dp > 1:
+            dist.all_reduce(n, group=self.mesh.dp_group)
+        return n
+
+    def _positions(self, t: int):
+        return cp_positions(t, self.cp, self.mesh.cp_rank, self.mesh.device) if self.cp > 1 else None
+
+    def _local_sequence(self, x):
+        return cp_shard(x, self.mesh.cp_group, 1) if self.cp > 1 else x
+
+    def _loss_sum(self, module, idx, targets, pos):
+        if self.tp > 1:
+            logits = module(idx, position_ids=pos)
+            return vocab_parallel_cross_entropy(logits, targets, self.mesh.tp_group, reduction="sum")
+        return module(idx, targets, position_ids=pos, reduction="sum")
+
+    def _ce_sum(self, logits, targets):
+        return vocab_parallel_cross_entropy(logits, targets, self.mesh.tp_group if self.tp > 1 else None,
+                                            reduction="sum")
+
+    def forward_backward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One step's forward and backward on this dp rank's batch (B, T); returns the global mean loss."""
+        self._check_batch(idx, targets)
+        idx, targets = idx.to(self.mesh.device), targets.to(self.mesh.device)
+        n_global = self._global_tokens(targets)
+        scale = self.dp * self.cp / n_global.clamp(min=1.0)
+        pos = self._positions(idx.shape[1])
+        idx_l, tgt_l = self._local_sequence(idx), self._local_sequence(targets)
+        if self.pp > 1:
+            total = self._pipeline(idx_l, tgt_l, pos, scale, train=True)
+        else:
+            module = self.modules_chunks[0]
+            total = torch.zeros((), dtype=torch.float32, device=self.mesh.device)
+            m = self.microbatches
+            for j, (x, t) in enumerate(zip(idx_l.chunk(m), tgt_l.chunk(m))):
+                last = j == m - 1
+                set_grad_sync(self.modules_chunks, last)
+                with (module.no_sync() if self.ddp and not last else contextlib.nullcontext()):
+                    s = self._loss_sum(module, x, t, pos)
+                    (s * scale).backward()
+                total += s.detach().float()
+        self.finalize_grads()
+        return self._reduce_loss(total, n_global)
+
+    @torch.no_grad()
+    def eval_loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The global mean loss of a batch, without gradients (mode as set by train()/eval())."""
+        self._check_batch(idx, targets)
+        idx, targets = idx.to(self.mesh.device), targets.to(self.mesh.device)
+        n_global = self._global_tokens(targets)
+        pos = self._positions(idx.shape[1])
+        idx_l, tgt_l = self._local_sequence(idx), self._local_sequence(targets)
+        if self.pp > 1:
+            total = self._pipeline(idx_l, tgt_l, pos, None, train=False)
+        else:
+            total = sum(self._loss_sum(self.modules_chunks[0], x, t, pos).float()
+                        for x, t in zip(idx_l.chunk(self.microbatches), tgt_l.chunk(self.microbatches)))
+        return self._reduce_loss(total, n_global)
+
+    def _reduce_loss(self, total, n_global):
+        total = total.detach().clone()
+        if self.dp * self.cp > 1:
+            dist.all_reduce(total, group=self.mesh.dp_cp_group)
+        if self.pp > 1:  # the loss lives on the last stage
+            dist.broadcast(total, src=dist.get_global_rank(self.mesh.pp_group, self.pp - 1), group=self.mesh.pp_group)
+        return total / n_global
+
+    def _pipeline(self, idx, targets, pos, scale, train: bool):
+        key = (tuple(idx.shape), train)
+        if key not in self._schedules:  # one per batch shape and mode: stages size their buffers on first use
+            self._schedules[key] = build_schedule(
+                self.options.pp_schedule, self.modules_chunks, self.stage_indices, self.num_stages, self.mesh.device,
+                self.mesh.pp_group, self.microbatches, lambda logits, t: self._loss_fn(logits, t))
+        # the schedule also calls the loss on its first (shape-inference) pass: count only the returned losses
+        self._loss_fn = (lambda logits, t: self._ce_sum(logits, t) * scale) if train else self._ce_sum
+        for chunk in self.modules_chunks:
+            runner = chunk.module if isinstance(chunk, DistributedDataParallel) else chunk
+            runner.position_ids = pos
+        schedule = self._schedules[key]
+        args = (idx,) if self.has_first else ()
+        target = targets if self.has_last else None
+        losses = [] if self.has_last else None
+        if train:
+            schedule.step(*args, target=target, losses=losses)
+        else:
+            schedule.eval(*args, target=target, losses=losses)
+        if not losses:
+            return torch.zeros((), dtype=torch.float32, device=self.mesh.device)
+        total = torch.stack([l.detach().float() for l in losses]).sum()
+        return total / scale if train else total
+
+    def finalize_grads(self) -> None:
+        """After the backward: average gradients over dp x cp where no wrapper did (replicated pipeline stages),
+        all-reduce over tp the gradients that are partial there (sequence parallel), and sum a tied head's gradient
+        with wte's across the first and last pipeline stages. (forward_backward calls it.)"""
+        if self.replicate:
+            allreduce_grads(list(self.parameters()), self.mesh.dp_cp_group, average=True)
+        partial, tied = [], []
+        for name, p, _, sp_partial, tied_copy in self._param_table():
+            if p.grad is None:
+                continue
+            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            if sp_partial:
+                partial.append(g)
+            if self.tied_group is not None and (tied_copy or (name == "wte.weight" and self.has_first)):
+                tied.append(g)
+        for grads, group in ((partial, self.mesh.tp_group if self.tp > 1 else None), (tied, self.tied_group)):
+            if group is not None and grads:
+                allreduce_tensors(grads, group)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
+        """Clip all gradients by their total norm over every group; returns the norm (equal on all ranks)."""
+        pm = self.mesh
+        sharded, replicated = [], []
+        for _, p, tp_dim, _, tied_copy in self._param_table():
+            if tied_copy:
+                continue  # its twin, wte on the first stage, is counted
+            (sharded if tp_dim is not None else replicated).append(p)
+        dp = pm.dp_cp_group if self.fsdp else None
+        pp = pm.pp_group if self.pp > 1 else None
+        tp = pm.tp_group if self.tp > 1 else None
+        norm = _clip([(sharded, [tp, dp, pp]), (replicated, [dp, pp])], max_norm, norm_type,
+                     error_if_nonfinite=error_if_nonfinite, device=pm.device)
+        tied = [p for _, p, _, _, t in self._param_table() if t]
+        if tied and tied[0].grad is not None:  # the copy gets the same scaling as its twin
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for p in tied:
+                g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                g.mul_(coef.to(g.device))
+        return norm
+
+    def build_optimizer(self, optimizer_class=torch.optim.AdamW, params=None, **kwargs):
+        """``optimizer_class`` over this rank's parameters (or ``params``: tensors or param-group dicts); a
+        ZeroRedundancyOptimizer over dp x cp when the plan has zero1."""
+        params = list(self.parameters()) if params is None else params
+        if self.options.zero1 and self.dp * self.cp > 1:
+            return zero1_optimizer(params, optimizer_class, self.mesh.dp_cp_group, **kwargs)
+        return optimizer_class(params, **kwargs)
+
+    # ---- checkpoints -----------------------------------------------------------------------------------------------
+    def checkpoint_state(self, optimizer=None, *, for_load: bool = False) -> dict:
+        """{"model": {fqn: DTensor}, "optim": {...}} for torch.distributed.checkpoint (save or load), in the single
+        model's names and shapes, so it loads under any other layout. ``for_load``: first give every parameter
+        its optimizer state so that DCP can load into it."""
+        if self._ckpt_mesh is None:
+            self._ckpt_mesh = checkpoint_mesh(self.mesh)
+        mesh = self._ckpt_mesh
+        table = self._param_table()
+        model = {}
+        names = {}
+        for name, p, tp_dim, _, tied_copy in table:
+            key = "wte.weight" if tied_copy else name
+            names[p] = (key, tp_dim)
+            model[key] = as_global(p.detach(), tp_dim, self.tp, mesh)
+        state = {"model": model}
+        if optimizer is not None:
+            inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer: this rank's share
+            if for_load:
+                init_optimizer_state(optimizer, [p for _, p, *_ in table])
+            opt_state = {}
+            for p, s in inner.state.items():
+                if p not in names:
+                    continue
+                key, tp_dim = names[p]
+                opt_state[key] = {k: (as_global(v.detach(), tp_dim, self.tp, mesh)
+                                      if isinstance(v, torch.Tensor) and v.shape == p.shape and v.dim() > 0 else v)
+                                  for k, v in s.items()}
+            state["optim"] = {"state": opt_state, "param_groups": group_hparams(optimizer)}
+        return state
+
+    def load_checkpoint_state(self, state: dict, optimizer=None) -> None:
+        """After ``dcp.load(state)`` into ``checkpoint_state(optimizer, for_load=True)``: tensors were loaded in
+        place; this restores the optimizer's hyper-parameters (learning rate, ...) per param group."""
+        if optimizer is None or "optim" not in state:
+            return
+        saved = state["optim"]["param_groups"]
+        if len(saved) != len(optimizer.param_groups):
+            raise ValueError(f"load_checkpoint_state: the checkpoint has {len(saved)} param groups, the optimizer "
+                             f"{len(optimizer.param_groups)}")
+        for group, hp in zip(optimizer.param_groups, saved):
+            group.update({k: v for k, v in hp.items() if k != "params"})
+
+    # ---- initialization --------------------------------------------------------------------------------------------
+    def _init_weights(self, gpt_class, generator) -> None:
+        """Initialize every local shard as the single model's init_weights initializes the whole tensor: the full
+        tensor of each parameter is drawn (one at a time) by the model's own rule and this rank's slice kept."""
+        rank = self.mesh.tp_rank
+        table = self._param_table()
+        config = self.config
+
+        class FullShapes:  # what GPT.init_weights reads: config and named_parameters()
+            pass
+
+        shim = FullShapes()
+        shim.config = config
+
+        def named_parameters():
+            for name, p, tp_dim, _, tied_copy in table:
+                shape = list(p.shape)
+                if tp_dim is not None:
+                    shape[tp_dim] *= self.tp
+                full = torch.empty(shape, dtype=p.dtype, device=p.device)
+                yield ("wte.weight" if tied_copy else name), full
+                with torch.no_grad():
+                    n = p.shape[tp_dim] if tp_dim is not None else None
+                    p.copy_(full.narrow(tp_dim, rank * n, n) if tp_dim is not None else full)
+
+        shim.named_parameters = named_parameters
+        gpt_class.init_weights(shim, generator)

@@ -1,0 +1,106 @@
+"""The tensor-parallel (+ sequence-parallel) plan for megakern.models.gpt.GPT, applied to a built model in place.
+
+Per block (tp ranks, group g):
+- attention: qkv -> ColumnParallelLinear (rows are grouped per kv head, so rank r's rows are kv heads
+  [r*nkv/tp, (r+1)*nkv/tp) with their query heads); n_head / n_kv_head become the local counts; proj ->
+  RowParallelLinear. The attention core runs on the local heads unchanged.
+- MLP: fc -> ColumnParallelLinear (swiglu's interleaved gate/up rows stay paired), proj -> RowParallelLinear.
+- The input of attn and of mlp enters the tensor-parallel region once, by a forward pre-hook: ``copy_to_tp``, or
+  under sequence parallel ``gather_from_sp`` (the sequence shards all-gathered); the row layers leave it by an
+  all-reduce, or a reduce-scatter back to the sequence shards.
+Embedding and head: wte -> VocabParallelEmbedding (under SP its reduce-scatter lands the embeddings on the
+sequence shards; a learned position table's output is split to the same shard by a forward hook); norm_f's output
+enters the region by a forward hook (copy / gather) and the head (lm_head, or the tied wte) gives this rank's
+vocabulary columns of the logits; the loss is ``vocab_parallel_cross_entropy``.
+
+Under sequence parallel the norms (and RowParallel biases) see only this rank's tokens: their gradients are
+partial sums over the tp group, listed in the returned ``TPInfo.sp_partial`` and all-reduced after backward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from megakern.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from megakern.parallel.mappings import copy_to_tp, gather_from_sp, group_size, scatter_to_sp
+
+
+@dataclass
+class TPInfo:
+    """What the rest of the plan needs to know about the sharded model (names relative to the GPT)."""
+
+    shard_dims: dict[str, int] = field(default_factory=dict)
+    """Parameter name -> the dim of the full tensor split over tp (others are whole on every tp rank)."""
+    sp_partial: set[str] = field(default_factory=set)
+    """Parameters whose gradients are partial sums over tp (sequence parallel) and need an all-reduce."""
+
+
+def _enter_hook(group, sequence_parallel: bool):
+    def hook(module, args):
+        x = gather_from_sp(args[0], group, 1) if sequence_parallel else copy_to_tp(args[0], group)
+        return (x, *args[1:])
+
+    return hook
+
+
+def _norm_out_hook(group, sequence_parallel: bool):
+    def hook(module, args, out):
+        enter = (lambda y: gather_from_sp(y, group, 1)) if sequence_parallel else (lambda y: copy_to_tp(y, group))
+        return (enter(out[0]), *out[1:]) if isinstance(out, tuple) else enter(out)
+
+    return hook
+
+
+def _split_positions_hook(group):
+    def hook(module, args, out):  # (T, C) or (B, T, C): the sequence is dim -2
+        return scatter_to_sp(out, group, out.dim() - 2)
+
+    return hook
+
+
+def apply_tensor_parallel(gpt: nn.Module, group, sequence_parallel: bool) -> TPInfo:
+    """Shard ``gpt`` (a GPT or a pipeline stage of one) over ``group`` in place; returns its TPInfo."""
+    info = TPInfo()
+    tp = group_size(group)
+    if tp == 1:
+        return info
+    for bname, block in gpt.blocks.items():
+        attn, mlp = block.attn, block.mlp
+        for name, n in (("n_head", attn.n_head), ("n_kv_head", attn.n_kv_head)):
+            if n % tp:
+                raise ValueError(f"tensor parallel: block {bname} has {n} {name.replace('n_', '')}s, not divisible "
+                                 f"by tp={tp}")
+        attn.qkv = ColumnParallelLinear.from_linear(attn.qkv, group, input_is_gathered=True)
+        attn.proj = RowParallelLinear.from_linear(attn.proj, group, sequence_parallel=sequence_parallel)
+        attn.n_head, attn.n_kv_head = attn.n_head // tp, attn.n_kv_head // tp
+        mlp.fc = ColumnParallelLinear.from_linear(mlp.fc, group, input_is_gathered=True)
+        mlp.proj = RowParallelLinear.from_linear(mlp.proj, group, sequence_parallel=sequence_parallel)
+        attn.register_forward_pre_hook(_enter_hook(group, sequence_parallel))
+        mlp.register_forward_pre_hook(_enter_hook(group, sequence_parallel))
+        for lname, layer in (("attn.qkv", attn.qkv), ("attn.proj", attn.proj), ("mlp.fc", mlp.fc),
+                             ("mlp.proj", mlp.proj)):
+            for pname, dim in layer.tp_shard_dims.items():
+                if getattr(layer, pname) is not None:
+                    info.shard_dims[f"blocks.{bname}.{lname}.{pname}"] = dim
+            info.sp_partial.update(f"blocks.{bname}.{lname}.{p}" for p in layer.sp_partial)
+        if sequence_parallel:
+            for nname in ("attn_norm", "mlp_norm"):
+                info.sp_partial.update(f"blocks.{bname}.{nname}.{p}" for p, _ in
+                                       getattr(block, nname).named_parameters())
+    if getattr(gpt, "wte", None) is not None:
+        gpt.wte = VocabParallelEmbedding.from_embedding(gpt.wte, group, sequence_parallel=sequence_parallel)
+        info.shard_dims["wte.weight"] = 0
+        if sequence_parallel and getattr(gpt, "wpe", None) is not None:
+            gpt.wpe.register_forward_hook(_split_positions_hook(group))
+    if getattr(gpt, "norm_f", None) is not None:
+        gpt.norm_f.register_forward_hook(_norm_out_hook(group, sequence_parallel))
+        if sequence_parallel:
+            info.sp_partial.update(f"norm_f.{p}" for p, _ in gpt.norm_f.named_parameters())
+        if gpt.lm_head is not None:  # the model reads lm_head.weight (rows: the vocabulary)
+            gpt.lm_head = ColumnParallelLinear.from_linear(gpt.lm_head, group, input_is_gathered=True)
+            info.shard_dims["lm_head.weight"] = 0
+        elif getattr(gpt, "wte", None) is None:
+            raise ValueError("tensor parallel: a stage with norm_f but neither lm_head nor wte has no output "
+                             "projection")
+    return info

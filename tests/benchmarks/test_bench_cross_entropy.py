@@ -1,0 +1,29 @@
+"""benchmarks/bench_cross_entropy.py on CPU, smallest case: every provider that runs here checked and timed, rows on
+file with the same-run matmul roofline, a wrong provider reported and skipped."""
+import csv
+
+from benchmarks import bench_cross_entropy
+from benchmarks.common import CSV_HEADER
+
+
+def _wrong(device):
+    return lambda chunk: (lambda x, w, t: 1.01 * bench_cross_entropy._plain(x, w, t))
+
+
+def test_bench_cross_entropy_cpu_smoke(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(bench_cross_entropy.PROVIDERS, "wrong", _wrong)
+    bench_cross_entropy.main(["--device", "cpu", "--providers", "torch,megakern-triton,wrong", "--chunks", "4",
+                              "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "skip wrong on N=13 C=16 V=67 fp32: AssertionError: loss is off the fp32 reference" in out
+    with (tmp_path / "cpu" / "cross_entropy.csv").open(newline="") as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == list(CSV_HEADER)
+    records = [dict(zip(CSV_HEADER, row)) for row in rows[1:]]
+    figures = {(r["mode"], r["provider"], r["metric"]) for r in records}
+    assert ("-", "roofline", "bf16 matmul TFLOP/s") in figures
+    for mode, provider in (("fwd+bwd", "torch"), ("fwd+bwd", "megakern-triton"), ("fwd+bwd chunk=4", "megakern-triton")):
+        for metric in ("ms", "TFLOP/s", "roofline_frac"):
+            assert (mode, provider, metric) in figures, (mode, provider, metric)
+    assert all(float(r["value"]) > 0 for r in records)
+    assert bench_cross_entropy.flops(16384, 1024, 50304) == 6 * 16384 * 1024 * 50304

@@ -1,0 +1,65 @@
+"""A tiny GPT trained a few steps under each parallel layout equals the single-process model under the same seed:
+losses, clip norms, gradients (gathered) and parameters, within fp32 tolerance."""
+import pytest
+from gpt_check import check_train
+from rankpool import pool
+
+
+def run(world, layout, options, **kw):
+    losses = pool(world).run(check_train, layout, options, **kw)
+    assert all(l == losses[0] for l in losses), f"ranks returned different losses: {losses}"
+    return losses[0]
+
+
+@pytest.mark.parametrize("style,sp", [("llama", False), ("gpt", True)])
+def test_tensor_parallel(style, sp):
+    run(2, dict(tp=2), dict(sequence_parallel=sp), style=style)
+
+
+@pytest.mark.parametrize("style,shard,zero1,micro", [("gpt", "fsdp", False, 2), ("llama", "ddp", False, 2),
+                                                     ("gpt", "ddp", True, 1)])
+def test_data_parallel(style, shard, zero1, micro):
+    run(2, dict(dp=2), dict(dp_shard=shard, zero1=zero1, microbatches=micro), style=style)
+
+
+@pytest.mark.parametrize("schedule,n_layer,micro", [("gpipe", 2, 2), ("1f1b", 2, 4), ("interleaved-1f1b", 4, 2)])
+def test_pipeline_parallel(schedule, n_layer, micro):
+    run(2, dict(pp=2), dict(pp_schedule=schedule, microbatches=micro), n_layer=n_layer)
+
+
+@pytest.mark.parametrize("style", ["llama", "gpt"])
+def test_context_parallel(style):
+    run(2, dict(cp=2), dict(dp_shard="ddp"), style=style)
+
+
+@pytest.mark.parametrize("layout,options,style", [
+    (dict(tp=2, pp=2), dict(pp_schedule="1f1b", microbatches=2), "gpt"),              # TP+SP x PP, tied head
+    (dict(tp=2, cp=2), dict(dp_shard="fsdp"), "llama"),                               # TP+SP x CP (FSDP over cp)
+    (dict(pp=2, dp=2), dict(pp_schedule="gpipe", dp_shard="fsdp", microbatches=2), "llama"),  # FSDP x PP
+    (dict(pp=2, cp=2), dict(pp_schedule="1f1b", dp_shard="fsdp", microbatches=2), "llama"),   # CP x PP, rotary
+])
+def test_combined_layouts(layout, options, style):
+    run(4, layout, options, style=style)
+
+
+@pytest.mark.parametrize("layout,options,style", [(dict(tp=2), dict(sequence_parallel=True), "llama"),
+                                                  (dict(pp=2), dict(pp_schedule="gpipe"), "gpt")])
+def test_meta_device_model_is_initialized_per_shard(layout, options, style):
+    run(2, layout, options, style=style, meta=True, steps=1)
+
+
+def test_replicated_pipeline_with_zero1():
+    # pp x dp with "ddp": stages replicated by hand (all-reduce after the schedule), ZeRO-1 optimizer
+    run(4, dict(pp=2, dp=2), dict(pp_schedule="1f1b", dp_shard="ddp", zero1=True, microbatches=2), style="llama")
+
+
+def test_three_dimensional_layout():
+    # tp2 (sequence parallel) x pp2 (interleaved, tied head) x dp2 (FSDP2): 8 ranks
+    ranks = pool(8)
+    try:
+        losses = ranks.run(check_train, dict(tp=2, pp=2, dp=2),
+                           dict(pp_schedule="interleaved-1f1b", dp_shard="fsdp", microbatches=2), style="gpt",
+                           n_layer=4, steps=2)
+        assert all(l == losses[0] for l in losses), losses
+    finally:
+        ranks.close()  # the only 8-rank check: free its processes

@@ -1,0 +1,264 @@
+"""Cross-entropy (megakern/cross_entropy.py): the fused linear cross-entropy and the kernel on plain logits.
+
+The loss and every gradient (x, weight, bias; logits) are held to the 2x rule against the fp64 reference (see
+conftest), on fresh random inputs: odd row counts, vocabularies that are not a multiple of the kernel's block,
+one chunk and many, ignored rows, a custom ignore_index, label smoothing, softcapping, bias, non-contiguous x and
+logits, mean / sum / none, an incoming gradient other than 1. On a CPU the Triton kernel runs under the
+interpreter on small shapes in fp32 / fp16 (the interpreter rounds bf16 wrongly); bf16 and large vocabularies run
+on a GPU.
+"""
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+from conftest import ATOL, DEVICE, HAS_CUDA, assert_close_to_ref
+
+import megakern
+from megakern import cross_entropy as ce
+from megakern.cross_entropy import (cross_entropy, cross_entropy_ref, default_chunk, linear_cross_entropy,
+                                    linear_cross_entropy_ref)
+
+LOW_DTYPES = (torch.float32, torch.float16) + ((torch.bfloat16,) if HAS_CUDA else ())
+
+
+def _seed(*key) -> None:
+    torch.manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def _triton_or_skip():
+    problem = megakern.available_backends(DEVICE)["triton"]
+    if problem:
+        pytest.skip(f"Triton unavailable: {problem}")
+
+
+def _targets(n, vocab, ignored=3, ignore_index=-100):
+    t = torch.randint(0, vocab, (n,), device=DEVICE)
+    t[torch.randperm(n, device=DEVICE)[:ignored]] = ignore_index
+    return t
+
+
+def _inputs(n, c, vocab, dtype, *, bias=False, strided=False):
+    """x (n, c) (a non-contiguous view when ``strided``), weight (vocab, c), bias (vocab,) or None, all leaves."""
+    if strided:
+        x = torch.randn(c, 2 * n, device=DEVICE, dtype=dtype).t()[::2]  # strides (2, 2n)... rows every 2nd column
+    else:
+        x = torch.randn(n, c, device=DEVICE, dtype=dtype)
+    w = (torch.randn(vocab, c, device=DEVICE) / c ** 0.5 * 2).to(dtype)
+    b = torch.randn(vocab, device=DEVICE, dtype=dtype) if bias else None
+    return [t if t is None else t.detach().requires_grad_() for t in (x, w, b)]
+
+
+def _grads(loss, tensors, grad_out):
+    for t in tensors:
+        if t is not None:
+            t.grad = None
+    loss.backward(grad_out)
+    return [None if t is None else t.grad.detach().clone() for t in tensors]
+
+
+def _leaves(tensors, dtype):
+    return [None if t is None else t.detach().to(dtype).requires_grad_() for t in tensors]
+
+
+CASES = [  # n, c, vocab, chunk, options
+    (37, 24, 101, None, {}),
+    (37, 24, 101, 8, {}),
+    (29, 16, 67, 1, dict(reduction="sum")),
+    (19, 32, 130, 7, dict(bias=True)),
+    (23, 24, 101, 10, dict(label_smoothing=0.1)),
+    (23, 24, 101, 10, dict(softcap=3.0)),
+    (23, 24, 101, None, dict(ignore_index=5, label_smoothing=0.2, bias=True, reduction="sum")),
+    (21, 16, 45, 6, dict(strided=True)),
+]
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_linear_cross_entropy_matches_reference(case, dtype):
+    _triton_or_skip()
+    n, c, vocab, chunk, options = CASES[case]
+    options = dict(options)
+    has_bias, strided = options.pop("bias", False), options.pop("strided", False)
+    ignore_index = options.get("ignore_index", -100)
+    _seed("lce", case, dtype)
+    x, w, b = _inputs(n, c, vocab, dtype, bias=has_bias, strided=strided)
+    targets = _targets(n, vocab, ignore_index=ignore_index)
+    grad_out = torch.tensor(0.7, device=DEVICE)
+    loss = linear_cross_entropy(x, w, targets, bias=b, chunk_size=chunk, backend="triton", **options)
+    assert loss.dtype == torch.float32 and loss.shape == ()
+    grads = _grads(loss, (x, w, b), grad_out)
+    truth_in, lowp_in = _leaves((x, w, b), torch.float64), _leaves((x, w, b), dtype)
+    truth = linear_cross_entropy_ref(*truth_in[:2], targets, bias=truth_in[2], **options)
+    lowp = linear_cross_entropy_ref(*lowp_in[:2], targets, bias=lowp_in[2], upcast=False, **options)
+    atol = ATOL[dtype]
+    assert_close_to_ref("loss", loss, truth, lowp, atol)
+    for name, g, g64, gl in zip(("x", "weight", "bias"), grads, _grads(truth, truth_in, grad_out.double()),
+                                _grads(lowp, lowp_in, grad_out.to(dtype))):
+        if g is None:
+            assert g64 is None
+            continue
+        assert g.dtype == dtype
+        assert_close_to_ref(f"grad {name}", g, g64, gl, atol)
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_on_logits_matches_reference(reduction, dtype):
+    _triton_or_skip()
+    _seed("ce", reduction, dtype)
+    n, vocab = 33, 157
+    base = (torch.randn(vocab, n, device=DEVICE) * 3).to(dtype)
+    logits = base.t().detach().requires_grad_()  # non-contiguous: unit stride along the rows
+    targets = _targets(n, vocab)
+    out = cross_entropy(logits, targets, reduction=reduction, backend="triton", label_smoothing=0.05)
+    grad_out = torch.rand(out.shape, device=DEVICE) + 0.5
+    (g,) = _grads(out, (logits,), grad_out)
+    (l64,), (ll,) = _leaves((logits,), torch.float64), _leaves((logits,), dtype)
+    truth = cross_entropy_ref(l64, targets, reduction=reduction, label_smoothing=0.05)
+    lowp = cross_entropy_ref(ll, targets, reduction=reduction, label_smoothing=0.05, upcast=False)
+    assert_close_to_ref("loss", out, truth, lowp, ATOL[dtype])
+    if reduction == "none":
+        assert out.shape == (n,) and out[targets == -100].eq(0).all()
+    (g64,), (gl,) = _grads(truth, (l64,), grad_out.double()), _grads(lowp, (ll,), grad_out.to(dtype))
+    assert g.dtype == dtype and g.shape == logits.shape
+    assert_close_to_ref("grad logits", g, g64, gl, ATOL[dtype])
+
+
+def test_leading_dims_and_no_grad():
+    _triton_or_skip()
+    _seed("dims")
+    x, w, _ = _inputs(6 * 5, 16, 70, torch.float32)
+    x3 = x.detach().view(6, 5, 16)
+    targets = _targets(30, 70).view(6, 5)
+    with torch.no_grad():
+        loss = linear_cross_entropy(x3, w, targets, backend="triton")
+        per_row = linear_cross_entropy(x3, w, targets, reduction="none", backend="triton", chunk_size=4)
+    ref = linear_cross_entropy_ref(x3.double(), w.double(), targets)
+    torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-5)
+    assert per_row.shape == (6, 5)
+    torch.testing.assert_close(per_row.double(), linear_cross_entropy_ref(x3.double(), w.double(), targets,
+                                                                          reduction="none").view(6, 5),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="reduction 'none' is for evaluation"):
+        linear_cross_entropy(x, w, targets.view(-1), reduction="none", backend="triton")
+
+
+def test_only_weight_needs_grad_and_all_rows_ignored():
+    _triton_or_skip()
+    _seed("weight only")
+    x, w, _ = _inputs(11, 16, 50, torch.float32)
+    targets = _targets(11, 50)
+    loss = linear_cross_entropy(x.detach(), w, targets, backend="triton", chunk_size=4)
+    loss.backward()
+    w64 = w.detach().double().requires_grad_()
+    linear_cross_entropy_ref(x.detach().double(), w64, targets).backward()
+    torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-5, atol=1e-6)
+    # every row ignored: NaN loss (0 / 0), as torch; zero gradients with "sum"
+    ignored = torch.full_like(targets, -100)
+    assert torch.isnan(linear_cross_entropy(x, w, ignored, backend="triton"))
+    w.grad = None
+    loss = linear_cross_entropy(x, w, ignored, backend="triton", reduction="sum")
+    loss.backward()
+    assert loss.item() == 0 and w.grad.abs().max() == 0
+
+
+def test_model_kernel_table_and_torch_backend():
+    _seed("table")
+    x, w, _ = _inputs(9, 16, 40, torch.float32)
+    targets = _targets(9, 40)
+    ref = linear_cross_entropy(x, w, targets, backend={"cross_entropy": "torch"})
+    torch.testing.assert_close(ref, linear_cross_entropy_ref(x, w, targets))
+    with pytest.raises(ValueError, match="unknown backend 'cuda'"):
+        linear_cross_entropy(x, w, targets, backend="cuda")
+
+
+def test_autocast_casts_to_the_autocast_dtype():
+    _triton_or_skip()
+    _seed("autocast")
+    x, w, _ = _inputs(13, 16, 60, torch.float32)
+    targets = _targets(13, 60)
+    with torch.autocast(DEVICE.type, dtype=torch.float16):
+        loss = linear_cross_entropy(x, w, targets, backend="triton")
+    loss.backward()
+    assert w.grad.dtype == torch.float32 and x.grad.dtype == torch.float32
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = linear_cross_entropy_ref(x64, w64, targets)
+    ref.backward()
+    assert abs(loss.item() - ref.item()) < 5e-3
+    torch.testing.assert_close(w.grad.double(), w64.grad, rtol=0, atol=2e-3)
+
+
+def test_default_chunk():
+    assert default_chunk(16384, 50304, 2) == 2048
+    assert default_chunk(16384, 128256, 2) == 1024
+    assert default_chunk(100, 50304, 2) == 100
+    assert default_chunk(16384, 1000, 4) == 8192
+    assert default_chunk(16384, 10_000_000, 4) == 256
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda x, w, t: linear_cross_entropy(x, w[:, :3], t), "weight must be \\(V, C\\) with C = x's last dim"),
+    (lambda x, w, t: linear_cross_entropy(x, w.double(), t), "x has dtype torch.float32 but weight has"),
+    (lambda x, w, t: linear_cross_entropy(x.long(), w, t), "x has dtype torch.int64"),
+    (lambda x, w, t: linear_cross_entropy(x, w, t[:5]), "targets have shape \\(5,\\), expected \\(9,\\)"),
+    (lambda x, w, t: linear_cross_entropy(x, w, t.float()), "targets have dtype torch.float32"),
+    (lambda x, w, t: linear_cross_entropy(x, w, t.index_fill(0, torch.tensor([4]), 40)),
+     "target 40 \\(row 4\\) is outside the vocabulary \\[0, 40\\)"),
+    (lambda x, w, t: linear_cross_entropy(x, w, t.index_fill(0, torch.tensor([2]), -1)),
+     "target -1 \\(row 2\\) is outside the vocabulary"),
+    (lambda x, w, t: linear_cross_entropy(x, w, t, bias=torch.zeros(39)), "bias has shape \\(39,\\)"),
+    (lambda x, w, t: linear_cross_entropy(x, w, t, chunk_size=0), "chunk_size must be None or an int >= 1"),
+    (lambda x, w, t: linear_cross_entropy(x, w, t, reduction="avg"), "reduction must be one of"),
+    (lambda x, w, t: linear_cross_entropy(x, w, t, label_smoothing=1.5), "label_smoothing must be a number"),
+    (lambda x, w, t: linear_cross_entropy(x, w, t, softcap=0.0), "softcap must be None or a finite number > 0"),
+    (lambda x, w, t: linear_cross_entropy(x, w.to("meta"), t), "weight is on meta but x is on cpu"),
+    (lambda x, w, t: cross_entropy(x @ w.t(), t[:4]), "targets have shape \\(4,\\), expected \\(9,\\)"),
+    (lambda x, w, t: cross_entropy(x @ w.t(), t + 100), "is outside the vocabulary \\[0, 40\\)"),
+    (lambda x, w, t: cross_entropy((x @ w.t()).long(), t), "logits have dtype torch.int64"),
+])
+def test_errors(call, message):
+    x, w = torch.randn(9, 16), torch.randn(40, 16)
+    t = torch.randint(0, 40, (9,))
+    with pytest.raises((ValueError, TypeError), match=message):
+        call(x, w, t)
+
+
+def test_kernel_makes_out_of_range_targets_nan():
+    """What a compiled graph (no host check) gets for a target outside the vocabulary: NaN, no stray read."""
+    _triton_or_skip()
+    from megakern import _cross_entropy_triton
+
+    logits = torch.randn(4, 70, device=DEVICE)
+    targets = torch.tensor([3, 70, -100, -5], device=DEVICE)
+    loss, _ = _cross_entropy_triton.fwd(logits, targets, None, None, -100, 0.0, None)
+    assert torch.isfinite(loss[0]) and torch.isnan(loss[1]) and loss[2] == 0 and torch.isnan(loss[3])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vocab", [50304, 128256])
+def test_gpu_bf16_large_vocab_and_memory(vocab):
+    """bf16 at a real vocabulary: 2x rule on loss and gradients, and peak memory well below the fp32 logits."""
+    _seed("gpu", vocab)
+    n, c = 4096, 512
+    x, w, _ = _inputs(n, c, vocab, torch.bfloat16)
+    targets = _targets(n, vocab, ignored=100)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    loss = linear_cross_entropy(x, w, targets, backend="triton", chunk_size=1024)
+    grads = _grads(loss, (x, w), None)
+    peak = torch.cuda.max_memory_allocated() - before
+    assert peak < n * vocab * 4 / 2, f"peak {peak / 2**20:.0f} MiB"
+    truth_in, lowp_in = _leaves((x, w), torch.float64), _leaves((x, w), torch.bfloat16)
+    truth = linear_cross_entropy_ref(*truth_in, targets)
+    lowp = linear_cross_entropy_ref(*lowp_in, targets, upcast=False)
+    assert_close_to_ref("loss", loss, truth, lowp, ATOL[torch.bfloat16])
+    for name, g, g64, gl in zip(("x", "weight"), grads, _grads(truth, truth_in, None), _grads(lowp, lowp_in, None)):
+        assert_close_to_ref(f"grad {name}", g, g64, gl, ATOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_accumulation_probe():
+    assert isinstance(ce._fp32_accumulating_mm(torch.device("cuda", torch.cuda.current_device())), bool)

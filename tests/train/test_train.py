@@ -1,0 +1,414 @@
+"""The training program on CPU: loss falls, golden losses of gpt-tiny, exact resume, non-finite steps, start-up
+checks (data size, vocabulary, loggers, workers, fingerprints), profiling, packed documents, the command line.
+
+Golden losses: tests/train/golden_gpt_tiny.json holds the first 20 losses of configs/gpt-tiny.yaml on CPU (fp32).
+After an intended change of the model, the data pipeline or the loop, regenerate it with
+
+    python tests/train/test_train.py --write-golden
+
+and say why in the commit.
+"""
+import json
+import math
+import os
+import random
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megakern import _log
+from megakern.checkpoint import CheckpointError
+from megakern.config import ConfigError, load_config
+from megakern.data import DataError
+from megakern.train import Trainer, TrainingHalted, document_offsets
+
+REPO = Path(__file__).resolve().parents[2]
+GOLDEN = Path(__file__).with_name("golden_gpt_tiny.json")
+GOLDEN_STEPS = 20
+GOLDEN_ATOL = 1e-4  # fp32 on CPU is deterministic; this leaves room for other CPUs' kernels, not for any real change
+QUIET = ["log.tensorboard=false", "log.progress=false", "train.sample_tokens=0", "data.num_workers=0",
+         "train.device=cpu"]
+TINY = QUIET + ["model.n_layer=2", "model.n_embd=64", "model.n_head=2", "model.max_seqlen=64",
+                "train.micro_batch_size=8", "optim.lr=3e-3", "schedule.warmup_steps=10", "eval.batches=4"]
+
+
+@pytest.fixture(scope="module")
+def data_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("data")
+
+
+def trainer(tmp_path, data_cache, *overrides, config_file=None, name="run", profile=False):
+    config = load_config(config_file, [*overrides, f"log.run_dir={tmp_path / name}", f"data.cache_dir={data_cache}"])
+    return Trainer(config, profile=profile, stream=open(tmp_path / f"{name}.console", "a"))
+
+
+def golden_run(run_dir: Path, data_cache: Path) -> list[float]:
+    config = load_config(REPO / "configs" / "gpt-tiny.yaml",
+                         QUIET + [f"train.steps={GOLDEN_STEPS}", "eval.every=0", "checkpoint.final=false",
+                                  f"log.run_dir={run_dir}", f"data.cache_dir={data_cache}"])
+    # the first 20 steps of the 300-step preset run are these: they are all in warmup, and the data covers whole
+    # epochs whatever train.steps is
+    assert config.schedule.warmup_steps >= GOLDEN_STEPS
+    result = Trainer(config, stream=open(run_dir.parent / "golden.console", "a")).run()
+    return [result.losses[s] for s in range(1, GOLDEN_STEPS + 1)]
+
+
+def test_tiny_run_loss_falls(tmp_path, data_cache):
+    t = trainer(tmp_path, data_cache, *TINY, "train.steps=80", "eval.every=40", "checkpoint.final=false",
+                "train.sample_tokens=40", "train.sample_prompt=import ")
+    result = t.run()
+    losses = [result.losses[s] for s in range(1, 81)]
+    assert losses[0] > 5.0  # ln(257) = 5.55 at the start
+    assert sum(losses[-10:]) / 10 < 3.3
+    assert set(result.eval_losses) == {40, 80} and result.eval_losses[80] < 3.5
+    assert result.skipped_steps == [] and result.final_step == 80
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "step     80/80 | loss" in log and "eval loss" in log and "MFU n/a" in log
+    assert (tmp_path / "run" / "config.yaml").is_file()
+    assert isinstance(result.sample, str) and 0 < len(result.sample.encode()) <= 40
+    assert f"sample ({len(result.sample)} characters after 'import '):\nimport {result.sample}" in log
+
+
+def test_golden_losses_gpt_tiny(tmp_path, data_cache):
+    if not GOLDEN.is_file():
+        pytest.fail(f"{GOLDEN} is missing; write it with: python tests/train/test_train.py --write-golden")
+    golden = json.loads(GOLDEN.read_text())
+    assert golden["steps"] == GOLDEN_STEPS
+    losses = golden_run(tmp_path / "run", data_cache)
+    worst = max(abs(a - b) for a, b in zip(losses, golden["losses"]))
+    assert worst <= GOLDEN_ATOL, (f"losses differ from {GOLDEN.name} by up to {worst:.2e}:\n"
+                                  + "\n".join(f"  step {i + 1}: {a:.7f} golden {b:.7f}"
+                                              for i, (a, b) in enumerate(zip(losses, golden["losses"]))))
+
+
+@pytest.mark.parametrize("precision, workers", [("fp32", 0), ("bf16", 1), ("bf16-autocast", 0)])
+def test_exact_resume(tmp_path, data_cache, precision, workers):
+    """Stopping at step 6 and resuming gives the same losses, bit for bit (dropout, accumulation, workers)."""
+    common = [*TINY, "model.dropout=0.1", "train.global_batch_size=16", "train.steps=12", "eval.every=0",
+              f"train.precision={precision}", f"data.num_workers={workers}"]
+    whole = trainer(tmp_path, data_cache, *common, "checkpoint.every=6", "checkpoint.final=false", name="a").run()
+    resumed_trainer = trainer(tmp_path, data_cache, *common,
+                              f"checkpoint.resume={tmp_path / 'a' / 'checkpoints' / 'step_00000006'}", name="b")
+    assert resumed_trainer.step == 6 and resumed_trainer.consumed_samples == 6 * 16
+    resumed = resumed_trainer.run()
+    assert sorted(resumed.losses) == list(range(7, 13))
+    assert [resumed.losses[s] for s in range(7, 13)] == [whole.losses[s] for s in range(7, 13)]
+
+
+def test_resume_auto_and_nothing_left(tmp_path, data_cache):
+    first = trainer(tmp_path, data_cache, *TINY, "train.steps=3", "eval.every=0", "checkpoint.resume=auto").run()
+    assert first.final_step == 3 and first.checkpoint.endswith("step_00000003")
+    again = trainer(tmp_path, data_cache, *TINY, "train.steps=3", "eval.every=0", "checkpoint.resume=auto")
+    assert again.step == 3
+    nothing = again.run()
+    assert nothing.losses == {} and nothing.checkpoint is None  # no step run: nothing saved again
+
+
+@pytest.mark.filterwarnings("ignore:fp8.Linear")  # no FP8 GEMMs on a CPU: a plain linear, with the scaling state
+def test_fp8_scaling_state_is_checkpointed(tmp_path, data_cache):
+    from megakern.checkpoint import checkpoint_keys
+
+    common = [*TINY, "train.fp8=delayed", "eval.every=0"]
+    first = trainer(tmp_path, data_cache, *common, "train.steps=2", name="a")
+    assert first.has_fp8
+    with torch.no_grad():  # scaling state as FP8 hardware would leave it (a CPU run, without FP8 GEMMs, keeps it)
+        for name, buffer in first.model.named_buffers():
+            if name.endswith(("amax_history", "scale")):
+                buffer.copy_(torch.rand_like(buffer))
+    path = Path(first.run().checkpoint)
+    assert any(k.startswith("buffers.blocks.0.") and k.endswith("amax_history") for k in checkpoint_keys(path))
+    resumed = trainer(tmp_path, data_cache, *common, "train.steps=3", f"checkpoint.resume={path}", name="b")
+    state, before = resumed.model.state_dict(), first.model.state_dict()
+    scaling = [k for k in before if k.endswith(("amax_history", "scale"))]
+    assert scaling and all(torch.equal(state[k], before[k]) for k in scaling)
+
+
+def test_grad_accumulation_matches_one_big_batch(tmp_path, data_cache):
+    common = [*TINY, "train.steps=3", "eval.every=0", "checkpoint.final=false"]
+    big = trainer(tmp_path, data_cache, *common, "train.micro_batch_size=8", name="big").run()
+    accumulated = trainer(tmp_path, data_cache, *common, "train.micro_batch_size=2", "train.global_batch_size=8",
+                          name="acc").run()
+    for s in (1, 2, 3):
+        assert accumulated.losses[s] == pytest.approx(big.losses[s], abs=1e-5)
+
+
+def test_nonfinite_steps_are_skipped_then_halt(tmp_path, data_cache):
+    t = trainer(tmp_path, data_cache, *TINY, "train.steps=12", "eval.every=0", "train.max_nonfinite=3",
+                "checkpoint.final=false")
+    forward, calls, poisoned = t.forward, [0], {3, 4}
+
+    def sometimes_nan(*args, **kwargs):
+        calls[0] += 1
+        loss = forward(*args, **kwargs)
+        return loss * float("nan") if calls[0] in poisoned else loss
+
+    t.forward = sometimes_nan
+    before = {}
+
+    def snapshot():
+        return [p.detach().clone() for p in t.model.parameters()]
+
+    original_step = t.train_step
+
+    def watched(batches):
+        before[t.step + 1] = snapshot()  # parameters before step t.step + 1
+        return original_step(batches)
+
+    t.train_step = watched
+    result = t.run()
+    assert result.skipped_steps == [3, 4] and result.final_step == 12 and t.nonfinite_total == 2
+    assert math.isnan(result.losses[3]) and math.isfinite(result.losses[5])
+    assert all(torch.equal(a, b) for a, b in zip(before[3], before[5]))  # steps 3 and 4 changed nothing
+    assert not all(torch.equal(a, b) for a, b in zip(before[5], before[6]))
+    assert "step 3: non-finite loss nan" in (tmp_path / "run" / "train.log").read_text()
+
+    halting = trainer(tmp_path, data_cache, *TINY, "train.steps=12", "eval.every=0", "train.max_nonfinite=3",
+                      name="halt")
+    halting.forward = lambda *a, **k: forward(*a, **k) * float("nan")
+    with pytest.raises(TrainingHalted, match=r"3 steps in a row \(steps 1..3\) had a non-finite loss .* lower optim.lr"):
+        halting.run()
+
+
+def _small_dataset(prefix: Path, seed: int, docs: int = 40) -> Path:
+    from megakern.data import load_tokenizer
+    from megakern.data.preprocess import preprocess_documents
+
+    rng = random.Random(seed)
+    words = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "value", "x", "print"]
+    texts = [" ".join(rng.choice(words) for _ in range(rng.randint(200, 400))) for _ in range(docs)]
+    preprocess_documents(texts, load_tokenizer("byte"), prefix, progress=False)
+    return prefix
+
+
+def test_blend_of_two_datasets(tmp_path, data_cache):
+    a, b = _small_dataset(tmp_path / "a", 1), _small_dataset(tmp_path / "b", 2)
+    t = trainer(tmp_path, data_cache, *TINY, f"data.paths=[{a}, {b}]", "data.weights=[3, 1]", "train.steps=3",
+                "eval.every=3", "checkpoint.final=false")
+    assert len(t.data.train) == 3 * 8 and "blend:" in t.data.description
+    result = t.run()
+    assert all(math.isfinite(v) for v in result.losses.values()) and 3 in result.eval_losses
+    with pytest.raises(DataError, match=r"tokenized by char.* a run needs one tokenizer"):
+        from megakern.data import CharTokenizer
+        from megakern.data.preprocess import preprocess_documents
+
+        preprocess_documents(["abc cab"] * 4, CharTokenizer("abc "), tmp_path / "c", progress=False)
+        trainer(tmp_path, data_cache, *TINY, f"data.paths=[{a}, {tmp_path / 'c'}]", name="mixed")
+    with pytest.raises(DataError, match="missing; datasets from megakern.data.preprocess carry their tokenizer"):
+        trainer(tmp_path, data_cache, *TINY, f"data.paths=[{tmp_path / 'nothing'}]", name="missing")
+
+
+def test_too_few_samples_is_an_error_at_start(tmp_path, data_cache):
+    with pytest.raises(DataError, match=r"the run needs 800000 samples .* set data.max_epochs=\d+ to repeat the data"):
+        trainer(tmp_path, data_cache, *TINY, "train.steps=100000")
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_vocabulary_must_cover_the_tokenizer(tmp_path, data_cache):
+    with pytest.raises(ConfigError, match="model.vocab_size 200 is smaller than the tokenizer's 257 ids"):
+        trainer(tmp_path, data_cache, *TINY, "model.vocab_size=200")
+
+
+def test_logger_that_cannot_start_fails_before_training(tmp_path, data_cache, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(_log.LoggerError, match="log.tensorboard=true but TensorBoard cannot be imported"):
+        trainer(tmp_path, data_cache, *TINY, "log.tensorboard=true")
+    monkeypatch.undo()
+    (tmp_path / "blocked").write_text("a file where the run directory should go")
+    with pytest.raises(_log.LoggerError, match="cannot write the log file"):
+        trainer(tmp_path, data_cache, *TINY, name="blocked")
+
+
+def test_tensorboard_scalars(tmp_path, data_cache):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    trainer(tmp_path, data_cache, *TINY, "log.tensorboard=true", "train.steps=4", "eval.every=2",
+            "checkpoint.final=false").run()
+    events = EventAccumulator(str(tmp_path / "run" / "tb"))
+    events.Reload()
+    scalars = events.Tags()["scalars"]
+    for tag in ("train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", "eval/loss"):
+        assert tag in scalars
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4]
+
+
+def test_workers_are_capped_to_the_cpus(tmp_path, data_cache):
+    t = trainer(tmp_path, data_cache, *TINY, "data.num_workers=512", "train.steps=1", "eval.every=0",
+                "checkpoint.final=false")
+    t.run()
+    assert "note: num_workers=512 exceeds the" in (tmp_path / "run" / "train.log").read_text()
+
+
+def test_resume_refuses_other_data_and_other_models(tmp_path, data_cache):
+    trainer(tmp_path, data_cache, *TINY, "train.steps=2", "eval.every=0", name="base").run()
+    ckpt = tmp_path / "base" / "checkpoints"
+    with pytest.raises(DataError, match="the data's fingerprint .* differs from the checkpoint's"):
+        trainer(tmp_path, data_cache, *TINY, "train.steps=4", "data.split_seed=7", f"checkpoint.resume={ckpt}",
+                name="other-data")
+    with pytest.warns(UserWarning, match="differs from the checkpoint's"):
+        t = trainer(tmp_path, data_cache, *TINY, "train.steps=4", "data.split_seed=7", f"checkpoint.resume={ckpt}",
+                    "data.allow_fingerprint_change=true", name="allowed")
+    assert t.step == 2
+    with pytest.raises(CheckpointError, match="holds another model:\n  model.n_layer: 2 in the checkpoint, 3 now"):
+        trainer(tmp_path, data_cache, *TINY, "model.n_layer=3", f"checkpoint.resume={ckpt}", name="other-model")
+    with pytest.raises(CheckpointError, match="no complete checkpoint there"):
+        trainer(tmp_path, data_cache, *TINY, f"checkpoint.resume={tmp_path / 'nowhere'}", name="nowhere")
+
+
+def test_evaluate_returns_fp32_cpu_and_restores_mode(tmp_path, data_cache):
+    t = trainer(tmp_path, data_cache, *TINY, "train.precision=bf16")
+    for mode in (True, False):
+        t.model.train(mode)
+        loss = t.evaluate()
+        assert loss.dtype == torch.float32 and loss.device.type == "cpu" and loss.dim() == 0
+        assert t.model.training is mode and math.isfinite(loss.item())
+
+
+def test_profile_writes_trace_and_kernel_table(tmp_path, data_cache):
+    t = trainer(tmp_path, data_cache, *TINY, "log.profile_wait=1", "log.profile_warmup=1", "log.profile_active=2",
+                f"log.profile_dir={tmp_path / 'profiles'}", profile=True)
+    result = t.run()
+    assert result.final_step == 4 and result.checkpoint is None
+    out = Path(result.profile_dir)
+    trace = json.loads((out / "trace.json").read_text())
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert {"data", "forward", "backward", "optimizer"} <= names
+    table = (out / "kernels.txt").read_text()
+    assert "forward" in table and "Self CPU" in table
+
+
+def test_document_offsets():
+    eod = 9
+    inputs = torch.tensor([[1, 2, 9, 3, 4], [9, 5, 6, 7, 9]])
+    cu, longest = document_offsets(inputs, eod)
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 3, 5, 6, 10] and longest == 4
+    cu, longest = document_offsets(torch.tensor([[1, 2, 3]]), eod)
+    assert cu.tolist() == [0, 3] and longest == 3
+
+
+def test_packed_documents_run(tmp_path, data_cache):
+    t = trainer(tmp_path, data_cache, *TINY, "data.packed_documents=true", "train.steps=3", "eval.every=3",
+                "checkpoint.final=false")
+    result = t.run()
+    assert all(math.isfinite(v) for v in result.losses.values()) and 3 in result.eval_losses
+
+
+@pytest.mark.parametrize("name, peak", [("NVIDIA H100 80GB HBM3", 989.4e12), ("NVIDIA H200", 989.4e12),
+                                        ("NVIDIA H100 PCIe", 756.5e12), ("NVIDIA A100-SXM4-80GB", 312e12),
+                                        ("NVIDIA GH200 480GB", 989.4e12), ("NVIDIA L4", 121e12),
+                                        ("NVIDIA L40S", 362.05e12)])
+def test_peak_flops_by_gpu_name(monkeypatch, name, peak):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert _log.peak_flops(torch.device("cuda", 0)) == (peak, name)
+
+
+def test_peak_flops_unknown(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Imaginary GPU 9000")
+    flops, why = _log.peak_flops(torch.device("cuda", 0))
+    assert flops is None and "not in megakern._log.PEAK_BF16_FLOPS" in why
+    assert _log.peak_flops(torch.device("cpu"))[0] is None
+
+
+def test_command_line(tmp_path, data_cache):
+    cmd = [sys.executable, "-m", "megakern.train", *TINY, "train.steps=3", "log.every=1", "eval.every=0",
+           f"log.run_dir={tmp_path / 'cli'}", f"data.cache_dir={data_cache}"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step      3/3 | loss" in proc.stdout and "checkpoint: " in proc.stdout
+    assert "resolved config:\nformat_version: 1\nmodel:\n  n_layer: 2" in proc.stdout
+    bad = subprocess.run([sys.executable, "-m", "megakern.train", "train.stpes=3"], cwd=REPO, capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode == 2 and "unknown config key 'train.stpes' (did you mean 'train.steps'" in bad.stderr
+
+
+GPU = ["train.device=cuda"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "bf16-autocast"])
+def test_gpu_tiny_run_loss_falls_with_mfu(tmp_path, data_cache, precision):
+    t = trainer(tmp_path, data_cache, *TINY, *GPU, f"train.precision={precision}", "train.steps=80", "eval.every=40",
+                "checkpoint.final=false", "train.sample_tokens=40")
+    result = t.run()
+    assert sum(result.losses[s] for s in range(71, 81)) / 10 < 3.3 and result.eval_losses[80] < 3.5
+    assert isinstance(result.sample, str)
+    log = (tmp_path / "run" / "train.log").read_text()
+    if t.peak is not None:
+        assert "MFU n/a" not in log and "peak alloc" in log
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_step_matches_eager(tmp_path, data_cache):
+    common = [*TINY, *GPU, "train.precision=bf16", "train.steps=3", "eval.every=0", "checkpoint.final=false"]
+    eager = trainer(tmp_path, data_cache, *common, name="eager").run()
+    compiled = trainer(tmp_path, data_cache, *common, "train.compile=true", name="compiled").run()
+    for s in (1, 2, 3):
+        assert compiled.losses[s] == pytest.approx(eager.losses[s], abs=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_profile_has_kernels(tmp_path, data_cache):
+    t = trainer(tmp_path, data_cache, *TINY, *GPU, f"log.profile_dir={tmp_path / 'profiles'}", profile=True)
+    table = (Path(t.run().profile_dir) / "kernels.txt").read_text()
+    assert "Self CUDA" in table and "forward" in table
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _logged_losses(run_dir: Path) -> dict[int, float]:
+    lines = [json.loads(line) for line in (run_dir / "train.log").read_text().splitlines() if line.startswith("{")]
+    return {r["step"]: r["train/loss"] for r in lines if "train/loss" in r}
+
+
+def test_two_ranks_match_one_process_and_resume_in_one(tmp_path, data_cache):
+    """torchrun, 2 CPU ranks (gloo), FSDP over dp=2 through megakern.parallel: the same losses as one process on the
+    same global batch; its checkpoint (written by both ranks) resumes in one process with the same losses."""
+    pytest.importorskip("megakern.parallel")
+    common = [*TINY, "train.micro_batch_size=4", "train.global_batch_size=8", "eval.every=0",
+              f"data.cache_dir={data_cache}"]
+    single = trainer(tmp_path, data_cache, *common, "train.steps=5", name="single").run()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+           "-m", "megakern.train", *common, "train.steps=3", "parallel.dp=2", "parallel.dp_shard=fsdp",
+           f"log.run_dir={tmp_path / 'ranks'}"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "2 ranks (tp 1, pp 1, cp 1, dp 2)" in proc.stdout
+    ranks = _logged_losses(tmp_path / "ranks")
+    assert sorted(ranks) == [1, 2, 3]
+    for step, loss in ranks.items():
+        assert loss == pytest.approx(single.losses[step], abs=1e-5)
+    ckpt = tmp_path / "ranks" / "checkpoints" / "step_00000003"
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert manifest["world_size"] == 2 and {"rng-rank00000.pt", "rng-rank00001.pt"} <= set(manifest["files"])
+    resumed = trainer(tmp_path, data_cache, *common, "train.steps=5", f"checkpoint.resume={ckpt}",
+                      name="resumed").run()
+    assert sorted(resumed.losses) == [4, 5]
+    for step in (4, 5):
+        assert resumed.losses[step] == pytest.approx(single.losses[step], abs=1e-5)
+
+
+def test_console_script_is_declared():
+    assert "megakern-train=megakern.train:main" in (REPO / "setup.py").read_text().replace(" ", "")
+
+
+if __name__ == "__main__":
+    import argparse
+    import tempfile
+
+    parser = argparse.ArgumentParser(description="Write tests/train/golden_gpt_tiny.json")
+    parser.add_argument("--write-golden", action="store_true", required=True)
+    parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        losses = golden_run(Path(tmp) / "run", Path(tmp) / "data")
+    GOLDEN.write_text(json.dumps({"config": "configs/gpt-tiny.yaml", "steps": GOLDEN_STEPS, "device": "cpu",
+                                  "precision": "fp32", "torch": torch.__version__, "losses": losses}, indent=1) + "\n")
+    print(f"wrote {GOLDEN}: {losses}")
