@@ -7,6 +7,7 @@ torch.utils.cpp_extension), for sm_90a unless MEGAKERN_CUDA_ARCHS says otherwise
     python setup.py build_ext --inplace            # the extension, in the source tree
     pip install --no-build-isolation -e .          # editable, with the extension where CUDA is present
     pip install .                                  # pure Python (build isolation hides torch)
+    MEGAKERN_PURE_PYTHON=1 pip install --no-build-isolation -e .   # pure Python on purpose, even where CUDA is
 
 Without the extension the CUDA kernels still run: they are compiled at run time by NVRTC through cupy, from the
 sources copied into the package (megakern/_csrc).
@@ -39,6 +40,8 @@ class build_py_with_kernels(build_py):
 
 def cuda_build():
     """(ext_modules, cmdclass additions, why-not): the extension where it can be built."""
+    if os.environ.get("MEGAKERN_PURE_PYTHON") == "1":
+        return [], {}, "MEGAKERN_PURE_PYTHON=1"
     try:
         import torch
         from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension

@@ -85,15 +85,17 @@ def _cast_kernel(X, Y, YT, SCALE, SCALE_INV, AMAX, AMAX_OUT, M, N, stride_xm, st
         x, rows, cols, mask = _tile(X, M, N, stride_xm, stride_xn, t // tiles_n, t % tiles_n, BLOCK_M, BLOCK_N)
         if WRITE_AMAX:
             amax = tl.maximum(amax, tl.max(tl.max(tl.where(mask, _abs_nan_inf(x), 0.0), 1), 0))
-        y = _to_fp8(x * scale, FMAX, E4M3)
+        xs = x * scale
+        y = _to_fp8(xs, FMAX, E4M3)
         r64 = rows.to(tl.int64)
         c64 = cols.to(tl.int64)
         tl.store(Y + r64[:, None] * N + c64[None, :], y, mask=mask)
         if TRANSPOSE:  # the (N, M) copy from the same tile, transposed in the SM so that its rows store contiguously
-            # (its mask built in the transposed layout: tl.trans of the boolean mask lost elements of ragged tiles
-            # on sm_90 with Triton 3.6)
+            # The fp32 values are transposed, then cast (the same bytes: the cast is elementwise), and the mask is
+            # built in the transposed layout: transposing the FP8 tile and the boolean mask left elements of ragged
+            # tiles unwritten on sm_90 (Triton 3.6).
             mask_t = (cols < N)[:, None] & (rows < M)[None, :]
-            tl.store(YT + c64[:, None] * M + r64[None, :], tl.trans(y), mask=mask_t)
+            tl.store(YT + c64[:, None] * M + r64[None, :], _to_fp8(tl.trans(xs), FMAX, E4M3), mask=mask_t)
     if WRITE_AMAX:
         tl.atomic_max(AMAX, amax)
         if ACCUMULATE:

@@ -27,6 +27,13 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     export PYTHONPATH=/tmp/megakern-site${PYTHONPATH:+:$PYTHONPATH}
 fi
 
+# megakern.models and megakern.parallel (models/ and parallel/ in the tree) import once the package is installed:
+# an editable install without compiling (the build stage compiles the extension in place)
+step "install (editable, pure Python)"
+MEGAKERN_PURE_PYTHON=1 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1 \
+  || { status=1; tail -20 "$OUT/install.log"; }
+python3 -c "import megakern.models.gpt, megakern.parallel; print('megakern.models and megakern.parallel import')"
+
 if want build; then
   step "build megakern._C"
   start=$(date +%s)

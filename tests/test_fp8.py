@@ -241,6 +241,23 @@ def test_gpu_bytes_equal_reference_at_scale(granularity):
         assert torch.equal(q.amax, ref.amax)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (none here)")
+@pytest.mark.parametrize("shape", [(48, 64), (17, 200), (130, 33), (64, 128), (1, 7)])
+def test_gpu_transposed_copy_small_ragged(shape):
+    """The transposed copy of tensors inside one tile or a few (fp8.Linear's weights and gradients), every byte."""
+    x = _x(shape, torch.bfloat16, scale=3.0, seed=11)
+    scale = torch.tensor([0.37], device=DEVICE)
+    amax = torch.zeros(1, device=DEVICE)
+    for fmt in (E4, E5):
+        q = quantize(x, fmt, scale=scale, amax_out=amax, transpose=True, backend="triton")
+        ref = quantize_ref(x, fmt, scale=scale, transpose=True)
+        assert torch.equal(q.data.view(torch.uint8), ref.data.view(torch.uint8))
+        assert torch.equal(q.data_t.view(torch.uint8), ref.data_t.view(torch.uint8)), (
+            f"{fmt}: {(q.data_t.view(torch.uint8) != ref.data_t.view(torch.uint8)).nonzero()[:8].tolist()}")
+        assert torch.equal(q.amax, ref.amax) and torch.equal(amax, ref.amax)
+
+
 # ---- lowering for Hopper -------------------------------------------------------------------------------------------
 def compile_for_sm90() -> list[tuple[str, int]]:
     """(kernel and variant, number of cvt-to-fp8 instructions in its PTX) for each cast kernel compiled for sm_90.
