@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
+#include "fp8/fp8.h"
 #include "norm/norm.h"
 #include "rotary/rotary.h"
 
@@ -146,12 +147,30 @@ void rotary(const at::Tensor& q, const OptTensor& k, at::Tensor& q_out, const Op
                "rotary launch");
 }
 
+void fp8_cast(const at::Tensor& x, at::Tensor& y, const at::Tensor& scale, const OptTensor& amax, int64_t dtype,
+              bool e4m3, bool vecio, int64_t grid) {
+  TORCH_CHECK(x.is_cuda() && x.is_contiguous(), "megakern._C: x must be a contiguous CUDA tensor");
+  TORCH_CHECK(y.device() == x.device() && y.is_contiguous() && y.numel() == x.numel() && y.element_size() == 1,
+              "megakern._C: y must be a contiguous 1-byte tensor of x's size on x's device");
+  for (auto [t, name] : {std::pair{&scale, "scale"}, {opt(amax), "amax"}})
+    if (t) TORCH_CHECK(t->device() == x.device() && t->scalar_type() == at::kFloat && t->numel() == 1,
+                       "megakern._C: ", name, " must be a one-element float32 tensor on x's device");
+  if (x.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_launch(megakern::fp8_cast(static_cast<int>(dtype), e4m3, vecio, static_cast<int>(grid), x.data_ptr(),
+                                  y.data_ptr(), scale.data_ptr<float>(),
+                                  amax.has_value() ? amax->data_ptr<float>() : nullptr, x.numel(),
+                                  at::cuda::getCurrentCUDAStream()),
+               "fp8_cast launch");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "megakern CUDA kernels (raw entry points; use megakern.rms_norm / megakern.layer_norm / megakern.apply_rotary)";
+  m.doc() = "megakern CUDA kernels (raw entry points; use megakern.rms_norm / megakern.layer_norm / megakern.apply_rotary / megakern.fp8.quantize)";
   m.def("norm_fwd", &norm_fwd, "LayerNorm / RMSNorm forward (see csrc/norm/norm.cu)");
   m.def("norm_bwd", &norm_bwd, "LayerNorm / RMSNorm backward (see csrc/norm/norm.cu)");
   m.def("norm_bwd_num_regs", &norm_bwd_num_regs, "registers per thread of a norm_bwd kernel instance");
+  m.def("fp8_cast", &fp8_cast, "per-tensor FP8 cast with the amax in the same pass (see csrc/fp8/fp8.cu)");
   m.def("rotary", &rotary, "rotary position embeddings of q and k, either direction (see csrc/rotary/rotary.cu)");
 }

@@ -39,9 +39,10 @@ DEFAULTS: dict[str, tuple[tuple[int, tuple[str, ...]], ...]] = {
     "layer_norm": ((8192, ("triton", "cuda", "torch")), (1 << 30, ("cuda", "triton", "torch"))),
     "attention": ((1 << 30, ("triton", "torch")),),
     "rotary": ((1 << 30, ("triton", "cuda", "torch")),),
-    # FP8 casts (megakern.fp8.quantize): Triton (every granularity), then the CUDA C++ cast (per tensor, through
-    # NVRTC), then the reference. H200, bf16 -> e4m3, eager, fractions of copy (benchmarks/results/h200/fp8.csv,
-    # c49b953): delayed Triton 0.76-0.86 vs CUDA 0.49-0.85; current Triton 0.33-0.52 vs CUDA 0.08-0.19.
+    # FP8 casts (megakern.fp8.quantize): Triton (every granularity), then the CUDA C++ cast (per tensor; the
+    # extension, else NVRTC), then the reference. H200, bf16 -> e4m3, eager, fractions of copy
+    # (benchmarks/results/h200/fp8.csv, c49b953, the CUDA cast through NVRTC): delayed Triton 0.76-0.86 vs CUDA
+    # 0.49-0.85; current Triton 0.33-0.52 vs CUDA 0.08-0.19.
     "fp8_cast": ((1 << 30, ("triton", "cuda", "torch")),),
     # Cross-entropy (size: the vocabulary): the Triton kernel, then the reference (fp32 logits of every row). Not yet
     # measured on the H200 (benchmarks/bench_cross_entropy.py).

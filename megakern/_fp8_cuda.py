@@ -1,7 +1,5 @@
-"""Host side of csrc/fp8/fp8.cu: per-tensor FP8 casts with the CUDA C++ kernel, through NVRTC (cupy).
-
-The kernel is not bound in megakern._C yet: this path compiles it at first use with NVRTC, so it needs cupy
-(``megakern._cuda``) whether or not the extension is built. Tensors in, tensors out, no autograd.
+"""Host side of csrc/fp8/fp8.cu: per-tensor FP8 casts with the CUDA C++ kernel, through the built extension
+(``megakern._C.fp8_cast``) or, where it is not built, NVRTC (cupy). Tensors in, tensors out, no autograd.
 """
 from __future__ import annotations
 
@@ -11,6 +9,7 @@ from megakern import _cuda
 from megakern._intmath import cdiv
 
 _CTYPES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # Fp8DType of csrc/fp8/fp8.h
 THREADS, BLOCKS_PER_SM = 256, 8
 
 
@@ -32,7 +31,7 @@ def problem() -> str:
     major, minor = torch.cuda.get_device_capability()
     if (major, minor) < (8, 9):
         return f"FP8 conversions need compute capability >= 8.9; this GPU has {major}.{minor}"
-    return _cuda._cupy()[1]
+    return _cuda.runtime()[1]
 
 
 def cast(x2: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, amax_out: torch.Tensor | None):
@@ -49,9 +48,12 @@ def cast(x2: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, amax_out
         return y
     vec = 16 // x.element_size()
     vecio = x.data_ptr() % 16 == 0 and y.data_ptr() % vec == 0 and n % vec == 0
-    kernel = _cuda.nvrtc_kernel("fp8/fp8.cu", kernel_name(x.dtype, fp8_dtype == torch.float8_e4m3fn, vecio,
-                                                           amax_out is not None))
+    e4m3 = fp8_dtype == torch.float8_e4m3fn
     grid = max(1, min(cdiv(n, THREADS * vec), _cuda.sm_count(x.device.index) * BLOCKS_PER_SM))
+    if _cuda.choose_path() == "extension":
+        _cuda.extension()[0].fp8_cast(x, y, scale, amax_out, _DTYPE_CODES[x.dtype], e4m3, vecio, grid)
+        return y
+    kernel = _cuda.nvrtc_kernel("fp8/fp8.cu", kernel_name(x.dtype, e4m3, vecio, amax_out is not None))
     amax_ptr = amax_out.data_ptr() if amax_out is not None else scale.data_ptr()
     args = (np.uint64(x.data_ptr()), np.uint64(y.data_ptr()), np.uint64(scale.data_ptr()), np.uint64(amax_ptr),
             np.int64(n))

@@ -310,7 +310,7 @@ def quantize(x: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn, *, s
         amax = torch.zeros(1, dtype=torch.float32, device=x.device)
         if scale is None:  # current scaling: this tensor's amax first; the cast makes the scale from it
             kern.amax(x2, amax)
-        if name == "cuda":  # the CUDA C++ cast (csrc/fp8/fp8.cu); current scaling's amax still comes from Triton
+        if name == "cuda":  # the CUDA C++ cast (csrc/fp8/fp8.cu, megakern._C or NVRTC); current scaling's amax from Triton
             from megakern import _fp8_cuda
 
             s = scale_from_amax(amax, fmax, margin) if scale is None else scale.reshape(1)

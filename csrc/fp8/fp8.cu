@@ -10,6 +10,7 @@
 //
 // CUDA headers only (no torch): compiled by nvcc into megakern._C and by NVRTC (megakern/_fp8_cuda.py).
 #include "common/common.h"
+#include "fp8/fp8.h"
 
 namespace megakern {
 
@@ -90,6 +91,35 @@ __global__ void __launch_bounds__(256) fp8_cast_kernel(const T* __restrict__ x, 
 MEGAKERN_FP8_INSTANCES(float)
 MEGAKERN_FP8_INSTANCES(__half)
 MEGAKERN_FP8_INSTANCES(__nv_bfloat16)
+
+template <typename T, bool E4M3>
+static cudaError_t fp8_cast_t(bool vecio, int grid, const void* x, void* y, const float* scale, float* amax, i64 n,
+                              cudaStream_t stream) {
+  const T* xt = static_cast<const T*>(x);
+  unsigned char* yb = static_cast<unsigned char*>(y);
+  float* a = amax ? amax : const_cast<float*>(scale);  // unused without WRITE_AMAX
+  if (vecio) {
+    if (amax) fp8_cast_kernel<T, E4M3, true, true><<<grid, 256, 0, stream>>>(xt, yb, scale, a, n);
+    else fp8_cast_kernel<T, E4M3, true, false><<<grid, 256, 0, stream>>>(xt, yb, scale, a, n);
+  } else {
+    if (amax) fp8_cast_kernel<T, E4M3, false, true><<<grid, 256, 0, stream>>>(xt, yb, scale, a, n);
+    else fp8_cast_kernel<T, E4M3, false, false><<<grid, 256, 0, stream>>>(xt, yb, scale, a, n);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t fp8_cast(int dtype, bool e4m3, bool vecio, int grid, const void* x, void* y, const float* scale,
+                     float* amax, long long n, cudaStream_t stream) {
+  switch (dtype * 2 + (e4m3 ? 1 : 0)) {
+    case FP8_IN_F32 * 2 + 1: return fp8_cast_t<float, true>(vecio, grid, x, y, scale, amax, n, stream);
+    case FP8_IN_F32 * 2: return fp8_cast_t<float, false>(vecio, grid, x, y, scale, amax, n, stream);
+    case FP8_IN_F16 * 2 + 1: return fp8_cast_t<__half, true>(vecio, grid, x, y, scale, amax, n, stream);
+    case FP8_IN_F16 * 2: return fp8_cast_t<__half, false>(vecio, grid, x, y, scale, amax, n, stream);
+    case FP8_IN_BF16 * 2 + 1: return fp8_cast_t<__nv_bfloat16, true>(vecio, grid, x, y, scale, amax, n, stream);
+    case FP8_IN_BF16 * 2: return fp8_cast_t<__nv_bfloat16, false>(vecio, grid, x, y, scale, amax, n, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
 #endif
 
 }  // namespace megakern
