@@ -532,9 +532,17 @@ class GPT(nn.Module):
         if cu_seqlens is not None and position_ids is not None:
             raise ValueError("GPT: pass cu_seqlens or position_ids, not both (positions restart in each document)")
         if position_ids is not None:
-            if not isinstance(position_ids, torch.Tensor) or tuple(position_ids.shape) not in ((T,), (1, T), (B, T)):
-                raise ValueError(f"GPT: position_ids must be (B, T) or (T,) with B={B}, T={T}, got "
+            # a stage without wte may receive a sequence shard (B, T / n, C) of the hidden state (sequence parallel)
+            # while position_ids cover the whole local sequence its attention sees: any multiple of T there
+            L = position_ids.shape[-1] if isinstance(position_ids, torch.Tensor) and position_ids.dim() else -1
+            if self.wte is not None or L < T or L % T:
+                L = T
+            if not isinstance(position_ids, torch.Tensor) or tuple(position_ids.shape) not in ((L,), (1, L), (B, L)):
+                many = "" if self.wte is not None else " (this stage has no embedding: T' a multiple of T)"
+                raise ValueError(f"GPT: position_ids must be (B, T) or (T,) with B={B}, T={T}{many}, got "
                                  f"{_describe(position_ids)}")
+            if position_ids.dtype not in (torch.int64, torch.int32):
+                raise ValueError(f"GPT: position_ids must be int64 or int32, got {_describe(position_ids)}")
             if position_ids.numel():
                 lo, hi = (int(v) for v in torch.aminmax(position_ids))
                 if lo < 0 or hi >= config.max_seqlen:

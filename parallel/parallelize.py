@@ -112,10 +112,6 @@ class ParallelModel:
             raise ValueError(f"parallelize: microbatches must be an int >= 1, got {self.microbatches!r}")
         if d.pp > 1:
             check_schedule(options.pp_schedule, d.pp, spr, self.microbatches)
-            if sp and d.cp > 1:
-                raise ValueError("parallelize: pipeline + sequence parallel + context parallel together need "
-                                 "position ids per stage that the model's input check refuses; use "
-                                 "sequence_parallel=False or one of pp/cp = 1")
         else:
             spr = 1
         if d.tp > 1 and cfg.dropout:

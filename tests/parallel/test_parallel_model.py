@@ -1,8 +1,14 @@
 """A tiny GPT trained a few steps under each parallel layout equals the single-process model under the same seed:
 losses, clip norms, gradients (gathered) and parameters, within fp32 tolerance."""
+import copy
+
 import pytest
-from gpt_check import check_train
+import torch
+from gpt_check import check_train, tiny_config
 from rankpool import pool
+
+from megakern.models.gpt import GPT
+from megakern.parallel import cut_stage
 
 
 def run(world, layout, options, **kw):
@@ -51,6 +57,32 @@ def test_meta_device_model_is_initialized_per_shard(layout, options, style):
 def test_replicated_pipeline_with_zero1():
     # pp x dp with "ddp": stages replicated by hand (all-reduce after the schedule), ZeRO-1 optimizer
     run(4, dict(pp=2, dp=2), dict(pp_schedule="1f1b", dp_shard="ddp", zero1=True, microbatches=2), style="llama")
+
+
+def test_pipeline_sequence_and_context_parallel():
+    # tp2 (sequence parallel) x pp2 x cp2: a later stage's input is the hidden state's sequence shard (B, T/(cp tp), C)
+    # while its position ids cover the cp rank's T/cp tokens (rotary, after attention's all-gather)
+    losses = pool(8).run(check_train, dict(tp=2, pp=2, cp=2), dict(pp_schedule="1f1b", dp_shard="fsdp",
+                                                                   microbatches=2), style="llama", steps=2)
+    assert all(l == losses[0] for l in losses), losses
+
+
+def test_stage_without_embedding_takes_position_ids_of_its_attention_sequence():
+    cfg = tiny_config("llama")
+    torch.manual_seed(0)
+    full = GPT(cfg)
+    stage, _ = cut_stage(copy.deepcopy(full), 1, 2, range(1, 2))
+    x = torch.randn(2, 4, cfg.n_embd)
+    stage(x, position_ids=torch.arange(4))                    # the shard's own length
+    with pytest.raises(ValueError, match="position_ids must be"):
+        stage(x, position_ids=torch.arange(6))                # not a multiple of the input's 4 tokens
+    with pytest.raises(ValueError, match="position_ids must be"):
+        stage(x, position_ids=torch.arange(2))                # shorter than the input
+    with pytest.raises(ValueError, match="position_ids must be"):
+        full(torch.randint(0, 100, (2, 4)), position_ids=torch.arange(8))  # with wte: exactly T
+    # a multiple is accepted by the check and left to rotary, which sees the gathered sequence: here it is not
+    with pytest.raises(ValueError, match="apply_rotary: position_ids"):
+        stage(x, position_ids=torch.arange(8))
 
 
 def test_three_dimensional_layout():
