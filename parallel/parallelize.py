@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,7 @@ from megakern.parallel.data_parallel import (DP_SHARDS, allreduce_grads, allredu
                                              broadcast_params, set_grad_sync, zero1_optimizer)
 from megakern.parallel.dims import ParallelDims, ParallelMesh
 from megakern.parallel.pipeline import PipelineChunk, build_schedule, check_schedule, cut_stage, stage_layout
+from megakern.parallel.rng import RNGTracker
 from megakern.parallel.state_dict import as_global, checkpoint_mesh, group_hparams, init_optimizer_state
 from megakern.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -54,6 +56,9 @@ class Options:
     """"fsdp" (FSDP2 fully_shard) | "ddp"."""
     zero1: bool = False
     """With dp_shard "ddp": shard the optimizer state (ZeroRedundancyOptimizer)."""
+    seed: int | None = None
+    """Common seed of the dropout RNG tracker (rng.py); None: the initialization generator's initial seed when
+    parallelize gets one, else 0."""
 
 
 def _options(config, overrides) -> Options:
@@ -71,18 +76,20 @@ def _options(config, overrides) -> Options:
 
 
 def parallelize(model: nn.Module, mesh: ParallelMesh | ParallelDims, config=None, *, generator=None,
-                **overrides) -> ParallelModel:
+                rng: RNGTracker | None = None, **overrides) -> ParallelModel:
     """Shard ``model`` (a megakern.models.gpt.GPT, materialized or on the meta device) over ``mesh``.
 
     ``config``: a ParallelConfig (or any object with some of Options' fields); keywords override it.
     ``generator``: for a meta-device model, the generator of its initialization (as ``GPT.init_weights``).
+    ``rng``: the dropout RNG tracker of this rank (default: ``RNGTracker.from_mesh(seed, mesh)``, seed as
+    ``Options.seed`` says).
     """
     if isinstance(mesh, ParallelDims):
         mesh = mesh.build()
     if not isinstance(mesh, ParallelMesh):
         raise TypeError(f"parallelize: want a ParallelMesh (ParallelDims(...).build()) or ParallelDims, got "
                         f"{type(mesh).__name__}")
-    return ParallelModel(model, mesh, _options(config, overrides), generator)
+    return ParallelModel(model, mesh, _options(config, overrides), generator, rng)
 
 
 class ParallelModel:
@@ -92,7 +99,8 @@ class ParallelModel:
     ``modules_chunks`` (the same, as wrapped for data parallelism), ``options``.
     """
 
-    def __init__(self, model: nn.Module, pm: ParallelMesh, options: Options, generator=None):
+    def __init__(self, model: nn.Module, pm: ParallelMesh, options: Options, generator=None,
+                 rng: RNGTracker | None = None):
         d = pm.dims
         cfg = getattr(model, "config", None)
         if cfg is None or not isinstance(getattr(model, "blocks", None), nn.ModuleDict):
@@ -114,10 +122,16 @@ class ParallelModel:
             check_schedule(options.pp_schedule, d.pp, spr, self.microbatches)
         else:
             spr = 1
-        if d.tp > 1 and cfg.dropout:
-            raise ValueError(f"parallelize: dropout={cfg.dropout} under tensor parallel would draw different masks on "
-                             "the tp ranks of a replicated activation (no per-region RNG tracking yet); use "
-                             "dropout=0 with tp > 1")
+        # dropout: every draw of a forward inside the tracker's region: the residual stream is replicated over tp
+        # ("replicated": one mask on all tp ranks) or, under sequence parallel, split over tp (a mask per tp rank)
+        if rng is None:
+            seed = options.seed if options.seed is not None else (
+                generator.initial_seed() if generator is not None else 0)
+            rng = RNGTracker.from_mesh(seed, pm)
+        elif not isinstance(rng, RNGTracker):
+            raise TypeError(f"parallelize: rng must be an RNGTracker, got {type(rng).__name__}")
+        self.rng = rng
+        self.dropout_region = "tensor_parallel" if sp else "replicated"
         d.check_model(n_layer=cfg.n_layer, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, vocab=cfg.padded_vocab,
                       ffn_hidden=cfg.ffn_hidden, stages_per_rank=spr, sequence_parallel=sp)
         self.stages_per_rank = spr
@@ -160,7 +174,8 @@ class ParallelModel:
         self.fsdp = options.dp_shard == "fsdp" and d.dp * d.cp > 1
         self.ddp = options.dp_shard == "ddp" and d.dp * d.cp > 1 and d.pp == 1
         self.replicate = options.dp_shard == "ddp" and d.dp * d.cp > 1 and d.pp > 1
-        runners = [PipelineChunk(g) for g in self.gpts] if d.pp > 1 else list(self.gpts)
+        runners = ([PipelineChunk(g, functools.partial(self._dropout_rng, s))
+                    for g, s in zip(self.gpts, self.stage_indices)] if d.pp > 1 else list(self.gpts))
         if self.fsdp:
             for r, g in zip(runners, self.gpts):
                 apply_fsdp(r, g.blocks.values(), pm.dp_cp_mesh, reshard_after_forward=d.pp == 1)
@@ -255,11 +270,19 @@ class ParallelModel:
     def _local_sequence(self, x):
         return cp_shard(x, self.mesh.cp_group, 1) if self.cp > 1 else x
 
+    def _dropout_rng(self, stage: int = 0):
+        """The context a stage's forward runs in: the RNG tracker's dropout region (nothing without dropout)."""
+        if not self.config.dropout:
+            return contextlib.nullcontext()
+        return self.rng.fork(self.dropout_region, stage)
+
     def _loss_sum(self, module, idx, targets, pos):
-        if self.tp > 1:
-            logits = module(idx, position_ids=pos)
-            return vocab_parallel_cross_entropy(logits, targets, self.mesh.tp_group, reduction="sum")
-        return module(idx, targets, position_ids=pos, reduction="sum")
+        with self._dropout_rng():
+            if self.tp > 1:
+                logits = module(idx, position_ids=pos)
+            else:
+                return module(idx, targets, position_ids=pos, reduction="sum")
+        return vocab_parallel_cross_entropy(logits, targets, self.mesh.tp_group, reduction="sum")
 
     def _ce_sum(self, logits, targets):
         return vocab_parallel_cross_entropy(logits, targets, self.mesh.tp_group if self.tp > 1 else None,
