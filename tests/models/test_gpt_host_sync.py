@@ -12,11 +12,14 @@ from megakern.models.gpt import GPT, GPTConfig
 
 CONFIG = dict(n_layer=2, n_embd=48, n_head=3, vocab_size=101, max_seqlen=40, norm="layernorm", position="learned",
               activation="gelu", bias=True, tie_embeddings=True)
+LLAMA_LIKE = dict(n_layer=2, n_embd=64, n_head=4, n_kv_head=2, ffn_hidden=72, vocab_size=101, max_seqlen=40,
+                  norm="rmsnorm", position="rotary", rotary_pct=0.5, activation="swiglu", bias=False,
+                  tie_embeddings=False)
 
 
-def _model_and_batch(B=2, T=13, seed=0, device="cpu", dtype=torch.float32):
+def _model_and_batch(B=2, T=13, seed=0, device="cpu", dtype=torch.float32, config=CONFIG):
     torch.manual_seed(seed)
-    model = GPT(GPTConfig(**CONFIG)).to(device=device, dtype=dtype)
+    model = GPT(GPTConfig(**config)).to(device=device, dtype=dtype)
     idx = torch.randint(0, 101, (B, T), device=device)
     targets = torch.randint(0, 101, (B, T), device=device)
     targets[0, 3] = -100
@@ -30,8 +33,9 @@ def _step(model, idx, targets, **kwargs):
     return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
 
-def test_check_values_false_reads_nothing_and_changes_nothing():
-    model, idx, targets = _model_and_batch()
+@pytest.mark.parametrize("config", [CONFIG, LLAMA_LIKE], ids=["gpt2-like", "llama-like"])
+def test_check_values_false_reads_nothing_and_changes_nothing(config):
+    model, idx, targets = _model_and_batch(config=config)
     checked = _step(model, idx, targets)
     assert host_reads(_step, model, idx, targets), "the checked call should read the targets' range"
     assert host_reads(_step, model, idx, targets, check_values=False) == []
@@ -59,8 +63,9 @@ def test_packed_documents_trust_the_callers_max_seqlen(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_forward_backward_without_sync():
-    model, idx, targets = _model_and_batch(B=2, T=32, device="cuda", dtype=torch.bfloat16)
+@pytest.mark.parametrize("config", [CONFIG, LLAMA_LIKE], ids=["gpt2-like", "llama-like"])
+def test_gpu_forward_backward_without_sync(config):
+    model, idx, targets = _model_and_batch(B=2, T=32, device="cuda", dtype=torch.bfloat16, config=config)
     _step(model, idx, targets, check_values=False)  # warm-up: kernels compiled, backends probed
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
