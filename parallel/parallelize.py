@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from megakern._checks import document_lengths
 from megakern.parallel.clip import clip_grad_norm_ as _clip
 from megakern.parallel.context import RingAttention, cp_positions, cp_shard
 from megakern.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -276,21 +277,56 @@ class ParallelModel:
             return contextlib.nullcontext()
         return self.rng.fork(self.dropout_region, stage)
 
-    def _loss_sum(self, module, idx, targets, pos):
+    def _packed(self, cu_seqlens, max_seqlen, idx) -> list:
+        """Per micro-batch (cu_seqlens, max_seqlen) of a packed batch (None: unpacked); checks that no document
+        crosses a micro-batch boundary and re-bases each micro-batch's offsets to 0."""
+        m = self.microbatches
+        if cu_seqlens is None:
+            if max_seqlen is not None:
+                raise ValueError("ParallelModel: max_seqlen is given without cu_seqlens")
+            return [(None, None)] * m
+        if self.pp > 1 or self.cp > 1:
+            raise ValueError(f"ParallelModel: packed documents (cu_seqlens) run under tensor and data parallelism; "
+                             f"not with pp={self.pp}, cp={self.cp} (pipeline stages and the ring attention take "
+                             "(B, T) batches)")
+        b, t = idx.shape
+        document_lengths("ParallelModel", cu_seqlens, b * t)  # 1-D int32, from 0 to B * T, non-decreasing
+        offsets = cu_seqlens.tolist()
+        per = b // m * t
+        cuts = {j * per for j in range(m + 1)}
+        if not cuts <= set(offsets):
+            raise ValueError(f"ParallelModel: a packed document crosses a micro-batch boundary (offsets "
+                             f"{sorted(cuts - set(offsets))} are not in cu_seqlens); pack each of the {m} "
+                             "micro-batches on its own, or use microbatches=1")
+        out = []
+        for j in range(m):
+            local = sorted({o - j * per for o in offsets if j * per <= o <= (j + 1) * per})
+            out.append((torch.tensor(local, dtype=torch.int32, device=self.mesh.device), max_seqlen))
+        return out
+
+    def _loss_sum(self, module, idx, targets, pos, packed=(None, None)):
+        cu_seqlens, max_seqlen = packed
         with self._dropout_rng():
             if self.tp > 1:
-                logits = module(idx, position_ids=pos)
+                logits = module(idx, position_ids=pos, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
             else:
-                return module(idx, targets, position_ids=pos, reduction="sum")
+                return module(idx, targets, position_ids=pos, reduction="sum", cu_seqlens=cu_seqlens,
+                              max_seqlen=max_seqlen)
         return vocab_parallel_cross_entropy(logits, targets, self.mesh.tp_group, reduction="sum")
 
     def _ce_sum(self, logits, targets):
         return vocab_parallel_cross_entropy(logits, targets, self.mesh.tp_group if self.tp > 1 else None,
                                             reduction="sum")
 
-    def forward_backward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """One step's forward and backward on this dp rank's batch (B, T); returns the global mean loss."""
+    def forward_backward(self, idx: torch.Tensor, targets: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
+                         max_seqlen: int | None = None) -> torch.Tensor:
+        """One step's forward and backward on this dp rank's batch (B, T); returns the global mean loss.
+
+        ``cu_seqlens`` (ndocs + 1,) int32: packed documents, offsets into this rank's B * T flattened tokens (as
+        GPT.forward takes them; tensor and data parallelism only; no document may cross a micro-batch boundary);
+        ``max_seqlen`` their longest length (None: computed)."""
         self._check_batch(idx, targets)
+        packed = self._packed(cu_seqlens, max_seqlen, idx)
         idx, targets = idx.to(self.mesh.device), targets.to(self.mesh.device)
         n_global = self._global_tokens(targets)
         scale = self.dp * self.cp / n_global.clamp(min=1.0)
@@ -306,16 +342,19 @@ class ParallelModel:
                 last = j == m - 1
                 set_grad_sync(self.modules_chunks, last)
                 with (module.no_sync() if self.ddp and not last else contextlib.nullcontext()):
-                    s = self._loss_sum(module, x, t, pos)
+                    s = self._loss_sum(module, x, t, pos, packed[j])
                     (s * scale).backward()
                 total += s.detach().float()
         self.finalize_grads()
         return self._reduce_loss(total, n_global)
 
     @torch.no_grad()
-    def eval_loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The global mean loss of a batch, without gradients (mode as set by train()/eval())."""
+    def eval_loss(self, idx: torch.Tensor, targets: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
+                  max_seqlen: int | None = None) -> torch.Tensor:
+        """The global mean loss of a batch, without gradients (mode as set by train()/eval()); packed documents as
+        in forward_backward."""
         self._check_batch(idx, targets)
+        packed = self._packed(cu_seqlens, max_seqlen, idx)
         idx, targets = idx.to(self.mesh.device), targets.to(self.mesh.device)
         n_global = self._global_tokens(targets)
         pos = self._positions(idx.shape[1])
@@ -323,8 +362,8 @@ class ParallelModel:
         if self.pp > 1:
             total = self._pipeline(idx_l, tgt_l, pos, None, train=False)
         else:
-            total = sum(self._loss_sum(self.modules_chunks[0], x, t, pos).float()
-                        for x, t in zip(idx_l.chunk(self.microbatches), tgt_l.chunk(self.microbatches)))
+            total = sum(self._loss_sum(self.modules_chunks[0], x, t, pos, p).float()
+                        for x, t, p in zip(idx_l.chunk(self.microbatches), tgt_l.chunk(self.microbatches), packed))
         return self._reduce_loss(total, n_global)
 
     def _reduce_loss(self, total, n_global):

@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from gpt_check import check_train, tiny_config
+from gpt_check import check_packed, check_train, packed_refused, tiny_config
 from rankpool import pool
 
 from megakern.models.gpt import GPT
@@ -95,3 +95,25 @@ def test_three_dimensional_layout():
         assert all(l == losses[0] for l in losses), losses
     finally:
         ranks.close()  # the only 8-rank check: free its processes
+
+
+@pytest.mark.parametrize("world,layout,options,style", [
+    (2, dict(tp=2), dict(sequence_parallel=False), "llama"),                    # TP, rotary restarts per document
+    (2, dict(tp=2), dict(sequence_parallel=True), "gpt"),                       # TP+SP, learned positions restart
+    (2, dict(dp=2), dict(dp_shard="fsdp", microbatches=2), "llama"),            # FSDP, 2 micro-batches each
+    (4, dict(tp=2, dp=2), dict(dp_shard="ddp", microbatches=2), "gpt"),         # TP+SP x DDP
+])
+def test_packed_documents(world, layout, options, style):
+    results = pool(world).run(check_packed, layout, options, style=style)
+    assert all(r[0] == results[0][0] for r in results), results
+    for _, errors in results:
+        assert "must be a 1-D torch.int32 tensor" in errors["dtype"]
+        if options.get("microbatches", 1) > 1:
+            assert "crosses a micro-batch boundary" in errors["crossing"], errors
+
+
+@pytest.mark.parametrize("layout,options", [(dict(pp=2), dict(pp_schedule="gpipe")),
+                                            (dict(cp=2), dict(dp_shard="ddp"))])
+def test_packed_documents_refused_under_pipeline_and_context_parallel(layout, options):
+    for error in pool(2).run(packed_refused, layout, options):
+        assert "packed documents (cu_seqlens) run under tensor and data parallelism" in error, error
