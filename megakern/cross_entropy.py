@@ -185,6 +185,14 @@ def _scale(targets, ignore_index, reduction, device) -> torch.Tensor:
     return torch.ones(1, dtype=torch.float32, device=device)
 
 
+def _reduce(losses: torch.Tensor, scale: torch.Tensor, reduction: str) -> torch.Tensor:
+    """The per-row losses as asked: "none" as they are, "sum", or "mean" (``scale`` = 1 / rows that count)."""
+    if reduction == "none":
+        return losses
+    loss = losses.sum()
+    return loss * scale[0] if reduction == "mean" else loss
+
+
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """loss(x @ W^T + b, targets), chunked over the rows of x (N, C); every gradient computed in the forward."""
 
@@ -225,10 +233,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             del logits  # before the next chunk's logits are allocated
         ctx.save_for_backward(grad_x, None if grad_w is None else grad_w.to(weight.dtype),
                               None if grad_b is None else grad_b.to(bias.dtype))
-        if reduction == "none":
-            return losses
-        loss = losses.sum()
-        return loss * scale[0] if reduction == "mean" else loss
+        return _reduce(losses, scale, reduction)
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -250,10 +255,7 @@ class CrossEntropyFunction(torch.autograd.Function):
         losses, _ = _kernels().fwd(rows, targets, grad, scale, ignore_index, label_smoothing, softcap)
         ctx.save_for_backward(grad)
         ctx.reduction = reduction
-        if reduction == "none":
-            return losses
-        loss = losses.sum()
-        return loss * scale[0] if reduction == "mean" else loss
+        return _reduce(losses, scale, reduction)
 
     @staticmethod
     def backward(ctx, grad_loss):
