@@ -10,6 +10,7 @@ import copy
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.checkpoint import set_checkpoint_early_stop
 from gpt_check import ATOL, RTOL, batches, compare_to_reference, tiny_config
 
 from megakern.models.gpt import GPT
@@ -79,9 +80,9 @@ def assemble(gathered, pp: int, dp: int, tp: int, sequence_parallel: bool) -> li
 
 
 def check_dropout(layout: dict, options: dict, style: str = "gpt", steps: int = 2, global_batch: int = 4,
-                  seqlen: int = 16, p: float = 0.3, seed: int = 11, max_norm: float = 0.05):
+                  seqlen: int = 16, p: float = 0.3, seed: int = 11, max_norm: float = 0.05, recompute: str = "none"):
     cfg = tiny_config(style)
-    cfg.dropout = p
+    cfg.dropout, cfg.recompute = p, recompute  # "full": the backward's recomputation must redraw the same masks
     torch.manual_seed(0)
     ref = GPT(cfg)
     model = copy.deepcopy(ref)
@@ -101,27 +102,38 @@ def check_dropout(layout: dict, options: dict, style: str = "gpt", steps: int = 
     own = RNGTracker(seed, "cpu") if d.dp == 1 and not sp else None
     kept = []
     for step, (idx, targets) in enumerate(batches(steps, global_batch, seqlen, cfg.vocab_size)):
-        with recording([]) as masks:
+        # (recomputation without early stop: it would end inside the last dropout, before the recording)
+        with recording([]) as masks, set_checkpoint_early_stop(False):
             loss = pmodel.forward_backward(idx[mine], targets[mine])
         assert torch.equal(torch.default_generator.get_state(), outside), "dropout drew from the default generator"
         # pipelining (torch 2.13) first runs each stage once on placeholder inputs to infer shapes, dropout included
         # (the tracker advances, harmlessly): the step's own draws are the last ones
-        expected = sum(int(g.wte is not None) + 2 * len(g.blocks) for g in pmodel.gpts)
+        forward = sum(int(g.wte is not None) + 2 * len(g.blocks) for g in pmodel.gpts)
+        if recompute == "full":  # the backward recomputes blocks (as far as it needs them): the same masks again
+            redrawn = masks[forward:]
+            assert len(redrawn) == 2 * cfg.n_layer, len(masks)
+            for i, again in enumerate(redrawn):
+                assert any(torch.equal(again, m) for m in masks[1:forward]), \
+                    f"step {step}: recomputed dropout call {i} drew a mask the forward did not"
+            expected = len(masks)
+        else:
+            expected = forward
         assert len(masks) == expected or (step == 0 and d.pp > 1 and len(masks) == 2 * expected), len(masks)
         masks = masks[len(masks) - expected:]
+        # the single model replays the calls in the same order (its recomputation too)
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (pm.pp_rank, pm.dp_rank, pm.tp_rank, masks))
         full = assemble(gathered, d.pp, d.dp, d.tp, sp)
-        assert len(full) == 1 + 2 * cfg.n_layer, f"{len(full)} dropout calls"
+        assert recompute == "full" or len(full) == 1 + 2 * cfg.n_layer, len(full)
         kept.extend(float(m.float().mean()) for m in full)
         if own is not None:
             with recording([]) as drawn, own.fork("replicated"), torch.no_grad():
                 ref(idx, targets)
             for i, (a, w) in enumerate(zip(drawn, full)):
                 assert torch.equal(a, w), f"step {step} call {i}: the single process draws other masks"
-        with replaying(full):
+        with replaying(full), set_checkpoint_early_stop(False):
             ref_loss = ref(idx, targets)
-        ref_loss.backward()
+            ref_loss.backward()
         torch.testing.assert_close(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL,
                                    msg=lambda m: f"step {step} loss: {m}")
         compare_to_reference(pmodel, ref, f"step {step} gradients")

@@ -9,9 +9,10 @@ from megakern.parallel import RNGTracker, region_seed
 from megakern.parallel.rng import default_generator
 
 
-@pytest.mark.parametrize("style,sp", [("gpt", False), ("llama", True), ("gpt", True)])
-def test_tensor_parallel_dropout(style, sp):
-    results = pool(2).run(check_dropout, dict(tp=2), dict(sequence_parallel=sp), style=style)
+@pytest.mark.parametrize("style,sp,recompute", [("gpt", False, "none"), ("llama", True, "none"), ("gpt", True, "none"),
+                                               ("llama", True, "full")])
+def test_tensor_parallel_dropout(style, sp, recompute):
+    results = pool(2).run(check_dropout, dict(tp=2), dict(sequence_parallel=sp), style=style, recompute=recompute)
     assert len({r[0] for r in results}) == 1, results
     seeds = {r[1] for r in results}  # tp ranks' region seeds: one (replicated) or one each (sequence shards)
     assert len(seeds) == (2 if sp else 1), results
