@@ -28,6 +28,7 @@ __all__ = [
     "VocabParallelEmbedding", "apply_tensor_parallel", "check_agreement", "clip_grad_norm_", "config_hash",
     "cut_stage", "parallelize", "stage_layout",
     "copy_to_tp", "cp_positions", "cp_shard", "cp_unshard", "gather_from_sp", "gather_from_tp", "init_distributed",
-    "linear_reduce", "reduce_from_tp", "reduce_scatter_to_sp", "region_seed", "ring_attention", "scatter_to_sp", "scatter_to_tp",
+    "linear_reduce", "reduce_from_tp", "reduce_scatter_to_sp", "region_seed", "ring_attention", "scatter_to_sp",
+    "scatter_to_tp",
     "versions", "vocab_parallel_cross_entropy",
 ]

@@ -12,6 +12,10 @@ backpropagates (sum of its tokens' losses) * dp * cp / N_global; DDP / FSDP aver
 the gradients are those of the global mean, as the single-process model's on the whole batch. After the
 backward: gradients that are partial sums over tp (sequence-parallel norms and biases) are all-reduced over tp, and
 a tied head's copy on the last pipeline stage is summed with wte's on the first.
+
+Dropout: each stage's forward runs inside the RNG tracker's region (rng.py): "replicated" (one mask on all tp
+ranks) for the residual stream, or "tensor_parallel" (a mask per tp rank) when sequence parallel shards it.
+Packed documents: ``forward_backward(idx, targets, cu_seqlens=...)`` under tensor and data parallelism.
 """
 from __future__ import annotations
 
