@@ -6,20 +6,29 @@ learned positions, tied embeddings, no dropout. One step = forward + loss + back
 
 Providers, each built fresh and freed before the next:
 - ``megakern``: ``megakern.train.Trainer.train_step``, the training program's own step (bf16 weights with fp32
-  master weights, megakern's kernels, fused linear cross-entropy, one host sync per step for the non-finite check);
-  ``megakern-compile`` the same under torch.compile (train.compile=true).
+  master weights, megakern's kernels, fused linear cross-entropy; data from the training program's loader, pinned and
+  copied without blocking). No host-device sync in the step: a non-finite step is skipped by fused AdamW on the
+  device and its (loss, norm, skipped) figures go to pinned memory behind an event, read by the training loop one
+  step later (here never); ``megakern-compile`` the same under torch.compile (train.compile=true).
 - ``hf-eager`` / ``hf-compile``: transformers' GPT2LMHeadModel (its default attention, SDPA), fp32 weights under
   bf16 autocast (the mixed precision of HF's Trainer with bf16=True), fused AdamW, no host sync; eager or
   torch.compile'd. Skipped with the reason where transformers is not installed.
 
 Figures per provider: tok/s = micro_batch * seq / (median step time over the timed steps, warm-up steps
-excluded; CUDA events between consecutive steps), model TFLOP/s = tok/s * F, MFU = model FLOP/s / the GPU's dense
+excluded; CUDA events recorded between consecutive steps, so the time of a step is the device's when the host keeps
+ahead and the host's when it does not: the throughput a run gets), model TFLOP/s = tok/s * F, MFU = model FLOP/s / the GPU's dense
 bf16 peak (megakern._log.PEAK_BF16_FLOPS), peak GiB = torch.cuda.max_memory_allocated over the provider's run.
 F = megakern's GPT.flops_per_token(seq) for every provider (same architecture): 6 N (N = matmul weights, the tied
 output projection included) + 12 * n_layer * n_embd * seq (attention; the causal half not discounted), 2.42 GFLOP per
 token for this shape. TFLOP/s rows also get a fraction of the same-run bf16 matmul roofline.
 
-    python -m benchmarks.bench_train                       # the 350M shape, all providers
+Not measured: building a provider (model, data, first Triton / Inductor compilation) and its warm-up steps; both
+are printed per provider ("setup", "warm-up") with the whole run's wall time, and an estimate of the run's length
+is printed first (setup times from cold compile caches; a second run is faster).
+
+    python -m benchmarks.bench_train                       # the 350M shape, all providers (~5 min on an H200)
+    python -m benchmarks.bench_train --quick               # megakern, hf-eager, hf-compile; 3 + 8 steps (~2 min)
+    python -m benchmarks.bench_train --quick --skip-compile    # megakern, hf-eager (~1 min)
     python -m benchmarks.bench_train --providers megakern,hf-compile --steps 30
     python -m benchmarks.bench_train --tiny --device cpu   # smoke test of the machinery (fp32, a tiny shape)
 """
@@ -171,6 +180,17 @@ def _hf(compile: bool):
 
 PROVIDERS = {"megakern": _megakern(False), "megakern-compile": _megakern(True), "hf-eager": _hf(False),
              "hf-compile": _hf(True)}
+# rough seconds to build a provider at the 350M shape on an H200 with cold compile caches (first Triton compiles of
+# megakern's kernels, Inductor for the compiled ones), and of one step: for the printed estimate of a run's length
+QUICK_PROVIDERS = ("megakern", "hf-eager", "hf-compile")  # megakern and the target's baseline (hf-compile)
+SETUP_S = {"megakern": 45.0, "megakern-compile": 120.0, "hf-eager": 10.0, "hf-compile": 75.0}
+STEP_S = 0.15
+
+
+def estimate_seconds(names, warmup: int, steps: int, tiny: bool) -> float:
+    """A rough wall-time estimate of a run over ``names`` (the tiny shape: a few seconds per provider)."""
+    per_step = 0.02 if tiny else STEP_S
+    return sum((2.0 if tiny else SETUP_S.get(n, 60.0)) + (warmup + steps) * per_step for n in names)
 
 
 def time_steps(step: Step, device: torch.device, warmup: int, steps: int) -> list[float]:
@@ -196,20 +216,25 @@ def time_steps(step: Step, device: torch.device, warmup: int, steps: int) -> lis
 
 
 def run_provider(name: str, build, shape: Shape, device: torch.device, warmup: int, steps: int) -> dict:
-    """{'ms': median step, 'p20', 'p80', 'GiB': peak memory} of one provider, its model freed afterwards."""
+    """{'ms': median step, 'p20', 'p80', 'GiB': peak memory, 'setup_s', 'run_s': wall seconds to build it and to
+    run its warm-up and timed steps} of one provider, its model freed afterwards."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
     step = build(shape)
+    built = time.perf_counter()
     try:
         times = time_steps(step, device, warmup, steps)
     finally:
         step.close()
         del step
+    done = time.perf_counter()
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     deciles = statistics.quantiles(times, n=10, method="inclusive") if len(times) > 1 else times * 9
-    return {"ms": statistics.median(times), "p20": deciles[1], "p80": deciles[7], "GiB": peak}
+    return {"ms": statistics.median(times), "p20": deciles[1], "p80": deciles[7], "GiB": peak,
+            "setup_s": built - start, "run_s": done - built}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -218,7 +243,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--providers", type=lambda s: {p.strip() for p in s.split(",") if p.strip()},
                         help=f"comma-separated, from {', '.join(PROVIDERS)} (default: all)")
     parser.add_argument("--tiny", action="store_true", help="a tiny shape (smoke test; the default on a CPU)")
-    parser.add_argument("--quick", action="store_true", help="fewer steps (4 warm-up, 10 timed)")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer steps (3 warm-up, 8 timed) and, unless --providers says otherwise, megakern, "
+                             "hf-eager and hf-compile only: about 2 minutes")
+    parser.add_argument("--skip-compile", action="store_true",
+                        help="leave out the torch.compile providers (megakern-compile, hf-compile): their compilation "
+                             "is most of a quick run's time")
     parser.add_argument("--graph", action="store_true",
                         help="accepted for scripts/device_check.sh; does not apply (whole training steps are timed)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 8; tiny 1)")
@@ -236,8 +266,8 @@ def main(argv=None) -> Results:
     shape = TINY if tiny else GPT_350M
     if args.micro_batch:
         shape = Shape(**{**shape.__dict__, "micro_batch": args.micro_batch})
-    warmup = args.warmup if args.warmup is not None else (1 if tiny else 4 if args.quick else 8)
-    steps = args.steps if args.steps is not None else (3 if tiny else 10 if args.quick else 20)
+    warmup = args.warmup if args.warmup is not None else (1 if tiny else 3 if args.quick else 8)
+    steps = args.steps if args.steps is not None else (3 if tiny else 8 if args.quick else 20)
     if args.graph:
         print("bench_train: --graph does not apply (whole training steps are timed, CUDA events between steps)")
     if steps < 1 or warmup < 0:
@@ -252,9 +282,18 @@ def main(argv=None) -> Results:
     print(f"{case}: {fpt / 1e9:.3f} GFLOP per token, {tokens} tokens per step, {warmup} warm-up + {steps} timed steps; "
           f"peak {'n/a (' + peak_note + ')' if peak is None else f'{peak / 1e12:.1f} TFLOP/s'}")
 
+    wanted = set(args.providers or (QUICK_PROVIDERS if args.quick else PROVIDERS))
+    if args.skip_compile:
+        wanted = {n for n in wanted if not n.endswith("-compile")}
+        if not wanted:
+            raise SystemExit("--skip-compile leaves no provider to run")
+    names = [n for n in PROVIDERS if n in wanted]
+    print(f"estimated run time: about {estimate_seconds(names, warmup, steps, tiny) / 60:.1f} min for "
+          f"{', '.join(names)} (cold compile caches)")
+    began = time.perf_counter()
     results = Results(device)
     results.add_roofline("TFLOP/s", measure_matmul_tflops(device))
-    providers = load_providers(PROVIDERS, device, args.providers)
+    providers = load_providers(PROVIDERS, device, wanted)
     for name, build in providers.items():
         try:
             figures = run_provider(name, build, shape, device, warmup, steps)
@@ -272,7 +311,9 @@ def main(argv=None) -> Results:
             results.add(case, "train step", name, "GiB", figures["GiB"])
         mfu = f"{100 * tok_s * fpt / peak:.1f}%" if peak else "n/a"
         print(f"{name:<18} {figures['ms']:9.2f} ms [p20 {figures['p20']:.2f}, p80 {figures['p80']:.2f}] "
-              f"{tok_s:12.0f} tok/s {tflops:8.1f} TFLOP/s MFU {mfu} peak {figures['GiB']:.2f} GiB")
+              f"{tok_s:12.0f} tok/s {tflops:8.1f} TFLOP/s MFU {mfu} peak {figures['GiB']:.2f} GiB "
+              f"(setup {figures['setup_s']:.0f} s, steps {figures['run_s']:.1f} s)")
+    print(f"run time: {time.perf_counter() - began:.0f} s")
     if not args.no_save:
         print(f"saved {results.save(BENCH, args.out)}")
     for metric in ("tok/s", "TFLOP/s", "MFU", "GiB"):

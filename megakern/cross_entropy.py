@@ -74,7 +74,8 @@ def linear_cross_entropy_ref(x, weight, targets, *, bias=None, ignore_index: int
 
 
 # ---- checks --------------------------------------------------------------------------------------------------------
-def _check_common(op, targets, rows_shape, vocab, device, ignore_index, reduction, label_smoothing, softcap):
+def _check_common(op, targets, rows_shape, vocab, device, ignore_index, reduction, label_smoothing, softcap,
+                  check_targets=True):
     if not isinstance(targets, torch.Tensor):
         raise TypeError(f"{op}: targets must be a torch.Tensor, got {type(targets).__name__}")
     if targets.dtype not in INDEX_DTYPES:
@@ -95,7 +96,7 @@ def _check_common(op, targets, rows_shape, vocab, device, ignore_index, reductio
         raise ValueError(f"{op}: softcap must be None or a finite number > 0, got {softcap!r}")
     if vocab == 0:
         raise ValueError(f"{op}: the vocabulary is empty (V = 0)")
-    if targets.numel() and not torch.compiler.is_compiling():  # traced: no host sync (the kernel's loss goes NaN)
+    if check_targets and targets.numel() and not torch.compiler.is_compiling():  # traced: no sync (the loss goes NaN)
         bad = ((targets < 0) | (targets >= vocab)) & (targets != ignore_index)
         if bool(bad.any()):  # one host sync
             first = int(bad.flatten().nonzero()[0])
@@ -104,8 +105,10 @@ def _check_common(op, targets, rows_shape, vocab, device, ignore_index, reductio
                              f"ignore_index ({ignore_index})")
 
 
-def check_inputs(x, weight, targets, bias, ignore_index, reduction, label_smoothing, softcap, chunk_size) -> None:
-    """Raise TypeError / ValueError naming the problem with any argument of ``linear_cross_entropy``."""
+def check_inputs(x, weight, targets, bias, ignore_index, reduction, label_smoothing, softcap, chunk_size,
+                 check_targets=True) -> None:
+    """Raise TypeError / ValueError naming the problem with any argument of ``linear_cross_entropy``;
+    ``check_targets`` False skips the one check that reads device memory (the targets' range)."""
     op = "linear_cross_entropy"
     for name, t in (("x", x), ("weight", weight)):
         if not isinstance(t, torch.Tensor):
@@ -134,7 +137,7 @@ def check_inputs(x, weight, targets, bias, ignore_index, reduction, label_smooth
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"{op}: chunk_size must be None or an int >= 1, got {chunk_size!r}")
     _check_common(op, targets, x.shape[:-1], weight.shape[0], x.device, ignore_index, reduction, label_smoothing,
-                  softcap)
+                  softcap, check_targets)
 
 
 def default_chunk(rows: int, vocab: int, itemsize: int) -> int:
@@ -182,6 +185,14 @@ def _scale(targets, ignore_index, reduction, device) -> torch.Tensor:
     return torch.ones(1, dtype=torch.float32, device=device)
 
 
+def _reduce(losses: torch.Tensor, scale: torch.Tensor, reduction: str) -> torch.Tensor:
+    """The per-row losses as asked: "none" as they are, "sum", or "mean" (``scale`` = 1 / rows that count)."""
+    if reduction == "none":
+        return losses
+    loss = losses.sum()
+    return loss * scale[0] if reduction == "mean" else loss
+
+
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """loss(x @ W^T + b, targets), chunked over the rows of x (N, C); every gradient computed in the forward."""
 
@@ -222,10 +233,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             del logits  # before the next chunk's logits are allocated
         ctx.save_for_backward(grad_x, None if grad_w is None else grad_w.to(weight.dtype),
                               None if grad_b is None else grad_b.to(bias.dtype))
-        if reduction == "none":
-            return losses
-        loss = losses.sum()
-        return loss * scale[0] if reduction == "mean" else loss
+        return _reduce(losses, scale, reduction)
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -247,10 +255,7 @@ class CrossEntropyFunction(torch.autograd.Function):
         losses, _ = _kernels().fwd(rows, targets, grad, scale, ignore_index, label_smoothing, softcap)
         ctx.save_for_backward(grad)
         ctx.reduction = reduction
-        if reduction == "none":
-            return losses
-        loss = losses.sum()
-        return loss * scale[0] if reduction == "mean" else loss
+        return _reduce(losses, scale, reduction)
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -275,16 +280,20 @@ def _autocast(x, weight, bias):
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                          bias: torch.Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
                          label_smoothing: float = 0.0, softcap: float | None = None, chunk_size: int | None = None,
-                         backend: str | Mapping[str, str] | None = None) -> torch.Tensor:
+                         backend: str | Mapping[str, str] | None = None, check_targets: bool = True) -> torch.Tensor:
     """Cross-entropy of logits = x @ weight^T (+ bias) against ``targets``, without the (N, V) logits.
 
     x (N, C) or (..., C), weight (V, C), targets (N,) or (...) int; ``reduction`` "mean" | "sum" ("none", per-row
     losses, only without gradients); ``chunk_size`` tokens per chunk (default: logits of a chunk under 256 MiB).
     ``backend``: 'torch' | 'triton', or a config's kernel table {op: backend}; None picks the fastest available.
+    ``check_targets``: check that every target is in [0, V) or ignore_index (ValueError naming the first bad one),
+    which costs one host-device sync per call; pass False where the data pipeline already checked every id (a
+    target out of range then gives a NaN loss on the kernels' path, never an out-of-bounds read).
     Returns the fp32 loss.
     """
     x, weight, bias = _autocast(x, weight, bias)
-    check_inputs(x, weight, targets, bias, ignore_index, reduction, label_smoothing, softcap, chunk_size)
+    check_inputs(x, weight, targets, bias, ignore_index, reduction, label_smoothing, softcap, chunk_size,
+                 check_targets)
     name = _backend.resolve("cross_entropy", x.device, backend, size=weight.shape[0])
     if name == "triton" and x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"linear_cross_entropy: the triton backend takes float32 / float16 / bfloat16, got {x.dtype}")
@@ -307,10 +316,10 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100, reduction: str = "mean",
                   label_smoothing: float = 0.0, softcap: float | None = None,
-                  backend: str | Mapping[str, str] | None = None) -> torch.Tensor:
+                  backend: str | Mapping[str, str] | None = None, check_targets: bool = True) -> torch.Tensor:
     """Cross-entropy of ``logits`` (N, V) (or (..., V)) against ``targets`` (N,) (or (...)): F.cross_entropy's
     semantics, fp32 math, the fp32 loss; reduction "mean" | "sum" | "none". The gradient is computed in the forward
-    (one (N, V) tensor in logits' dtype, no fp32 copy). ``backend`` as ``linear_cross_entropy``."""
+    (one (N, V) tensor in logits' dtype, no fp32 copy). ``backend``, ``check_targets`` as ``linear_cross_entropy``."""
     op = "cross_entropy"
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"{op}: logits must be a torch.Tensor, got {type(logits).__name__}")
@@ -319,7 +328,7 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: 
     if logits.dim() < 1:
         raise ValueError(f"{op}: logits must be (N, V) or (..., V), got a scalar")
     _check_common(op, targets, logits.shape[:-1], logits.shape[-1], logits.device, ignore_index, reduction,
-                  label_smoothing, softcap)
+                  label_smoothing, softcap, check_targets)
     name = _backend.resolve("cross_entropy", logits.device, backend, size=logits.shape[-1])
     if name == "triton" and logits.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{op}: the triton backend takes float32 / float16 / bfloat16, got {logits.dtype}")

@@ -14,9 +14,16 @@ resume from a checkpoint -> the loop -> final eval, checkpoint and a text sample
 One optimizer step, with A = global_batch / (micro_batch x data-parallel size) accumulation steps:
 
     for each of A micro-batches:   data -> forward (loss, mean over its tokens) -> backward of loss / A
-    grad norm (clipped to train.grad_clip) -> one host sync for (loss, norm)
+    grad norm (clipped to train.grad_clip) -> found_inf = loss or norm not finite (on the device)
     finite: AdamW step at the schedule's lr;  not finite: the step is skipped and counted, and
     train.max_nonfinite skipped steps in a row stop the run with an error saying what to change
+
+No host-device sync in a step on one device with fused AdamW (the default on CUDA): the model is told the data
+pipeline checked every token id (``check_values=False``), fused AdamW skips the update itself when found_inf is set
+(the same device-side skip as torch.amp.GradScaler's), and (loss, norm, skipped) travel to pinned host memory behind
+an event, read after the next step is queued: the log, the skip count and the halt run one step behind the device.
+Other optimizers (foreach, for-loop) and megakern.parallel runs read the figures at the end of each step and skip
+the update on the host.
 
 Over several ranks (torchrun) the model is megakern.parallel's ParallelModel: a rank draws its whole step batch
 (A micro-batches) and ``forward_backward`` cuts it into parallel.microbatches (pipeline micro-batches or
@@ -340,6 +347,31 @@ class RunResult:
     profile_dir: str | None = None
 
 
+@dataclass
+class StepFigures:
+    """One optimizer step's figures on their way to the host: ``values`` (3,) fp32 = (loss, gradient norm, 1.0 if
+    the step was skipped); on CUDA a pinned host copy behind ``event``, so reading them waits for this step only,
+    not for the steps queued after it."""
+
+    step: int
+    values: torch.Tensor
+    event: object = None
+
+    def read(self) -> tuple[float, float, bool]:
+        """(loss, norm, stepped), waiting for the step if it is still running."""
+        if self.event is not None:
+            self.event.synchronize()
+        loss, norm, skipped = self.values.tolist()
+        return loss, norm, skipped == 0
+
+
+def device_skip(optimizer) -> bool:
+    """Whether ``optimizer`` skips a step by itself when its ``found_inf`` attribute holds a nonzero tensor: torch's
+    Adam / AdamW with fused=True in every group (what torch.amp.GradScaler relies on)."""
+    return (type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
+            and all(g.get("fused") for g in optimizer.param_groups))
+
+
 class Trainer:
     """Builds everything a run needs from ``config`` (failing before step 1 on anything that would fail later) and
     runs it with ``run()``. ``profile``: run log.profile_wait + warmup + active steps under torch.profiler and stop.
@@ -465,6 +497,8 @@ class Trainer:
         self.optimizer = (self.pmodel.build_optimizer(torch.optim.AdamW, params=groups, **kwargs) if self.parallel
                           else torch.optim.AdamW(groups, **kwargs))
         self.schedule = LRSchedule(c.schedule, lr=c.optim.lr, total_steps=t.steps)
+        # a non-finite step is skipped by the fused optimizer on the device (no sync), else on the host
+        self.device_skip = not self.parallel and device_skip(self.optimizer)
         self.log(f"model: {n_params / 1e6:.2f}M parameters ({n_body / 1e6:.2f}M without embeddings), "
                  f"{self.flops_per_token / 1e6:.1f} MFLOP per token; global batch {self.global_batch} x "
                  f"{self.seq_length} tokens = {self.accum} accumulation step(s) of {t.micro_batch_size} x "
@@ -636,8 +670,9 @@ class Trainer:
             self.log(f"note: {w.message}")
         return iter(loader)
 
-    def train_step(self, batches) -> tuple[float, float, bool]:
-        """One optimizer step: (loss, gradient norm, stepped). The loss is the mean over the global batch."""
+    def train_step(self, batches) -> StepFigures:
+        """One optimizer step, queued: its (loss, gradient norm, stepped) figures, ``.read()`` on the host. The loss
+        is the mean over the global batch."""
         lr = self.schedule(self.step)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
@@ -656,7 +691,7 @@ class Trainer:
             with self._range("data"):
                 batch = to_batch(next(batches), self.device, self.eod_id)
             with self._range("forward"), self.autocast:
-                loss = model(batch.inputs, batch.targets, **batch.model_kwargs())
+                loss = model(batch.inputs, batch.targets, **batch.model_kwargs(), check_values=False)
             with self._range("backward"):
                 (loss / accum).backward()
             loss_sum += loss.detach().float()
@@ -677,18 +712,42 @@ class Trainer:
                 figures.append(fp8.update_scales(self.model).to(self.device, torch.float32))
             return self._finish_step(figures)
 
-    def _finish_step(self, figures: list[torch.Tensor]) -> tuple[float, float, bool]:
-        """One host sync for (loss, norm[, FP8 non-finite flag]); the optimizer steps only if all are finite."""
-        values = torch.stack([f.to(self.device) for f in figures]).tolist()
-        loss_value, norm_value = values[0], values[1]
-        finite = math.isfinite(loss_value) and math.isfinite(norm_value) and (len(values) < 3 or values[2] == 0)
-        if finite:
-            self.optimizer.step()
-            if self.masters is not None:
+    def _finish_step(self, figures: list[torch.Tensor]) -> StepFigures:
+        """The optimizer step, skipped if loss or norm is not finite (or the FP8 flag, a third figure, is set): on the
+        device with a fused optimizer (no sync), else after reading the figures on the host."""
+        loss, norm = (f.to(self.device, torch.float32).reshape(()) for f in figures[:2])
+        bad = ~(torch.isfinite(loss) & torch.isfinite(norm))
+        if len(figures) > 2:
+            bad = bad | (figures[2].to(self.device).reshape(()) != 0)
+        values = torch.stack([loss, norm, bad.to(torch.float32)])
+        if self.device_skip:
+            self.optimizer.grad_scale, self.optimizer.found_inf = None, values[2]  # 0-d fp32, as the steps
+            try:
+                self.optimizer.step()
+            finally:
+                self.optimizer.found_inf = None
+            if self.masters is not None:  # after a skipped step the masters are unchanged: an exact no-op
                 self._copy_masters()
+            result = self._to_host(values)
+        else:
+            result = StepFigures(self.step + 1, values.cpu())  # the host sync
+            if result.read()[2]:
+                self.optimizer.step()
+                if self.masters is not None:
+                    self._copy_masters()
         if self.masters is None:  # the masters' gradients are overwritten by the next step's first micro-batch
             self.optimizer.zero_grad(set_to_none=True)
-        return loss_value, norm_value, finite
+        return result
+
+    def _to_host(self, values: torch.Tensor) -> StepFigures:
+        """The step's figures copied to the host without waiting: into pinned memory behind an event on CUDA."""
+        if values.device.type != "cuda":
+            return StepFigures(self.step + 1, values.cpu())
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        host.copy_(values, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return StepFigures(self.step + 1, host, event)
 
     def _set_training(self, mode: bool) -> None:
         (self.pmodel if self.parallel else self.model).train(mode)
@@ -762,7 +821,8 @@ class Trainer:
         batches = self._batches(self.data.train, self.consumed_samples, self.draw)
         profiler = self._profiler() if self.profiling else None
         last = self.step + (c.log.profile_wait + c.log.profile_warmup + c.log.profile_active) if profiler else None
-        consecutive, window_ns, window_tokens, window_loss = 0, 0, 0, []
+        self._consecutive, self._window = 0, [0, 0, []]  # window: ns, tokens, losses since the last log line
+        pending, mark = None, None  # the step whose figures are still on their way; when its window's time began
         self._set_training(True)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -770,50 +830,28 @@ class Trainer:
             if profiler is not None:
                 profiler.start()
             while self.step < c.train.steps and (last is None or self.step < last):
-                start = time.perf_counter_ns()
-                loss, norm, stepped = self.train_step(batches)
-                elapsed = time.perf_counter_ns() - start
+                mark = time.perf_counter_ns() if mark is None else mark
+                figures = self.train_step(batches)
                 lr = self.schedule(self.step)
                 self.step += 1
                 self.consumed_samples += self.global_batch
-                result.losses[self.step] = loss
                 if profiler is not None:
                     profiler.step()
-                if not stepped:
-                    consecutive += 1
-                    self.nonfinite_total += 1
-                    result.skipped_steps.append(self.step)
-                    self.log(f"step {self.step}: non-finite loss {loss} or gradient norm {norm}; step skipped "
-                             f"({consecutive} in a row, {self.nonfinite_total} in all)")
-                    if consecutive >= c.train.max_nonfinite:
-                        raise TrainingHalted(
-                            f"{consecutive} steps in a row (steps {self.step - consecutive + 1}..{self.step}) had a "
-                            f"non-finite loss or gradient norm (train.max_nonfinite={c.train.max_nonfinite}); "
-                            f"stopping. Try a lower optim.lr (now {c.optim.lr:g}) or longer schedule.warmup_steps, "
-                            f"train.grad_clip, or check the data; the last checkpoint is in {self.ckpt_dir}")
-                else:
-                    consecutive = 0
-                window_ns += elapsed
-                window_tokens += self.tokens_per_step
-                window_loss.append(loss)
-                tok_s = window_tokens / (window_ns / 1e9)
-                mfu = (self.flops_per_token * tok_s / self.env.world / self.peak) if self.peak else None
-                mem, mem_what = memory_gib(self.device)
-                self.logger.progress(self.step, f"loss {loss:.4f} lr {lr:.2e} {format_count(tok_s)} tok/s MFU "
-                                     f"{'n/a' if mfu is None else f'{100 * mfu:.1f}%'} {mem:.2f} GiB")
-                self.logger.record(self.step, {"train/loss": loss, "train/lr": lr, "train/grad_norm": norm,
-                                               "perf/tokens_per_s": tok_s, "perf/mfu": mfu, "perf/memory_gib": mem,
-                                               "perf/step_ms": elapsed / 1e6})
-                if self.step % c.log.every == 0 or self.step == c.train.steps:
-                    self.log(f"step {self.step:>6}/{c.train.steps} | loss {sum(window_loss) / len(window_loss):.4f} | "
-                             f"lr {lr:.3e} | grad norm {norm:.3f} | {format_count(tok_s)} tok/s | MFU "
-                             f"{'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | {mem_what} {mem:.2f} GiB")
-                    window_ns, window_tokens, window_loss = 0, 0, []
-                if profiler is None:
-                    if c.eval.every and self.step % c.eval.every == 0 and self.step < c.train.steps:
+                if pending is not None:  # the previous step's figures: read now that this step is queued
+                    mark = self._report(result, *pending, mark)
+                pending = (figures, lr)
+                due_eval = c.eval.every and self.step % c.eval.every == 0 and self.step < c.train.steps
+                due_save = c.checkpoint.every and self.step % c.checkpoint.every == 0 and self.step < c.train.steps
+                if profiler is None and (due_eval or due_save):
+                    self._report(result, *pending, mark)
+                    pending = None
+                    if due_eval:
                         self._eval(result)
-                    if c.checkpoint.every and self.step % c.checkpoint.every == 0 and self.step < c.train.steps:
+                    if due_save:
                         result.checkpoint = str(self.save())
+                    mark = None  # eval and saving are not training time
+            if pending is not None:
+                self._report(result, *pending, mark)
         finally:
             if profiler is not None:
                 profiler.stop()
@@ -833,6 +871,48 @@ class Trainer:
                      f"{c.train.sample_prompt}{result.sample}")
             self.logger.text("sample", c.train.sample_prompt + result.sample, self.step)
         return result
+
+    def _report(self, result: RunResult, figures: StepFigures, lr: float, mark: int) -> int:
+        """Read one step's figures (waiting for that step only), count a skipped step (TrainingHalted after
+        train.max_nonfinite in a row), log and record them. ``mark``: when the time counted for this step began;
+        returns the time it ended."""
+        c, step = self.config, figures.step
+        loss, norm, stepped = figures.read()
+        now = time.perf_counter_ns()
+        elapsed = now - mark
+        result.losses[step] = loss
+        if not stepped:
+            self._consecutive += 1
+            self.nonfinite_total += 1
+            result.skipped_steps.append(step)
+            self.log(f"step {step}: non-finite loss {loss} or gradient norm {norm}; step skipped "
+                     f"({self._consecutive} in a row, {self.nonfinite_total} in all)")
+            if self._consecutive >= c.train.max_nonfinite:
+                raise TrainingHalted(
+                    f"{self._consecutive} steps in a row (steps {step - self._consecutive + 1}..{step}) had a "
+                    f"non-finite loss or gradient norm (train.max_nonfinite={c.train.max_nonfinite}); "
+                    f"stopping. Try a lower optim.lr (now {c.optim.lr:g}) or longer schedule.warmup_steps, "
+                    f"train.grad_clip, or check the data; the last checkpoint is in {self.ckpt_dir}")
+        else:
+            self._consecutive = 0
+        window = self._window
+        window[0] += elapsed
+        window[1] += self.tokens_per_step
+        window[2].append(loss)
+        tok_s = window[1] / (window[0] / 1e9)
+        mfu = (self.flops_per_token * tok_s / self.env.world / self.peak) if self.peak else None
+        mem, mem_what = memory_gib(self.device)
+        self.logger.progress(step, f"loss {loss:.4f} lr {lr:.2e} {format_count(tok_s)} tok/s MFU "
+                             f"{'n/a' if mfu is None else f'{100 * mfu:.1f}%'} {mem:.2f} GiB")
+        self.logger.record(step, {"train/loss": loss, "train/lr": lr, "train/grad_norm": norm,
+                                  "perf/tokens_per_s": tok_s, "perf/mfu": mfu, "perf/memory_gib": mem,
+                                  "perf/step_ms": elapsed / 1e6})
+        if step % c.log.every == 0 or step == c.train.steps:
+            self.log(f"step {step:>6}/{c.train.steps} | loss {sum(window[2]) / len(window[2]):.4f} | "
+                     f"lr {lr:.3e} | grad norm {norm:.3f} | {format_count(tok_s)} tok/s | MFU "
+                     f"{'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | {mem_what} {mem:.2f} GiB")
+            self._window = [0, 0, []]
+        return now
 
     def _eval(self, result: RunResult) -> None:
         loss = float(self.evaluate())

@@ -462,19 +462,23 @@ class GPT(nn.Module):
     # -- forward --
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
                 cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None,
-                position_ids: Optional[torch.Tensor] = None, reduction: str = "mean"):
+                position_ids: Optional[torch.Tensor] = None, reduction: str = "mean", check_values: bool = True):
         """idx (B, T) int64 token ids (or, for a pipeline stage without wte, the hidden state (B, T, C)).
 
         Returns logits (B, T, padded_vocab) without ``targets``, else the cross-entropy of ``targets`` (B, T) int64
         (ignore_index -100; ``reduction`` "mean" | "sum"). A stage without norm_f returns the hidden state (B, T, C).
         ``cu_seqlens`` (ndocs + 1,) int32 offsets of packed documents in the B * T tokens, ``max_seqlen`` their
         longest length (computed when None); ``position_ids`` (B, T) or (T,) explicit positions.
+        ``check_values`` False skips the checks that read device memory, one host-device sync each: the targets'
+        range and, given ``max_seqlen``, cu_seqlens' offsets (for callers whose data pipeline made and checked them,
+        as the training program's does; shapes and dtypes are always checked).
         """
         config = self.config
         B, T = self._check_inputs(idx, targets, cu_seqlens, position_ids)
         if cu_seqlens is not None:
-            lengths = document_lengths("GPT", cu_seqlens, B * T)
-            longest = max(lengths)
+            # the caller's max_seqlen is taken on trust without check_values (reading cu_seqlens waits for the GPU)
+            longest = (max(document_lengths("GPT", cu_seqlens, B * T)) if check_values or max_seqlen is None
+                       else max_seqlen)
             if longest > config.max_seqlen:
                 raise ValueError(f"GPT: a packed document has {longest} tokens; max_seqlen is {config.max_seqlen}")
             max_seqlen = longest if max_seqlen is None else max_seqlen
@@ -501,7 +505,8 @@ class GPT(nn.Module):
         if targets is None:
             return F.linear(y, weight)
         return linear_cross_entropy(y.reshape(B * T, -1), weight, targets.reshape(B * T), ignore_index=IGNORE_INDEX,
-                                    reduction=reduction, chunk_size=config.ce_chunk, backend=config.kernels)
+                                    reduction=reduction, chunk_size=config.ce_chunk, backend=config.kernels,
+                                    check_targets=check_values)
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0, top_k: Optional[int] = None,
                  generator: Optional[torch.Generator] = None, eos_id=None) -> torch.Tensor:
@@ -532,9 +537,17 @@ class GPT(nn.Module):
         if cu_seqlens is not None and position_ids is not None:
             raise ValueError("GPT: pass cu_seqlens or position_ids, not both (positions restart in each document)")
         if position_ids is not None:
-            if not isinstance(position_ids, torch.Tensor) or tuple(position_ids.shape) not in ((T,), (1, T), (B, T)):
-                raise ValueError(f"GPT: position_ids must be (B, T) or (T,) with B={B}, T={T}, got "
+            # a stage without wte may receive a sequence shard (B, T / n, C) of the hidden state (sequence parallel)
+            # while position_ids cover the whole local sequence its attention sees: any multiple of T there
+            L = position_ids.shape[-1] if isinstance(position_ids, torch.Tensor) and position_ids.dim() else -1
+            if self.wte is not None or L < T or L % T:
+                L = T
+            if not isinstance(position_ids, torch.Tensor) or tuple(position_ids.shape) not in ((L,), (1, L), (B, L)):
+                many = "" if self.wte is not None else " (this stage has no embedding: T' a multiple of T)"
+                raise ValueError(f"GPT: position_ids must be (B, T) or (T,) with B={B}, T={T}{many}, got "
                                  f"{_describe(position_ids)}")
+            if position_ids.dtype not in (torch.int64, torch.int32):
+                raise ValueError(f"GPT: position_ids must be int64 or int32, got {_describe(position_ids)}")
             if position_ids.numel():
                 lo, hi = (int(v) for v in torch.aminmax(position_ids))
                 if lo < 0 or hi >= config.max_seqlen:

@@ -17,16 +17,18 @@ from megakern.parallel.dims import (MESH_DIMS, DisagreementError, ParallelDims, 
 from megakern.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, linear_reduce
 from megakern.parallel.parallelize import Options, ParallelModel, parallelize
 from megakern.parallel.pipeline import PipelineChunk, cut_stage, stage_layout
+from megakern.parallel.rng import RNGTracker, region_seed
 from megakern.parallel.tensor_parallel import TPInfo, apply_tensor_parallel
 from megakern.parallel.mappings import (copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp,
                                         reduce_scatter_to_sp, scatter_to_sp, scatter_to_tp)
 
 __all__ = [
     "MESH_DIMS", "ColumnParallelLinear", "DisagreementError", "Options", "ParallelDims", "ParallelMesh",
-    "ParallelModel", "PipelineChunk", "RendezvousError", "RingAttention", "RowParallelLinear", "TPInfo",
+    "ParallelModel", "PipelineChunk", "RNGTracker", "RendezvousError", "RingAttention", "RowParallelLinear", "TPInfo",
     "VocabParallelEmbedding", "apply_tensor_parallel", "check_agreement", "clip_grad_norm_", "config_hash",
     "cut_stage", "parallelize", "stage_layout",
     "copy_to_tp", "cp_positions", "cp_shard", "cp_unshard", "gather_from_sp", "gather_from_tp", "init_distributed",
-    "linear_reduce", "reduce_from_tp", "reduce_scatter_to_sp", "ring_attention", "scatter_to_sp", "scatter_to_tp",
+    "linear_reduce", "reduce_from_tp", "reduce_scatter_to_sp", "region_seed", "ring_attention", "scatter_to_sp",
+    "scatter_to_tp",
     "versions", "vocab_parallel_cross_entropy",
 ]

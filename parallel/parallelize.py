@@ -12,11 +12,16 @@ backpropagates (sum of its tokens' losses) * dp * cp / N_global; DDP / FSDP aver
 the gradients are those of the global mean, as the single-process model's on the whole batch. After the
 backward: gradients that are partial sums over tp (sequence-parallel norms and biases) are all-reduced over tp, and
 a tied head's copy on the last pipeline stage is summed with wte's on the first.
+
+Dropout: each stage's forward runs inside the RNG tracker's region (rng.py): "replicated" (one mask on all tp
+ranks) for the residual stream, or "tensor_parallel" (a mask per tp rank) when sequence parallel shards it.
+Packed documents: ``forward_backward(idx, targets, cu_seqlens=...)`` under tensor and data parallelism.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from megakern._checks import document_lengths
 from megakern.parallel.clip import clip_grad_norm_ as _clip
 from megakern.parallel.context import RingAttention, cp_positions, cp_shard
 from megakern.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -31,6 +37,7 @@ from megakern.parallel.data_parallel import (DP_SHARDS, allreduce_grads, allredu
                                              broadcast_params, set_grad_sync, zero1_optimizer)
 from megakern.parallel.dims import ParallelDims, ParallelMesh
 from megakern.parallel.pipeline import PipelineChunk, build_schedule, check_schedule, cut_stage, stage_layout
+from megakern.parallel.rng import RNGTracker
 from megakern.parallel.state_dict import as_global, checkpoint_mesh, group_hparams, init_optimizer_state
 from megakern.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -54,6 +61,9 @@ class Options:
     """"fsdp" (FSDP2 fully_shard) | "ddp"."""
     zero1: bool = False
     """With dp_shard "ddp": shard the optimizer state (ZeroRedundancyOptimizer)."""
+    seed: int | None = None
+    """Common seed of the dropout RNG tracker (rng.py); None: the initialization generator's initial seed when
+    parallelize gets one, else 0."""
 
 
 def _options(config, overrides) -> Options:
@@ -71,18 +81,20 @@ def _options(config, overrides) -> Options:
 
 
 def parallelize(model: nn.Module, mesh: ParallelMesh | ParallelDims, config=None, *, generator=None,
-                **overrides) -> ParallelModel:
+                rng: RNGTracker | None = None, **overrides) -> ParallelModel:
     """Shard ``model`` (a megakern.models.gpt.GPT, materialized or on the meta device) over ``mesh``.
 
     ``config``: a ParallelConfig (or any object with some of Options' fields); keywords override it.
     ``generator``: for a meta-device model, the generator of its initialization (as ``GPT.init_weights``).
+    ``rng``: the dropout RNG tracker of this rank (default: ``RNGTracker.from_mesh(seed, mesh)``, seed as
+    ``Options.seed`` says).
     """
     if isinstance(mesh, ParallelDims):
         mesh = mesh.build()
     if not isinstance(mesh, ParallelMesh):
         raise TypeError(f"parallelize: want a ParallelMesh (ParallelDims(...).build()) or ParallelDims, got "
                         f"{type(mesh).__name__}")
-    return ParallelModel(model, mesh, _options(config, overrides), generator)
+    return ParallelModel(model, mesh, _options(config, overrides), generator, rng)
 
 
 class ParallelModel:
@@ -92,7 +104,8 @@ class ParallelModel:
     ``modules_chunks`` (the same, as wrapped for data parallelism), ``options``.
     """
 
-    def __init__(self, model: nn.Module, pm: ParallelMesh, options: Options, generator=None):
+    def __init__(self, model: nn.Module, pm: ParallelMesh, options: Options, generator=None,
+                 rng: RNGTracker | None = None):
         d = pm.dims
         cfg = getattr(model, "config", None)
         if cfg is None or not isinstance(getattr(model, "blocks", None), nn.ModuleDict):
@@ -112,16 +125,18 @@ class ParallelModel:
             raise ValueError(f"parallelize: microbatches must be an int >= 1, got {self.microbatches!r}")
         if d.pp > 1:
             check_schedule(options.pp_schedule, d.pp, spr, self.microbatches)
-            if sp and d.cp > 1:
-                raise ValueError("parallelize: pipeline + sequence parallel + context parallel together need "
-                                 "position ids per stage that the model's input check refuses; use "
-                                 "sequence_parallel=False or one of pp/cp = 1")
         else:
             spr = 1
-        if d.tp > 1 and cfg.dropout:
-            raise ValueError(f"parallelize: dropout={cfg.dropout} under tensor parallel would draw different masks on "
-                             "the tp ranks of a replicated activation (no per-region RNG tracking yet); use "
-                             "dropout=0 with tp > 1")
+        # dropout: every draw of a forward inside the tracker's region: the residual stream is replicated over tp
+        # ("replicated": one mask on all tp ranks) or, under sequence parallel, split over tp (a mask per tp rank)
+        if rng is None:
+            seed = options.seed if options.seed is not None else (
+                generator.initial_seed() if generator is not None else 0)
+            rng = RNGTracker.from_mesh(seed, pm)
+        elif not isinstance(rng, RNGTracker):
+            raise TypeError(f"parallelize: rng must be an RNGTracker, got {type(rng).__name__}")
+        self.rng = rng
+        self.dropout_region = "tensor_parallel" if sp else "replicated"
         d.check_model(n_layer=cfg.n_layer, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, vocab=cfg.padded_vocab,
                       ffn_hidden=cfg.ffn_hidden, stages_per_rank=spr, sequence_parallel=sp)
         self.stages_per_rank = spr
@@ -164,7 +179,8 @@ class ParallelModel:
         self.fsdp = options.dp_shard == "fsdp" and d.dp * d.cp > 1
         self.ddp = options.dp_shard == "ddp" and d.dp * d.cp > 1 and d.pp == 1
         self.replicate = options.dp_shard == "ddp" and d.dp * d.cp > 1 and d.pp > 1
-        runners = [PipelineChunk(g) for g in self.gpts] if d.pp > 1 else list(self.gpts)
+        runners = ([PipelineChunk(g, functools.partial(self._dropout_rng, s))
+                    for g, s in zip(self.gpts, self.stage_indices)] if d.pp > 1 else list(self.gpts))
         if self.fsdp:
             for r, g in zip(runners, self.gpts):
                 apply_fsdp(r, g.blocks.values(), pm.dp_cp_mesh, reshard_after_forward=d.pp == 1)
@@ -259,19 +275,62 @@ class ParallelModel:
     def _local_sequence(self, x):
         return cp_shard(x, self.mesh.cp_group, 1) if self.cp > 1 else x
 
-    def _loss_sum(self, module, idx, targets, pos):
-        if self.tp > 1:
-            logits = module(idx, position_ids=pos)
-            return vocab_parallel_cross_entropy(logits, targets, self.mesh.tp_group, reduction="sum")
-        return module(idx, targets, position_ids=pos, reduction="sum")
+    def _dropout_rng(self, stage: int = 0):
+        """The context a stage's forward runs in: the RNG tracker's dropout region (nothing without dropout)."""
+        if not self.config.dropout:
+            return contextlib.nullcontext()
+        return self.rng.fork(self.dropout_region, stage)
+
+    def _packed(self, cu_seqlens, max_seqlen, idx) -> list:
+        """Per micro-batch (cu_seqlens, max_seqlen) of a packed batch (None: unpacked); checks that no document
+        crosses a micro-batch boundary and re-bases each micro-batch's offsets to 0."""
+        m = self.microbatches
+        if cu_seqlens is None:
+            if max_seqlen is not None:
+                raise ValueError("ParallelModel: max_seqlen is given without cu_seqlens")
+            return [(None, None)] * m
+        if self.pp > 1 or self.cp > 1:
+            raise ValueError(f"ParallelModel: packed documents (cu_seqlens) run under tensor and data parallelism; "
+                             f"not with pp={self.pp}, cp={self.cp} (pipeline stages and the ring attention take "
+                             "(B, T) batches)")
+        b, t = idx.shape
+        document_lengths("ParallelModel", cu_seqlens, b * t)  # 1-D int32, from 0 to B * T, non-decreasing
+        offsets = cu_seqlens.tolist()
+        per = b // m * t
+        cuts = {j * per for j in range(m + 1)}
+        if not cuts <= set(offsets):
+            raise ValueError(f"ParallelModel: a packed document crosses a micro-batch boundary (offsets "
+                             f"{sorted(cuts - set(offsets))} are not in cu_seqlens); pack each of the {m} "
+                             "micro-batches on its own, or use microbatches=1")
+        out = []
+        for j in range(m):
+            local = sorted({o - j * per for o in offsets if j * per <= o <= (j + 1) * per})
+            out.append((torch.tensor(local, dtype=torch.int32, device=self.mesh.device), max_seqlen))
+        return out
+
+    def _loss_sum(self, module, idx, targets, pos, packed=(None, None)):
+        cu_seqlens, max_seqlen = packed
+        with self._dropout_rng():
+            if self.tp > 1:
+                logits = module(idx, position_ids=pos, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+            else:
+                return module(idx, targets, position_ids=pos, reduction="sum", cu_seqlens=cu_seqlens,
+                              max_seqlen=max_seqlen)
+        return vocab_parallel_cross_entropy(logits, targets, self.mesh.tp_group, reduction="sum")
 
     def _ce_sum(self, logits, targets):
         return vocab_parallel_cross_entropy(logits, targets, self.mesh.tp_group if self.tp > 1 else None,
                                             reduction="sum")
 
-    def forward_backward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """One step's forward and backward on this dp rank's batch (B, T); returns the global mean loss."""
+    def forward_backward(self, idx: torch.Tensor, targets: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
+                         max_seqlen: int | None = None) -> torch.Tensor:
+        """One step's forward and backward on this dp rank's batch (B, T); returns the global mean loss.
+
+        ``cu_seqlens`` (ndocs + 1,) int32: packed documents, offsets into this rank's B * T flattened tokens (as
+        GPT.forward takes them; tensor and data parallelism only; no document may cross a micro-batch boundary);
+        ``max_seqlen`` their longest length (None: computed)."""
         self._check_batch(idx, targets)
+        packed = self._packed(cu_seqlens, max_seqlen, idx)
         idx, targets = idx.to(self.mesh.device), targets.to(self.mesh.device)
         n_global = self._global_tokens(targets)
         scale = self.dp * self.cp / n_global.clamp(min=1.0)
@@ -287,16 +346,19 @@ class ParallelModel:
                 last = j == m - 1
                 set_grad_sync(self.modules_chunks, last)
                 with (module.no_sync() if self.ddp and not last else contextlib.nullcontext()):
-                    s = self._loss_sum(module, x, t, pos)
+                    s = self._loss_sum(module, x, t, pos, packed[j])
                     (s * scale).backward()
                 total += s.detach().float()
         self.finalize_grads()
         return self._reduce_loss(total, n_global)
 
     @torch.no_grad()
-    def eval_loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The global mean loss of a batch, without gradients (mode as set by train()/eval())."""
+    def eval_loss(self, idx: torch.Tensor, targets: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
+                  max_seqlen: int | None = None) -> torch.Tensor:
+        """The global mean loss of a batch, without gradients (mode as set by train()/eval()); packed documents as
+        in forward_backward."""
         self._check_batch(idx, targets)
+        packed = self._packed(cu_seqlens, max_seqlen, idx)
         idx, targets = idx.to(self.mesh.device), targets.to(self.mesh.device)
         n_global = self._global_tokens(targets)
         pos = self._positions(idx.shape[1])
@@ -304,8 +366,8 @@ class ParallelModel:
         if self.pp > 1:
             total = self._pipeline(idx_l, tgt_l, pos, None, train=False)
         else:
-            total = sum(self._loss_sum(self.modules_chunks[0], x, t, pos).float()
-                        for x, t in zip(idx_l.chunk(self.microbatches), tgt_l.chunk(self.microbatches)))
+            total = sum(self._loss_sum(self.modules_chunks[0], x, t, pos, p).float()
+                        for x, t, p in zip(idx_l.chunk(self.microbatches), tgt_l.chunk(self.microbatches), packed))
         return self._reduce_loss(total, n_global)
 
     def _reduce_loss(self, total, n_global):

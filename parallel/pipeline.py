@@ -13,6 +13,7 @@ loss function turns them into the loss. Micro-batches: the batch's dim 0 is spli
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -73,15 +74,18 @@ def cut_stage(model: nn.Module, stage: int, num_stages: int, blocks: range, *, r
 
 
 class PipelineChunk(nn.Module):
-    """A stage as the pipeline runs it: ``forward(x)`` = gpt(x, position_ids=self.position_ids)."""
+    """A stage as the pipeline runs it: ``forward(x)`` = gpt(x, position_ids=self.position_ids), inside the context
+    ``rng_context()`` returns (the dropout RNG tracker's region for this stage; none by default)."""
 
-    def __init__(self, gpt: nn.Module):
+    def __init__(self, gpt: nn.Module, rng_context=None):
         super().__init__()
         self.gpt = gpt
         self.position_ids = None  # set by the ParallelModel for each step (context parallel)
+        self.rng_context = rng_context or contextlib.nullcontext
 
     def forward(self, x):
-        return self.gpt(x, position_ids=self.position_ids)
+        with self.rng_context():
+            return self.gpt(x, position_ids=self.position_ids)
 
 
 def build_schedule(name: str, submods: list[nn.Module], stage_indices: list[int], num_stages: int, device, group,

@@ -263,3 +263,43 @@ def test_gpu_bf16_large_vocab_and_memory(vocab):
 @pytest.mark.gpu
 def test_gpu_fp32_accumulation_probe():
     assert isinstance(ce._fp32_accumulating_mm(torch.device("cuda", torch.cuda.current_device())), bool)
+
+
+def test_check_targets_false_skips_the_range_check():
+    """check_targets=False: no range check (no host sync); valid targets give the same loss and gradients, and an
+    id outside the vocabulary gives a NaN loss on the kernels' path rather than an error or a stray read."""
+    _triton_or_skip()
+    _seed("check_targets")
+    x, w = torch.randn(9, 16, device=DEVICE, requires_grad=True), torch.randn(40, 16, device=DEVICE)
+    t = _targets(9, 40, ignored=2)
+    checked = linear_cross_entropy(x, w, t, backend="triton")
+    (gx_checked,) = torch.autograd.grad(checked, x)
+    trusted = linear_cross_entropy(x, w, t, backend="triton", check_targets=False)
+    (gx_trusted,) = torch.autograd.grad(trusted, x)
+    assert torch.equal(checked, trusted) and torch.equal(gx_checked, gx_trusted)
+    bad = t.index_fill(0, torch.tensor([4], device=DEVICE), 40)
+    with pytest.raises(ValueError, match="target 40 \\(row 4\\) is outside the vocabulary"):
+        linear_cross_entropy(x, w, bad, backend="triton")
+    assert torch.isnan(linear_cross_entropy(x.detach(), w, bad, backend="triton", check_targets=False))
+    logits = (x @ w.t()).detach()
+    assert torch.isnan(cross_entropy(logits, bad, backend="triton", check_targets=False))
+    assert torch.equal(cross_entropy(logits, t, backend="triton", check_targets=False),
+                       cross_entropy(logits, t, backend="triton"))
+
+
+@pytest.mark.gpu
+def test_gpu_check_targets_false_does_not_sync():
+    """With check_targets=False the forward and backward of linear_cross_entropy never wait for the GPU."""
+    _seed("no sync")
+    x = torch.randn(1000, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(50304, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    t = _targets(1000, 50304, ignored=10)
+    linear_cross_entropy(x, w, t, backend="triton", chunk_size=256).backward()  # warm-up: compiles, probes once
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        linear_cross_entropy(x, w, t, backend="triton", chunk_size=256, check_targets=False).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.isfinite(w.grad.float()).all()

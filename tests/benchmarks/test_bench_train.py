@@ -3,6 +3,8 @@ import csv
 import importlib.util
 import math
 
+import pytest
+
 from benchmarks import bench_train
 from benchmarks.common import CSV_HEADER
 
@@ -37,3 +39,24 @@ def test_flops_per_token_of_the_350m_shape():
     n = L * (12 * C * C + 13 * C) + 2 * C + V * C
     assert bench_train.flops_per_token(bench_train.GPT_350M) == 6 * n + 12 * L * C * T
     assert abs(148e3 * (6 * n + 12 * L * C * T) / 989.4e12 - 0.365) < 0.005
+
+
+def test_quick_skip_compile_selects_providers_and_prints_times(tmp_path, capsys):
+    """--quick runs megakern, hf-eager and hf-compile (--skip-compile leaves out the compiled ones), prints an
+    estimate first and the run's wall time and each provider's setup time."""
+    results = bench_train.main(["--device", "cpu", "--quick", "--skip-compile", "--warmup", "0", "--steps", "2",
+                                "--no-save"])
+    out = capsys.readouterr().out
+    assert "estimated run time: about" in out and "for megakern, hf-eager (cold compile caches)" in out
+    assert "run time:" in out and "(setup " in out
+    assert {f[2] for f in results.figures} <= {"roofline", "megakern", "hf-eager"}
+    assert "megakern" in {f[2] for f in results.figures}
+    with pytest.raises(SystemExit, match="--skip-compile leaves no provider"):
+        bench_train.main(["--device", "cpu", "--providers", "hf-compile", "--skip-compile", "--no-save"])
+
+
+def test_run_time_estimates():
+    full = bench_train.estimate_seconds(list(bench_train.PROVIDERS), 8, 20, tiny=False)
+    quick = bench_train.estimate_seconds(bench_train.QUICK_PROVIDERS, 3, 8, tiny=False)
+    assert quick < 150 < full  # --quick is meant to fit about 2 minutes on an H200
+    assert bench_train.estimate_seconds(["megakern", "hf-eager"], 3, 8, tiny=False) < 75

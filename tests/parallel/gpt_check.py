@@ -154,3 +154,89 @@ def train_and_checkpoint(layout: dict, options: dict, directory: str, *, save: b
         pmodel.load_checkpoint_state(state, opt)
         assert opt.param_groups[0]["lr"] == 1e-2
     return [step(idx, targets) for idx, targets in data[2:]]
+
+
+def packed_offsets(regions: int, size: int, seed: int) -> torch.Tensor:
+    """cu_seqlens of ``regions`` consecutive blocks of ``size`` tokens, each cut into random documents (some longer
+    than a row, so they cross rows); a block (a dp rank's micro-batch) is never crossed."""
+    g = torch.Generator().manual_seed(seed)
+    offsets = [0]
+    for r in range(regions):
+        end = r * size
+        while end < (r + 1) * size:  # documents of 3..24 tokens (rows are 16), the last one cut at the block's end
+            end = min(end + int(torch.randint(3, 25, (1,), generator=g)), (r + 1) * size)
+            offsets.append(end)
+    return torch.tensor(offsets, dtype=torch.int32)
+
+
+def check_packed(layout: dict, options: dict, style: str = "gpt", steps: int = 2, global_batch: int = 4,
+                 seqlen: int = 16, max_norm: float = 0.05):
+    """Like check_train, with packed documents: the global batch's cu_seqlens for the single model, each dp rank's
+    share (re-based) for the parallel one. Also the refusals of packed batches. Returns the losses."""
+    cfg = tiny_config(style)
+    torch.manual_seed(0)
+    ref = GPT(cfg)
+    model = copy.deepcopy(ref)
+    pm = ParallelDims(**layout).build("cpu", timeout=60)
+    pmodel = parallelize(model, pm, None, **options)
+    opt = pmodel.build_optimizer(torch.optim.SGD, lr=0.5, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
+    d, m = pm.dims, pmodel.microbatches
+    b = global_batch // d.dp
+    mine = slice(pm.dp_rank * b, (pm.dp_rank + 1) * b)
+    lo, hi = pm.dp_rank * b * seqlen, (pm.dp_rank + 1) * b * seqlen
+    losses = []
+    for step, (idx, targets) in enumerate(batches(steps, global_batch, seqlen, cfg.vocab_size)):
+        cu = packed_offsets(d.dp * m, b // m * seqlen, seed=step)
+        local = torch.tensor([o - lo for o in cu.tolist() if lo <= o <= hi], dtype=torch.int32)
+        ref_loss = ref(idx, targets, cu_seqlens=cu)
+        ref_loss.backward()
+        if step == 0:  # the check must tell packed from unpacked attention
+            w = ref.blocks["0"].attn.qkv.weight
+            plain = torch.autograd.grad(ref(idx, targets), w)[0]
+            assert not torch.allclose(plain, w.grad, rtol=RTOL, atol=ATOL), "packing must change the gradients"
+        loss = pmodel.forward_backward(idx[mine], targets[mine], cu_seqlens=local)
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL,
+                                   msg=lambda msg: f"step {step} loss: {msg}")
+        compare_to_reference(pmodel, ref, f"step {step} gradients")
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        norm = pmodel.clip_grad_norm_(max_norm)
+        torch.testing.assert_close(norm, ref_norm, rtol=RTOL, atol=ATOL, msg=lambda msg: f"step {step} norm: {msg}")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad(set_to_none=True)
+        ref_opt.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+    compare_to_reference(pmodel, ref, "final parameters", grads=False)
+    idx, targets = batches(1, global_batch, seqlen, cfg.vocab_size)[0]
+    cu = packed_offsets(d.dp * m, b // m * seqlen, seed=99)
+    local = torch.tensor([o - lo for o in cu.tolist() if lo <= o <= hi], dtype=torch.int32)
+    with torch.no_grad():
+        ref_eval = ref(idx, targets, cu_seqlens=cu)
+    torch.testing.assert_close(pmodel.eval_loss(idx[mine], targets[mine], cu_seqlens=local), ref_eval, rtol=RTOL,
+                               atol=ATOL)
+    errors = {}
+    if m > 1:  # one document over the micro-batch boundary
+        crossing = torch.tensor([0, b // m * seqlen + 1, b * seqlen], dtype=torch.int32)
+        try:
+            pmodel.forward_backward(idx[mine], targets[mine], cu_seqlens=crossing)
+        except ValueError as exc:
+            errors["crossing"] = str(exc)
+    try:
+        pmodel.forward_backward(idx[mine], targets[mine], cu_seqlens=local.long())
+    except TypeError as exc:
+        errors["dtype"] = str(exc)
+    return losses, errors
+
+
+def packed_refused(layout: dict, options: dict) -> str:
+    """The error of a packed batch under a layout that takes (B, T) batches only (pp or cp)."""
+    pm = ParallelDims(**layout).build("cpu", timeout=60)
+    torch.manual_seed(0)
+    pmodel = parallelize(GPT(tiny_config("llama")), pm, None, **options)
+    idx, targets = batches(1, 4 // pm.dims.dp, 16, 120)[0]
+    try:
+        pmodel.forward_backward(idx, targets, cu_seqlens=torch.tensor([0, 20, 64], dtype=torch.int32))
+    except ValueError as exc:
+        return str(exc)
+    return "no error"

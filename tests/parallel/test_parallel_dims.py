@@ -149,9 +149,9 @@ def _agreement_and_bad_layouts():
     try:
         dropout = tiny_config("gpt", 2)
         dropout.dropout = 0.1
-        parallelize(GPT(dropout), ParallelDims(tp=2).build("cpu", timeout=30), None)
-    except ValueError as exc:
-        errors["dropout"] = str(exc)
+        parallelize(GPT(dropout), ParallelDims(tp=2).build("cpu", timeout=30), None, rng=torch.Generator())
+    except TypeError as exc:
+        errors["rng"] = str(exc)
     pmodel = parallelize(GPT(tiny_config("gpt", 2)), pm, None, pp_schedule="gpipe", microbatches=2)
     idx = torch.randint(0, 120, (3, 16))
     try:
@@ -172,4 +172,4 @@ def test_agreement_double_init_and_bad_layouts():
         assert "1f1b needs at least pp=2 micro-batches, got 1" in errors["1f1b"]
         assert "unknown schedule 'zero-bubble'" in errors["schedule"]
         assert "batch 3 is not divisible into 2 micro-batches" in errors["batch"]
-        assert "dropout=0.1 under tensor parallel" in errors["dropout"]
+        assert "rng must be an RNGTracker, got Generator" in errors["rng"]

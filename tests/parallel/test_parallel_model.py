@@ -1,8 +1,14 @@
 """A tiny GPT trained a few steps under each parallel layout equals the single-process model under the same seed:
 losses, clip norms, gradients (gathered) and parameters, within fp32 tolerance."""
+import copy
+
 import pytest
-from gpt_check import check_train
+import torch
+from gpt_check import check_packed, check_train, packed_refused, tiny_config
 from rankpool import pool
+
+from megakern.models.gpt import GPT
+from megakern.parallel import cut_stage
 
 
 def run(world, layout, options, **kw):
@@ -53,6 +59,32 @@ def test_replicated_pipeline_with_zero1():
     run(4, dict(pp=2, dp=2), dict(pp_schedule="1f1b", dp_shard="ddp", zero1=True, microbatches=2), style="llama")
 
 
+def test_pipeline_sequence_and_context_parallel():
+    # tp2 (sequence parallel) x pp2 x cp2: a later stage's input is the hidden state's sequence shard (B, T/(cp tp), C)
+    # while its position ids cover the cp rank's T/cp tokens (rotary, after attention's all-gather)
+    losses = pool(8).run(check_train, dict(tp=2, pp=2, cp=2), dict(pp_schedule="1f1b", dp_shard="fsdp",
+                                                                   microbatches=2), style="llama", steps=2)
+    assert all(l == losses[0] for l in losses), losses
+
+
+def test_stage_without_embedding_takes_position_ids_of_its_attention_sequence():
+    cfg = tiny_config("llama")
+    torch.manual_seed(0)
+    full = GPT(cfg)
+    stage, _ = cut_stage(copy.deepcopy(full), 1, 2, range(1, 2))
+    x = torch.randn(2, 4, cfg.n_embd)
+    stage(x, position_ids=torch.arange(4))                    # the shard's own length
+    with pytest.raises(ValueError, match="position_ids must be"):
+        stage(x, position_ids=torch.arange(6))                # not a multiple of the input's 4 tokens
+    with pytest.raises(ValueError, match="position_ids must be"):
+        stage(x, position_ids=torch.arange(2))                # shorter than the input
+    with pytest.raises(ValueError, match="position_ids must be"):
+        full(torch.randint(0, 100, (2, 4)), position_ids=torch.arange(8))  # with wte: exactly T
+    # a multiple is accepted by the check and left to rotary, which sees the gathered sequence: here it is not
+    with pytest.raises(ValueError, match="apply_rotary: position_ids"):
+        stage(x, position_ids=torch.arange(8))
+
+
 def test_three_dimensional_layout():
     # tp2 (sequence parallel) x pp2 (interleaved, tied head) x dp2 (FSDP2): 8 ranks
     ranks = pool(8)
@@ -63,3 +95,25 @@ def test_three_dimensional_layout():
         assert all(l == losses[0] for l in losses), losses
     finally:
         ranks.close()  # the only 8-rank check: free its processes
+
+
+@pytest.mark.parametrize("world,layout,options,style", [
+    (2, dict(tp=2), dict(sequence_parallel=False), "llama"),                    # TP, rotary restarts per document
+    (2, dict(tp=2), dict(sequence_parallel=True), "gpt"),                       # TP+SP, learned positions restart
+    (2, dict(dp=2), dict(dp_shard="fsdp", microbatches=2), "llama"),            # FSDP, 2 micro-batches each
+    (4, dict(tp=2, dp=2), dict(dp_shard="ddp", microbatches=2), "gpt"),         # TP+SP x DDP
+])
+def test_packed_documents(world, layout, options, style):
+    results = pool(world).run(check_packed, layout, options, style=style)
+    assert all(r[0] == results[0][0] for r in results), results
+    for _, errors in results:
+        assert "must be a 1-D torch.int32 tensor" in errors["dtype"]
+        if options.get("microbatches", 1) > 1:
+            assert "crosses a micro-batch boundary" in errors["crossing"], errors
+
+
+@pytest.mark.parametrize("layout,options", [(dict(pp=2), dict(pp_schedule="gpipe")),
+                                            (dict(cp=2), dict(dp_shard="ddp"))])
+def test_packed_documents_refused_under_pipeline_and_context_parallel(layout, options):
+    for error in pool(2).run(packed_refused, layout, options):
+        assert "packed documents (cu_seqlens) run under tensor and data parallelism" in error, error

@@ -1,0 +1,144 @@
+"""The training step without host-device syncs: with fused AdamW a non-finite step is skipped on the device
+(found_inf), the step's figures are read one step later (after the next step is queued), and nothing in the step
+reads a device value on the host. Skip-and-count and the halt after train.max_nonfinite hold on both paths (fused:
+skipped on the device; foreach: read and skipped on the host). On a CPU host reads are counted (tests/host_reads.py);
+on a GPU the step runs under torch.cuda.set_sync_debug_mode("error")."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from host_reads import host_reads
+from test_train import TINY, data_cache, trainer  # noqa: F401 (data_cache: the module's shared data fixture)
+
+from megakern.train import StepFigures, TrainingHalted, device_skip
+
+
+@pytest.mark.parametrize("impl", ["fused", "foreach"])
+def test_nonfinite_steps_are_skipped_counted_then_halt(tmp_path, data_cache, impl):  # noqa: F811
+    t = trainer(tmp_path, data_cache, *TINY, "train.steps=9", "eval.every=0", "train.max_nonfinite=3",
+                "checkpoint.final=false", f"optim.fused={impl}")
+    assert t.device_skip == (impl == "fused")
+    forward, calls, poisoned = t.forward, [0], {3, 4}
+
+    def sometimes_nan(*args, **kwargs):
+        calls[0] += 1
+        loss = forward(*args, **kwargs)
+        return loss * float("nan") if calls[0] in poisoned else loss
+
+    t.forward = sometimes_nan
+    before, original_step = {}, t.train_step
+
+    def watched(batches):
+        before[t.step + 1] = [p.detach().clone() for p in t.model.parameters()]
+        return original_step(batches)
+
+    t.train_step = watched
+    result = t.run()
+    assert result.skipped_steps == [3, 4] and result.final_step == 9 and t.nonfinite_total == 2
+    assert math.isnan(result.losses[3]) and math.isfinite(result.losses[5])
+    assert all(torch.equal(a, b) for a, b in zip(before[3], before[5]))  # steps 3 and 4 changed nothing
+    assert not all(torch.equal(a, b) for a, b in zip(before[5], before[6]))
+    steps = {int(s["step"]) for s in t.optimizer.state.values()}
+    assert steps == {7}, steps  # the skipped steps did not advance AdamW's step count (its bias correction)
+    assert "step 3: non-finite loss nan" in (tmp_path / "run" / "train.log").read_text()
+
+    halting = trainer(tmp_path, data_cache, *TINY, "train.steps=12", "eval.every=0", "train.max_nonfinite=3",
+                      f"optim.fused={impl}", name="halt")
+    halting.forward = lambda *a, **k: forward(*a, **k) * float("nan")
+    with pytest.raises(TrainingHalted, match=r"3 steps in a row \(steps 1..3\) had a non-finite loss"):
+        halting.run()
+    assert halting.nonfinite_total == 3 and halting.step <= 4  # stopped one step behind the device at most
+
+
+def test_fused_and_foreach_paths_train_alike(tmp_path, data_cache):  # noqa: F811
+    common = [*TINY, "train.steps=4", "eval.every=0", "checkpoint.final=false"]
+    fused = trainer(tmp_path, data_cache, *common, "optim.fused=fused", name="fused").run()
+    foreach = trainer(tmp_path, data_cache, *common, "optim.fused=foreach", name="foreach").run()
+    assert sorted(fused.losses) == [1, 2, 3, 4]
+    for s in range(1, 5):
+        assert fused.losses[s] == pytest.approx(foreach.losses[s], abs=1e-5)
+
+
+def test_figures_are_read_after_the_next_step_is_queued(tmp_path, data_cache, monkeypatch):  # noqa: F811
+    t = trainer(tmp_path, data_cache, *TINY, "train.steps=7", "eval.every=3", "checkpoint.every=5",
+                "checkpoint.final=false", "optim.fused=fused")
+    events, original_step, original_read = [], t.train_step, StepFigures.read
+
+    def launch(batches):
+        events.append(("launch", t.step + 1))
+        return original_step(batches)
+
+    def read(self):
+        events.append(("read", self.step))
+        return original_read(self)
+
+    original_eval = t._eval
+
+    def evaluate(result):
+        events.append(("eval", t.step))
+        return original_eval(result)
+
+    t.train_step, t._eval = launch, evaluate
+    monkeypatch.setattr(StepFigures, "read", read)
+    result = t.run()
+    assert sorted(result.losses) == list(range(1, 8))
+    # steps 1, 2, 4: read once the next is queued; 3, 6: read before their eval; 5: before its checkpoint; 7: at the
+    # end, before the final eval
+    assert events == [("launch", 1), ("launch", 2), ("read", 1), ("launch", 3), ("read", 2), ("read", 3),
+                      ("eval", 3), ("launch", 4), ("launch", 5), ("read", 4), ("read", 5), ("launch", 6),
+                      ("read", 6), ("eval", 6), ("launch", 7), ("read", 7), ("eval", 7)]
+    assert result.checkpoint is not None and (tmp_path / "run" / "checkpoints").is_dir()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-autocast"])
+def test_fused_step_reads_no_device_value(tmp_path, data_cache, precision):  # noqa: F811
+    """The whole step (data, forward, backward, clipping, found_inf, AdamW) reads no tensor value on the host with
+    fused AdamW; the foreach path reads its figures once."""
+    t = trainer(tmp_path, data_cache, *TINY, "train.steps=4", "eval.every=0", "optim.fused=fused",
+                f"train.precision={precision}", "train.grad_clip=0.5")
+    assert device_skip(t.optimizer) and t.device_skip
+    batches = t._batches(t.data.train, 0, t.draw)
+    t._set_training(True)
+    first = t.train_step(batches)  # warm-up: optimizer state allocated
+    reads = host_reads(t.train_step, batches)
+    assert reads == [], reads
+    assert all(math.isfinite(v) for v in first.read()[:2])
+
+    host = trainer(tmp_path, data_cache, *TINY, "train.steps=4", "eval.every=0", "optim.fused=foreach", name="host")
+    assert not host.device_skip
+    batches = host._batches(host.data.train, 0, host.draw)
+    host.train_step(batches)
+    # (foreach AdamW also reads its step counts, host tensors for a CUDA model as well: no sync there)
+    ours = [what for what, where in host_reads(host.train_step, batches) if where.startswith("train.py")]
+    assert ours == ["Tensor.tolist"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "bf16-autocast"])
+def test_gpu_training_step_does_not_sync(tmp_path, data_cache, precision):  # noqa: F811
+    """A few steps of a tiny model on the GPU under set_sync_debug_mode("error"): any host-device sync in the
+    step (data, forward, backward, clipping, skip flag, fused AdamW, the figures' copy) raises."""
+    overrides = [o for o in TINY if o != "train.device=cpu"]
+    t = trainer(tmp_path, data_cache, *overrides, "train.device=cuda", "train.steps=6", "eval.every=0",
+                f"train.precision={precision}", "train.grad_clip=1.0")
+    assert t.device_skip, "fused AdamW expected on CUDA (optim.fused=auto)"
+    batches = t._batches(t.data.train, 0, t.draw)
+    t._set_training(True)
+    for _ in range(2):  # warm-up: kernels compiled and autotuned, optimizer state allocated, backends probed
+        t.train_step(batches).read()
+        t.step += 1
+    torch.cuda.synchronize()
+    figures = []
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            figures.append(t.train_step(batches))
+            t.step += 1
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    values = [f.read() for f in figures]
+    assert [f.step for f in figures] == [3, 4, 5]
+    assert all(math.isfinite(loss) and math.isfinite(norm) and stepped for loss, norm, stepped in values), values
