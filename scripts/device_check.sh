@@ -19,6 +19,9 @@ status=0
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 step() { echo; echo "=== $1 ($(date -u +%H:%M:%S))"; }
 
+# the project's shared data files, where the tree carries them (cp ../shared/data/* .shared-data/ before the call)
+[ -d .shared-data ] && export MEGAKERN_SHARED_DATA=$PWD/.shared-data
+
 step environment
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/env.txt"
 python3 -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__)" | tee -a "$OUT/env.txt"

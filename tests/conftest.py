@@ -23,11 +23,13 @@ ATOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 1e-3, torch.bf
 
 
 def shared_data(*needed: str) -> Path:
-    """../shared/data relative to the repository's root (holding each of ``needed``), or a skip saying it is
-    absent."""
+    """$MEGAKERN_SHARED_DATA, else ../shared/data relative to the repository's root (holding each of ``needed``), or
+    a skip saying it is absent. (A GPU machine that gets a copy of the tree alone gets the files as an ignored
+    folder, e.g. .shared-data/, which scripts/device_check.sh exports.)"""
     here = Path(__file__)
     root = here.absolute().parents[1]  # the repository, as reached (through any symlink)
-    for candidate in (here.resolve().parents[2] / "shared" / "data", root / ".." / "shared" / "data"):
+    given = [Path(os.environ["MEGAKERN_SHARED_DATA"])] if os.environ.get("MEGAKERN_SHARED_DATA") else []
+    for candidate in (*given, here.resolve().parents[2] / "shared" / "data", root / ".." / "shared" / "data"):
         if all((candidate / name).exists() for name in needed):
             return candidate
     pytest.skip(f"../shared/data ({', '.join(needed)}) is absent: it comes with the project's shared files, "
