@@ -210,7 +210,7 @@ class IndexedDataset:
                                  shape=(self.num_tokens,)) if self.num_tokens else np.zeros(0, self.dtype))
 
     def verify(self) -> None:
-        """Check every chunk's CRC32 and that every id is below the vocabulary; DataError naming the chunk."""
+        """Check every chunk's CRC32 and that every id is in [0, vocabulary); DataError naming the chunk."""
         for i, crc in enumerate(self.chunk_crcs):
             chunk = self.tokens[i * self.chunk_tokens:(i + 1) * self.chunk_tokens]
             if zlib.crc32(chunk.tobytes()) != int(crc):
@@ -220,6 +220,8 @@ class IndexedDataset:
             if chunk.size and int(chunk.max()) >= self.checked_vocab:
                 raise DataError(f"{self.bin_path}: token id {int(chunk.max())} in chunk {i} is outside the "
                                 f"vocabulary of {self.checked_vocab}")
+            if chunk.size and self.dtype.kind == "i" and int(chunk.min()) < 0:  # signed files (int32)
+                raise DataError(f"{self.bin_path}: token id {int(chunk.min())} in chunk {i} is negative")
 
     def check_unmodified(self) -> None:
         """DataError if either file changed on disk (size or modification time) since it was opened."""

@@ -131,3 +131,17 @@ def test_failed_write_leaves_nothing(tmp_path):
 def test_empty_dataset(tmp_path):
     ds = IndexedDataset(write(tmp_path / "d", []))
     assert len(ds) == 0 and ds.num_tokens == 0
+
+
+def test_verify_refuses_negative_ids_in_a_hand_made_file(tmp_path):
+    """A file written by other tools (int32, right checksums) with a negative id: opening it names the id."""
+    prefix = tmp_path / "neg"
+    with IndexedDatasetWriter(prefix, 70_000) as w:  # int32 tokens
+        w.add_document([5, 69_999, 7])
+        data = np.array([3, -2, 4], dtype=w.dtype).tobytes()  # what add_document refuses, written around it
+        w._bin.write(data)
+        w._checksum(data)
+        w._sizes.append(3)
+        w._tokens += 3
+    with pytest.raises(DataError, match="token id -2 in chunk 0 is negative"):
+        IndexedDataset(prefix, vocab_size=70_000).verify()
