@@ -48,7 +48,7 @@ def test_nonfinite_steps_are_skipped_counted_then_halt(tmp_path, data_cache, imp
     halting = trainer(tmp_path, data_cache, *TINY, "train.steps=12", "eval.every=0", "train.max_nonfinite=3",
                       f"optim.fused={impl}", name="halt")
     halting.forward = lambda *a, **k: forward(*a, **k) * float("nan")
-    with pytest.raises(TrainingHalted, match=r"3 steps in a row \(steps 1..3\) had a non-finite loss"):
+    with pytest.raises(TrainingHalted, match=r"3 steps in a row \(steps 1..3\) had a non-finite loss .* lower optim.lr"):
         halting.run()
     assert halting.nonfinite_total == 3 and halting.step <= 4  # stopped one step behind the device at most
 
