@@ -5,7 +5,9 @@
 #
 #   MEGAKERN_GIT_SHA=$(git rev-parse --short HEAD) bash scripts/device_check.sh [build] [test] [bench] [profile]
 #
-# With no stage named, all four run. BENCHES="norm attention" picks benchmarks (default: every bench_*.py); each
+# With no stage named, all four run. TESTS="tests/test_attention.py tests/models" picks test paths (the whole suite
+# takes about 7 minutes with WORKERS=8 pytest workers: split it across calls that have a time limit).
+# BENCHES="norm attention" picks benchmarks (default: every bench_*.py); each
 # full benchmark takes minutes, so split them across calls when a call has a time limit. Wheels of missing Python packages (e.g. liger_kernel for the side-by-side
 # benchmarks) are installed from .whl/ when present. Benchmark rows are appended to benchmarks/results/<gpu>/
 # in this tree and copied to $OUT.
@@ -47,7 +49,8 @@ fi
 
 if want test; then
   step "test suite"
-  python3 -m pytest tests -q -n 8 -p no:cacheprovider --junitxml="$OUT/pytest.xml" > "$OUT/pytest.log" 2>&1 || status=1
+  python3 -m pytest ${TESTS:-tests} -q -n ${WORKERS:-8} -p no:cacheprovider --junitxml="$OUT/pytest.xml" \
+    > "$OUT/pytest.log" 2>&1 || status=1
   grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -40; tail -15 "$OUT/pytest.log"
 fi
 
