@@ -4,7 +4,8 @@ Layout of a checkpoint directory:
 
     <dir>/step_00000100/            one complete checkpoint
         .metadata, __0_0.distcp      DCP: the tensor tree (model, optimizer, ...), one file per rank
-        rng-rank00000.pt             each rank's RNG states (torch CPU, CUDA, python, numpy)
+        rng-rank00000.pt             each rank's RNG states (torch CPU, CUDA, python, numpy) and its other random
+                                     streams' states given to save() (a parallel model's dropout RNG tracker)
         state.json                   the trainer's small state (step, consumed samples, data fingerprint, ...)
         config.yaml ...              extra files given to save()
         manifest.json                written last: format version, step, world size, every file's size and sha256
@@ -23,7 +24,8 @@ Loading (``resolve`` + ``load``) ignores temporary and incomplete directories (n
 it names something incomplete, the newest complete checkpoint (with a warning). The manifest's format version is
 checked (ASSUMPTIONS 16) and, with ``verify``, every file's sha256 (31). Tensors load in place into the tree given,
 on whatever device it lives, so checkpoints from GPU runs load on CPU-only machines (21); CUDA RNG states are then
-skipped with a warning.
+skipped with a warning. A rank's other random-stream states come back as the loaded state's "rank_state" (None where
+the checkpoint has none for this rank: saved without them, or by fewer ranks); restoring them is the caller's.
 """
 from __future__ import annotations
 
@@ -333,9 +335,11 @@ class CheckpointManager:
 
     # -- saving -----------------------------------------------------------------------------------------------
     def save(self, step: int, tensors: dict[str, Any], *, state: dict[str, Any],
-             files: Mapping[str, str | bytes] | None = None) -> Path:
+             files: Mapping[str, str | bytes] | None = None, rank_state: Mapping[str, Any] | None = None) -> Path:
         """Write checkpoint ``step``: the DCP tree ``tensors`` (collective: every rank calls with its shards),
-        the JSON ``state`` and ``files`` (written by rank 0), each rank's RNG states. Returns the final directory.
+        the JSON ``state`` and ``files`` (written by rank 0), each rank's RNG states and ``rank_state`` (this
+        rank's other random-stream states: tensors, numbers, strings, lists and dicts of them, as
+        torch.load(weights_only=True) reads them). Returns the final directory.
 
         Raises CheckpointError on every rank if any part fails, after removing the temporary directory; the
         previous checkpoints and ``latest`` are untouched.
@@ -357,7 +361,8 @@ class CheckpointManager:
             self._run(lambda: _quiet(dcp.save, tensors, storage_writer=_storage_writer(tmp),
                                      process_group=self.group, no_dist=world == 1),
                       f"writing the tensors to {tmp}")
-            self._run(lambda: torch.save(rng_state(), tmp / f"rng-rank{rank:05d}.pt"), "writing the RNG states")
+            rng = rng_state() | ({"rank_state": dict(rank_state)} if rank_state is not None else {})
+            self._run(lambda: torch.save(rng, tmp / f"rng-rank{rank:05d}.pt"), "writing the RNG states")
             self._run(write_small if rank == 0 else lambda: None, "writing the state")
             hashes = self._hash_share(tmp, rank, world)
             self._run(lambda: self._commit(step, tmp, final, hashes, world) if rank == 0 else None,
@@ -457,7 +462,9 @@ class CheckpointManager:
     # -- loading ----------------------------------------------------------------------------------------------
     def load(self, path, tensors: dict[str, Any], *, verify: bool = True, restore_rng: bool = True) -> dict:
         """Load checkpoint ``path`` (a step directory, or a directory whose latest is used) into the DCP tree
-        ``tensors`` in place; restore this rank's RNG states; return the JSON state (with 'path' added).
+        ``tensors`` in place; restore this rank's RNG states; return the JSON state (with 'path' added, and
+        'rank_state': what save() got as this rank's ``rank_state``, None where there is none or ``restore_rng`` is
+        off).
 
         CheckpointError names the problem: no complete checkpoint, format version, a file whose sha256 differs
         from the manifest, a world size without RNG states for this rank.
@@ -479,10 +486,13 @@ class CheckpointManager:
                 raise
             raise CheckpointError(f"loading the tensors of {found} failed: {describe_error(exc)}") from exc
         state = json.loads((found / "state.json").read_text())
+        state["rank_state"] = None
         if restore_rng:
             rng_file = found / f"rng-rank{rank:05d}.pt"
             if rng_file.is_file():
-                set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=True))
+                saved = torch.load(rng_file, map_location="cpu", weights_only=True)
+                set_rng_state(saved)
+                state["rank_state"] = saved.get("rank_state")
             else:
                 warnings.warn(f"{found} has no RNG states for rank {rank} (saved with world size "
                               f"{manifest.get('world_size')}); random streams start fresh", stacklevel=2)

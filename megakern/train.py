@@ -28,7 +28,9 @@ the update on the host.
 Over several ranks (torchrun) the model is megakern.parallel's ParallelModel: a rank draws its whole step batch
 (A micro-batches) and ``forward_backward`` cuts it into parallel.microbatches (pipeline micro-batches or
 accumulation), returning the global mean loss; clipping spans every group. Checkpoints hold the single model's names
-and shapes, so a run may resume under another layout (or in one process).
+and shapes, so a run may resume under another layout (or in one process). Each rank's dropout RNG tracker
+(megakern.parallel.rng) is saved with its RNG states and restored under the same layout, so a resumed run draws
+the uninterrupted run's masks; under another layout it starts from the seed again (one log line says so).
 
 Every stage is checked before step 1: the config's keys and types, the log sinks (ASSUMPTIONS 29), the samples the
 run needs against what the data holds within data.max_epochs (26), eval lengths against model.max_seqlen (28),
@@ -49,6 +51,7 @@ import random
 import sys
 import time
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -332,6 +335,43 @@ def setup_distributed(config: TrainConfig, device: torch.device) -> Dist:
     return Dist(rank=mesh.rank, world=mesh.dims.world_size, dp_rank=mesh.dp_rank, dp_size=mesh.dims.dp, mesh=mesh)
 
 
+def describe_layout(layout: Mapping) -> str:
+    return (f"{layout['world']} ranks (tp {layout['tp']}, pp {layout['pp']}, cp {layout['cp']}, dp {layout['dp']}"
+            f"{', sequence parallel' if layout['sequence_parallel'] else ''}, stages {layout['stages']}) at rank "
+            f"{layout['rank']}")
+
+
+def restore_dropout_rng(tracker, saved: Mapping | None, layout: Mapping, log) -> bool:
+    """Give this rank's dropout RNG tracker the states it saved, when the checkpoint was written under the same
+    layout and seed: the resumed run then draws the masks the uninterrupted run would. Otherwise (another layout,
+    another seed, or a checkpoint without tracker states: older, or from one process) the tracker starts again from
+    its seed, and ``log`` gets one line saying why. ``saved``: the checkpoint's {"layout", "tracker"} of this rank
+    (``Trainer.save``); ``layout``: this rank's. Returns whether the saved states were restored."""
+    if saved is not None and not (isinstance(saved, Mapping) and isinstance(saved.get("layout"), Mapping)
+                                  and isinstance(saved.get("tracker"), Mapping)):
+        got = sorted(map(str, saved)) if isinstance(saved, Mapping) else type(saved).__name__
+        raise CheckpointError(f"the checkpoint's dropout RNG states of rank {layout['rank']} are malformed: want "
+                              f"a dict of 'layout' and 'tracker' dicts, got {got}")
+    if saved is None:
+        why = "the checkpoint has no dropout RNG tracker states (saved by one process or an older megakern)"
+    elif dict(saved["layout"]) != dict(layout):
+        why = (f"the checkpoint was saved by {describe_layout(saved['layout'])}, this run is "
+               f"{describe_layout(layout)}")
+    elif saved["tracker"].get("seed") != tracker.seed:
+        why = f"the checkpoint's tracker seed is {saved['tracker'].get('seed')}"
+    else:
+        try:
+            tracker.load_state_dict(saved["tracker"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"the checkpoint's dropout RNG states of rank {layout['rank']} do not load: "
+                                  f"{exc}") from None
+        return True
+    tracker.load_state_dict({"seed": tracker.seed, "states": {}})
+    log(f"note: dropout RNG tracker re-seeded from seed {tracker.seed} (masks differ from the uninterrupted run's): "
+        f"{why}")
+    return False
+
+
 # ---------------------------------------------------------------------------------------------------------------
 
 @dataclass
@@ -565,9 +605,18 @@ class Trainer:
                 "precision": self.precision, "world_size": self.env.world, "dp_size": self.env.dp_size,
                 "config": to_dict(self.config)}
 
+    def _rng_layout(self) -> dict:
+        """What fixes which dropout streams this rank's tracker holds (its rank's place and the regions/stages)."""
+        pm = self.pmodel
+        return {"world": self.env.world, "rank": self.env.rank, "tp": pm.tp, "pp": pm.pp, "cp": pm.cp, "dp": pm.dp,
+                "sequence_parallel": bool(pm.sequence_parallel), "stages": [int(s) for s in pm.stage_indices]}
+
     def save(self) -> Path:
+        # a parallel rank's dropout RNG tracker goes with its RNG states (restored by _resume under the same layout)
+        rank_state = ({"dropout_rng": {"layout": self._rng_layout(), "tracker": self.pmodel.rng.state_dict()}}
+                      if self.parallel else None)
         path = self.manager.save(self.step, self._tensor_tree(), state=self._state(),
-                                 files={"config.yaml": self.config_yaml})
+                                 files={"config.yaml": self.config_yaml}, rank_state=rank_state)
         self.log(f"checkpoint: {path}")
         return path
 
@@ -589,6 +638,11 @@ class Trainer:
         state = self.manager.load(path, tree, verify=c.verify)
         if not self.parallel:
             load_optimizer_state_dict(self.optimizer, self.opt_names, tree["optim"])
+        else:  # the dropout masks continue where the checkpoint's run stopped (same layout), else restart from the seed
+            rank_state = state["rank_state"] or {}
+            saved = rank_state.get("dropout_rng") if isinstance(rank_state, Mapping) else rank_state
+            restore_dropout_rng(self.pmodel.rng, saved, self._rng_layout(),
+                                self.log if self.config.model.dropout else (lambda line: None))
         if self.masters is not None:
             self._copy_masters()
         if state["data_fingerprint"] != self.data.fingerprint:  # ASSUMPTIONS 34

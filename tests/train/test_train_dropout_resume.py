@@ -1,0 +1,135 @@
+"""Dropout under tensor parallelism across a resume: each rank's dropout RNG tracker (megakern.parallel.rng) is saved
+with its RNG states, so an interrupted 2-rank run resumes with the uninterrupted run's masks, bit for bit; under
+another layout, another seed or from a checkpoint without tracker states the tracker starts from the seed again and
+the log says so in one line."""
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megakern.checkpoint import CheckpointError, CheckpointManager
+from megakern.train import restore_dropout_rng
+from test_train import REPO, TINY, _free_port, _logged_losses
+
+RESEEDED = "note: dropout RNG tracker re-seeded"
+
+
+def _layout(**changes) -> dict:
+    layout = {"world": 2, "rank": 1, "tp": 2, "pp": 1, "cp": 1, "dp": 1, "sequence_parallel": True, "stages": [0]}
+    return layout | changes
+
+
+def _draws(tracker, n=3) -> torch.Tensor:
+    """n dropout masks drawn in the tracker's "tensor_parallel" region (as a forward under SP would)."""
+    x = torch.ones(5, 7, dtype=torch.float64)
+    with tracker.fork("tensor_parallel"):
+        return torch.stack([torch.nn.functional.dropout(x, 0.3, training=True) for _ in range(n)])
+
+
+def test_restore_dropout_rng_same_layout_other_layout_older_checkpoint():
+    from megakern.parallel.rng import RNGTracker
+
+    before = torch.get_rng_state()
+    ran = RNGTracker(7, tp_rank=1)
+    _draws(ran)  # the steps before the checkpoint
+    saved = {"layout": _layout(), "tracker": ran.state_dict()}
+    expected = _draws(ran)  # what the uninterrupted run draws next
+    fresh_draws = _draws(RNGTracker(7, tp_rank=1))
+    assert not torch.equal(expected, fresh_draws)
+
+    lines = []
+    resumed = RNGTracker(7, tp_rank=1)
+    assert restore_dropout_rng(resumed, saved, _layout(), lines.append) is True
+    assert torch.equal(_draws(resumed), expected) and lines == []
+
+    # another layout, another seed, no states (older checkpoints, or one process): from the seed, one line each
+    for other, tracker_seed, why in [(_layout(tp=1, dp=2, sequence_parallel=False), 7, "saved by 2 ranks (tp 2"),
+                                     (_layout(), 8, "tracker seed is 7"),
+                                     (None, 7, "no dropout RNG tracker states")]:
+        tracker = RNGTracker(tracker_seed, tp_rank=1)
+        _draws(tracker)  # whatever it held is dropped
+        lines.clear()
+        given = None if other is None else saved
+        assert restore_dropout_rng(tracker, given, other or _layout(), lines.append) is False
+        assert len(lines) == 1 and lines[0].startswith(RESEEDED) and why in lines[0], lines
+        assert torch.equal(_draws(tracker), _draws(RNGTracker(tracker_seed, tp_rank=1)))
+    for bad in ({"layout": _layout()}, {"tracker": saved["tracker"], "layout": [1, 2]}, torch.zeros(3),
+                {"layout": _layout(), "tracker": {"seed": 7, "states": {"nowhere/0": torch.zeros(3)}}}):
+        with pytest.raises(CheckpointError, match="dropout RNG states of rank 1"):
+            restore_dropout_rng(RNGTracker(7, tp_rank=1), bad, _layout(), lines.append)
+    assert torch.equal(torch.get_rng_state(), before)  # the default generator was never drawn from
+
+
+def test_rank_state_round_trip_and_older_files(tmp_path):
+    manager = CheckpointManager(tmp_path / "ckpt")
+    tensors = {"w": torch.randn(3, 5)}
+    state = {"tracker": {"seed": 3, "states": {"replicated/0": torch.randint(0, 255, (11,), dtype=torch.uint8)}},
+             "layout": {"stages": [0, 2], "sequence_parallel": False}}
+    path = manager.save(1, tensors, state={}, rank_state={"dropout_rng": state})
+    loaded = manager.load(path, {"w": torch.zeros(3, 5)})
+    got = loaded["rank_state"]["dropout_rng"]
+    assert got["layout"] == state["layout"] and got["tracker"]["seed"] == 3
+    assert torch.equal(got["tracker"]["states"]["replicated/0"], state["tracker"]["states"]["replicated/0"])
+    assert manager.load(path, {"w": torch.zeros(3, 5)}, restore_rng=False)["rank_state"] is None
+    older = manager.save(2, tensors, state={})  # as checkpoints were written before rank states
+    assert "rank_state" not in torch.load(older / "rng-rank00000.pt", weights_only=True)
+    assert manager.load(older, {"w": torch.zeros(3, 5)})["rank_state"] is None
+
+
+def _torchrun(run_dir, *overrides):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+           "-m", "megakern.train", *overrides, f"log.run_dir={run_dir}"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return _logged_losses(run_dir), (run_dir / "train.log").read_text()
+
+
+def _drop_rank_states(ckpt) -> None:
+    """Rewrite a checkpoint as older megakern wrote it: RNG files without rank states (manifest updated)."""
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    for rank in (0, 1):
+        name = f"rng-rank{rank:05d}.pt"
+        saved = torch.load(ckpt / name, weights_only=True)
+        del saved["rank_state"]
+        torch.save(saved, ckpt / name)
+        data = (ckpt / name).read_bytes()
+        manifest["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest, indent=1))
+
+
+def test_two_rank_tp_dropout_run_resumes_bit_for_bit(tmp_path):
+    """torchrun, 2 CPU ranks, tp=2 (sequence parallel) with model.dropout=0.1: interrupted after step 3 and resumed,
+    the losses are the uninterrupted run's exactly; from the same checkpoint without tracker states (as older
+    megakern wrote it) the run resumes too, with fresh masks and one log line saying so."""
+    pytest.importorskip("megakern.parallel")
+    data_cache = tmp_path / "data"
+    common = [*TINY, "train.micro_batch_size=4", "train.global_batch_size=4", "eval.every=0", "model.dropout=0.1",
+              "parallel.tp=2", f"data.cache_dir={data_cache}"]
+    full, _ = _torchrun(tmp_path / "full", *common, "train.steps=5")
+    cut, _ = _torchrun(tmp_path / "cut", *common, "train.steps=3")
+    assert sorted(full) == [1, 2, 3, 4, 5] and sorted(cut) == [1, 2, 3]
+    assert all(cut[s] == full[s] for s in cut)
+    ckpt = tmp_path / "cut" / "checkpoints" / "step_00000003"
+    trackers = []
+    for rank in (0, 1):
+        saved = torch.load(ckpt / f"rng-rank{rank:05d}.pt", weights_only=True)["rank_state"]["dropout_rng"]
+        assert saved["layout"] == _layout(rank=rank)
+        assert set(saved["tracker"]["states"]) == {"tensor_parallel/0"}
+        trackers.append(saved["tracker"]["states"]["tensor_parallel/0"])
+    assert not torch.equal(*trackers)  # the sequence shards draw from the tp-offset streams
+
+    resumed, log = _torchrun(tmp_path / "resumed", *common, "train.steps=5", f"checkpoint.resume={ckpt}")
+    assert sorted(resumed) == [4, 5]
+    assert [resumed[s] for s in (4, 5)] == [full[s] for s in (4, 5)]  # bit for bit
+    assert RESEEDED not in log
+
+    _drop_rank_states(ckpt)
+    older, log = _torchrun(tmp_path / "older", *common, "train.steps=4", f"checkpoint.resume={ckpt}")
+    assert sorted(older) == [4] and older[4] != full[4]  # fresh masks
+    lines = [line for line in log.splitlines() if RESEEDED in line]
+    assert len(lines) == 1 and "no dropout RNG tracker states" in lines[0], lines
