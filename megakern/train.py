@@ -1032,6 +1032,8 @@ def main(argv=None) -> int:
             return 0
         trainer = Trainer(config, profile=args.profile)
         trainer.run()
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()  # every rank done with its collectives before any tears its process group down
     except (ConfigError, DataError, CheckpointError, LoggerError, TrainingHalted) as exc:
         print(f"megakern-train: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1
