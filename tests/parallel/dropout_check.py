@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import set_checkpoint_early_stop
-from gpt_check import ATOL, RTOL, batches, compare_to_reference, tiny_config
+from gpt_check import ATOL, RTOL, batches, check_step, compare_to_reference, tiny_config
 
 from megakern.models.gpt import GPT
 from megakern.parallel import ParallelDims, RNGTracker, parallelize
@@ -134,16 +134,7 @@ def check_dropout(layout: dict, options: dict, style: str = "gpt", steps: int = 
         with replaying(full), set_checkpoint_early_stop(False):
             ref_loss = ref(idx, targets)
             ref_loss.backward()
-        torch.testing.assert_close(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL,
-                                   msg=lambda m: f"step {step} loss: {m}")
-        compare_to_reference(pmodel, ref, f"step {step} gradients")
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
-        norm = pmodel.clip_grad_norm_(max_norm)
-        torch.testing.assert_close(norm, ref_norm, rtol=RTOL, atol=ATOL, msg=lambda m: f"step {step} norm: {m}")
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad(set_to_none=True)
-        ref_opt.zero_grad(set_to_none=True)
+        check_step(pmodel, ref, opt, ref_opt, loss, ref_loss, step, max_norm)
     compare_to_reference(pmodel, ref, "final parameters", grads=False)
     rate = 1 - sum(kept) / len(kept)
     assert abs(rate - p) < 0.05, f"dropped {rate:.3f} of the activations, want {p}"

@@ -68,6 +68,25 @@ def compare_to_reference(pmodel, ref: GPT, what: str, grads: bool = True) -> Non
                                    msg=lambda m: f"{what}: {name} (rank {dist.get_rank()}): {m}")
 
 
+def check_step(pmodel, ref: GPT, opt, ref_opt, loss, ref_loss, step: int, max_norm: float | None,
+               clip_must_act: bool = False) -> None:
+    """One training step's checks against the single-process model (its loss already backpropagated): the loss,
+    the gradients, the clip norm (when ``max_norm``), then both optimizers step."""
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL, msg=lambda m: f"step {step} loss: {m}")
+    compare_to_reference(pmodel, ref, f"step {step} gradients")
+    if max_norm is not None:
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        norm = pmodel.clip_grad_norm_(max_norm)
+        torch.testing.assert_close(norm, ref_norm, rtol=RTOL, atol=ATOL, msg=lambda m: f"step {step} norm: {m}")
+        if clip_must_act:
+            assert ref_norm > max_norm, "the clip must act for the check to mean something"
+            compare_to_reference(pmodel, ref, f"step {step} clipped gradients")
+    opt.step()
+    ref_opt.step()
+    opt.zero_grad(set_to_none=True)
+    ref_opt.zero_grad(set_to_none=True)
+
+
 def check_train(layout: dict, options: dict, style: str = "gpt", n_layer: int = 2, steps: int = 3,
                 global_batch: int = 4, seqlen: int = 16, max_norm: float | None = 0.05, meta: bool = False):
     """Train ``steps`` SGD steps (momentum, clipping) under ``layout`` and on one process; assert equal losses,
@@ -96,19 +115,7 @@ def check_train(layout: dict, options: dict, style: str = "gpt", n_layer: int = 
         ref_loss.backward()
         mine = slice(pm.dp_rank * b, (pm.dp_rank + 1) * b)
         loss = pmodel.forward_backward(idx[mine], targets[mine])
-        torch.testing.assert_close(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL,
-                                   msg=lambda m: f"step {step} loss: {m}")
-        compare_to_reference(pmodel, ref, f"step {step} gradients")
-        if max_norm is not None:
-            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
-            norm = pmodel.clip_grad_norm_(max_norm)
-            torch.testing.assert_close(norm, ref_norm, rtol=RTOL, atol=ATOL, msg=lambda m: f"step {step} norm: {m}")
-            assert ref_norm > max_norm, "the clip must act for the check to mean something"
-            compare_to_reference(pmodel, ref, f"step {step} clipped gradients")
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad(set_to_none=True)
-        ref_opt.zero_grad(set_to_none=True)
+        check_step(pmodel, ref, opt, ref_opt, loss, ref_loss, step, max_norm, clip_must_act=True)
         losses.append(float(loss))
     compare_to_reference(pmodel, ref, "final parameters", grads=False)
     idx, targets = batches(1, global_batch, seqlen, cfg.vocab_size)[0]
@@ -196,16 +203,7 @@ def check_packed(layout: dict, options: dict, style: str = "gpt", steps: int = 2
             plain = torch.autograd.grad(ref(idx, targets), w)[0]
             assert not torch.allclose(plain, w.grad, rtol=RTOL, atol=ATOL), "packing must change the gradients"
         loss = pmodel.forward_backward(idx[mine], targets[mine], cu_seqlens=local)
-        torch.testing.assert_close(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL,
-                                   msg=lambda msg: f"step {step} loss: {msg}")
-        compare_to_reference(pmodel, ref, f"step {step} gradients")
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
-        norm = pmodel.clip_grad_norm_(max_norm)
-        torch.testing.assert_close(norm, ref_norm, rtol=RTOL, atol=ATOL, msg=lambda msg: f"step {step} norm: {msg}")
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad(set_to_none=True)
-        ref_opt.zero_grad(set_to_none=True)
+        check_step(pmodel, ref, opt, ref_opt, loss, ref_loss, step, max_norm)
         losses.append(float(loss))
     compare_to_reference(pmodel, ref, "final parameters", grads=False)
     idx, targets = batches(1, global_batch, seqlen, cfg.vocab_size)[0]
