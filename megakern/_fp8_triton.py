@@ -208,15 +208,22 @@ def cast(x2: torch.Tensor, scale: torch.Tensor | None, fp8_dtype: torch.dtype, f
     scale_inv = torch.empty(1, dtype=torch.float32, device=x2.device)
     current = scale is None
     if m and n:
-        bm, bn, warps = _tiles_for(x2, transpose)
-        programs = _programs(x2, cdiv(m, bm) * cdiv(n, bn), PROGRAMS_PER_SM_TRANSPOSE if transpose else PROGRAMS_PER_SM)
+        # fp32 sources on GPUs: the in-kernel transposed copy miscompiles (Triton 3.6, sm_90: rows 1, 5, 9, ... of
+        # each transposed tile wrong, bf16 and fp16 sources exact), so it is a byte transpose of y instead: the same
+        # bytes by construction, one more pass over 1 byte per element (fp32 sources are mostly master weights, cast
+        # once per optimizer step)
+        fused_t = transpose and not (x2.dtype == torch.float32 and x2.device.type == "cuda")
+        bm, bn, warps = _tiles_for(x2, fused_t)
+        programs = _programs(x2, cdiv(m, bm) * cdiv(n, bn), PROGRAMS_PER_SM_TRANSPOSE if fused_t else PROGRAMS_PER_SM)
         _cast_kernel[(programs,)](
-            x2, y, yt if transpose else y, amax if current else scale, scale_inv, amax,
+            x2, y, yt if fused_t else y, amax if current else scale, scale_inv, amax,
             amax_out if amax_out is not None else amax, m, n, *x2.stride(),
-            FMAX=fmax, E4M3=fp8_dtype == torch.float8_e4m3fn, TRANSPOSE=transpose, CURRENT=current,
+            FMAX=fmax, E4M3=fp8_dtype == torch.float8_e4m3fn, TRANSPOSE=fused_t, CURRENT=current,
             WRITE_AMAX=not current, ACCUMULATE=amax_out is not None, MARGIN_SCALE=2.0 ** -margin,
             BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
         )
+        if transpose and not fused_t:
+            yt.view(torch.uint8).copy_(y.view(torch.uint8).t())
     else:  # nothing to cast: the scale's inverse still
         scale_inv.copy_(1.0 / (scale.reshape(1) if not current else
                                _scale_from(amax, fmax, margin)))

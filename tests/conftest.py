@@ -18,6 +18,14 @@ if not HAS_CUDA:
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 
+# pytest-xdist workers share the cores: each takes its share of torch's threads (and passes the cap on to the
+# processes it starts), or 8 workers of 16 threads each on 16 cores spend their time switching
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+if _WORKERS > 1:
+    _threads = max(1, (os.cpu_count() or 1) // _WORKERS)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
+    torch.set_num_threads(min(torch.get_num_threads(), _threads))
+
 # Extra error allowed beyond 2x plain low-precision torch's, per dtype.
 ATOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 

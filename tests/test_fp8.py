@@ -243,10 +243,12 @@ def test_gpu_bytes_equal_reference_at_scale(granularity):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (none here)")
-@pytest.mark.parametrize("shape", [(48, 64), (17, 200), (130, 33), (64, 128), (1, 7)])
-def test_gpu_transposed_copy_small_ragged(shape):
-    """The transposed copy of tensors inside one tile or a few (fp8.Linear's weights and gradients), every byte."""
-    x = _x(shape, torch.bfloat16, scale=3.0, seed=11)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(48, 64), (17, 200), (130, 33), (64, 128), (1, 7), (300, 520)])
+def test_gpu_transposed_copy_small_ragged(shape, dtype):
+    """The transposed copy of tensors inside one tile or a few (fp8.Linear's weights and gradients), every byte,
+    from each source dtype (fp32: master weights)."""
+    x = _x(shape, dtype, scale=3.0, seed=11)
     scale = torch.tensor([0.37], device=DEVICE)
     amax = torch.zeros(1, device=DEVICE)
     for fmt in (E4, E5):

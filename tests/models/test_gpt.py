@@ -352,7 +352,7 @@ def test_triton_kernels_with_attention_low_precision(dtype):
 @pytest.mark.parametrize("name", ["gpt2-like", "llama-like"])
 def test_gpu_default_kernels_bf16_match_reference(name):
     """The default kernels of a GPU (Triton) in bf16, against the reference on CPU in fp64 and in bf16."""
-    config = dict(CONFIGS[name], n_embd=128, n_head=2, n_kv_head=1 if name == "llama-like" else None)
+    config = dict(CONFIGS[name], n_embd=128, n_head=2, n_kv_head=1 if name == "llama-like" else None, max_seqlen=64)
     with torch.device("cuda"):
         model = make(config)
     model = model.to(torch.bfloat16)
