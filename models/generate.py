@@ -84,16 +84,19 @@ def _check(model: GPT, idx, max_new_tokens, temperature, top_k) -> None:
 
 
 def _allocate_cache(model: GPT, batch: int, length: int):
-    """Per layer (k, v), each (B, length, nkv, hs) in the model's dtype, after checking that they fit."""
+    """Per layer (k, v), each (B, length, nkv, hs) in the dtype of the keys the model makes (the model's, or
+    autocast's under torch.autocast), after checking that they fit."""
     config, weight = model.config, model.wte.weight
+    kind = weight.device.type
+    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else weight.dtype
     shape = (config.n_layer, 2, batch, length, config.n_kv_head, config.head_dim)
-    need = math.prod(shape) * weight.element_size()
+    need = math.prod(shape) * dtype.itemsize
     free = available_bytes(weight.device)
     if need > MEMORY_MARGIN * free:
         raise MemoryError(f"generate: the KV cache needs {need / 2**30:.2f} GiB ({config.n_layer} layers x 2 x batch "
                           f"{batch} x {length} positions x {config.n_kv_head} heads x {config.head_dim}), but "
                           f"{weight.device} has {free / 2**30:.2f} GiB free; use a shorter length or a smaller batch")
-    cache = torch.empty(shape, dtype=weight.dtype, device=weight.device)
+    cache = torch.empty(shape, dtype=dtype, device=weight.device)
     return [(cache[i, 0], cache[i, 1]) for i in range(config.n_layer)]
 
 

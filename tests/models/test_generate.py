@@ -149,3 +149,17 @@ def test_mode_and_grad_mode_restored(training):
     assert model.training == training and torch.is_grad_enabled()
     assert not out.requires_grad and out.dtype == torch.long
     assert model.generate(torch.zeros(1, 2, dtype=torch.long), 0).shape == (1, 2)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_generation_under_autocast(name):
+    """Under torch.autocast the keys come out in the autocast dtype: the cache takes it (the trainer's sample runs
+    so), and greedy steps match the uncached model's under the same autocast."""
+    model = make(name).to(DEVICE)
+    idx = torch.randint(0, model.config.vocab_size, (2, 4), device=DEVICE)
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        out = model.generate(idx, 6, temperature=0)
+        with torch.no_grad():
+            logits = model.eval()(out)[:, 3:-1, :model.config.vocab_size].float()
+    chosen = logits.gather(-1, out[:, 4:, None])[..., 0]
+    assert out.shape == (2, 10) and (chosen >= logits.max(-1).values - 0.1).all()
