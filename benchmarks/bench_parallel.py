@@ -1,0 +1,309 @@
+"""Training throughput across parallel layouts: the training program (megakern-train) under torchrun, one run per
+layout (tensor, pipeline, context and data parallel, and their combinations), against the same model on one GPU.
+
+Each layout runs ``python -m torch.distributed.run -m megakern.train`` (one plain process for the one-GPU baseline)
+with the model preset, bf16 autocast, micro-batch ``--micro-batch`` per data-parallel rank, warm-up steps and timed
+steps, no eval, checkpoint or sample; its figures come from the run's own train.log (rank 0's JSON lines):
+
+- ms: the median step time over the timed steps (the trainer's wall time between consecutive steps);
+- tok/s: tokens per step (micro-batch x sequence x data-parallel ranks x accumulation) / step time; tok/s/gpu;
+- MFU: GPT.flops_per_token(seq) x tok/s / GPUs / the GPU's dense bf16 peak (megakern._log.PEAK_BF16_FLOPS);
+- GiB: rank 0's peak allocated memory; loss: the last step's (a sanity check, not compared);
+- scaling: tok/s/gpu over the one-GPU run's (weak scaling: each data-parallel rank keeps the micro-batch).
+
+Pipeline layouts accumulate ``--pp-microbatches`` micro-batches per step (a pipeline needs several to fill; its
+bubble is (pp - 1) / (m + pp - 1)); the others take one micro-batch per step, the one-GPU baseline too.
+
+Communication hidden behind compute (``--overlap``), for pure data-parallel layouts: the gradient collectives of one
+step are timed alone (NCCL on the same GPUs, same bytes: DDP all-reduces the fp32 gradients; FSDP all-gathers the fp32
+parameters in forward and again in backward and reduce-scatters the gradients), and
+hidden = 1 - (step(dp) - step(one GPU)) / collectives, clipped to [0, 1]: the share of the collectives' time that
+the data-parallel step does not add to the one-GPU step.
+
+Layouts are written as factors: "1", "dp2", "dp2-ddp", "tp2", "pp2", "cp2", "tp2.dp2", "tp2.pp2", "dp4-ddp-zero1", ...
+(dp defaults to FSDP). The GPUs needed are the product of the factors; layouts needing more than this machine has are
+skipped with a line saying so.
+
+    python -m benchmarks.bench_parallel --model gpt-350m --layouts 1,dp2-ddp,dp2,tp2,pp2,cp2 --overlap
+    python -m benchmarks.bench_parallel --model gpt-1.3b --micro-batch 4 --layouts 1,dp4,tp4,tp2.dp2
+    python -m benchmarks.bench_parallel --tiny --device cpu --layouts 1,dp2,tp2     # smoke test (gloo ranks)
+
+Environment of every run: NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1 (NVLink
+multicast stays off), OMP_NUM_THREADS=4 unless set.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import RESULTS_DIR, Results
+
+BENCH = "parallel"
+REPO = Path(__file__).resolve().parents[1]
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+@dataclass(frozen=True)
+class Layout:
+    spec: str
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    dp: int = 1
+    dp_shard: str = "fsdp"
+    zero1: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    @classmethod
+    def parse(cls, spec: str) -> "Layout":
+        spec = spec.strip()
+        if spec == "1":
+            return cls("1")
+        head, *flags = spec.split("-")
+        sizes = {}
+        for part in head.split("."):
+            m = re.fullmatch(r"(tp|pp|cp|dp)(\d+)", part)
+            if not m or m.group(1) in sizes or int(m.group(2)) < 1:
+                raise ValueError(f"bench_parallel: layout {spec!r}: each factor is tp|pp|cp|dp and a size >= 1, "
+                                 f"once (e.g. 'tp2.dp2', 'dp4-ddp-zero1'); bad part {part!r}")
+            sizes[m.group(1)] = int(m.group(2))
+        unknown = set(flags) - {"ddp", "fsdp", "zero1"}
+        if unknown:
+            raise ValueError(f"bench_parallel: layout {spec!r}: unknown flag(s) {sorted(unknown)} (ddp, fsdp, zero1)")
+        shard = "ddp" if "ddp" in flags else "fsdp"
+        if "zero1" in flags and shard != "ddp":
+            raise ValueError(f"bench_parallel: layout {spec!r}: zero1 shards the optimizer of DDP; add '-ddp'")
+        return cls(spec, dp_shard=shard, zero1="zero1" in flags, **sizes)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_layout(layout: Layout, args, run_dir: Path, data_cache: Path) -> tuple[dict, str]:
+    """One training run; returns (figures from its train.log, its output tail)."""
+    accum = args.pp_microbatches if layout.pp > 1 else 1
+    overrides = [
+        f"model.preset={args.model}", f"train.device={args.device}", f"train.precision={args.precision}",
+        f"train.micro_batch_size={args.micro_batch}",
+        f"train.global_batch_size={args.micro_batch * layout.dp * accum}",
+        f"train.steps={args.warmup + args.steps}", "eval.every=0", "checkpoint.every=0", "checkpoint.final=false",
+        "train.sample_tokens=0", "log.progress=false", "log.tensorboard=false", "log.every=1000000",
+        f"data.num_workers={args.data_workers}", f"data.cache_dir={data_cache}", f"log.run_dir={run_dir}",
+        f"parallel.tp={layout.tp}", f"parallel.pp={layout.pp}", f"parallel.cp={layout.cp}",
+        f"parallel.dp={layout.dp}", f"parallel.dp_shard={layout.dp_shard}", f"parallel.zero1={str(layout.zero1).lower()}",
+        *args.override,
+    ]
+    if layout.world == 1:
+        cmd = [sys.executable, "-m", "megakern.train", *overrides]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(layout.world),
+               "--master-port", str(free_port()), "-m", "megakern.train", *overrides]
+    env = {**os.environ, **NO_MULTICAST}
+    env.setdefault("OMP_NUM_THREADS", "4")
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=args.timeout)
+    wall = time.perf_counter() - start
+    tail = (proc.stdout[-2000:] + proc.stderr[-4000:]).strip()
+    if proc.returncode != 0:
+        raise RuntimeError(f"exit {proc.returncode} after {wall:.0f} s:\n{tail}")
+    records = [json.loads(line) for line in (run_dir / "train.log").read_text().splitlines() if line.startswith("{")]
+    steps = {r["step"]: r for r in records if "perf/step_ms" in r}
+    timed = [steps[s]["perf/step_ms"] for s in sorted(steps) if s > args.warmup]
+    if not timed:
+        raise RuntimeError(f"no timed steps in {run_dir / 'train.log'} (steps logged: {sorted(steps)})")
+    last = steps[max(steps)]
+    tokens = args.micro_batch * layout.dp * accum * args.seq
+    ms = statistics.median(timed)
+    return {"ms": ms, "tok/s": tokens / (ms / 1e3), "GiB": max(r.get("perf/memory_gib", 0.0) for r in steps.values()),
+            "loss": last["train/loss"], "wall": wall, "accum": accum}, tail
+
+
+def model_facts(preset: str) -> tuple[float, int, int]:
+    """(training FLOPs per token, parameters, sequence length) of the preset, built on the meta device."""
+    from megakern.models.gpt import GPT, GPTConfig
+
+    config = GPTConfig.preset(preset)
+    with torch.device("meta"):
+        model = GPT(config)
+    return model.flops_per_token(config.max_seqlen), model.num_params(), config.max_seqlen
+
+
+# ---- the collectives alone (--overlap) -------------------------------------------------------------------------
+def _collective_worker(numel: int, kind: str, reps: int) -> None:
+    """Run under torchrun: time the data-parallel collectives of one step on ``numel`` fp32 values; rank 0 prints
+    one JSON line {"ms": median}."""
+    import torch.distributed as dist
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(local)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    world, device = dist.get_world_size(), torch.device("cuda", local) if cuda else torch.device("cpu")
+    shard = -(-numel // world)
+    full = torch.randn(shard * world, device=device)
+    part = torch.empty(shard, device=device)
+
+    def step():
+        if kind == "all_reduce":
+            dist.all_reduce(full)
+        else:  # FSDP: all-gather in forward and in backward, reduce-scatter of the gradients
+            dist.all_gather_into_tensor(full, part)
+            dist.all_gather_into_tensor(full, part)
+            dist.reduce_scatter_tensor(part, full)
+
+    times = []
+    for i in range(reps + 3):
+        if cuda:
+            torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+        if i >= 3:
+            times.append((time.perf_counter() - t0) * 1e3)
+    if dist.get_rank() == 0:
+        print(json.dumps({"ms": statistics.median(times)}))
+    dist.destroy_process_group()
+
+
+def collective_ms(world: int, numel: int, kind: str, timeout: float) -> float:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port",
+           str(free_port()), "-m", "benchmarks.bench_parallel", "--collective-worker", kind, "--numel", str(numel)]
+    env = {**os.environ, **NO_MULTICAST}
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"collective {kind} x{world}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
+    return json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])["ms"]
+
+
+# ---- main ----------------------------------------------------------------------------------------------------------
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="gpt-350m", help="model preset (default: %(default)s)")
+    p.add_argument("--tiny", action="store_true", help="gpt-tiny, 2 + 3 steps, fp32: a smoke test of the machinery")
+    p.add_argument("--layouts", default="1,dp2-ddp,dp2,tp2,pp2,cp2",
+                   help="comma-separated layouts (default: %(default)s)")
+    p.add_argument("--micro-batch", type=int, default=8, help="micro-batch per data-parallel rank (default: 8)")
+    p.add_argument("--pp-microbatches", type=int, default=8, help="micro-batches per step of pipeline layouts")
+    p.add_argument("--warmup", type=int, default=4, help="steps not timed (compilation, allocator warm-up)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--precision", default=None, help="train.precision (default: bf16-autocast on GPUs, fp32 on CPU)")
+    p.add_argument("--data-workers", type=int, default=2)
+    p.add_argument("--overlap", action="store_true", help="time the data-parallel collectives alone too")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
+    p.add_argument("--override", action="append", default=[], help="extra megakern-train override (repeatable)")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR)
+    p.add_argument("--no-save", action="store_true")
+    p.add_argument("--collective-worker", choices=["all_reduce", "fsdp"], help=argparse.SUPPRESS)
+    p.add_argument("--numel", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.model, args.warmup, args.steps, args.micro_batch, args.pp_microbatches = "gpt-tiny", 2, 3, 2, 2
+    if args.precision is None:
+        args.precision = "bf16-autocast" if args.device.startswith("cuda") else "fp32"
+    return args
+
+
+def available_gpus(device: str) -> int:
+    if device.startswith("cuda"):
+        return torch.cuda.device_count()
+    return os.cpu_count() or 1  # gloo ranks on CPU
+
+
+def main(argv=None) -> Results | None:
+    args = parse_args(argv)
+    if args.collective_worker:
+        _collective_worker(args.numel, args.collective_worker, reps=10)
+        return None
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`: leave through the finally below
+    layouts = [Layout.parse(s) for s in args.layouts.split(",") if s.strip()]
+    flops_per_token, params, args.seq = model_facts(args.model)
+    device = torch.device(args.device)
+    from megakern._log import peak_flops
+
+    peak, peak_note = peak_flops(device)
+    have = available_gpus(args.device)
+    results = Results(device)
+    case = f"{args.model} T{args.seq} mb{args.micro_batch} {args.precision}"
+    print(f"{case}: {params / 1e6:.0f}M parameters, {flops_per_token / 1e9:.2f} GFLOP per token; peak "
+          f"{'n/a (' + peak_note + ')' if peak is None else f'{peak / 1e12:.1f} TFLOP/s'}; {have} "
+          f"{'GPUs' if device.type == 'cuda' else 'CPUs'}; {args.warmup} warm-up + {args.steps} timed steps per run")
+    tmp = Path(tempfile.mkdtemp(prefix="bench_parallel-"))
+    data_cache = tmp / "data"
+    figures: dict[str, dict] = {}
+    try:
+        for layout in layouts:
+            if layout.world > have:
+                print(f"{layout.spec:<16} skipped: needs {layout.world} devices, this machine has {have}")
+                continue
+            try:
+                f, _ = run_layout(layout, args, tmp / layout.spec, data_cache)
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                print(f"{layout.spec:<16} FAILED: {e}")
+                continue
+            f["tok/s/gpu"] = f["tok/s"] / layout.world
+            f["MFU"] = flops_per_token * f["tok/s"] / layout.world / peak if peak else None
+            figures[layout.spec] = f
+            base = figures.get("1")
+            f["scaling"] = f["tok/s/gpu"] / base["tok/s/gpu"] if base else None
+            for metric in ("ms", "tok/s", "tok/s/gpu", "MFU", "GiB", "scaling", "loss"):
+                if f[metric] is not None:
+                    results.add(case, layout.spec, "megakern", metric, f[metric])
+            mfu = "n/a" if f["MFU"] is None else f"{100 * f['MFU']:.1f}%"
+            scaling = "" if f["scaling"] is None else f" scaling {f['scaling']:.2f}"
+            print(f"{layout.spec:<16} {layout.world} x {f['ms']:8.1f} ms {f['tok/s']:10.0f} tok/s "
+                  f"{f['tok/s/gpu']:9.0f} tok/s/gpu MFU {mfu} {f['GiB']:.1f} GiB{scaling} (accum {f['accum']}, "
+                  f"loss {f['loss']:.3f}, run {f['wall']:.0f} s)", flush=True)
+            if args.overlap and layout.dp > 1 and layout.world == layout.dp and base:
+                kind = "all_reduce" if layout.dp_shard == "ddp" else "fsdp"
+                try:
+                    comm = collective_ms(layout.world, params, kind, args.timeout)
+                except (RuntimeError, subprocess.TimeoutExpired) as e:
+                    print(f"{layout.spec:<16} collectives FAILED: {e}")
+                    continue
+                exposed = max(f["ms"] - base["ms"], 0.0)
+                hidden = min(max(1.0 - exposed / comm, 0.0), 1.0) if comm > 0 else 1.0
+                results.add(case, layout.spec, "megakern", "comm ms", comm)
+                results.add(case, layout.spec, "megakern", "comm hidden", hidden)
+                print(f"{'':<16} collectives alone ({kind}, {params * 4 / 2**30:.2f} GiB fp32) {comm:.1f} ms; step "
+                      f"adds {exposed:.1f} ms over one GPU: {100 * hidden:.0f}% hidden", flush=True)
+    finally:  # the layouts measured so far are reported and saved, also when a time limit stops the run (SIGTERM)
+        shutil.rmtree(tmp, ignore_errors=True)
+        print()
+        for metric in ("tok/s/gpu", "MFU", "scaling", "GiB", "comm hidden"):
+            if any(m == metric for *_, m, _ in results.figures):
+                print(results.markdown(metric))
+                print()
+        if not args.no_save and results.figures:
+            print(f"saved {results.save(BENCH, args.out)}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

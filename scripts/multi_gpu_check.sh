@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The parallel stack on a machine with several GPUs, in one command (NVLink multicast off):
+#   1. tests/parallel/test_multi_gpu.py: the training program under torchrun in every layout the GPUs allow
+#      (NCCL), against the same run on one GPU;
+#   2. benchmarks/bench_parallel.py for GPT-350M (layouts over 1..4 GPUs, data-parallel overlap), then GPT-1.3B,
+#      while the time budget lasts.
+#
+#   MEGAKERN_GIT_SHA=$(git rev-parse --short HEAD) BUDGET_S=520 bash scripts/multi_gpu_check.sh
+#
+# Logs and result rows go to $OUT (default ./device-out); rows are appended to benchmarks/results/<gpu>/parallel.csv.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/device-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+deadline=$(( $(date +%s) + ${BUDGET_S:-520} ))
+left() { echo $(( deadline - $(date +%s) )); }
+step() { echo; echo "=== $1 ($(date -u +%H:%M:%S), $(left) s left)"; }
+status=0
+
+step environment
+nvidia-smi --query-gpu=index,name,memory.total --format=csv | tee "$OUT/env.txt"
+nvidia-smi topo -m | head -8 | tee -a "$OUT/env.txt"
+python3 -c "import torch, triton; print(torch.__version__, triton.__version__, 'nccl', torch.cuda.nccl.version())" | tee -a "$OUT/env.txt"
+MEGAKERN_PURE_PYTHON=1 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1 \
+  || { status=1; tail -20 "$OUT/install.log"; }
+
+step "multi-GPU layouts against one GPU (NCCL)"
+timeout $(( $(left) - 300 )) python3 -m pytest tests/parallel/test_multi_gpu.py -q -p no:cacheprovider -rfEs \
+  --tb=short > "$OUT/multi_gpu_tests.log" 2>&1 || status=1
+grep -E "^(FAILED|ERROR|SKIPPED)" "$OUT/multi_gpu_tests.log" | head -20; tail -3 "$OUT/multi_gpu_tests.log"
+
+step "bench_parallel gpt-350m"
+timeout $(( $(left) - 60 )) python3 -m benchmarks.bench_parallel --model gpt-350m --micro-batch 8 --warmup 3 --steps 8 \
+  --layouts ${LAYOUTS_350M:-1,dp2-ddp,dp2,tp2,pp2,cp2,dp4,tp2.dp2} --overlap --timeout 200 \
+  > "$OUT/bench_parallel_350m.log" 2>&1 || status=1
+grep -v "^|" "$OUT/bench_parallel_350m.log" | tail -25
+
+if [ "$(left)" -gt 90 ]; then
+  step "bench_parallel gpt-1.3b"
+  timeout $(( $(left) - 5 )) python3 -m benchmarks.bench_parallel --model gpt-1.3b --micro-batch 4 --warmup 3 --steps 6 \
+    --layouts ${LAYOUTS_13B:-1,dp4,tp4,tp2.dp2} --timeout 150 > "$OUT/bench_parallel_1.3b.log" 2>&1 || status=1
+  grep -v "^|" "$OUT/bench_parallel_1.3b.log" | tail -12
+fi
+cp benchmarks/results/*/parallel.csv "$OUT/" 2>/dev/null
+step "done (status $status)"
+exit $status

@@ -1,0 +1,41 @@
+"""bench_parallel on CPU: the tiny model on one process and two gloo ranks, figures read back from the runs' logs."""
+import csv
+import math
+
+import pytest
+
+from benchmarks import bench_parallel
+from benchmarks.bench_parallel import Layout
+from benchmarks.common import CSV_HEADER
+
+
+def test_layout_specs():
+    assert Layout.parse("1").world == 1
+    layout = Layout.parse("tp2.pp2.dp2-ddp-zero1")
+    assert (layout.tp, layout.pp, layout.cp, layout.dp, layout.dp_shard, layout.zero1, layout.world) == (
+        2, 2, 1, 2, "ddp", True, 8)
+    assert Layout.parse("cp4").dp_shard == "fsdp"
+    for bad, why in [("tp2.tp2", "once"), ("xp2", "tp|pp|cp|dp"), ("tp0", "size >= 1"), ("dp2-ring", "unknown flag"),
+                     ("dp2-zero1", "add '-ddp'")]:
+        with pytest.raises(ValueError, match=why):
+            Layout.parse(bad)
+
+
+def test_bench_parallel_cpu_smoke(tmp_path, capsys):
+    results = bench_parallel.main(["--tiny", "--device", "cpu", "--layouts", "1,dp2-ddp,tp4", "--overlap",
+                                   "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    if (bench_parallel.available_gpus("cpu")) < 4:
+        assert "tp4              skipped: needs 4 devices" in out
+    figures = {(f[1], f[3]): f[4] for f in results.figures}
+    for layout in ("1", "dp2-ddp"):
+        tokens = 2 * 256 * (2 if layout == "dp2-ddp" else 1)  # micro-batch 2 per data-parallel rank, T 256
+        assert math.isclose(figures[layout, "tok/s"], tokens / (figures[layout, "ms"] / 1e3))
+        assert figures[layout, "GiB"] > 0 and 0 < figures[layout, "loss"] < 10
+    assert figures["1", "scaling"] == 1.0
+    assert math.isclose(figures["dp2-ddp", "scaling"], figures["dp2-ddp", "tok/s/gpu"] / figures["1", "tok/s/gpu"])
+    assert figures["dp2-ddp", "comm ms"] > 0 and 0 <= figures["dp2-ddp", "comm hidden"] <= 1
+    assert ("1", "MFU") not in figures  # no peak FLOP/s for a CPU
+    with (tmp_path / "cpu" / "parallel.csv").open(newline="") as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == list(CSV_HEADER) and {r[7] for r in rows[1:]} == {"1", "dp2-ddp"}

@@ -1,0 +1,131 @@
+"""The parallel stack on several GPUs (NCCL): the training program under torchrun, in each layout, against the same
+run on one GPU. fp32, a small GPT, the same global batch and data: every layout's losses equal the one-GPU run's
+(up to reduction order). Layouts needing more GPUs than the machine has are skipped with the count.
+
+The run per layout goes through everything a real multi-GPU run does: NCCL init with its timeout and agreement
+check, the device mesh, tensor parallelism with sequence parallelism (vocab-parallel embedding and cross-entropy),
+pipeline schedules (GPipe, 1F1B, interleaved 1F1B), ring attention, FSDP2 / DDP / ZeRO-1, gradient clipping across
+groups, the fused optimizer, and the data loader's data-parallel split.
+
+MEGAKERN_TEST_MULTI_CPU=N runs the same checks with gloo ranks on CPU as if there were 2N devices (slow; for
+developing the test itself).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+ON_CPU = os.environ.get("MEGAKERN_TEST_MULTI_CPU", "0") != "0"
+DEVICES = int(os.environ["MEGAKERN_TEST_MULTI_CPU"]) * 2 if ON_CPU else torch.cuda.device_count()
+STEPS = 6
+pytestmark = [] if ON_CPU else pytest.mark.gpu
+COMMON = ["model.preset=gpt-tiny", "model.n_layer=4", "model.n_embd=64", "model.n_head=4", "model.max_seqlen=64",
+          "model.dropout=0.0", "train.precision=fp32", f"train.device={'cpu' if ON_CPU else 'cuda'}",
+          "train.micro_batch_size=2", "train.global_batch_size=8", f"train.steps={STEPS}", "optim.lr=3e-3",
+          "schedule.warmup_steps=2", "eval.every=0", "checkpoint.every=0", "checkpoint.final=false",
+          "train.sample_tokens=0", "log.progress=false", "log.tensorboard=false", "data.num_workers=0"]
+ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+       "OMP_NUM_THREADS": "1"}
+
+# (id, GPUs, overrides)
+LAYOUTS = [
+    ("dp2-fsdp", 2, ["parallel.dp=2", "parallel.dp_shard=fsdp"]),
+    ("dp2-ddp", 2, ["parallel.dp=2", "parallel.dp_shard=ddp"]),
+    ("tp2-sp", 2, ["parallel.tp=2"]),
+    ("pp2-1f1b", 2, ["parallel.pp=2", "parallel.pp_schedule=1f1b"]),
+    ("pp2-gpipe", 2, ["parallel.pp=2", "parallel.pp_schedule=gpipe"]),
+    ("pp2-interleaved", 2, ["parallel.pp=2", "parallel.pp_schedule=interleaved-1f1b"]),
+    ("cp2", 2, ["parallel.cp=2"]),
+    ("tp2-dp2", 4, ["parallel.tp=2", "parallel.dp=2"]),
+    ("tp2-pp2", 4, ["parallel.tp=2", "parallel.pp=2"]),
+    ("pp2-cp2", 4, ["parallel.pp=2", "parallel.cp=2"]),
+    ("tp2-cp2", 4, ["parallel.tp=2", "parallel.cp=2"]),
+    ("dp4-ddp-zero1", 4, ["parallel.dp=4", "parallel.dp_shard=ddp", "parallel.zero1=true"]),
+    ("tp4", 4, ["parallel.tp=4"]),
+    ("tp2-pp2-dp2", 8, ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2"]),
+    ("tp2-pp2-cp2", 8, ["parallel.tp=2", "parallel.pp=2", "parallel.cp=2"]),
+]
+# fp32 everywhere; the layouts sum in other orders (sharded matmuls, ring-attention merges, reductions over ranks)
+ABS_TOL = 2e-3
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    lines = [json.loads(line) for line in (run_dir / "train.log").read_text().splitlines() if line.startswith("{")]
+    return {r["step"]: r["train/loss"] for r in lines if "train/loss" in r}
+
+
+def _run(run_dir: Path, data_cache: Path, world: int, overrides: list[str], devices: list[int] | None):
+    args = [*COMMON, *overrides, f"data.cache_dir={data_cache}", f"log.run_dir={run_dir}"]
+    if world == 1:
+        cmd = [sys.executable, "-m", "megakern.train", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port",
+               str(_free_port()), "-m", "megakern.train", *args]
+    env = {**os.environ, **ENV}
+    if devices is not None and not ON_CPU:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
+    if proc.returncode != 0:
+        return None, f"exit {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    return _losses(run_dir), proc.stdout
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every layout this machine can hold, run concurrently on disjoint GPUs after the one-GPU reference (which
+    tokenizes the corpus into the shared cache first)."""
+    if DEVICES < 2 and not ON_CPU:
+        pytest.skip(f"needs at least 2 CUDA devices, this machine has {DEVICES}")
+    tmp = tmp_path_factory.mktemp("multi")
+    data_cache = tmp / "data"
+    reference, out = _run(tmp / "one", data_cache, 1, [], [0])
+    assert reference is not None, out
+    fitting = [(name, world, o) for name, world, o in LAYOUTS if world <= DEVICES]
+    free, ready = list(range(DEVICES)), threading.Condition()
+
+    def job(item):
+        name, world, overrides = item
+        with ready:  # all of a run's devices at once (taking them one by one could deadlock two runs)
+            ready.wait_for(lambda: len(free) >= world)
+            devices = [free.pop(0) for _ in range(world)]
+        try:
+            return name, _run(tmp / name, data_cache, world, overrides, devices)
+        finally:
+            with ready:
+                free.extend(devices)
+                ready.notify_all()
+
+    with ThreadPoolExecutor(max_workers=max(1, DEVICES // 2)) as pool:  # largest first; the small ones fill gaps
+        done = dict(pool.map(job, sorted(fitting, key=lambda item: -item[1])))
+    return reference, done
+
+
+@pytest.mark.parametrize("name,world", [(n, w) for n, w, _ in LAYOUTS], ids=[n for n, _, _ in LAYOUTS])
+def test_layout_matches_one_gpu(runs, name, world):
+    if world > DEVICES:
+        pytest.skip(f"{name} needs {world} devices, this machine has {DEVICES}")
+    reference, done = runs
+    losses, out = done[name]
+    assert losses is not None, f"{name}: {out}"
+    assert sorted(losses) == list(range(1, STEPS + 1)), out[-2000:]
+    diffs = {s: abs(losses[s] - reference[s]) for s in losses}
+    assert max(diffs.values()) <= ABS_TOL, (
+        f"{name}: losses {[round(losses[s], 5) for s in sorted(losses)]} vs one device "
+        f"{[round(reference[s], 5) for s in sorted(reference)]}")
