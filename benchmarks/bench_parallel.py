@@ -110,7 +110,7 @@ def run_layout(layout: Layout, args, run_dir: Path, data_cache: Path) -> tuple[d
         f"train.micro_batch_size={args.micro_batch}",
         f"train.global_batch_size={args.micro_batch * layout.dp * accum}",
         f"train.steps={args.warmup + args.steps}", "eval.every=0", "checkpoint.every=0", "checkpoint.final=false",
-        "train.sample_tokens=0", "log.progress=false", "log.tensorboard=false", "log.every=1000000",
+        "data.max_epochs=1000", "eval.batches=1", "train.sample_tokens=0", "log.progress=false", "log.tensorboard=false", "log.every=1000000",
         f"data.num_workers={args.data_workers}", f"data.cache_dir={data_cache}", f"log.run_dir={run_dir}",
         f"parallel.tp={layout.tp}", f"parallel.pp={layout.pp}", f"parallel.cp={layout.cp}",
         f"parallel.dp={layout.dp}", f"parallel.dp_shard={layout.dp_shard}", f"parallel.zero1={str(layout.zero1).lower()}",

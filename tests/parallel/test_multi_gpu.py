@@ -106,7 +106,11 @@ def runs(tmp_path_factory):
             ready.wait_for(lambda: len(free) >= world)
             devices = [free.pop(0) for _ in range(world)]
         try:
-            return name, _run(tmp / name, data_cache, world, overrides, devices)
+            losses, out = _run(tmp / name, data_cache, world, overrides, devices)
+            diff = "failed" if losses is None else (
+                f"max |loss - one GPU's| {max(abs(losses[s] - reference.get(s, float('inf'))) for s in losses):.2e}")
+            print(f"[multi-gpu] {name} on devices {devices}: {diff}", file=sys.__stdout__, flush=True)
+            return name, (losses, out)
         finally:
             with ready:
                 free.extend(devices)
