@@ -13,6 +13,9 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# the tree's commit for the result rows (a copy of the tree may carry a stale .git)
+[ -n "${MEGAKERN_GIT_SHA:-}" ] || echo "note: MEGAKERN_GIT_SHA is not set; result rows take this copy's git HEAD"
+export MEGAKERN_GIT_SHA=${MEGAKERN_GIT_SHA:-}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 deadline=$(( $(date +%s) + ${BUDGET_S:-520} ))
 left() { echo $(( deadline - $(date +%s) )); }
@@ -27,7 +30,7 @@ MEGAKERN_PURE_PYTHON=1 python3 -m pip install -q --no-build-isolation --no-deps 
   || { status=1; tail -20 "$OUT/install.log"; }
 
 step "multi-GPU layouts against one GPU (NCCL)"
-timeout $(( $(left) - 300 )) python3 -m pytest tests/parallel/test_multi_gpu.py -q -p no:cacheprovider -rfEs \
+timeout $(( $(left) - 300 )) python3 -m pytest tests/parallel/test_multi_gpu.py -q -s -p no:cacheprovider -rfEs \
   --tb=short > "$OUT/multi_gpu_tests.log" 2>&1 || status=1
 grep -E "^(FAILED|ERROR|SKIPPED)" "$OUT/multi_gpu_tests.log" | head -20; tail -3 "$OUT/multi_gpu_tests.log"
 
