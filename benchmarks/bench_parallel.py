@@ -27,6 +27,7 @@ skipped with a line saying so.
     python -m benchmarks.bench_parallel --model gpt-350m --layouts 1,dp2-ddp,dp2,tp2,pp2,cp2 --overlap
     python -m benchmarks.bench_parallel --model gpt-1.3b --micro-batch 4 --layouts 1,dp4,tp4,tp2.dp2
     python -m benchmarks.bench_parallel --tiny --device cpu --layouts 1,dp2,tp2     # smoke test (gloo ranks)
+    python -m benchmarks.bench_parallel --layouts 1,dp2-ddp,tp2 --profile out/    # where the time goes, per layout
 
 Environment of every run: NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1 (NVLink
 multicast stays off), OMP_NUM_THREADS=4 unless set.
@@ -116,6 +117,9 @@ def run_layout(layout: Layout, args, run_dir: Path, data_cache: Path) -> tuple[d
         f"parallel.dp={layout.dp}", f"parallel.dp_shard={layout.dp_shard}", f"parallel.zero1={str(layout.zero1).lower()}",
         *args.override,
     ]
+    if args.profile:  # the profiler's wait + warm-up + 3 recorded steps instead of the timed steps
+        overrides += [f"log.profile_dir={run_dir / 'profile'}", f"log.profile_wait={max(args.warmup - 1, 1)}",
+                      "log.profile_warmup=1", "log.profile_active=3", "--profile"]
     if layout.world == 1:
         cmd = [sys.executable, "-m", "megakern.train", *overrides]
     else:
@@ -129,6 +133,14 @@ def run_layout(layout: Layout, args, run_dir: Path, data_cache: Path) -> tuple[d
     tail = (proc.stdout[-2000:] + proc.stderr[-4000:]).strip()
     if proc.returncode != 0:
         raise RuntimeError(f"exit {proc.returncode} after {wall:.0f} s:\n{tail}")
+    if args.profile:
+        tables = sorted((run_dir / "profile").glob("*/kernels.txt"))
+        if not tables:
+            raise RuntimeError(f"no profile written under {run_dir / 'profile'}:\n{tail}")
+        args.profile.mkdir(parents=True, exist_ok=True)
+        dest = args.profile / f"{args.model}_{layout.spec}_kernels.txt"
+        shutil.copyfile(tables[0], dest)
+        return {"profile": dest}, tail
     records = [json.loads(line) for line in (run_dir / "train.log").read_text().splitlines() if line.startswith("{")]
     steps = {r["step"]: r for r in records if "perf/step_ms" in r}
     timed = [steps[s]["perf/step_ms"] for s in sorted(steps) if s > args.warmup]
@@ -218,6 +230,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--overlap", action="store_true", help="time the data-parallel collectives alone too")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     p.add_argument("--override", action="append", default=[], help="extra megakern-train override (repeatable)")
+    p.add_argument("--profile", type=Path, metavar="DIR",
+                   help="profile each layout instead (megakern-train --profile: 3 steps under torch.profiler) and "
+                        "copy rank 0's kernel and host tables to DIR/<model>_<layout>_kernels.txt; no figures")
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
     p.add_argument("--no-save", action="store_true")
     p.add_argument("--collective-worker", choices=["all_reduce", "fsdp"], help=argparse.SUPPRESS)
@@ -266,6 +281,10 @@ def main(argv=None) -> Results | None:
                 f, _ = run_layout(layout, args, tmp / layout.spec, data_cache)
             except (RuntimeError, subprocess.TimeoutExpired) as e:
                 print(f"{layout.spec:<16} FAILED: {e}")
+                continue
+            if args.profile:
+                text = f["profile"].read_text().splitlines()
+                print(f"{layout.spec:<16} profile (rank 0): {f['profile']}\n" + "\n".join(text[:22]), flush=True)
                 continue
             f["tok/s/gpu"] = f["tok/s"] / layout.world
             f["MFU"] = flops_per_token * f["tok/s"] / layout.world / peak if peak else None

@@ -997,11 +997,32 @@ class Trainer:
         lines = [f"# megakern-train --profile: {self.config.log.profile_active} steps of {self.global_batch} x "
                  f"{self.seq_length} tokens, {self.device} ({torch.cuda.get_device_name(self.device) if on_gpu else 'cpu'}), "
                  f"precision {self.precision}, torch {torch.__version__}",
-                 "# ranges: data, forward, backward, optimizer (also NVTX ranges train.* for Nsight Systems)", "",
+                 "# ranges: data, forward, backward, optimizer (also NVTX ranges train.* for Nsight Systems)",
+                 _profile_step_summary(events, self.config.log.profile_active, on_gpu), "",
                  events.table(sort_by=sort, row_limit=40, max_name_column_width=80)]
+        if on_gpu:  # the host's side too: launches, synchronizations, Python-side overheads
+            lines += ["", "# host (sorted by self CPU time)",
+                      events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=80)]
         (out / "kernels.txt").write_text("\n".join(lines))
         self.log(f"profile: {out / 'trace.json'} (chrome://tracing or ui.perfetto.dev), {out / 'kernels.txt'}")
         return out
+
+
+def _profile_step_summary(events, steps: int, on_gpu: bool) -> str:
+    """'# per step: host X ms (ProfilerStep), device kernels Y ms': host wall per profiled step, and on GPUs the sum of
+    the kernels' times per step over every stream (well under the host's: the GPU waited for the host or a
+    synchronization; above it: streams overlapped)."""
+    host = [e for e in events if e.key.startswith("ProfilerStep")]
+    parts = []
+    if host:
+        parts.append(f"host {sum(e.cpu_time_total for e in host) / max(sum(e.count for e in host), 1) / 1e3:.1f} ms "
+                     "(ProfilerStep)")
+    if on_gpu:
+        from torch.autograd import DeviceType
+
+        kernels = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA)
+        parts.append(f"device kernels {kernels / max(steps, 1) / 1e3:.1f} ms (summed over streams)")
+    return "# per step: " + (", ".join(parts) if parts else "n/a")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -5,8 +5,12 @@
 #   2. benchmarks/bench_parallel.py for GPT-350M (layouts over 1..4 GPUs, data-parallel overlap), then GPT-1.3B,
 #      while the time budget lasts.
 #
-#   MEGAKERN_GIT_SHA=$(git rev-parse --short HEAD) BUDGET_S=520 bash scripts/multi_gpu_check.sh
+#   3. (stage "profile") bench_parallel --profile: rank 0's kernel and host tables of each GPT-350M layout, in one
+#      file $OUT/profiles.txt.
 #
+#   MEGAKERN_GIT_SHA=$(git rev-parse --short HEAD) BUDGET_S=520 bash scripts/multi_gpu_check.sh [test] [bench] [profile]
+#
+# With no stage named, test and bench run.
 # Logs and result rows go to $OUT (default ./device-out); rows are appended to benchmarks/results/<gpu>/parallel.csv.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +25,8 @@ deadline=$(( $(date +%s) + ${BUDGET_S:-520} ))
 left() { echo $(( deadline - $(date +%s) )); }
 step() { echo; echo "=== $1 ($(date -u +%H:%M:%S), $(left) s left)"; }
 status=0
+STAGES=${*:-test bench}
+want() { [[ " $STAGES " == *" $1 "* ]]; }
 
 step environment
 nvidia-smi --query-gpu=index,name,memory.total --format=csv | tee "$OUT/env.txt"
@@ -29,11 +35,23 @@ python3 -c "import torch, triton; print(torch.__version__, triton.__version__, '
 MEGAKERN_PURE_PYTHON=1 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1 \
   || { status=1; tail -20 "$OUT/install.log"; }
 
+if want test; then
 step "multi-GPU layouts against one GPU (NCCL)"
-timeout $(( $(left) - 300 )) python3 -m pytest tests/parallel/test_multi_gpu.py -q -s -p no:cacheprovider -rfEs \
+reserve=10; want bench && reserve=300; want profile && reserve=$(( reserve + 120 ))
+timeout $(( $(left) - reserve )) python3 -m pytest tests/parallel/test_multi_gpu.py -q -s -p no:cacheprovider -rfEs \
   --tb=short > "$OUT/multi_gpu_tests.log" 2>&1 || status=1
-grep -E "^(FAILED|ERROR|SKIPPED)" "$OUT/multi_gpu_tests.log" | head -20; tail -3 "$OUT/multi_gpu_tests.log"
+grep -E "^(FAILED|ERROR|SKIPPED)|multi-gpu" "$OUT/multi_gpu_tests.log" | head -30; tail -3 "$OUT/multi_gpu_tests.log"
+fi
 
+if want profile; then
+step "profiles gpt-350m"
+timeout $(( $(left) - 30 )) python3 -m benchmarks.bench_parallel --model gpt-350m --micro-batch 8 --warmup 3 \
+  --layouts ${LAYOUTS_PROFILE:-1,dp2-ddp,dp2,tp2,cp2} --profile "$OUT/prof" --timeout 200 > "$OUT/profile.log" 2>&1 || status=1
+grep -E "FAILED|per step" "$OUT/profile.log"
+cat "$OUT"/prof/*.txt > "$OUT/profiles.txt" 2>/dev/null; rm -rf "$OUT/prof"
+fi
+
+if want bench; then
 step "bench_parallel gpt-350m"
 timeout $(( $(left) - 60 )) python3 -m benchmarks.bench_parallel --model gpt-350m --micro-batch 8 --warmup 3 --steps 8 \
   --layouts ${LAYOUTS_350M:-1,dp2-ddp,dp2,tp2,pp2,cp2,dp4,tp2.dp2} --overlap --timeout 200 \
@@ -45,6 +63,7 @@ if [ "$(left)" -gt 90 ]; then
   timeout $(( $(left) - 5 )) python3 -m benchmarks.bench_parallel --model gpt-1.3b --micro-batch 4 --warmup 3 --steps 6 \
     --layouts ${LAYOUTS_13B:-1,dp4,tp4,tp2.dp2} --timeout 150 > "$OUT/bench_parallel_1.3b.log" 2>&1 || status=1
   grep -v "^|" "$OUT/bench_parallel_1.3b.log" | tail -12
+fi
 fi
 cp benchmarks/results/*/parallel.csv "$OUT/" 2>/dev/null
 step "done (status $status)"
