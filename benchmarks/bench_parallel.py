@@ -256,7 +256,15 @@ def main(argv=None) -> Results | None:
     if args.collective_worker:
         _collective_worker(args.numel, args.collective_worker, reps=10)
         return None
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`: leave through the finally below
+    # `timeout`: leave through the finally below (the caller's handler is back afterwards)
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        return _main(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(args) -> Results:
     layouts = [Layout.parse(s) for s in args.layouts.split(",") if s.strip()]
     flops_per_token, params, args.seq = model_facts(args.model)
     device = torch.device(args.device)

@@ -22,7 +22,8 @@ No host-device sync in a step on one device with fused AdamW (the default on CUD
 pipeline checked every token id (``check_values=False``), fused AdamW skips the update itself when found_inf is set
 (the same device-side skip as torch.amp.GradScaler's), and (loss, norm, skipped) travel to pinned host memory behind
 an event, read after the next step is queued: the log, the skip count and the halt run one step behind the device.
-Other optimizers (foreach, for-loop) and megakern.parallel runs read the figures at the end of each step and skip
+The same holds over several ranks (megakern.parallel), where loss and norm are reduced over every group so that all
+ranks skip alike. Other optimizers (foreach, for-loop, ZeRO-1's) read the figures at the end of each step and skip
 the update on the host.
 
 Over several ranks (torchrun) the model is megakern.parallel's ParallelModel: a rank draws its whole step batch
@@ -538,7 +539,8 @@ class Trainer:
                           else torch.optim.AdamW(groups, **kwargs))
         self.schedule = LRSchedule(c.schedule, lr=c.optim.lr, total_steps=t.steps)
         # a non-finite step is skipped by the fused optimizer on the device (no sync), else on the host
-        self.device_skip = not self.parallel and device_skip(self.optimizer)
+        # (over several ranks too: loss and norm are reduced over every group, so all ranks skip alike)
+        self.device_skip = device_skip(self.optimizer)
         self.log(f"model: {n_params / 1e6:.2f}M parameters ({n_body / 1e6:.2f}M without embeddings), "
                  f"{self.flops_per_token / 1e6:.1f} MFLOP per token; global batch {self.global_batch} x "
                  f"{self.seq_length} tokens = {self.accum} accumulation step(s) of {t.micro_batch_size} x "
@@ -735,7 +737,7 @@ class Trainer:
             with self._range("data"):
                 batch = to_batch(next(batches), self.device, None)
             with self._range("forward_backward"), self.autocast:
-                loss = self.pmodel.forward_backward(batch.inputs, batch.targets)
+                loss = self.pmodel.forward_backward(batch.inputs, batch.targets, check_values=False)
             with self._range("optimizer"):
                 norm = self.pmodel.clip_grad_norm_(clip if clip > 0 else math.inf)
                 return self._finish_step([loss.float(), norm.float()])
@@ -819,7 +821,7 @@ class Trainer:
                 batch = to_batch(next(batches), self.device, self.eod_id)
                 with self.autocast:
                     if self.parallel:
-                        total += self.pmodel.eval_loss(batch.inputs, batch.targets).float()
+                        total += self.pmodel.eval_loss(batch.inputs, batch.targets, check_values=False).float()
                     else:
                         total += self.forward(batch.inputs, batch.targets, **batch.model_kwargs()).float()
             total /= self.config.eval.batches

@@ -470,11 +470,11 @@ class GPT(nn.Module):
         ``cu_seqlens`` (ndocs + 1,) int32 offsets of packed documents in the B * T tokens, ``max_seqlen`` their
         longest length (computed when None); ``position_ids`` (B, T) or (T,) explicit positions.
         ``check_values`` False skips the checks that read device memory, one host-device sync each: the targets'
-        range and, given ``max_seqlen``, cu_seqlens' offsets (for callers whose data pipeline made and checked them,
-        as the training program's does; shapes and dtypes are always checked).
+        range, the position ids' range and, given ``max_seqlen``, cu_seqlens' offsets (for callers whose data
+        pipeline made and checked them, as the training program's does; shapes and dtypes are always checked).
         """
         config = self.config
-        B, T = self._check_inputs(idx, targets, cu_seqlens, position_ids)
+        B, T = self._check_inputs(idx, targets, cu_seqlens, position_ids, check_values)
         if cu_seqlens is not None:
             # the caller's max_seqlen is taken on trust without check_values (reading cu_seqlens waits for the GPU)
             longest = (max(document_lengths("GPT", cu_seqlens, B * T)) if check_values or max_seqlen is None
@@ -516,7 +516,7 @@ class GPT(nn.Module):
         return generate(self, idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator,
                         eos_id=eos_id)
 
-    def _check_inputs(self, idx, targets, cu_seqlens, position_ids) -> tuple[int, int]:
+    def _check_inputs(self, idx, targets, cu_seqlens, position_ids, check_values: bool = True) -> tuple[int, int]:
         config = self.config
         if self.wte is not None:
             if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
@@ -548,7 +548,7 @@ class GPT(nn.Module):
                                  f"{_describe(position_ids)}")
             if position_ids.dtype not in (torch.int64, torch.int32):
                 raise ValueError(f"GPT: position_ids must be int64 or int32, got {_describe(position_ids)}")
-            if position_ids.numel():
+            if check_values and position_ids.numel():
                 lo, hi = (int(v) for v in torch.aminmax(position_ids))
                 if lo < 0 or hi >= config.max_seqlen:
                     raise ValueError(f"GPT: position_ids span {lo}..{hi}; positions must lie in 0..{config.max_seqlen - 1}"

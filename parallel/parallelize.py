@@ -309,27 +309,45 @@ class ParallelModel:
         return out
 
     def _loss_sum(self, module, idx, targets, pos, packed=(None, None)):
+        # the model reads no device value: the targets were checked once per batch (_check_values), the position
+        # ids and packed offsets are this class's own
         cu_seqlens, max_seqlen = packed
         with self._dropout_rng():
             if self.tp > 1:
-                logits = module(idx, position_ids=pos, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+                logits = module(idx, position_ids=pos, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                                check_values=False)
             else:
                 return module(idx, targets, position_ids=pos, reduction="sum", cu_seqlens=cu_seqlens,
-                              max_seqlen=max_seqlen)
+                              max_seqlen=max_seqlen, check_values=False)
         return vocab_parallel_cross_entropy(logits, targets, self.mesh.tp_group, reduction="sum")
+
+    def _check_values(self, idx, targets) -> None:
+        """Token ids and targets in range (targets may be ignore_index): one host read for the whole batch."""
+        vocab = self.config.vocab_size
+        t_lo = torch.where(targets == IGNORE_INDEX, 0, targets).min() if targets.numel() else targets.new_zeros(())
+        lims = torch.stack([idx.min(), idx.max(), t_lo, targets.max()]).tolist() if idx.numel() else [0, 0, 0, 0]
+        if lims[0] < 0 or lims[1] >= vocab:
+            raise ValueError(f"ParallelModel: token ids span {lims[0]}..{lims[1]}, outside the vocabulary "
+                             f"[0, {vocab})")
+        if lims[2] < 0 or lims[3] >= vocab:
+            raise ValueError(f"ParallelModel: targets span {lims[2]}..{lims[3]} (besides ignore_index "
+                             f"{IGNORE_INDEX}), outside the vocabulary [0, {vocab})")
 
     def _ce_sum(self, logits, targets):
         return vocab_parallel_cross_entropy(logits, targets, self.mesh.tp_group if self.tp > 1 else None,
                                             reduction="sum")
 
     def forward_backward(self, idx: torch.Tensor, targets: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
-                         max_seqlen: int | None = None) -> torch.Tensor:
+                         max_seqlen: int | None = None, check_values: bool = True) -> torch.Tensor:
         """One step's forward and backward on this dp rank's batch (B, T); returns the global mean loss.
 
         ``cu_seqlens`` (ndocs + 1,) int32: packed documents, offsets into this rank's B * T flattened tokens (as
         GPT.forward takes them; tensor and data parallelism only; no document may cross a micro-batch boundary);
-        ``max_seqlen`` their longest length (None: computed)."""
+        ``max_seqlen`` their longest length (None: computed). ``check_values`` False: no host read of the token ids'
+        and targets' range (one host-device sync per batch), for callers whose data pipeline checked them."""
         self._check_batch(idx, targets)
+        if check_values:
+            self._check_values(idx, targets)
         packed = self._packed(cu_seqlens, max_seqlen, idx)
         idx, targets = idx.to(self.mesh.device), targets.to(self.mesh.device)
         n_global = self._global_tokens(targets)
@@ -354,10 +372,12 @@ class ParallelModel:
 
     @torch.no_grad()
     def eval_loss(self, idx: torch.Tensor, targets: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
-                  max_seqlen: int | None = None) -> torch.Tensor:
-        """The global mean loss of a batch, without gradients (mode as set by train()/eval()); packed documents as
-        in forward_backward."""
+                  max_seqlen: int | None = None, check_values: bool = True) -> torch.Tensor:
+        """The global mean loss of a batch, without gradients (mode as set by train()/eval()); packed documents and
+        ``check_values`` as in forward_backward."""
         self._check_batch(idx, targets)
+        if check_values:
+            self._check_values(idx, targets)
         packed = self._packed(cu_seqlens, max_seqlen, idx)
         idx, targets = idx.to(self.mesh.device), targets.to(self.mesh.device)
         n_global = self._global_tokens(targets)

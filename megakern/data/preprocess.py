@@ -30,6 +30,7 @@ import gzip
 import json
 import multiprocessing
 import os
+import signal
 import sys
 import threading
 import time
@@ -213,6 +214,9 @@ _worker_tokenize: _Tokenize | None = None  # each pool worker's own, set once by
 def _init_worker(tokenize: _Tokenize) -> None:
     global _worker_tokenize
     _worker_tokenize = tokenize
+    # a forked worker inherits its parent's Python signal handlers: a SIGTERM handler of the parent (an application
+    # that saves state on SIGTERM) would keep Pool.terminate() from stopping a worker blocked on the task queue
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _work(record: Record) -> tuple:

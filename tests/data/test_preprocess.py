@@ -121,6 +121,23 @@ def test_bad_lines_name_file_and_line(tmp_path, workers):
             run([src], tmp_path / "z", workers=workers)
 
 
+def test_workers_stop_under_a_parent_sigterm_handler(tmp_path):
+    """An application that handles SIGTERM (to save state) and stops a preprocess early: the pool's workers, forked
+    with that handler, still end at Pool.terminate() (they restore the default action), so the error comes back
+    instead of a hang. Run in a subprocess with a time limit."""
+    src = write_jsonl(tmp_path / "a.jsonl", [{"text": d} for d in DOCS] + ['{"text": "cut'])
+    script = (f"import signal, sys; sys.path.insert(0, {str(ROOT)!r}); signal.signal(signal.SIGTERM, lambda *a: None)\n"
+              "from megakern.data import preprocess as pp\nfrom megakern.data.indexed import DataError\n"
+              "from megakern.data.tokenizers import ByteTokenizer\n"
+              "for i in range(5):\n"
+              f"    try: pp.preprocess([{str(src)!r}], ByteTokenizer(), {str(tmp_path / 'x')!r} + str(i), workers=2, "
+              "chunksize=1, progress=False)\n"
+              "    except DataError as e: print('error:', e)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("not valid JSON") == 5, proc.stdout
+
+
 def test_unreadable_inputs(tmp_path):
     fake = tmp_path / "fake.jsonl.gz"
     fake.write_text('{"text": "not compressed"}\n')

@@ -238,3 +238,22 @@ def packed_refused(layout: dict, options: dict) -> str:
     except ValueError as exc:
         return str(exc)
     return "no error"
+
+
+def bad_values(layout: dict) -> dict:
+    """forward_backward's errors for token ids and targets out of the vocabulary (one host read per batch), and none
+    with check_values=False (the training program's data pipeline checks them)."""
+    pm = ParallelDims(**layout).build("cpu", timeout=60)
+    torch.manual_seed(0)
+    pmodel = parallelize(GPT(tiny_config("llama")), pm, None)
+    idx, targets = batches(1, 4 // pm.dims.dp, 16, 120)[0]
+    targets[0, :3] = -100  # ignore_index is in range
+    errors = {"ok": float(pmodel.eval_loss(idx, targets))}
+    over = targets.clone()
+    over[1, 5] = 120
+    for name, (i, t) in {"ids": (idx + 1000, targets), "targets": (idx, over)}.items():
+        try:
+            pmodel.eval_loss(i, t)
+        except ValueError as exc:
+            errors[name] = str(exc)
+    return errors

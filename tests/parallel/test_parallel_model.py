@@ -117,3 +117,14 @@ def test_packed_documents(world, layout, options, style):
 def test_packed_documents_refused_under_pipeline_and_context_parallel(layout, options):
     for error in pool(2).run(packed_refused, layout, options):
         assert "packed documents (cu_seqlens) run under tensor and data parallelism" in error, error
+
+
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"pp": 2}], ids=["tp2", "pp2"])
+def test_token_ids_and_targets_checked_once_per_batch(layout):
+    from gpt_check import bad_values
+
+    for errors in pool(2).run(bad_values, layout):
+        assert errors["ok"] > 0
+        assert "ParallelModel: token ids span" in errors["ids"] and "outside the vocabulary [0, 120)" in errors["ids"]
+        # ignore_index (-100) is not counted: the span starts at the smallest real target
+        assert "ParallelModel: targets span 0..120 (besides ignore_index -100)" in errors["targets"], errors

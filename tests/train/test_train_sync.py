@@ -142,3 +142,47 @@ def test_gpu_training_step_does_not_sync(tmp_path, data_cache, precision):  # no
     values = [f.read() for f in figures]
     assert [f.step for f in figures] == [3, 4, 5]
     assert all(math.isfinite(loss) and math.isfinite(norm) and stepped for loss, norm, stepped in values), values
+
+
+LAYOUTS = {"dp2-fsdp": ["parallel.dp=2", "parallel.dp_shard=fsdp"], "dp2-ddp": ["parallel.dp=2", "parallel.dp_shard=ddp"],
+           "tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"], "cp2": ["parallel.cp=2"]}
+
+
+def _probe(tmp_path, data_cache, *overrides) -> dict:  # noqa: F811
+    """tests/train/parallel_sync_probe.py on 2 gloo ranks: rank 0's {device_skip, reads, figures} of one step."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from test_train import REPO, _free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+           str(REPO / "tests" / "train" / "parallel_sync_probe.py"), *TINY, "train.micro_batch_size=2",
+           "train.global_batch_size=8", "train.steps=5", "eval.every=0", "checkpoint.final=false",
+           f"data.cache_dir={data_cache}", f"log.run_dir={tmp_path / 'probe'}", *overrides]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_parallel_fused_step_reads_no_device_value(tmp_path, data_cache, layout):  # noqa: F811
+    """Over 2 ranks (FSDP2, DDP, tp with sequence parallel, pipeline, context parallel) the step reads no device value
+    with fused AdamW either: the model is told the data pipeline checked the ids, the position ids are the
+    ParallelModel's own, and a non-finite step is skipped on the device. A NaN in one rank's gradient makes the
+    reduced norm NaN on every rank, and no parameter changes anywhere."""
+    probe = _probe(tmp_path, data_cache, "optim.fused=fused", *LAYOUTS[layout])
+    assert probe["device_skip"] is True
+    assert probe["reads"] == [], probe["reads"]
+    loss, norm, stepped = probe["figures"]
+    assert math.isfinite(loss) and math.isfinite(norm) and stepped
+    assert math.isnan(probe["skipped"][1]) and probe["skipped"][2] is False and probe["unchanged"]
+
+
+def test_parallel_foreach_step_reads_its_figures_once(tmp_path, data_cache):  # noqa: F811
+    probe = _probe(tmp_path, data_cache, "optim.fused=foreach", *LAYOUTS["dp2-ddp"])
+    assert probe["device_skip"] is False
+    assert [what for what, where in probe["reads"] if where.startswith("train.py")] == ["Tensor.tolist"]
+    assert probe["skipped"][2] is False and probe["unchanged"]
