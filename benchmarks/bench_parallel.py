@@ -141,8 +141,9 @@ def run_layout(layout: Layout, args, run_dir: Path, data_cache: Path) -> tuple[d
         dest = args.profile / f"{args.model}_{layout.spec}_kernels.txt"
         shutil.copyfile(tables[0], dest)
         return {"profile": dest}, tail
-    records = [json.loads(line) for line in (run_dir / "train.log").read_text().splitlines() if line.startswith("{")]
-    steps = {r["step"]: r for r in records if "perf/step_ms" in r}
+    from megakern._log import read_records
+
+    steps = {r["step"]: r for r in read_records(run_dir) if "perf/step_ms" in r}
     timed = [steps[s]["perf/step_ms"] for s in sorted(steps) if s > args.warmup]
     if not timed:
         raise RuntimeError(f"no timed steps in {run_dir / 'train.log'} (steps logged: {sorted(steps)})")

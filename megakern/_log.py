@@ -81,6 +81,19 @@ def format_count(n: float) -> str:
     return f"{n:.3g}"
 
 
+def read_records(run_dir) -> list[dict]:
+    """The JSON records (``RunLogger.record``: {"step": ..., scalars}) of ``<run_dir>/train.log``, in order; text
+    lines are skipped."""
+    records = []
+    for line in (Path(run_dir) / "train.log").read_text().splitlines():
+        if line.startswith("{"):
+            try:
+                records.append(json.loads(line))
+            except ValueError:  # a text line that happens to start with a brace
+                continue
+    return records
+
+
 class RunLogger:
     """Console, ``<run_dir>/train.log`` and TensorBoard (``<run_dir>/tb``), opened and checked at construction.
     The progress bar is drawn only on a terminal.

@@ -133,48 +133,28 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None, None
 
 
-class _ScatterToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
+def _along_dim(name: str, forward, backward) -> type:
+    """An autograd Function applying ``forward(x, group, dim)`` whose backward is ``backward(grad, group, dim)``:
+    the mappings that move a tensor's pieces along one dimension, each paired with its adjoint."""
+
+    def fwd(ctx, x, group, dim):
         ctx.group, ctx.dim = group, dim
-        return split(x, group, dim).contiguous()
+        return forward(x, group, dim)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.group, ctx.dim), None, None
+    def bwd(ctx, grad):
+        return backward(grad, ctx.group, ctx.dim), None, None
 
-
-class _GatherFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return all_gather(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return split(grad, ctx.group, ctx.dim).contiguous(), None, None
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
 
 
-class _GatherFromSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return all_gather(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter(grad, ctx.group, ctx.dim), None, None
+def _split(x, group, dim):
+    return split(x, group, dim).contiguous()
 
 
-class _ReduceScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return reduce_scatter(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.group, ctx.dim), None, None
+_ScatterToTP = _along_dim("_ScatterToTP", _split, all_gather)
+_GatherFromTP = _along_dim("_GatherFromTP", all_gather, _split)
+_GatherFromSP = _along_dim("_GatherFromSP", all_gather, reduce_scatter)
+_ReduceScatterToSP = _along_dim("_ReduceScatterToSP", reduce_scatter, all_gather)
 
 
 def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:

@@ -323,9 +323,11 @@ class ParallelModel:
 
     def _check_values(self, idx, targets) -> None:
         """Token ids and targets in range (targets may be ignore_index): one host read for the whole batch."""
+        if not idx.numel():
+            return
         vocab = self.config.vocab_size
-        t_lo = torch.where(targets == IGNORE_INDEX, 0, targets).min() if targets.numel() else targets.new_zeros(())
-        lims = torch.stack([idx.min(), idx.max(), t_lo, targets.max()]).tolist() if idx.numel() else [0, 0, 0, 0]
+        t_lo = torch.where(targets == IGNORE_INDEX, 0, targets).min()
+        lims = torch.stack([idx.min(), idx.max(), t_lo, targets.max()]).tolist()
         if lims[0] < 0 or lims[1] >= vocab:
             raise ValueError(f"ParallelModel: token ids span {lims[0]}..{lims[1]}, outside the vocabulary "
                              f"[0, {vocab})")
@@ -345,15 +347,8 @@ class ParallelModel:
         GPT.forward takes them; tensor and data parallelism only; no document may cross a micro-batch boundary);
         ``max_seqlen`` their longest length (None: computed). ``check_values`` False: no host read of the token ids'
         and targets' range (one host-device sync per batch), for callers whose data pipeline checked them."""
-        self._check_batch(idx, targets)
-        if check_values:
-            self._check_values(idx, targets)
-        packed = self._packed(cu_seqlens, max_seqlen, idx)
-        idx, targets = idx.to(self.mesh.device), targets.to(self.mesh.device)
-        n_global = self._global_tokens(targets)
+        idx_l, tgt_l, pos, packed, n_global = self._prepare(idx, targets, cu_seqlens, max_seqlen, check_values)
         scale = self.dp * self.cp / n_global.clamp(min=1.0)
-        pos = self._positions(idx.shape[1])
-        idx_l, tgt_l = self._local_sequence(idx), self._local_sequence(targets)
         if self.pp > 1:
             total = self._pipeline(idx_l, tgt_l, pos, scale, train=True)
         else:
@@ -375,6 +370,17 @@ class ParallelModel:
                   max_seqlen: int | None = None, check_values: bool = True) -> torch.Tensor:
         """The global mean loss of a batch, without gradients (mode as set by train()/eval()); packed documents and
         ``check_values`` as in forward_backward."""
+        idx_l, tgt_l, pos, packed, n_global = self._prepare(idx, targets, cu_seqlens, max_seqlen, check_values)
+        if self.pp > 1:
+            total = self._pipeline(idx_l, tgt_l, pos, None, train=False)
+        else:
+            total = sum(self._loss_sum(self.modules_chunks[0], x, t, pos, p).float()
+                        for x, t, p in zip(idx_l.chunk(self.microbatches), tgt_l.chunk(self.microbatches), packed))
+        return self._reduce_loss(total, n_global)
+
+    def _prepare(self, idx, targets, cu_seqlens, max_seqlen, check_values: bool):
+        """A batch checked and laid out for this rank: (ids, targets) of its sequence shard on the device, position
+        ids (context parallel), per-micro-batch packing, and the global count of targets that are not ignored."""
         self._check_batch(idx, targets)
         if check_values:
             self._check_values(idx, targets)
@@ -382,13 +388,7 @@ class ParallelModel:
         idx, targets = idx.to(self.mesh.device), targets.to(self.mesh.device)
         n_global = self._global_tokens(targets)
         pos = self._positions(idx.shape[1])
-        idx_l, tgt_l = self._local_sequence(idx), self._local_sequence(targets)
-        if self.pp > 1:
-            total = self._pipeline(idx_l, tgt_l, pos, None, train=False)
-        else:
-            total = sum(self._loss_sum(self.modules_chunks[0], x, t, pos, p).float()
-                        for x, t, p in zip(idx_l.chunk(self.microbatches), tgt_l.chunk(self.microbatches), packed))
-        return self._reduce_loss(total, n_global)
+        return self._local_sequence(idx), self._local_sequence(targets), pos, packed, n_global
 
     def _reduce_loss(self, total, n_global):
         total = total.detach().clone()

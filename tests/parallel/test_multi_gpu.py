@@ -12,7 +12,6 @@ developing the test itself).
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -22,6 +21,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from rankpool import free_port
+
+from megakern._log import read_records
 
 REPO = Path(__file__).resolve().parents[2]
 ON_CPU = os.environ.get("MEGAKERN_TEST_MULTI_CPU", "0") != "0"
@@ -58,17 +60,8 @@ LAYOUTS = [
 ABS_TOL = 2e-3
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _losses(run_dir: Path) -> dict[int, float]:
-    lines = [json.loads(line) for line in (run_dir / "train.log").read_text().splitlines() if line.startswith("{")]
-    return {r["step"]: r["train/loss"] for r in lines if "train/loss" in r}
+    return {r["step"]: r["train/loss"] for r in read_records(run_dir) if "train/loss" in r}
 
 
 def _run(run_dir: Path, data_cache: Path, world: int, overrides: list[str], devices: list[int] | None):
@@ -77,7 +70,7 @@ def _run(run_dir: Path, data_cache: Path, world: int, overrides: list[str], devi
         cmd = [sys.executable, "-m", "megakern.train", *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port",
-               str(_free_port()), "-m", "megakern.train", *args]
+               str(free_port()), "-m", "megakern.train", *args]
     env = {**os.environ, **ENV}
     if devices is not None and not ON_CPU:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))

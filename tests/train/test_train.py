@@ -22,6 +22,7 @@ import torch
 
 from megakern import _log
 from megakern.checkpoint import CheckpointError
+from megakern._log import read_records
 from megakern.config import ConfigError, load_config
 from megakern.data import DataError
 from megakern.data.corpus import default_corpus_id
@@ -331,8 +332,7 @@ def _free_port() -> int:
 
 
 def _logged_losses(run_dir: Path) -> dict[int, float]:
-    lines = [json.loads(line) for line in (run_dir / "train.log").read_text().splitlines() if line.startswith("{")]
-    return {r["step"]: r["train/loss"] for r in lines if "train/loss" in r}
+    return {r["step"]: r["train/loss"] for r in read_records(run_dir) if "train/loss" in r}
 
 
 def test_two_ranks_match_one_process_and_resume_in_one(tmp_path, data_cache):
