@@ -134,12 +134,18 @@ def run_layout(layout: Layout, args, run_dir: Path, data_cache: Path) -> tuple[d
     if proc.returncode != 0:
         raise RuntimeError(f"exit {proc.returncode} after {wall:.0f} s:\n{tail}")
     if args.profile:
-        tables = sorted((run_dir / "profile").glob("*/kernels.txt"))
+        # one directory per rank (…-rank<r> under torchrun): rank 0's tables, then every other rank's timeline
+        tables = sorted((run_dir / "profile").glob("*/kernels.txt"), key=lambda t: (not t.parent.name.endswith("-rank0"),
+                                                                                    t.parent.name))
         if not tables:
             raise RuntimeError(f"no profile written under {run_dir / 'profile'}:\n{tail}")
         args.profile.mkdir(parents=True, exist_ok=True)
         dest = args.profile / f"{args.model}_{layout.spec}_kernels.txt"
-        shutil.copyfile(tables[0], dest)
+        text = tables[0].read_text()
+        for t in tables[1:]:
+            if (t.parent / "timeline.txt").exists():
+                text += f"\n\n# {t.parent.name}\n" + (t.parent / "timeline.txt").read_text()
+        dest.write_text(text)
         return {"profile": dest}, tail
     from megakern._log import read_records
 
@@ -293,7 +299,8 @@ def _main(args) -> Results:
                 continue
             if args.profile:
                 text = f["profile"].read_text().splitlines()
-                print(f"{layout.spec:<16} profile (rank 0): {f['profile']}\n" + "\n".join(text[:22]), flush=True)
+                summary = [line for line in text if line.startswith("#")]  # header, per-step timelines of each rank
+                print(f"{layout.spec:<16} profile (rank 0 tables): {f['profile']}\n" + "\n".join(summary), flush=True)
                 continue
             f["tok/s/gpu"] = f["tok/s"] / layout.world
             f["MFU"] = flops_per_token * f["tok/s"] / layout.world / peak if peak else None

@@ -60,7 +60,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megakern import _nvtx
+from megakern import _nvtx, _timeline
 from megakern._log import LoggerError, RunLogger, format_count, memory_gib, peak_flops
 from megakern.checkpoint import (CheckpointError, CheckpointManager, checkpoint_keys, init_optimizer_state,
                                  load_optimizer_state_dict, optimizer_state_dict)
@@ -990,17 +990,21 @@ class Trainer:
     def _write_profile(self, profiler) -> Path:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         c = self.config.model
-        out = Path(self.config.log.profile_dir) / f"train-{c.n_layer}x{c.n_embd}-{self.device.type}-{stamp}"
+        rank = f"-rank{dist.get_rank()}" if dist.is_available() and dist.is_initialized() else ""
+        out = Path(self.config.log.profile_dir) / f"train-{c.n_layer}x{c.n_embd}-{self.device.type}-{stamp}{rank}"
         out.mkdir(parents=True, exist_ok=True)
         profiler.export_chrome_trace(str(out / "trace.json"))
         on_gpu = self.device.type == "cuda"
         sort = "self_device_time_total" if on_gpu else "self_cpu_time_total"
         events = profiler.key_averages()
+        timeline = _timeline.report(_timeline.analyze(_timeline.load(out / "trace.json"))) if on_gpu else ""
+        if timeline:
+            (out / "timeline.txt").write_text(timeline + "\n")
         lines = [f"# megakern-train --profile: {self.config.log.profile_active} steps of {self.global_batch} x "
                  f"{self.seq_length} tokens, {self.device} ({torch.cuda.get_device_name(self.device) if on_gpu else 'cpu'}), "
                  f"precision {self.precision}, torch {torch.__version__}",
                  "# ranges: data, forward, backward, optimizer (also NVTX ranges train.* for Nsight Systems)",
-                 _profile_step_summary(events, self.config.log.profile_active, on_gpu), "",
+                 _profile_step_summary(events), *([timeline] if timeline else []), "",
                  events.table(sort_by=sort, row_limit=40, max_name_column_width=80)]
         if on_gpu:  # the host's side too: launches, synchronizations, Python-side overheads
             lines += ["", "# host (sorted by self CPU time)",
@@ -1010,21 +1014,14 @@ class Trainer:
         return out
 
 
-def _profile_step_summary(events, steps: int, on_gpu: bool) -> str:
-    """'# per step: host X ms (ProfilerStep), device kernels Y ms': host wall per profiled step, and on GPUs the sum of
-    the kernels' times per step over every stream (well under the host's: the GPU waited for the host or a
-    synchronization; above it: streams overlapped)."""
+def _profile_step_summary(events) -> str:
+    """'# per step: host X ms (ProfilerStep)': the host's wall time per profiled step (the GPU's side, from the
+    trace's intervals, is the timeline below it)."""
     host = [e for e in events if e.key.startswith("ProfilerStep")]
-    parts = []
-    if host:
-        parts.append(f"host {sum(e.cpu_time_total for e in host) / max(sum(e.count for e in host), 1) / 1e3:.1f} ms "
-                     "(ProfilerStep)")
-    if on_gpu:
-        from torch.autograd import DeviceType
-
-        kernels = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA)
-        parts.append(f"device kernels {kernels / max(steps, 1) / 1e3:.1f} ms (summed over streams)")
-    return "# per step: " + (", ".join(parts) if parts else "n/a")
+    if not host:
+        return "# per step: n/a"
+    return (f"# per step: host {sum(e.cpu_time_total for e in host) / max(sum(e.count for e in host), 1) / 1e3:.1f} ms "
+            "(ProfilerStep)")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -26,6 +26,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _norms(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """Each gradient's norm in fp32, one multi-tensor launch per (device, dtype) (a launch per gradient costs the
+    host more than the GPU's work)."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    return torch.cat([torch.stack(torch._foreach_norm(gs, norm_type, dtype=torch.float32)).to(grads[0].device)
+                      for gs in groups.values()])
+
+
 def clip_grad_norm_(param_sets: Sequence[tuple[Iterable[torch.Tensor], Sequence]], max_norm: float,
                     norm_type: float = 2.0, error_if_nonfinite: bool = False, device=None) -> torch.Tensor:
     """Clip in place; returns the total norm (fp32 0-d tensor, equal on every rank).
@@ -48,7 +58,7 @@ def clip_grad_norm_(param_sets: Sequence[tuple[Iterable[torch.Tensor], Sequence]
         all_grads += grads
         device = device if device is not None else (grads[0].device if grads else None)
         if grads:
-            norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads])
+            norms = _norms(grads, norm_type)
             part = norms.max() if inf else norms.pow(norm_type).sum()
         else:
             part = None

@@ -38,7 +38,8 @@ def apply_fsdp(module: nn.Module, blocks: Iterable[nn.Module], mesh, *, reshard_
 
 def apply_ddp(module: nn.Module, group, device) -> DistributedDataParallel:
     device_ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(module, device_ids=device_ids, process_group=group)
+    # gradients are views into the reducer's buckets: no copy of every gradient into them (and back) per step
+    return DistributedDataParallel(module, device_ids=device_ids, process_group=group, gradient_as_bucket_view=True)
 
 
 def set_grad_sync(modules: Iterable[nn.Module], enabled: bool) -> None:

@@ -7,7 +7,9 @@ Per block (tp ranks, group g):
 - MLP: fc -> ColumnParallelLinear (swiglu's interleaved gate/up rows stay paired), proj -> RowParallelLinear.
 - The input of attn and of mlp enters the tensor-parallel region once, by a forward pre-hook: ``copy_to_tp``, or
   under sequence parallel ``gather_from_sp`` (the sequence shards all-gathered); the row layers leave it by an
-  all-reduce, or a reduce-scatter back to the sequence shards.
+  all-reduce, or a reduce-scatter back to the sequence shards. Under autocast the input is cast to the autocast
+  dtype before it enters (the Linear would cast it first thing): the all-gather and its backward reduce-scatter
+  (or copy_to_tp's backward all-reduce) move bf16, not fp32.
 Embedding and head: wte -> VocabParallelEmbedding (under SP its reduce-scatter lands the embeddings on the
 sequence shards; a learned position table's output is split to the same shard by a forward hook); norm_f's output
 enters the region by a forward hook (copy / gather) and the head (lm_head, or the tied wte) gives this rank's
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from megakern.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -36,9 +39,20 @@ class TPInfo:
     """Parameters whose gradients are partial sums over tp (sequence parallel) and need an all-reduce."""
 
 
+def _to_autocast_dtype(x: torch.Tensor) -> torch.Tensor:
+    """x in the autocast dtype when autocast is on for its device: attn and mlp start with a Linear, which casts
+    its input so anyway; casting before the collective halves its bytes (and its backward's) and changes no value."""
+    if x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        if x.dtype != dtype and x.element_size() > torch.empty((), dtype=dtype).element_size():
+            return x.to(dtype)
+    return x
+
+
 def _enter_hook(group, sequence_parallel: bool):
     def hook(module, args):
-        x = gather_from_sp(args[0], group, 1) if sequence_parallel else copy_to_tp(args[0], group)
+        x = _to_autocast_dtype(args[0])
+        x = gather_from_sp(x, group, 1) if sequence_parallel else copy_to_tp(x, group)
         return (x, *args[1:])
 
     return hook

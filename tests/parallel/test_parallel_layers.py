@@ -218,6 +218,57 @@ def test_vocab_parallel_embedding_and_cross_entropy(sequence_parallel):
     assert all(pool(2).run(check_embedding_and_loss, 2, sequence_parallel))
 
 
+def check_enter_hook_under_autocast(n, sequence_parallel):
+    """A block's input enters the tensor-parallel region in the autocast dtype: the collectives (forward gather,
+    backward reduce-scatter / all-reduce) move bf16, and the values are those of the fp32 path cast to bf16."""
+    from megakern.parallel import mappings as m
+    from megakern.parallel.tensor_parallel import _enter_hook
+
+    g, r = _group(n), dist.get_rank()
+    torch.manual_seed(0)
+    full = torch.randn(2, 4 * n, 6)
+    w = torch.randn(2, 4 * n, 6)
+    seen = []
+    saved_ag, saved_ar = m._ALL_GATHER, dist.all_reduce
+
+    def spy_ag(out, x, *a, **k):
+        seen.append(("all_gather", x.dtype))
+        return saved_ag(out, x, *a, **k)
+
+    def spy_ar(x, *a, **k):
+        seen.append(("all_reduce", x.dtype))
+        return saved_ar(x, *a, **k)
+
+    m._ALL_GATHER, m.dist.all_reduce = spy_ag, spy_ar
+    try:
+        hook = _enter_hook(g, sequence_parallel)
+        mine = full[:, 4 * r:4 * r + 4] if sequence_parallel else full
+        grads = {}
+        for cast in (False, True):
+            x = mine.clone().requires_grad_()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cast):
+                (y, extra) = hook(None, (x, "pos"))
+            assert extra == "pos"
+            assert y.dtype == (torch.bfloat16 if cast else torch.float32)
+            torch.testing.assert_close(y, full.to(y.dtype), rtol=0, atol=0)
+            (y.float() * w * (r + 1)).sum().backward()
+            grads[cast] = x.grad
+    finally:
+        m._ALL_GATHER, m.dist.all_reduce = saved_ag, saved_ar
+    if sequence_parallel:  # forward all-gather; its backward reduce-scatter goes through _REDUCE_SCATTER
+        assert [d for op, d in seen if op == "all_gather"] == [torch.float32, torch.bfloat16]
+    else:  # copy_to_tp: the backward all-reduce
+        assert [d for op, d in seen if op == "all_reduce"] == [torch.float32, torch.bfloat16]
+    torch.testing.assert_close(grads[True], grads[False], rtol=2e-2, atol=2e-2)  # summed in bf16
+    assert grads[True].dtype == torch.float32
+    return True
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_block_input_enters_tensor_parallel_in_the_autocast_dtype(sequence_parallel):
+    assert all(pool(2).run(check_enter_hook_under_autocast, 2, sequence_parallel))
+
+
 @pytest.mark.parametrize("n,nh,nkv,batch", [(2, 2, 2, 2), (2, 4, 2, 1), (4, 2, 1, 1)])
 def test_ring_attention(n, nh, nkv, batch):
     assert all(pool(n).run(check_ring_attention, n, nh, nkv, batch))

@@ -1,0 +1,266 @@
+"""Where a profiled step's time goes on the GPU, from a torch.profiler chrome trace (``megakern-train --profile``
+writes ``timeline.txt`` beside ``trace.json``; ``python -m megakern._timeline trace.json`` prints it).
+
+A kernel table sums kernel durations, which says little once streams overlap or the GPU waits: a collective that
+waits for its peer looks long, a GPU starved by its host looks idle nowhere. This reads the trace's intervals
+instead and splits each profiled step's GPU wall time (its first kernel's start to its last kernel's end) into
+
+    compute alone      only non-communication kernels (and copies) running
+    overlapped         communication and compute kernels running together (communication hidden)
+    comm exposed       only communication kernels running (NCCL): the step waits for the network, or a peer
+    idle               nothing running: waiting for the host's launches (``host``: the next kernel was launched
+                       after the gap began) or for something else (``other``: a synchronization, an event)
+
+and lists the longest idle gaps and exposed communication, grouped by kernel name, plus the median lead of the
+launches (kernel start - launch call; near zero when the GPU keeps up with the host and waits for it).
+
+Steps are the ``ProfilerStep#N`` ranges of the host; a kernel belongs to the step during which it was launched.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+GAP_US = 2.0  # idle stretches shorter than this are launch latency inside back-to-back streams, not counted
+
+
+def is_comm(name: str) -> bool:
+    """NCCL kernels (every collective and send/recv)."""
+    n = name.lower()
+    return n.startswith("nccl") or "nccldevkernel" in n
+
+
+@dataclass
+class GpuOp:
+    name: str
+    start: float  # us
+    end: float
+    stream: int
+    launch: float | None  # host time of the launch call, us
+    comm: bool
+
+
+@dataclass
+class StepTimeline:
+    wall: float = 0.0
+    compute_alone: float = 0.0
+    overlapped: float = 0.0
+    comm_exposed: float = 0.0
+    idle_host: float = 0.0
+    idle_other: float = 0.0
+    comm_busy: float = 0.0
+    compute_busy: float = 0.0
+    kernels: int = 0
+    gaps: dict = field(default_factory=lambda: defaultdict(lambda: [0.0, 0, ""]))  # next kernel -> [us, n, cause]
+    exposed: dict = field(default_factory=lambda: defaultdict(lambda: [0.0, 0]))  # comm kernel -> [us, n]
+    leads: list = field(default_factory=list)
+
+
+def load(path: str | Path) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _gpu_ops(events: list[dict]) -> list[GpuOp]:
+    launches = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in LAUNCH_CATS:
+            corr = (e.get("args") or {}).get("correlation")
+            if corr is not None:
+                launches[corr] = float(e["ts"])
+    ops = []
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") not in GPU_CATS:
+            continue
+        args = e.get("args") or {}
+        start = float(e["ts"])
+        ops.append(GpuOp(e.get("name", "?"), start, start + float(e.get("dur", 0.0)), int(args.get("stream", -1)),
+                         launches.get(args.get("correlation")), is_comm(e.get("name", ""))))
+    ops.sort(key=lambda o: o.start)
+    return ops
+
+
+def _steps(events: list[dict]) -> list[tuple[float, float]]:
+    steps = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
+             if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#")
+             and e.get("cat") in ("user_annotation", "cpu_op", None)]
+    return sorted(steps)
+
+
+def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def _length(intervals) -> float:
+    return sum(e - s for s, e in intervals)
+
+
+def _intersect(a, b) -> list[tuple[float, float]]:
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        s, e = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if s < e:
+            out.append((s, e))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def _subtract(a, b) -> list[tuple[float, float]]:
+    """a minus b, both sorted disjoint unions."""
+    out, j = [], 0
+    for s, e in a:
+        cur = s
+        while j < len(b) and b[j][1] <= cur:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < e:
+            if b[k][0] > cur:
+                out.append((cur, b[k][0]))
+            cur = max(cur, b[k][1])
+            k += 1
+        if cur < e:
+            out.append((cur, e))
+    return out
+
+
+def analyze(trace: dict) -> list[StepTimeline]:
+    """One StepTimeline per profiled step that launched GPU work."""
+    events = trace.get("traceEvents", trace if isinstance(trace, list) else [])
+    ops = _gpu_ops(events)
+    steps = _steps(events)
+    if not ops:
+        return []
+    if not steps:
+        steps = [(min(o.start for o in ops), max(o.end for o in ops))]
+    bounds = [s for s, _ in steps[1:]]
+    per_step: list[list[GpuOp]] = [[] for _ in steps]
+    for o in ops:
+        t = o.launch if o.launch is not None else o.start
+        if t < steps[0][0]:
+            continue
+        k = sum(1 for b in bounds if t >= b)
+        per_step[k].append(o)
+    out = []
+    for group in per_step:
+        if not group:
+            continue
+        st = StepTimeline(kernels=len(group))
+        t0, t1 = min(o.start for o in group), max(o.end for o in group)
+        st.wall = t1 - t0
+        comm = _union((o.start, o.end) for o in group if o.comm)
+        comp = _union((o.start, o.end) for o in group if not o.comm)
+        busy = _union(comm + comp)
+        st.comm_busy, st.compute_busy = _length(comm), _length(comp)
+        st.overlapped = _length(_intersect(comm, comp))
+        st.compute_alone = st.compute_busy - st.overlapped
+        exposed = _subtract(comm, comp)
+        st.comm_exposed = _length(exposed)
+        # which communication kernels are exposed: attribute each exposed piece to the comm kernels covering it
+        comm_ops = sorted((o for o in group if o.comm), key=lambda o: o.start)
+        for s, e in exposed:
+            for o in comm_ops:
+                if o.start >= e:
+                    break
+                cut = min(e, o.end) - max(s, o.start)
+                if cut > 0:
+                    rec = st.exposed[o.name]
+                    rec[0] += cut
+                    rec[1] += 1
+        # idle gaps between busy stretches, and what ended them
+        starts = sorted(group, key=lambda o: o.start)
+        j = 0
+        for (_, prev_end), (nxt_start, _) in zip(busy, busy[1:]):
+            gap = nxt_start - prev_end
+            if gap < GAP_US:
+                continue
+            while j < len(starts) and starts[j].start < nxt_start:
+                j += 1
+            nxt = starts[j] if j < len(starts) else None
+            host = nxt is not None and nxt.launch is not None and nxt.launch > prev_end
+            if host:
+                st.idle_host += gap
+            else:
+                st.idle_other += gap
+            rec = st.gaps[nxt.name if nxt else "?"]
+            rec[0] += gap
+            rec[1] += 1
+            rec[2] = "host" if host else "other"
+        st.leads = [o.start - o.launch for o in group if o.launch is not None and not o.comm]
+        out.append(st)
+    return out
+
+
+def _short(name: str, width: int = 70) -> str:
+    return name if len(name) <= width else name[:width - 3] + "..."
+
+
+def report(steps: list[StepTimeline], top: int = 8) -> str:
+    """The per-step means and the top idle gaps and exposed collectives, as text."""
+    if not steps:
+        return "# timeline: no GPU kernels in the trace"
+    n = len(steps)
+
+    def mean(attr):
+        return sum(getattr(s, attr) for s in steps) / n / 1e3
+
+    wall = mean("wall")
+    rows = [("compute alone", mean("compute_alone")), ("comm + compute overlapped", mean("overlapped")),
+            ("comm exposed", mean("comm_exposed")), ("idle, waiting for the host", mean("idle_host")),
+            ("idle, other (sync, events)", mean("idle_other"))]
+    leads = [x for s in steps for x in s.leads]
+    lines = [f"# timeline per step (mean of {n}): GPU wall {wall:.1f} ms, {sum(s.kernels for s in steps) / n:.0f} "
+             f"kernels; communication busy {mean('comm_busy'):.1f} ms "
+             f"({100 * mean('overlapped') / max(mean('comm_busy'), 1e-9):.0f}% hidden), compute busy "
+             f"{mean('compute_busy'):.1f} ms"]
+    lines += [f"#   {label:<28} {ms:8.2f} ms  {100 * ms / max(wall, 1e-9):5.1f}%" for label, ms in rows]
+    if leads:
+        lines.append(f"#   launch lead (kernel start - launch), median {statistics.median(leads) / 1e3:.3f} ms "
+                     "(near 0: the GPU waits for the host)")
+    gaps: dict = defaultdict(lambda: [0.0, 0, ""])
+    exposed: dict = defaultdict(lambda: [0.0, 0])
+    for s in steps:
+        for k, (us, c, cause) in s.gaps.items():
+            gaps[k][0] += us
+            gaps[k][1] += c
+            gaps[k][2] = cause
+        for k, (us, c) in s.exposed.items():
+            exposed[k][0] += us
+            exposed[k][1] += c
+    if gaps:
+        lines.append("# idle gaps, by the kernel that ended them (ms per step, count per step, cause)")
+        for k, (us, c, cause) in sorted(gaps.items(), key=lambda kv: -kv[1][0])[:top]:
+            lines.append(f"#   {us / n / 1e3:8.2f} ms {c / n:6.1f}x  {cause:<5} {_short(k)}")
+    if exposed:
+        lines.append("# exposed communication, by kernel (ms per step, pieces per step)")
+        for k, (us, c) in sorted(exposed.items(), key=lambda kv: -kv[1][0])[:top]:
+            lines.append(f"#   {us / n / 1e3:8.2f} ms {c / n:6.1f}x  {_short(k)}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m megakern._timeline TRACE.json", file=sys.stderr)
+        return 2
+    print(report(analyze(load(argv[0]))))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,60 @@
+"""megakern._timeline: the split of a profiled step's GPU time, on hand-made traces with known answers."""
+import json
+
+import pytest
+
+from megakern import _timeline
+
+
+def _trace(kernels, steps, launches=()):
+    """kernels: (name, start, end, stream, correlation); launches: (correlation, ts); steps: (ts, dur)."""
+    ev = [{"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{i}", "ts": ts, "dur": dur}
+          for i, (ts, dur) in enumerate(steps)]
+    ev += [{"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1.0,
+            "args": {"correlation": c}} for c, ts in launches]
+    ev += [{"ph": "X", "cat": "kernel", "name": n, "ts": s, "dur": e - s, "args": {"stream": st, "correlation": c}}
+           for n, s, e, st, c in kernels]
+    ev.append({"ph": "i", "name": "marker", "ts": 0})  # other event kinds are ignored
+    return {"traceEvents": ev}
+
+
+def test_split_of_one_step():
+    kernels = [("gemm", 10.0, 110.0, 7, 1),
+               ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 60.0, 210.0, 20, 2),  # 50 overlapped, 100 exposed
+               ("norm_fwd", 310.0, 350.0, 7, 3),      # 100 us idle before it: launched at 300 -> the host
+               ("norm_bwd", 450.0, 500.0, 7, 4)]      # 100 us idle before it: launched at 320 -> other
+    launches = [(1, 5.0), (2, 8.0), (3, 300.0), (4, 320.0)]
+    (st,) = _timeline.analyze(_trace(kernels, [(0.0, 1000.0)], launches))
+    assert st.wall == pytest.approx(490.0)
+    assert st.overlapped == pytest.approx(50.0)
+    assert st.comm_exposed == pytest.approx(100.0)
+    assert st.compute_alone == pytest.approx(50.0 + 40.0 + 50.0)
+    assert st.idle_host == pytest.approx(100.0)
+    assert st.idle_other == pytest.approx(100.0)
+    assert st.comm_busy == pytest.approx(150.0)
+    parts = st.compute_alone + st.overlapped + st.comm_exposed + st.idle_host + st.idle_other
+    assert parts == pytest.approx(st.wall)
+    assert st.gaps["norm_fwd"][2] == "host" and st.gaps["norm_bwd"][2] == "other"
+    assert st.exposed["ncclDevKernel_AllReduce_Sum_f32_RING_LL"][0] == pytest.approx(100.0)
+    text = _timeline.report([st])
+    assert "comm exposed" in text and "norm_fwd" in text and "ncclDevKernel_AllReduce" in text
+
+
+def test_kernels_go_to_the_step_that_launched_them():
+    # step 0 [0, 100) launches a kernel that runs late (150..250); step 1 [100, 300) launches one at 260
+    kernels = [("a", 150.0, 250.0, 7, 1), ("b", 260.0, 300.0, 7, 2), ("c", 300.0, 320.0, 7, 3)]
+    launches = [(1, 50.0), (2, 120.0), (3, 130.0)]
+    steps = _timeline.analyze(_trace(kernels, [(0.0, 100.0), (100.0, 200.0)], launches))
+    assert [s.kernels for s in steps] == [1, 2]
+    assert steps[0].wall == pytest.approx(100.0)
+    assert steps[1].wall == pytest.approx(60.0) and steps[1].idle_host == 0 and steps[1].idle_other == 0
+
+
+def test_no_gpu_work_and_cli(tmp_path, capsys):
+    assert _timeline.analyze({"traceEvents": []}) == []
+    assert "no GPU kernels" in _timeline.report([])
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(_trace([("k", 0.0, 10.0, 7, 1)], [(0.0, 20.0)], [(1, 0.0)])))
+    assert _timeline.main([str(path)]) == 0
+    assert "GPU wall 0.0 ms" in capsys.readouterr().out
+    assert _timeline.main([]) == 2
