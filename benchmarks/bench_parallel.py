@@ -22,12 +22,15 @@ the data-parallel step does not add to the one-GPU step.
 
 Layouts are written as factors: "1", "dp2", "dp2-ddp", "tp2", "pp2", "cp2", "tp2.dp2", "tp2.pp2", "dp4-ddp-zero1", ...
 (dp defaults to FSDP). The GPUs needed are the product of the factors; layouts needing more than this machine has are
-skipped with a line saying so.
+skipped with a line saying so. "1xK" runs K independent one-GPU trainings at once, one per GPU (ms: the slowest's
+step; tok/s: all together): no communication at all, so its scaling against "1" is what sharing the host costs
+(CPU, memory bandwidth, driver), the ceiling of any K-GPU layout on this machine.
 
     python -m benchmarks.bench_parallel --model gpt-350m --layouts 1,dp2-ddp,dp2,tp2,pp2,cp2 --overlap
     python -m benchmarks.bench_parallel --model gpt-1.3b --micro-batch 4 --layouts 1,dp4,tp4,tp2.dp2
     python -m benchmarks.bench_parallel --tiny --device cpu --layouts 1,dp2,tp2     # smoke test (gloo ranks)
     python -m benchmarks.bench_parallel --layouts 1,dp2-ddp,tp2 --profile out/    # where the time goes, per layout
+    python -m benchmarks.bench_parallel --layouts 1,1x2,1x4,dp2-ddp               # the host's share of the scaling
 
 Environment of every run: NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1 (NVLink
 multicast stays off), OMP_NUM_THREADS=4 unless set.
@@ -70,16 +73,27 @@ class Layout:
     dp: int = 1
     dp_shard: str = "fsdp"
     zero1: bool = False
+    copies: int = 1  # "1xK": K independent one-GPU runs at once (the host's own scaling, no communication)
 
     @property
     def world(self) -> int:
+        """Ranks of one run."""
         return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def gpus(self) -> int:
+        return self.world * self.copies
 
     @classmethod
     def parse(cls, spec: str) -> "Layout":
         spec = spec.strip()
         if spec == "1":
             return cls("1")
+        m = re.fullmatch(r"1x(\d+)", spec)
+        if m:
+            if int(m.group(1)) < 1:
+                raise ValueError(f"bench_parallel: layout {spec!r}: 1xK needs K >= 1")
+            return cls(spec, copies=int(m.group(1)))
         head, *flags = spec.split("-")
         sizes = {}
         for part in head.split("."):
@@ -120,6 +134,8 @@ def run_layout(layout: Layout, args, run_dir: Path, data_cache: Path) -> tuple[d
     if args.profile:  # the profiler's wait + warm-up + 3 recorded steps instead of the timed steps
         overrides += [f"log.profile_dir={run_dir / 'profile'}", f"log.profile_wait={max(args.warmup - 1, 1)}",
                       "log.profile_warmup=1", "log.profile_active=3", "--profile"]
+    if layout.copies > 1:
+        return _run_copies(layout, args, run_dir, data_cache, overrides)
     if layout.world == 1:
         cmd = [sys.executable, "-m", "megakern.train", *overrides]
     else:
@@ -147,6 +163,11 @@ def run_layout(layout: Layout, args, run_dir: Path, data_cache: Path) -> tuple[d
                 text += f"\n\n# {t.parent.name}\n" + (t.parent / "timeline.txt").read_text()
         dest.write_text(text)
         return {"profile": dest}, tail
+    return _figures(run_dir, args, args.micro_batch * layout.dp * accum * args.seq, wall, accum), tail
+
+
+def _figures(run_dir: Path, args, tokens: int, wall: float, accum: int) -> dict:
+    """The timed steps' figures of one run, from its train.log."""
     from megakern._log import read_records
 
     steps = {r["step"]: r for r in read_records(run_dir) if "perf/step_ms" in r}
@@ -154,10 +175,42 @@ def run_layout(layout: Layout, args, run_dir: Path, data_cache: Path) -> tuple[d
     if not timed:
         raise RuntimeError(f"no timed steps in {run_dir / 'train.log'} (steps logged: {sorted(steps)})")
     last = steps[max(steps)]
-    tokens = args.micro_batch * layout.dp * accum * args.seq
     ms = statistics.median(timed)
     return {"ms": ms, "tok/s": tokens / (ms / 1e3), "GiB": max(r.get("perf/memory_gib", 0.0) for r in steps.values()),
-            "loss": last["train/loss"], "wall": wall, "accum": accum}, tail
+            "loss": last["train/loss"], "wall": wall, "accum": accum}
+
+
+def _run_copies(layout: Layout, args, run_dir: Path, data_cache: Path, overrides: list[str]) -> tuple[dict, str]:
+    """``layout.copies`` one-GPU runs at once, copy i on GPU i: the step time of the slowest copy (ms) and the
+    tokens/s of all together. Against layout "1" this is what the host alone costs data parallelism."""
+    procs, start = [], time.perf_counter()
+    for i in range(layout.copies):
+        env = {**os.environ, **NO_MULTICAST}
+        env.setdefault("OMP_NUM_THREADS", "4")
+        if args.device.startswith("cuda"):
+            env["CUDA_VISIBLE_DEVICES"] = str(i)
+        cmd = [sys.executable, "-m", "megakern.train",
+               *[o for o in overrides if not o.startswith("log.run_dir=")], f"log.run_dir={run_dir / str(i)}"]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      env=env))
+    outs = []
+    try:
+        for proc in procs:
+            outs.append(proc.communicate(timeout=max(args.timeout - (time.perf_counter() - start), 1))[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    wall = time.perf_counter() - start
+    tail = outs[-1][-2000:].strip() if outs else ""
+    bad = [i for i, proc in enumerate(procs) if proc.returncode != 0]
+    if bad:
+        raise RuntimeError(f"copy {bad[0]} exited {procs[bad[0]].returncode} after {wall:.0f} s:\n"
+                           f"{outs[bad[0]][-3000:].strip()}")
+    each = [_figures(run_dir / str(i), args, args.micro_batch * args.seq, wall, 1) for i in range(layout.copies)]
+    ms = max(f["ms"] for f in each)
+    return {"ms": ms, "tok/s": sum(f["tok/s"] for f in each), "GiB": max(f["GiB"] for f in each),
+            "loss": each[0]["loss"], "wall": wall, "accum": 1}, tail
 
 
 def model_facts(preset: str) -> tuple[float, int, int]:
@@ -289,8 +342,8 @@ def _main(args) -> Results:
     figures: dict[str, dict] = {}
     try:
         for layout in layouts:
-            if layout.world > have:
-                print(f"{layout.spec:<16} skipped: needs {layout.world} devices, this machine has {have}")
+            if layout.gpus > have:
+                print(f"{layout.spec:<16} skipped: needs {layout.gpus} devices, this machine has {have}")
                 continue
             try:
                 f, _ = run_layout(layout, args, tmp / layout.spec, data_cache)
@@ -302,8 +355,8 @@ def _main(args) -> Results:
                 summary = [line for line in text if line.startswith("#")]  # header, per-step timelines of each rank
                 print(f"{layout.spec:<16} profile (rank 0 tables): {f['profile']}\n" + "\n".join(summary), flush=True)
                 continue
-            f["tok/s/gpu"] = f["tok/s"] / layout.world
-            f["MFU"] = flops_per_token * f["tok/s"] / layout.world / peak if peak else None
+            f["tok/s/gpu"] = f["tok/s"] / layout.gpus
+            f["MFU"] = flops_per_token * f["tok/s"] / layout.gpus / peak if peak else None
             figures[layout.spec] = f
             base = figures.get("1")
             f["scaling"] = f["tok/s/gpu"] / base["tok/s/gpu"] if base else None
@@ -312,7 +365,7 @@ def _main(args) -> Results:
                     results.add(case, layout.spec, "megakern", metric, f[metric])
             mfu = "n/a" if f["MFU"] is None else f"{100 * f['MFU']:.1f}%"
             scaling = "" if f["scaling"] is None else f" scaling {f['scaling']:.2f}"
-            print(f"{layout.spec:<16} {layout.world} x {f['ms']:8.1f} ms {f['tok/s']:10.0f} tok/s "
+            print(f"{layout.spec:<16} {layout.gpus} x {f['ms']:8.1f} ms {f['tok/s']:10.0f} tok/s "
                   f"{f['tok/s/gpu']:9.0f} tok/s/gpu MFU {mfu} {f['GiB']:.1f} GiB{scaling} (accum {f['accum']}, "
                   f"loss {f['loss']:.3f}, run {f['wall']:.0f} s)", flush=True)
             if args.overlap and layout.dp > 1 and layout.world == layout.dp and base:

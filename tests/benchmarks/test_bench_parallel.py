@@ -15,14 +15,17 @@ def test_layout_specs():
     assert (layout.tp, layout.pp, layout.cp, layout.dp, layout.dp_shard, layout.zero1, layout.world) == (
         2, 2, 1, 2, "ddp", True, 8)
     assert Layout.parse("cp4").dp_shard == "fsdp"
+    copies = Layout.parse("1x4")
+    assert (copies.world, copies.copies, copies.gpus) == (1, 4, 4)
     for bad, why in [("tp2.tp2", "once"), ("xp2", "tp|pp|cp|dp"), ("tp0", "size >= 1"), ("dp2-ring", "unknown flag"),
-                     ("dp2-zero1", "add '-ddp'")]:
+                     ("dp2-zero1", "add '-ddp'"),
+                     ("1x0", "K >= 1")]:
         with pytest.raises(ValueError, match=why):
             Layout.parse(bad)
 
 
 def test_bench_parallel_cpu_smoke(tmp_path, capsys):
-    results = bench_parallel.main(["--tiny", "--device", "cpu", "--layouts", "1,dp2-ddp,tp4", "--overlap",
+    results = bench_parallel.main(["--tiny", "--device", "cpu", "--layouts", "1,1x2,dp2-ddp,tp4", "--overlap",
                                    "--out", str(tmp_path)])
     out = capsys.readouterr().out
     if (bench_parallel.available_gpus("cpu")) < 4:
@@ -33,9 +36,12 @@ def test_bench_parallel_cpu_smoke(tmp_path, capsys):
         assert math.isclose(figures[layout, "tok/s"], tokens / (figures[layout, "ms"] / 1e3))
         assert figures[layout, "GiB"] > 0 and 0 < figures[layout, "loss"] < 10
     assert figures["1", "scaling"] == 1.0
+    # two independent runs at once: tokens/s of both, per GPU against one run's
+    assert figures["1x2", "tok/s"] >= 2 * 2 * 256 / (figures["1x2", "ms"] / 1e3) * (1 - 1e-9)
+    assert math.isclose(figures["1x2", "tok/s/gpu"], figures["1x2", "tok/s"] / 2)
     assert math.isclose(figures["dp2-ddp", "scaling"], figures["dp2-ddp", "tok/s/gpu"] / figures["1", "tok/s/gpu"])
     assert figures["dp2-ddp", "comm ms"] > 0 and 0 <= figures["dp2-ddp", "comm hidden"] <= 1
     assert ("1", "MFU") not in figures  # no peak FLOP/s for a CPU
     with (tmp_path / "cpu" / "parallel.csv").open(newline="") as f:
         rows = list(csv.reader(f))
-    assert rows[0] == list(CSV_HEADER) and {r[7] for r in rows[1:]} == {"1", "dp2-ddp"}
+    assert rows[0] == list(CSV_HEADER) and {r[7] for r in rows[1:]} == {"1", "1x2", "dp2-ddp"}
