@@ -23,7 +23,7 @@ the data-parallel step does not add to the one-GPU step.
 Layouts are written as factors: "1", "dp2", "dp2-ddp", "tp2", "pp2", "cp2", "tp2.dp2", "tp2.pp2", "dp4-ddp-zero1", ...
 (dp defaults to FSDP). The GPUs needed are the product of the factors; layouts needing more than this machine has are
 skipped with a line saying so. "1xK" runs K independent one-GPU trainings at once, one per GPU (ms: the slowest's
-step; tok/s: all together): no communication at all, so its scaling against "1" is what sharing the host costs
+step; tok/s: all K at that pace, as ranks in lock step would go): no communication at all, so its scaling against "1" is what sharing the host costs
 (CPU, memory bandwidth, driver), the ceiling of any K-GPU layout on this machine.
 
     python -m benchmarks.bench_parallel --model gpt-350m --layouts 1,dp2-ddp,dp2,tp2,pp2,cp2 --overlap
@@ -182,7 +182,7 @@ def _figures(run_dir: Path, args, tokens: int, wall: float, accum: int) -> dict:
 
 def _run_copies(layout: Layout, args, run_dir: Path, data_cache: Path, overrides: list[str]) -> tuple[dict, str]:
     """``layout.copies`` one-GPU runs at once, copy i on GPU i: the step time of the slowest copy (ms) and the
-    tokens/s of all together. Against layout "1" this is what the host alone costs data parallelism."""
+    tokens/s of all together at that pace. Against layout "1" this is what the host alone costs data parallelism."""
     procs, start = [], time.perf_counter()
     for i in range(layout.copies):
         env = {**os.environ, **NO_MULTICAST}
@@ -208,8 +208,8 @@ def _run_copies(layout: Layout, args, run_dir: Path, data_cache: Path, overrides
         raise RuntimeError(f"copy {bad[0]} exited {procs[bad[0]].returncode} after {wall:.0f} s:\n"
                            f"{outs[bad[0]][-3000:].strip()}")
     each = [_figures(run_dir / str(i), args, args.micro_batch * args.seq, wall, 1) for i in range(layout.copies)]
-    ms = max(f["ms"] for f in each)
-    return {"ms": ms, "tok/s": sum(f["tok/s"] for f in each), "GiB": max(f["GiB"] for f in each),
+    ms = max(f["ms"] for f in each)  # the slowest copy: what ranks in lock step (every collective) would see
+    return {"ms": ms, "tok/s": layout.copies * args.micro_batch * args.seq / (ms / 1e3), "GiB": max(f["GiB"] for f in each),
             "loss": each[0]["loss"], "wall": wall, "accum": 1}, tail
 
 

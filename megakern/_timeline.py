@@ -11,8 +11,9 @@ instead and splits each profiled step's GPU wall time (its first kernel's start 
     idle               nothing running: waiting for the host's launches (``host``: the next kernel was launched
                        after the gap began) or for something else (``other``: a synchronization, an event)
 
-and lists the longest idle gaps and exposed communication, grouped by kernel name, plus the median lead of the
-launches (kernel start - launch call; near zero when the GPU keeps up with the host and waits for it).
+and lists the longest idle gaps and exposed communication, grouped by kernel name, the median lead of the
+launches (kernel start - launch call; near zero when the GPU keeps up with the host and waits for it), and the
+host's synchronizations with the device (each one drains the GPU's queue: the GPU then waits for the host).
 
 Steps are the ``ProfilerStep#N`` ranges of the host; a kernel belongs to the step during which it was launched.
 """
@@ -61,6 +62,8 @@ class StepTimeline:
     gaps: dict = field(default_factory=lambda: defaultdict(lambda: [0.0, 0, ""]))  # next kernel -> [us, n, cause]
     exposed: dict = field(default_factory=lambda: defaultdict(lambda: [0.0, 0]))  # comm kernel -> [us, n]
     leads: list = field(default_factory=list)
+    host: float = 0.0  # the host's ProfilerStep range, us
+    waits: dict = field(default_factory=lambda: defaultdict(lambda: [0.0, 0]))  # host sync call -> [us, n]
 
 
 def load(path: str | Path) -> dict:
@@ -85,6 +88,11 @@ def _gpu_ops(events: list[dict]) -> list[GpuOp]:
                          launches.get(args.get("correlation")), is_comm(e.get("name", ""))))
     ops.sort(key=lambda o: o.start)
     return ops
+
+
+def _is_wait(name: str) -> bool:
+    """Runtime calls where the host waits for the device (a synchronous copy included)."""
+    return "Synchronize" in name or name in ("cudaMemcpy", "cuMemcpyDtoH_v2", "cuMemcpy")
 
 
 def _steps(events: list[dict]) -> list[tuple[float, float]]:
@@ -156,11 +164,20 @@ def analyze(trace: dict) -> list[StepTimeline]:
             continue
         k = sum(1 for b in bounds if t >= b)
         per_step[k].append(o)
+    waits: list[list[tuple[str, float, float]]] = [[] for _ in steps]
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in LAUNCH_CATS and _is_wait(str(e.get("name", ""))):
+            t = float(e["ts"])
+            if steps[0][0] <= t < steps[-1][1]:
+                waits[sum(1 for b in bounds if t >= b)].append((e["name"], t, float(e.get("dur", 0.0))))
     out = []
-    for group in per_step:
+    for (h0, h1), group, step_waits in zip(steps, per_step, waits):
         if not group:
             continue
-        st = StepTimeline(kernels=len(group))
+        st = StepTimeline(kernels=len(group), host=h1 - h0)
+        for name, _, dur in step_waits:
+            st.waits[name][0] += dur
+            st.waits[name][1] += 1
         t0, t1 = min(o.start for o in group), max(o.end for o in group)
         st.wall = t1 - t0
         comm = _union((o.start, o.end) for o in group if o.comm)
@@ -224,14 +241,22 @@ def report(steps: list[StepTimeline], top: int = 8) -> str:
             ("comm exposed", mean("comm_exposed")), ("idle, waiting for the host", mean("idle_host")),
             ("idle, other (sync, events)", mean("idle_other"))]
     leads = [x for s in steps for x in s.leads]
-    lines = [f"# timeline per step (mean of {n}): GPU wall {wall:.1f} ms, {sum(s.kernels for s in steps) / n:.0f} "
-             f"kernels; communication busy {mean('comm_busy'):.1f} ms "
+    lines = [f"# timeline per step (mean of {n}): host {mean('host'):.1f} ms, GPU wall {wall:.1f} ms, "
+             f"{sum(s.kernels for s in steps) / n:.0f} kernels; communication busy {mean('comm_busy'):.1f} ms "
              f"({100 * mean('overlapped') / max(mean('comm_busy'), 1e-9):.0f}% hidden), compute busy "
              f"{mean('compute_busy'):.1f} ms"]
     lines += [f"#   {label:<28} {ms:8.2f} ms  {100 * ms / max(wall, 1e-9):5.1f}%" for label, ms in rows]
     if leads:
         lines.append(f"#   launch lead (kernel start - launch), median {statistics.median(leads) / 1e3:.3f} ms "
                      "(near 0: the GPU waits for the host)")
+    waits: dict = defaultdict(lambda: [0.0, 0])
+    for s in steps:
+        for k, (us, c) in s.waits.items():
+            waits[k][0] += us
+            waits[k][1] += c
+    lines.append("#   host waits for the device: " + (", ".join(
+        f"{k} {c / n:.1f}x {us / n / 1e3:.2f} ms" for k, (us, c) in sorted(waits.items(), key=lambda kv: -kv[1][0]))
+        if waits else "none"))
     gaps: dict = defaultdict(lambda: [0.0, 0, ""])
     exposed: dict = defaultdict(lambda: [0.0, 0])
     for s in steps:

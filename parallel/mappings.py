@@ -17,7 +17,8 @@ column-parallel layer all-gathers its input (``gather_from_sp``) instead of ``co
 reduce-scatters its output (``reduce_scatter_to_sp``) instead of all-reducing. An all-reduce is a reduce-scatter
 plus an all-gather, so SP moves the same bytes and divides the norm/dropout activations by tp.
 
-Collectives run on contiguous buffers along dim 0 (other dims are moved there and back). Chunks are equal:
+Collectives run on contiguous buffers, one rank's chunk after another: an all-gather or reduce-scatter along dim d
+makes one permuting copy when the dims before d hold more than one element (none along dim 0). Chunks are equal:
 the split dim must be divisible by the group size (checked, with the numbers in the error). On gloo builds that
 lack the single-tensor collectives (gloo in torch 2.11 and 2.13 has both, for fp32 and bf16), all-gather falls
 back to the list form and reduce-scatter to an all-reduce of the whole tensor keeping this rank's chunk (twice the
@@ -71,41 +72,63 @@ def _gloo_lacks(exc: Exception, group) -> bool:
     return dist.get_backend(group) == "gloo" and isinstance(exc, (RuntimeError, NotImplementedError))
 
 
+def _lead_rest(x: torch.Tensor, dim: int) -> tuple[int, int]:
+    lead = 1
+    for d in x.shape[:dim]:
+        lead *= d
+    rest = 1
+    for d in x.shape[dim + 1:]:
+        rest *= d
+    return lead, rest
+
+
 def all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
-    """Concatenation of every rank's x along ``dim`` (rank order)."""
+    """Concatenation of every rank's x along ``dim`` (rank order). NCCL gathers the ranks' contiguous tensors one
+    after another; when dims before ``dim`` hold more than one element the result is one permuting copy of that
+    (for dim 0, or a batch of one, no copy at all)."""
     n = group_size(group)
     if n == 1:
         return x
     dim = dim % x.dim()
-    moved = x.movedim(dim, 0).contiguous()
-    out = moved.new_empty((n * moved.shape[0], *moved.shape[1:]))
+    x = x.contiguous()
+    lead, rest = _lead_rest(x, dim)
+    out = x.new_empty((n, *x.shape))
     try:
-        _ALL_GATHER(out, moved, group=group)
+        _ALL_GATHER(out, x, group=group)
     except (RuntimeError, NotImplementedError) as exc:
         if not _gloo_lacks(exc, group):
             raise
-        dist.all_gather(list(out.chunk(n)), moved, group=group)
-    return out.movedim(0, dim) if dim == 0 else out.movedim(0, dim).contiguous()
+        dist.all_gather(list(out.unbind(0)), x, group=group)
+    shape = (*x.shape[:dim], n * x.shape[dim], *x.shape[dim + 1:])
+    if lead == 1:
+        return out.view(shape)
+    return out.view(n, lead, x.shape[dim], rest).transpose(0, 1).reshape(shape)
 
 
 def reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
-    """This rank's chunk of ``dim`` of the sum over the group."""
+    """This rank's chunk of ``dim`` of the sum over the group. The ranks' chunks go to NCCL one after another: one
+    permuting copy of x when dims before ``dim`` hold more than one element (none for dim 0 or a batch of one)."""
     n = group_size(group)
     if n == 1:
         return x
     dim = dim % x.dim()
-    _check_split(x, dim, n, "reduce_scatter")
-    moved = x.movedim(dim, 0).contiguous()
-    out = moved.new_empty((moved.shape[0] // n, *moved.shape[1:]))
+    m = _check_split(x, dim, n, "reduce_scatter")
+    lead, rest = _lead_rest(x, dim)
+    shape = (*x.shape[:dim], m, *x.shape[dim + 1:])
+    if lead == 1:
+        chunks = x.contiguous().view(n, *shape)
+    else:
+        chunks = x.reshape(lead, n, m, rest).transpose(0, 1).contiguous().view(n, *shape)
+    out = x.new_empty(shape)
     try:
-        _REDUCE_SCATTER(out, moved, group=group)
+        _REDUCE_SCATTER(out, chunks, group=group)
     except (RuntimeError, NotImplementedError) as exc:
         if not _gloo_lacks(exc, group):
             raise
-        whole = moved.clone()
+        whole = chunks.clone()
         dist.all_reduce(whole, group=group)
-        out.copy_(whole.chunk(n)[group_rank(group)])
-    return out if dim == 0 else out.movedim(0, dim).contiguous()
+        out.copy_(whole[group_rank(group)])
+    return out
 
 
 # ---- the autograd pairs ----------------------------------------------------------------------------------------

@@ -24,7 +24,11 @@ def test_split_of_one_step():
                ("norm_fwd", 310.0, 350.0, 7, 3),      # 100 us idle before it: launched at 300 -> the host
                ("norm_bwd", 450.0, 500.0, 7, 4)]      # 100 us idle before it: launched at 320 -> other
     launches = [(1, 5.0), (2, 8.0), (3, 300.0), (4, 320.0)]
-    (st,) = _timeline.analyze(_trace(kernels, [(0.0, 1000.0)], launches))
+    trace = _trace(kernels, [(0.0, 1000.0)], launches)
+    trace["traceEvents"].append({"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 220.0,
+                                 "dur": 70.0, "args": {}})
+    (st,) = _timeline.analyze(trace)
+    assert st.host == 1000.0 and st.waits["cudaStreamSynchronize"] == [70.0, 1]
     assert st.wall == pytest.approx(490.0)
     assert st.overlapped == pytest.approx(50.0)
     assert st.comm_exposed == pytest.approx(100.0)
@@ -38,6 +42,7 @@ def test_split_of_one_step():
     assert st.exposed["ncclDevKernel_AllReduce_Sum_f32_RING_LL"][0] == pytest.approx(100.0)
     text = _timeline.report([st])
     assert "comm exposed" in text and "norm_fwd" in text and "ncclDevKernel_AllReduce" in text
+    assert "cudaStreamSynchronize 1.0x 0.07 ms" in text and "host 1.0 ms" in text
 
 
 def test_kernels_go_to_the_step_that_launched_them():

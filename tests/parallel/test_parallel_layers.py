@@ -56,6 +56,17 @@ def check_mappings(n):
     torch.testing.assert_close(ag, full)
     (ag * w * (r + 1)).sum().backward()
     torch.testing.assert_close(s.grad, (w * sum(range(1, n + 1)))[:, 4 * r:4 * r + 4])
+    # a batch of one (no permuting copy) and the gathered dim first or last
+    for shape, dim in (((1, 4 * n, 5), 1), ((4 * n, 3, 2), 0), ((2, 3, 4 * n), 2), ((1, 1, 4 * n, 3), 2)):
+        whole = torch.randn(shape, dtype=torch.float64)
+        mine = whole.narrow(dim, 4 * r, 4) * (r + 1)
+        piece = mine.clone().requires_grad_()
+        ag = m.gather_from_sp(piece, g, dim=dim)
+        torch.testing.assert_close(ag, torch.cat([whole.narrow(dim, 4 * k, 4) * (k + 1) for k in range(n)], dim))
+        ag.backward(whole * (r + 1))
+        torch.testing.assert_close(piece.grad, (whole * sum(range(1, n + 1))).narrow(dim, 4 * r, 4))
+        rs = m.reduce_scatter_to_sp(whole * (r + 1), g, dim=dim)
+        torch.testing.assert_close(rs, (whole * sum(range(1, n + 1))).narrow(dim, 4 * r, 4))
     with pytest.raises(ValueError, match="not divisible by the group size"):
         m.scatter_to_tp(torch.randn(3, 4 * n + 1), g, dim=1)
     # in-place reduce refuses a tensor autograd saved
