@@ -80,17 +80,24 @@ def _run(run_dir: Path, data_cache: Path, world: int, overrides: list[str], devi
     return _losses(run_dir), proc.stdout
 
 
+def _selected(session) -> set[str]:
+    """The layouts of the tests pytest will run (after -k / node ids): only those are launched."""
+    return {item.callspec.params["name"] for item in session.items
+            if item.module.__name__ == __name__ and hasattr(item, "callspec")}
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Every layout this machine can hold, run concurrently on disjoint GPUs after the one-GPU reference (which
-    tokenizes the corpus into the shared cache first)."""
+def runs(request, tmp_path_factory):
+    """Every selected layout this machine can hold, run concurrently on disjoint GPUs after the one-GPU reference
+    (which tokenizes the corpus into the shared cache first)."""
     if DEVICES < 2 and not ON_CPU:
         pytest.skip(f"needs at least 2 CUDA devices, this machine has {DEVICES}")
     tmp = tmp_path_factory.mktemp("multi")
     data_cache = tmp / "data"
     reference, out = _run(tmp / "one", data_cache, 1, [], [0])
     assert reference is not None, out
-    fitting = [(name, world, o) for name, world, o in LAYOUTS if world <= DEVICES]
+    selected = _selected(request.session)
+    fitting = [(name, world, o) for name, world, o in LAYOUTS if world <= DEVICES and name in selected]
     free, ready = list(range(DEVICES)), threading.Condition()
 
     def job(item):
