@@ -779,7 +779,7 @@ class Trainer:
         if self.device_skip:
             self.optimizer.grad_scale, self.optimizer.found_inf = None, values[2]  # 0-d fp32, as the steps
             try:
-                self.optimizer.step()
+                self._optimizer_step()
             finally:
                 self.optimizer.found_inf = None
             if self.masters is not None:  # after a skipped step the masters are unchanged: an exact no-op
@@ -788,12 +788,23 @@ class Trainer:
         else:
             result = StepFigures(self.step + 1, values.cpu())  # the host sync
             if result.read()[2]:
-                self.optimizer.step()
+                self._optimizer_step()
                 if self.masters is not None:
                     self._copy_masters()
         if self.masters is None:  # the masters' gradients are overwritten by the next step's first micro-batch
             self.optimizer.zero_grad(set_to_none=True)
         return result
+
+    def _optimizer_step(self) -> None:
+        """optimizer.step(); over FSDP2's DTensor shards it runs on their local tensors (the same update, without
+        DTensor's per-call dispatch: see megakern.parallel.data_parallel.local_shards)."""
+        if self.parallel and self.pmodel.fsdp:
+            from megakern.parallel.data_parallel import local_shards
+
+            with local_shards(self.optimizer):
+                self.optimizer.step()
+        else:
+            self.optimizer.step()
 
     def _to_host(self, values: torch.Tensor) -> StepFigures:
         """The step's figures copied to the host without waiting: into pinned memory behind an event on CUDA."""

@@ -16,23 +16,27 @@ the factor that turns the average into the gradient of the global mean loss (see
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 DP_SHARDS = ("fsdp", "ddp")
 
 
 def apply_fsdp(module: nn.Module, blocks: Iterable[nn.Module], mesh, *, reshard_after_forward: bool = True):
-    """fully_shard each block, then ``module`` (the root); in place, returns module."""
+    """fully_shard each block, then ``module`` (the root); in place, returns module. The root's own parameters
+    (embeddings, final norm, head) stay gathered from forward to backward: the backward starts with them, so
+    freeing them would only all-gather them again at once."""
     for block in blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(module, mesh=mesh, reshard_after_forward=False)
     return module
 
 
@@ -48,6 +52,49 @@ def set_grad_sync(modules: Iterable[nn.Module], enabled: bool) -> None:
     for m in modules:
         if isinstance(m, FSDPModule):
             m.set_requires_gradient_sync(enabled)
+
+
+@contextlib.contextmanager
+def local_shards(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Inside, the optimizer's DTensor parameters (FSDP2's shards), their gradients and their state are the local
+    shards, plain tensors: ``optimizer.step()`` then runs the same elementwise update on the same memory without
+    DTensor's per-call sharding propagation, which for a foreach or fused step over every parameter is not cached
+    and costs the host more than the update costs the GPU. State the step creates is stored back as DTensors of the
+    parameters' placements, as the optimizer would have made it (checkpoints read it so). Parameters that are not
+    DTensors (DDP, ZeRO-1, tensor parallel alone) are left as they are."""
+    swaps = []
+    state = optimizer.state
+    try:
+        for group in optimizer.param_groups:
+            originals = group["params"]
+            if not any(isinstance(p, DTensor) for p in originals):
+                continue
+            shards = []
+            for p in originals:
+                if not isinstance(p, DTensor):
+                    shards.append(p)
+                    continue
+                local = p._local_tensor
+                local.grad = None if p.grad is None else p.grad._local_tensor
+                if state.get(p):
+                    state[local] = {k: v._local_tensor if isinstance(v, DTensor) else v for k, v in state[p].items()}
+                shards.append(local)
+            group["params"] = shards
+            swaps.append((group, originals, shards))
+        yield
+    finally:
+        for group, originals, shards in swaps:
+            group["params"] = originals
+            for p, local in zip(originals, shards):
+                if local is p:
+                    continue
+                made = state.pop(local, None)
+                if made is not None and not state.get(p):  # created by this step: in the parameter's form
+                    state[p] = {k: DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                                      stride=p.stride())
+                                if isinstance(v, torch.Tensor) and v.dim() and v.shape == local.shape else v
+                                for k, v in made.items()}
+                local.grad = None
 
 
 def zero1_optimizer(params, optimizer_class, group, **kwargs) -> ZeroRedundancyOptimizer:

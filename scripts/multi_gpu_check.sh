@@ -5,8 +5,8 @@
 #   2. benchmarks/bench_parallel.py for GPT-350M (layouts over 1..4 GPUs, data-parallel overlap), then GPT-1.3B,
 #      while the time budget lasts.
 #
-#   3. (stage "profile") bench_parallel --profile: rank 0's kernel and host tables of each GPT-350M layout, in one
-#      file $OUT/profiles.txt.
+#   3. (stage "profile") bench_parallel --profile: rank 0's kernel and host tables and every rank's timeline of
+#      each GPT-350M layout, in one file $OUT/profiles.txt.
 #
 #   MEGAKERN_GIT_SHA=$(git rev-parse --short HEAD) BUDGET_S=520 bash scripts/multi_gpu_check.sh [test] [bench] [profile]
 #
@@ -27,6 +27,11 @@ step() { echo; echo "=== $1 ($(date -u +%H:%M:%S), $(left) s left)"; }
 status=0
 STAGES=${*:-test bench}
 want() { [[ " $STAGES " == *" $1 "* ]]; }
+
+if want test && { want bench || want profile; } && [ "${BUDGET_S:-520}" -lt 600 ]; then
+  echo "note: the test stage takes about 250 s on 4 GPUs and bench about 300 s (profile 130 s): with BUDGET_S=${BUDGET_S:-520}"
+  echo "      the test stage may be cut; run 'test' in a call of its own (on a 600 s call limit)"
+fi
 
 step environment
 nvidia-smi --query-gpu=index,name,memory.total --format=csv | tee "$OUT/env.txt"
@@ -54,7 +59,7 @@ fi
 if want bench; then
 step "bench_parallel gpt-350m"
 timeout $(( $(left) - 60 )) python3 -m benchmarks.bench_parallel --model gpt-350m --micro-batch 8 --warmup 3 --steps 8 \
-  --layouts ${LAYOUTS_350M:-1,dp2-ddp,dp2,tp2,pp2,cp2,dp4,tp2.dp2} --overlap --timeout 200 \
+  --layouts ${LAYOUTS_350M:-1,1x2,1x4,dp2-ddp,dp2,tp2,pp2,cp2,dp4-ddp,tp2.dp2} --overlap --timeout 200 \
   > "$OUT/bench_parallel_350m.log" 2>&1 || status=1
 grep -v "^|" "$OUT/bench_parallel_350m.log" | tail -25
 

@@ -41,6 +41,7 @@ def test_bench_parallel_cpu_smoke(tmp_path, capsys):
     assert math.isclose(figures["1x2", "tok/s/gpu"], figures["1x2", "tok/s"] / 2)
     assert math.isclose(figures["dp2-ddp", "scaling"], figures["dp2-ddp", "tok/s/gpu"] / figures["1", "tok/s/gpu"])
     assert figures["dp2-ddp", "comm ms"] > 0 and 0 <= figures["dp2-ddp", "comm hidden"] <= 1
+    assert "over 1x2:" in out  # the hidden share is taken against the two one-GPU runs at once
     assert ("1", "MFU") not in figures  # no peak FLOP/s for a CPU
     with (tmp_path / "cpu" / "parallel.csv").open(newline="") as f:
         rows = list(csv.reader(f))

@@ -257,3 +257,51 @@ def bad_values(layout: dict) -> dict:
         except ValueError as exc:
             errors[name] = str(exc)
     return errors
+
+
+def check_local_shard_step(steps: int = 3) -> dict:
+    """FSDP2 (dp over every rank), AdamW: stepping on the local shards (data_parallel.local_shards) gives the same
+    parameters and state, bit for bit, as stepping on the DTensors; the state the first step creates is DTensors
+    like the parameters'. Returns the host time of each kind of step (seconds, median)."""
+    import statistics
+    import time
+
+    from megakern.parallel.data_parallel import local_shards
+
+    cfg = tiny_config("llama", n_layer=2)
+    n = dist.get_world_size()
+    torch.manual_seed(0)
+    base = GPT(cfg)
+    runs, times = [], {}
+    for local in (False, True):
+        pm = ParallelDims(dp=n).build("cpu", timeout=60)
+        pmodel = parallelize(copy.deepcopy(base), pm, None, dp_shard="fsdp")
+        opt = pmodel.build_optimizer(torch.optim.AdamW, lr=1e-2, weight_decay=0.1, foreach=True)
+        spent = []
+        for idx, targets in batches(steps, 2 * n, 16, cfg.vocab_size):
+            r = pm.dp_rank
+            pmodel.forward_backward(idx[2 * r:2 * r + 2], targets[2 * r:2 * r + 2])
+            start = time.perf_counter()
+            if local:
+                with local_shards(opt):
+                    opt.step()
+            else:
+                opt.step()
+            spent.append(time.perf_counter() - start)
+            opt.zero_grad(set_to_none=True)
+            if local:  # the swap is undone: DTensor parameters and state, no gradient left on the shards
+                for p in pmodel.parameters():
+                    assert isinstance(p, DTensor) and p._local_tensor.grad is None
+                    state = opt.state[p]
+                    assert isinstance(state["exp_avg"], DTensor) and state["exp_avg"].placements == p.placements
+                    assert state["exp_avg"].shape == p.shape
+        times[local] = statistics.median(spent)
+        runs.append(([p.detach()._local_tensor.clone() for p in pmodel.parameters()],
+                     [{k: (v._local_tensor if isinstance(v, DTensor) else v).clone() for k, v in opt.state[p].items()}
+                      for p in pmodel.parameters()]))
+    (p0, s0), (p1, s1) = runs
+    for a, b in zip(p0, p1):
+        assert torch.equal(a, b)
+    for a, b in zip(s0, s1):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    return {"dtensor": times[False], "local": times[True]}

@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from gpt_check import check_packed, check_train, packed_refused, tiny_config
+from gpt_check import check_local_shard_step, check_packed, check_train, packed_refused, tiny_config
 from rankpool import pool
 
 from megakern.models.gpt import GPT
@@ -128,3 +128,8 @@ def test_token_ids_and_targets_checked_once_per_batch(layout):
         assert "ParallelModel: token ids span" in errors["ids"] and "outside the vocabulary [0, 120)" in errors["ids"]
         # ignore_index (-100) is not counted: the span starts at the smallest real target
         assert "ParallelModel: targets span 0..120 (besides ignore_index -100)" in errors["targets"], errors
+
+
+def test_fsdp_optimizer_steps_on_local_shards():
+    times = pool(2).run(check_local_shard_step)
+    print("optimizer step on DTensors / on local shards (s):", times)
