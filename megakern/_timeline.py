@@ -29,7 +29,7 @@ from pathlib import Path
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
-GAP_US = 2.0  # idle stretches shorter than this are launch latency inside back-to-back streams, not counted
+GAP_US = 2.0  # idle stretches shorter than this (launch latency between back-to-back kernels) are not listed
 
 
 def is_comm(name: str) -> bool:
@@ -204,8 +204,6 @@ def analyze(trace: dict) -> list[StepTimeline]:
         j = 0
         for (_, prev_end), (nxt_start, _) in zip(busy, busy[1:]):
             gap = nxt_start - prev_end
-            if gap < GAP_US:
-                continue
             while j < len(starts) and starts[j].start < nxt_start:
                 j += 1
             nxt = starts[j] if j < len(starts) else None
@@ -214,6 +212,8 @@ def analyze(trace: dict) -> list[StepTimeline]:
                 st.idle_host += gap
             else:
                 st.idle_other += gap
+            if gap < GAP_US:  # counted, not listed
+                continue
             rec = st.gaps[nxt.name if nxt else "?"]
             rec[0] += gap
             rec[1] += 1

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megakern import _log
+from megakern import _log, _timeline
 from megakern.checkpoint import CheckpointError
 from megakern._log import read_records
 from megakern.config import ConfigError, load_config
@@ -321,8 +321,16 @@ def test_gpu_compiled_step_matches_eager(tmp_path, data_cache):
 @pytest.mark.gpu
 def test_gpu_profile_has_kernels(tmp_path, data_cache):
     t = trainer(tmp_path, data_cache, *TINY, *GPU, f"log.profile_dir={tmp_path / 'profiles'}", profile=True)
-    table = (Path(t.run().profile_dir) / "kernels.txt").read_text()
+    out = Path(t.run().profile_dir)
+    table = (out / "kernels.txt").read_text()
     assert "Self CUDA" in table and "forward" in table
+    # the timeline of the recorded steps: its parts add up to the GPU wall time
+    steps = _timeline.analyze(_timeline.load(out / "trace.json"))
+    assert len(steps) == t.config.log.profile_active and all(s.kernels > 0 for s in steps)
+    for s in steps:
+        parts = s.compute_alone + s.overlapped + s.comm_exposed + s.idle_host + s.idle_other
+        assert parts == pytest.approx(s.wall, rel=1e-6) and s.comm_busy == 0
+    assert "# timeline per step" in (out / "timeline.txt").read_text() and "# timeline per step" in table
 
 
 def _free_port() -> int:
