@@ -55,6 +55,17 @@ def _cuda_impl():
 _LAUNCHERS = {"triton": _triton_impl, "cuda": _cuda_impl}
 
 
+def module_params(x: torch.Tensor, weight, bias):
+    """A norm module's (weight, bias) in a dtype the kernels take with ``x``: parameters stored in another low
+    precision than x's (bf16 compute parameters of FSDP2 mixed precision meeting the fp32 residual stream) are read
+    as fp32, which holds their values exactly; autograd casts their gradients back."""
+    def fit(t):
+        if t is None or t.dtype in (x.dtype, torch.float32) or not t.is_floating_point():
+            return t
+        return t.float()
+    return fit(weight), fit(bias)
+
+
 def check_inputs(op: str, x, weight, bias, residual, eps) -> None:
     """Raise TypeError / ValueError naming the problem with any argument."""
     if not isinstance(x, torch.Tensor):

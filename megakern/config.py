@@ -235,6 +235,10 @@ class ParallelConfig:
     """Data parallelism by replication (DDP) or sharding (FSDP2)."""
     zero1: bool = False
     """Shard the optimizer state over data-parallel ranks (with dp_shard='ddp')."""
+    fsdp_param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """With dp_shard='fsdp': the dtype the blocks' parameters are all-gathered and computed in (their fp32 shards
+    are what the optimizer updates; gradients are reduced in fp32); auto: bfloat16 under bf16-autocast, else
+    float32."""
     microbatches: int | None = None
     """Pipeline micro-batches per step; None: the gradient-accumulation steps."""
     init_timeout_s: float = 600.0

@@ -48,7 +48,8 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.
 class LayerNorm(nn.Module):
     """LayerNorm over the last dim, with learned scale and shift (``elementwise_affine``, ``bias``).
 
-    ``forward(x, residual=None)`` returns y, or ``(y, x + residual)`` with a residual.
+    ``forward(x, residual=None)`` returns y, or ``(y, x + residual)`` with a residual. Parameters held in another
+    low precision than x (bf16 parameters with fp32 activations, as under FSDP2 mixed precision) are read in fp32.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, *, elementwise_affine: bool = True, bias: bool = True,
@@ -60,7 +61,8 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(hidden_size, **factory)) if elementwise_affine and bias else None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return layer_norm(x, self.weight, self.bias, self.eps, residual=residual, backend=self.backend)
+        weight, bias = _norm.module_params(x, self.weight, self.bias)
+        return layer_norm(x, weight, bias, self.eps, residual=residual, backend=self.backend)
 
     def extra_repr(self) -> str:
         return (f"{self.hidden_size}, eps={self.eps}, affine={self.weight is not None}, "

@@ -44,7 +44,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
 class RMSNorm(nn.Module):
     """RMSNorm over the last dim, with a learned scale (unless ``elementwise_affine=False``).
 
-    ``forward(x, residual=None)`` returns y, or ``(y, x + residual)`` with a residual.
+    ``forward(x, residual=None)`` returns y, or ``(y, x + residual)`` with a residual. A weight held in another
+    low precision than x (bf16 with fp32 activations, as under FSDP2 mixed precision) is read in fp32.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, *, elementwise_affine: bool = True,
@@ -54,7 +55,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype)) if elementwise_affine else None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return rms_norm(x, self.weight, self.eps, residual=residual, backend=self.backend)
+        weight, _ = _norm.module_params(x, self.weight, None)
+        return rms_norm(x, weight, self.eps, residual=residual, backend=self.backend)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}, affine={self.weight is not None}, backend={self.backend}"

@@ -491,8 +491,14 @@ class Trainer:
             from megakern.parallel import parallelize
 
             try:
+                fsdp_dtype = c.parallel.fsdp_param_dtype
+                if fsdp_dtype == "auto":
+                    fsdp_dtype = "bfloat16" if self.precision == "bf16-autocast" else "float32"
                 self.pmodel = parallelize(model, self.env.mesh, c.parallel, generator=generator,
-                                          microbatches=self.microbatches)
+                                          microbatches=self.microbatches, fsdp_param_dtype=fsdp_dtype)
+                if self.pmodel.fsdp and fsdp_dtype != "float32":
+                    self.log(f"FSDP2: blocks' parameters all-gathered and computed in {fsdp_dtype}, fp32 shards "
+                             "updated, gradients reduced in fp32")
             except ValueError as exc:
                 raise ConfigError(f"parallel: {exc}") from None
             self.model = self.pmodel.gpts[0]
@@ -566,6 +572,9 @@ class Trainer:
             problems.append("train.compile is single-process only")
         if c.data.packed_documents:
             problems.append("data.packed_documents is single-process only")
+        if c.parallel.fsdp_param_dtype == "bfloat16" and self.precision != "bf16-autocast":
+            problems.append(f"parallel.fsdp_param_dtype=bfloat16 computes under bf16 autocast; train.precision is "
+                            f"{self.precision} (use bf16-autocast, or fsdp_param_dtype auto / float32)")
         if problems:
             raise ConfigError(f"a run over {self.env.world} ranks: " + "; ".join(problems))
 

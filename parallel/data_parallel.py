@@ -7,7 +7,9 @@ the factor that turns the average into the gradient of the global mean loss (see
 
 - "fsdp": each block, then the whole stage, is ``fully_shard``-ed: parameters, gradients and optimizer state are
   sharded over dp_cp (dim 0), gathered per block for forward and backward. Under pipeline parallelism parameters
-  stay gathered between forward and backward (reshard_after_forward=False), as micro-batches come back.
+  stay gathered between forward and backward (reshard_after_forward=False), as micro-batches come back. With
+  ``param_dtype`` bf16 (the training program's choice under bf16 autocast) the blocks are all-gathered and computed
+  in bf16 while the fp32 shards are updated; ``local_shards`` runs the optimizer step on the shards' local tensors.
 - "ddp": ``DistributedDataParallel``; with ``zero1`` the optimizer is ``ZeroRedundancyOptimizer`` (each dp_cp rank
   keeps the optimizer state of a share of the parameters, updates them and broadcasts them). Under pipeline
   parallelism the stages are replicated by hand instead (``broadcast_params`` once, ``allreduce_grads`` after the
@@ -17,12 +19,13 @@ the factor that turns the average into the gradient of the global mean loss (see
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
@@ -30,12 +33,24 @@ from torch.nn.parallel import DistributedDataParallel
 DP_SHARDS = ("fsdp", "ddp")
 
 
-def apply_fsdp(module: nn.Module, blocks: Iterable[nn.Module], mesh, *, reshard_after_forward: bool = True):
+def apply_fsdp(module: nn.Module, blocks: Iterable[nn.Module], mesh, *, reshard_after_forward: bool = True,
+               param_dtype: torch.dtype | None = None):
     """fully_shard each block, then ``module`` (the root); in place, returns module. The root's own parameters
     (embeddings, final norm, head) stay gathered from forward to backward: the backward starts with them, so
-    freeing them would only all-gather them again at once."""
+    freeing them would only all-gather them again at once.
+
+    ``param_dtype`` (e.g. bf16 under bf16 autocast): the blocks' parameters are all-gathered and computed in it (half
+    the all-gather bytes, and no autocast cast of each weight at each use and back in backward), their fp32 shards
+    stay what the optimizer updates, and gradients are reduced in fp32. The blocks' inputs are not cast (the
+    residual stream keeps its dtype); the root (embeddings, head) stays in its own dtype."""
+    # torch 2.13's FSDP2 warns when a module returns a view (an in-place op on it would skip the pre-backward
+    # hook): a block's MLP output is F.linear's view of its 2-D product, and the next block's norm reads it out of
+    # place, never in place, so the hazard cannot arise here
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor", category=UserWarning)
+    policy = (MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+              if param_dtype is not None else MixedPrecisionPolicy())
     for block in blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     fully_shard(module, mesh=mesh, reshard_after_forward=False)
     return module
 

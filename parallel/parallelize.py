@@ -61,6 +61,10 @@ class Options:
     """"fsdp" (FSDP2 fully_shard) | "ddp"."""
     zero1: bool = False
     """With dp_shard "ddp": shard the optimizer state (ZeroRedundancyOptimizer)."""
+    fsdp_param_dtype: str = "float32"
+    """With dp_shard "fsdp": "float32" | "bfloat16", the dtype the blocks' parameters are all-gathered and computed
+    in (their fp32 shards are what the optimizer updates; gradients are reduced in fp32). "auto" (the training
+    program's default) is taken as "float32" here; the training program picks "bfloat16" under bf16 autocast."""
     seed: int | None = None
     """Common seed of the dropout RNG tracker (rng.py); None: the initialization generator's initial seed when
     parallelize gets one, else 0."""
@@ -116,6 +120,9 @@ class ParallelModel:
         self.sequence_parallel = sp
         if options.dp_shard not in DP_SHARDS:
             raise ValueError(f"parallelize: dp_shard must be one of {DP_SHARDS}, got {options.dp_shard!r}")
+        if options.fsdp_param_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"parallelize: fsdp_param_dtype must be 'float32' or 'bfloat16' (or 'auto'), got "
+                             f"{options.fsdp_param_dtype!r}")
         if options.zero1 and options.dp_shard != "ddp":
             raise ValueError("parallelize: zero1 shards the optimizer of DDP; FSDP (dp_shard='fsdp') already shards "
                              "it: use dp_shard='ddp' with zero1, or zero1=False")
@@ -182,8 +189,10 @@ class ParallelModel:
         runners = ([PipelineChunk(g, functools.partial(self._dropout_rng, s))
                     for g, s in zip(self.gpts, self.stage_indices)] if d.pp > 1 else list(self.gpts))
         if self.fsdp:
+            param_dtype = {"float32": None, "auto": None, "bfloat16": torch.bfloat16}[options.fsdp_param_dtype]
             for r, g in zip(runners, self.gpts):
-                apply_fsdp(r, g.blocks.values(), pm.dp_cp_mesh, reshard_after_forward=d.pp == 1)
+                apply_fsdp(r, g.blocks.values(), pm.dp_cp_mesh, reshard_after_forward=d.pp == 1,
+                           param_dtype=param_dtype)
         elif self.ddp:
             runners = [apply_ddp(r, pm.dp_cp_group, pm.device) for r in runners]
         elif self.replicate:

@@ -305,3 +305,40 @@ def check_local_shard_step(steps: int = 3) -> dict:
     for a, b in zip(s0, s1):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     return {"dtensor": times[False], "local": times[True]}
+
+
+def check_fsdp_bf16_params(style: str = "gpt", steps: int = 3) -> bool:
+    """FSDP2 with fsdp_param_dtype="bfloat16" under bf16 autocast (CPU): the blocks compute with bf16 parameters,
+    the sharded parameters the optimizer updates stay fp32, the root's stay fp32, and the losses follow the one-process
+    autocast run within bf16 rounding."""
+    cfg = tiny_config(style, n_layer=2)
+    n = dist.get_world_size()
+    torch.manual_seed(0)
+    ref = GPT(cfg)
+    pm = ParallelDims(dp=n).build("cpu", timeout=60)
+    pmodel = parallelize(copy.deepcopy(ref), pm, None, dp_shard="fsdp", fsdp_param_dtype="bfloat16")
+    opt = pmodel.build_optimizer(torch.optim.AdamW, lr=1e-3, foreach=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=True)
+    seen = {}
+    gpt = pmodel.gpts[0]
+    def spy(name):
+        def hook(module, args):
+            seen.setdefault(name, module.weight.dtype)
+        return hook
+
+    gpt.blocks["0"].mlp.fc.register_forward_pre_hook(spy("fc"))
+    gpt.blocks["0"].attn_norm.register_forward_pre_hook(spy("norm"))
+    for step, (idx, targets) in enumerate(batches(steps, 2 * n, 16, cfg.vocab_size)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ref_loss = ref(idx, targets)
+            ref_loss.backward()
+            r = pm.dp_rank
+            loss = pmodel.forward_backward(idx[2 * r:2 * r + 2], targets[2 * r:2 * r + 2])
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.testing.assert_close(loss.float(), ref_loss.float(), rtol=2e-2, atol=2e-2)
+    assert seen == {"fc": torch.bfloat16, "norm": torch.bfloat16}
+    assert all(p.dtype == torch.float32 for p in pmodel.parameters())  # the shards the optimizer updates
+    return True

@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from gpt_check import check_local_shard_step, check_packed, check_train, packed_refused, tiny_config
+from gpt_check import check_fsdp_bf16_params, check_local_shard_step, check_packed, check_train, packed_refused, tiny_config
 from rankpool import pool
 
 from megakern.models.gpt import GPT
@@ -133,3 +133,8 @@ def test_token_ids_and_targets_checked_once_per_batch(layout):
 def test_fsdp_optimizer_steps_on_local_shards():
     times = pool(2).run(check_local_shard_step)
     print("optimizer step on DTensors / on local shards (s):", times)
+
+
+@pytest.mark.parametrize("style", ["gpt", "llama"])
+def test_fsdp_blocks_compute_in_bf16_under_autocast(style):
+    assert all(pool(2).run(check_fsdp_bf16_params, style))

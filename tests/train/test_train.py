@@ -371,6 +371,17 @@ def test_two_ranks_match_one_process_and_resume_in_one(tmp_path, data_cache):
         assert resumed.losses[step] == pytest.approx(single.losses[step], abs=1e-5)
 
 
+def test_ranks_refuse_bf16_fsdp_parameters_without_autocast(tmp_path, data_cache):
+    pytest.importorskip("megakern.parallel")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+           "-m", "megakern.train", *TINY, "train.steps=1", "train.precision=fp32", "parallel.dp=2",
+           "parallel.fsdp_param_dtype=bfloat16", f"data.cache_dir={data_cache}", f"log.run_dir={tmp_path / 'r'}"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0
+    assert "parallel.fsdp_param_dtype=bfloat16 computes under bf16 autocast" in proc.stdout + proc.stderr
+
+
 def test_console_script_is_declared():
     assert "megakern-train=megakern.train:main" in (REPO / "setup.py").read_text().replace(" ", "")
 
