@@ -9,7 +9,9 @@ Providers, each built fresh and freed before the next:
   master weights, megakern's kernels, fused linear cross-entropy; data from the training program's loader, pinned and
   copied without blocking). No host-device sync in the step: a non-finite step is skipped by fused AdamW on the
   device and its (loss, norm, skipped) figures go to pinned memory behind an event, read by the training loop one
-  step later (here never); ``megakern-compile`` the same under torch.compile (train.compile=true).
+  step later (here never); ``megakern-graph`` the same step captured in a CUDA graph after 2 eager steps and
+  replayed (train.cuda_graph=true: one launch per step); ``megakern-compile`` the same under torch.compile
+  (train.compile=true).
 - ``hf-eager`` / ``hf-compile``: transformers' GPT2LMHeadModel (its default attention, SDPA), fp32 weights under
   bf16 autocast (the mixed precision of HF's Trainer with bf16=True), fused AdamW, no host sync; eager or
   torch.compile'd. Skipped with the reason where transformers is not installed.
@@ -30,6 +32,7 @@ is printed first (setup times from cold compile caches; a second run is faster).
     python -m benchmarks.bench_train --quick               # megakern, hf-eager, hf-compile; 3 + 8 steps (~2 min)
     python -m benchmarks.bench_train --quick --skip-compile    # megakern, hf-eager (~1 min)
     python -m benchmarks.bench_train --providers megakern,hf-compile --steps 30
+    python -m benchmarks.bench_train --quick --providers megakern,megakern-graph,hf-compile
     python -m benchmarks.bench_train --tiny --device cpu   # smoke test of the machinery (fp32, a tiny shape)
 """
 from __future__ import annotations
@@ -98,7 +101,7 @@ class Step:
 
 
 class MegakernStep(Step):
-    def __init__(self, shape: Shape, device: torch.device, compile: bool):
+    def __init__(self, shape: Shape, device: torch.device, compile: bool, graph: bool = False):
         from megakern.config import load_config
         from megakern.train import Trainer
 
@@ -109,6 +112,7 @@ class MegakernStep(Step):
                                                    ("vocab_size", shape.vocab), ("dropout", 0.0))]
         overrides += ["model.preset=gpt-350m", f"train.micro_batch_size={shape.micro_batch}", f"train.device={device}",
                       f"train.precision={precision}", f"train.compile={str(compile).lower()}", "train.steps=1000",
+                      f"train.cuda_graph={str(graph).lower()}", "train.cuda_graph_warmup=2",
                       "train.grad_clip=1.0", "optim.fused=auto", "data.max_epochs=1000", "data.num_workers=1",
                       "eval.every=0", "checkpoint.final=false", "train.sample_tokens=0", "log.tensorboard=false",
                       "log.progress=false", f"log.run_dir={self._tmp.name}"]
@@ -156,11 +160,13 @@ class HFStep(Step):
         del self.model, self.forward, self.optimizer, self.tokens
 
 
-def _megakern(compile: bool):
+def _megakern(compile: bool, graph: bool = False):
     def load(device):
         import megakern.train  # noqa: F401 (import errors name what is missing)
 
-        return lambda shape: MegakernStep(shape, device, compile)
+        if graph and device.type != "cuda":
+            raise Unavailable("CUDA graphs need a CUDA device")
+        return lambda shape: MegakernStep(shape, device, compile, graph)
 
     return load
 
@@ -178,12 +184,12 @@ def _hf(compile: bool):
     return load
 
 
-PROVIDERS = {"megakern": _megakern(False), "megakern-compile": _megakern(True), "hf-eager": _hf(False),
-             "hf-compile": _hf(True)}
+PROVIDERS = {"megakern": _megakern(False), "megakern-graph": _megakern(False, graph=True),
+             "megakern-compile": _megakern(True), "hf-eager": _hf(False), "hf-compile": _hf(True)}
 # rough seconds to build a provider at the 350M shape on an H200 with cold compile caches (first Triton compiles of
 # megakern's kernels, Inductor for the compiled ones), and of one step: for the printed estimate of a run's length
 QUICK_PROVIDERS = ("megakern", "hf-eager", "hf-compile")  # megakern and the target's baseline (hf-compile)
-SETUP_S = {"megakern": 45.0, "megakern-compile": 120.0, "hf-eager": 10.0, "hf-compile": 75.0}
+SETUP_S = {"megakern": 45.0, "megakern-graph": 50.0, "megakern-compile": 120.0, "hf-eager": 10.0, "hf-compile": 75.0}
 STEP_S = 0.15
 
 

@@ -183,7 +183,9 @@ def optimizer_state_dict(optimizer: torch.optim.Optimizer, names: Mapping[torch.
                 raise CheckpointError(f"an optimizer parameter of shape {tuple(p.shape)} has no name")
             if p in optimizer.state:
                 state[by_id[id(p)]] = dict(optimizer.state[p])
-    groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    # hyperparameters as numbers (a CUDA-graph run keeps its learning rate in a 0-d device tensor)
+    groups = [{k: (v.item() if isinstance(v, torch.Tensor) and v.dim() == 0 else v) for k, v in group.items()
+               if k != "params"} for group in optimizer.param_groups]
     return {"state": state, "param_groups": groups}
 
 

@@ -112,6 +112,13 @@ class LoopConfig:
     """Steps with a non-finite loss or gradient norm are skipped and counted; this many in a row stop the run."""
     compile: bool = False
     """torch.compile the model (the megakern ops are custom ops or run between graphs)."""
+    cuda_graph: bool = False
+    """Capture the whole step (micro-batches' forward and backward, clipping, fused AdamW, skip) in a CUDA graph
+    after cuda_graph_warmup eager steps, then replay it: one launch per step instead of thousands, for steps the host
+    cannot launch as fast as the GPU runs them. One CUDA process, fused AdamW, fixed shapes (not with packed
+    documents, FP8 or compile)."""
+    cuda_graph_warmup: int = 3
+    """Eager steps before the capture (kernel compilation, optimizer state, allocator warm-up); >= 1."""
     fp8: Literal["none", "delayed", "current", "block"] = "none"
     """Convert the blocks' linear layers to megakern.fp8.Linear with this recipe (the output head stays)."""
     sample_tokens: int = 200
@@ -287,6 +294,7 @@ class TrainConfig:
 
         need(t.steps >= 1, f"train.steps must be >= 1, got {t.steps}")
         need(t.micro_batch_size >= 1, f"train.micro_batch_size must be >= 1, got {t.micro_batch_size}")
+        need(t.cuda_graph_warmup >= 1, f"train.cuda_graph_warmup must be >= 1, got {t.cuda_graph_warmup}")
         need(t.global_batch_size is None or t.global_batch_size >= 1,
              f"train.global_batch_size must be >= 1 or null, got {t.global_batch_size}")
         need(t.global_batch_size is None or t.global_batch_size % t.micro_batch_size == 0,

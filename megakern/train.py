@@ -413,6 +413,57 @@ def device_skip(optimizer) -> bool:
             and all(g.get("fused") for g in optimizer.param_groups))
 
 
+class StepGraph:
+    """The single-process training step captured once in a CUDA graph and replayed (``train.cuda_graph``).
+
+    The first ``warmup`` steps run eagerly: they compile the kernels, create the optimizer's state and warm the
+    allocator. The next step is captured with its micro-batches in static device buffers, then replayed; every
+    later step copies its micro-batches into those buffers and replays, one launch instead of the step's thousands.
+    What changes from step to step lives in device memory: the batches, the learning rate (a tensor the trainer
+    fills before each step), the skip flag (computed inside the graph); nothing is read on the host. Eval and
+    checkpoints run eagerly between replays on the same parameters and optimizer state.
+    """
+
+    def __init__(self, trainer: "Trainer", warmup: int):
+        self.trainer, self.warmup = trainer, warmup
+        self.graph = None
+        self.inputs = self.targets = self.values = None
+
+    def step(self, batches) -> StepFigures:
+        t = self.trainer
+        samples = [next(batches) for _ in range(t.accum)]
+        if self.graph is None and self.warmup > 0:
+            self.warmup -= 1
+            return t._finish_step(t._micro_steps(to_batch(s, t.device, None) for s in samples))
+        with t._range("data"):
+            tokens = [s["tokens"] for s in samples]
+            if self.inputs is None:
+                shape = (t.accum, *tokens[0][:, :-1].shape)
+                self.inputs = torch.empty(shape, dtype=tokens[0].dtype, device=t.device)
+                self.targets = torch.empty(shape, dtype=tokens[0].dtype, device=t.device)
+            for i, tok in enumerate(tokens):
+                if tok[:, :-1].shape != self.inputs.shape[1:]:
+                    raise RuntimeError(f"train.cuda_graph: a micro-batch of shape {tuple(tok[:, :-1].shape)} after "
+                                       f"the captured {tuple(self.inputs.shape[1:])}: the graph needs fixed shapes")
+                self.inputs[i].copy_(tok[:, :-1], non_blocking=True)
+                self.targets[i].copy_(tok[:, 1:], non_blocking=True)
+        if self.graph is None:
+            self._capture()
+        self.graph.replay()
+        return t._to_host(self.values)
+
+    def _capture(self) -> None:
+        t = self.trainer
+        batches = [Batch(self.inputs[i], self.targets[i]) for i in range(t.accum)]
+        torch.cuda.synchronize(t.device)
+        torch.cuda.empty_cache()  # the eager steps' cached blocks back to the driver: the graph has its own pool
+        self.graph = torch.cuda.CUDAGraph()
+        # thread_local: the data loader's pin-memory thread may allocate while the main thread captures
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            self.values = t._device_step(t._micro_steps(iter(batches)))
+        t.log(f"step {t.step + 1}: captured the training step in a CUDA graph ({t.accum} micro-batch(es))")
+
+
 class Trainer:
     """Builds everything a run needs from ``config`` (failing before step 1 on anything that would fail later) and
     runs it with ``run()``. ``profile``: run log.profile_wait + warmup + active steps under torch.profiler and stop.
@@ -536,17 +587,33 @@ class Trainer:
             self.opt_names = {m: self.names[p] for p, m in self.masters.items()}
         else:
             self.opt_names = dict(self.names)
-        self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.precision == "bf16-autocast"
-                         else contextlib.nullcontext())
+        # (a CUDA graph cannot keep autocast's cache of casts between captures: it is off there)
+        self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16, cache_enabled=not t.cuda_graph)
+                         if self.precision == "bf16-autocast" else contextlib.nullcontext())
 
         self.forward = torch.compile(self.model) if t.compile else self.model
         kwargs = optimizer_kwargs(c.optim, self.device)
+        if t.cuda_graph:  # the step and the learning rate on the device, read by the captured kernels
+            kwargs.update(capturable=True, lr=torch.tensor(float(kwargs["lr"]), device=self.device))
         self.optimizer = (self.pmodel.build_optimizer(torch.optim.AdamW, params=groups, **kwargs) if self.parallel
                           else torch.optim.AdamW(groups, **kwargs))
+        if t.cuda_graph:
+            for g in self.optimizer.param_groups:  # a tensor of its own per group (param_groups copied the default)
+                g["lr"] = torch.tensor(float(g["lr"]), device=self.device)
         self.schedule = LRSchedule(c.schedule, lr=c.optim.lr, total_steps=t.steps)
         # a non-finite step is skipped by the fused optimizer on the device (no sync), else on the host
         # (over several ranks too: loss and norm are reduced over every group, so all ranks skip alike)
         self.device_skip = device_skip(self.optimizer)
+        self.step_graph = None
+        if t.cuda_graph:
+            problems = [why for bad, why in (
+                (self.device.type != "cuda", f"a CUDA device (train.device is {self.device})"),
+                (not self.device_skip, "fused AdamW (optim.fused auto or fused)"),
+                (t.compile, "no train.compile"), (self.has_fp8, "no FP8 (train.fp8=none)"),
+                (self.eod_id is not None, "fixed shapes: no data.packed_documents")) if bad]
+            if problems:
+                raise ConfigError("train.cuda_graph needs " + ", ".join(problems))
+            self.step_graph = StepGraph(self, t.cuda_graph_warmup)
         self.log(f"model: {n_params / 1e6:.2f}M parameters ({n_body / 1e6:.2f}M without embeddings), "
                  f"{self.flops_per_token / 1e6:.1f} MFLOP per token; global batch {self.global_batch} x "
                  f"{self.seq_length} tokens = {self.accum} accumulation step(s) of {t.micro_batch_size} x "
@@ -570,6 +637,8 @@ class Trainer:
             problems.append("train.fp8 is single-process only")
         if c.train.compile:
             problems.append("train.compile is single-process only")
+        if c.train.cuda_graph:
+            problems.append("train.cuda_graph is single-process only")
         if c.data.packed_documents:
             problems.append("data.packed_documents is single-process only")
         if c.parallel.fsdp_param_dtype == "bfloat16" and self.precision != "bf16-autocast":
@@ -740,7 +809,10 @@ class Trainer:
         is the mean over the global batch."""
         lr = self.schedule(self.step)
         for g in self.optimizer.param_groups:
-            g["lr"] = lr
+            if isinstance(g["lr"], torch.Tensor):  # a CUDA-graph step reads it from device memory
+                g["lr"].fill_(lr)
+            else:
+                g["lr"] = lr
         clip = self.config.train.grad_clip
         if self.parallel:
             with self._range("data"):
@@ -750,11 +822,23 @@ class Trainer:
             with self._range("optimizer"):
                 norm = self.pmodel.clip_grad_norm_(clip if clip > 0 else math.inf)
                 return self._finish_step([loss.float(), norm.float()])
-        model, accum = self.forward, self.accum
-        loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
-        for micro in range(accum):
+        if self.step_graph is not None:
+            return self.step_graph.step(batches)
+        return self._finish_step(self._micro_steps(self._micro_batches(batches)))
+
+    def _micro_batches(self, batches):
+        """The step's accum micro-batches, each moved to the device when the loop reaches it."""
+        for _ in range(self.accum):
             with self._range("data"):
                 batch = to_batch(next(batches), self.device, self.eod_id)
+            yield batch
+
+    def _micro_steps(self, micro_batches) -> list[torch.Tensor]:
+        """Forward and backward of each micro-batch, then the gradient norm (clipped): the step's figures [mean
+        loss, norm (, FP8's non-finite flag)] on the device."""
+        model, accum, clip = self.forward, self.accum, self.config.train.grad_clip
+        loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+        for micro, batch in enumerate(micro_batches):
             with self._range("forward"), self.autocast:
                 loss = model(batch.inputs, batch.targets, **batch.model_kwargs(), check_values=False)
             with self._range("backward"):
@@ -775,34 +859,45 @@ class Trainer:
                 from megakern import fp8
 
                 figures.append(fp8.update_scales(self.model).to(self.device, torch.float32))
-            return self._finish_step(figures)
+            return figures
 
     def _finish_step(self, figures: list[torch.Tensor]) -> StepFigures:
         """The optimizer step, skipped if loss or norm is not finite (or the FP8 flag, a third figure, is set): on the
         device with a fused optimizer (no sync), else after reading the figures on the host."""
+        if self.device_skip:
+            return self._to_host(self._device_step(figures))
+        values = self._step_values(figures)
+        result = StepFigures(self.step + 1, values.cpu())  # the host sync
+        if result.read()[2]:
+            self._optimizer_step()
+            if self.masters is not None:
+                self._copy_masters()
+        if self.masters is None:  # the masters' gradients are overwritten by the next step's first micro-batch
+            self.optimizer.zero_grad(set_to_none=True)
+        return result
+
+    def _step_values(self, figures: list[torch.Tensor]) -> torch.Tensor:
+        """(loss, norm, 1.0 if the step must be skipped) as one fp32 (3,) device tensor."""
         loss, norm = (f.to(self.device, torch.float32).reshape(()) for f in figures[:2])
         bad = ~(torch.isfinite(loss) & torch.isfinite(norm))
         if len(figures) > 2:
             bad = bad | (figures[2].to(self.device).reshape(()) != 0)
-        values = torch.stack([loss, norm, bad.to(torch.float32)])
-        if self.device_skip:
-            self.optimizer.grad_scale, self.optimizer.found_inf = None, values[2]  # 0-d fp32, as the steps
-            try:
-                self._optimizer_step()
-            finally:
-                self.optimizer.found_inf = None
-            if self.masters is not None:  # after a skipped step the masters are unchanged: an exact no-op
-                self._copy_masters()
-            result = self._to_host(values)
-        else:
-            result = StepFigures(self.step + 1, values.cpu())  # the host sync
-            if result.read()[2]:
-                self._optimizer_step()
-                if self.masters is not None:
-                    self._copy_masters()
-        if self.masters is None:  # the masters' gradients are overwritten by the next step's first micro-batch
+        return torch.stack([loss, norm, bad.to(torch.float32)])
+
+    def _device_step(self, figures: list[torch.Tensor]) -> torch.Tensor:
+        """The fused optimizer's step, which skips itself on the device when the step is bad; nothing is read on
+        the host (this is what a CUDA-graph step captures). Returns the step's values."""
+        values = self._step_values(figures)
+        self.optimizer.grad_scale, self.optimizer.found_inf = None, values[2]  # 0-d fp32, as the steps
+        try:
+            self._optimizer_step()
+        finally:
+            self.optimizer.found_inf = None
+        if self.masters is not None:  # after a skipped step the masters are unchanged: an exact no-op
+            self._copy_masters()
+        else:  # the masters' gradients are overwritten by the next step's first micro-batch
             self.optimizer.zero_grad(set_to_none=True)
-        return result
+        return values
 
     def _optimizer_step(self) -> None:
         """optimizer.step(); over FSDP2's DTensor shards it runs on their local tensors (the same update, without
