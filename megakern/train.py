@@ -24,7 +24,8 @@ pipeline checked every token id (``check_values=False``), fused AdamW skips the 
 an event, read after the next step is queued: the log, the skip count and the halt run one step behind the device.
 The same holds over several ranks (megakern.parallel), where loss and norm are reduced over every group so that all
 ranks skip alike. Other optimizers (foreach, for-loop, ZeRO-1's) read the figures at the end of each step and skip
-the update on the host.
+the update on the host. Because nothing is read, the whole step can be captured in a CUDA graph and replayed
+(``train.cuda_graph``, one process: StepGraph), which takes the host's launch cost out of the step.
 
 Over several ranks (torchrun) the model is megakern.parallel's ParallelModel: a rank draws its whole step batch
 (A micro-batches) and ``forward_backward`` cuts it into parallel.microbatches (pipeline micro-batches or
