@@ -24,8 +24,8 @@ the data-parallel step does not add to the one-GPU step. When the layouts includ
 Layouts are written as factors: "1", "dp2", "dp2-ddp", "tp2", "pp2", "cp2", "tp2.dp2", "tp2.pp2", "dp4-ddp-zero1", ...
 (dp defaults to FSDP). The GPUs needed are the product of the factors; layouts needing more than this machine has are
 skipped with a line saying so. "1xK" runs K independent one-GPU trainings at once, one per GPU (ms: the slowest's
-step; tok/s: all K at that pace, as ranks in lock step would go): no communication at all, so its scaling against "1" is what sharing the host costs
-(CPU, memory bandwidth, driver), the ceiling of any K-GPU layout on this machine.
+step; tok/s: all K at that pace, as ranks in lock step would go): no communication at all, so its scaling against
+"1" is what sharing the host costs (CPU, memory bandwidth, driver), the ceiling of any K-GPU layout on this machine.
 
     python -m benchmarks.bench_parallel --model gpt-350m --layouts 1,dp2-ddp,dp2,tp2,pp2,cp2 --overlap
     python -m benchmarks.bench_parallel --model gpt-1.3b --micro-batch 4 --layouts 1,dp4,tp4,tp2.dp2
@@ -118,6 +118,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _run_env() -> dict:
+    """A training run's environment: NVLink multicast off, OMP_NUM_THREADS=4 unless set."""
+    env = {**os.environ, **NO_MULTICAST}
+    env.setdefault("OMP_NUM_THREADS", "4")
+    return env
+
+
 def run_layout(layout: Layout, args, run_dir: Path, data_cache: Path) -> tuple[dict, str]:
     """One training run; returns (figures from its train.log, its output tail)."""
     accum = args.pp_microbatches if layout.pp > 1 else 1
@@ -126,24 +133,25 @@ def run_layout(layout: Layout, args, run_dir: Path, data_cache: Path) -> tuple[d
         f"train.micro_batch_size={args.micro_batch}",
         f"train.global_batch_size={args.micro_batch * layout.dp * accum}",
         f"train.steps={args.warmup + args.steps}", "eval.every=0", "checkpoint.every=0", "checkpoint.final=false",
-        "data.max_epochs=1000", "eval.batches=1", "train.sample_tokens=0", "log.progress=false", "log.tensorboard=false", "log.every=1000000",
+        "data.max_epochs=1000", "eval.batches=1", "train.sample_tokens=0", "log.progress=false",
+        "log.tensorboard=false", "log.every=1000000",
         f"data.num_workers={args.data_workers}", f"data.cache_dir={data_cache}", f"log.run_dir={run_dir}",
         f"parallel.tp={layout.tp}", f"parallel.pp={layout.pp}", f"parallel.cp={layout.cp}",
-        f"parallel.dp={layout.dp}", f"parallel.dp_shard={layout.dp_shard}", f"parallel.zero1={str(layout.zero1).lower()}",
+        f"parallel.dp={layout.dp}", f"parallel.dp_shard={layout.dp_shard}",
+        f"parallel.zero1={str(layout.zero1).lower()}",
         *args.override,
     ]
     if args.profile:  # the profiler's wait + warm-up + 3 recorded steps instead of the timed steps
         overrides += [f"log.profile_dir={run_dir / 'profile'}", f"log.profile_wait={max(args.warmup - 1, 1)}",
                       "log.profile_warmup=1", "log.profile_active=3", "--profile"]
     if layout.copies > 1:
-        return _run_copies(layout, args, run_dir, data_cache, overrides)
+        return _run_copies(layout, args, run_dir, overrides)
     if layout.world == 1:
         cmd = [sys.executable, "-m", "megakern.train", *overrides]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(layout.world),
                "--master-port", str(free_port()), "-m", "megakern.train", *overrides]
-    env = {**os.environ, **NO_MULTICAST}
-    env.setdefault("OMP_NUM_THREADS", "4")
+    env = _run_env()
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=args.timeout)
     wall = time.perf_counter() - start
@@ -152,8 +160,8 @@ def run_layout(layout: Layout, args, run_dir: Path, data_cache: Path) -> tuple[d
         raise RuntimeError(f"exit {proc.returncode} after {wall:.0f} s:\n{tail}")
     if args.profile:
         # one directory per rank (…-rank<r> under torchrun): rank 0's tables, then every other rank's timeline
-        tables = sorted((run_dir / "profile").glob("*/kernels.txt"), key=lambda t: (not t.parent.name.endswith("-rank0"),
-                                                                                    t.parent.name))
+        tables = sorted((run_dir / "profile").glob("*/kernels.txt"),
+                        key=lambda t: (not t.parent.name.endswith("-rank0"), t.parent.name))
         if not tables:
             raise RuntimeError(f"no profile written under {run_dir / 'profile'}:\n{tail}")
         args.profile.mkdir(parents=True, exist_ok=True)
@@ -181,13 +189,12 @@ def _figures(run_dir: Path, args, tokens: int, wall: float, accum: int) -> dict:
             "loss": last["train/loss"], "wall": wall, "accum": accum}
 
 
-def _run_copies(layout: Layout, args, run_dir: Path, data_cache: Path, overrides: list[str]) -> tuple[dict, str]:
+def _run_copies(layout: Layout, args, run_dir: Path, overrides: list[str]) -> tuple[dict, str]:
     """``layout.copies`` one-GPU runs at once, copy i on GPU i: the step time of the slowest copy (ms) and the
     tokens/s of all together at that pace. Against layout "1" this is what the host alone costs data parallelism."""
     procs, start = [], time.perf_counter()
     for i in range(layout.copies):
-        env = {**os.environ, **NO_MULTICAST}
-        env.setdefault("OMP_NUM_THREADS", "4")
+        env = _run_env()
         if args.device.startswith("cuda"):
             env["CUDA_VISIBLE_DEVICES"] = str(i)
         cmd = [sys.executable, "-m", "megakern.train",
@@ -210,8 +217,8 @@ def _run_copies(layout: Layout, args, run_dir: Path, data_cache: Path, overrides
                            f"{outs[bad[0]][-3000:].strip()}")
     each = [_figures(run_dir / str(i), args, args.micro_batch * args.seq, wall, 1) for i in range(layout.copies)]
     ms = max(f["ms"] for f in each)  # the slowest copy: what ranks in lock step (every collective) would see
-    return {"ms": ms, "tok/s": layout.copies * args.micro_batch * args.seq / (ms / 1e3), "GiB": max(f["GiB"] for f in each),
-            "loss": each[0]["loss"], "wall": wall, "accum": 1}, tail
+    return {"ms": ms, "tok/s": layout.copies * args.micro_batch * args.seq / (ms / 1e3),
+            "GiB": max(f["GiB"] for f in each), "loss": each[0]["loss"], "wall": wall, "accum": 1}, tail
 
 
 def model_facts(preset: str) -> tuple[float, int, int]:

@@ -19,6 +19,7 @@ Steps are the ``ProfilerStep#N`` ranges of the host; a kernel belongs to the ste
 """
 from __future__ import annotations
 
+import bisect
 import json
 import statistics
 import sys
@@ -102,6 +103,17 @@ def _steps(events: list[dict]) -> list[tuple[float, float]]:
     return sorted(steps)
 
 
+def host_summary(trace: dict) -> str:
+    """'# per step: host X ms (mean of N ProfilerStep ranges)': the host's wall time per profiled step, on any
+    device (the GPU's side is ``report``)."""
+    events = trace.get("traceEvents", trace if isinstance(trace, list) else [])
+    steps = _steps(events)
+    if not steps:
+        return "# per step: n/a (no ProfilerStep ranges in the trace)"
+    return (f"# per step: host {sum(e - s for s, e in steps) / len(steps) / 1e3:.1f} ms (mean of {len(steps)} "
+            "ProfilerStep ranges)")
+
+
 def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
     out: list[list[float]] = []
     for s, e in sorted(intervals):
@@ -162,14 +174,14 @@ def analyze(trace: dict) -> list[StepTimeline]:
         t = o.launch if o.launch is not None else o.start
         if t < steps[0][0]:
             continue
-        k = sum(1 for b in bounds if t >= b)
+        k = bisect.bisect_right(bounds, t)
         per_step[k].append(o)
     waits: list[list[tuple[str, float, float]]] = [[] for _ in steps]
     for e in events:
         if e.get("ph") == "X" and e.get("cat") in LAUNCH_CATS and _is_wait(str(e.get("name", ""))):
             t = float(e["ts"])
             if steps[0][0] <= t < steps[-1][1]:
-                waits[sum(1 for b in bounds if t >= b)].append((e["name"], t, float(e.get("dur", 0.0))))
+                waits[bisect.bisect_right(bounds, t)].append((e["name"], t, float(e.get("dur", 0.0))))
     out = []
     for (h0, h1), group, step_waits in zip(steps, per_step, waits):
         if not group:

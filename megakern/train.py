@@ -594,13 +594,10 @@ class Trainer:
 
         self.forward = torch.compile(self.model) if t.compile else self.model
         kwargs = optimizer_kwargs(c.optim, self.device)
-        if t.cuda_graph:  # the step and the learning rate on the device, read by the captured kernels
+        if t.cuda_graph:  # the step and the learning rate on the device (one tensor, every group), read by the graph
             kwargs.update(capturable=True, lr=torch.tensor(float(kwargs["lr"]), device=self.device))
         self.optimizer = (self.pmodel.build_optimizer(torch.optim.AdamW, params=groups, **kwargs) if self.parallel
                           else torch.optim.AdamW(groups, **kwargs))
-        if t.cuda_graph:
-            for g in self.optimizer.param_groups:  # a tensor of its own per group (param_groups copied the default)
-                g["lr"] = torch.tensor(float(g["lr"]), device=self.device)
         self.schedule = LRSchedule(c.schedule, lr=c.optim.lr, total_steps=t.steps)
         # a non-finite step is skipped by the fused optimizer on the device (no sync), else on the host
         # (over several ranks too: loss and norm are reduced over every group, so all ranks skip alike)
@@ -1113,14 +1110,15 @@ class Trainer:
         on_gpu = self.device.type == "cuda"
         sort = "self_device_time_total" if on_gpu else "self_cpu_time_total"
         events = profiler.key_averages()
-        timeline = _timeline.report(_timeline.analyze(_timeline.load(out / "trace.json"))) if on_gpu else ""
+        trace = _timeline.load(out / "trace.json")
+        timeline = _timeline.report(_timeline.analyze(trace)) if on_gpu else ""
         if timeline:
             (out / "timeline.txt").write_text(timeline + "\n")
         lines = [f"# megakern-train --profile: {self.config.log.profile_active} steps of {self.global_batch} x "
                  f"{self.seq_length} tokens, {self.device} ({torch.cuda.get_device_name(self.device) if on_gpu else 'cpu'}), "
                  f"precision {self.precision}, torch {torch.__version__}",
                  "# ranges: data, forward, backward, optimizer (also NVTX ranges train.* for Nsight Systems)",
-                 _profile_step_summary(events), *([timeline] if timeline else []), "",
+                 _timeline.host_summary(trace), *([timeline] if timeline else []), "",
                  events.table(sort_by=sort, row_limit=40, max_name_column_width=80)]
         if on_gpu:  # the host's side too: launches, synchronizations, Python-side overheads
             lines += ["", "# host (sorted by self CPU time)",
@@ -1128,16 +1126,6 @@ class Trainer:
         (out / "kernels.txt").write_text("\n".join(lines))
         self.log(f"profile: {out / 'trace.json'} (chrome://tracing or ui.perfetto.dev), {out / 'kernels.txt'}")
         return out
-
-
-def _profile_step_summary(events) -> str:
-    """'# per step: host X ms (ProfilerStep)': the host's wall time per profiled step (the GPU's side, from the
-    trace's intervals, is the timeline below it)."""
-    host = [e for e in events if e.key.startswith("ProfilerStep")]
-    if not host:
-        return "# per step: n/a"
-    return (f"# per step: host {sum(e.cpu_time_total for e in host) / max(sum(e.count for e in host), 1) / 1e3:.1f} ms "
-            "(ProfilerStep)")
 
 
 # ---------------------------------------------------------------------------------------------------------------

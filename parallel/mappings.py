@@ -26,6 +26,8 @@ bytes, CPU only).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -72,16 +74,6 @@ def _gloo_lacks(exc: Exception, group) -> bool:
     return dist.get_backend(group) == "gloo" and isinstance(exc, (RuntimeError, NotImplementedError))
 
 
-def _lead_rest(x: torch.Tensor, dim: int) -> tuple[int, int]:
-    lead = 1
-    for d in x.shape[:dim]:
-        lead *= d
-    rest = 1
-    for d in x.shape[dim + 1:]:
-        rest *= d
-    return lead, rest
-
-
 def all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     """Concatenation of every rank's x along ``dim`` (rank order). NCCL gathers the ranks' contiguous tensors one
     after another; when dims before ``dim`` hold more than one element the result is one permuting copy of that
@@ -91,7 +83,7 @@ def all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
         return x
     dim = dim % x.dim()
     x = x.contiguous()
-    lead, rest = _lead_rest(x, dim)
+    lead, rest = math.prod(x.shape[:dim]), math.prod(x.shape[dim + 1:])
     out = x.new_empty((n, *x.shape))
     try:
         _ALL_GATHER(out, x, group=group)
@@ -113,7 +105,7 @@ def reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
         return x
     dim = dim % x.dim()
     m = _check_split(x, dim, n, "reduce_scatter")
-    lead, rest = _lead_rest(x, dim)
+    lead, rest = math.prod(x.shape[:dim]), math.prod(x.shape[dim + 1:])
     shape = (*x.shape[:dim], m, *x.shape[dim + 1:])
     if lead == 1:
         chunks = x.contiguous().view(n, *shape)

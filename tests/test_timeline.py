@@ -55,6 +55,12 @@ def test_kernels_go_to_the_step_that_launched_them():
     assert steps[1].wall == pytest.approx(60.0) and steps[1].idle_host == 0 and steps[1].idle_other == 0
 
 
+def test_host_summary():
+    trace = _trace([("k", 0.0, 10.0, 7, 1)], [(0.0, 2000.0), (2000.0, 4000.0)], [(1, 0.0)])
+    assert _timeline.host_summary(trace) == "# per step: host 3.0 ms (mean of 2 ProfilerStep ranges)"
+    assert "n/a" in _timeline.host_summary({"traceEvents": []})
+
+
 def test_no_gpu_work_and_cli(tmp_path, capsys):
     assert _timeline.analyze({"traceEvents": []}) == []
     assert "no GPU kernels" in _timeline.report([])
