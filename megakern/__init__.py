@@ -3,6 +3,7 @@
 Ops take ``backend=`` ('torch' | 'triton' | 'cuda', or a config's kernel table); see ``available_backends``.
 """
 from megakern._backend import available_backends
+from megakern.activation import bias_gelu, bias_gelu_ref
 from megakern.attention import Attention, attention, attention_ref, merge_attention
 from megakern._cuda import runtime as cuda_runtime
 from megakern.cross_entropy import cross_entropy, cross_entropy_ref, linear_cross_entropy, linear_cross_entropy_ref
@@ -14,7 +15,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Attention", "LayerNorm", "RMSNorm", "RotaryEmbedding", "apply_rotary", "attention", "attention_ref",
-    "available_backends", "cross_entropy", "cross_entropy_ref", "cuda_runtime", "layer_norm", "layer_norm_ref",
+    "available_backends", "bias_gelu", "bias_gelu_ref", "cross_entropy", "cross_entropy_ref", "cuda_runtime", "layer_norm", "layer_norm_ref",
     "linear_cross_entropy", "linear_cross_entropy_ref", "merge_attention", "rms_norm", "rms_norm_ref", "rotary_ref",
     "rotary_table",
 ]

@@ -584,8 +584,9 @@ def _hopper_or_newer(index: int) -> bool:
 
 def _tma_ok(tensors) -> bool:
     """Tensor descriptors (TMA) can carry these 4-D tensors: Hopper or newer (or the interpreter), 16-byte aligned
-    base and row / head / batch strides. (The launchers pass the caller's tensors only: their own outputs are fresh
-    contiguous allocations with head dims that are multiples of 16, aligned by construction.)"""
+    base and row / head / batch strides. (The launchers pass the caller's tensors, the gradients the caller hands the
+    backward included: their own outputs are fresh contiguous allocations with head dims that are multiples of 16,
+    aligned by construction.)"""
     first = tensors[0]
     if first.device.type == "cuda":
         if not _hopper_or_newer(first.device.index):
@@ -672,8 +673,9 @@ def fwd(q, k, v, causal: bool, scale: float, window, cu_seqlens, max_seqlen, con
 
 
 def bwd(dout, q, k, v, out, lse, causal: bool, scale: float, window, cu_seqlens, max_seqlen, deterministic: bool,
-        configs=None, tma=None):
-    """(dq, dk, dv). ``configs`` {'dkdv': ..., 'dq': ...} override the CONFIGS entries; ``tma`` as for ``fwd``."""
+        configs=None, tma=None, out_grads=None):
+    """(dq, dk, dv). ``configs`` {'dkdv': ..., 'dq': ...} override the CONFIGS entries; ``tma`` as for ``fwd``.
+    ``out_grads`` (dq, dk, dv): tensors shaped like q, k, v (any strides with unit stride along hs) to write into."""
     configs = configs or {}
     varlen, batch, tq, tk = _geometry(q, k, cu_seqlens, max_seqlen)
     q4, k4, v4, o4, do4 = (_as4d(t, varlen) for t in (q, k, v, out, dout))
@@ -681,12 +683,25 @@ def bwd(dout, q, k, v, out, lse, causal: bool, scale: float, window, cu_seqlens,
     block_d = max(16, next_power_of_2(hs))
     flags, left, right = _masks(causal, window)
     stride_lb, stride_lh = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
-    dk, dv = torch.empty(k.shape, dtype=k.dtype, device=k.device), torch.empty(v.shape, dtype=v.dtype, device=v.device)
     atomic = not deterministic
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic else torch.empty(
-        q.shape, dtype=q.dtype, device=q.device)
+    if out_grads is not None:
+        dq_out, dk, dv = out_grads
+        if dq_out.shape != q.shape or dk.shape != k.shape or dv.shape != v.shape or any(
+                t.stride(-1) != 1 or t.dtype != q.dtype or t.device != q.device for t in out_grads):
+            raise ValueError("attention backward: out_grads must be shaped like q, k, v, with q's dtype and device "
+                             "and unit stride along the head dim")
+    else:
+        dq_out = None
+        dk, dv = torch.empty(k.shape, dtype=k.dtype, device=k.device), torch.empty(v.shape, dtype=v.dtype,
+                                                                                   device=v.device)
+    if atomic:
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    else:
+        dq = dq_out if dq_out is not None else torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if batch == 0 or tq == 0 or tk == 0:
-        return dq.zero_().to(q.dtype), dk.zero_(), dv.zero_()
+        if dq_out is not None:
+            dq_out.zero_()
+        return (dq_out if dq_out is not None else dq.zero_().to(q.dtype)), dk.zero_(), dv.zero_()
     dk4, dv4, dq4 = (_as4d(t, varlen) for t in (dk, dv, dq))
     seqlen = max(tq, tk)
     delta = torch.empty_like(lse)
@@ -699,7 +714,7 @@ def bwd(dout, q, k, v, out, lse, causal: bool, scale: float, window, cu_seqlens,
         )
     else:
         block_m, block_n, warps, stages, prefer = _tiles(configs.get("dq"), tma, hs, q.device, "dq", seqlen)
-        once, loop = _pick_tma(prefer, tma, (q4, k4, v4, o4, do4), varlen)
+        once, loop = _pick_tma(prefer, tma, (q4, k4, v4, o4, do4, dq4), varlen)
         _attn_bwd_dq_kernel[(batch * nh, cdiv(tq, block_m))](
             *_descs((q4, block_m, once), (k4, block_n, loop), (v4, block_n, loop), (o4, block_m, once),
                     (do4, block_m, once)), lse, delta, *_descs((dq4, block_m, once)), cu_seqlens,
@@ -711,7 +726,7 @@ def bwd(dout, q, k, v, out, lse, causal: bool, scale: float, window, cu_seqlens,
         )
     block_m, block_n, warps, stages, prefer = _tiles(configs.get("dkdv"), tma, hs, q.device,
                                                      "dkdv_atomic" if atomic else "dkdv", seqlen)
-    once, loop = _pick_tma(prefer, tma, (q4, k4, v4, do4), varlen)
+    once, loop = _pick_tma(prefer, tma, (q4, k4, v4, do4, dk4, dv4), varlen)
     dq_tma = int(once + loop > 0 and not _interpreting())  # dq's TMA reduce: a device-side descriptor
     if atomic and dq_tma:
         _ensure_allocator()
@@ -725,4 +740,6 @@ def bwd(dout, q, k, v, out, lse, causal: bool, scale: float, window, cu_seqlens,
         BLOCK_M=block_m, BLOCK_N=block_n, ATOMIC_DQ=atomic, DQ_TMA=dq_tma, TMA=once, TMA_LOOP=loop,
         num_warps=warps, num_stages=stages, **common,
     )
-    return (dq.to(q.dtype) if atomic else dq), dk, dv
+    if atomic:
+        return (dq_out.copy_(dq) if dq_out is not None else dq.to(q.dtype)), dk, dv
+    return dq, dk, dv

@@ -47,6 +47,9 @@ DEFAULTS: dict[str, tuple[tuple[int, tuple[str, ...]], ...]] = {
     # Cross-entropy (size: the vocabulary): the Triton kernel, then the reference (fp32 logits of every row). Not yet
     # measured on the H200 (benchmarks/bench_cross_entropy.py).
     "cross_entropy": ((1 << 30, ("triton", "torch")),),
+    # Bias + GELU (megakern.activation): Triton (the GELU backward and the bias gradient in one pass), then the
+    # reference.
+    "bias_gelu": ((1 << 30, ("triton", "torch")),),
 }
 
 

@@ -235,6 +235,52 @@ def analyze(trace: dict) -> list[StepTimeline]:
     return out
 
 
+def sources(trace: dict, top: int = 25) -> str:
+    """GPU time per step by what launched it: each kernel, copy or memset under the innermost host op around its
+    launch and the nearest context (a backward function of autograd, or a ``record_function`` / NVTX range such as
+    ``megakern.attention``), most time first. Says which call a kernel comes from when its name does not (a
+    ``reduce_kernel`` is a bias gradient under ``AddmmBackward0``, a norm's weight gradient elsewhere)."""
+    events = trace.get("traceEvents", trace if isinstance(trace, list) else [])
+    host: dict = defaultdict(list)  # tid -> (start, -dur, kind, event)
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        cat = e.get("cat")
+        if cat in ("cpu_op", "user_annotation") and not str(e.get("name", "")).startswith("ProfilerStep#"):
+            host[e.get("tid")].append((float(e["ts"]), -float(e.get("dur", 0.0)), 0, e))
+        elif cat in LAUNCH_CATS and (e.get("args") or {}).get("correlation") is not None:
+            host[e.get("tid")].append((float(e["ts"]), 0.0, 1, e))
+    origin = {}  # correlation -> (innermost op, context)
+    for items in host.values():
+        items.sort(key=lambda x: (x[0], x[1], x[2]))
+        stack: list[tuple[float, str, str]] = []  # (end, name, cat)
+        for ts, neg_dur, kind, e in items:
+            while stack and stack[-1][0] <= ts:
+                stack.pop()
+            if kind == 0:
+                stack.append((ts - neg_dur, str(e.get("name", "?")), e.get("cat")))
+                continue
+            ops = [n for _, n, c in stack if c == "cpu_op"]
+            context = next((n.removeprefix("autograd::engine::evaluate_function: ") for _, n, c in reversed(stack)
+                            if n.startswith("autograd::engine::evaluate_function") or c == "user_annotation"), "")
+            origin[e["args"]["correlation"]] = (ops[-1] if ops else "", context)
+    n_steps = max(1, len(_steps(events)))
+    totals: dict = defaultdict(lambda: [0.0, 0])
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in GPU_CATS:
+            op, context = origin.get((e.get("args") or {}).get("correlation"), ("", ""))
+            rec = totals[(str(e.get("name", "?")), op, context)]
+            rec[0] += float(e.get("dur", 0.0))
+            rec[1] += 1
+    if not totals:
+        return "# GPU time by source: no GPU work in the trace"
+    lines = [f"# GPU time by source, per step (mean of {n_steps}): ms, count, GPU op <- host op [context]"]
+    for (name, op, context), (us, c) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
+        where = f"{op} [{context}]" if context else op
+        lines.append(f"#   {us / n_steps / 1e3:8.2f} ms {c / n_steps:7.1f}x  {_short(name, 48)} <- {_short(where, 60)}")
+    return "\n".join(lines)
+
+
 def _short(name: str, width: int = 70) -> str:
     return name if len(name) <= width else name[:width - 3] + "..."
 
@@ -295,7 +341,9 @@ def main(argv=None) -> int:
     if len(argv) != 1:
         print("usage: python -m megakern._timeline TRACE.json", file=sys.stderr)
         return 2
-    print(report(analyze(load(argv[0]))))
+    trace = load(argv[0])
+    print(report(analyze(trace)))
+    print(sources(trace))
     return 0
 
 

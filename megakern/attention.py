@@ -21,6 +21,10 @@ it is also the faster one (hs 128, T 4096: 321 against 291 TFLOP/s causal, 349 a
 ``CONFIGS`` in megakern/_attention_triton.py). ``deterministic=False`` computes dq in the dk/dv pass by fp32
 atomic adds (a TMA reduce on Hopper): fewer FLOPs, results that vary in the last bits from run to run.
 
+Packed q, k, v: when q, k and v are the three views ``[..., 0, :]``, ``[..., 1, :]``, ``[..., 2, :]`` of one
+(..., heads, 3, hs) tensor (a fused qkv projection split without copies; ``packed_qkv`` tells), the backward writes dq,
+dk and dv into one tensor of that layout, so the gradient of the projection's output needs no concatenation.
+
 Backends: ``torch`` (``attention_ref``: explicit softmax, fp32, O(T^2) memory) and ``triton``. The default is
 ``triton`` for fp16 / bf16 on a GPU, else ``torch`` (fp32 and fp64 inputs, CPU tensors).
 """
@@ -154,6 +158,22 @@ def check_inputs(q, k, v, cu_seqlens, max_seqlen, softmax_scale) -> None:
         raise ValueError(f"attention: max_seqlen {max_seqlen} < the longest document ({max(lengths)})")
 
 
+def packed_qkv(q, k, v):
+    """The (..., heads, 3, hs) tensor whose ``[..., 0, :]``, ``[..., 1, :]`` and ``[..., 2, :]`` are q, k and v
+    (same shape, views of one tensor), else None."""
+    base = q._base
+    if base is None or k._base is not base or v._base is not base or not q.shape == k.shape == v.shape:
+        return None
+    if base.numel() != 3 * q.numel() or not base.is_contiguous():
+        return None
+    packed = base.view(*q.shape[:-1], 3, q.shape[-1])
+    for i, t in enumerate((q, k, v)):
+        part = packed[..., i, :]
+        if t.data_ptr() != part.data_ptr() or t.stride() != part.stride():
+            return None
+    return packed
+
+
 # ---- Triton kernels --------------------------------------------------------------------------------------------
 def _kernels():
     """The Triton kernels' module, imported on first use (Triton is optional)."""
@@ -169,6 +189,7 @@ class AttentionFunction(torch.autograd.Function):
         out, lse = kern.fwd(q, k, v, causal, scale, window, cu_seqlens, max_seqlen)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
         ctx.args = (causal, scale, window, max_seqlen, deterministic)
+        ctx.packed = packed_qkv(q, k, v) is not None
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -176,8 +197,12 @@ class AttentionFunction(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
         causal, scale, window, max_seqlen, deterministic = ctx.args
+        grads = None
+        if ctx.packed:  # one (..., heads, 3, hs) gradient, laid out as q, k and v were (see packed_qkv)
+            buf = q.new_empty((*q.shape[:-1], 3, q.shape[-1]))
+            grads = (buf[..., 0, :], buf[..., 1, :], buf[..., 2, :])
         dq, dk, dv = _kernels().bwd(dout, q, k, v, out, lse, causal, scale, window, cu_seqlens, max_seqlen,
-                                     deterministic)
+                                     deterministic, out_grads=grads)
         return dq, dk, dv, None, None, None, None, None, None
 
 

@@ -8,13 +8,14 @@
     attn:   qkv = qkv(y) (B, T, nkv, g + 2, hs), g = nh / nkv query heads per kv head
             q, k, v = views of qkv; q, k rotated (RoPE) in place
             out = core(q, k, v) = megakern.attention(causal), (B, T, nh, hs) -> proj
-    mlp:    proj(gelu(fc(y)))  or  proj(silu(gate) * up) with (gate, up) interleaved rows of fc (SwiGLU)
+    mlp:    proj(gelu(fc(y)))  or  proj(silu(gate) * up) with (gate, up) interleaved rows of fc (SwiGLU); with a
+            bias, gelu(y W^T + b) is megakern.bias_gelu (its backward also makes the bias gradient)
 
 Letters: B batch, T sequence, C = n_embd, nh / nkv query / key-value heads, hs head dim, V the padded vocabulary.
 
 Kernels: every op takes its backend from ``config.kernels`` (``{op: backend}``, passed as ``backend=`` to the
-megakern ops: "rms_norm" | "layer_norm" | "rotary" | "attention" | "cross_entropy"); an op not named takes the
-fastest backend available for the tensors' device (the torch references on CPU).
+megakern ops: "rms_norm" | "layer_norm" | "rotary" | "attention" | "cross_entropy" | "bias_gelu"); an op not named
+takes the fastest backend available for the tensors' device (the torch references on CPU).
 
 Loss: ``forward(idx, targets)`` returns the cross-entropy of the next tokens through
 ``megakern.linear_cross_entropy``, which never holds fp32 logits for the whole vocabulary (chunked over tokens).
@@ -50,6 +51,7 @@ from torch.utils.checkpoint import checkpoint
 import megakern
 from megakern import _backend, rotary
 from megakern._checks import document_lengths
+from megakern.attention import packed_qkv
 from megakern.cross_entropy import linear_cross_entropy
 
 NORMS = ("layernorm", "rmsnorm")
@@ -57,7 +59,7 @@ POSITIONS = ("rotary", "learned")
 ACTIVATIONS = ("gelu", "swiglu")
 RECOMPUTE = ("none", "selective", "full")
 VOCAB_MULTIPLE = 128
-KERNEL_OPS = ("rms_norm", "layer_norm", "rotary", "attention", "cross_entropy")
+KERNEL_OPS = ("rms_norm", "layer_norm", "rotary", "attention", "cross_entropy", "bias_gelu")
 IGNORE_INDEX = -100
 
 
@@ -110,7 +112,7 @@ class GPTConfig:
     """Activation recomputation: "none" | "selective" (the attention core) | "full" (each block)."""
     kernels: dict = field(default_factory=dict)
     """Backend per op, {op: "torch" | "triton" | "cuda"}, ops: rms_norm, layer_norm, rotary, attention,
-    cross_entropy; ops not named take the fastest available backend."""
+    cross_entropy, bias_gelu (the MLP's fc bias + GELU); ops not named take the fastest available backend."""
     ce_chunk: Optional[int] = None
     """Tokens per chunk of the fused linear cross-entropy (None: chosen from the vocabulary size)."""
 
@@ -261,9 +263,10 @@ def _split_qkv(qkv: torch.Tensor, nkv: int, hs: int):
 
 class SplitRotate(torch.autograd.Function):
     """The fused projection qkv (..., nkv, g + 2, hs) -> (q, k, v), q and k rotated in place by one launch of a
-    rotary kernel (none with ``rot`` None). Backward: the three gradients written once into one qkv-shaped tensor,
-    the rotation undone in place. (Plain views under autograd would instead sum three zero-filled qkv-sized
-    gradients.)"""
+    rotary kernel (none with ``rot`` None). Backward: the three gradients in one qkv-shaped tensor, the rotation
+    undone in place. Without grouped queries megakern.attention's backward already writes them so (see
+    ``megakern.attention.packed_qkv``); otherwise they are gathered by one concatenation. (Plain views under
+    autograd would instead sum three zero-filled qkv-sized gradients.)"""
 
     @staticmethod
     def forward(ctx, qkv, nkv: int, hs: int, rot, launcher):
@@ -280,8 +283,12 @@ class SplitRotate(torch.autograd.Function):
         lead, g = ctx.shape[:-3], ctx.shape[-2] - 2
         if ctx.rot is not None and not ctx.q_is_view:  # rotate back before the gather, q's gradient is separate
             dq, dk = rotary._launch(ctx.launcher, rotary._as_4d(dq), rotary._as_4d(dk), ctx.rot, True, False)
-        dqkv = torch.cat((dq.reshape(*lead, ctx.nkv, g, ctx.hs), dk.reshape(*lead, ctx.nkv, 1, ctx.hs),
-                          dv.reshape(*lead, ctx.nkv, 1, ctx.hs)), dim=-2)
+        packed = packed_qkv(dq, dk, dv) if g == 1 else None  # attention wrote them into one qkv-shaped tensor
+        if packed is not None:
+            dqkv = packed.view(ctx.shape)
+        else:
+            dqkv = torch.cat((dq.reshape(*lead, ctx.nkv, g, ctx.hs), dk.reshape(*lead, ctx.nkv, 1, ctx.hs),
+                              dv.reshape(*lead, ctx.nkv, 1, ctx.hs)), dim=-2)
         if ctx.rot is not None and ctx.q_is_view:
             q, k, _ = _split_qkv(dqkv, ctx.nkv, ctx.hs)
             rotary._launch(ctx.launcher, rotary._as_4d(q), rotary._as_4d(k), ctx.rot, True, True)
@@ -350,8 +357,15 @@ class MLP(nn.Module):
         self.fc = nn.Linear(config.n_embd, config.ffn_hidden * (2 if self.swiglu else 1), bias=config.bias)
         self.proj = nn.Linear(config.ffn_hidden, config.n_embd, bias=config.bias)
         self.dropout = config.dropout
+        self.kernels = config.kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.swiglu and type(self.fc) is nn.Linear and self.fc.bias is not None and \
+                _backend.resolve("bias_gelu", x.device, self.kernels) != "torch":
+            # the bias rides in the activation's pass; its gradient comes out of the GELU backward's pass
+            h = megakern.bias_gelu(F.linear(x, self.fc.weight), self.fc.bias, backend=self.kernels)
+            out = self.proj(h)
+            return F.dropout(out, self.dropout, self.training) if self.dropout else out
         h = self.fc(x)
         if self.swiglu:
             h = h.unflatten(-1, (-1, 2))

@@ -172,6 +172,38 @@ def test_views_of_a_packed_projection(causal):
     check(q.detach(), k.detach(), v.detach(), dtype=torch.float16, causal=causal)
 
 
+@pytest.mark.parametrize("deterministic", (True, False), ids=("two-pass", "atomic-dq"))
+@pytest.mark.parametrize("causal", (True, False), ids=("causal", "full"))
+def test_packed_projection_gradients_land_in_one_tensor(causal, deterministic):
+    """q, k, v as the [..., i, :] views of one (B, T, nh, 3, hs) projection output (a fused qkv linear's, no copies):
+    the backward writes dq, dk, dv into one tensor of that layout (so the projection's gradient needs no concatenation),
+    with the same values as separate inputs get. A layout that is not (..., 3, hs) keeps separate gradients."""
+    from megakern.attention import packed_qkv
+
+    _backends()
+    _seed("packed-grads", causal, deterministic)
+    b, t, nh, hs = (2, 1000, 4, 64) if HAS_CUDA else (2, 19, 2, 32)
+    x = torch.randn(b, t, nh * 3 * hs, device=DEVICE, dtype=torch.float16, requires_grad=True)
+    q, k, v = x.view(b, t, nh, 3, hs).unbind(3)
+    assert packed_qkv(q, k, v) is not None and packed_qkv(q, v, k) is None and packed_qkv(q, k, k) is None
+    out = attention(q, k, v, causal=causal, deterministic=deterministic, backend="triton")
+    dout = torch.randn_like(out)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    packed = packed_qkv(dq, dk, dv)
+    assert packed is not None and packed.shape == (b, t, nh, 3, hs), "dq, dk, dv are views of one qkv-shaped tensor"
+    sep = [t_.detach().clone().requires_grad_(True) for t_ in (q, k, v)]
+    ref = torch.autograd.grad(attention(*sep, causal=causal, deterministic=deterministic, backend="triton"), sep, dout)
+    for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), ref):
+        if deterministic:
+            assert torch.equal(got, want), f"{name}: the packed gradient differs from the separate one"
+        else:  # atomic dq adds in a varying order
+            torch.testing.assert_close(got, want, rtol=0, atol=2e-3)
+    other = x.view(b, t, 3, nh, hs).unbind(2)  # (B, T, 3, nh, hs): not the packed layout
+    assert packed_qkv(*other) is None
+    grads = torch.autograd.grad(attention(*other, causal=causal, backend="triton"), other, dout)
+    assert packed_qkv(*grads) is None
+
+
 def test_merge_attention():
     """Attention over two halves of the keys, merged, equals attention over all of them (as ring attention uses)."""
     _seed("merge")

@@ -69,3 +69,22 @@ def test_no_gpu_work_and_cli(tmp_path, capsys):
     assert _timeline.main([str(path)]) == 0
     assert "GPU wall 0.0 ms" in capsys.readouterr().out
     assert _timeline.main([]) == 2
+
+
+def test_sources_name_the_launching_op_and_its_context():
+    kernels = [("reduce_kernel", 200.0, 260.0, 7, 1), ("_attn_fwd_kernel", 300.0, 400.0, 7, 2),
+               ("reduce_kernel", 400.0, 430.0, 7, 4), ("Memset (Device)", 450.0, 452.0, 7, 3)]
+    trace = _trace(kernels, [(0.0, 1000.0)], [(1, 20.0), (2, 120.0), (3, 500.0), (4, 610.0)])
+    host = [("cpu_op", "autograd::engine::evaluate_function: AddmmBackward0", 0.0, 100.0),
+            ("cpu_op", "aten::sum", 10.0, 40.0),
+            ("user_annotation", "megakern.attention[triton]", 100.0, 100.0),
+            ("cpu_op", "AttentionFunction", 110.0, 80.0),
+            ("cpu_op", "aten::sum", 600.0, 20.0)]  # no context around it
+    trace["traceEvents"] += [{"ph": "X", "cat": c, "name": n, "ts": ts, "dur": d} for c, n, ts, d in host]
+    text = _timeline.sources(trace)
+    lines = text.splitlines()
+    assert lines[0].startswith("# GPU time by source, per step (mean of 1)")
+    assert "0.10 ms     1.0x  _attn_fwd_kernel <- AttentionFunction [megakern.attention[triton]]" in lines[1]
+    assert "0.06 ms     1.0x  reduce_kernel <- aten::sum [AddmmBackward0]" in lines[2]
+    assert lines[3].endswith("reduce_kernel <- aten::sum") and lines[4].endswith("Memset (Device) <- ")
+    assert _timeline.sources({"traceEvents": []}).endswith("no GPU work in the trace")

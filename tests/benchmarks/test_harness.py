@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from benchmarks import bench_attention, bench_fp8, bench_norm
+from benchmarks import bench_activation, bench_attention, bench_fp8, bench_norm
 from benchmarks.common import (CSV_HEADER, Results, Unavailable, bench, gpu_slug, git_sha, load_providers,
                                measure_copy_gbps, measure_matmul_tflops)
 
@@ -275,3 +275,13 @@ def test_bench_fp8_bytes_and_cpu_smoke(tmp_path, capsys):
     for mode in bench_fp8.MODES:
         assert ("fp8 64x96 fp32 e4m3", mode, "torch", "GB/s") in figures
     assert "| fp8 64x96 fp32 e4m3 | tile |" in capsys.readouterr().out
+
+
+def test_bench_activation_cpu_smoke(tmp_path, capsys):
+    bench_activation.main(["--device", "cpu", "--providers", "torch,megakern-triton", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "| bias_gelu 64x96 fp32 | fwd+bwd |" in out
+    records = [dict(zip(CSV_HEADER, row)) for row in _read_csv(tmp_path / "cpu" / "activation.csv")[1:]]
+    assert {(r["provider"], r["mode"]) for r in records if r["provider"] != "roofline"} == {
+        (p, m) for p in ("torch", "megakern-triton") for m in ("fwd", "fwd+bwd")}
+    assert all(float(r["value"]) > 0 for r in records)

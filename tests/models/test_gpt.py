@@ -11,6 +11,7 @@ import torch
 from conftest import ATOL, DEVICE, HAS_CUDA, assert_close_to_ref
 from reference_gpt import RefGPT
 
+from megakern.attention import packed_qkv as megakern_packed
 from megakern.models.gpt import GPT, PRESETS, GPTConfig
 
 GPT2_LIKE = dict(n_layer=2, n_embd=48, n_head=3, vocab_size=101, max_seqlen=40, norm="layernorm", position="learned",
@@ -303,7 +304,8 @@ def test_sum_reduction_and_all_ignored():
 
 
 # ---- the Triton kernels inside the model (interpreter on CPU) ---------------------------------------------------------
-TRITON_KERNELS = {"rms_norm": "triton", "layer_norm": "triton", "rotary": "triton", "cross_entropy": "triton"}
+TRITON_KERNELS = {"rms_norm": "triton", "layer_norm": "triton", "rotary": "triton", "cross_entropy": "triton",
+                  "bias_gelu": "triton"}
 
 
 def _triton_or_skip():
@@ -336,14 +338,24 @@ def test_traced_rotary_path_matches_in_place(name, monkeypatch):
         torch.testing.assert_close(traced_grads[key], g, rtol=1e-5, atol=1e-6, msg=key)
 
 
+@pytest.mark.parametrize("kv_heads", [1, 2], ids=("gqa", "mha"))
 @pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if HAS_CUDA else []))
-def test_triton_kernels_with_attention_low_precision(dtype):
+def test_triton_kernels_with_attention_low_precision(dtype, kv_heads, monkeypatch):
     """Every op in Triton, fp16 weights (and bf16 on a GPU): the 2x rule against the fp64 reference and plain torch
-    in the same dtype, for the packed layout too."""
+    in the same dtype, for the packed layout too. Without grouped queries the attention backward writes the qkv
+    gradient whole (the rotation undone in place on it), with them it is gathered by a concatenation."""
+    import megakern.models.gpt as gpt
+
     _triton_or_skip()
-    config = dict(LLAMA_LIKE, n_layer=1, n_embd=32, n_head=2, n_kv_head=1, ffn_hidden=24)
+    packed = []
+    monkeypatch.setattr(gpt, "packed_qkv", lambda *t: packed.append(megakern_packed(*t)) or packed[-1])
+    config = dict(LLAMA_LIKE, n_layer=1, n_embd=32, n_head=2, n_kv_head=kv_heads, ffn_hidden=24)
     model = make(config, kernels={**TRITON_KERNELS, "attention": "triton"}).to(DEVICE, dtype)
     check_against_reference(model, B=1, T=18, atol=ATOL[dtype])
+    if kv_heads == 2:
+        assert packed and all(p is not None for p in packed), "the qkv gradient comes whole from attention"
+    else:
+        assert not packed, "grouped queries: q is a copy, the gradients are gathered"
     cu = torch.tensor([0, 7, 18], dtype=torch.int32)
     check_against_reference(model, B=1, T=18, atol=ATOL[dtype], doc_lengths=[7, 11], cu_seqlens=cu)
 

@@ -1,0 +1,114 @@
+"""Bias + GELU (tanh) throughput, forward and forward+backward (dh and the bias gradient), against the same-run copy
+roofline: the MLP activation of GPT-2-shaped models.
+
+Shapes: h, y, dy, dh (M, N), bias (N,); bf16 on CUDA, fp32 on CPU (smoke runs only). Cases: GPT-350M's fc output
+16384 x 4096 (micro-batch 16 x 1024 tokens), GPT-1.3B's 8192 x 8192, and a 2**26-element sweep of N.
+
+Bytes a fused pass must move, e = bytes per element of h:
+    fwd      = read h + write y                           2*M*N*e
+    fwd+bwd  = fwd + read h + read dy + write dh          3*M*N*e   (the bias gradient rides along)
+Unfused, the bias gradient is a further read of dh (M*N*e): torch eager moves 6*M*N*e (plus the bias add's pass).
+GB/s = bytes / median time, also as a fraction of the copy roofline. Every provider's y, dh and dbias are checked
+against the fp32 reference first; a wrong provider is reported and skipped.
+
+    python -m benchmarks.bench_activation [--quick] [--providers torch,compile,megakern-triton] [--graph] [--no-save]
+"""
+
+import torch
+import torch.nn.functional as F
+
+if __package__:
+    from .common import (Results, Unavailable, bench, load_providers, measure_copy_gbps, parse_args, record,
+                         report_failure)
+else:  # python benchmarks/bench_activation.py
+    from common import (Results, Unavailable, bench, load_providers, measure_copy_gbps, parse_args, record,
+                        report_failure)
+
+MODES = ("fwd", "fwd+bwd")
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def shapes(device: torch.device, quick: bool) -> list[tuple[int, int]]:
+    if device.type != "cuda":
+        return [(64, 96), (33, 200)]
+    sweep = () if quick else (1024, 3072, 16384)
+    return list(dict.fromkeys([(16384, 4096), (8192, 8192), *((2**26 // n, n) for n in sweep)]))
+
+
+def bytes_moved(mode: str, rows: int, cols: int, esize: int) -> int:
+    act = rows * cols * esize
+    return 2 * act + cols * esize if mode == "fwd" else 5 * act + 2 * cols * esize
+
+
+def _eager(h, b):
+    return F.gelu(h + b, approximate="tanh")
+
+
+def _load_torch(device):
+    return _eager
+
+
+def _load_compile(device):
+    torch.compiler.reset()
+    return torch.compile(_eager, dynamic=False)
+
+
+def _load_megakern(backend: str):
+    def load(device):
+        import megakern
+
+        if reason := megakern.available_backends(device).get(backend, f"megakern has no {backend!r} backend"):
+            raise Unavailable(reason)
+        return lambda h, b: megakern.bias_gelu(h, b, backend=backend)
+
+    return load
+
+
+PROVIDERS = {"torch": _load_torch, "compile": _load_compile, "megakern-triton": _load_megakern("triton")}
+
+
+def _outputs(fn, h, b, dy):
+    y = fn(h, b)
+    return (y, *torch.autograd.grad(y, (h, b), dy))
+
+
+def _check(outs, ref, tol):
+    for name, out, expected in zip(("y", "dh", "dbias"), outs, ref):
+        err = ((out.float() - expected).abs().max() / expected.abs().max().clamp_min(1)).item()
+        if not err <= tol:
+            raise AssertionError(f"{name} is off the fp32 reference: scaled max abs error {err:.3g} > {tol}")
+
+
+def main(argv: list[str] | None = None) -> Results:
+    args = parse_args(__doc__.splitlines()[0], argv)
+    device = args.device
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tol = 1e-3 if dtype == torch.float32 else 0.03
+    providers = load_providers(PROVIDERS, device, args.providers)
+    results = Results(device)
+    results.add_roofline("GB/s", measure_copy_gbps(device))
+    torch.manual_seed(0)
+    for rows, cols in shapes(device, args.quick):
+        case = f"bias_gelu {rows}x{cols} {DTYPE_NAMES[dtype]}"
+        h = (2 * torch.randn(rows, cols, device=device)).to(dtype).requires_grad_()
+        b = (0.5 * torch.randn(cols, device=device)).to(dtype).requires_grad_()
+        dy = torch.randn_like(h)
+        ref = _outputs(_eager, h.detach().float().requires_grad_(), b.detach().float().requires_grad_(), dy.float())
+        for name, fn in providers.items():
+            try:
+                _check(_outputs(fn, h, b, dy), ref, tol)
+                for mode in MODES:
+                    step = (lambda: fn(h, b)) if mode == "fwd" else (lambda: torch.autograd.grad(fn(h, b), (h, b), dy))
+                    t = bench(step, device=device, graph=args.graph)
+                    gbps = bytes_moved(mode, rows, cols, h.element_size()) / (t["median"] * 1e-3) / 1e9
+                    record(results, case, mode + (" graph" if args.graph else ""), name, t, "GB/s", gbps)
+            except Exception as e:
+                report_failure(name, case, e)
+    if not args.no_save:
+        print(f"saved {results.save('activation', args.out)}")
+    print(results.markdown("GB/s"))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Triton kernels of megakern.activation: bias + GELU (tanh approximation) forward, and its backward with the bias
+gradient's column sums made in the same pass.
+
+Forward: h (M, N) contiguous, flat blocks of BLOCK elements, y = gelu(h + b[col]) in fp32, stored in h's dtype.
+Backward: a program per (BLOCK_N columns, slice of rows) walks its rows BLOCK_M at a time, writes
+dh = dy * gelu'(h + b) and keeps the column sums of dh (as stored, in fp32) in registers; it writes them to its row
+of an (row slices, N) fp32 buffer that the launcher sums. The separate bias-gradient pass over dh (a read of M x N)
+is gone.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from megakern._intmath import cdiv
+
+SQRT_2_OVER_PI = 0.7978845608028654
+COEF = 0.044715
+
+
+@triton.jit
+def _tanh(z):
+    e = tl.exp(-2.0 * tl.abs(z))  # in (0, 1]: no overflow
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(z < 0, -t, t)
+
+
+@triton.jit
+def _bias_gelu_fwd_kernel(H, B, Y, numel, N, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    x = tl.load(H + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        x += tl.load(B + offs % N, mask=mask, other=0.0).to(tl.float32)
+    t = _tanh(SQRT_2_OVER_PI * (x + COEF * x * x * x))
+    tl.store(Y + offs, (0.5 * x * (1.0 + t)).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bias_gelu_bwd_kernel(DY, H, B, DH, PART, M, N, rows_per_prog, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr):
+    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    if HAS_BIAS:
+        bias = tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    row0 = pid_m * rows_per_prog
+    for start in range(row0, tl.minimum(row0 + rows_per_prog, M), BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        mask = (rows < M)[:, None] & col_ok[None, :]
+        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        x = tl.load(H + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            x += bias[None, :]
+        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        u = SQRT_2_OVER_PI * (x + COEF * x * x * x)
+        t = _tanh(u)
+        grad = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * COEF * x * x)
+        dh = (dy * grad).to(DH.dtype.element_ty)
+        tl.store(DH + offs, dh, mask=mask)
+        acc += tl.sum(dh.to(tl.float32), axis=0)
+    tl.store(PART + pid_m * N + cols, acc, mask=col_ok)
+
+
+def fwd(h: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    y = torch.empty_like(h)
+    numel, n = h.numel(), h.shape[-1]
+    if numel == 0:
+        return y
+    block = 4096 if h.is_cuda else 256
+    _bias_gelu_fwd_kernel[(cdiv(numel, block),)](h, bias if bias is not None else h, y, numel, n,
+                                                 HAS_BIAS=bias is not None, BLOCK=block, num_warps=8 if h.is_cuda else 4)
+    return y
+
+
+def bwd(dy: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(dh, dbias): dh like h, dbias the column sums of dh in fp32 (None without a bias)."""
+    n = h.shape[-1]
+    m = h.numel() // max(n, 1)
+    dh = torch.empty_like(h)
+    if h.numel() == 0:
+        return dh, (torch.zeros(n, dtype=torch.float32, device=h.device) if bias is not None else None)
+    if h.is_cuda:
+        block_m, block_n, warps = 16, 256, 4
+        sms = torch.cuda.get_device_properties(h.device).multi_processor_count
+        slices = max(1, min(cdiv(m, block_m), cdiv(4 * sms, cdiv(n, block_n))))
+    else:  # the interpreter: few programs
+        block_m, block_n, warps, slices = 8, 32, 4, min(2, cdiv(m, 8))
+    rows = cdiv(cdiv(m, slices), block_m) * block_m
+    slices = cdiv(m, rows)
+    part = torch.empty((slices, n), dtype=torch.float32, device=h.device)
+    _bias_gelu_bwd_kernel[(cdiv(n, block_n), slices)](
+        dy, h, bias if bias is not None else h, dh, part, m, n, rows, HAS_BIAS=bias is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+    return dh, (part.sum(0) if bias is not None else None)

@@ -1,0 +1,101 @@
+"""megakern.activation.bias_gelu: gelu(h + bias) (tanh approximation) and its gradients (dh and the bias gradient
+made in the same pass) against the fp64 reference under the 2x rule; odd sizes, no bias, an fp32 bias beside
+low-precision h, non-contiguous h, empty input; bad input. Under the CPU interpreter in fp32 / fp16 at small sizes;
+bf16 and larger sizes on a GPU."""
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import ATOL, DEVICE, HAS_CUDA, assert_close_to_ref, poison_cuda_allocator, skip_interpreter_faults
+
+import megakern
+from megakern.activation import bias_gelu, bias_gelu_ref
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SHAPES = [(5, 33), (2, 3, 40), (1, 1), (16, 130)]
+if HAS_CUDA:
+    SHAPES += [(4, 1000, 3072), (8193, 4096), (3, 7, 5000)]
+
+
+def _seed(*key):
+    torch.manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def _triton():
+    problem = megakern.available_backends(DEVICE)["triton"]
+    if problem:
+        pytest.skip(f"Triton unavailable: {problem}")
+
+
+def check(h, bias, dtype):
+    """Output, dh and dbias of the Triton backend against fp64 truth, plain torch in h's dtype as the yardstick."""
+    _triton()
+    poison_cuda_allocator(4 * h.numel() + 4096)
+    leaves = [h.requires_grad_(True)] + ([bias.requires_grad_(True)] if bias is not None else [])
+    y = bias_gelu(h, bias, backend="triton")
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad(y, leaves, dy)
+    t64 = [t.detach().double().requires_grad_(True) for t in leaves]
+    truth = bias_gelu_ref(t64[0], t64[1] if bias is not None else None)
+    truth_grads = torch.autograd.grad(truth, t64, dy.double())
+    lo = [t.detach().clone().requires_grad_(True) for t in leaves]
+    lowp = F.gelu(lo[0] + (lo[1].to(dtype) if bias is not None else 0), approximate="tanh")
+    lowp_grads = torch.autograd.grad(lowp, lo, dy)
+    assert y.dtype == dtype and y.shape == h.shape
+    assert_close_to_ref("y", y, truth, lowp, ATOL[dtype])
+    for name, g, t, l, leaf in zip(("dh", "dbias"), grads, truth_grads, lowp_grads, leaves):
+        assert g.shape == leaf.shape and g.dtype == leaf.dtype, name
+        # the bias gradient sums a column of M rows: scale the allowance by the column's magnitude
+        scale = max(1.0, t.abs().max().item())
+        assert_close_to_ref(name, g, t, l, ATOL[dtype] * scale)
+
+
+@pytest.mark.parametrize("bias_dtype", ("same", "fp32", None), ids=("bias", "fp32-bias", "no-bias"))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_matches_reference(dtype, shape, bias_dtype):
+    skip_interpreter_faults("triton", dtype)
+    _seed("bias_gelu", dtype, shape, bias_dtype)
+    h = 2 * torch.randn(shape, device=DEVICE, dtype=dtype)
+    bias = None if bias_dtype is None else torch.randn(
+        shape[-1], device=DEVICE, dtype=dtype if bias_dtype == "same" else torch.float32)
+    check(h, bias, dtype)
+
+
+def test_non_contiguous_input_and_large_values():
+    _seed("views")
+    base = torch.randn(9, 2 * 48, device=DEVICE, dtype=torch.float16)
+    h = (base * 6)[:, ::2]  # strided, values out to where tanh saturates
+    assert not h.is_contiguous()
+    check(h.detach(), torch.randn(48, device=DEVICE, dtype=torch.float16), torch.float16)
+
+
+def test_empty_and_torch_backend():
+    _triton()
+    h = torch.randn(0, 12, device=DEVICE, requires_grad=True)
+    b = torch.randn(12, device=DEVICE, requires_grad=True)
+    y = bias_gelu(h, b, backend="triton")
+    y.sum().backward()
+    assert y.shape == (0, 12) and torch.equal(b.grad, torch.zeros(12, device=DEVICE))
+    x = torch.randn(3, 12, device=DEVICE, dtype=torch.float64)
+    torch.testing.assert_close(bias_gelu(x, b.detach().double()), F.gelu(x + b.detach().double(), approximate="tanh"))
+
+
+def test_bad_input():
+    h = torch.randn(4, 8, device=DEVICE)
+    with pytest.raises(ValueError, match=r"bias has shape \(7,\), expected \(8,\)"):
+        bias_gelu(h, torch.zeros(7, device=DEVICE))
+    with pytest.raises(TypeError, match="h must be a float32/float16/bfloat16 tensor"):
+        bias_gelu(torch.ones(4, 8, dtype=torch.int32))
+    with pytest.raises(TypeError, match="bias must be a floating-point tensor"):
+        bias_gelu(h, torch.zeros(8, dtype=torch.int64, device=DEVICE))
+    with pytest.raises(ValueError, match="at least one dimension"):
+        bias_gelu(torch.tensor(1.0))
+    with pytest.raises(ValueError, match="unknown backend 'cuda'"):
+        bias_gelu(h, backend="cuda")
+    if not HAS_CUDA:
+        with pytest.raises(ValueError, match="bias is on"):
+            bias_gelu(h, torch.zeros(8, device="meta"))
