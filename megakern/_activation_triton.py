@@ -15,8 +15,8 @@ import triton.language as tl
 
 from megakern._intmath import cdiv
 
-SQRT_2_OVER_PI = 0.7978845608028654
-COEF = 0.044715
+# gelu_tanh(x) = 0.5 x (1 + tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x^3); the constants are literals in the kernels
+# (Triton kernels read module globals only as constexprs, which the interpreter does not multiply with tensors)
 
 
 @triton.jit
@@ -33,7 +33,7 @@ def _bias_gelu_fwd_kernel(H, B, Y, numel, N, HAS_BIAS: tl.constexpr, BLOCK: tl.c
     x = tl.load(H + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         x += tl.load(B + offs % N, mask=mask, other=0.0).to(tl.float32)
-    t = _tanh(SQRT_2_OVER_PI * (x + COEF * x * x * x))
+    t = _tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))
     tl.store(Y + offs, (0.5 * x * (1.0 + t)).to(Y.dtype.element_ty), mask=mask)
 
 
@@ -55,9 +55,8 @@ def _bias_gelu_bwd_kernel(DY, H, B, DH, PART, M, N, rows_per_prog, HAS_BIAS: tl.
         if HAS_BIAS:
             x += bias[None, :]
         dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
-        u = SQRT_2_OVER_PI * (x + COEF * x * x * x)
-        t = _tanh(u)
-        grad = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * COEF * x * x)
+        t = _tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))
+        grad = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * x * x)
         dh = (dy * grad).to(DH.dtype.element_ty)
         tl.store(DH + offs, dh, mask=mask)
         acc += tl.sum(dh.to(tl.float32), axis=0)
