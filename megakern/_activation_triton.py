@@ -2,10 +2,9 @@
 gradient's column sums made in the same pass.
 
 Forward: h (M, N) contiguous, flat blocks of BLOCK elements, y = gelu(h + b[col]) in fp32, stored in h's dtype.
-Backward: a program per (BLOCK_N columns, slice of rows) walks its rows BLOCK_M at a time, writes
-dh = dy * gelu'(h + b) and keeps the column sums of dh (as stored, in fp32) in registers; it writes them to its row
-of an (row slices, N) fp32 buffer that the launcher sums. The separate bias-gradient pass over dh (a read of M x N)
-is gone.
+Backward: a program per (BLOCK_M x BLOCK_N) tile writes dh = dy * gelu'(h + b) and the column sums of its tile of
+dh (as stored, in fp32) to its row of an (M / BLOCK_M, N) fp32 buffer, which the launcher sums. The separate
+bias-gradient pass over dh (a read of M x N) is gone; the partial sums add 1/32 of dh's bytes (bf16, BLOCK_M 64).
 """
 from __future__ import annotations
 
@@ -38,29 +37,24 @@ def _bias_gelu_fwd_kernel(H, B, Y, numel, N, HAS_BIAS: tl.constexpr, BLOCK: tl.c
 
 
 @triton.jit
-def _bias_gelu_bwd_kernel(DY, H, B, DH, PART, M, N, rows_per_prog, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+def _bias_gelu_bwd_kernel(DY, H, B, DH, PART, M, N, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr):
-    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     col_ok = cols < N
+    mask = (rows < M)[:, None] & col_ok[None, :]
+    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    x = tl.load(H + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
-        bias = tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    row0 = pid_m * rows_per_prog
-    for start in range(row0, tl.minimum(row0 + rows_per_prog, M), BLOCK_M):
-        rows = start + tl.arange(0, BLOCK_M)
-        mask = (rows < M)[:, None] & col_ok[None, :]
-        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-        x = tl.load(H + offs, mask=mask, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            x += bias[None, :]
-        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
-        t = _tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))
-        grad = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * x * x)
-        dh = (dy * grad).to(DH.dtype.element_ty)
-        tl.store(DH + offs, dh, mask=mask)
-        acc += tl.sum(dh.to(tl.float32), axis=0)
-    tl.store(PART + pid_m * N + cols, acc, mask=col_ok)
+        x += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+    t = _tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))
+    grad = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * x * x)
+    dh = (dy * grad).to(DH.dtype.element_ty)
+    tl.store(DH + offs, dh, mask=mask)
+    if HAS_BIAS:
+        tl.store(PART + pid_m.to(tl.int64) * N + cols, tl.sum(dh.to(tl.float32), axis=0), mask=col_ok)
 
 
 def fwd(h: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -81,16 +75,10 @@ def bwd(dy: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None) -> tuple[t
     dh = torch.empty_like(h)
     if h.numel() == 0:
         return dh, (torch.zeros(n, dtype=torch.float32, device=h.device) if bias is not None else None)
-    if h.is_cuda:
-        block_m, block_n, warps = 16, 256, 4
-        sms = torch.cuda.get_device_properties(h.device).multi_processor_count
-        slices = max(1, min(cdiv(m, block_m), cdiv(4 * sms, cdiv(n, block_n))))
-    else:  # the interpreter: few programs
-        block_m, block_n, warps, slices = 8, 32, 4, min(2, cdiv(m, 8))
-    rows = cdiv(cdiv(m, slices), block_m) * block_m
-    slices = cdiv(m, rows)
-    part = torch.empty((slices, n), dtype=torch.float32, device=h.device)
-    _bias_gelu_bwd_kernel[(cdiv(n, block_n), slices)](
-        dy, h, bias if bias is not None else h, dh, part, m, n, rows, HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+    # a tile per program, its column sums to a row of part: (M / BLOCK_M) x N fp32, 1/32 of dh's bytes in bf16
+    block_m, block_n, warps = (64, 256, 8) if h.is_cuda else (8, 32, 4)
+    grid = (cdiv(m, block_m), cdiv(n, block_n))
+    part = torch.empty((grid[0], n), dtype=torch.float32, device=h.device) if bias is not None else h
+    _bias_gelu_bwd_kernel[grid](dy, h, bias if bias is not None else h, dh, part, m, n, HAS_BIAS=bias is not None,
+                                BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
     return dh, (part.sum(0) if bias is not None else None)
