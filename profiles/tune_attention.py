@@ -8,7 +8,7 @@ kernel (dkdv-det) and its dq kernel (dq), per head dim and mask, with tensor des
 Tile moves (--modes): host = the launcher's 4-D tensor descriptors, device = device-side descriptors per (sequence,
 head), hybrid = device-side for the tiles a program loads or stores once and the launcher's for its loop, ptr =
 masked pointer loads; each tile of the lists below (or of --tiles, BLOCK_M x BLOCK_N x warps x stages)
-is timed in each mode.
+is timed in each mode. A backward mode is forced on both backward kernels (the dk/dv and the dq kernel).
 
 FLOPs as benchmarks/bench_attention.py: forward 4 * B * nh * T^2 * hs (halved causal), backward 2.5x forward (the
 deterministic backward does 3.5x: two more matmuls, counted as 2.5x here so the two modes compare by time).
