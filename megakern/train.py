@@ -602,6 +602,7 @@ class Trainer:
         # a non-finite step is skipped by the fused optimizer on the device (no sync), else on the host
         # (over several ranks too: loss and norm are reduced over every group, so all ranks skip alike)
         self.device_skip = device_skip(self.optimizer)
+        self._clip_divisor = None  # the fused optimizer's grad_scale when it does the clipping (_micro_steps)
         self.step_graph = None
         if t.cuda_graph:
             problems = [why for bad, why in (
@@ -848,7 +849,13 @@ class Trainer:
             params = list(self.masters.values()) if self.masters is not None else [
                 p for g in self.optimizer.param_groups for p in g["params"]]
             grads = [p for p in params if p.grad is not None]
-            if clip > 0:
+            self._clip_divisor = None
+            if clip > 0 and self.device_skip:
+                # the fused optimizer divides the gradients by its grad_scale as it reads them: clipping rides in
+                # the update instead of a pass over every gradient (clip_grad_norm_'s coefficient, as a divisor)
+                norm = torch.nn.utils.get_total_norm([p.grad for p in grads], foreach=True)
+                self._clip_divisor = torch.clamp((norm.float() + 1e-6) / clip, min=1.0)
+            elif clip > 0:
                 norm = torch.nn.utils.clip_grad_norm_(grads, clip, foreach=True)
             else:
                 norm = torch.nn.utils.get_total_norm([p.grad for p in grads], foreach=True)
@@ -886,11 +893,12 @@ class Trainer:
         """The fused optimizer's step, which skips itself on the device when the step is bad; nothing is read on
         the host (this is what a CUDA-graph step captures). Returns the step's values."""
         values = self._step_values(figures)
-        self.optimizer.grad_scale, self.optimizer.found_inf = None, values[2]  # 0-d fp32, as the steps
+        # 0-d fp32 device tensors: the clipping divisor (see _micro_steps) and the skip flag
+        self.optimizer.grad_scale, self.optimizer.found_inf = self._clip_divisor, values[2]
         try:
             self._optimizer_step()
         finally:
-            self.optimizer.found_inf = None
+            self.optimizer.grad_scale = self.optimizer.found_inf = None
         if self.masters is not None:  # after a skipped step the masters are unchanged: an exact no-op
             self._copy_masters()
         else:  # the masters' gradients are overwritten by the next step's first micro-batch

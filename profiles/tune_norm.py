@@ -4,7 +4,10 @@ Times the kernel-level launchers (no autograd) of megakern._norm_triton and mega
 knobs, bf16, against the copy roofline measured in the same run, and the host time of one public call on a tiny
 input (what a launch costs the CPU). The defaults in the launchers are set from this table.
 
-    python profiles/tune_norm.py [--hidden 8192,16384]
+    python profiles/tune_norm.py [--hidden 8192,16384] [--residual]
+
+``--residual``: the backward also reads the gradient of the residual stream (the fused residual add of a pre-norm
+block, as in training: one more M x N read), and the sweep covers more programs per SM.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from megakern import _norm_cuda, _norm_triton
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--hidden", default="1024,4096,8192")
+    parser.add_argument("--residual", action="store_true")
     args = parser.parse_args()
     dev = torch.device("cuda")
     copy = measure_copy_gbps(dev)
@@ -41,13 +45,20 @@ def main() -> None:
                                  x, None, w, bias, 1e-5, is_rms, num_warps=warps, rows_per_program=rows_pp)))
             runs.append(("cuda fwd default " + str(_norm_cuda.launch_config(n, x.dtype, False)), 2 * act,
                          lambda: _norm_cuda.fwd(x, None, w, bias, 1e-5, is_rms)))
-            for warps, per_sm, block_m in ((16, 1, 1), (16, 1, 2), (8, 1, 2), (8, 1, 4), (4, 1, 4)):
-                runs.append((f"triton bwd warps={warps} per_sm={per_sm} rows/step={block_m}", 3 * act,
+            dres = torch.randn_like(x) if args.residual else None
+            bwd_bytes = (4 if args.residual else 3) * act
+            geometries = [(16, 1, 1), (16, 1, 2), (8, 1, 2), (8, 1, 4), (4, 1, 4)]
+            if args.residual:
+                geometries += [(4, 2, 4), (4, 4, 4), (4, 8, 4), (4, 4, 2), (4, 8, 2), (8, 4, 4), (8, 2, 4), (4, 4, 8),
+                               (2, 8, 4), (4, 16, 2)]
+            for warps, per_sm, block_m in geometries:
+                runs.append((f"triton bwd warps={warps} per_sm={per_sm} rows/step={block_m}", bwd_bytes,
                              lambda warps=warps, per_sm=per_sm, block_m=block_m: _norm_triton.bwd(
-                                 dy, x, None, w, mean, rstd, is_rms, None, True, not is_rms, num_warps=warps,
-                                 programs_per_sm=per_sm, rows_per_step=block_m)))
-            runs.append(("cuda bwd default " + str(_norm_cuda.launch_config(n, x.dtype, True)), 3 * act,
-                         lambda: _norm_cuda.bwd(dy, x, None, w, mean, rstd, is_rms, None, True, not is_rms)))
+                                 dy, x, dres, w, mean, rstd, is_rms, x.dtype if args.residual else None, True,
+                                 not is_rms, num_warps=warps, programs_per_sm=per_sm, rows_per_step=block_m)))
+            runs.append(("cuda bwd default " + str(_norm_cuda.launch_config(n, x.dtype, True)), bwd_bytes,
+                         lambda: _norm_cuda.bwd(dy, x, dres, w, mean, rstd, is_rms, x.dtype if args.residual else None,
+                                                True, not is_rms)))
             for name, nbytes, fn in runs:
                 try:
                     t = bench(fn, device=dev)["median"]

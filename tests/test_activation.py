@@ -113,7 +113,7 @@ def compile_for_sm90() -> list:
     results = []
     for fn, name, constexprs, warps in (
             (kern._bias_gelu_fwd_kernel, "fwd", {"HAS_BIAS": True, "BLOCK": 4096}, 8),
-            (kern._bias_gelu_bwd_kernel, "bwd", {"HAS_BIAS": True, "BLOCK_M": 64, "BLOCK_N": 256}, 8)):
+            (kern._bias_gelu_bwd_kernel, "bwd", {"HAS_BIAS": True, "BLOCK_M": 32, "BLOCK_N": 128}, 4)):
         types = {"PART": "*fp32", "numel": "i32", "N": "i32", "M": "i32"}
         signature = {a: constexprs.get(a) and "constexpr" or types.get(a, "*bf16") for a in fn.arg_names}
         signature.update({a: "constexpr" for a in constexprs})

@@ -429,3 +429,27 @@ if __name__ == "__main__":
                                   "precision": "fp32", "corpus": default_corpus_id(), "torch": torch.__version__,
                                   "losses": losses}, indent=1) + "\n")
     print(f"wrote {GOLDEN}: {losses}")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_fused_optimizer_clips_through_grad_scale(tmp_path, data_cache, precision):
+    """With fused AdamW the clipping coefficient is the optimizer's grad_scale (a divisor applied as it reads the
+    gradients) instead of a pass over them: the same trajectory as clip_grad_norm_ + foreach AdamW, and the divisor
+    really clips (> 1 with a small train.grad_clip)."""
+    common = [*TINY, "train.steps=4", "eval.every=0", "checkpoint.every=0", "checkpoint.final=false",
+              "train.grad_clip=0.05", f"train.precision={precision}"]
+    fused = trainer(tmp_path, data_cache, *common, "optim.fused=fused", name="fused")
+    assert fused.device_skip
+    divisors = []
+    step = fused._device_step
+
+    def spy(figures):
+        divisors.append(float(fused._clip_divisor))
+        return step(figures)
+
+    fused._device_step = spy
+    got = fused.run().losses
+    want = trainer(tmp_path, data_cache, *common, "optim.fused=foreach", name="foreach").run().losses
+    assert divisors and all(d > 1.0 for d in divisors), divisors
+    for s in want:
+        assert got[s] == pytest.approx(want[s], abs=1e-4), s
