@@ -511,6 +511,8 @@ def _attn_bwd_dq_kernel(
 # - backward, hs64 T 1024 on an H100 (B 16, 32 heads; the tile moves forced on both kernels): pointer loads win
 #   at this length: dk/dv 32x64 4w3s + dq 128x32 4w3s 186 TFLOP/s with pointers, 173 with the launcher's
 #   descriptors, 161 hybrid, 154 device-side (the previous entry's dk/dv moves); dq 128x64 8w2s 157 with pointers.
+#   Then with pointers, one kernel's tile at a time: dk/dv 32x128 4w3s 207 (32x64 4w3s 190, 16x64 187, 64x64 182,
+#   32x64 4w2s 174, 32x32 134), dq 128x32 4w4s 193 (4w3s 187, 8w3s 191, 128x64 180, 64x32 171).
 # - hs256: not tuned; tiles that fit the shared memory, device-side descriptors (a 64x256 q tile in registers would
 #   spill). Head dims up to 32 keep the long-sequence tiles at every length: with the short-sequence ones, ptxas 13.0
 #   (on the H200 machine) crashed compiling hs16 at T 1.
@@ -527,13 +529,13 @@ CONFIGS = {
                   128: ((1024, (128, 32, 4, 4, "host")), (_LONG, (128, 128, 8, 3, "host"))),
                   256: ((_LONG, (64, 32, 4, 2, "device")),)},
     "dkdv": {32: ((_LONG, (32, 64, 4, 3, "device")),),
-             64: ((1024, (32, 64, 4, 3, False)), (_LONG, (32, 64, 4, 3, "hybrid"))),
+             64: ((1024, (32, 128, 4, 3, False)), (_LONG, (32, 64, 4, 3, "hybrid"))),
              128: ((1024, (64, 64, 4, 2, "device")), (_LONG, (64, 64, 4, 2, "hybrid"))),
              256: ((_LONG, (32, 64, 4, 2, "device")),)},
     "dkdv_atomic": {32: ((_LONG, (64, 64, 4, 2, "device")),), 64: ((_LONG, (64, 64, 4, 2, "device")),), 128: ((_LONG, (32, 128, 8, 3, "device")),),
                     256: ((_LONG, (32, 64, 4, 2, "device")),)},
     "dq": {32: ((_LONG, (64, 64, 4, 3, "device")),),
-           64: ((1024, (128, 32, 4, 3, False)), (_LONG, (64, 64, 4, 3, "hybrid"))),
+           64: ((1024, (128, 32, 4, 4, False)), (_LONG, (64, 64, 4, 3, "hybrid"))),
            128: ((1024, (128, 32, 4, 3, "device")), (_LONG, (128, 64, 8, 3, "hybrid"))),
            256: ((_LONG, (64, 32, 4, 2, "device")),)},
 }

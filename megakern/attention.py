@@ -160,7 +160,10 @@ def check_inputs(q, k, v, cu_seqlens, max_seqlen, softmax_scale) -> None:
 
 def packed_qkv(q, k, v):
     """The (..., heads, 3, hs) tensor whose ``[..., 0, :]``, ``[..., 1, :]`` and ``[..., 2, :]`` are q, k and v
-    (same shape, views of one tensor), else None."""
+    (same shape, views of one tensor), else None. None under torch.compile, whose traced tensors do not keep their
+    view bases."""
+    if torch.compiler.is_compiling():
+        return None
     base = q._base
     if base is None or k._base is not base or v._base is not base or not q.shape == k.shape == v.shape:
         return None
