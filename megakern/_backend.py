@@ -50,6 +50,8 @@ DEFAULTS: dict[str, tuple[tuple[int, tuple[str, ...]], ...]] = {
     # Bias + GELU (megakern.activation): Triton (the GELU backward and the bias gradient in one pass), then the
     # reference.
     "bias_gelu": ((1 << 30, ("triton", "torch")),),
+    # Linear with a bias (megakern.linear): the bias gradient by a Triton column sum, then F.linear's own.
+    "linear": ((1 << 30, ("triton", "torch")),),
 }
 
 

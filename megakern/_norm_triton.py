@@ -205,8 +205,11 @@ def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype, need_
     separate_dres = residual_dtype is not None and residual_dtype != dy.dtype
     dres = torch.empty((rows, n), dtype=torch.float32, device=dy.device) if separate_dres else None
     has_db = need_db and not is_rms
-    dw_partial = torch.empty((programs, n), dtype=torch.float32, device=dy.device) if need_dw else None
-    db_partial = torch.empty((programs, n), dtype=torch.float32, device=dy.device) if has_db else None
+    # the per-program partial sums of dweight and dbias in one buffer, reduced by one launch
+    parts = torch.empty((int(need_dw) + int(has_db), programs, n), dtype=torch.float32, device=dy.device) \
+        if need_dw or has_db else None
+    dw_partial = parts[0] if need_dw else None
+    db_partial = parts[-1] if has_db else None
     _norm_bwd_kernel[(programs,)](
         x, dy, dres_out, weight, mean, rstd, dx, dres, dw_partial, db_partial,
         x.stride(0), dy.stride(0), dres_out.stride(0) if dres_out is not None else 0, dx.stride(0),
@@ -216,8 +219,9 @@ def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype, need_
         HAS_DRES_OUT=dres_out is not None, HAS_DRES=separate_dres, BLOCK_M=rows_per_step, BLOCK_N=block,
         num_warps=warps,
     )
-    dw = dw_partial.sum(0).to(weight.dtype) if need_dw else None
-    db = db_partial.sum(0).to(weight.dtype) if has_db else None
+    sums = parts.sum(1) if parts is not None else None
+    dw = sums[0].to(weight.dtype) if need_dw else None
+    db = sums[-1].to(weight.dtype) if has_db else None
     if residual_dtype is None:
         return dx, None, dw, db
     return dx, (dres if separate_dres else dx), dw, db

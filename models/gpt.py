@@ -14,8 +14,8 @@
 Letters: B batch, T sequence, C = n_embd, nh / nkv query / key-value heads, hs head dim, V the padded vocabulary.
 
 Kernels: every op takes its backend from ``config.kernels`` (``{op: backend}``, passed as ``backend=`` to the
-megakern ops: "rms_norm" | "layer_norm" | "rotary" | "attention" | "cross_entropy" | "bias_gelu"); an op not named
-takes the fastest backend available for the tensors' device (the torch references on CPU).
+megakern ops: "rms_norm" | "layer_norm" | "rotary" | "attention" | "cross_entropy" | "bias_gelu" | "linear"); an op
+not named takes the fastest backend available for the tensors' device (the torch references on CPU).
 
 Loss: ``forward(idx, targets)`` returns the cross-entropy of the next tokens through
 ``megakern.linear_cross_entropy``, which never holds fp32 logits for the whole vocabulary (chunked over tokens).
@@ -59,7 +59,7 @@ POSITIONS = ("rotary", "learned")
 ACTIVATIONS = ("gelu", "swiglu")
 RECOMPUTE = ("none", "selective", "full")
 VOCAB_MULTIPLE = 128
-KERNEL_OPS = ("rms_norm", "layer_norm", "rotary", "attention", "cross_entropy", "bias_gelu")
+KERNEL_OPS = ("rms_norm", "layer_norm", "rotary", "attention", "cross_entropy", "bias_gelu", "linear")
 IGNORE_INDEX = -100
 
 
@@ -112,7 +112,8 @@ class GPTConfig:
     """Activation recomputation: "none" | "selective" (the attention core) | "full" (each block)."""
     kernels: dict = field(default_factory=dict)
     """Backend per op, {op: "torch" | "triton" | "cuda"}, ops: rms_norm, layer_norm, rotary, attention,
-    cross_entropy, bias_gelu (the MLP's fc bias + GELU); ops not named take the fastest available backend."""
+    cross_entropy, bias_gelu (the MLP's fc bias + GELU), linear (the other biased projections' bias gradient); ops not
+    named take the fastest available backend."""
     ce_chunk: Optional[int] = None
     """Tokens per chunk of the fused linear cross-entropy (None: chosen from the vocabulary size)."""
 
@@ -295,6 +296,14 @@ class SplitRotate(torch.autograd.Function):
         return dqkv, None, None, None, None
 
 
+def _project(layer: nn.Module, x: torch.Tensor, kernels) -> torch.Tensor:
+    """``layer(x)``; a plain biased nn.Linear through megakern.linear (its bias gradient by a Triton column sum) where
+    that backend is not the reference. Tensor-parallel and FP8 layers keep their own forward."""
+    if type(layer) is nn.Linear and layer.bias is not None and _backend.resolve("linear", x.device, kernels) != "torch":
+        return megakern.linear(x, layer.weight, layer.bias, backend=kernels)
+    return layer(x)
+
+
 # ---- modules -------------------------------------------------------------------------------------------------------
 class AttentionCore(nn.Module):
     """softmax(q k^T / sqrt(hs), causal) v by megakern.attention: ``core(q, k, v, *, cu_seqlens, max_seqlen)``,
@@ -318,6 +327,7 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(config.n_embd, (config.n_head + 2 * config.n_kv_head) * hs, bias=config.bias)
         self.proj = nn.Linear(config.n_head * hs, config.n_embd, bias=config.bias)
         self.core = AttentionCore(config.kernels)
+        self.kernels = config.kernels
         self.recompute_core = config.recompute == "selective"
         self.dropout = config.dropout
 
@@ -325,7 +335,7 @@ class CausalSelfAttention(nn.Module):
         B, T, _ = x.shape
         nkv, hs = self.n_kv_head, self.head_dim
         g = self.n_head // nkv
-        qkv = self.qkv(x)
+        qkv = _project(self.qkv, x, self.kernels)
         # (B, T, nkv, g + 2, hs), or packed (B * T, ...) when documents are packed
         qkv = qkv.view(B * T, nkv, g + 2, hs) if pos.cu_seqlens is not None else qkv.view(B, T, nkv, g + 2, hs)
         rot, launcher = None, None
@@ -345,7 +355,7 @@ class CausalSelfAttention(nn.Module):
                              use_reentrant=False)
         else:
             out = self.core(q, k, v, cu_seqlens=pos.cu_seqlens, max_seqlen=pos.max_seqlen)
-        out = self.proj(out.reshape(B, T, self.n_head * hs))
+        out = _project(self.proj, out.reshape(B, T, self.n_head * hs), self.kernels)
         return F.dropout(out, self.dropout, self.training) if self.dropout else out
 
 
@@ -364,7 +374,7 @@ class MLP(nn.Module):
                 _backend.resolve("bias_gelu", x.device, self.kernels) != "torch":
             # the bias rides in the activation's pass; its gradient comes out of the GELU backward's pass
             h = megakern.bias_gelu(F.linear(x, self.fc.weight), self.fc.bias, backend=self.kernels)
-            out = self.proj(h)
+            out = _project(self.proj, h, self.kernels)
             return F.dropout(out, self.dropout, self.training) if self.dropout else out
         h = self.fc(x)
         if self.swiglu:
@@ -372,7 +382,7 @@ class MLP(nn.Module):
             h = F.silu(h[..., 0]) * h[..., 1]
         else:
             h = F.gelu(h, approximate="tanh")
-        out = self.proj(h)
+        out = _project(self.proj, h, self.kernels)
         return F.dropout(out, self.dropout, self.training) if self.dropout else out
 
 

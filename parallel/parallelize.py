@@ -419,8 +419,10 @@ class ParallelModel:
             runner = chunk.module if isinstance(chunk, DistributedDataParallel) else chunk
             runner.position_ids = pos
         schedule = self._schedules[key]
-        args = (idx,) if self.has_first else ()
-        target = targets if self.has_last else None
+        # contiguous: the stages check each micro-batch's strides against their first (torch 2.11 raises on a
+        # (B, T) view of (B, T + 1) tokens)
+        args = (idx.contiguous(),) if self.has_first else ()
+        target = targets.contiguous() if self.has_last else None
         losses = [] if self.has_last else None
         if train:
             schedule.step(*args, target=target, losses=losses)

@@ -1,0 +1,65 @@
+"""``linear(x, weight, bias)``: y = x W^T + b, as torch.nn.functional.linear, with the bias gradient (the column sums
+of dy) made by a Triton reduction that reads dy once at full bandwidth (megakern._linear_triton) instead of torch's
+reduction over rows.
+
+Under autocast x, W and b are cast to the autocast dtype as autocast casts them for F.linear; the gradients come back
+in the dtypes of x, W and b. Shapes: x (..., K), weight (N, K), bias (N,) or None (then this is F.linear).
+Backends: ``torch`` (F.linear under autograd) and ``triton`` (the default on a GPU).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from megakern import _backend, _nvtx
+
+
+class LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, dtype):
+        xc, wc, bc = x.to(dtype), weight.to(dtype), bias.to(dtype)
+        with torch.autocast(x.device.type, enabled=False):
+            y = torch.addmm(bc, xc.reshape(-1, xc.shape[-1]), wc.t())
+        ctx.save_for_backward(xc, wc)
+        ctx.dtypes = (x.dtype, weight.dtype, bias.dtype)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        from megakern import _linear_triton as kern
+
+        xc, wc = ctx.saved_tensors
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        if dy2.stride(-1) != 1:
+            dy2 = dy2.contiguous()
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = dy2.mm(wc).view(*xc.shape).to(x_dtype)
+        if ctx.needs_input_grad[1]:
+            dw = dy2.t().mm(xc.reshape(-1, xc.shape[-1])).to(w_dtype)
+        if ctx.needs_input_grad[2]:
+            db = kern.colsum(dy2).to(b_dtype)
+        return dx, dw, db, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           backend: str | Mapping[str, str] | None = None) -> torch.Tensor:
+    """x W^T + b; ``backend`` as for every megakern op."""
+    if bias is None:
+        return F.linear(x, weight)
+    if not (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and isinstance(bias, torch.Tensor)):
+        raise TypeError("linear: x, weight and bias must be tensors")
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1] or bias.shape != (weight.shape[0],):
+        raise ValueError(f"linear: shapes do not fit: x {tuple(x.shape)}, weight {tuple(weight.shape)}, bias "
+                         f"{tuple(bias.shape)} (want x (..., K), weight (N, K), bias (N,))")
+    if not x.device == weight.device == bias.device:
+        raise ValueError(f"linear: x, weight and bias are on {x.device}, {weight.device}, {bias.device}")
+    name = _backend.resolve("linear", x.device, backend, size=weight.shape[0])
+    if name == "torch" or x.dtype == torch.float64:
+        return F.linear(x, weight, bias)
+    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    with _nvtx.annotate("megakern.linear[triton]"):
+        return LinearFunction.apply(x, weight, bias, dtype)

@@ -1,0 +1,95 @@
+"""megakern.linear: y = x W^T + b with the bias gradient by a Triton column sum, against torch.nn.functional.linear:
+outputs and all three gradients under the 2x rule (fp64 truth), odd sizes, 3-D input, non-contiguous dy; under
+autocast the same dtypes as F.linear's; the column sum alone on strided rows; bad input."""
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import ATOL, DEVICE, HAS_CUDA, assert_close_to_ref
+
+import megakern
+from megakern import _linear_triton
+
+DTYPES = (torch.float32, torch.float16) + ((torch.bfloat16,) if HAS_CUDA else ())
+SHAPES = [((5, 33), 17), ((2, 3, 40), 24), ((1, 16), 1)]
+if HAS_CUDA:
+    SHAPES += [((4, 1000, 1024), 3072), ((16383, 512), 1000)]
+
+
+def _seed(*key):
+    torch.manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def _triton():
+    problem = megakern.available_backends(DEVICE)["triton"]
+    if problem:
+        pytest.skip(f"Triton unavailable: {problem}")
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[0])) + f"-{s[1]}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_matches_reference(dtype, shape):
+    _triton()
+    _seed("linear", dtype, shape)
+    xs, n = shape
+    x = torch.randn(xs, device=DEVICE, dtype=dtype, requires_grad=True)
+    w = (torch.randn(n, xs[-1], device=DEVICE, dtype=dtype) / xs[-1] ** 0.5).requires_grad_()
+    b = torch.randn(n, device=DEVICE, dtype=dtype, requires_grad=True)
+    y = megakern.linear(x, w, b, backend="triton")
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad(y, (x, w, b), dy)
+    t64 = [t.detach().double().requires_grad_() for t in (x, w, b)]
+    truth = F.linear(*t64)
+    truth_grads = torch.autograd.grad(truth, t64, dy.double())
+    lo = [t.detach().clone().requires_grad_() for t in (x, w, b)]
+    lowp = F.linear(*lo)
+    lowp_grads = torch.autograd.grad(lowp, lo, dy)
+    assert y.dtype == dtype and y.shape == (*xs[:-1], n)
+    assert_close_to_ref("y", y, truth, lowp, ATOL[dtype])
+    for name, g, t, l, leaf in zip(("dx", "dw", "db"), grads, truth_grads, lowp_grads, (x, w, b)):
+        assert g.dtype == leaf.dtype and g.shape == leaf.shape, name
+        assert_close_to_ref(name, g, t, l, ATOL[dtype] * max(1.0, t.abs().max().item()))
+
+
+def test_autocast_gives_f_linear_dtypes_and_values():
+    """Under bf16 autocast (fp32 weights and input): y in bf16, gradients in fp32, as F.linear under autocast."""
+    _triton()
+    _seed("autocast")
+    x = torch.randn(6, 32, device=DEVICE, requires_grad=True)
+    w = torch.randn(48, 32, device=DEVICE, requires_grad=True)
+    b = torch.randn(48, device=DEVICE, requires_grad=True)
+    dev = DEVICE.type
+    with torch.autocast(dev, dtype=torch.bfloat16):
+        y = megakern.linear(x, w, b, backend="triton")
+        ref = F.linear(x, w, b)
+    assert y.dtype == ref.dtype == torch.bfloat16
+    dy = torch.randn_like(y)
+    got, want = torch.autograd.grad(y, (x, w, b), dy), torch.autograd.grad(ref, (x, w, b), dy)
+    torch.testing.assert_close(y, ref, rtol=0, atol=0)
+    for name, g, r in zip(("dx", "dw", "db"), got, want):
+        assert g.dtype == r.dtype == torch.float32, name
+        torch.testing.assert_close(g, r, rtol=1e-2, atol=1e-2, msg=name)
+
+
+def test_colsum_of_strided_rows_and_empty():
+    _triton()
+    _seed("colsum")
+    base = torch.randn(37, 2 * 70, device=DEVICE)
+    x = base[:, 5:75]  # row stride 140, unit column stride
+    torch.testing.assert_close(_linear_triton.colsum(x), x.double().sum(0).float(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(_linear_triton.colsum(torch.empty(0, 9, device=DEVICE)), torch.zeros(9, device=DEVICE))
+
+
+def test_no_bias_torch_backend_and_bad_input():
+    x, w, b = torch.randn(3, 8, device=DEVICE), torch.randn(5, 8, device=DEVICE), torch.randn(5, device=DEVICE)
+    assert torch.equal(megakern.linear(x, w), F.linear(x, w))
+    assert torch.equal(megakern.linear(x, w, b, backend="torch"), F.linear(x, w, b))
+    with pytest.raises(ValueError, match=r"shapes do not fit: x \(3, 8\), weight \(5, 7\)"):
+        megakern.linear(x, torch.randn(5, 7, device=DEVICE), b)
+    with pytest.raises(ValueError, match="bias"):
+        megakern.linear(x, w, torch.randn(4, device=DEVICE))
+    with pytest.raises(ValueError, match="unknown backend 'cuda'"):
+        megakern.linear(x, w, b, backend="cuda")
