@@ -23,6 +23,7 @@ Providers: 'torch' (SDPA math backend; on CUDA only up to T = 4096), 'sdpa-flash
 (flash_attn.flash_attn_func, where installed) and 'megakern-triton' (megakern.attention, backend='triton').
 
     python -m benchmarks.bench_attention [--quick] [--providers sdpa-flash,megakern-triton] [--no-save] [--graph]
+                                         [--head-dims 64] [--seqlens 1024,2048]
 
 With --graph every provider is timed by CUDA-graph replay instead (modes 'fwd graph', 'fwd+bwd graph'): GPU
 time without host launch overhead.
@@ -54,12 +55,12 @@ MATH_MAX_T = 4096  # the 'torch' (SDPA math) provider materialises (T, T) scores
 REF_SCORES = 2**28  # the fp32 reference holds at most this many score elements (1 GiB) per chunk of heads
 
 
-def cases(device: torch.device, quick: bool) -> list[tuple[int, int, int, int, bool]]:
-    """(B, T, nh, hs, causal) cases."""
+def cases(device: torch.device, quick: bool, head_dims=None, seqlens=None) -> list[tuple[int, int, int, int, bool]]:
+    """(B, T, nh, hs, causal) cases; ``head_dims`` / ``seqlens`` (--head-dims, --seqlens) narrow the GPU matrix."""
     if device.type != "cuda":
         return [(1, 64, 2, 32, True), (1, 64, 2, 32, False)]
-    head_dims = (128,) if quick else (64, 128)
-    seqlens = (1024, 4096, 16384) if quick else (1024, 2048, 4096, 8192, 16384)
+    head_dims = head_dims or ((128,) if quick else (64, 128))
+    seqlens = seqlens or ((1024, 4096, 16384) if quick else (1024, 2048, 4096, 8192, 16384))
     causals = (True,) if quick else (True, False)
     return [(max(1, TOKENS // t), t, WIDTH // hs, hs, causal)
             for hs in head_dims for t in seqlens for causal in causals]
@@ -214,14 +215,19 @@ def _free(device: torch.device) -> None:
 
 
 def main(argv: list[str] | None = None) -> Results:
-    args = parse_args(__doc__.splitlines()[0], argv)
+    def extra(parser):
+        ints = lambda text: tuple(int(v) for v in text.split(","))  # noqa: E731
+        parser.add_argument("--head-dims", type=ints, help="comma-separated head dims (default: 64,128; quick 128)")
+        parser.add_argument("--seqlens", type=ints, help="comma-separated sequence lengths")
+
+    args = parse_args(__doc__.splitlines()[0], argv, extra)
     device = args.device
     dtype = _dtype(device)
     providers = load_providers(PROVIDERS, device, args.providers)
     results = Results(device)
     results.add_roofline("TFLOP/s", measure_matmul_tflops(device))
     torch.manual_seed(0)
-    for b, t, nh, hs, causal in cases(device, args.quick):
+    for b, t, nh, hs, causal in cases(device, args.quick, args.head_dims, args.seqlens):
         case = case_name(b, t, hs, causal, dtype)
         inputs = ref = None
         try:

@@ -232,13 +232,13 @@ def model_facts(preset: str) -> tuple[float, int, int]:
 
 
 # ---- the collectives alone (--overlap) -------------------------------------------------------------------------
-def _collective_worker(numel: int, kind: str, reps: int) -> None:
-    """Run under torchrun: time the data-parallel collectives of one step on ``numel`` fp32 values; rank 0 prints
-    one JSON line {"ms": median}."""
+def _collective_worker(numel: int, kind: str, reps: int, device_type: str) -> None:
+    """Run under torchrun: time the data-parallel collectives of one step on ``numel`` fp32 values, on the GPUs
+    (NCCL) or the CPUs (gloo) as the benchmark's runs; rank 0 prints one JSON line {"ms": median}."""
     import torch.distributed as dist
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    cuda = torch.cuda.is_available()
+    cuda = device_type == "cuda"
     if cuda:
         torch.cuda.set_device(local)
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -271,9 +271,10 @@ def _collective_worker(numel: int, kind: str, reps: int) -> None:
     dist.destroy_process_group()
 
 
-def collective_ms(world: int, numel: int, kind: str, timeout: float) -> float:
+def collective_ms(world: int, numel: int, kind: str, timeout: float, device_type: str) -> float:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port",
-           str(free_port()), "-m", "benchmarks.bench_parallel", "--collective-worker", kind, "--numel", str(numel)]
+           str(free_port()), "-m", "benchmarks.bench_parallel", "--collective-worker", kind, "--numel", str(numel),
+           "--device", device_type]
     env = {**os.environ, **NO_MULTICAST}
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=timeout)
     if proc.returncode != 0:
@@ -322,7 +323,7 @@ def available_gpus(device: str) -> int:
 def main(argv=None) -> Results | None:
     args = parse_args(argv)
     if args.collective_worker:
-        _collective_worker(args.numel, args.collective_worker, reps=10)
+        _collective_worker(args.numel, args.collective_worker, reps=10, device_type=torch.device(args.device).type)
         return None
     # `timeout`: leave through the finally below (the caller's handler is back afterwards)
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -379,7 +380,7 @@ def _main(args) -> Results:
             if args.overlap and layout.dp > 1 and layout.world == layout.dp and base:
                 kind = "all_reduce" if layout.dp_shard == "ddp" else "fsdp"
                 try:
-                    comm = collective_ms(layout.world, params, kind, args.timeout)
+                    comm = collective_ms(layout.world, params, kind, args.timeout, device.type)
                 except (RuntimeError, subprocess.TimeoutExpired) as e:
                     print(f"{layout.spec:<16} collectives FAILED: {e}")
                     continue

@@ -244,9 +244,13 @@ def record(results: "Results", case: str, mode: str, provider: str, timing: dict
           f"({results.frac(metric, value):.2f})")
 
 
-def parse_args(description: str, argv: list[str] | None = None) -> argparse.Namespace:
-    """Options every benchmark takes: --quick, --out, --no-save, --device, --providers, --graph."""
+def parse_args(description: str, argv: list[str] | None = None,
+               extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+    """Options every benchmark takes: --quick, --out, --no-save, --device, --providers, --graph; ``extra`` adds a
+    benchmark's own."""
     parser = argparse.ArgumentParser(description=description)
+    if extra is not None:
+        extra(parser)
     parser.add_argument("--quick", action="store_true", help="fewer cases")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results root (default: %(default)s)")
     parser.add_argument("--no-save", action="store_true", help="print the table, write no CSV rows")
