@@ -271,15 +271,18 @@ def _collective_worker(numel: int, kind: str, reps: int, device_type: str) -> No
     dist.destroy_process_group()
 
 
-def collective_ms(world: int, numel: int, kind: str, timeout: float, device_type: str) -> float:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port",
-           str(free_port()), "-m", "benchmarks.bench_parallel", "--collective-worker", kind, "--numel", str(numel),
-           "--device", device_type]
+def collective_ms(world: int, numel: int, kind: str, timeout: float, device_type: str, tries: int = 2) -> float:
+    """Median ms of one step's data-parallel collectives, timed by a torchrun of ``world`` workers. A failed launch
+    is tried again on a new port (the free port found may be taken by a concurrent run before torchrun binds it)."""
     env = {**os.environ, **NO_MULTICAST}
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"collective {kind} x{world}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
-    return json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])["ms"]
+    for attempt in range(tries):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port",
+               str(free_port()), "-m", "benchmarks.bench_parallel", "--collective-worker", kind, "--numel",
+               str(numel), "--device", device_type]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=timeout)
+        if proc.returncode == 0:
+            return json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])["ms"]
+    raise RuntimeError(f"collective {kind} x{world}: exit {proc.returncode} ({tries} tries)\n{proc.stderr[-3000:]}")
 
 
 # ---- main ----------------------------------------------------------------------------------------------------------

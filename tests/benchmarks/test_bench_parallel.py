@@ -40,6 +40,7 @@ def test_bench_parallel_cpu_smoke(tmp_path, capsys):
     assert math.isclose(figures["1x2", "tok/s"], 2 * 2 * 256 / (figures["1x2", "ms"] / 1e3))
     assert math.isclose(figures["1x2", "tok/s/gpu"], figures["1x2", "tok/s"] / 2)
     assert math.isclose(figures["dp2-ddp", "scaling"], figures["dp2-ddp", "tok/s/gpu"] / figures["1", "tok/s/gpu"])
+    assert ("dp2-ddp", "comm ms") in figures, out[-3000:]  # the collectives' run failed: its error is in the output
     assert figures["dp2-ddp", "comm ms"] > 0 and 0 <= figures["dp2-ddp", "comm hidden"] <= 1
     assert "over 1x2:" in out  # the hidden share is taken against the two one-GPU runs at once
     assert ("1", "MFU") not in figures  # no peak FLOP/s for a CPU
