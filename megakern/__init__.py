@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Attention", "LayerNorm", "RMSNorm", "RotaryEmbedding", "apply_rotary", "attention", "attention_ref",
-    "available_backends", "bias_gelu", "bias_gelu_ref", "cross_entropy", "cross_entropy_ref", "cuda_runtime", "layer_norm", "layer_norm_ref",
-    "linear", "linear_cross_entropy", "linear_cross_entropy_ref", "merge_attention", "rms_norm", "rms_norm_ref", "rotary_ref",
-    "rotary_table",
+    "available_backends", "bias_gelu", "bias_gelu_ref", "cross_entropy", "cross_entropy_ref", "cuda_runtime",
+    "layer_norm", "layer_norm_ref", "linear", "linear_cross_entropy", "linear_cross_entropy_ref", "merge_attention",
+    "rms_norm", "rms_norm_ref", "rotary_ref", "rotary_table",
 ]

@@ -64,7 +64,8 @@ def fwd(h: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return y
     block = 4096 if h.is_cuda else 256
     _bias_gelu_fwd_kernel[(cdiv(numel, block),)](h, bias if bias is not None else h, y, numel, n,
-                                                 HAS_BIAS=bias is not None, BLOCK=block, num_warps=8 if h.is_cuda else 4)
+                                                 HAS_BIAS=bias is not None, BLOCK=block,
+                                                 num_warps=8 if h.is_cuda else 4)
     return y
 
 

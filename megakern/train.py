@@ -1119,7 +1119,9 @@ class Trainer:
         sort = "self_device_time_total" if on_gpu else "self_cpu_time_total"
         events = profiler.key_averages()
         trace = _timeline.load(out / "trace.json")
-        timeline = (_timeline.report(_timeline.analyze(trace)) + "\n" + _timeline.sources(trace, top=40)) if on_gpu else ""
+        timeline = ""
+        if on_gpu:  # the split of each step's GPU time, then the GPU time by launching op
+            timeline = _timeline.report(_timeline.analyze(trace)) + "\n" + _timeline.sources(trace, top=40)
         if timeline:
             (out / "timeline.txt").write_text(timeline + "\n")
         lines = [f"# megakern-train --profile: {self.config.log.profile_active} steps of {self.global_batch} x "
