@@ -18,11 +18,11 @@ import torch
 import torch.nn.functional as F
 
 if __package__:
-    from .common import (Results, Unavailable, bench, load_providers, measure_copy_gbps, parse_args, record,
-                         report_failure)
+    from .common import (Results, Unavailable, bench, check_outputs, load_providers, measure_copy_gbps, parse_args,
+                         record, report_failure)
 else:  # python benchmarks/bench_activation.py
-    from common import (Results, Unavailable, bench, load_providers, measure_copy_gbps, parse_args, record,
-                        report_failure)
+    from common import (Results, Unavailable, bench, check_outputs, load_providers, measure_copy_gbps, parse_args,
+                        record, report_failure)
 
 MODES = ("fwd", "fwd+bwd")
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -72,13 +72,6 @@ def _outputs(fn, h, b, dy):
     return (y, *torch.autograd.grad(y, (h, b), dy))
 
 
-def _check(outs, ref, tol):
-    for name, out, expected in zip(("y", "dh", "dbias"), outs, ref):
-        err = ((out.float() - expected).abs().max() / expected.abs().max().clamp_min(1)).item()
-        if not err <= tol:
-            raise AssertionError(f"{name} is off the fp32 reference: scaled max abs error {err:.3g} > {tol}")
-
-
 def main(argv: list[str] | None = None) -> Results:
     args = parse_args(__doc__.splitlines()[0], argv)
     device = args.device
@@ -96,7 +89,7 @@ def main(argv: list[str] | None = None) -> Results:
         ref = _outputs(_eager, h.detach().float().requires_grad_(), b.detach().float().requires_grad_(), dy.float())
         for name, fn in providers.items():
             try:
-                _check(_outputs(fn, h, b, dy), ref, tol)
+                check_outputs(("y", "dh", "dbias"), _outputs(fn, h, b, dy), ref, tol)
                 for mode in MODES:
                     step = (lambda: fn(h, b)) if mode == "fwd" else (lambda: torch.autograd.grad(fn(h, b), (h, b), dy))
                     t = bench(step, device=device, graph=args.graph)

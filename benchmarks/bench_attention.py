@@ -39,11 +39,11 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 if __package__:
-    from .common import (Results, Unavailable, bench, load_providers, measure_matmul_tflops, parse_args, record,
-                         report_failure)
+    from .common import (Results, Unavailable, bench, check_outputs, load_providers, measure_matmul_tflops, parse_args,
+                         record, report_failure)
 else:  # python benchmarks/bench_attention.py
-    from common import (Results, Unavailable, bench, load_providers, measure_matmul_tflops, parse_args, record,
-                        report_failure)
+    from common import (Results, Unavailable, bench, check_outputs, load_providers, measure_matmul_tflops, parse_args,
+                        record, report_failure)
 
 MODES = ("fwd", "fwd+bwd")
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -193,15 +193,6 @@ def _outputs(fn, q, k, v, dout, causal):
     return (out, *torch.autograd.grad(out, (q, k, v), dout))
 
 
-def _check(outs, ref, tol):
-    """Raise if out or a gradient is off the fp32 reference: max abs error > tol * max |ref|."""
-    for name, out, expected in zip(("out", "dq", "dk", "dv"), outs, ref):
-        scale = expected.abs().max().clamp_min(torch.finfo(torch.float32).tiny)
-        err = ((out.float() - expected).abs().max() / scale).item()
-        if not err <= tol:  # catches NaN too
-            raise AssertionError(f"{name} is off the fp32 reference: scaled max abs error {err:.3g} > {tol}")
-
-
 def _step(fn, mode, q, k, v, dout, causal):
     """The timed call: the forward, or the forward and the gradients of out w.r.t. q, k, v."""
     if mode == "fwd":
@@ -248,7 +239,7 @@ def main(argv: list[str] | None = None) -> Results:
                 outs = _explained(_outputs, provider.fn, q, k, v, dout, causal)  # also the warm-up (compilation)
                 if provider.layout == "bthd":
                     outs = [x.transpose(1, 2) for x in outs]
-                _check(outs, ref, TOL[dtype])
+                check_outputs(("out", "dq", "dk", "dv"), outs, ref, TOL[dtype], torch.finfo(torch.float32).tiny)
                 outs = None
                 for mode in MODES:
                     timing = bench(_step(provider.fn, mode, q, k, v, dout, causal), device=device, graph=args.graph)

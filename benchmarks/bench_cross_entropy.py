@@ -26,11 +26,11 @@ import torch
 import torch.nn.functional as F
 
 if __package__:
-    from .common import (Results, Unavailable, bench, load_providers, measure_matmul_tflops, parse_args, record,
-                         report_failure)
+    from .common import (Results, Unavailable, bench, check_outputs, load_providers, measure_matmul_tflops, parse_args,
+                         record, report_failure)
 else:  # python benchmarks/bench_cross_entropy.py
-    from common import (Results, Unavailable, bench, load_providers, measure_matmul_tflops, parse_args, record,
-                        report_failure)
+    from common import (Results, Unavailable, bench, check_outputs, load_providers, measure_matmul_tflops, parse_args,
+                        record, report_failure)
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 IGNORED = 0.05  # fraction of targets set to ignore_index (-100), as padding would
@@ -94,14 +94,6 @@ def _outputs(fn, x, w, t):
     return (loss, *torch.autograd.grad(loss, (x, w)))
 
 
-def _check(outs, ref, tol):
-    """Raise if the loss or a gradient is off the fp32 reference: max abs error > tol * max(1e-3, max |ref|)."""
-    for name, out, expected in zip(("loss", "dx", "dweight"), outs, ref):
-        err = ((out.float() - expected).abs().max() / expected.abs().max().clamp_min(1e-3)).item()
-        if not err <= tol:  # catches NaN too
-            raise AssertionError(f"{name} is off the fp32 reference: scaled max abs error {err:.3g} > {tol}")
-
-
 def _peak_gib(step, device) -> float | None:
     """GiB allocated at the peak of one ``step`` beyond what was allocated before it (CUDA), else None."""
     if device.type != "cuda":
@@ -141,7 +133,8 @@ def main(argv: list[str] | None = None) -> Results:
                 mode = "fwd+bwd" + (f" chunk={chunk}" if chunk else "") + (" graph" if args.graph else "")
                 try:
                     fn = make(chunk)
-                    _check(_outputs(fn, x, w, t), ref, tol)  # also the warm-up (compilation, autotuning)
+                    # also the warm-up (compilation, autotuning)
+                    check_outputs(("loss", "dx", "dweight"), _outputs(fn, x, w, t), ref, tol, 1e-3)
 
                     def step():
                         return torch.autograd.grad(fn(x, w, t), (x, w))

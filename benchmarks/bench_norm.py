@@ -32,11 +32,11 @@ import torch
 import torch.nn.functional as F
 
 if __package__:
-    from .common import (Results, Unavailable, bench, load_providers, measure_copy_gbps, parse_args, record,
-                         report_failure)
+    from .common import (Results, Unavailable, bench, check_outputs, load_providers, measure_copy_gbps, parse_args,
+                         record, report_failure)
 else:  # python benchmarks/bench_norm.py
-    from common import (Results, Unavailable, bench, load_providers, measure_copy_gbps, parse_args, record,
-                        report_failure)
+    from common import (Results, Unavailable, bench, check_outputs, load_providers, measure_copy_gbps, parse_args,
+                        record, report_failure)
 
 OPS = ("rmsnorm", "layernorm")
 MODES = ("fwd", "fwd+bwd")
@@ -138,14 +138,6 @@ def _outputs(fn, x, w, b, dy):
     return (y, *torch.autograd.grad(y, [t for t in (x, w, b) if t is not None], dy))
 
 
-def _check(outs, ref, tol):
-    """Raise if y or a gradient is off the fp32 reference: max abs error > tol * max(1, max |ref|)."""
-    for name, out, expected in zip(("y", "dx", "dweight", "dbias"), outs, ref):
-        err = ((out.float() - expected).abs().max() / expected.abs().max().clamp_min(1)).item()
-        if not err <= tol:  # catches NaN too
-            raise AssertionError(f"{name} is off the fp32 reference: scaled max abs error {err:.3g} > {tol}")
-
-
 def main(argv: list[str] | None = None) -> Results:
     args = parse_args(__doc__.splitlines()[0], argv)
     device = args.device
@@ -168,7 +160,8 @@ def main(argv: list[str] | None = None) -> Results:
             for name, make in providers.items():
                 try:
                     fn = make(op)
-                    _check(_outputs(fn, *inputs), ref, tol)  # also the warm-up (compilation, autotuning)
+                    # also the warm-up (compilation, autotuning)
+                    check_outputs(("y", "dx", "dweight", "dbias"), _outputs(fn, *inputs), ref, tol)
                     for mode in MODES:
                         t = bench(_step(fn, mode, *inputs), device=device, graph=args.graph)
                         gbps = bytes_moved(op, mode, rows, hidden, x.element_size()) / (t["median"] * 1e-3) / 1e9

@@ -234,6 +234,15 @@ class Results:
         return "\n".join(lines)
 
 
+def check_outputs(names, outs, ref, tol: float, floor: float = 1.0) -> None:
+    """Raise AssertionError naming the first output off its fp32 reference: max |out - ref| > tol * max(floor,
+    max |ref|) (NaN fails too). Every benchmark checks each provider this way before timing it."""
+    for name, out, expected in zip(names, outs, ref):
+        err = ((out.float() - expected).abs().max() / expected.abs().max().clamp_min(floor)).item()
+        if not err <= tol:  # catches NaN too
+            raise AssertionError(f"{name} is off the fp32 reference: scaled max abs error {err:.3g} > {tol}")
+
+
 def record(results: "Results", case: str, mode: str, provider: str, timing: dict[str, float], metric: str,
            value: float) -> None:
     """File the median time and one figure for (case, mode, provider), and print the line."""

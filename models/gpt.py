@@ -370,18 +370,15 @@ class MLP(nn.Module):
         self.kernels = config.kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.swiglu and type(self.fc) is nn.Linear and self.fc.bias is not None and \
+        if self.swiglu:
+            h = self.fc(x).unflatten(-1, (-1, 2))
+            h = F.silu(h[..., 0]) * h[..., 1]
+        elif type(self.fc) is nn.Linear and self.fc.bias is not None and \
                 _backend.resolve("bias_gelu", x.device, self.kernels) != "torch":
             # the bias rides in the activation's pass; its gradient comes out of the GELU backward's pass
             h = megakern.bias_gelu(F.linear(x, self.fc.weight), self.fc.bias, backend=self.kernels)
-            out = _project(self.proj, h, self.kernels)
-            return F.dropout(out, self.dropout, self.training) if self.dropout else out
-        h = self.fc(x)
-        if self.swiglu:
-            h = h.unflatten(-1, (-1, 2))
-            h = F.silu(h[..., 0]) * h[..., 1]
         else:
-            h = F.gelu(h, approximate="tanh")
+            h = F.gelu(self.fc(x), approximate="tanh")
         out = _project(self.proj, h, self.kernels)
         return F.dropout(out, self.dropout, self.training) if self.dropout else out
 

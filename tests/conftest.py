@@ -6,6 +6,7 @@ here before any kernel is defined) and tests marked ``gpu`` are skipped with the
 from __future__ import annotations
 
 import os
+import zlib
 from functools import partial
 from pathlib import Path
 
@@ -28,6 +29,21 @@ if _WORKERS > 1:
 
 # Extra error allowed beyond 2x plain low-precision torch's, per dtype.
 ATOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+
+
+def seed(*key) -> None:
+    """Seed torch's RNG from a test's own key (its name and parameters): fresh inputs per case, the same on every
+    run and under any test order or worker split."""
+    torch.manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def require_triton(device: torch.device = DEVICE) -> None:
+    """Skip, saying why, where Triton kernels cannot run on ``device``."""
+    import megakern
+
+    problem = megakern.available_backends(device)["triton"]
+    if problem:
+        pytest.skip(f"Triton unavailable: {problem}")
 
 
 def shared_data(*needed: str) -> Path:

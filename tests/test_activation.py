@@ -4,14 +4,12 @@ low-precision h, non-contiguous h, empty input; bad input. Under the CPU interpr
 bf16 and larger sizes on a GPU."""
 from __future__ import annotations
 
-import zlib
-
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ATOL, DEVICE, HAS_CUDA, assert_close_to_ref, poison_cuda_allocator, skip_interpreter_faults
+from conftest import (ATOL, DEVICE, HAS_CUDA, assert_close_to_ref, poison_cuda_allocator, require_triton,
+                      seed, skip_interpreter_faults)
 
-import megakern
 from megakern.activation import bias_gelu, bias_gelu_ref
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -20,19 +18,9 @@ if HAS_CUDA:
     SHAPES += [(4, 1000, 3072), (8193, 4096), (3, 7, 5000)]
 
 
-def _seed(*key):
-    torch.manual_seed(zlib.crc32(repr(key).encode()))
-
-
-def _triton():
-    problem = megakern.available_backends(DEVICE)["triton"]
-    if problem:
-        pytest.skip(f"Triton unavailable: {problem}")
-
-
 def check(h, bias, dtype):
     """Output, dh and dbias of the Triton backend against fp64 truth, plain torch in h's dtype as the yardstick."""
-    _triton()
+    require_triton()
     poison_cuda_allocator(4 * h.numel() + 4096)
     leaves = [h.requires_grad_(True)] + ([bias.requires_grad_(True)] if bias is not None else [])
     y = bias_gelu(h, bias, backend="triton")
@@ -58,7 +46,7 @@ def check(h, bias, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def test_matches_reference(dtype, shape, bias_dtype):
     skip_interpreter_faults("triton", dtype)
-    _seed("bias_gelu", dtype, shape, bias_dtype)
+    seed("bias_gelu", dtype, shape, bias_dtype)
     h = 2 * torch.randn(shape, device=DEVICE, dtype=dtype)
     bias = None if bias_dtype is None else torch.randn(
         shape[-1], device=DEVICE, dtype=dtype if bias_dtype == "same" else torch.float32)
@@ -66,7 +54,7 @@ def test_matches_reference(dtype, shape, bias_dtype):
 
 
 def test_non_contiguous_input_and_large_values():
-    _seed("views")
+    seed("views")
     base = torch.randn(9, 2 * 48, device=DEVICE, dtype=torch.float16)
     h = (base * 6)[:, ::2]  # strided, values out to where tanh saturates
     assert not h.is_contiguous()
@@ -74,7 +62,7 @@ def test_non_contiguous_input_and_large_values():
 
 
 def test_empty_and_torch_backend():
-    _triton()
+    require_triton()
     h = torch.randn(0, 12, device=DEVICE, requires_grad=True)
     b = torch.randn(12, device=DEVICE, requires_grad=True)
     y = bias_gelu(h, b, backend="triton")

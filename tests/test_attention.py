@@ -5,12 +5,10 @@ Under the CPU interpreter in fp16 at tiny sizes (bf16 dot is broken there); the 
 """
 from __future__ import annotations
 
-import zlib
-
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ATOL, DEVICE, HAS_CUDA, assert_close_to_ref, sm90_lowering
+from conftest import ATOL, DEVICE, HAS_CUDA, assert_close_to_ref, require_triton, seed, sm90_lowering
 
 import megakern
 from megakern.attention import _window, attention, attention_ref, merge_attention
@@ -23,19 +21,9 @@ if HAS_CUDA:
 WINDOWS = [None, (8, 0), (5, 3)]
 
 
-def _seed(*key):
-    torch.manual_seed(zlib.crc32(repr(key).encode()))
-
-
-def _backends():
-    problem = megakern.available_backends(DEVICE)["triton"]
-    if problem:
-        pytest.skip(f"Triton unavailable: {problem}")
-
-
 def check(q, k, v, *, dtype, **kw):
     """Triton output, lse and gradients against fp64 truth, with plain low-precision torch as the yardstick."""
-    _backends()
+    require_triton()
     leaves = [t.requires_grad_(True) for t in (q, k, v)]
     out, lse = attention(q, k, v, return_lse=True, backend="triton", **kw)
     dout = torch.randn_like(out)
@@ -70,7 +58,7 @@ def _qkv(b, tq, tk, nh, nkv, hs, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def test_matches_reference(dtype, shape, causal, window):
     b, t, nh, nkv, hs = shape
-    _seed(dtype, shape, causal, window)
+    seed(dtype, shape, causal, window)
     q, k, v = _qkv(b, t, t, nh, nkv, hs, dtype)
     check(q, k, v, dtype=dtype, causal=causal, window=window)
 
@@ -79,7 +67,7 @@ def test_matches_reference(dtype, shape, causal, window):
 @pytest.mark.parametrize("causal", (True, False), ids=("causal", "full"))
 def test_unequal_lengths_and_backward_modes(causal, deterministic):
     """Tq != Tk (a chunk of queries over a longer cache): causal aligned bottom-right; both dq paths."""
-    _seed(causal, deterministic)
+    seed(causal, deterministic)
     tq, tk = (7, 20) if not HAS_CUDA else (300, 1000)
     q, k, v = _qkv(2, tq, tk, 4, 2, 32, torch.float16)
     check(q, k, v, dtype=torch.float16, causal=causal, deterministic=deterministic)
@@ -100,13 +88,13 @@ def test_tile_paths(case, tma, deterministic):
     """Every way of moving tiles (the launcher's 4-D tensor descriptors for a fixed-length batch, device-side ones
     per (sequence, head), masked pointer loads) and both dq passes match the reference, with tiles of unequal height
     and width (on CPU) so that every range is cut into masked and unmasked parts."""
-    _backends()
+    require_triton()
     from megakern import _attention_triton as kern
 
     b, tq, tk, window, causal, docs = case
     if tma in ("device", "hybrid") and docs:
         pytest.skip("packed documents always take device-side descriptors: the 'tma' case covers them")
-    _seed("paths", case, tma, deterministic)
+    seed("paths", case, tma, deterministic)
     dtype, nh, nkv, hs = torch.float16, 4, 2, 32
     cu = max_seqlen = None
     if docs:
@@ -136,10 +124,10 @@ def test_tile_paths(case, tma, deterministic):
 def test_unaligned_views_take_the_pointer_path():
     """Tensor descriptors need 16-byte aligned strides: a view whose token stride is odd falls back to pointer
     loads, and still matches the reference."""
-    _backends()
+    require_triton()
     from megakern import _attention_triton as kern
 
-    _seed("unaligned")
+    seed("unaligned")
     t = 33 if not HAS_CUDA else 1001
     buf = torch.randn(2, t, 4 * 32 + 1, device=DEVICE, dtype=torch.float16)
     q = buf[..., :128].unflatten(-1, (4, 32))
@@ -153,7 +141,7 @@ def test_unaligned_views_take_the_pointer_path():
 def test_packed_documents(causal, window):
     """cu_seqlens: attention stays inside each document, length-1 documents included."""
     lengths = [1, 17, 12, 1, 9] if not HAS_CUDA else [1, 1000, 17, 4097, 1, 300]
-    _seed(causal, window)
+    seed(causal, window)
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
     total = int(cu[-1])
     q = torch.randn(total, 4, 32, device=DEVICE, dtype=torch.float16)
@@ -164,7 +152,7 @@ def test_packed_documents(causal, window):
 @pytest.mark.parametrize("causal", (True, False), ids=("causal", "full"))
 def test_views_of_a_packed_projection(causal):
     """q, k, v as strided views of one (B, T, 3, nh, hs) projection output, as a fused qkv linear produces."""
-    _seed("views", causal)
+    seed("views", causal)
     t = 1000 if HAS_CUDA else 19
     qkv = torch.randn(2, t, 3, 4, 32, device=DEVICE, dtype=torch.float16)
     q, k, v = qkv.unbind(2)
@@ -180,8 +168,8 @@ def test_packed_projection_gradients_land_in_one_tensor(causal, deterministic):
     with the same values as separate inputs get. A layout that is not (..., 3, hs) keeps separate gradients."""
     from megakern.attention import packed_qkv
 
-    _backends()
-    _seed("packed-grads", causal, deterministic)
+    require_triton()
+    seed("packed-grads", causal, deterministic)
     b, t, nh, hs = (2, 1000, 4, 64) if HAS_CUDA else (2, 19, 2, 32)
     x = torch.randn(b, t, nh * 3 * hs, device=DEVICE, dtype=torch.float16, requires_grad=True)
     q, k, v = x.view(b, t, nh, 3, hs).unbind(3)
@@ -206,7 +194,7 @@ def test_packed_projection_gradients_land_in_one_tensor(causal, deterministic):
 
 def test_merge_attention():
     """Attention over two halves of the keys, merged, equals attention over all of them (as ring attention uses)."""
-    _seed("merge")
+    seed("merge")
     q, k, v = (torch.randn(2, 9, 4, 16, dtype=torch.float64) for _ in range(3))
     full, full_lse = attention_ref(q, k, v, causal=False)
     a, lse_a = attention_ref(q, k[:, :4], v[:, :4], causal=False)
@@ -222,7 +210,7 @@ def test_merge_attention():
 
 
 def test_torch_backend_and_module():
-    _seed("module")
+    seed("module")
     q, k, v = _qkv(1, 12, 12, 4, 4, 16, torch.float32)
     mod = megakern.Attention(causal=True, window=(3, 0), backend="torch")
     out = mod(q, k, v)
@@ -276,7 +264,7 @@ def test_bad_input():
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", (True, False), ids=("causal", "full"))
 def test_against_sdpa(causal):
-    _seed("sdpa", causal)
+    seed("sdpa", causal)
     q, k, v = _qkv(2, 1000, 1000, 8, 8, 128, torch.bfloat16)
     out = attention(q, k, v, causal=causal, backend="triton")
     ref = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
@@ -285,7 +273,7 @@ def test_against_sdpa(causal):
 
 @pytest.mark.gpu
 def test_deterministic_backward_is_reproducible():
-    _seed("determinism")
+    seed("determinism")
     q, k, v = (t.requires_grad_() for t in _qkv(2, 777, 777, 8, 2, 64, torch.bfloat16))
     dout = torch.randn_like(q)
     runs = [torch.autograd.grad(attention(q, k, v, deterministic=True, backend="triton"), (q, k, v), dout)

@@ -10,28 +10,16 @@ on a GPU.
 from __future__ import annotations
 
 import importlib
-import zlib
 
 import pytest
 import torch
-from conftest import ATOL, DEVICE, HAS_CUDA, assert_close_to_ref
+from conftest import ATOL, DEVICE, HAS_CUDA, assert_close_to_ref, require_triton, seed
 
-import megakern
 ce = importlib.import_module("megakern.cross_entropy")  # the module (megakern.cross_entropy is also the function)
 from megakern.cross_entropy import (cross_entropy, cross_entropy_ref, default_chunk, linear_cross_entropy,
                                     linear_cross_entropy_ref)
 
 LOW_DTYPES = (torch.float32, torch.float16) + ((torch.bfloat16,) if HAS_CUDA else ())
-
-
-def _seed(*key) -> None:
-    torch.manual_seed(zlib.crc32(repr(key).encode()))
-
-
-def _triton_or_skip():
-    problem = megakern.available_backends(DEVICE)["triton"]
-    if problem:
-        pytest.skip(f"Triton unavailable: {problem}")
 
 
 def _targets(n, vocab, ignored=3, ignore_index=-100):
@@ -78,12 +66,12 @@ CASES = [  # n, c, vocab, chunk, options
 @pytest.mark.parametrize("dtype", LOW_DTYPES)
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_linear_cross_entropy_matches_reference(case, dtype):
-    _triton_or_skip()
+    require_triton()
     n, c, vocab, chunk, options = CASES[case]
     options = dict(options)
     has_bias, strided = options.pop("bias", False), options.pop("strided", False)
     ignore_index = options.get("ignore_index", -100)
-    _seed("lce", case, dtype)
+    seed("lce", case, dtype)
     x, w, b = _inputs(n, c, vocab, dtype, bias=has_bias, strided=strided)
     targets = _targets(n, vocab, ignore_index=ignore_index)
     grad_out = torch.tensor(0.7, device=DEVICE)
@@ -107,8 +95,8 @@ def test_linear_cross_entropy_matches_reference(case, dtype):
 @pytest.mark.parametrize("dtype", LOW_DTYPES)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_cross_entropy_on_logits_matches_reference(reduction, dtype):
-    _triton_or_skip()
-    _seed("ce", reduction, dtype)
+    require_triton()
+    seed("ce", reduction, dtype)
     n, vocab = 33, 157
     base = (torch.randn(vocab, n, device=DEVICE) * 3).to(dtype)
     logits = base.t().detach().requires_grad_()  # non-contiguous: unit stride along the rows
@@ -128,8 +116,8 @@ def test_cross_entropy_on_logits_matches_reference(reduction, dtype):
 
 
 def test_leading_dims_and_no_grad():
-    _triton_or_skip()
-    _seed("dims")
+    require_triton()
+    seed("dims")
     x, w, _ = _inputs(6 * 5, 16, 70, torch.float32)
     x3 = x.detach().view(6, 5, 16)
     targets = _targets(30, 70).view(6, 5)
@@ -147,8 +135,8 @@ def test_leading_dims_and_no_grad():
 
 
 def test_only_weight_needs_grad_and_all_rows_ignored():
-    _triton_or_skip()
-    _seed("weight only")
+    require_triton()
+    seed("weight only")
     x, w, _ = _inputs(11, 16, 50, torch.float32)
     targets = _targets(11, 50)
     loss = linear_cross_entropy(x.detach(), w, targets, backend="triton", chunk_size=4)
@@ -166,7 +154,7 @@ def test_only_weight_needs_grad_and_all_rows_ignored():
 
 
 def test_model_kernel_table_and_torch_backend():
-    _seed("table")
+    seed("table")
     x, w, _ = _inputs(9, 16, 40, torch.float32)
     targets = _targets(9, 40)
     ref = linear_cross_entropy(x, w, targets, backend={"cross_entropy": "torch"})
@@ -176,8 +164,8 @@ def test_model_kernel_table_and_torch_backend():
 
 
 def test_autocast_casts_to_the_autocast_dtype():
-    _triton_or_skip()
-    _seed("autocast")
+    require_triton()
+    seed("autocast")
     x, w, _ = _inputs(13, 16, 60, torch.float32)
     targets = _targets(13, 60)
     with torch.autocast(DEVICE.type, dtype=torch.float16):
@@ -228,7 +216,7 @@ def test_errors(call, message):
 
 def test_kernel_makes_out_of_range_targets_nan():
     """What a compiled graph (no host check) gets for a target outside the vocabulary: NaN, no stray read."""
-    _triton_or_skip()
+    require_triton()
     from megakern import _cross_entropy_triton
 
     logits = torch.randn(4, 70, device=DEVICE)
@@ -241,7 +229,7 @@ def test_kernel_makes_out_of_range_targets_nan():
 @pytest.mark.parametrize("vocab", [50304, 128256])
 def test_gpu_bf16_large_vocab_and_memory(vocab):
     """bf16 at a real vocabulary: 2x rule on loss and gradients, and peak memory well below the fp32 logits."""
-    _seed("gpu", vocab)
+    seed("gpu", vocab)
     n, c = 4096, 512
     x, w, _ = _inputs(n, c, vocab, torch.bfloat16)
     targets = _targets(n, vocab, ignored=100)
@@ -268,8 +256,8 @@ def test_gpu_fp32_accumulation_probe():
 def test_check_targets_false_skips_the_range_check():
     """check_targets=False: no range check (no host sync); valid targets give the same loss and gradients, and an
     id outside the vocabulary gives a NaN loss on the kernels' path rather than an error or a stray read."""
-    _triton_or_skip()
-    _seed("check_targets")
+    require_triton()
+    seed("check_targets")
     x, w = torch.randn(9, 16, device=DEVICE, requires_grad=True), torch.randn(40, 16, device=DEVICE)
     t = _targets(9, 40, ignored=2)
     checked = linear_cross_entropy(x, w, t, backend="triton")
@@ -290,7 +278,7 @@ def test_check_targets_false_skips_the_range_check():
 @pytest.mark.gpu
 def test_gpu_check_targets_false_does_not_sync():
     """With check_targets=False the forward and backward of linear_cross_entropy never wait for the GPU."""
-    _seed("no sync")
+    seed("no sync")
     x = torch.randn(1000, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(50304, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     t = _targets(1000, 50304, ignored=10)

@@ -3,12 +3,10 @@ outputs and all three gradients under the 2x rule (fp64 truth), odd sizes, 3-D i
 autocast the same dtypes as F.linear's; the column sum alone on strided rows; bad input."""
 from __future__ import annotations
 
-import zlib
-
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ATOL, DEVICE, HAS_CUDA, assert_close_to_ref
+from conftest import ATOL, DEVICE, HAS_CUDA, assert_close_to_ref, require_triton, seed
 
 import megakern
 from megakern import _linear_triton
@@ -19,21 +17,11 @@ if HAS_CUDA:
     SHAPES += [((4, 1000, 1024), 3072), ((16383, 512), 1000)]
 
 
-def _seed(*key):
-    torch.manual_seed(zlib.crc32(repr(key).encode()))
-
-
-def _triton():
-    problem = megakern.available_backends(DEVICE)["triton"]
-    if problem:
-        pytest.skip(f"Triton unavailable: {problem}")
-
-
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[0])) + f"-{s[1]}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def test_matches_reference(dtype, shape):
-    _triton()
-    _seed("linear", dtype, shape)
+    require_triton()
+    seed("linear", dtype, shape)
     xs, n = shape
     x = torch.randn(xs, device=DEVICE, dtype=dtype, requires_grad=True)
     w = (torch.randn(n, xs[-1], device=DEVICE, dtype=dtype) / xs[-1] ** 0.5).requires_grad_()
@@ -56,8 +44,8 @@ def test_matches_reference(dtype, shape):
 
 def test_autocast_gives_f_linear_dtypes_and_values():
     """Under bf16 autocast (fp32 weights and input): y in bf16, gradients in fp32, as F.linear under autocast."""
-    _triton()
-    _seed("autocast")
+    require_triton()
+    seed("autocast")
     x = torch.randn(6, 32, device=DEVICE, requires_grad=True)
     w = torch.randn(48, 32, device=DEVICE, requires_grad=True)
     b = torch.randn(48, device=DEVICE, requires_grad=True)
@@ -75,8 +63,8 @@ def test_autocast_gives_f_linear_dtypes_and_values():
 
 
 def test_colsum_of_strided_rows_and_empty():
-    _triton()
-    _seed("colsum")
+    require_triton()
+    seed("colsum")
     base = torch.randn(37, 2 * 70, device=DEVICE)
     x = base[:, 5:75]  # row stride 140, unit column stride
     torch.testing.assert_close(_linear_triton.colsum(x), x.double().sum(0).float(), rtol=1e-5, atol=1e-5)

@@ -6,13 +6,11 @@ kernels run under the interpreter on small shapes; on a GPU, also both CUDA path
 """
 from __future__ import annotations
 
-import zlib
-
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import (ATOL, DEVICE, HAS_CUDA, assert_close_to_ref, cuda_path_problem, kernel_variants,
-                      launchers_for, poison_cuda_allocator, skip_interpreter_faults)
+                      launchers_for, poison_cuda_allocator, seed, skip_interpreter_faults)
 
 import megakern
 from megakern import _norm
@@ -25,10 +23,6 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SHAPES = [(5, 123, 123), (4, 333, 1024), (2, 300, 8192), (64, 16384), (3, 4097), (2, 3, 65536), (7, 33)] if HAS_CUDA \
     else [(5, 7, 123), (3, 64), (2, 1)]
 SETUPS = ("affine", "residual", "fp32-residual-fp32-weight", "no-affine")
-
-
-def _seed(*key) -> None:
-    torch.manual_seed(zlib.crc32(repr(key).encode()))
 
 
 def _ref(op, x, w, b, eps, residual):
@@ -121,7 +115,7 @@ def check_fwd_bwd(variant, op, dtype, x, w, b, r, eps=1e-5, dy_fn=torch.randn_li
 @pytest.mark.parametrize("variant", kernel_variants())
 @pytest.mark.parametrize("op", OPS)
 def test_matches_reference(op, variant, dtype, shape, setup):
-    _seed(op, variant, dtype, shape, setup)
+    seed(op, variant, dtype, shape, setup)
     x, w, b, r = make_inputs(op, dtype, shape, setup)
     check_fwd_bwd(variant, op, dtype, x, w, b, r)
 
@@ -147,7 +141,7 @@ def _strided(layout, shape, dtype):
 @pytest.mark.parametrize("op", OPS)
 def test_non_contiguous(op, variant, dtype, layout):
     shape = (3, 50, 1024) if HAS_CUDA else (2, 5, 64)
-    _seed(op, variant, dtype, layout)
+    seed(op, variant, dtype, layout)
     x = _strided(layout, shape, dtype)
     _, w, b, _ = make_inputs(op, dtype, shape, "affine")
     r = _strided(layout, shape, dtype)
@@ -232,7 +226,7 @@ def test_bad_input(op):
 def test_triton_cuda_parity(op, dtype):
     """Triton and both CUDA paths agree closely (same fp32 math, different reduction orders), and the public
     'cuda' backend is the runtime's path exactly."""
-    _seed(op, dtype)
+    seed(op, dtype)
     x, w, b, r = make_inputs(op, dtype, (8, 1000, 4096), "residual")
     outs = {v: run(v, op, x, w, b, 1e-5, r) for v in ("triton", "cuda-extension", "cuda-nvrtc")
             if not (v.startswith("cuda-") and cuda_path_problem(v[5:]))}
@@ -256,7 +250,7 @@ def test_torch_compile_with_cuda_ops(op):
     eager outputs and gradients; the ops' schemas and fake implementations pass torch.library.opcheck."""
     from megakern import _norm_cuda
 
-    _seed(op, "compile")
+    seed(op, "compile")
     x, w, b, r = make_inputs(op, torch.bfloat16, (4, 64, 1024), "residual")
     fn = getattr(megakern, op)
 

@@ -11,12 +11,11 @@ from __future__ import annotations
 import csv
 import functools
 import math
-import zlib
 
 import pytest
 import torch
 from conftest import (ATOL, DEVICE, HAS_CUDA, assert_close_to_ref, cuda_path_problem, kernel_variants,
-                      poison_cuda_allocator, skip_interpreter_faults, sm90_lowering)
+                      poison_cuda_allocator, seed, skip_interpreter_faults, sm90_lowering)
 
 import megakern
 from megakern import rotary
@@ -24,10 +23,6 @@ from megakern.rotary import rotary_inv_freq, rotary_positions, rotary_ref, rotar
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 LAYOUTS = ("neox", "interleaved")
-
-
-def _seed(*key) -> None:
-    torch.manual_seed(zlib.crc32(repr(key).encode()))
 
 
 def _launcher(variant: str):
@@ -180,7 +175,7 @@ def check_case(variant, dtype, leaves, split, cos, sin, kw, interleaved, dy_fn=t
 def test_matches_reference(variant, dtype, layout, case):
     if case == "table-lowp" and dtype == torch.float32:
         pytest.skip("the table is fp32 in every case already")
-    _seed(variant, dtype, layout, case)
+    seed(variant, dtype, layout, case)
     leaves, split, cos, sin, kw = make_case(case, dtype)
     check_case(variant, dtype, leaves, split, cos, sin, kw, layout == "interleaved")
 
@@ -188,7 +183,7 @@ def test_matches_reference(variant, dtype, layout, case):
 @pytest.mark.parametrize("variant", kernel_variants())
 def test_strided_head_dim_and_broadcast_grad(variant):
     """q whose head dim is not unit-stride (copied for the kernels) and a gradient broadcast along T (stride 0)."""
-    _seed(variant, "strided")
+    seed(variant, "strided")
     b, t, nh, hs = (2, 70, 4, 64) if HAS_CUDA else (2, 5, 2, 16)
     q = torch.randn(b, t, hs, nh, device=DEVICE).transpose(-1, -2)
     k = torch.randn(b, t, 1, hs, device=DEVICE)
@@ -214,7 +209,7 @@ def test_inplace(variant, dtype, layout, arrangement):
     came from, match the out-of-place reference. Arrangements: views of one fused qkv (one launch), tensors of
     their own, views of two different tensors, q alone."""
     skip_interpreter_faults(variant, dtype)
-    _seed(variant, dtype, layout, arrangement)
+    seed(variant, dtype, layout, arrangement)
     interleaved = layout == "interleaved"
     b, t, nh, nkv, hs = (2, 100, 8, 2, 128) if HAS_CUDA else (2, 5, 3, 1, 16)
     cos, sin = rotary_table(TABLE_LEN, hs, device=DEVICE)
@@ -264,7 +259,7 @@ def test_inplace(variant, dtype, layout, arrangement):
 def test_inplace_without_autograd(variant):
     """Under no_grad and inference_mode the kernels write straight into q and k (views of a qkv buffer, as a KV
     cache decode step does) and bump their version counters as torch's own in-place ops do."""
-    _seed(variant, "no-grad")
+    seed(variant, "no-grad")
     nh, nkv, hs = 4, 2, 32
     cos, sin = rotary_table(TABLE_LEN, hs, device=DEVICE)
     qkv = torch.randn(3, 1, nh + 2 * nkv, hs, device=DEVICE)
@@ -287,7 +282,7 @@ def test_position_sources_agree(variant):
     """Packed documents (cu_seqlens, with and without per-document offsets) give what each document gives alone,
     and what explicit position ids give; a decode step at an offset gives the matching row of the full sequence."""
     dtype = torch.float16
-    _seed(variant, "positions")
+    seed(variant, "positions")
     nh, nkv, hs = 3, 1, 16
     total = 300 if HAS_CUDA else 12
     cos, sin = rotary_table(TABLE_LEN, hs, device=DEVICE)
@@ -397,7 +392,7 @@ def test_table_cache():
 
 def test_module():
     """RotaryEmbedding is apply_rotary with its table and options; the kernel table {op: backend} is honoured."""
-    _seed("module")
+    seed("module")
     mod = megakern.RotaryEmbedding(16, 64, 1000.0, scaling={"rope_type": "linear", "factor": 2.0},
                                    interleaved=True, backend={"rotary": "torch"})
     q, k = torch.randn(2, 9, 3, 32), torch.randn(2, 9, 1, 32)
@@ -625,7 +620,7 @@ def _available_variants():
 def test_triton_cuda_parity(dtype, layout):
     """Triton and both CUDA paths compute the same fp32 math: results agree to an ulp, forward and backward, and the
     public 'cuda' backend is the runtime's path exactly."""
-    _seed(dtype, layout, "parity")
+    seed(dtype, layout, "parity")
     interleaved = layout == "interleaved"
     cos, sin = rotary_table(8192, 128, device=DEVICE)
     q = torch.randn(4, 2048, 32, 128, dtype=dtype, device=DEVICE, requires_grad=True)
@@ -653,7 +648,7 @@ def test_triton_cuda_parity(dtype, layout):
 def test_long_tables_and_unaligned_views(variant):
     """Positions past 65535 (int64 position ids, a 2**17-row table), and q / k views that start one element off
     a 16-byte boundary (the kernels' element-wise paths) against aligned ones (their 16-byte paths)."""
-    _seed(variant, "long")
+    seed(variant, "long")
     launcher_ok = variant == "triton" or not cuda_path_problem(variant.split("-", 1)[1])
     if not launcher_ok:
         pytest.skip(f"{variant} unavailable: {cuda_path_problem(variant.split('-', 1)[1])}")
@@ -680,7 +675,7 @@ def test_partial_rotary_mid_chunk(variant, layout):
     """GPT-NeoX-20B's partial rotary (hs 96, rotary_dim 24) on 16-byte aligned rows: the CUDA kernel moves whole
     chunks 16 bytes at a time and the rotary part's partial / mid-chunk pieces element by element (the second NeoX
     half starts at column 12); forward and backward against the reference."""
-    _seed(variant, layout, "partial")
+    seed(variant, layout, "partial")
     interleaved = layout == "interleaved"
     cos, sin = rotary_table(512, 24, device=DEVICE)
     q = torch.randn(2, 256, 8, 96, dtype=torch.bfloat16, device=DEVICE, requires_grad=True)
@@ -703,7 +698,7 @@ def test_torch_compile_with_cuda_ops(inplace):
     eager, outputs and gradients; the ops' schemas and fake implementations pass torch.library.opcheck."""
     from megakern import _rotary_cuda
 
-    _seed("compile", inplace)
+    seed("compile", inplace)
     cos, sin = rotary_table(1024, 64, device=DEVICE)
     qkv = torch.randn(2, 256, 12, 64, dtype=torch.bfloat16, device=DEVICE, requires_grad=True)
 

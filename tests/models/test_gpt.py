@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import ATOL, DEVICE, HAS_CUDA, assert_close_to_ref
+from conftest import ATOL, DEVICE, HAS_CUDA, assert_close_to_ref, require_triton
 from reference_gpt import RefGPT
 
 from megakern.attention import packed_qkv as megakern_packed
@@ -308,18 +308,10 @@ TRITON_KERNELS = {"rms_norm": "triton", "layer_norm": "triton", "rotary": "trito
                   "bias_gelu": "triton", "linear": "triton"}
 
 
-def _triton_or_skip():
-    import megakern
-
-    problem = megakern.available_backends(DEVICE)["triton"]
-    if problem:
-        pytest.skip(f"Triton unavailable: {problem}")
-
-
 @pytest.mark.parametrize("name", CONFIGS)
 def test_triton_kernels_match_reference_fp32(name):
     """Norms, rotary and the fused cross-entropy in Triton (attention in fp32 takes the reference)."""
-    _triton_or_skip()
+    require_triton()
     model = make(CONFIGS[name], n_layer=1, kernels=TRITON_KERNELS, ce_chunk=7).to(DEVICE)
     check_against_reference(model, B=2, T=9, atol=ATOL[torch.float32])
 
@@ -327,7 +319,7 @@ def test_triton_kernels_match_reference_fp32(name):
 @pytest.mark.parametrize("name", ["llama-like", "mqa"])
 def test_traced_rotary_path_matches_in_place(name, monkeypatch):
     """Under torch.compile the rotation runs out of place after a plain split; same loss and gradients."""
-    _triton_or_skip()
+    require_triton()
     model = make(CONFIGS[name], n_layer=1, kernels={"rotary": "triton"}).to(DEVICE)
     idx, targets = (t.to(DEVICE) for t in batch(model.config, 2, 9))
     loss, grads = loss_and_grads(model, idx, targets)
@@ -346,7 +338,7 @@ def test_triton_kernels_with_attention_low_precision(dtype, kv_heads, monkeypatc
     gradient whole (the rotation undone in place on it), with them it is gathered by a concatenation."""
     import megakern.models.gpt as gpt
 
-    _triton_or_skip()
+    require_triton()
     packed = []
     monkeypatch.setattr(gpt, "packed_qkv", lambda *t: packed.append(megakern_packed(*t)) or packed[-1])
     config = dict(LLAMA_LIKE, n_layer=1, n_embd=32, n_head=2, n_kv_head=kv_heads, ffn_hidden=24)

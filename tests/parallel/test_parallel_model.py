@@ -4,7 +4,8 @@ import copy
 
 import pytest
 import torch
-from gpt_check import check_fsdp_bf16_params, check_local_shard_step, check_packed, check_train, packed_refused, tiny_config
+from gpt_check import (check_fsdp_bf16_params, check_local_shard_step, check_packed, check_train, packed_refused,
+                       tiny_config)
 from rankpool import pool
 
 from megakern.models.gpt import GPT

@@ -144,7 +144,8 @@ def test_gpu_training_step_does_not_sync(tmp_path, data_cache, precision):  # no
     assert all(math.isfinite(loss) and math.isfinite(norm) and stepped for loss, norm, stepped in values), values
 
 
-LAYOUTS = {"dp2-fsdp": ["parallel.dp=2", "parallel.dp_shard=fsdp"], "dp2-ddp": ["parallel.dp=2", "parallel.dp_shard=ddp"],
+LAYOUTS = {"dp2-fsdp": ["parallel.dp=2", "parallel.dp_shard=fsdp"],
+           "dp2-ddp": ["parallel.dp=2", "parallel.dp_shard=ddp"],
            "tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"], "cp2": ["parallel.cp=2"]}
 
 
