@@ -147,8 +147,11 @@ class OptimConfig:
     """Adam's second-moment decay."""
     eps: float = 1e-8
     """Adam's epsilon."""
-    fused: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
-    """Implementation of torch.optim.AdamW: 'auto' takes fused where the device supports it, else foreach."""
+    fused: Literal["auto", "megakern", "fused", "foreach", "for-loop"] = "auto"
+    """AdamW's implementation. 'megakern': one Triton pass that updates the fp32 masters from the bf16 gradients
+    and writes the bf16 weights (train.precision=bf16 only; megakern.optim.MasterAdamW); 'fused' | 'foreach' |
+    'for-loop': torch.optim.AdamW's. 'auto': megakern for bf16 weights on one CUDA device, else fused on CUDA and
+    foreach elsewhere."""
 
 
 @dataclass

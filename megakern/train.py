@@ -279,12 +279,35 @@ def param_groups(named_parameters, config, *, tied: bool) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def optimizer_kwargs(config, device: torch.device) -> dict:
-    """torch.optim.AdamW's arguments; optim.fused='auto' takes the fused kernel on CUDA, foreach elsewhere."""
+def optimizer_impl(config, device: torch.device, precision: str, parallel: bool) -> str:
+    """optim.fused resolved: 'auto' takes megakern's master-weight AdamW for bf16 weights with fp32 masters on one
+    CUDA device (Triton), torch's fused kernel elsewhere on CUDA, foreach on other devices. 'megakern' where it
+    cannot run is a ConfigError."""
+    from megakern import _backend
+
     impl = config.fused
     if impl == "auto":
+        megakern_ok = (device.type == "cuda" and precision == "bf16" and not parallel
+                       and not _backend.triton_problem(device))
+        return "megakern" if megakern_ok else "fused" if device.type == "cuda" else "foreach"
+    if impl == "megakern":
+        if precision != "bf16":
+            raise ConfigError(f"optim.fused=megakern updates fp32 master weights and writes the bf16 weights: it "
+                              f"needs train.precision=bf16 (this run is {precision})")
+        problem = _backend.triton_problem(device)
+        if problem:
+            raise ConfigError(f"optim.fused=megakern runs a Triton kernel, which cannot run here: {problem}")
+    return impl
+
+
+def optimizer_kwargs(config, device: torch.device, impl: str | None = None) -> dict:
+    """torch.optim.AdamW's arguments for implementation ``impl`` (optimizer_impl's; default: optim.fused with 'auto'
+    as torch's fused kernel on CUDA, foreach elsewhere). 'megakern' builds a fused torch AdamW, which holds the
+    state and hyperparameters MasterAdamW steps with (and steps by itself where MasterAdamW does not run)."""
+    impl = impl or config.fused
+    if impl == "auto":
         impl = "fused" if device.type == "cuda" else "foreach"
-    kwargs = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
+    kwargs = {"fused": True} if impl in ("fused", "megakern") else {"foreach": impl == "foreach"}
     return dict(lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps, **kwargs)
 
 
@@ -462,6 +485,8 @@ class StepGraph:
         # thread_local: the data loader's pin-memory thread may allocate while the main thread captures
         with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.values = t._device_step(t._micro_steps(iter(batches)))
+        if t.master_step is not None:
+            t.master_step.flush()  # its pointer tables, built during the capture, written before the first replay
         t.log(f"step {t.step + 1}: captured the training step in a CUDA graph ({t.accum} micro-batch(es))")
 
 
@@ -593,7 +618,8 @@ class Trainer:
                          if self.precision == "bf16-autocast" else contextlib.nullcontext())
 
         self.forward = torch.compile(self.model) if t.compile else self.model
-        kwargs = optimizer_kwargs(c.optim, self.device)
+        self.optim_impl = optimizer_impl(c.optim, self.device, self.precision, self.parallel)
+        kwargs = optimizer_kwargs(c.optim, self.device, self.optim_impl)
         if t.cuda_graph:  # the step and the learning rate on the device (one tensor, every group), read by the graph
             kwargs.update(capturable=True, lr=torch.tensor(float(kwargs["lr"]), device=self.device))
         self.optimizer = (self.pmodel.build_optimizer(torch.optim.AdamW, params=groups, **kwargs) if self.parallel
@@ -602,6 +628,13 @@ class Trainer:
         # a non-finite step is skipped by the fused optimizer on the device (no sync), else on the host
         # (over several ranks too: loss and norm are reduced over every group, so all ranks skip alike)
         self.device_skip = device_skip(self.optimizer)
+        # bf16 weights: one pass updates the masters and writes the weights, reading the bf16 gradients themselves
+        # when there is one micro-batch a step (megakern.optim; else the fp32 master gradients accumulated)
+        self.master_step = None
+        if self.optim_impl == "megakern":
+            from megakern.optim import MasterAdamW
+
+            self.master_step = MasterAdamW(self.optimizer, {m: p for p, m in self.masters.items()})
         self._clip_divisor = None  # the fused optimizer's grad_scale when it does the clipping (_micro_steps)
         self.step_graph = None
         if t.cuda_graph:
@@ -758,7 +791,10 @@ class Trainer:
     @torch.no_grad()
     def _accumulate_master_grads(self, first: bool) -> None:
         """fp32 master gradients (allocated once) += the bf16 gradients of this micro-batch (= on the first); the
-        bf16 gradients are then dropped."""
+        bf16 gradients are then dropped. With megakern's master step and one micro-batch a step there is nothing to
+        accumulate: it reads the bf16 gradients."""
+        if self.master_step is not None and self.accum == 1:
+            return
         pairs = [(m, p.grad) for p, m in self.masters.items() if p.grad is not None]
         if first:
             for p, m in self.masters.items():
@@ -846,19 +882,25 @@ class Trainer:
             if self.masters is not None:
                 self._accumulate_master_grads(first=micro == 0)
         with self._range("optimizer"):
-            params = list(self.masters.values()) if self.masters is not None else [
-                p for g in self.optimizer.param_groups for p in g["params"]]
+            if self.master_step is not None and self.accum == 1:  # the bf16 gradients themselves
+                params = list(self.masters)
+            elif self.masters is not None:
+                params = list(self.masters.values())
+            else:
+                params = [p for g in self.optimizer.param_groups for p in g["params"]]
             grads = [p for p in params if p.grad is not None]
             self._clip_divisor = None
-            if clip > 0 and self.device_skip:
-                # the fused optimizer divides the gradients by its grad_scale as it reads them: clipping rides in
-                # the update instead of a pass over every gradient (clip_grad_norm_'s coefficient, as a divisor)
-                norm = torch.nn.utils.get_total_norm([p.grad for p in grads], foreach=True)
-                self._clip_divisor = torch.clamp((norm.float() + 1e-6) / clip, min=1.0)
-            elif clip > 0:
+            if clip > 0 and not self.device_skip:
                 norm = torch.nn.utils.clip_grad_norm_(grads, clip, foreach=True)
             else:
-                norm = torch.nn.utils.get_total_norm([p.grad for p in grads], foreach=True)
+                from megakern.optim import total_norm
+
+                norm = total_norm([p.grad for p in grads]).to(self.device)  # summed in fp32 (bf16 gradients too)
+                if clip > 0:
+                    # the fused optimizer divides the gradients by its grad_scale as it reads them: clipping rides
+                    # in the update instead of a pass over every gradient (clip_grad_norm_'s coefficient, as a
+                    # divisor)
+                    self._clip_divisor = torch.clamp((norm.float() + 1e-6) / clip, min=1.0)
             figures = [loss_sum / accum, norm.float()]
             if self.has_fp8:
                 from megakern import fp8
@@ -893,6 +935,11 @@ class Trainer:
         """The fused optimizer's step, which skips itself on the device when the step is bad; nothing is read on
         the host (this is what a CUDA-graph step captures). Returns the step's values."""
         values = self._step_values(figures)
+        if self.master_step is not None:  # masters, moments and bf16 weights in one pass; skipped on values[2]
+            self.master_step.step(grad_scale=self._clip_divisor, found_inf=values[2])
+            for p in self.masters:
+                p.grad = None
+            return values
         # 0-d fp32 device tensors: the clipping divisor (see _micro_steps) and the skip flag
         self.optimizer.grad_scale, self.optimizer.found_inf = self._clip_divisor, values[2]
         try:

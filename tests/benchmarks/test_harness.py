@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from benchmarks import bench_activation, bench_attention, bench_fp8, bench_norm
+from benchmarks import bench_activation, bench_attention, bench_fp8, bench_norm, bench_optim
 from benchmarks.common import (CSV_HEADER, Results, Unavailable, bench, gpu_slug, git_sha, load_providers,
                                measure_copy_gbps, measure_matmul_tflops)
 
@@ -288,4 +288,17 @@ def test_bench_activation_cpu_smoke(tmp_path, capsys):
     providers = ("torch",) + (("megakern-triton",) if not megakern.available_backends("cpu")["triton"] else ())
     assert {(r["provider"], r["mode"]) for r in records if r["provider"] != "roofline"} == {
         (p, m) for p in providers for m in ("fwd", "fwd+bwd")}
+    assert all(float(r["value"]) > 0 for r in records)
+
+
+def test_bench_optim_cpu_smoke(tmp_path, capsys):
+    """Both providers on a tiny parameter set: they agree after one step (else the row is missing) and are filed."""
+    import megakern
+
+    bench_optim.main(["--device", "cpu", "--quick", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "skip " not in out, out
+    records = [dict(zip(CSV_HEADER, row)) for row in _read_csv(tmp_path / "cpu" / "optim.csv")[1:]]
+    providers = {"torch-fused"} | ({"megakern"} if not megakern.available_backends("cpu")["triton"] else set())
+    assert {r["provider"] for r in records if r["provider"] != "roofline"} == providers
     assert all(float(r["value"]) > 0 for r in records)

@@ -453,3 +453,30 @@ def test_fused_optimizer_clips_through_grad_scale(tmp_path, data_cache, precisio
     assert divisors and all(d > 1.0 for d in divisors), divisors
     for s in want:
         assert got[s] == pytest.approx(want[s], abs=1e-4), s
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_megakern_master_step_trains_as_torch_fused(tmp_path, data_cache, accum):
+    """bf16 weights with fp32 masters: megakern's one-pass master AdamW (bf16 gradients read directly with one
+    micro-batch a step, the fp32 master gradients with two) follows torch's fused AdamW + the copies, clipping
+    included; the bf16 weights are the masters rounded."""
+    from conftest import require_triton
+
+    require_triton(torch.device("cpu"))
+    common = [*TINY, "train.steps=4", "eval.every=0", "checkpoint.every=0", "checkpoint.final=false",
+              "train.grad_clip=0.05", "train.precision=bf16", f"train.global_batch_size={8 * accum}"]
+    ours = trainer(tmp_path, data_cache, *common, "optim.fused=megakern", name="megakern")
+    assert ours.master_step is not None and ours.device_skip
+    got = ours.run().losses
+    want = trainer(tmp_path, data_cache, *common, "optim.fused=fused", name="fused").run().losses
+    for s in want:
+        assert got[s] == pytest.approx(want[s], abs=2e-3), s
+    for p, m in ours.masters.items():
+        # (the interpreter's fp32 -> bf16 cast truncates: within a bf16 ulp on a CPU, exact on a GPU)
+        assert ((p.float() - m).abs() <= torch.finfo(torch.bfloat16).eps * m.abs()).all()
+    assert {int(s["step"]) for s in ours.optimizer.state.values()} == {4}
+
+
+def test_megakern_master_step_needs_bf16_weights(tmp_path, data_cache):
+    with pytest.raises(ConfigError, match="optim.fused=megakern .* needs train.precision=bf16"):
+        trainer(tmp_path, data_cache, *TINY, "optim.fused=megakern", "train.precision=fp32")

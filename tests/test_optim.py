@@ -1,0 +1,186 @@
+"""megakern.optim.MasterAdamW against torch.optim.AdamW on fp32 copies of the same weights and gradients.
+
+The reference runs torch's for-loop AdamW in fp64 on the masters with the same (bf16-rounded) gradients divided by
+the same divisor; MasterAdamW must follow it within fp32 rounding over several steps, write the bf16 model weights as
+the rounded masters, skip a step flagged by found_inf without touching anything, and keep torch's state layout.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import DEVICE, require_triton, seed
+from megakern.optim import MasterAdamW, total_norm
+
+SHAPES = [(37, 19), (5,), (3, 130), (1,), (2100,)]  # odd sizes; 2100 spans several blocks
+BLOCK = 512
+
+
+def make(shapes, model_dtype, grad_on: str):
+    masters = [torch.randn(s, device=DEVICE) for s in shapes]
+    models = [m.detach().to(model_dtype) if model_dtype is not None else None for m in masters]
+    return masters, models
+
+
+def set_grads(masters, models, grad_on: str, grad_dtype):
+    """Fresh random gradients on the model weights (bf16 from the backward) or the masters (fp32 accumulation);
+    returns their values in fp64 for the reference."""
+    values = []
+    for m, w in zip(masters, models):
+        g = (torch.randn(m.shape, device=DEVICE) * 3).to(grad_dtype)
+        m.grad = w.grad = None
+        if grad_on == "model":
+            w.grad = g
+        else:
+            m.grad = g
+        values.append(g.double())
+    return values
+
+
+def assert_rounded(model: torch.Tensor, master: torch.Tensor, what: str) -> None:
+    """The model weight is the master rounded to nearest even: exactly on a GPU; the Triton interpreter's fp32 ->
+    bf16 cast truncates instead, so on a CPU within one unit of the last place."""
+    if model.is_cuda:
+        assert torch.equal(model, master.to(model.dtype)), f"{what} is not the master rounded"
+    else:
+        ulp = torch.finfo(model.dtype).eps * master.abs()
+        assert ((model.float() - master).abs() <= ulp).all(), f"{what} is not the master within an ulp"
+
+
+@pytest.mark.parametrize("model_dtype,grad_on,grad_dtype", [
+    (torch.bfloat16, "model", torch.bfloat16), (torch.bfloat16, "master", torch.float32),
+    (torch.float16, "model", torch.float16), (None, "master", torch.float32)])
+@pytest.mark.parametrize("lr_tensor", [False, True])
+def test_master_adamw_matches_torch(model_dtype, grad_on, grad_dtype, lr_tensor):
+    require_triton()
+    seed("master_adamw", model_dtype, grad_on, grad_dtype, lr_tensor)
+    masters, models = make(SHAPES, model_dtype, grad_on)
+    if model_dtype is None:
+        models = [torch.zeros_like(m) for m in masters]  # the gradients' holders only; no copy is written
+    ref = [m.detach().double().clone().requires_grad_() for m in masters]
+    hyper = dict(lr=3e-2, betas=(0.9, 0.95), eps=1e-8)
+    lr = torch.tensor(hyper["lr"], device=DEVICE) if lr_tensor else hyper["lr"]
+    groups = [{"params": masters[:3], "weight_decay": 0.1}, {"params": masters[3:], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, **{**hyper, "lr": lr}, **({"capturable": True} if lr_tensor else {}))
+    ref_opt = torch.optim.AdamW([{"params": ref[:3], "weight_decay": 0.1}, {"params": ref[3:], "weight_decay": 0.0}],
+                                **hyper, foreach=False)
+    step = MasterAdamW(opt, {m: (w if model_dtype is not None else None) for m, w in zip(masters, models)},
+                       block=BLOCK)
+    for i in range(4):
+        grads = set_grads(masters, models, grad_on, grad_dtype)
+        divisor = 1.0 + i  # gradient clipping's divisor: the gradients are divided by it
+        if lr_tensor:
+            lr.fill_(hyper["lr"] * (1 - 0.1 * i))
+        for group in ref_opt.param_groups:
+            group["lr"] = hyper["lr"] * (1 - 0.1 * i) if lr_tensor else hyper["lr"]
+        for r, g in zip(ref, grads):
+            r.grad = g / divisor
+        ref_opt.step()
+        step.step(grad_scale=torch.full((), divisor, device=DEVICE))
+        for j, (m, r) in enumerate(zip(masters, ref)):
+            torch.testing.assert_close(m.double(), r.detach(), rtol=1e-5, atol=1e-6, msg=f"step {i}, tensor {j}")
+            st, rst = opt.state[m], ref_opt.state[r]
+            assert st["step"].dtype == torch.float32 and st["step"].item() == i + 1
+            torch.testing.assert_close(st["exp_avg_sq"].double(), rst["exp_avg_sq"], rtol=1e-5, atol=1e-9)
+            if model_dtype is not None:
+                assert_rounded(models[j], m, f"step {i}: model weight {j}")
+    assert set(opt.state_dict()["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def test_master_adamw_found_inf_skips_everything():
+    require_triton()
+    seed("master_adamw_skip")
+    masters, models = make(SHAPES, torch.bfloat16, "model")
+    opt = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.1)
+    step = MasterAdamW(opt, dict(zip(masters, models)), block=BLOCK)
+    set_grads(masters, models, "model", torch.bfloat16)
+    step.step()
+    before = [(m.clone(), w.clone(), opt.state[m]["exp_avg"].clone(), opt.state[m]["exp_avg_sq"].clone())
+              for m, w in zip(masters, models)]
+    set_grads(masters, models, "model", torch.bfloat16)
+    models[0].grad[0] = float("nan")
+    step.step(found_inf=torch.ones((), device=DEVICE))
+    for (m0, w0, a0, s0), m, w in zip(before, masters, models):  # bit for bit, the NaN gradient unread
+        assert torch.equal(m, m0) and torch.equal(w, w0)
+        assert torch.equal(opt.state[m]["exp_avg"], a0) and torch.equal(opt.state[m]["exp_avg_sq"], s0)
+        assert opt.state[m]["step"].item() == 1
+    step.step(found_inf=torch.zeros((), device=DEVICE))  # a good step after the skip counts as the second
+    assert all(opt.state[m]["step"].item() == 2 for m in masters)
+    assert all(torch.isfinite(m).all() for m in masters[1:])
+
+
+def test_master_adamw_skips_masters_without_gradients_and_follows_new_addresses():
+    require_triton()
+    seed("master_adamw_nograd")
+    masters, models = make(SHAPES[:3], torch.bfloat16, "model")
+    opt = torch.optim.AdamW(masters, lr=1e-2)
+    step = MasterAdamW(opt, dict(zip(masters, models)), block=BLOCK)
+    set_grads(masters, models, "model", torch.bfloat16)
+    models[1].grad = None
+    untouched = masters[1].clone()
+    step.step()
+    assert torch.equal(masters[1], untouched) and masters[1] not in opt.state
+    for _ in range(2):  # new gradient tensors (new addresses) each step: the table follows them
+        set_grads(masters, models, "model", torch.bfloat16)
+        step.step()
+    assert [opt.state[m]["step"].item() for m in masters] == [3, 2, 3]
+
+
+def test_master_adamw_rejects_bad_input():
+    master = torch.randn(4, 3, device=DEVICE)
+    model = master.to(torch.bfloat16)
+    with pytest.raises(TypeError, match="torch.optim.AdamW"):
+        MasterAdamW(torch.optim.Adam([master]), {master: model})
+    with pytest.raises(ValueError, match="amsgrad"):
+        MasterAdamW(torch.optim.AdamW([master], amsgrad=True), {master: model})
+    half = torch.randn(4, 3, device=DEVICE).half()
+    with pytest.raises(TypeError, match="float32"):
+        MasterAdamW(torch.optim.AdamW([half]), {half: None})
+    with pytest.raises(KeyError, match="no entry"):
+        MasterAdamW(torch.optim.AdamW([master]), {})
+    with pytest.raises(ValueError, match="shape"):
+        MasterAdamW(torch.optim.AdamW([master]), {master: model.t().contiguous()})
+    with pytest.raises(ValueError, match="power of two"):
+        MasterAdamW(torch.optim.AdamW([master]), {master: model}, block=1000)
+    require_triton()
+    step = MasterAdamW(torch.optim.AdamW([master]), {master: model})
+    model.grad = torch.randn(4, 3, device=DEVICE).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="one-element float32"):
+        step.step(grad_scale=torch.ones(2, device=DEVICE))
+
+
+def test_total_norm_sums_in_fp32():
+    seed("total_norm")
+    tensors = [torch.randn(1000, device=DEVICE).to(torch.bfloat16) for _ in range(3)] + [torch.randn(7, device=DEVICE)]
+    truth = torch.cat([t.double().reshape(-1) for t in tensors]).norm()
+    got = total_norm(tensors)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), truth, rtol=1e-6, atol=0)
+
+
+def compile_for_sm90():
+    """The kernel lowered for sm_90 in each variant the trainer launches (bf16 or fp32 gradients)."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from megakern import _optim_triton as kern
+
+    out = []
+    for grad in (tl.bfloat16, tl.float32):
+        constexprs = {"LR_ON_DEVICE": True, "HAS_SCALE": True, "HAS_INF": True, "GRAD_DTYPE": grad,
+                      "MODEL_DTYPE": tl.bfloat16, "WRITE_MODEL": True, "BLOCK": 4096}
+        types = {"WORK": "*i64", "TABLE": "*i64", "LR": "*fp32", "SCALE": "*fp32", "FOUND_INF": "*fp32"}
+        signature = {a: "constexpr" if a in constexprs else types.get(a, "fp32") for a in kern._adamw_kernel.arg_names}
+        src = ASTSource(fn=kern._adamw_kernel, signature=signature, constexprs=constexprs)
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=8))
+        out.append(str(grad))
+        assert "st.global" in compiled.asm["ptx"]
+    return out
+
+
+def test_kernel_compiles_for_sm90():
+    from conftest import sm90_lowering
+
+    assert sm90_lowering("test_optim", "compile_for_sm90()") == ["bf16", "fp32"]
