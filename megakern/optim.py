@@ -15,9 +15,10 @@ checkpoints and ``optimizer.step()`` itself keep working. ``grad_scale`` (the gr
 clipping as a divisor) and ``found_inf`` (nonzero: the step is skipped, state untouched) are device tensors, as
 for torch's fused optimizers, so a step needs no host sync and can be captured in a CUDA graph.
 
-The kernel finds each tensor through an int64 table of addresses, built on the host when the set of tensors (or
-their addresses) changes and cached otherwise. Inside CUDA-graph capture a table cannot be copied to the device; it
-is written when ``flush()`` is called after the capture, before the first replay.
+The kernel finds each tensor through an int64 table of addresses (a row per tensor), rewritten on the host when an
+address changes and cached otherwise, and a work list of blocks built once per set of sizes. Inside CUDA-graph
+capture nothing can be copied from pageable host memory to the device: what a capture builds is written when
+``flush()`` is called after it, before the first replay.
 """
 from __future__ import annotations
 
@@ -62,8 +63,10 @@ class MasterAdamW:
                     raise ValueError(f"MasterAdamW: param group {i} sets {key}=True, which it does not implement")
             for p in group["params"]:
                 self._check_master(p, i)
-        # launch key (group, dtypes) -> the eager table; (launch key, addresses) -> a table of a captured graph
-        self._tables: dict[tuple, tuple[tuple, torch.Tensor, torch.Tensor, int]] = {}
+        # (launch key (group, dtypes), sizes) -> (work list, programs); launch key -> (addresses, the eager table);
+        # (launch key, addresses) -> a captured graph's table
+        self._works: dict[tuple, tuple[torch.Tensor, int]] = {}
+        self._tables: dict[tuple, object] = {}
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def _check_master(self, p: torch.Tensor, group: int) -> None:
@@ -135,12 +138,13 @@ class MasterAdamW:
         if not steps:
             return
         # the step count first (the update reads the new count); a skipped step leaves it unchanged
+        # (a list of 0-d tensors: _foreach_add_ with one tensor operand reads its value on the host, a sync)
         if found_inf is not None:
-            torch._foreach_add_(steps, 1.0 - found_inf.reshape(()))
+            torch._foreach_add_(steps, [1.0 - found_inf.reshape(())] * len(steps))
         else:
             torch._foreach_add_(steps, 1.0)
         for gi, group, kind, members, beta1, beta2 in launches:
-            work, table, programs = self._table((gi, kind), members)
+            work, table, programs = self._tables_for((gi, kind), members)
             lr = group["lr"]
             lr = lr.reshape(()) if isinstance(lr, torch.Tensor) else float(lr)
             kern.launch(work, table, programs=programs, lr=lr, beta1=beta1, beta2=beta2,
@@ -150,39 +154,46 @@ class MasterAdamW:
                         grad_scale=grad_scale, found_inf=found_inf, grad_dtype=kind[0], model_dtype=kind[1],
                         block=self.block, warps=self.warps)
 
-    def _table(self, key, members) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """(work list, pointer table, programs) for one launch. Eager steps share one table per launch, rewritten
-        when the addresses change (autograd may put the gradients elsewhere); a table built during a CUDA-graph
-        capture belongs to the graph and is never rewritten."""
+    def _tables_for(self, key, members) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(work list, table, programs) for one launch. The work list, a (row, first element) pair per block, depends
+        on the sizes only; the table holds each tensor's numel and addresses. Eager steps share one table per launch,
+        rewritten when an address changes (autograd may put the gradients elsewhere); a table built during a
+        CUDA-graph capture belongs to the graph and is never rewritten."""
         from megakern._optim_triton import ROW
 
         device = members[0][0].device
         rows = tuple((p.numel(), p.data_ptr(), grad.data_ptr(), state["exp_avg"].data_ptr(),
                       state["exp_avg_sq"].data_ptr(), state["step"].data_ptr(),
-                      model.data_ptr() if model is not None else 0) for p, grad, state, model in members)
+                      model.data_ptr() if model is not None else 0, 0) for p, grad, state, model in members)
+        assert len(rows[0]) == ROW
         capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        sizes = tuple(r[0] for r in rows)
+        if (key, sizes) not in self._works:
+            work = [(i, start) for i, n in enumerate(sizes) for start in range(0, n, self.block)]
+            self._works[(key, sizes)] = (self._device(torch.tensor(work, dtype=torch.int64).reshape(-1), device),
+                                         len(work))
+        work, programs = self._works[(key, sizes)]
         owned = self._tables.get((key, rows))  # a graph's table (never rewritten) serves every step alike
         if owned is not None:
-            return owned[1], owned[2], owned[3]
+            return work, owned, programs
         cached = self._tables.get(key)
         if cached is not None and cached[0] == rows:
             if capturing:  # the graph takes the eager table over; later eager steps build their own
-                self._tables[(key, rows)] = self._tables.pop(key)
-            return cached[1], cached[2], cached[3]
-        slot = (key, rows) if capturing else key
-        sizes = [r[0] for r in rows]
-        if cached is not None and not capturing and [r[0] for r in cached[0]] == sizes:
-            work, table, programs = cached[1], cached[2], cached[3]
+                self._tables[(key, rows)] = self._tables.pop(key)[1]
+            return work, cached[1], programs
+        host = torch.tensor(rows, dtype=torch.int64).reshape(-1)
+        if cached is not None and not capturing and cached[1].shape == host.shape:
+            self._write(cached[1], host)
+            table = cached[1]
         else:
-            work_host = [(i, start) for i, n in enumerate(sizes) for start in range(0, n, self.block)]
-            programs = len(work_host)
-            work = self._to_device(torch.tensor(work_host, dtype=torch.int64).reshape(-1), device)
-            table = torch.empty(len(rows) * ROW, dtype=torch.int64, device=device)
-        self._write(table, torch.tensor(rows, dtype=torch.int64).reshape(-1))
-        self._tables[slot] = (rows, work, table, programs)
+            table = self._device(host, device)
+        if capturing:
+            self._tables[(key, rows)] = table
+        else:
+            self._tables[key] = (rows, table)
         return work, table, programs
 
-    def _to_device(self, host: torch.Tensor, device) -> torch.Tensor:
+    def _device(self, host: torch.Tensor, device) -> torch.Tensor:
         out = torch.empty(host.shape, dtype=host.dtype, device=device)
         self._write(out, host)
         return out
@@ -191,7 +202,7 @@ class MasterAdamW:
         if device_tensor.is_cuda and torch.cuda.is_current_stream_capturing():
             self._pending.append((device_tensor, host))  # a pageable copy cannot be captured: flush() writes it
         else:
-            device_tensor.copy_(host)
+            device_tensor.copy_(host, non_blocking=True)  # from pageable memory: staged at once, no sync
 
     def flush(self) -> None:
         """Writes the tables built during a CUDA-graph capture; call it after the capture, before the replay."""

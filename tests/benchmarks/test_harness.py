@@ -297,7 +297,7 @@ def test_bench_optim_cpu_smoke(tmp_path, capsys):
 
     bench_optim.main(["--device", "cpu", "--quick", "--out", str(tmp_path)])
     out = capsys.readouterr().out
-    assert "skip " not in out, out
+    assert " on adamw masters" not in out, out  # no provider failed at run time (off the other, or raised)
     records = [dict(zip(CSV_HEADER, row)) for row in _read_csv(tmp_path / "cpu" / "optim.csv")[1:]]
     providers = {"torch-fused"} | ({"megakern"} if not megakern.available_backends("cpu")["triton"] else set())
     assert {r["provider"] for r in records if r["provider"] != "roofline"} == providers
