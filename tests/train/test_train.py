@@ -319,17 +319,18 @@ def test_gpu_compiled_step_matches_eager(tmp_path, data_cache):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision", ["bf16", "bf16-autocast"])
-def test_gpu_cuda_graph_step_matches_eager(tmp_path, data_cache, precision):
-    """train.cuda_graph: 2 eager steps, then the captured step replayed, with 2 micro-batches, clipping, an eval and
-    a checkpoint between replays: the losses of the eager run; the run resumes from the graph run's checkpoint."""
-    common = [*TINY, *GPU, f"train.precision={precision}", "train.steps=8", "train.global_batch_size=16",
+@pytest.mark.parametrize("precision,accum", [("bf16", 1), ("bf16", 2), ("bf16-autocast", 2)])
+def test_gpu_cuda_graph_step_matches_eager(tmp_path, data_cache, precision, accum):
+    """train.cuda_graph: 2 eager steps, then the captured step replayed, with 1 or 2 micro-batches (bf16 weights:
+    the master step reads the bf16 gradients, or the fp32 master gradients), clipping, an eval and a checkpoint
+    between replays: the losses of the eager run; the run resumes from the graph run's checkpoint."""
+    common = [*TINY, *GPU, f"train.precision={precision}", "train.steps=8", f"train.global_batch_size={8 * accum}",
               "train.grad_clip=0.5", "eval.every=4", "checkpoint.every=4", "checkpoint.final=false",
               "train.sample_tokens=0"]
     eager = trainer(tmp_path, data_cache, *common, name="eager").run()
     graphed = trainer(tmp_path, data_cache, *common, "train.cuda_graph=true", "train.cuda_graph_warmup=2",
                       name="graph").run()
-    assert "step 3: captured the training step in a CUDA graph (2 micro-batch(es))" in (
+    assert f"step 3: captured the training step in a CUDA graph ({accum} micro-batch(es))" in (
         tmp_path / "graph" / "train.log").read_text()
     assert sorted(graphed.losses) == list(range(1, 9))
     for s in range(1, 9):  # the same kernels on the same data (attention's backward may sum in another order)
