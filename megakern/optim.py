@@ -69,6 +69,7 @@ class MasterAdamW:
         self._works: dict[tuple, tuple[torch.Tensor, int]] = {}
         self._tables: dict[tuple, object] = {}
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._staging: list[list] = []  # [pinned buffer, event of its last copy]
 
     def _check_master(self, p: torch.Tensor, group: int) -> None:
         where = f"MasterAdamW: a parameter of group {group} (shape {tuple(p.shape)})"
@@ -205,9 +206,24 @@ class MasterAdamW:
         elif torch.cuda.is_current_stream_capturing():
             self._pending.append((device_tensor, host))  # a host copy is not captured: flush() writes it
         else:
-            # from pinned memory without waiting: a pageable copy may wait for the stream (an unseen sync each step
-            # the gradients move); torch's pinned allocator keeps the buffer until the copy is done
-            device_tensor.copy_(host.pin_memory(), non_blocking=True)
+            self._upload(device_tensor, host)
+
+    def _upload(self, device_tensor: torch.Tensor, host: torch.Tensor) -> None:
+        """An asynchronous copy through a pinned staging buffer of this object's, reused once its last copy has
+        finished (an event query, no wait). A pageable copy may wait for the stream: an unseen sync every step the
+        gradients move. The buffers live as long as the object: a pinned block freed during a later CUDA-graph
+        capture would record an event on the capturing thread's streams and break the capture."""
+        for entry in self._staging:
+            buf, done = entry
+            if buf.numel() == host.numel() and (done is None or done.query()):
+                break
+        else:
+            entry = [torch.empty(host.shape, dtype=host.dtype, pin_memory=True), None]
+            self._staging.append(entry)
+        entry[0].copy_(host)
+        device_tensor.copy_(entry[0], non_blocking=True)
+        entry[1] = torch.cuda.Event()
+        entry[1].record()
 
     def flush(self) -> None:
         """Writes the tables built during a CUDA-graph capture; call it after the capture, before the replay."""

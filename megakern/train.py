@@ -45,6 +45,7 @@ import argparse
 import contextlib
 import datetime
 import functools
+import gc
 import hashlib
 import json
 import math
@@ -482,9 +483,16 @@ class StepGraph:
         torch.cuda.synchronize(t.device)
         torch.cuda.empty_cache()  # the eager steps' cached blocks back to the driver: the graph has its own pool
         self.graph = torch.cuda.CUDAGraph()
-        # thread_local: the data loader's pin-memory thread may allocate while the main thread captures
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-            self.values = t._device_step(t._micro_steps(iter(batches)))
+        # thread_local: the data loader's pin-memory thread may allocate while the main thread captures. No garbage
+        # collection inside: it may free a pinned host tensor, whose free records an event on the stream that used
+        # it (the legacy stream), which invalidates the capture (triton.testing's cuda_graph_without_gc does the same)
+        gc.collect()
+        gc.disable()
+        try:
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+                self.values = t._device_step(t._micro_steps(iter(batches)))
+        finally:
+            gc.enable()
         if t.master_step is not None:
             t.master_step.flush()  # its pointer tables, built during the capture, written before the first replay
         t.log(f"step {t.step + 1}: captured the training step in a CUDA graph ({t.accum} micro-batch(es))")
