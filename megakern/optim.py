@@ -17,8 +17,8 @@ for torch's fused optimizers, so a step needs no host sync and can be captured i
 
 The kernel finds each tensor through an int64 table of addresses (a row per tensor), rewritten on the host when an
 address changes and cached otherwise, and a work list of blocks built once per set of sizes. Inside CUDA-graph
-capture nothing can be copied from pageable host memory to the device: what a capture builds is written when
-``flush()`` is called after it, before the first replay.
+capture the graph takes over the tables of the eager step before it (a capture needs one) and their new addresses
+are written when ``flush()`` is called after the capture, before the first replay.
 """
 from __future__ import annotations
 
@@ -159,8 +159,12 @@ class MasterAdamW:
     def _tables_for(self, key, members) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(work list, table, programs) for one launch. The work list, a (row, first element) pair per block, depends
         on the sizes only; the table holds each tensor's numel and addresses. Eager steps share one table per launch,
-        rewritten when an address changes (autograd may put the gradients elsewhere); a table built during a
-        CUDA-graph capture belongs to the graph and is never rewritten."""
+        rewritten when an address changes (autograd may put the gradients elsewhere).
+
+        A CUDA-graph capture takes the eager table over (the graph owns it from then on and it is never rewritten;
+        later eager steps build their own), with its new addresses written by ``flush()`` after the capture. Nothing
+        is allocated during a capture: memory taken from the graph's pool there may hold other tensors earlier in
+        the graph, which every replay would write over the table. So a capture needs an eager step first."""
         from megakern._optim_triton import ROW
 
         device = members[0][0].device
@@ -170,29 +174,36 @@ class MasterAdamW:
         assert len(rows[0]) == ROW
         capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         sizes = tuple(r[0] for r in rows)
+        owned = self._tables.get((key, rows))  # a graph's table (never rewritten) serves every step alike
+        cached = self._tables.get(key)
+        if capturing and owned is None and ((key, sizes) not in self._works or cached is None
+                                            or [r[0] for r in cached[0]] != list(sizes)):
+            raise RuntimeError("MasterAdamW.step: captured in a CUDA graph before an eager step with the same "
+                               "parameters; run one step eagerly first (its tables must live outside the graph's "
+                               "memory pool)")
         if (key, sizes) not in self._works:
             work = [(i, start) for i, n in enumerate(sizes) for start in range(0, n, self.block)]
             self._works[(key, sizes)] = (self._device(torch.tensor(work, dtype=torch.int64).reshape(-1), device),
                                          len(work))
         work, programs = self._works[(key, sizes)]
-        owned = self._tables.get((key, rows))  # a graph's table (never rewritten) serves every step alike
         if owned is not None:
             return work, owned, programs
-        cached = self._tables.get(key)
         if cached is not None and cached[0] == rows:
-            if capturing:  # the graph takes the eager table over; later eager steps build their own
+            if capturing:
                 self._tables[(key, rows)] = self._tables.pop(key)[1]
             return work, cached[1], programs
         host = torch.tensor(rows, dtype=torch.int64).reshape(-1)
-        if cached is not None and not capturing and cached[1].shape == host.shape:
-            self._write(cached[1], host)
+        if capturing:
+            table = self._tables.pop(key)[1]
+            self._pending.append((table, host))
+            self._tables[(key, rows)] = table
+            return work, table, programs
+        if cached is not None and cached[1].shape == host.shape:
             table = cached[1]
+            self._write(table, host)
         else:
             table = self._device(host, device)
-        if capturing:
-            self._tables[(key, rows)] = table
-        else:
-            self._tables[key] = (rows, table)
+        self._tables[key] = (rows, table)
         return work, table, programs
 
     def _device(self, host: torch.Tensor, device) -> torch.Tensor:
@@ -201,12 +212,10 @@ class MasterAdamW:
         return out
 
     def _write(self, device_tensor: torch.Tensor, host: torch.Tensor) -> None:
-        if not device_tensor.is_cuda:
-            device_tensor.copy_(host)
-        elif torch.cuda.is_current_stream_capturing():
-            self._pending.append((device_tensor, host))  # a host copy is not captured: flush() writes it
-        else:
+        if device_tensor.is_cuda:
             self._upload(device_tensor, host)
+        else:
+            device_tensor.copy_(host)
 
     def _upload(self, device_tensor: torch.Tensor, host: torch.Tensor) -> None:
         """An asynchronous copy through a pinned staging buffer of this object's, reused once its last copy has
