@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from megakern._reduce_triton import sum_rows
+
 from megakern._intmath import cdiv
 
 # gelu_tanh(x) = 0.5 x (1 + tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x^3); the constants are literals in the kernels
@@ -70,7 +72,8 @@ def fwd(h: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
 
 
 def bwd(dy: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(dh, dbias): dh like h, dbias the column sums of dh in fp32 (None without a bias)."""
+    """(dh, dbias): dh like h, dbias the column sums of dh summed in fp32, in the bias's dtype (None without a
+    bias)."""
     n = h.shape[-1]
     m = h.numel() // max(n, 1)
     dh = torch.empty_like(h)
@@ -84,4 +87,4 @@ def bwd(dy: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None) -> tuple[t
     part = torch.empty((grid[0], n), dtype=torch.float32, device=h.device) if bias is not None else h
     _bias_gelu_bwd_kernel[grid](dy, h, bias if bias is not None else h, dh, part, m, n, HAS_BIAS=bias is not None,
                                 BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
-    return dh, (part.sum(0) if bias is not None else None)
+    return dh, (sum_rows(part, bias.dtype) if bias is not None else None)

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from megakern._reduce_triton import sum_rows
+
 from megakern._intmath import cdiv, next_power_of_2
 
 MAX_BLOCK = 65536
@@ -219,9 +221,9 @@ def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype, need_
         HAS_DRES_OUT=dres_out is not None, HAS_DRES=separate_dres, BLOCK_M=rows_per_step, BLOCK_N=block,
         num_warps=warps,
     )
-    sums = parts.sum(1) if parts is not None else None
-    dw = sums[0].to(weight.dtype) if need_dw else None
-    db = sums[-1].to(weight.dtype) if has_db else None
+    sums = sum_rows(parts, weight.dtype) if parts is not None else None  # summed and cast in one launch
+    dw = sums[0] if need_dw else None
+    db = sums[-1] if has_db else None
     if residual_dtype is None:
         return dx, None, dw, db
     return dx, (dres if separate_dres else dx), dw, db

@@ -42,7 +42,7 @@ class BiasGeluFunction(torch.autograd.Function):
 
         h, bias = ctx.saved_tensors
         dh, dbias = kern.bwd(dy.contiguous(), h, bias)
-        return dh, (dbias.to(bias.dtype) if bias is not None and ctx.needs_input_grad[1] else None)
+        return dh, (dbias if bias is not None and ctx.needs_input_grad[1] else None)
 
 
 def _check(h, bias) -> None:

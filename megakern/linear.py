@@ -41,7 +41,7 @@ class LinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             dw = dy2.t().mm(xc.reshape(-1, xc.shape[-1])).to(w_dtype)
         if ctx.needs_input_grad[2]:
-            db = kern.colsum(dy2).to(b_dtype)
+            db = kern.colsum(dy2, b_dtype)
         return dx, dw, db, None
 
 

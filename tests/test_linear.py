@@ -71,6 +71,52 @@ def test_colsum_of_strided_rows_and_empty():
     assert torch.equal(_linear_triton.colsum(torch.empty(0, 9, device=DEVICE)), torch.zeros(9, device=DEVICE))
 
 
+@pytest.mark.parametrize("shape", [(1, 5), (37, 70), (130, 33), (2, 257, 40), (3, 1, 9)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sum_rows_matches_fp64_and_is_deterministic(shape, dtype):
+    """megakern._reduce_triton.sum_rows (the partial sums' last step of linear, bias_gelu and the norms): the fp64
+    sum over the row dimension, rounded to ``dtype``; bit-identical on a second run."""
+    from megakern._reduce_triton import sum_rows
+
+    require_triton()
+    seed("sum_rows", shape, dtype)
+    part = torch.randn(shape, device=DEVICE) * 10
+    got = sum_rows(part, dtype)
+    assert got.dtype == dtype and got.shape == (*shape[:-2], shape[-1])
+    want = part.double().sum(-2)
+    # bf16: half an ulp on a GPU; the interpreter's fp32 -> bf16 cast truncates (an ulp)
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2 ** (-8 if part.is_cuda else -7),
+                                                                           atol=1e-3)
+    torch.testing.assert_close(got.double(), want, **tol)
+    assert torch.equal(sum_rows(part, dtype), got)
+    assert torch.equal(sum_rows(torch.empty(0, 7, device=DEVICE)), torch.zeros(7, device=DEVICE))
+    with pytest.raises(ValueError, match="contiguous float32"):
+        sum_rows(part.double())
+    with pytest.raises(ValueError, match="not contiguous"):
+        sum_rows(torch.randn(9, 4, device=DEVICE).t())
+
+
+def compile_for_sm90():
+    """sum_rows' kernel lowered for sm_90 (bf16 output: the norms' and biases' gradients)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from megakern import _reduce_triton as kern
+
+    constexprs = {"BLOCK_G": 64, "BLOCK_N": 32}
+    signature = {"PART": "*fp32", "OUT": "*bf16", "G": "i32", "N": "i32", **{k: "constexpr" for k in constexprs}}
+    compiled = triton.compile(ASTSource(fn=kern._sum_rows_kernel, signature=signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 64), options=dict(num_warps=4))
+    return ["sum_rows"] if "st.global" in compiled.asm["ptx"] else []
+
+
+def test_sum_rows_compiles_for_sm90():
+    from conftest import sm90_lowering
+
+    assert sm90_lowering("test_linear", "compile_for_sm90()") == ["sum_rows"]
+
+
 def test_no_bias_torch_backend_and_bad_input():
     x, w, b = torch.randn(3, 8, device=DEVICE), torch.randn(5, 8, device=DEVICE), torch.randn(5, device=DEVICE)
     assert torch.equal(megakern.linear(x, w), F.linear(x, w))
