@@ -22,7 +22,7 @@ the data-parallel step does not add to the one-GPU step. When the layouts includ
 (K one-GPU runs at once), that is the reference instead: it shares the host the same way, without communication.
 
 Layouts are written as factors: "1", "dp2", "dp2-ddp", "tp2", "pp2", "cp2", "tp2.dp2", "tp2.pp2", "dp4-ddp-zero1", ...
-(dp defaults to FSDP). The GPUs needed are the product of the factors; layouts needing more than this machine has are
+(dp defaults to FSDP; "-ovl" overlaps the row-parallel layers' reduce-scatter with their matmuls, e.g. "tp2-ovl"). The GPUs needed are the product of the factors; layouts needing more than this machine has are
 skipped with a line saying so. "1xK" runs K independent one-GPU trainings at once, one per GPU (ms: the slowest's
 step; tok/s: all K at that pace, as ranks in lock step would go): no communication at all, so its scaling against
 "1" is what sharing the host costs (CPU, memory bandwidth, driver), the ceiling of any K-GPU layout on this machine.
@@ -74,6 +74,7 @@ class Layout:
     dp: int = 1
     dp_shard: str = "fsdp"
     zero1: bool = False
+    tp_comm_overlap: bool = False  # "-ovl": the row-parallel reduce-scatter overlapped with the matmul (tp > 1)
     copies: int = 1  # "1xK": K independent one-GPU runs at once (the host's own scaling, no communication)
 
     @property
@@ -103,13 +104,17 @@ class Layout:
                 raise ValueError(f"bench_parallel: layout {spec!r}: each factor is tp|pp|cp|dp and a size >= 1, "
                                  f"once (e.g. 'tp2.dp2', 'dp4-ddp-zero1'); bad part {part!r}")
             sizes[m.group(1)] = int(m.group(2))
-        unknown = set(flags) - {"ddp", "fsdp", "zero1"}
+        unknown = set(flags) - {"ddp", "fsdp", "zero1", "ovl"}
         if unknown:
-            raise ValueError(f"bench_parallel: layout {spec!r}: unknown flag(s) {sorted(unknown)} (ddp, fsdp, zero1)")
+            raise ValueError(f"bench_parallel: layout {spec!r}: unknown flag(s) {sorted(unknown)} (ddp, fsdp, zero1, "
+                             f"ovl)")
+        if "ovl" in flags and sizes.get("tp", 1) < 2:
+            raise ValueError(f"bench_parallel: layout {spec!r}: ovl overlaps tensor parallelism's reduce-scatter; it "
+                             f"needs tp >= 2")
         shard = "ddp" if "ddp" in flags else "fsdp"
         if "zero1" in flags and shard != "ddp":
             raise ValueError(f"bench_parallel: layout {spec!r}: zero1 shards the optimizer of DDP; add '-ddp'")
-        return cls(spec, dp_shard=shard, zero1="zero1" in flags, **sizes)
+        return cls(spec, dp_shard=shard, zero1="zero1" in flags, tp_comm_overlap="ovl" in flags, **sizes)
 
 
 def free_port() -> int:
@@ -138,7 +143,7 @@ def run_layout(layout: Layout, args, run_dir: Path, data_cache: Path) -> tuple[d
         f"data.num_workers={args.data_workers}", f"data.cache_dir={data_cache}", f"log.run_dir={run_dir}",
         f"parallel.tp={layout.tp}", f"parallel.pp={layout.pp}", f"parallel.cp={layout.cp}",
         f"parallel.dp={layout.dp}", f"parallel.dp_shard={layout.dp_shard}",
-        f"parallel.zero1={str(layout.zero1).lower()}",
+        f"parallel.zero1={str(layout.zero1).lower()}", f"parallel.tp_comm_overlap={str(layout.tp_comm_overlap).lower()}",
         *args.override,
     ]
     if args.profile:  # the profiler's wait + warm-up + 3 recorded steps instead of the timed steps

@@ -245,6 +245,9 @@ class ParallelConfig:
     """Data parallelism by replication (DDP) or sharding (FSDP2)."""
     zero1: bool = False
     """Shard the optimizer state over data-parallel ranks (with dp_shard='ddp')."""
+    tp_comm_overlap: bool = False
+    """With tp > 1: overlap the row-parallel layers' sequence-parallel reduce-scatter (and, backward, all-gather)
+    with their matmuls, as a ring of transfers each behind the next chunk's matmul (megakern.parallel.overlap)."""
     fsdp_param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """With dp_shard='fsdp': the dtype the blocks' parameters are all-gathered and computed in (their fp32 shards
     are what the optimizer updates; gradients are reduced in fp32); auto: bfloat16 under bf16-autocast, else

@@ -15,6 +15,7 @@ from megakern.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megakern.parallel.dims import (MESH_DIMS, DisagreementError, ParallelDims, ParallelMesh, RendezvousError,
                                     check_agreement, config_hash, init_distributed, versions)
 from megakern.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, linear_reduce
+from megakern.parallel.overlap import gemm_reduce_scatter
 from megakern.parallel.parallelize import Options, ParallelModel, parallelize
 from megakern.parallel.pipeline import PipelineChunk, cut_stage, stage_layout
 from megakern.parallel.rng import RNGTracker, region_seed
@@ -26,7 +27,7 @@ __all__ = [
     "MESH_DIMS", "ColumnParallelLinear", "DisagreementError", "Options", "ParallelDims", "ParallelMesh",
     "ParallelModel", "PipelineChunk", "RNGTracker", "RendezvousError", "RingAttention", "RowParallelLinear", "TPInfo",
     "VocabParallelEmbedding", "apply_tensor_parallel", "check_agreement", "clip_grad_norm_", "config_hash",
-    "cut_stage", "parallelize", "stage_layout",
+    "cut_stage", "gemm_reduce_scatter", "parallelize", "stage_layout",
     "copy_to_tp", "cp_positions", "cp_shard", "cp_unshard", "gather_from_sp", "gather_from_tp", "init_distributed",
     "linear_reduce", "reduce_from_tp", "reduce_scatter_to_sp", "region_seed", "ring_attention", "scatter_to_sp",
     "scatter_to_tp",

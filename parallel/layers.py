@@ -10,8 +10,8 @@ one backward. Under sequence parallel the column layer all-gathers the sequence 
 (``gather_from_sp``) and the row layer reduce-scatters its output back to them (``reduce_scatter_to_sp``).
 
 The row layer's matmul + reduction go through ``self.gemm_reduce(x, weight, group, sequence_parallel, seq_dim)``
-(default ``linear_reduce``: F.linear, then all-reduce or reduce-scatter): the seam where an overlapped GEMM +
-reduce-scatter kernel plugs in without touching the layer.
+(default ``linear_reduce``: F.linear, then all-reduce or reduce-scatter): the seam where the overlapped GEMM +
+reduce-scatter (``overlap.gemm_reduce_scatter``) plugs in without touching the layer.
 
 Each layer lists its sharded parameters in ``tp_shard_dims`` ({name: dim of the full tensor that is split}) and
 its parameters whose gradients are partial over the tp group (``sp_partial``: a bias added to sequence shards):

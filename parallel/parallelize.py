@@ -39,6 +39,7 @@ from megakern.parallel.dims import ParallelDims, ParallelMesh
 from megakern.parallel.pipeline import PipelineChunk, build_schedule, check_schedule, cut_stage, stage_layout
 from megakern.parallel.rng import RNGTracker
 from megakern.parallel.state_dict import as_global, checkpoint_mesh, group_hparams, init_optimizer_state
+from megakern.parallel.overlap import gemm_reduce_scatter
 from megakern.parallel.tensor_parallel import apply_tensor_parallel
 
 IGNORE_INDEX = -100
@@ -61,6 +62,9 @@ class Options:
     """"fsdp" (FSDP2 fully_shard) | "ddp"."""
     zero1: bool = False
     """With dp_shard "ddp": shard the optimizer state (ZeroRedundancyOptimizer)."""
+    tp_comm_overlap: bool = False
+    """Row-parallel layers overlap their reduce-scatter with the matmul (parallel.overlap: a ring of transfers, each
+    behind the next chunk's matmul; the all-gather likewise in the backward). Needs sequence parallelism."""
     fsdp_param_dtype: str = "float32"
     """With dp_shard "fsdp": "float32" | "bfloat16", the dtype the blocks' parameters are all-gathered and computed
     in (their fp32 shards are what the optimizer updates; gradients are reduced in fp32). "auto" (the training
@@ -118,6 +122,9 @@ class ParallelModel:
         self.tp, self.pp, self.cp, self.dp = d.tp, d.pp, d.cp, d.dp
         sp = options.sequence_parallel and d.tp > 1
         self.sequence_parallel = sp
+        if options.tp_comm_overlap and d.tp > 1 and not sp:
+            raise ValueError("parallelize: tp_comm_overlap overlaps the sequence-parallel reduce-scatter with the "
+                             "matmul; it needs sequence_parallel=True")
         if options.dp_shard not in DP_SHARDS:
             raise ValueError(f"parallelize: dp_shard must be one of {DP_SHARDS}, got {options.dp_shard!r}")
         if options.fsdp_param_dtype not in ("auto", "float32", "bfloat16"):
@@ -165,7 +172,9 @@ class ParallelModel:
         self.has_last = self.num_stages - 1 in self.stage_indices
 
         # 2. tensor (+ sequence) parallel, 3. context parallel
-        self.tp_info = [apply_tensor_parallel(g, pm.tp_group if d.tp > 1 else None, sp) for g in self.gpts]
+        gemm_reduce = gemm_reduce_scatter if options.tp_comm_overlap else None
+        self.tp_info = [apply_tensor_parallel(g, pm.tp_group if d.tp > 1 else None, sp, gemm_reduce=gemm_reduce)
+                        for g in self.gpts]
         if d.cp > 1:
             for g in self.gpts:
                 for block in g.blocks.values():

@@ -73,8 +73,10 @@ def _split_positions_hook(group):
     return hook
 
 
-def apply_tensor_parallel(gpt: nn.Module, group, sequence_parallel: bool) -> TPInfo:
-    """Shard ``gpt`` (a GPT or a pipeline stage of one) over ``group`` in place; returns its TPInfo."""
+def apply_tensor_parallel(gpt: nn.Module, group, sequence_parallel: bool, gemm_reduce=None) -> TPInfo:
+    """Shard ``gpt`` (a GPT or a pipeline stage of one) over ``group`` in place; returns its TPInfo.
+    ``gemm_reduce``: the row-parallel layers' GEMM + reduction (layers.linear_reduce when None; e.g.
+    overlap.gemm_reduce_scatter)."""
     info = TPInfo()
     tp = group_size(group)
     if tp == 1:
@@ -86,10 +88,12 @@ def apply_tensor_parallel(gpt: nn.Module, group, sequence_parallel: bool) -> TPI
                 raise ValueError(f"tensor parallel: block {bname} has {n} {name.replace('n_', '')}s, not divisible "
                                  f"by tp={tp}")
         attn.qkv = ColumnParallelLinear.from_linear(attn.qkv, group, input_is_gathered=True)
-        attn.proj = RowParallelLinear.from_linear(attn.proj, group, sequence_parallel=sequence_parallel)
+        attn.proj = RowParallelLinear.from_linear(attn.proj, group, sequence_parallel=sequence_parallel,
+                                                  gemm_reduce=gemm_reduce)
         attn.n_head, attn.n_kv_head = attn.n_head // tp, attn.n_kv_head // tp
         mlp.fc = ColumnParallelLinear.from_linear(mlp.fc, group, input_is_gathered=True)
-        mlp.proj = RowParallelLinear.from_linear(mlp.proj, group, sequence_parallel=sequence_parallel)
+        mlp.proj = RowParallelLinear.from_linear(mlp.proj, group, sequence_parallel=sequence_parallel,
+                                                 gemm_reduce=gemm_reduce)
         attn.register_forward_pre_hook(_enter_hook(group, sequence_parallel))
         mlp.register_forward_pre_hook(_enter_hook(group, sequence_parallel))
         for lname, layer in (("attn.qkv", attn.qkv), ("attn.proj", attn.proj), ("mlp.fc", mlp.fc),

@@ -15,21 +15,22 @@ def test_layout_specs():
     assert (layout.tp, layout.pp, layout.cp, layout.dp, layout.dp_shard, layout.zero1, layout.world) == (
         2, 2, 1, 2, "ddp", True, 8)
     assert Layout.parse("cp4").dp_shard == "fsdp"
+    assert Layout.parse("tp2.dp2-ovl").tp_comm_overlap and not Layout.parse("tp2").tp_comm_overlap
     copies = Layout.parse("1x4")
     assert (copies.world, copies.copies, copies.gpus) == (1, 4, 4)
     for bad, why in [("tp2.tp2", "once"), ("xp2", "tp|pp|cp|dp"), ("tp0", "size >= 1"), ("dp2-ring", "unknown flag"),
-                     ("dp2-zero1", "add '-ddp'"),
+                     ("dp2-zero1", "add '-ddp'"), ("dp2-ovl", "needs tp >= 2"),
                      ("1x0", "K >= 1")]:
         with pytest.raises(ValueError, match=why):
             Layout.parse(bad)
 
 
 def test_bench_parallel_cpu_smoke(tmp_path, capsys):
-    results = bench_parallel.main(["--tiny", "--device", "cpu", "--layouts", "1,1x2,dp2-ddp,tp4", "--overlap",
+    results = bench_parallel.main(["--tiny", "--device", "cpu", "--layouts", "1,1x2,dp2-ddp,tp2-ovl,tp4", "--overlap",
                                    "--out", str(tmp_path)])
     out = capsys.readouterr().out
     figures = {(f[1], f[3]): f[4] for f in results.figures}
-    ran = {"1", "1x2", "dp2-ddp"}
+    ran = {"1", "1x2", "dp2-ddp", "tp2-ovl"}
     if bench_parallel.available_gpus("cpu") < 4:
         assert "tp4              skipped: needs 4 devices" in out
     else:  # 4 CPU ranks fit (a 16-core GPU machine): tp4 runs and is filed too
@@ -40,6 +41,8 @@ def test_bench_parallel_cpu_smoke(tmp_path, capsys):
         assert math.isclose(figures[layout, "tok/s"], tokens / (figures[layout, "ms"] / 1e3))
         assert figures[layout, "GiB"] > 0 and 0 < figures[layout, "loss"] < 10
     assert figures["1", "scaling"] == 1.0
+    # the overlapped tensor-parallel layout trains the same model: its loss is the one-device run's (same data, seed)
+    assert figures["tp2-ovl", "loss"] == pytest.approx(figures["1", "loss"], abs=1e-3)
     # two independent runs at once: tokens/s of both, per GPU against one run's
     assert math.isclose(figures["1x2", "tok/s"], 2 * 2 * 256 / (figures["1x2", "ms"] / 1e3))
     assert math.isclose(figures["1x2", "tok/s/gpu"], figures["1x2", "tok/s"] / 2)

@@ -43,6 +43,7 @@ LAYOUTS = [
     ("dp2-fsdp", 2, ["parallel.dp=2", "parallel.dp_shard=fsdp"]),
     ("dp2-ddp", 2, ["parallel.dp=2", "parallel.dp_shard=ddp"]),
     ("tp2-sp", 2, ["parallel.tp=2"]),
+    ("tp2-sp-overlap", 2, ["parallel.tp=2", "parallel.tp_comm_overlap=true"]),
     ("pp2-1f1b", 2, ["parallel.pp=2", "parallel.pp_schedule=1f1b"]),
     ("pp2-gpipe", 2, ["parallel.pp=2", "parallel.pp_schedule=gpipe"]),
     ("pp2-interleaved", 2, ["parallel.pp=2", "parallel.pp_schedule=interleaved-1f1b"]),
@@ -53,6 +54,7 @@ LAYOUTS = [
     ("tp2-cp2", 4, ["parallel.tp=2", "parallel.cp=2"]),
     ("dp4-ddp-zero1", 4, ["parallel.dp=4", "parallel.dp_shard=ddp", "parallel.zero1=true"]),
     ("tp4", 4, ["parallel.tp=4"]),
+    ("tp4-overlap", 4, ["parallel.tp=4", "parallel.tp_comm_overlap=true"]),
     ("tp2-pp2-dp2", 8, ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2"]),
     ("tp2-pp2-cp2", 8, ["parallel.tp=2", "parallel.pp=2", "parallel.cp=2"]),
 ]

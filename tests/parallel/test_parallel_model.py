@@ -18,9 +18,11 @@ def run(world, layout, options, **kw):
     return losses[0]
 
 
-@pytest.mark.parametrize("style,sp", [("llama", False), ("gpt", True)])
-def test_tensor_parallel(style, sp):
-    run(2, dict(tp=2), dict(sequence_parallel=sp), style=style)
+@pytest.mark.parametrize("style,sp,overlap", [("llama", False, False), ("gpt", True, False), ("gpt", True, True),
+                                             ("llama", True, True)])
+def test_tensor_parallel(style, sp, overlap):
+    """overlap: the row-parallel layers' reduce-scatter as parallel.overlap's ring behind the chunks' matmuls."""
+    run(2, dict(tp=2), dict(sequence_parallel=sp, tp_comm_overlap=overlap), style=style)
 
 
 @pytest.mark.parametrize("style,shard,zero1,micro", [("gpt", "fsdp", False, 2), ("llama", "ddp", False, 2),

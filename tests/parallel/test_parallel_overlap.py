@@ -1,0 +1,81 @@
+"""parallel.overlap.gemm_reduce_scatter (the sequence-parallel GEMM + reduce-scatter as a ring of transfers hidden
+behind the chunks' matmuls) against layers.linear_reduce (the matmul, then NCCL's / gloo's reduce-scatter), on
+spawned gloo ranks: output and both gradients, fp64 and bf16 autocast, the sequence first or second, odd sizes."""
+import pytest
+import torch
+import torch.distributed as dist
+from rankpool import pool
+
+
+def check_against_linear_reduce(n, seq_dim, autocast):
+    from megakern.parallel.layers import linear_reduce
+    from megakern.parallel.overlap import gemm_reduce_scatter
+
+    g, r = dist.group.WORLD, dist.get_rank()
+    torch.manual_seed(1234 + r)  # each rank its own feature shard of x and of the weight
+    dtype = torch.float32 if autocast else torch.float64
+    shape = [3, 5 * n, 7] if seq_dim == 1 else [3 * n, 5, 7]  # (B, T, K) or (T, B, K); K the local features
+    x0 = torch.randn(shape, dtype=dtype)
+    w0 = torch.randn(11, 7, dtype=dtype)
+    torch.manual_seed(99)
+    out_shape = list(shape[:-1]) + [11]
+    out_shape[seq_dim] //= n
+    dy = torch.randn(out_shape, dtype=dtype)  # the same downstream gradient on every rank's shard
+    from megakern.parallel import overlap
+
+    exchanges = []
+    original = overlap._exchange
+
+    def counted(*args):
+        exchanges.append(args[0] is not None)
+        return original(*args)
+
+    overlap._exchange = counted
+    results = []
+    for fn in (linear_reduce, gemm_reduce_scatter):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = fn(x, w, g, True, seq_dim)
+        y.backward(dy.to(y.dtype))
+        results.append((y.detach().double(), x.grad.double(), w.grad.double(), y.dtype, w.grad.dtype))
+    overlap._exchange = original
+    # the ring ran: n - 1 transfers in the forward, n - 1 in the backward
+    assert exchanges.count(True) == 2 * (n - 1), exchanges
+    (y_ref, dx_ref, dw_ref, ty_ref, tw_ref), (y, dx, dw, ty, tw) = results
+    assert (ty, tw) == (ty_ref, tw_ref)
+    assert y.shape == y_ref.shape and tuple(y.shape) == tuple(out_shape)
+    tol = dict(rtol=2e-2, atol=2e-1) if autocast else dict(rtol=1e-12, atol=1e-12)
+    for name, got, want in (("y", y, y_ref), ("dx", dx, dx_ref), ("dw", dw, dw_ref)):
+        torch.testing.assert_close(got, want, msg=f"{name} (rank {r})", **tol)
+    if not autocast:  # the reduction is real: the output is not this rank's partial product
+        assert not torch.allclose(y, torch.nn.functional.linear(x0, w0).narrow(seq_dim, r * out_shape[seq_dim],
+                                                                               out_shape[seq_dim]).double())
+    return True
+
+
+@pytest.mark.parametrize("n,seq_dim,autocast", [(2, 1, False), (3, 0, False), (4, 1, False), (2, 1, True)])
+def test_gemm_reduce_scatter_matches_linear_reduce(n, seq_dim, autocast):
+    assert all(pool(n).run(check_against_linear_reduce, n, seq_dim, autocast))
+
+
+def check_bad_input_and_fallback(n):
+    from megakern.parallel.overlap import gemm_reduce_scatter
+
+    g = dist.group.WORLD
+    with pytest.raises(ValueError, match="not divisible by the tensor-parallel size"):
+        gemm_reduce_scatter(torch.randn(2, 2 * n + 1, 4), torch.randn(3, 4), g, True, 1)
+    with pytest.raises(ValueError, match="does not fit weight"):
+        gemm_reduce_scatter(torch.randn(2, 2 * n, 4), torch.randn(3, 5), g, True, 1)
+    with pytest.raises(ValueError, match="other than the features"):
+        gemm_reduce_scatter(torch.randn(2, 2 * n, 4), torch.randn(3, 4), g, True, -1)
+    # without sequence parallel: the all-reduce of linear_reduce
+    x, w = torch.randn(2, 3, 4, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
+    y = gemm_reduce_scatter(x, w, g, False, 1)
+    want = torch.nn.functional.linear(x, w)
+    dist.all_reduce(want, group=g)
+    torch.testing.assert_close(y, want)
+    return True
+
+
+def test_bad_input_and_all_reduce_fallback():
+    assert all(pool(2).run(check_bad_input_and_fallback, 2))
