@@ -21,6 +21,10 @@ hidden = 1 - (step(dp) - step(one GPU)) / collectives, clipped to [0, 1]: the sh
 the data-parallel step does not add to the one-GPU step. When the layouts include "1xK" for the same number of GPUs
 (K one-GPU runs at once), that is the reference instead: it shares the host the same way, without communication.
 
+For a tensor-parallel layout with "-ovl" measured after the same layout without it: the row-parallel layers'
+reduce-scatters (forward) and all-gathers (backward) of one step are timed alone, and
+hidden = (step(layout) - step(layout-ovl)) / those collectives, clipped to [0, 1].
+
 Layouts are written as factors: "1", "dp2", "dp2-ddp", "tp2", "pp2", "cp2", "tp2.dp2", "tp2.pp2", "dp4-ddp-zero1", ...
 (dp defaults to FSDP; "-ovl" overlaps the row-parallel layers' reduce-scatter with their matmuls, e.g. "tp2-ovl"). The GPUs needed are the product of the factors; layouts needing more than this machine has are
 skipped with a line saying so. "1xK" runs K independent one-GPU trainings at once, one per GPU (ms: the slowest's
@@ -226,20 +230,25 @@ def _run_copies(layout: Layout, args, run_dir: Path, overrides: list[str]) -> tu
             "GiB": max(f["GiB"] for f in each), "loss": each[0]["loss"], "wall": wall, "accum": 1}, tail
 
 
-def model_facts(preset: str) -> tuple[float, int, int]:
-    """(training FLOPs per token, parameters, sequence length) of the preset, built on the meta device."""
+def model_facts(preset: str) -> tuple[float, int, int, int, int]:
+    """(training FLOPs per token, parameters, sequence length, layers, hidden size) of the preset, built on the meta
+    device."""
     from megakern.models.gpt import GPT, GPTConfig
 
     config = GPTConfig.preset(preset)
     with torch.device("meta"):
         model = GPT(config)
-    return model.flops_per_token(config.max_seqlen), model.num_params(), config.max_seqlen
+    return (model.flops_per_token(config.max_seqlen), model.num_params(), config.max_seqlen, config.n_layer,
+            config.n_embd)
 
 
 # ---- the collectives alone (--overlap) -------------------------------------------------------------------------
-def _collective_worker(numel: int, kind: str, reps: int, device_type: str) -> None:
-    """Run under torchrun: time the data-parallel collectives of one step on ``numel`` fp32 values, on the GPUs
-    (NCCL) or the CPUs (gloo) as the benchmark's runs; rank 0 prints one JSON line {"ms": median}."""
+def _collective_worker(numel: int, kind: str, reps: int, device_type: str, count: int = 1,
+                       dtype: str = "float32") -> None:
+    """Run under torchrun: time one step's collectives, on the GPUs (NCCL) or the CPUs (gloo) as the benchmark's runs;
+    rank 0 prints one JSON line {"ms": median}. Data parallel ("all_reduce", "fsdp"): ``numel`` fp32 values.
+    Sequence parallel's row-parallel pair ("sp_rs_ag"): ``count`` reduce-scatters and as many all-gathers of
+    ``numel`` values of ``dtype`` each (the full tensor's size): what tp_comm_overlap hides."""
     import torch.distributed as dist
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -249,11 +258,16 @@ def _collective_worker(numel: int, kind: str, reps: int, device_type: str) -> No
     dist.init_process_group("nccl" if cuda else "gloo")
     world, device = dist.get_world_size(), torch.device("cuda", local) if cuda else torch.device("cpu")
     shard = -(-numel // world)
-    full = torch.randn(shard * world, device=device)
-    part = torch.empty(shard, device=device)
+    full = torch.randn(shard * world, device=device).to(getattr(torch, dtype))
+    part = torch.empty(shard, device=device, dtype=full.dtype)
 
     def step():
-        if kind == "all_reduce":
+        if kind == "sp_rs_ag":  # forward's reduce-scatters, backward's all-gathers
+            for _ in range(count):
+                dist.reduce_scatter_tensor(part, full)
+            for _ in range(count):
+                dist.all_gather_into_tensor(full, part)
+        elif kind == "all_reduce":
             dist.all_reduce(full)
         else:  # FSDP: all-gather in forward and in backward, reduce-scatter of the gradients
             dist.all_gather_into_tensor(full, part)
@@ -276,14 +290,15 @@ def _collective_worker(numel: int, kind: str, reps: int, device_type: str) -> No
     dist.destroy_process_group()
 
 
-def collective_ms(world: int, numel: int, kind: str, timeout: float, device_type: str, tries: int = 2) -> float:
+def collective_ms(world: int, numel: int, kind: str, timeout: float, device_type: str, tries: int = 2,
+                  count: int = 1, dtype: str = "float32") -> float:
     """Median ms of one step's data-parallel collectives, timed by a torchrun of ``world`` workers. A failed launch
     is tried again on a new port (the free port found may be taken by a concurrent run before torchrun binds it)."""
     env = {**os.environ, **NO_MULTICAST}
     for attempt in range(tries):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port",
                str(free_port()), "-m", "benchmarks.bench_parallel", "--collective-worker", kind, "--numel",
-               str(numel), "--device", device_type]
+               str(numel), "--count", str(count), "--dtype", dtype, "--device", device_type]
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=timeout)
         if proc.returncode == 0:
             return json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])["ms"]
@@ -312,8 +327,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "copy rank 0's kernel and host tables to DIR/<model>_<layout>_kernels.txt; no figures")
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
     p.add_argument("--no-save", action="store_true")
-    p.add_argument("--collective-worker", choices=["all_reduce", "fsdp"], help=argparse.SUPPRESS)
+    p.add_argument("--collective-worker", choices=["all_reduce", "fsdp", "sp_rs_ag"], help=argparse.SUPPRESS)
     p.add_argument("--numel", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--count", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.tiny:
         args.model, args.warmup, args.steps, args.micro_batch, args.pp_microbatches = "gpt-tiny", 2, 3, 2, 2
@@ -331,7 +348,8 @@ def available_gpus(device: str) -> int:
 def main(argv=None) -> Results | None:
     args = parse_args(argv)
     if args.collective_worker:
-        _collective_worker(args.numel, args.collective_worker, reps=10, device_type=torch.device(args.device).type)
+        _collective_worker(args.numel, args.collective_worker, reps=10, device_type=torch.device(args.device).type,
+                           count=args.count, dtype=args.dtype)
         return None
     # `timeout`: leave through the finally below (the caller's handler is back afterwards)
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -343,7 +361,7 @@ def main(argv=None) -> Results | None:
 
 def _main(args) -> Results:
     layouts = [Layout.parse(s) for s in args.layouts.split(",") if s.strip()]
-    flops_per_token, params, args.seq = model_facts(args.model)
+    flops_per_token, params, args.seq, n_layer, n_embd = model_facts(args.model)
     device = torch.device(args.device)
     from megakern._log import peak_flops
 
@@ -400,6 +418,25 @@ def _main(args) -> Results:
                 results.add(case, layout.spec, "megakern", "comm hidden", hidden)
                 print(f"{'':<16} collectives alone ({kind}, {params * 4 / 2**30:.2f} GiB fp32) {comm:.1f} ms; step "
                       f"adds {exposed:.1f} ms over {ref_spec}: {100 * hidden:.0f}% hidden", flush=True)
+            plain = layout.spec.replace("-ovl", "")
+            if args.overlap and layout.tp_comm_overlap and plain in figures:
+                # what the ring hides: each layer's two reduce-scatters (attention and MLP output) forward and the
+                # two all-gathers of their gradients backward, (micro-batch, T / cp, C) in the compute dtype
+                numel = args.micro_batch * args.seq // layout.cp * n_embd
+                dtype = "bfloat16" if args.precision == "bf16-autocast" else "float32"
+                accum = args.pp_microbatches if layout.pp > 1 else 1
+                try:
+                    comm = collective_ms(layout.tp, numel, "sp_rs_ag", args.timeout, device.type,
+                                         count=2 * n_layer // layout.pp * accum, dtype=dtype)
+                except (RuntimeError, subprocess.TimeoutExpired) as e:
+                    print(f"{layout.spec:<16} collectives FAILED: {e}")
+                    continue
+                saved = figures[plain]["ms"] - f["ms"]
+                hidden = min(max(saved / comm, 0.0), 1.0) if comm > 0 else 0.0
+                results.add(case, layout.spec, "megakern", "comm ms", comm)
+                results.add(case, layout.spec, "megakern", "comm hidden", hidden)
+                print(f"{'':<16} row-parallel reduce-scatters + all-gathers alone (tp {layout.tp}) {comm:.1f} ms; the "
+                      f"step is {saved:.1f} ms shorter than {plain}'s: {100 * hidden:.0f}% hidden", flush=True)
     finally:  # the layouts measured so far are reported and saved, also when a time limit stops the run (SIGTERM)
         shutil.rmtree(tmp, ignore_errors=True)
         print()

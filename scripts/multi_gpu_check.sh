@@ -59,14 +59,14 @@ fi
 if want bench; then
 step "bench_parallel gpt-350m"
 timeout $(( $(left) - 60 )) python3 -m benchmarks.bench_parallel --model gpt-350m --micro-batch 8 --warmup 3 --steps 8 \
-  --layouts ${LAYOUTS_350M:-1,1x2,1x4,dp2-ddp,dp2,tp2,pp2,cp2,dp4-ddp,tp2.dp2} --overlap --timeout 200 \
+  --layouts ${LAYOUTS_350M:-1,1x2,1x4,dp2-ddp,dp2,tp2,tp2-ovl,pp2,cp2,dp4-ddp,tp2.dp2} --overlap --timeout 200 \
   > "$OUT/bench_parallel_350m.log" 2>&1 || status=1
 grep -v "^|" "$OUT/bench_parallel_350m.log" | tail -25
 
 if [ "$(left)" -gt 90 ]; then
   step "bench_parallel gpt-1.3b"
   timeout $(( $(left) - 5 )) python3 -m benchmarks.bench_parallel --model gpt-1.3b --micro-batch 4 --warmup 3 --steps 6 \
-    --layouts ${LAYOUTS_13B:-1,dp4,tp4,tp2.dp2} --timeout 150 > "$OUT/bench_parallel_1.3b.log" 2>&1 || status=1
+    --layouts ${LAYOUTS_13B:-1,dp4,tp4,tp4-ovl,tp2.dp2} --overlap --timeout 150 > "$OUT/bench_parallel_1.3b.log" 2>&1 || status=1
   grep -v "^|" "$OUT/bench_parallel_1.3b.log" | tail -12
 fi
 fi

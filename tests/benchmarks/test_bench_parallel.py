@@ -26,11 +26,11 @@ def test_layout_specs():
 
 
 def test_bench_parallel_cpu_smoke(tmp_path, capsys):
-    results = bench_parallel.main(["--tiny", "--device", "cpu", "--layouts", "1,1x2,dp2-ddp,tp2-ovl,tp4", "--overlap",
-                                   "--out", str(tmp_path)])
+    results = bench_parallel.main(["--tiny", "--device", "cpu", "--layouts", "1,1x2,dp2-ddp,tp2,tp2-ovl,tp4",
+                                   "--overlap", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     figures = {(f[1], f[3]): f[4] for f in results.figures}
-    ran = {"1", "1x2", "dp2-ddp", "tp2-ovl"}
+    ran = {"1", "1x2", "dp2-ddp", "tp2", "tp2-ovl"}
     if bench_parallel.available_gpus("cpu") < 4:
         assert "tp4              skipped: needs 4 devices" in out
     else:  # 4 CPU ranks fit (a 16-core GPU machine): tp4 runs and is filed too
@@ -43,6 +43,10 @@ def test_bench_parallel_cpu_smoke(tmp_path, capsys):
     assert figures["1", "scaling"] == 1.0
     # the overlapped tensor-parallel layout trains the same model: its loss is the one-device run's (same data, seed)
     assert figures["tp2-ovl", "loss"] == pytest.approx(figures["1", "loss"], abs=1e-3)
+    # measured after tp2: the row-parallel collectives timed alone, and the share the overlap hides
+    assert ("tp2-ovl", "comm ms") in figures, out[-3000:]
+    assert figures["tp2-ovl", "comm ms"] > 0 and 0 <= figures["tp2-ovl", "comm hidden"] <= 1
+    assert "row-parallel reduce-scatters + all-gathers alone (tp 2)" in out
     # two independent runs at once: tokens/s of both, per GPU against one run's
     assert math.isclose(figures["1x2", "tok/s"], 2 * 2 * 256 / (figures["1x2", "ms"] / 1e3))
     assert math.isclose(figures["1x2", "tok/s/gpu"], figures["1x2", "tok/s"] / 2)
