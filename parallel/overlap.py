@@ -14,7 +14,8 @@ Engine's tp-comm-overlap "ring exchange" do):
 
 Each transfer (torch.distributed.batch_isend_irecv: NCCL's own stream on GPUs, gloo on CPUs) runs while the next
 chunk's matmul does. The backward is the dual ring: the output gradient's chunks are all-gathered around the ring,
-and each chunk's input-gradient rows and weight-gradient term are computed while the next chunk travels.
+each chunk's input-gradient rows computed while the next chunk travels; the weight gradient is one matmul over the
+gathered gradient at the end (summed in the GEMM's fp32 accumulator, as the unfused backward).
 
 The sums follow the ring's order instead of NCCL's: equal within rounding to ``linear_reduce`` (tested on gloo
 ranks against it, forward and every gradient). Partial sums travel in the output's dtype, as NCCL's reduce-scatter
@@ -83,28 +84,28 @@ class _GemmReduceScatter(torch.autograd.Function):
         n, r, nxt, prev = _peers(group)
         # under autocast the forward's matmuls ran in the autocast dtype, which is the gradient's: the backward's
         # run in it too (autograd runs this outside autocast)
-        weight = weight.to(grad.dtype)
-        xs = [c.to(grad.dtype) for c in _chunks(x, n, seq_dim)]
+        w = weight.to(grad.dtype)
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dxs = [None] * n
-        dw = None
+        chunks, dxs = [None] * n, [None] * n
         current = grad.contiguous()
-        # step s holds chunk (r - s) mod n of the output gradient: rank r starts with its own, then each passes on
-        # what it holds while computing with it
+        # step s holds chunk (r - s) mod n of the output gradient: rank r starts with its own, then passes on what
+        # it holds while computing that chunk's rows of the input gradient
         for s in range(n):
             c = (r - s) % n
+            chunks[c] = current
             incoming = torch.empty_like(current) if s < n - 1 else None
             requests = _exchange(current if s < n - 1 else None, incoming, nxt, prev, group)
             if need_x:
-                dxs[c] = current @ weight
-            if need_w:
-                term = current.reshape(-1, current.shape[-1]).t() @ xs[c].reshape(-1, xs[c].shape[-1])
-                dw = term if dw is None else dw.add_(term)
+                dxs[c] = current @ w
             for req in requests:
                 req.wait()
             current = incoming
         dx = torch.cat(dxs, seq_dim) if need_x else None
-        return dx, (dw.to(ctx.saved_tensors[1].dtype) if need_w else None), None, None
+        dw = None
+        if need_w:  # one matmul over the gathered gradient: summed in the GEMM's own fp32 accumulator, as unfused
+            full = torch.cat(chunks, seq_dim)
+            dw = (full.reshape(-1, full.shape[-1]).t() @ x.to(grad.dtype).reshape(-1, x.shape[-1])).to(weight.dtype)
+        return dx, dw, None, None
 
 
 def gemm_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group, sequence_parallel: bool,
