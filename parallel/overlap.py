@@ -59,6 +59,14 @@ def _chunks(t: torch.Tensor, n: int, dim: int) -> tuple[torch.Tensor, ...]:
     return t.chunk(n, dim)
 
 
+def _chunk_linear(xc: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """xc @ weight^T. A chunk of the sequence of a (B, T, K) tensor is a strided view (B, T / n, K), which F.linear
+    would copy to fold it into a matrix: a batched GEMM reads it in place (cuBLAS takes the batch stride)."""
+    if xc.dim() == 3 and not xc.is_contiguous() and xc.stride(-1) == 1:
+        return torch.bmm(xc, weight.t().unsqueeze(0).expand(xc.shape[0], -1, -1))
+    return F.linear(xc, weight)
+
+
 class _GemmReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, group, seq_dim):
@@ -67,11 +75,14 @@ class _GemmReduceScatter(torch.autograd.Function):
         xs = _chunks(x, n, seq_dim)
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.seq_dim = group, seq_dim
-        acc = F.linear(xs[(r - 1) % n], weight).contiguous()
+        kind = x.device.type
+        if torch.is_autocast_enabled(kind):  # cast once here, not per chunk (and not as an expanded batch)
+            weight = weight.to(torch.get_autocast_dtype(kind))
+        acc = _chunk_linear(xs[(r - 1) % n], weight).contiguous()
         for s in range(1, n):
             incoming = torch.empty_like(acc)
             requests = _exchange(acc, incoming, nxt, prev, group)
-            part = F.linear(xs[(r - 1 - s) % n], weight)  # overlaps the transfer
+            part = _chunk_linear(xs[(r - 1 - s) % n], weight)  # overlaps the transfer
             for req in requests:
                 req.wait()
             acc = incoming.add_(part)

@@ -79,3 +79,22 @@ def check_bad_input_and_fallback(n):
 
 def test_bad_input_and_all_reduce_fallback():
     assert all(pool(2).run(check_bad_input_and_fallback, 2))
+
+
+def overlap_without_sequence_parallel() -> str:
+    from megakern.models.gpt import GPT
+    from megakern.parallel import ParallelDims, parallelize
+
+    from gpt_check import tiny_config
+
+    pm = ParallelDims(tp=2).build("cpu", timeout=60)
+    try:
+        parallelize(GPT(tiny_config("gpt")), pm, None, sequence_parallel=False, tp_comm_overlap=True)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_overlap_needs_sequence_parallel():
+    for message in pool(2).run(overlap_without_sequence_parallel):
+        assert "tp_comm_overlap" in message and "sequence_parallel=True" in message, message
