@@ -16,6 +16,7 @@ element.
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -26,7 +27,7 @@ ROW = 8  # int64 entries per tensor in the table
 def _adamw_kernel(WORK, TABLE, LR, lr, beta1, beta2, log2_beta1, log2_beta2, eps, weight_decay, SCALE, FOUND_INF,
                   LR_ON_DEVICE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr,
                   GRAD_DTYPE: tl.constexpr, MODEL_DTYPE: tl.constexpr, WRITE_MODEL: tl.constexpr,
-                  BLOCK: tl.constexpr):
+                  ROUND_BY_BITS: tl.constexpr, BLOCK: tl.constexpr):
     item = WORK + tl.program_id(0) * 2
     row = TABLE + tl.load(item) * 8
     start = tl.load(item + 1)
@@ -63,7 +64,12 @@ def _adamw_kernel(WORK, TABLE, LR, lr, beta1, beta2, log2_beta1, log2_beta2, eps
     tl.store(exp_avg_sq + offs, v, mask=mask)
     if WRITE_MODEL:
         model = tl.load(row + 6).to(tl.pointer_type(MODEL_DTYPE))
-        tl.store(model + offs, p.to(MODEL_DTYPE), mask=mask)
+        if ROUND_BY_BITS:  # fp32 -> bf16 to nearest even by integer arithmetic (the interpreter's cast truncates)
+            bits = p.to(tl.int32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            tl.store(model + offs, (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
+        else:
+            tl.store(model + offs, p.to(MODEL_DTYPE), mask=mask)
 
 
 TL_DTYPES = {"torch.float32": tl.float32, "torch.bfloat16": tl.bfloat16, "torch.float16": tl.float16}
@@ -81,4 +87,6 @@ def launch(work, table, *, programs: int, lr, beta1: float, beta2: float, log2_b
         found_inf if found_inf is not None else work,
         LR_ON_DEVICE=lr_on_device, HAS_SCALE=grad_scale is not None, HAS_INF=found_inf is not None,
         GRAD_DTYPE=TL_DTYPES[str(grad_dtype)], MODEL_DTYPE=TL_DTYPES[str(model_dtype or grad_dtype)],
-        WRITE_MODEL=model_dtype is not None, BLOCK=block, num_warps=warps)
+        WRITE_MODEL=model_dtype is not None, BLOCK=block, num_warps=warps,
+        # on CPU tensors (the interpreter) bf16 is rounded by hand, so CPU runs match torch's .to(torch.bfloat16)
+        ROUND_BY_BITS=model_dtype == torch.bfloat16 and not work.is_cuda)

@@ -38,13 +38,9 @@ def set_grads(masters, models, grad_on: str, grad_dtype):
 
 
 def assert_rounded(model: torch.Tensor, master: torch.Tensor, what: str) -> None:
-    """The model weight is the master rounded to nearest even: exactly on a GPU; the Triton interpreter's fp32 ->
-    bf16 cast truncates instead, so on a CPU within one unit of the last place."""
-    if model.is_cuda:
-        assert torch.equal(model, master.to(model.dtype)), f"{what} is not the master rounded"
-    else:
-        ulp = torch.finfo(model.dtype).eps * master.abs()
-        assert ((model.float() - master).abs() <= ulp).all(), f"{what} is not the master within an ulp"
+    """The model weight is the master rounded to nearest even, as torch's .to() rounds (on CPU tensors the kernel
+    rounds bf16 by integer arithmetic: the interpreter's own cast truncates)."""
+    assert torch.equal(model, master.to(model.dtype)), f"{what} is not the master rounded"
 
 
 @pytest.mark.parametrize("model_dtype,grad_on,grad_dtype", [
@@ -170,7 +166,8 @@ def compile_for_sm90():
     out = []
     for grad in (tl.bfloat16, tl.float32):
         constexprs = {"LR_ON_DEVICE": True, "HAS_SCALE": True, "HAS_INF": True, "GRAD_DTYPE": grad,
-                      "MODEL_DTYPE": tl.bfloat16, "WRITE_MODEL": True, "BLOCK": 4096}
+                      "MODEL_DTYPE": tl.bfloat16, "WRITE_MODEL": True, "ROUND_BY_BITS": False,
+                      "BLOCK": 4096}
         types = {"WORK": "*i64", "TABLE": "*i64", "LR": "*fp32", "SCALE": "*fp32", "FOUND_INF": "*fp32"}
         signature = {a: "constexpr" if a in constexprs else types.get(a, "fp32") for a in kern._adamw_kernel.arg_names}
         src = ASTSource(fn=kern._adamw_kernel, signature=signature, constexprs=constexprs)

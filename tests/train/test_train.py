@@ -90,11 +90,17 @@ def test_golden_losses_gpt_tiny(tmp_path, data_cache):
                                               for i, (a, b) in enumerate(zip(losses, golden["losses"]))))
 
 
-@pytest.mark.parametrize("precision, workers", [("fp32", 0), ("bf16", 1), ("bf16-autocast", 0)])
-def test_exact_resume(tmp_path, data_cache, precision, workers):
-    """Stopping at step 6 and resuming gives the same losses, bit for bit (dropout, accumulation, workers)."""
+@pytest.mark.parametrize("precision, workers, optim", [("fp32", 0, "auto"), ("bf16", 1, "auto"),
+                                                       ("bf16-autocast", 0, "auto"), ("bf16", 0, "megakern")])
+def test_exact_resume(tmp_path, data_cache, precision, workers, optim):
+    """Stopping at step 6 and resuming gives the same losses, bit for bit (dropout, accumulation, workers; and
+    megakern's master-weight AdamW, whose state is loaded into torch's layout and its tables rebuilt)."""
+    if optim == "megakern":
+        from conftest import require_triton
+
+        require_triton(torch.device("cpu"))
     common = [*TINY, "model.dropout=0.1", "train.global_batch_size=16", "train.steps=12", "eval.every=0",
-              f"train.precision={precision}", f"data.num_workers={workers}"]
+              f"train.precision={precision}", f"data.num_workers={workers}", f"optim.fused={optim}"]
     whole = trainer(tmp_path, data_cache, *common, "checkpoint.every=6", "checkpoint.final=false", name="a").run()
     resumed_trainer = trainer(tmp_path, data_cache, *common,
                               f"checkpoint.resume={tmp_path / 'a' / 'checkpoints' / 'step_00000006'}", name="b")
@@ -453,7 +459,7 @@ def test_fused_optimizer_clips_through_grad_scale(tmp_path, data_cache, precisio
     want = trainer(tmp_path, data_cache, *common, "optim.fused=foreach", name="foreach").run().losses
     assert divisors and all(d > 1.0 for d in divisors), divisors
     for s in want:
-        assert got[s] == pytest.approx(want[s], abs=1e-4), s
+        assert got[s] == pytest.approx(want[s], abs=2e-4), s
 
 
 @pytest.mark.parametrize("accum", [1, 2])
@@ -470,11 +476,10 @@ def test_megakern_master_step_trains_as_torch_fused(tmp_path, data_cache, accum)
     assert ours.master_step is not None and ours.device_skip
     got = ours.run().losses
     want = trainer(tmp_path, data_cache, *common, "optim.fused=fused", name="fused").run().losses
-    for s in want:
-        assert got[s] == pytest.approx(want[s], abs=2e-3), s
+    for s in want:  # the same update in fp32 (divisions by the clipping divisor as multiplications: an ulp apart)
+        assert got[s] == pytest.approx(want[s], abs=2e-4), s
     for p, m in ours.masters.items():
-        # (the interpreter's fp32 -> bf16 cast truncates: within a bf16 ulp on a CPU, exact on a GPU)
-        assert ((p.float() - m).abs() <= torch.finfo(torch.bfloat16).eps * m.abs()).all()
+        assert torch.equal(p, m.to(p.dtype))  # the bf16 weights are the masters rounded to nearest even
     assert {int(s["step"]) for s in ours.optimizer.state.values()} == {4}
 
 
