@@ -48,7 +48,7 @@ class MasterAdamW:
     ``step(grad_scale=None, found_inf=None)`` takes each master's gradient from ``master.grad`` when set, else from
     its model weight's ``.grad``; a master with neither is skipped (as torch's optimizers skip it). CUDA tensors, or
     CPU tensors under the Triton interpreter (TRITON_INTERPRET=1), for tests. ``block`` elements per program, ``warps``
-    per program: measured on an H100 (benchmarks/bench_optim.py)."""
+    per program: measured on an H100 (profiles/tune_optim.py)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, models: Mapping[torch.Tensor, torch.Tensor | None], *,
                  block: int = BLOCK, warps: int = WARPS):
@@ -64,10 +64,11 @@ class MasterAdamW:
                     raise ValueError(f"MasterAdamW: param group {i} sets {key}=True, which it does not implement")
             for p in group["params"]:
                 self._check_master(p, i)
-        # (launch key (group, dtypes), sizes) -> (work list, programs); launch key -> (addresses, the eager table);
-        # (launch key, addresses) -> a captured graph's table
+        # launch key = (group, dtypes). (launch key, sizes) -> (work list, programs); launch key -> (addresses, its
+        # table) for eager steps; (launch key, addresses) -> a captured graph's table
         self._works: dict[tuple, tuple[torch.Tensor, int]] = {}
-        self._tables: dict[tuple, object] = {}
+        self._eager: dict[tuple, tuple[tuple, torch.Tensor]] = {}
+        self._graph: dict[tuple, torch.Tensor] = {}
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._staging: list[list] = []  # [pinned buffer, event of its last copy]
 
@@ -174,10 +175,9 @@ class MasterAdamW:
         assert len(rows[0]) == ROW
         capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         sizes = tuple(r[0] for r in rows)
-        owned = self._tables.get((key, rows))  # a graph's table (never rewritten) serves every step alike
-        cached = self._tables.get(key)
-        if capturing and owned is None and ((key, sizes) not in self._works or cached is None
-                                            or [r[0] for r in cached[0]] != list(sizes)):
+        owned = self._graph.get((key, rows))  # a graph's table (never rewritten) serves every step alike
+        cached = self._eager.get(key)
+        if capturing and owned is None and (cached is None or tuple(r[0] for r in cached[0]) != sizes):
             raise RuntimeError("MasterAdamW.step: captured in a CUDA graph before an eager step with the same "
                                "parameters; run one step eagerly first (its tables must live outside the graph's "
                                "memory pool)")
@@ -188,22 +188,21 @@ class MasterAdamW:
         work, programs = self._works[(key, sizes)]
         if owned is not None:
             return work, owned, programs
+        if capturing:  # the graph takes the eager table over: the new addresses, if any, are written by flush()
+            table = self._eager.pop(key)[1]
+            if cached[0] != rows:
+                self._pending.append((table, torch.tensor(rows, dtype=torch.int64).reshape(-1)))
+            self._graph[(key, rows)] = table
+            return work, table, programs
         if cached is not None and cached[0] == rows:
-            if capturing:
-                self._tables[(key, rows)] = self._tables.pop(key)[1]
             return work, cached[1], programs
         host = torch.tensor(rows, dtype=torch.int64).reshape(-1)
-        if capturing:
-            table = self._tables.pop(key)[1]
-            self._pending.append((table, host))
-            self._tables[(key, rows)] = table
-            return work, table, programs
         if cached is not None and cached[1].shape == host.shape:
             table = cached[1]
             self._write(table, host)
         else:
             table = self._device(host, device)
-        self._tables[key] = (rows, table)
+        self._eager[key] = (rows, table)
         return work, table, programs
 
     def _device(self, host: torch.Tensor, device) -> torch.Tensor:

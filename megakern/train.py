@@ -301,13 +301,10 @@ def optimizer_impl(config, device: torch.device, precision: str, parallel: bool)
     return impl
 
 
-def optimizer_kwargs(config, device: torch.device, impl: str | None = None) -> dict:
-    """torch.optim.AdamW's arguments for implementation ``impl`` (optimizer_impl's; default: optim.fused with 'auto'
-    as torch's fused kernel on CUDA, foreach elsewhere). 'megakern' builds a fused torch AdamW, which holds the
-    state and hyperparameters MasterAdamW steps with (and steps by itself where MasterAdamW does not run)."""
-    impl = impl or config.fused
-    if impl == "auto":
-        impl = "fused" if device.type == "cuda" else "foreach"
+def optimizer_kwargs(config, impl: str) -> dict:
+    """torch.optim.AdamW's arguments for implementation ``impl`` (optimizer_impl's resolution of optim.fused).
+    'megakern' builds a fused torch AdamW, which holds the state and hyperparameters MasterAdamW steps with (and
+    steps by itself where MasterAdamW does not run, e.g. to initialize state for a checkpoint load)."""
     kwargs = {"fused": True} if impl in ("fused", "megakern") else {"foreach": impl == "foreach"}
     return dict(lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps, **kwargs)
 
@@ -627,7 +624,7 @@ class Trainer:
 
         self.forward = torch.compile(self.model) if t.compile else self.model
         self.optim_impl = optimizer_impl(c.optim, self.device, self.precision, self.parallel)
-        kwargs = optimizer_kwargs(c.optim, self.device, self.optim_impl)
+        kwargs = optimizer_kwargs(c.optim, self.optim_impl)
         if t.cuda_graph:  # the step and the learning rate on the device (one tensor, every group), read by the graph
             kwargs.update(capturable=True, lr=torch.tensor(float(kwargs["lr"]), device=self.device))
         self.optimizer = (self.pmodel.build_optimizer(torch.optim.AdamW, params=groups, **kwargs) if self.parallel
