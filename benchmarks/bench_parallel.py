@@ -26,8 +26,10 @@ reduce-scatters (forward) and all-gathers (backward) of one step are timed alone
 hidden = (step(layout) - step(layout-ovl)) / those collectives, clipped to [0, 1].
 
 Layouts are written as factors: "1", "dp2", "dp2-ddp", "tp2", "pp2", "cp2", "tp2.dp2", "tp2.pp2", "dp4-ddp-zero1", ...
-(dp defaults to FSDP; "-ovl" overlaps the row-parallel layers' reduce-scatter with their matmuls, e.g. "tp2-ovl"). The GPUs needed are the product of the factors; layouts needing more than this machine has are
-skipped with a line saying so. "1xK" runs K independent one-GPU trainings at once, one per GPU (ms: the slowest's
+(dp defaults to FSDP; "-ovl" overlaps the row-parallel layers' reduce-scatter with their matmuls, e.g. "tp2-ovl"; a
+last "-graph" captures the step in a CUDA graph (train.cuda_graph) after the warm-up: "1-graph", "tp2-ovl-graph",
+"dp2-ddp-graph" (DDP: 11 eager steps first), compared with "1-graph" and "1xK-graph"). The GPUs needed are the
+product of the factors; layouts needing more than this machine has are skipped with a line saying so. "1xK" runs K independent one-GPU trainings at once, one per GPU (ms: the slowest's
 step; tok/s: all K at that pace, as ranks in lock step would go): no communication at all, so its scaling against
 "1" is what sharing the host costs (CPU, memory bandwidth, driver), the ceiling of any K-GPU layout on this machine.
 
@@ -36,6 +38,7 @@ step; tok/s: all K at that pace, as ranks in lock step would go): no communicati
     python -m benchmarks.bench_parallel --tiny --device cpu --layouts 1,dp2,tp2     # smoke test (gloo ranks)
     python -m benchmarks.bench_parallel --layouts 1,dp2-ddp,tp2 --profile out/    # where the time goes, per layout
     python -m benchmarks.bench_parallel --layouts 1,1x2,1x4,dp2-ddp               # the host's share of the scaling
+    python -m benchmarks.bench_parallel --layouts 1-graph,tp2-graph,tp2-ovl-graph,dp2-ddp-graph --overlap
 
 Environment of every run: NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1 (NVLink
 multicast stays off), OMP_NUM_THREADS=4 unless set.
@@ -80,6 +83,24 @@ class Layout:
     zero1: bool = False
     tp_comm_overlap: bool = False  # "-ovl": the row-parallel reduce-scatter overlapped with the matmul (tp > 1)
     copies: int = 1  # "1xK": K independent one-GPU runs at once (the host's own scaling, no communication)
+    cuda_graph: bool = False  # "-graph": the step captured in a CUDA graph after the warm-up and replayed
+
+    @property
+    def ddp(self) -> bool:
+        return self.dp_shard == "ddp" and self.dp * self.cp > 1
+
+    def graph_warmup(self, warmup: int) -> int:
+        """Eager steps before the capture: the capture is the last untimed step; DDP needs 11 (train.py)."""
+        return 11 if self.ddp else max(warmup - 1, 1)
+
+    def untimed(self, warmup: int) -> int:
+        """Steps before the timed ones: the warm-up, or the graph's eager steps and its capture."""
+        return max(warmup, self.graph_warmup(warmup) + 1) if self.cuda_graph else warmup
+
+    @property
+    def base(self) -> str:
+        """The one-GPU layout this one is compared with: "1", or "1-graph" for a graphed layout."""
+        return "1-graph" if self.cuda_graph else "1"
 
     @property
     def world(self) -> int:
@@ -93,14 +114,16 @@ class Layout:
     @classmethod
     def parse(cls, spec: str) -> "Layout":
         spec = spec.strip()
-        if spec == "1":
-            return cls("1")
-        m = re.fullmatch(r"1x(\d+)", spec)
+        graph = spec.endswith("-graph")
+        bare = spec[:-len("-graph")] if graph else spec
+        if bare == "1":
+            return cls(spec, cuda_graph=graph)
+        m = re.fullmatch(r"1x(\d+)", bare)
         if m:
             if int(m.group(1)) < 1:
                 raise ValueError(f"bench_parallel: layout {spec!r}: 1xK needs K >= 1")
-            return cls(spec, copies=int(m.group(1)))
-        head, *flags = spec.split("-")
+            return cls(spec, copies=int(m.group(1)), cuda_graph=graph)
+        head, *flags = bare.split("-")
         sizes = {}
         for part in head.split("."):
             m = re.fullmatch(r"(tp|pp|cp|dp)(\d+)", part)
@@ -111,14 +134,15 @@ class Layout:
         unknown = set(flags) - {"ddp", "fsdp", "zero1", "ovl"}
         if unknown:
             raise ValueError(f"bench_parallel: layout {spec!r}: unknown flag(s) {sorted(unknown)} (ddp, fsdp, zero1, "
-                             f"ovl)")
+                             f"ovl; and graph, last)")
         if "ovl" in flags and sizes.get("tp", 1) < 2:
             raise ValueError(f"bench_parallel: layout {spec!r}: ovl overlaps tensor parallelism's reduce-scatter; it "
                              f"needs tp >= 2")
         shard = "ddp" if "ddp" in flags else "fsdp"
         if "zero1" in flags and shard != "ddp":
             raise ValueError(f"bench_parallel: layout {spec!r}: zero1 shards the optimizer of DDP; add '-ddp'")
-        return cls(spec, dp_shard=shard, zero1="zero1" in flags, tp_comm_overlap="ovl" in flags, **sizes)
+        return cls(spec, dp_shard=shard, zero1="zero1" in flags, tp_comm_overlap="ovl" in flags, cuda_graph=graph,
+                   **sizes)
 
 
 def free_port() -> int:
@@ -141,7 +165,7 @@ def run_layout(layout: Layout, args, run_dir: Path, data_cache: Path) -> tuple[d
         f"model.preset={args.model}", f"train.device={args.device}", f"train.precision={args.precision}",
         f"train.micro_batch_size={args.micro_batch}",
         f"train.global_batch_size={args.micro_batch * layout.dp * accum}",
-        f"train.steps={args.warmup + args.steps}", "eval.every=0", "checkpoint.every=0", "checkpoint.final=false",
+        f"train.steps={layout.untimed(args.warmup) + args.steps}", "eval.every=0", "checkpoint.every=0", "checkpoint.final=false",
         "data.max_epochs=1000", "eval.batches=1", "train.sample_tokens=0", "log.progress=false",
         "log.tensorboard=false", "log.every=1000000",
         f"data.num_workers={args.data_workers}", f"data.cache_dir={data_cache}", f"log.run_dir={run_dir}",
@@ -150,6 +174,8 @@ def run_layout(layout: Layout, args, run_dir: Path, data_cache: Path) -> tuple[d
         f"parallel.zero1={str(layout.zero1).lower()}", f"parallel.tp_comm_overlap={str(layout.tp_comm_overlap).lower()}",
         *args.override,
     ]
+    if layout.cuda_graph:
+        overrides += ["train.cuda_graph=true", f"train.cuda_graph_warmup={layout.graph_warmup(args.warmup)}"]
     if args.profile:  # the profiler's wait + warm-up + 3 recorded steps instead of the timed steps
         overrides += [f"log.profile_dir={run_dir / 'profile'}", f"log.profile_wait={max(args.warmup - 1, 1)}",
                       "log.profile_warmup=1", "log.profile_active=3", "--profile"]
@@ -181,15 +207,16 @@ def run_layout(layout: Layout, args, run_dir: Path, data_cache: Path) -> tuple[d
                 text += f"\n\n# {t.parent.name}\n" + (t.parent / "timeline.txt").read_text()
         dest.write_text(text)
         return {"profile": dest}, tail
-    return _figures(run_dir, args, args.micro_batch * layout.dp * accum * args.seq, wall, accum), tail
+    return _figures(run_dir, layout.untimed(args.warmup), args.micro_batch * layout.dp * accum * args.seq, wall,
+                    accum), tail
 
 
-def _figures(run_dir: Path, args, tokens: int, wall: float, accum: int) -> dict:
-    """The timed steps' figures of one run, from its train.log."""
+def _figures(run_dir: Path, untimed: int, tokens: int, wall: float, accum: int) -> dict:
+    """The figures of one run's steps after the first ``untimed``, from its train.log."""
     from megakern._log import read_records
 
     steps = {r["step"]: r for r in read_records(run_dir) if "perf/step_ms" in r}
-    timed = [steps[s]["perf/step_ms"] for s in sorted(steps) if s > args.warmup]
+    timed = [steps[s]["perf/step_ms"] for s in sorted(steps) if s > untimed]
     if not timed:
         raise RuntimeError(f"no timed steps in {run_dir / 'train.log'} (steps logged: {sorted(steps)})")
     last = steps[max(steps)]
@@ -224,7 +251,8 @@ def _run_copies(layout: Layout, args, run_dir: Path, overrides: list[str]) -> tu
     if bad:
         raise RuntimeError(f"copy {bad[0]} exited {procs[bad[0]].returncode} after {wall:.0f} s:\n"
                            f"{outs[bad[0]][-3000:].strip()}")
-    each = [_figures(run_dir / str(i), args, args.micro_batch * args.seq, wall, 1) for i in range(layout.copies)]
+    each = [_figures(run_dir / str(i), layout.untimed(args.warmup), args.micro_batch * args.seq, wall, 1)
+            for i in range(layout.copies)]
     ms = max(f["ms"] for f in each)  # the slowest copy: what ranks in lock step (every collective) would see
     return {"ms": ms, "tok/s": layout.copies * args.micro_batch * args.seq / (ms / 1e3),
             "GiB": max(f["GiB"] for f in each), "loss": each[0]["loss"], "wall": wall, "accum": 1}, tail
@@ -393,7 +421,7 @@ def _main(args) -> Results:
             f["tok/s/gpu"] = f["tok/s"] / layout.gpus
             f["MFU"] = flops_per_token * f["tok/s"] / layout.gpus / peak if peak else None
             figures[layout.spec] = f
-            base = figures.get("1")
+            base = figures.get(layout.base)
             f["scaling"] = f["tok/s/gpu"] / base["tok/s/gpu"] if base else None
             for metric in ("ms", "tok/s", "tok/s/gpu", "MFU", "GiB", "scaling", "loss"):
                 if f[metric] is not None:
@@ -411,7 +439,8 @@ def _main(args) -> Results:
                     print(f"{layout.spec:<16} collectives FAILED: {e}")
                     continue
                 # against K one-GPU runs at once when measured (the same host sharing, no communication)
-                ref_spec = f"1x{layout.world}" if f"1x{layout.world}" in figures else "1"
+                copies = f"1x{layout.world}" + ("-graph" if layout.cuda_graph else "")
+                ref_spec = copies if copies in figures else layout.base
                 exposed = max(f["ms"] - figures[ref_spec]["ms"], 0.0)
                 hidden = min(max(1.0 - exposed / comm, 0.0), 1.0) if comm > 0 else 1.0
                 results.add(case, layout.spec, "megakern", "comm ms", comm)

@@ -115,10 +115,13 @@ class LoopConfig:
     cuda_graph: bool = False
     """Capture the whole step (micro-batches' forward and backward, clipping, fused AdamW, skip) in a CUDA graph
     after cuda_graph_warmup eager steps, then replay it: one launch per step instead of thousands, for steps the host
-    cannot launch as fast as the GPU runs them. One CUDA process, fused AdamW, fixed shapes (not with packed
-    documents, FP8 or compile)."""
+    cannot launch as fast as the GPU runs them. CUDA, fused AdamW, fixed shapes (not with packed documents, FP8 or
+    compile). Over several ranks: tensor (+ sequence, + tp_comm_overlap), context and DDP data parallelism, their
+    NCCL collectives captured too (not pipeline stages, FSDP2, ZeRO-1 or dropout); a replay that does not finish
+    within parallel.init_timeout_s stops the run with an error."""
     cuda_graph_warmup: int = 3
-    """Eager steps before the capture (kernel compilation, optimizer state, allocator warm-up); >= 1."""
+    """Eager steps before the capture (kernel compilation, optimizer state, NCCL communicators, allocator warm-up);
+    >= 1, and >= 11 with DDP (its reducer reads timings on the host in its first 10 iterations)."""
     fp8: Literal["none", "delayed", "current", "block"] = "none"
     """Convert the blocks' linear layers to megakern.fp8.Linear with this recipe (the output head stays)."""
     sample_tokens: int = 200

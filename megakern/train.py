@@ -25,7 +25,8 @@ an event, read after the next step is queued: the log, the skip count and the ha
 The same holds over several ranks (megakern.parallel), where loss and norm are reduced over every group so that all
 ranks skip alike. Other optimizers (foreach, for-loop, ZeRO-1's) read the figures at the end of each step and skip
 the update on the host. Because nothing is read, the whole step can be captured in a CUDA graph and replayed
-(``train.cuda_graph``, one process: StepGraph), which takes the host's launch cost out of the step.
+(``train.cuda_graph``: StepGraph), which takes the host's launch cost out of the step; over several ranks too
+(tensor, context and DDP data parallelism), with their NCCL collectives in the graph.
 
 Over several ranks (torchrun) the model is megakern.parallel's ParallelModel: a rank draws its whole step batch
 (A micro-batches) and ``forward_backward`` cuts it into parallel.microbatches (pipeline micro-batches or
@@ -419,13 +420,32 @@ class StepFigures:
     step: int
     values: torch.Tensor
     event: object = None
+    timeout: float | None = None  # seconds to wait for the event before calling the step stalled (graph replays)
 
     def read(self) -> tuple[float, float, bool]:
         """(loss, norm, stepped), waiting for the step if it is still running."""
         if self.event is not None:
-            self.event.synchronize()
+            if self.timeout is None:
+                self.event.synchronize()
+            else:
+                wait_for_event(self.event, self.timeout, f"step {self.step}")
         loss, norm, skipped = self.values.tolist()
         return loss, norm, skipped == 0
+
+
+def wait_for_event(event, timeout: float, what: str) -> None:
+    """Wait for a CUDA event, polling, and raise if it has not completed after ``timeout`` seconds. For CUDA-graph
+    replays over several ranks: NCCL's watchdog does not watch collectives captured in a graph, so a stalled or lost
+    rank would otherwise leave the others waiting forever without a word."""
+    deadline = time.monotonic() + timeout
+    pause = 1e-5
+    while not event.query():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what}: the replayed CUDA graph has not finished after {timeout:g} s "
+                               "(parallel.init_timeout_s): a rank is stalled or gone; its collectives, captured in the "
+                               "graph, are not watched by NCCL's watchdog")
+        time.sleep(pause)
+        pause = min(2 * pause, 1e-3)
 
 
 def device_skip(optimizer) -> bool:
@@ -435,48 +455,83 @@ def device_skip(optimizer) -> bool:
             and all(g.get("fused") for g in optimizer.param_groups))
 
 
-class StepGraph:
-    """The single-process training step captured once in a CUDA graph and replayed (``train.cuda_graph``).
+def parallel_graph_problems(config: TrainConfig, world: int) -> list[str]:
+    """Why ``config``'s train.cuda_graph cannot run over ``world`` ranks (empty: it can, or no graph is asked)."""
+    c, p = config, config.parallel
+    if not c.train.cuda_graph:
+        return []
+    problems, why = [], "train.cuda_graph over several ranks captures tensor, context and DDP data parallelism"
+    dp_ranks = world // (p.tp * p.pp)  # dp x cp
+    if p.pp > 1:
+        problems.append(f"{why}; not parallel.pp={p.pp} (the pipeline schedule runs on the host between "
+                        "micro-batches)")
+    if p.dp_shard == "fsdp" and dp_ranks > 1:
+        problems.append(f"{why}; not FSDP2 over dp x cp = {dp_ranks} ranks (its hooks allocate and synchronize "
+                        "streams on the host each step): use parallel.dp_shard=ddp")
+    if p.zero1:
+        problems.append(f"{why}; not parallel.zero1 (its optimizer steps on the host)")
+    if c.model.dropout:
+        problems.append(f"{why}; not dropout (model.dropout={c.model.dropout}: the RNG tracker switches generator "
+                        "states on the host)")
+    if p.dp_shard == "ddp" and dp_ranks > 1 and p.pp == 1 and c.train.cuda_graph_warmup < 11:
+        problems.append(f"train.cuda_graph with DDP needs train.cuda_graph_warmup >= 11, got "
+                        f"{c.train.cuda_graph_warmup} (DDP's reducer reads timings on the host in its first 10 "
+                        "iterations)")
+    return problems
 
-    The first ``warmup`` steps run eagerly: they compile the kernels, create the optimizer's state and warm the
-    allocator. The next step is captured with its micro-batches in static device buffers, then replayed; every
-    later step copies its micro-batches into those buffers and replays, one launch instead of the step's thousands.
-    What changes from step to step lives in device memory: the batches, the learning rate (a tensor the trainer
-    fills before each step), the skip flag (computed inside the graph); nothing is read on the host. Eval and
-    checkpoints run eagerly between replays on the same parameters and optimizer state.
+
+class StepGraph:
+    """The training step captured once in a CUDA graph and replayed (``train.cuda_graph``).
+
+    The first ``warmup`` steps run eagerly: they compile the kernels, create the optimizer's state, warm the
+    allocator (and over several ranks create NCCL's communicators, which a capture cannot). The next step is
+    captured with its batches in static device buffers, then replayed; every later step copies its batches into
+    those buffers and replays, one launch instead of the step's thousands. What changes from step to step lives in
+    device memory: the batches, the learning rate (a tensor the trainer fills before each step), the skip flag
+    (computed inside the graph); nothing is read on the host. Eval and checkpoints run eagerly between replays on
+    the same parameters and optimizer state.
+
+    One process: the step's ``accum`` micro-batches. Over several ranks (megakern.parallel, tensor / context /
+    DDP data parallel): the rank's whole step batch, one draw, which ``forward_backward`` cuts into micro-batches;
+    its collectives (NCCL) are captured with the compute and replayed on every rank alike. The capture runs on the
+    trainer's ``capture_stream``, the stream DDP was built on (DDP keeps autograd nodes made on that stream).
     """
 
     def __init__(self, trainer: "Trainer", warmup: int):
         self.trainer, self.warmup = trainer, warmup
         self.graph = None
         self.inputs = self.targets = self.values = None
+        self.draws = 1 if trainer.parallel else trainer.accum  # samples drawn per step
 
     def step(self, batches) -> StepFigures:
         t = self.trainer
-        samples = [next(batches) for _ in range(t.accum)]
+        samples = [next(batches) for _ in range(self.draws)]
         if self.graph is None and self.warmup > 0:
             self.warmup -= 1
-            return t._finish_step(t._micro_steps(to_batch(s, t.device, None) for s in samples))
+            return t._eager_step(samples)
         with t._range("data"):
             tokens = [s["tokens"] for s in samples]
             if self.inputs is None:
-                shape = (t.accum, *tokens[0][:, :-1].shape)
+                shape = (self.draws, *tokens[0][:, :-1].shape)
                 self.inputs = torch.empty(shape, dtype=tokens[0].dtype, device=t.device)
                 self.targets = torch.empty(shape, dtype=tokens[0].dtype, device=t.device)
             for i, tok in enumerate(tokens):
                 if tok[:, :-1].shape != self.inputs.shape[1:]:
-                    raise RuntimeError(f"train.cuda_graph: a micro-batch of shape {tuple(tok[:, :-1].shape)} after "
+                    raise RuntimeError(f"train.cuda_graph: a batch of shape {tuple(tok[:, :-1].shape)} after "
                                        f"the captured {tuple(self.inputs.shape[1:])}: the graph needs fixed shapes")
                 self.inputs[i].copy_(tok[:, :-1], non_blocking=True)
                 self.targets[i].copy_(tok[:, 1:], non_blocking=True)
         if self.graph is None:
             self._capture()
         self.graph.replay()
-        return t._to_host(self.values)
+        figures = t._to_host(self.values)
+        if t.parallel:  # captured collectives are not watched by NCCL's watchdog: the wait for the figures is
+            figures.timeout = t.config.parallel.init_timeout_s
+        return figures
 
     def _capture(self) -> None:
         t = self.trainer
-        batches = [Batch(self.inputs[i], self.targets[i]) for i in range(t.accum)]
+        batches = [Batch(self.inputs[i], self.targets[i]) for i in range(self.draws)]
         torch.cuda.synchronize(t.device)
         torch.cuda.empty_cache()  # the eager steps' cached blocks back to the driver: the graph has its own pool
         self.graph = torch.cuda.CUDAGraph()
@@ -486,13 +541,14 @@ class StepGraph:
         gc.collect()
         gc.disable()
         try:
-            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-                self.values = t._device_step(t._micro_steps(iter(batches)))
+            with torch.cuda.graph(self.graph, stream=t.capture_stream, capture_error_mode="thread_local"):
+                self.values = t._graph_body(batches)
         finally:
             gc.enable()
         if t.master_step is not None:
             t.master_step.flush()  # its pointer tables, built during the capture, written before the first replay
-        t.log(f"step {t.step + 1}: captured the training step in a CUDA graph ({t.accum} micro-batch(es))")
+        t.log(f"step {t.step + 1}: captured the training step in a CUDA graph "
+              f"({t.microbatches if t.parallel else t.accum} micro-batch(es))")
 
 
 class Trainer:
@@ -569,6 +625,10 @@ class Trainer:
         self.flops_per_token = model.flops_per_token(self.seq_length)
         n_params, n_body = model.num_params(), model.num_params(exclude_embeddings=True)
         generator = torch.Generator().manual_seed(t.seed)
+        # the stream a CUDA-graph step is captured on; DDP is built on it (it keeps the parameters' autograd
+        # accumulator nodes, which record the stream they were made on: another stream would join the capture)
+        self.capture_stream = (torch.cuda.Stream(self.device) if t.cuda_graph and self.device.type == "cuda"
+                               else None)
         if self.parallel:
             from megakern.parallel import parallelize
 
@@ -576,8 +636,12 @@ class Trainer:
                 fsdp_dtype = c.parallel.fsdp_param_dtype
                 if fsdp_dtype == "auto":
                     fsdp_dtype = "bfloat16" if self.precision == "bf16-autocast" else "float32"
-                self.pmodel = parallelize(model, self.env.mesh, c.parallel, generator=generator,
-                                          microbatches=self.microbatches, fsdp_param_dtype=fsdp_dtype)
+                with (torch.cuda.stream(self.capture_stream) if self.capture_stream is not None
+                      else contextlib.nullcontext()):
+                    self.pmodel = parallelize(model, self.env.mesh, c.parallel, generator=generator,
+                                              microbatches=self.microbatches, fsdp_param_dtype=fsdp_dtype)
+                if self.capture_stream is not None:
+                    torch.cuda.current_stream(self.device).wait_stream(self.capture_stream)
                 if self.pmodel.fsdp and fsdp_dtype != "float32":
                     self.log(f"FSDP2: blocks' parameters all-gathered and computed in {fsdp_dtype}, fp32 shards "
                              "updated, gradients reduced in fp32")
@@ -674,8 +738,7 @@ class Trainer:
             problems.append("train.fp8 is single-process only")
         if c.train.compile:
             problems.append("train.compile is single-process only")
-        if c.train.cuda_graph:
-            problems.append("train.cuda_graph is single-process only")
+        problems += parallel_graph_problems(c, self.env.world)
         if c.data.packed_documents:
             problems.append("data.packed_documents is single-process only")
         if c.parallel.fsdp_param_dtype == "bfloat16" and self.precision != "bf16-autocast":
@@ -853,18 +916,35 @@ class Trainer:
                 g["lr"].fill_(lr)
             else:
                 g["lr"] = lr
-        clip = self.config.train.grad_clip
-        if self.parallel:
-            with self._range("data"):
-                batch = to_batch(next(batches), self.device, None)
-            with self._range("forward_backward"), self.autocast:
-                loss = self.pmodel.forward_backward(batch.inputs, batch.targets, check_values=False)
-            with self._range("optimizer"):
-                norm = self.pmodel.clip_grad_norm_(clip if clip > 0 else math.inf)
-                return self._finish_step([loss.float(), norm.float()])
         if self.step_graph is not None:
             return self.step_graph.step(batches)
+        if self.parallel:
+            return self._eager_step([next(batches)])
         return self._finish_step(self._micro_steps(self._micro_batches(batches)))
+
+    def _eager_step(self, samples: list[dict]) -> StepFigures:
+        """The step on host-drawn samples: ``accum`` micro-batches in one process, the rank's step batch in a
+        parallel run."""
+        with self._range("data"):
+            batches = [to_batch(s, self.device, self.eod_id) for s in samples]
+        if self.parallel:
+            return self._finish_step(self._parallel_figures(batches[0]))
+        return self._finish_step(self._micro_steps(iter(batches)))
+
+    def _graph_body(self, batches: list[Batch]) -> torch.Tensor:
+        """What StepGraph captures: the step on device-resident batches, with the optimizer's device-side skip."""
+        if self.parallel:
+            return self._device_step(self._parallel_figures(batches[0]))
+        return self._device_step(self._micro_steps(iter(batches)))
+
+    def _parallel_figures(self, batch: Batch) -> list[torch.Tensor]:
+        """A parallel run's forward and backward of the rank's step batch and the clipping: [mean loss, norm]."""
+        clip = self.config.train.grad_clip
+        with self._range("forward_backward"), self.autocast:
+            loss = self.pmodel.forward_backward(batch.inputs, batch.targets, check_values=False)
+        with self._range("optimizer"):
+            norm = self.pmodel.clip_grad_norm_(clip if clip > 0 else math.inf)
+        return [loss.float(), norm.float()]
 
     def _micro_batches(self, batches):
         """The step's accum micro-batches, each moved to the device when the loop reaches it."""

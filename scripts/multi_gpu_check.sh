@@ -10,6 +10,9 @@
 #
 #   MEGAKERN_GIT_SHA=$(git rev-parse --short HEAD) BUDGET_S=520 bash scripts/multi_gpu_check.sh [test] [bench] [profile]
 #
+# TESTS_K selects test layouts (pytest -k, e.g. TESTS_K=graph); LAYOUTS_350M, LAYOUTS_13B the benchmarked layouts
+# (e.g. LAYOUTS_350M=1-graph,tp2-graph,tp2-ovl-graph,dp2-ddp-graph: CUDA-graph steps).
+#
 # With no stage named, test and bench run.
 # Logs and result rows go to $OUT (default ./device-out); rows are appended to benchmarks/results/<gpu>/parallel.csv.
 set -uo pipefail
@@ -44,7 +47,7 @@ if want test; then
 step "multi-GPU layouts against one GPU (NCCL)"
 reserve=10; want bench && reserve=300; want profile && reserve=$(( reserve + 120 ))
 timeout $(( $(left) - reserve )) python3 -m pytest tests/parallel/test_multi_gpu.py -q -s -p no:cacheprovider -rfEs \
-  --tb=short > "$OUT/multi_gpu_tests.log" 2>&1 || status=1
+  --tb=short ${TESTS_K:+-k "$TESTS_K"} > "$OUT/multi_gpu_tests.log" 2>&1 || status=1
 grep -E "^(FAILED|ERROR|SKIPPED)|multi-gpu" "$OUT/multi_gpu_tests.log" | head -30; tail -3 "$OUT/multi_gpu_tests.log"
 fi
 

@@ -18,8 +18,17 @@ def test_layout_specs():
     assert Layout.parse("tp2.dp2-ovl").tp_comm_overlap and not Layout.parse("tp2").tp_comm_overlap
     copies = Layout.parse("1x4")
     assert (copies.world, copies.copies, copies.gpus) == (1, 4, 4)
+    # "-graph": the captured step; its one-GPU base is "1-graph"; DDP's reducer needs 11 eager steps first
+    graphed = Layout.parse("tp2-ovl-graph")
+    assert graphed.cuda_graph and graphed.tp_comm_overlap and graphed.base == "1-graph"
+    assert (graphed.graph_warmup(4), graphed.untimed(4)) == (3, 4)
+    ddp = Layout.parse("dp2-ddp-graph")
+    assert ddp.ddp and (ddp.graph_warmup(4), ddp.untimed(4)) == (11, 12)
+    assert Layout.parse("1-graph").world == 1 and Layout.parse("1x2-graph").copies == 2
+    assert not Layout.parse("tp2").cuda_graph and Layout.parse("tp2").untimed(4) == 4
     for bad, why in [("tp2.tp2", "once"), ("xp2", "tp|pp|cp|dp"), ("tp0", "size >= 1"), ("dp2-ring", "unknown flag"),
                      ("dp2-zero1", "add '-ddp'"), ("dp2-ovl", "needs tp >= 2"),
+                     ("tp2-graph-ovl", "unknown flag"),
                      ("1x0", "K >= 1")]:
         with pytest.raises(ValueError, match=why):
             Layout.parse(bad)

@@ -38,7 +38,12 @@ COMMON = ["model.preset=gpt-tiny", "model.n_layer=4", "model.n_embd=64", "model.
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
        "OMP_NUM_THREADS": "1"}
 
-# (id, GPUs, overrides)
+GRAPH = ["train.cuda_graph=true", "train.cuda_graph_warmup=2"]
+# DDP's reducer reads timings on the host in its first 10 iterations: 11 eager steps, then 4 replays
+LONG_STEPS = 15
+DDP_GRAPH = ["train.cuda_graph=true", "train.cuda_graph_warmup=11", f"train.steps={LONG_STEPS}"]
+
+# (id, GPUs, overrides): each against the one-GPU run with the same train.steps
 LAYOUTS = [
     ("dp2-fsdp", 2, ["parallel.dp=2", "parallel.dp_shard=fsdp"]),
     ("dp2-ddp", 2, ["parallel.dp=2", "parallel.dp_shard=ddp"]),
@@ -57,6 +62,12 @@ LAYOUTS = [
     ("tp4-overlap", 4, ["parallel.tp=4", "parallel.tp_comm_overlap=true"]),
     ("tp2-pp2-dp2", 8, ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2"]),
     ("tp2-pp2-cp2", 8, ["parallel.tp=2", "parallel.pp=2", "parallel.cp=2"]),
+    # the step captured in a CUDA graph (collectives included) and replayed from the warm-up's end on
+    ("tp2-sp-graph", 2, ["parallel.tp=2", *GRAPH]),
+    ("tp2-sp-overlap-graph", 2, ["parallel.tp=2", "parallel.tp_comm_overlap=true", *GRAPH]),
+    ("dp2-ddp-graph", 2, ["parallel.dp=2", "parallel.dp_shard=ddp", *DDP_GRAPH]),
+    ("cp2-ddp-graph", 2, ["parallel.cp=2", "parallel.dp_shard=ddp", *DDP_GRAPH]),
+    ("tp2-dp2-ddp-graph", 4, ["parallel.tp=2", "parallel.dp=2", "parallel.dp_shard=ddp", *DDP_GRAPH]),
 ]
 # fp32 everywhere; the layouts sum in other orders (sharded matmuls, ring-attention merges, reductions over ranks)
 ABS_TOL = 2e-3
@@ -99,7 +110,12 @@ def runs(request, tmp_path_factory):
     reference, out = _run(tmp / "one", data_cache, 1, [], [0])
     assert reference is not None, out
     selected = _selected(request.session)
-    fitting = [(name, world, o) for name, world, o in LAYOUTS if world <= DEVICES and name in selected]
+    fitting = [(name, world, o) for name, world, o in LAYOUTS if world <= DEVICES and name in selected
+               and not (ON_CPU and "train.cuda_graph=true" in o)]
+    references = {STEPS: reference}
+    if any(f"train.steps={LONG_STEPS}" in o for _, _, o in fitting):
+        references[LONG_STEPS], out = _run(tmp / "one-long", data_cache, 1, [f"train.steps={LONG_STEPS}"], [0])
+        assert references[LONG_STEPS] is not None, out
     free, ready = list(range(DEVICES)), threading.Condition()
 
     def job(item):
@@ -109,8 +125,9 @@ def runs(request, tmp_path_factory):
             devices = [free.pop(0) for _ in range(world)]
         try:
             losses, out = _run(tmp / name, data_cache, world, overrides, devices)
+            ref = references[_steps(overrides)]
             diff = "failed" if losses is None else (
-                f"max |loss - one GPU's| {max(abs(losses[s] - reference.get(s, float('inf'))) for s in losses):.2e}")
+                f"max |loss - one GPU's| {max(abs(losses[s] - ref.get(s, float('inf'))) for s in losses):.2e}")
             print(f"[multi-gpu] {name} on devices {devices}: {diff}", file=sys.__stdout__, flush=True)
             return name, (losses, out)
         finally:
@@ -120,17 +137,29 @@ def runs(request, tmp_path_factory):
 
     with ThreadPoolExecutor(max_workers=max(1, DEVICES // 2)) as pool:  # largest first; the small ones fill gaps
         done = dict(pool.map(job, sorted(fitting, key=lambda item: -item[1])))
-    return reference, done
+    return references, done
+
+
+def _steps(overrides: list[str]) -> int:
+    return LONG_STEPS if f"train.steps={LONG_STEPS}" in overrides else STEPS
 
 
 @pytest.mark.parametrize("name,world", [(n, w) for n, w, _ in LAYOUTS], ids=[n for n, _, _ in LAYOUTS])
 def test_layout_matches_one_gpu(runs, name, world):
     if world > DEVICES:
         pytest.skip(f"{name} needs {world} devices, this machine has {DEVICES}")
-    reference, done = runs
+    overrides = dict((n, o) for n, _, o in LAYOUTS)[name]
+    if ON_CPU and "train.cuda_graph=true" in overrides:
+        pytest.skip(f"{name}: CUDA graphs need GPUs")
+    references, done = runs
+    steps = _steps(overrides)
+    reference = references[steps]
     losses, out = done[name]
     assert losses is not None, f"{name}: {out}"
-    assert sorted(losses) == list(range(1, STEPS + 1)), out[-2000:]
+    assert sorted(losses) == list(range(1, steps + 1)), out[-2000:]
+    if "train.cuda_graph=true" in overrides:
+        warmup = int(next(o for o in overrides if o.startswith("train.cuda_graph_warmup=")).split("=")[1])
+        assert f"step {warmup + 1}: captured the training step in a CUDA graph" in out, out[-2000:]
     diffs = {s: abs(losses[s] - reference[s]) for s in losses}
     assert max(diffs.values()) <= ABS_TOL, (
         f"{name}: losses {[round(losses[s], 5) for s in sorted(losses)]} vs one device "

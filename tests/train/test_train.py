@@ -355,6 +355,63 @@ def test_cuda_graph_refused_where_it_cannot_run(tmp_path, data_cache):
         trainer(tmp_path, data_cache, *TINY, "train.device=cpu", "train.cuda_graph=true", "train.cuda_graph_warmup=0")
 
 
+@pytest.mark.parametrize("world,overrides,expected", [
+    (2, ["parallel.tp=2"], []),
+    (2, ["parallel.tp=2", "parallel.tp_comm_overlap=true"], []),
+    (4, ["parallel.tp=2", "parallel.cp=2", "parallel.dp_shard=ddp", "train.cuda_graph_warmup=11"], []),
+    (2, ["parallel.dp=2", "parallel.dp_shard=fsdp"], ["not FSDP2 over dp x cp = 2 ranks"]),
+    (2, ["parallel.cp=2"], ["not FSDP2 over dp x cp = 2 ranks"]),  # cp's ranks share the data-parallel wrapper
+    (2, ["parallel.tp=2", "model.dropout=0.1"], ["not dropout (model.dropout=0.1"]),
+    (4, ["parallel.pp=2", "parallel.dp=2", "parallel.dp_shard=ddp", "parallel.zero1=true"],
+     ["not parallel.pp=2", "not parallel.zero1"]),
+    (2, ["parallel.dp=2", "parallel.dp_shard=ddp"], ["needs train.cuda_graph_warmup >= 11, got 3"]),
+])
+def test_parallel_cuda_graph_layouts(world, overrides, expected):
+    """Which layouts a CUDA-graph step may capture over several ranks, and the reason named for the others."""
+    from megakern.train import parallel_graph_problems
+
+    config = load_config(None, ["train.cuda_graph=true", *overrides])
+    problems = parallel_graph_problems(config, world)
+    assert len(problems) == len(expected), problems
+    for problem, text in zip(problems, expected):
+        assert text in problem, problems
+    assert parallel_graph_problems(load_config(None, overrides), world) == []  # no graph asked
+
+
+def test_graph_replay_wait_names_a_stalled_rank():
+    """A replay over several ranks is waited for with a deadline (captured collectives are not watched by NCCL's
+    watchdog): a step that never finishes raises instead of hanging."""
+    from megakern.train import StepFigures, wait_for_event
+
+    class Never:
+        def query(self):
+            return False
+
+    with pytest.raises(RuntimeError, match=r"step 7: the replayed CUDA graph has not finished after 0.05 s"):
+        StepFigures(7, torch.zeros(3), Never(), timeout=0.05).read()
+
+    class Soon:
+        calls = 0
+
+        def query(self):
+            self.calls += 1
+            return self.calls > 3
+
+    wait_for_event(Soon(), 5.0, "step 1")
+
+
+def test_parallel_cuda_graph_on_cpu_ranks_is_refused(tmp_path, data_cache):
+    """tp2 over 2 gloo ranks with train.cuda_graph: the layout may be captured, the device may not."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+           "-m", "megakern.train", *TINY, "train.device=cpu", "parallel.tp=2", "train.cuda_graph=true",
+           f"data.cache_dir={data_cache}", f"log.run_dir={tmp_path / 'run'}"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0
+    assert "train.cuda_graph needs a CUDA device (train.device is cpu)" in proc.stdout + proc.stderr, (
+        proc.stdout[-2000:] + proc.stderr[-2000:])
+
+
 @pytest.mark.gpu
 def test_gpu_profile_has_kernels(tmp_path, data_cache):
     t = trainer(tmp_path, data_cache, *TINY, *GPU, f"log.profile_dir={tmp_path / 'profiles'}", profile=True)
