@@ -529,6 +529,19 @@ class StepGraph:
             figures.timeout = t.config.parallel.init_timeout_s
         return figures
 
+    @property
+    def live(self) -> bool:
+        return self.graph is not None
+
+    def release(self) -> None:
+        """Drop the captured graph and its memory pool once the device is done with it (a later step captures
+        again). Over several ranks this must come before the process group is destroyed: NCCL's teardown waits on
+        the work a live graph holds, and would hang."""
+        if self.graph is not None:
+            torch.cuda.synchronize(self.trainer.device)
+            self.graph.reset()
+            self.graph = self.values = None
+
     def _capture(self) -> None:
         t = self.trainer
         batches = [Batch(self.inputs[i], self.targets[i]) for i in range(self.draws)]
@@ -1114,7 +1127,10 @@ class Trainer:
         """Train from the current step to train.steps (or profile a few steps); see the module doc. The log sinks
         are closed at the end, also when the run stops on an error (which goes to the log file too)."""
         try:
-            return self._run()
+            result = self._run()
+            if self.step_graph is not None:
+                self.step_graph.release()
+            return result
         except BaseException as exc:
             if not isinstance(exc, KeyboardInterrupt):
                 self.log(f"error: {type(exc).__name__}: {exc}")
@@ -1288,6 +1304,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    trainer = None
     try:
         if args.help_config:
             print(describe_fields())
@@ -1297,15 +1314,16 @@ def main(argv=None) -> int:
             print(to_yaml(config), end="")
             return 0
         trainer = Trainer(config, profile=args.profile)
-        trainer.run()
+        trainer.run()  # (releases a CUDA-graph step: NCCL's teardown would wait on a live graph's work)
         if dist.is_available() and dist.is_initialized():
             dist.barrier()  # every rank done with its collectives before any tears its process group down
     except (ConfigError, DataError, CheckpointError, LoggerError, TrainingHalted) as exc:
         print(f"megakern-train: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1
     finally:
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        graph = getattr(trainer, "step_graph", None)
+        if dist.is_available() and dist.is_initialized() and not (graph is not None and graph.live):
+            dist.destroy_process_group()  # (after an error with a live graph: left to the exit, which aborts NCCL)
     return 0
 
 
