@@ -85,8 +85,8 @@ def all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     x = x.contiguous()
     lead, rest = math.prod(x.shape[:dim]), math.prod(x.shape[dim + 1:])
     out = x.new_empty((n, *x.shape))
-    try:
-        _ALL_GATHER(out, x, group=group)
+    try:  # flat: backends that check dim 0 (gloo: input dim 0 x ranks == output dim 0) and those that count elements
+        _ALL_GATHER(out.view(-1), x.view(-1), group=group)
     except (RuntimeError, NotImplementedError) as exc:
         if not _gloo_lacks(exc, group):
             raise
@@ -112,8 +112,8 @@ def reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     else:
         chunks = x.reshape(lead, n, m, rest).transpose(0, 1).contiguous().view(n, *shape)
     out = x.new_empty(shape)
-    try:
-        _REDUCE_SCATTER(out, chunks, group=group)
+    try:  # flat, as in all_gather
+        _REDUCE_SCATTER(out.view(-1), chunks.view(-1), group=group)
     except (RuntimeError, NotImplementedError) as exc:
         if not _gloo_lacks(exc, group):
             raise

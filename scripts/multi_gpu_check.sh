@@ -2,7 +2,8 @@
 # The parallel stack on a machine with several GPUs, in one command (NVLink multicast off):
 #   1. tests/parallel/test_multi_gpu.py: the training program under torchrun in every layout the GPUs allow
 #      (NCCL), against the same run on one GPU;
-#   2. benchmarks/bench_parallel.py for GPT-350M (layouts over 1..4 GPUs, data-parallel overlap), then GPT-1.3B,
+#   2. benchmarks/bench_parallel.py for GPT-350M (layouts over 1..4 GPUs, CUDA-graph steps where they can run,
+#      communication hidden), then GPT-1.3B,
 #      while the time budget lasts.
 #
 #   3. (stage "profile") bench_parallel --profile: rank 0's kernel and host tables and every rank's timeline of
@@ -62,14 +63,14 @@ fi
 if want bench; then
 step "bench_parallel gpt-350m"
 timeout $(( $(left) - 60 )) python3 -m benchmarks.bench_parallel --model gpt-350m --micro-batch 8 --warmup 3 --steps 8 \
-  --layouts ${LAYOUTS_350M:-1,1x2,1x4,dp2-ddp,dp2,tp2,tp2-ovl,pp2,cp2,dp4-ddp,tp2.dp2} --overlap --timeout 200 \
+  --layouts ${LAYOUTS_350M:-1-graph,1x2-graph,dp2-ddp-graph,tp2-graph,tp2-ovl-graph,cp2-ddp-graph,dp4-ddp-graph,tp2.dp2-ddp-graph,tp4-graph,pp2,dp2} --overlap --timeout 200 \
   > "$OUT/bench_parallel_350m.log" 2>&1 || status=1
 grep -v "^|" "$OUT/bench_parallel_350m.log" | tail -25
 
 if [ "$(left)" -gt 90 ]; then
   step "bench_parallel gpt-1.3b"
   timeout $(( $(left) - 5 )) python3 -m benchmarks.bench_parallel --model gpt-1.3b --micro-batch 4 --warmup 3 --steps 6 \
-    --layouts ${LAYOUTS_13B:-1,dp4,tp4,tp4-ovl,tp2.dp2} --overlap --timeout 150 > "$OUT/bench_parallel_1.3b.log" 2>&1 || status=1
+    --layouts ${LAYOUTS_13B:-1-graph,tp2-graph,tp2-ovl-graph,tp4-graph,tp4-ovl-graph,dp4} --overlap --timeout 150 > "$OUT/bench_parallel_1.3b.log" 2>&1 || status=1
   grep -v "^|" "$OUT/bench_parallel_1.3b.log" | tail -12
 fi
 fi
