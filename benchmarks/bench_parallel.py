@@ -177,7 +177,8 @@ def run_layout(layout: Layout, args, run_dir: Path, data_cache: Path) -> tuple[d
     if layout.cuda_graph:
         overrides += ["train.cuda_graph=true", f"train.cuda_graph_warmup={layout.graph_warmup(args.warmup)}"]
     if args.profile:  # the profiler's wait + warm-up + 3 recorded steps instead of the timed steps
-        overrides += [f"log.profile_dir={run_dir / 'profile'}", f"log.profile_wait={max(args.warmup - 1, 1)}",
+        overrides += [f"log.profile_dir={run_dir / 'profile'}",
+                      f"log.profile_wait={max(layout.untimed(args.warmup) - 1, 1)}",
                       "log.profile_warmup=1", "log.profile_active=3", "--profile"]
     if layout.copies > 1:
         return _run_copies(layout, args, run_dir, overrides)

@@ -55,7 +55,7 @@ fi
 if want profile; then
 step "profiles gpt-350m"
 timeout $(( $(left) - 30 )) python3 -m benchmarks.bench_parallel --model gpt-350m --micro-batch 8 --warmup 3 \
-  --layouts ${LAYOUTS_PROFILE:-1,dp2-ddp,dp2,tp2,cp2} --profile "$OUT/prof" --timeout 200 > "$OUT/profile.log" 2>&1 || status=1
+  --layouts ${LAYOUTS_PROFILE:-1-graph,tp2-graph,tp2-ovl-graph,dp2-ddp-graph,1,tp2} --profile "$OUT/prof" --timeout 200 > "$OUT/profile.log" 2>&1 || status=1
 grep -E "FAILED|profile \(|^#" "$OUT/profile.log"
 cat "$OUT"/prof/*.txt > "$OUT/profiles.txt" 2>/dev/null; rm -rf "$OUT/prof"
 fi
