@@ -529,10 +529,6 @@ class StepGraph:
             figures.timeout = t.config.parallel.init_timeout_s
         return figures
 
-    @property
-    def live(self) -> bool:
-        return self.graph is not None
-
     def release(self) -> None:
         """Drop the captured graph and its memory pool once the device is done with it (a later step captures
         again). Over several ranks this must come before the process group is destroyed: NCCL's teardown waits on
@@ -940,21 +936,20 @@ class Trainer:
         parallel run."""
         with self._range("data"):
             batches = [to_batch(s, self.device, self.eod_id) for s in samples]
-        if self.parallel:
-            return self._finish_step(self._parallel_figures(batches[0]))
-        return self._finish_step(self._micro_steps(iter(batches)))
+        return self._finish_step(self._step_figures(batches))
 
     def _graph_body(self, batches: list[Batch]) -> torch.Tensor:
         """What StepGraph captures: the step on device-resident batches, with the optimizer's device-side skip."""
-        if self.parallel:
-            return self._device_step(self._parallel_figures(batches[0]))
-        return self._device_step(self._micro_steps(iter(batches)))
+        return self._device_step(self._step_figures(batches))
 
-    def _parallel_figures(self, batch: Batch) -> list[torch.Tensor]:
-        """A parallel run's forward and backward of the rank's step batch and the clipping: [mean loss, norm]."""
+    def _step_figures(self, batches: list[Batch]) -> list[torch.Tensor]:
+        """Forward and backward of the step's batches and the clipping: [mean loss, norm (, FP8's flag)]. In a
+        parallel run, ``batches`` is the rank's step batch, which forward_backward cuts into micro-batches."""
+        if not self.parallel:
+            return self._micro_steps(iter(batches))
         clip = self.config.train.grad_clip
         with self._range("forward_backward"), self.autocast:
-            loss = self.pmodel.forward_backward(batch.inputs, batch.targets, check_values=False)
+            loss = self.pmodel.forward_backward(batches[0].inputs, batches[0].targets, check_values=False)
         with self._range("optimizer"):
             norm = self.pmodel.clip_grad_norm_(clip if clip > 0 else math.inf)
         return [loss.float(), norm.float()]
@@ -1321,8 +1316,8 @@ def main(argv=None) -> int:
         print(f"megakern-train: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1
     finally:
-        graph = getattr(trainer, "step_graph", None)
-        if dist.is_available() and dist.is_initialized() and not (graph is not None and graph.live):
+        live_graph = getattr(getattr(trainer, "step_graph", None), "graph", None) is not None
+        if dist.is_available() and dist.is_initialized() and not live_graph:
             dist.destroy_process_group()  # (after an error with a live graph: left to the exit, which aborts NCCL)
     return 0
 
