@@ -356,6 +356,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "copy rank 0's kernel and host tables to DIR/<model>_<layout>_kernels.txt; no figures")
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
     p.add_argument("--no-save", action="store_true")
+    p.add_argument("--from-log", type=Path, metavar="LOG",
+                   help="save the rows of an earlier run from its printed log (when its CSV did not come back), as "
+                        "printed (ms to 0.1, MFU to 0.1%%); --meta gives the run's stamp")
+    p.add_argument("--meta", metavar="DATE,SHA,GPU,TORCH,TRITON",
+                   help="with --from-log: the run's UTC date, git sha, gpu slug, torch and triton versions")
     p.add_argument("--collective-worker", choices=["all_reduce", "fsdp", "sp_rs_ag"], help=argparse.SUPPRESS)
     p.add_argument("--numel", type=int, help=argparse.SUPPRESS)
     p.add_argument("--count", type=int, default=1, help=argparse.SUPPRESS)
@@ -368,6 +373,49 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+_HEAD = re.compile(r"^(?P<case>\S+ T\d+ mb\d+ \S+): .* per run$")
+_LAYOUT = re.compile(r"^(?P<spec>\S+)\s+(?P<gpus>\d+) x\s+(?P<ms>[\d.]+) ms\s+(?P<toks>[\d.]+) tok/s\s+(?P<tpg>[\d.]+) "
+                     r"tok/s/gpu MFU (?P<mfu>[\d.]+%|n/a) (?P<gib>[\d.]+) GiB(?: scaling (?P<scaling>[\d.]+))? "
+                     r"\(accum \d+, loss (?P<loss>[\d.]+|nan)")
+_COMM = re.compile(r"^\s+(?:collectives alone|row-parallel reduce-scatters).* (?P<comm>[\d.]+) ms; .*: "
+                   r"(?P<hidden>\d+)% hidden$")
+
+
+def rows_from_log(text: str) -> list[tuple[str, str, str, str, float]]:
+    """The figures an earlier run printed (its layout and communication lines), as Results figures."""
+    rows, case, spec = [], None, None
+    for line in text.splitlines():
+        if m := _HEAD.match(line):
+            case = m["case"]
+        elif case and (m := _LAYOUT.match(line)):
+            spec = m["spec"]
+            figs = {"ms": m["ms"], "tok/s": m["toks"], "tok/s/gpu": m["tpg"], "GiB": m["gib"],
+                    "scaling": m["scaling"], "loss": m["loss"],
+                    "MFU": None if m["mfu"] == "n/a" else float(m["mfu"][:-1]) / 100}
+            rows += [(case, spec, "megakern", k, float(v)) for k, v in figs.items() if v is not None]
+        elif case and spec and (m := _COMM.match(line)):
+            rows += [(case, spec, "megakern", "comm ms", float(m["comm"])),
+                     (case, spec, "megakern", "comm hidden", int(m["hidden"]) / 100)]
+    # the layout lines in rows' usual metric order (ms, tok/s, tok/s/gpu, MFU, GiB, scaling, loss)
+    order = ("ms", "tok/s", "tok/s/gpu", "MFU", "GiB", "scaling", "loss", "comm ms", "comm hidden")
+    key = {(c, s): i for i, (c, s, *_) in reversed(list(enumerate(rows)))}
+    return sorted(rows, key=lambda r: (key[r[0], r[1]], order.index(r[3])))
+
+
+def save_from_log(log: Path, meta: str | None, out: Path) -> Path:
+    fields = (meta or "").split(",")
+    if len(fields) != 5 or not all(fields):
+        raise SystemExit("bench_parallel: --from-log needs --meta DATE,SHA,GPU,TORCH,TRITON (the run's stamp)")
+    rows = rows_from_log(log.read_text())
+    if not rows:
+        raise SystemExit(f"bench_parallel: no layout lines in {log}")
+    results = Results(torch.device("cpu"))
+    date, results.meta["git_sha"], results.meta["gpu"], results.meta["torch"], results.meta["triton"] = fields
+    for row in rows:
+        results.add(*row)
+    return results.save(BENCH, out, date=date)
+
+
 def available_gpus(device: str) -> int:
     if device.startswith("cuda"):
         return torch.cuda.device_count()
@@ -376,6 +424,9 @@ def available_gpus(device: str) -> int:
 
 def main(argv=None) -> Results | None:
     args = parse_args(argv)
+    if args.from_log:
+        print(f"saved {save_from_log(args.from_log, args.meta, args.out)}")
+        return None
     if args.collective_worker:
         _collective_worker(args.numel, args.collective_worker, reps=10, device_type=torch.device(args.device).type,
                            count=args.count, dtype=args.dtype)

@@ -197,12 +197,13 @@ class Results:
                 rows.append((case, mode, provider, "roofline_frac", frac))
         return rows
 
-    def save(self, bench_name: str, out_dir=RESULTS_DIR) -> Path:
-        """Append the rows to <out_dir>/<gpu>/<bench_name>.csv; the header is written to new files only."""
+    def save(self, bench_name: str, out_dir=RESULTS_DIR, date: str | None = None) -> Path:
+        """Append the rows to <out_dir>/<gpu>/<bench_name>.csv; the header is written to new files only. ``date``:
+        the run's UTC date (default: today's)."""
         path = Path(out_dir) / self.meta["gpu"] / f"{bench_name}.csv"
         path.parent.mkdir(parents=True, exist_ok=True)
         new = not path.exists() or path.stat().st_size == 0
-        date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+        date = date or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
         meta = (date, self.meta["git_sha"], self.meta["gpu"], self.meta["torch"], self.meta["triton"], bench_name)
         with path.open("a", newline="") as f:
             writer = csv.writer(f, lineterminator="\n")

@@ -15,7 +15,8 @@
 # (e.g. LAYOUTS_350M=1-graph,tp2-graph,tp2-ovl-graph,dp2-ddp-graph: CUDA-graph steps).
 #
 # With no stage named, test and bench run.
-# Logs and result rows go to $OUT (default ./device-out); rows are appended to benchmarks/results/<gpu>/parallel.csv.
+# Logs and result rows go to $OUT (default ./device-out): rows are appended to benchmarks/results/<gpu>/parallel.csv
+# and copied to $OUT/parallel_<gpu>.csv. Rows lost with a run's CSV: bench_parallel --from-log LOG --meta ... (its log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device-out}
@@ -74,6 +75,7 @@ if [ "$(left)" -gt 90 ]; then
   grep -v "^|" "$OUT/bench_parallel_1.3b.log" | tail -12
 fi
 fi
-cp benchmarks/results/*/parallel.csv "$OUT/" 2>/dev/null
+# one file per GPU kind (a plain cp of several parallel.csv into $OUT kept only the first: h100's, not the run's)
+for f in benchmarks/results/*/parallel.csv; do [ -f "$f" ] && cp "$f" "$OUT/parallel_$(basename "$(dirname "$f")").csv"; done
 step "done (status $status)"
 exit $status

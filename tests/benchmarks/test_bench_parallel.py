@@ -67,3 +67,19 @@ def test_bench_parallel_cpu_smoke(tmp_path, capsys):
     with (tmp_path / "cpu" / "parallel.csv").open(newline="") as f:
         rows = list(csv.reader(f))
     assert rows[0] == list(CSV_HEADER) and {r[7] for r in rows[1:]} == ran
+    # --from-log: the printed lines give back the figures, to the printed precision, and file them with the stamp given
+    log = tmp_path / "run.log"
+    log.write_text(out)
+    parsed = bench_parallel.rows_from_log(out)
+    printed = {"ms": 0.05, "tok/s": 0.5, "tok/s/gpu": 0.5, "GiB": 0.05, "scaling": 0.005, "loss": 5e-4,
+               "comm ms": 0.05, "comm hidden": 0.005}
+    assert [r[:4] for r in parsed] == [f[:4] for f in results.figures]
+    for (*_, metric, value), f in zip(parsed, results.figures):
+        assert abs(value - f[4]) <= printed[metric] + 1e-9, (f, value)
+    path = bench_parallel.save_from_log(log, "2026-01-02,abc1234,h200,2.11.0+cu130,3.6.0", tmp_path / "back")
+    with path.open(newline="") as f:
+        back = list(csv.reader(f))
+    assert path.parent.name == "h200" and len(back) == len(parsed) + 1
+    assert back[1][:6] == ["2026-01-02", "abc1234", "h200", "2.11.0+cu130", "3.6.0", "parallel"]
+    with pytest.raises(SystemExit, match="--meta"):
+        bench_parallel.save_from_log(log, "2026-01-02,abc1234", tmp_path / "back")
