@@ -29,8 +29,9 @@ made before timing, because it rotates its inputs (and, in the backward, its inc
     python -m benchmarks.bench_rotary [--quick] [--providers compile,megakern-triton] [--no-save] [--graph] [--tune]
 
 With --graph every provider is timed by CUDA-graph replay instead (modes 'fwd graph', 'fwd+bwd graph'). --tune
-instead sweeps the launch parameters of megakern's kernels on the headline case (forward kernel alone) and prints
-them best first, saving nothing.
+instead sweeps the launch parameters of megakern's kernels (forward kernel alone) on the headline, head dim 64 and
+partial rotary cases (the CUDA kernel's on the headline, unless --providers leaves megakern-cuda out) and prints them
+best first per case, saving nothing.
 
 (`python benchmarks/bench_rotary.py` works too, but finds megakern only where it is installed.)
 """
@@ -244,41 +245,58 @@ def _free(device: torch.device) -> None:
 
 
 # ---- --tune: launch parameters of megakern's kernels ------------------------------------------------------------
-def tune(device: torch.device, copy_gbps: float) -> None:
-    """Forward kernel alone on the headline case, for each launch configuration; printed best first."""
-    import megakern
-    from megakern import _rotary_cuda, _rotary_triton, _cuda
+TUNE_CASES = [HEADLINE, Case(16, 4096, 16, 4, 64, 64, False), Case(8, 2048, 64, 64, 96, 24, False)]
 
-    case = HEADLINE if device.type == "cuda" else Case(2, 64, 4, 2, 32, 32, False)
+
+def tune(device: torch.device, copy_gbps: float, providers: set[str] | None) -> None:
+    """Forward kernel alone, for each launch configuration, on the headline, head dim 64 and partial rotary (GPU)
+    cases: Triton tiles, warps and whole-row tiles (both layouts on the headline), and, when megakern-cuda is among
+    the providers (or none are named), the CUDA kernel's launch configurations on the headline. Printed best first
+    per case, the launcher's default marked."""
+    import megakern
+    from megakern import _cuda, _rotary_cuda, _rotary_triton
+
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    q = torch.randn(case.b, case.t, case.nh, case.hs, device=device, dtype=dtype)
-    k = torch.randn(case.b, case.t, case.nkv, case.hs, device=device, dtype=dtype)
-    cos, sin = megakern.rotary_table(case.t, case.rd, device=device)
-    gb = bytes_moved(case, "fwd", q.element_size(), 4) / 1e9
-    rows = []
     status = megakern.available_backends(device)
-    for interleaved in (False, True):
-        args = (q, k, cos, sin, None, None, None, 0, case.rd, interleaved, False, False)
-        if not status["triton"]:
-            for tile in (1024, 2048, 4096, 8192, 16384):
-                for warps in (2, 4, 8):
-                    t = bench(lambda: _rotary_triton.fwd(*args, num_warps=warps, tile=tile), device=device)
-                    cfg = _rotary_triton.config(case.nh, case.nkv, case.rd // 2, 0, None, warps, tile)
-                    rows.append((gb / (t["median"] * 1e-3), f"triton il={interleaved} tile={tile} "
-                                 f"(BLOCK_T, BLOCK_HQ, BLOCK_HK, warps)={cfg}"))
-        if not status["cuda"]:
-            path = _cuda.choose_path()
-            _, groups = _rotary_cuda.groups_per_row(case.hs, case.rd, dtype, False)
-            auto = _rotary_cuda.launch_config(case.nh + case.nkv, groups).tokens_per_block
-            for threads in (128, 256):
-                for items in _rotary_cuda.ITEMS:
-                    for tokens in sorted({1, max(1, auto // 2), auto, auto * 2, auto * 4}):
-                        cfg = _rotary_cuda.launch_config(case.nh + case.nkv, groups, threads, items, tokens)
-                        t = bench(lambda: _rotary_cuda.fwd(*args, path=path, config=cfg), device=device)
-                        rows.append((gb / (t["median"] * 1e-3), f"cuda-{path} il={interleaved} {cfg}"))
-    print(f"{case.name(dtype)} fwd; copy roofline {copy_gbps:.0f} GB/s")
-    for gbps, what in sorted(rows, reverse=True):
-        print(f"{gbps:9.1f} GB/s ({gbps / copy_gbps:.3f})  {what}")
+    tune_cases = TUNE_CASES if device.type == "cuda" else [Case(2, 64, 4, 2, 32, 32, False), Case(2, 8, 2, 2, 24, 8,
+                                                                                                  False)]
+    for case in tune_cases:
+        q = torch.randn(case.b, case.t, case.nh, case.hs, device=device, dtype=dtype)
+        k = torch.randn(case.b, case.t, case.nkv, case.hs, device=device, dtype=dtype)
+        cos, sin = megakern.rotary_table(case.t, case.rd, device=device)
+        gb = bytes_moved(case, "fwd", q.element_size(), 4) / 1e9
+        rest = case.hs - case.rd
+        for interleaved in (False, True) if case == tune_cases[0] else (case.interleaved,):
+            rows = []
+            args = (q, k, cos, sin, None, None, None, 0, case.rd, interleaved, False, False)
+            if not status["triton"]:
+                default = _rotary_triton.config(case.nh, case.nkv, case.rd // 2, rest, None, None,
+                                                _rotary_triton.TILE[interleaved], full_row=rest > 0)
+                for full_row in (False, True):
+                    for tile in (2048, 4096, 8192):
+                        for warps in (4, 8):
+                            cfg = _rotary_triton.config(case.nh, case.nkv, case.rd // 2, rest, None, warps, tile,
+                                                        full_row)
+                            t = bench(lambda: _rotary_triton.fwd(*args, num_warps=warps, tile=tile, full_row=full_row),
+                                      device=device)
+                            mark = " (default)" if cfg == default and full_row == (rest > 0) else ""
+                            rows.append((gb / (t["median"] * 1e-3), f"triton full_row={full_row} tile={tile} "
+                                         f"(BLOCK_T, BLOCK_HQ, BLOCK_HK, warps)={cfg}{mark}"))
+            if not status["cuda"] and case == tune_cases[0] and (not providers or "megakern-cuda" in providers):
+                path = _cuda.choose_path()
+                _, groups = _rotary_cuda.groups_per_row(case.hs, case.rd, dtype, False)
+                auto = _rotary_cuda.launch_config(case.nh + case.nkv, groups).tokens_per_block
+                for threads in (128, 256):
+                    for items in _rotary_cuda.ITEMS:
+                        for tokens in sorted({1, max(1, auto // 2), auto, auto * 2, auto * 4}):
+                            cfg = _rotary_cuda.launch_config(case.nh + case.nkv, groups, threads, items, tokens)
+                            t = bench(lambda: _rotary_cuda.fwd(*args, path=path, config=cfg), device=device)
+                            rows.append((gb / (t["median"] * 1e-3), f"cuda-{path} {cfg}"))
+            print(f"{case._replace(interleaved=interleaved).name(dtype)} fwd; copy roofline {copy_gbps:.0f} GB/s")
+            for gbps, what in sorted(rows, reverse=True):
+                print(f"{gbps:9.1f} GB/s ({gbps / copy_gbps:.3f})  {what}")
+        q = k = None
+        _free(device)
 
 
 def main(argv: list[str] | None = None) -> Results:
@@ -290,7 +308,7 @@ def main(argv: list[str] | None = None) -> Results:
     results = Results(device)
     results.add_roofline("GB/s", measure_copy_gbps(device))
     if tuning:
-        tune(device, results.rooflines["GB/s"])
+        tune(device, results.rooflines["GB/s"], args.providers)
         return results
     providers = load_providers(PROVIDERS, device, args.providers)
     torch.manual_seed(0)

@@ -5,7 +5,10 @@ positions once (position ids, a binary search of cu_seqlens, offsets), loads the
 walks q's heads, then k's, in (BLOCK_T, BLOCK_H, pairs) tiles: each element is read once and written once. GPT-NeoX
 pairs are two contiguous half-rows; GPT-J pairs are split out of one contiguous row with reshape + split, and joined
 back the same way, so loads and stores stay contiguous. Features past rotary_dim are copied (out of place) or left
-alone (in place). The backward is the same kernel with sin negated (CONJ).
+alone (in place). Out of place with partial rotary (FULL_ROW), each head's whole row is loaded and stored at once
+instead (16-byte aligned pieces whatever rotary_dim is), each feature's pair partner loaded a second time from the
+same row (an L1 hit), with per-feature cos / sin (1 / 0 past rotary_dim). The backward is the same kernel with sin
+negated (CONJ).
 
 Launchers take 4-D (B, T, heads, hs) views with unit stride along hs; tensors in, tensors out, no autograd.
 """
@@ -34,10 +37,11 @@ def _prev_pow2(n: int) -> int:
 @triton.jit
 def _rotate_heads(X, O, t, t_mask, c, s, nheads, stride_xt, stride_xh, stride_ot, stride_oh,
                   ROT_HALF: tl.constexpr, HEAD_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
-                  COPY_REST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
-                  BLOCK_REST: tl.constexpr):
+                  COPY_REST: tl.constexpr, FULL_ROW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                  BLOCK_P: tl.constexpr, BLOCK_REST: tl.constexpr):
     # X, O: this sequence's first token of one tensor (q or k); t (BLOCK_T,) int64 token indices; c, s
-    # (BLOCK_T, BLOCK_P) fp32 rows of the table
+    # (BLOCK_T, BLOCK_P) fp32 rows of the table, or with FULL_ROW (BLOCK_T, BLOCK_P) per feature of the whole row
+    # (BLOCK_P = next_power_of_2(HEAD_DIM)): 1 and 0 past rotary_dim, s signed for the feature's side of its pair
     p = tl.arange(0, BLOCK_P)
     c3 = c[:, None, :]
     s3 = s[:, None, :]
@@ -46,7 +50,19 @@ def _rotate_heads(X, O, t, t_mask, c, s, nheads, stride_xt, stride_xh, stride_ot
         row_mask = t_mask[:, None] & (h < nheads)[None, :]
         x_rows = X + (t[:, None] * stride_xt + h[None, :] * stride_xh)[:, :, None]  # (BLOCK_T, BLOCK_H, 1)
         o_rows = O + (t[:, None] * stride_ot + h[None, :] * stride_oh)[:, :, None]
-        if INTERLEAVED:
+        if FULL_ROW:
+            # the whole row in one contiguous load and store (out of place only: a feature's partner, loaded
+            # again from the same row (L1), may belong to another thread); y = x c + x_partner s
+            mask = row_mask[:, :, None] & (p < HEAD_DIM)[None, None, :]
+            if INTERLEAVED:
+                partner = p ^ 1
+            else:
+                partner = tl.where(p < ROT_HALF, p + ROT_HALF, p - ROT_HALF)
+            x = tl.load(x_rows + p[None, None, :], mask=mask, other=0.0).to(tl.float32)
+            xp = tl.load(x_rows + partner[None, None, :], mask=mask & (p < 2 * ROT_HALF)[None, None, :],
+                         other=0.0).to(tl.float32)
+            tl.store(o_rows + p[None, None, :], (x * c3 + xp * s3).to(O.dtype.element_ty), mask=mask)
+        elif INTERLEAVED:
             # one contiguous row of 2 * BLOCK_P features, split into its (even, odd) pairs and joined back
             d = tl.arange(0, 2 * BLOCK_P)
             mask = row_mask[:, :, None] & (d < 2 * ROT_HALF)[None, None, :]
@@ -61,7 +77,7 @@ def _rotate_heads(X, O, t, t_mask, c, s, nheads, stride_xt, stride_xh, stride_ot
             x2 = tl.load(x_rows + ROT_HALF + p[None, None, :], mask=mask, other=0.0).to(tl.float32)
             tl.store(o_rows + p[None, None, :], (x1 * c3 - x2 * s3).to(O.dtype.element_ty), mask=mask)
             tl.store(o_rows + ROT_HALF + p[None, None, :], (x2 * c3 + x1 * s3).to(O.dtype.element_ty), mask=mask)
-        if COPY_REST:
+        if COPY_REST and not FULL_ROW:
             # features past rotary_dim, unchanged
             r = tl.arange(0, BLOCK_REST)
             mask = row_mask[:, :, None] & (r < HEAD_DIM - 2 * ROT_HALF)[None, None, :]
@@ -78,7 +94,7 @@ def _rotary_kernel(
     stride_cos, stride_sin, stride_pb, stride_pt,
     ROT_HALF: tl.constexpr, HEAD_DIM: tl.constexpr, POS_MODE: tl.constexpr, HAS_OFFSETS: tl.constexpr,
     HAS_K: tl.constexpr, INTERLEAVED: tl.constexpr, CONJ: tl.constexpr, COPY_REST: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_P: tl.constexpr,
+    FULL_ROW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_REST: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -107,25 +123,44 @@ def _rotary_kernel(
     pos += offset
     # the (cos, sin) rows of these tokens, in fp32; the backward rotates by -theta
     p = tl.arange(0, BLOCK_P)
-    cs_mask = t_mask[:, None] & (p < ROT_HALF)[None, :]
-    c = tl.load(COS + pos[:, None] * stride_cos + p[None, :], mask=cs_mask, other=0.0).to(tl.float32)
-    s = tl.load(SIN + pos[:, None] * stride_sin + p[None, :], mask=cs_mask, other=0.0).to(tl.float32)
+    if FULL_ROW:
+        # per feature of the row: its pair's entry, cos 1 and sin 0 past rotary_dim; sin negated on the side of
+        # the pair that subtracts (y_a = x_a c - x_b s, y_b = x_b c + x_a s)
+        if INTERLEAVED:
+            pair = p // 2
+            first = p % 2 == 0
+        else:
+            pair = tl.where(p < ROT_HALF, p, p - ROT_HALF)
+            first = p < ROT_HALF
+        cs_mask = t_mask[:, None] & (p < 2 * ROT_HALF)[None, :]
+        c = tl.load(COS + pos[:, None] * stride_cos + pair[None, :], mask=cs_mask, other=1.0).to(tl.float32)
+        s = tl.load(SIN + pos[:, None] * stride_sin + pair[None, :], mask=cs_mask, other=0.0).to(tl.float32)
+        s = tl.where(first[None, :], -s, s)
+    else:
+        cs_mask = t_mask[:, None] & (p < ROT_HALF)[None, :]
+        c = tl.load(COS + pos[:, None] * stride_cos + p[None, :], mask=cs_mask, other=0.0).to(tl.float32)
+        s = tl.load(SIN + pos[:, None] * stride_sin + p[None, :], mask=cs_mask, other=0.0).to(tl.float32)
     if CONJ:
         s = -s
     # q's heads, then k's
     _rotate_heads(Q + b * stride_qb, QO + b * stride_qob, t, t_mask, c, s, NH, stride_qt, stride_qh, stride_qot,
-                  stride_qoh, ROT_HALF, HEAD_DIM, INTERLEAVED, COPY_REST, BLOCK_T, BLOCK_HQ, BLOCK_P, BLOCK_REST)
+                  stride_qoh, ROT_HALF, HEAD_DIM, INTERLEAVED, COPY_REST, FULL_ROW, BLOCK_T, BLOCK_HQ, BLOCK_P,
+                  BLOCK_REST)
     if HAS_K:
         _rotate_heads(K + b * stride_kb, KO + b * stride_kob, t, t_mask, c, s, NKV, stride_kt, stride_kh,
-                      stride_kot, stride_koh, ROT_HALF, HEAD_DIM, INTERLEAVED, COPY_REST, BLOCK_T, BLOCK_HK, BLOCK_P,
-                      BLOCK_REST)
+                      stride_kot, stride_koh, ROT_HALF, HEAD_DIM, INTERLEAVED, COPY_REST, FULL_ROW, BLOCK_T, BLOCK_HK,
+                      BLOCK_P, BLOCK_REST)
 
 
 def config(nh: int, nkv: int, rot_half: int, rest: int = 0, block_t: int | None = None,
-           num_warps: int | None = None, tile: int = TILE[False]) -> tuple[int, int, int, int]:
-    """(BLOCK_T, BLOCK_HQ, BLOCK_HK, warps) for rows of ``rot_half`` pairs and ``rest`` copied features: as many
-    heads per step as fit ``tile`` elements, then as many tokens."""
-    row = 2 * next_power_of_2(rot_half) + (next_power_of_2(rest) if rest else 0)
+           num_warps: int | None = None, tile: int = TILE[False], full_row: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_T, BLOCK_HQ, BLOCK_HK, warps) for rows of ``rot_half`` pairs and ``rest`` copied features (or whole
+    rows of 2 * rot_half + rest features, ``full_row``): as many heads per step as fit ``tile`` elements, then as
+    many tokens."""
+    if full_row:
+        row = next_power_of_2(2 * rot_half + rest)
+    else:
+        row = 2 * next_power_of_2(rot_half) + (next_power_of_2(rest) if rest else 0)
     heads_fit = _prev_pow2(tile // row)
     block_hq = min(next_power_of_2(nh), heads_fit)
     block_hk = min(next_power_of_2(max(nkv, 1)), heads_fit)
@@ -138,10 +173,10 @@ def config(nh: int, nkv: int, rot_half: int, rest: int = 0, block_t: int | None 
 
 def fwd(q, k, cos, sin, position_ids, cu_seqlens, offsets, offset: int, rotary_dim: int, interleaved: bool,
         conj: bool, inplace: bool, *, block_t: int | None = None, num_warps: int | None = None,
-        tile: int | None = None):
+        tile: int | None = None, full_row: bool | None = None):
     """(q_out, k_out | None) for 4-D q (B, T, nh, hs), k (B, T, nkv, hs) or None; arguments as
     megakern.rotary.Rotation. ``conj``: rotate by -theta (the backward). ``inplace``: q_out is q, k_out is k.
-    ``block_t``, ``num_warps``, ``tile`` override the launch defaults (tuning)."""
+    ``block_t``, ``num_warps``, ``tile``, ``full_row`` override the launch defaults (tuning)."""
     batch, seqlen, nh, hs = q.shape
     nkv = k.shape[2] if k is not None else 0
     q_out, k_out = rotary_outputs(q, k, inplace)
@@ -149,8 +184,12 @@ def fwd(q, k, cos, sin, position_ids, cu_seqlens, offsets, offset: int, rotary_d
         return q_out, k_out
     rot_half = rotary_dim // 2
     copy_rest = not inplace and rotary_dim < hs
-    block_t, block_hq, block_hk, warps = config(nh, nkv, rot_half, hs - rotary_dim if copy_rest else 0, block_t,
-                                                num_warps, tile or TILE[interleaved])
+    if full_row is None:
+        full_row = copy_rest
+    elif full_row and inplace:
+        raise ValueError("rotary: full_row rotates out of place only (a feature's partner may be another thread's)")
+    block_t, block_hq, block_hk, warps = config(nh, nkv, rot_half, hs - rotary_dim if copy_rest or full_row else 0,
+                                                block_t, num_warps, tile or TILE[interleaved], full_row)
     t_blocks = cdiv(seqlen, block_t)
     pos_mode = 1 if position_ids is not None else 2 if cu_seqlens is not None else 0
     ndocs = cu_seqlens.numel() - 1 if cu_seqlens is not None else 1
@@ -163,8 +202,8 @@ def fwd(q, k, cos, sin, position_ids, cu_seqlens, offsets, offset: int, rotary_d
         (position_ids.stride(0) if position_ids.shape[0] > 1 else 0) if position_ids is not None else 0,
         position_ids.stride(1) if position_ids is not None else 0,
         ROT_HALF=rot_half, HEAD_DIM=hs, POS_MODE=pos_mode, HAS_OFFSETS=offsets is not None, HAS_K=k is not None,
-        INTERLEAVED=interleaved, CONJ=conj, COPY_REST=copy_rest, BLOCK_T=block_t, BLOCK_HQ=block_hq,
-        BLOCK_HK=block_hk, BLOCK_P=next_power_of_2(rot_half),
-        BLOCK_REST=next_power_of_2(hs - rotary_dim) if copy_rest else 1, num_warps=warps,
+        INTERLEAVED=interleaved, CONJ=conj, COPY_REST=copy_rest, FULL_ROW=full_row, BLOCK_T=block_t,
+        BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_P=next_power_of_2(hs if full_row else rot_half),
+        BLOCK_REST=next_power_of_2(hs - rotary_dim) if copy_rest and not full_row else 1, num_warps=warps,
     )
     return q_out, k_out

@@ -27,13 +27,14 @@ LAYOUTS = ("neox", "interleaved")
 
 def _launcher(variant: str):
     """The launcher of one kernel implementation; skips when it cannot run here."""
-    if variant == "triton":
+    if variant.startswith("triton"):
         problem = megakern.available_backends(DEVICE)["triton"]
         if problem:
             pytest.skip(f"Triton unavailable: {problem}")
         from megakern import _rotary_triton
 
-        return _rotary_triton.fwd
+        # 'triton-rows': whole-row tiles (the default for partial rotary out of place) on every case
+        return functools.partial(_rotary_triton.fwd, full_row=True) if variant == "triton-rows" else _rotary_triton.fwd
     path = variant.split("-", 1)[1]
     if problem := cuda_path_problem(path):
         pytest.skip(f"CUDA path {path!r} unavailable: {problem}")
@@ -166,6 +167,17 @@ def check_case(variant, dtype, leaves, split, cos, sin, kw, interleaved, dy_fn=t
         assert_close_to_ref(f"{variant} grad of input {i}", g, t, lo, atol * max(1.0, t.abs().max().item()))
     for t, s in zip(leaves, saved):
         assert torch.equal(t.detach(), s), "an input was modified"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES[:2] if not HAS_CUDA else DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_full_row_tiles_match_reference(dtype, layout, case):
+    """The Triton kernel's whole-row tiles (out of place) on full and partial rotary alike: outputs and gradients
+    against the reference."""
+    seed(dtype, layout, case, "rows")
+    leaves, split, cos, sin, kw = make_case(case, dtype)
+    check_case("triton-rows", dtype, leaves, split, cos, sin, kw, layout == "interleaved")
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -561,7 +573,7 @@ SM90_VARIANTS = [  # (dtype, table, ROT_HALF, HEAD_DIM, INTERLEAVED, COPY_REST, 
 ]
 
 
-def compile_for_sm90() -> list[tuple[int, int, int]]:
+def compile_for_sm90(full_rows: bool | None = None) -> list[tuple[int, int, int]]:
     """(16-byte global loads, 16-byte global stores, shared memory bytes) of the rotary kernel compiled for sm_90 in
     each SM90_VARIANTS setting, with the 16-divisibility the runtime gives aligned pointers and strides. Needs real
     (not interpreted) Triton kernels: run with TRITON_INTERPRET=0."""
@@ -576,12 +588,14 @@ def compile_for_sm90() -> list[tuple[int, int, int]]:
     fn = kern._rotary_kernel
     out = []
     for dtype, table, rot_half, hs, interleaved, copy_rest, pos_mode, has_offsets, conj in SM90_VARIANTS:
+        full_row = copy_rest if full_rows is None else full_rows  # the launcher's default: partial, out of place
         block_t, block_hq, block_hk, warps = kern.config(32, 8, rot_half, hs - 2 * rot_half if copy_rest else 0,
-                                                         tile=kern.TILE[interleaved])
+                                                         tile=kern.TILE[interleaved], full_row=full_row)
         constexprs = dict(ROT_HALF=rot_half, HEAD_DIM=hs, POS_MODE=pos_mode, HAS_OFFSETS=has_offsets, HAS_K=True,
-                          INTERLEAVED=interleaved, CONJ=conj, COPY_REST=copy_rest, BLOCK_T=block_t,
-                          BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_P=triton.next_power_of_2(rot_half),
-                          BLOCK_REST=triton.next_power_of_2(hs - 2 * rot_half) if copy_rest else 1)
+                          INTERLEAVED=interleaved, CONJ=conj, COPY_REST=copy_rest, FULL_ROW=full_row,
+                          BLOCK_T=block_t, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
+                          BLOCK_P=triton.next_power_of_2(hs if full_row else rot_half),
+                          BLOCK_REST=triton.next_power_of_2(hs - 2 * rot_half) if copy_rest and not full_row else 1)
         pointers = {"Q": f"*{dtype}", "K": f"*{dtype}", "QO": f"*{dtype}", "KO": f"*{dtype}", "COS": f"*{table}",
                     "SIN": f"*{table}", "POS": "*i64", "CU": "*i32", "OFFS": "*i32"}
         signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in fn.arg_names}
