@@ -270,8 +270,12 @@ def tune(device: torch.device, copy_gbps: float, providers: set[str] | None) -> 
             rows = []
             args = (q, k, cos, sin, None, None, None, 0, case.rd, interleaved, False, False)
             if not status["triton"]:
-                default = _rotary_triton.config(case.nh, case.nkv, case.rd // 2, rest, None, None,
-                                                _rotary_triton.TILE[interleaved], full_row=rest > 0)
+                if rest:
+                    default = _rotary_triton.config(case.nh, case.nkv, case.rd // 2, rest, None,
+                                                    _rotary_triton.WARPS_FULL_ROW, _rotary_triton.TILE_FULL_ROW, True)
+                else:
+                    default = _rotary_triton.config(case.nh, case.nkv, case.rd // 2, 0, None, None,
+                                                    _rotary_triton.TILE[interleaved])
                 for full_row in (False, True):
                     for tile in (2048, 4096, 8192):
                         for warps in (4, 8):

@@ -28,6 +28,10 @@ from megakern.rotary import rotary_outputs
 # 0.921-0.923 for 2048 at 2 warps; interleaved 4096 at 4 warps 0.933-0.937, 2048 0.924-0.932. Loads marked
 # evict-first with streaming (.cs) stores were slower (interleaved 4096: 0.905).
 TILE = {False: 2048, True: 4096}
+# Whole-row tiles (partial rotary out of place): 8192 elements at 4 warps, measured on an H100 (bench_rotary --tune,
+# GPT-NeoX-20B's q (8, 2048, 64, 96) + k (64 heads), rotary_dim 24, fraction of copy): 0.955, against 0.852 for 2048
+# elements and 0.860 for 8192 at 8 warps; the half-row tiles reached 0.792 at best.
+TILE_FULL_ROW, WARPS_FULL_ROW = 8192, 4
 
 
 def _prev_pow2(n: int) -> int:
@@ -188,6 +192,8 @@ def fwd(q, k, cos, sin, position_ids, cu_seqlens, offsets, offset: int, rotary_d
         full_row = copy_rest
     elif full_row and inplace:
         raise ValueError("rotary: full_row rotates out of place only (a feature's partner may be another thread's)")
+    if full_row:
+        tile, num_warps = tile or TILE_FULL_ROW, num_warps or WARPS_FULL_ROW
     block_t, block_hq, block_hk, warps = config(nh, nkv, rot_half, hs - rotary_dim if copy_rest or full_row else 0,
                                                 block_t, num_warps, tile or TILE[interleaved], full_row)
     t_blocks = cdiv(seqlen, block_t)

@@ -589,8 +589,10 @@ def compile_for_sm90(full_rows: bool | None = None) -> list[tuple[int, int, int]
     out = []
     for dtype, table, rot_half, hs, interleaved, copy_rest, pos_mode, has_offsets, conj in SM90_VARIANTS:
         full_row = copy_rest if full_rows is None else full_rows  # the launcher's default: partial, out of place
-        block_t, block_hq, block_hk, warps = kern.config(32, 8, rot_half, hs - 2 * rot_half if copy_rest else 0,
-                                                         tile=kern.TILE[interleaved], full_row=full_row)
+        block_t, block_hq, block_hk, warps = kern.config(
+            32, 8, rot_half, hs - 2 * rot_half if copy_rest else 0, None,
+            kern.WARPS_FULL_ROW if full_row else None, kern.TILE_FULL_ROW if full_row else kern.TILE[interleaved],
+            full_row)
         constexprs = dict(ROT_HALF=rot_half, HEAD_DIM=hs, POS_MODE=pos_mode, HAS_OFFSETS=has_offsets, HAS_K=True,
                           INTERLEAVED=interleaved, CONJ=conj, COPY_REST=copy_rest, FULL_ROW=full_row,
                           BLOCK_T=block_t, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
