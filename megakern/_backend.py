@@ -107,13 +107,24 @@ def available_backends(device: torch.device | str) -> dict[str, str]:
     """Every backend name mapped to '' if it can run on ``device``, else to the reason it cannot."""
     device = torch.device(device)
     if device.type == "cuda":
-        return dict(_cuda_device_backends(device.index))
-    return {"torch": "", "triton": triton_problem(device), "cuda": cuda_problem(device)}
+        return dict(_device_backends(device.type, device.index))
+    return dict(_device_backends(device.type, None))
 
 
 @functools.lru_cache(maxsize=None)
 def _cuda_device_backends(index: int | None) -> tuple[tuple[str, str], ...]:
     device = torch.device("cuda", index)
+    return (("torch", ""), ("triton", triton_problem(device)), ("cuda", cuda_problem(device)))
+
+
+@torch.compiler.assume_constant_result
+def _device_backends(device_type: str, index: int | None) -> tuple[tuple[str, str], ...]:
+    """The probes run eagerly and their answer is a constant to torch.compile: traced, a failed import inside them
+    (megakern._C not built) is an exception Dynamo cannot handle, and the graph break it forces around an
+    autograd Function broke AOTAutograd's backward ("outs_to_grad length (1) != tangents length (2)")."""
+    if device_type == "cuda":
+        return _cuda_device_backends(index)
+    device = torch.device(device_type)
     return (("torch", ""), ("triton", triton_problem(device)), ("cuda", cuda_problem(device)))
 
 

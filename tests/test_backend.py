@@ -71,3 +71,30 @@ def test_launch_integer_helpers_match_triton():
         assert next_power_of_2(n) == triton.next_power_of_2(n), n
         for b in (1, 3, 16, 64, 128, 1000):
             assert cdiv(n, b) == triton.cdiv(n, b), (n, b)
+
+
+def test_backend_probes_are_constants_under_torch_compile(monkeypatch):
+    """Traced by Dynamo, a probe's failed import (megakern._C not built) is an exception it cannot handle: the graph
+    broke inside every op's backend choice, and around an autograd Function that broke AOTAutograd's backward
+    (seen with the CUDA rotary ops on a GPU without the extension). The probes run eagerly and are constants to
+    torch.compile: a whole graph compiles."""
+    def probe(device):
+        try:
+            from megakern import _not_built  # noqa: F401  (what extension() meets without megakern._C)
+        except ImportError as exc:
+            return f"not built ({exc})"
+        return ""
+
+    monkeypatch.setattr(_backend, "cuda_problem", probe)
+    _backend._cuda_device_backends.cache_clear()
+    try:
+        def f(x):
+            problems = available_backends(torch.device("cuda", 0))
+            return x + (1.0 if problems["cuda"] else 2.0) + (0.5 if available_backends(x.device)["cuda"] else 0.0)
+
+        torch.compiler.reset()
+        out = torch.compile(f, fullgraph=True, backend="eager")(torch.ones(3))
+        assert torch.equal(out, torch.full((3,), 2.5))
+    finally:
+        _backend._cuda_device_backends.cache_clear()
+        torch.compiler.reset()
