@@ -2,8 +2,8 @@
 # The parallel stack on a machine with several GPUs, in one command (NVLink multicast off):
 #   1. tests/parallel/test_multi_gpu.py: the training program under torchrun in every layout the GPUs allow
 #      (NCCL), against the same run on one GPU;
-#   2. benchmarks/bench_parallel.py for GPT-350M (layouts over 1..4 GPUs, CUDA-graph steps where they can run,
-#      communication hidden), then GPT-1.3B,
+#   2. benchmarks/bench_parallel.py for GPT-350M (layouts over 1..4 GPUs, or 1..8 on a machine with 8: CUDA-graph
+#      steps where they can run, communication hidden), then GPT-1.3B,
 #      while the time budget lasts.
 #
 #   3. (stage "profile") bench_parallel --profile: rank 0's kernel and host tables and every rank's timeline of
@@ -62,16 +62,26 @@ cat "$OUT"/prof/*.txt > "$OUT/profiles.txt" 2>/dev/null; rm -rf "$OUT/prof"
 fi
 
 if want bench; then
+# default layouts by the machine's GPUs: on 8, the 8-GPU layouts (the 3-D tp2 x pp2 x dp2 among them) first, then
+# what 4 GPUs measured already (cut by the time budget first)
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")
+if [ "${gpus:-0}" -ge 8 ]; then
+  default_350m=1-graph,1,1x8-graph,dp8-ddp-graph,tp2.dp4-ddp-graph,tp8-graph,tp2.pp2.dp2,pp2.dp4,dp4-ddp-graph,tp4-graph
+  default_13b=1-graph,1,tp8-graph,tp2.pp2.dp2,dp8,tp4-graph,tp2-graph
+else
+  default_350m=1-graph,1x2-graph,dp2-ddp-graph,tp2-graph,tp2-ovl-graph,cp2-ddp-graph,dp4-ddp-graph,tp2.dp2-ddp-graph,tp4-graph,pp2,dp2
+  default_13b=1-graph,tp2-graph,tp2-ovl-graph,tp4-graph,tp4-ovl-graph,dp4
+fi
 step "bench_parallel gpt-350m"
 timeout $(( $(left) - 60 )) python3 -m benchmarks.bench_parallel --model gpt-350m --micro-batch 8 --warmup 3 --steps 8 \
-  --layouts ${LAYOUTS_350M:-1-graph,1x2-graph,dp2-ddp-graph,tp2-graph,tp2-ovl-graph,cp2-ddp-graph,dp4-ddp-graph,tp2.dp2-ddp-graph,tp4-graph,pp2,dp2} --overlap --timeout 200 \
+  --layouts ${LAYOUTS_350M:-$default_350m} --overlap --timeout 200 \
   > "$OUT/bench_parallel_350m.log" 2>&1 || status=1
 grep -v "^|" "$OUT/bench_parallel_350m.log" | tail -25
 
 if [ "$(left)" -gt 90 ]; then
   step "bench_parallel gpt-1.3b"
   timeout $(( $(left) - 5 )) python3 -m benchmarks.bench_parallel --model gpt-1.3b --micro-batch 4 --warmup 3 --steps 6 \
-    --layouts ${LAYOUTS_13B:-1-graph,tp2-graph,tp2-ovl-graph,tp4-graph,tp4-ovl-graph,dp4} --overlap --timeout 150 > "$OUT/bench_parallel_1.3b.log" 2>&1 || status=1
+    --layouts ${LAYOUTS_13B:-$default_13b} --overlap --timeout 150 > "$OUT/bench_parallel_1.3b.log" 2>&1 || status=1
   grep -v "^|" "$OUT/bench_parallel_1.3b.log" | tail -12
 fi
 fi
