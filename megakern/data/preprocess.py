@@ -215,8 +215,25 @@ def _init_worker(tokenize: _Tokenize) -> None:
     global _worker_tokenize
     _worker_tokenize = tokenize
     # a forked worker inherits its parent's Python signal handlers: a SIGTERM handler of the parent (an application
-    # that saves state on SIGTERM) would keep Pool.terminate() from stopping a worker blocked on the task queue
+    # that saves state on SIGTERM) would keep Pool.terminate() from stopping a worker blocked on the task queue.
+    # SIGTERM stays blocked from the fork to here (_pool): one sent meanwhile is delivered now, with the default
+    # action, instead of reaching the inherited handler and being lost (terminate() then waited forever)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+
+def _pool(workers: int, tokenize: _Tokenize):
+    """A process pool whose workers start with SIGTERM blocked until their initializer restores its default action
+    (a worker still starting when a fast error makes the parent call terminate() then ends too). The parent's mask
+    is restored at once: a SIGTERM for the parent meanwhile stays pending and reaches its own handler."""
+    if not hasattr(signal, "pthread_sigmask"):
+        return multiprocessing.get_context().Pool(workers, _init_worker, (tokenize,))
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        return multiprocessing.get_context().Pool(workers, _init_worker, (tokenize,))
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _work(record: Record) -> tuple:
@@ -233,7 +250,7 @@ def _tokenized(records: Iterable[Record], tokenize: _Tokenize, workers: int,
         return
     window = _Window(max_items=4 * chunksize * workers, min_items=chunksize,
                      max_bytes=IN_FLIGHT_BYTES_PER_WORKER * workers)
-    pool = multiprocessing.get_context().Pool(workers, _init_worker, (tokenize,))
+    pool = _pool(workers, tokenize)
 
     def in_order() -> Iterator[tuple]:
         for result in pool.imap(_work, window.feed(records), chunksize=chunksize):

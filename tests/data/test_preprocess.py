@@ -133,9 +133,34 @@ def test_workers_stop_under_a_parent_sigterm_handler(tmp_path):
               f"    try: pp.preprocess([{str(src)!r}], ByteTokenizer(), {str(tmp_path / 'x')!r} + str(i), workers=2, "
               "chunksize=1, progress=False)\n"
               "    except DataError as e: print('error:', e)\n")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.count("not valid JSON") == 5, proc.stdout
+
+
+def test_worker_still_starting_stops_at_terminate(tmp_path):
+    """The race behind a rare hang of the test above under load: the first worker meets the bad line while another
+    is still starting (before its initializer restored SIGTERM's default action); terminate()'s SIGTERM reached the
+    inherited handler, was lost, and the pool's join waited forever. Here the second worker is held back for 2 s;
+    SIGTERM stays blocked in it until its initializer, so it ends and the error comes back."""
+    src = write_jsonl(tmp_path / "a.jsonl", [{"text": d} for d in DOCS] + ['{"text": "cut'])
+    marker = tmp_path / "first-worker"
+    script = (f"import os, signal, sys, time; sys.path.insert(0, {str(ROOT)!r})\n"
+              "signal.signal(signal.SIGTERM, lambda *a: None)\n"
+              "from megakern.data import preprocess as pp\nfrom megakern.data.indexed import DataError\n"
+              "from megakern.data.tokenizers import ByteTokenizer\n"
+              "init = pp._init_worker\n"
+              "def slow_init(*a):\n"
+              f"    try: os.close(os.open({str(marker)!r}, os.O_CREAT | os.O_EXCL))\n"
+              "    except FileExistsError: time.sleep(2.0)  # every worker but the first\n"
+              "    init(*a)\n"
+              "pp._init_worker = slow_init\n"
+              f"try: pp.preprocess([{str(src)!r}], ByteTokenizer(), {str(tmp_path / 'x')!r}, workers=2, "
+              "chunksize=1, progress=False)\n"
+              "except DataError as e: print('error:', e)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "not valid JSON" in proc.stdout, proc.stdout
 
 
 def test_unreadable_inputs(tmp_path):
