@@ -1319,6 +1319,12 @@ def main(argv=None) -> int:
         live_graph = getattr(getattr(trainer, "step_graph", None), "graph", None) is not None
         if dist.is_available() and dist.is_initialized() and not live_graph:
             dist.destroy_process_group()  # (after an error with a live graph: left to the exit, which aborts NCCL)
+            # the process groups' objects (and gloo's worker threads) live on while the trainer's groups and meshes
+            # reference them: collected here, while the interpreter is alive. Left to the exit, a gloo worker could
+            # still be freeing the last collectives' tensors during finalization, and aborted the process
+            # ("terminate called without an active exception") after a complete run
+            trainer = None
+            gc.collect()
     return 0
 
 
