@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> Results:
         dq, dk = torch.randn_like(q), torch.randn_like(k)
         ref = _reference(case, q, k, dq, dk)
         for pname, make in providers.items():
-            inputs = outs = None
+            inputs = None
             try:
                 provider = make(case, dtype)
                 _check(_outputs(provider, q, k, dq, dk), ref, TOL[dtype])  # also the warm-up (compilation)
@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> Results:
             except Exception as e:
                 report_failure(pname, name, e)
             finally:
-                inputs = outs = None
+                inputs = None
                 _free(device)
         q = k = dq = dk = ref = None
         _free(device)

@@ -14,7 +14,6 @@ Launchers take 4-D (B, T, heads, hs) views with unit stride along hs; tensors in
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
