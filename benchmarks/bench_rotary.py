@@ -265,27 +265,22 @@ def tune(device: torch.device, copy_gbps: float, providers: set[str] | None) -> 
         k = torch.randn(case.b, case.t, case.nkv, case.hs, device=device, dtype=dtype)
         cos, sin = megakern.rotary_table(case.t, case.rd, device=device)
         gb = bytes_moved(case, "fwd", q.element_size(), 4) / 1e9
-        rest = case.hs - case.rd
         for interleaved in (False, True) if case == tune_cases[0] else (case.interleaved,):
             rows = []
             args = (q, k, cos, sin, None, None, None, 0, case.rd, interleaved, False, False)
             if not status["triton"]:
-                if rest:
-                    default = _rotary_triton.config(case.nh, case.nkv, case.rd // 2, rest, None,
-                                                    _rotary_triton.WARPS_FULL_ROW, _rotary_triton.TILE_FULL_ROW, True)
-                else:
-                    default = _rotary_triton.config(case.nh, case.nkv, case.rd // 2, 0, None, None,
-                                                    _rotary_triton.TILE[interleaved])
+                default = _rotary_triton.launch_config(case.nh, case.nkv, case.hs, case.rd, interleaved, False)
                 for full_row in (False, True):
                     for tile in (2048, 4096, 8192):
                         for warps in (4, 8):
-                            cfg = _rotary_triton.config(case.nh, case.nkv, case.rd // 2, rest, None, warps, tile,
-                                                        full_row)
-                            t = bench(lambda: _rotary_triton.fwd(*args, num_warps=warps, tile=tile, full_row=full_row),
-                                      device=device)
-                            mark = " (default)" if cfg == default and full_row == (rest > 0) else ""
+                            knobs = dict(num_warps=warps, tile=tile, full_row=full_row)
+                            cfg = _rotary_triton.launch_config(case.nh, case.nkv, case.hs, case.rd, interleaved,
+                                                               False, **knobs)
+                            t = bench(lambda: _rotary_triton.fwd(*args, **knobs), device=device)
+                            tiles = tuple(cfg[0][n] for n in ("BLOCK_T", "BLOCK_HQ", "BLOCK_HK"))
                             rows.append((gb / (t["median"] * 1e-3), f"triton full_row={full_row} tile={tile} "
-                                         f"(BLOCK_T, BLOCK_HQ, BLOCK_HK, warps)={cfg}{mark}"))
+                                         f"(BLOCK_T, BLOCK_HQ, BLOCK_HK, warps)={(*tiles, cfg[1])}"
+                                         f"{' (default)' if cfg == default else ''}"))
             if not status["cuda"] and case == tune_cases[0] and (not providers or "megakern-cuda" in providers):
                 path = _cuda.choose_path()
                 _, groups = _rotary_cuda.groups_per_row(case.hs, case.rd, dtype, False)

@@ -106,9 +106,7 @@ def cuda_problem(device: torch.device) -> str:
 def available_backends(device: torch.device | str) -> dict[str, str]:
     """Every backend name mapped to '' if it can run on ``device``, else to the reason it cannot."""
     device = torch.device(device)
-    if device.type == "cuda":
-        return dict(_device_backends(device.type, device.index))
-    return dict(_device_backends(device.type, None))
+    return dict(_device_backends(device.type, device.index))
 
 
 @functools.lru_cache(maxsize=None)
@@ -123,8 +121,8 @@ def _device_backends(device_type: str, index: int | None) -> tuple[tuple[str, st
     (megakern._C not built) is an exception Dynamo cannot handle, and the graph break it forces around an
     autograd Function broke AOTAutograd's backward ("outs_to_grad length (1) != tangents length (2)")."""
     if device_type == "cuda":
-        return _cuda_device_backends(index)
-    device = torch.device(device_type)
+        return _cuda_device_backends(index)  # cached: the probes import and query the driver
+    device = torch.device(device_type, index)
     return (("torch", ""), ("triton", triton_problem(device)), ("cuda", cuda_problem(device)))
 
 

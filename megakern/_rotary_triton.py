@@ -174,17 +174,11 @@ def config(nh: int, nkv: int, rot_half: int, rest: int = 0, block_t: int | None 
     return block_t, block_hq, block_hk, warps
 
 
-def fwd(q, k, cos, sin, position_ids, cu_seqlens, offsets, offset: int, rotary_dim: int, interleaved: bool,
-        conj: bool, inplace: bool, *, block_t: int | None = None, num_warps: int | None = None,
-        tile: int | None = None, full_row: bool | None = None):
-    """(q_out, k_out | None) for 4-D q (B, T, nh, hs), k (B, T, nkv, hs) or None; arguments as
-    megakern.rotary.Rotation. ``conj``: rotate by -theta (the backward). ``inplace``: q_out is q, k_out is k.
-    ``block_t``, ``num_warps``, ``tile``, ``full_row`` override the launch defaults (tuning)."""
-    batch, seqlen, nh, hs = q.shape
-    nkv = k.shape[2] if k is not None else 0
-    q_out, k_out = rotary_outputs(q, k, inplace)
-    if batch * seqlen == 0 or nh + nkv == 0:
-        return q_out, k_out
+def launch_config(nh: int, nkv: int, hs: int, rotary_dim: int, interleaved: bool, inplace: bool, *,
+                  block_t: int | None = None, num_warps: int | None = None, tile: int | None = None,
+                  full_row: bool | None = None) -> tuple[dict, int]:
+    """(the kernel's tile constexprs, warps) for one launch: whole-row tiles by default for partial rotary out of
+    place (TILE_FULL_ROW, WARPS_FULL_ROW), else half-row tiles (TILE by layout); the keywords override (tuning)."""
     rot_half = rotary_dim // 2
     copy_rest = not inplace and rotary_dim < hs
     if full_row is None:
@@ -195,7 +189,23 @@ def fwd(q, k, cos, sin, position_ids, cu_seqlens, offsets, offset: int, rotary_d
         tile, num_warps = tile or TILE_FULL_ROW, num_warps or WARPS_FULL_ROW
     block_t, block_hq, block_hk, warps = config(nh, nkv, rot_half, hs - rotary_dim if copy_rest or full_row else 0,
                                                 block_t, num_warps, tile or TILE[interleaved], full_row)
-    t_blocks = cdiv(seqlen, block_t)
+    return dict(COPY_REST=copy_rest, FULL_ROW=full_row, BLOCK_T=block_t, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
+                BLOCK_P=next_power_of_2(hs if full_row else rot_half),
+                BLOCK_REST=next_power_of_2(hs - rotary_dim) if copy_rest and not full_row else 1), warps
+
+
+def fwd(q, k, cos, sin, position_ids, cu_seqlens, offsets, offset: int, rotary_dim: int, interleaved: bool,
+        conj: bool, inplace: bool, **overrides):
+    """(q_out, k_out | None) for 4-D q (B, T, nh, hs), k (B, T, nkv, hs) or None; arguments as
+    megakern.rotary.Rotation. ``conj``: rotate by -theta (the backward). ``inplace``: q_out is q, k_out is k.
+    ``overrides``: launch_config's keywords (block_t, num_warps, tile, full_row), for tuning."""
+    batch, seqlen, nh, hs = q.shape
+    nkv = k.shape[2] if k is not None else 0
+    q_out, k_out = rotary_outputs(q, k, inplace)
+    if batch * seqlen == 0 or nh + nkv == 0:
+        return q_out, k_out
+    tiles, warps = launch_config(nh, nkv, hs, rotary_dim, interleaved, inplace, **overrides)
+    t_blocks = cdiv(seqlen, tiles["BLOCK_T"])
     pos_mode = 1 if position_ids is not None else 2 if cu_seqlens is not None else 0
     ndocs = cu_seqlens.numel() - 1 if cu_seqlens is not None else 1
     kk, kko = (k, k_out) if k is not None else (q, q_out)  # unused (HAS_K=False), any valid pointer
@@ -206,9 +216,7 @@ def fwd(q, k, cos, sin, position_ids, cu_seqlens, offsets, offset: int, rotary_d
         cos.stride(0), sin.stride(0),
         (position_ids.stride(0) if position_ids.shape[0] > 1 else 0) if position_ids is not None else 0,
         position_ids.stride(1) if position_ids is not None else 0,
-        ROT_HALF=rot_half, HEAD_DIM=hs, POS_MODE=pos_mode, HAS_OFFSETS=offsets is not None, HAS_K=k is not None,
-        INTERLEAVED=interleaved, CONJ=conj, COPY_REST=copy_rest, FULL_ROW=full_row, BLOCK_T=block_t,
-        BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_P=next_power_of_2(hs if full_row else rot_half),
-        BLOCK_REST=next_power_of_2(hs - rotary_dim) if copy_rest and not full_row else 1, num_warps=warps,
+        ROT_HALF=rotary_dim // 2, HEAD_DIM=hs, POS_MODE=pos_mode, HAS_OFFSETS=offsets is not None,
+        HAS_K=k is not None, INTERLEAVED=interleaved, CONJ=conj, **tiles, num_warps=warps,
     )
     return q_out, k_out

@@ -588,16 +588,11 @@ def compile_for_sm90(full_rows: bool | None = None) -> list[tuple[int, int, int]
     fn = kern._rotary_kernel
     out = []
     for dtype, table, rot_half, hs, interleaved, copy_rest, pos_mode, has_offsets, conj in SM90_VARIANTS:
-        full_row = copy_rest if full_rows is None else full_rows  # the launcher's default: partial, out of place
-        block_t, block_hq, block_hk, warps = kern.config(
-            32, 8, rot_half, hs - 2 * rot_half if copy_rest else 0, None,
-            kern.WARPS_FULL_ROW if full_row else None, kern.TILE_FULL_ROW if full_row else kern.TILE[interleaved],
-            full_row)
+        # the launcher's own tiles (out of place: copy_rest is partial rotary), whole rows everywhere if asked
+        tiles, warps = kern.launch_config(32, 8, hs, 2 * rot_half, interleaved, False, full_row=full_rows)
+        assert tiles["COPY_REST"] == copy_rest
         constexprs = dict(ROT_HALF=rot_half, HEAD_DIM=hs, POS_MODE=pos_mode, HAS_OFFSETS=has_offsets, HAS_K=True,
-                          INTERLEAVED=interleaved, CONJ=conj, COPY_REST=copy_rest, FULL_ROW=full_row,
-                          BLOCK_T=block_t, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
-                          BLOCK_P=triton.next_power_of_2(hs if full_row else rot_half),
-                          BLOCK_REST=triton.next_power_of_2(hs - 2 * rot_half) if copy_rest and not full_row else 1)
+                          INTERLEAVED=interleaved, CONJ=conj, **tiles)
         pointers = {"Q": f"*{dtype}", "K": f"*{dtype}", "QO": f"*{dtype}", "KO": f"*{dtype}", "COS": f"*{table}",
                     "SIN": f"*{table}", "POS": "*i64", "CU": "*i32", "OFFS": "*i32"}
         signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in fn.arg_names}

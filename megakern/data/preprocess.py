@@ -227,13 +227,13 @@ def _pool(workers: int, tokenize: _Tokenize):
     """A process pool whose workers start with SIGTERM blocked until their initializer restores its default action
     (a worker still starting when a fast error makes the parent call terminate() then ends too). The parent's mask
     is restored at once: a SIGTERM for the parent meanwhile stays pending and reaches its own handler."""
-    if not hasattr(signal, "pthread_sigmask"):
-        return multiprocessing.get_context().Pool(workers, _init_worker, (tokenize,))
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    masks = hasattr(signal, "pthread_sigmask")  # (POSIX)
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM}) if masks else None
     try:
         return multiprocessing.get_context().Pool(workers, _init_worker, (tokenize,))
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        if masks:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _work(record: Record) -> tuple:

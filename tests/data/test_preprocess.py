@@ -121,20 +121,28 @@ def test_bad_lines_name_file_and_line(tmp_path, workers):
             run([src], tmp_path / "z", workers=workers)
 
 
+def _preprocess_under_a_sigterm_handler(tmp_path, body: str) -> subprocess.CompletedProcess:
+    """Run ``body`` in a subprocess whose main program handles SIGTERM (as an application saving state does), with
+    ``pp`` (megakern.data.preprocess), DataError and ByteTokenizer imported and ``run(out)`` preprocessing an input
+    whose last line is bad with 2 workers, printing the error; with a time limit (a hang fails the test)."""
+    src = write_jsonl(tmp_path / "a.jsonl", [{"text": d} for d in DOCS] + ['{"text": "cut'])
+    script = (f"import os, signal, sys, time; sys.path.insert(0, {str(ROOT)!r})\n"
+              "signal.signal(signal.SIGTERM, lambda *a: None)\n"
+              "from megakern.data import preprocess as pp\nfrom megakern.data.indexed import DataError\n"
+              "from megakern.data.tokenizers import ByteTokenizer\n"
+              "def run(out):\n"
+              f"    try: pp.preprocess([{str(src)!r}], ByteTokenizer(), out, workers=2, chunksize=1, progress=False)\n"
+              "    except DataError as e: print('error:', e)\n" + body)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc
+
+
 def test_workers_stop_under_a_parent_sigterm_handler(tmp_path):
     """An application that handles SIGTERM (to save state) and stops a preprocess early: the pool's workers, forked
     with that handler, still end at Pool.terminate() (they restore the default action), so the error comes back
-    instead of a hang. Run in a subprocess with a time limit."""
-    src = write_jsonl(tmp_path / "a.jsonl", [{"text": d} for d in DOCS] + ['{"text": "cut'])
-    script = (f"import signal, sys; sys.path.insert(0, {str(ROOT)!r}); signal.signal(signal.SIGTERM, lambda *a: None)\n"
-              "from megakern.data import preprocess as pp\nfrom megakern.data.indexed import DataError\n"
-              "from megakern.data.tokenizers import ByteTokenizer\n"
-              "for i in range(5):\n"
-              f"    try: pp.preprocess([{str(src)!r}], ByteTokenizer(), {str(tmp_path / 'x')!r} + str(i), workers=2, "
-              "chunksize=1, progress=False)\n"
-              "    except DataError as e: print('error:', e)\n")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    instead of a hang."""
+    proc = _preprocess_under_a_sigterm_handler(tmp_path, f"for i in range(5): run({str(tmp_path / 'x')!r} + str(i))\n")
     assert proc.stdout.count("not valid JSON") == 5, proc.stdout
 
 
@@ -143,23 +151,15 @@ def test_worker_still_starting_stops_at_terminate(tmp_path):
     is still starting (before its initializer restored SIGTERM's default action); terminate()'s SIGTERM reached the
     inherited handler, was lost, and the pool's join waited forever. Here the second worker is held back for 2 s;
     SIGTERM stays blocked in it until its initializer, so it ends and the error comes back."""
-    src = write_jsonl(tmp_path / "a.jsonl", [{"text": d} for d in DOCS] + ['{"text": "cut'])
     marker = tmp_path / "first-worker"
-    script = (f"import os, signal, sys, time; sys.path.insert(0, {str(ROOT)!r})\n"
-              "signal.signal(signal.SIGTERM, lambda *a: None)\n"
-              "from megakern.data import preprocess as pp\nfrom megakern.data.indexed import DataError\n"
-              "from megakern.data.tokenizers import ByteTokenizer\n"
-              "init = pp._init_worker\n"
-              "def slow_init(*a):\n"
-              f"    try: os.close(os.open({str(marker)!r}, os.O_CREAT | os.O_EXCL))\n"
-              "    except FileExistsError: time.sleep(2.0)  # every worker but the first\n"
-              "    init(*a)\n"
-              "pp._init_worker = slow_init\n"
-              f"try: pp.preprocess([{str(src)!r}], ByteTokenizer(), {str(tmp_path / 'x')!r}, workers=2, "
-              "chunksize=1, progress=False)\n"
-              "except DataError as e: print('error:', e)\n")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = _preprocess_under_a_sigterm_handler(tmp_path, (
+        "init = pp._init_worker\n"
+        "def slow_init(*a):\n"
+        f"    try: os.close(os.open({str(marker)!r}, os.O_CREAT | os.O_EXCL))\n"
+        "    except FileExistsError: time.sleep(2.0)  # every worker but the first\n"
+        "    init(*a)\n"
+        "pp._init_worker = slow_init\n"
+        f"run({str(tmp_path / 'x')!r})\n"))
     assert "not valid JSON" in proc.stdout, proc.stdout
 
 
