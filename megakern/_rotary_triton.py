@@ -14,6 +14,8 @@ Launchers take 4-D (B, T, heads, hs) views with unit stride along hs; tensors in
 """
 from __future__ import annotations
 
+import functools
+
 import triton
 import triton.language as tl
 
@@ -91,17 +93,25 @@ def _rotate_heads(X, O, t, t_mask, c, s, nheads, stride_xt, stride_xh, stride_ot
 @triton.jit
 def _rotary_kernel(
     Q, K, QO, KO, COS, SIN, POS, CU, OFFS,
-    T, t_blocks, NH, NKV, ndocs, search_steps, offset,
+    T, NH, NKV, ndocs, search_steps, offset,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
-    stride_qob, stride_qot, stride_qoh, stride_kob, stride_kot, stride_koh,
     stride_cos, stride_sin, stride_pb, stride_pt,
     ROT_HALF: tl.constexpr, HEAD_DIM: tl.constexpr, POS_MODE: tl.constexpr, HAS_OFFSETS: tl.constexpr,
-    HAS_K: tl.constexpr, INTERLEAVED: tl.constexpr, CONJ: tl.constexpr, COPY_REST: tl.constexpr,
-    FULL_ROW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_REST: tl.constexpr,
+    HAS_K: tl.constexpr, INTERLEAVED: tl.constexpr, CONJ: tl.constexpr, INPLACE: tl.constexpr,
+    COPY_REST: tl.constexpr, FULL_ROW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_REST: tl.constexpr,
 ):
+    # outputs: q and k themselves (INPLACE), else fresh contiguous (B, T, heads, HEAD_DIM) tensors, whose strides
+    # follow from the shape (fewer launch arguments: each costs host time at every launch)
+    t_blocks = tl.cdiv(T, BLOCK_T)
     pid = tl.program_id(0)
     b = (pid // t_blocks).to(tl.int64)
+    if INPLACE:
+        stride_qot, stride_qoh, qo_start = stride_qt, stride_qh, b * stride_qb
+        stride_kot, stride_koh, ko_start = stride_kt, stride_kh, b * stride_kb
+    else:
+        stride_qot, stride_qoh, qo_start = NH * HEAD_DIM, HEAD_DIM, b * T * NH * HEAD_DIM
+        stride_kot, stride_koh, ko_start = NKV * HEAD_DIM, HEAD_DIM, b * T * NKV * HEAD_DIM
     t = ((pid % t_blocks) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     t_mask = t < T
     # positions: POS_MODE 0 = t, 1 = position ids, 2 = t - start of its document (cu_seqlens, B == 1)
@@ -146,11 +156,11 @@ def _rotary_kernel(
     if CONJ:
         s = -s
     # q's heads, then k's
-    _rotate_heads(Q + b * stride_qb, QO + b * stride_qob, t, t_mask, c, s, NH, stride_qt, stride_qh, stride_qot,
+    _rotate_heads(Q + b * stride_qb, QO + qo_start, t, t_mask, c, s, NH, stride_qt, stride_qh, stride_qot,
                   stride_qoh, ROT_HALF, HEAD_DIM, INTERLEAVED, COPY_REST, FULL_ROW, BLOCK_T, BLOCK_HQ, BLOCK_P,
                   BLOCK_REST)
     if HAS_K:
-        _rotate_heads(K + b * stride_kb, KO + b * stride_kob, t, t_mask, c, s, NKV, stride_kt, stride_kh,
+        _rotate_heads(K + b * stride_kb, KO + ko_start, t, t_mask, c, s, NKV, stride_kt, stride_kh,
                       stride_kot, stride_koh, ROT_HALF, HEAD_DIM, INTERLEAVED, COPY_REST, FULL_ROW, BLOCK_T, BLOCK_HK,
                       BLOCK_P, BLOCK_REST)
 
@@ -194,6 +204,9 @@ def launch_config(nh: int, nkv: int, hs: int, rotary_dim: int, interleaved: bool
                 BLOCK_REST=next_power_of_2(hs - rotary_dim) if copy_rest and not full_row else 1), warps
 
 
+_default_launch_config = functools.lru_cache(maxsize=256)(launch_config)  # per launch, without overrides
+
+
 def fwd(q, k, cos, sin, position_ids, cu_seqlens, offsets, offset: int, rotary_dim: int, interleaved: bool,
         conj: bool, inplace: bool, **overrides):
     """(q_out, k_out | None) for 4-D q (B, T, nh, hs), k (B, T, nkv, hs) or None; arguments as
@@ -204,19 +217,22 @@ def fwd(q, k, cos, sin, position_ids, cu_seqlens, offsets, offset: int, rotary_d
     q_out, k_out = rotary_outputs(q, k, inplace)
     if batch * seqlen == 0 or nh + nkv == 0:
         return q_out, k_out
-    tiles, warps = launch_config(nh, nkv, hs, rotary_dim, interleaved, inplace, **overrides)
+    if overrides:
+        tiles, warps = launch_config(nh, nkv, hs, rotary_dim, interleaved, inplace, **overrides)
+    else:
+        tiles, warps = _default_launch_config(nh, nkv, hs, rotary_dim, interleaved, inplace)
     t_blocks = cdiv(seqlen, tiles["BLOCK_T"])
     pos_mode = 1 if position_ids is not None else 2 if cu_seqlens is not None else 0
     ndocs = cu_seqlens.numel() - 1 if cu_seqlens is not None else 1
     kk, kko = (k, k_out) if k is not None else (q, q_out)  # unused (HAS_K=False), any valid pointer
     _rotary_kernel[(batch * t_blocks,)](
         q, kk, q_out, kko, cos, sin, position_ids, cu_seqlens, offsets,
-        seqlen, t_blocks, nh, nkv, ndocs, (ndocs - 1).bit_length(), offset,
-        *q.stride()[:3], *kk.stride()[:3], *q_out.stride()[:3], *kko.stride()[:3],
+        seqlen, nh, nkv, ndocs, (ndocs - 1).bit_length(), offset,
+        *q.stride()[:3], *kk.stride()[:3],
         cos.stride(0), sin.stride(0),
         (position_ids.stride(0) if position_ids.shape[0] > 1 else 0) if position_ids is not None else 0,
         position_ids.stride(1) if position_ids is not None else 0,
         ROT_HALF=rotary_dim // 2, HEAD_DIM=hs, POS_MODE=pos_mode, HAS_OFFSETS=offsets is not None,
-        HAS_K=k is not None, INTERLEAVED=interleaved, CONJ=conj, **tiles, num_warps=warps,
+        HAS_K=k is not None, INTERLEAVED=interleaved, CONJ=conj, INPLACE=inplace, **tiles, num_warps=warps,
     )
     return q_out, k_out

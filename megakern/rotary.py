@@ -380,6 +380,12 @@ def _as_4d(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t is None or t.dim() == 4 else t.unsqueeze(0)
 
 
+def _shaped(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``out`` (the launcher's 4-D result) in ``like``'s shape: itself for 4-D inputs, a view for packed ones (a view
+    costs host time and, as a Function's output, autograd's view handling)."""
+    return out if out.dim() == like.dim() else out.view(like.shape)
+
+
 def _launch(launcher, q4, k4, rot: Rotation, conj: bool, inplace: bool):
     """Run ``launcher`` on 4-D views; a view whose head dim is strided is copied first (and copied back in place)."""
     qc = q4 if q4.stride(-1) == 1 else q4.contiguous()
@@ -406,13 +412,12 @@ class RotaryFunction(torch.autograd.Function):
         if inplace:
             ctx.mark_dirty(*(t for t in (q, k) if t is not None))
             return (q, k) if k is not None else q
-        q_out = q_out.view(q.shape)
-        return (q_out, k_out.view(k.shape)) if k is not None else q_out
+        return (_shaped(q_out, q), _shaped(k_out, k)) if k is not None else _shaped(q_out, q)
 
     @staticmethod
     def backward(ctx, dq, dk=None):
         dq_in, dk_in = _launch(ctx.launcher, _as_4d(dq), _as_4d(dk), ctx.rot, True, False)
-        return dq_in.view(dq.shape), (dk_in.view(dk.shape) if dk is not None else None), None, None, None
+        return _shaped(dq_in, dq), (_shaped(dk_in, dk) if dk is not None else None), None, None, None
 
 
 class RotaryInBaseFunction(torch.autograd.Function):
@@ -455,7 +460,7 @@ def _apply(q, k, rot: Rotation, inplace: bool, launcher):
         if inplace:
             _bump_version(q, k)
             return q, k
-        return q_out.view(q.shape), (k_out.view(k.shape) if k is not None else None)
+        return _shaped(q_out, q), (_shaped(k_out, k) if k is not None else None)
     if inplace and torch.compiler.is_compiling():
         # traced: rotate out of place, then torch's own copy_ into q and k, which autograd handles on views of a
         # fused tensor too (a custom Function may not return a view it modified in place)
