@@ -269,7 +269,8 @@ def tune(device: torch.device, copy_gbps: float, providers: set[str] | None) -> 
             rows = []
             args = (q, k, cos, sin, None, None, None, 0, case.rd, interleaved, False, False)
             if not status["triton"]:
-                default = _rotary_triton.launch_config(case.nh, case.nkv, case.hs, case.rd, interleaved, False)
+                default = _rotary_triton.launch_config(case.nh, case.nkv, case.hs, case.rd, interleaved, False,
+                                                       _rotary_triton.gpu_model(device.index))
                 for full_row in (False, True):
                     for tile in (2048, 4096, 8192):
                         for warps in (4, 8):

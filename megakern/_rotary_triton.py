@@ -29,10 +29,23 @@ from megakern.rotary import rotary_outputs
 # 0.921-0.923 for 2048 at 2 warps; interleaved 4096 at 4 warps 0.933-0.937, 2048 0.924-0.932. Loads marked
 # evict-first with streaming (.cs) stores were slower (interleaved 4096: 0.905).
 TILE = {False: 2048, True: 4096}
-# Whole-row tiles (partial rotary out of place): 8192 elements at 4 warps, measured on an H100 (bench_rotary --tune,
-# GPT-NeoX-20B's q (8, 2048, 64, 96) + k (64 heads), rotary_dim 24, fraction of copy): 0.955, against 0.852 for 2048
-# elements and 0.860 for 8192 at 8 warps; the half-row tiles reached 0.792 at best.
-TILE_FULL_ROW, WARPS_FULL_ROW = 8192, 4
+# Whole-row tiles (partial rotary out of place), elements per tile by GPU, at 4 warps; measured with bench_rotary
+# --tune on GPT-NeoX-20B's q (8, 2048, 64, 96) + k (64 heads), rotary_dim 24, fraction of the copy bandwidth
+# (profiles/h100/tune_rotary.txt, profiles/h200/tune_rotary.txt). H100: 8192 0.955, against 0.890 for 4096, 0.852
+# for 2048 and 0.860 for 8192 at 8 warps; the half-row tiles reached 0.792 at best. H200: 2048 0.911, against 0.841
+# for 4096 and 0.795 for 8192. Other GPUs take the H100's.
+TILE_FULL_ROW, WARPS_FULL_ROW = {"H200": 2048, None: 8192}, 4
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_model(index: int | None) -> str | None:
+    """The key of per-GPU tables (TILE_FULL_ROW) for CUDA device ``index``: 'H200', or None for any other (and for
+    the interpreter)."""
+    import torch
+
+    if index is None or not torch.cuda.is_available():
+        return None
+    return "H200" if "H200" in torch.cuda.get_device_name(index) else None
 
 
 def _prev_pow2(n: int) -> int:
@@ -184,7 +197,8 @@ def config(nh: int, nkv: int, rot_half: int, rest: int = 0, block_t: int | None 
     return block_t, block_hq, block_hk, warps
 
 
-def launch_config(nh: int, nkv: int, hs: int, rotary_dim: int, interleaved: bool, inplace: bool, *,
+def launch_config(nh: int, nkv: int, hs: int, rotary_dim: int, interleaved: bool, inplace: bool, gpu: str | None = None,
+                  *,
                   block_t: int | None = None, num_warps: int | None = None, tile: int | None = None,
                   full_row: bool | None = None) -> tuple[dict, int]:
     """(the kernel's tile constexprs, warps) for one launch: whole-row tiles by default for partial rotary out of
@@ -196,7 +210,7 @@ def launch_config(nh: int, nkv: int, hs: int, rotary_dim: int, interleaved: bool
     elif full_row and inplace:
         raise ValueError("rotary: full_row rotates out of place only (a feature's partner may be another thread's)")
     if full_row:
-        tile, num_warps = tile or TILE_FULL_ROW, num_warps or WARPS_FULL_ROW
+        tile, num_warps = tile or TILE_FULL_ROW.get(gpu, TILE_FULL_ROW[None]), num_warps or WARPS_FULL_ROW
     block_t, block_hq, block_hk, warps = config(nh, nkv, rot_half, hs - rotary_dim if copy_rest or full_row else 0,
                                                 block_t, num_warps, tile or TILE[interleaved], full_row)
     return dict(COPY_REST=copy_rest, FULL_ROW=full_row, BLOCK_T=block_t, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
@@ -217,10 +231,11 @@ def fwd(q, k, cos, sin, position_ids, cu_seqlens, offsets, offset: int, rotary_d
     q_out, k_out = rotary_outputs(q, k, inplace)
     if batch * seqlen == 0 or nh + nkv == 0:
         return q_out, k_out
+    gpu = gpu_model(q.device.index) if q.is_cuda else None
     if overrides:
-        tiles, warps = launch_config(nh, nkv, hs, rotary_dim, interleaved, inplace, **overrides)
+        tiles, warps = launch_config(nh, nkv, hs, rotary_dim, interleaved, inplace, gpu, **overrides)
     else:
-        tiles, warps = _default_launch_config(nh, nkv, hs, rotary_dim, interleaved, inplace)
+        tiles, warps = _default_launch_config(nh, nkv, hs, rotary_dim, interleaved, inplace, gpu)
     t_blocks = cdiv(seqlen, tiles["BLOCK_T"])
     pos_mode = 1 if position_ids is not None else 2 if cu_seqlens is not None else 0
     ndocs = cu_seqlens.numel() - 1 if cu_seqlens is not None else 1

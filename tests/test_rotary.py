@@ -180,6 +180,24 @@ def test_full_row_tiles_match_reference(dtype, layout, case):
     check_case("triton-rows", dtype, leaves, split, cos, sin, kw, layout == "interleaved")
 
 
+def test_whole_row_tiles_by_gpu():
+    """Partial rotary out of place takes whole-row tiles sized per GPU (TILE_FULL_ROW): the H200's, else the
+    default; full rotary and in-place launches keep half-row tiles; an explicit tile wins."""
+    from megakern import _rotary_triton as kern
+
+    for gpu in ("H200", None, "some other GPU"):
+        want = kern.TILE_FULL_ROW.get(gpu, kern.TILE_FULL_ROW[None])
+        tiles, warps = kern.launch_config(64, 64, 96, 24, False, False, gpu)
+        assert tiles["FULL_ROW"] and warps == kern.WARPS_FULL_ROW
+        assert tiles["BLOCK_T"] * tiles["BLOCK_HQ"] * tiles["BLOCK_P"] == want, (gpu, tiles)
+        assert not kern.launch_config(64, 64, 96, 24, False, True, gpu)[0]["FULL_ROW"]
+        assert not kern.launch_config(32, 8, 128, 128, False, False, gpu)[0]["FULL_ROW"]
+        tiles, _ = kern.launch_config(64, 64, 96, 24, False, False, gpu, tile=4096)
+        assert tiles["BLOCK_T"] * tiles["BLOCK_HQ"] * tiles["BLOCK_P"] == 4096
+    assert kern.TILE_FULL_ROW["H200"] != kern.TILE_FULL_ROW[None]
+    assert kern.gpu_model(None) is None
+
+
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
@@ -592,7 +610,7 @@ def compile_for_sm90(full_rows: bool | None = None) -> list[tuple[int, int, int]
         tiles, warps = kern.launch_config(32, 8, hs, 2 * rot_half, interleaved, False, full_row=full_rows)
         assert tiles["COPY_REST"] == copy_rest
         constexprs = dict(ROT_HALF=rot_half, HEAD_DIM=hs, POS_MODE=pos_mode, HAS_OFFSETS=has_offsets, HAS_K=True,
-                          INTERLEAVED=interleaved, CONJ=conj, **tiles)
+                          INTERLEAVED=interleaved, CONJ=conj, INPLACE=False, **tiles)
         pointers = {"Q": f"*{dtype}", "K": f"*{dtype}", "QO": f"*{dtype}", "KO": f"*{dtype}", "COS": f"*{table}",
                     "SIN": f"*{table}", "POS": "*i64", "CU": "*i32", "OFFS": "*i32"}
         signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in fn.arg_names}
