@@ -513,6 +513,16 @@ def _attn_bwd_dq_kernel(
 #   descriptors, 161 hybrid, 154 device-side (the previous entry's dk/dv moves); dq 128x64 8w2s 157 with pointers.
 #   Then with pointers, one kernel's tile at a time: dk/dv 32x128 4w3s 207 (32x64 4w3s 190, 16x64 187, 64x64 182,
 #   32x64 4w2s 174, 32x32 134), dq 128x32 4w4s 193 (4w3s 187, 8w3s 191, 128x64 180, 64x32 171).
+# - tried and left out: FlashAttention-4's lazy rescale in the forward's unmasked loop (the running max moves only
+#   when a row's max grows by more than 8, base 2, so most blocks skip rescaling acc and l; a block-wide max decides,
+#   which costs a cross-warp reduction and two more barriers per block). H100, causal, tiles as CONFIGS, TFLOP/s
+#   without / with: hs128 T 1024 234 / 232, T 2048 297 / 296, T 4096 401 / 380; hs64 T 4096 366 / 351.
+#   Nor can the next block's QK^T be issued before the softmax of this one (FlashAttention-3's overlap): Triton's
+#   wgmma pipeliner waits on a dot whose result the loop uses outside an `if` right after issuing it.
+# - 256-row forward tiles spill (H200, hs128 causal, the launcher's descriptors): T 4096 256x64 16w2s 231, 256x32 8w3s
+#   325, 256x128 16w2s 46, against 128x128 8w3s 409; T 16384 258 against 479. The long-sequence backward tiles hold at
+#   T 16384 too: dk/dv 64x64 4w2s 384 (64x128 8w2s 372, 128x128 8w1s 262), dq 128x64 8w3s 380 (128x128 8w2s 368)
+#   (profiles/h200/tune_attention.txt).
 # - hs256: not tuned; tiles that fit the shared memory, device-side descriptors (a 64x256 q tile in registers would
 #   spill). Head dims up to 32 keep the long-sequence tiles at every length: with the short-sequence ones, ptxas 13.0
 #   (on the H200 machine) crashed compiling hs16 at T 1.
