@@ -527,6 +527,15 @@ def _attn_bwd_dq_kernel(
 #   spill). Head dims up to 32 keep the long-sequence tiles at every length: with the short-sequence ones, ptxas 13.0
 #   (on the H200 machine) crashed compiling hs16 at T 1.
 _LONG = 1 << 62
+# The Gluon forward (megakern._attention_gluon: warp-specialized, persistent, two consumer warpgroups in ping-pong)
+# takes fixed-length batches on sm_90 up to these sequence lengths, per head dim and causal; H200, bf16, B * T = 16384,
+# nh * hs = 2048, TFLOP/s Gluon / the Triton forward (profiles/probe_attention_gluon.py):
+# - hs128 causal: T 1024 316 / 264, 2048 405 / 348, 4096 468 / 402, 16384 552 / 475; full: 407 / 336, 470 / 408,
+#   516 / 430, 591 / 480.
+# - hs64 causal: T 1024 273 / 225, 2048 332 / 318, 4096 353 / 353, 16384 417 / 412; full: 356 / 296, 377 / 363,
+#   383 / 385, 397 / 420 (so full attention at hs64 keeps the Triton kernel past T 2048).
+# One consumer of 8 warps instead of the ping-pong pair is slower everywhere (hs128 T 4096 causal 389, hs64 299).
+GLUON_FWD = {128: {True: _LONG, False: _LONG}, 64: {True: _LONG, False: 2048}}
 CONFIGS = {
     "fwd": {32: ((_LONG, (128, 64, 4, 3, "host")),),
             64: ((1024, (128, 32, 4, 4, "device")), (_LONG, (128, 64, 4, 3, "host"))),
@@ -667,9 +676,26 @@ def _descs(*items):
             if mode == 2 else t for t, r, mode in items]
 
 
-def fwd(q, k, v, causal: bool, scale: float, window, cu_seqlens, max_seqlen, config=None, tma=None):
+def _use_gluon(hs: int, causal: bool, seqlen: int) -> bool:
+    """The Gluon forward (megakern._attention_gluon) is the faster one here; see GLUON_FWD."""
+    limit = GLUON_FWD.get(hs, {}).get(causal, 0)
+    return seqlen <= limit
+
+
+def fwd(q, k, v, causal: bool, scale: float, window, cu_seqlens, max_seqlen, config=None, tma=None, gluon=None):
     """(out, lse): out like q; lse (B, nh, Tq) or (nh, total) fp32. ``config`` (BLOCK_M, BLOCK_N, warps, stages)
-    overrides the CONFIGS entry; ``tma`` forces tensor descriptors on or off (tests, tuning)."""
+    overrides the CONFIGS entry; ``tma`` forces tensor descriptors on or off (tests, tuning). ``gluon``: None takes
+    the Gluon kernel (Hopper, fixed-length batches, see GLUON_FWD) where it applies and neither ``config`` nor ``tma``
+    is given; False never; True always (an error where it cannot run)."""
+    if gluon or (gluon is None and config is None and tma is None and q.is_cuda):
+        from megakern import _attention_gluon
+
+        can = _attention_gluon.supported(q, k, v, causal, window, cu_seqlens)
+        if gluon and not can:
+            raise ValueError("attention: the Gluon forward needs an sm_90 GPU, a fixed-length fp16 / bf16 batch with "
+                             f"head dim in {_attention_gluon.HEAD_DIMS}, no window and 16-byte aligned strides")
+        if can and (gluon or _use_gluon(q.shape[-1], causal, max(q.shape[1], k.shape[1]))):
+            return _attention_gluon.fwd(q, k, v, causal, scale)
     varlen, batch, tq, tk = _geometry(q, k, cu_seqlens, max_seqlen)
     q4, k4, v4 = (_as4d(t, varlen) for t in (q, k, v))
     nh, hs, nkv = q.shape[-2], q.shape[-1], k.shape[-2]

@@ -330,3 +330,110 @@ def test_kernels_compile_for_sm90_with_wgmma(hs, tma):
     for name, shared, wgmma in sm90_lowering("test_attention", f"compile_for_sm90({hs}, {tma})"):
         assert wgmma, f"{name}: no wgmma in the sm_90 PTX"
         assert shared <= 227 * 1024, f"{name}: {shared} bytes of shared memory"
+
+
+# ---- the Gluon forward (Hopper) ---------------------------------------------------------------------------------
+def compile_gluon_for_sm90(hs: int, causal: bool, pingpong: bool):
+    """(shared memory bytes, uses wgmma, warp-specialized (setmaxnreg), waits on mbarriers) of the Gluon forward
+    compiled for sm_90 with the CONFIGS tiles of head dim hs, or None where this Triton has no Gluon."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from megakern import _attention_gluon as g
+
+    if not g.AVAILABLE:
+        return None
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    gl = g.gl
+    block_m, block_n, warps, bufs, _ = g.CONFIGS[hs]
+    warps = warps if pingpong else 2 * warps
+
+    def desc(rows):
+        block = [1, rows, 1, hs]
+        return f"tensordesc<bf16[{','.join(map(str, block))}],{gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)!r}>"
+
+    fn = g._attn_fwd_ws_kernel
+    constexprs = dict(HEAD_DIM=hs, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal, PINGPONG=pingpong,
+                      num_warps=warps)
+    types = {"q_desc": desc(block_m), "k_desc": desc(block_n), "v_desc": desc(block_n), "O": "*bf16", "LSE": "*fp32",
+             "scale_log2": "fp32"}
+    signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in fn.arg_names}
+    compiled = triton.compile(GluonASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 64), options=dict(num_warps=warps))
+    ptx = compiled.asm["ptx"]
+    return compiled.metadata.shared, "wgmma.mma_async" in ptx, "setmaxnreg" in ptx, "mbarrier.try_wait" in ptx
+
+
+@pytest.mark.parametrize("pingpong", (True, False), ids=("pingpong", "one-consumer"))
+@pytest.mark.parametrize("causal", (True, False), ids=("causal", "full"))
+@pytest.mark.parametrize("hs", (64, 128))
+def test_gluon_forward_compiles_for_sm90(hs, causal, pingpong):
+    """The Gluon forward lowers for Hopper without a GPU: wgmma, warp-specialized partitions (setmaxnreg), mbarrier
+    hand-offs, within the 227 KiB of shared memory."""
+    result = sm90_lowering("test_attention", f"compile_gluon_for_sm90({hs}, {causal}, {pingpong})")
+    if result is None:
+        pytest.skip("this Triton has no Gluon (Triton >= 3.5)")
+    shared, wgmma, specialized, mbarriers = result
+    assert wgmma and specialized and mbarriers, result
+    assert shared <= 227 * 1024, f"{shared} bytes of shared memory"
+
+
+def test_gluon_dispatch():
+    """Which forward runs: the Gluon one only for what it supports (checked without a GPU: CPU tensors never), on
+    request an error naming what it needs; the GLUON_FWD table decides by head dim, mask and length."""
+    from megakern import _attention_gluon as g
+    from megakern import _attention_triton as kern
+
+    q = torch.randn(1, 8, 2, 64, dtype=torch.float16)
+    assert not g.supported(q, q, q, True, (-1, 0), None)
+    with pytest.raises(ValueError, match="Gluon forward needs an sm_90 GPU"):
+        kern.fwd(q, q, q, True, 0.125, (-1, 0), None, None, gluon=True)
+    assert kern._use_gluon(128, True, 1 << 20) and kern._use_gluon(128, False, 16384)
+    assert kern._use_gluon(64, True, 16384) and kern._use_gluon(64, False, 2048) and not kern._use_gluon(64, False, 4096)
+    assert not kern._use_gluon(96, True, 1024) and not kern._use_gluon(256, False, 1024)
+
+
+GLUON_CASES = [  # (B, Tq, Tk, nh, nkv, hs, causal)
+    (2, 1000, 1000, 4, 4, 128, True), (2, 1000, 1000, 4, 2, 128, False), (1, 4097, 4097, 2, 1, 128, True),
+    (3, 17, 17, 4, 2, 64, True), (2, 1, 1, 2, 2, 64, True), (2, 300, 700, 4, 2, 64, True),
+    (2, 700, 300, 4, 4, 128, True), (2, 513, 513, 8, 1, 64, False), (1, 2048, 2048, 3, 3, 128, True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pingpong", (True, False), ids=("pingpong", "one-consumer"))
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: "x".join(map(str, c)))
+def test_gluon_forward(case, dtype, pingpong):
+    """The Gluon forward (both consumer layouts) against fp64 truth under the 2x rule: odd lengths (a ragged last
+    tile, past which TMA reads zeros), Tq != Tk both ways (rows that see no key: out 0, lse -inf), GQA / MQA, a
+    non-contiguous q; and the backward from its lse."""
+    from megakern import _attention_gluon as g
+    from megakern import _attention_triton as kern
+
+    b, tq, tk, nh, nkv, hs, causal = case
+    seed("gluon", case, dtype, pingpong)
+    q, k, v = _qkv(b, tq, tk, nh, nkv, hs, dtype)
+    if not g.supported(q, k, v, causal, (-1, 0 if causal else -1), None):
+        pytest.skip("the Gluon forward needs an sm_90 GPU and Triton with Gluon")
+    q = torch.randn(b, nh, tq, hs, device=DEVICE, dtype=dtype).transpose(1, 2)  # (B, T, nh, hs), strided
+    block_m, block_n, warps, bufs, _ = g.CONFIGS[hs]
+    config = (block_m, block_n, warps if pingpong else 2 * warps, bufs, pingpong)
+    out, lse = g.fwd(q, k, v, causal, hs ** -0.5, config)
+    t64 = [t.double() for t in (q, k, v)]
+    truth, truth_lse = attention_ref(*t64, causal=causal)
+    lowp, _ = attention_ref(q, k, v, causal=causal, upcast=False)
+    assert_close_to_ref("out", out, truth, lowp, ATOL[dtype])
+    seen = torch.isfinite(truth_lse)
+    assert torch.equal(torch.isfinite(lse), seen)
+    assert (lse[seen].double() - truth_lse[seen]).abs().max().item() < 1e-3 if seen.any() else True
+    # the backward kernels take the Gluon forward's out and lse as they take the Triton forward's
+    dout = torch.randn_like(out)
+    grads = kern.bwd(dout, q, k, v, out, lse, causal, hs ** -0.5, (-1, 0 if causal else -1), None, None, True)
+    leaves = [t.double().requires_grad_(True) for t in (q, k, v)]
+    truth_grads = torch.autograd.grad(attention_ref(*leaves, causal=causal)[0], leaves, dout.double())
+    lo = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    lowp_grads = torch.autograd.grad(attention_ref(*lo, causal=causal, upcast=False)[0], lo, dout)
+    for name, grad, t, l in zip(("dq", "dk", "dv"), grads, truth_grads, lowp_grads):
+        assert_close_to_ref(name, grad, t, l, ATOL[dtype] * max(1.0, t.abs().max().item()))

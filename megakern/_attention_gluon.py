@@ -1,0 +1,332 @@
+"""Attention forward for Hopper (sm_90) in Gluon: FlashAttention-3's structure, which plain Triton cannot express.
+
+- Warp specialization: one producer warp moves tiles with TMA (q once per tile, k and v through a ring of NUM_BUF
+  shared-memory slots); the consumer warps (two warpgroups, 64 query rows each) only do tensor-core and softmax work.
+  Ready / empty mbarriers hand each slot back and forth.
+- Persistent: one program per SM walks the tiles, longest causal rows first; while the consumers finish a tile (the
+  last P V, the normalization, the stores), the producer already loads the next tile's q, k and v.
+- Intra-warpgroup overlap: block j's q k^T is issued before block j-1's P V, and the softmax of block j runs while
+  that P V is on the tensor cores (asynchronous wgmma, waited on by count).
+
+Fixed-length batches (B, T, heads, hs) with 16-byte aligned strides, head dims 64 and 128, fp16 / bf16, causal or
+full, GQA; everything else (packed documents, windows, other head dims) takes the Triton kernel. Same outputs as
+_attention_triton's forward: out like q, lse (B, nh, Tq) fp32 in natural log, -inf (and out 0) for a row that sees
+no key.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:  # Gluon (Triton >= 3.5); its Hopper API as of Triton 3.6
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                  warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    # the TMA load's name: async_copy_global_to_shared up to Triton 3.6, async_load from 3.7 on
+    _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+    AVAILABLE = True
+except ImportError:  # pragma: no cover - older Triton
+    AVAILABLE = False
+
+LOG2E = 1.4426950408889634
+HEAD_DIMS = (64, 128)
+# (BLOCK_M, BLOCK_N, warps per consumer, k/v ring slots, ping-pong) per head dim
+CONFIGS = {64: (128, 128, 4, 3, True), 128: (128, 128, 4, 2, True)}
+
+
+if AVAILABLE:
+    @gluon.jit
+    def _tile(t, n_bh, NH, num_m, CAUSAL: gl.constexpr):
+        """(batch, head, first query row) of tile t: tiles run query block by query block over all (batch, head),
+        the last (longest causal) query blocks first."""
+        m_blk = t // n_bh
+        if CAUSAL:
+            m_blk = num_m - 1 - m_blk
+        bh = t % n_bh
+        return bh // NH, bh % NH, m_blk
+
+    @gluon.jit
+    def _key_range(start_m, TQ, TK, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+        """(number of key blocks, first block that needs the mask) for the queries start_m .. + BLOCK_M - 1; keys
+        from 0, blocks of BLOCK_N; the causal diagonal aligned bottom-right."""
+        hi = TK
+        full = TK
+        if CAUSAL:
+            diag = TK - TQ
+            hi = gl.minimum(hi, start_m + BLOCK_M + diag)
+            full = gl.minimum(full, start_m + diag + 1)
+        hi = gl.maximum(hi, 0)
+        n = gl.cdiv(hi, BLOCK_N)
+        first_masked = gl.minimum(gl.maximum(full, 0) // BLOCK_N, n)
+        return n, first_masked
+
+    @gluon.jit
+    def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
+                  v_empty, B, NH, GROUP, TQ, TK,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr):
+        num_m = gl.cdiv(TQ, BLOCK_M)
+        n_bh = B * NH
+        cnt = 0
+        i = 0
+        for t in range(gl.program_id(0), num_m * n_bh, gl.num_programs(0)):
+            b, h, m_blk = _tile(t, n_bh, NH, num_m, CAUSAL)
+            start_m = m_blk * BLOCK_M
+            qs = i % 2
+            mbarrier.wait(q_empty.index(qs), ((i // 2) & 1) ^ 1)
+            mbarrier.expect(q_ready.index(qs), q_desc.block_type.nbytes)
+            _tma_load(q_desc, [b, start_m, h, 0], q_ready.index(qs), q_bufs.index(qs))
+            n, _first_masked = _key_range(start_m, TQ, TK, BLOCK_M, BLOCK_N, CAUSAL)
+            hk = h // GROUP
+            for j in range(n):
+                s = cnt % NUM_BUF
+                ph = ((cnt // NUM_BUF) & 1) ^ 1
+                mbarrier.wait(k_empty.index(s), ph)
+                mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+                _tma_load(k_desc, [b, j * BLOCK_N, hk, 0], k_ready.index(s), k_bufs.index(s))
+                mbarrier.wait(v_empty.index(s), ph)
+                mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+                _tma_load(v_desc, [b, j * BLOCK_N, hk, 0], v_ready.index(s), v_bufs.index(s))
+                cnt += 1
+            i += 1
+
+    @gluon.jit
+    def _scores(s, j, first_masked, start_m, m_i, l_i, TQ, TK, scale_log2,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr):
+        """Online softmax of one block of scores: (p, new running max, new running sum, rescale factor)."""
+        if j >= first_masked:
+            rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            ok = cols[None, :] < TK
+            if CAUSAL:
+                ok = ok & (cols[None, :] <= rows[:, None] + (TK - TQ))
+            s = gl.where(ok, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1) * scale_log2)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s * scale_log2 - m_use[:, None])
+        alpha = gl.exp2(m_i - m_use)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        return p, m_new, l_i, alpha
+
+    @gluon.jit
+    def _turn_wait(turn, slot, WG: gl.constexpr, PINGPONG: gl.constexpr):
+        """Ping-pong: wait until the other consumer warpgroup has issued its matmuls of the previous slot (the first
+        warpgroup goes first)."""
+        if PINGPONG:
+            if WG == 0:
+                mbarrier.wait(turn.index(0), (slot & 1) ^ 1)
+            else:
+                mbarrier.wait(turn.index(1), slot & 1)
+        return slot + 1
+
+    @gluon.jit
+    def _turn_pass(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - WG), count=1)
+
+    @gluon.jit
+    def _consumer(WG: gl.constexpr, PINGPONG: gl.constexpr, turn, q_bufs, k_bufs, v_bufs, q_ready, q_empty,
+                  k_ready, k_empty, v_ready, v_empty, O, LSE,
+                  stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK, scale_log2,
+                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
+                  CAUSAL: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr):
+        """The rows WG * ROWS .. + ROWS - 1 of each tile (all of them without ping-pong), on WARPS warps."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        dtype: gl.constexpr = q_bufs.dtype
+        num_m = gl.cdiv(TQ, BLOCK_M)
+        n_bh = B * NH
+        cnt = 0
+        i = 0
+        slot = 0
+        for t in range(gl.program_id(0), num_m * n_bh, gl.num_programs(0)):
+            b, h, m_blk = _tile(t, n_bh, NH, num_m, CAUSAL)
+            start_m = m_blk * BLOCK_M
+            my_m = start_m + WG * ROWS
+            n, first_masked = _key_range(start_m, TQ, TK, BLOCK_M, BLOCK_N, CAUSAL)
+            qs = i % 2
+            mbarrier.wait(q_ready.index(qs), (i // 2) & 1)
+            q = q_bufs.index(qs).reshape([BLOCK_M, HEAD_DIM])
+            if PINGPONG:
+                q = q.slice(WG * ROWS, ROWS, dim=0)
+            m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)
+            l_i = gl.zeros([ROWS], gl.float32, layout=row_s)
+            acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+            s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+            if n > 0:
+                # block 0: its scores, then its softmax
+                s = cnt % NUM_BUF
+                mbarrier.wait(k_ready.index(s), (cnt // NUM_BUF) & 1)
+                k = k_bufs.index(s).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
+                slot = _turn_wait(turn, slot, WG, PINGPONG)
+                sc = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
+                _turn_pass(turn, WG, PINGPONG)
+                sc = warpgroup_mma_wait(0, deps=[sc])
+                mbarrier.arrive(k_empty.index(s), count=1)
+                p, m_i, l_i, alpha = _scores(sc, 0, first_masked, my_m, m_i, l_i, TQ, TK, scale_log2,
+                                             ROWS, BLOCK_N, CAUSAL, s_layout)
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+                prev = s
+                prev_ph = (cnt // NUM_BUF) & 1
+                cnt += 1
+                for j in range(1, n):
+                    # issue block j's scores and block j-1's P V; block j's softmax runs while P V does
+                    s = cnt % NUM_BUF
+                    ph = (cnt // NUM_BUF) & 1
+                    mbarrier.wait(k_ready.index(s), ph)
+                    k = k_bufs.index(s).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
+                    slot = _turn_wait(turn, slot, WG, PINGPONG)
+                    sc = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
+                    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                    mbarrier.wait(v_ready.index(prev), prev_ph)
+                    v = v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM])
+                    acc = warpgroup_mma(p_op, v, acc, is_async=True)
+                    _turn_pass(turn, WG, PINGPONG)
+                    sc = warpgroup_mma_wait(1, deps=[sc])
+                    mbarrier.arrive(k_empty.index(s), count=1)
+                    p, m_i, l_i, alpha = _scores(sc, j, first_masked, my_m, m_i, l_i, TQ, TK, scale_log2,
+                                                 ROWS, BLOCK_N, CAUSAL, s_layout)
+                    p_next = gl.convert_layout(p.to(dtype), p_layout)
+                    acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
+                    mbarrier.arrive(v_empty.index(prev), count=1)
+                    p_op = p_next
+                    prev = s
+                    prev_ph = ph
+                    cnt += 1
+                mbarrier.arrive(q_empty.index(qs), count=1)
+                mbarrier.wait(v_ready.index(prev), prev_ph)
+                v = v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM])
+                slot = _turn_wait(turn, slot, WG, PINGPONG)
+                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                acc = warpgroup_mma(p_op, v, acc, is_async=True)
+                _turn_pass(turn, WG, PINGPONG)
+                acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
+                mbarrier.arrive(v_empty.index(prev), count=1)
+            else:
+                mbarrier.arrive(q_empty.index(qs), count=1)
+            i += 1
+            # normalize and store; a row that saw no key gets 0 and lse -inf
+            seen = l_i > 0.0
+            l_use = gl.where(seen, l_i, 1.0)
+            out = acc / gl.convert_layout(l_use, row_o)[:, None]
+            lse = gl.where(seen, (m_i + gl.log2(l_use)) * 0.6931471805599453, float("-inf"))
+            rows_o = my_m + gl.arange(0, ROWS, layout=row_o)
+            cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+            bb = b.to(gl.int64)
+            o_ptrs = (O + bb * stride_ob + h.to(gl.int64) * stride_oh + rows_o.to(gl.int64)[:, None] * stride_ot
+                      + cols_o[None, :])
+            gl.store(o_ptrs, out.to(dtype), mask=(rows_o < TQ)[:, None])
+            rows_l = my_m + gl.arange(0, ROWS, layout=row_s)
+            gl.store(LSE + bb * stride_lb + h.to(gl.int64) * stride_lh + rows_l, lse, mask=rows_l < TQ)
+
+    @gluon.jit
+    def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, O, LSE, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
+                            B, NH, GROUP, TQ, TK, scale_log2,
+                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                            NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+                            num_warps: gl.constexpr):
+        """PINGPONG: two consumer warpgroups (num_warps 4 each), half the tile's rows each, taking turns on the
+        tensor cores; else one consumer of num_warps warps for the whole tile."""
+        dtype: gl.constexpr = q_desc.dtype
+        CONSUMERS: gl.constexpr = 2 if PINGPONG else 1
+        q_bufs = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+        k_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF] + k_desc.block_type.shape, k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF] + v_desc.block_type.shape, v_desc.layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(2):
+            mbarrier.init(q_ready.index(s), count=1)
+            mbarrier.init(q_empty.index(s), count=CONSUMERS)
+            mbarrier.init(turn.index(s), count=1)
+        for s in gl.static_range(NUM_BUF):
+            mbarrier.init(k_ready.index(s), count=1)
+            mbarrier.init(k_empty.index(s), count=CONSUMERS)
+            mbarrier.init(v_ready.index(s), count=1)
+            mbarrier.init(v_empty.index(s), count=CONSUMERS)
+        fence_async_shared()
+        if PINGPONG:
+            gl.warp_specialize([
+                (_consumer, (0, True, turn, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
+                             v_empty, O, LSE, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK,
+                             scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, BLOCK_M // 2, num_warps)),
+                (_consumer, (1, True, turn, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
+                             v_empty, O, LSE, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK,
+                             scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, BLOCK_M // 2, num_warps)),
+                (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
+                             v_ready, v_empty, B, NH, GROUP, TQ, TK, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL)),
+            ], [num_warps, 1], [240, 24])
+        else:
+            gl.warp_specialize([
+                (_consumer, (0, False, turn, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
+                             v_empty, O, LSE, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK,
+                             scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, BLOCK_M, num_warps)),
+                (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
+                             v_ready, v_empty, B, NH, GROUP, TQ, TK, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL)),
+            ], [1], [24])
+
+
+def _descriptor(t: torch.Tensor, rows: int):
+    hs = t.shape[-1]
+    block = [1, rows, 1, hs]
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16)
+    return GluonDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _is_sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def supported(q, k, v, causal, window, cu_seqlens) -> bool:
+    """This kernel can take the call: Gluon present, an sm_90 GPU, fixed-length fp16 / bf16 batches with head dim 64
+    or 128, no window (``window`` as megakern.attention._window gives it: (-1, -1), or (-1, 0) under causal), tensors
+    TMA can address (16-byte aligned base and strides, unit stride along hs)."""
+    left, right = window
+    if not AVAILABLE or not q.is_cuda or cu_seqlens is not None or left >= 0 or (right >= 0 and not causal):
+        return False
+    if q.shape[-1] not in HEAD_DIMS or q.dtype not in (torch.float16, torch.bfloat16) or not _is_sm90(q.device.index):
+        return False
+    for t in (q, k, v):
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any((s * t.element_size()) % 16 for s in t.stride()[:3]):
+            return False
+    return True
+
+
+def fwd(q, k, v, causal: bool, scale: float, config=None):
+    """(out, lse) for fixed-length (B, T, heads, hs) q, k, v that ``supported`` accepts."""
+    batch, tq, nh, hs = q.shape
+    tk, nkv = k.shape[1], k.shape[2]
+    block_m, block_n, warps, bufs, pingpong = config or CONFIGS[hs]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, nh, tq), dtype=torch.float32, device=q.device)
+    if batch == 0 or tq == 0:
+        return out, lse
+    if tk == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+    tiles = batch * nh * ((tq + block_m - 1) // block_m)
+    grid = (min(tiles, _num_sms(q.device.index)),)
+    _attn_fwd_ws_kernel[grid](
+        _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), out, lse,
+        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+        batch, nh, nh // nkv, tq, tk, scale * LOG2E,
+        HEAD_DIM=hs, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal, PINGPONG=pingpong,
+        num_warps=warps,
+    )
+    return out, lse

@@ -1,0 +1,117 @@
+"""The Gluon forward (megakern._attention_gluon) on the GPU: correctness against the fp32 reference next to the
+Triton forward's error, then TFLOP/s beside the Triton forward and SDPA's flash and cuDNN backends (bf16, B * T =
+16384, nh * hs = 2048, as benchmarks/bench_attention.py), and the same-run bf16 matmul rate.
+
+    python profiles/probe_attention_gluon.py [--check] [--bench] [--hs 64,128] [--seq 1024,2048,4096]
+                                             [--configs "128x128x8x2,..."] [--masks causal,full]
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from benchmarks.common import bench, measure_matmul_tflops
+from megakern import _attention_gluon as glu
+from megakern import _attention_triton as kern
+from megakern.attention import attention_ref
+
+
+def _err(got, want) -> float:
+    return (got.float() - want.float()).abs().max().item()
+
+
+def check(configs) -> bool:
+    ok = True
+    dev = torch.device("cuda")
+    cases = [  # (B, Tq, Tk, nh, nkv, hs, causal, dtype)
+        (2, 1000, 1000, 4, 4, 128, True, torch.bfloat16), (2, 1000, 1000, 4, 4, 128, False, torch.bfloat16),
+        (1, 4097, 4097, 2, 1, 128, True, torch.float16), (3, 17, 17, 4, 2, 64, True, torch.bfloat16),
+        (2, 1, 1, 2, 2, 64, True, torch.bfloat16), (2, 300, 700, 4, 2, 64, True, torch.float16),
+        (2, 700, 300, 4, 4, 128, True, torch.bfloat16), (2, 513, 513, 8, 1, 64, False, torch.float16),
+        (1, 2048, 2048, 3, 3, 128, True, torch.bfloat16),
+    ]
+    for b, tq, tk, nh, nkv, hs, causal, dtype in cases:
+        g = torch.Generator(device=dev).manual_seed(tq * 7 + hs)
+        q = torch.randn(b, tq, nh, hs, device=dev, dtype=dtype, generator=g)
+        k = torch.randn(b, tk, nkv, hs, device=dev, dtype=dtype, generator=g)
+        v = torch.randn(b, tk, nkv, hs, device=dev, dtype=dtype, generator=g)
+        scale = hs ** -0.5
+        assert glu.supported(q, k, v, causal, (-1, -1), None), "not supported"
+        ref, ref_lse = attention_ref(q, k, v, causal=causal)
+        tout, tlse = kern.fwd(q, k, v, causal, scale, (-1, -1), None, None, gluon=False)
+        low = attention_ref(q, k, v, causal=causal, upcast=False)[0]
+        te, le = _err(tout, ref), _err(low, ref)
+        for cfg in configs or [None]:
+            if cfg is not None and cfg[0] != hs:
+                continue
+            out, lse = glu.fwd(q, k, v, causal, scale, cfg[1:] if cfg else None)
+            e = _err(out, ref)
+            finite = torch.isfinite(ref_lse)
+            lse_e = (lse - ref_lse)[finite].abs().max().item() if finite.any() else 0.0
+            lse_inf = bool((lse[~finite] == float("-inf")).all())
+            good = e <= 2 * max(le, te) + 1e-5 and lse_e < 1e-3 and lse_inf and torch.isfinite(out).all().item()
+            ok &= good
+            print(f"check B{b} Tq{tq} Tk{tk} nh{nh}/{nkv} hs{hs} causal={causal} {dtype} {cfg}: gluon {e:.2e} "
+                  f"triton {te:.2e} low-precision torch {le:.2e} lse {lse_e:.1e} -> {'ok' if good else 'WRONG'}",
+                  flush=True)
+    return ok
+
+
+def run_bench(hss, seqs, masks, configs) -> None:
+    dev = torch.device("cuda")
+    peak = measure_matmul_tflops(dev)
+    print(f"bf16 matmul {peak:.1f} TFLOP/s")
+    for hs in hss:
+        nh = 2048 // hs
+        for t in seqs:
+            b = max(1, 16384 // t)
+            q, k, v = (torch.randn(b, t, nh, hs, device=dev, dtype=torch.bfloat16) for _ in range(3))
+            qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+            for mask in masks:
+                causal = mask == "causal"
+                flops = 4 * b * nh * t * t * hs / (2 if causal else 1)
+                runs = [("triton", lambda: kern.fwd(q, k, v, causal, hs ** -0.5, (-1, -1), None, None, gluon=False))]
+                for cfg in [c[1:] for c in configs if c[0] == hs] or [glu.CONFIGS[hs]]:
+                    runs.append((f"gluon {cfg}", lambda c=cfg: glu.fwd(q, k, v, causal, hs ** -0.5, c)))
+                for name, backend in (("sdpa-flash", SDPBackend.FLASH_ATTENTION),
+                                      ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
+                    def fn(backend=backend):
+                        with sdpa_kernel(backend):
+                            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                    runs.append((name, fn))
+                row = []
+                for name, fn in runs:
+                    try:
+                        ms = bench(fn, device=dev)["median"]
+                        row.append(f"{name} {flops / ms / 1e9:6.1f}")
+                    except Exception as exc:
+                        row.append(f"{name} failed: {' '.join(str(exc).split())[:80]}")
+                print(f"hs{hs} T{t} {mask:6} | " + " | ".join(row), flush=True)
+            del q, k, v, qt, kt, vt
+            torch.cuda.empty_cache()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--check", action="store_true")
+    p.add_argument("--bench", action="store_true")
+    p.add_argument("--hs", default="64,128")
+    p.add_argument("--seq", default="1024,2048,4096,8192,16384")
+    p.add_argument("--masks", default="causal,full")
+    p.add_argument("--configs", default="")
+    a = p.parse_args()
+    # configs: hs x BLOCK_M x BLOCK_N x warps x slots x pingpong (0 / 1)
+    configs = [tuple(int(x) for x in c.split("x")) for c in a.configs.split(",") if c]
+    configs = [(*c[:5], bool(c[5])) for c in configs]
+    if a.check and not check(configs):
+        print("GLUON CHECK FAILED")
+    if a.bench:
+        run_bench([int(h) for h in a.hs.split(",")], [int(s) for s in a.seq.split(",")], a.masks.split(","),
+                  configs)
+
+
+if __name__ == "__main__":
+    main()
