@@ -39,6 +39,18 @@ CONFIGS = {64: (128, 128, 4, 3, True), 128: (128, 128, 4, 2, True)}
 
 if AVAILABLE:
     @gluon.jit
+    def _tile_of(r, CAUSAL: gl.constexpr):
+        """Tile of this program in round r: programs take tiles round by round; causal, in snake order (program p
+        gets tile r * G + p in even rounds, r * G + G - 1 - p in odd ones), which evens out the programs' work as
+        the tiles get shorter round by round (H200, hs128 causal, TFLOP/s: T 4096 468 -> 476, T 16384 552 -> 580)."""
+        pid = gl.program_id(0)
+        grid = gl.num_programs(0)
+        if CAUSAL:
+            if r % 2 == 1:
+                pid = grid - 1 - pid
+        return r * grid + pid
+
+    @gluon.jit
     def _tile(t, n_bh, NH, num_m, CAUSAL: gl.constexpr):
         """(batch, head, first query row) of tile t: tiles run query block by query block over all (batch, head),
         the last (longest causal) query blocks first."""
@@ -71,26 +83,28 @@ if AVAILABLE:
         n_bh = B * NH
         cnt = 0
         i = 0
-        for t in range(gl.program_id(0), num_m * n_bh, gl.num_programs(0)):
-            b, h, m_blk = _tile(t, n_bh, NH, num_m, CAUSAL)
-            start_m = m_blk * BLOCK_M
-            qs = i % 2
-            mbarrier.wait(q_empty.index(qs), ((i // 2) & 1) ^ 1)
-            mbarrier.expect(q_ready.index(qs), q_desc.block_type.nbytes)
-            _tma_load(q_desc, [b, start_m, h, 0], q_ready.index(qs), q_bufs.index(qs))
-            n, _first_masked = _key_range(start_m, TQ, TK, BLOCK_M, BLOCK_N, CAUSAL)
-            hk = h // GROUP
-            for j in range(n):
-                s = cnt % NUM_BUF
-                ph = ((cnt // NUM_BUF) & 1) ^ 1
-                mbarrier.wait(k_empty.index(s), ph)
-                mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-                _tma_load(k_desc, [b, j * BLOCK_N, hk, 0], k_ready.index(s), k_bufs.index(s))
-                mbarrier.wait(v_empty.index(s), ph)
-                mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-                _tma_load(v_desc, [b, j * BLOCK_N, hk, 0], v_ready.index(s), v_bufs.index(s))
-                cnt += 1
-            i += 1
+        for r in range(gl.cdiv(num_m * n_bh, gl.num_programs(0))):
+            t = _tile_of(r, CAUSAL)
+            if t < num_m * n_bh:  # the last round is partial
+                b, h, m_blk = _tile(t, n_bh, NH, num_m, CAUSAL)
+                start_m = m_blk * BLOCK_M
+                qs = i % 2
+                mbarrier.wait(q_empty.index(qs), ((i // 2) & 1) ^ 1)
+                mbarrier.expect(q_ready.index(qs), q_desc.block_type.nbytes)
+                _tma_load(q_desc, [b, start_m, h, 0], q_ready.index(qs), q_bufs.index(qs))
+                n, _first_masked = _key_range(start_m, TQ, TK, BLOCK_M, BLOCK_N, CAUSAL)
+                hk = h // GROUP
+                for j in range(n):
+                    s = cnt % NUM_BUF
+                    ph = ((cnt // NUM_BUF) & 1) ^ 1
+                    mbarrier.wait(k_empty.index(s), ph)
+                    mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+                    _tma_load(k_desc, [b, j * BLOCK_N, hk, 0], k_ready.index(s), k_bufs.index(s))
+                    mbarrier.wait(v_empty.index(s), ph)
+                    mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+                    _tma_load(v_desc, [b, j * BLOCK_N, hk, 0], v_ready.index(s), v_bufs.index(s))
+                    cnt += 1
+                i += 1
 
     @gluon.jit
     def _scores(s, j, first_masked, start_m, m_i, l_i, TQ, TK, scale_log2,
@@ -146,85 +160,87 @@ if AVAILABLE:
         cnt = 0
         i = 0
         slot = 0
-        for t in range(gl.program_id(0), num_m * n_bh, gl.num_programs(0)):
-            b, h, m_blk = _tile(t, n_bh, NH, num_m, CAUSAL)
-            start_m = m_blk * BLOCK_M
-            my_m = start_m + WG * ROWS
-            n, first_masked = _key_range(start_m, TQ, TK, BLOCK_M, BLOCK_N, CAUSAL)
-            qs = i % 2
-            mbarrier.wait(q_ready.index(qs), (i // 2) & 1)
-            q = q_bufs.index(qs).reshape([BLOCK_M, HEAD_DIM])
-            if PINGPONG:
-                q = q.slice(WG * ROWS, ROWS, dim=0)
-            m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)
-            l_i = gl.zeros([ROWS], gl.float32, layout=row_s)
-            acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-            s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
-            if n > 0:
-                # block 0: its scores, then its softmax
-                s = cnt % NUM_BUF
-                mbarrier.wait(k_ready.index(s), (cnt // NUM_BUF) & 1)
-                k = k_bufs.index(s).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
-                slot = _turn_wait(turn, slot, WG, PINGPONG)
-                sc = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
-                _turn_pass(turn, WG, PINGPONG)
-                sc = warpgroup_mma_wait(0, deps=[sc])
-                mbarrier.arrive(k_empty.index(s), count=1)
-                p, m_i, l_i, alpha = _scores(sc, 0, first_masked, my_m, m_i, l_i, TQ, TK, scale_log2,
-                                             ROWS, BLOCK_N, CAUSAL, s_layout)
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
-                prev = s
-                prev_ph = (cnt // NUM_BUF) & 1
-                cnt += 1
-                for j in range(1, n):
-                    # issue block j's scores and block j-1's P V; block j's softmax runs while P V does
+        for r in range(gl.cdiv(num_m * n_bh, gl.num_programs(0))):
+            t = _tile_of(r, CAUSAL)
+            if t < num_m * n_bh:  # the last round is partial
+                b, h, m_blk = _tile(t, n_bh, NH, num_m, CAUSAL)
+                start_m = m_blk * BLOCK_M
+                my_m = start_m + WG * ROWS
+                n, first_masked = _key_range(start_m, TQ, TK, BLOCK_M, BLOCK_N, CAUSAL)
+                qs = i % 2
+                mbarrier.wait(q_ready.index(qs), (i // 2) & 1)
+                q = q_bufs.index(qs).reshape([BLOCK_M, HEAD_DIM])
+                if PINGPONG:
+                    q = q.slice(WG * ROWS, ROWS, dim=0)
+                m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)
+                l_i = gl.zeros([ROWS], gl.float32, layout=row_s)
+                acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+                s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+                if n > 0:
+                    # block 0: its scores, then its softmax
                     s = cnt % NUM_BUF
-                    ph = (cnt // NUM_BUF) & 1
-                    mbarrier.wait(k_ready.index(s), ph)
+                    mbarrier.wait(k_ready.index(s), (cnt // NUM_BUF) & 1)
                     k = k_bufs.index(s).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
                     slot = _turn_wait(turn, slot, WG, PINGPONG)
                     sc = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
-                    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                    _turn_pass(turn, WG, PINGPONG)
+                    sc = warpgroup_mma_wait(0, deps=[sc])
+                    mbarrier.arrive(k_empty.index(s), count=1)
+                    p, m_i, l_i, alpha = _scores(sc, 0, first_masked, my_m, m_i, l_i, TQ, TK, scale_log2,
+                                                 ROWS, BLOCK_N, CAUSAL, s_layout)
+                    p_op = gl.convert_layout(p.to(dtype), p_layout)
+                    prev = s
+                    prev_ph = (cnt // NUM_BUF) & 1
+                    cnt += 1
+                    for j in range(1, n):
+                        # issue block j's scores and block j-1's P V; block j's softmax runs while P V does
+                        s = cnt % NUM_BUF
+                        ph = (cnt // NUM_BUF) & 1
+                        mbarrier.wait(k_ready.index(s), ph)
+                        k = k_bufs.index(s).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
+                        slot = _turn_wait(turn, slot, WG, PINGPONG)
+                        sc = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
+                        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                        mbarrier.wait(v_ready.index(prev), prev_ph)
+                        v = v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM])
+                        acc = warpgroup_mma(p_op, v, acc, is_async=True)
+                        _turn_pass(turn, WG, PINGPONG)
+                        sc = warpgroup_mma_wait(1, deps=[sc])
+                        mbarrier.arrive(k_empty.index(s), count=1)
+                        p, m_i, l_i, alpha = _scores(sc, j, first_masked, my_m, m_i, l_i, TQ, TK, scale_log2,
+                                                     ROWS, BLOCK_N, CAUSAL, s_layout)
+                        p_next = gl.convert_layout(p.to(dtype), p_layout)
+                        acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
+                        mbarrier.arrive(v_empty.index(prev), count=1)
+                        p_op = p_next
+                        prev = s
+                        prev_ph = ph
+                        cnt += 1
+                    mbarrier.arrive(q_empty.index(qs), count=1)
                     mbarrier.wait(v_ready.index(prev), prev_ph)
                     v = v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM])
+                    slot = _turn_wait(turn, slot, WG, PINGPONG)
+                    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                     acc = warpgroup_mma(p_op, v, acc, is_async=True)
                     _turn_pass(turn, WG, PINGPONG)
-                    sc = warpgroup_mma_wait(1, deps=[sc])
-                    mbarrier.arrive(k_empty.index(s), count=1)
-                    p, m_i, l_i, alpha = _scores(sc, j, first_masked, my_m, m_i, l_i, TQ, TK, scale_log2,
-                                                 ROWS, BLOCK_N, CAUSAL, s_layout)
-                    p_next = gl.convert_layout(p.to(dtype), p_layout)
                     acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
                     mbarrier.arrive(v_empty.index(prev), count=1)
-                    p_op = p_next
-                    prev = s
-                    prev_ph = ph
-                    cnt += 1
-                mbarrier.arrive(q_empty.index(qs), count=1)
-                mbarrier.wait(v_ready.index(prev), prev_ph)
-                v = v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM])
-                slot = _turn_wait(turn, slot, WG, PINGPONG)
-                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-                acc = warpgroup_mma(p_op, v, acc, is_async=True)
-                _turn_pass(turn, WG, PINGPONG)
-                acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
-                mbarrier.arrive(v_empty.index(prev), count=1)
-            else:
-                mbarrier.arrive(q_empty.index(qs), count=1)
-            i += 1
-            # normalize and store; a row that saw no key gets 0 and lse -inf
-            seen = l_i > 0.0
-            l_use = gl.where(seen, l_i, 1.0)
-            out = acc / gl.convert_layout(l_use, row_o)[:, None]
-            lse = gl.where(seen, (m_i + gl.log2(l_use)) * 0.6931471805599453, float("-inf"))
-            rows_o = my_m + gl.arange(0, ROWS, layout=row_o)
-            cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-            bb = b.to(gl.int64)
-            o_ptrs = (O + bb * stride_ob + h.to(gl.int64) * stride_oh + rows_o.to(gl.int64)[:, None] * stride_ot
-                      + cols_o[None, :])
-            gl.store(o_ptrs, out.to(dtype), mask=(rows_o < TQ)[:, None])
-            rows_l = my_m + gl.arange(0, ROWS, layout=row_s)
-            gl.store(LSE + bb * stride_lb + h.to(gl.int64) * stride_lh + rows_l, lse, mask=rows_l < TQ)
+                else:
+                    mbarrier.arrive(q_empty.index(qs), count=1)
+                i += 1
+                # normalize and store; a row that saw no key gets 0 and lse -inf
+                seen = l_i > 0.0
+                l_use = gl.where(seen, l_i, 1.0)
+                out = acc / gl.convert_layout(l_use, row_o)[:, None]
+                lse = gl.where(seen, (m_i + gl.log2(l_use)) * 0.6931471805599453, float("-inf"))
+                rows_o = my_m + gl.arange(0, ROWS, layout=row_o)
+                cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+                bb = b.to(gl.int64)
+                o_ptrs = (O + bb * stride_ob + h.to(gl.int64) * stride_oh + rows_o.to(gl.int64)[:, None] * stride_ot
+                          + cols_o[None, :])
+                gl.store(o_ptrs, out.to(dtype), mask=(rows_o < TQ)[:, None])
+                rows_l = my_m + gl.arange(0, ROWS, layout=row_s)
+                gl.store(LSE + bb * stride_lb + h.to(gl.int64) * stride_lh + rows_l, lse, mask=rows_l < TQ)
 
     @gluon.jit
     def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, O, LSE, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
@@ -277,10 +293,15 @@ if AVAILABLE:
             ], [1], [24])
 
 
-def _descriptor(t: torch.Tensor, rows: int):
-    hs = t.shape[-1]
+@functools.lru_cache(maxsize=None)
+def _smem_layout(rows: int, hs: int, dtype: torch.dtype):
     block = [1, rows, 1, hs]
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16)
+    return block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+
+
+def _descriptor(t: torch.Tensor, rows: int):
+    """The 4-D (B, T, heads, hs) TMA descriptor of (1, rows, 1, hs) tiles (rows past T read as zeros)."""
+    block, layout = _smem_layout(rows, t.shape[-1], t.dtype)
     return GluonDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 

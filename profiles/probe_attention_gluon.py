@@ -94,10 +94,47 @@ def run_bench(hss, seqs, masks, configs) -> None:
             torch.cuda.empty_cache()
 
 
+def host() -> None:
+    """Host time per call (no synchronization inside) of the Gluon launcher, the Triton one and megakern.attention
+    with grad on a small problem, the Gluon launcher's profile, and the GPU time of the T 2048 hs128 causal forward
+    by CUDA-graph replay."""
+    import cProfile
+    import pstats
+
+    import megakern
+    from benchmarks.common import host_us
+    from triton.testing import do_bench_cudagraph
+
+    q, k, v = (torch.randn(2, 256, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    qg = q.clone().requires_grad_(True)
+    rows = {"gluon fwd": host_us(lambda: glu.fwd(q, k, v, True, 0.088)),
+            "triton fwd": host_us(lambda: kern.fwd(q, k, v, True, 0.088, (-1, -1), None, None, gluon=False)),
+            "attention (grad)": host_us(lambda: megakern.attention(qg, k, v))}
+    print("host us: " + ", ".join(f"{n} {us:.0f}" for n, us in rows.items()), flush=True)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(300):
+        glu.fwd(q, k, v, True, 0.088)
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+    q, k, v = (torch.randn(8, 2048, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+    flops = 4 * 8 * 16 * 2048 * 2048 * 128 / 2
+
+    def sdpa():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+    for name, fn in (("gluon", lambda: glu.fwd(q, k, v, True, 0.088)), ("sdpa-flash", sdpa)):
+        ms = do_bench_cudagraph(fn, rep=300)
+        print(f"T2048 hs128 causal fwd, CUDA graph: {name} {flops / ms / 1e9:.1f} TFLOP/s", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--check", action="store_true")
     p.add_argument("--bench", action="store_true")
+    p.add_argument("--host", action="store_true")
     p.add_argument("--hs", default="64,128")
     p.add_argument("--seq", default="1024,2048,4096,8192,16384")
     p.add_argument("--masks", default="causal,full")
@@ -108,6 +145,8 @@ def main() -> None:
     configs = [(*c[:5], bool(c[5])) for c in configs]
     if a.check and not check(configs):
         print("GLUON CHECK FAILED")
+    if a.host:
+        host()
     if a.bench:
         run_bench([int(h) for h in a.hs.split(",")], [int(s) for s in a.seq.split(",")], a.masks.split(","),
                   configs)
