@@ -3,7 +3,9 @@
 Forward: a program per (batch x head, block of BLOCK_M queries); it walks the key blocks its masks allow, keeping
 the running max, the running sum and the output in fp32 registers (online softmax, base 2, scale folded into one
 multiply-add), and writes out and the row's log-sum-exp. The key range is cut in three: blocks that the masks cut
-(causal diagonal, window edges, the ragged end) get the mask, the blocks between them run without one.
+(causal diagonal, window edges, the ragged end) get the mask, the blocks between them run without one. On sm_90,
+``fwd`` hands fixed-length batches with head dim 64 / 128 and no window to the Gluon forward
+(megakern/_attention_gluon.py) where GLUON_FWD says it is the faster one; same outputs.
 
 Backward, deterministic (the default): first a program per (batch x head, block of BLOCK_M queries) computes its
 rows' delta = rowsum(dO * O) (kept for the next kernel) and walks the key blocks its rows see, accumulating dq;

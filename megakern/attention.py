@@ -1,4 +1,6 @@
-"""Fused attention: softmax(q k^T * scale + mask) v, forward and backward, in Triton (FlashAttention-2 algorithm).
+"""Fused attention: softmax(q k^T * scale + mask) v, forward and backward, in Triton (FlashAttention-2 algorithm);
+on Hopper the forward of fixed-length batches with head dim 64 / 128 runs a Gluon kernel with FlashAttention-3's
+structure (megakern/_attention_gluon.py; GLUON_FWD in megakern/_attention_triton.py says where).
 
 Shapes (flash-attn's layout): q (B, Tq, nh, hs), k and v (B, Tk, nkv, hs), out like q. Grouped-query / multi-query
 attention: nkv divides nh, and q head h reads kv head h // (nh // nkv); k and v are never repeated, and dk / dv are
