@@ -39,26 +39,23 @@ CONFIGS = {64: (128, 128, 4, 3, True), 128: (128, 128, 4, 2, True)}
 
 if AVAILABLE:
     @gluon.jit
-    def _tile_of(r, CAUSAL: gl.constexpr):
-        """Tile of this program in round r: programs take tiles round by round; causal, in snake order (program p
-        gets tile r * G + p in even rounds, r * G + G - 1 - p in odd ones), which evens out the programs' work as
-        the tiles get shorter round by round (H200, hs128 causal, TFLOP/s: T 4096 468 -> 476, T 16384 552 -> 580)."""
+    def _tile(r, n_bh, NH, num_m, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+        """(tile exists, batch, head, first query row) of this program's tile in round r. Programs take tiles round
+        by round; causal, in snake order (program p gets tile r * G + p in even rounds, r * G + G - 1 - p in odd
+        ones), which evens out the programs' work as the tiles get shorter round by round (H200, hs128 causal,
+        TFLOP/s: T 4096 468 -> 476, T 16384 552 -> 580). Tiles run query block by query block over all (batch,
+        head), the last (longest causal) query blocks first; the last round is partial."""
         pid = gl.program_id(0)
         grid = gl.num_programs(0)
         if CAUSAL:
             if r % 2 == 1:
                 pid = grid - 1 - pid
-        return r * grid + pid
-
-    @gluon.jit
-    def _tile(t, n_bh, NH, num_m, CAUSAL: gl.constexpr):
-        """(batch, head, first query row) of tile t: tiles run query block by query block over all (batch, head),
-        the last (longest causal) query blocks first."""
+        t = r * grid + pid
         m_blk = t // n_bh
         if CAUSAL:
             m_blk = num_m - 1 - m_blk
         bh = t % n_bh
-        return bh // NH, bh % NH, m_blk
+        return t < num_m * n_bh, bh // NH, bh % NH, m_blk * BLOCK_M
 
     @gluon.jit
     def _key_range(start_m, TQ, TK, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
@@ -84,10 +81,8 @@ if AVAILABLE:
         cnt = 0
         i = 0
         for r in range(gl.cdiv(num_m * n_bh, gl.num_programs(0))):
-            t = _tile_of(r, CAUSAL)
-            if t < num_m * n_bh:  # the last round is partial
-                b, h, m_blk = _tile(t, n_bh, NH, num_m, CAUSAL)
-                start_m = m_blk * BLOCK_M
+            valid, b, h, start_m = _tile(r, n_bh, NH, num_m, BLOCK_M, CAUSAL)
+            if valid:
                 qs = i % 2
                 mbarrier.wait(q_empty.index(qs), ((i // 2) & 1) ^ 1)
                 mbarrier.expect(q_ready.index(qs), q_desc.block_type.nbytes)
@@ -161,10 +156,8 @@ if AVAILABLE:
         i = 0
         slot = 0
         for r in range(gl.cdiv(num_m * n_bh, gl.num_programs(0))):
-            t = _tile_of(r, CAUSAL)
-            if t < num_m * n_bh:  # the last round is partial
-                b, h, m_blk = _tile(t, n_bh, NH, num_m, CAUSAL)
-                start_m = m_blk * BLOCK_M
+            valid, b, h, start_m = _tile(r, n_bh, NH, num_m, BLOCK_M, CAUSAL)
+            if valid:
                 my_m = start_m + WG * ROWS
                 n, first_masked = _key_range(start_m, TQ, TK, BLOCK_M, BLOCK_N, CAUSAL)
                 qs = i % 2
