@@ -286,6 +286,175 @@ if AVAILABLE:
             ], [1], [24])
 
 
+    # ---- backward: dk and dv ------------------------------------------------------------------------------------
+    @gluon.jit
+    def _bwd_tile(r, n_bk, NKV, num_n, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+        """(tile exists, batch, kv head, first key row) of this program's dk/dv tile in round r: key block by key
+        block over all (batch, kv head), the first key blocks (which the most queries see, causal) first; snake
+        order as _tile."""
+        pid = gl.program_id(0)
+        grid = gl.num_programs(0)
+        if CAUSAL:
+            if r % 2 == 1:
+                pid = grid - 1 - pid
+        t = r * grid + pid
+        bk = t % n_bk
+        return t < num_n * n_bk, bk // NKV, bk % NKV, (t // n_bk) * BLOCK_N
+
+    @gluon.jit
+    def _query_range(start_n, TQ, TK, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+        """(first query row, number of query blocks, first query row past the masked ones) for the keys start_n ..
+        + BLOCK_N - 1; the causal diagonal aligned bottom-right."""
+        lo = 0
+        full = 0
+        if CAUSAL:
+            diag = TK - TQ
+            lo = gl.maximum(start_n - diag, 0) // BLOCK_M * BLOCK_M
+            full = start_n + BLOCK_N - 1 - diag
+        n = gl.cdiv(gl.maximum(TQ - lo, 0), BLOCK_M)
+        return lo, n, full
+
+    @gluon.jit
+    def _bwd_producer(q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, q_bufs, do_bufs, kv_ready, kv_empty,
+                      q_ready, q_empty, B, NKV, GROUP, TQ, TK,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr):
+        num_n = gl.cdiv(TK, BLOCK_N)
+        n_bk = B * NKV
+        cnt = 0
+        i = 0
+        for r in range(gl.cdiv(num_n * n_bk, gl.num_programs(0))):
+            valid, b, hk, start_n = _bwd_tile(r, n_bk, NKV, num_n, BLOCK_N, CAUSAL)
+            if valid:
+                kvs = i % 2
+                mbarrier.wait(kv_empty.index(kvs), ((i // 2) & 1) ^ 1)
+                mbarrier.expect(kv_ready.index(kvs), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+                _tma_load(k_desc, [b, start_n, hk, 0], kv_ready.index(kvs), k_bufs.index(kvs))
+                _tma_load(v_desc, [b, start_n, hk, 0], kv_ready.index(kvs), v_bufs.index(kvs))
+                lo, n, _full = _query_range(start_n, TQ, TK, BLOCK_M, BLOCK_N, CAUSAL)
+                for g in range(GROUP):
+                    h = hk * GROUP + g
+                    for mi in range(n):
+                        s = cnt % NUM_BUF
+                        mbarrier.wait(q_empty.index(s), ((cnt // NUM_BUF) & 1) ^ 1)
+                        mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+                        _tma_load(q_desc, [b, lo + mi * BLOCK_M, h, 0], q_ready.index(s), q_bufs.index(s))
+                        _tma_load(do_desc, [b, lo + mi * BLOCK_M, h, 0], q_ready.index(s), do_bufs.index(s))
+                        cnt += 1
+                i += 1
+
+    @gluon.jit
+    def _bwd_consumer(WG: gl.constexpr, k_bufs, v_bufs, q_bufs, do_bufs, kv_ready, kv_empty, q_ready, q_empty,
+                      LSE, DELTA, DK, DV, stride_lb, stride_lh, stride_dkb, stride_dkt, stride_dkh, stride_dvb,
+                      stride_dvt, stride_dvh, B, NKV, GROUP, TQ, TK, scale_log2, scale,
+                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
+                      CAUSAL: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr):
+        """dk and dv of the key rows WG * ROWS .. + ROWS - 1 of each tile: per query block, S^T = K Q^T and
+        dP^T = V dO^T, P^T from the saved lse, dS^T = P^T (dP^T - delta), then dV += P^T dO and dK += dS^T Q."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                           instr_shape=[16, BLOCK_M, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+        dtype: gl.constexpr = q_bufs.dtype
+        num_n = gl.cdiv(TK, BLOCK_N)
+        n_bk = B * NKV
+        cnt = 0
+        i = 0
+        s_zero = gl.zeros([ROWS, BLOCK_M], gl.float32, layout=s_layout)
+        for r in range(gl.cdiv(num_n * n_bk, gl.num_programs(0))):
+            valid, b, hk, start_n = _bwd_tile(r, n_bk, NKV, num_n, BLOCK_N, CAUSAL)
+            if valid:
+                my_n = start_n + WG * ROWS
+                kvs = i % 2
+                mbarrier.wait(kv_ready.index(kvs), (i // 2) & 1)
+                k = k_bufs.index(kvs).reshape([BLOCK_N, HEAD_DIM]).slice(WG * ROWS, ROWS, dim=0)
+                v = v_bufs.index(kvs).reshape([BLOCK_N, HEAD_DIM]).slice(WG * ROWS, ROWS, dim=0)
+                dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+                dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+                lo, n, full = _query_range(start_n, TQ, TK, BLOCK_M, BLOCK_N, CAUSAL)
+                rows_n = my_n + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+                bb = b.to(gl.int64)
+                for g in range(GROUP):
+                    h = hk * GROUP + g
+                    stats = bb * stride_lb + h.to(gl.int64) * stride_lh
+                    for mi in range(n):
+                        start_m = lo + mi * BLOCK_M
+                        cols_m = start_m + gl.arange(0, BLOCK_M, layout=col_s)
+                        m_ok = cols_m < TQ
+                        lse = gl.load(LSE + stats + cols_m, mask=m_ok, other=float("-inf"))
+                        lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+                        delta = gl.load(DELTA + stats + cols_m, mask=m_ok, other=0.0)
+                        s = cnt % NUM_BUF
+                        mbarrier.wait(q_ready.index(s), (cnt // NUM_BUF) & 1)
+                        q = q_bufs.index(s).reshape([BLOCK_M, HEAD_DIM])
+                        do = do_bufs.index(s).reshape([BLOCK_M, HEAD_DIM])
+                        st = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                        dpt = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                        st, dpt = warpgroup_mma_wait(0, deps=[st, dpt])
+                        pt = gl.exp2(st * scale_log2 - lse2[None, :])
+                        if CAUSAL:
+                            if start_m < full:
+                                pt = gl.where(rows_n[:, None] <= cols_m[None, :] + (TK - TQ), pt, 0.0)
+                        dst = pt * (dpt - delta[None, :])
+                        pt_op = gl.convert_layout(pt.to(dtype), a_layout)
+                        dst_op = gl.convert_layout(dst.to(dtype), a_layout)
+                        dv = warpgroup_mma(pt_op, do, dv, is_async=True)
+                        dk = warpgroup_mma(dst_op, q, dk, is_async=True)
+                        dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=[dv, dk, pt_op, dst_op])
+                        mbarrier.arrive(q_empty.index(s), count=1)
+                        cnt += 1
+                mbarrier.arrive(kv_empty.index(kvs), count=1)
+                i += 1
+                rows_o = my_n + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+                cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+                mask = (rows_o < TK)[:, None]
+                hh = hk.to(gl.int64)
+                r64 = rows_o.to(gl.int64)[:, None]
+                gl.store(DK + bb * stride_dkb + hh * stride_dkh + r64 * stride_dkt + cols_o[None, :],
+                         (dk * scale).to(dtype), mask=mask)
+                gl.store(DV + bb * stride_dvb + hh * stride_dvh + r64 * stride_dvt + cols_o[None, :],
+                         dv.to(dtype), mask=mask)
+
+    @gluon.jit
+    def _attn_bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, stride_lb, stride_lh,
+                                 stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
+                                 B, NKV, GROUP, TQ, TK, scale_log2, scale,
+                                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                 NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+        """dk and dv (the deterministic backward's second pass: delta comes from the dq pass): two consumer
+        warpgroups of num_warps warps, half the key block each, and a producer warp moving k and v (double
+        buffered across tiles) and a ring of NUM_BUF q / dO slots."""
+        dtype: gl.constexpr = q_desc.dtype
+        k_bufs = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+        q_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF] + q_desc.block_type.shape, q_desc.layout)
+        do_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF] + do_desc.block_type.shape, do_desc.layout)
+        kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(2):
+            mbarrier.init(kv_ready.index(s), count=1)
+            mbarrier.init(kv_empty.index(s), count=2)
+        for s in gl.static_range(NUM_BUF):
+            mbarrier.init(q_ready.index(s), count=1)
+            mbarrier.init(q_empty.index(s), count=2)
+        fence_async_shared()
+        gl.warp_specialize([
+            (_bwd_consumer, (0, k_bufs, v_bufs, q_bufs, do_bufs, kv_ready, kv_empty, q_ready, q_empty, LSE, DELTA,
+                             DK, DV, stride_lb, stride_lh, stride_dkb, stride_dkt, stride_dkh, stride_dvb,
+                             stride_dvt, stride_dvh, B, NKV, GROUP, TQ, TK, scale_log2, scale, HEAD_DIM, BLOCK_M,
+                             BLOCK_N, NUM_BUF, CAUSAL, BLOCK_N // 2, num_warps)),
+            (_bwd_consumer, (1, k_bufs, v_bufs, q_bufs, do_bufs, kv_ready, kv_empty, q_ready, q_empty, LSE, DELTA,
+                             DK, DV, stride_lb, stride_lh, stride_dkb, stride_dkt, stride_dkh, stride_dvb,
+                             stride_dvt, stride_dvh, B, NKV, GROUP, TQ, TK, scale_log2, scale, HEAD_DIM, BLOCK_M,
+                             BLOCK_N, NUM_BUF, CAUSAL, BLOCK_N // 2, num_warps)),
+            (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, q_bufs, do_bufs, kv_ready, kv_empty,
+                             q_ready, q_empty, B, NKV, GROUP, TQ, TK, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL)),
+        ], [num_warps, 1], [240, 24])
+
+
 @functools.lru_cache(maxsize=None)
 def _smem_layout(rows: int, hs: int, dtype: torch.dtype):
     block = [1, rows, 1, hs]
@@ -321,6 +490,26 @@ def supported(q, k, v, causal, window, cu_seqlens) -> bool:
         if t.stride(-1) != 1 or t.data_ptr() % 16 or any((s * t.element_size()) % 16 for s in t.stride()[:3]):
             return False
     return True
+
+
+# (BLOCK_M query rows per step, BLOCK_N key rows per tile, warps per consumer, q / dO ring slots) per head dim
+BWD_CONFIGS = {64: (64, 128, 4, 3), 128: (64, 128, 4, 2)}
+
+
+def bwd_dkdv(dout, q, k, v, lse, delta, dk, dv, causal: bool, scale: float, config=None):
+    """dk and dv into ``dk`` / ``dv`` (shaped like k / v, unit stride along hs) for what ``supported`` accepts,
+    given the saved lse and delta = rowsum(dO * O) (B, nh, Tq) fp32 (the dq pass makes delta)."""
+    batch, tq, nh, hs = q.shape
+    tk, nkv = k.shape[1], k.shape[2]
+    block_m, block_n, warps, bufs = config or BWD_CONFIGS[hs]
+    tiles = batch * nkv * ((tk + block_n - 1) // block_n)
+    _attn_bwd_dkdv_ws_kernel[(min(tiles, _num_sms(q.device.index)),)](
+        _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(dout, block_m),
+        lse, delta, dk, dv, lse.stride(0), lse.stride(1), dk.stride(0), dk.stride(1), dk.stride(2),
+        dv.stride(0), dv.stride(1), dv.stride(2), batch, nkv, nh // nkv, tq, tk, scale * LOG2E, scale,
+        HEAD_DIM=hs, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal, num_warps=warps,
+    )
+    return dk, dv
 
 
 def fwd(q, k, v, causal: bool, scale: float, config=None):

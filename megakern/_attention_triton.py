@@ -538,6 +538,13 @@ _LONG = 1 << 62
 #   383 / 385, 397 / 420 (so full attention at hs64 keeps the Triton kernel past T 2048).
 # One consumer of 8 warps instead of the ping-pong pair is slower everywhere (hs128 T 4096 causal 389, hs64 299).
 GLUON_FWD = {128: {True: _LONG, False: _LONG}, 64: {True: _LONG, False: 2048}}
+# The deterministic backward's dk/dv pass by the Gluon kernel (two consumer warpgroups of 64 key rows each, a TMA
+# producer warp, persistent): head dims and masks where it is the faster one. H200, the whole deterministic backward
+# (the Triton dq pass, then dk/dv), TFLOP/s with the Triton / the Gluon dk/dv pass (profiles/probe_attention_gluon.py
+# --bwd): hs128 causal T 1024 206 / 228, 2048 277 / 287, 4096 324 / 346, 16384 392 / 410; full T 4096 361 / 381;
+# hs64 causal T 2048 232 / 238, 4096 267 / 278 (full not measured). 3 q / dO slots instead of 2 (hs128): 229, 289,
+# 340, 407, 382.
+GLUON_BWD = {128: (True, False), 64: (True,)}
 CONFIGS = {
     "fwd": {32: ((_LONG, (128, 64, 4, 3, "host")),),
             64: ((1024, (128, 32, 4, 4, "device")), (_LONG, (128, 64, 4, 3, "host"))),
@@ -678,6 +685,13 @@ def _descs(*items):
             if mode == 2 else t for t, r, mode in items]
 
 
+def _gluon_supported(q, k, v, dout, dk, dv, causal, window, cu_seqlens) -> bool:
+    from megakern import _attention_gluon
+
+    return _attention_gluon.supported(q, k, v, causal, window, cu_seqlens) and all(
+        _attention_gluon.supported(t, t, t, causal, window, cu_seqlens) for t in (dout, dk, dv))
+
+
 def _use_gluon(hs: int, causal: bool, seqlen: int) -> bool:
     """The Gluon forward (megakern._attention_gluon) is the faster one here; see GLUON_FWD."""
     limit = GLUON_FWD.get(hs, {}).get(causal, 0)
@@ -723,9 +737,12 @@ def fwd(q, k, v, causal: bool, scale: float, window, cu_seqlens, max_seqlen, con
 
 
 def bwd(dout, q, k, v, out, lse, causal: bool, scale: float, window, cu_seqlens, max_seqlen, deterministic: bool,
-        configs=None, tma=None, out_grads=None):
+        configs=None, tma=None, out_grads=None, gluon=None):
     """(dq, dk, dv). ``configs`` {'dkdv': ..., 'dq': ...} override the CONFIGS entries; ``tma`` as for ``fwd``.
-    ``out_grads`` (dq, dk, dv): tensors shaped like q, k, v (any strides with unit stride along hs) to write into."""
+    ``out_grads`` (dq, dk, dv): tensors shaped like q, k, v (any strides with unit stride along hs) to write into.
+    ``gluon``: the deterministic backward's dk/dv pass by the Gluon kernel (megakern._attention_gluon.bwd_dkdv):
+    None where it applies (GLUON_BWD) and neither ``configs`` nor ``tma`` is given; False never; True or a config
+    tuple always (an error where it cannot run)."""
     configs = configs or {}
     varlen, batch, tq, tk = _geometry(q, k, cu_seqlens, max_seqlen)
     q4, k4, v4, o4, do4 = (_as4d(t, varlen) for t in (q, k, v, out, dout))
@@ -774,6 +791,18 @@ def bwd(dout, q, k, v, out, lse, causal: bool, scale: float, window, cu_seqlens,
             BLOCK_M=block_m, BLOCK_N=block_n, TMA=once, TMA_LOOP=loop, num_warps=warps, num_stages=stages,
             **common,
         )
+    if gluon is None:
+        gluon = (not atomic and not configs and tma is None and q.is_cuda and hs in GLUON_BWD
+                 and causal in GLUON_BWD[hs] and _gluon_supported(q, k, v, dout, dk, dv, causal, window, cu_seqlens))
+    if gluon:
+        from megakern import _attention_gluon
+
+        if atomic or not _gluon_supported(q, k, v, dout, dk, dv, causal, window, cu_seqlens):
+            raise ValueError("attention: the Gluon dk/dv pass needs the deterministic backward and what the Gluon "
+                             "forward needs, for dout and the gradients too")
+        _attention_gluon.bwd_dkdv(dout, q, k, v, lse, delta, dk, dv, causal, scale,
+                                  gluon if isinstance(gluon, tuple) else None)
+        return dq, dk, dv
     block_m, block_n, warps, stages, prefer = _tiles(configs.get("dkdv"), tma, hs, q.device,
                                                      "dkdv_atomic" if atomic else "dkdv", seqlen)
     once, loop = _pick_tma(prefer, tma, (q4, k4, v4, do4, dk4, dv4), varlen)

@@ -130,11 +130,54 @@ def host() -> None:
         print(f"T2048 hs128 causal fwd, CUDA graph: {name} {flops / ms / 1e9:.1f} TFLOP/s", flush=True)
 
 
+def bwd_probe(configs) -> None:
+    """The Gluon dk/dv pass: dk, dv against fp64 truth next to the Triton pass's error, then the deterministic
+    backward's TFLOP/s (backward = 2.5x forward FLOPs) with the Triton and with the Gluon dk/dv pass."""
+    dev = torch.device("cuda")
+    cases = [(2, 1000, 1000, 4, 4, 128, True), (2, 1000, 1000, 4, 2, 128, False), (1, 777, 777, 2, 1, 64, True),
+             (2, 300, 700, 4, 2, 64, True), (2, 700, 300, 4, 4, 128, True), (3, 17, 17, 4, 2, 128, True)]
+    ok = True
+    for b, tq, tk, nh, nkv, hs, causal in cases:
+        g = torch.Generator(device=dev).manual_seed(tq + hs)
+        q = torch.randn(b, tq, nh, hs, device=dev, dtype=torch.bfloat16, generator=g)
+        k, v = (torch.randn(b, tk, nkv, hs, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(2))
+        do = torch.randn(b, tq, nh, hs, device=dev, dtype=torch.bfloat16, generator=g)
+        win = (-1, 0 if causal else -1)
+        out, lse = kern.fwd(q, k, v, causal, hs ** -0.5, win, None, None)
+        tri = kern.bwd(do, q, k, v, out, lse, causal, hs ** -0.5, win, None, None, True)
+        leaves = [t.double().requires_grad_(True) for t in (q, k, v)]
+        truth = torch.autograd.grad(attention_ref(*leaves, causal=causal)[0], leaves, do.double())
+        for cfg in [c[1:] for c in configs if c[0] == hs] or [None]:
+            glu_g = kern.bwd(do, q, k, v, out, lse, causal, hs ** -0.5, win, None, None, True, gluon=cfg or True)
+            errs = [(_err(a, t), _err(c, t)) for a, c, t in zip(glu_g[1:], tri[1:], truth[1:])]
+            good = all(e <= 2 * te + 1e-3 for e, te in errs) and all(torch.isfinite(x).all() for x in glu_g)
+            ok &= good
+            print(f"bwd check B{b} Tq{tq} Tk{tk} nh{nh}/{nkv} hs{hs} causal={causal} {cfg}: dk, dv gluon / triton "
+                  + ", ".join(f"{e:.2e} / {te:.2e}" for e, te in errs) + (" ok" if good else " WRONG"), flush=True)
+    if not ok:
+        print("GLUON BWD CHECK FAILED")
+        return
+    for hs, t, causal in ((128, 1024, True), (128, 2048, True), (128, 4096, True), (128, 16384, True),
+                          (128, 4096, False), (64, 2048, True), (64, 4096, True)):
+        b, nh = max(1, 16384 // t), 2048 // hs
+        q, k, v, do = (torch.randn(b, t, nh, hs, device=dev, dtype=torch.bfloat16) for _ in range(4))
+        win = (-1, 0 if causal else -1)
+        out, lse = kern.fwd(q, k, v, causal, hs ** -0.5, win, None, None)
+        flops = 2.5 * 4 * b * nh * t * t * hs / (2 if causal else 1)
+        row = [f"triton {flops / bench(lambda: kern.bwd(do, q, k, v, out, lse, causal, hs ** -0.5, win, None, None, True), device=dev)['median'] / 1e9:6.1f}"]
+        for cfg in [c[1:] for c in configs if c[0] == hs] or [None]:
+            ms = bench(lambda: kern.bwd(do, q, k, v, out, lse, causal, hs ** -0.5, win, None, None, True,
+                                        gluon=cfg or True), device=dev)["median"]
+            row.append(f"gluon dkdv {cfg} {flops / ms / 1e9:6.1f}")
+        print(f"bwd hs{hs} T{t} {'causal' if causal else 'full'} | " + " | ".join(row), flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--check", action="store_true")
     p.add_argument("--bench", action="store_true")
     p.add_argument("--host", action="store_true")
+    p.add_argument("--bwd", action="store_true")
     p.add_argument("--hs", default="64,128")
     p.add_argument("--seq", default="1024,2048,4096,8192,16384")
     p.add_argument("--masks", default="causal,full")
@@ -142,9 +185,11 @@ def main() -> None:
     a = p.parse_args()
     # configs: hs x BLOCK_M x BLOCK_N x warps x slots x pingpong (0 / 1)
     configs = [tuple(int(x) for x in c.split("x")) for c in a.configs.split(",") if c]
-    configs = [(*c[:5], bool(c[5])) for c in configs]
+    configs = [(*c[:5], bool(c[5])) if len(c) == 6 else c for c in configs]  # backward configs: 5 numbers
     if a.check and not check(configs):
         print("GLUON CHECK FAILED")
+    if a.bwd:
+        bwd_probe(configs)
     if a.host:
         host()
     if a.bench:
