@@ -38,24 +38,33 @@ CONFIGS = {64: (128, 128, 4, 3, True), 128: (128, 128, 4, 2, True)}
 
 
 if AVAILABLE:
+    @gluon.constexpr_function
+    def _wgmma_layouts(warps, n, head_dim):
+        """(layout of an (m, n) wgmma accumulator, of an (m, head_dim) one, of a 16-bit register A operand of the
+        latter) over ``warps`` warps, 16 rows per warp."""
+        acc_n = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, n, 16])
+        acc_d = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, head_dim, 16])
+        return acc_n, acc_d, gl.DotOperandLayout(operand_index=0, parent=acc_d, k_width=2)
+
     @gluon.jit
-    def _tile(r, n_bh, NH, num_m, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
-        """(tile exists, batch, head, first query row) of this program's tile in round r. Programs take tiles round
-        by round; causal, in snake order (program p gets tile r * G + p in even rounds, r * G + G - 1 - p in odd
-        ones), which evens out the programs' work as the tiles get shorter round by round (H200, hs128 causal,
-        TFLOP/s: T 4096 468 -> 476, T 16384 552 -> 580). Tiles run query block by query block over all (batch,
-        head), the last (longest causal) query blocks first; the last round is partial."""
+    def _tile(r, n_heads, NH, num_blocks, BLOCK: gl.constexpr, CAUSAL: gl.constexpr, LAST_FIRST: gl.constexpr):
+        """(tile exists, batch, head, first row) of this program's tile in round r. Tiles run block by block over
+        all (batch, head); causal, the longest first: the last query blocks (forward, LAST_FIRST), the first key
+        blocks (dk / dv). Programs take tiles round by round; causal, in snake order (program p gets tile r * G + p
+        in even rounds, r * G + G - 1 - p in odd ones), which evens out the programs' work as the tiles get shorter
+        round by round (H200, hs128 causal forward, TFLOP/s: T 4096 468 -> 476, T 16384 552 -> 580). The last
+        round is partial."""
         pid = gl.program_id(0)
         grid = gl.num_programs(0)
         if CAUSAL:
             if r % 2 == 1:
                 pid = grid - 1 - pid
         t = r * grid + pid
-        m_blk = t // n_bh
-        if CAUSAL:
-            m_blk = num_m - 1 - m_blk
-        bh = t % n_bh
-        return t < num_m * n_bh, bh // NH, bh % NH, m_blk * BLOCK_M
+        blk = t // n_heads
+        if CAUSAL and LAST_FIRST:
+            blk = num_blocks - 1 - blk
+        bh = t % n_heads
+        return t < num_blocks * n_heads, bh // NH, bh % NH, blk * BLOCK
 
     @gluon.jit
     def _key_range(start_m, TQ, TK, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
@@ -81,7 +90,7 @@ if AVAILABLE:
         cnt = 0
         i = 0
         for r in range(gl.cdiv(num_m * n_bh, gl.num_programs(0))):
-            valid, b, h, start_m = _tile(r, n_bh, NH, num_m, BLOCK_M, CAUSAL)
+            valid, b, h, start_m = _tile(r, n_bh, NH, num_m, BLOCK_M, CAUSAL, True)
             if valid:
                 qs = i % 2
                 mbarrier.wait(q_empty.index(qs), ((i // 2) & 1) ^ 1)
@@ -142,11 +151,10 @@ if AVAILABLE:
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
                   CAUSAL: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr):
         """The rows WG * ROWS .. + ROWS - 1 of each tile (all of them without ping-pong), on WARPS warps."""
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                           instr_shape=[16, HEAD_DIM, 16])
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        layouts: gl.constexpr = _wgmma_layouts(WARPS, BLOCK_N, HEAD_DIM)
+        s_layout: gl.constexpr = layouts[0]
+        o_layout: gl.constexpr = layouts[1]
+        p_layout: gl.constexpr = layouts[2]
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         dtype: gl.constexpr = q_bufs.dtype
@@ -156,7 +164,7 @@ if AVAILABLE:
         i = 0
         slot = 0
         for r in range(gl.cdiv(num_m * n_bh, gl.num_programs(0))):
-            valid, b, h, start_m = _tile(r, n_bh, NH, num_m, BLOCK_M, CAUSAL)
+            valid, b, h, start_m = _tile(r, n_bh, NH, num_m, BLOCK_M, CAUSAL, True)
             if valid:
                 my_m = start_m + WG * ROWS
                 n, first_masked = _key_range(start_m, TQ, TK, BLOCK_M, BLOCK_N, CAUSAL)
@@ -288,20 +296,6 @@ if AVAILABLE:
 
     # ---- backward: dk and dv ------------------------------------------------------------------------------------
     @gluon.jit
-    def _bwd_tile(r, n_bk, NKV, num_n, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-        """(tile exists, batch, kv head, first key row) of this program's dk/dv tile in round r: key block by key
-        block over all (batch, kv head), the first key blocks (which the most queries see, causal) first; snake
-        order as _tile."""
-        pid = gl.program_id(0)
-        grid = gl.num_programs(0)
-        if CAUSAL:
-            if r % 2 == 1:
-                pid = grid - 1 - pid
-        t = r * grid + pid
-        bk = t % n_bk
-        return t < num_n * n_bk, bk // NKV, bk % NKV, (t // n_bk) * BLOCK_N
-
-    @gluon.jit
     def _query_range(start_n, TQ, TK, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
         """(first query row, number of query blocks, first query row past the masked ones) for the keys start_n ..
         + BLOCK_N - 1; the causal diagonal aligned bottom-right."""
@@ -323,7 +317,7 @@ if AVAILABLE:
         cnt = 0
         i = 0
         for r in range(gl.cdiv(num_n * n_bk, gl.num_programs(0))):
-            valid, b, hk, start_n = _bwd_tile(r, n_bk, NKV, num_n, BLOCK_N, CAUSAL)
+            valid, b, hk, start_n = _tile(r, n_bk, NKV, num_n, BLOCK_N, CAUSAL, False)
             if valid:
                 kvs = i % 2
                 mbarrier.wait(kv_empty.index(kvs), ((i // 2) & 1) ^ 1)
@@ -350,11 +344,10 @@ if AVAILABLE:
                       CAUSAL: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr):
         """dk and dv of the key rows WG * ROWS .. + ROWS - 1 of each tile: per query block, S^T = K Q^T and
         dP^T = V dO^T, P^T from the saved lse, dS^T = P^T (dP^T - delta), then dV += P^T dO and dK += dS^T Q."""
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                           instr_shape=[16, BLOCK_M, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                           instr_shape=[16, HEAD_DIM, 16])
-        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        layouts: gl.constexpr = _wgmma_layouts(WARPS, BLOCK_M, HEAD_DIM)
+        s_layout: gl.constexpr = layouts[0]
+        o_layout: gl.constexpr = layouts[1]
+        a_layout: gl.constexpr = layouts[2]
         col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
         dtype: gl.constexpr = q_bufs.dtype
         num_n = gl.cdiv(TK, BLOCK_N)
@@ -363,7 +356,7 @@ if AVAILABLE:
         i = 0
         s_zero = gl.zeros([ROWS, BLOCK_M], gl.float32, layout=s_layout)
         for r in range(gl.cdiv(num_n * n_bk, gl.num_programs(0))):
-            valid, b, hk, start_n = _bwd_tile(r, n_bk, NKV, num_n, BLOCK_N, CAUSAL)
+            valid, b, hk, start_n = _tile(r, n_bk, NKV, num_n, BLOCK_N, CAUSAL, False)
             if valid:
                 my_n = start_n + WG * ROWS
                 kvs = i % 2

@@ -333,45 +333,64 @@ def test_kernels_compile_for_sm90_with_wgmma(hs, tma):
 
 
 # ---- the Gluon forward (Hopper) ---------------------------------------------------------------------------------
-def compile_gluon_for_sm90(hs: int, causal: bool, pingpong: bool):
-    """(shared memory bytes, uses wgmma, warp-specialized (setmaxnreg), waits on mbarriers) of the Gluon forward
-    compiled for sm_90 with the CONFIGS tiles of head dim hs, or None where this Triton has no Gluon."""
+def _compile_gluon(fn, constexprs: dict, tiles: dict, pointers: dict, hs: int):
+    """(shared memory bytes, uses wgmma, warp-specialized (setmaxnreg), waits on mbarriers) of Gluon kernel ``fn``
+    compiled for sm_90: ``tiles`` {argument: rows} are bf16 (B, T, heads, hs) descriptors of (1, rows, 1, hs)
+    tiles, ``pointers`` {argument: type}, fp32 for the scales, i32 for the other scalars."""
     import triton
     from triton.backends.compiler import GPUTarget
-
-    from megakern import _attention_gluon as g
-
-    if not g.AVAILABLE:
-        return None
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    gl = g.gl
-    block_m, block_n, warps, bufs, _ = g.CONFIGS[hs]
-    warps = warps if pingpong else 2 * warps
+    from megakern._attention_gluon import gl
 
     def desc(rows):
         block = [1, rows, 1, hs]
         return f"tensordesc<bf16[{','.join(map(str, block))}],{gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)!r}>"
 
-    fn = g._attn_fwd_ws_kernel
-    constexprs = dict(HEAD_DIM=hs, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal, PINGPONG=pingpong,
-                      num_warps=warps)
-    types = {"q_desc": desc(block_m), "k_desc": desc(block_n), "v_desc": desc(block_n), "O": "*bf16", "LSE": "*fp32",
-             "scale_log2": "fp32"}
-    signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in fn.arg_names}
+    types = {name: desc(rows) for name, rows in tiles.items()} | pointers
+    signature = {name: "constexpr" if name in constexprs else types.get(
+        name, "fp32" if name.startswith("scale") else "i32") for name in fn.arg_names}
     compiled = triton.compile(GluonASTSource(fn=fn, signature=signature, constexprs=constexprs),
-                              target=GPUTarget("cuda", 90, 64), options=dict(num_warps=warps))
+                              target=GPUTarget("cuda", 90, 64), options=dict(num_warps=constexprs["num_warps"]))
     ptx = compiled.asm["ptx"]
     return compiled.metadata.shared, "wgmma.mma_async" in ptx, "setmaxnreg" in ptx, "mbarrier.try_wait" in ptx
 
 
-@pytest.mark.parametrize("pingpong", (True, False), ids=("pingpong", "one-consumer"))
+def compile_gluon_for_sm90(hs: int, causal: bool, pingpong: bool):
+    """_compile_gluon's facts for the Gluon forward with the CONFIGS tiles of head dim hs (None without Gluon)."""
+    from megakern import _attention_gluon as g
+
+    if not g.AVAILABLE:
+        return None
+    block_m, block_n, warps, bufs, _ = g.CONFIGS[hs]
+    constexprs = dict(HEAD_DIM=hs, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal, PINGPONG=pingpong,
+                      num_warps=warps if pingpong else 2 * warps)
+    return _compile_gluon(g._attn_fwd_ws_kernel, constexprs, {"q_desc": block_m, "k_desc": block_n, "v_desc": block_n},
+                          {"O": "*bf16", "LSE": "*fp32"}, hs)
+
+
+def compile_gluon_bwd_for_sm90(hs: int, causal: bool):
+    """The same for the Gluon dk/dv kernel with the BWD_CONFIGS tiles."""
+    from megakern import _attention_gluon as g
+
+    if not g.AVAILABLE:
+        return None
+    block_m, block_n, warps, bufs = g.BWD_CONFIGS[hs]
+    constexprs = dict(HEAD_DIM=hs, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal, num_warps=warps)
+    return _compile_gluon(g._attn_bwd_dkdv_ws_kernel, constexprs,
+                          {"q_desc": block_m, "do_desc": block_m, "k_desc": block_n, "v_desc": block_n},
+                          {"DK": "*bf16", "DV": "*bf16", "LSE": "*fp32", "DELTA": "*fp32"}, hs)
+
+
+@pytest.mark.parametrize("kernel", ("forward", "forward-one-consumer", "dkdv"))
 @pytest.mark.parametrize("causal", (True, False), ids=("causal", "full"))
 @pytest.mark.parametrize("hs", (64, 128))
-def test_gluon_forward_compiles_for_sm90(hs, causal, pingpong):
-    """The Gluon forward lowers for Hopper without a GPU: wgmma, warp-specialized partitions (setmaxnreg), mbarrier
-    hand-offs, within the 227 KiB of shared memory."""
-    result = sm90_lowering("test_attention", f"compile_gluon_for_sm90({hs}, {causal}, {pingpong})")
+def test_gluon_kernels_compile_for_sm90(hs, causal, kernel):
+    """The Gluon kernels (the forward with its two consumer layouts, the dk/dv pass) lower for Hopper without a GPU:
+    wgmma, warp-specialized partitions (setmaxnreg), mbarrier hand-offs, within the 227 KiB of shared memory."""
+    call = (f"compile_gluon_bwd_for_sm90({hs}, {causal})" if kernel == "dkdv"
+            else f"compile_gluon_for_sm90({hs}, {causal}, {kernel == 'forward'})")
+    result = sm90_lowering("test_attention", call)
     if result is None:
         pytest.skip("this Triton has no Gluon (Triton >= 3.5)")
     shared, wgmma, specialized, mbarriers = result
@@ -392,6 +411,9 @@ def test_gluon_dispatch():
     assert kern._use_gluon(128, True, 1 << 20) and kern._use_gluon(128, False, 16384)
     assert kern._use_gluon(64, True, 16384) and kern._use_gluon(64, False, 2048) and not kern._use_gluon(64, False, 4096)
     assert not kern._use_gluon(96, True, 1024) and not kern._use_gluon(256, False, 1024)
+    out, lse = kern.fwd(q, q, q, True, 0.125, (-1, 0), None, None)  # CPU: the Triton (interpreted) or torch path
+    with pytest.raises(ValueError, match="Gluon dk/dv pass needs the deterministic backward"):
+        kern.bwd(q, q, q, q, out, lse, True, 0.125, (-1, 0), None, None, True, gluon=True)
 
 
 GLUON_CASES = [  # (B, Tq, Tk, nh, nkv, hs, causal)
