@@ -1,17 +1,25 @@
-"""Attention forward for Hopper (sm_90) in Gluon: FlashAttention-3's structure, which plain Triton cannot express.
+"""Attention kernels for Hopper (sm_90) in Gluon: FlashAttention-3's structure, which plain Triton cannot express.
+The forward:
 
 - Warp specialization: one producer warp moves tiles with TMA (q once per tile, k and v through a ring of NUM_BUF
   shared-memory slots); the consumer warps (two warpgroups, 64 query rows each) only do tensor-core and softmax work.
   Ready / empty mbarriers hand each slot back and forth.
+- Ping-pong: the two consumer warpgroups take turns issuing their matmuls (an mbarrier per turn), so one's softmax
+  runs while the other's matmuls keep the tensor cores busy.
 - Persistent: one program per SM walks the tiles, longest causal rows first; while the consumers finish a tile (the
   last P V, the normalization, the stores), the producer already loads the next tile's q, k and v.
 - Intra-warpgroup overlap: block j's q k^T is issued before block j-1's P V, and the softmax of block j runs while
   that P V is on the tensor cores (asynchronous wgmma, waited on by count).
 
+The deterministic backward's dk/dv pass (``bwd_dkdv``; the Triton dq pass runs first and makes delta) has the same
+frame: a producer warp moving k and v (double buffered across tiles) and a ring of q / dO slots, two consumer
+warpgroups with 64 key rows each (S^T = K Q^T, dP^T = V dO^T, P^T from the saved lse, dS^T = P^T (dP^T - delta),
+dV += P^T dO, dK += dS^T Q, dk and dv in registers, summed over the GQA group), persistent.
+
 Fixed-length batches (B, T, heads, hs) with 16-byte aligned strides, head dims 64 and 128, fp16 / bf16, causal or
-full, GQA; everything else (packed documents, windows, other head dims) takes the Triton kernel. Same outputs as
-_attention_triton's forward: out like q, lse (B, nh, Tq) fp32 in natural log, -inf (and out 0) for a row that sees
-no key.
+full, GQA; everything else (packed documents, windows, other head dims) takes the Triton kernels. Same outputs as
+_attention_triton's: out like q, lse (B, nh, Tq) fp32 in natural log, -inf (and out 0) for a row that sees no key;
+dk, dv like k, v. GLUON_FWD / GLUON_BWD in _attention_triton say where these kernels are the default.
 """
 from __future__ import annotations
 
