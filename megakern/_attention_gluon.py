@@ -27,6 +27,8 @@ import functools
 
 import torch
 
+from megakern._attention_triton import tma_aligned
+
 try:  # Gluon (Triton >= 3.5); its Hopper API as of Triton 3.6
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -478,19 +480,18 @@ def _is_sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
 
 
-def supported(q, k, v, causal, window, cu_seqlens) -> bool:
-    """This kernel can take the call: Gluon present, an sm_90 GPU, fixed-length fp16 / bf16 batches with head dim 64
-    or 128, no window (``window`` as megakern.attention._window gives it: (-1, -1), or (-1, 0) under causal), tensors
-    TMA can address (16-byte aligned base and strides, unit stride along hs)."""
+def supported(q, k, v, causal, window, cu_seqlens, others=()) -> bool:
+    """These kernels can take the call: Gluon present, an sm_90 GPU, fixed-length fp16 / bf16 batches with head dim
+    64 or 128, no window (``window`` as megakern.attention._window gives it: (-1, -1), or (-1, 0) under causal); q, k,
+    v and ``others`` (the backward's dout, dk, dv) tensors TMA can address (16-byte aligned base and strides, unit
+    stride along hs)."""
     left, right = window
     if not AVAILABLE or not q.is_cuda or cu_seqlens is not None or left >= 0 or (right >= 0 and not causal):
         return False
     if q.shape[-1] not in HEAD_DIMS or q.dtype not in (torch.float16, torch.bfloat16) or not _is_sm90(q.device.index):
         return False
-    for t in (q, k, v):
-        if t.stride(-1) != 1 or t.data_ptr() % 16 or any((s * t.element_size()) % 16 for s in t.stride()[:3]):
-            return False
-    return True
+    tensors = (q, k, v, *others)
+    return all(t.stride(-1) == 1 for t in tensors) and tma_aligned(tensors)
 
 
 # (BLOCK_M query rows per step, BLOCK_N key rows per tile, warps per consumer, q / dO ring slots) per head dim

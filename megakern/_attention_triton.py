@@ -632,6 +632,12 @@ def _tma_ok(tensors) -> bool:
             return False
     elif not _interpreting():
         return False
+    return tma_aligned(tensors)
+
+
+def tma_aligned(tensors) -> bool:
+    """Every (B, T, heads, hs) tensor has a 16-byte aligned base and 16-byte aligned batch / row / head strides, as
+    a TMA descriptor needs."""
     for t in tensors:
         size = t.element_size()
         if t.data_ptr() % 16 or any((s * size) % 16 for s in t.stride()[:3]):
@@ -683,13 +689,6 @@ def _descs(*items):
     (1, rows, 1, hs-block) tiles, else the tensor itself."""
     return [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, r, 1, max(16, next_power_of_2(t.shape[-1]))])
             if mode == 2 else t for t, r, mode in items]
-
-
-def _gluon_supported(q, k, v, dout, dk, dv, causal, window, cu_seqlens) -> bool:
-    from megakern import _attention_gluon
-
-    return _attention_gluon.supported(q, k, v, causal, window, cu_seqlens) and all(
-        _attention_gluon.supported(t, t, t, causal, window, cu_seqlens) for t in (dout, dk, dv))
 
 
 def _use_gluon(hs: int, causal: bool, seqlen: int) -> bool:
@@ -791,18 +790,18 @@ def bwd(dout, q, k, v, out, lse, causal: bool, scale: float, window, cu_seqlens,
             BLOCK_M=block_m, BLOCK_N=block_n, TMA=once, TMA_LOOP=loop, num_warps=warps, num_stages=stages,
             **common,
         )
-    if gluon is None:
-        gluon = (not atomic and not configs and tma is None and q.is_cuda and hs in GLUON_BWD
-                 and causal in GLUON_BWD[hs] and _gluon_supported(q, k, v, dout, dk, dv, causal, window, cu_seqlens))
-    if gluon:
+    if gluon or (gluon is None and not atomic and not configs and tma is None and q.is_cuda
+                 and causal in GLUON_BWD.get(hs, ())):
         from megakern import _attention_gluon
 
-        if atomic or not _gluon_supported(q, k, v, dout, dk, dv, causal, window, cu_seqlens):
+        can = not atomic and _attention_gluon.supported(q, k, v, causal, window, cu_seqlens, others=(dout, dk, dv))
+        if gluon and not can:
             raise ValueError("attention: the Gluon dk/dv pass needs the deterministic backward and what the Gluon "
                              "forward needs, for dout and the gradients too")
-        _attention_gluon.bwd_dkdv(dout, q, k, v, lse, delta, dk, dv, causal, scale,
-                                  gluon if isinstance(gluon, tuple) else None)
-        return dq, dk, dv
+        if can:
+            _attention_gluon.bwd_dkdv(dout, q, k, v, lse, delta, dk, dv, causal, scale,
+                                      gluon if isinstance(gluon, tuple) else None)
+            return dq, dk, dv
     block_m, block_n, warps, stages, prefer = _tiles(configs.get("dkdv"), tma, hs, q.device,
                                                      "dkdv_atomic" if atomic else "dkdv", seqlen)
     once, loop = _pick_tma(prefer, tma, (q4, k4, v4, do4, dk4, dv4), varlen)
