@@ -94,7 +94,10 @@ if AVAILABLE:
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
                   v_empty, B, NH, GROUP, TQ, TK,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr):
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr,
+                  do_desc=None, do_bufs=None, WITH_DO: gl.constexpr = False):
+        """Per query tile: q (and dO beside it for the dq pass, WITH_DO) into one of two slots, then the tile's k and
+        v blocks through the ring of NUM_BUF slots."""
         num_m = gl.cdiv(TQ, BLOCK_M)
         n_bh = B * NH
         cnt = 0
@@ -104,7 +107,11 @@ if AVAILABLE:
             if valid:
                 qs = i % 2
                 mbarrier.wait(q_empty.index(qs), ((i // 2) & 1) ^ 1)
-                mbarrier.expect(q_ready.index(qs), q_desc.block_type.nbytes)
+                if WITH_DO:
+                    mbarrier.expect(q_ready.index(qs), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+                    _tma_load(do_desc, [b, start_m, h, 0], q_ready.index(qs), do_bufs.index(qs))
+                else:
+                    mbarrier.expect(q_ready.index(qs), q_desc.block_type.nbytes)
                 _tma_load(q_desc, [b, start_m, h, 0], q_ready.index(qs), q_bufs.index(qs))
                 n, _first_masked = _key_range(start_m, TQ, TK, BLOCK_M, BLOCK_N, CAUSAL)
                 hk = h // GROUP
@@ -458,6 +465,154 @@ if AVAILABLE:
         ], [num_warps, 1], [240, 24])
 
 
+    # ---- backward: dq (and delta) -------------------------------------------------------------------------------
+    @gluon.jit
+    def _probs(sc, j, first_masked, rows, lse2, TQ, TK, scale_log2, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+               s_layout: gl.constexpr):
+        """P of key block j from the scores and the rows' saved base-2 lse (+inf where a row sees no key or lies past
+        the end), 0 past the keys' end and above the causal diagonal."""
+        p = gl.exp2(sc * scale_log2 - lse2[:, None])
+        if j >= first_masked:
+            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            ok = cols[None, :] < TK
+            if CAUSAL:
+                ok = ok & (cols[None, :] <= rows[:, None] + (TK - TQ))
+            p = gl.where(ok, p, 0.0)
+        return p
+
+    @gluon.jit
+    def _dq_consumer(WG: gl.constexpr, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
+                     v_empty, O, LSE, DELTA, DQ, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, stride_dqb,
+                     stride_dqt, stride_dqh, B, NH, TQ, TK, scale_log2, scale,
+                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
+                     CAUSAL: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr):
+        """dq of the query rows WG * ROWS .. + ROWS - 1 of each tile, and their delta = rowsum(dO * O) (stored for
+        the dk/dv pass): per key block, S = Q K^T and dP = dO V^T, P from the saved lse, dS = P (dP - delta),
+        dQ += dS K. Block j's P is computed while its dP is still on the tensor cores; its dS K runs while the next
+        block's S and dP are issued."""
+        layouts: gl.constexpr = _wgmma_layouts(WARPS, BLOCK_N, HEAD_DIM)
+        s_layout: gl.constexpr = layouts[0]
+        o_layout: gl.constexpr = layouts[1]
+        a_layout: gl.constexpr = layouts[2]
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        dtype: gl.constexpr = q_bufs.dtype
+        num_m = gl.cdiv(TQ, BLOCK_M)
+        n_bh = B * NH
+        cnt = 0
+        i = 0
+        s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+        cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        for r in range(gl.cdiv(num_m * n_bh, gl.num_programs(0))):
+            valid, b, h, start_m = _tile(r, n_bh, NH, num_m, BLOCK_M, CAUSAL, True)
+            if valid:
+                my_m = start_m + WG * ROWS
+                n, first_masked = _key_range(start_m, TQ, TK, BLOCK_M, BLOCK_N, CAUSAL)
+                bb = b.to(gl.int64)
+                hh = h.to(gl.int64)
+                rows_o = my_m + gl.arange(0, ROWS, layout=row_o)
+                r64 = rows_o.to(gl.int64)[:, None]
+                o = gl.load(O + bb * stride_ob + hh * stride_oh + r64 * stride_ot + cols_o[None, :],
+                            mask=(rows_o < TQ)[:, None], other=0.0)
+                qs = i % 2
+                mbarrier.wait(q_ready.index(qs), (i // 2) & 1)
+                q = q_bufs.index(qs).reshape([BLOCK_M, HEAD_DIM]).slice(WG * ROWS, ROWS, dim=0)
+                do = do_bufs.index(qs).reshape([BLOCK_M, HEAD_DIM]).slice(WG * ROWS, ROWS, dim=0)
+                delta_o = gl.sum(o.to(gl.float32) * do.load(o_layout).to(gl.float32), 1)
+                gl.store(DELTA + bb * stride_lb + hh * stride_lh + rows_o, delta_o, mask=rows_o < TQ)
+                delta = gl.convert_layout(delta_o, row_s)
+                rows = my_m + gl.arange(0, ROWS, layout=row_s)
+                lse = gl.load(LSE + bb * stride_lb + hh * stride_lh + rows, mask=rows < TQ, other=float("-inf"))
+                lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+                dq = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+                if n > 0:
+                    # block 0: S, then P while dP runs, then dS
+                    s = cnt % NUM_BUF
+                    ph = (cnt // NUM_BUF) & 1
+                    mbarrier.wait(k_ready.index(s), ph)
+                    k = k_bufs.index(s).reshape([BLOCK_N, HEAD_DIM])
+                    sc = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                    mbarrier.wait(v_ready.index(s), ph)
+                    v = v_bufs.index(s).reshape([BLOCK_N, HEAD_DIM])
+                    dp = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                    sc = warpgroup_mma_wait(1, deps=[sc])
+                    p = _probs(sc, 0, first_masked, rows, lse2, TQ, TK, scale_log2, BLOCK_N, CAUSAL, s_layout)
+                    dp = warpgroup_mma_wait(0, deps=[dp])
+                    mbarrier.arrive(v_empty.index(s), count=1)
+                    ds_op = gl.convert_layout((p * (dp - delta[:, None])).to(dtype), a_layout)
+                    prev = s
+                    cnt += 1
+                    for j in range(1, n):
+                        # issued in this order: block j's S, block j-1's dS K, block j's dP; block j's P is computed
+                        # while the other two run
+                        s = cnt % NUM_BUF
+                        ph = (cnt // NUM_BUF) & 1
+                        mbarrier.wait(k_ready.index(s), ph)
+                        k = k_bufs.index(s).reshape([BLOCK_N, HEAD_DIM])
+                        sc = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                        dq = warpgroup_mma(ds_op, k_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM]), dq, is_async=True)
+                        mbarrier.wait(v_ready.index(s), ph)
+                        v = v_bufs.index(s).reshape([BLOCK_N, HEAD_DIM])
+                        dp = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                        sc = warpgroup_mma_wait(2, deps=[sc])
+                        p = _probs(sc, j, first_masked, rows, lse2, TQ, TK, scale_log2, BLOCK_N, CAUSAL, s_layout)
+                        dq, ds_op, dp = warpgroup_mma_wait(0, deps=[dq, ds_op, dp])
+                        mbarrier.arrive(k_empty.index(prev), count=1)
+                        mbarrier.arrive(v_empty.index(s), count=1)
+                        ds_op = gl.convert_layout((p * (dp - delta[:, None])).to(dtype), a_layout)
+                        prev = s
+                        cnt += 1
+                    dq = warpgroup_mma(ds_op, k_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM]), dq, is_async=True)
+                    dq, ds_op = warpgroup_mma_wait(0, deps=[dq, ds_op])
+                    mbarrier.arrive(k_empty.index(prev), count=1)
+                mbarrier.arrive(q_empty.index(qs), count=1)
+                i += 1
+                gl.store(DQ + bb * stride_dqb + hh * stride_dqh + r64 * stride_dqt + cols_o[None, :],
+                         (dq * scale).to(dtype), mask=(rows_o < TQ)[:, None])
+
+    @gluon.jit
+    def _attn_bwd_dq_ws_kernel(q_desc, k_desc, v_desc, do_desc, O, LSE, DELTA, DQ, stride_ob, stride_ot, stride_oh,
+                               stride_lb, stride_lh, stride_dqb, stride_dqt, stride_dqh,
+                               B, NH, GROUP, TQ, TK, scale_log2, scale,
+                               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                               NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+        """dq and delta (the deterministic backward's first pass): two consumer warpgroups of num_warps warps, half
+        the query tile each, and the forward's producer warp, which loads dO beside q."""
+        dtype: gl.constexpr = q_desc.dtype
+        q_bufs = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+        do_bufs = gl.allocate_shared_memory(dtype, [2] + do_desc.block_type.shape, do_desc.layout)
+        k_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF] + k_desc.block_type.shape, k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF] + v_desc.block_type.shape, v_desc.layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(2):
+            mbarrier.init(q_ready.index(s), count=1)
+            mbarrier.init(q_empty.index(s), count=2)
+        for s in gl.static_range(NUM_BUF):
+            mbarrier.init(k_ready.index(s), count=1)
+            mbarrier.init(k_empty.index(s), count=2)
+            mbarrier.init(v_ready.index(s), count=1)
+            mbarrier.init(v_empty.index(s), count=2)
+        fence_async_shared()
+        gl.warp_specialize([
+            (_dq_consumer, (0, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+                            O, LSE, DELTA, DQ, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, stride_dqb,
+                            stride_dqt, stride_dqh, B, NH, TQ, TK, scale_log2, scale, HEAD_DIM, BLOCK_M, BLOCK_N,
+                            NUM_BUF, CAUSAL, BLOCK_M // 2, num_warps)),
+            (_dq_consumer, (1, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+                            O, LSE, DELTA, DQ, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, stride_dqb,
+                            stride_dqt, stride_dqh, B, NH, TQ, TK, scale_log2, scale, HEAD_DIM, BLOCK_M, BLOCK_N,
+                            NUM_BUF, CAUSAL, BLOCK_M // 2, num_warps)),
+            (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
+                         v_ready, v_empty, B, NH, GROUP, TQ, TK, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, do_desc, do_bufs,
+                         True)),
+        ], [num_warps, 1], [240, 24])
+
+
 @functools.lru_cache(maxsize=None)
 def _smem_layout(rows: int, hs: int, dtype: torch.dtype):
     block = [1, rows, 1, hs]
@@ -512,6 +667,26 @@ def bwd_dkdv(dout, q, k, v, lse, delta, dk, dv, causal: bool, scale: float, conf
         HEAD_DIM=hs, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal, num_warps=warps,
     )
     return dk, dv
+
+
+# (BLOCK_M query rows per tile, BLOCK_N key rows per step, warps per consumer, k / v ring slots) per head dim
+DQ_CONFIGS = {64: (128, 64, 4, 4), 128: (128, 64, 4, 3)}
+
+
+def bwd_dq(dout, q, k, v, out, lse, delta, dq, causal: bool, scale: float, config=None):
+    """dq into ``dq`` (shaped like q, unit stride along hs) and delta = rowsum(dO * O) into ``delta`` (like lse),
+    for what ``supported`` accepts, given the forward's out and lse."""
+    batch, tq, nh, hs = q.shape
+    tk, nkv = k.shape[1], k.shape[2]
+    block_m, block_n, warps, bufs = config or DQ_CONFIGS[hs]
+    tiles = batch * nh * ((tq + block_m - 1) // block_m)
+    _attn_bwd_dq_ws_kernel[(min(tiles, _num_sms(q.device.index)),)](
+        _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(dout, block_m),
+        out, lse, delta, dq, out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+        dq.stride(0), dq.stride(1), dq.stride(2), batch, nh, nh // nkv, tq, tk, scale * LOG2E, scale,
+        HEAD_DIM=hs, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal, num_warps=warps,
+    )
+    return dq, delta
 
 
 def fwd(q, k, v, causal: bool, scale: float, config=None):

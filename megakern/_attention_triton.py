@@ -545,6 +545,9 @@ GLUON_FWD = {128: {True: _LONG, False: _LONG}, 64: {True: _LONG, False: 2048}}
 # hs64 causal T 2048 232 / 238, 4096 267 / 278 (full not measured). 3 q / dO slots instead of 2 (hs128): 229, 289,
 # 340, 407, 382.
 GLUON_BWD = {128: (True, False), 64: (True,)}
+# The deterministic backward's dq pass (and delta) by the Gluon kernel (two consumer warpgroups of 64 query rows
+# each, the forward's producer warp loading dO beside q, persistent): head dims and masks where it is the faster one.
+GLUON_DQ = {}
 CONFIGS = {
     "fwd": {32: ((_LONG, (128, 64, 4, 3, "host")),),
             64: ((1024, (128, 32, 4, 4, "device")), (_LONG, (128, 64, 4, 3, "host"))),
@@ -735,13 +738,31 @@ def fwd(q, k, v, causal: bool, scale: float, window, cu_seqlens, max_seqlen, con
     return out, lse
 
 
+def _gluon_pass(choice, table, name, dout, q, k, v, g1, g2, causal, hs, window, cu_seqlens, configs, tma,
+                atomic=False) -> bool:
+    """Whether a pass of the deterministic backward runs as the Gluon kernel: ``choice`` None asks ``table`` (head dim
+    -> the masks where it wins) unless ``configs`` or ``tma`` are given; False never; True / a config tuple always,
+    an error where it cannot run (``g1``, ``g2``: the pass's other tensors, which it reads or writes)."""
+    if choice is False or atomic and not choice:
+        return False
+    if choice is None and (configs or tma is not None or not q.is_cuda or causal not in table.get(hs, ())):
+        return False
+    from megakern import _attention_gluon
+
+    can = not atomic and _attention_gluon.supported(q, k, v, causal, window, cu_seqlens, others=(dout, g1, g2))
+    if choice and not can:
+        raise ValueError(f"attention: the Gluon {name} pass needs the deterministic backward and what the Gluon "
+                         "forward needs, for dout and the gradients too")
+    return can
+
+
 def bwd(dout, q, k, v, out, lse, causal: bool, scale: float, window, cu_seqlens, max_seqlen, deterministic: bool,
-        configs=None, tma=None, out_grads=None, gluon=None):
+        configs=None, tma=None, out_grads=None, gluon=None, gluon_dq=None):
     """(dq, dk, dv). ``configs`` {'dkdv': ..., 'dq': ...} override the CONFIGS entries; ``tma`` as for ``fwd``.
     ``out_grads`` (dq, dk, dv): tensors shaped like q, k, v (any strides with unit stride along hs) to write into.
-    ``gluon``: the deterministic backward's dk/dv pass by the Gluon kernel (megakern._attention_gluon.bwd_dkdv):
-    None where it applies (GLUON_BWD) and neither ``configs`` nor ``tma`` is given; False never; True or a config
-    tuple always (an error where it cannot run)."""
+    ``gluon`` / ``gluon_dq``: the deterministic backward's dk/dv / dq pass by the Gluon kernel
+    (megakern._attention_gluon.bwd_dkdv / bwd_dq): None where it applies (GLUON_BWD / GLUON_DQ) and neither
+    ``configs`` nor ``tma`` is given; False never; True or a config tuple always (an error where it cannot run)."""
     configs = configs or {}
     varlen, batch, tq, tk = _geometry(q, k, cu_seqlens, max_seqlen)
     q4, k4, v4, o4, do4 = (_as4d(t, varlen) for t in (q, k, v, out, dout))
@@ -778,6 +799,12 @@ def bwd(dout, q, k, v, out, lse, causal: bool, scale: float, window, cu_seqlens,
             o4, do4, delta, cu_seqlens, *_strides(o4, varlen), *_strides(do4, varlen), stride_lb, stride_lh,
             nh, tq, HEAD_DIM=hs, BLOCK_D=block_d, BLOCK_M=rows, VARLEN=varlen, num_warps=4,
         )
+    elif _gluon_pass(gluon_dq, GLUON_DQ, "dq", dout, q, k, v, out, dq, causal, hs, window, cu_seqlens, configs,
+                     tma):
+        from megakern import _attention_gluon
+
+        _attention_gluon.bwd_dq(dout, q, k, v, out, lse, delta, dq, causal, scale,
+                                gluon_dq if isinstance(gluon_dq, tuple) else None)
     else:
         block_m, block_n, warps, stages, prefer = _tiles(configs.get("dq"), tma, hs, q.device, "dq", seqlen)
         once, loop = _pick_tma(prefer, tma, (q4, k4, v4, o4, do4, dq4), varlen)
@@ -790,18 +817,13 @@ def bwd(dout, q, k, v, out, lse, causal: bool, scale: float, window, cu_seqlens,
             BLOCK_M=block_m, BLOCK_N=block_n, TMA=once, TMA_LOOP=loop, num_warps=warps, num_stages=stages,
             **common,
         )
-    if gluon or (gluon is None and not atomic and not configs and tma is None and q.is_cuda
-                 and causal in GLUON_BWD.get(hs, ())):
+    if _gluon_pass(gluon, GLUON_BWD, "dk/dv", dout, q, k, v, dk, dv, causal, hs, window, cu_seqlens, configs, tma,
+                   atomic):
         from megakern import _attention_gluon
 
-        can = not atomic and _attention_gluon.supported(q, k, v, causal, window, cu_seqlens, others=(dout, dk, dv))
-        if gluon and not can:
-            raise ValueError("attention: the Gluon dk/dv pass needs the deterministic backward and what the Gluon "
-                             "forward needs, for dout and the gradients too")
-        if can:
-            _attention_gluon.bwd_dkdv(dout, q, k, v, lse, delta, dk, dv, causal, scale,
-                                      gluon if isinstance(gluon, tuple) else None)
-            return dq, dk, dv
+        _attention_gluon.bwd_dkdv(dout, q, k, v, lse, delta, dk, dv, causal, scale,
+                                  gluon if isinstance(gluon, tuple) else None)
+        return dq, dk, dv
     block_m, block_n, warps, stages, prefer = _tiles(configs.get("dkdv"), tma, hs, q.device,
                                                      "dkdv_atomic" if atomic else "dkdv", seqlen)
     once, loop = _pick_tma(prefer, tma, (q4, k4, v4, do4, dk4, dv4), varlen)

@@ -4,6 +4,7 @@ Triton forward's error, then TFLOP/s beside the Triton forward and SDPA's flash 
 
     python profiles/probe_attention_gluon.py [--check] [--bench] [--hs 64,128] [--seq 1024,2048,4096]
                                              [--configs "128x128x8x2,..."] [--masks causal,full]
+    python profiles/probe_attention_gluon.py --bwd [--configs "128x64x128x4x2,..."] [--dq-configs "128x128x64x4x3"]
 """
 from __future__ import annotations
 
@@ -130,12 +131,14 @@ def host() -> None:
         print(f"T2048 hs128 causal fwd, CUDA graph: {name} {flops / ms / 1e9:.1f} TFLOP/s", flush=True)
 
 
-def bwd_probe(configs) -> None:
-    """The Gluon dk/dv pass: dk, dv against fp64 truth next to the Triton pass's error, then the deterministic
-    backward's TFLOP/s (backward = 2.5x forward FLOPs) with the Triton and with the Gluon dk/dv pass."""
+def bwd_probe(configs, dq_configs) -> None:
+    """The Gluon backward passes: dq, dk, dv against fp64 truth next to the Triton passes' errors, then the
+    deterministic backward's TFLOP/s (backward = 2.5x forward FLOPs) with the Triton passes, the Gluon dk/dv pass and
+    both Gluon passes (``configs``: dk/dv tiles, ``dq_configs``: dq tiles, (hs, ...) each)."""
     dev = torch.device("cuda")
     cases = [(2, 1000, 1000, 4, 4, 128, True), (2, 1000, 1000, 4, 2, 128, False), (1, 777, 777, 2, 1, 64, True),
-             (2, 300, 700, 4, 2, 64, True), (2, 700, 300, 4, 4, 128, True), (3, 17, 17, 4, 2, 128, True)]
+             (2, 300, 700, 4, 2, 64, True), (2, 700, 300, 4, 4, 128, True), (3, 17, 17, 4, 2, 128, True),
+             (2, 1, 1, 2, 2, 64, True), (1, 2048, 2048, 3, 3, 128, True), (2, 513, 513, 8, 1, 64, False)]
     ok = True
     for b, tq, tk, nh, nkv, hs, causal in cases:
         g = torch.Generator(device=dev).manual_seed(tq + hs)
@@ -144,31 +147,41 @@ def bwd_probe(configs) -> None:
         do = torch.randn(b, tq, nh, hs, device=dev, dtype=torch.bfloat16, generator=g)
         win = (-1, 0 if causal else -1)
         out, lse = kern.fwd(q, k, v, causal, hs ** -0.5, win, None, None)
-        tri = kern.bwd(do, q, k, v, out, lse, causal, hs ** -0.5, win, None, None, True)
+        tri = kern.bwd(do, q, k, v, out, lse, causal, hs ** -0.5, win, None, None, True, gluon=False, gluon_dq=False)
         leaves = [t.double().requires_grad_(True) for t in (q, k, v)]
         truth = torch.autograd.grad(attention_ref(*leaves, causal=causal)[0], leaves, do.double())
-        for cfg in [c[1:] for c in configs if c[0] == hs] or [None]:
-            glu_g = kern.bwd(do, q, k, v, out, lse, causal, hs ** -0.5, win, None, None, True, gluon=cfg or True)
-            errs = [(_err(a, t), _err(c, t)) for a, c, t in zip(glu_g[1:], tri[1:], truth[1:])]
+        dkdv = [c[1:] for c in configs if c[0] == hs] or [None]
+        dqs = [c[1:] for c in dq_configs if c[0] == hs] or [None]
+        for cfg, dcfg in [(c, False) for c in dkdv] + [(dkdv[0], d) for d in dqs]:
+            glu_g = kern.bwd(do, q, k, v, out, lse, causal, hs ** -0.5, win, None, None, True, gluon=cfg or True,
+                             gluon_dq=dcfg if dcfg is False else (dcfg or True))
+            errs = [(_err(a, t), _err(c, t)) for a, c, t in zip(glu_g, tri, truth)]
             good = all(e <= 2 * te + 1e-3 for e, te in errs) and all(torch.isfinite(x).all() for x in glu_g)
             ok &= good
-            print(f"bwd check B{b} Tq{tq} Tk{tk} nh{nh}/{nkv} hs{hs} causal={causal} {cfg}: dk, dv gluon / triton "
-                  + ", ".join(f"{e:.2e} / {te:.2e}" for e, te in errs) + (" ok" if good else " WRONG"), flush=True)
+            print(f"bwd check B{b} Tq{tq} Tk{tk} nh{nh}/{nkv} hs{hs} causal={causal} dkdv {cfg} dq {dcfg}: dq, dk, dv "
+                  "gluon / triton " + ", ".join(f"{e:.2e} / {te:.2e}" for e, te in errs) + (" ok" if good else " WRONG"),
+                  flush=True)
     if not ok:
         print("GLUON BWD CHECK FAILED")
         return
     for hs, t, causal in ((128, 1024, True), (128, 2048, True), (128, 4096, True), (128, 16384, True),
-                          (128, 4096, False), (64, 2048, True), (64, 4096, True)):
+                          (128, 4096, False), (64, 2048, True), (64, 4096, True), (64, 4096, False)):
         b, nh = max(1, 16384 // t), 2048 // hs
         q, k, v, do = (torch.randn(b, t, nh, hs, device=dev, dtype=torch.bfloat16) for _ in range(4))
         win = (-1, 0 if causal else -1)
         out, lse = kern.fwd(q, k, v, causal, hs ** -0.5, win, None, None)
         flops = 2.5 * 4 * b * nh * t * t * hs / (2 if causal else 1)
-        row = [f"triton {flops / bench(lambda: kern.bwd(do, q, k, v, out, lse, causal, hs ** -0.5, win, None, None, True), device=dev)['median'] / 1e9:6.1f}"]
-        for cfg in [c[1:] for c in configs if c[0] == hs] or [None]:
-            ms = bench(lambda: kern.bwd(do, q, k, v, out, lse, causal, hs ** -0.5, win, None, None, True,
-                                        gluon=cfg or True), device=dev)["median"]
-            row.append(f"gluon dkdv {cfg} {flops / ms / 1e9:6.1f}")
+
+        def rate(dkdv, dq):
+            ms = bench(lambda: kern.bwd(do, q, k, v, out, lse, causal, hs ** -0.5, win, None, None, True, gluon=dkdv,
+                                        gluon_dq=dq), device=dev)["median"]
+            return flops / ms / 1e9
+        row = [f"triton {rate(False, False):6.1f}"]
+        dkdv = [c[1:] for c in configs if c[0] == hs] or [True]
+        for cfg in dkdv:
+            row.append(f"gluon dkdv {cfg} {rate(cfg, False):6.1f}")
+        for dcfg in [c[1:] for c in dq_configs if c[0] == hs] or [True]:
+            row.append(f"+ gluon dq {dcfg} {rate(dkdv[0], dcfg):6.1f}")
         print(f"bwd hs{hs} T{t} {'causal' if causal else 'full'} | " + " | ".join(row), flush=True)
 
 
@@ -182,6 +195,7 @@ def main() -> None:
     p.add_argument("--seq", default="1024,2048,4096,8192,16384")
     p.add_argument("--masks", default="causal,full")
     p.add_argument("--configs", default="")
+    p.add_argument("--dq-configs", default="", help="hs x BLOCK_M x BLOCK_N x warps x slots, comma separated")
     a = p.parse_args()
     # configs: hs x BLOCK_M x BLOCK_N x warps x slots x pingpong (0 / 1)
     configs = [tuple(int(x) for x in c.split("x")) for c in a.configs.split(",") if c]
@@ -189,7 +203,7 @@ def main() -> None:
     if a.check and not check(configs):
         print("GLUON CHECK FAILED")
     if a.bwd:
-        bwd_probe(configs)
+        bwd_probe(configs, [tuple(int(x) for x in c.split("x")) for c in a.dq_configs.split(",") if c])
     if a.host:
         host()
     if a.bench:

@@ -382,14 +382,27 @@ def compile_gluon_bwd_for_sm90(hs: int, causal: bool):
                           {"DK": "*bf16", "DV": "*bf16", "LSE": "*fp32", "DELTA": "*fp32"}, hs)
 
 
-@pytest.mark.parametrize("kernel", ("forward", "forward-one-consumer", "dkdv"))
+def compile_gluon_dq_for_sm90(hs: int, causal: bool):
+    """The same for the Gluon dq kernel with the DQ_CONFIGS tiles."""
+    from megakern import _attention_gluon as g
+
+    if not g.AVAILABLE:
+        return None
+    block_m, block_n, warps, bufs = g.DQ_CONFIGS[hs]
+    constexprs = dict(HEAD_DIM=hs, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal, num_warps=warps)
+    return _compile_gluon(g._attn_bwd_dq_ws_kernel, constexprs,
+                          {"q_desc": block_m, "do_desc": block_m, "k_desc": block_n, "v_desc": block_n},
+                          {"O": "*bf16", "DQ": "*bf16", "LSE": "*fp32", "DELTA": "*fp32"}, hs)
+
+
+@pytest.mark.parametrize("kernel", ("forward", "forward-one-consumer", "dkdv", "dq"))
 @pytest.mark.parametrize("causal", (True, False), ids=("causal", "full"))
 @pytest.mark.parametrize("hs", (64, 128))
 def test_gluon_kernels_compile_for_sm90(hs, causal, kernel):
-    """The Gluon kernels (the forward with its two consumer layouts, the dk/dv pass) lower for Hopper without a GPU:
+    """The Gluon kernels (the forward with its two consumer layouts, the dq and dk/dv passes) lower for Hopper without a GPU:
     wgmma, warp-specialized partitions (setmaxnreg), mbarrier hand-offs, within the 227 KiB of shared memory."""
-    call = (f"compile_gluon_bwd_for_sm90({hs}, {causal})" if kernel == "dkdv"
-            else f"compile_gluon_for_sm90({hs}, {causal}, {kernel == 'forward'})")
+    call = {"dkdv": f"compile_gluon_bwd_for_sm90({hs}, {causal})", "dq": f"compile_gluon_dq_for_sm90({hs}, {causal})"}.get(
+        kernel, f"compile_gluon_for_sm90({hs}, {causal}, {kernel == 'forward'})")
     result = sm90_lowering("test_attention", call)
     if result is None:
         pytest.skip("this Triton has no Gluon (Triton >= 3.5)")
@@ -414,6 +427,10 @@ def test_gluon_dispatch():
     out, lse = kern.fwd(q, q, q, True, 0.125, (-1, 0), None, None)  # CPU: the Triton (interpreted) or torch path
     with pytest.raises(ValueError, match="Gluon dk/dv pass needs the deterministic backward"):
         kern.bwd(q, q, q, q, out, lse, True, 0.125, (-1, 0), None, None, True, gluon=True)
+    with pytest.raises(ValueError, match="Gluon dq pass needs the deterministic backward"):
+        kern.bwd(q, q, q, q, out, lse, True, 0.125, (-1, 0), None, None, True, gluon=False, gluon_dq=True)
+    with pytest.raises(ValueError, match="Gluon dk/dv pass needs the deterministic backward"):  # atomic: never
+        kern.bwd(q, q, q, q, out, lse, True, 0.125, (-1, 0), None, None, False, gluon=True)
 
 
 GLUON_CASES = [  # (B, Tq, Tk, nh, nkv, hs, causal)
@@ -458,4 +475,31 @@ def test_gluon_forward(case, dtype, pingpong):
     lo = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
     lowp_grads = torch.autograd.grad(attention_ref(*lo, causal=causal, upcast=False)[0], lo, dout)
     for name, grad, t, l in zip(("dq", "dk", "dv"), grads, truth_grads, lowp_grads):
+        assert_close_to_ref(name, grad, t, l, ATOL[dtype] * max(1.0, t.abs().max().item()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: "x".join(map(str, c)))
+def test_gluon_backward(case, dtype):
+    """The Gluon dq and dk/dv passes of the deterministic backward, forced on, against fp64 truth under the 2x rule:
+    the forward's cases, with a non-contiguous q and dout; delta comes from the Gluon dq pass."""
+    from megakern import _attention_gluon as g
+    from megakern import _attention_triton as kern
+
+    b, tq, tk, nh, nkv, hs, causal = case
+    seed("gluon-bwd", case, dtype)
+    q, k, v = _qkv(b, tq, tk, nh, nkv, hs, dtype)
+    window = (-1, 0 if causal else -1)
+    if not g.supported(q, k, v, causal, window, None):
+        pytest.skip("the Gluon kernels need an sm_90 GPU and Triton with Gluon")
+    q = torch.randn(b, nh, tq, hs, device=DEVICE, dtype=dtype).transpose(1, 2)
+    dout = torch.randn(b, nh, tq, hs, device=DEVICE, dtype=dtype).transpose(1, 2)
+    out, lse = kern.fwd(q, k, v, causal, hs ** -0.5, window, None, None)
+    grads = kern.bwd(dout, q, k, v, out, lse, causal, hs ** -0.5, window, None, None, True, gluon=True, gluon_dq=True)
+    leaves = [t.double().requires_grad_(True) for t in (q, k, v)]
+    truth = torch.autograd.grad(attention_ref(*leaves, causal=causal)[0], leaves, dout.double())
+    lo = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    lowp = torch.autograd.grad(attention_ref(*lo, causal=causal, upcast=False)[0], lo, dout)
+    for name, grad, t, l in zip(("dq", "dk", "dv"), grads, truth, lowp):
         assert_close_to_ref(name, grad, t, l, ATOL[dtype] * max(1.0, t.abs().max().item()))
