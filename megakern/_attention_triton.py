@@ -538,16 +538,16 @@ _LONG = 1 << 62
 #   383 / 385, 397 / 420 (so full attention at hs64 keeps the Triton kernel past T 2048).
 # One consumer of 8 warps instead of the ping-pong pair is slower everywhere (hs128 T 4096 causal 389, hs64 299).
 GLUON_FWD = {128: {True: _LONG, False: _LONG}, 64: {True: _LONG, False: 2048}}
-# The deterministic backward's dk/dv pass by the Gluon kernel (two consumer warpgroups of 64 key rows each, a TMA
-# producer warp, persistent): head dims and masks where it is the faster one. H200, the whole deterministic backward
-# (the Triton dq pass, then dk/dv), TFLOP/s with the Triton / the Gluon dk/dv pass (profiles/probe_attention_gluon.py
-# --bwd): hs128 causal T 1024 206 / 228, 2048 277 / 287, 4096 324 / 346, 16384 392 / 410; full T 4096 361 / 381;
-# hs64 causal T 2048 232 / 238, 4096 267 / 278 (full not measured). 3 q / dO slots instead of 2 (hs128): 229, 289,
-# 340, 407, 382.
-GLUON_BWD = {128: (True, False), 64: (True,)}
-# The deterministic backward's dq pass (and delta) by the Gluon kernel (two consumer warpgroups of 64 query rows
-# each, the forward's producer warp loading dO beside q, persistent): head dims and masks where it is the faster one.
-GLUON_DQ = {}
+# The deterministic backward's passes by the Gluon kernels (two consumer warpgroups of 64 rows each, a TMA producer
+# warp, persistent): head dims and masks where each is the faster one; dq (GLUON_DQ, which also makes delta) runs
+# first, then dk/dv (GLUON_BWD). H200, TFLOP/s of the whole deterministic backward with both passes in Triton / the
+# Gluon dk/dv pass / both in Gluon (profiles/probe_attention_gluon.py --bwd): hs128 causal T 1024 205 / 224 / 237,
+# 2048 270 / 279 / 296, 4096 322 / 339 / 358, 16384 391 / 405 / 431; full T 4096 356 / 375 / 397; hs64 causal
+# T 2048 226 / 233 / 251, 4096 257 / 271 / 276; full T 4096 271 / 282 / 298. The dq pass with 2 k / v slots instead
+# of 3 (hs128) or 4 (hs64) is slower than Triton's (hs128 T 2048 264, hs64 205): a block's k stays in use until its
+# dS K is done, an iteration later. 3 q / dO slots instead of 2 in the dk/dv pass (hs128): no better.
+GLUON_BWD = {128: (True, False), 64: (True, False)}
+GLUON_DQ = {128: (True, False), 64: (True, False)}
 CONFIGS = {
     "fwd": {32: ((_LONG, (128, 64, 4, 3, "host")),),
             64: ((1024, (128, 32, 4, 4, "device")), (_LONG, (128, 64, 4, 3, "host"))),
@@ -739,10 +739,11 @@ def fwd(q, k, v, causal: bool, scale: float, window, cu_seqlens, max_seqlen, con
 
 
 def _gluon_pass(choice, table, name, dout, q, k, v, g1, g2, causal, hs, window, cu_seqlens, configs, tma,
-                atomic=False) -> bool:
-    """Whether a pass of the deterministic backward runs as the Gluon kernel: ``choice`` None asks ``table`` (head dim
-    -> the masks where it wins) unless ``configs`` or ``tma`` are given; False never; True / a config tuple always,
-    an error where it cannot run (``g1``, ``g2``: the pass's other tensors, which it reads or writes)."""
+                atomic):
+    """Whether a pass of the deterministic backward runs as the Gluon kernel: False or the pass's config tuple (True
+    for its default tiles). ``choice`` None asks ``table`` (head dim -> the masks where it wins) unless ``configs``
+    or ``tma`` are given; False never; True / a config tuple always, an error where it cannot run (``g1``, ``g2``:
+    the pass's other tensors, which it reads or writes)."""
     if choice is False or atomic and not choice:
         return False
     if choice is None and (configs or tma is not None or not q.is_cuda or causal not in table.get(hs, ())):
@@ -753,7 +754,12 @@ def _gluon_pass(choice, table, name, dout, q, k, v, g1, g2, causal, hs, window, 
     if choice and not can:
         raise ValueError(f"attention: the Gluon {name} pass needs the deterministic backward and what the Gluon "
                          "forward needs, for dout and the gradients too")
-    return can
+    return can and (choice or True)
+
+
+def _gluon_config(choice):
+    """The config tuple a forced Gluon pass names, None for its default tiles."""
+    return choice if isinstance(choice, tuple) else None
 
 
 def bwd(dout, q, k, v, out, lse, causal: bool, scale: float, window, cu_seqlens, max_seqlen, deterministic: bool,
@@ -785,6 +791,11 @@ def bwd(dout, q, k, v, out, lse, causal: bool, scale: float, window, cu_seqlens,
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     else:
         dq = dq_out if dq_out is not None else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    # which passes run as the Gluon kernels, decided (and a forced one that cannot run refused) before any work
+    gluon_dq = _gluon_pass(gluon_dq, GLUON_DQ, "dq", dout, q, k, v, out, dq, causal, hs, window, cu_seqlens, configs,
+                           tma, atomic)
+    gluon_dkdv = _gluon_pass(gluon, GLUON_BWD, "dk/dv", dout, q, k, v, dk, dv, causal, hs, window, cu_seqlens,
+                             configs, tma, atomic)
     if batch == 0 or tq == 0 or tk == 0:
         if dq_out is not None:
             dq_out.zero_()
@@ -799,12 +810,10 @@ def bwd(dout, q, k, v, out, lse, causal: bool, scale: float, window, cu_seqlens,
             o4, do4, delta, cu_seqlens, *_strides(o4, varlen), *_strides(do4, varlen), stride_lb, stride_lh,
             nh, tq, HEAD_DIM=hs, BLOCK_D=block_d, BLOCK_M=rows, VARLEN=varlen, num_warps=4,
         )
-    elif _gluon_pass(gluon_dq, GLUON_DQ, "dq", dout, q, k, v, out, dq, causal, hs, window, cu_seqlens, configs,
-                     tma):
+    elif gluon_dq:
         from megakern import _attention_gluon
 
-        _attention_gluon.bwd_dq(dout, q, k, v, out, lse, delta, dq, causal, scale,
-                                gluon_dq if isinstance(gluon_dq, tuple) else None)
+        _attention_gluon.bwd_dq(dout, q, k, v, out, lse, delta, dq, causal, scale, _gluon_config(gluon_dq))
     else:
         block_m, block_n, warps, stages, prefer = _tiles(configs.get("dq"), tma, hs, q.device, "dq", seqlen)
         once, loop = _pick_tma(prefer, tma, (q4, k4, v4, o4, do4, dq4), varlen)
@@ -817,12 +826,10 @@ def bwd(dout, q, k, v, out, lse, causal: bool, scale: float, window, cu_seqlens,
             BLOCK_M=block_m, BLOCK_N=block_n, TMA=once, TMA_LOOP=loop, num_warps=warps, num_stages=stages,
             **common,
         )
-    if _gluon_pass(gluon, GLUON_BWD, "dk/dv", dout, q, k, v, dk, dv, causal, hs, window, cu_seqlens, configs, tma,
-                   atomic):
+    if gluon_dkdv:
         from megakern import _attention_gluon
 
-        _attention_gluon.bwd_dkdv(dout, q, k, v, lse, delta, dk, dv, causal, scale,
-                                  gluon if isinstance(gluon, tuple) else None)
+        _attention_gluon.bwd_dkdv(dout, q, k, v, lse, delta, dk, dv, causal, scale, _gluon_config(gluon_dkdv))
         return dq, dk, dv
     block_m, block_n, warps, stages, prefer = _tiles(configs.get("dkdv"), tma, hs, q.device,
                                                      "dkdv_atomic" if atomic else "dkdv", seqlen)
