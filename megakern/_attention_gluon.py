@@ -481,7 +481,15 @@ if AVAILABLE:
         return p
 
     @gluon.jit
-    def _dq_consumer(WG: gl.constexpr, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
+    def _delta(o, do, DELTA_H, rows_o, TQ, o_layout: gl.constexpr, row_s: gl.constexpr):
+        """delta = rowsum(dO * O) of a tile's rows (O in registers, dO in shared memory), stored for the dk/dv pass;
+        returned in the layout of the score rows."""
+        delta = gl.sum(o.to(gl.float32) * do.load(o_layout).to(gl.float32), 1)
+        gl.store(DELTA_H + rows_o, delta, mask=rows_o < TQ)
+        return gl.convert_layout(delta, row_s)
+
+    @gluon.jit
+    def _dq_consumer(WG: gl.constexpr, PINGPONG: gl.constexpr, turn, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
                      v_empty, O, LSE, DELTA, DQ, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, stride_dqb,
                      stride_dqt, stride_dqh, B, NH, TQ, TK, scale_log2, scale,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
@@ -489,7 +497,8 @@ if AVAILABLE:
         """dq of the query rows WG * ROWS .. + ROWS - 1 of each tile, and their delta = rowsum(dO * O) (stored for
         the dk/dv pass): per key block, S = Q K^T and dP = dO V^T, P from the saved lse, dS = P (dP - delta),
         dQ += dS K. Block j's P is computed while its dP is still on the tensor cores; its dS K runs while the next
-        block's S and dP are issued."""
+        block's S and dP are issued. PINGPONG: the two warpgroups take turns issuing their matmuls, as in the
+        forward."""
         layouts: gl.constexpr = _wgmma_layouts(WARPS, BLOCK_N, HEAD_DIM)
         s_layout: gl.constexpr = layouts[0]
         o_layout: gl.constexpr = layouts[1]
@@ -501,6 +510,7 @@ if AVAILABLE:
         n_bh = B * NH
         cnt = 0
         i = 0
+        slot = 0
         s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
         cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
         for r in range(gl.cdiv(num_m * n_bh, gl.num_programs(0))):
@@ -512,29 +522,31 @@ if AVAILABLE:
                 hh = h.to(gl.int64)
                 rows_o = my_m + gl.arange(0, ROWS, layout=row_o)
                 r64 = rows_o.to(gl.int64)[:, None]
+                # this tile's O rows and lse: loads issued first, used once the first block's matmuls run
                 o = gl.load(O + bb * stride_ob + hh * stride_oh + r64 * stride_ot + cols_o[None, :],
                             mask=(rows_o < TQ)[:, None], other=0.0)
+                rows = my_m + gl.arange(0, ROWS, layout=row_s)
+                lse = gl.load(LSE + bb * stride_lb + hh * stride_lh + rows, mask=rows < TQ, other=float("-inf"))
                 qs = i % 2
                 mbarrier.wait(q_ready.index(qs), (i // 2) & 1)
                 q = q_bufs.index(qs).reshape([BLOCK_M, HEAD_DIM]).slice(WG * ROWS, ROWS, dim=0)
                 do = do_bufs.index(qs).reshape([BLOCK_M, HEAD_DIM]).slice(WG * ROWS, ROWS, dim=0)
-                delta_o = gl.sum(o.to(gl.float32) * do.load(o_layout).to(gl.float32), 1)
-                gl.store(DELTA + bb * stride_lb + hh * stride_lh + rows_o, delta_o, mask=rows_o < TQ)
-                delta = gl.convert_layout(delta_o, row_s)
-                rows = my_m + gl.arange(0, ROWS, layout=row_s)
-                lse = gl.load(LSE + bb * stride_lb + hh * stride_lh + rows, mask=rows < TQ, other=float("-inf"))
+                stats = bb * stride_lb + hh * stride_lh
                 lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
                 dq = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
                 if n > 0:
-                    # block 0: S, then P while dP runs, then dS
+                    # block 0: S and dP issued, delta while they run, then P, then dS
                     s = cnt % NUM_BUF
                     ph = (cnt // NUM_BUF) & 1
                     mbarrier.wait(k_ready.index(s), ph)
                     k = k_bufs.index(s).reshape([BLOCK_N, HEAD_DIM])
-                    sc = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                     mbarrier.wait(v_ready.index(s), ph)
                     v = v_bufs.index(s).reshape([BLOCK_N, HEAD_DIM])
+                    slot = _turn_wait(turn, slot, WG, PINGPONG)
+                    sc = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                     dp = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                    _turn_pass(turn, WG, PINGPONG)
+                    delta = _delta(o, do, DELTA + stats, rows_o, TQ, o_layout, row_s)
                     sc = warpgroup_mma_wait(1, deps=[sc])
                     p = _probs(sc, 0, first_masked, rows, lse2, TQ, TK, scale_log2, BLOCK_N, CAUSAL, s_layout)
                     dp = warpgroup_mma_wait(0, deps=[dp])
@@ -549,11 +561,13 @@ if AVAILABLE:
                         ph = (cnt // NUM_BUF) & 1
                         mbarrier.wait(k_ready.index(s), ph)
                         k = k_bufs.index(s).reshape([BLOCK_N, HEAD_DIM])
-                        sc = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                        dq = warpgroup_mma(ds_op, k_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM]), dq, is_async=True)
                         mbarrier.wait(v_ready.index(s), ph)
                         v = v_bufs.index(s).reshape([BLOCK_N, HEAD_DIM])
+                        slot = _turn_wait(turn, slot, WG, PINGPONG)
+                        sc = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                        dq = warpgroup_mma(ds_op, k_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM]), dq, is_async=True)
                         dp = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                        _turn_pass(turn, WG, PINGPONG)
                         sc = warpgroup_mma_wait(2, deps=[sc])
                         p = _probs(sc, j, first_masked, rows, lse2, TQ, TK, scale_log2, BLOCK_N, CAUSAL, s_layout)
                         dq, ds_op, dp = warpgroup_mma_wait(0, deps=[dq, ds_op, dp])
@@ -562,9 +576,13 @@ if AVAILABLE:
                         ds_op = gl.convert_layout((p * (dp - delta[:, None])).to(dtype), a_layout)
                         prev = s
                         cnt += 1
+                    slot = _turn_wait(turn, slot, WG, PINGPONG)
                     dq = warpgroup_mma(ds_op, k_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM]), dq, is_async=True)
+                    _turn_pass(turn, WG, PINGPONG)
                     dq, ds_op = warpgroup_mma_wait(0, deps=[dq, ds_op])
                     mbarrier.arrive(k_empty.index(prev), count=1)
+                else:  # rows that see no key: delta all the same (the dk/dv pass reads it)
+                    _delta(o, do, DELTA + stats, rows_o, TQ, o_layout, row_s)
                 mbarrier.arrive(q_empty.index(qs), count=1)
                 i += 1
                 gl.store(DQ + bb * stride_dqb + hh * stride_dqh + r64 * stride_dqt + cols_o[None, :],
@@ -575,9 +593,11 @@ if AVAILABLE:
                                stride_lb, stride_lh, stride_dqb, stride_dqt, stride_dqh,
                                B, NH, GROUP, TQ, TK, scale_log2, scale,
                                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                               NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+                               NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+                               num_warps: gl.constexpr):
         """dq and delta (the deterministic backward's first pass): two consumer warpgroups of num_warps warps, half
-        the query tile each, and the forward's producer warp, which loads dO beside q."""
+        the query tile each (taking turns on the tensor cores with PINGPONG), and the forward's producer warp, which
+        loads dO beside q."""
         dtype: gl.constexpr = q_desc.dtype
         q_bufs = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
         do_bufs = gl.allocate_shared_memory(dtype, [2] + do_desc.block_type.shape, do_desc.layout)
@@ -589,9 +609,11 @@ if AVAILABLE:
         k_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(2):
             mbarrier.init(q_ready.index(s), count=1)
             mbarrier.init(q_empty.index(s), count=2)
+            mbarrier.init(turn.index(s), count=1)
         for s in gl.static_range(NUM_BUF):
             mbarrier.init(k_ready.index(s), count=1)
             mbarrier.init(k_empty.index(s), count=2)
@@ -599,11 +621,11 @@ if AVAILABLE:
             mbarrier.init(v_empty.index(s), count=2)
         fence_async_shared()
         gl.warp_specialize([
-            (_dq_consumer, (0, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+            (_dq_consumer, (0, PINGPONG, turn, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                             O, LSE, DELTA, DQ, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, stride_dqb,
                             stride_dqt, stride_dqh, B, NH, TQ, TK, scale_log2, scale, HEAD_DIM, BLOCK_M, BLOCK_N,
                             NUM_BUF, CAUSAL, BLOCK_M // 2, num_warps)),
-            (_dq_consumer, (1, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+            (_dq_consumer, (1, PINGPONG, turn, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                             O, LSE, DELTA, DQ, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, stride_dqb,
                             stride_dqt, stride_dqh, B, NH, TQ, TK, scale_log2, scale, HEAD_DIM, BLOCK_M, BLOCK_N,
                             NUM_BUF, CAUSAL, BLOCK_M // 2, num_warps)),
@@ -669,8 +691,9 @@ def bwd_dkdv(dout, q, k, v, lse, delta, dk, dv, causal: bool, scale: float, conf
     return dk, dv
 
 
-# (BLOCK_M query rows per tile, BLOCK_N key rows per step, warps per consumer, k / v ring slots) per head dim
-DQ_CONFIGS = {64: (128, 64, 4, 4), 128: (128, 64, 4, 3)}
+# (BLOCK_M query rows per tile, BLOCK_N key rows per step, warps per consumer, k / v ring slots, ping-pong) per
+# head dim
+DQ_CONFIGS = {64: (128, 64, 4, 4, False), 128: (128, 64, 4, 3, False)}
 
 
 def bwd_dq(dout, q, k, v, out, lse, delta, dq, causal: bool, scale: float, config=None):
@@ -678,13 +701,14 @@ def bwd_dq(dout, q, k, v, out, lse, delta, dq, causal: bool, scale: float, confi
     for what ``supported`` accepts, given the forward's out and lse."""
     batch, tq, nh, hs = q.shape
     tk, nkv = k.shape[1], k.shape[2]
-    block_m, block_n, warps, bufs = config or DQ_CONFIGS[hs]
+    block_m, block_n, warps, bufs, pingpong = config or DQ_CONFIGS[hs]
     tiles = batch * nh * ((tq + block_m - 1) // block_m)
     _attn_bwd_dq_ws_kernel[(min(tiles, _num_sms(q.device.index)),)](
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(dout, block_m),
         out, lse, delta, dq, out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         dq.stride(0), dq.stride(1), dq.stride(2), batch, nh, nh // nkv, tq, tk, scale * LOG2E, scale,
-        HEAD_DIM=hs, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal, num_warps=warps,
+        HEAD_DIM=hs, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal, PINGPONG=pingpong,
+        num_warps=warps,
     )
     return dq, delta
 

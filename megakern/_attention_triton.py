@@ -545,7 +545,9 @@ GLUON_FWD = {128: {True: _LONG, False: _LONG}, 64: {True: _LONG, False: 2048}}
 # 2048 270 / 279 / 296, 4096 322 / 339 / 358, 16384 391 / 405 / 431; full T 4096 356 / 375 / 397; hs64 causal
 # T 2048 226 / 233 / 251, 4096 257 / 271 / 276; full T 4096 271 / 282 / 298. The dq pass with 2 k / v slots instead
 # of 3 (hs128) or 4 (hs64) is slower than Triton's (hs128 T 2048 264, hs64 205): a block's k stays in use until its
-# dS K is done, an iteration later. 3 q / dO slots instead of 2 in the dk/dv pass (hs128): no better.
+# dS K is done, an iteration later. Turns between the dq pass's two warpgroups (ping-pong, as in the forward): no
+# better (hs128 causal T 2048 302 against 301, T 4096 345 against 359). 3 q / dO slots instead of 2 in the dk/dv
+# pass (hs128), or P^T computed while dP^T runs there: no better.
 GLUON_BWD = {128: (True, False), 64: (True, False)}
 GLUON_DQ = {128: (True, False), 64: (True, False)}
 CONFIGS = {

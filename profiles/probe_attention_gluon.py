@@ -4,7 +4,7 @@ Triton forward's error, then TFLOP/s beside the Triton forward and SDPA's flash 
 
     python profiles/probe_attention_gluon.py [--check] [--bench] [--hs 64,128] [--seq 1024,2048,4096]
                                              [--configs "128x128x8x2,..."] [--masks causal,full]
-    python profiles/probe_attention_gluon.py --bwd [--configs "128x64x128x4x2,..."] [--dq-configs "128x128x64x4x3"]
+    python profiles/probe_attention_gluon.py --bwd [--configs "128x64x128x4x2,..."] [--dq-configs "128x128x64x4x3x1"]
 """
 from __future__ import annotations
 
@@ -195,7 +195,8 @@ def main() -> None:
     p.add_argument("--seq", default="1024,2048,4096,8192,16384")
     p.add_argument("--masks", default="causal,full")
     p.add_argument("--configs", default="")
-    p.add_argument("--dq-configs", default="", help="hs x BLOCK_M x BLOCK_N x warps x slots, comma separated")
+    p.add_argument("--dq-configs", default="", help="hs x BLOCK_M x BLOCK_N x warps x slots x pingpong (0 / 1), comma "
+                   "separated")
     a = p.parse_args()
     # configs: hs x BLOCK_M x BLOCK_N x warps x slots x pingpong (0 / 1)
     configs = [tuple(int(x) for x in c.split("x")) for c in a.configs.split(",") if c]
@@ -203,7 +204,8 @@ def main() -> None:
     if a.check and not check(configs):
         print("GLUON CHECK FAILED")
     if a.bwd:
-        bwd_probe(configs, [tuple(int(x) for x in c.split("x")) for c in a.dq_configs.split(",") if c])
+        dq_configs = [tuple(int(x) for x in c.split("x")) for c in a.dq_configs.split(",") if c]
+        bwd_probe(configs, [(*c[:5], bool(c[5])) if len(c) == 6 else c for c in dq_configs])
     if a.host:
         host()
     if a.bench:

@@ -388,8 +388,9 @@ def compile_gluon_dq_for_sm90(hs: int, causal: bool):
 
     if not g.AVAILABLE:
         return None
-    block_m, block_n, warps, bufs = g.DQ_CONFIGS[hs]
-    constexprs = dict(HEAD_DIM=hs, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal, num_warps=warps)
+    block_m, block_n, warps, bufs, pingpong = g.DQ_CONFIGS[hs]
+    constexprs = dict(HEAD_DIM=hs, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal, PINGPONG=pingpong,
+                      num_warps=warps)
     return _compile_gluon(g._attn_bwd_dq_ws_kernel, constexprs,
                           {"q_desc": block_m, "do_desc": block_m, "k_desc": block_n, "v_desc": block_n},
                           {"O": "*bf16", "DQ": "*bf16", "LSE": "*fp32", "DELTA": "*fp32"}, hs)
