@@ -11,15 +11,23 @@ The forward:
 - Intra-warpgroup overlap: block j's q k^T is issued before block j-1's P V, and the softmax of block j runs while
   that P V is on the tensor cores (asynchronous wgmma, waited on by count).
 
-The deterministic backward's dk/dv pass (``bwd_dkdv``; the Triton dq pass runs first and makes delta) has the same
-frame: a producer warp moving k and v (double buffered across tiles) and a ring of q / dO slots, two consumer
-warpgroups with 64 key rows each (S^T = K Q^T, dP^T = V dO^T, P^T from the saved lse, dS^T = P^T (dP^T - delta),
-dV += P^T dO, dK += dS^T Q, dk and dv in registers, summed over the GQA group), persistent.
+The deterministic backward's two passes have the same frame:
+
+- dq (``bwd_dq``, first): the forward's producer warp, loading dO beside q, and a ring of k / v slots; two consumer
+  warpgroups with 64 query rows each make delta = rowsum(dO * O) of their rows (stored for the next pass), then per
+  key block S = Q K^T and dP = dO V^T, P from the saved lse, dS = P (dP - delta), dQ += dS K. Block j's S, block
+  j-1's dS K and block j's dP are issued together; P is computed while the latter two run.
+- dk / dv (``bwd_dkdv``, second): a producer warp moving k and v (double buffered across tiles) and a ring of q / dO
+  slots, two consumer warpgroups with 64 key rows each (S^T = K Q^T, dP^T = V dO^T, P^T from the saved lse,
+  dS^T = P^T (dP^T - delta), dV += P^T dO, dK += dS^T Q, dk and dv in registers, summed over the GQA group).
+
+Both are persistent, with the forward's tile walk.
 
 Fixed-length batches (B, T, heads, hs) with 16-byte aligned strides, head dims 64 and 128, fp16 / bf16, causal or
 full, GQA; everything else (packed documents, windows, other head dims) takes the Triton kernels. Same outputs as
 _attention_triton's: out like q, lse (B, nh, Tq) fp32 in natural log, -inf (and out 0) for a row that sees no key;
-dk, dv like k, v. GLUON_FWD / GLUON_BWD in _attention_triton say where these kernels are the default.
+dq, dk, dv like q, k, v. GLUON_FWD / GLUON_DQ / GLUON_BWD in _attention_triton say where these kernels are the
+default.
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Fused attention: softmax(q k^T * scale + mask) v, forward and backward, in Triton (FlashAttention-2 algorithm);
-on Hopper the forward of fixed-length batches with head dim 64 / 128 runs a Gluon kernel with FlashAttention-3's
-structure (megakern/_attention_gluon.py; GLUON_FWD in megakern/_attention_triton.py says where).
+on Hopper the forward and the deterministic backward of fixed-length batches with head dim 64 / 128 run Gluon kernels
+with FlashAttention-3's structure (megakern/_attention_gluon.py; GLUON_FWD, GLUON_DQ and GLUON_BWD in
+megakern/_attention_triton.py say where).
 
 Shapes (flash-attn's layout): q (B, Tq, nh, hs), k and v (B, Tk, nkv, hs), out like q. Grouped-query / multi-query
 attention: nkv divides nh, and q head h reads kv head h // (nh // nkv); k and v are never repeated, and dk / dv are
@@ -17,11 +18,13 @@ Dtypes: fp16 and bf16 (fp32 inputs run through the torch reference only); fp32 a
 the scale folded in. ``return_lse``: also the log-sum-exp of each row's scores (natural log, fp32), (B, nh, Tq) or
 (nh, total) for packed input; ``merge_attention`` combines two partial (out, lse) pairs, as ring attention needs.
 
-Backward: by default (``deterministic=True``) two passes: dk and dv per key block, then dq per query block, which
-recomputes q k^T and dO v^T (7 matmuls instead of 5) but needs no atomics, so it is bitwise reproducible; on the H200
-it is also the faster one (hs 128, T 4096: 321 against 291 TFLOP/s causal, 349 against 304 full; see
-``CONFIGS`` in megakern/_attention_triton.py). ``deterministic=False`` computes dq in the dk/dv pass by fp32
-atomic adds (a TMA reduce on Hopper): fewer FLOPs, results that vary in the last bits from run to run.
+Backward: by default (``deterministic=True``) two passes: dq per query block (making delta = rowsum(dO * O) on the
+way), then dk and dv per key block, which recomputes q k^T and dO v^T (7 matmuls instead of 5) but needs no atomics,
+so it is bitwise reproducible; on the H200 it is also the faster one (Triton kernels, hs 128, T 4096: 321 against
+291 TFLOP/s causal, 349 against 304 full; see ``CONFIGS`` in megakern/_attention_triton.py). On Hopper both passes
+run Gluon kernels for what the Gluon forward takes (GLUON_DQ, GLUON_BWD). ``deterministic=False`` computes dq in the
+dk/dv pass by fp32 atomic adds (a TMA reduce on Hopper): fewer FLOPs, results that vary in the last bits from run to
+run.
 
 Packed q, k, v: when q, k and v are the three views ``[..., 0, :]``, ``[..., 1, :]``, ``[..., 2, :]`` of one
 (..., heads, 3, hs) tensor (a fused qkv projection split without copies; ``packed_qkv`` tells), the backward writes dq,
