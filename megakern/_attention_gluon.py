@@ -136,16 +136,22 @@ if AVAILABLE:
                 i += 1
 
     @gluon.jit
+    def _seen(rows, j, TQ, TK, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr):
+        """Which of key block j's keys each query row sees: those before the keys' end, and under causal those on or
+        below the diagonal (aligned bottom-right)."""
+        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        ok = cols[None, :] < TK
+        if CAUSAL:
+            ok = ok & (cols[None, :] <= rows[:, None] + (TK - TQ))
+        return ok
+
+    @gluon.jit
     def _scores(s, j, first_masked, start_m, m_i, l_i, TQ, TK, scale_log2,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr):
         """Online softmax of one block of scores: (p, new running max, new running sum, rescale factor)."""
         if j >= first_masked:
             rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            ok = cols[None, :] < TK
-            if CAUSAL:
-                ok = ok & (cols[None, :] <= rows[:, None] + (TK - TQ))
-            s = gl.where(ok, s, float("-inf"))
+            s = gl.where(_seen(rows, j, TQ, TK, BLOCK_N, CAUSAL, s_layout), s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1) * scale_log2)
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s * scale_log2 - m_use[:, None])
@@ -269,16 +275,17 @@ if AVAILABLE:
                 gl.store(LSE + bb * stride_lb + h.to(gl.int64) * stride_lh + rows_l, lse, mask=rows_l < TQ)
 
     @gluon.jit
-    def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, O, LSE, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
-                            B, NH, GROUP, TQ, TK, scale_log2,
-                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                            NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                            num_warps: gl.constexpr):
-        """PINGPONG: two consumer warpgroups (num_warps 4 each), half the tile's rows each, taking turns on the
-        tensor cores; else one consumer of num_warps warps for the whole tile."""
+    def _query_tile_rings(q_desc, k_desc, v_desc, NUM_BUF: gl.constexpr, CONSUMERS: gl.constexpr, do_desc=None,
+                          WITH_DO: gl.constexpr = False):
+        """Shared memory and mbarriers of the kernels that walk query tiles (the forward, the dq pass), initialized:
+        two q slots (and dO slots beside them, WITH_DO), a ring of NUM_BUF k / v slots, ready / empty barriers for
+        each (an empty one completes when all CONSUMERS warpgroups have arrived), and the two ping-pong turns.
+        Returns (q, k, v slots, q ready / empty, k ready / empty, v ready / empty, turns, dO slots or q's)."""
         dtype: gl.constexpr = q_desc.dtype
-        CONSUMERS: gl.constexpr = 2 if PINGPONG else 1
         q_bufs = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+        do_bufs = q_bufs
+        if WITH_DO:
+            do_bufs = gl.allocate_shared_memory(dtype, [2] + do_desc.block_type.shape, do_desc.layout)
         k_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF] + k_desc.block_type.shape, k_desc.layout)
         v_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF] + v_desc.block_type.shape, v_desc.layout)
         q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -298,6 +305,18 @@ if AVAILABLE:
             mbarrier.init(v_ready.index(s), count=1)
             mbarrier.init(v_empty.index(s), count=CONSUMERS)
         fence_async_shared()
+        return q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, do_bufs
+
+    @gluon.jit
+    def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, O, LSE, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
+                            B, NH, GROUP, TQ, TK, scale_log2,
+                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                            NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+                            num_warps: gl.constexpr):
+        """PINGPONG: two consumer warpgroups (num_warps 4 each), half the tile's rows each, taking turns on the
+        tensor cores; else one consumer of num_warps warps for the whole tile."""
+        rings = _query_tile_rings(q_desc, k_desc, v_desc, NUM_BUF, 2 if PINGPONG else 1)
+        q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, _do = rings
         if PINGPONG:
             gl.warp_specialize([
                 (_consumer, (0, True, turn, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
@@ -481,11 +500,7 @@ if AVAILABLE:
         the end), 0 past the keys' end and above the causal diagonal."""
         p = gl.exp2(sc * scale_log2 - lse2[:, None])
         if j >= first_masked:
-            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            ok = cols[None, :] < TK
-            if CAUSAL:
-                ok = ok & (cols[None, :] <= rows[:, None] + (TK - TQ))
-            p = gl.where(ok, p, 0.0)
+            p = gl.where(_seen(rows, j, TQ, TK, BLOCK_N, CAUSAL, s_layout), p, 0.0)
         return p
 
     @gluon.jit
@@ -497,9 +512,9 @@ if AVAILABLE:
         return gl.convert_layout(delta, row_s)
 
     @gluon.jit
-    def _dq_consumer(WG: gl.constexpr, PINGPONG: gl.constexpr, turn, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
-                     v_empty, O, LSE, DELTA, DQ, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, stride_dqb,
-                     stride_dqt, stride_dqh, B, NH, TQ, TK, scale_log2, scale,
+    def _dq_consumer(WG: gl.constexpr, PINGPONG: gl.constexpr, turn, q_bufs, do_bufs, k_bufs, v_bufs, q_ready,
+                     q_empty, k_ready, k_empty, v_ready, v_empty, O, LSE, DELTA, DQ, stride_ob, stride_ot, stride_oh,
+                     stride_lb, stride_lh, stride_dqb, stride_dqt, stride_dqh, B, NH, TQ, TK, scale_log2, scale,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
                      CAUSAL: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr):
         """dq of the query rows WG * ROWS .. + ROWS - 1 of each tile, and their delta = rowsum(dO * O) (stored for
@@ -606,37 +621,17 @@ if AVAILABLE:
         """dq and delta (the deterministic backward's first pass): two consumer warpgroups of num_warps warps, half
         the query tile each (taking turns on the tensor cores with PINGPONG), and the forward's producer warp, which
         loads dO beside q."""
-        dtype: gl.constexpr = q_desc.dtype
-        q_bufs = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-        do_bufs = gl.allocate_shared_memory(dtype, [2] + do_desc.block_type.shape, do_desc.layout)
-        k_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF] + k_desc.block_type.shape, k_desc.layout)
-        v_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF] + v_desc.block_type.shape, v_desc.layout)
-        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(2):
-            mbarrier.init(q_ready.index(s), count=1)
-            mbarrier.init(q_empty.index(s), count=2)
-            mbarrier.init(turn.index(s), count=1)
-        for s in gl.static_range(NUM_BUF):
-            mbarrier.init(k_ready.index(s), count=1)
-            mbarrier.init(k_empty.index(s), count=2)
-            mbarrier.init(v_ready.index(s), count=1)
-            mbarrier.init(v_empty.index(s), count=2)
-        fence_async_shared()
+        rings = _query_tile_rings(q_desc, k_desc, v_desc, NUM_BUF, 2, do_desc, True)
+        q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, do_bufs = rings
         gl.warp_specialize([
-            (_dq_consumer, (0, PINGPONG, turn, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                            O, LSE, DELTA, DQ, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, stride_dqb,
-                            stride_dqt, stride_dqh, B, NH, TQ, TK, scale_log2, scale, HEAD_DIM, BLOCK_M, BLOCK_N,
-                            NUM_BUF, CAUSAL, BLOCK_M // 2, num_warps)),
-            (_dq_consumer, (1, PINGPONG, turn, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                            O, LSE, DELTA, DQ, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, stride_dqb,
-                            stride_dqt, stride_dqh, B, NH, TQ, TK, scale_log2, scale, HEAD_DIM, BLOCK_M, BLOCK_N,
-                            NUM_BUF, CAUSAL, BLOCK_M // 2, num_warps)),
+            (_dq_consumer, (0, PINGPONG, turn, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
+                            k_empty, v_ready, v_empty, O, LSE, DELTA, DQ, stride_ob, stride_ot, stride_oh, stride_lb,
+                            stride_lh, stride_dqb, stride_dqt, stride_dqh, B, NH, TQ, TK, scale_log2, scale, HEAD_DIM,
+                            BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, BLOCK_M // 2, num_warps)),
+            (_dq_consumer, (1, PINGPONG, turn, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
+                            k_empty, v_ready, v_empty, O, LSE, DELTA, DQ, stride_ob, stride_ot, stride_oh, stride_lb,
+                            stride_lh, stride_dqb, stride_dqt, stride_dqh, B, NH, TQ, TK, scale_log2, scale, HEAD_DIM,
+                            BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, BLOCK_M // 2, num_warps)),
             (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
                          v_ready, v_empty, B, NH, GROUP, TQ, TK, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, do_desc, do_bufs,
                          True)),
@@ -668,8 +663,8 @@ def _is_sm90(index: int) -> bool:
 def supported(q, k, v, causal, window, cu_seqlens, others=()) -> bool:
     """These kernels can take the call: Gluon present, an sm_90 GPU, fixed-length fp16 / bf16 batches with head dim
     64 or 128, no window (``window`` as megakern.attention._window gives it: (-1, -1), or (-1, 0) under causal); q, k,
-    v and ``others`` (the backward's dout, dk, dv) tensors TMA can address (16-byte aligned base and strides, unit
-    stride along hs)."""
+    v and ``others`` (the backward's dout, out and gradients) tensors TMA can address (16-byte aligned base and
+    strides, unit stride along hs)."""
     left, right = window
     if not AVAILABLE or not q.is_cuda or cu_seqlens is not None or left >= 0 or (right >= 0 and not causal):
         return False

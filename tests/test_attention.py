@@ -369,41 +369,32 @@ def compile_gluon_for_sm90(hs: int, causal: bool, pingpong: bool):
                           {"O": "*bf16", "LSE": "*fp32"}, hs)
 
 
-def compile_gluon_bwd_for_sm90(hs: int, causal: bool):
-    """The same for the Gluon dk/dv kernel with the BWD_CONFIGS tiles."""
+def compile_gluon_bwd_for_sm90(kernel: str, hs: int, causal: bool):
+    """The same for a Gluon backward pass, ``kernel`` 'dq' (DQ_CONFIGS tiles) or 'dkdv' (BWD_CONFIGS tiles)."""
     from megakern import _attention_gluon as g
 
     if not g.AVAILABLE:
         return None
-    block_m, block_n, warps, bufs = g.BWD_CONFIGS[hs]
-    constexprs = dict(HEAD_DIM=hs, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal, num_warps=warps)
-    return _compile_gluon(g._attn_bwd_dkdv_ws_kernel, constexprs,
-                          {"q_desc": block_m, "do_desc": block_m, "k_desc": block_n, "v_desc": block_n},
-                          {"DK": "*bf16", "DV": "*bf16", "LSE": "*fp32", "DELTA": "*fp32"}, hs)
-
-
-def compile_gluon_dq_for_sm90(hs: int, causal: bool):
-    """The same for the Gluon dq kernel with the DQ_CONFIGS tiles."""
-    from megakern import _attention_gluon as g
-
-    if not g.AVAILABLE:
-        return None
-    block_m, block_n, warps, bufs, pingpong = g.DQ_CONFIGS[hs]
-    constexprs = dict(HEAD_DIM=hs, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal, PINGPONG=pingpong,
-                      num_warps=warps)
-    return _compile_gluon(g._attn_bwd_dq_ws_kernel, constexprs,
-                          {"q_desc": block_m, "do_desc": block_m, "k_desc": block_n, "v_desc": block_n},
-                          {"O": "*bf16", "DQ": "*bf16", "LSE": "*fp32", "DELTA": "*fp32"}, hs)
+    if kernel == "dq":
+        block_m, block_n, warps, bufs, pingpong = g.DQ_CONFIGS[hs]
+        fn, extra, outputs = g._attn_bwd_dq_ws_kernel, {"PINGPONG": pingpong}, {"O": "*bf16", "DQ": "*bf16"}
+    else:
+        block_m, block_n, warps, bufs = g.BWD_CONFIGS[hs]
+        fn, extra, outputs = g._attn_bwd_dkdv_ws_kernel, {}, {"DK": "*bf16", "DV": "*bf16"}
+    constexprs = dict(HEAD_DIM=hs, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal, num_warps=warps,
+                      **extra)
+    return _compile_gluon(fn, constexprs, {"q_desc": block_m, "do_desc": block_m, "k_desc": block_n, "v_desc": block_n},
+                          {**outputs, "LSE": "*fp32", "DELTA": "*fp32"}, hs)
 
 
 @pytest.mark.parametrize("kernel", ("forward", "forward-one-consumer", "dkdv", "dq"))
 @pytest.mark.parametrize("causal", (True, False), ids=("causal", "full"))
 @pytest.mark.parametrize("hs", (64, 128))
 def test_gluon_kernels_compile_for_sm90(hs, causal, kernel):
-    """The Gluon kernels (the forward with its two consumer layouts, the dq and dk/dv passes) lower for Hopper without a GPU:
-    wgmma, warp-specialized partitions (setmaxnreg), mbarrier hand-offs, within the 227 KiB of shared memory."""
-    call = {"dkdv": f"compile_gluon_bwd_for_sm90({hs}, {causal})", "dq": f"compile_gluon_dq_for_sm90({hs}, {causal})"}.get(
-        kernel, f"compile_gluon_for_sm90({hs}, {causal}, {kernel == 'forward'})")
+    """The Gluon kernels (the forward with its two consumer layouts, the dq and dk/dv passes) lower for Hopper without
+    a GPU: wgmma, warp-specialized partitions (setmaxnreg), mbarrier hand-offs, within the 227 KiB of shared memory."""
+    call = (f"compile_gluon_bwd_for_sm90({kernel!r}, {hs}, {causal})" if kernel in ("dq", "dkdv")
+            else f"compile_gluon_for_sm90({hs}, {causal}, {kernel == 'forward'})")
     result = sm90_lowering("test_attention", call)
     if result is None:
         pytest.skip("this Triton has no Gluon (Triton >= 3.5)")
