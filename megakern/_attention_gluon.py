@@ -65,24 +65,30 @@ if AVAILABLE:
         return acc_n, acc_d, gl.DotOperandLayout(operand_index=0, parent=acc_d, k_width=2)
 
     @gluon.jit
-    def _tile(r, n_heads, NH, num_blocks, BLOCK: gl.constexpr, CAUSAL: gl.constexpr, LAST_FIRST: gl.constexpr):
-        """(tile exists, batch, head, first row) of this program's tile in round r. Tiles run block by block over
-        all (batch, head); causal, the longest first: the last query blocks (forward, LAST_FIRST), the first key
-        blocks (dk / dv). Programs take tiles round by round; causal, in snake order (program p gets tile r * G + p
-        in even rounds, r * G + G - 1 - p in odd ones), which evens out the programs' work as the tiles get shorter
-        round by round (H200, hs128 causal forward, TFLOP/s: T 4096 468 -> 476, T 16384 552 -> 580). The last
-        round is partial."""
+    def _span(SCHED, n_tiles):
+        """(first, end, step) of this program's walk over its tiles: with a schedule SCHED (int32, made by
+        ``_schedule``: the grid + 1 offsets of each program's list, then the lists) the indices of its list in
+        SCHED; without one (None: tiles of equal length), tiles pid, pid + grid, ... of the head-major order. A tile
+        is (batch * heads + head) * blocks + block."""
         pid = gl.program_id(0)
         grid = gl.num_programs(0)
-        if CAUSAL:
-            if r % 2 == 1:
-                pid = grid - 1 - pid
-        t = r * grid + pid
-        blk = t // n_heads
-        if CAUSAL and LAST_FIRST:
-            blk = num_blocks - 1 - blk
-        bh = t % n_heads
-        return t < num_blocks * n_heads, bh // NH, bh % NH, blk * BLOCK
+        if SCHED is None:
+            return pid, n_tiles, grid
+        else:
+            return gl.load(SCHED + pid) + grid + 1, gl.load(SCHED + pid + 1) + grid + 1, 1
+
+    @gluon.jit
+    def _tile_at(SCHED, idx):
+        if SCHED is None:
+            return idx
+        else:
+            return gl.load(SCHED + idx)
+
+    @gluon.jit
+    def _tile(t, NH, num_blocks, BLOCK: gl.constexpr):
+        """(batch, head, first row) of tile t."""
+        bh = t // num_blocks
+        return bh // NH, bh % NH, (t - bh * num_blocks) * BLOCK
 
     @gluon.jit
     def _key_range(start_m, TQ, TK, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
@@ -101,39 +107,40 @@ if AVAILABLE:
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
-                  v_empty, B, NH, GROUP, TQ, TK,
+                  v_empty, B, NH, GROUP, TQ, TK, SCHED,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr,
                   do_desc=None, do_bufs=None, WITH_DO: gl.constexpr = False):
         """Per query tile: q (and dO beside it for the dq pass, WITH_DO) into one of two slots, then the tile's k and
         v blocks through the ring of NUM_BUF slots."""
         num_m = gl.cdiv(TQ, BLOCK_M)
-        n_bh = B * NH
         cnt = 0
         i = 0
-        for r in range(gl.cdiv(num_m * n_bh, gl.num_programs(0))):
-            valid, b, h, start_m = _tile(r, n_bh, NH, num_m, BLOCK_M, CAUSAL, True)
-            if valid:
-                qs = i % 2
-                mbarrier.wait(q_empty.index(qs), ((i // 2) & 1) ^ 1)
-                if WITH_DO:
-                    mbarrier.expect(q_ready.index(qs), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-                    _tma_load(do_desc, [b, start_m, h, 0], q_ready.index(qs), do_bufs.index(qs))
-                else:
-                    mbarrier.expect(q_ready.index(qs), q_desc.block_type.nbytes)
-                _tma_load(q_desc, [b, start_m, h, 0], q_ready.index(qs), q_bufs.index(qs))
-                n, _first_masked = _key_range(start_m, TQ, TK, BLOCK_M, BLOCK_N, CAUSAL)
-                hk = h // GROUP
-                for j in range(n):
-                    s = cnt % NUM_BUF
-                    ph = ((cnt // NUM_BUF) & 1) ^ 1
-                    mbarrier.wait(k_empty.index(s), ph)
-                    mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-                    _tma_load(k_desc, [b, j * BLOCK_N, hk, 0], k_ready.index(s), k_bufs.index(s))
-                    mbarrier.wait(v_empty.index(s), ph)
-                    mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-                    _tma_load(v_desc, [b, j * BLOCK_N, hk, 0], v_ready.index(s), v_bufs.index(s))
-                    cnt += 1
-                i += 1
+        lo, hi, step = _span(SCHED, num_m * B * NH)
+        t = _tile_at(SCHED, lo)
+        for idx in range(lo, hi, step):
+            b, h, start_m = _tile(t, NH, num_m, BLOCK_M)
+            t = _tile_at(SCHED, gl.minimum(idx + step, hi - 1))  # the next tile, read ahead
+            qs = i % 2
+            mbarrier.wait(q_empty.index(qs), ((i // 2) & 1) ^ 1)
+            if WITH_DO:
+                mbarrier.expect(q_ready.index(qs), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+                _tma_load(do_desc, [b, start_m, h, 0], q_ready.index(qs), do_bufs.index(qs))
+            else:
+                mbarrier.expect(q_ready.index(qs), q_desc.block_type.nbytes)
+            _tma_load(q_desc, [b, start_m, h, 0], q_ready.index(qs), q_bufs.index(qs))
+            n, _first_masked = _key_range(start_m, TQ, TK, BLOCK_M, BLOCK_N, CAUSAL)
+            hk = h // GROUP
+            for j in range(n):
+                s = cnt % NUM_BUF
+                ph = ((cnt // NUM_BUF) & 1) ^ 1
+                mbarrier.wait(k_empty.index(s), ph)
+                mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+                _tma_load(k_desc, [b, j * BLOCK_N, hk, 0], k_ready.index(s), k_bufs.index(s))
+                mbarrier.wait(v_empty.index(s), ph)
+                mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+                _tma_load(v_desc, [b, j * BLOCK_N, hk, 0], v_ready.index(s), v_bufs.index(s))
+                cnt += 1
+            i += 1
 
     @gluon.jit
     def _seen(rows, j, TQ, TK, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr):
@@ -178,7 +185,7 @@ if AVAILABLE:
     @gluon.jit
     def _consumer(WG: gl.constexpr, PINGPONG: gl.constexpr, turn, q_bufs, k_bufs, v_bufs, q_ready, q_empty,
                   k_ready, k_empty, v_ready, v_empty, O, LSE,
-                  stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK, scale_log2,
+                  stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK, SCHED, scale_log2,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
                   CAUSAL: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr):
         """The rows WG * ROWS .. + ROWS - 1 of each tile (all of them without ping-pong), on WARPS warps."""
@@ -190,89 +197,90 @@ if AVAILABLE:
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         dtype: gl.constexpr = q_bufs.dtype
         num_m = gl.cdiv(TQ, BLOCK_M)
-        n_bh = B * NH
         cnt = 0
         i = 0
         slot = 0
-        for r in range(gl.cdiv(num_m * n_bh, gl.num_programs(0))):
-            valid, b, h, start_m = _tile(r, n_bh, NH, num_m, BLOCK_M, CAUSAL, True)
-            if valid:
-                my_m = start_m + WG * ROWS
-                n, first_masked = _key_range(start_m, TQ, TK, BLOCK_M, BLOCK_N, CAUSAL)
-                qs = i % 2
-                mbarrier.wait(q_ready.index(qs), (i // 2) & 1)
-                q = q_bufs.index(qs).reshape([BLOCK_M, HEAD_DIM])
-                if PINGPONG:
-                    q = q.slice(WG * ROWS, ROWS, dim=0)
-                m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)
-                l_i = gl.zeros([ROWS], gl.float32, layout=row_s)
-                acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-                s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
-                if n > 0:
-                    # block 0: its scores, then its softmax
+        lo, hi, step = _span(SCHED, num_m * B * NH)
+        t = _tile_at(SCHED, lo)
+        for idx in range(lo, hi, step):
+            b, h, start_m = _tile(t, NH, num_m, BLOCK_M)
+            t = _tile_at(SCHED, gl.minimum(idx + step, hi - 1))  # the next tile, read ahead
+            my_m = start_m + WG * ROWS
+            n, first_masked = _key_range(start_m, TQ, TK, BLOCK_M, BLOCK_N, CAUSAL)
+            qs = i % 2
+            mbarrier.wait(q_ready.index(qs), (i // 2) & 1)
+            q = q_bufs.index(qs).reshape([BLOCK_M, HEAD_DIM])
+            if PINGPONG:
+                q = q.slice(WG * ROWS, ROWS, dim=0)
+            m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)
+            l_i = gl.zeros([ROWS], gl.float32, layout=row_s)
+            acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+            s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+            if n > 0:
+                # block 0: its scores, then its softmax
+                s = cnt % NUM_BUF
+                mbarrier.wait(k_ready.index(s), (cnt // NUM_BUF) & 1)
+                k = k_bufs.index(s).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
+                slot = _turn_wait(turn, slot, WG, PINGPONG)
+                sc = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
+                _turn_pass(turn, WG, PINGPONG)
+                sc = warpgroup_mma_wait(0, deps=[sc])
+                mbarrier.arrive(k_empty.index(s), count=1)
+                p, m_i, l_i, alpha = _scores(sc, 0, first_masked, my_m, m_i, l_i, TQ, TK, scale_log2,
+                                             ROWS, BLOCK_N, CAUSAL, s_layout)
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+                prev = s
+                prev_ph = (cnt // NUM_BUF) & 1
+                cnt += 1
+                for j in range(1, n):
+                    # issue block j's scores and block j-1's P V; block j's softmax runs while P V does
                     s = cnt % NUM_BUF
-                    mbarrier.wait(k_ready.index(s), (cnt // NUM_BUF) & 1)
+                    ph = (cnt // NUM_BUF) & 1
+                    mbarrier.wait(k_ready.index(s), ph)
                     k = k_bufs.index(s).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
                     slot = _turn_wait(turn, slot, WG, PINGPONG)
                     sc = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
-                    _turn_pass(turn, WG, PINGPONG)
-                    sc = warpgroup_mma_wait(0, deps=[sc])
-                    mbarrier.arrive(k_empty.index(s), count=1)
-                    p, m_i, l_i, alpha = _scores(sc, 0, first_masked, my_m, m_i, l_i, TQ, TK, scale_log2,
-                                                 ROWS, BLOCK_N, CAUSAL, s_layout)
-                    p_op = gl.convert_layout(p.to(dtype), p_layout)
-                    prev = s
-                    prev_ph = (cnt // NUM_BUF) & 1
-                    cnt += 1
-                    for j in range(1, n):
-                        # issue block j's scores and block j-1's P V; block j's softmax runs while P V does
-                        s = cnt % NUM_BUF
-                        ph = (cnt // NUM_BUF) & 1
-                        mbarrier.wait(k_ready.index(s), ph)
-                        k = k_bufs.index(s).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
-                        slot = _turn_wait(turn, slot, WG, PINGPONG)
-                        sc = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
-                        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-                        mbarrier.wait(v_ready.index(prev), prev_ph)
-                        v = v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM])
-                        acc = warpgroup_mma(p_op, v, acc, is_async=True)
-                        _turn_pass(turn, WG, PINGPONG)
-                        sc = warpgroup_mma_wait(1, deps=[sc])
-                        mbarrier.arrive(k_empty.index(s), count=1)
-                        p, m_i, l_i, alpha = _scores(sc, j, first_masked, my_m, m_i, l_i, TQ, TK, scale_log2,
-                                                     ROWS, BLOCK_N, CAUSAL, s_layout)
-                        p_next = gl.convert_layout(p.to(dtype), p_layout)
-                        acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
-                        mbarrier.arrive(v_empty.index(prev), count=1)
-                        p_op = p_next
-                        prev = s
-                        prev_ph = ph
-                        cnt += 1
-                    mbarrier.arrive(q_empty.index(qs), count=1)
+                    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                     mbarrier.wait(v_ready.index(prev), prev_ph)
                     v = v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM])
-                    slot = _turn_wait(turn, slot, WG, PINGPONG)
-                    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                     acc = warpgroup_mma(p_op, v, acc, is_async=True)
                     _turn_pass(turn, WG, PINGPONG)
+                    sc = warpgroup_mma_wait(1, deps=[sc])
+                    mbarrier.arrive(k_empty.index(s), count=1)
+                    p, m_i, l_i, alpha = _scores(sc, j, first_masked, my_m, m_i, l_i, TQ, TK, scale_log2,
+                                                 ROWS, BLOCK_N, CAUSAL, s_layout)
+                    p_next = gl.convert_layout(p.to(dtype), p_layout)
                     acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
                     mbarrier.arrive(v_empty.index(prev), count=1)
-                else:
-                    mbarrier.arrive(q_empty.index(qs), count=1)
-                i += 1
-                # normalize and store; a row that saw no key gets 0 and lse -inf
-                seen = l_i > 0.0
-                l_use = gl.where(seen, l_i, 1.0)
-                out = acc / gl.convert_layout(l_use, row_o)[:, None]
-                lse = gl.where(seen, (m_i + gl.log2(l_use)) * 0.6931471805599453, float("-inf"))
-                rows_o = my_m + gl.arange(0, ROWS, layout=row_o)
-                cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-                bb = b.to(gl.int64)
-                o_ptrs = (O + bb * stride_ob + h.to(gl.int64) * stride_oh + rows_o.to(gl.int64)[:, None] * stride_ot
-                          + cols_o[None, :])
-                gl.store(o_ptrs, out.to(dtype), mask=(rows_o < TQ)[:, None])
-                rows_l = my_m + gl.arange(0, ROWS, layout=row_s)
-                gl.store(LSE + bb * stride_lb + h.to(gl.int64) * stride_lh + rows_l, lse, mask=rows_l < TQ)
+                    p_op = p_next
+                    prev = s
+                    prev_ph = ph
+                    cnt += 1
+                mbarrier.arrive(q_empty.index(qs), count=1)
+                mbarrier.wait(v_ready.index(prev), prev_ph)
+                v = v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM])
+                slot = _turn_wait(turn, slot, WG, PINGPONG)
+                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                acc = warpgroup_mma(p_op, v, acc, is_async=True)
+                _turn_pass(turn, WG, PINGPONG)
+                acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
+                mbarrier.arrive(v_empty.index(prev), count=1)
+            else:
+                mbarrier.arrive(q_empty.index(qs), count=1)
+            i += 1
+            # normalize and store; a row that saw no key gets 0 and lse -inf
+            seen = l_i > 0.0
+            l_use = gl.where(seen, l_i, 1.0)
+            out = acc / gl.convert_layout(l_use, row_o)[:, None]
+            lse = gl.where(seen, (m_i + gl.log2(l_use)) * 0.6931471805599453, float("-inf"))
+            rows_o = my_m + gl.arange(0, ROWS, layout=row_o)
+            cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+            bb = b.to(gl.int64)
+            o_ptrs = (O + bb * stride_ob + h.to(gl.int64) * stride_oh + rows_o.to(gl.int64)[:, None] * stride_ot
+                      + cols_o[None, :])
+            gl.store(o_ptrs, out.to(dtype), mask=(rows_o < TQ)[:, None])
+            rows_l = my_m + gl.arange(0, ROWS, layout=row_s)
+            gl.store(LSE + bb * stride_lb + h.to(gl.int64) * stride_lh + rows_l, lse, mask=rows_l < TQ)
 
     @gluon.jit
     def _query_tile_rings(q_desc, k_desc, v_desc, NUM_BUF: gl.constexpr, CONSUMERS: gl.constexpr, do_desc=None,
@@ -309,7 +317,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, O, LSE, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
-                            B, NH, GROUP, TQ, TK, scale_log2,
+                            B, NH, GROUP, TQ, TK, SCHED, scale_log2,
                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                             NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
                             num_warps: gl.constexpr):
@@ -320,21 +328,21 @@ if AVAILABLE:
         if PINGPONG:
             gl.warp_specialize([
                 (_consumer, (0, True, turn, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
-                             v_empty, O, LSE, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK,
+                             v_empty, O, LSE, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK, SCHED,
                              scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, BLOCK_M // 2, num_warps)),
                 (_consumer, (1, True, turn, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
-                             v_empty, O, LSE, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK,
+                             v_empty, O, LSE, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK, SCHED,
                              scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, BLOCK_M // 2, num_warps)),
                 (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
-                             v_ready, v_empty, B, NH, GROUP, TQ, TK, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL)),
+                             v_ready, v_empty, B, NH, GROUP, TQ, TK, SCHED, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL)),
             ], [num_warps, 1], [240, 24])
         else:
             gl.warp_specialize([
                 (_consumer, (0, False, turn, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
-                             v_empty, O, LSE, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK,
+                             v_empty, O, LSE, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK, SCHED,
                              scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, BLOCK_M, num_warps)),
                 (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
-                             v_ready, v_empty, B, NH, GROUP, TQ, TK, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL)),
+                             v_ready, v_empty, B, NH, GROUP, TQ, TK, SCHED, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL)),
             ], [1], [24])
 
 
@@ -354,36 +362,37 @@ if AVAILABLE:
 
     @gluon.jit
     def _bwd_producer(q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, q_bufs, do_bufs, kv_ready, kv_empty,
-                      q_ready, q_empty, B, NKV, GROUP, TQ, TK,
+                      q_ready, q_empty, B, NKV, GROUP, TQ, TK, SCHED,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr):
         num_n = gl.cdiv(TK, BLOCK_N)
-        n_bk = B * NKV
         cnt = 0
         i = 0
-        for r in range(gl.cdiv(num_n * n_bk, gl.num_programs(0))):
-            valid, b, hk, start_n = _tile(r, n_bk, NKV, num_n, BLOCK_N, CAUSAL, False)
-            if valid:
-                kvs = i % 2
-                mbarrier.wait(kv_empty.index(kvs), ((i // 2) & 1) ^ 1)
-                mbarrier.expect(kv_ready.index(kvs), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-                _tma_load(k_desc, [b, start_n, hk, 0], kv_ready.index(kvs), k_bufs.index(kvs))
-                _tma_load(v_desc, [b, start_n, hk, 0], kv_ready.index(kvs), v_bufs.index(kvs))
-                lo, n, _full = _query_range(start_n, TQ, TK, BLOCK_M, BLOCK_N, CAUSAL)
-                for g in range(GROUP):
-                    h = hk * GROUP + g
-                    for mi in range(n):
-                        s = cnt % NUM_BUF
-                        mbarrier.wait(q_empty.index(s), ((cnt // NUM_BUF) & 1) ^ 1)
-                        mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-                        _tma_load(q_desc, [b, lo + mi * BLOCK_M, h, 0], q_ready.index(s), q_bufs.index(s))
-                        _tma_load(do_desc, [b, lo + mi * BLOCK_M, h, 0], q_ready.index(s), do_bufs.index(s))
-                        cnt += 1
-                i += 1
+        lo, hi, step = _span(SCHED, num_n * B * NKV)
+        t = _tile_at(SCHED, lo)
+        for idx in range(lo, hi, step):
+            b, hk, start_n = _tile(t, NKV, num_n, BLOCK_N)
+            t = _tile_at(SCHED, gl.minimum(idx + step, hi - 1))  # the next tile, read ahead
+            kvs = i % 2
+            mbarrier.wait(kv_empty.index(kvs), ((i // 2) & 1) ^ 1)
+            mbarrier.expect(kv_ready.index(kvs), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            _tma_load(k_desc, [b, start_n, hk, 0], kv_ready.index(kvs), k_bufs.index(kvs))
+            _tma_load(v_desc, [b, start_n, hk, 0], kv_ready.index(kvs), v_bufs.index(kvs))
+            lo, n, _full = _query_range(start_n, TQ, TK, BLOCK_M, BLOCK_N, CAUSAL)
+            for g in range(GROUP):
+                h = hk * GROUP + g
+                for mi in range(n):
+                    s = cnt % NUM_BUF
+                    mbarrier.wait(q_empty.index(s), ((cnt // NUM_BUF) & 1) ^ 1)
+                    mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+                    _tma_load(q_desc, [b, lo + mi * BLOCK_M, h, 0], q_ready.index(s), q_bufs.index(s))
+                    _tma_load(do_desc, [b, lo + mi * BLOCK_M, h, 0], q_ready.index(s), do_bufs.index(s))
+                    cnt += 1
+            i += 1
 
     @gluon.jit
     def _bwd_consumer(WG: gl.constexpr, k_bufs, v_bufs, q_bufs, do_bufs, kv_ready, kv_empty, q_ready, q_empty,
                       LSE, DELTA, DK, DV, stride_lb, stride_lh, stride_dkb, stride_dkt, stride_dkh, stride_dvb,
-                      stride_dvt, stride_dvh, B, NKV, GROUP, TQ, TK, scale_log2, scale,
+                      stride_dvt, stride_dvh, B, NKV, GROUP, TQ, TK, SCHED, scale_log2, scale,
                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
                       CAUSAL: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr):
         """dk and dv of the key rows WG * ROWS .. + ROWS - 1 of each tile: per query block, S^T = K Q^T and
@@ -395,68 +404,69 @@ if AVAILABLE:
         col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
         dtype: gl.constexpr = q_bufs.dtype
         num_n = gl.cdiv(TK, BLOCK_N)
-        n_bk = B * NKV
         cnt = 0
         i = 0
         s_zero = gl.zeros([ROWS, BLOCK_M], gl.float32, layout=s_layout)
-        for r in range(gl.cdiv(num_n * n_bk, gl.num_programs(0))):
-            valid, b, hk, start_n = _tile(r, n_bk, NKV, num_n, BLOCK_N, CAUSAL, False)
-            if valid:
-                my_n = start_n + WG * ROWS
-                kvs = i % 2
-                mbarrier.wait(kv_ready.index(kvs), (i // 2) & 1)
-                k = k_bufs.index(kvs).reshape([BLOCK_N, HEAD_DIM]).slice(WG * ROWS, ROWS, dim=0)
-                v = v_bufs.index(kvs).reshape([BLOCK_N, HEAD_DIM]).slice(WG * ROWS, ROWS, dim=0)
-                dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-                dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-                lo, n, full = _query_range(start_n, TQ, TK, BLOCK_M, BLOCK_N, CAUSAL)
-                rows_n = my_n + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-                bb = b.to(gl.int64)
-                for g in range(GROUP):
-                    h = hk * GROUP + g
-                    stats = bb * stride_lb + h.to(gl.int64) * stride_lh
-                    for mi in range(n):
-                        start_m = lo + mi * BLOCK_M
-                        cols_m = start_m + gl.arange(0, BLOCK_M, layout=col_s)
-                        m_ok = cols_m < TQ
-                        lse = gl.load(LSE + stats + cols_m, mask=m_ok, other=float("-inf"))
-                        lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-                        delta = gl.load(DELTA + stats + cols_m, mask=m_ok, other=0.0)
-                        s = cnt % NUM_BUF
-                        mbarrier.wait(q_ready.index(s), (cnt // NUM_BUF) & 1)
-                        q = q_bufs.index(s).reshape([BLOCK_M, HEAD_DIM])
-                        do = do_bufs.index(s).reshape([BLOCK_M, HEAD_DIM])
-                        st = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                        dpt = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                        st, dpt = warpgroup_mma_wait(0, deps=[st, dpt])
-                        pt = gl.exp2(st * scale_log2 - lse2[None, :])
-                        if CAUSAL:
-                            if start_m < full:
-                                pt = gl.where(rows_n[:, None] <= cols_m[None, :] + (TK - TQ), pt, 0.0)
-                        dst = pt * (dpt - delta[None, :])
-                        pt_op = gl.convert_layout(pt.to(dtype), a_layout)
-                        dst_op = gl.convert_layout(dst.to(dtype), a_layout)
-                        dv = warpgroup_mma(pt_op, do, dv, is_async=True)
-                        dk = warpgroup_mma(dst_op, q, dk, is_async=True)
-                        dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=[dv, dk, pt_op, dst_op])
-                        mbarrier.arrive(q_empty.index(s), count=1)
-                        cnt += 1
-                mbarrier.arrive(kv_empty.index(kvs), count=1)
-                i += 1
-                rows_o = my_n + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
-                cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-                mask = (rows_o < TK)[:, None]
-                hh = hk.to(gl.int64)
-                r64 = rows_o.to(gl.int64)[:, None]
-                gl.store(DK + bb * stride_dkb + hh * stride_dkh + r64 * stride_dkt + cols_o[None, :],
-                         (dk * scale).to(dtype), mask=mask)
-                gl.store(DV + bb * stride_dvb + hh * stride_dvh + r64 * stride_dvt + cols_o[None, :],
-                         dv.to(dtype), mask=mask)
+        lo, hi, step = _span(SCHED, num_n * B * NKV)
+        t = _tile_at(SCHED, lo)
+        for idx in range(lo, hi, step):
+            b, hk, start_n = _tile(t, NKV, num_n, BLOCK_N)
+            t = _tile_at(SCHED, gl.minimum(idx + step, hi - 1))  # the next tile, read ahead
+            my_n = start_n + WG * ROWS
+            kvs = i % 2
+            mbarrier.wait(kv_ready.index(kvs), (i // 2) & 1)
+            k = k_bufs.index(kvs).reshape([BLOCK_N, HEAD_DIM]).slice(WG * ROWS, ROWS, dim=0)
+            v = v_bufs.index(kvs).reshape([BLOCK_N, HEAD_DIM]).slice(WG * ROWS, ROWS, dim=0)
+            dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+            dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+            lo, n, full = _query_range(start_n, TQ, TK, BLOCK_M, BLOCK_N, CAUSAL)
+            rows_n = my_n + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+            bb = b.to(gl.int64)
+            for g in range(GROUP):
+                h = hk * GROUP + g
+                stats = bb * stride_lb + h.to(gl.int64) * stride_lh
+                for mi in range(n):
+                    start_m = lo + mi * BLOCK_M
+                    cols_m = start_m + gl.arange(0, BLOCK_M, layout=col_s)
+                    m_ok = cols_m < TQ
+                    lse = gl.load(LSE + stats + cols_m, mask=m_ok, other=float("-inf"))
+                    lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+                    delta = gl.load(DELTA + stats + cols_m, mask=m_ok, other=0.0)
+                    s = cnt % NUM_BUF
+                    mbarrier.wait(q_ready.index(s), (cnt // NUM_BUF) & 1)
+                    q = q_bufs.index(s).reshape([BLOCK_M, HEAD_DIM])
+                    do = do_bufs.index(s).reshape([BLOCK_M, HEAD_DIM])
+                    st = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                    dpt = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                    st, dpt = warpgroup_mma_wait(0, deps=[st, dpt])
+                    pt = gl.exp2(st * scale_log2 - lse2[None, :])
+                    if CAUSAL:
+                        if start_m < full:
+                            pt = gl.where(rows_n[:, None] <= cols_m[None, :] + (TK - TQ), pt, 0.0)
+                    dst = pt * (dpt - delta[None, :])
+                    pt_op = gl.convert_layout(pt.to(dtype), a_layout)
+                    dst_op = gl.convert_layout(dst.to(dtype), a_layout)
+                    dv = warpgroup_mma(pt_op, do, dv, is_async=True)
+                    dk = warpgroup_mma(dst_op, q, dk, is_async=True)
+                    dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=[dv, dk, pt_op, dst_op])
+                    mbarrier.arrive(q_empty.index(s), count=1)
+                    cnt += 1
+            mbarrier.arrive(kv_empty.index(kvs), count=1)
+            i += 1
+            rows_o = my_n + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+            cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+            mask = (rows_o < TK)[:, None]
+            hh = hk.to(gl.int64)
+            r64 = rows_o.to(gl.int64)[:, None]
+            gl.store(DK + bb * stride_dkb + hh * stride_dkh + r64 * stride_dkt + cols_o[None, :],
+                     (dk * scale).to(dtype), mask=mask)
+            gl.store(DV + bb * stride_dvb + hh * stride_dvh + r64 * stride_dvt + cols_o[None, :],
+                     dv.to(dtype), mask=mask)
 
     @gluon.jit
     def _attn_bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, stride_lb, stride_lh,
                                  stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
-                                 B, NKV, GROUP, TQ, TK, scale_log2, scale,
+                                 B, NKV, GROUP, TQ, TK, SCHED, scale_log2, scale,
                                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                  NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr, num_warps: gl.constexpr):
         """dk and dv (the deterministic backward's second pass: delta comes from the dq pass): two consumer
@@ -481,14 +491,14 @@ if AVAILABLE:
         gl.warp_specialize([
             (_bwd_consumer, (0, k_bufs, v_bufs, q_bufs, do_bufs, kv_ready, kv_empty, q_ready, q_empty, LSE, DELTA,
                              DK, DV, stride_lb, stride_lh, stride_dkb, stride_dkt, stride_dkh, stride_dvb,
-                             stride_dvt, stride_dvh, B, NKV, GROUP, TQ, TK, scale_log2, scale, HEAD_DIM, BLOCK_M,
+                             stride_dvt, stride_dvh, B, NKV, GROUP, TQ, TK, SCHED, scale_log2, scale, HEAD_DIM, BLOCK_M,
                              BLOCK_N, NUM_BUF, CAUSAL, BLOCK_N // 2, num_warps)),
             (_bwd_consumer, (1, k_bufs, v_bufs, q_bufs, do_bufs, kv_ready, kv_empty, q_ready, q_empty, LSE, DELTA,
                              DK, DV, stride_lb, stride_lh, stride_dkb, stride_dkt, stride_dkh, stride_dvb,
-                             stride_dvt, stride_dvh, B, NKV, GROUP, TQ, TK, scale_log2, scale, HEAD_DIM, BLOCK_M,
+                             stride_dvt, stride_dvh, B, NKV, GROUP, TQ, TK, SCHED, scale_log2, scale, HEAD_DIM, BLOCK_M,
                              BLOCK_N, NUM_BUF, CAUSAL, BLOCK_N // 2, num_warps)),
             (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, q_bufs, do_bufs, kv_ready, kv_empty,
-                             q_ready, q_empty, B, NKV, GROUP, TQ, TK, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL)),
+                             q_ready, q_empty, B, NKV, GROUP, TQ, TK, SCHED, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL)),
         ], [num_warps, 1], [240, 24])
 
 
@@ -514,7 +524,7 @@ if AVAILABLE:
     @gluon.jit
     def _dq_consumer(WG: gl.constexpr, PINGPONG: gl.constexpr, turn, q_bufs, do_bufs, k_bufs, v_bufs, q_ready,
                      q_empty, k_ready, k_empty, v_ready, v_empty, O, LSE, DELTA, DQ, stride_ob, stride_ot, stride_oh,
-                     stride_lb, stride_lh, stride_dqb, stride_dqt, stride_dqh, B, NH, TQ, TK, scale_log2, scale,
+                     stride_lb, stride_lh, stride_dqb, stride_dqt, stride_dqh, B, NH, TQ, TK, SCHED, scale_log2, scale,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
                      CAUSAL: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr):
         """dq of the query rows WG * ROWS .. + ROWS - 1 of each tile, and their delta = rowsum(dO * O) (stored for
@@ -530,35 +540,57 @@ if AVAILABLE:
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         dtype: gl.constexpr = q_bufs.dtype
         num_m = gl.cdiv(TQ, BLOCK_M)
-        n_bh = B * NH
         cnt = 0
         i = 0
         slot = 0
         s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
         cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        for r in range(gl.cdiv(num_m * n_bh, gl.num_programs(0))):
-            valid, b, h, start_m = _tile(r, n_bh, NH, num_m, BLOCK_M, CAUSAL, True)
-            if valid:
-                my_m = start_m + WG * ROWS
-                n, first_masked = _key_range(start_m, TQ, TK, BLOCK_M, BLOCK_N, CAUSAL)
-                bb = b.to(gl.int64)
-                hh = h.to(gl.int64)
-                rows_o = my_m + gl.arange(0, ROWS, layout=row_o)
-                r64 = rows_o.to(gl.int64)[:, None]
-                # this tile's O rows and lse: loads issued first, used once the first block's matmuls run
-                o = gl.load(O + bb * stride_ob + hh * stride_oh + r64 * stride_ot + cols_o[None, :],
-                            mask=(rows_o < TQ)[:, None], other=0.0)
-                rows = my_m + gl.arange(0, ROWS, layout=row_s)
-                lse = gl.load(LSE + bb * stride_lb + hh * stride_lh + rows, mask=rows < TQ, other=float("-inf"))
-                qs = i % 2
-                mbarrier.wait(q_ready.index(qs), (i // 2) & 1)
-                q = q_bufs.index(qs).reshape([BLOCK_M, HEAD_DIM]).slice(WG * ROWS, ROWS, dim=0)
-                do = do_bufs.index(qs).reshape([BLOCK_M, HEAD_DIM]).slice(WG * ROWS, ROWS, dim=0)
-                stats = bb * stride_lb + hh * stride_lh
-                lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-                dq = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-                if n > 0:
-                    # block 0: S and dP issued, delta while they run, then P, then dS
+        lo, hi, step = _span(SCHED, num_m * B * NH)
+        t = _tile_at(SCHED, lo)
+        for idx in range(lo, hi, step):
+            b, h, start_m = _tile(t, NH, num_m, BLOCK_M)
+            t = _tile_at(SCHED, gl.minimum(idx + step, hi - 1))  # the next tile, read ahead
+            my_m = start_m + WG * ROWS
+            n, first_masked = _key_range(start_m, TQ, TK, BLOCK_M, BLOCK_N, CAUSAL)
+            bb = b.to(gl.int64)
+            hh = h.to(gl.int64)
+            rows_o = my_m + gl.arange(0, ROWS, layout=row_o)
+            r64 = rows_o.to(gl.int64)[:, None]
+            # this tile's O rows and lse: loads issued first, used once the first block's matmuls run
+            o = gl.load(O + bb * stride_ob + hh * stride_oh + r64 * stride_ot + cols_o[None, :],
+                        mask=(rows_o < TQ)[:, None], other=0.0)
+            rows = my_m + gl.arange(0, ROWS, layout=row_s)
+            lse = gl.load(LSE + bb * stride_lb + hh * stride_lh + rows, mask=rows < TQ, other=float("-inf"))
+            qs = i % 2
+            mbarrier.wait(q_ready.index(qs), (i // 2) & 1)
+            q = q_bufs.index(qs).reshape([BLOCK_M, HEAD_DIM]).slice(WG * ROWS, ROWS, dim=0)
+            do = do_bufs.index(qs).reshape([BLOCK_M, HEAD_DIM]).slice(WG * ROWS, ROWS, dim=0)
+            stats = bb * stride_lb + hh * stride_lh
+            lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+            dq = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+            if n > 0:
+                # block 0: S and dP issued, delta while they run, then P, then dS
+                s = cnt % NUM_BUF
+                ph = (cnt // NUM_BUF) & 1
+                mbarrier.wait(k_ready.index(s), ph)
+                k = k_bufs.index(s).reshape([BLOCK_N, HEAD_DIM])
+                mbarrier.wait(v_ready.index(s), ph)
+                v = v_bufs.index(s).reshape([BLOCK_N, HEAD_DIM])
+                slot = _turn_wait(turn, slot, WG, PINGPONG)
+                sc = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                dp = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                _turn_pass(turn, WG, PINGPONG)
+                delta = _delta(o, do, DELTA + stats, rows_o, TQ, o_layout, row_s)
+                sc = warpgroup_mma_wait(1, deps=[sc])
+                p = _probs(sc, 0, first_masked, rows, lse2, TQ, TK, scale_log2, BLOCK_N, CAUSAL, s_layout)
+                dp = warpgroup_mma_wait(0, deps=[dp])
+                mbarrier.arrive(v_empty.index(s), count=1)
+                ds_op = gl.convert_layout((p * (dp - delta[:, None])).to(dtype), a_layout)
+                prev = s
+                cnt += 1
+                for j in range(1, n):
+                    # issued in this order: block j's S, block j-1's dS K, block j's dP; block j's P is computed
+                    # while the other two run
                     s = cnt % NUM_BUF
                     ph = (cnt // NUM_BUF) & 1
                     mbarrier.wait(k_ready.index(s), ph)
@@ -567,54 +599,34 @@ if AVAILABLE:
                     v = v_bufs.index(s).reshape([BLOCK_N, HEAD_DIM])
                     slot = _turn_wait(turn, slot, WG, PINGPONG)
                     sc = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                    dq = warpgroup_mma(ds_op, k_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM]), dq, is_async=True)
                     dp = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                     _turn_pass(turn, WG, PINGPONG)
-                    delta = _delta(o, do, DELTA + stats, rows_o, TQ, o_layout, row_s)
-                    sc = warpgroup_mma_wait(1, deps=[sc])
-                    p = _probs(sc, 0, first_masked, rows, lse2, TQ, TK, scale_log2, BLOCK_N, CAUSAL, s_layout)
-                    dp = warpgroup_mma_wait(0, deps=[dp])
+                    sc = warpgroup_mma_wait(2, deps=[sc])
+                    p = _probs(sc, j, first_masked, rows, lse2, TQ, TK, scale_log2, BLOCK_N, CAUSAL, s_layout)
+                    dq, ds_op, dp = warpgroup_mma_wait(0, deps=[dq, ds_op, dp])
+                    mbarrier.arrive(k_empty.index(prev), count=1)
                     mbarrier.arrive(v_empty.index(s), count=1)
                     ds_op = gl.convert_layout((p * (dp - delta[:, None])).to(dtype), a_layout)
                     prev = s
                     cnt += 1
-                    for j in range(1, n):
-                        # issued in this order: block j's S, block j-1's dS K, block j's dP; block j's P is computed
-                        # while the other two run
-                        s = cnt % NUM_BUF
-                        ph = (cnt // NUM_BUF) & 1
-                        mbarrier.wait(k_ready.index(s), ph)
-                        k = k_bufs.index(s).reshape([BLOCK_N, HEAD_DIM])
-                        mbarrier.wait(v_ready.index(s), ph)
-                        v = v_bufs.index(s).reshape([BLOCK_N, HEAD_DIM])
-                        slot = _turn_wait(turn, slot, WG, PINGPONG)
-                        sc = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                        dq = warpgroup_mma(ds_op, k_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM]), dq, is_async=True)
-                        dp = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                        _turn_pass(turn, WG, PINGPONG)
-                        sc = warpgroup_mma_wait(2, deps=[sc])
-                        p = _probs(sc, j, first_masked, rows, lse2, TQ, TK, scale_log2, BLOCK_N, CAUSAL, s_layout)
-                        dq, ds_op, dp = warpgroup_mma_wait(0, deps=[dq, ds_op, dp])
-                        mbarrier.arrive(k_empty.index(prev), count=1)
-                        mbarrier.arrive(v_empty.index(s), count=1)
-                        ds_op = gl.convert_layout((p * (dp - delta[:, None])).to(dtype), a_layout)
-                        prev = s
-                        cnt += 1
-                    slot = _turn_wait(turn, slot, WG, PINGPONG)
-                    dq = warpgroup_mma(ds_op, k_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM]), dq, is_async=True)
-                    _turn_pass(turn, WG, PINGPONG)
-                    dq, ds_op = warpgroup_mma_wait(0, deps=[dq, ds_op])
-                    mbarrier.arrive(k_empty.index(prev), count=1)
-                else:  # rows that see no key: delta all the same (the dk/dv pass reads it)
-                    _delta(o, do, DELTA + stats, rows_o, TQ, o_layout, row_s)
-                mbarrier.arrive(q_empty.index(qs), count=1)
-                i += 1
-                gl.store(DQ + bb * stride_dqb + hh * stride_dqh + r64 * stride_dqt + cols_o[None, :],
-                         (dq * scale).to(dtype), mask=(rows_o < TQ)[:, None])
+                slot = _turn_wait(turn, slot, WG, PINGPONG)
+                dq = warpgroup_mma(ds_op, k_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM]), dq, is_async=True)
+                _turn_pass(turn, WG, PINGPONG)
+                dq, ds_op = warpgroup_mma_wait(0, deps=[dq, ds_op])
+                mbarrier.arrive(k_empty.index(prev), count=1)
+            else:  # rows that see no key: delta all the same (the dk/dv pass reads it)
+                _delta(o, do, DELTA + stats, rows_o, TQ, o_layout, row_s)
+            mbarrier.arrive(q_empty.index(qs), count=1)
+            i += 1
+            gl.store(DQ + bb * stride_dqb + hh * stride_dqh + r64 * stride_dqt + cols_o[None, :],
+                     (dq * scale).to(dtype), mask=(rows_o < TQ)[:, None])
 
-    @gluon.jit
+    # TQ not specialized: with TQ = TK = 1 both constants, Triton 3.6 fails to lower the kernel (an LLVM assertion)
+    @gluon.jit(do_not_specialize=["TQ"])
     def _attn_bwd_dq_ws_kernel(q_desc, k_desc, v_desc, do_desc, O, LSE, DELTA, DQ, stride_ob, stride_ot, stride_oh,
                                stride_lb, stride_lh, stride_dqb, stride_dqt, stride_dqh,
-                               B, NH, GROUP, TQ, TK, scale_log2, scale,
+                               B, NH, GROUP, TQ, TK, SCHED, scale_log2, scale,
                                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
                                num_warps: gl.constexpr):
@@ -626,14 +638,14 @@ if AVAILABLE:
         gl.warp_specialize([
             (_dq_consumer, (0, PINGPONG, turn, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
                             k_empty, v_ready, v_empty, O, LSE, DELTA, DQ, stride_ob, stride_ot, stride_oh, stride_lb,
-                            stride_lh, stride_dqb, stride_dqt, stride_dqh, B, NH, TQ, TK, scale_log2, scale, HEAD_DIM,
+                            stride_lh, stride_dqb, stride_dqt, stride_dqh, B, NH, TQ, TK, SCHED, scale_log2, scale, HEAD_DIM,
                             BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, BLOCK_M // 2, num_warps)),
             (_dq_consumer, (1, PINGPONG, turn, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
                             k_empty, v_ready, v_empty, O, LSE, DELTA, DQ, stride_ob, stride_ot, stride_oh, stride_lb,
-                            stride_lh, stride_dqb, stride_dqt, stride_dqh, B, NH, TQ, TK, scale_log2, scale, HEAD_DIM,
+                            stride_lh, stride_dqb, stride_dqt, stride_dqh, B, NH, TQ, TK, SCHED, scale_log2, scale, HEAD_DIM,
                             BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, BLOCK_M // 2, num_warps)),
             (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
-                         v_ready, v_empty, B, NH, GROUP, TQ, TK, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, do_desc, do_bufs,
+                         v_ready, v_empty, B, NH, GROUP, TQ, TK, SCHED, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, do_desc, do_bufs,
                          True)),
         ], [num_warps, 1], [240, 24])
 
@@ -660,6 +672,96 @@ def _is_sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
 
 
+# ---- tile schedules --------------------------------------------------------------------------------------------
+# Which tiles each persistent program takes, in an order that keeps the k / v (dq and forward) or q / dO (dk / dv)
+# a tile streams in L2 while the other tiles of its head stream the same rows: heads in groups of about
+# L2_GROUP_BYTES of those rows, and inside a group, block by block, the longest first. Tiles of equal length (no
+# causal mask, or one query block) need no table: program p takes tiles p, p + grid, ... of the head-major order.
+# Causal tiles go to programs greedily (the least loaded program takes the next tile, a tile's cost being its
+# blocks plus TILE_OVERHEAD), which balances the programs' work and leaves the shortest tiles for last.
+# H200, hs128, 16k tokens, TFLOP/s, all heads in one block-by-block group (a head's tiles far apart, its rows gone
+# from L2 in between) -> these schedules (profiles/probe_attention_gluon.py --heads): forward causal T 1024 309 -> 375,
+# T 2048 387 -> 467, T 4096 481 -> 536, T 16384 572 -> 607; full T 2048 461 -> 574; deterministic backward causal
+# T 2048 291 -> 342, full T 4096 390 -> 448. Groups of 2 or 8 heads instead of 4 MiB: within 1-5%.
+L2_GROUP_BYTES = 4 << 20
+TILE_OVERHEAD = 1
+_SCHEDULES: dict = {}  # (device, shape) -> (table or None, its pinned host copy)
+_CAPTURED: set = set()  # tables CUDA graphs hold
+_SCHEDULES_MAX = 256
+
+
+@functools.lru_cache(maxsize=1024)
+def tile_lengths(keys: bool, tq: int, tk: int, block_m: int, block_n: int, causal: bool) -> tuple[int, ...]:
+    """Blocks each tile of one head visits: key blocks per query tile (the forward and dq pass, _key_range), or with
+    ``keys`` query blocks per key tile (the dk / dv pass, _query_range)."""
+    out = []
+    if keys:
+        for start_n in range(0, tk, block_n):
+            lo = max(start_n - (tk - tq), 0) // block_m * block_m if causal else 0
+            out.append(-(-max(tq - lo, 0) // block_m))
+    else:
+        for start_m in range(0, tq, block_m):
+            hi = min(tk, start_m + block_m + tk - tq) if causal else tk
+            out.append(-(-max(hi, 0) // block_n))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=64)
+def schedule_lists(n_heads: int, lengths: tuple[int, ...], grid: int, heads_per_group: int) -> list[list[int]]:
+    """Each program's tiles, in order: tile (head * len(lengths) + block) of length lengths[block] (blocks), for
+    ``n_heads`` heads (batch * heads) over ``grid`` programs, heads in groups of ``heads_per_group``."""
+    import heapq
+
+    by_length = sorted(range(len(lengths)), key=lambda blk: -lengths[blk])
+    n = len(lengths)
+    lists = [[] for _ in range(grid)]
+    loads = [(0, p) for p in range(grid)]
+    # the last group takes enough heads for two tiles a program: longest first over those, so the work ends evenly
+    last = max(0, n_heads - max(heads_per_group, -(-2 * grid // n)))
+    starts = [*range(0, last, heads_per_group), last]
+    for first, end in zip(starts, starts[1:] + [n_heads]):
+        heads = range(first, end)
+        for blk in by_length:
+            cost = lengths[blk] + TILE_OVERHEAD
+            for head in heads:
+                load, p = heapq.heappop(loads)
+                lists[p].append(head * n + blk)
+                heapq.heappush(loads, (load + cost, p))
+    return lists
+
+
+def _schedule(device: torch.device, n_heads: int, lengths: tuple[int, ...], grid: int, row_bytes: int,
+              heads: int | None):
+    """The SCHED argument of a launch: None where the tiles have equal length, else the int32 table (cached per
+    device and shape): grid + 1 offsets, then each program's tiles (schedule_lists), then one pad. ``row_bytes``:
+    bytes of the rows a tile streams, per head (sizes the head groups); ``heads`` overrides the group size.
+    A table a CUDA graph captured stays alive for good (the graph replays its address)."""
+    group = heads or max(1, L2_GROUP_BYTES // max(row_bytes, 1))
+    key = (device.index, n_heads, lengths, grid, group, heads is None)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    entry = _SCHEDULES.get(key)
+    if entry is None:
+        if heads is None and min(lengths) == max(lengths):
+            entry = (None, None)
+        else:
+            lists = schedule_lists(n_heads, lengths, grid, group)
+            offsets = [0]
+            for tiles in lists:
+                offsets.append(offsets[-1] + len(tiles))
+            host = torch.tensor(offsets + [t for tiles in lists for t in tiles] + [0], dtype=torch.int32)
+            if capturing:  # a copy the graph replays, from host memory that stays
+                host = host.pin_memory()
+                entry = (host.to(device, non_blocking=True), host)
+            else:
+                entry = (host.to(device), None)
+        while len(_SCHEDULES) >= _SCHEDULES_MAX:
+            _SCHEDULES.pop(next(iter(_SCHEDULES)))
+        _SCHEDULES[key] = entry
+    if capturing and entry[0] is not None:
+        _CAPTURED.add(entry)
+    return entry[0]
+
+
 def supported(q, k, v, causal, window, cu_seqlens, others=()) -> bool:
     """These kernels can take the call: Gluon present, an sm_90 GPU, fixed-length fp16 / bf16 batches with head dim
     64 or 128, no window (``window`` as megakern.attention._window gives it: (-1, -1), or (-1, 0) under causal); q, k,
@@ -678,17 +780,20 @@ def supported(q, k, v, causal, window, cu_seqlens, others=()) -> bool:
 BWD_CONFIGS = {64: (64, 128, 4, 3), 128: (64, 128, 4, 2)}
 
 
-def bwd_dkdv(dout, q, k, v, lse, delta, dk, dv, causal: bool, scale: float, config=None):
+def bwd_dkdv(dout, q, k, v, lse, delta, dk, dv, causal: bool, scale: float, config=None, heads=None):
     """dk and dv into ``dk`` / ``dv`` (shaped like k / v, unit stride along hs) for what ``supported`` accepts,
     given the saved lse and delta = rowsum(dO * O) (B, nh, Tq) fp32 (the dq pass makes delta)."""
     batch, tq, nh, hs = q.shape
     tk, nkv = k.shape[1], k.shape[2]
     block_m, block_n, warps, bufs = config or BWD_CONFIGS[hs]
-    tiles = batch * nkv * ((tk + block_n - 1) // block_n)
-    _attn_bwd_dkdv_ws_kernel[(min(tiles, _num_sms(q.device.index)),)](
+    lengths = tile_lengths(True, tq, tk, block_m, block_n, causal)
+    grid = min(batch * nkv * len(lengths), _num_sms(q.device.index))
+    sched = _schedule(q.device, batch * nkv, lengths, grid, 2 * tq * hs * q.element_size() * (nh // nkv), heads)
+    _attn_bwd_dkdv_ws_kernel[(grid,)](
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(dout, block_m),
         lse, delta, dk, dv, lse.stride(0), lse.stride(1), dk.stride(0), dk.stride(1), dk.stride(2),
-        dv.stride(0), dv.stride(1), dv.stride(2), batch, nkv, nh // nkv, tq, tk, scale * LOG2E, scale,
+        dv.stride(0), dv.stride(1), dv.stride(2), batch, nkv, nh // nkv, tq, tk, sched,
+        scale * LOG2E, scale,
         HEAD_DIM=hs, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal, num_warps=warps,
     )
     return dk, dv
@@ -699,24 +804,27 @@ def bwd_dkdv(dout, q, k, v, lse, delta, dk, dv, causal: bool, scale: float, conf
 DQ_CONFIGS = {64: (128, 64, 4, 4, False), 128: (128, 64, 4, 3, False)}
 
 
-def bwd_dq(dout, q, k, v, out, lse, delta, dq, causal: bool, scale: float, config=None):
+def bwd_dq(dout, q, k, v, out, lse, delta, dq, causal: bool, scale: float, config=None, heads=None):
     """dq into ``dq`` (shaped like q, unit stride along hs) and delta = rowsum(dO * O) into ``delta`` (like lse),
     for what ``supported`` accepts, given the forward's out and lse."""
     batch, tq, nh, hs = q.shape
     tk, nkv = k.shape[1], k.shape[2]
     block_m, block_n, warps, bufs, pingpong = config or DQ_CONFIGS[hs]
-    tiles = batch * nh * ((tq + block_m - 1) // block_m)
-    _attn_bwd_dq_ws_kernel[(min(tiles, _num_sms(q.device.index)),)](
+    lengths = tile_lengths(False, tq, tk, block_m, block_n, causal)
+    grid = min(batch * nh * len(lengths), _num_sms(q.device.index))
+    sched = _schedule(q.device, batch * nh, lengths, grid, 2 * tk * hs * k.element_size(), heads)
+    _attn_bwd_dq_ws_kernel[(grid,)](
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(dout, block_m),
         out, lse, delta, dq, out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-        dq.stride(0), dq.stride(1), dq.stride(2), batch, nh, nh // nkv, tq, tk, scale * LOG2E, scale,
+        dq.stride(0), dq.stride(1), dq.stride(2), batch, nh, nh // nkv, tq, tk, sched,
+        scale * LOG2E, scale,
         HEAD_DIM=hs, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal, PINGPONG=pingpong,
         num_warps=warps,
     )
     return dq, delta
 
 
-def fwd(q, k, v, causal: bool, scale: float, config=None):
+def fwd(q, k, v, causal: bool, scale: float, config=None, heads=None):
     """(out, lse) for fixed-length (B, T, heads, hs) q, k, v that ``supported`` accepts."""
     batch, tq, nh, hs = q.shape
     tk, nkv = k.shape[1], k.shape[2]
@@ -727,12 +835,13 @@ def fwd(q, k, v, causal: bool, scale: float, config=None):
         return out, lse
     if tk == 0:
         return out.zero_(), lse.fill_(float("-inf"))
-    tiles = batch * nh * ((tq + block_m - 1) // block_m)
-    grid = (min(tiles, _num_sms(q.device.index)),)
-    _attn_fwd_ws_kernel[grid](
+    lengths = tile_lengths(False, tq, tk, block_m, block_n, causal)
+    grid = min(batch * nh * len(lengths), _num_sms(q.device.index))
+    sched = _schedule(q.device, batch * nh, lengths, grid, 2 * tk * hs * k.element_size(), heads)
+    _attn_fwd_ws_kernel[(grid,)](
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), out, lse,
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-        batch, nh, nh // nkv, tq, tk, scale * LOG2E,
+        batch, nh, nh // nkv, tq, tk, sched, scale * LOG2E,
         HEAD_DIM=hs, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal, PINGPONG=pingpong,
         num_warps=warps,
     )

@@ -531,23 +531,24 @@ def _attn_bwd_dq_kernel(
 _LONG = 1 << 62
 # The Gluon forward (megakern._attention_gluon: warp-specialized, persistent, two consumer warpgroups in ping-pong)
 # takes fixed-length batches on sm_90 up to these sequence lengths, per head dim and causal; H200, bf16, B * T = 16384,
-# nh * hs = 2048, TFLOP/s Gluon / the Triton forward (profiles/probe_attention_gluon.py):
-# - hs128 causal: T 1024 316 / 264, 2048 405 / 348, 4096 468 / 402, 16384 552 / 475; full: 407 / 336, 470 / 408,
-#   516 / 430, 591 / 480.
-# - hs64 causal: T 1024 273 / 225, 2048 332 / 318, 4096 353 / 353, 16384 417 / 412; full: 356 / 296, 377 / 363,
-#   383 / 385, 397 / 420 (so full attention at hs64 keeps the Triton kernel past T 2048).
+# nh * hs = 2048, TFLOP/s Gluon / the Triton forward (profiles/probe_attention_gluon.py), with the tile schedules that
+# keep a head's k / v in L2 (_attention_gluon.L2_GROUP_BYTES):
+# - hs128 causal: T 1024 375 / 262, 2048 467 / 345, 4096 536 / 405, 16384 607 / 479; full: 522 / 333, 574 / 405,
+#   595 / 425, 622 / 485.
+# - hs64 causal: T 2048 354 / 310, 4096 407 / 351; full: 423 / 340, 443 / 384. (Before those schedules hs64 full
+#   attention was 383 / 385 at T 4096 and kept the Triton kernel past T 2048.)
 # One consumer of 8 warps instead of the ping-pong pair is slower everywhere (hs128 T 4096 causal 389, hs64 299).
-GLUON_FWD = {128: {True: _LONG, False: _LONG}, 64: {True: _LONG, False: 2048}}
+GLUON_FWD = {128: {True: _LONG, False: _LONG}, 64: {True: _LONG, False: _LONG}}
 # The deterministic backward's passes by the Gluon kernels (two consumer warpgroups of 64 rows each, a TMA producer
 # warp, persistent): head dims and masks where each is the faster one; dq (GLUON_DQ, which also makes delta) runs
 # first, then dk/dv (GLUON_BWD). H200, TFLOP/s of the whole deterministic backward with both passes in Triton / the
-# Gluon dk/dv pass / both in Gluon (profiles/probe_attention_gluon.py --bwd): hs128 causal T 1024 205 / 224 / 237,
-# 2048 270 / 279 / 296, 4096 322 / 339 / 358, 16384 391 / 405 / 431; full T 4096 356 / 375 / 397; hs64 causal
-# T 2048 226 / 233 / 251, 4096 257 / 271 / 276; full T 4096 271 / 282 / 298. The dq pass with 2 k / v slots instead
-# of 3 (hs128) or 4 (hs64) is slower than Triton's (hs128 T 2048 264, hs64 205): a block's k stays in use until its
-# dS K is done, an iteration later. Turns between the dq pass's two warpgroups (ping-pong, as in the forward): no
-# better (hs128 causal T 2048 302 against 301, T 4096 345 against 359). 3 q / dO slots instead of 2 in the dk/dv
-# pass (hs128), or P^T computed while dP^T runs there: no better.
+# Gluon dk/dv pass / both in Gluon (profiles/probe_attention_gluon.py --bwd), with the L2 tile schedules: hs128
+# causal T 1024 206 / 241 / 269, 2048 271 / 300 / 342, 4096 321 / 350 / 383, 16384 388 / 411 / 445; full T 4096
+# 356 / 404 / 448; hs64 causal T 2048 227 / 259 / 292, 4096 258 / 304 / 324; full T 4096 272 / 316 / 348. The dq
+# pass with 2 k / v slots instead of 3 (hs128) or 4 (hs64) is slower than Triton's (hs128 T 2048 264, hs64 205): a
+# block's k stays in use until its dS K is done, an iteration later. Turns between the dq pass's two warpgroups
+# (ping-pong, as in the forward): no better (hs128 causal T 2048 302 against 301, T 4096 345 against 359). 3 q / dO
+# slots instead of 2 in the dk/dv pass (hs128), or P^T computed while dP^T runs there: no better.
 GLUON_BWD = {128: (True, False), 64: (True, False)}
 GLUON_DQ = {128: (True, False), 64: (True, False)}
 CONFIGS = {

@@ -49,19 +49,23 @@ def check(configs) -> bool:
             if cfg is not None and cfg[0] != hs:
                 continue
             out, lse = glu.fwd(q, k, v, causal, scale, cfg[1:] if cfg else None)
+            out3, lse3 = glu.fwd(q, k, v, causal, scale, cfg[1:] if cfg else None, heads=3)
+            same = torch.equal(out3, out) and torch.equal(lse3, lse)  # tiles in groups of 3 heads: same results
             e = _err(out, ref)
             finite = torch.isfinite(ref_lse)
             lse_e = (lse - ref_lse)[finite].abs().max().item() if finite.any() else 0.0
             lse_inf = bool((lse[~finite] == float("-inf")).all())
-            good = e <= 2 * max(le, te) + 1e-5 and lse_e < 1e-3 and lse_inf and torch.isfinite(out).all().item()
+            good = (e <= 2 * max(le, te) + 1e-5 and lse_e < 1e-3 and lse_inf and torch.isfinite(out).all().item()
+                    and same)
             ok &= good
             print(f"check B{b} Tq{tq} Tk{tk} nh{nh}/{nkv} hs{hs} causal={causal} {dtype} {cfg}: gluon {e:.2e} "
-                  f"triton {te:.2e} low-precision torch {le:.2e} lse {lse_e:.1e} -> {'ok' if good else 'WRONG'}",
+                  f"triton {te:.2e} low-precision torch {le:.2e} lse {lse_e:.1e} grouped same {same} -> "
+                  f"{'ok' if good else 'WRONG'}",
                   flush=True)
     return ok
 
 
-def run_bench(hss, seqs, masks, configs) -> None:
+def run_bench(hss, seqs, masks, configs, heads=(None,)) -> None:
     dev = torch.device("cuda")
     peak = measure_matmul_tflops(dev)
     print(f"bf16 matmul {peak:.1f} TFLOP/s")
@@ -76,7 +80,9 @@ def run_bench(hss, seqs, masks, configs) -> None:
                 flops = 4 * b * nh * t * t * hs / (2 if causal else 1)
                 runs = [("triton", lambda: kern.fwd(q, k, v, causal, hs ** -0.5, (-1, -1), None, None, gluon=False))]
                 for cfg in [c[1:] for c in configs if c[0] == hs] or [glu.CONFIGS[hs]]:
-                    runs.append((f"gluon {cfg}", lambda c=cfg: glu.fwd(q, k, v, causal, hs ** -0.5, c)))
+                    for hg in heads:
+                        runs.append((f"gluon {cfg} heads {hg}",
+                                     lambda c=cfg, hg=hg: glu.fwd(q, k, v, causal, hs ** -0.5, c, heads=hg)))
                 for name, backend in (("sdpa-flash", SDPBackend.FLASH_ATTENTION),
                                       ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
                     def fn(backend=backend):
@@ -131,7 +137,15 @@ def host() -> None:
         print(f"T2048 hs128 causal fwd, CUDA graph: {name} {flops / ms / 1e9:.1f} TFLOP/s", flush=True)
 
 
-def bwd_probe(configs, dq_configs) -> None:
+def _gluon_bwd(do, q, k, v, out, lse, causal, heads):
+    """(dq, dk, dv) by the two Gluon passes, tiles in groups of ``heads`` heads (None: all in one group)."""
+    dq, dk, dv, delta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(lse)
+    glu.bwd_dq(do, q, k, v, out, lse, delta, dq, causal, q.shape[-1] ** -0.5, None, heads)
+    glu.bwd_dkdv(do, q, k, v, lse, delta, dk, dv, causal, q.shape[-1] ** -0.5, None, heads)
+    return dq, dk, dv
+
+
+def bwd_probe(configs, dq_configs, heads=(None,)) -> None:
     """The Gluon backward passes: dq, dk, dv against fp64 truth next to the Triton passes' errors, then the
     deterministic backward's TFLOP/s (backward = 2.5x forward FLOPs) with the Triton passes, the Gluon dk/dv pass and
     both Gluon passes (``configs``: dk/dv tiles, ``dq_configs``: dq tiles, (hs, ...) each)."""
@@ -157,6 +171,9 @@ def bwd_probe(configs, dq_configs) -> None:
                              gluon_dq=dcfg if dcfg is False else (dcfg or True))
             errs = [(_err(a, t), _err(c, t)) for a, c, t in zip(glu_g, tri, truth)]
             good = all(e <= 2 * te + 1e-3 for e, te in errs) and all(torch.isfinite(x).all() for x in glu_g)
+            if cfg is None and dcfg is None:  # tiles in groups of 3 heads: the same results
+                grouped = _gluon_bwd(do, q, k, v, out, lse, causal, 3)
+                good &= all(torch.equal(a, c) for a, c in zip(grouped, glu_g))
             ok &= good
             print(f"bwd check B{b} Tq{tq} Tk{tk} nh{nh}/{nkv} hs{hs} causal={causal} dkdv {cfg} dq {dcfg}: dq, dk, dv "
                   "gluon / triton " + ", ".join(f"{e:.2e} / {te:.2e}" for e, te in errs) + (" ok" if good else " WRONG"),
@@ -182,6 +199,9 @@ def bwd_probe(configs, dq_configs) -> None:
             row.append(f"gluon dkdv {cfg} {rate(cfg, False):6.1f}")
         for dcfg in [c[1:] for c in dq_configs if c[0] == hs] or [True]:
             row.append(f"+ gluon dq {dcfg} {rate(dkdv[0], dcfg):6.1f}")
+        for hg in heads if heads != (None,) else ():
+            ms = bench(lambda: _gluon_bwd(do, q, k, v, out, lse, causal, hg), device=dev)["median"]
+            row.append(f"gluon heads {hg} {flops / ms / 1e9:6.1f}")
         print(f"bwd hs{hs} T{t} {'causal' if causal else 'full'} | " + " | ".join(row), flush=True)
 
 
@@ -197,7 +217,10 @@ def main() -> None:
     p.add_argument("--configs", default="")
     p.add_argument("--dq-configs", default="", help="hs x BLOCK_M x BLOCK_N x warps x slots x pingpong (0 / 1), comma "
                    "separated")
+    p.add_argument("--heads", default="", help="tile orders to time: (batch, head) pairs per group, comma "
+                   "separated, 0 for all in one group")
     a = p.parse_args()
+    heads = tuple(int(h) or None for h in a.heads.split(",")) if a.heads else (None,)
     # configs: hs x BLOCK_M x BLOCK_N x warps x slots x pingpong (0 / 1)
     configs = [tuple(int(x) for x in c.split("x")) for c in a.configs.split(",") if c]
     configs = [(*c[:5], bool(c[5])) if len(c) == 6 else c for c in configs]  # backward configs: 5 numbers
@@ -205,12 +228,12 @@ def main() -> None:
         print("GLUON CHECK FAILED")
     if a.bwd:
         dq_configs = [tuple(int(x) for x in c.split("x")) for c in a.dq_configs.split(",") if c]
-        bwd_probe(configs, [(*c[:5], bool(c[5])) if len(c) == 6 else c for c in dq_configs])
+        bwd_probe(configs, [(*c[:5], bool(c[5])) if len(c) == 6 else c for c in dq_configs], heads)
     if a.host:
         host()
     if a.bench:
         run_bench([int(h) for h in a.hs.split(",")], [int(s) for s in a.seq.split(",")], a.masks.split(","),
-                  configs)
+                  configs, heads)
 
 
 if __name__ == "__main__":

@@ -364,9 +364,14 @@ def compile_gluon_for_sm90(hs: int, causal: bool, pingpong: bool):
         return None
     block_m, block_n, warps, bufs, _ = g.CONFIGS[hs]
     constexprs = dict(HEAD_DIM=hs, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal, PINGPONG=pingpong,
-                      num_warps=warps if pingpong else 2 * warps)
+                      num_warps=warps if pingpong else 2 * warps, **_sched(causal))
     return _compile_gluon(g._attn_fwd_ws_kernel, constexprs, {"q_desc": block_m, "k_desc": block_n, "v_desc": block_n},
-                          {"O": "*bf16", "LSE": "*fp32"}, hs)
+                          {"O": "*bf16", "LSE": "*fp32", "SCHED": "*i32"}, hs)
+
+
+def _sched(causal: bool) -> dict:
+    """The schedule argument as launches pass it: a table for causal tiles, None (a constexpr) for equal ones."""
+    return {} if causal else {"SCHED": None}
 
 
 def compile_gluon_bwd_for_sm90(kernel: str, hs: int, causal: bool):
@@ -382,9 +387,9 @@ def compile_gluon_bwd_for_sm90(kernel: str, hs: int, causal: bool):
         block_m, block_n, warps, bufs = g.BWD_CONFIGS[hs]
         fn, extra, outputs = g._attn_bwd_dkdv_ws_kernel, {}, {"DK": "*bf16", "DV": "*bf16"}
     constexprs = dict(HEAD_DIM=hs, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal, num_warps=warps,
-                      **extra)
+                      **extra, **_sched(causal))
     return _compile_gluon(fn, constexprs, {"q_desc": block_m, "do_desc": block_m, "k_desc": block_n, "v_desc": block_n},
-                          {**outputs, "LSE": "*fp32", "DELTA": "*fp32"}, hs)
+                          {**outputs, "LSE": "*fp32", "DELTA": "*fp32", "SCHED": "*i32"}, hs)
 
 
 @pytest.mark.parametrize("kernel", ("forward", "forward-one-consumer", "dkdv", "dq"))
@@ -414,7 +419,7 @@ def test_gluon_dispatch():
     with pytest.raises(ValueError, match="Gluon forward needs an sm_90 GPU"):
         kern.fwd(q, q, q, True, 0.125, (-1, 0), None, None, gluon=True)
     assert kern._use_gluon(128, True, 1 << 20) and kern._use_gluon(128, False, 16384)
-    assert kern._use_gluon(64, True, 16384) and kern._use_gluon(64, False, 2048) and not kern._use_gluon(64, False, 4096)
+    assert kern._use_gluon(64, True, 16384) and kern._use_gluon(64, False, 1 << 20)
     assert not kern._use_gluon(96, True, 1024) and not kern._use_gluon(256, False, 1024)
     out, lse = attention_ref(q, q, q, causal=True)  # the backward refuses before it launches anything
     with pytest.raises(ValueError, match="Gluon dk/dv pass needs the deterministic backward"):
