@@ -780,14 +780,15 @@ def supported(q, k, v, causal, window, cu_seqlens, others=()) -> bool:
 BWD_CONFIGS = {64: (64, 128, 4, 3), 128: (64, 128, 4, 2)}
 
 
-def bwd_dkdv(dout, q, k, v, lse, delta, dk, dv, causal: bool, scale: float, config=None, heads=None):
+def bwd_dkdv(dout, q, k, v, lse, delta, dk, dv, causal: bool, scale: float, config=None, heads=None, programs=None):
     """dk and dv into ``dk`` / ``dv`` (shaped like k / v, unit stride along hs) for what ``supported`` accepts,
-    given the saved lse and delta = rowsum(dO * O) (B, nh, Tq) fp32 (the dq pass makes delta)."""
+    given the saved lse and delta = rowsum(dO * O) (B, nh, Tq) fp32 (the dq pass makes delta). ``heads``,
+    ``programs``: as for ``fwd``."""
     batch, tq, nh, hs = q.shape
     tk, nkv = k.shape[1], k.shape[2]
     block_m, block_n, warps, bufs = config or BWD_CONFIGS[hs]
     lengths = tile_lengths(True, tq, tk, block_m, block_n, causal)
-    grid = min(batch * nkv * len(lengths), _num_sms(q.device.index))
+    grid = min(batch * nkv * len(lengths), programs or _num_sms(q.device.index))
     sched = _schedule(q.device, batch * nkv, lengths, grid, 2 * tq * hs * q.element_size() * (nh // nkv), heads)
     _attn_bwd_dkdv_ws_kernel[(grid,)](
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(dout, block_m),
@@ -804,14 +805,15 @@ def bwd_dkdv(dout, q, k, v, lse, delta, dk, dv, causal: bool, scale: float, conf
 DQ_CONFIGS = {64: (128, 64, 4, 4, False), 128: (128, 64, 4, 3, False)}
 
 
-def bwd_dq(dout, q, k, v, out, lse, delta, dq, causal: bool, scale: float, config=None, heads=None):
+def bwd_dq(dout, q, k, v, out, lse, delta, dq, causal: bool, scale: float, config=None, heads=None, programs=None):
     """dq into ``dq`` (shaped like q, unit stride along hs) and delta = rowsum(dO * O) into ``delta`` (like lse),
-    for what ``supported`` accepts, given the forward's out and lse."""
+    for what ``supported`` accepts, given the forward's out and lse. ``heads``, ``programs``: as for
+    ``fwd``."""
     batch, tq, nh, hs = q.shape
     tk, nkv = k.shape[1], k.shape[2]
     block_m, block_n, warps, bufs, pingpong = config or DQ_CONFIGS[hs]
     lengths = tile_lengths(False, tq, tk, block_m, block_n, causal)
-    grid = min(batch * nh * len(lengths), _num_sms(q.device.index))
+    grid = min(batch * nh * len(lengths), programs or _num_sms(q.device.index))
     sched = _schedule(q.device, batch * nh, lengths, grid, 2 * tk * hs * k.element_size(), heads)
     _attn_bwd_dq_ws_kernel[(grid,)](
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(dout, block_m),
@@ -824,8 +826,10 @@ def bwd_dq(dout, q, k, v, out, lse, delta, dq, causal: bool, scale: float, confi
     return dq, delta
 
 
-def fwd(q, k, v, causal: bool, scale: float, config=None, heads=None):
-    """(out, lse) for fixed-length (B, T, heads, hs) q, k, v that ``supported`` accepts."""
+def fwd(q, k, v, causal: bool, scale: float, config=None, heads=None, programs=None):
+    """(out, lse) for fixed-length (B, T, heads, hs) q, k, v that ``supported`` accepts. ``heads`` (heads per group
+    of the tile schedule, see _schedule) and ``programs`` (at most this many persistent programs instead of one per
+    SM) are for tests and tuning; any value gives the same results."""
     batch, tq, nh, hs = q.shape
     tk, nkv = k.shape[1], k.shape[2]
     block_m, block_n, warps, bufs, pingpong = config or CONFIGS[hs]
@@ -836,7 +840,7 @@ def fwd(q, k, v, causal: bool, scale: float, config=None, heads=None):
     if tk == 0:
         return out.zero_(), lse.fill_(float("-inf"))
     lengths = tile_lengths(False, tq, tk, block_m, block_n, causal)
-    grid = min(batch * nh * len(lengths), _num_sms(q.device.index))
+    grid = min(batch * nh * len(lengths), programs or _num_sms(q.device.index))
     sched = _schedule(q.device, batch * nh, lengths, grid, 2 * tk * hs * k.element_size(), heads)
     _attn_fwd_ws_kernel[(grid,)](
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), out, lse,

@@ -500,3 +500,101 @@ def test_gluon_backward(case, dtype):
     out, lse = kern.fwd(q, k, v, causal, hs ** -0.5, window, None, None)
     grads = kern.bwd(dout, q, k, v, out, lse, causal, hs ** -0.5, window, None, None, True, gluon=True, gluon_dq=True)
     _assert_grads(grads, q, k, v, dout, causal, dtype)
+
+
+@pytest.mark.parametrize("keys", (False, True), ids=("query-tiles", "key-tiles"))
+@pytest.mark.parametrize("causal", (True, False), ids=("causal", "full"))
+@pytest.mark.parametrize("shape", [(16, 1000, 1000, 132, 4), (7, 300, 700, 5, 1), (3, 700, 300, 40, 2),
+                                   (1, 64, 4097, 132, 8), (40, 2048, 2048, 132, 3)], ids=lambda s: "x".join(map(str, s)))
+def test_gluon_schedule_lists(shape, causal, keys):
+    """The Gluon kernels' tile schedules (checked without a GPU): every tile exactly once, every program busy, work
+    within one tile of an even split; tile lengths as the kernels walk them; the launch table's layout."""
+    pytest.importorskip("triton")
+    from megakern import _attention_gluon as g
+
+    n_heads, tq, tk, grid, group = shape
+    block_m, block_n = (64, 128) if keys else (128, 64)
+    lengths = g.tile_lengths(keys, tq, tk, block_m, block_n, causal)
+    rows, cols = torch.arange(tq)[:, None], torch.arange(tk)[None, :]
+    seen = (cols <= rows + tk - tq) if causal else torch.ones(tq, tk, dtype=torch.bool)
+    if keys:  # query blocks from the one holding the first row that sees a key of the tile, to the last
+        want = [0 if not seen[:, s:].any() else -(-tq // block_m) - int(seen[:, s:].any(1).nonzero()[0]) // block_m
+                for s in range(0, tk, block_n)]
+    else:  # key blocks up to the last one a row of the tile (the rows past tq included, as TMA pads) sees
+        last = [min(tk, s + block_m + tk - tq) if causal else tk for s in range(0, tq, block_m)]
+        want = [-(-max(hi, 0) // block_n) for hi in last]
+    assert list(lengths) == want
+    n = len(lengths)
+    grid = min(grid, n_heads * n)
+    lists = g.schedule_lists(n_heads, lengths, grid, group)
+    assert sorted(t for tiles in lists for t in tiles) == list(range(n_heads * n))
+    assert all(lists)
+    loads = [sum(lengths[t % n] + g.TILE_OVERHEAD for t in tiles) for tiles in lists]
+    assert max(loads) <= sum(loads) / grid + max(lengths) + g.TILE_OVERHEAD
+    default = g._schedule(torch.device("cpu"), n_heads, lengths, grid, 1 << 20, None)
+    assert (default is None) == (min(lengths) == max(lengths))  # the kernels walk equal tiles head-major
+    table = g._schedule(torch.device("cpu"), n_heads, lengths, grid, 1 << 20, group)
+    offsets = table[:grid + 1].tolist()
+    assert offsets[0] == 0 and offsets[-1] == n_heads * n and table.numel() == grid + 2 + n_heads * n
+    for p in range(grid):
+        assert table[grid + 1 + offsets[p]:grid + 1 + offsets[p + 1]].tolist() == lists[p]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [(2, 1000, 1000, 4, 2, 128, True), (2, 1000, 1000, 4, 2, 128, False),
+                                  (3, 300, 700, 4, 2, 64, True), (2, 700, 300, 4, 4, 64, True)],
+                         ids=lambda c: "x".join(map(str, c)))
+def test_gluon_schedules(case):
+    """Any tile schedule gives the same bits from the Gluon forward, dq and dk/dv passes: a few programs with several
+    tiles each (from the table, or head-major without one), heads in groups of 1 or 3 (a shorter last group)."""
+    from megakern import _attention_gluon as g
+
+    b, tq, tk, nh, nkv, hs, causal = case
+    seed("gluon-schedules", case)
+    q, k, v = _qkv(b, tq, tk, nh, nkv, hs, torch.bfloat16)
+    if not g.supported(q, k, v, causal, (-1, 0 if causal else -1), None):
+        pytest.skip("the Gluon kernels need an sm_90 GPU and Triton with Gluon")
+    dout = torch.randn_like(q)
+
+    def run(**schedule):
+        out, lse = g.fwd(q, k, v, causal, hs ** -0.5, None, **schedule)
+        dq, dk, dv, delta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(lse)
+        g.bwd_dq(dout, q, k, v, out, lse, delta, dq, causal, hs ** -0.5, None, **schedule)
+        g.bwd_dkdv(dout, q, k, v, lse, delta, dk, dv, causal, hs ** -0.5, None, **schedule)
+        return {"out": out, "lse": lse, "delta": delta, "dq": dq, "dk": dk, "dv": dv}
+
+    want = run()
+    _assert_grads((want["dq"], want["dk"], want["dv"]), q, k, v, dout, causal, torch.bfloat16)
+    for schedule in ({"programs": 5}, {"programs": 7, "heads": 1}, {"programs": 3, "heads": 3}, {"heads": 3}):
+        got = run(**schedule)
+        for name in want:
+            assert torch.equal(got[name], want[name]), f"{name} differs with {schedule}"
+
+
+@pytest.mark.gpu
+def test_gluon_schedule_in_cuda_graph():
+    """A causal tile schedule first needed while a CUDA graph is captured: built then (its copy to the GPU replayed
+    with the graph), the replays give the eager bits, also after the schedule cache is emptied."""
+    from megakern import _attention_gluon as g
+
+    seed("gluon-graph")
+    q, k, v = _qkv(2, 1000, 1000, 4, 4, 128, torch.bfloat16)
+    if not g.supported(q, k, v, True, (-1, 0), None):
+        pytest.skip("the Gluon kernels need an sm_90 GPU and Triton with Gluon")
+    g.fwd(q, k, v, True, 0.125)  # compiled outside the capture (same specialization as the lengths below)
+    q, k, v = _qkv(2, 901, 901, 4, 4, 128, torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        out, lse = g.fwd(q, k, v, True, 0.125)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    want, want_lse = g.fwd(q, k, v, True, 0.125)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    g._SCHEDULES.clear()
+    junk = torch.full((1 << 20,), -7, dtype=torch.int32, device=q.device)  # memory the cache gave back, reused
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want) and torch.equal(lse, want_lse), junk.sum()
