@@ -685,8 +685,9 @@ def _is_sm90(index: int) -> bool:
 # T 2048 291 -> 342, full T 4096 390 -> 448. Groups of 2 or 8 heads instead of 4 MiB: within 1-5%.
 L2_GROUP_BYTES = 4 << 20
 TILE_OVERHEAD = 1
-_SCHEDULES: dict = {}  # (device, shape) -> (table or None, its pinned host copy)
-_CAPTURED: set = set()  # tables CUDA graphs hold
+_SCHEDULES: dict = {}  # (device, shape, group) -> table or None
+_CAPTURED: dict = {}  # id -> the tables CUDA graphs hold
+_MISSING = object()
 _SCHEDULES_MAX = 256
 
 
@@ -735,31 +736,31 @@ def _schedule(device: torch.device, n_heads: int, lengths: tuple[int, ...], grid
     """The SCHED argument of a launch: None where the tiles have equal length, else the int32 table (cached per
     device and shape): grid + 1 offsets, then each program's tiles (schedule_lists), then one pad. ``row_bytes``:
     bytes of the rows a tile streams, per head (sizes the head groups); ``heads`` overrides the group size.
-    A table a CUDA graph captured stays alive for good (the graph replays its address)."""
+    While a CUDA graph is captured, a table made before stays alive for good (the graph replays its address), and a
+    shape with none yet takes None (the head-major walk: the same results, the work less evenly spread), as a copy to
+    the GPU cannot be made then."""
     group = heads or max(1, L2_GROUP_BYTES // max(row_bytes, 1))
     key = (device.index, n_heads, lengths, grid, group, heads is None)
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    entry = _SCHEDULES.get(key)
-    if entry is None:
+    entry = _SCHEDULES.get(key, _MISSING)
+    if entry is _MISSING:
+        if capturing:
+            return None
         if heads is None and min(lengths) == max(lengths):
-            entry = (None, None)
+            entry = None
         else:
             lists = schedule_lists(n_heads, lengths, grid, group)
             offsets = [0]
             for tiles in lists:
                 offsets.append(offsets[-1] + len(tiles))
-            host = torch.tensor(offsets + [t for tiles in lists for t in tiles] + [0], dtype=torch.int32)
-            if capturing:  # a copy the graph replays, from host memory that stays
-                host = host.pin_memory()
-                entry = (host.to(device, non_blocking=True), host)
-            else:
-                entry = (host.to(device), None)
+            entry = torch.tensor(offsets + [t for tiles in lists for t in tiles] + [0], dtype=torch.int32,
+                                 device=device)
         while len(_SCHEDULES) >= _SCHEDULES_MAX:
             _SCHEDULES.pop(next(iter(_SCHEDULES)))
         _SCHEDULES[key] = entry
-    if capturing and entry[0] is not None:
-        _CAPTURED.add(entry)
-    return entry[0]
+    if capturing and entry is not None:
+        _CAPTURED[id(entry)] = entry
+    return entry
 
 
 def supported(q, k, v, causal, window, cu_seqlens, others=()) -> bool:

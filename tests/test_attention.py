@@ -573,28 +573,32 @@ def test_gluon_schedules(case):
 
 @pytest.mark.gpu
 def test_gluon_schedule_in_cuda_graph():
-    """A causal tile schedule first needed while a CUDA graph is captured: built then (its copy to the GPU replayed
-    with the graph), the replays give the eager bits, also after the schedule cache is emptied."""
+    """Causal tile schedules under CUDA-graph capture: a table made before the capture stays valid for the graph's
+    replays after the schedule cache lets it go; a shape first seen during the capture takes the head-major walk.
+    The replays give the eager bits."""
     from megakern import _attention_gluon as g
 
     seed("gluon-graph")
     q, k, v = _qkv(2, 1000, 1000, 4, 4, 128, torch.bfloat16)
     if not g.supported(q, k, v, True, (-1, 0), None):
         pytest.skip("the Gluon kernels need an sm_90 GPU and Triton with Gluon")
-    g.fwd(q, k, v, True, 0.125)  # compiled outside the capture (same specialization as the lengths below)
-    q, k, v = _qkv(2, 901, 901, 4, 4, 128, torch.bfloat16)
+    g.fwd(q, k, v, True, 0.125)  # its table, and the kernel compiled outside the capture
+    g.fwd(q[:, :100], k, v, True, 0.125)  # one query tile a head: no table (the kernel for that, compiled)
+    q2, k2, v2 = _qkv(2, 901, 901, 4, 4, 128, torch.bfloat16)  # the same specialization, no table yet
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph):
-        out, lse = g.fwd(q, k, v, True, 0.125)
+    graphs = [torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()]
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graphs[0]):
+            out, lse = g.fwd(q, k, v, True, 0.125)
+        with torch.cuda.graph(graphs[1]):
+            out2, lse2 = g.fwd(q2, k2, v2, True, 0.125)
     torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    want, want_lse = g.fwd(q, k, v, True, 0.125)
-    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    want = [g.fwd(q, k, v, True, 0.125), g.fwd(q2, k2, v2, True, 0.125)]  # the second one makes its table
     g._SCHEDULES.clear()
     junk = torch.full((1 << 20,), -7, dtype=torch.int32, device=q.device)  # memory the cache gave back, reused
-    out.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, want) and torch.equal(lse, want_lse), junk.sum()
+    for graph, got, (w, w_lse) in zip(graphs, ((out, lse), (out2, lse2)), want):
+        got[0].zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got[0], w) and torch.equal(got[1], w_lse), junk.sum()
