@@ -6,8 +6,10 @@ The forward:
   Ready / empty mbarriers hand each slot back and forth.
 - Ping-pong: the two consumer warpgroups take turns issuing their matmuls (an mbarrier per turn), so one's softmax
   runs while the other's matmuls keep the tensor cores busy.
-- Persistent: one program per SM walks the tiles, longest causal rows first; while the consumers finish a tile (the
-  last P V, the normalization, the stores), the producer already loads the next tile's q, k and v.
+- Persistent: one program per SM walks its list of tiles; while the consumers finish a tile (the last P V, the
+  normalization, the stores), the producer already loads the next tile's q, k and v. The lists (``_schedule``) keep
+  the tiles of a few heads running together, so the k and v they stream come from L2 rather than HBM, and balance the
+  causal tiles' unequal work (the longest first, handed out greedily).
 - Intra-warpgroup overlap: block j's q k^T is issued before block j-1's P V, and the softmax of block j runs while
   that P V is on the tensor cores (asynchronous wgmma, waited on by count).
 
@@ -21,7 +23,7 @@ The deterministic backward's two passes have the same frame:
   slots, two consumer warpgroups with 64 key rows each (S^T = K Q^T, dP^T = V dO^T, P^T from the saved lse,
   dS^T = P^T (dP^T - delta), dV += P^T dO, dK += dS^T Q, dk and dv in registers, summed over the GQA group).
 
-Both are persistent, with the forward's tile walk.
+Both are persistent, with the forward's tile schedules (the dk / dv pass's keep a head's q and dO in L2).
 
 Fixed-length batches (B, T, heads, hs) with 16-byte aligned strides, head dims 64 and 128, fp16 / bf16, causal or
 full, GQA; everything else (packed documents, windows, other head dims) takes the Triton kernels. Same outputs as
@@ -328,19 +330,19 @@ if AVAILABLE:
         if PINGPONG:
             gl.warp_specialize([
                 (_consumer, (0, True, turn, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
-                             v_empty, O, LSE, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK, SCHED,
-                             scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, BLOCK_M // 2, num_warps)),
+                             v_empty, O, LSE, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK,
+                             SCHED, scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, BLOCK_M // 2, num_warps)),
                 (_consumer, (1, True, turn, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
-                             v_empty, O, LSE, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK, SCHED,
-                             scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, BLOCK_M // 2, num_warps)),
+                             v_empty, O, LSE, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK,
+                             SCHED, scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, BLOCK_M // 2, num_warps)),
                 (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
                              v_ready, v_empty, B, NH, GROUP, TQ, TK, SCHED, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL)),
             ], [num_warps, 1], [240, 24])
         else:
             gl.warp_specialize([
                 (_consumer, (0, False, turn, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
-                             v_empty, O, LSE, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK, SCHED,
-                             scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, BLOCK_M, num_warps)),
+                             v_empty, O, LSE, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK,
+                             SCHED, scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, BLOCK_M, num_warps)),
                 (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
                              v_ready, v_empty, B, NH, GROUP, TQ, TK, SCHED, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL)),
             ], [1], [24])
@@ -638,15 +640,15 @@ if AVAILABLE:
         gl.warp_specialize([
             (_dq_consumer, (0, PINGPONG, turn, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
                             k_empty, v_ready, v_empty, O, LSE, DELTA, DQ, stride_ob, stride_ot, stride_oh, stride_lb,
-                            stride_lh, stride_dqb, stride_dqt, stride_dqh, B, NH, TQ, TK, SCHED, scale_log2, scale, HEAD_DIM,
-                            BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, BLOCK_M // 2, num_warps)),
+                            stride_lh, stride_dqb, stride_dqt, stride_dqh, B, NH, TQ, TK, SCHED, scale_log2, scale,
+                            HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, BLOCK_M // 2, num_warps)),
             (_dq_consumer, (1, PINGPONG, turn, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
                             k_empty, v_ready, v_empty, O, LSE, DELTA, DQ, stride_ob, stride_ot, stride_oh, stride_lb,
-                            stride_lh, stride_dqb, stride_dqt, stride_dqh, B, NH, TQ, TK, SCHED, scale_log2, scale, HEAD_DIM,
-                            BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, BLOCK_M // 2, num_warps)),
+                            stride_lh, stride_dqb, stride_dqt, stride_dqh, B, NH, TQ, TK, SCHED, scale_log2, scale,
+                            HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, BLOCK_M // 2, num_warps)),
             (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
-                         v_ready, v_empty, B, NH, GROUP, TQ, TK, SCHED, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, do_desc, do_bufs,
-                         True)),
+                         v_ready, v_empty, B, NH, GROUP, TQ, TK, SCHED, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, do_desc,
+                         do_bufs, True)),
         ], [num_warps, 1], [240, 24])
 
 

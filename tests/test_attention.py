@@ -505,7 +505,8 @@ def test_gluon_backward(case, dtype):
 @pytest.mark.parametrize("keys", (False, True), ids=("query-tiles", "key-tiles"))
 @pytest.mark.parametrize("causal", (True, False), ids=("causal", "full"))
 @pytest.mark.parametrize("shape", [(16, 1000, 1000, 132, 4), (7, 300, 700, 5, 1), (3, 700, 300, 40, 2),
-                                   (1, 64, 4097, 132, 8), (40, 2048, 2048, 132, 3)], ids=lambda s: "x".join(map(str, s)))
+                                   (1, 64, 4097, 132, 8), (40, 2048, 2048, 132, 3)],
+                         ids=lambda s: "x".join(map(str, s)))
 def test_gluon_schedule_lists(shape, causal, keys):
     """The Gluon kernels' tile schedules (checked without a GPU): every tile exactly once, every program busy, work
     within one tile of an even split; tile lengths as the kernels walk them; the launch table's layout."""
