@@ -524,6 +524,17 @@ if AVAILABLE:
         return gl.convert_layout(delta, row_s)
 
     @gluon.jit
+    def _kv_slot(cnt, k_bufs, v_bufs, k_ready, v_ready, NUM_BUF: gl.constexpr, BLOCK_N: gl.constexpr,
+                 HEAD_DIM: gl.constexpr):
+        """(ring slot, k, v) of the cnt-th key block a consumer takes, once both have landed."""
+        s = cnt % NUM_BUF
+        ph = (cnt // NUM_BUF) & 1
+        mbarrier.wait(k_ready.index(s), ph)
+        k = k_bufs.index(s).reshape([BLOCK_N, HEAD_DIM])
+        mbarrier.wait(v_ready.index(s), ph)
+        return s, k, v_bufs.index(s).reshape([BLOCK_N, HEAD_DIM])
+
+    @gluon.jit
     def _dq_consumer(WG: gl.constexpr, PINGPONG: gl.constexpr, turn, q_bufs, do_bufs, k_bufs, v_bufs, q_ready,
                      q_empty, k_ready, k_empty, v_ready, v_empty, O, LSE, DELTA, DQ, stride_ob, stride_ot, stride_oh,
                      stride_lb, stride_lh, stride_dqb, stride_dqt, stride_dqh, B, NH, TQ, TK, SCHED, scale_log2, scale,
@@ -572,12 +583,7 @@ if AVAILABLE:
             dq = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
             if n > 0:
                 # block 0: S and dP issued, delta while they run, then P, then dS
-                s = cnt % NUM_BUF
-                ph = (cnt // NUM_BUF) & 1
-                mbarrier.wait(k_ready.index(s), ph)
-                k = k_bufs.index(s).reshape([BLOCK_N, HEAD_DIM])
-                mbarrier.wait(v_ready.index(s), ph)
-                v = v_bufs.index(s).reshape([BLOCK_N, HEAD_DIM])
+                s, k, v = _kv_slot(cnt, k_bufs, v_bufs, k_ready, v_ready, NUM_BUF, BLOCK_N, HEAD_DIM)
                 slot = _turn_wait(turn, slot, WG, PINGPONG)
                 sc = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 dp = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -593,12 +599,7 @@ if AVAILABLE:
                 for j in range(1, n):
                     # issued in this order: block j's S, block j-1's dS K, block j's dP; block j's P is computed
                     # while the other two run
-                    s = cnt % NUM_BUF
-                    ph = (cnt // NUM_BUF) & 1
-                    mbarrier.wait(k_ready.index(s), ph)
-                    k = k_bufs.index(s).reshape([BLOCK_N, HEAD_DIM])
-                    mbarrier.wait(v_ready.index(s), ph)
-                    v = v_bufs.index(s).reshape([BLOCK_N, HEAD_DIM])
+                    s, k, v = _kv_slot(cnt, k_bufs, v_bufs, k_ready, v_ready, NUM_BUF, BLOCK_N, HEAD_DIM)
                     slot = _turn_wait(turn, slot, WG, PINGPONG)
                     sc = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                     dq = warpgroup_mma(ds_op, k_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM]), dq, is_async=True)
