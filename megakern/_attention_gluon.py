@@ -710,7 +710,6 @@ def tile_lengths(keys: bool, tq: int, tk: int, block_m: int, block_n: int, causa
     return tuple(out)
 
 
-@functools.lru_cache(maxsize=64)
 def schedule_lists(n_heads: int, lengths: tuple[int, ...], grid: int, heads_per_group: int) -> list[list[int]]:
     """Each program's tiles, in order: tile (head * len(lengths) + block) of length lengths[block] (blocks), for
     ``n_heads`` heads (batch * heads) over ``grid`` programs, heads in groups of ``heads_per_group``."""
