@@ -23,9 +23,10 @@ cache or the new one, never a mix. A descriptor that does not match the paramete
 or checksum, are rebuilt with a warning, or refused with ``strict=True``; matching arrays are memory-mapped
 read-only (the checksum reads them once, a fraction of a second per GB).
 
-Modification (ASSUMPTIONS 34): ``fingerprint`` identifies content and parameters (record it in checkpoints and
-compare it on resume); ``__getitem__`` calls ``check_unmodified()`` whenever a sample crosses an epoch boundary,
-a cheap stat of the .bin/.idx.
+Modification (contracts 11 and 34, docs/contracts.md): ``fingerprint`` identifies content and parameters (record it
+in checkpoints and compare it on resume); ``check_unmodified()`` is a cheap stat of the .bin/.idx (the training
+program calls it after every step and before every checkpoint), and ``__getitem__`` calls it too whenever a sample
+crosses an epoch boundary.
 """
 from __future__ import annotations
 

@@ -164,8 +164,11 @@ class IndexedDataset:
         if verify:
             self.verify()
 
-    def _stats(self):
-        return tuple((s.st_size, s.st_mtime_ns) for s in (self.bin_path.stat(), self.idx_path.stat()))
+    def _stats(self) -> tuple:
+        """(size, mtime, ctime, inode, device) of the .bin and of the .idx: any write, truncation, replacement
+        (a new inode) or restored mtime (ctime still moves) changes it."""
+        return tuple((s.st_size, s.st_mtime_ns, s.st_ctime_ns, s.st_ino, s.st_dev)
+                     for s in (self.bin_path.stat(), self.idx_path.stat()))
 
     def _read_index(self) -> None:
         raw = self.idx_path.read_bytes()
@@ -224,13 +227,21 @@ class IndexedDataset:
                 raise DataError(f"{self.bin_path}: token id {int(chunk.min())} in chunk {i} is negative")
 
     def check_unmodified(self) -> None:
-        """DataError if either file changed on disk (size or modification time) since it was opened."""
+        """DataError naming the file if the .bin or .idx changed on disk since it was opened: written to (size,
+        modification or change time), replaced (another inode) or removed. A stat of each file: a few
+        microseconds."""
         try:
             now = self._stats()
         except FileNotFoundError as exc:
             raise DataError(f"{exc.filename}: removed while in use") from None
-        if now != self._stat:
-            raise DataError(f"{self.prefix}: .bin/.idx modified on disk since they were opened; reopen the dataset")
+        for path, before, after in zip((self.bin_path, self.idx_path), self._stat, now):
+            if before != after:
+                what = [name for name, b, a in zip(("size", "modification time", "change time", "inode", "device"),
+                                                   before, after) if b != a]
+                raise DataError(f"{path}: changed on disk since it was opened ({', '.join(what)} differ"
+                                f"{f': {before[0]} -> {after[0]} bytes' if before[0] != after[0] else ''}); the "
+                                "samples read since then may hold other tokens. Restore the file, or start a new "
+                                "run on the new data")
 
     def __len__(self) -> int:
         return len(self.sizes)

@@ -220,10 +220,10 @@ def test_modification_detected_at_epoch_boundaries(tmp_path):
     bin_path = tmp_path / "d.bin"
     stat = bin_path.stat()
     os.utime(bin_path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
-    with pytest.raises(DataError, match="modified on disk"):
+    with pytest.raises(DataError, match="changed on disk since it was opened"):
         g.check_unmodified()
     g[item[inside]]  # within an epoch: no stat per sample
-    with pytest.raises(DataError, match="modified on disk"):
+    with pytest.raises(DataError, match="changed on disk since it was opened"):
         g[item[int(crossing[0])]]
 
 

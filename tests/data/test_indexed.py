@@ -1,6 +1,7 @@
 """megakern/data/indexed.py: round trips, dtype from the vocabulary, and every corruption detected with an error
 naming the file (ASSUMPTIONS 11, 17, 20, 23); nothing existing is overwritten."""
 import os
+import time
 
 import numpy as np
 import pytest
@@ -107,16 +108,35 @@ def test_corruption_detected(tmp_path, damage):
         IndexedDataset(prefix)
 
 
-def test_modification_after_open_detected(tmp_path):
-    prefix = write(tmp_path / "d", [np.array([1, 2, 3])])
+@pytest.mark.parametrize("how", ["mtime", "in-place, mtime restored", "replaced", "truncated", "idx removed"])
+def test_modification_after_open_detected(tmp_path, how):
+    """Every way a file can change under an open dataset is caught by the stat check, naming the file."""
+    prefix = write(tmp_path / "d", [np.array([1, 2, 3]), np.array([4, 5])])
     ds = IndexedDataset(prefix)
     ds.check_unmodified()
-    st = (tmp_path / "d.bin").stat()
-    os.utime(tmp_path / "d.bin", ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
-    with pytest.raises(DataError, match="modified on disk since they were opened"):
-        ds.check_unmodified()
-    (tmp_path / "d.idx").unlink()
-    with pytest.raises(DataError, match="removed while in use"):
+    bin_path = tmp_path / "d.bin"
+    st = bin_path.stat()
+    if how == "mtime":
+        os.utime(bin_path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+        match = r"d\.bin: changed on disk since it was opened \(modification time"
+    elif how == "in-place, mtime restored":  # same size, same mtime: only the change time tells
+        time.sleep(0.01)
+        with open(bin_path, "r+b") as f:
+            f.seek(-2, os.SEEK_END)
+            f.write(np.array([5], dtype=ds.dtype).tobytes())
+        os.utime(bin_path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        match = r"d\.bin: changed on disk since it was opened \(change time"
+    elif how == "replaced":  # a rewrite through a temporary file and a rename: another inode
+        write(tmp_path / "other", [np.array([1, 2, 3]), np.array([4, 5])])
+        os.replace(tmp_path / "other.bin", bin_path)
+        match = r"d\.bin: changed on disk .*inode"
+    elif how == "truncated":
+        os.truncate(bin_path, st.st_size - 2)
+        match = r"d\.bin: changed on disk .*size.*: \d+ -> \d+ bytes"
+    else:
+        (tmp_path / "d.idx").unlink()
+        match = "d.idx: removed while in use"
+    with pytest.raises(DataError, match=match):
         ds.check_unmodified()
 
 
