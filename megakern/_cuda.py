@@ -10,10 +10,15 @@ Two paths reach the same kernel sources in csrc/:
 
 ``runtime()`` says which path is in use, or why neither is. Both take their launch geometry from the op's
 Python launcher, so they run identical kernels with identical shapes.
+
+Both are optional dependencies (contract 10, docs/contracts.md): an extension that does not load (not built, or built
+against another torch) or was built from older sources (an entry point missing, or a ``__version__`` other than
+megakern's) is passed over with the reason; cupy must be ``MIN_CUPY`` or later (``_backend.optional_module``).
 """
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import re
 from pathlib import Path
@@ -21,7 +26,10 @@ from pathlib import Path
 import torch
 
 PATHS = ("extension", "nvrtc")
-MIN_CUPY = (13, 0)
+MIN_CUPY = (13, 0)  # the NVRTC path's floor (pyproject.toml's nvrtc extra declares the same)
+# What megakern's launchers call on megakern._C (csrc/bindings.cpp); a build that lacks one is from older sources.
+ENTRY_POINTS = ("norm_fwd", "norm_bwd", "norm_bwd_num_regs", "fp8_cast", "rotary")
+REBUILD = "python setup.py build_ext --inplace"
 
 
 def csrc_root() -> Path:
@@ -35,26 +43,37 @@ def csrc_root() -> Path:
 
 @functools.lru_cache(maxsize=None)
 def extension():
-    """(module, '') if megakern._C imports, else (None, reason)."""
+    """(module, '') if megakern._C loads and matches this megakern, else (None, reason)."""
     try:
-        from megakern import _C
+        ext = importlib.import_module("megakern._C")
     except ImportError as exc:
-        return None, f"megakern._C is not built ({exc}); run `python setup.py build_ext --inplace`"
-    return _C, ""
+        if isinstance(exc, ModuleNotFoundError) and exc.name == "megakern._C":
+            return None, f"megakern._C is not built ({exc}); run `{REBUILD}`"
+        # e.g. undefined symbols: built against another torch or CUDA
+        return None, (f"megakern._C does not load ({exc}): was it built against another torch or CUDA than this "
+                      f"one (torch {torch.__version__})? rebuild it with `{REBUILD}`")
+    import megakern
+
+    where, built = getattr(ext, "__file__", "?"), getattr(ext, "__version__", None)
+    if built is not None and built != megakern.__version__:
+        return None, (f"megakern._C ({where}) was built for megakern {built}, this is megakern "
+                      f"{megakern.__version__}; rebuild it with `{REBUILD}`")
+    missing = [name for name in ENTRY_POINTS if not hasattr(ext, name)]
+    if missing:
+        return None, (f"megakern._C ({where}) lacks {', '.join(missing)}: it was built from older sources; rebuild "
+                      f"it with `{REBUILD}`")
+    return ext, ""
 
 
 @functools.lru_cache(maxsize=None)
 def _cupy():
     """(cupy, '') if a usable cupy is installed, else (None, reason)."""
-    try:
-        import cupy
-    except ImportError as exc:
-        return None, f"cupy is not installed ({exc}); pip install cupy-cuda12x or cupy-cuda13x"
-    from megakern._backend import _version_tuple
+    from megakern._backend import optional_module
 
-    if _version_tuple(cupy.__version__) < MIN_CUPY:
-        return None, f"cupy {cupy.__version__} is too old; megakern needs cupy >= {'.'.join(map(str, MIN_CUPY))}"
-    return cupy, ""
+    minimum = ".".join(map(str, MIN_CUPY))
+    return optional_module("cupy", MIN_CUPY, "the NVRTC path of the CUDA kernels",
+                           install=f"pip install -U 'cupy-cuda12x>={minimum}' (CUDA 12) or 'cupy-cuda13x>={minimum}' "
+                                   "(CUDA 13)")
 
 
 @functools.lru_cache(maxsize=None)

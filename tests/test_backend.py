@@ -1,9 +1,16 @@
-"""megakern/_backend.py: the order of choice (argument > kernel table > default) and the reasons given."""
+"""megakern/_backend.py: the order of choice (argument > kernel table > default) and the reasons given; optional
+dependencies (Triton, liger, cupy, the megakern._C extension) missing, shadowed, stale or too old are named with the
+version found and the version needed (contract 10, docs/contracts.md)."""
+import importlib.abc
+import sys
+import types
+
 import pytest
 import torch
 from conftest import HAS_CUDA
 
-from megakern import _backend, available_backends
+import megakern
+from megakern import _backend, _cuda, available_backends
 
 
 def test_available_backends_reasons():
@@ -38,6 +45,8 @@ def test_version_parsing():
     assert _backend._version_tuple("3.6.0") == (3, 6)
     assert _backend._version_tuple("2.11.0+cu130") == (2, 11)
     assert _backend._version_tuple("3.0.0rc1") == (3, 0)
+    assert _backend._version_tuple("0.17.0rc1", 3) == (0, 17, 0)
+    assert _backend._version_tuple("13", 3) == (13, 0, 0)
 
 
 def test_defaults_are_known_backends():
@@ -98,3 +107,133 @@ def test_backend_probes_are_constants_under_torch_compile(monkeypatch):
     finally:
         _backend._cuda_device_backends.cache_clear()
         torch.compiler.reset()
+
+
+# ---- optional dependencies: missing, shadowed or too old, named with the version found and needed (contract 10) ----
+def _module(name: str, version: str | None = None, **attrs) -> types.ModuleType:
+    """A stand-in for an installed package: a module with a file (and a version, and ``attrs``)."""
+    mod = types.ModuleType(name)
+    mod.__file__ = f"/site-packages/{name}/__init__.py"
+    if version is not None:
+        mod.__version__ = version
+    for key, value in attrs.items():
+        setattr(mod, key, value)
+    return mod
+
+
+@pytest.fixture
+def fresh_probes(monkeypatch):
+    """The probes' caches emptied before and after: they answer for the modules the test puts in place."""
+    def clear():
+        for probe in (_backend._triton_problem, _backend._cuda_device_backends, _cuda.extension, _cuda._cupy,
+                      _cuda.runtime):
+            probe.cache_clear()
+
+    clear()
+    yield monkeypatch
+    clear()
+
+
+def test_missing_shadowed_or_old_triton_is_named(fresh_probes):
+    monkeypatch = fresh_probes
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cpu = torch.device("cpu")
+    floor = ".".join(map(str, _backend.MIN_TRITON))
+    monkeypatch.setitem(sys.modules, "triton", None)  # not installed
+    problem = available_backends(cpu)["triton"]
+    assert f"triton>={floor} is needed for megakern's Triton kernels but cannot be imported (ModuleNotFound" in problem
+    assert problem.endswith(f"pip install -U 'triton>={floor}'")
+    with pytest.raises(RuntimeError, match=rf"rms_norm: backend 'triton' is not available: .*triton>={floor}"):
+        _backend.resolve("rms_norm", cpu, "triton")
+    _backend._triton_problem.cache_clear()
+    monkeypatch.setitem(sys.modules, "triton", _module("triton", "3.5.1"))
+    assert _backend.triton_problem(cpu) == (f"triton>={floor} is needed for megakern's Triton kernels, found triton "
+                                            f"3.5.1 (/site-packages/triton/__init__.py); pip install -U "
+                                            f"'triton>={floor}'")
+    _backend._triton_problem.cache_clear()
+    shadow = types.ModuleType("triton")
+    shadow.__path__ = ["/home/me/triton"]  # a folder named triton on the path: a namespace package, no __file__
+    monkeypatch.setitem(sys.modules, "triton", shadow)
+    assert "'import triton' found a folder without the package (/home/me/triton)" in _backend.triton_problem(cpu)
+    _backend._triton_problem.cache_clear()
+    monkeypatch.setitem(sys.modules, "triton", _module("triton", f"{floor}.0+git1a2b3c"))
+    assert _backend.triton_problem(cpu) == ""
+
+
+def test_liger_floor_reads_the_distribution_version(fresh_probes, monkeypatch):
+    """liger_kernel has no __version__: the installed distribution's version is compared."""
+    floor = ".".join(map(str, _backend.MIN_LIGER))
+    monkeypatch.setitem(sys.modules, "liger_kernel", _module("liger_kernel"))
+    monkeypatch.setattr(_backend.importlib.metadata, "version", lambda name: {"liger_kernel": "0.4.2"}[name])
+    assert _backend.liger_problem() == (f"liger_kernel>={floor} is needed for the liger provider, found liger_kernel "
+                                        f"0.4.2 (/site-packages/liger_kernel/__init__.py); pip install -U "
+                                        f"'liger_kernel>={floor}'")
+    monkeypatch.setattr(_backend.importlib.metadata, "version", lambda name: "0.8.5")
+    assert _backend.liger_problem() == ""
+
+    def not_installed(name):
+        raise _backend.importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(_backend.importlib.metadata, "version", not_installed)
+    assert "the version of liger_kernel (/site-packages/liger_kernel/__init__.py) cannot be read" in \
+        _backend.liger_problem()
+    monkeypatch.setitem(sys.modules, "liger_kernel", None)
+    assert f"liger_kernel>={floor} is needed for the liger provider but cannot be imported" in _backend.liger_problem()
+
+
+def test_missing_or_old_cupy_is_named(fresh_probes, monkeypatch):
+    floor = ".".join(map(str, _cuda.MIN_CUPY))
+    monkeypatch.setitem(sys.modules, "megakern._C", None)  # no extension: the NVRTC path is the only one
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    cupy, problem = _cuda._cupy()
+    assert cupy is None and f"cupy>={floor} is needed for the NVRTC path of the CUDA kernels but cannot" in problem
+    assert f"pip install -U 'cupy-cuda12x>={floor}' (CUDA 12) or 'cupy-cuda13x>={floor}' (CUDA 13)" in problem
+    _cuda._cupy.cache_clear()
+    monkeypatch.setitem(sys.modules, "cupy", _module("cupy", "12.3.0"))
+    with pytest.raises(RuntimeError, match=rf"CUDA path 'nvrtc' is unavailable: cupy>={floor} is needed for .*, found "
+                                           r"cupy 12.3.0 \(/site-packages/cupy/__init__.py\)"):
+        _cuda.choose_path("nvrtc")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    path, why = _cuda.runtime()
+    assert path is None and why.startswith("megakern._C is not built")
+    assert "and the NVRTC fallback is unavailable: " in why and "found cupy 12.3.0" in why
+    _cuda._cupy.cache_clear(), _cuda.runtime.cache_clear()
+    monkeypatch.setitem(sys.modules, "cupy", _module("cupy", "13.6.0"))
+    assert _cuda.runtime() == ("nvrtc", "")
+
+
+def test_extension_not_built_stale_or_for_another_torch(fresh_probes, monkeypatch):
+    complete = {name: (lambda *args: None) for name in _cuda.ENTRY_POINTS}
+    monkeypatch.setitem(sys.modules, "megakern._C", None)
+    assert _cuda.extension()[1].startswith("megakern._C is not built")
+    with pytest.raises(RuntimeError, match="CUDA path 'extension' is unavailable: megakern._C is not built .*"
+                                           "python setup.py build_ext --inplace"):
+        _cuda.choose_path("extension")
+    _cuda.extension.cache_clear()
+    stale = _module("megakern._C", **{k: v for k, v in complete.items() if k not in ("fp8_cast", "rotary")})
+    monkeypatch.setitem(sys.modules, "megakern._C", stale)
+    assert _cuda.extension() == (None, "megakern._C (/site-packages/megakern._C/__init__.py) lacks fp8_cast, rotary: "
+                                       "it was built from older sources; rebuild it with `python setup.py build_ext "
+                                       "--inplace`")
+    _cuda.extension.cache_clear()
+    monkeypatch.setitem(sys.modules, "megakern._C", _module("megakern._C", "0.0.1", **complete))
+    assert f"was built for megakern 0.0.1, this is megakern {megakern.__version__}" in _cuda.extension()[1]
+    _cuda.extension.cache_clear()
+    ext = _module("megakern._C", **complete)
+    monkeypatch.setitem(sys.modules, "megakern._C", ext)
+    assert _cuda.extension() == (ext, "")
+
+    class OtherTorch(importlib.abc.MetaPathFinder):
+        """Finds megakern._C and fails to load it, as a build against another torch does."""
+
+        def find_spec(self, name, path, target=None):
+            if name == "megakern._C":
+                raise ImportError("megakern/_C.so: undefined symbol: _ZN3c1015SmallVectorBaseIjE8grow_podEPKvmm")
+            return None
+
+    _cuda.extension.cache_clear()
+    monkeypatch.delitem(sys.modules, "megakern._C")
+    monkeypatch.setattr(sys, "meta_path", [OtherTorch(), *sys.meta_path])
+    module, why = _cuda.extension()
+    assert module is None and "megakern._C does not load (megakern/_C.so: undefined symbol: " in why
+    assert f"built against another torch or CUDA than this one (torch {torch.__version__})" in why
