@@ -1,4 +1,5 @@
-"""Data-parallel batches of a pretraining dataset, resumable, with the ranks checked to agree (ASSUMPTIONS 12, 18, 32).
+"""Data-parallel batches of a pretraining dataset, resumable, with the ranks checked to agree (contracts 2, 12, 18 and
+32 of docs/contracts.md).
 
 ``PretrainingSampler`` is Megatron's MegatronPretrainingSampler: the samples consumed_samples, consumed_samples + 1,
 ... are cut into global batches of micro_batch_size * data_parallel_size consecutive samples, and rank r takes
@@ -8,6 +9,9 @@ stream, each global batch's slices concatenated in rank order, is consumed_sampl
 whatever the split. The training program keeps consumed_samples (samples of completed steps, over all ranks) in
 its checkpoint. With gradient accumulation a step draws several global batches; making the step count fit
 the data is the training program's check.
+
+``build_dataloader`` waits for each batch at most ``timeout`` seconds: a worker stuck reading (a hung network
+filesystem) or gone stops the run with a DataError naming the dataset, instead of a silent hang.
 
 ``check_ranks_agree`` runs before step 1: every data-parallel rank must hold the same dataset fingerprint and
 consumed_samples, or all of them stop with an error naming the odd ranks, instead of training on different data.
@@ -83,22 +87,55 @@ def usable_cpus() -> int:
     return os.cpu_count() or 1
 
 
-def build_dataloader(dataset, sampler: PretrainingSampler, num_workers: int = 2,
-                     pin_memory: bool = True) -> torch.utils.data.DataLoader:
+class _Loader(torch.utils.data.DataLoader):
+    """A DataLoader whose iterators turn a worker's timeout or death into a DataError naming the dataset."""
+
+    def __iter__(self):
+        return self._checked(super().__iter__())
+
+    def _checked(self, batches):
+        name = getattr(self.dataset, "name", type(self.dataset).__name__)
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            except RuntimeError as exc:
+                text = str(exc)
+                if text.startswith("DataLoader timed out after"):
+                    raise DataError(
+                        f"{name}: no batch from the DataLoader's {self.num_workers} worker process(es) within "
+                        f"{self.timeout:g} s (a worker is stuck reading, e.g. on a hung network filesystem, or "
+                        "deadlocked): check the data files' storage, or raise the timeout (data.loader_timeout_s)"
+                    ) from exc
+                if text.startswith("DataLoader worker"):  # "... exited unexpectedly", "... is killed by signal"
+                    raise DataError(f"{name}: a DataLoader worker process died ({text}): a crash, a signal, or the "
+                                    "OS out of memory (see dmesg); the batch it was reading never came") from exc
+                raise
+            yield batch
+
+
+def build_dataloader(dataset, sampler: PretrainingSampler, num_workers: int = 2, pin_memory: bool = True, *,
+                     timeout: float = 600.0) -> torch.utils.data.DataLoader:
     """A DataLoader over ``dataset`` in ``sampler``'s batches.
 
     The sampler must cover the dataset exactly (total_samples == len(dataset)). num_workers above the usable
-    CPUs is capped to them with a warning; memory is pinned only where CUDA is available.
+    CPUs is capped to them with a warning; memory is pinned only where CUDA is available. With worker processes,
+    each batch is waited for at most ``timeout`` seconds (> 0); a wait that runs out, or a worker that dies, raises
+    DataError naming the dataset (its ``name``) and what to do. Without workers the batches are read in this
+    process and there is nothing to wait for.
     """
     if sampler.total_samples != len(dataset):
         raise DataError(f"the sampler's total_samples {sampler.total_samples} != the dataset's {len(dataset)} "
                         f"samples; build the sampler from len(dataset)")
     num_workers = _int_arg("num_workers", num_workers, 0)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
     if num_workers > (cpus := usable_cpus()):
         warnings.warn(f"num_workers={num_workers} exceeds the {cpus} usable CPUs; using {cpus}", stacklevel=2)
         num_workers = cpus
-    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                       pin_memory=pin_memory and torch.cuda.is_available())
+    return _Loader(dataset, batch_sampler=sampler, num_workers=num_workers,
+                   pin_memory=pin_memory and torch.cuda.is_available(), timeout=float(timeout) if num_workers else 0)
 
 
 def check_ranks_agree(fingerprint: str, consumed_samples: int, group=None, timeout: float = 300.0) -> bool:

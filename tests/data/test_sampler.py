@@ -1,5 +1,7 @@
-"""megakern/data/sampler.py: data-parallel batches, exact resumption across data-parallel sizes (ASSUMPTIONS 12),
-the dataloader's checks (ASSUMPTIONS 18, 32), and ranks agreeing before step 1, on 3 gloo ranks."""
+"""megakern/data/sampler.py: data-parallel batches, exact resumption across data-parallel sizes (contract 12,
+docs/contracts.md), the dataloader's checks (contracts 18, 32) and its timeout and dead workers (contract 2), and ranks
+agreeing before step 1, on 3 gloo ranks."""
+import os
 import time
 from datetime import timedelta
 
@@ -141,3 +143,50 @@ def _ranks(rank, world, init_file, timeout_case):
 @pytest.mark.parametrize("timeout_case", [False, True], ids=["agree-and-disagree", "timeout"])
 def test_check_ranks_agree_on_gloo(tmp_path, timeout_case):
     mp.spawn(_ranks, args=(3, tmp_path / "init", timeout_case), nprocs=3, join=True)
+
+
+class Stalling(torch.utils.data.Dataset):
+    """A stand-in dataset whose read of sample 2 in a worker process stalls ``hang`` seconds or kills the process
+    (``die``), as a read from a hung network filesystem or a worker killed for memory does."""
+
+    name = "stalling-data"
+
+    def __init__(self, hang: float = 0.0, die: bool = False):
+        self.hang, self.die = hang, die
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        if torch.utils.data.get_worker_info() is not None and i == 2:  # the first batch comes, the second does not
+            if self.die:
+                os._exit(3)
+            time.sleep(self.hang)
+        return {"tokens": torch.full((3,), i)}
+
+
+def test_dataloader_wait_times_out_with_the_dataset_named():
+    """Contract 2: a batch that does not come within the timeout stops the run with an error, not a silent hang."""
+    loader = build_dataloader(Stalling(hang=3.0), PretrainingSampler(8, 0, 2, 0, 1), num_workers=1, timeout=1.0)
+    batches = iter(loader)
+    assert next(batches)["tokens"][:, 0].tolist() == [0, 1]
+    with pytest.raises(DataError, match=r"^stalling-data: no batch from the DataLoader's 1 worker process\(es\) within "
+                                        r"1 s .*raise the timeout \(data.loader_timeout_s\)"):
+        next(batches)  # (raised once the stalled worker is shut down: after its read, here 3 s)
+
+
+def test_dataloader_worker_death_names_the_dataset():
+    loader = build_dataloader(Stalling(die=True), PretrainingSampler(8, 0, 2, 0, 1), num_workers=1, timeout=30)
+    with pytest.raises(DataError, match=r"^stalling-data: a DataLoader worker process died \(DataLoader worker "
+                                        r"\(pid.*exited unexpectedly"):
+        list(loader)
+
+
+def test_dataloader_timeout_argument():
+    dataset = Stalling()
+    sampler = PretrainingSampler(8, 0, 2, 0, 1)
+    for bad in (0, -1.0, float("inf"), float("nan"), True, "60"):
+        with pytest.raises(ValueError, match="timeout must be a finite number of seconds > 0"):
+            build_dataloader(dataset, sampler, num_workers=0, timeout=bad)
+    assert build_dataloader(dataset, sampler, num_workers=0, timeout=5).timeout == 0  # read in this process
+    assert build_dataloader(dataset, sampler, num_workers=1, timeout=5).timeout == 5.0
