@@ -1,4 +1,4 @@
-"""Weighted mixes of datasets (Megatron's BlendedDataset), with the weights checked (ASSUMPTIONS 25).
+"""Weighted mixes of datasets (Megatron's BlendedDataset), with the weights checked (contract 25, docs/contracts.md).
 
 Weights must be finite and > 0, with max/min at most ``max_weight_ratio`` unless ``allow_extreme``; they are
 normalized to w_i (sum 1). Dataset i gets exactly c_i of the N samples: floor(w_i*N), plus one for the

@@ -1,5 +1,5 @@
-"""megakern/data/blended.py: exact counts, proportions along the stream, weight checks (ASSUMPTIONS 25), and
-components that cannot supply their share."""
+"""megakern/data/blended.py: exact counts, proportions along the stream, weight checks (contract 25,
+docs/contracts.md), and components that cannot supply their share."""
 from functools import partial
 
 import numpy as np

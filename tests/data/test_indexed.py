@@ -1,5 +1,5 @@
 """megakern/data/indexed.py: round trips, dtype from the vocabulary, and every corruption detected with an error
-naming the file (ASSUMPTIONS 11, 17, 20, 23); nothing existing is overwritten."""
+naming the file (contracts 11, 17, 20, 23 of docs/contracts.md); nothing existing is overwritten."""
 import os
 import time
 

@@ -1,6 +1,6 @@
 """megakern/data/preprocess.py and corpus.py: every input kind, output independent of the worker count, bounded
 read-ahead, errors naming the file and line, no overwriting, ids checked against the vocabulary, workers capped
-(ASSUMPTIONS 17, 20, 32), the command line, and the default corpus built once into a cache."""
+(contracts 17, 20, 32 of docs/contracts.md), the command line, and the default corpus built once into a cache."""
 import gzip
 import json
 import multiprocessing
