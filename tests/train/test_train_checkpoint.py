@@ -1,8 +1,14 @@
-"""Checkpoints: round trip, the ENOSPC drill, incomplete and corrupt directories, keep-K, versions, CPU-only loads."""
+"""Checkpoints: round trip, the ENOSPC drill, a fault at every file operation of a save, removals killed midway,
+leftovers cleared at start-up, incomplete and corrupt directories, keep-K, versions, CPU-only loads."""
 import errno
 import json
+import os
 import random
 import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,6 +17,8 @@ from torch import nn
 
 from megakern import checkpoint as ck
 from megakern.checkpoint import CheckpointError, CheckpointManager
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 class StandIn(nn.Module):
@@ -214,7 +222,8 @@ def test_corrupt_file_is_named(tmp_path):
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     data.write_bytes(bytes(raw))
-    with pytest.raises(CheckpointError, match=r"__0_0.distcp: sha256 differs from the manifest \(the file is corrupt\)"):
+    with pytest.raises(CheckpointError,
+                       match=r"__0_0.distcp: sha256 differs from the manifest \(the file is corrupt\)"):
         load_fresh(manager)
     raw[len(raw) // 2] ^= 0xFF
     data.write_bytes(bytes(raw))
@@ -270,3 +279,188 @@ def test_init_optimizer_state_leaves_parameters_alone():
 def test_missing_checkpoint(tmp_path):
     with pytest.raises(CheckpointError, match="no complete checkpoint in"):
         CheckpointManager(tmp_path).load(tmp_path / "nothing", {})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Faults at every file operation of a save, removals cut short, leftovers cleared at start-up.
+
+class Faults:
+    """Counts a save's file operations (ck._write_file, ck._rename, ck._fsync_dir) and fails the ``fail_at``-th
+    one as a full disk does (fsync: EIO), and with ``sticky`` every later one of its kind too."""
+
+    def __init__(self, patch, fail_at=None, sticky=False):
+        self.ops, self.fail_at, self.sticky, self.failed = [], fail_at, sticky, None
+        for kind in ("_write_file", "_rename", "_fsync_dir"):
+            patch.setattr(ck, kind, self._wrap(kind, getattr(ck, kind)))
+
+    def _wrap(self, kind, real):
+        def op(*args):
+            self.ops.append(f"{kind}({', '.join(Path(a).name for a in args if isinstance(a, Path))})")
+            if len(self.ops) - 1 == self.fail_at or (self.sticky and self.failed == kind):
+                self.failed = kind
+                code = errno.EIO if kind == "_fsync_dir" else errno.ENOSPC
+                raise OSError(code, os.strerror(code), str(args[0]))
+            return real(*args)
+        return op
+
+
+def hidden(manager):
+    return sorted(p.name for p in manager.dir.iterdir() if p.name.startswith("."))
+
+
+@pytest.mark.parametrize("same_step", [False, True], ids=["new-step", "same-step"])
+def test_a_fault_at_any_file_operation_leaves_latest_and_the_message_true(tmp_path, same_step):
+    """ENOSPC (EIO for syncs) at each write, rename and directory sync of a save (renames also from there on, so
+    that undoing fails too): afterwards `latest` names a complete checkpoint, the previous or the new one, the error
+    says which and what else is on disk, and after the next start's clearing the same checkpoint loads."""
+    old_model, old_opt = trained()
+    new_model, new_opt = trained(steps=5)
+    step = 3 if same_step else 5
+
+    def attempt(directory, fail_at=None, sticky=False):
+        lines = []
+        manager = CheckpointManager(directory, keep=1, log=lines.append)
+        previous = save(manager, 3, old_model, old_opt, tag="previous")
+        with pytest.MonkeyPatch.context() as patch:
+            faults = Faults(patch, fail_at, sticky)
+            try:
+                save(manager, step, new_model, new_opt, tag="new")
+                error = None
+            except CheckpointError as exc:
+                error = str(exc)
+        return manager, previous, faults.ops, error, lines
+
+    ops = attempt(tmp_path / "dry")[2]
+    assert any(".tmp-latest" in op for op in ops) and len(ops) >= 10, ops
+    cases = [(i, False) for i in range(len(ops))] + [(i, True) for i, op in enumerate(ops) if "_rename" in op]
+    for i, sticky in cases:
+        manager, previous, _, error, lines = attempt(tmp_path / f"{sticky}-{i}", i, sticky)
+        case = f"fault at {ops[i]} (op {i}, sticky {sticky}): {error}; log {lines}"
+        final, tmp = manager.dir / ck.step_name(step), manager.dir / f".tmp-{ck.step_name(step)}"
+        named = (manager.dir / "latest").read_text().strip()
+        if error is None:  # the commit went through; only a removal after it failed (logged)
+            expect = "new"
+            assert manager.latest() == final and named == final.name, case
+            assert all(any(name in line for line in lines) for name in hidden(manager)), case
+        else:
+            assert f"saving checkpoint step {step} to {manager.dir} failed: " in error, case
+            assert "No space left on device" in error or "Input/output error" in error, case
+            assert ("the temporary directory is left" in error) == tmp.exists(), case
+            assert tmp.exists() or "the temporary directory was removed" in error or (
+                "the new checkpoint was removed" in error and sticky) or (
+                "no temporary directory is left" in error and final.exists()), case
+            stories = {"new": f"the new checkpoint {final} is complete and `latest` names it" in error,
+                       "previous": f"the previous checkpoint {previous} is intact and `latest` names it" in error,
+                       "none": "no checkpoint is in place" in error}
+            assert sum(stories.values()) == 1, case
+            expect = "new" if stories["new"] else "previous"
+            if stories["none"]:  # renames failing from the first one on: the set-aside checkpoint is put back
+                assert same_step and sticky and manager.latest(warn=False) is None, case
+                assert f"{ck.REPLACED_PREFIX}{final.name} holds" in error and "moves it back" in error, case
+            else:
+                assert named == manager.latest().name, case
+                assert load_fresh(manager)[2]["tag"] == expect, case
+            assert all(name in error for name in hidden(manager)), case
+        manager.remove_leftovers()
+        assert hidden(manager) == [], case
+        model, opt, state = load_fresh(manager)
+        assert state["tag"] == expect and state["path"] == str(manager.dir / named), case
+        assert same(model, opt, *((new_model, new_opt) if expect == "new" else (old_model, old_opt))), case
+
+
+def test_enospc_writing_latest_removes_the_new_checkpoint_and_says_so(tmp_path, monkeypatch):
+    """The full disk found by the pointer's text: it is written before any rename, so nothing new is in place."""
+    model, opt = trained()
+    manager = CheckpointManager(tmp_path / "ckpt")
+    good = save(manager, 3, model, opt, tag="previous")
+    real = ck._write_file
+
+    def full(path, data):
+        if path.name == ".tmp-latest":
+            real(path, data[:1])
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real(path, data)
+
+    monkeypatch.setattr(ck, "_write_file", full)
+    with pytest.raises(CheckpointError) as info:
+        save(manager, 5, model, opt, tag="new")
+    assert str(info.value).endswith(f"the temporary directory was removed and the previous checkpoint {good} is "
+                                    "intact and `latest` names it")
+    assert "committing" in str(info.value) and ".tmp-latest" in str(info.value)
+    assert sorted(p.name for p in manager.dir.iterdir()) == ["latest", "step_00000003"]
+    monkeypatch.undo()
+    assert load_fresh(manager)[2]["tag"] == "previous"
+
+
+KILLED_WHILE_PRUNING = r"""
+import os, signal, sys
+import torch
+from megakern.checkpoint import CheckpointManager
+
+def arm(line):  # once the removal of the old checkpoint begins: SIGKILL after its first data file is gone
+    if line.startswith("removing checkpoint"):
+        real = os.unlink
+        def unlink(path, *args, **kwargs):
+            real(path, *args, **kwargs)
+            if os.path.basename(os.fsdecode(path)) != "manifest.json":
+                os.kill(os.getpid(), signal.SIGKILL)
+        os.unlink = unlink
+
+torch.manual_seed(1)
+CheckpointManager(sys.argv[1], keep=1, log=arm).save(2, {"w": torch.randn(64, 64)}, state={"tag": "new"})
+print("the save returned: no removal happened")
+"""
+
+
+def test_a_removal_killed_midway_never_looks_complete(tmp_path):
+    """A real SIGKILL while keep=1 deletes the previous checkpoint's files: what is left is hidden, never a step
+    directory with its manifest and without its data; resume takes the new checkpoint; the next start clears it."""
+    directory = tmp_path / "ckpt"
+    files = {f"extra{i:02d}.bin": bytes(range(256)) * 64 for i in range(24)}
+    CheckpointManager(directory).save(1, {"w": torch.zeros(64, 64)}, state={"tag": "old"}, files=files)
+    proc = subprocess.run([sys.executable, "-c", KILLED_WHILE_PRUNING, str(directory)], capture_output=True,
+                          text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+    manager = CheckpointManager(directory)
+    for path in manager.complete():  # whatever looks complete is complete
+        for name, entry in ck.read_manifest(path)["files"].items():
+            CheckpointManager._check_file(path, name, entry)
+    assert [p.name for p in manager.complete()] == ["step_00000002"] and manager.latest() == directory / "step_00000002"
+    assert hidden(manager) == [".removing-step_00000001"]
+    left = len(list((directory / ".removing-step_00000001").iterdir()))
+    assert 0 < left < len(files) + 5  # cut short partway
+    tree = {"w": torch.empty(64, 64)}
+    torch.manual_seed(1)
+    expected = torch.randn(64, 64)
+    assert manager.load(directory, tree)["tag"] == "new" and torch.equal(tree["w"], expected)
+    lines = []
+    manager = CheckpointManager(directory, log=lines.append)
+    assert manager.remove_leftovers() == [directory / ".removing-step_00000001"]
+    assert lines == [f"removed {directory / '.removing-step_00000001'}, left by an interrupted removal"]
+    assert sorted(p.name for p in directory.iterdir()) == ["latest", "step_00000002"]
+
+
+def test_leftovers_are_cleared_at_start_not_only_at_the_next_save(tmp_path):
+    """What killed saves leave: temporary directories and pointer text removed, a removal's remains removed, a
+    checkpoint set aside by a same-step save moved back where its step is missing and removed where it is not."""
+    model, opt = trained()
+    manager = CheckpointManager(tmp_path / "ckpt", keep=0)
+    one, three = save(manager, 1, model, opt, tag="one"), save(manager, 3, model, opt, tag="three")
+    d = manager.dir
+    shutil.copytree(one, d / ".tmp-step_00000004")
+    (d / ".tmp-latest").write_text("step_00000004\n")
+    shutil.copytree(one, d / ".removing-step_00000000")
+    shutil.copytree(one, d / ".replaced-step_00000001")  # step 1 saved again and completed: the old copy goes
+    three.rename(d / ".replaced-step_00000003")  # killed between a same-step save's renames: step 3 comes back
+    lines = []
+    restarted = CheckpointManager(d, log=lines.append)
+    assert restarted.latest(warn=False) == one  # `latest` names step 3, which is set aside
+    acted = restarted.remove_leftovers()
+    assert sorted(p.name for p in acted) == [".removing-step_00000000", ".replaced-step_00000001",
+                                             ".replaced-step_00000003", ".tmp-latest", ".tmp-step_00000004"]
+    assert len(lines) == 5 and lines[2].startswith(f"moved {d / '.replaced-step_00000003'} back to {three}: ")
+    assert lines[1] == (f"removed {d / '.replaced-step_00000001'}, set aside by a save of the same step, which "
+                        "completed")
+    assert sorted(p.name for p in d.iterdir()) == ["latest", "step_00000001", "step_00000003"]
+    assert restarted.latest() == three and load_fresh(restarted)[2]["tag"] == "three"
+    assert restarted.remove_leftovers() == [] and len(lines) == 5
