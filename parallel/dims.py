@@ -13,6 +13,8 @@ Initialization never hangs silently: ``init_distributed`` hosts (or joins) the r
 every rank announces itself, and a rank that never comes ends in a ``RendezvousError`` naming the rendezvous
 address and the missing ranks. Collectives inherit the same timeout (gloo raises, NCCL's watchdog aborts). Before
 any work all ranks check that they agree on the layout, the versions and the config hash (``check_agreement``).
+``init_distributed`` returns the ``Rendezvous`` (the store, its address and who hosts it); the mesh keeps it, and
+the step watchdog (megakern.parallel.watchdog) publishes each rank's heartbeat there.
 """
 from __future__ import annotations
 
@@ -42,6 +44,25 @@ class RendezvousError(RuntimeError):
 
 class DisagreementError(RuntimeError):
     """Ranks started with different configurations, layouts or versions."""
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """The rendezvous store of a run, as ``init_distributed`` made it.
+
+    Fields:
+        store: this rank's client of the TCPStore (rank 0 hosts it, or torchrun's agent); the process groups use it
+            under the prefix "pg", other users under "megakern/...".
+        address: "tcp://addr:port".
+        host: who hosts the store, for messages: "rank 0 (node:pid)" or "torchrun's agent"; when the store stops
+            answering, that is who is gone.
+        attempt: torchrun's restart count ("0" outside torchrun), which scopes every key of one attempt.
+    """
+
+    store: object
+    address: str
+    host: str
+    attempt: str = "0"
 
 
 def _as_timedelta(timeout) -> datetime.timedelta:
@@ -180,16 +201,20 @@ class ParallelDims:
                              "this model: " + "; ".join(problems))
 
     def build(self, device_type: str | None = None, timeout=DEFAULT_TIMEOUT, *, backend: str | None = None,
-              agree: Mapping[str, object] | None = None) -> ParallelMesh:
+              agree: Mapping[str, object] | None = None, rendezvous: Rendezvous | None = None) -> ParallelMesh:
         """Initialize torch.distributed if needed (``init_distributed``), build the mesh and its groups, and check
         that every rank agrees on the layout, the versions and ``agree`` (e.g. {"config": cfg}; see
-        ``check_agreement``). ``device_type``: "cuda" | "cpu" | None (cuda where available)."""
+        ``check_agreement``). ``device_type``: "cuda" | "cpu" | None (cuda where available). ``rendezvous``: what
+        ``init_distributed`` returned, when it was called before (the mesh keeps it: ``mesh.store``)."""
         device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
         timeout = _as_timedelta(timeout)
         if not dist.is_initialized():
-            init_distributed(backend=backend, timeout=timeout, device_type=device_type)
+            if rendezvous is not None:
+                raise RuntimeError("ParallelDims.build: rendezvous= was given, but torch.distributed is not "
+                                   "initialized; pass it only with the Rendezvous init_distributed returned")
+            rendezvous = init_distributed(backend=backend, timeout=timeout, device_type=device_type)
         dims = self.resolve(dist.get_world_size())
-        return ParallelMesh(dims, device_type, timeout, agree)
+        return ParallelMesh(dims, device_type, timeout, agree, rendezvous)
 
 
 # ---- initialization --------------------------------------------------------------------------------------------
@@ -203,8 +228,8 @@ def _env_int(name: str, given: int | None) -> int:
 
 def init_distributed(*, backend: str | None = None, timeout=DEFAULT_TIMEOUT, rank: int | None = None,
                      world_size: int | None = None, master_addr: str | None = None, master_port: int | None = None,
-                     device_type: str | None = None) -> None:
-    """Initialize the default process group, with a rendezvous that cannot hang.
+                     device_type: str | None = None) -> Rendezvous:
+    """Initialize the default process group, with a rendezvous that cannot hang; returns the ``Rendezvous``.
 
     Reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (and LOCAL_RANK on GPUs) from the environment unless given,
     as torchrun sets them. Rank 0 hosts a TCPStore (under torchrun's agent, the agent does); each rank announces
@@ -238,7 +263,9 @@ def init_distributed(*, backend: str | None = None, timeout=DEFAULT_TIMEOUT, ran
                               f"{timeout.total_seconds():g} s: {host} (the store's host) never came up or the "
                               f"address is unreachable; missing: {'the agent' if agent_store else 'rank 0'} "
                               f"({type(exc).__name__}: {exc})") from exc
-    _wait_for_ranks(store, rank, world, timeout, where, hosting)
+    host = _wait_for_ranks(store, rank, world, timeout, where, hosting)
+    if agent_store:
+        host = "torchrun's agent"
     kwargs = {}
     if backend == "nccl":
         local = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
@@ -246,10 +273,12 @@ def init_distributed(*, backend: str | None = None, timeout=DEFAULT_TIMEOUT, ran
         kwargs["device_id"] = torch.device("cuda", local)
     dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world,
                             timeout=timeout, **kwargs)
+    return Rendezvous(store, where, host, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def _wait_for_ranks(store, rank: int, world: int, timeout: datetime.timedelta, where: str, hosting: bool) -> None:
-    """Announce this rank and wait (polling, bounded by ``timeout``) until all ``world`` ranks have.
+def _wait_for_ranks(store, rank: int, world: int, timeout: datetime.timedelta, where: str, hosting: bool) -> str:
+    """Announce this rank and wait (polling, bounded by ``timeout``) until all ``world`` ranks have; returns
+    "rank 0 (node:pid)", as rank 0 announced itself.
 
     On timeout the store's host names the missing ranks in the store and gives the others up to GRACE_S to read
     them, so every waiting rank reports the same list; the others wait GRACE_S longer than the host before
@@ -285,6 +314,7 @@ def _wait_for_ranks(store, rank: int, world: int, timeout: datetime.timedelta, w
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
             joined = store.add(f"{prefix}/count", 0)
+        return f"rank 0 ({store.get(f'{prefix}/0').decode()})"
     except RendezvousError:
         raise
     except Exception as exc:  # noqa: BLE001 - the store's errors come as several types
@@ -346,12 +376,15 @@ class ParallelMesh:
 
     Attributes: dims, device (this rank's device), rank, mesh (DeviceMesh), timeout; groups ``tp_group``,
     ``cp_group``, ``dp_group``, ``pp_group``, ``dp_cp_group`` and meshes ``dp_cp_mesh``; coordinates ``tp_rank``,
-    ``cp_rank``, ``dp_rank``, ``pp_rank``.
+    ``cp_rank``, ``dp_rank``, ``pp_rank``; ``rendezvous`` (``Rendezvous``, or None where torch.distributed was
+    initialized elsewhere and ``build`` was not given it) and its ``store``.
     """
 
     def __init__(self, dims: ParallelDims, device_type: str, timeout: datetime.timedelta,
-                 agree: Mapping[str, object] | None = None):
+                 agree: Mapping[str, object] | None = None, rendezvous: Rendezvous | None = None):
         self.dims, self.timeout, self.device_type = dims, timeout, device_type
+        self.rendezvous = rendezvous
+        self._store_users = 0
         self.rank = dist.get_rank()
         if device_type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -385,6 +418,21 @@ class ParallelMesh:
     @property
     def dp_cp_rank(self) -> int:
         return self.dp_rank * self.dims.cp + self.cp_rank
+
+    @property
+    def store(self):
+        """The rendezvous store (a TCPStore client), or None where the mesh was built without its Rendezvous."""
+        return None if self.rendezvous is None else self.rendezvous.store
+
+    def store_prefix(self, name: str) -> str:
+        """A fresh key prefix in the rendezvous store for one user of it: "megakern/<name>/<attempt>/<n>", n counting
+        this mesh's calls. Every rank makes the same calls in the same order (as it builds process groups), so all
+        agree on the prefix without a word, and a second user (a second watchdog) never reads the first's keys."""
+        if self.rendezvous is None:
+            raise RuntimeError("ParallelMesh: no rendezvous store (torch.distributed was initialized outside "
+                               "init_distributed and build() was not given its Rendezvous)")
+        self._store_users += 1
+        return f"megakern/{name}/{self.rendezvous.attempt}/{self._store_users}"
 
     def __repr__(self) -> str:
         d = self.dims

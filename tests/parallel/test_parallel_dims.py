@@ -1,5 +1,6 @@
 """ParallelDims (sizes, rank order, model checks), initialization that cannot hang (a rank that never joins, an
-unreachable rendezvous, a collective that never completes), agreement across ranks, and bad layouts."""
+unreachable rendezvous, a collective that never completes), the rendezvous kept on the mesh, agreement across
+ranks, and bad layouts."""
 import time
 
 import pytest
@@ -78,6 +79,38 @@ def test_rank_that_never_joins_is_named_within_the_timeout():
     for rank, (message, took) in out.items():
         assert f"rendezvous at tcp://127.0.0.1:{port}: ranks [2] of 3 did not join within 3 s" in message, message
         assert took < 3.0 + 5.0, f"rank {rank} waited {took:.1f} s"
+
+
+def _kept(rank, port):
+    import os
+    import socket
+
+    rendezvous = init_distributed(backend="gloo", rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port,
+                                  timeout=30.0, device_type="cpu")
+    mesh = ParallelDims().build("cpu", rendezvous=rendezvous)
+    bare = ParallelDims().build("cpu")  # on a process group made before: no rendezvous unless given
+    try:
+        bare.store_prefix("watchdog")
+    except RuntimeError as exc:
+        error = str(exc)
+    mesh.store.set(f"from/{rank}", str(rank))
+    other = mesh.store.get(f"from/{1 - rank}").decode()  # the store every rank shares
+    out = (rendezvous.address, rendezvous.host, rendezvous.attempt, type(mesh.store).__name__, mesh.store is
+           rendezvous.store, bare.store, mesh.store_prefix("watchdog"), mesh.store_prefix("watchdog"), other, error,
+           f"{socket.gethostname()}:{os.getpid()}")
+    dist.destroy_process_group()
+    return out
+
+
+def test_rendezvous_is_returned_and_kept_on_the_mesh():
+    port = free_port()
+    out = spawn(_kept, [0, 1], port, timeout=60)
+    for rank, (address, host, attempt, kind, same, bare, first, second, other, error, _) in out.items():
+        assert address == f"tcp://127.0.0.1:{port}" and kind == "TCPStore" and same and bare is None
+        assert host == f"rank 0 ({out[0][-1]})", host  # who hosts the store: rank 0's process, by name
+        assert (attempt, first, second, other) == ("0", "megakern/watchdog/0/1", "megakern/watchdog/0/2",
+                                                   str(1 - rank))
+        assert "no rendezvous store (torch.distributed was initialized outside init_distributed" in error
 
 
 def test_unreachable_rendezvous_names_rank_0():
