@@ -4,6 +4,7 @@ import errno
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -464,3 +465,14 @@ def test_leftovers_are_cleared_at_start_not_only_at_the_next_save(tmp_path):
     assert sorted(p.name for p in d.iterdir()) == ["latest", "step_00000001", "step_00000003"]
     assert restarted.latest() == three and load_fresh(restarted)[2]["tag"] == "three"
     assert restarted.remove_leftovers() == [] and len(lines) == 5
+
+
+def test_extra_files_cannot_take_the_checkpoints_own_names(tmp_path):
+    model, opt = trained()
+    manager = CheckpointManager(tmp_path / "ckpt")
+    for name in ("manifest.json", "state.json", "rng-rank00000.pt", "__0_0.distcp", "../outside.txt", ""):
+        t, _ = tree(model, opt)
+        with pytest.raises(CheckpointError, match=rf"capturing the RNG states and the state: save\(files=\.\.\.\): "
+                                                  rf"{re.escape(repr(name))} is not a plain file name"):
+            manager.save(1, t, state={}, files={name: "x"})
+    assert not manager.dir.exists() and not (tmp_path / "outside.txt").exists()
