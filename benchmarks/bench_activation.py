@@ -18,11 +18,11 @@ import torch
 import torch.nn.functional as F
 
 if __package__:
-    from .common import (Results, Unavailable, bench, check_outputs, load_providers, measure_copy_gbps, parse_args,
-                         record, report_failure)
+    from .common import (Results, Unavailable, bench, check_outputs, file_rows, load_providers, measure_copy_gbps,
+                         parse_args, record, report_failure)
 else:  # python benchmarks/bench_activation.py
-    from common import (Results, Unavailable, bench, check_outputs, load_providers, measure_copy_gbps, parse_args,
-                        record, report_failure)
+    from common import (Results, Unavailable, bench, check_outputs, file_rows, load_providers, measure_copy_gbps,
+                        parse_args, record, report_failure)
 
 MODES = ("fwd", "fwd+bwd")
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -97,8 +97,7 @@ def main(argv: list[str] | None = None) -> Results:
                     record(results, case, mode + (" graph" if args.graph else ""), name, t, "GB/s", gbps)
             except Exception as e:
                 report_failure(name, case, e)
-    if not args.no_save:
-        print(f"saved {results.save('activation', args.out)}")
+    file_rows(results, 'activation', args.out, args.no_save)
     print(results.markdown("GB/s"))
     return results
 

@@ -39,11 +39,11 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 if __package__:
-    from .common import (Results, Unavailable, bench, check_outputs, load_providers, measure_matmul_tflops, parse_args,
-                         record, report_failure)
+    from .common import (Results, Unavailable, bench, check_outputs, file_rows, load_providers, measure_matmul_tflops,
+                         parse_args, record, report_failure)
 else:  # python benchmarks/bench_attention.py
-    from common import (Results, Unavailable, bench, check_outputs, load_providers, measure_matmul_tflops, parse_args,
-                        record, report_failure)
+    from common import (Results, Unavailable, bench, check_outputs, file_rows, load_providers, measure_matmul_tflops,
+                        parse_args, record, report_failure)
 
 MODES = ("fwd", "fwd+bwd")
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -252,8 +252,7 @@ def main(argv: list[str] | None = None) -> Results:
                 _free(device)
         inputs = ref = None
         _free(device)
-    if not args.no_save:
-        print(f"saved {results.save('attention', args.out)}")
+    file_rows(results, 'attention', args.out, args.no_save)
     print(results.markdown("TFLOP/s"))
     return results
 

@@ -26,11 +26,11 @@ import torch
 import torch.nn.functional as F
 
 if __package__:
-    from .common import (Results, Unavailable, bench, check_outputs, load_providers, measure_matmul_tflops, parse_args,
-                         record, report_failure)
+    from .common import (Results, Unavailable, bench, check_outputs, file_rows, load_providers, measure_matmul_tflops,
+                         parse_args, record, report_failure)
 else:  # python benchmarks/bench_cross_entropy.py
-    from common import (Results, Unavailable, bench, check_outputs, load_providers, measure_matmul_tflops, parse_args,
-                        record, report_failure)
+    from common import (Results, Unavailable, bench, check_outputs, file_rows, load_providers, measure_matmul_tflops,
+                        parse_args, record, report_failure)
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 IGNORED = 0.05  # fraction of targets set to ignore_index (-100), as padding would
@@ -151,8 +151,7 @@ def main(argv: list[str] | None = None) -> Results:
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
         del ref
-    if not args.no_save:
-        print(f"saved {results.save('cross_entropy', args.out)}")
+    file_rows(results, 'cross_entropy', args.out, args.no_save)
     print(results.markdown("TFLOP/s"))
     if device.type == "cuda":
         print()

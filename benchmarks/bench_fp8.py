@@ -34,11 +34,11 @@ from typing import Callable
 import torch
 
 if __package__:
-    from .common import (Results, Unavailable, bench, load_providers, measure_copy_gbps, measure_matmul_tflops,
-                         parse_args, record, report_failure)
+    from .common import (Results, Unavailable, bench, file_rows, load_providers, measure_copy_gbps,
+                         measure_matmul_tflops, parse_args, record, report_failure)
 else:  # python benchmarks/bench_fp8.py
-    from common import (Results, Unavailable, bench, load_providers, measure_copy_gbps, measure_matmul_tflops,
-                        parse_args, record, report_failure)
+    from common import (Results, Unavailable, bench, file_rows, load_providers, measure_copy_gbps,
+                        measure_matmul_tflops, parse_args, record, report_failure)
 
 MODES = ("delayed", "delayed+T", "current", "row", "block", "tile")
 FP8 = torch.float8_e4m3fn
@@ -256,8 +256,7 @@ def main(argv: list[str] | None = None) -> Results:
             torch.cuda.empty_cache()
     run_gemms(results, device, args, wanted)
     run_linear(results, device, args, wanted)
-    if not args.no_save:
-        print(f"saved {results.save('fp8', args.out)}")
+    file_rows(results, 'fp8', args.out, args.no_save)
     print(results.markdown("GB/s"))
     print(results.markdown("TFLOP/s"))
     return results

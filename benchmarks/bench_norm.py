@@ -32,11 +32,11 @@ import torch
 import torch.nn.functional as F
 
 if __package__:
-    from .common import (Results, Unavailable, bench, check_outputs, load_providers, measure_copy_gbps, parse_args,
-                         record, report_failure)
+    from .common import (Results, Unavailable, bench, check_outputs, file_rows, load_providers, measure_copy_gbps,
+                         parse_args, record, report_failure)
 else:  # python benchmarks/bench_norm.py
-    from common import (Results, Unavailable, bench, check_outputs, load_providers, measure_copy_gbps, parse_args,
-                        record, report_failure)
+    from common import (Results, Unavailable, bench, check_outputs, file_rows, load_providers, measure_copy_gbps,
+                        parse_args, record, report_failure)
 
 OPS = ("rmsnorm", "layernorm")
 MODES = ("fwd", "fwd+bwd")
@@ -168,8 +168,7 @@ def main(argv: list[str] | None = None) -> Results:
                         record(results, case, mode + (" graph" if args.graph else ""), name, t, "GB/s", gbps)
                 except Exception as e:
                     report_failure(name, case, e)
-    if not args.no_save:
-        print(f"saved {results.save('norm', args.out)}")
+    file_rows(results, 'norm', args.out, args.no_save)
     print(results.markdown("GB/s"))
     return results
 

@@ -17,10 +17,11 @@ Both providers start from the same state and must agree on the masters after one
 import torch
 
 if __package__:
-    from .common import (Results, Unavailable, bench, load_providers, measure_copy_gbps, parse_args, record,
+    from .common import (Results, Unavailable, bench, file_rows, load_providers, measure_copy_gbps, parse_args, record,
                          report_failure)
 else:  # python benchmarks/bench_optim.py
-    from common import Results, Unavailable, bench, load_providers, measure_copy_gbps, parse_args, record, report_failure
+    from common import (Results, Unavailable, bench, file_rows, load_providers, measure_copy_gbps, parse_args, record,
+                        report_failure)
 
 BYTES_PER_PARAM = 28
 MODELS = {"gpt-350m": (24, 1024), "gpt-1.3b": (24, 2048)}
@@ -118,8 +119,7 @@ def main(argv: list[str] | None = None) -> Results:
                 del state, step
             except Exception as e:
                 report_failure(name, case, e)
-    if not args.no_save:
-        print(f"saved {results.save('optim', args.out)}")
+    file_rows(results, 'optim', args.out, args.no_save)
     print(results.markdown("GB/s"))
     return results
 

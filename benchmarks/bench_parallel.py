@@ -29,9 +29,10 @@ Layouts are written as factors: "1", "dp2", "dp2-ddp", "tp2", "pp2", "cp2", "tp2
 (dp defaults to FSDP; "-ovl" overlaps the row-parallel layers' reduce-scatter with their matmuls, e.g. "tp2-ovl"; a
 last "-graph" captures the step in a CUDA graph (train.cuda_graph) after the warm-up: "1-graph", "tp2-ovl-graph",
 "dp2-ddp-graph" (DDP: 11 eager steps first), compared with "1-graph" and "1xK-graph"). The GPUs needed are the
-product of the factors; layouts needing more than this machine has are skipped with a line saying so. "1xK" runs K independent one-GPU trainings at once, one per GPU (ms: the slowest's
-step; tok/s: all K at that pace, as ranks in lock step would go): no communication at all, so its scaling against
-"1" is what sharing the host costs (CPU, memory bandwidth, driver), the ceiling of any K-GPU layout on this machine.
+product of the factors; layouts needing more than this machine has are skipped with a line saying so. "1xK" runs K
+independent one-GPU trainings at once, one per GPU (ms: the slowest's step; tok/s: all K at that pace, as ranks in
+lock step would go): no communication at all, so its scaling against "1" is what sharing the host costs (CPU, memory
+bandwidth, driver), the ceiling of any K-GPU layout on this machine.
 
     python -m benchmarks.bench_parallel --model gpt-350m --layouts 1,dp2-ddp,dp2,tp2,pp2,cp2 --overlap
     python -m benchmarks.bench_parallel --model gpt-1.3b --micro-batch 4 --layouts 1,dp4,tp4,tp2.dp2
@@ -62,10 +63,10 @@ from pathlib import Path
 
 import torch
 
-if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import RESULTS_DIR, Results
+if __package__:
+    from .common import RESULTS_DIR, Results, file_rows
+else:  # python benchmarks/bench_parallel.py
+    from common import RESULTS_DIR, Results, file_rows
 
 BENCH = "parallel"
 REPO = Path(__file__).resolve().parents[1]
@@ -165,13 +166,15 @@ def run_layout(layout: Layout, args, run_dir: Path, data_cache: Path) -> tuple[d
         f"model.preset={args.model}", f"train.device={args.device}", f"train.precision={args.precision}",
         f"train.micro_batch_size={args.micro_batch}",
         f"train.global_batch_size={args.micro_batch * layout.dp * accum}",
-        f"train.steps={layout.untimed(args.warmup) + args.steps}", "eval.every=0", "checkpoint.every=0", "checkpoint.final=false",
+        f"train.steps={layout.untimed(args.warmup) + args.steps}", "eval.every=0", "checkpoint.every=0",
+        "checkpoint.final=false",
         "data.max_epochs=1000", "eval.batches=1", "train.sample_tokens=0", "log.progress=false",
         "log.tensorboard=false", "log.every=1000000",
         f"data.num_workers={args.data_workers}", f"data.cache_dir={data_cache}", f"log.run_dir={run_dir}",
         f"parallel.tp={layout.tp}", f"parallel.pp={layout.pp}", f"parallel.cp={layout.cp}",
         f"parallel.dp={layout.dp}", f"parallel.dp_shard={layout.dp_shard}",
-        f"parallel.zero1={str(layout.zero1).lower()}", f"parallel.tp_comm_overlap={str(layout.tp_comm_overlap).lower()}",
+        f"parallel.zero1={str(layout.zero1).lower()}",
+        f"parallel.tp_comm_overlap={str(layout.tp_comm_overlap).lower()}",
         *args.override,
     ]
     if layout.cuda_graph:
@@ -354,7 +357,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", type=Path, metavar="DIR",
                    help="profile each layout instead (megakern-train --profile: 3 steps under torch.profiler) and "
                         "copy rank 0's kernel and host tables to DIR/<model>_<layout>_kernels.txt; no figures")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR)
+    p.add_argument("--out", type=Path, default=None,
+                   help=f"results root (default: {RESULTS_DIR} for GPU runs and --from-log; a CPU run files no rows "
+                        "without it)")
     p.add_argument("--no-save", action="store_true")
     p.add_argument("--from-log", type=Path, metavar="LOG",
                    help="save the rows of an earlier run from its printed log (when its CSV did not come back), as "
@@ -425,7 +430,7 @@ def available_gpus(device: str) -> int:
 def main(argv=None) -> Results | None:
     args = parse_args(argv)
     if args.from_log:
-        print(f"saved {save_from_log(args.from_log, args.meta, args.out)}")
+        print(f"saved {save_from_log(args.from_log, args.meta, args.out or RESULTS_DIR)}")
         return None
     if args.collective_worker:
         _collective_worker(args.numel, args.collective_worker, reps=10, device_type=torch.device(args.device).type,
@@ -525,8 +530,8 @@ def _main(args) -> Results:
             if any(m == metric for *_, m, _ in results.figures):
                 print(results.markdown(metric))
                 print()
-        if not args.no_save and results.figures:
-            print(f"saved {results.save(BENCH, args.out)}")
+        if results.figures:
+            file_rows(results, BENCH, args.out, args.no_save)
     return results
 
 

@@ -42,10 +42,10 @@ from typing import Callable, NamedTuple
 import torch
 
 if __package__:
-    from .common import (Results, Unavailable, bench, load_providers, measure_copy_gbps, parse_args, record,
+    from .common import (Results, Unavailable, bench, file_rows, load_providers, measure_copy_gbps, parse_args, record,
                          report_failure)
 else:  # python benchmarks/bench_rotary.py
-    from common import (Results, Unavailable, bench, load_providers, measure_copy_gbps, parse_args, record,
+    from common import (Results, Unavailable, bench, file_rows, load_providers, measure_copy_gbps, parse_args, record,
                         report_failure)
 
 MODES = ("fwd", "fwd+bwd")
@@ -336,8 +336,7 @@ def main(argv: list[str] | None = None) -> Results:
                 _free(device)
         q = k = dq = dk = ref = None
         _free(device)
-    if not args.no_save:
-        print(f"saved {results.save('rotary', args.out)}")
+    file_rows(results, 'rotary', args.out, args.no_save)
     print(results.markdown("GB/s"))
     return results
 

@@ -18,8 +18,9 @@ Providers, each built fresh and freed before the next:
 
 Figures per provider: tok/s = micro_batch * seq / (median step time over the timed steps, warm-up steps
 excluded; CUDA events recorded between consecutive steps, so the time of a step is the device's when the host keeps
-ahead and the host's when it does not: the throughput a run gets), model TFLOP/s = tok/s * F, MFU = model FLOP/s / the GPU's dense
-bf16 peak (megakern._log.PEAK_BF16_FLOPS), peak GiB = torch.cuda.max_memory_allocated over the provider's run.
+ahead and the host's when it does not: the throughput a run gets), model TFLOP/s = tok/s * F, MFU = model FLOP/s / the
+GPU's dense bf16 peak (megakern._log.PEAK_BF16_FLOPS), peak GiB = torch.cuda.max_memory_allocated over the provider's
+run.
 F = megakern's GPT.flops_per_token(seq) for every provider (same architecture): 6 N (N = matmul weights, the tied
 output projection included) + 12 * n_layer * n_embd * seq (attention; the causal half not discounted), 2.42 GFLOP per
 token for this shape. TFLOP/s rows also get a fraction of the same-run bf16 matmul roofline.
@@ -41,7 +42,6 @@ import argparse
 import contextlib
 import gc
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -49,11 +49,12 @@ from pathlib import Path
 
 import torch
 
-if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import (RESULTS_DIR, Results, Unavailable, load_providers, measure_matmul_tflops,
-                               report_failure)
+if __package__:
+    from .common import (RESULTS_DIR, Results, Unavailable, file_rows, load_providers, measure_matmul_tflops,
+                         report_failure)
+else:  # python benchmarks/bench_train.py
+    from common import (RESULTS_DIR, Results, Unavailable, file_rows, load_providers, measure_matmul_tflops,
+                        report_failure)
 
 BENCH = "train"
 
@@ -260,7 +261,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 8; tiny 1)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 20; tiny 3)")
     parser.add_argument("--micro-batch", type=int, default=None, help="override the shape's micro-batch")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results root (default: %(default)s)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"results root (default: {RESULTS_DIR} for a GPU run; a CPU run files no rows without it)")
     parser.add_argument("--no-save", action="store_true", help="print the table, write no CSV rows")
     return parser.parse_args(argv)
 
@@ -320,8 +322,7 @@ def main(argv=None) -> Results:
               f"{tok_s:12.0f} tok/s {tflops:8.1f} TFLOP/s MFU {mfu} peak {figures['GiB']:.2f} GiB "
               f"(setup {figures['setup_s']:.0f} s, steps {figures['run_s']:.1f} s)")
     print(f"run time: {time.perf_counter() - began:.0f} s")
-    if not args.no_save:
-        print(f"saved {results.save(BENCH, args.out)}")
+    file_rows(results, BENCH, args.out, args.no_save)
     for metric in ("tok/s", "TFLOP/s", "MFU", "GiB"):
         if any(f[3] == metric for f in results.figures):
             print()

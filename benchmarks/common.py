@@ -2,8 +2,13 @@
 
 Every benchmark measures its ceilings in the same run (`measure_copy_gbps`, `measure_matmul_tflops`),
 times each provider with `bench` (median and p20/p80 in ms) and collects figures in `Results`, which
-appends them to `benchmarks/results/<gpu>/<bench>.csv` with the header in `CSV_HEADER` and renders the
-markdown table printed last. CPU runs are smoke tests of this machinery, not figures to keep.
+appends them to `benchmarks/results/<gpu>/<bench>.csv` with the header in `CSV_HEADER` (`file_rows`) and renders
+the markdown table printed last.
+
+A run on a CPU is a smoke test of this machinery and of each provider's outputs, on tiny shapes: what it measures is
+the host time per call, dominated by Python and dispatch. It prints those milliseconds, not GB/s, TFLOP/s or
+fractions of a roofline (figures of a device, meaningless for a few KiB on a shared CPU), and files no rows unless
+``--out`` names a directory.
 """
 
 import argparse
@@ -23,6 +28,9 @@ CSV_HEADER = ("date", "git_sha", "gpu", "torch", "triton", "bench", "case", "mod
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # Same-run ceilings: figure metric -> roofline metric it is divided by.
 ROOFLINES = {"GB/s": "copy GB/s", "TFLOP/s": "bf16 matmul TFLOP/s"}
+SMOKE_NOTE = ("{device}: a smoke run on tiny shapes, each provider checked against the fp32 reference and timed; "
+              "ms per call on this {device}, mostly host overhead. {metric} and fractions of the roofline are figures "
+              "of a CUDA device: run this benchmark on a GPU for them.")
 
 _VENDOR_WORDS = {"nvidia", "amd", "tesla", "geforce", "quadro", "radeon", "instinct"}
 
@@ -173,6 +181,8 @@ class Results:
             triton_version = "none"
         self.meta = {"gpu": gpu_slug(device), "git_sha": git_sha(), "torch": torch.__version__,
                      "triton": triton_version}
+        # Not a CUDA device: rates of tiny shapes against a roofline mean nothing; ms per call is what is shown.
+        self.smoke = torch.device(device).type != "cuda"
         self.figures: list[tuple[str, str, str, str, float]] = []
         self.rooflines: dict[str, float] = {}  # figure metric ('GB/s') -> roofline value
 
@@ -214,19 +224,26 @@ class Results:
         return path
 
     def markdown(self, metric: str) -> str:
-        """Table of one metric: a row per (case, mode), a column per provider, cells 'value unit (frac)'."""
+        """Table of one metric: a row per (case, mode), a column per provider, cells 'value unit (frac)'.
+
+        In a smoke run a metric with a roofline (GB/s, TFLOP/s) is not shown: the table gives the same cells' ms per
+        call instead, under a line saying what was measured (``SMOKE_NOTE``)."""
+        shown = "ms" if self.smoke and metric in ROOFLINES else metric
+        wanted = {(case, mode, provider) for case, mode, provider, m, _ in self.figures if m == metric}
         cells: dict[tuple[str, str], dict[str, str]] = {}
         providers: list[str] = []
         for case, mode, provider, m, value in self.figures:
-            if m != metric or provider == "roofline":
+            if m != shown or provider == "roofline" or (case, mode, provider) not in wanted:
                 continue
             if provider not in providers:
                 providers.append(provider)
-            frac = self.frac(metric, value)
+            frac = None if shown == "ms" else self.frac(metric, value)
             cells.setdefault((case, mode), {})[provider] = (
-                f"{_fmt_short(value)} {metric}" + (f" ({frac:.2f})" if frac is not None else ""))
+                f"{_fmt_short(value)} {shown}" + (f" ({frac:.2f})" if frac is not None else ""))
         lines = []
-        if metric in self.rooflines:
+        if shown != metric:
+            lines += [SMOKE_NOTE.format(device=self.meta["gpu"], metric=metric), ""]
+        elif metric in self.rooflines:
             lines += [f"Same-run roofline, {ROOFLINES[metric]}: {_fmt_short(self.rooflines[metric])}", ""]
         lines += ["| " + " | ".join(["case", "mode", *providers]) + " |",
                   "|" + "---|" * (2 + len(providers))]
@@ -246,12 +263,29 @@ def check_outputs(names, outs, ref, tol: float, floor: float = 1.0) -> None:
 
 def record(results: "Results", case: str, mode: str, provider: str, timing: dict[str, float], metric: str,
            value: float) -> None:
-    """File the median time and one figure for (case, mode, provider), and print the line."""
+    """File the median time and one figure for (case, mode, provider), and print the line (in a smoke run the time
+    alone: see ``Results.smoke``)."""
     results.add(case, mode, provider, "ms", timing["median"])
     results.add(case, mode, provider, metric, value)
-    print(f"{case:<34} {mode:<14} {provider:<16} {timing['median']:9.4f} ms "
-          f"[p20 {timing['p20']:.4f}, p80 {timing['p80']:.4f}] {value:9.2f} {metric} "
-          f"({results.frac(metric, value):.2f})")
+    line = (f"{case:<34} {mode:<14} {provider:<16} {timing['median']:9.4f} ms "
+            f"[p20 {timing['p20']:.4f}, p80 {timing['p80']:.4f}]")
+    if not results.smoke:
+        line += f" {value:9.2f} {metric} ({results.frac(metric, value):.2f})"
+    print(line)
+
+
+def file_rows(results: "Results", bench_name: str, out: Path | None, no_save: bool = False) -> Path | None:
+    """Append the run's rows under ``out`` (default: benchmarks/results/ for a GPU run) and say where; a smoke run
+    files none unless ``out`` is given. Returns the CSV written, if any."""
+    if no_save:
+        return None
+    if out is None and results.smoke:
+        print(f"no rows filed: a {results.meta['gpu']} run is a smoke test, not figures for {RESULTS_DIR} "
+              "(--out DIR files them under DIR)")
+        return None
+    path = results.save(bench_name, RESULTS_DIR if out is None else out)
+    print(f"saved {path}")
+    return path
 
 
 def parse_args(description: str, argv: list[str] | None = None,
@@ -262,7 +296,8 @@ def parse_args(description: str, argv: list[str] | None = None,
     if extra is not None:
         extra(parser)
     parser.add_argument("--quick", action="store_true", help="fewer cases")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results root (default: %(default)s)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"results root (default: {RESULTS_DIR} for a GPU run; a CPU run files no rows without it)")
     parser.add_argument("--no-save", action="store_true", help="print the table, write no CSV rows")
     parser.add_argument("--device", type=torch.device, default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--providers", type=lambda s: {p.strip() for p in s.split(",") if p.strip()},

@@ -1,6 +1,7 @@
 """The benchmark harness on CPU: timing, rooflines, provider lookup, CSV rows and the markdown table."""
 
 import csv
+import re
 import subprocess
 import sys
 import types
@@ -10,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from benchmarks import bench_activation, bench_attention, bench_fp8, bench_norm, bench_optim
-from benchmarks.common import (CSV_HEADER, Results, Unavailable, bench, gpu_slug, git_sha, load_providers,
-                               measure_copy_gbps, measure_matmul_tflops)
+from benchmarks import bench_activation, bench_attention, bench_fp8, bench_norm, bench_optim, common
+from benchmarks.common import (CSV_HEADER, Results, Unavailable, bench, file_rows, gpu_slug, git_sha, load_providers,
+                               measure_copy_gbps, measure_matmul_tflops, record)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -71,6 +72,7 @@ def test_load_providers(capsys):
 
 def test_results_fractions_and_markdown():
     results = Results("cpu")
+    results.smoke = False  # the table of a CUDA run
     results.add_roofline("GB/s", 4000.0)
     results.add("rmsnorm 16384x8192 bf16", "fwd", "torch", "ms", 0.25)
     results.add("rmsnorm 16384x8192 bf16", "fwd", "torch", "GB/s", 3000.0)
@@ -82,6 +84,42 @@ def test_results_fractions_and_markdown():
     table = results.markdown("GB/s")
     assert "| case | mode | torch | megakern-triton |" in table
     assert "| rmsnorm 16384x8192 bf16 | fwd | 3000 GB/s (0.75) | 3987 GB/s (1.00) |" in table
+
+
+def test_gpu_run_prints_rates_and_files_rows_by_default(tmp_path, monkeypatch, capsys):
+    """A CUDA run's line gives the figure and its fraction of the roofline; its rows go to benchmarks/results/."""
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path / "results")
+    results = Results("cpu")
+    results.smoke = False  # as on a CUDA device
+    results.add_roofline("GB/s", 4000.0)
+    record(results, "rmsnorm 16384x8192 bf16", "fwd", "torch", {"median": 0.5, "p20": 0.4, "p80": 0.6}, "GB/s", 3000)
+    assert capsys.readouterr().out.rstrip().endswith("[p20 0.4000, p80 0.6000]   3000.00 GB/s (0.75)")
+    assert file_rows(results, "norm", None) == tmp_path / "results" / "cpu" / "norm.csv"
+    assert file_rows(results, "norm", tmp_path / "elsewhere", no_save=True) is None
+    assert "Same-run roofline, copy GB/s: 4000" in results.markdown("GB/s")
+
+
+def test_cpu_run_prints_times_and_files_no_rows_by_default(tmp_path, monkeypatch, capsys):
+    """A CPU run says what it measured (ms per call of tiny shapes) and prints no GB/s nor fraction of a roofline:
+    a few KiB against a copy of 16 MiB on a shared CPU gave rows like 0.0167 GB/s (0.00) next to 6.66 GB/s (0.14).
+    Without --out it writes nothing under benchmarks/results/."""
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path / "results")
+    results = bench_norm.main(["--device", "cpu", "--providers", "torch"])
+    out = capsys.readouterr().out
+    assert not (tmp_path / "results").exists()
+    assert "no rows filed: a cpu run is a smoke test" in out and "(--out DIR files them under DIR)" in out
+    assert re.search(r"\d GB/s|roofline, copy|\(0\.\d\d\)", out) is None, out
+    assert ("cpu: a smoke run on tiny shapes, each provider checked against the fp32 reference and timed; ms per call "
+            "on this cpu, mostly host overhead. GB/s and fractions of the roofline are figures of a CUDA device") in out
+    timing_lines = [line for line in out.splitlines() if line.startswith(("rmsnorm ", "layernorm "))]
+    assert len(timing_lines) == 2 * 2 * len(bench_norm.MODES)  # two ops, two shapes
+    timing = re.compile(r".* torch +\d+\.\d{4} ms \[p20 \d+\.\d{4}, p80 \d+\.\d{4}\]")
+    assert all(timing.fullmatch(line) for line in timing_lines), timing_lines
+    table = out.split("\n| case | mode | torch |\n|---|---|---|\n")[1].splitlines()
+    assert len(table) == len(timing_lines)
+    assert all(re.fullmatch(r"\| \S+ \S+ fp32 \| \S+ \| \S+ ms \|", row) for row in table), table
+    ms = {(f[0], f[1]): f[4] for f in results.figures if f[3] == "ms"}
+    assert all(value > 0 for value in ms.values()) and len(ms) == len(timing_lines)
 
 
 def _wrong(device):
@@ -215,7 +253,7 @@ def test_bench_attention_cpu_smoke(tmp_path, capsys, monkeypatch):
     assert "skip capped on attn hs32 T64 B1 noncausal fp32: run only up to T=32 on cpu" in out
     assert "skip raises on attn hs32 T64 B1 causal fp32: RuntimeError: kernel launch failed" in out
     assert "| case | mode | torch | sdpa-flash | bthd |" in out.split("saved ")[-1]  # the table comes last
-    assert "Same-run roofline, bf16 matmul TFLOP/s:" in out
+    assert "TFLOP/s and fractions of the roofline are figures of a CUDA device" in out  # a CPU run: ms, no rates
 
     rows = _read_csv(tmp_path / "cpu" / "attention.csv")
     assert rows[0] == list(CSV_HEADER) and all(len(row) == 11 for row in rows)
