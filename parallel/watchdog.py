@@ -7,8 +7,8 @@ and says it. Each rank runs one background thread that
 - beats: every ``heartbeat_s`` it writes this rank's heartbeat into the rendezvous store (the TCPStore that
   ``init_distributed`` made, or torchrun's agent store): a counter it bumps, the phase the trainer is in ("step" 41,
   "eval" or "checkpoint" after step 40; ``begin_step`` / ``end_step``, ``phase``), for how long (on this rank's own
-  clock), and where the main thread's Python stack is (its innermost frame, the innermost frame outside torch, and
-  whether it waits inside torch.distributed). A counter that keeps moving tells "alive but stuck in step N" from
+  clock), and where the training thread's Python stack is (its innermost frame, the innermost frame outside torch,
+  and whether it waits inside torch.distributed). A counter that keeps moving tells "alive but stuck in step N" from
   "process gone" (or frozen: a stopped process, a dead node), whose counter stops;
 - watches its own phase: inside one step longer than ``timeout_s`` (the first ``first_steps`` steps and the other
   phases: ``first_timeout_s``, for compilation, CUDA-graph capture, NCCL communicator creation, evals and saves),
@@ -18,9 +18,10 @@ and says it. Each rank runs one background thread that
   doing, in ONE message to ``log``:
 
       error: step watchdog: rank 3 (node4:881) has been in step 41 for 301 s, past the step timeout of 300 s
-      (parallel.step_timeout_s). 2 ranks did not arrive: rank 3 (node4:881) is still in step 41 for 301 s at
-      __next__ (loader.py:88) (heartbeat 2 s ago: alive, stuck); rank 2 (node3:17): no heartbeat for 65 s
-      (process gone or frozen?), last seen in step 41 ... Ranks 0-1, 4-7 wait in step 42 ...
+      (parallel.step_timeout_s). 2 ranks did not arrive: rank 2 (node3:17): no heartbeat for 65 s (process gone
+      or frozen?), last seen in step 42 for 3.1 s at forward (model.py:210); rank 3 (node4:881) is still in step
+      41 for 301 s at __next__ (loader.py:88) (heartbeat 2.0 s ago: alive, stuck). Ranks 0-1, 4-7 wait in step
+      42. Every rank ends with exit code 124.
 
   then publishes the verdict, and every rank ends: ``log`` and ``on_timeout`` get the message, NCCL process groups
   are aborted (``ProcessGroup.abort``), output is flushed and the process exits with ``EXIT_CODE`` (a collective
@@ -28,19 +29,19 @@ and says it. Each rank runs one background thread that
   ends as soon as it sees the verdict, so none is left waiting.
 
 Staleness is measured by each observer on its own monotonic clock ("a counter that has not changed for X s of my
-time"), never by comparing ranks' clocks (../shared/ASSUMPTIONS.md, contract 1). When every live rank is in the
-same phase, the ranks whose main thread is NOT inside torch.distributed are the ones the others wait for.
+time"), never by comparing ranks' clocks (contract 1, docs/contracts.md). When every live rank is in the same
+phase, the ranks whose training thread is NOT inside torch.distributed are the ones the others wait for.
 
 An exception that leaves a phase (``phase``, or the watchdog's own ``with`` block) is published too: the diagnosing
 rank names the failed rank, its exception and the ranks gone or behind (gloo raises "Connection closed by peer" on
 the survivors of a dead rank without saying which rank), and the exception then goes on its way. A rank still
 running ``grace_s`` after such a verdict (an NCCL collective waiting for the failed rank) is ended as above.
 
-Cost on the training thread: ``begin_step`` / ``end_step`` replace one small tuple (about a microsecond); every
-store operation is on the background thread, through its own connection (``store.clone()``), each bounded by a
-deadline: a store that stops answering cannot block the watchdog, and is itself reported (with who hosts it).
-Store traffic: one set and one add per rank per heartbeat, plus one multi_get of every rank's key per heartbeat on
-each of the two diagnosing ranks.
+Cost on the training thread: ``begin_step`` / ``end_step`` each replace one small tuple (microseconds), nothing
+else. Every store operation is on the background thread, through its own connection (``store.clone()``), each
+bounded by a deadline: a store that stops answering cannot block the watchdog, and is itself reported (with who
+hosts it). Store traffic per heartbeat: one set and two adds per rank (about 200 bytes), and one multi_get of every
+rank's heartbeat on each of the two diagnosing ranks.
 """
 from __future__ import annotations
 
@@ -66,6 +67,7 @@ EXIT_GRACE_S = 30.0  # the most time logging, on_timeout and the NCCL abort get 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _DIST_DIR = os.path.join(_TORCH_DIR, "distributed") + os.sep
 _FAILURE_CHARS = 300  # of an exception's first line in a heartbeat
+DETAILED = 8  # ranks of each kind a verdict describes one by one; the rest as ranges
 
 
 class WatchdogError(RuntimeError):
@@ -88,6 +90,7 @@ class _Phase(NamedTuple):
     limit: float = math.inf  # seconds this phase may last
     limit_text: str = ""  # e.g. "the step timeout of 300 s (parallel.step_timeout_s)"
     failed: str | None = None  # "TypeName: message" of an exception that left the phase
+    thread: int | None = None  # the thread that began it: whose stack the heartbeat shows
 
 
 # ---- the store, on a thread of its own ------------------------------------------------------------------------
@@ -199,7 +202,9 @@ def verdict(trigger: str, seen: dict[int, Seen], stale_s: float, *, hang: bool,
     """The diagnosis: (summary, message, the ranks named). ``seen``: rank -> ``Seen``; a heartbeat unchanged for
     ``stale_s`` means the process is gone (or frozen). Named, in this order: ranks gone, ranks that never beat,
     ranks behind the most advanced live rank (an earlier step or phase), failed ranks; when none of those, the live
-    ranks in the common phase whose main thread is not inside torch.distributed (the others wait there for them)."""
+    ranks in the common phase whose main thread is not inside torch.distributed (the others wait there for them).
+    Each kind lists its first ``DETAILED`` ranks in full and the rest as ranges; ranks that failed alike (same
+    exception, same phase) are one entry."""
     gone, missing, failed, live = [], [], [], []
     for r, s in sorted(seen.items()):
         if s.state is None:
@@ -216,60 +221,68 @@ def verdict(trigger: str, seen: dict[int, Seen], stale_s: float, *, hang: bool,
     behind = [r for r in live if _progress(seen[r].state) < front]
     level = [r for r in live if _progress(seen[r].state) == front]
     stuck = []
-    if not (gone or missing or behind or failed):
-        waiting = [r for r in level if seen[r].state.get("comm")]
-        if waiting:
-            stuck = [r for r in level if not seen[r].state.get("comm")]
+    if not (gone or missing or behind or failed) and any(seen[r].state.get("comm") for r in level):
+        stuck = [r for r in level if not seen[r].state.get("comm")]
     named = sorted(set(gone + missing + behind + stuck + failed))
 
     def who(r):
-        return f"rank {r} ({seen[r].state.get('who', '?')})" if seen[r].state else f"rank {r}"
+        return f"rank {r} ({seen[r].state.get('who', '?')})"
 
-    details, short = [], []
-    for r in gone:
+    def listed(ranks, full, brief, what):  # (details, summary entries) of one kind of rank
+        details = [full(r) for r in ranks[:DETAILED]]
+        if len(ranks) > DETAILED:
+            details.append(f"{_ranks_text(ranks[DETAILED:])} {what} too")
+        entries = [brief(r) for r in ranks[:DETAILED]] + ([f"{len(ranks) - DETAILED} more"]
+                                                           if len(ranks) > DETAILED else [])
+        return details, entries
+
+    def gone_age(r):
         s = seen[r]
-        age = f"for {_seconds(s.age)} s" if s.changed else f"in the {_seconds(s.age)} s watched"
-        details.append(f"{who(r)}: no heartbeat {age} (process gone or frozen?), last seen {_doing(s.state)}")
-        short.append(f"rank {r} gone (no heartbeat {age})")
-    for r in missing:
-        details.append(f"rank {r}: no heartbeat at all (it never started its watchdog: stuck or gone before its "
-                       "first step?)")
-        short.append(f"rank {r} never beat")
-    for r in behind + stuck:
-        s = seen[r]
-        details.append(f"{who(r)} is still {_doing(s.state)} (heartbeat {_seconds(s.age)} s ago: alive, stuck)")
-        short.append(f"rank {r} is still {_doing(s.state, where=False).split(' for ')[0]} (alive, stuck)")
+        return f"for {_seconds(s.age)} s" if s.changed else f"in the {_seconds(s.age)} s watched"
+
+    kinds = [
+        listed(gone, lambda r: f"{who(r)}: no heartbeat {gone_age(r)} (process gone or frozen?), last seen "
+                               f"{_doing(seen[r].state)}",
+               lambda r: f"rank {r} gone (no heartbeat {gone_age(r)})", "are gone"),
+        listed(missing, lambda r: f"rank {r}: no heartbeat at all (it never started its watchdog: stuck or gone "
+                                  "before its first step?)", lambda r: f"rank {r} never beat", "never beat"),
+        listed(behind + stuck, lambda r: f"{who(r)} is still {_doing(seen[r].state)} (heartbeat "
+                                         f"{_seconds(seen[r].age)} s ago: alive, stuck)",
+               lambda r: f"rank {r} is still {_doing(seen[r].state, where=False).split(' for ')[0]} (alive, stuck)",
+               "are stuck"),
+    ]
+    alike: dict[tuple[str, str], list[int]] = {}
     for r in failed:
-        s = seen[r]
-        doing = _doing(s.state, where=False).replace("after ", "in ", 1)
-        details.append(f"{who(r)} failed {doing}: {s.state['failed']}")
-        short.append(f"rank {r} failed {doing.split(' for ')[0]}")
-    rest = [r for r in live if r not in named]
-    groups: dict[str, list[int]] = {}
-    for r in rest:
-        groups.setdefault(_doing(seen[r].state, where=False).split(" for ")[0], []).append(r)
+        doing = _doing(seen[r].state, where=False).replace("after ", "in ", 1).split(" for ")[0]
+        alike.setdefault((doing, seen[r].state["failed"]), []).append(r)
+    failures = [(f"{who(rs[0]) if len(rs) == 1 else _ranks_text(rs)} failed {doing}: {error}",
+                 f"{_ranks_text(rs)} failed {doing}") for (doing, error), rs in alike.items()]
+    kinds.append(([d for d, _ in failures[:DETAILED]], [b for _, b in failures[:DETAILED]]))
+    details = [d for ds, _ in kinds[:3] for d in ds]
+    failed_details = [d for d in kinds[3][0] if d not in trigger]
+    short = [b for _, bs in kinds for b in bs]
+
     def verb(rs):
         return ("wait" if named else "are") if len(rs) > 1 else ("waits" if named else "is")
 
-    rest_text = "; ".join(f"{_ranks_text(rs)} {verb(rs)} {what}" + (
+    groups: dict[str, list[int]] = {}
+    for r in live:
+        if r not in named:
+            groups.setdefault(_doing(seen[r].state, where=False).split(" for ")[0], []).append(r)
+    rest = "; ".join(f"{_ranks_text(rs)} {verb(rs)} {what}" + (
         f" (at {seen[rs[0]].state['where']})" if not named and seen[rs[0]].state.get("where") else "")
         for what, rs in groups.items())
     parts = [trigger]
-    details = [d for d in details if d not in trigger]
-    if not seen:
-        pass
-    elif gone or missing or behind or stuck:
-        not_arrived = [r for r in named if r not in failed]
-        parts.append(f"{len(not_arrived)} rank{'s' if len(not_arrived) > 1 else ''} did not arrive: "
-                     + "; ".join(details))
-    elif failed:
-        if details:
-            parts.append("; ".join(details))
-    else:
+    if details:
+        count = len(gone) + len(missing) + len(behind) + len(stuck)
+        parts.append(f"{count} rank{'s' if count > 1 else ''} did not arrive: " + "; ".join(details))
+    if failed_details:
+        parts.append("; ".join(failed_details))
+    if seen and not named:
         parts.append("no rank is behind, gone or outside torch.distributed (a rank may be stuck inside a kernel, "
                      "a collective the others never entered, or I/O)")
-    if rest_text:
-        parts.append(rest_text[0].upper() + rest_text[1:])
+    if rest:
+        parts.append(rest)
     if store_note:
         parts.append(store_note)
     message = ". ".join([parts[0].rstrip(".")] + [p[0].upper() + p[1:].rstrip(".") for p in parts[1:]]) + "."
@@ -277,9 +290,7 @@ def verdict(trigger: str, seen: dict[int, Seen], stale_s: float, *, hang: bool,
         message = f"error: step watchdog: {message} Every rank ends with exit code {EXIT_CODE}."
     else:
         message = f"step watchdog: {message}"
-    summary = "; ".join(short[:6]) + (f"; and {len(short) - 6} more" if len(short) > 6 else "")
-    if not summary:
-        summary = store_note or "no rank named"
+    summary = "; ".join(short) or store_note or "no rank named"
     return summary, message, named
 
 
@@ -404,7 +415,7 @@ class StepWatchdog:
         self.diagnosers = sorted({0, world - 1})
         self._phase = _Phase()
         self._steps_begun = 0
-        self._thread = self._link = self._main = None
+        self._thread = self._link = self._exit_thread = None
         self._closed = False
         self._wake = threading.Event()
         self._verdict_seen = threading.Event()
@@ -421,7 +432,6 @@ class StepWatchdog:
         else:
             self.prefix = f"megakern/watchdog/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         self._hb_keys = [f"{self.prefix}/hb/{r}" for r in range(self.world)]
-        self._main = threading.get_ident()
         self._beat = 0
         self._history: dict[int, list] = {}  # rank -> [raw, changed at (monotonic), first seen, changed seen]
         self._present: set[int] = set()
@@ -442,11 +452,12 @@ class StepWatchdog:
         return self
 
     def close(self) -> None:
-        """Publish "finished", stop the thread and the store connection (waits at most a few seconds). Idempotent."""
+        """Publish "finished", stop the thread and the store connection (waits at most a few seconds). Idempotent;
+        from ``on_timeout`` (the watchdog's own thread, about to end the process) it only marks the watchdog closed."""
         if self._closed:
             return
         self._closed = True
-        if self._thread is None:
+        if self._thread is None or threading.current_thread() in (self._thread, self._exit_thread):
             return
         self._wake.set()
         self._thread.join(self.heartbeat_s + self._link.timeout_s + 1.0)
@@ -495,7 +506,7 @@ class StepWatchdog:
         if name == "step":
             self._steps_begun += 1
         seq = current.seq + 1 if current.step == step else 1
-        self._phase = _Phase(name, step, seq, True, time.monotonic(), limit, text)
+        self._phase = _Phase(name, step, seq, True, time.monotonic(), limit, text, None, threading.get_ident())
 
     def end_phase(self, name: str, step: int | None = None) -> None:
         current = self._phase
@@ -530,7 +541,9 @@ class StepWatchdog:
         self._phase = self._phase._replace(open=False, failed=text)
         self._failure_text = text
         self._wake.set()
-        self._verdict_seen.wait(2 * self._verdict_wait + self.stale_s + 2 * self.heartbeat_s)
+        until = time.monotonic() + 2 * self._verdict_wait + self.stale_s + 2 * self.heartbeat_s
+        while self._thread.is_alive() and time.monotonic() < until and not self._verdict_seen.wait(0.1):
+            pass
 
     # -- the thread
     def _payload(self, closed: bool = False) -> bytes:
@@ -540,7 +553,7 @@ class StepWatchdog:
                  "open": ph.open}
         if ph.open:
             state["for"] = round(time.monotonic() - ph.since, 1)
-            state["where"], state["via"], state["comm"] = _where(self._main)
+            state["where"], state["via"], state["comm"] = _where(ph.thread)
         if ph.failed:
             state["failed"] = ph.failed
         if closed:
@@ -713,7 +726,7 @@ class StepWatchdog:
                 with contextlib.suppress(Exception):
                     stream.flush()
 
-        helper = threading.Thread(target=last_words, name="megakern-watchdog-exit", daemon=True)
+        self._exit_thread = helper = threading.Thread(target=last_words, name="megakern-watchdog-exit", daemon=True)
         helper.start()
         helper.join(EXIT_GRACE_S)
         os._exit(EXIT_CODE)

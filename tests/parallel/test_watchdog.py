@@ -60,6 +60,8 @@ def _rank(rank: int, world: int, port: int, scenario: str, out: str) -> None:
                                 os.kill(os.getpid(), signal.SIGKILL)
                             elif fault == "stop":
                                 os.kill(os.getpid(), signal.SIGSTOP)
+                            elif fault == "raise":
+                                raise ValueError("shard 7 is corrupt")
                     dist.all_reduce(torch.ones(4))
             with watchdog.phase("eval", 5):
                 dist.all_reduce(torch.ones(4))
@@ -72,6 +74,8 @@ def _rank(rank: int, world: int, port: int, scenario: str, out: str) -> None:
         dist.barrier()
     except Exception as exc:  # noqa: BLE001 - the test reads it
         mark("raised", f"{type(exc).__name__}: {exc}"[:300])
+        if fault == "raise" and rank == int(victim):
+            time.sleep(60)  # an exception path that never ends (the test kills it)
         os._exit(3)
     dist.destroy_process_group()
     os._exit(0)
@@ -176,6 +180,23 @@ def test_sigkilled_store_host_is_named_by_the_survivors(tmp_path):
         assert f"rank 0 ({who}) is gone or unreachable" in text, text
 
 
+def test_failed_rank_is_named_in_rank_0s_log_and_the_waiting_ranks_end(tmp_path):
+    """Rank 2's step raises and its process lingers; ranks 0-1 wait in a gloo collective that never errors (as NCCL
+    ranks would): rank 0's log names rank 2 and its exception, and both end after the grace period."""
+    codes, ended, logs = _launch(tmp_path, "raise:2", stopped=(2,))
+    assert codes[:2] == [WATCHDOG_EXIT_CODE] * 2, (codes, logs)
+    who = _marks(logs[2], "who")[0]
+    text = _messages(logs[0])
+    assert text[0] == f"step watchdog: rank 2 ({who}) failed in step 3: ValueError: shard 7 is corrupt. Ranks 0-1 " \
+                      "wait in step 3.", text
+    assert "is still running" in text[1] and "after the verdict (rank 2 failed in step 3)" in text[1], text
+    assert _messages(logs[1])[0] in [f"step watchdog: rank 2 failed in step 3 (rank {r}'s log has the details)"
+                                     for r in (0, 2)], logs[1]  # the two diagnosing ranks: 0 and the last
+    for r in (0, 1):  # the verdict comes about a heartbeat after the error; the grace is stale_s + 2 heartbeats
+        took = ended[r] - _marks(logs[r], "step3")[0]
+        assert took < STEP_S + 2.0 + 2 * HEARTBEAT_S + LATE_S, f"rank {r} ended {took:.1f} s after step 3 began"
+
+
 def test_normal_run_says_nothing_and_leaves_no_thread(tmp_path):
     codes, _, logs = _launch(tmp_path, "none:-1")
     assert codes == [0, 0, 0], (codes, logs)
@@ -230,6 +251,17 @@ def test_verdict_of_a_failure_and_of_finished_ranks():
     assert named == [0] and text.count("DataError") == 1, text  # the trigger says it once
     assert text.startswith("step watchdog: rank 0") and text.endswith("Rank 1 waits in step 3."), text
     assert "rank 2" not in text and summary == "rank 0 failed in step 3", (summary, text)
+
+
+def test_verdict_at_scale_lists_ranges_and_groups_alike_failures():
+    seen = {r: Seen(_state(3), 30.0) for r in range(12)}  # a node's worth gone
+    seen |= {r: Seen(_state(3, open_=False, failed="DataError: x"), 0.1) for r in (12, 13, 14)}
+    seen |= {r: Seen(_state(3), 0.1) for r in range(15, 64)}
+    summary, text, named = verdict("rank 15 (n:1) has been in step 3 for 300 s", seen, 20.0, hang=True)
+    assert named == list(range(15)) and text.count("no heartbeat for 30 s") == 8, text
+    assert "12 ranks did not arrive: " in text and "; ranks 8-11 are gone too. " in text, text
+    assert "Ranks 12-14 failed in step 3: DataError: x. Ranks 15-63 wait in step 3." in text, text
+    assert summary.endswith("rank 7 gone (no heartbeat for 30 s); 4 more; ranks 12-14 failed in step 3"), summary
 
 
 # ---- bad input, and the cost per step (one process, an in-memory store) ------------------------------------------
