@@ -200,6 +200,14 @@ def test_setup_switches_are_checked(tmp_path):
     proc = setup_py("--version", MEGAKERN_CUDA_ARCHS="sm_90", **_fake_cuda(tmp_path))
     assert proc.returncode != 0
     assert "MEGAKERN_CUDA_ARCHS='sm_90': expected compute capabilities such as '90a;80'" in proc.stderr
+    # --no-build-isolation builds with the environment's setuptools: one too old for pyproject.toml is named
+    old = tmp_path / "old-setuptools"
+    old.mkdir()
+    (old / "sitecustomize.py").write_text("import setuptools\nsetuptools.__version__ = '65.5.0'\n")
+    proc = setup_py("--version", PYTHONPATH=str(old))
+    assert proc.returncode != 0
+    assert "megakern: building needs setuptools>=77, found 65.5.0 at " in proc.stderr
+    assert "pip install -U 'setuptools>=77'" in proc.stderr
 
 
 def _version() -> str:
