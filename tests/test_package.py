@@ -22,13 +22,11 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import tomllib
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 # Directories of the package, as the tree holds them -> the installed package's name.
 PACKAGE_DIRS = {"megakern": "megakern", "parallel": "megakern.parallel", "models": "megakern.models"}
 NVCC_ERROR = "nvcc fatal   : Unsupported gpu architecture 'compute_90a'"
@@ -67,6 +65,11 @@ class FakeCudaTorch:
 
 sys.meta_path.insert(0, FakeCudaTorch())
 '''
+
+
+def _pyproject() -> dict:
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11's tomllib")
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
 def _tree(tmp_path: Path) -> Path:
@@ -246,10 +249,11 @@ def test_sdist_carries_the_sources_and_installs_the_kernels(tmp_path):
     meta = email.message_from_string((info / "METADATA").read_text())
     assert meta["Name"] == "megakern" and meta["Version"] == _version()
     assert meta["License-Expression"] == "BSD-3-Clause" and (info / "licenses" / "LICENSE").is_file()
-    assert meta["Requires-Python"] == PYPROJECT["project"]["requires-python"]
+    project = _pyproject()["project"]
+    assert meta["Requires-Python"] == project["requires-python"]
     assert meta.get_payload().startswith("# megakern")  # the README is the long description
     requires = meta.get_all("Requires-Dist")
-    assert {r for r in requires if "extra ==" not in r} == set(PYPROJECT["project"]["dependencies"])
+    assert {r for r in requires if "extra ==" not in r} == set(project["dependencies"])
     assert set(meta.get_all("Provides-Extra")) == {"triton", "hf", "nvrtc-cu12", "nvrtc-cu13", "wandb", "bench", "dev"}
     assert "megakern-train = megakern.train:main" in (info / "entry_points.txt").read_text()
 
@@ -257,7 +261,8 @@ def test_sdist_carries_the_sources_and_installs_the_kernels(tmp_path):
 def test_metadata_lives_in_pyproject_only():
     """One version (megakern.__version__, read by setuptools), one layout; setup.py adds the extension and nothing
     that pyproject.toml declares."""
-    project, tool = PYPROJECT["project"], PYPROJECT["tool"]["setuptools"]
+    pyproject = _pyproject()
+    project, tool = pyproject["project"], pyproject["tool"]["setuptools"]
     assert "version" not in project and project["dynamic"] == ["version"]
     assert tool["dynamic"]["version"] == {"attr": "megakern.__version__"}
     assert project["scripts"] == {"megakern-train": "megakern.train:main"}
@@ -279,8 +284,9 @@ DISTRIBUTIONS = {"yaml": "pyyaml", "liger_kernel": "liger-kernel", "cupy": "cupy
 
 def _declared() -> set[str]:
     """Names of every distribution pyproject.toml declares, as a dependency or in an extra."""
-    reqs = list(PYPROJECT["project"]["dependencies"])
-    reqs += [r for extra in PYPROJECT["project"]["optional-dependencies"].values() for r in extra]
+    project = _pyproject()["project"]
+    reqs = list(project["dependencies"])
+    reqs += [r for extra in project["optional-dependencies"].values() for r in extra]
     return {re.match(r"[A-Za-z0-9_.-]+", r)[0].lower() for r in reqs}
 
 
