@@ -59,8 +59,9 @@ def lr_at(step: int, *, lr: float, total_steps: int, warmup_steps: int = 0, deca
 
 
 class LRSchedule:
-    """``lr_at`` bound to a config: ``schedule(step) -> lr``; ``state_dict()`` / ``load_state_dict()`` record the
-    parameters, and loading refuses a checkpoint whose schedule differs unless told to accept it."""
+    """``lr_at`` bound to a config: ``schedule(step) -> lr``. ``state_dict()`` records the parameters in checkpoints
+    and ``from_state`` rebuilds that schedule (a resumed run keeps it unless schedule.on_resume=config);
+    ``differences`` names what another schedule changes, ``describe`` what is left of it."""
 
     def __init__(self, config: ScheduleConfig, *, lr: float, total_steps: int):
         self.config, self.lr, self.total_steps = config, lr, total_steps
@@ -71,6 +72,41 @@ class LRSchedule:
 
     def __call__(self, step: int) -> float:
         return lr_at(step, **self.kwargs)
+
+    @classmethod
+    def from_state(cls, state: dict) -> "LRSchedule":
+        """The schedule a checkpoint recorded (``state_dict()``'s output); ValueError naming what is missing or
+        wrong."""
+        keys = ("lr", "total_steps", "warmup_steps", "decay", "min_lr", "wsd_decay_fraction", "wsd_decay_shape")
+        if not isinstance(state, dict) or (missing := [k for k in keys if k not in state]):
+            raise ValueError(f"a schedule state needs {list(keys)}; missing "
+                             f"{missing if isinstance(state, dict) else 'everything'}")
+        config = ScheduleConfig(warmup_steps=state["warmup_steps"], decay=state["decay"], min_lr=state["min_lr"],
+                                wsd_decay_fraction=state["wsd_decay_fraction"],
+                                wsd_decay_shape=state["wsd_decay_shape"])
+        return cls(config, lr=state["lr"], total_steps=state["total_steps"])
+
+    def describe(self, done: int) -> str:
+        """What the schedule does after ``done`` optimizer steps, in the 1-based step numbers of the log (step n
+        runs at ``self(n - 1)``): the next step's lr, then each phase still ahead."""
+        k = self.kwargs
+        S, W, peak, floor = k["total_steps"], k["warmup_steps"], k["lr"], k["min_lr"]
+        n = done + 1
+        parts = [f"step {n} at lr {self(done):.3e}"]
+        if n > S:
+            return parts[0] + f", past the schedule's end (step {S}): its final lr from here on"
+        if n <= W:
+            parts.append(f"warmup to {peak:.3e} at step {W + 1}")
+        if k["decay"] == "constant":
+            parts.append(f"constant {peak:.3e} to step {S}")
+        elif k["decay"] == "wsd":
+            decay_steps = min(math.ceil(k["wsd_decay_fraction"] * S), S - W)
+            if n <= S - decay_steps:
+                parts.append(f"stable at {peak:.3e} to step {S - decay_steps}")
+            parts.append(f"{k['wsd_decay_shape']} decay to {floor:.3e} at step {S}")
+        else:
+            parts.append(f"{k['decay']} decay to {floor:.3e} at step {S}")
+        return ", ".join(parts) + "; later steps stay at the final lr"
 
     def state_dict(self) -> dict:
         return dict(self.kwargs)
