@@ -734,7 +734,8 @@ class CheckpointManager:
     def remove_leftovers(self) -> list[Path]:
         """Clear what killed saves and removals left in the directory (for start-up; every save does it too).
         Collective over ``group``: rank 0 acts, logging one line each, the others wait. Removed: .tmp-step_*
-        (temporary directories), .tmp-latest, .removing-* (removals cut short); a .replaced-step_* is moved back
+        (temporary directories), .tmp-latest (unless it names a complete checkpoint: a commit killed between its
+        last two renames, finished instead), .removing-* (removals cut short); a .replaced-step_* is moved back
         where its step directory is missing (a kill between a same-step save's renames), and removed where that
         step is complete. Returns the paths rank 0 removed or moved back (empty on other ranks). A pending
         asynchronous save is waited for first."""
@@ -747,8 +748,11 @@ class CheckpointManager:
         if not self.dir.is_dir():
             return []
         acted = []
-        for path in sorted(self.dir.iterdir()):
+        for path in sorted(self.dir.iterdir()):  # (.replaced-* before .tmp-latest: a same-step save's order)
             name = path.name
+            if name == TMP_PREFIX + LATEST and self._finish_pointer(path, note):
+                acted.append(path)
+                continue
             if name.startswith(TMP_PREFIX) or name.startswith(REMOVING_PREFIX):
                 what = "an interrupted removal" if name.startswith(REMOVING_PREFIX) else "an interrupted save"
                 try:
@@ -780,6 +784,25 @@ class CheckpointManager:
                 else:
                     note(f"left {path} alone: {original} exists but is incomplete; keep the complete one of the two")
         return acted
+
+    def _finish_pointer(self, pending: Path, note: Callable[[str], None]) -> bool:
+        """A .tmp-latest that names a complete checkpoint is a commit killed between its last two renames: the
+        pointer's text is written only after every rank's files are verified and the manifest is written, so the
+        checkpoint it names is committed; finish the commit (``latest`` then names it). Returns whether it did."""
+        try:
+            name = pending.read_text().strip()
+        except OSError:
+            return False
+        if not (STEP_DIR.fullmatch(name) and is_complete(self.dir / name)):
+            return False
+        try:
+            _rename(pending, self.dir / LATEST)
+            _fsync_dir(self.dir)
+        except OSError as exc:
+            note(f"could not complete the commit of {name} ({describe_error(exc)}): {pending} left as it is")
+            return False
+        note(f"completed the commit of {self.dir / name}, interrupted before `latest` named it: it does now")
+        return True
 
     # -- failures ---------------------------------------------------------------------------------------------
     def _failure(self, exc: BaseException, step: int, tmp: Path, final: Path, save_id: str,

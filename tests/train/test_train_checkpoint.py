@@ -467,6 +467,49 @@ def test_leftovers_are_cleared_at_start_not_only_at_the_next_save(tmp_path):
     assert restarted.remove_leftovers() == [] and len(lines) == 5
 
 
+KILLED_BEFORE_LATEST = r"""
+import os, signal, sys
+import torch
+from megakern import checkpoint as ck
+
+real = ck._rename
+def rename(src, dst):  # SIGKILL at the commit's last rename: the new checkpoint in place, `latest` not yet
+    if os.path.basename(src) == ".tmp-latest":
+        os.kill(os.getpid(), signal.SIGKILL)
+    real(src, dst)
+
+manager = ck.CheckpointManager(sys.argv[1])
+manager.save(1, {"w": torch.zeros(8)}, state={"tag": "old"})
+ck._rename = rename
+manager.save(2, {"w": torch.ones(8)}, state={"tag": "new"})
+"""
+
+
+def test_a_commit_killed_before_latest_is_finished_at_the_next_start(tmp_path):
+    """A real SIGKILL between the rename of the new checkpoint and the rename of the pointer: the pointer's text
+    (written only once every rank's files are verified) names a complete checkpoint, so the next start finishes the
+    commit instead of throwing it away, and a resume takes the new checkpoint."""
+    directory = tmp_path / "ckpt"
+    proc = subprocess.run([sys.executable, "-c", KILLED_BEFORE_LATEST, str(directory)], capture_output=True,
+                          text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+    assert (directory / "latest").read_text().strip() == "step_00000001"
+    assert (directory / ".tmp-latest").read_text().strip() == "step_00000002"
+    lines = []
+    manager = CheckpointManager(directory, log=lines.append)
+    assert manager.remove_leftovers() == [directory / ".tmp-latest"]
+    assert lines == [f"completed the commit of {directory / 'step_00000002'}, interrupted before `latest` named it: "
+                     "it does now"]
+    assert manager.latest() == directory / "step_00000002" and hidden(manager) == []
+    tree = {"w": torch.empty(8)}
+    assert manager.load(directory, tree)["tag"] == "new" and torch.equal(tree["w"], torch.ones(8))
+    # pointer text naming something incomplete (a commit undone) is removed, not followed
+    (directory / ".tmp-latest").write_text("step_00000007\n")
+    (directory / "step_00000007").mkdir()
+    assert manager.remove_leftovers() == [directory / ".tmp-latest"]
+    assert manager.latest(warn=False) == directory / "step_00000002"
+
+
 def test_extra_files_cannot_take_the_checkpoints_own_names(tmp_path):
     model, opt = trained()
     manager = CheckpointManager(tmp_path / "ckpt")
