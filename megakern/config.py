@@ -80,9 +80,15 @@ class DataConfig:
     micro-batch (documents otherwise run across sample boundaries in one causal window)."""
     num_workers: int = 1
     """DataLoader worker processes; capped to the usable CPUs with a warning."""
+    loader_timeout_s: float = 600.0
+    """Seconds to wait for a batch from the DataLoader's worker processes (num_workers >= 1); a worker stuck reading
+    (e.g. a hung network filesystem) or gone stops the run with an error naming the dataset."""
     allow_fingerprint_change: bool = False
     """Resume even if the data's fingerprint differs from the checkpoint's (other files, seed, split or length:
     the sample order will not continue the checkpoint's)."""
+    allow_extreme_weights: bool = False
+    """Accept blend weights whose largest / smallest ratio exceeds 1e4 (almost certainly a typo otherwise, e.g.
+    1e6 : 0.001); the mix is printed at start-up either way."""
 
 
 @dataclass
@@ -173,6 +179,11 @@ class ScheduleConfig:
     """Fraction of train.steps that WSD's decay takes."""
     wsd_decay_shape: Literal["linear", "cosine", "1-sqrt"] = "1-sqrt"
     """WSD's decay curve from optim.lr to min_lr."""
+    on_resume: Literal["checkpoint", "config"] = "checkpoint"
+    """Which schedule a resumed run follows: 'checkpoint' keeps the checkpoint's (its peak, warmup, decay and
+    length: a larger train.steps runs the extra steps at the schedule's final lr, and a changed schedule key is only
+    noted); 'config' applies this run's keys and train.steps from the resumed step on (how a WSD run is extended:
+    its decay moves to the new end). The log states what the schedule does from the resumed step either way."""
 
 
 @dataclass
@@ -206,6 +217,11 @@ class CheckpointConfig:
     checkpoint directory if it holds one, else start fresh)."""
     verify: bool = True
     """Check every file's sha256 against the manifest when loading."""
+    async_save: bool = False
+    """Save in the background: the tensors are copied into CPU memory (host RAM for one more copy of this rank's
+    shards) and the run goes on while torch.distributed.checkpoint's async_save writes them and the same commit
+    protocol completes; the next save, the end of the run, or a stop waits for it, and its failure stops the run
+    there."""
 
 
 @dataclass
@@ -220,6 +236,18 @@ class LogConfig:
     """Show a progress bar (tqdm) on the console when it is a terminal (piped output gets the log lines)."""
     tensorboard: bool = True
     """Write TensorBoard scalars to the run directory (needs the tensorboard package; checked at start-up)."""
+    wandb: bool = False
+    """Also log to Weights & Biases (the writer rank; needs the wandb package and, online, credentials: checked at
+    start-up). Its files go to <run dir>/wandb."""
+    wandb_project: str = "megakern"
+    """Weights & Biases project."""
+    wandb_entity: str | None = None
+    """Weights & Biases entity (user or team); None: the account's default."""
+    wandb_name: str | None = None
+    """Name of the Weights & Biases run; None: the run directory's name."""
+    wandb_mode: Literal["online", "offline"] = "online"
+    """'online' streams to the server (needs WANDB_API_KEY or a netrc entry from `wandb login`); 'offline' writes
+    the run locally for a later `wandb sync`."""
     profile_dir: str = "profiles"
     """Where --profile writes its trace and kernel table (a new subdirectory per run)."""
     profile_wait: int = 1
@@ -259,6 +287,12 @@ class ParallelConfig:
     """Pipeline micro-batches per step; None: the gradient-accumulation steps."""
     init_timeout_s: float = 600.0
     """Timeout of process-group initialization and collectives (an error names the missing ranks)."""
+    step_timeout_s: float | None = 300.0
+    """The step watchdog's timeout: a rank inside one step longer than this ends the run, every rank with exit code
+    124, after naming the ranks that did not arrive (alive and stuck in step N, or gone). Capped at 90% of
+    init_timeout_s (the collectives' own timeout, which names no rank, must not fire first); the first steps
+    (compilation, CUDA-graph capture, NCCL communicators), evals and checkpoint saves get init_timeout_s. None: no
+    watchdog."""
 
 
 DEFAULT_PRESET = "gpt-tiny"
@@ -340,6 +374,8 @@ class TrainConfig:
         need(0 < d.valid_fraction < 1, f"data.valid_fraction must be in (0, 1), got {d.valid_fraction}")
         need(d.max_epochs >= 1, f"data.max_epochs must be >= 1, got {d.max_epochs}")
         need(d.num_workers >= 0, f"data.num_workers must be >= 0, got {d.num_workers}")
+        need(0 < d.loader_timeout_s < math.inf, f"data.loader_timeout_s must be a finite number > 0, got "
+                                                f"{d.loader_timeout_s}")
         need(d.weights is None or len(d.weights) == max(len(d.paths), 1),
              f"data.weights has {len(d.weights or [])} entries for {len(d.paths)} data.paths")
         c = self.checkpoint
@@ -347,6 +383,7 @@ class TrainConfig:
                                            f"{c.keep}")
         lg = self.log
         need(lg.every >= 1, f"log.every must be >= 1, got {lg.every}")
+        need(not lg.wandb or bool(lg.wandb_project.strip()), "log.wandb=true needs a log.wandb_project")
         need(lg.profile_wait >= 0 and lg.profile_warmup >= 0 and lg.profile_active >= 1,
              "log.profile_wait/warmup must be >= 0 and log.profile_active >= 1")
         p = self.parallel
@@ -354,6 +391,8 @@ class TrainConfig:
             need(getattr(p, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(p, name)}")
         need(p.dp == -1 or p.dp >= 1, f"parallel.dp must be >= 1 or -1, got {p.dp}")
         need(p.init_timeout_s > 0, f"parallel.init_timeout_s must be > 0, got {p.init_timeout_s}")
+        need(p.step_timeout_s is None or p.step_timeout_s > 0,
+             f"parallel.step_timeout_s must be > 0 (or null: no step watchdog), got {p.step_timeout_s}")
         if problems:
             raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
         return self

@@ -35,10 +35,21 @@ and shapes, so a run may resume under another layout (or in one process). Each r
 (megakern.parallel.rng) is saved with its RNG states and restored under the same layout, so a resumed run draws
 the uninterrupted run's masks; under another layout it starts from the seed again (one log line says so).
 
-Every stage is checked before step 1: the config's keys and types, the log sinks (ASSUMPTIONS 29), the samples the
-run needs against what the data holds within data.max_epochs (26), eval lengths against model.max_seqlen (28),
-DataLoader workers against the CPUs (32), the data fingerprint against a resumed checkpoint's (34) and across
-data-parallel ranks (12). Timings are perf_counter_ns (1, 9).
+Every stage is checked before step 1 (the numbers are contracts of docs/contracts.md): the config's keys and types,
+the run directory (named by rank 0 for every rank, every rank seeing the same paths, and locked for the run's life:
+megakern.run_dir), the log sinks (29), the samples the run needs against what the data holds within data.max_epochs
+(26) and what eval reads against the held-out set, eval lengths against model.max_seqlen (28), DataLoader workers
+against the CPUs (32) and a timeout on their batches (2), the data fingerprint against a resumed checkpoint's (34)
+and across data-parallel ranks (12). An error is one ``megakern-train: error:`` line and, once the run directory
+exists, the same line in train.log.
+
+During the run: after every step each rank stats the data files (11, 34; a few microseconds) and the ranks vote, in
+one host-side all-reduce (megakern.stopping), on whether to stop: a change found by any rank stops every rank before
+a checkpoint can record data the run did not train on (detected at most one step late); a SIGTERM / SIGINT received
+by any rank finishes the step on every rank, saves a checkpoint and exits with EXIT_INTERRUPTED (75). After the
+first step, an eval micro-batch larger than a training one is tried once on GPUs (28). A resume keeps the
+checkpoint's LR schedule unless schedule.on_resume=config, and says what it does from there. Each step's time is its
+own, on this rank's clock or CUDA events (StepClock; 1, 9).
 """
 from __future__ import annotations
 
@@ -64,13 +75,15 @@ import torch
 import torch.distributed as dist
 
 from megakern import _nvtx, _timeline
-from megakern._log import LoggerError, RunLogger, format_count, memory_gib, peak_flops
+from megakern._log import LoggerError, RunLogger, WandbOptions, format_count, memory_gib, peak_flops
 from megakern.checkpoint import (CheckpointError, CheckpointManager, checkpoint_keys, init_optimizer_state,
                                  load_optimizer_state_dict, optimizer_state_dict)
 from megakern.config import ConfigError, TrainConfig, describe_fields, load_config, to_dict, to_yaml
 from megakern.data import (BlendedDataset, DataError, GPTDataset, IndexedDataset, PretrainingSampler,
                            build_dataloader, check_ranks_agree, ensure_default_dataset, load_tokenizer)
+from megakern.run_dir import RunDirError, claim_run_dirs
 from megakern.schedule import LRSchedule
+from megakern.stopping import EXIT_INTERRUPTED, Interrupted, StopSignals, StopVote
 
 # Model fields that do not change the parameters: a checkpoint loads across changes of these.
 RUNTIME_MODEL_FIELDS = ("kernels", "recompute", "ce_chunk", "dropout")
@@ -78,6 +91,12 @@ RUNTIME_MODEL_FIELDS = ("kernels", "recompute", "ce_chunk", "dropout")
 
 class TrainingHalted(RuntimeError):
     """The run stopped on purpose (too many non-finite steps); the message says why and what to try."""
+
+
+def _agreed(exc: Exception) -> Exception:
+    """Mark an error that every rank raises alike, from a vote (the step watchdog has nothing to diagnose)."""
+    exc.agreed = True
+    return exc
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -169,17 +188,22 @@ def build_data(config: TrainConfig, *, seq_length: int, eval_seq_length: int, tr
             raise DataError(f"{prefixes[0]}: {train_docs.num_tokens} training tokens, fewer than one sample of "
                             f"{seq_length} + 1")
         epochs = -(-train_samples // per_epoch)
-        if epochs > d.max_epochs:  # ASSUMPTIONS 26: say so now, not after an endless or repeated pass
+        if epochs > d.max_epochs:  # contract 26 (docs/contracts.md): say so now, not after an endless or repeated pass
+            global_batch = max(train_samples // max(config.train.steps, 1), 1)
+            fits = d.max_epochs * per_epoch // global_batch
+            fix = (f"lower train.steps to {fits}" if fits >= 1 else
+                   f"the data holds fewer samples than one step's global batch of {global_batch}: lower "
+                   "train.global_batch_size or train.seq_length, or add data")
             raise DataError(
                 f"the run needs {train_samples} samples (train.steps x global batch) of {seq_length} tokens; the "
                 f"training split holds {per_epoch} per epoch ({train_docs.num_tokens} tokens), so {epochs} epochs, "
-                f"but data.max_epochs={d.max_epochs}: set data.max_epochs={epochs} to repeat the data, or lower "
-                f"train.steps to {d.max_epochs * per_epoch // max(train_samples // config.train.steps, 1)}")
+                f"but data.max_epochs={d.max_epochs}: set data.max_epochs={epochs} to repeat the data, or {fix}")
         # whole epochs, so that the sample order (and the fingerprint) does not depend on train.steps
         train = GPTDataset(train_docs, seq_length, epochs * per_epoch, seed, cache_dir=cache, max_epochs=epochs,
                            name=train_docs.prefix.name)
-        valid = GPTDataset(valid_docs, eval_seq_length, eval_samples, seed, cache_dir=cache,
-                           name=valid_docs.prefix.name + f"-{eval_seq_length}")
+        with _held_out(config, eval_samples, eval_seq_length):
+            valid = GPTDataset(valid_docs, eval_seq_length, eval_samples, seed, cache_dir=cache,
+                               name=valid_docs.prefix.name + f"-{eval_seq_length}")
         description = (f"{train_docs.prefix.name}: {len(train_docs)} documents, {format_count(train_docs.num_tokens)} "
                        f"tokens ({len(valid_docs)} documents held out), {len(train)} samples of {seq_length} "
                        f"({epochs} epoch{'s' * (epochs > 1)})")
@@ -190,13 +214,38 @@ def build_data(config: TrainConfig, *, seq_length: int, eval_seq_length: int, tr
             return [functools.partial(_component, s[part], length, cache, max_epochs, s[part].prefix.name + suffix)
                     for s in splits]
 
-        train = BlendedDataset(factories(0, seq_length, d.max_epochs, ""), weights, train_samples, seed=seed)
-        valid = BlendedDataset(factories(1, eval_seq_length, 1, f"-{eval_seq_length}"), weights, eval_samples,
-                               seed=seed)
+        try:
+            train = BlendedDataset(factories(0, seq_length, d.max_epochs, ""), weights, train_samples, seed=seed,
+                                   allow_extreme=d.allow_extreme_weights)
+            with _held_out(config, eval_samples, eval_seq_length):
+                valid = BlendedDataset(factories(1, eval_seq_length, 1, f"-{eval_seq_length}"), weights,
+                                       eval_samples, seed=seed, allow_extreme=d.allow_extreme_weights)
+        except ValueError as exc:
+            if isinstance(exc, DataError):
+                raise
+            message = (f"data.weights {weights}: {exc}".replace("pass allow_extreme=True",
+                                                                 "set data.allow_extreme_weights=true")
+                       .replace("raise num_samples", "raise train.steps or train.global_batch_size"))
+            raise ConfigError(message) from None
         description = "blend:\n" + train.describe()
     # what fixes the training samples' order (the held-out set depends on eval sizes, not recorded)
     fingerprint = hashlib.sha256(f"{train.fingerprint}:{tokenizer.name}".encode()).hexdigest()
     return Data(train, valid, tokenizer, fingerprint[:32], description)
+
+
+@contextlib.contextmanager
+def _held_out(config: TrainConfig, eval_samples: int, eval_seq_length: int):
+    """A DataError building the held-out set says which keys change what eval reads (eval reads the same samples
+    every time, so it never repeats documents: data.max_epochs is for training)."""
+    try:
+        yield
+    except DataError as exc:
+        e, d = config.eval, config.data
+        raise DataError(f"the held-out set cannot supply what eval reads ({eval_samples} samples of {eval_seq_length} "
+                        f"tokens: eval.batches {e.batches} x micro-batch x data-parallel ranks): {exc}. Lower "
+                        f"eval.batches or eval.micro_batch_size, shorten eval.seq_length, hold out more documents "
+                        f"(data.valid_fraction, now {d.valid_fraction:g}), or set eval.every=0 to train without "
+                        "eval") from None
 
 
 def _component(docs: DocumentSubset, seq_length: int, cache, max_epochs: int, name: str, count: int, seed: int):
@@ -409,18 +458,20 @@ class RunResult:
     checkpoint: str | None = None
     sample: str | None = None
     profile_dir: str | None = None
+    stopped_by: str | None = None  # 'SIGTERM' / 'SIGINT' when a signal stopped the run (after saving)
 
 
 @dataclass
 class StepFigures:
     """One optimizer step's figures on their way to the host: ``values`` (3,) fp32 = (loss, gradient norm, 1.0 if
     the step was skipped); on CUDA a pinned host copy behind ``event``, so reading them waits for this step only,
-    not for the steps queued after it."""
+    not for the steps queued after it. ``time``: the step's duration (StepClock), attached by the loop."""
 
     step: int
     values: torch.Tensor
     event: object = None
     timeout: float | None = None  # seconds to wait for the event before calling the step stalled (graph replays)
+    time: "StepTime | None" = None
 
     def read(self) -> tuple[float, float, bool]:
         """(loss, norm, stepped), waiting for the step if it is still running."""
@@ -431,6 +482,57 @@ class StepFigures:
                 wait_for_event(self.event, self.timeout, f"step {self.step}")
         loss, norm, skipped = self.values.tolist()
         return loss, norm, skipped == 0
+
+
+@dataclass
+class StepTime:
+    """When one step began and ended (perf_counter_ns on the host, or CUDA events on the step's stream) and when
+    the step before it ended, if it ran back to back with this one."""
+
+    begin: object
+    end: object
+    previous_end: object = None
+
+    def ns(self) -> int:
+        """The step's duration in ns: from the end of the step before it (back to back: so the host's time
+        between steps counts) or from its own beginning (the first step, or the first after an eval or a save),
+        to its end. Waits for the end on CUDA."""
+        start = self.previous_end if self.previous_end is not None else self.begin
+        if isinstance(self.end, int):
+            return self.end - start
+        self.end.synchronize()
+        return round(start.elapsed_time(self.end) * 1e6)
+
+
+class StepClock:
+    """Times steps as the device runs them (contracts 1 and 9, docs/contracts.md: this rank's own monotonic clock
+    or CUDA events, integer ns): ``begin()`` before a step is queued, ``end()`` after, giving its StepTime;
+    ``pause()`` after anything that is not a step (eval, a checkpoint), so the next step is timed from its own
+    beginning. On CUDA the step's queued work runs after ``end()`` returns: events time it on the device, where it
+    runs, instead of crediting it to the step whose figures happen to be read then."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._begin = self._last_end = None
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter_ns()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def begin(self) -> None:
+        self._begin = self._now()
+
+    def end(self) -> StepTime:
+        end = self._now()
+        timed = StepTime(self._begin, end, self._last_end)
+        self._last_end = end
+        return timed
+
+    def pause(self) -> None:
+        self._last_end = None
 
 
 def wait_for_event(event, timeout: float, what: str) -> None:
@@ -565,7 +667,8 @@ class Trainer:
     runs it with ``run()``. ``profile``: run log.profile_wait + warmup + active steps under torch.profiler and stop.
     """
 
-    def __init__(self, config: TrainConfig, *, profile: bool = False, stream=None):
+    def __init__(self, config: TrainConfig, *, profile: bool = False, stream=None,
+                 signals: StopSignals | None = None):
         self.config, self.profiling = config, profile
         c, t = config, config.train
         t0 = time.perf_counter_ns()
@@ -575,21 +678,48 @@ class Trainer:
         self.precision = resolve_precision(t.precision, self.device)
         if self.parallel:
             self._check_parallel_options()
+        # SIGTERM / SIGINT requests (main() installs the handlers; a Trainer made elsewhere gets none)
+        self.signals = signals if signals is not None else StopSignals()
+        self.vote = self.watchdog = None
 
-        # run directory, logger (ASSUMPTIONS 29: every sink checked now), resolved config printed and saved
-        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        self.run_dir = Path(c.log.run_dir) if c.log.run_dir else Path("runs") / stamp
-        self.ckpt_dir = Path(c.checkpoint.dir) if c.checkpoint.dir else self.run_dir / "checkpoints"
-        self.logger = RunLogger(self.run_dir, tensorboard=c.log.tensorboard, progress=c.log.progress,
-                                total_steps=t.steps, enabled=self.env.writer, stream=stream)
+        # run directory: named by rank 0 for every rank and locked for the run's life (a second run is refused
+        # before it writes anything); then the logger (contract 29, docs/contracts.md: every sink checked now)
+        self.dirs = claim_run_dirs(c.log.run_dir, c.checkpoint.dir, writer=self.env.writer,
+                                   distributed=dist.is_available() and dist.is_initialized())
+        self.run_dir, self.ckpt_dir = self.dirs.run_dir, self.dirs.ckpt_dir
+        try:
+            wandb = None if not c.log.wandb else WandbOptions(
+                c.log.wandb_project, entity=c.log.wandb_entity, name=c.log.wandb_name or self.run_dir.name,
+                mode=c.log.wandb_mode)
+            self.logger = RunLogger(self.run_dir, tensorboard=c.log.tensorboard, progress=c.log.progress,
+                                    total_steps=t.steps, enabled=self.env.writer, stream=stream, wandb=wandb,
+                                    run_config=to_dict(c))
+        except BaseException:
+            self.dirs.release()
+            raise
         self.log = self.logger.line
+        try:
+            self._setup(t0)
+        except BaseException as exc:  # the reason reaches train.log too, then everything is released
+            self._log_error(exc)
+            self.close(failed=True)
+            raise
+
+    def _setup(self, t0: int) -> None:
+        """Everything after the run directory and the logger (the rest of the constructor)."""
+        c, t = self.config, self.config.train
+        for note in self.dirs.notes():
+            self.log(note)
         self.config_yaml = to_yaml(c)
         if self.env.writer:
             (self.run_dir / "config.yaml").write_text(self.config_yaml)
             self.log("resolved config:\n" + self.config_yaml.rstrip())
             layout = (f"{self.env.world} ranks (tp {c.parallel.tp}, pp {c.parallel.pp}, cp {c.parallel.cp}, dp "
                       f"{self.env.dp_size})" if self.parallel else "1 process")
-            self.log(f"run directory {self.run_dir}; device {self.device}, precision {self.precision}, {layout}")
+            self.log(f"run directory {self.run_dir} (checkpoints in {self.ckpt_dir}); device {self.device}, "
+                     f"precision {self.precision}, {layout}")
+        # every rank votes after each step on stopping (a signal on any rank, data changed on any rank)
+        self.vote = StopVote(self.env.world > 1, timeout=datetime.timedelta(seconds=c.parallel.init_timeout_s))
 
         # batch arithmetic: a step is accum micro-batches of micro_batch_size on each data-parallel rank
         self.seq_length = t.seq_length or c.model.max_seqlen
@@ -729,8 +859,9 @@ class Trainer:
                  f"{self.seq_length} tokens = {self.accum} accumulation step(s) of {t.micro_batch_size} x "
                  f"{self.env.dp_size} data-parallel rank(s)")
 
-        # checkpoints and resume; then every rank must agree on the data and where it starts (ASSUMPTIONS 12)
+        # checkpoints and resume; then every rank must agree on the data and where it starts (contract 12)
         self.manager = CheckpointManager(self.ckpt_dir, keep=c.checkpoint.keep, log=self.log)
+        self.manager.remove_leftovers()  # what killed saves and removals left (hidden names; one log line each)
         self.step, self.consumed_samples, self.nonfinite_total = 0, 0, 0
         self._resume()
         check_ranks_agree(self.data.fingerprint, self.consumed_samples, timeout=c.parallel.init_timeout_s)
@@ -800,14 +931,23 @@ class Trainer:
         return {"world": self.env.world, "rank": self.env.rank, "tp": pm.tp, "pp": pm.pp, "cp": pm.cp, "dp": pm.dp,
                 "sequence_parallel": bool(pm.sequence_parallel), "stages": [int(s) for s in pm.stage_indices]}
 
-    def save(self) -> Path:
+    def save(self, asynchronous: bool | None = None) -> Path:
+        """Checkpoint this step (every rank). ``asynchronous`` (default checkpoint.async_save): the tensors are
+        staged into CPU memory now and written in the background (the next save, the run's end or a stop waits
+        for it and raises its failure); the final save and a signal's save are synchronous. Returns the
+        checkpoint's directory (complete once a background save has finished)."""
+        asynchronous = self.config.checkpoint.async_save if asynchronous is None else asynchronous
         # a parallel rank's dropout RNG tracker goes with its RNG states (restored by _resume under the same layout)
         rank_state = ({"dropout_rng": {"layout": self._rng_layout(), "tracker": self.pmodel.rng.state_dict()}}
                       if self.parallel else None)
-        path = self.manager.save(self.step, self._tensor_tree(), state=self._state(),
-                                 files={"config.yaml": self.config_yaml}, rank_state=rank_state)
-        self.log(f"checkpoint: {path}")
-        return path
+        saved = self.manager.save(self.step, self._tensor_tree(), state=self._state(),
+                                  files={"config.yaml": self.config_yaml}, rank_state=rank_state,
+                                  asynchronous=asynchronous)
+        if asynchronous:
+            self.log(f"checkpoint: {saved.path} (writing in the background)")
+            return saved.path
+        self.log(f"checkpoint: {saved}")
+        return saved
 
     def _resume(self) -> None:
         c = self.config.checkpoint
@@ -834,15 +974,14 @@ class Trainer:
                                 self.log if self.config.model.dropout else (lambda line: None))
         if self.masters is not None:
             self._copy_masters()
-        if state["data_fingerprint"] != self.data.fingerprint:  # ASSUMPTIONS 34
+        if state["data_fingerprint"] != self.data.fingerprint:  # contract 34
             message = (f"the data's fingerprint {self.data.fingerprint} differs from the checkpoint's "
                        f"{state['data_fingerprint']} ({path}): other files, split, seed or sequence length, so the "
                        "sample order would not continue the checkpoint's")
             if not self.config.data.allow_fingerprint_change:
                 raise DataError(message + "; set data.allow_fingerprint_change=true to resume anyway")
             warnings.warn(message, stacklevel=2)
-        if differences := self.schedule.differences(state["schedule"]):
-            self.log("note: the LR schedule differs from the checkpoint's: " + "; ".join(differences))
+        self._resume_schedule(state["schedule"], int(state["step"]), path)
         if state["global_batch"] != self.global_batch:
             self.log(f"note: global batch {self.global_batch}, the checkpoint's was {state['global_batch']}")
         if state.get("world_size", 1) != self.env.world:
@@ -852,7 +991,40 @@ class Trainer:
         if self.consumed_samples + (self.config.train.steps - self.step) * self.global_batch > len(self.data.train):
             raise DataError(f"resuming at step {self.step} ({self.consumed_samples} samples consumed) to step "
                             f"{self.config.train.steps} needs more samples than the data's {len(self.data.train)}")
-        self.log(f"resumed from {path} at step {self.step} ({self.consumed_samples} samples consumed)")
+        elsewhere = ("" if Path(os.path.abspath(path)).parent == Path(os.path.abspath(self.ckpt_dir)) else
+                     f" (the checkpoint's own directory {path.parent} is only read)")
+        self.log(f"resumed from {path} at step {self.step} ({self.consumed_samples} samples consumed); this run "
+                 f"logs to {self.run_dir} and saves checkpoints to {self.ckpt_dir}{elsewhere}")
+        self.log(f"LR schedule from here: {self.schedule.describe(self.step)}")
+
+    def _resume_schedule(self, saved, step: int, path: Path) -> None:
+        """schedule.on_resume: keep the checkpoint's schedule (default) or apply this run's; log what changed."""
+        mine = self.schedule
+        differences = mine.differences(saved) if isinstance(saved, Mapping) else ["(unreadable)"]
+        if self.config.schedule.on_resume == "config":
+            if differences:
+                try:
+                    before = f"{LRSchedule.from_state(dict(saved))(step):.3e}"
+                except (ValueError, TypeError):
+                    before = "unknown"
+                self.log(f"note: schedule.on_resume=config: this run's LR schedule applies from step {step + 1} "
+                         f"(lr {mine(step):.3e}; the checkpoint's schedule would give {before}); it differs in: "
+                         + "; ".join(differences))
+            return
+        try:
+            self.schedule = LRSchedule.from_state(dict(saved))
+        except (ValueError, TypeError) as exc:
+            raise CheckpointError(f"{path}: the checkpoint's LR schedule cannot be rebuilt ({exc}); set "
+                                  "schedule.on_resume=config to follow this run's schedule") from None
+        if differences:
+            self.log("note: this run's LR schedule keys differ from the checkpoint's (" + "; ".join(differences)
+                     + "); the checkpoint's schedule is kept (schedule.on_resume=checkpoint), set "
+                     "schedule.on_resume=config to apply this run's from the resumed step")
+        end = self.schedule.kwargs["total_steps"]
+        if self.config.train.steps > end:
+            self.log(f"note: train.steps {self.config.train.steps} runs past the checkpoint's schedule, which ends at "
+                     f"step {end}: steps {end + 1}..{self.config.train.steps} run at its final lr "
+                     f"{self.schedule(end):.3e} (to extend the decay, e.g. a WSD run, set schedule.on_resume=config)")
 
     def _check_compatible(self, path: Path) -> None:
         """CheckpointError naming the model fields that differ (before DCP reports mismatched shapes)."""
@@ -907,9 +1079,10 @@ class Trainer:
 
     def _batches(self, dataset, consumed: int, micro_batch_size: int):
         sampler = PretrainingSampler(len(dataset), consumed, micro_batch_size, self.env.dp_rank, self.env.dp_size)
-        with warnings.catch_warnings(record=True) as caught:  # ASSUMPTIONS 32: the cap is logged, not just warned
+        with warnings.catch_warnings(record=True) as caught:  # contract 32: the cap is logged, not just warned
             warnings.simplefilter("always")
-            loader = build_dataloader(dataset, sampler, num_workers=self.config.data.num_workers)
+            loader = build_dataloader(dataset, sampler, num_workers=self.config.data.num_workers,
+                                      timeout=self.config.data.loader_timeout_s)
         # the loader's own generator: making an iterator would otherwise draw from the global RNG (dropout's)
         loader.generator = torch.Generator().manual_seed(self.config.train.seed)
         for w in caught:
@@ -1070,22 +1243,24 @@ class Trainer:
         (self.pmodel if self.parallel else self.model).train(mode)
 
     @torch.no_grad()
-    def evaluate(self) -> torch.Tensor:
-        """Mean held-out loss over eval.batches micro-batches (the same samples every time) of every data-parallel
-        rank: a float32 scalar on the CPU (ASSUMPTIONS 33). The model's train/eval mode is restored."""
+    def evaluate(self, batches: int | None = None) -> torch.Tensor:
+        """Mean held-out loss over eval.batches micro-batches (the same samples every time; ``batches``: the first
+        so many) of every data-parallel rank: a float32 scalar on the CPU (contract 33, docs/contracts.md). The
+        model's train/eval mode is restored."""
+        count = self.config.eval.batches if batches is None else batches
         was_training = self.model.training
         self._set_training(False)
         try:
             total = torch.zeros((), device=self.device, dtype=torch.float32)
-            batches = self._batches(self.data.valid, 0, self.eval_draw)
-            for _ in range(self.config.eval.batches):
-                batch = to_batch(next(batches), self.device, self.eod_id)
+            draws = self._batches(self.data.valid, 0, self.eval_draw)
+            for _ in range(count):
+                batch = to_batch(next(draws), self.device, self.eod_id)
                 with self.autocast:
                     if self.parallel:
                         total += self.pmodel.eval_loss(batch.inputs, batch.targets, check_values=False).float()
                     else:
                         total += self.forward(batch.inputs, batch.targets, **batch.model_kwargs()).float()
-            total /= self.config.eval.batches
+            total /= count
             if self.env.dp_size > 1 and not self.parallel:
                 dist.all_reduce(total, op=dist.ReduceOp.AVG)
             return total.cpu()
@@ -1119,19 +1294,68 @@ class Trainer:
         return tok.decode(out[0, len(prompt):].tolist())
 
     def run(self) -> RunResult:
-        """Train from the current step to train.steps (or profile a few steps); see the module doc. The log sinks
-        are closed at the end, also when the run stops on an error (which goes to the log file too)."""
+        """Train from the current step to train.steps (or profile a few steps); see the module doc. Everything the
+        run holds (log sinks, the run directory's lock, the vote's group) is released at the end, also when the run
+        stops on an error (which goes to the log file too) or on a second signal."""
+        failed = True
         try:
             result = self._run()
             if self.step_graph is not None:
                 self.step_graph.release()
+            failed = False
             return result
         except BaseException as exc:
-            if not isinstance(exc, KeyboardInterrupt):
-                self.log(f"error: {type(exc).__name__}: {exc}")
+            self._log_error(exc)
             raise
         finally:
-            self.logger.close()
+            self.close(failed=failed)
+
+    def close(self, failed: bool = False) -> None:
+        """Release what the run holds: the watchdog, the vote's process group, the log sinks (``failed``: the run
+        ended on an error, which a Weights & Biases run records), the directories' locks. Idempotent; ``run()``
+        and a failed constructor call it."""
+        if getattr(self, "manager", None) is not None and self.manager.pending is not None:
+            try:  # a background save still running (the run stopped on an error): it ends before anything else
+                self.manager.wait()
+            except CheckpointError as exc:
+                self.log(f"error: {exc}")
+        if getattr(self, "watchdog", None) is not None:
+            self.watchdog.close()
+            self.watchdog = None
+        if getattr(self, "vote", None) is not None:
+            self.vote.close()
+            self.vote = None
+        if getattr(self, "logger", None) is not None:
+            self.logger.close(failed=failed)
+        if getattr(self, "dirs", None) is not None:
+            self.dirs.release()
+
+    def _log_error(self, exc: BaseException) -> None:
+        if isinstance(exc, (KeyboardInterrupt, Interrupted)):
+            self.log(f"stopped: {exc or type(exc).__name__} (no checkpoint written by this stop)")
+        else:
+            self.log(f"error: {type(exc).__name__}: {exc}")
+
+    def _between_steps(self) -> str | None:
+        """After every step, on every rank alike: the data files unchanged here (a stat: DataError on every rank,
+        naming the file and the rank, if any rank sees a change) and the ranks' vote on a signal. Returns the
+        signal that stops the run (on any rank), or None."""
+        error = None
+        try:
+            self.data.train.check_unmodified()
+            self.data.valid.check_unmodified()
+        except DataError as exc:
+            error = str(exc)
+        vote = self.vote.agree(self.signals.received, error) if self.vote is not None else None
+        if vote is None or vote.errors:
+            errors = vote.errors if vote is not None else ({0: error} if error else {})
+            if errors:
+                where = "; ".join(f"rank {r}: {m}" if self.env.world > 1 else m for r, m in sorted(errors.items()))
+                raise _agreed(DataError(f"{where}; stopped after step {self.step}, no checkpoint of it written"))
+            return self.signals.received
+        if vote.signal and vote.signal_rank is not None and not self.signals.received:
+            self.log(f"rank {vote.signal_rank} received {vote.signal}")
+        return vote.signal
 
     def _run(self) -> RunResult:
         c, result = self.config, RunResult()
@@ -1142,49 +1366,79 @@ class Trainer:
         profiler = self._profiler() if self.profiling else None
         last = self.step + (c.log.profile_wait + c.log.profile_warmup + c.log.profile_active) if profiler else None
         self._consecutive, self._window = 0, [0, 0, []]  # window: ns, tokens, losses since the last log line
-        pending, mark = None, None  # the step whose figures are still on their way; when its window's time began
+        clock = StepClock(self.device)
         self._set_training(True)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        self.signals.graceful = True  # from here a first signal finishes the step and saves (stopping.py)
+        self.watchdog = self._start_watchdog()
+        try:
+            return self._loop(result, batches, profiler, last, clock, first_step)
+        finally:
+            self.signals.graceful = False
+
+    def _loop(self, result: RunResult, batches, profiler, last, clock: StepClock, first_step: int) -> RunResult:
+        """The steps, then the final eval, checkpoint and sample (``_run`` sets up). ``pending``: the step whose
+        figures are still on their way, read once the next step is queued. Each step, eval and save is a phase of
+        the step watchdog (over several ranks)."""
+        c, pending, stop = self.config, None, None
         try:
             if profiler is not None:
                 profiler.start()
             while self.step < c.train.steps and (last is None or self.step < last):
-                mark = time.perf_counter_ns() if mark is None else mark
-                figures = self.train_step(batches)
-                lr = self.schedule(self.step)
-                self.step += 1
-                self.consumed_samples += self.global_batch
-                if profiler is not None:
-                    profiler.step()
-                if pending is not None:  # the previous step's figures: read now that this step is queued
-                    mark = self._report(result, *pending, mark)
-                pending = (figures, lr)
-                due_eval = c.eval.every and self.step % c.eval.every == 0 and self.step < c.train.steps
-                due_save = c.checkpoint.every and self.step % c.checkpoint.every == 0 and self.step < c.train.steps
+                with self._watched("step", self.step + 1):
+                    clock.begin()
+                    figures = self.train_step(batches)
+                    lr = self.schedule(self.step)
+                    self.step += 1
+                    self.consumed_samples += self.global_batch
+                    figures.time = clock.end()
+                    if profiler is not None:
+                        profiler.step()
+                    if pending is not None:  # the previous step's figures: read now that this step is queued
+                        self._report(result, *pending)
+                    pending = (figures, lr)
+                    stop = self._between_steps()
+                    if self.step == first_step + 1 and not stop and profiler is None and self._check_eval_memory():
+                        clock.pause()
+                    due_eval = c.eval.every and self.step % c.eval.every == 0 and self.step < c.train.steps
+                    due_save = (c.checkpoint.every and self.step % c.checkpoint.every == 0
+                                and self.step < c.train.steps)
+                    if stop or (profiler is None and (due_eval or due_save)):
+                        self._report(result, *pending)
+                        pending = None
+                if stop:
+                    break
                 if profiler is None and (due_eval or due_save):
-                    self._report(result, *pending, mark)
-                    pending = None
                     if due_eval:
-                        self._eval(result)
+                        with self._watched("eval", self.step):
+                            self._eval(result)
                     if due_save:
-                        result.checkpoint = str(self.save())
-                    mark = None  # eval and saving are not training time
+                        with self._watched("checkpoint", self.step):
+                            result.checkpoint = str(self.save())
+                    clock.pause()  # eval and saving are not training time
             if pending is not None:
-                self._report(result, *pending, mark)
+                with self._watched("step", self.step):
+                    self._report(result, *pending)
         finally:
             if profiler is not None:
                 profiler.stop()
         result.final_step = self.step
+        if stop:
+            return self._stop_on_signal(result, stop, first_step, profiler is not None)
         if profiler is not None:
             result.profile_dir = str(self._write_profile(profiler))
             return result
         if self.step == first_step:
             return result
         if c.eval.every:
-            self._eval(result)
-        if c.checkpoint.final or (c.checkpoint.every and self.step % c.checkpoint.every == 0):
-            result.checkpoint = str(self.save())
+            with self._watched("eval", self.step):
+                self._eval(result)
+        with self._watched("checkpoint", self.step):
+            if c.checkpoint.final or (c.checkpoint.every and self.step % c.checkpoint.every == 0):
+                self._between_steps()  # (eval read files too: checked again before a checkpoint records them)
+                result.checkpoint = str(self.save(asynchronous=False))
+            self.manager.wait()  # a background save still running: the run is done when it is (its failure raises)
         result.sample = self.sample()
         if result.sample is not None:
             self.log(f"sample ({len(result.sample)} characters after {c.train.sample_prompt!r}):\n"
@@ -1192,14 +1446,90 @@ class Trainer:
             self.logger.text("sample", c.train.sample_prompt + result.sample, self.step)
         return result
 
-    def _report(self, result: RunResult, figures: StepFigures, lr: float, mark: int) -> int:
+    def _start_watchdog(self):
+        """Over several ranks, unless parallel.step_timeout_s is null: the step watchdog
+        (megakern.parallel.watchdog), which names the ranks a hung step waits for and ends every rank (exit code
+        124). The first steps (compilation; with a CUDA graph, its warm-up and capture), evals and saves get
+        parallel.init_timeout_s."""
+        c, p = self.config, self.config.parallel
+        if not self.parallel or p.step_timeout_s is None:
+            return None
+        from megakern.parallel import StepWatchdog
+
+        timeout = min(p.step_timeout_s, 0.9 * p.init_timeout_s)  # before the collectives' own timeout
+        if timeout < p.step_timeout_s:
+            self.log(f"note: the step watchdog times steps out after {timeout:g} s, 90% of parallel.init_timeout_s "
+                     f"(parallel.step_timeout_s is {p.step_timeout_s:g})")
+        return StepWatchdog(self.env.mesh, timeout_s=timeout, first_timeout_s=0.9 * p.init_timeout_s,
+                            log=self.log if self.env.writer else None,
+                            first_steps=c.train.cuda_graph_warmup + 1 if c.train.cuda_graph else 1,
+                            on_timeout=lambda text: self.logger.close(failed=True)).start()
+
+    @contextlib.contextmanager
+    def _watched(self, name: str, step: int):
+        """One phase of the step watchdog (a step, an eval, a checkpoint save); nothing without one. An error that
+        every rank raises alike (a vote's, a halt on the reduced figures: ``agreed``) ends the phase plainly; any
+        other goes through the watchdog, which names what the other ranks were doing."""
+        if self.watchdog is None:
+            yield
+            return
+        self.watchdog.begin_phase(name, step)
+        try:
+            yield
+        except Exception as exc:
+            if isinstance(exc, TrainingHalted) or getattr(exc, "agreed", False):
+                self.watchdog.end_phase(name, step)
+            else:
+                self.watchdog.failed(exc)
+            raise
+        self.watchdog.end_phase(name, step)
+
+    def _check_eval_memory(self) -> bool:
+        """Contract 28 (docs/contracts.md): when eval's micro-batches hold more tokens than training's (a longer
+        eval.seq_length or a larger eval.micro_batch_size) on a CUDA device, one eval micro-batch runs right after
+        the run's first step, when the optimizer's state and the allocator's pools exist: running out of memory
+        there stops the run now with the keys to change, rather than at the first eval, perhaps hours in. Every
+        rank agrees (one rank's failure stops all). Returns whether the probe ran."""
+        c = self.config
+        if (not c.eval.every or self.device.type != "cuda"
+                or self.eval_mbs * self.eval_seq_length <= c.train.micro_batch_size * self.seq_length):
+            return False
+        error = None
+        try:
+            self.evaluate(batches=1)
+        except torch.cuda.OutOfMemoryError as exc:
+            torch.cuda.empty_cache()
+            error = (f"eval's micro-batch of {self.eval_mbs} x {self.eval_seq_length} tokens (training's: "
+                     f"{c.train.micro_batch_size} x {self.seq_length}) does not fit in the memory training leaves "
+                     f"({str(exc).splitlines()[0]}); lower eval.micro_batch_size or eval.seq_length")
+        vote = self.vote.agree(None, error)
+        if vote.errors:
+            raise _agreed(ConfigError("; ".join(f"rank {r}: {m}" if self.env.world > 1 else m
+                                                for r, m in sorted(vote.errors.items()))))
+        self.log(f"eval memory: a micro-batch of {self.eval_mbs} x {self.eval_seq_length} tokens fits beside "
+                 f"training ({memory_gib(self.device)[0]:.2f} GiB peak)")
+        return True
+
+    def _stop_on_signal(self, result: RunResult, signal_name: str, first_step: int, profiling: bool) -> RunResult:
+        """The loop stopped on ``signal_name`` after a complete step: save (every rank), log, and say how to go on."""
+        result.stopped_by = signal_name
+        if profiling or self.step == first_step:
+            why = "profiling" if profiling else f"no step was trained since step {first_step}"
+            self.log(f"stopped by {signal_name} after step {self.step}: no checkpoint written ({why})")
+            return result
+        self.log(f"{signal_name}: step {self.step} finished; saving a checkpoint before stopping")
+        with self._watched("checkpoint", self.step):
+            result.checkpoint = str(self.save(asynchronous=False))
+        self.log(f"stopped by {signal_name} after step {self.step}: checkpoint {result.checkpoint}; continue with "
+                 f"checkpoint.resume={self.ckpt_dir} (exit code {EXIT_INTERRUPTED})")
+        return result
+
+    def _report(self, result: RunResult, figures: StepFigures, lr: float) -> None:
         """Read one step's figures (waiting for that step only), count a skipped step (TrainingHalted after
-        train.max_nonfinite in a row), log and record them. ``mark``: when the time counted for this step began;
-        returns the time it ended."""
+        train.max_nonfinite in a row), log and record them, with the step's own duration."""
         c, step = self.config, figures.step
         loss, norm, stepped = figures.read()
-        now = time.perf_counter_ns()
-        elapsed = now - mark
+        elapsed = figures.time.ns() if figures.time is not None else 0
         result.losses[step] = loss
         if not stepped:
             self._consecutive += 1
@@ -1219,7 +1549,7 @@ class Trainer:
         window[0] += elapsed
         window[1] += self.tokens_per_step
         window[2].append(loss)
-        tok_s = window[1] / (window[0] / 1e9)
+        tok_s = window[1] / (max(window[0], 1) / 1e9)
         mfu = (self.flops_per_token * tok_s / self.env.world / self.peak) if self.peak else None
         mem, mem_what = memory_gib(self.device)
         self.logger.progress(step, f"loss {loss:.4f} lr {lr:.2e} {format_count(tok_s)} tok/s MFU "
@@ -1232,7 +1562,6 @@ class Trainer:
                      f"lr {lr:.3e} | grad norm {norm:.3f} | {format_count(tok_s)} tok/s | MFU "
                      f"{'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | {mem_what} {mem:.2f} GiB")
             self._window = [0, 0, []]
-        return now
 
     def _eval(self, result: RunResult) -> None:
         loss = float(self.evaluate())
@@ -1247,6 +1576,10 @@ class Trainer:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
+        else:  # a CUDA build of torch on a machine without a GPU: libkineto's GPU enumeration logs a spurious
+            # "gpuGetDeviceCount failed" ERROR when the profiler starts, whatever the activities; its log level is
+            # read then (an explicit KINETO_LOG_LEVEL is kept)
+            os.environ.setdefault("KINETO_LOG_LEVEL", "5")
         schedule = torch.profiler.schedule(wait=lg.profile_wait, warmup=lg.profile_warmup, active=lg.profile_active,
                                            repeat=1)
         return torch.profiler.profile(activities=activities, schedule=schedule, record_shapes=True)
@@ -1297,9 +1630,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _expected_errors() -> tuple[type[BaseException], ...]:
+    """The errors a run reports as one ``megakern-train: error:`` line (and a log line): bad config, data,
+    checkpoints, log sinks, run directories, a halted run, and megakern.parallel's start-up failures (a rank that
+    never joined, ranks that disagree)."""
+    errors: tuple = (ConfigError, DataError, CheckpointError, LoggerError, TrainingHalted, RunDirError)
+    try:
+        from megakern.parallel.dims import DisagreementError, RendezvousError
+
+        errors += (RendezvousError, DisagreementError)
+    except ImportError:
+        pass
+    return errors
+
+
 def main(argv=None) -> int:
+    """The console script. Exit codes: 0 done; 1 an error (one line on stderr, and in train.log once the run
+    directory exists); 2 a config error; EXIT_INTERRUPTED (75) stopped by SIGTERM / SIGINT after saving a
+    checkpoint, or by a second signal without one."""
     args = parse_args(argv)
     trainer = None
+    signals = StopSignals(log=lambda line: print(f"megakern-train: {line}", file=sys.stderr, flush=True))
     try:
         if args.help_config:
             print(describe_fields())
@@ -1308,14 +1659,20 @@ def main(argv=None) -> int:
         if args.print_config:
             print(to_yaml(config), end="")
             return 0
-        trainer = Trainer(config, profile=args.profile)
-        trainer.run()  # (releases a CUDA-graph step: NCCL's teardown would wait on a live graph's work)
+        signals.install()
+        trainer = Trainer(config, profile=args.profile, signals=signals)
+        result = trainer.run()  # (releases a CUDA-graph step: NCCL's teardown would wait on a live graph's work)
         if dist.is_available() and dist.is_initialized():
             dist.barrier()  # every rank done with its collectives before any tears its process group down
-    except (ConfigError, DataError, CheckpointError, LoggerError, TrainingHalted) as exc:
+        return EXIT_INTERRUPTED if result.stopped_by else 0
+    except _expected_errors() as exc:
         print(f"megakern-train: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1
+    except (Interrupted, KeyboardInterrupt) as exc:
+        print(f"megakern-train: stopped: {exc or 'interrupted'}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     finally:
+        signals.restore()
         live_graph = getattr(getattr(trainer, "step_graph", None), "graph", None) is not None
         if dist.is_available() and dist.is_initialized() and not live_graph:
             dist.destroy_process_group()  # (after an error with a live graph: left to the exit, which aborts NCCL)
@@ -1325,7 +1682,6 @@ def main(argv=None) -> int:
             # ("terminate called without an active exception") after a complete run
             trainer = None
             gc.collect()
-    return 0
 
 
 if __name__ == "__main__":

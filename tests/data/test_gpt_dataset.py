@@ -1,5 +1,5 @@
-"""megakern/data/gpt_dataset.py: samples against a pure-Python reference, determinism, epochs (ASSUMPTIONS 26), the
-index cache and its descriptor (ASSUMPTIONS 14), modification checks (ASSUMPTIONS 34)."""
+"""megakern/data/gpt_dataset.py: samples against a pure-Python reference, determinism, epochs (contract 26), the
+index cache and its descriptor (contract 14), modification checks (contract 34): contracts of docs/contracts.md."""
 import json
 import os
 import re

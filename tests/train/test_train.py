@@ -26,6 +26,7 @@ from megakern._log import read_records
 from megakern.config import ConfigError, load_config
 from megakern.data import DataError
 from megakern.data.corpus import default_corpus_id
+from megakern.run_dir import RunDirError
 from megakern.train import Trainer, document_offsets
 
 REPO = Path(__file__).resolve().parents[2]
@@ -192,8 +193,12 @@ def test_logger_that_cannot_start_fails_before_training(tmp_path, data_cache, mo
         trainer(tmp_path, data_cache, *TINY, "log.tensorboard=true")
     monkeypatch.undo()
     (tmp_path / "blocked").write_text("a file where the run directory should go")
-    with pytest.raises(_log.LoggerError, match="cannot write the log file"):
+    with pytest.raises(RunDirError, match="cannot create the lock file of the run directory .*blocked"):
         trainer(tmp_path, data_cache, *TINY, name="blocked")
+    (tmp_path / "unwritable").mkdir()
+    (tmp_path / "unwritable" / "train.log").mkdir()  # the log file cannot be opened
+    with pytest.raises(_log.LoggerError, match="cannot write the log file"):
+        trainer(tmp_path, data_cache, *TINY, name="unwritable")
 
 
 def test_tensorboard_scalars(tmp_path, data_cache):
@@ -459,7 +464,7 @@ def test_two_ranks_match_one_process_and_resume_in_one(tmp_path, data_cache):
     manifest = json.loads((ckpt / "manifest.json").read_text())
     assert manifest["world_size"] == 2 and {"rng-rank00000.pt", "rng-rank00001.pt"} <= set(manifest["files"])
     resumed = trainer(tmp_path, data_cache, *common, "train.steps=5", f"checkpoint.resume={ckpt}",
-                      name="resumed").run()
+                      "schedule.on_resume=config", name="resumed").run()  # (the 3-step run's schedule ends at 3)
     assert sorted(resumed.losses) == [4, 5]
     for step in (4, 5):
         assert resumed.losses[step] == pytest.approx(single.losses[step], abs=1e-5)
@@ -477,7 +482,10 @@ def test_ranks_refuse_bf16_fsdp_parameters_without_autocast(tmp_path, data_cache
 
 
 def test_console_script_is_declared():
-    assert "megakern-train=megakern.train:main" in (REPO / "setup.py").read_text().replace(" ", "")
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert project["scripts"]["megakern-train"] == "megakern.train:main"
 
 
 if __name__ == "__main__":

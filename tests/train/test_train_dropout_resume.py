@@ -124,13 +124,16 @@ def test_two_rank_tp_dropout_run_resumes_bit_for_bit(tmp_path):
         trackers.append(saved["tracker"]["states"]["tensor_parallel/0"])
     assert not torch.equal(*trackers)  # the sequence shards draw from the tp-offset streams
 
-    resumed, log = _torchrun(tmp_path / "resumed", *common, "train.steps=5", f"checkpoint.resume={ckpt}")
+    # (the cut run's schedule ends at step 3; the uninterrupted run's at 5: the resume takes this run's)
+    resumed, log = _torchrun(tmp_path / "resumed", *common, "train.steps=5", f"checkpoint.resume={ckpt}",
+                             "schedule.on_resume=config")
     assert sorted(resumed) == [4, 5]
     assert [resumed[s] for s in (4, 5)] == [full[s] for s in (4, 5)]  # bit for bit
     assert RESEEDED not in log
 
     _drop_rank_states(ckpt)
-    older, log = _torchrun(tmp_path / "older", *common, "train.steps=4", f"checkpoint.resume={ckpt}")
+    older, log = _torchrun(tmp_path / "older", *common, "train.steps=4", f"checkpoint.resume={ckpt}",
+                           "schedule.on_resume=config")
     assert sorted(older) == [4] and older[4] != full[4]  # fresh masks
     lines = [line for line in log.splitlines() if RESEEDED in line]
     assert len(lines) == 1 and "no dropout RNG tracker states" in lines[0], lines
@@ -150,14 +153,15 @@ def test_two_rank_run_leaves_no_gloo_threads(tmp_path):
         "names = []\nfor t in os.listdir('/proc/self/task'):\n"
         "    try: names.append(open(f'/proc/self/task/{t}/comm').read().strip())\n"
         "    except OSError: pass\n"
-        "print(f'rank {os.environ[\"RANK\"]} rc {rc} gloo threads {sum(n.startswith(\"pt_gloo\") or "
-        "n.startswith(\"gloo\") for n in names)}', flush=True)\n")
+        "open(f'threads-{os.environ[\"RANK\"]}', 'w').write(f'rank {os.environ[\"RANK\"]} rc {rc} gloo threads '\n"
+        "    f'{sum(n.startswith(\"pt_gloo\") or n.startswith(\"gloo\") for n in names)}')\n")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
            str(harness), *TINY, "train.micro_batch_size=4", "train.global_batch_size=4", "eval.every=0",
            "parallel.tp=2", "train.steps=2", f"data.cache_dir={tmp_path / 'data'}", f"log.run_dir={tmp_path / 'run'}"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    # each rank's report in a file of its own: two ranks printing at once can run their lines together
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = sorted(line for line in proc.stdout.splitlines() if " gloo threads " in line)
+    lines = [(tmp_path / f"threads-{r}").read_text() for r in (0, 1)]
     assert lines == ["rank 0 rc 0 gloo threads 0", "rank 1 rc 0 gloo threads 0"], proc.stdout[-3000:]
 
