@@ -13,7 +13,9 @@ in the save's collectives for ranks that went on. ``StopVote.agree`` is called b
 all-reduce (max) of a few integers over a gloo group of the host (no device synchronization, whatever the training
 backend), carrying this rank's reasons to stop: a signal received, or an error it found (the data files changed on
 disk). A signal that reaches one rank only stops every rank at the same step; an error found by one rank is raised
-on every rank with that rank's message. One process needs no group: the vote is its own.
+on every rank with that rank's message. One process needs no group: the vote is its own. ``StopVote.start`` issues
+the all-reduce without waiting (gloo runs it in the background), so the training loop reads each step's vote after
+the next step is queued: a stop lands one step later, and the host never waits on the vote's latency.
 """
 from __future__ import annotations
 
@@ -113,22 +115,44 @@ class StopVote:
 
     def agree(self, signal_name: str | None, error: str | None) -> Vote:
         """Every rank calls this at the same point with its own reasons; all get the same Vote."""
+        return self.start(signal_name, error).result()
+
+    def start(self, signal_name: str | None, error: str | None) -> "PendingVote":
+        """``agree`` in two halves: the all-reduce is issued now and runs in gloo's background thread while the
+        caller goes on (the next step); ``result()`` waits for it. Every rank calls ``result()`` of its votes in
+        the order it started them, at the same points (one vote in flight at a time)."""
         if self.group is None:
-            return Vote(signal_name, 0 if signal_name else None, {0: error} if error else None)
+            return PendingVote(self, None, error, None,
+                               Vote(signal_name, 0 if signal_name else None, {0: error} if error else None))
         code = SIGNALS.index(getattr(signal, signal_name)) + 1 if signal_name else 0
         # (signal code, rank + 1 of the lowest rank that has one, whether any rank found an error), by max
         flags = torch.tensor([code, (self.world - self.rank) if code else 0, 1 if error else 0], dtype=torch.int64)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-        vote = Vote()
-        if flags[0]:
-            vote.signal, vote.signal_rank = SIGNALS[int(flags[0]) - 1].name, self.world - int(flags[1])
-        if flags[2]:
-            messages: list = [None] * self.world
-            dist.all_gather_object(messages, error, group=self.group)
-            vote.errors = {r: m for r, m in enumerate(messages) if m}
-        return vote
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        return PendingVote(self, flags, error, work)
 
     def close(self) -> None:
         if self.group is not None and dist.is_initialized():
             dist.destroy_process_group(self.group)
         self.group = None
+
+
+class PendingVote:
+    """A vote in flight (``StopVote.start``): ``result()`` waits for the ranks' all-reduce and gathers the error
+    messages when any rank had one (all ranks then take part, in the same order)."""
+
+    def __init__(self, voter: StopVote, flags, error: str | None, work, done: Vote | None = None):
+        self.voter, self.flags, self.error, self.work, self._vote = voter, flags, error, work, done
+
+    def result(self) -> Vote:
+        if self._vote is not None:
+            return self._vote
+        self.work.wait()
+        v, flags, vote = self.voter, self.flags, Vote()
+        if flags[0]:
+            vote.signal, vote.signal_rank = SIGNALS[int(flags[0]) - 1].name, v.world - int(flags[1])
+        if flags[2]:
+            messages: list = [None] * v.world
+            dist.all_gather_object(messages, self.error, group=v.group)
+            vote.errors = {r: m for r, m in enumerate(messages) if m}
+        self._vote = vote
+        return vote

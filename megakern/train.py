@@ -44,9 +44,10 @@ and across data-parallel ranks (12). An error is one ``megakern-train: error:`` 
 exists, the same line in train.log.
 
 During the run: after every step each rank stats the data files (11, 34; a few microseconds) and the ranks vote, in
-one host-side all-reduce (megakern.stopping), on whether to stop: a change found by any rank stops every rank before
-a checkpoint can record data the run did not train on (detected at most one step late); a SIGTERM / SIGINT received
-by any rank finishes the step on every rank, saves a checkpoint and exits with EXIT_INTERRUPTED (75). After the
+one host-side all-reduce read a step later (megakern.stopping), on whether to stop: a change found by any rank stops
+every rank before a checkpoint can record data the run did not train on (found at most two steps late; before a
+checkpoint the vote is settled at once); a SIGTERM / SIGINT received by any rank finishes the step on every rank,
+saves a checkpoint and exits with EXIT_INTERRUPTED (75). After the
 first step, an eval micro-batch larger than a training one is tried once on GPUs (28). A resume keeps the
 checkpoint's LR schedule unless schedule.on_resume=config, and says what it does from there. Each step's time is its
 own, on this rank's clock or CUDA events (StepClock; 1, 9).
@@ -680,7 +681,7 @@ class Trainer:
             self._check_parallel_options()
         # SIGTERM / SIGINT requests (main() installs the handlers; a Trainer made elsewhere gets none)
         self.signals = signals if signals is not None else StopSignals()
-        self.vote = self.watchdog = None
+        self.vote = self.watchdog = self._vote_in_flight = None
 
         # run directory: named by rank 0 for every rank and locked for the run's life (a second run is refused
         # before it writes anything); then the logger (contract 29, docs/contracts.md: every sink checked now)
@@ -720,6 +721,7 @@ class Trainer:
                      f"precision {self.precision}, {layout}")
         # every rank votes after each step on stopping (a signal on any rank, data changed on any rank)
         self.vote = StopVote(self.env.world > 1, timeout=datetime.timedelta(seconds=c.parallel.init_timeout_s))
+        self._vote_in_flight = None
 
         # batch arithmetic: a step is accum micro-batches of micro_batch_size on each data-parallel rank
         self.seq_length = t.seq_length or c.model.max_seqlen
@@ -1336,26 +1338,37 @@ class Trainer:
         else:
             self.log(f"error: {type(exc).__name__}: {exc}")
 
-    def _between_steps(self) -> str | None:
-        """After every step, on every rank alike: the data files unchanged here (a stat: DataError on every rank,
-        naming the file and the rank, if any rank sees a change) and the ranks' vote on a signal. Returns the
-        signal that stops the run (on any rank), or None."""
+    def _between_steps(self, sync: bool = False) -> str | None:
+        """After every step, on every rank alike: the data files unchanged here (a stat) and the ranks' vote on
+        stopping (megakern.stopping). Over several ranks a step's vote is read after the next step is queued, so
+        its latency hides behind that step (a signal or a change stops the run one step later); ``sync`` (before a
+        checkpoint, at the run's end) settles the vote in flight and votes now. A change any rank sees raises
+        DataError on every rank, naming the file and the rank. Returns the signal that stops the run (received by
+        any rank), or None."""
         error = None
         try:
             self.data.train.check_unmodified()
             self.data.valid.check_unmodified()
         except DataError as exc:
             error = str(exc)
-        vote = self.vote.agree(self.signals.received, error) if self.vote is not None else None
-        if vote is None or vote.errors:
-            errors = vote.errors if vote is not None else ({0: error} if error else {})
-            if errors:
-                where = "; ".join(f"rank {r}: {m}" if self.env.world > 1 else m for r, m in sorted(errors.items()))
-                raise _agreed(DataError(f"{where}; stopped after step {self.step}, no checkpoint of it written"))
-            return self.signals.received
-        if vote.signal and vote.signal_rank is not None and not self.signals.received:
-            self.log(f"rank {vote.signal_rank} received {vote.signal}")
-        return vote.signal
+        if self.vote is None:
+            return None
+        votes = [self._vote_in_flight.result()] if self._vote_in_flight is not None else []
+        self._vote_in_flight = None
+        if sync or self.env.world == 1:  # (one process: the vote is its own, at once)
+            votes.append(self.vote.agree(self.signals.received, error))
+        else:
+            self._vote_in_flight = self.vote.start(self.signals.received, error)
+        errors = {r: m for v in votes for r, m in (v.errors or {}).items()}
+        if errors:
+            where = "; ".join(f"rank {r}: {m}" if self.env.world > 1 else m for r, m in sorted(errors.items()))
+            raise _agreed(DataError(f"{where}; stopped after step {self.step}, no checkpoint of it written"))
+        voted = next((v for v in votes if v.signal), None)
+        if voted is None:
+            return None
+        if voted.signal_rank is not None and not self.signals.received:
+            self.log(f"rank {voted.signal_rank} received {voted.signal}")
+        return voted.signal
 
     def _run(self) -> RunResult:
         c, result = self.config, RunResult()
@@ -1398,12 +1411,17 @@ class Trainer:
                     if pending is not None:  # the previous step's figures: read now that this step is queued
                         self._report(result, *pending)
                     pending = (figures, lr)
-                    stop = self._between_steps()
-                    if self.step == first_step + 1 and not stop and profiler is None and self._check_eval_memory():
-                        clock.pause()
                     due_eval = c.eval.every and self.step % c.eval.every == 0 and self.step < c.train.steps
                     due_save = (c.checkpoint.every and self.step % c.checkpoint.every == 0
                                 and self.step < c.train.steps)
+                    # (before a checkpoint, and at the last step, the vote is settled now)
+                    stop = self._between_steps(sync=bool(due_save) or self.step >= c.train.steps
+                                               or (last is not None and self.step >= last))
+                    if self.step == first_step + 1 and not stop and profiler is None and self._eval_is_larger():
+                        self._report(result, *pending)  # (the probe may stop the run: step 1 is logged first)
+                        pending = None
+                        self._check_eval_memory()
+                        clock.pause()
                     if stop or (profiler is None and (due_eval or due_save)):
                         self._report(result, *pending)
                         pending = None
@@ -1436,7 +1454,7 @@ class Trainer:
                 self._eval(result)
         with self._watched("checkpoint", self.step):
             if c.checkpoint.final or (c.checkpoint.every and self.step % c.checkpoint.every == 0):
-                self._between_steps()  # (eval read files too: checked again before a checkpoint records them)
+                self._between_steps(sync=True)  # (eval read the files too: checked again before a checkpoint)
                 result.checkpoint = str(self.save(asynchronous=False))
             self.manager.wait()  # a background save still running: the run is done when it is (its failure raises)
         result.sample = self.sample()
@@ -1484,16 +1502,19 @@ class Trainer:
             raise
         self.watchdog.end_phase(name, step)
 
-    def _check_eval_memory(self) -> bool:
+    def _eval_is_larger(self) -> bool:
+        """Whether eval runs on a CUDA device with micro-batches of more tokens than training's (_check_eval_memory)."""
+        c = self.config
+        return bool(c.eval.every) and self.device.type == "cuda" and (
+            self.eval_mbs * self.eval_seq_length > c.train.micro_batch_size * self.seq_length)
+
+    def _check_eval_memory(self) -> None:
         """Contract 28 (docs/contracts.md): when eval's micro-batches hold more tokens than training's (a longer
         eval.seq_length or a larger eval.micro_batch_size) on a CUDA device, one eval micro-batch runs right after
         the run's first step, when the optimizer's state and the allocator's pools exist: running out of memory
         there stops the run now with the keys to change, rather than at the first eval, perhaps hours in. Every
-        rank agrees (one rank's failure stops all). Returns whether the probe ran."""
+        rank agrees (one rank's failure stops all)."""
         c = self.config
-        if (not c.eval.every or self.device.type != "cuda"
-                or self.eval_mbs * self.eval_seq_length <= c.train.micro_batch_size * self.seq_length):
-            return False
         error = None
         try:
             self.evaluate(batches=1)
@@ -1508,7 +1529,6 @@ class Trainer:
                                                 for r, m in sorted(vote.errors.items()))))
         self.log(f"eval memory: a micro-batch of {self.eval_mbs} x {self.eval_seq_length} tokens fits beside "
                  f"training ({memory_gib(self.device)[0]:.2f} GiB peak)")
-        return True
 
     def _stop_on_signal(self, result: RunResult, signal_name: str, first_step: int, profiling: bool) -> RunResult:
         """The loop stopped on ``signal_name`` after a complete step: save (every rank), log, and say how to go on."""
@@ -1519,6 +1539,7 @@ class Trainer:
             return result
         self.log(f"{signal_name}: step {self.step} finished; saving a checkpoint before stopping")
         with self._watched("checkpoint", self.step):
+            self._between_steps(sync=True)  # the vote still in flight settled: the files checked up to this step
             result.checkpoint = str(self.save(asynchronous=False))
         self.log(f"stopped by {signal_name} after step {self.step}: checkpoint {result.checkpoint}; continue with "
                  f"checkpoint.resume={self.ckpt_dir} (exit code {EXIT_INTERRUPTED})")
