@@ -4,8 +4,8 @@ Schedulers send SIGTERM before they preempt a job (Slurm, Kubernetes, torchrun's
 user presses Ctrl-C (SIGINT). ``StopSignals`` turns the first of either into a request: the training loop finishes
 the step it is in, saves a checkpoint, logs it and exits with ``EXIT_INTERRUPTED``; before the loop runs (start-up)
 a signal stops the process at once, as there is nothing to save. A second signal exits at once
-(``Interrupted`` raised in the main thread; if the main thread does not get back to Python within ``grace_s``, a
-blocked collective say, the process ends with ``os._exit``): nothing is saved, and a checkpoint save it cuts
+(``Interrupted`` raised in the main thread; if the main thread has not unwound to ``restore()`` within ``grace_s``,
+stuck in a blocked collective say, the process ends with ``os._exit``): nothing is saved, and a checkpoint save it cuts
 short leaves only a temporary directory, removed at the next start.
 
 Over several ranks the decision must be the same on every rank at the same step, or the ranks that stop would wait
@@ -53,6 +53,7 @@ class StopSignals:
         self.log = log or (lambda line: None)
         self.grace_s = grace_s
         self._previous: dict = {}
+        self._backstop: threading.Timer | None = None
 
     def install(self) -> "StopSignals":
         if threading.current_thread() is not threading.main_thread():
@@ -62,6 +63,10 @@ class StopSignals:
         return self
 
     def restore(self) -> None:
+        """The previous handlers back; a second signal's backstop called off (the main thread got here)."""
+        if self._backstop is not None:
+            self._backstop.cancel()
+            self._backstop = None
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
@@ -77,15 +82,18 @@ class StopSignals:
             self.log(f"{why} ({name}): exiting now, without a checkpoint")
         except Exception:  # noqa: BLE001 - the handler must raise below whatever the log does
             pass
-        # the main thread may sit in a blocked collective, where no Python runs: a backstop ends the process
-        timer = threading.Timer(self.grace_s, _exit_now)
-        timer.daemon = True
-        timer.start()
+        # the main thread may sit in a blocked collective, where no Python runs: a backstop ends the process unless
+        # restore() (the main thread unwinding to the end) calls it off first
+        if self._backstop is None:
+            self._backstop = threading.Timer(self.grace_s, _exit_now)
+            self._backstop.daemon = True
+            self._backstop.start()
         raise Interrupted(f"{name} ({why}): stopped without saving")
 
 
 def _exit_now() -> None:
-    sys.stderr.write(f"megakern-train: second signal: the main thread did not stop; exiting with {EXIT_INTERRUPTED}\n")
+    sys.stderr.write(f"megakern-train: the main thread did not stop after the signal; exiting with "
+                     f"{EXIT_INTERRUPTED}\n")
     sys.stderr.flush()
     os._exit(EXIT_INTERRUPTED)
 

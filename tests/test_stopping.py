@@ -22,9 +22,32 @@ def test_first_signal_is_a_request_and_a_second_stops_at_once():
         with pytest.raises(Interrupted, match=r"SIGINT \(second signal\): stopped without saving"):
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(1)  # (the handler runs before this returns)
+        assert signals._backstop is not None and signals._backstop.is_alive()  # ends the process unless called off
     finally:
         signals.restore()
-    assert signal.getsignal(signal.SIGTERM) is not signals._handle
+    assert signals._backstop is None and signal.getsignal(signal.SIGTERM) is not signals._handle
+
+
+BLOCKED = """
+import os, signal, threading, time
+from megakern.stopping import StopSignals
+signals = StopSignals(grace_s=1).install()
+signals.graceful = True
+os.kill(os.getpid(), signal.SIGTERM)
+try:
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(1)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    threading.Event().wait(30)  # stuck (as in a blocked collective) instead of unwinding to restore()
+print("never")
+"""
+
+
+def test_a_main_thread_that_does_not_unwind_is_ended_by_the_backstop():
+    proc = subprocess.run([sys.executable, "-c", BLOCKED], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 75 and proc.stdout == "interrupted\n"
+    assert "the main thread did not stop after the signal; exiting with 75" in proc.stderr
 
 
 def test_a_signal_before_the_loop_stops_at_once():
