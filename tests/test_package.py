@@ -344,8 +344,9 @@ def test_benchmarks_run_as_modules_and_as_scripts(tmp_path):
 
 
 def test_what_the_readme_commands_write_is_ignored():
-    """The README's commands leave a checkout clean: what they write into it is ignored (run directories, profiles,
-    the Data section's corpus and index caches, CPU benchmark rows given --out), the committed figures are not."""
+    """The commands of the README and docs/ leave a checkout clean: what they write into it is ignored (run
+    directories, profiles, docs/data.md's corpus and index caches, CPU benchmark rows given --out), the committed
+    figures are not."""
     written = ["runs/20260101-120000/train.log", "profiles/train-4x128-cpu-20260101-120000/kernels.txt",
                "profiles/train-4x128-cpu-20260101-120000-rank1/trace.json", "profiles/gpt-tiny.nsys-rep",
                "data/corpus.bin", "data/index-cache/x.npy", "benchmarks/results/cpu/norm.csv", "build/lib/x.py",
