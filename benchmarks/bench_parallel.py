@@ -7,7 +7,7 @@ steps, no eval, checkpoint or sample; its figures come from the run's own train.
 
 - ms: the median step time over the timed steps (the trainer's wall time between consecutive steps);
 - tok/s: tokens per step (micro-batch x sequence x data-parallel ranks x accumulation) / step time; tok/s/gpu;
-- MFU: GPT.flops_per_token(seq) x tok/s / GPUs / the GPU's dense bf16 peak (megakern._log.PEAK_BF16_FLOPS);
+- MFU: GPT.flops_per_token(seq) x tok/s / GPUs / the GPU's dense bf16 peak (megakern.train.log.PEAK_BF16_FLOPS);
 - GiB: rank 0's peak allocated memory; loss: the last step's (a sanity check, not compared);
 - scaling: tok/s/gpu over the one-GPU run's (weak scaling: each data-parallel rank keeps the micro-batch).
 
@@ -217,7 +217,7 @@ def run_layout(layout: Layout, args, run_dir: Path, data_cache: Path) -> tuple[d
 
 def _figures(run_dir: Path, untimed: int, tokens: int, wall: float, accum: int) -> dict:
     """The figures of one run's steps after the first ``untimed``, from its train.log."""
-    from megakern._log import read_records
+    from megakern.train.log import read_records
 
     steps = {r["step"]: r for r in read_records(run_dir) if "perf/step_ms" in r}
     timed = [steps[s]["perf/step_ms"] for s in sorted(steps) if s > untimed]
@@ -448,7 +448,7 @@ def _main(args) -> Results:
     layouts = [Layout.parse(s) for s in args.layouts.split(",") if s.strip()]
     flops_per_token, params, args.seq, n_layer, n_embd = model_facts(args.model)
     device = torch.device(args.device)
-    from megakern._log import peak_flops
+    from megakern.train.log import peak_flops
 
     peak, peak_note = peak_flops(device)
     have = available_gpus(args.device)

@@ -19,7 +19,7 @@ Providers, each built fresh and freed before the next:
 Figures per provider: tok/s = micro_batch * seq / (median step time over the timed steps, warm-up steps
 excluded; CUDA events recorded between consecutive steps, so the time of a step is the device's when the host keeps
 ahead and the host's when it does not: the throughput a run gets), model TFLOP/s = tok/s * F, MFU = model FLOP/s / the
-GPU's dense bf16 peak (megakern._log.PEAK_BF16_FLOPS), peak GiB = torch.cuda.max_memory_allocated over the provider's
+GPU's dense bf16 peak (megakern.train.log.PEAK_BF16_FLOPS), peak GiB = torch.cuda.max_memory_allocated over the provider's
 run.
 F = megakern's GPT.flops_per_token(seq) for every provider (same architecture): 6 N (N = matmul weights, the tied
 output projection included) + 12 * n_layer * n_embd * seq (attention; the causal half not discounted), 2.42 GFLOP per
@@ -118,7 +118,7 @@ class MegakernStep(Step):
                       "eval.every=0", "checkpoint.final=false", "train.sample_tokens=0", "log.tensorboard=false",
                       "log.progress=false", f"log.run_dir={self._tmp.name}"]
         self.trainer = Trainer(load_config(None, overrides), stream=open(Path(self._tmp.name) / "console", "w"))
-        self.batches = self.trainer._batches(self.trainer.data.train, 0, shape.micro_batch)
+        self.batches = self.trainer.batches(self.trainer.data.train, 0, shape.micro_batch)
 
     def step(self) -> None:
         self.trainer.train_step(self.batches)
@@ -280,7 +280,7 @@ def main(argv=None) -> Results:
         print("bench_train: --graph does not apply (whole training steps are timed, CUDA events between steps)")
     if steps < 1 or warmup < 0:
         raise SystemExit("--steps must be >= 1 and --warmup >= 0")
-    from megakern._log import peak_flops
+    from megakern.train.log import peak_flops
 
     peak, peak_note = peak_flops(device)
     fpt = flops_per_token(shape)

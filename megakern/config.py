@@ -260,7 +260,8 @@ class LogConfig:
 
 @dataclass
 class ParallelConfig:
-    """Parallel layout (megakern.parallel); all ones and dp=-1 is plain data parallelism over the world."""
+    """Parallel layout and its choices (megakern.parallel: the sizes build the mesh, the rest is what
+    ``parallelize`` applies); all ones and dp=-1 is plain data parallelism over the world."""
 
     tp: int = 1
     """Tensor-parallel size."""
@@ -270,12 +271,18 @@ class ParallelConfig:
     """Data-parallel size; -1: the world size divided by tp x pp x cp."""
     cp: int = 1
     """Context-parallel size (ring attention)."""
+    sequence_parallel: bool = True
+    """With tp > 1: shard the norms' and dropout's activations along the sequence over the tp ranks (Megatron's
+    sequence parallelism); false keeps them whole on every tp rank."""
     pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = "1f1b"
     """Pipeline schedule."""
+    pp_stages_per_rank: int | None = None
+    """Pipeline stages (model chunks) per pipeline rank; None: 2 for interleaved-1f1b, else 1."""
     dp_shard: Literal["ddp", "fsdp"] = "fsdp"
     """Data parallelism by replication (DDP) or sharding (FSDP2)."""
     zero1: bool = False
-    """Shard the optimizer state over data-parallel ranks (with dp_shard='ddp')."""
+    """With dp_shard='ddp': shard the optimizer state over the data-parallel ranks (ZeroRedundancyOptimizer); FSDP2
+    already shards it."""
     tp_comm_overlap: bool = False
     """With tp > 1: overlap the row-parallel layers' sequence-parallel reduce-scatter (and, backward, all-gather)
     with their matmuls, as a ring of transfers each behind the next chunk's matmul (megakern.parallel.overlap)."""
@@ -284,7 +291,8 @@ class ParallelConfig:
     are what the optimizer updates; gradients are reduced in fp32); auto: bfloat16 under bf16-autocast, else
     float32."""
     microbatches: int | None = None
-    """Pipeline micro-batches per step; None: the gradient-accumulation steps."""
+    """Micro-batches a step (pipeline micro-batches, or gradient accumulation without pp); None: the
+    gradient-accumulation steps (the trainer), or pp under pipeline parallelism (megakern.parallel.parallelize)."""
     init_timeout_s: float = 600.0
     """Timeout of process-group initialization and collectives (an error names the missing ranks)."""
     step_timeout_s: float | None = 300.0

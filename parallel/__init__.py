@@ -19,7 +19,7 @@ from megakern.parallel.dims import (MESH_DIMS, DisagreementError, ParallelDims, 
                                     RendezvousError, check_agreement, config_hash, init_distributed, versions)
 from megakern.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, linear_reduce
 from megakern.parallel.overlap import gemm_reduce_scatter
-from megakern.parallel.parallelize import Options, ParallelModel, parallelize
+from megakern.parallel.parallelize import ParallelModel, parallelize
 from megakern.parallel.pipeline import PipelineChunk, cut_stage, stage_layout
 from megakern.parallel.rng import RNGTracker, region_seed
 from megakern.parallel.tensor_parallel import TPInfo, apply_tensor_parallel
@@ -29,7 +29,7 @@ from megakern.parallel.mappings import (copy_to_tp, gather_from_sp, gather_from_
                                         reduce_scatter_to_sp, scatter_to_sp, scatter_to_tp)
 
 __all__ = [
-    "MESH_DIMS", "ColumnParallelLinear", "DisagreementError", "Options", "ParallelDims", "ParallelMesh",
+    "MESH_DIMS", "ColumnParallelLinear", "DisagreementError", "ParallelDims", "ParallelMesh",
     "ParallelModel", "PipelineChunk", "RNGTracker", "Rendezvous", "RendezvousError", "RingAttention",
     "RowParallelLinear", "StepWatchdog", "TPInfo", "VocabParallelEmbedding", "WATCHDOG_EXIT_CODE", "WatchdogError",
     "apply_tensor_parallel", "check_agreement", "clip_grad_norm_", "config_hash",

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -30,6 +29,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from megakern._checks import document_lengths
+from megakern.config import ParallelConfig
 from megakern.parallel.clip import clip_grad_norm_ as _clip
 from megakern.parallel.context import RingAttention, cp_positions, cp_shard
 from megakern.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -45,64 +45,32 @@ from megakern.parallel.tensor_parallel import apply_tensor_parallel
 IGNORE_INDEX = -100
 
 
-@dataclass
-class Options:
-    """The plan's choices (read from a ParallelConfig-like object by attribute, or given as keywords)."""
-
-    sequence_parallel: bool = True
-    """Shard norm/dropout activations along the sequence over tp (only meaningful with tp > 1)."""
-    pp_schedule: str = "1f1b"
-    """"gpipe" | "1f1b" | "interleaved-1f1b"."""
-    pp_stages_per_rank: int | None = None
-    """Stages per pipeline rank (None: 2 for interleaved-1f1b, else 1)."""
-    microbatches: int | None = None
-    """Micro-batches per step (pipeline micro-batches, or gradient accumulation without pp); None: 1, or pp under
-    pipeline parallelism."""
-    dp_shard: str = "fsdp"
-    """"fsdp" (FSDP2 fully_shard) | "ddp"."""
-    zero1: bool = False
-    """With dp_shard "ddp": shard the optimizer state (ZeroRedundancyOptimizer)."""
-    tp_comm_overlap: bool = False
-    """Row-parallel layers overlap their reduce-scatter with the matmul (parallel.overlap: a ring of transfers, each
-    behind the next chunk's matmul; the all-gather likewise in the backward). Needs sequence parallelism."""
-    fsdp_param_dtype: str = "float32"
-    """With dp_shard "fsdp": "float32" | "bfloat16", the dtype the blocks' parameters are all-gathered and computed
-    in (their fp32 shards are what the optimizer updates; gradients are reduced in fp32). "auto" (the training
-    program's default) is taken as "float32" here; the training program picks "bfloat16" under bf16 autocast."""
-    seed: int | None = None
-    """Common seed of the dropout RNG tracker (rng.py); None: the initialization generator's initial seed when
-    parallelize gets one, else 0."""
-
-
-def _options(config, overrides) -> Options:
-    values = {}
-    for f in dataclasses.fields(Options):
-        if config is not None and hasattr(config, f.name):
-            values[f.name] = getattr(config, f.name)
-    if config is not None and "microbatches" not in values and hasattr(config, "pp_microbatches"):
-        values["microbatches"] = config.pp_microbatches
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    unknown = set(overrides) - {f.name for f in dataclasses.fields(Options)}
-    if unknown:
-        raise TypeError(f"parallelize: unknown options {sorted(unknown)}")
-    return Options(**values)
-
-
-def parallelize(model: nn.Module, mesh: ParallelMesh | ParallelDims, config=None, *, generator=None,
-                rng: RNGTracker | None = None, **overrides) -> ParallelModel:
+def parallelize(model: nn.Module, mesh: ParallelMesh | ParallelDims, config: ParallelConfig | None = None, *,
+                generator=None, rng: RNGTracker | None = None, seed: int | None = None,
+                **overrides) -> ParallelModel:
     """Shard ``model`` (a megakern.models.gpt.GPT, materialized or on the meta device) over ``mesh``.
 
-    ``config``: a ParallelConfig (or any object with some of Options' fields); keywords override it.
+    ``config``: the ParallelConfig whose choices apply (default ``ParallelConfig()``; its sizes are the mesh's, which
+    is what counts here); keywords override its fields (``microbatches=4``, ``dp_shard="ddp"``, ...).
     ``generator``: for a meta-device model, the generator of its initialization (as ``GPT.init_weights``).
-    ``rng``: the dropout RNG tracker of this rank (default: ``RNGTracker.from_mesh(seed, mesh)``, seed as
-    ``Options.seed`` says).
+    ``rng``: the dropout RNG tracker of this rank (default: ``RNGTracker.from_mesh(seed, mesh)``, ``seed`` defaulting
+    to the initialization generator's initial seed when there is one, else 0).
     """
     if isinstance(mesh, ParallelDims):
         mesh = mesh.build()
     if not isinstance(mesh, ParallelMesh):
         raise TypeError(f"parallelize: want a ParallelMesh (ParallelDims(...).build()) or ParallelDims, got "
                         f"{type(mesh).__name__}")
-    return ParallelModel(model, mesh, _options(config, overrides), generator, rng)
+    if config is None:
+        config = ParallelConfig()
+    if not isinstance(config, ParallelConfig):
+        raise TypeError(f"parallelize: config must be a megakern.config.ParallelConfig, got {type(config).__name__}")
+    fields = {f.name for f in dataclasses.fields(ParallelConfig)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise TypeError(f"parallelize: unknown options {unknown}; ParallelConfig's fields are {sorted(fields)}")
+    options = dataclasses.replace(config, **overrides)
+    return ParallelModel(model, mesh, options, generator, rng, seed)
 
 
 class ParallelModel:
@@ -112,8 +80,8 @@ class ParallelModel:
     ``modules_chunks`` (the same, as wrapped for data parallelism), ``options``.
     """
 
-    def __init__(self, model: nn.Module, pm: ParallelMesh, options: Options, generator=None,
-                 rng: RNGTracker | None = None):
+    def __init__(self, model: nn.Module, pm: ParallelMesh, options: ParallelConfig, generator=None,
+                 rng: RNGTracker | None = None, seed: int | None = None):
         d = pm.dims
         cfg = getattr(model, "config", None)
         if cfg is None or not isinstance(getattr(model, "blocks", None), nn.ModuleDict):
@@ -144,7 +112,7 @@ class ParallelModel:
         # dropout: every draw of a forward inside the tracker's region: the residual stream is replicated over tp
         # ("replicated": one mask on all tp ranks) or, under sequence parallel, split over tp (a mask per tp rank)
         if rng is None:
-            seed = options.seed if options.seed is not None else (
+            seed = seed if seed is not None else (
                 generator.initial_seed() if generator is not None else 0)
             rng = RNGTracker.from_mesh(seed, pm)
         elif not isinstance(rng, RNGTracker):

@@ -1,4 +1,4 @@
-"""megakern/stopping.py: signals turned into requests, and the ranks' vote on stopping (real signals, gloo ranks)."""
+"""megakern/train/stopping.py: signals turned into requests, and the ranks' vote on stopping (real signals, gloo ranks)."""
 import json
 import os
 import signal
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from megakern.stopping import Interrupted, StopSignals, StopVote
+from megakern.train.stopping import Interrupted, StopSignals, StopVote
 
 
 def test_first_signal_is_a_request_and_a_second_stops_at_once():
@@ -30,7 +30,7 @@ def test_first_signal_is_a_request_and_a_second_stops_at_once():
 
 BLOCKED = """
 import os, signal, threading, time
-from megakern.stopping import StopSignals
+from megakern.train.stopping import StopSignals
 signals = StopSignals(grace_s=1).install()
 signals.graceful = True
 os.kill(os.getpid(), signal.SIGTERM)
@@ -71,7 +71,7 @@ def test_one_process_votes_with_itself():
 VOTERS = """
 import json, os
 import torch.distributed as dist
-from megakern.stopping import StopVote
+from megakern.train.stopping import StopVote
 
 rank = int(os.environ["RANK"])
 dist.init_process_group("gloo")
@@ -111,7 +111,7 @@ def test_three_ranks_see_one_vote(tmp_path):
 def test_handlers_only_in_the_main_thread():
     script = textwrap.dedent("""
         import threading
-        from megakern.stopping import StopSignals
+        from megakern.train.stopping import StopSignals
         errors = []
         def install():
             try:

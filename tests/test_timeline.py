@@ -1,9 +1,9 @@
-"""megakern._timeline: the split of a profiled step's GPU time, on hand-made traces with known answers."""
+"""megakern.train.timeline: the split of a profiled step's GPU time, on hand-made traces with known answers."""
 import json
 
 import pytest
 
-from megakern import _timeline
+from megakern.train import timeline as _timeline
 
 
 def _trace(kernels, steps, launches=()):

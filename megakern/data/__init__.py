@@ -3,9 +3,12 @@
 tokenizers (byte, char, GPT-2 BPE, any tokenizer.json) -> preprocess (streaming, multiprocess:
 ``megakern.data.preprocess.preprocess`` and ``python -m megakern.data.preprocess``) -> indexed (.bin/.idx with checksums) -> gpt_dataset (deterministic sample
 indices, cached) -> blended (weighted mixes) -> sampler (resumable, data-parallel). corpus: the default corpus that
-is always present (the Python standard library's sources), built into a cache on first use.
+is always present (the Python standard library's sources), built into a cache on first use. build: a run's
+train / held-out datasets (``build_data``); batch: samples -> device micro-batches (``to_batch``).
 """
+from megakern.data.batch import Batch, document_offsets, to_batch
 from megakern.data.blended import BlendedDataset
+from megakern.data.build import Data, DocumentSubset, build_data, split_documents
 from megakern.data.corpus import ensure_default_dataset
 from megakern.data.gpt_dataset import GPTDataset, build_indices
 from megakern.data.indexed import DataError, IndexedDataset, IndexedDatasetWriter, dtype_for_vocab
@@ -14,7 +17,8 @@ from megakern.data.tokenizers import (ByteTokenizer, CharTokenizer, GPT2BPEToken
                                       load_tokenizer)
 
 __all__ = [
-    "BlendedDataset", "ByteTokenizer", "CharTokenizer", "DataError", "GPT2BPETokenizer", "GPTDataset", "HFTokenizer",
-    "IndexedDataset", "IndexedDatasetWriter", "PretrainingSampler", "Tokenizer", "build_dataloader", "build_indices",
-    "check_ranks_agree", "dtype_for_vocab", "ensure_default_dataset", "load_tokenizer",
+    "Batch", "BlendedDataset", "ByteTokenizer", "CharTokenizer", "Data", "DataError", "DocumentSubset", "GPT2BPETokenizer", "GPTDataset", "HFTokenizer",
+    "IndexedDataset", "IndexedDatasetWriter", "PretrainingSampler", "Tokenizer", "build_data", "build_dataloader", "build_indices",
+    "check_ranks_agree", "document_offsets", "dtype_for_vocab", "ensure_default_dataset", "load_tokenizer",
+    "split_documents", "to_batch",
 ]

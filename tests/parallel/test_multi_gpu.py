@@ -23,7 +23,7 @@ import pytest
 import torch
 from rankpool import free_port
 
-from megakern._log import read_records
+from megakern.train.log import read_records
 
 REPO = Path(__file__).resolve().parents[2]
 ON_CPU = os.environ.get("MEGAKERN_TEST_MULTI_CPU", "0") != "0"

@@ -16,8 +16,8 @@ from megakern.train import Trainer  # noqa: E402
 def main() -> None:
     config = load_config(None, sys.argv[1:])
     t = Trainer(config, stream=open(os.devnull, "w"))
-    batches = t._batches(t.data.train, 0, t.draw)
-    t._set_training(True)
+    batches = t.batches(t.data.train, 0, t.draw)
+    t.stepper.set_training(True)
     t.train_step(batches).read()  # warm-up: optimizer state allocated, schedules built
     t.step += 1
     reads = host_reads(t.train_step, batches)
@@ -27,7 +27,7 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    forward_backward = t.pmodel.forward_backward
+    forward_backward = t.stepper.pmodel.forward_backward
 
     def overflowing(*args, **kwargs):
         loss = forward_backward(*args, **kwargs)
@@ -36,7 +36,7 @@ def main() -> None:
             (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = float("nan")
         return loss
 
-    t.pmodel.forward_backward = overflowing
+    t.stepper.pmodel.forward_backward = overflowing
 
     def full(p):
         p = p.detach()
@@ -46,7 +46,7 @@ def main() -> None:
     skipped = t.train_step(batches).read()
     unchanged = all(torch.equal(a, full(b)) for a, b in zip(before, t.model.parameters()))
     if int(os.environ.get("RANK", "0")) == 0:
-        print(json.dumps({"device_skip": t.device_skip, "reads": reads, "figures": figures, "skipped": skipped,
+        print(json.dumps({"device_skip": t.stepper.device_skip, "reads": reads, "figures": figures, "skipped": skipped,
                           "unchanged": unchanged}))
     import torch.distributed as dist
 

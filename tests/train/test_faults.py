@@ -18,13 +18,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megakern._log import read_records
+from megakern.train.log import read_records
 from megakern.checkpoint import CheckpointManager
 from megakern.config import ConfigError
 from megakern.data import DataError
-from megakern.run_dir import RunDirError, RunLock
-from megakern.schedule import lr_at
-from megakern.stopping import EXIT_INTERRUPTED
+from megakern.train.run_dir import RunDirError, RunLock
+from megakern.train.schedule import lr_at
+from megakern.train.stopping import EXIT_INTERRUPTED
 from test_train import REPO, TINY, _free_port, _small_dataset, data_cache, trainer  # noqa: F401 (fixture)
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -113,7 +113,7 @@ def test_lock_of_a_killed_run_is_recognised_as_stale(tmp_path):
     the dead holder."""
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
-        from megakern.run_dir import RunLock
+        from megakern.train.run_dir import RunLock
         lock = RunLock({str(tmp_path / 'run')!r}, "run directory")
         print("locked", flush=True)
         time.sleep(600)
@@ -133,7 +133,7 @@ def test_lock_of_a_killed_run_is_recognised_as_stale(tmp_path):
 RANK_HARNESS = """
 import datetime, json, os, sys
 import torch.distributed as dist
-from megakern import run_dir
+from megakern.train import run_dir
 
 rank = int(os.environ["RANK"])
 dist.init_process_group("gloo")

@@ -1,4 +1,4 @@
-"""megakern/_log.py's RunLogger with Weights & Biases beside the log file and TensorBoard: checked at start
+"""megakern/train/log.py's RunLogger with Weights & Biases beside the log file and TensorBoard: checked at start
 (contracts 29 and 35, docs/contracts.md: the package, its version, credentials for online mode, its run starting),
 scalars and text to every sink, the run finished at the end, also on errors, and only on the writer rank.
 
@@ -12,8 +12,8 @@ import types
 
 import pytest
 
-from megakern import _log
-from megakern._log import LoggerError, RunLogger, WandbOptions, read_records
+from megakern.train import log as _log
+from megakern.train.log import LoggerError, RunLogger, WandbOptions, read_records
 
 FLOOR = ".".join(map(str, _log.MIN_WANDB))
 

@@ -4,7 +4,7 @@ import math
 import pytest
 
 from megakern.config import ScheduleConfig
-from megakern.schedule import LRSchedule, lr_at
+from megakern.train.schedule import LRSchedule, lr_at
 
 LR, MIN = 1e-3, 1e-4
 

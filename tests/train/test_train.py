@@ -20,14 +20,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from megakern import _log, _timeline
+from megakern.train import log as _log
+from megakern.train import timeline as _timeline
 from megakern.checkpoint import CheckpointError
-from megakern._log import read_records
+from megakern.train.log import read_records
 from megakern.config import ConfigError, load_config
 from megakern.data import DataError
 from megakern.data.corpus import default_corpus_id
-from megakern.run_dir import RunDirError
-from megakern.train import Trainer, document_offsets
+from megakern.train.run_dir import RunDirError
+from megakern.data import document_offsets
+from megakern.train import Trainer
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).with_name("golden_gpt_tiny.json")
@@ -126,7 +128,7 @@ def test_fp8_scaling_state_is_checkpointed(tmp_path, data_cache):
 
     common = [*TINY, "train.fp8=delayed", "eval.every=0"]
     first = trainer(tmp_path, data_cache, *common, "train.steps=2", name="a")
-    assert first.has_fp8
+    assert first.stepper.has_fp8
     with torch.no_grad():  # scaling state as FP8 hardware would leave it (a CPU run, without FP8 GEMMs, keeps it)
         for name, buffer in first.model.named_buffers():
             if name.endswith(("amax_history", "scale")):
@@ -288,7 +290,7 @@ def test_peak_flops_by_gpu_name(monkeypatch, name, peak):
 def test_peak_flops_unknown(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Imaginary GPU 9000")
     flops, why = _log.peak_flops(torch.device("cuda", 0))
-    assert flops is None and "not in megakern._log.PEAK_BF16_FLOPS" in why
+    assert flops is None and "not in megakern.train.log.PEAK_BF16_FLOPS" in why
     assert _log.peak_flops(torch.device("cpu"))[0] is None
 
 
@@ -511,15 +513,15 @@ def test_fused_optimizer_clips_through_grad_scale(tmp_path, data_cache, precisio
     common = [*TINY, "train.steps=4", "eval.every=0", "checkpoint.every=0", "checkpoint.final=false",
               "train.grad_clip=0.05", f"train.precision={precision}"]
     fused = trainer(tmp_path, data_cache, *common, "optim.fused=fused", name="fused")
-    assert fused.device_skip
+    assert fused.stepper.device_skip
     divisors = []
-    step = fused._device_step
+    step = fused.stepper.device_step
 
     def spy(figures):
-        divisors.append(float(fused._clip_divisor))
+        divisors.append(float(fused.stepper.clip_divisor))
         return step(figures)
 
-    fused._device_step = spy
+    fused.stepper.device_step = spy
     got = fused.run().losses
     want = trainer(tmp_path, data_cache, *common, "optim.fused=foreach", name="foreach").run().losses
     assert divisors and all(d > 1.0 for d in divisors), divisors
@@ -538,14 +540,14 @@ def test_megakern_master_step_trains_as_torch_fused(tmp_path, data_cache, accum)
     common = [*TINY, "train.steps=4", "eval.every=0", "checkpoint.every=0", "checkpoint.final=false",
               "train.grad_clip=0.05", "train.precision=bf16", f"train.global_batch_size={8 * accum}"]
     ours = trainer(tmp_path, data_cache, *common, "optim.fused=megakern", name="megakern")
-    assert ours.master_step is not None and ours.device_skip
+    assert ours.stepper.master_step is not None and ours.stepper.device_skip
     got = ours.run().losses
     want = trainer(tmp_path, data_cache, *common, "optim.fused=fused", name="fused").run().losses
     for s in want:  # the same update in fp32 (divisions by the clipping divisor as multiplications: an ulp apart)
         assert got[s] == pytest.approx(want[s], abs=2e-4), s
-    for p, m in ours.masters.items():
+    for p, m in ours.stepper.masters.items():
         assert torch.equal(p, m.to(p.dtype))  # the bf16 weights are the masters rounded to nearest even
-    assert {int(s["step"]) for s in ours.optimizer.state.values()} == {4}
+    assert {int(s["step"]) for s in ours.stepper.optimizer.state.values()} == {4}
 
 
 def test_megakern_master_step_needs_bf16_weights(tmp_path, data_cache):

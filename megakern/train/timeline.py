@@ -1,5 +1,5 @@
 """Where a profiled step's time goes on the GPU, from a torch.profiler chrome trace (``megakern-train --profile``
-writes ``timeline.txt`` beside ``trace.json``; ``python -m megakern._timeline trace.json`` prints it).
+writes ``timeline.txt`` beside ``trace.json``; ``python -m megakern.train.timeline trace.json`` prints it).
 
 A kernel table sums kernel durations, which says little once streams overlap or the GPU waits: a collective that
 waits for its peer looks long, a GPU starved by its host looks idle nowhere. This reads the trace's intervals
@@ -339,7 +339,7 @@ def report(steps: list[StepTimeline], top: int = 8) -> str:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m megakern._timeline TRACE.json", file=sys.stderr)
+        print("usage: python -m megakern.train.timeline TRACE.json", file=sys.stderr)
         return 2
     trace = load(argv[0])
     print(report(analyze(trace)))

@@ -122,7 +122,7 @@ def peak_flops(device: torch.device) -> tuple[float | None, str]:
     for key, flops in PEAK_BF16_FLOPS:
         if key.lower() in name.lower():
             return flops, name
-    return None, f"{name}: not in megakern._log.PEAK_BF16_FLOPS (add its dense bf16 peak to get MFU)"
+    return None, f"{name}: not in megakern.train.log.PEAK_BF16_FLOPS (add its dense bf16 peak to get MFU)"
 
 
 def memory_gib(device: torch.device) -> tuple[float, str]:

@@ -1,0 +1,174 @@
+"""The run's datasets (``build_data``): each file's documents split into train and held-out (DocumentSubset, a seeded
+split), a GPTDataset per split or a BlendedDataset over several files, with errors that name the config keys to
+change, and the fingerprint that fixes the training samples' order (recorded in checkpoints, compared across ranks
+and on resume)."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from megakern.config import ConfigError, TrainConfig
+from megakern.data.blended import BlendedDataset
+from megakern.data.corpus import ensure_default_dataset
+from megakern.data.gpt_dataset import GPTDataset
+from megakern.data.indexed import DataError, IndexedDataset
+from megakern.data.tokenizers import load_tokenizer
+
+
+class DocumentSubset:
+    """Some documents of an IndexedDataset, seen as a dataset of its own (what GPTDataset reads: sizes, get,
+    num_tokens, fingerprint, prefix, check_unmodified)."""
+
+    def __init__(self, indexed: IndexedDataset, docs: np.ndarray, split: str):
+        self.indexed, self.docs, self.split = indexed, np.asarray(docs, dtype=np.int64), split
+        self.sizes = indexed.sizes[self.docs]
+        self.num_tokens = int(self.sizes.sum())
+        self.prefix = indexed.prefix.with_name(f"{indexed.prefix.name}-{split}")
+        digest = hashlib.sha256(indexed.fingerprint.encode() + self.docs.tobytes()).hexdigest()
+        self.fingerprint = digest[:16]
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+    def get(self, doc: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        return self.indexed.get(int(self.docs[doc]), offset, length)
+
+    def check_unmodified(self) -> None:
+        self.indexed.check_unmodified()
+
+
+def split_documents(indexed: IndexedDataset, valid_fraction: float, seed: int) -> tuple[DocumentSubset, ...]:
+    """(train, valid): a seeded permutation of the documents, the first round(valid_fraction * D) (at least one)
+    held out; each part keeps the documents' original order."""
+    n = len(indexed)
+    if n < 2:
+        raise DataError(f"{indexed.prefix}: {n} document(s); holding out data.valid_fraction needs at least 2")
+    perm = np.random.default_rng((seed, 2)).permutation(n)
+    n_valid = min(max(1, round(valid_fraction * n)), n - 1)
+    return (DocumentSubset(indexed, np.sort(perm[n_valid:]), "train"),
+            DocumentSubset(indexed, np.sort(perm[:n_valid]), "valid"))
+
+
+@dataclass
+class Data:
+    """What the run reads: datasets, tokenizer and the fingerprint recorded in checkpoints."""
+
+    train: torch.utils.data.Dataset
+    valid: torch.utils.data.Dataset
+    tokenizer: object
+    fingerprint: str
+    description: str
+
+
+def _dataset_prefixes(config: TrainConfig, log) -> tuple[list[Path], object]:
+    """The dataset prefixes and their common tokenizer."""
+    d = config.data
+    if not d.paths:
+        tokenizer = load_tokenizer(d.tokenizer)
+        prefix = ensure_default_dataset(d.cache_dir, tokenizer)
+        log(f"data: the default corpus, {tokenizer.name} tokens, at {prefix}")
+        return [prefix], tokenizer
+    prefixes, tokenizer = [Path(p) for p in d.paths], None
+    for prefix in prefixes:
+        spec = prefix.with_name(prefix.name + ".tokenizer.json")
+        try:
+            this = load_tokenizer(json.loads(spec.read_text()))
+        except FileNotFoundError:
+            raise DataError(f"{spec}: missing; datasets from megakern.data.preprocess carry their tokenizer there")
+        if tokenizer is not None and this.name != tokenizer.name:
+            raise DataError(f"{prefix} was tokenized by {this.name}, {prefixes[0]} by {tokenizer.name}; a run "
+                            "needs one tokenizer")
+        tokenizer = this
+    return prefixes, tokenizer
+
+
+def build_data(config: TrainConfig, *, seq_length: int, eval_seq_length: int, train_samples: int,
+               eval_samples: int, log=print) -> Data:
+    """Train and held-out datasets for the run (checks in the module doc); DataError or ConfigError naming keys."""
+    d, seed = config.data, config.train.seed
+    prefixes, tokenizer = _dataset_prefixes(config, log)
+    if tokenizer.vocab_size > config.model.vocab_size:
+        raise ConfigError(f"model.vocab_size {config.model.vocab_size} is smaller than the tokenizer's "
+                          f"{tokenizer.vocab_size} ids ({tokenizer.name}); set model.vocab_size={tokenizer.vocab_size}")
+    splits = [split_documents(IndexedDataset(p, vocab_size=tokenizer.vocab_size), d.valid_fraction, d.split_seed)
+              for p in prefixes]
+    cache = d.index_cache_dir
+
+    if len(prefixes) == 1:
+        train_docs, valid_docs = splits[0]
+        per_epoch = (train_docs.num_tokens - 1) // seq_length
+        if per_epoch < 1:
+            raise DataError(f"{prefixes[0]}: {train_docs.num_tokens} training tokens, fewer than one sample of "
+                            f"{seq_length} + 1")
+        epochs = -(-train_samples // per_epoch)
+        if epochs > d.max_epochs:  # contract 26 (docs/contracts.md): say so now, not after an endless or repeated pass
+            global_batch = max(train_samples // max(config.train.steps, 1), 1)
+            fits = d.max_epochs * per_epoch // global_batch
+            fix = (f"lower train.steps to {fits}" if fits >= 1 else
+                   f"the data holds fewer samples than one step's global batch of {global_batch}: lower "
+                   "train.global_batch_size or train.seq_length, or add data")
+            raise DataError(
+                f"the run needs {train_samples} samples (train.steps x global batch) of {seq_length} tokens; the "
+                f"training split holds {per_epoch} per epoch ({train_docs.num_tokens} tokens), so {epochs} epochs, "
+                f"but data.max_epochs={d.max_epochs}: set data.max_epochs={epochs} to repeat the data, or {fix}")
+        # whole epochs, so that the sample order (and the fingerprint) does not depend on train.steps
+        train = GPTDataset(train_docs, seq_length, epochs * per_epoch, seed, cache_dir=cache, max_epochs=epochs,
+                           name=train_docs.prefix.name)
+        with _held_out(config, eval_samples, eval_seq_length):
+            valid = GPTDataset(valid_docs, eval_seq_length, eval_samples, seed, cache_dir=cache,
+                               name=valid_docs.prefix.name + f"-{eval_seq_length}")
+        description = (f"{train_docs.prefix.name}: {len(train_docs)} documents, {train_docs.num_tokens:,} "
+                       f"tokens ({len(valid_docs)} documents held out), {len(train)} samples of {seq_length} "
+                       f"({epochs} epoch{'s' * (epochs > 1)})")
+    else:
+        weights = d.weights or [1.0] * len(prefixes)
+
+        def factories(part: int, length: int, max_epochs: int, suffix: str):
+            return [functools.partial(_component, s[part], length, cache, max_epochs, s[part].prefix.name + suffix)
+                    for s in splits]
+
+        try:
+            train = BlendedDataset(factories(0, seq_length, d.max_epochs, ""), weights, train_samples, seed=seed,
+                                   allow_extreme=d.allow_extreme_weights)
+            with _held_out(config, eval_samples, eval_seq_length):
+                valid = BlendedDataset(factories(1, eval_seq_length, 1, f"-{eval_seq_length}"), weights,
+                                       eval_samples, seed=seed, allow_extreme=d.allow_extreme_weights)
+        except ValueError as exc:
+            if isinstance(exc, DataError):
+                raise
+            message = (f"data.weights {weights}: {exc}".replace("pass allow_extreme=True",
+                                                                 "set data.allow_extreme_weights=true")
+                       .replace("raise num_samples", "raise train.steps or train.global_batch_size"))
+            raise ConfigError(message) from None
+        description = "blend:\n" + train.describe()
+    # what fixes the training samples' order (the held-out set depends on eval sizes, not recorded)
+    fingerprint = hashlib.sha256(f"{train.fingerprint}:{tokenizer.name}".encode()).hexdigest()
+    return Data(train, valid, tokenizer, fingerprint[:32], description)
+
+
+@contextlib.contextmanager
+def _held_out(config: TrainConfig, eval_samples: int, eval_seq_length: int):
+    """A DataError building the held-out set says which keys change what eval reads (eval reads the same samples
+    every time, so it never repeats documents: data.max_epochs is for training)."""
+    try:
+        yield
+    except DataError as exc:
+        e, d = config.eval, config.data
+        raise DataError(f"the held-out set cannot supply what eval reads ({eval_samples} samples of {eval_seq_length} "
+                        f"tokens: eval.batches {e.batches} x micro-batch x data-parallel ranks): {exc}. Lower "
+                        f"eval.batches or eval.micro_batch_size, shorten eval.seq_length, hold out more documents "
+                        f"(data.valid_fraction, now {d.valid_fraction:g}), or set eval.every=0 to train without "
+                        "eval") from None
+
+
+def _component(docs: DocumentSubset, seq_length: int, cache, max_epochs: int, name: str, count: int, seed: int):
+    return GPTDataset(docs, seq_length, count, seed, cache_dir=cache, max_epochs=max_epochs, name=name)
+
+
