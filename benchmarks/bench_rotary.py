@@ -267,7 +267,8 @@ def tune(device: torch.device, copy_gbps: float, providers: set[str] | None) -> 
         gb = bytes_moved(case, "fwd", q.element_size(), 4) / 1e9
         for interleaved in (False, True) if case == tune_cases[0] else (case.interleaved,):
             rows = []
-            args = (q, k, cos, sin, None, None, None, 0, case.rd, interleaved, False, False)
+            q_out, k_out = torch.empty_like(q), torch.empty_like(k)  # the launchers write out of place into these
+            args = (q, k, q_out, k_out, cos, sin, None, None, None, 0, case.rd, interleaved, False, False)
             if not status["triton"]:
                 default = _rotary_triton.launch_config(case.nh, case.nkv, case.hs, case.rd, interleaved, False,
                                                        _rotary_triton.gpu_model(device.index))
@@ -295,7 +296,7 @@ def tune(device: torch.device, copy_gbps: float, providers: set[str] | None) -> 
             print(f"{case._replace(interleaved=interleaved).name(dtype)} fwd; copy roofline {copy_gbps:.0f} GB/s")
             for gbps, what in sorted(rows, reverse=True):
                 print(f"{gbps:9.1f} GB/s ({gbps / copy_gbps:.3f})  {what}")
-        q = k = None
+        q = k = q_out = k_out = None
         _free(device)
 
 

@@ -1,8 +1,9 @@
 """megakern: kernels for training transformers at scale, each tested against a torch reference.
 
-Ops take ``backend=`` ('torch' | 'triton' | 'cuda', or a config's kernel table); see ``available_backends``.
+Ops take ``backend=`` ('torch' | 'triton' | 'cuda', or a config's kernel table {op: backend}); see
+``available_backends`` (what runs on a device) and ``op_backends`` (what each op offers).
 """
-from megakern._backend import available_backends
+from megakern._backend import available_backends, op_backends
 from megakern.activation import bias_gelu, bias_gelu_ref
 from megakern.attention import Attention, attention, attention_ref, merge_attention
 from megakern._cuda import runtime as cuda_runtime
@@ -18,5 +19,5 @@ __all__ = [
     "Attention", "LayerNorm", "RMSNorm", "RotaryEmbedding", "apply_rotary", "attention", "attention_ref",
     "available_backends", "bias_gelu", "bias_gelu_ref", "cross_entropy", "cross_entropy_ref", "cuda_runtime",
     "layer_norm", "layer_norm_ref", "linear", "linear_cross_entropy", "linear_cross_entropy_ref", "merge_attention",
-    "rms_norm", "rms_norm_ref", "rotary_ref", "rotary_table",
+    "op_backends", "rms_norm", "rms_norm_ref", "rotary_ref", "rotary_table",
 ]

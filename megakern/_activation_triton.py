@@ -79,9 +79,8 @@ def bwd(dy: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None) -> tuple[t
     dh = torch.empty_like(h)
     if h.numel() == 0:
         return dh, (torch.zeros(n, dtype=torch.float32, device=h.device) if bias is not None else None)
-    # a tile per program, its column sums to a row of part: (M / BLOCK_M) x N fp32, 1/16 of dh's bytes in bf16.
-    # H100, bf16 16384 x 4096 and 8192 x 8192 (profiles/tune_bias_gelu.py): 32 x 128 tiles of 4 warps 151 us (0.88 of
-    # copy), 173 us with the partial sums' reduction; 64 x 128 8 warps 163, 64 x 256 8 warps 214, 16 x 256 4 warps 216
+    # a tile per program, its column sums to a row of part: (M / BLOCK_M) x N fp32, 1/16 of dh's bytes in bf16; the
+    # tiles are profiles/tune_bias_gelu.py's best on the H100 (docs/tuning.md, bias + GELU)
     block_m, block_n, warps = (32, 128, 4) if h.is_cuda else (8, 32, 4)
     grid = (cdiv(m, block_m), cdiv(n, block_n))
     part = torch.empty((grid[0], n), dtype=torch.float32, device=h.device) if bias is not None else h

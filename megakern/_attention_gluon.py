@@ -28,8 +28,8 @@ Both are persistent, with the forward's tile schedules (the dk / dv pass's keep 
 Fixed-length batches (B, T, heads, hs) with 16-byte aligned strides, head dims 64 and 128, fp16 / bf16, causal or
 full, GQA; everything else (packed documents, windows, other head dims) takes the Triton kernels. Same outputs as
 _attention_triton's: out like q, lse (B, nh, Tq) fp32 in natural log, -inf (and out 0) for a row that sees no key;
-dq, dk, dv like q, k, v. GLUON_FWD / GLUON_DQ / GLUON_BWD in _attention_triton say where these kernels are the
-default.
+dq, dk, dv like q, k, v. GLUON_FWD / GLUON_DQ / GLUON_BWD in megakern/attention.py say where these kernels are
+the default.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ import functools
 
 import torch
 
-from megakern._attention_triton import tma_aligned
+from megakern._intmath import tma_aligned
 
 try:  # Gluon (Triton >= 3.5); its Hopper API as of Triton 3.6
     from triton.experimental import gluon
@@ -682,11 +682,7 @@ def _is_sm90(index: int) -> bool:
 # causal mask, or one query block) need no table: program p takes tiles p, p + grid, ... of the head-major order.
 # Causal tiles go to programs greedily (the least loaded program takes the next tile, a tile's cost being its
 # blocks plus TILE_OVERHEAD), which balances the programs' work and leaves the shortest tiles for last.
-# H200, hs128, 16k tokens, TFLOP/s, all heads in one block-by-block group (a head's tiles far apart, its rows gone
-# from L2 in between) -> these schedules (profiles/probe_attention_gluon.py --heads): forward causal T 1024 309 -> 375,
-# T 2048 387 -> 467, T 4096 481 -> 536, T 16384 572 -> 607; full T 2048 461 -> 574; deterministic backward causal
-# T 2048 291 -> 342, full T 4096 390 -> 448. Groups of 2 or 8 heads instead of 4 MiB: within 1-5%.
-L2_GROUP_BYTES = 4 << 20
+L2_GROUP_BYTES = 4 << 20  # groups of 2 or 8 heads instead: within 1-5% (docs/tuning.md, attention, Gluon)
 TILE_OVERHEAD = 1
 _SCHEDULES: dict = {}  # (device, shape, group) -> table or None
 _CAPTURED: dict = {}  # id -> the tables CUDA graphs hold

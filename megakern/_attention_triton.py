@@ -4,8 +4,8 @@ Forward: a program per (batch x head, block of BLOCK_M queries); it walks the ke
 the running max, the running sum and the output in fp32 registers (online softmax, base 2, scale folded into one
 multiply-add), and writes out and the row's log-sum-exp. The key range is cut in three: blocks that the masks cut
 (causal diagonal, window edges, the ragged end) get the mask, the blocks between them run without one. On sm_90,
-``fwd`` hands fixed-length batches with head dim 64 / 128 and no window to the Gluon forward
-(megakern/_attention_gluon.py) where GLUON_FWD says it is the faster one; same outputs.
+megakern/attention.py runs the Gluon forward (megakern/_attention_gluon.py) instead where that is the faster one;
+same outputs.
 
 Backward, deterministic (the default): first a program per (batch x head, block of BLOCK_M queries) computes its
 rows' delta = rowsum(dO * O) (kept for the next kernel) and walks the key blocks its rows see, accumulating dq;
@@ -13,7 +13,9 @@ then a program per (batch x kv head, block of BLOCK_N keys) walks every query he
 block that sees its keys, accumulating dk and dv in registers (GQA groups reduced in the kernel). No atomics: the
 same inputs give the same bits. With atomics: delta by its own small kernel, then the dk/dv pass also adds each
 block's dq in fp32 (a TMA reduce where tensor descriptors are used; element atomics under the interpreter, which
-has no TMA reduce): two fewer matmuls per block pair, results that vary in the last bits.
+has no TMA reduce): two fewer matmuls per block pair, results that vary in the last bits. Either pass of the
+deterministic backward can be handed in as another implementation (``bwd``'s ``dq_pass`` / ``dkdv_pass``: the Gluon
+kernels, chosen by megakern/attention.py).
 
 Tiles move by TMA on Hopper and newer when the strides allow (16-byte aligned): through the launcher's 4-D
 (B, T, heads, hs) tensor descriptors where the batch has one length (the forward's tiles, the backward's loop
@@ -32,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megakern._intmath import cdiv, next_power_of_2
+from megakern._intmath import cdiv, next_power_of_2, tma_aligned
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -487,87 +489,29 @@ def _attn_bwd_dq_kernel(
 # the entry of the smallest tuned one >= it, a sequence (the longer of Tq and Tk, or max_seqlen) the first row whose
 # limit it does not pass. Tile moves: "host" the launcher's 4-D descriptors, "hybrid" device-side descriptors for the
 # tiles a program loads or stores once and the launcher's for the tiles of its loop, "device" device-side descriptors
-# (packed documents always take these), False masked pointer loads. Measured on the H200 with profiles/tune_attention.py
-# (bf16, B * T = 16384, nh * hs = 2048, causal unless said; TFLOP/s, the same-run bf16 matmul at 679-701):
-# - fwd, the launcher's descriptors against device-side ones (same tiles): hs128 T 4096 128x128 8 warps 3 stages
-#   423 against 392, 128x64 8w3s 404 / 374; T 1024 128x32 4w4s 274 / 264, 128x128 8w3s 264 / 214; hs64 T 4096
-#   128x64 4w3s 368 / 339. Beside dropping the per-program descriptor setup, the loaded-once q tile goes to registers
-#   (wgmma's A operand) rather than shared memory.
-# - fwd tiles, T 4096: hs128 128x128 8w3s as above (full 431 with device-side descriptors); 128x128 8w2s 373;
-#   Triton's warp specialization of the loop (128x128 8w3s, device-side) 385, so it is not used. T 2048: hs128
-#   128x128 8w3s 350, 64x64 4w3s 343, 128x64 8w3s 339, 128x32 4w4s 332; hs64 128x64 4w3s 305, 64x64 4w3s 295,
-#   128x32 4w4s 284, 128x128 8w3s 247. T 1024: hs128 128x32 4w4s 274, 64x64 4w3s 224, 128x64 4w3s 218.
-# - backward, two passes (dq kernel, making delta as it goes, then the dk/dv kernel), T 4096: hs128 dk/dv 64x64
-#   4w2s + dq 128x64 8w3s 329-331 with the loop's tiles through the launcher's descriptors ("hybrid"), 322-328
-#   all device-side (full 349); hs64 dk/dv 32x64 4w3s + dq 64x64 4w3s 272-274 hybrid, 267-270 device-side. With
-#   the launcher's descriptors everywhere the backward is slower (hs128 265-271): the loaded-once k and v (dk/dv)
-#   or q and dO (dq) tiles go to registers, which these kernels lack (255 registers and spills). The single pass
-#   with atomic dq is slower at its best tile: hs128 291 (full 304, 32x128 8w3s), hs64 224 (64x64 4w2s); so dq
-#   comes from its own pass by default.
-# - backward, T 1024: hs128 dk/dv 64x64 4w2s + dq 128x32 4w3s 203-216 hybrid, 195-206 device-side (the earlier
-#   dk/dv 64x128 8w2s with pointer loads 204); hs64 dk/dv 32x64 4w3s 163, dq 128x64 8w2s with pointer loads 170.
-# - the launcher's descriptors cost host time: on the H200 machine's host, kern.fwd takes 137 us with them against
-#   77 us device-side (profiles/profile_attention_launch.py), and a forward + backward through autograd at B 16
-#   T 1024 hs128 took 1324 us of host time against 926 device-side, above its 1059 us of GPU time: the GPU waited.
-#   So up to T 1024 every kernel takes device-side descriptors (GPU-side a few percent slower, see above).
-# - backward, hs64 T 1024 on an H100 (B 16, 32 heads; the tile moves forced on both kernels): pointer loads win
-#   at this length: dk/dv 32x64 4w3s + dq 128x32 4w3s 186 TFLOP/s with pointers, 173 with the launcher's
-#   descriptors, 161 hybrid, 154 device-side (the previous entry's dk/dv moves); dq 128x64 8w2s 157 with pointers.
-#   Then with pointers, one kernel's tile at a time: dk/dv 32x128 4w3s 207 (32x64 4w3s 190, 16x64 187, 64x64 182,
-#   32x64 4w2s 174, 32x32 134), dq 128x32 4w4s 193 (4w3s 187, 8w3s 191, 128x64 180, 64x32 171).
-# - tried and left out: FlashAttention-4's lazy rescale in the forward's unmasked loop (the running max moves only
-#   when a row's max grows by more than 8, base 2, so most blocks skip rescaling acc and l; a block-wide max decides,
-#   which costs a cross-warp reduction and two more barriers per block). H100, causal, tiles as CONFIGS, TFLOP/s
-#   without / with: hs128 T 1024 234 / 232, T 2048 297 / 296, T 4096 401 / 380; hs64 T 4096 366 / 351.
-#   Nor can the next block's QK^T be issued before the softmax of this one (FlashAttention-3's overlap): Triton's
-#   wgmma pipeliner waits on a dot whose result the loop uses outside an `if` right after issuing it.
-# - 256-row forward tiles spill (H200, hs128 causal, the launcher's descriptors): T 4096 256x64 16w2s 231, 256x32 8w3s
-#   325, 256x128 16w2s 46, against 128x128 8w3s 409; T 16384 258 against 479. The long-sequence backward tiles hold at
-#   T 16384 too: dk/dv 64x64 4w2s 384 (64x128 8w2s 372, 128x128 8w1s 262), dq 128x64 8w3s 380 (128x128 8w2s 368)
-#   (profiles/h200/tune_attention.txt).
-# - hs256: not tuned; tiles that fit the shared memory, device-side descriptors (a 64x256 q tile in registers would
-#   spill). Head dims up to 32 keep the long-sequence tiles at every length: with the short-sequence ones, ptxas 13.0
-#   (on the H200 machine) crashed compiling hs16 at T 1.
+# (packed documents always take these), False masked pointer loads. Measured with profiles/tune_attention.py; the
+# figures behind each entry, and what was tried and left out, are in docs/tuning.md (attention, Triton).
 _LONG = 1 << 62
-# The Gluon forward (megakern._attention_gluon: warp-specialized, persistent, two consumer warpgroups in ping-pong)
-# takes fixed-length batches on sm_90 up to these sequence lengths, per head dim and causal; H200, bf16, B * T = 16384,
-# nh * hs = 2048, TFLOP/s Gluon / the Triton forward (profiles/probe_attention_gluon.py), with the tile schedules that
-# keep a head's k / v in L2 (_attention_gluon.L2_GROUP_BYTES):
-# - hs128 causal: T 1024 375 / 262, 2048 467 / 345, 4096 536 / 405, 16384 607 / 479; full: 522 / 333, 574 / 405,
-#   595 / 425, 622 / 485.
-# - hs64 causal: T 2048 354 / 310, 4096 407 / 351; full: 423 / 340, 443 / 384. (Before those schedules hs64 full
-#   attention was 383 / 385 at T 4096 and kept the Triton kernel past T 2048.)
-# One consumer of 8 warps instead of the ping-pong pair is slower everywhere (hs128 T 4096 causal 389, hs64 299).
-GLUON_FWD = {128: {True: _LONG, False: _LONG}, 64: {True: _LONG, False: _LONG}}
-# The deterministic backward's passes by the Gluon kernels (two consumer warpgroups of 64 rows each, a TMA producer
-# warp, persistent): head dims and masks where each is the faster one; dq (GLUON_DQ, which also makes delta) runs
-# first, then dk/dv (GLUON_BWD). H200, TFLOP/s of the whole deterministic backward with both passes in Triton / the
-# Gluon dk/dv pass / both in Gluon (profiles/probe_attention_gluon.py --bwd), with the L2 tile schedules: hs128
-# causal T 1024 206 / 241 / 269, 2048 271 / 300 / 342, 4096 321 / 350 / 383, 16384 388 / 411 / 445; full T 4096
-# 356 / 404 / 448; hs64 causal T 2048 227 / 259 / 292, 4096 258 / 304 / 324; full T 4096 272 / 316 / 348. The dq
-# pass with 2 k / v slots instead of 3 (hs128) or 4 (hs64) is slower than Triton's (hs128 T 2048 264, hs64 205): a
-# block's k stays in use until its dS K is done, an iteration later. Turns between the dq pass's two warpgroups
-# (ping-pong, as in the forward): no better (hs128 causal T 2048 302 against 301, T 4096 345 against 359). 3 q / dO
-# slots instead of 2 in the dk/dv pass (hs128), or P^T computed while dP^T runs there: no better.
-GLUON_BWD = {128: (True, False), 64: (True, False)}
-GLUON_DQ = {128: (True, False), 64: (True, False)}
 CONFIGS = {
+    # the launcher's descriptors past T 1024 (faster on the GPU), device-side ones up to it (less host time)
     "fwd": {32: ((_LONG, (128, 64, 4, 3, "host")),),
             64: ((1024, (128, 32, 4, 4, "device")), (_LONG, (128, 64, 4, 3, "host"))),
             128: ((1024, (128, 32, 4, 4, "device")), (_LONG, (128, 128, 8, 3, "host"))),
             256: ((_LONG, (64, 32, 4, 2, "device")),)},
-    # the forward while a CUDA graph is captured, where launch cost is paid once: the launcher's descriptors at every
-    # length (H100, hs64 T 1024 causal: 128x64 4w3s 236 TFLOP/s with them, against 128x32 4w4s device-side 209)
+    # while a CUDA graph is captured launch cost is paid once: the launcher's descriptors at every length
     "fwd_graph": {32: ((_LONG, (128, 64, 4, 3, "host")),),
                   64: ((_LONG, (128, 64, 4, 3, "host")),),
                   128: ((1024, (128, 32, 4, 4, "host")), (_LONG, (128, 128, 8, 3, "host"))),
                   256: ((_LONG, (64, 32, 4, 2, "device")),)},
+    # "hybrid": the loaded-once k and v tiles in registers, the loop's through the launcher's descriptors
     "dkdv": {32: ((_LONG, (32, 64, 4, 3, "device")),),
              64: ((1024, (32, 128, 4, 3, False)), (_LONG, (32, 64, 4, 3, "hybrid"))),
              128: ((1024, (64, 64, 4, 2, "device")), (_LONG, (64, 64, 4, 2, "hybrid"))),
              256: ((_LONG, (32, 64, 4, 2, "device")),)},
+    # the single pass with atomic dq (deterministic=False), at its best tiles
     "dkdv_atomic": {32: ((_LONG, (64, 64, 4, 2, "device")),), 64: ((_LONG, (64, 64, 4, 2, "device")),), 128: ((_LONG, (32, 128, 8, 3, "device")),),
                     256: ((_LONG, (32, 64, 4, 2, "device")),)},
+    # "hybrid" as for dk/dv, with the loaded-once q and dO tiles in registers
     "dq": {32: ((_LONG, (64, 64, 4, 3, "device")),),
            64: ((1024, (128, 32, 4, 4, False)), (_LONG, (64, 64, 4, 3, "hybrid"))),
            128: ((1024, (128, 32, 4, 3, "device")), (_LONG, (128, 64, 8, 3, "hybrid"))),
@@ -641,16 +585,6 @@ def _tma_ok(tensors) -> bool:
     return tma_aligned(tensors)
 
 
-def tma_aligned(tensors) -> bool:
-    """Every (B, T, heads, hs) tensor has a 16-byte aligned base and 16-byte aligned batch / row / head strides, as
-    a TMA descriptor needs."""
-    for t in tensors:
-        size = t.element_size()
-        if t.data_ptr() % 16 or any((s * size) % 16 for s in t.stride()[:3]):
-            return False
-    return True
-
-
 def _scratch(size: int, alignment: int, stream):
     """Global scratch for device-side tensor descriptors (Triton asks for it at launch)."""
     device = "cpu" if _interpreting() or not torch.cuda.is_available() else torch.cuda.current_device()
@@ -697,26 +631,9 @@ def _descs(*items):
             if mode == 2 else t for t, r, mode in items]
 
 
-def _use_gluon(hs: int, causal: bool, seqlen: int) -> bool:
-    """The Gluon forward (megakern._attention_gluon) is the faster one here; see GLUON_FWD."""
-    limit = GLUON_FWD.get(hs, {}).get(causal, 0)
-    return seqlen <= limit
-
-
-def fwd(q, k, v, causal: bool, scale: float, window, cu_seqlens, max_seqlen, config=None, tma=None, gluon=None):
+def fwd(q, k, v, causal: bool, scale: float, window, cu_seqlens, max_seqlen, config=None, tma=None):
     """(out, lse): out like q; lse (B, nh, Tq) or (nh, total) fp32. ``config`` (BLOCK_M, BLOCK_N, warps, stages)
-    overrides the CONFIGS entry; ``tma`` forces tensor descriptors on or off (tests, tuning). ``gluon``: None takes
-    the Gluon kernel (Hopper, fixed-length batches, see GLUON_FWD) where it applies and neither ``config`` nor ``tma``
-    is given; False never; True always (an error where it cannot run)."""
-    if gluon or (gluon is None and config is None and tma is None and q.is_cuda):
-        from megakern import _attention_gluon
-
-        can = _attention_gluon.supported(q, k, v, causal, window, cu_seqlens)
-        if gluon and not can:
-            raise ValueError("attention: the Gluon forward needs an sm_90 GPU, a fixed-length fp16 / bf16 batch with "
-                             f"head dim in {_attention_gluon.HEAD_DIMS}, no window and 16-byte aligned strides")
-        if can and (gluon or _use_gluon(q.shape[-1], causal, max(q.shape[1], k.shape[1]))):
-            return _attention_gluon.fwd(q, k, v, causal, scale)
+    overrides the CONFIGS entry; ``tma`` forces tensor descriptors on or off (tests, tuning)."""
     varlen, batch, tq, tk = _geometry(q, k, cu_seqlens, max_seqlen)
     q4, k4, v4 = (_as4d(t, varlen) for t in (q, k, v))
     nh, hs, nkv = q.shape[-2], q.shape[-1], k.shape[-2]
@@ -741,37 +658,16 @@ def fwd(q, k, v, causal: bool, scale: float, window, cu_seqlens, max_seqlen, con
     return out, lse
 
 
-def _gluon_pass(choice, table, name, dout, q, k, v, g1, g2, causal, hs, window, cu_seqlens, configs, tma,
-                atomic):
-    """Whether a pass of the deterministic backward runs as the Gluon kernel: False or the pass's config tuple (True
-    for its default tiles). ``choice`` None asks ``table`` (head dim -> the masks where it wins) unless ``configs``
-    or ``tma`` are given; False never; True / a config tuple always, an error where it cannot run (``g1``, ``g2``:
-    the pass's other tensors, which it reads or writes)."""
-    if choice is False or atomic and not choice:
-        return False
-    if choice is None and (configs or tma is not None or not q.is_cuda or causal not in table.get(hs, ())):
-        return False
-    from megakern import _attention_gluon
-
-    can = not atomic and _attention_gluon.supported(q, k, v, causal, window, cu_seqlens, others=(dout, g1, g2))
-    if choice and not can:
-        raise ValueError(f"attention: the Gluon {name} pass needs the deterministic backward and what the Gluon "
-                         "forward needs, for dout and the gradients too")
-    return can and (choice or True)
-
-
-def _gluon_config(choice):
-    """The config tuple a forced Gluon pass names, None for its default tiles."""
-    return choice if isinstance(choice, tuple) else None
-
-
 def bwd(dout, q, k, v, out, lse, causal: bool, scale: float, window, cu_seqlens, max_seqlen, deterministic: bool,
-        configs=None, tma=None, out_grads=None, gluon=None, gluon_dq=None):
+        configs=None, tma=None, out_grads=None, dq_pass=None, dkdv_pass=None):
     """(dq, dk, dv). ``configs`` {'dkdv': ..., 'dq': ...} override the CONFIGS entries; ``tma`` as for ``fwd``.
     ``out_grads`` (dq, dk, dv): tensors shaped like q, k, v (any strides with unit stride along hs) to write into.
-    ``gluon`` / ``gluon_dq``: the deterministic backward's dk/dv / dq pass by the Gluon kernel
-    (megakern._attention_gluon.bwd_dkdv / bwd_dq): None where it applies (GLUON_BWD / GLUON_DQ) and neither
-    ``configs`` nor ``tma`` is given; False never; True or a config tuple always (an error where it cannot run)."""
+    ``dq_pass`` / ``dkdv_pass``: another implementation of a pass of the deterministic backward, run instead of the
+    Triton kernel (megakern/attention.py hands in the Gluon kernels where they are the faster ones):
+    ``dq_pass(dout, q, k, v, out, lse, delta, dq, causal, scale)`` writes dq and delta = rowsum(dO * O) (like lse);
+    ``dkdv_pass(dout, q, k, v, lse, delta, dk, dv, causal, scale)`` writes dk and dv."""
+    if not deterministic and (dq_pass is not None or dkdv_pass is not None):
+        raise ValueError("attention backward: dq_pass / dkdv_pass replace passes of the deterministic backward")
     configs = configs or {}
     varlen, batch, tq, tk = _geometry(q, k, cu_seqlens, max_seqlen)
     q4, k4, v4, o4, do4 = (_as4d(t, varlen) for t in (q, k, v, out, dout))
@@ -794,11 +690,6 @@ def bwd(dout, q, k, v, out, lse, causal: bool, scale: float, window, cu_seqlens,
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     else:
         dq = dq_out if dq_out is not None else torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    # which passes run as the Gluon kernels, decided (and a forced one that cannot run refused) before any work
-    gluon_dq = _gluon_pass(gluon_dq, GLUON_DQ, "dq", dout, q, k, v, out, dq, causal, hs, window, cu_seqlens, configs,
-                           tma, atomic)
-    gluon_dkdv = _gluon_pass(gluon, GLUON_BWD, "dk/dv", dout, q, k, v, dk, dv, causal, hs, window, cu_seqlens,
-                             configs, tma, atomic)
     if batch == 0 or tq == 0 or tk == 0:
         if dq_out is not None:
             dq_out.zero_()
@@ -813,10 +704,8 @@ def bwd(dout, q, k, v, out, lse, causal: bool, scale: float, window, cu_seqlens,
             o4, do4, delta, cu_seqlens, *_strides(o4, varlen), *_strides(do4, varlen), stride_lb, stride_lh,
             nh, tq, HEAD_DIM=hs, BLOCK_D=block_d, BLOCK_M=rows, VARLEN=varlen, num_warps=4,
         )
-    elif gluon_dq:
-        from megakern import _attention_gluon
-
-        _attention_gluon.bwd_dq(dout, q, k, v, out, lse, delta, dq, causal, scale, _gluon_config(gluon_dq))
+    elif dq_pass is not None:
+        dq_pass(dout, q, k, v, out, lse, delta, dq, causal, scale)
     else:
         block_m, block_n, warps, stages, prefer = _tiles(configs.get("dq"), tma, hs, q.device, "dq", seqlen)
         once, loop = _pick_tma(prefer, tma, (q4, k4, v4, o4, do4, dq4), varlen)
@@ -829,10 +718,8 @@ def bwd(dout, q, k, v, out, lse, causal: bool, scale: float, window, cu_seqlens,
             BLOCK_M=block_m, BLOCK_N=block_n, TMA=once, TMA_LOOP=loop, num_warps=warps, num_stages=stages,
             **common,
         )
-    if gluon_dkdv:
-        from megakern import _attention_gluon
-
-        _attention_gluon.bwd_dkdv(dout, q, k, v, lse, delta, dk, dv, causal, scale, _gluon_config(gluon_dkdv))
+    if dkdv_pass is not None:
+        dkdv_pass(dout, q, k, v, lse, delta, dk, dv, causal, scale)
         return dq, dk, dv
     block_m, block_n, warps, stages, prefer = _tiles(configs.get("dkdv"), tma, hs, q.device,
                                                      "dkdv_atomic" if atomic else "dkdv", seqlen)

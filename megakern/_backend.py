@@ -9,8 +9,9 @@ module-level state or environment variables at import time.
 - ``cuda``: the hand-written CUDA C++ kernels of csrc/, through the built extension ``megakern._C`` or, when it
   is not built, compiled at run time by NVRTC through cupy (see ``megakern._cuda``).
 
-The default on a CUDA device is the fastest backend measured by benchmarks/ (figures next to ``DEFAULTS``); on a
-CPU it is the reference. An unavailable backend asked for by name raises an error that says why.
+The default on a CUDA device is the fastest backend measured by benchmarks/ (``DEFAULTS``; the figures in
+docs/tuning.md); on a CPU it is the reference. An unavailable backend asked for by name raises an error that says
+why.
 
 Optional dependencies (contract 10, docs/contracts.md) are checked by ``optional_module``: a package that cannot be
 imported, a folder of its name that shadows it, or a version below the floor is named with the version found, the
@@ -32,35 +33,35 @@ BACKENDS = ("torch", "triton", "cuda")
 MIN_TRITON = (3, 6)  # Gluon's Hopper API as megakern/_attention_gluon.py uses it; tl.make_tensor_descriptor
 MIN_LIGER = (0, 5)  # the first minor release whose LigerRMSNormFunction takes in_place (benchmarks/bench_norm.py)
 
-# Preference per op on CUDA devices, by hidden size: (largest hidden size, backends fastest first). Measured on the
-# H200 for training (forward + backward, bf16, fractions of the same-run copy bandwidth; profiles/tune_norm.py and
-# benchmarks/results/h200/norm.csv):
-# - up to 8192 (RMSNorm: 16384) Triton: forward 0.90-0.92 vs CUDA 0.57-0.69, backward 0.65-0.79 vs 0.41-0.48.
-# - longer rows CUDA: its streaming backward (RMSNorm 32768: 0.29, LayerNorm 16384: 0.28) beats Triton's, whose
-#   whole-row tiles spill (0.16 / 0.11), which outweighs Triton's faster forward.
-# Attention has no CUDA C++ implementation: Triton, then the reference.
-# Rotary (size: the head dim): Triton first. H200, q (8, 4096, 32, 128) + k (8 kv heads) bf16, fractions of copy
-# (benchmarks/results/h200/rotary.csv): Triton fwd 0.94 (8cb13c0), CUDA 0.65 (extension), 0.80 in an earlier run;
-# fwd+bwd timings are host-bound and vary between runs (Triton 0.56-0.88, CUDA 0.46-0.81).
+# Preference per op on CUDA devices, by size (the hidden size; rotary: the head dim; cross-entropy: the vocabulary):
+# (largest size, backends fastest first). Measured with the benchmarks named per entry; the figures are in
+# docs/tuning.md (backend defaults).
 DEFAULTS: dict[str, tuple[tuple[int, tuple[str, ...]], ...]] = {
+    # Triton up to 16384, longer rows CUDA (its streaming backward; Triton's tiles spill), profiles/tune_norm.py
     "rms_norm": ((16384, ("triton", "cuda", "torch")), (1 << 30, ("cuda", "triton", "torch"))),
+    # as RMSNorm, the crossover at 8192
     "layer_norm": ((8192, ("triton", "cuda", "torch")), (1 << 30, ("cuda", "triton", "torch"))),
+    # no CUDA C++ implementation: Triton (Gluon on Hopper), then the reference
     "attention": ((1 << 30, ("triton", "torch")),),
+    # Triton's forward ahead of the CUDA kernel's (benchmarks/results/h200/rotary.csv)
     "rotary": ((1 << 30, ("triton", "cuda", "torch")),),
-    # FP8 casts (megakern.fp8.quantize): Triton (every granularity), then the CUDA C++ cast (per tensor; the
-    # extension, else NVRTC), then the reference. H200, bf16 -> e4m3, eager, fractions of copy
-    # (benchmarks/results/h200/fp8.csv, c49b953, the CUDA cast through NVRTC): delayed Triton 0.76-0.86 vs CUDA
-    # 0.49-0.85; current Triton 0.33-0.52 vs CUDA 0.08-0.19.
+    # Triton (every granularity), the CUDA C++ cast (per tensor), the reference (benchmarks/results/h200/fp8.csv)
     "fp8_cast": ((1 << 30, ("triton", "cuda", "torch")),),
-    # Cross-entropy (size: the vocabulary): the Triton kernel, then the reference (fp32 logits of every row). Not yet
-    # measured on the H200 (benchmarks/bench_cross_entropy.py).
+    # the Triton kernel, then the reference (fp32 logits of every row); not yet measured on the H200
     "cross_entropy": ((1 << 30, ("triton", "torch")),),
-    # Bias + GELU (megakern.activation): Triton (the GELU backward and the bias gradient in one pass), then the
-    # reference.
+    # Triton (the GELU backward and the bias gradient in one pass), then the reference
     "bias_gelu": ((1 << 30, ("triton", "torch")),),
-    # Linear with a bias (megakern.linear): the bias gradient by a Triton column sum, then F.linear's own.
+    # the bias gradient by a Triton column sum, then F.linear's own
     "linear": ((1 << 30, ("triton", "torch")),),
 }
+
+
+def op_backends(op: str) -> tuple[str, ...]:
+    """The backends ``op`` offers (the names its ``backend=`` takes), fastest first on a GPU at small sizes; ops:
+    the keys of ``DEFAULTS``. Exported as ``megakern.op_backends``."""
+    if op not in DEFAULTS:
+        raise ValueError(f"unknown op {op!r}; ops: {', '.join(DEFAULTS)}")
+    return DEFAULTS[op][0][1]
 
 
 def default_order(op: str, size: int) -> tuple[str, ...]:
@@ -173,7 +174,7 @@ def resolve(op: str, device: torch.device, backend: str | Mapping[str, str] | No
     if isinstance(backend, Mapping):
         backend = backend.get(op)
     if backend is not None:
-        offered = DEFAULTS[op][0][1]
+        offered = op_backends(op)
         if backend not in offered:
             raise ValueError(f"{op}: unknown backend {backend!r}; choose one of {', '.join(sorted(offered))}")
         problem = available_backends(device)[backend]

@@ -1,4 +1,5 @@
-"""Input checks shared by the ops."""
+"""Input checks shared by the ops, and by models/ and parallel/ (``document_lengths``: packed documents'
+cu_seqlens): a documented shared helper, the one private module those may import (tests/test_layout.py)."""
 from __future__ import annotations
 
 import torch

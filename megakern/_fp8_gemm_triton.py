@@ -9,7 +9,7 @@ Scales (dequantizing, ``scale_inv`` of megakern.fp8.Quantized):
 - BLOCK_ROWS: A and B both per (row, run of BLOCK_K columns) (the weight-gradient GEMM of block scaling, whose K is
   the token dimension): each K step's product scaled by the outer product of the two scale columns.
 On GPUs TENSOR runs as ROW with zero scale strides (one scale for every row): the same result, and the faster code
-(128 x 256 tiles: 1252 vs 994 TFLOP/s at 8192^3 on the H200, profiles/tune_fp8.py).
+(profiles/tune_fp8.py; docs/tuning.md, FP8 GEMM).
 
 A program computes one (BLOCK_M, BLOCK_N) output tile, walking K; tiles move by masked pointer loads (ragged M,
 N, K edges read zeros). Programs are ordered in groups of GROUP_M row-tiles so that neighbours share B's tiles in
@@ -95,9 +95,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch
         bm, bn, warps, stages = 16, 16, 4, 1
         bk = block if blocked else 32
     else:
-        # H200, TFLOP/s at 8192^3 / 16384x4096x14336 / 16384x14336x4096 (profiles/tune_fp8.py; cuBLASLt per tensor
-        # 1257 / 1258 / 1253): per row 128 x 256 at 8 warps, 3 stages: 1252 / 1262 / 1152 (128 x 128: 1133 / 1157 /
-        # 1072); block scales 64 x 128 at 4 warps, 4 stages: 735 / 762 / 708 (128 x 128 at 8 warps: 721 / 689 / 699)
+        # the best tiles of profiles/tune_fp8.py on the H200, per row and block scales (docs/tuning.md, FP8 GEMM)
         bm, bn, warps, stages = config or ((64, 128, 4, 4) if blocked else (128, 256, 8, 3))
         bk = block if blocked else 128
         if scaling == TENSOR:  # as ROW, every row reading the one scale

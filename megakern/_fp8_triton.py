@@ -161,15 +161,10 @@ def _tiles_for(x: torch.Tensor, transpose: bool = False) -> tuple[int, int, int]
 
 
 # Per-tensor kernels on GPUs: (BLOCK_M, BLOCK_N, warps) and the persistent grid's programs per SM (0: one program
-# per tile). H200, 16384 x 4096 bf16 -> e4m3, CUDA-graph replays, fractions of copy (profiles/tune_fp8.py):
-# - delayed: 16 x 256 at 4 warps, 8 per SM: 0.86 (64 x 128 at 8 warps: 0.78-0.79; one program per tile: 0.65-0.77,
-#   its per-program amax atomics on one address queue up);
-# - delayed with the transposed copy: 64 x 128 at 8 warps, 16 per SM: 0.80 (16 x 256: 0.28-0.41, its transposed
-#   stores are 16 bytes wide);
-# - current (amax pass, then the cast): 0.51-0.54 in every geometry (two reads of x).
-TILES = (16, 256, 4)
-TILES_TRANSPOSE = (64, 128, 8)
-PROGRAMS_PER_SM = 8
+# per tile), the best of profiles/tune_fp8.py on the H200 (figures in docs/tuning.md, FP8 casts).
+TILES = (16, 256, 4)  # delayed scaling's best
+TILES_TRANSPOSE = (64, 128, 8)  # with the transposed copy (16 x 256 tiles would store it 16 bytes wide)
+PROGRAMS_PER_SM = 8  # persistent: one program per tile queues its amax atomics on one address
 PROGRAMS_PER_SM_TRANSPOSE = 16
 
 
@@ -197,43 +192,36 @@ def amax(x2: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 def cast(x2: torch.Tensor, scale: torch.Tensor | None, fp8_dtype: torch.dtype, fmax: float, *, transpose: bool,
          amax: torch.Tensor, amax_out: torch.Tensor | None = None, margin: int = 0):
-    """(y (M, N), y^T (N, M) or None, scale_inv (1,)) = sat(x2 * scale) in ``fp8_dtype``.
+    """(y (M, N), y^T (N, M) or None, scale_inv (1,)) = sat(x2 * scale) in ``fp8_dtype``, for x2 with elements
+    (megakern/fp8.py makes the results of an empty tensor without a launch).
 
     ``scale`` given (delayed scaling): x2's amax is maxed into ``amax`` (an fp32 (1,) tensor holding 0) in the same
     pass, and into ``amax_out`` too when given (the step's running max). ``scale`` None (current scaling): ``amax``
     holds x2's amax already (from ``amax``), and the scale FMAX / amax / 2^margin is made in the kernel."""
     m, n = x2.shape
+    if not (m and n):
+        raise ValueError("fp8 cast: x2 is empty; megakern.fp8.quantize makes an empty tensor's results itself")
     y = torch.empty((m, n), dtype=fp8_dtype, device=x2.device)
     yt = torch.empty((n, m), dtype=fp8_dtype, device=x2.device) if transpose else None
     scale_inv = torch.empty(1, dtype=torch.float32, device=x2.device)
     current = scale is None
-    if m and n:
-        # fp32 sources on GPUs: the in-kernel transposed copy miscompiles (Triton 3.6, sm_90: rows 1, 5, 9, ... of
-        # each transposed tile wrong, bf16 and fp16 sources exact), so it is a byte transpose of y instead: the same
-        # bytes by construction, one more pass over 1 byte per element (fp32 sources are mostly master weights, cast
-        # once per optimizer step)
-        fused_t = transpose and not (x2.dtype == torch.float32 and x2.device.type == "cuda")
-        bm, bn, warps = _tiles_for(x2, fused_t)
-        programs = _programs(x2, cdiv(m, bm) * cdiv(n, bn), PROGRAMS_PER_SM_TRANSPOSE if fused_t else PROGRAMS_PER_SM)
-        _cast_kernel[(programs,)](
-            x2, y, yt if fused_t else y, amax if current else scale, scale_inv, amax,
-            amax_out if amax_out is not None else amax, m, n, *x2.stride(),
-            FMAX=fmax, E4M3=fp8_dtype == torch.float8_e4m3fn, TRANSPOSE=fused_t, CURRENT=current,
-            WRITE_AMAX=not current, ACCUMULATE=amax_out is not None, MARGIN_SCALE=2.0 ** -margin,
-            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
-        )
-        if transpose and not fused_t:
-            yt.view(torch.uint8).copy_(y.view(torch.uint8).t())
-    else:  # nothing to cast: the scale's inverse still
-        scale_inv.copy_(1.0 / (scale.reshape(1) if not current else
-                               _scale_from(amax, fmax, margin)))
+    # fp32 sources on GPUs: the in-kernel transposed copy miscompiles (Triton 3.6, sm_90: rows 1, 5, 9, ... of each
+    # transposed tile wrong, bf16 and fp16 sources exact), so it is a byte transpose of y instead: the same bytes by
+    # construction, one more pass over 1 byte per element (fp32 sources are mostly master weights, cast once per
+    # optimizer step)
+    fused_t = transpose and not (x2.dtype == torch.float32 and x2.device.type == "cuda")
+    bm, bn, warps = _tiles_for(x2, fused_t)
+    programs = _programs(x2, cdiv(m, bm) * cdiv(n, bn), PROGRAMS_PER_SM_TRANSPOSE if fused_t else PROGRAMS_PER_SM)
+    _cast_kernel[(programs,)](
+        x2, y, yt if fused_t else y, amax if current else scale, scale_inv, amax,
+        amax_out if amax_out is not None else amax, m, n, *x2.stride(),
+        FMAX=fmax, E4M3=fp8_dtype == torch.float8_e4m3fn, TRANSPOSE=fused_t, CURRENT=current,
+        WRITE_AMAX=not current, ACCUMULATE=amax_out is not None, MARGIN_SCALE=2.0 ** -margin,
+        BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+    )
+    if transpose and not fused_t:
+        yt.view(torch.uint8).copy_(y.view(torch.uint8).t())
     return y, yt, scale_inv
-
-
-def _scale_from(amax: torch.Tensor, fmax: float, margin: int) -> torch.Tensor:
-    from megakern.fp8 import scale_from_amax
-
-    return scale_from_amax(amax, fmax, margin)
 
 
 def cast_rows(x2: torch.Tensor, fp8_dtype: torch.dtype, fmax: float, group: int | None):

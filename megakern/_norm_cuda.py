@@ -20,10 +20,9 @@ HAS_RESIDUAL, RES_F32, HAS_DRES_OUT, HAS_DRES, HAS_DW = 32, 64, 128, 256, 512
 _CTYPES = {torch.float32: (0, "float"), torch.float16: (1, "__half"), torch.bfloat16: (2, "__nv_bfloat16")}
 _VEC = {torch.float32: 4, torch.float16: 8, torch.bfloat16: 8}  # elements in 16 bytes
 
-# Elements of a row each thread keeps in registers, and the largest block (__launch_bounds__ in norm.cu): the
-# budgets under which the kernels compile without spills for sm_90a (nvcc -Xptxas -v: forward 53-58 registers,
-# backward, with the next row in flight, 94-128) and ran fastest on the H200 (profiles/tune_norm.py).
-# Longer rows stream (NV = 0).
+# Elements of a row each thread keeps in registers, and the largest block (__launch_bounds__ in csrc/norm/norm.cu):
+# the budgets that compile without spills for sm_90a and ran fastest on the H200 (profiles/tune_norm.py; registers in
+# docs/tuning.md, norms). Longer rows stream (NV = 0).
 FWD_CAP, FWD_MAX_THREADS = 16, 1024
 BWD_CAP, BWD_MAX_THREADS = 16, 512
 

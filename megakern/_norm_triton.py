@@ -128,24 +128,16 @@ def _block(n: int) -> int:
     return block
 
 
-# Launch geometry, measured on the H200 (profiles/tune_norm.py, bf16, 2**27-element tensors; fraction of the
-# copy bandwidth in the same run):
-# forward: about 8192 elements per program, 8 warps (hidden 1024: 8 rows a program 0.90 vs 1 row 0.66; 4096:
-#   0.89-0.91; 8192: 1 row 0.90-0.91), wider rows 16-32 warps (16384: 0.87-0.91).
-# backward: one persistent program per SM; rows per step and warps by hidden size (RMSNorm 4096: 4 rows, 8 warps
-#   0.79 vs 1 row 0.55; 8192: 2 rows, 16 warps 0.75 vs 0.72; LayerNorm 4096: 2 rows, 16 warps 0.64 vs 0.46; 8192:
-#   1 row, 16 warps 0.65 vs 2 rows 0.44; 1024: 4 rows, 4 warps, 0.52 / 0.47).
+# Launch geometry, measured on the H200 with profiles/tune_norm.py (figures in docs/tuning.md, norms).
 def _fwd_config(block: int) -> tuple[int, int]:
-    """(rows per program, warps)."""
+    """(rows per program, warps): about 8192 elements a program, 8 warps; wider rows 16-32 warps."""
     rows = max(1, 8192 // block)
     return rows, min(32, max(8, rows * block // 1024))
 
 
 def _bwd_config(block: int, is_rms: bool) -> tuple[int, int, int]:
-    """(rows per step, warps, programs per SM). Hidden 1024, the backward of a fused residual add (H100,
-    profiles/tune_norm.py --residual, 131072 rows bf16, fractions of copy): 2 rows, 4 warps, 4 programs per SM
-    LayerNorm 0.82 / RMSNorm 0.86, against 0.51 / 0.63 with 4 rows and one program per SM (the CUDA kernel 0.52 /
-    0.62): a persistent program per SM leaves too few warps in flight for rows this short."""
+    """(rows per step, warps, programs per SM): one persistent program per SM, rows per step and warps by hidden
+    size; up to 1024, 4 programs per SM (one leaves too few warps in flight for rows this short)."""
     if block <= 1024:
         return 2, 4, 4
     if block <= 2048:

@@ -2,7 +2,8 @@
 ``torch.library`` custom ops (``megakern::rotary``, ``megakern::rotary_``) that torch.compile traces.
 
 Tensors in, tensors out, no autograd (that is ``megakern.rotary.RotaryFunction``). Inputs arrive validated, as
-4-D (B, T, heads, hs) views with unit stride along hs; positions as ``megakern.rotary.Rotation`` holds them.
+4-D (B, T, heads, hs) views with unit stride along hs, with the outputs to write (megakern/rotary.py allocates them);
+positions as ``megakern.rotary.Rotation`` holds them.
 """
 import math
 from dataclasses import dataclass
@@ -11,7 +12,6 @@ from typing import Optional
 import torch
 
 from megakern import _cuda
-from megakern.rotary import rotary_outputs
 
 # Flag bits, mirrored from csrc/rotary/rotary.h.
 VECTORIZED, CONJ, COPY_REST, POS_IDS, POS_I64, CU_SEQLENS, OFFSETS, OFFSETS_I64 = 1, 2, 4, 8, 16, 32, 64, 128
@@ -29,8 +29,7 @@ class LaunchConfig:
     tokens_per_block: int
 
 
-# Defaults, to be measured on the H200 (benchmarks/bench_rotary.py --tune sweeps them). Registers on sm_90a
-# (nvcc -Xptxas -v, 16-bit inputs): ITEMS=1 50-54, ITEMS=2 84-86, no spills; at 256 threads, 5 or 2 blocks an SM.
+# Defaults, not yet tuned (benchmarks/bench_rotary.py --tune sweeps them; registers in docs/tuning.md, rotary).
 DEFAULT_THREADS, DEFAULT_ITEMS, ITEMS_PER_BLOCK = 256, 1, 2048
 
 
@@ -96,14 +95,15 @@ def _nvrtc_args(*args):
     return tuple(kinds[kind](value) for kind, value in args)
 
 
-def fwd(q, k, cos, sin, position_ids, cu_seqlens, offsets, offset: int, rotary_dim: int, interleaved: bool,
-        conj: bool, inplace: bool, path: Optional[str] = None, config: Optional[LaunchConfig] = None):
-    """(q_out, k_out | None) for 4-D q (B, T, nh, hs), k (B, T, nkv, hs) or None; see csrc/rotary/rotary.cu.
-    ``conj``: rotate by -theta (the backward); ``inplace``: q_out is q, k_out is k."""
+def fwd(q, k, q_out, k_out, cos, sin, position_ids, cu_seqlens, offsets, offset: int, rotary_dim: int,
+        interleaved: bool, conj: bool, inplace: bool, path: Optional[str] = None,
+        config: Optional[LaunchConfig] = None):
+    """(q_out, k_out | None), written, for 4-D q (B, T, nh, hs), k (B, T, nkv, hs) or None; see
+    csrc/rotary/rotary.cu. ``q_out``, ``k_out``: tensors of q's and k's shapes, or with ``inplace`` q and k
+    themselves. ``conj``: rotate by -theta (the backward)."""
     path = _cuda.choose_path(path)
     batch, seqlen, nh, hs = q.shape
     nkv = k.shape[2] if k is not None else 0
-    q_out, k_out = rotary_outputs(q, k, inplace)
     tokens = batch * seqlen
     if tokens == 0 or nh + nkv == 0:
         return q_out, k_out
@@ -151,7 +151,10 @@ def fwd(q, k, cos, sin, position_ids, cu_seqlens, offsets, offset: int, rotary_d
 def rotary_op(q: torch.Tensor, k: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
               position_ids: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], offsets: Optional[torch.Tensor],
               offset: int, rotary_dim: int, interleaved: bool, conj: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    q_out, k_out = fwd(q, k, cos, sin, position_ids, cu_seqlens, offsets, offset, rotary_dim, interleaved, conj, False)
+    # a functional op allocates its outputs (as megakern.rotary.rotary_outputs does out of place)
+    q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    k_out = None if k is None else torch.empty_like(k, memory_format=torch.contiguous_format)
+    fwd(q, k, q_out, k_out, cos, sin, position_ids, cu_seqlens, offsets, offset, rotary_dim, interleaved, conj, False)
     return q_out, (k_out if k_out is not None else q.new_empty(0))
 
 
@@ -165,7 +168,7 @@ def rotary_inplace_op(q: torch.Tensor, k: Optional[torch.Tensor], cos: torch.Ten
                       position_ids: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
                       offsets: Optional[torch.Tensor], offset: int, rotary_dim: int, interleaved: bool,
                       conj: bool) -> None:
-    fwd(q, k, cos, sin, position_ids, cu_seqlens, offsets, offset, rotary_dim, interleaved, conj, True)
+    fwd(q, k, q, k, cos, sin, position_ids, cu_seqlens, offsets, offset, rotary_dim, interleaved, conj, True)
 
 
 @rotary_inplace_op.register_fake
@@ -173,12 +176,15 @@ def _(q, k, cos, sin, position_ids, cu_seqlens, offsets, offset, rotary_dim, int
     return None
 
 
-def apply(q, k, cos, sin, position_ids, cu_seqlens, offsets, offset, rotary_dim, interleaved, conj, inplace):
+def apply(q, k, q_out, k_out, cos, sin, position_ids, cu_seqlens, offsets, offset, rotary_dim, interleaved, conj,
+          inplace):
     """The launcher ``megakern.rotary`` uses: eager calls go straight to ``fwd``; under torch.compile the custom
-    ops keep the kernel opaque to tracing."""
-    args = (q, k, cos, sin, position_ids, cu_seqlens, offsets, offset, rotary_dim, interleaved, conj)
+    ops keep the kernel opaque to tracing (out of place, the functional op returns outputs of its own: the traced
+    q_out, k_out go unused, and the compiler drops their allocation)."""
     if not torch.compiler.is_compiling():
-        return fwd(*args, inplace)
+        return fwd(q, k, q_out, k_out, cos, sin, position_ids, cu_seqlens, offsets, offset, rotary_dim, interleaved,
+                   conj, inplace)
+    args = (q, k, cos, sin, position_ids, cu_seqlens, offsets, offset, rotary_dim, interleaved, conj)
     if inplace:
         torch.ops.megakern.rotary_(*args)
         return q, k

@@ -10,7 +10,8 @@ instead (16-byte aligned pieces whatever rotary_dim is), each feature's pair par
 same row (an L1 hit), with per-feature cos / sin (1 / 0 past rotary_dim). The backward is the same kernel with sin
 negated (CONJ).
 
-Launchers take 4-D (B, T, heads, hs) views with unit stride along hs; tensors in, tensors out, no autograd.
+Launchers take 4-D (B, T, heads, hs) views with unit stride along hs and the outputs to write (megakern/rotary.py
+allocates them); tensors in, tensors out, no autograd.
 """
 from __future__ import annotations
 
@@ -20,20 +21,12 @@ import triton
 import triton.language as tl
 
 from megakern._intmath import cdiv, next_power_of_2
-from megakern.rotary import rotary_outputs
 
-# Elements of q or k per (BLOCK_T, BLOCK_H, row) tile, by layout (interleaved or not), and warps by tile size
-# (4 up to 4096 elements, else 8). Measured on the H200 (benchmarks/bench_rotary.py --tune, forward of the headline
-# q (8, 4096, 32, 128) + k (8 heads) bf16, fraction of the same-run copy bandwidth, two runs): GPT-NeoX 2048 elements
-# (one token, 16 heads a step) 4 warps 0.930-0.931, against 0.906-0.911 for 8192 (2 tokens x 32 heads) and
-# 0.921-0.923 for 2048 at 2 warps; interleaved 4096 at 4 warps 0.933-0.937, 2048 0.924-0.932. Loads marked
-# evict-first with streaming (.cs) stores were slower (interleaved 4096: 0.905).
+# Elements of q or k per (BLOCK_T, BLOCK_H, row) tile, by layout (interleaved or not); warps by tile size (4 up to
+# 4096 elements, else 8). Measured with benchmarks/bench_rotary.py --tune; the figures are in docs/tuning.md (rotary).
 TILE = {False: 2048, True: 4096}
-# Whole-row tiles (partial rotary out of place), elements per tile by GPU, at 4 warps; measured with bench_rotary
-# --tune on GPT-NeoX-20B's q (8, 2048, 64, 96) + k (64 heads), rotary_dim 24, fraction of the copy bandwidth
-# (profiles/h100/tune_rotary.txt, profiles/h200/tune_rotary.txt). H100: 8192 0.955, against 0.890 for 4096, 0.852
-# for 2048 and 0.860 for 8192 at 8 warps; the half-row tiles reached 0.792 at best. H200: 2048 0.911, against 0.841
-# for 4096 and 0.795 for 8192. Other GPUs take the H100's.
+# Whole-row tiles (partial rotary out of place), elements per tile by GPU, at 4 warps: the H200's and the H100's
+# best (other GPUs take the H100's; profiles/h100/tune_rotary.txt, profiles/h200/tune_rotary.txt).
 TILE_FULL_ROW, WARPS_FULL_ROW = {"H200": 2048, None: 8192}, 4
 
 
@@ -221,14 +214,14 @@ def launch_config(nh: int, nkv: int, hs: int, rotary_dim: int, interleaved: bool
 _default_launch_config = functools.lru_cache(maxsize=256)(launch_config)  # per launch, without overrides
 
 
-def fwd(q, k, cos, sin, position_ids, cu_seqlens, offsets, offset: int, rotary_dim: int, interleaved: bool,
-        conj: bool, inplace: bool, **overrides):
-    """(q_out, k_out | None) for 4-D q (B, T, nh, hs), k (B, T, nkv, hs) or None; arguments as
-    megakern.rotary.Rotation. ``conj``: rotate by -theta (the backward). ``inplace``: q_out is q, k_out is k.
-    ``overrides``: launch_config's keywords (block_t, num_warps, tile, full_row), for tuning."""
+def fwd(q, k, q_out, k_out, cos, sin, position_ids, cu_seqlens, offsets, offset: int, rotary_dim: int,
+        interleaved: bool, conj: bool, inplace: bool, **overrides):
+    """(q_out, k_out | None), written, for 4-D q (B, T, nh, hs), k (B, T, nkv, hs) or None; the rest as
+    megakern.rotary.Rotation holds it. ``q_out``, ``k_out``: fresh contiguous tensors of q's and k's shapes, or with
+    ``inplace`` q and k themselves. ``conj``: rotate by -theta (the backward). ``overrides``: launch_config's keywords
+    (block_t, num_warps, tile, full_row), for tuning."""
     batch, seqlen, nh, hs = q.shape
     nkv = k.shape[2] if k is not None else 0
-    q_out, k_out = rotary_outputs(q, k, inplace)
     if batch * seqlen == 0 or nh + nkv == 0:
         return q_out, k_out
     gpu = gpu_model(q.device.index) if q.is_cuda else None

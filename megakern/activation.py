@@ -6,7 +6,7 @@ plus a separate reduction over dh, as Megatron's bias-GELU fusion does.
 
 Shapes: h (..., N) in fp32 / fp16 / bf16, bias (N,) in any float dtype or None. Math in fp32; the output and dh in
 h's dtype; the bias gradient summed in fp32, in the bias's dtype. Backends: ``torch`` (``bias_gelu_ref`` under
-autograd) and ``triton`` (the default on a GPU).
+autograd) and ``triton`` (the default on a GPU); ``bias_gelu_backend`` says which one a call takes.
 """
 from __future__ import annotations
 
@@ -62,15 +62,21 @@ def _check(h, bias) -> None:
         raise ValueError(f"bias_gelu: bias is on {bias.device} but h is on {h.device}")
 
 
+def bias_gelu_backend(h: torch.Tensor, backend: str | Mapping[str, str] | None = None) -> str:
+    """The backend ``bias_gelu(h, bias, backend=backend)`` takes: 'torch' | 'triton'. ``backend`` a name or a kernel
+    table {op: backend}; without one, 'triton' on a GPU, the reference for float64 h and on a CPU. Raises ValueError /
+    RuntimeError for an unknown or unavailable backend."""
+    explicit = backend.get("bias_gelu") if isinstance(backend, Mapping) else backend
+    if explicit is None and h.dtype == torch.float64:
+        return "torch"
+    return _backend.resolve("bias_gelu", h.device, backend, size=h.shape[-1])
+
+
 def bias_gelu(h: torch.Tensor, bias: torch.Tensor | None = None, *,
               backend: str | Mapping[str, str] | None = None) -> torch.Tensor:
     """gelu(h + bias) (tanh approximation) over the last dim of h; ``backend`` as for every megakern op."""
     _check(h, bias)
-    explicit = backend.get("bias_gelu") if isinstance(backend, Mapping) else backend
-    if explicit is None and h.dtype == torch.float64:
-        name = "torch"
-    else:
-        name = _backend.resolve("bias_gelu", h.device, backend, size=h.shape[-1])
+    name = bias_gelu_backend(h, backend)
     with _nvtx.annotate(f"megakern.bias_gelu[{name}]"):
         if name == "torch":
             return bias_gelu_ref(h, bias)

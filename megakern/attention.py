@@ -1,7 +1,6 @@
 """Fused attention: softmax(q k^T * scale + mask) v, forward and backward, in Triton (FlashAttention-2 algorithm);
 on Hopper the forward and the deterministic backward of fixed-length batches with head dim 64 / 128 run Gluon kernels
-with FlashAttention-3's structure (megakern/_attention_gluon.py; GLUON_FWD, GLUON_DQ and GLUON_BWD in
-megakern/_attention_triton.py say where).
+with FlashAttention-3's structure (megakern/_attention_gluon.py; GLUON_FWD, GLUON_DQ and GLUON_BWD below say where).
 
 Shapes (flash-attn's layout): q (B, Tq, nh, hs), k and v (B, Tk, nkv, hs), out like q. Grouped-query / multi-query
 attention: nkv divides nh, and q head h reads kv head h // (nh // nkv); k and v are never repeated, and dk / dv are
@@ -21,8 +20,8 @@ the scale folded in. ``return_lse``: also the log-sum-exp of each row's scores (
 Backward: by default (``deterministic=True``) two passes: dq per query block (making delta = rowsum(dO * O) on the
 way), then dk and dv per key block, which recomputes q k^T and dO v^T (7 matmuls instead of 5) but needs no atomics,
 so it is bitwise reproducible; on the H200 it is also the faster one (Triton kernels, hs 128, T 4096: 321 against
-291 TFLOP/s causal, 349 against 304 full; see ``CONFIGS`` in megakern/_attention_triton.py). On Hopper both passes
-run Gluon kernels for what the Gluon forward takes (GLUON_DQ, GLUON_BWD). ``deterministic=False`` computes dq in the
+291 TFLOP/s causal, 349 against 304 full; see docs/tuning.md). On Hopper both passes run Gluon kernels for what the
+Gluon forward takes (GLUON_DQ, GLUON_BWD). ``deterministic=False`` computes dq in the
 dk/dv pass by fp32 atomic adds (a TMA reduce on Hopper): fewer FLOPs, results that vary in the last bits from run to
 run.
 
@@ -30,11 +29,16 @@ Packed q, k, v: when q, k and v are the three views ``[..., 0, :]``, ``[..., 1, 
 (..., heads, 3, hs) tensor (a fused qkv projection split without copies; ``packed_qkv`` tells), the backward writes dq,
 dk and dv into one tensor of that layout, so the gradient of the projection's output needs no concatenation.
 
-Backends: ``torch`` (``attention_ref``: explicit softmax, fp32, O(T^2) memory) and ``triton``. The default is
-``triton`` for fp16 / bf16 on a GPU, else ``torch`` (fp32 and fp64 inputs, CPU tensors).
+Backends: ``torch`` (``attention_ref``: explicit softmax, fp32, O(T^2) memory) and ``triton`` (the Triton kernels
+of megakern/_attention_triton.py, the Gluon ones where they are faster). The default is ``triton`` for fp16 /
+bf16 on a GPU, else ``torch`` (fp32 and fp64 inputs, CPU tensors).
+
+Without autograd: ``attention_forward`` -> (out, lse) and ``attention_backward`` -> (dq, dk, dv) from the forward's
+(or merged) out and lse, on the same backends (what ring attention runs per block).
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 
@@ -50,6 +54,21 @@ TRITON_DTYPES = (torch.float16, torch.bfloat16)
 
 
 # ---- the reference -------------------------------------------------------------------------------------------
+def _allowed(tq: int, tk: int, causal: bool, window, device) -> torch.Tensor:
+    """(Tq, Tk) bool: key j visible to query i under the masks (the causal diagonal aligned bottom-right)."""
+    i = torch.arange(tq, device=device)[:, None] + (tk - tq)
+    j = torch.arange(tk, device=device)[None, :]
+    allowed = torch.ones(tq, tk, dtype=torch.bool, device=device)
+    left, right = window
+    if causal:
+        allowed &= j <= i
+    if left >= 0:
+        allowed &= j >= i - left
+    if right >= 0 and not causal:
+        allowed &= j <= i + right
+    return allowed
+
+
 def _ref_padded(q, k, v, causal, scale, window, upcast=True):
     """(out, lse) for (B, Tq, nh, hs) inputs; explicit scores, softmax in fp32 (or q's dtype without upcast)."""
     compute = torch.promote_types(q.dtype, torch.float32) if upcast else q.dtype
@@ -59,17 +78,7 @@ def _ref_padded(q, k, v, causal, scale, window, upcast=True):
     if nkv != nh:
         kf, vf = kf.repeat_interleave(nh // nkv, dim=1), vf.repeat_interleave(nh // nkv, dim=1)
     scores = (qf @ kf.transpose(-1, -2)) * scale
-    i = torch.arange(tq, device=q.device)[:, None] + (tk - tq)
-    j = torch.arange(tk, device=q.device)[None, :]
-    allowed = torch.ones(tq, tk, dtype=torch.bool, device=q.device)
-    left, right = window
-    if causal:
-        allowed &= j <= i
-    if left >= 0:
-        allowed &= j >= i - left
-    if right >= 0 and not causal:
-        allowed &= j <= i + right
-    scores = scores.masked_fill(~allowed, float("-inf"))
+    scores = scores.masked_fill(~_allowed(tq, tk, causal, window, q.device), float("-inf"))
     lse = torch.logsumexp(scores.to(torch.promote_types(compute, torch.float32)), dim=-1)  # (B, nh, Tq); -inf: no key
     p = torch.exp(scores - lse.to(compute)[..., None]).nan_to_num(0.0)
     out = (p @ vf).transpose(1, 2).to(q.dtype)
@@ -89,6 +98,42 @@ def attention_ref(q, k, v, *, causal=True, softmax_scale=None, cu_seqlens=None, 
         outs.append(o[0])
         lses.append(l[0])
     return torch.cat(outs), torch.cat(lses, dim=-1)
+
+
+def _ref_bwd_padded(dout, q, k, v, out, lse, causal, scale, window):
+    """(dq, dk, dv) for (B, Tq, nh, hs) inputs from the given out and lse (flash-attention's backward: each score's
+    probability recomputed against lse, so a block's share of a merged attention comes out exactly); fp32 (fp64 for
+    fp64 inputs), results in that dtype."""
+    compute = torch.promote_types(q.dtype, torch.float32)
+    b, tq, nh, hs = q.shape
+    tk, nkv = k.shape[1], k.shape[2]
+    g = nh // nkv
+    qf, kf, vf, of, dof = (t.transpose(1, 2).to(compute) for t in (q, k, v, out, dout))  # (B, heads, T, hs)
+    kf, vf = kf.repeat_interleave(g, dim=1), vf.repeat_interleave(g, dim=1)
+    s = (qf @ kf.transpose(-1, -2)) * scale
+    s = s.masked_fill(~_allowed(tq, tk, causal, window, q.device), float("-inf"))
+    p = torch.exp(s - lse.to(compute)[..., None]).nan_to_num(0.0)  # (B, nh, Tq, Tk)
+    dv = p.transpose(-1, -2) @ dof
+    dp = dof @ vf.transpose(-1, -2)
+    ds = p * (dp - (dof * of).sum(-1, keepdim=True))
+    dq = (ds @ kf) * scale
+    dk = (ds.transpose(-1, -2) @ qf) * scale
+    if g > 1:
+        dk, dv = (t.view(b, nkv, g, tk, hs).sum(2) for t in (dk, dv))
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+def _ref_bwd(dout, q, k, v, out, lse, causal, scale, window, cu_seqlens):
+    """``_ref_bwd_padded`` for padded or packed (cu_seqlens) inputs, document by document."""
+    if cu_seqlens is None:
+        return _ref_bwd_padded(dout, q, k, v, out, lse, causal, scale, window)
+    grads = ([], [], [])
+    bounds = cu_seqlens.tolist()
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        doc = (t[None, s:e] for t in (dout, q, k, v, out))
+        for acc, g in zip(grads, _ref_bwd_padded(*doc, lse[None, :, s:e], causal, scale, window)):
+            acc.append(g[0])
+    return tuple(torch.cat(acc) for acc in grads)
 
 
 def merge_attention(out_a, lse_a, out_b, lse_b):
@@ -182,19 +227,88 @@ def packed_qkv(q, k, v):
     return packed
 
 
-# ---- Triton kernels --------------------------------------------------------------------------------------------
-def _kernels():
-    """The Triton kernels' module, imported on first use (Triton is optional)."""
+# ---- the kernels: Gluon where it is the faster one, else Triton ----------------------------------------------------
+_LONG = 1 << 62
+# The Gluon forward takes fixed-length batches on sm_90 up to these sequence lengths, per head dim and causal (H200,
+# profiles/probe_attention_gluon.py: faster at every length measured; docs/tuning.md, attention, Gluon).
+GLUON_FWD = {128: {True: _LONG, False: _LONG}, 64: {True: _LONG, False: _LONG}}
+# The deterministic backward's passes by the Gluon kernels: the masks (causal, full) per head dim where each is the
+# faster one; dq (GLUON_DQ, which also makes delta) runs first, then dk/dv (GLUON_BWD).
+GLUON_BWD = {128: (True, False), 64: (True, False)}
+GLUON_DQ = {128: (True, False), 64: (True, False)}
+
+
+def _use_gluon(hs: int, causal: bool, seqlen: int) -> bool:
+    """The Gluon forward (megakern/_attention_gluon.py) is the faster one here; see GLUON_FWD."""
+    limit = GLUON_FWD.get(hs, {}).get(causal, 0)
+    return seqlen <= limit
+
+
+def _fwd_kernels(q, k, v, causal: bool, scale: float, window, cu_seqlens, max_seqlen, config=None, tma=None,
+                 gluon=None):
+    """(out, lse) by the kernels, no autograd; arguments as megakern/_attention_triton.py's ``fwd`` takes them.
+    ``gluon``: None takes the Gluon forward (Hopper, fixed-length batches, see GLUON_FWD) where it applies and neither
+    ``config`` nor ``tma`` (the Triton kernel's tiles and tile moves, for tests and tuning) is given; False never;
+    True always (an error where it cannot run)."""
+    if gluon or (gluon is None and config is None and tma is None and q.is_cuda):
+        from megakern import _attention_gluon
+
+        can = _attention_gluon.supported(q, k, v, causal, window, cu_seqlens)
+        if gluon and not can:
+            raise ValueError("attention: the Gluon forward needs an sm_90 GPU, a fixed-length fp16 / bf16 batch with "
+                             f"head dim in {_attention_gluon.HEAD_DIMS}, no window and 16-byte aligned strides")
+        if can and (gluon or _use_gluon(q.shape[-1], causal, max(q.shape[1], k.shape[1]))):
+            return _attention_gluon.fwd(q, k, v, causal, scale)
     from megakern import _attention_triton
 
-    return _attention_triton
+    return _attention_triton.fwd(q, k, v, causal, scale, window, cu_seqlens, max_seqlen, config, tma)
+
+
+def _gluon_pass(choice, table, name, pass_name, dout, q, k, v, others, causal, window, cu_seqlens, configs, tma,
+                atomic):
+    """The Gluon kernel that runs a pass of the deterministic backward (``pass_name`` of megakern/_attention_gluon.py,
+    with its tiles), or None for the Triton one. ``choice`` None asks ``table`` (head dim -> the masks where it wins)
+    unless ``configs`` or ``tma`` are given; False never; True / a config tuple always, an error where it cannot run.
+    ``others``: the pass's other tensors, which it reads or writes beside dout, q, k, v (the gradients the Triton
+    launcher allocates itself are fresh contiguous tensors, which TMA can address)."""
+    if choice is False or atomic and not choice:
+        return None
+    if choice is None and (configs or tma is not None or not q.is_cuda or causal not in table.get(q.shape[-1], ())):
+        return None
+    from megakern import _attention_gluon
+
+    can = not atomic and _attention_gluon.supported(q, k, v, causal, window, cu_seqlens, others=(dout, *others))
+    if choice and not can:
+        raise ValueError(f"attention: the Gluon {name} pass needs the deterministic backward and what the Gluon "
+                         "forward needs, for dout and the gradients too")
+    if not can:
+        return None
+    return functools.partial(getattr(_attention_gluon, pass_name), config=choice if isinstance(choice, tuple) else None)
+
+
+def _bwd_kernels(dout, q, k, v, out, lse, causal: bool, scale: float, window, cu_seqlens, max_seqlen,
+                 deterministic: bool, configs=None, tma=None, out_grads=None, gluon=None, gluon_dq=None):
+    """(dq, dk, dv) by the kernels, no autograd; arguments as megakern/_attention_triton.py's ``bwd`` takes them.
+    ``gluon`` / ``gluon_dq``: the deterministic backward's dk/dv / dq pass by the Gluon kernel
+    (megakern/_attention_gluon.py's bwd_dkdv / bwd_dq): None where it applies (GLUON_BWD / GLUON_DQ) and neither
+    ``configs`` nor ``tma`` is given; False never; True or a config tuple always (an error where it cannot run).
+    Which passes run as the Gluon kernels is decided (and a forced one that cannot run refused) before any work."""
+    from megakern import _attention_triton
+
+    atomic = not deterministic
+    dq, dk, dv = out_grads if out_grads is not None else (None, None, None)
+    dq_pass = _gluon_pass(gluon_dq, GLUON_DQ, "dq", "bwd_dq", dout, q, k, v,
+                          (out,) if dq is None else (out, dq), causal, window, cu_seqlens, configs, tma, atomic)
+    dkdv_pass = _gluon_pass(gluon, GLUON_BWD, "dk/dv", "bwd_dkdv", dout, q, k, v,
+                            () if dk is None else (dk, dv), causal, window, cu_seqlens, configs, tma, atomic)
+    return _attention_triton.bwd(dout, q, k, v, out, lse, causal, scale, window, cu_seqlens, max_seqlen,
+                                 deterministic, configs, tma, out_grads, dq_pass, dkdv_pass)
 
 
 class AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, window, cu_seqlens, max_seqlen, deterministic):
-        kern = _kernels()
-        out, lse = kern.fwd(q, k, v, causal, scale, window, cu_seqlens, max_seqlen)
+        out, lse = _fwd_kernels(q, k, v, causal, scale, window, cu_seqlens, max_seqlen)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
         ctx.args = (causal, scale, window, max_seqlen, deterministic)
         ctx.packed = packed_qkv(q, k, v) is not None
@@ -209,19 +323,16 @@ class AttentionFunction(torch.autograd.Function):
         if ctx.packed:  # one (..., heads, 3, hs) gradient, laid out as q, k and v were (see packed_qkv)
             buf = q.new_empty((*q.shape[:-1], 3, q.shape[-1]))
             grads = (buf[..., 0, :], buf[..., 1, :], buf[..., 2, :])
-        dq, dk, dv = _kernels().bwd(dout, q, k, v, out, lse, causal, scale, window, cu_seqlens, max_seqlen,
-                                     deterministic, out_grads=grads)
+        dq, dk, dv = _bwd_kernels(dout, q, k, v, out, lse, causal, scale, window, cu_seqlens, max_seqlen,
+                                  deterministic, out_grads=grads)
         return dq, dk, dv, None, None, None, None, None, None
 
 
-def attention(q, k, v, *, causal: bool = True, softmax_scale: float | None = None,
-              cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None, window=None,
-              return_lse: bool = False, deterministic: bool = True,
-              backend: str | Mapping[str, str] | None = None):
-    """Attention of q over k, v: out (and lse with ``return_lse``). See the module docstring for shapes and masks."""
-    check_inputs(q, k, v, cu_seqlens, max_seqlen, softmax_scale)
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    win = _window(window, causal)
+# ---- the public functions ------------------------------------------------------------------------------------
+def attention_backend(q: torch.Tensor, backend: str | Mapping[str, str] | None = None) -> str:
+    """The backend ``attention`` runs for q: 'torch' | 'triton'. ``backend`` as ``attention`` takes it (a name, or a
+    kernel table {op: backend}); without one, 'triton' for fp16 / bf16 on a GPU, else 'torch'. Raises as
+    ``attention`` does for a backend that is unknown, unavailable, or (triton) given fp32 / fp64 inputs."""
     explicit = backend.get("attention") if isinstance(backend, Mapping) else backend
     if explicit is None and q.dtype not in TRITON_DTYPES:
         name = "torch"  # the default for fp32 / fp64 inputs on any device: the kernels take fp16 / bf16
@@ -229,14 +340,65 @@ def attention(q, k, v, *, causal: bool = True, softmax_scale: float | None = Non
         name = _backend.resolve("attention", q.device, backend, size=q.shape[-1])
     if name == "triton" and q.dtype not in TRITON_DTYPES:
         raise TypeError(f"attention: the triton backend takes float16 / bfloat16, got {q.dtype}")
+    return name
+
+
+def _prepare(q, k, v, cu_seqlens, max_seqlen, softmax_scale, window, causal, backend):
+    """Checks, then (scale, (left, right) window, max_seqlen, backend name)."""
+    check_inputs(q, k, v, cu_seqlens, max_seqlen, softmax_scale)
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    win = _window(window, causal)
+    name = attention_backend(q, backend)
+    if name != "torch" and cu_seqlens is not None and max_seqlen is None:
+        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    return scale, win, max_seqlen, name
+
+
+def attention(q, k, v, *, causal: bool = True, softmax_scale: float | None = None,
+              cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None, window=None,
+              return_lse: bool = False, deterministic: bool = True,
+              backend: str | Mapping[str, str] | None = None):
+    """Attention of q over k, v: out (and lse with ``return_lse``). See the module docstring for shapes and masks."""
+    scale, win, max_seqlen, name = _prepare(q, k, v, cu_seqlens, max_seqlen, softmax_scale, window, causal, backend)
     with _nvtx.annotate(f"megakern.attention[{name}]"):
         if name == "torch":
             out, lse = attention_ref(q, k, v, causal=causal, softmax_scale=scale, cu_seqlens=cu_seqlens, window=win)
         else:
-            if cu_seqlens is not None and max_seqlen is None:
-                max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
             out, lse = AttentionFunction.apply(q, k, v, causal, scale, win, cu_seqlens, max_seqlen, deterministic)
     return (out, lse) if return_lse else out
+
+
+def attention_forward(q, k, v, *, causal: bool = True, softmax_scale: float | None = None,
+                      cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None, window=None,
+                      backend: str | Mapping[str, str] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of ``attention`` without autograd (nothing recorded, whatever q, k, v require): out like q, lse
+    (B, nh, Tq) or (nh, total) fp32, natural log, -inf for a query that sees no key. Arguments and backend as for
+    ``attention``; ``attention_backward`` takes the pair (or a merge of several, ``merge_attention``)."""
+    scale, win, max_seqlen, name = _prepare(q, k, v, cu_seqlens, max_seqlen, softmax_scale, window, causal, backend)
+    with torch.no_grad(), _nvtx.annotate(f"megakern.attention[{name}]"):
+        if name == "torch":
+            return attention_ref(q, k, v, causal=causal, softmax_scale=scale, cu_seqlens=cu_seqlens, window=win)
+        return _fwd_kernels(q, k, v, causal, scale, win, cu_seqlens, max_seqlen)
+
+
+def attention_backward(dout, q, k, v, out, lse, *, causal: bool = True, softmax_scale: float | None = None,
+                       cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None, window=None,
+                       deterministic: bool = True, backend: str | Mapping[str, str] | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of attention of q over k, v given the upstream gradient ``dout`` (like q) and the forward's
+    statistics ``out`` and ``lse`` as ``attention_forward`` returns them, without autograd. Each score's probability
+    is recomputed against ``lse`` (flash-attention's backward), so with the out and lse of a merged attention
+    (``merge_attention``) a block of keys gets exactly its share of dq, dk, dv (ring attention's use).
+
+    Arguments and backend as for ``attention``; ``deterministic`` as there. The kernels take contiguous copies of
+    non-contiguous inputs and return gradients in q's dtype; the torch backend (the reference, any layout) returns
+    them in fp32 (fp64 for fp64 inputs), for callers that accumulate them so."""
+    scale, win, max_seqlen, name = _prepare(q, k, v, cu_seqlens, max_seqlen, softmax_scale, window, causal, backend)
+    with torch.no_grad(), _nvtx.annotate(f"megakern.attention_backward[{name}]"):
+        if name == "torch":
+            return _ref_bwd(dout, q, k, v, out, lse, causal, scale, win, cu_seqlens)
+        dout, q, k, v, out, lse = (t.contiguous() for t in (dout, q, k, v, out, lse))
+        return _bwd_kernels(dout, q, k, v, out, lse, causal, scale, win, cu_seqlens, max_seqlen, deterministic)
 
 
 class Attention(nn.Module):

@@ -316,9 +316,14 @@ def quantize(x: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn, *, s
             s = scale_from_amax(amax, fmax, margin) if scale is None else scale.reshape(1)
             y, yt, scale_inv = _fp8_cuda.cast(x2, s, fp8_dtype, amax if scale is not None else None), None, 1.0 / s
             _record_amax(amax_out, amax)
-        else:  # one Triton launch: the cast, the scale's inverse, and (delayed) the amaxes
+        elif x2.numel():  # one Triton launch: the cast, the scale's inverse, and (delayed) the amaxes
             y, yt, scale_inv = kern.cast(x2, scale, fp8_dtype, fmax, transpose=transpose, amax=amax,
                                          amax_out=amax_out, margin=margin)
+        else:  # nothing to cast: empty FP8 tensors, the scale's inverse still (the amaxes stay)
+            m, n = x2.shape
+            y = torch.empty((m, n), dtype=fp8_dtype, device=x.device)
+            yt = torch.empty((n, m), dtype=fp8_dtype, device=x.device) if transpose else None
+            scale_inv = 1.0 / (scale.reshape(1) if scale is not None else scale_from_amax(amax, fmax, margin))
         return Quantized(y.reshape(x.shape), scale_inv.float(), yt, amax)
     if granularity == "tile":
         y, scale_inv = kern.cast_tiles(x2, fp8_dtype, fmax, block)

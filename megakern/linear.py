@@ -4,7 +4,8 @@ reduction over rows.
 
 Under autocast x, W and b are cast to the autocast dtype as autocast casts them for F.linear; the gradients come back
 in the dtypes of x, W and b. Shapes: x (..., K), weight (N, K), bias (N,) or None (then this is F.linear).
-Backends: ``torch`` (F.linear under autograd) and ``triton`` (the default on a GPU).
+Backends: ``torch`` (F.linear under autograd) and ``triton`` (the default on a GPU); ``linear_backend`` says which
+one a call takes.
 """
 from __future__ import annotations
 
@@ -45,6 +46,14 @@ class LinearFunction(torch.autograd.Function):
         return dx, dw, db, None
 
 
+def linear_backend(x: torch.Tensor, weight: torch.Tensor, backend: str | Mapping[str, str] | None = None) -> str:
+    """The backend ``linear(x, weight, bias, backend=backend)`` takes with a bias: 'torch' (F.linear) | 'triton'.
+    ``backend`` a name or a kernel table {op: backend}; without one, 'triton' on a GPU. float64 x takes F.linear.
+    Raises ValueError / RuntimeError for an unknown or unavailable backend."""
+    name = _backend.resolve("linear", x.device, backend, size=weight.shape[0])
+    return "torch" if x.dtype == torch.float64 else name
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            backend: str | Mapping[str, str] | None = None) -> torch.Tensor:
     """x W^T + b; ``backend`` as for every megakern op."""
@@ -57,8 +66,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                          f"{tuple(bias.shape)} (want x (..., K), weight (N, K), bias (N,))")
     if not x.device == weight.device == bias.device:
         raise ValueError(f"linear: x, weight and bias are on {x.device}, {weight.device}, {bias.device}")
-    name = _backend.resolve("linear", x.device, backend, size=weight.shape[0])
-    if name == "torch" or x.dtype == torch.float64:
+    if linear_backend(x, weight, backend) == "torch":
         return F.linear(x, weight, bias)
     dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
     with _nvtx.annotate("megakern.linear[triton]"):

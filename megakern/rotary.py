@@ -37,14 +37,20 @@ q's dtype. ``inplace=True`` writes the rotated values into q and k (views of a f
 returns them; under autograd, views of one tensor take one launch and the backward copies that tensor's gradient
 once (out of place moves fewer bytes in training; in place saves memory, e.g. when generating).
 
-Backends (``megakern._backend``): ``torch`` (``rotary_ref`` under autograd), ``triton``, ``cuda``.
+Backends: ``torch`` (``rotary_ref`` under autograd), ``triton`` (megakern/_rotary_triton.py), ``cuda``
+(csrc/rotary/rotary.cu through megakern/_rotary_cuda.py); ``rotary_backend`` says which one a call takes.
+
+Checked once, applied many times (a model's layers share one rotation per forward): ``check_inputs`` validates the
+positions and table once and returns a ``Rotation``; ``apply_rotation`` rotates under autograd with it, and
+``rotate`` runs the kernels alone (no autograd: for a caller's own autograd Function, e.g. models/gpt.py's fused qkv
+split).
 """
 from __future__ import annotations
 
 import functools
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -350,12 +356,11 @@ def check_inputs(q, k, cos, sin, rotary_dim, interleaved, cu_seqlens, position_i
 
 # ---- the autograd Function -------------------------------------------------------------------------------------
 def rotary_outputs(q: torch.Tensor, k: torch.Tensor | None, inplace: bool):
-    """What a launcher writes: q and k themselves (in place), else fresh tensors of their shapes."""
+    """What a launcher writes: q and k themselves (in place), else fresh contiguous tensors of their shapes."""
     if inplace:
         return q, k
     return torch.empty_like(q, memory_format=torch.contiguous_format), (
         None if k is None else torch.empty_like(k, memory_format=torch.contiguous_format))
-
 
 
 def _triton_impl():
@@ -370,9 +375,9 @@ def _cuda_impl():
     return _rotary_cuda.apply
 
 
-# backend -> () -> launcher(q, k, cos, sin, position_ids, cu_seqlens, offsets, offset, rotary_dim, interleaved,
-# conj, inplace) -> (q_out, k_out) on 4-D (B, T, heads, hs) views with unit stride along hs; "torch" runs the
-# reference under autograd instead
+# backend -> () -> launcher(q, k, q_out, k_out, cos, sin, position_ids, cu_seqlens, offsets, offset, rotary_dim,
+# interleaved, conj, inplace) -> (q_out, k_out) on 4-D (B, T, heads, hs) views with unit stride along hs; q_out,
+# k_out from rotary_outputs (q and k themselves in place); "torch" runs the reference under autograd instead
 _LAUNCHERS = {"triton": _triton_impl, "cuda": _cuda_impl}
 
 
@@ -390,8 +395,9 @@ def _launch(launcher, q4, k4, rot: Rotation, conj: bool, inplace: bool):
     """Run ``launcher`` on 4-D views; a view whose head dim is strided is copied first (and copied back in place)."""
     qc = q4 if q4.stride(-1) == 1 else q4.contiguous()
     kc = k4 if k4 is None or k4.stride(-1) == 1 else k4.contiguous()
-    q_out, k_out = launcher(qc, kc, rot.cos, rot.sin, rot.position_ids, rot.cu_seqlens, rot.offsets, rot.offset,
-                            rot.rotary_dim, rot.interleaved, conj, inplace)
+    q_out, k_out = rotary_outputs(qc, kc, inplace)
+    q_out, k_out = launcher(qc, kc, q_out, k_out, rot.cos, rot.sin, rot.position_ids, rot.cu_seqlens, rot.offsets,
+                            rot.offset, rot.rotary_dim, rot.interleaved, conj, inplace)
     if inplace:
         if qc is not q4:
             q4.copy_(qc)
@@ -494,6 +500,39 @@ def _apply_ref(q, k, rot: Rotation, inplace: bool):
     return q, k
 
 
+def rotary_backend(q: torch.Tensor, backend: str | Mapping[str, str] | None = None) -> str:
+    """The backend ``apply_rotary`` takes for q: 'torch' | 'triton' | 'cuda'. ``backend`` as ``apply_rotary`` takes
+    it (a name, or a kernel table {op: backend}); without one, the fastest available on q's device for its head dim
+    (the reference on a CPU). Raises ValueError / RuntimeError for an unknown or unavailable backend."""
+    return _backend.resolve("rotary", q.device, backend, size=q.shape[-1])
+
+
+def apply_rotation(q: torch.Tensor, k: torch.Tensor | None, rot: Rotation, backend: str, *,
+                   inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``apply_rotary`` after its checks: (q_out, k_out) under autograd, for q and k of the shapes ``rot`` was
+    checked with (``check_inputs``) and a backend name (``rotary_backend``)."""
+    if backend == "torch":
+        return _apply_ref(q, k, rot, inplace)
+    return _apply(q, k, rot, inplace, _LAUNCHERS[backend]())
+
+
+def rotate(q: torch.Tensor, k: torch.Tensor | None, rot: Rotation, backend: str, *, conj: bool = False,
+           inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The rotation alone: (q_out, k_out) = (R q, R k), or by -theta with ``conj`` (a backward), no autograd and no
+    version counter bumped (a caller's autograd Function accounts for them). q, k and ``rot`` as for
+    ``apply_rotation``; ``backend`` 'triton' | 'cuda' runs one kernel launch for both, 'torch' the reference.
+    ``inplace``: written into q and k (views of one fused tensor are fine), which are returned."""
+    if backend == "torch":
+        if conj:
+            rot = replace(rot, sin=-rot.sin)
+        with torch.no_grad():
+            return _apply_ref(q, k, rot, inplace)
+    q_out, k_out = _launch(_LAUNCHERS[backend](), _as_4d(q), _as_4d(k), rot, conj, inplace)
+    if inplace:
+        return q, k
+    return _shaped(q_out, q), (_shaped(k_out, k) if k is not None else None)
+
+
 def apply_rotary(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, *,
                  interleaved: bool = False, rotary_dim: int | None = None, cu_seqlens: torch.Tensor | None = None,
                  position_ids: torch.Tensor | None = None, offset: int | torch.Tensor = 0, inplace: bool = False,
@@ -510,11 +549,9 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin
     rot = check_inputs(q, k, cos, sin, rotary_dim, interleaved, cu_seqlens, position_ids, offset)
     if not isinstance(inplace, bool):
         raise TypeError(f"apply_rotary: inplace must be a bool, got {inplace!r}")
-    name = _backend.resolve("rotary", q.device, backend, size=q.shape[-1])
+    name = rotary_backend(q, backend)
     with _nvtx.annotate(f"megakern.apply_rotary[{name}]"):
-        if name == "torch":
-            return _apply_ref(q, k, rot, inplace)
-        return _apply(q, k, rot, inplace, _LAUNCHERS[name]())
+        return apply_rotation(q, k, rot, name, inplace=inplace)
 
 
 class RotaryEmbedding(nn.Module):

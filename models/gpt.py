@@ -49,10 +49,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import megakern
-from megakern import _backend, rotary
+from megakern import rotary
 from megakern._checks import document_lengths
+from megakern.activation import bias_gelu_backend
 from megakern.attention import packed_qkv
 from megakern.cross_entropy import linear_cross_entropy
+from megakern.linear import linear_backend
 
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("rotary", "learned")
@@ -200,9 +202,9 @@ class GPTConfig:
             for op, backend in self.kernels.items():
                 if op not in KERNEL_OPS:
                     errors.append(f"kernels: unknown op {op!r}; ops: {', '.join(KERNEL_OPS)}")
-                elif backend not in _backend.DEFAULTS[op][0][1]:
+                elif backend not in megakern.op_backends(op):
                     errors.append(f"kernels: {op} has no backend {backend!r}; choose one of "
-                                  f"{', '.join(sorted(_backend.DEFAULTS[op][0][1]))}")
+                                  f"{', '.join(sorted(megakern.op_backends(op)))}")
         need(self.ce_chunk is None or (isinstance(self.ce_chunk, int) and not isinstance(self.ce_chunk, bool)
                                        and self.ce_chunk >= 1), f"ce_chunk must be None or an int >= 1, got "
                                                                 f"{self.ce_chunk!r}")
@@ -243,14 +245,13 @@ class Positions:
                  position_ids):
         self.rope, self.rope_backend = rope, rope_backend
         self.cu_seqlens, self.max_seqlen, self.position_ids = cu_seqlens, max_seqlen, position_ids
-        self._rotation = None  # (rotary.Rotation, launcher or None for the torch reference)
+        self._rotation = None  # (rotary.Rotation, the rotary backend's name)
 
     def rotation(self, q: torch.Tensor, k: torch.Tensor):
         if self._rotation is None:
             cos, sin = self.rope.table(q.device)
             rot = rotary.check_inputs(q, k, cos, sin, self.rope.dim, False, self.cu_seqlens, self.position_ids, 0)
-            name = _backend.resolve("rotary", q.device, self.rope_backend, size=q.shape[-1])
-            self._rotation = rot, (None if name == "torch" else rotary._LAUNCHERS[name]())
+            self._rotation = rot, rotary.rotary_backend(q, self.rope_backend)
         return self._rotation
 
 
@@ -270,12 +271,12 @@ class SplitRotate(torch.autograd.Function):
     autograd would instead sum three zero-filled qkv-sized gradients.)"""
 
     @staticmethod
-    def forward(ctx, qkv, nkv: int, hs: int, rot, launcher):
+    def forward(ctx, qkv, nkv: int, hs: int, rot, backend):
         q, k, v = _split_qkv(qkv, nkv, hs)
         if rot is not None:
-            rotary._launch(launcher, rotary._as_4d(q), rotary._as_4d(k), rot, False, True)
+            rotary.rotate(q, k, rot, backend, inplace=True)
             torch.autograd.graph.increment_version(qkv)  # kernels wrote into qkv
-        ctx.shape, ctx.nkv, ctx.hs, ctx.rot, ctx.launcher = qkv.shape, nkv, hs, rot, launcher
+        ctx.shape, ctx.nkv, ctx.hs, ctx.rot, ctx.backend = qkv.shape, nkv, hs, rot, backend
         ctx.q_is_view = q._base is not None
         return q, k, v
 
@@ -283,7 +284,7 @@ class SplitRotate(torch.autograd.Function):
     def backward(ctx, dq, dk, dv):
         lead, g = ctx.shape[:-3], ctx.shape[-2] - 2
         if ctx.rot is not None and not ctx.q_is_view:  # rotate back before the gather, q's gradient is separate
-            dq, dk = rotary._launch(ctx.launcher, rotary._as_4d(dq), rotary._as_4d(dk), ctx.rot, True, False)
+            dq, dk = rotary.rotate(dq, dk, ctx.rot, ctx.backend, conj=True)
         packed = packed_qkv(dq, dk, dv) if g == 1 else None  # attention wrote them into one qkv-shaped tensor
         if packed is not None:
             dqkv = packed.view(ctx.shape)
@@ -292,14 +293,14 @@ class SplitRotate(torch.autograd.Function):
                               dv.reshape(*lead, ctx.nkv, 1, ctx.hs)), dim=-2)
         if ctx.rot is not None and ctx.q_is_view:
             q, k, _ = _split_qkv(dqkv, ctx.nkv, ctx.hs)
-            rotary._launch(ctx.launcher, rotary._as_4d(q), rotary._as_4d(k), ctx.rot, True, True)
+            rotary.rotate(q, k, ctx.rot, ctx.backend, conj=True, inplace=True)
         return dqkv, None, None, None, None
 
 
 def _project(layer: nn.Module, x: torch.Tensor, kernels) -> torch.Tensor:
     """``layer(x)``; a plain biased nn.Linear through megakern.linear (its bias gradient by a Triton column sum) where
     that backend is not the reference. Tensor-parallel and FP8 layers keep their own forward."""
-    if type(layer) is nn.Linear and layer.bias is not None and _backend.resolve("linear", x.device, kernels) != "torch":
+    if type(layer) is nn.Linear and layer.bias is not None and linear_backend(x, layer.weight, kernels) != "torch":
         return megakern.linear(x, layer.weight, layer.bias, backend=kernels)
     return layer(x)
 
@@ -338,18 +339,17 @@ class CausalSelfAttention(nn.Module):
         qkv = _project(self.qkv, x, self.kernels)
         # (B, T, nkv, g + 2, hs), or packed (B * T, ...) when documents are packed
         qkv = qkv.view(B * T, nkv, g + 2, hs) if pos.cu_seqlens is not None else qkv.view(B, T, nkv, g + 2, hs)
-        rot, launcher = None, None
+        rot, backend = None, None
         if pos.rope is not None:  # checked once per forward, on tensors of q's and k's shapes (no copies)
-            rot, launcher = pos.rotation(qkv.new_empty(()).expand(*qkv.shape[:-3], self.n_head, hs), qkv[..., g, :])
-        if launcher is not None and not torch.compiler.is_compiling():
-            q, k, v = SplitRotate.apply(qkv, nkv, hs, rot, launcher)  # one launch, in place on the views
+            rot, backend = pos.rotation(qkv.new_empty(()).expand(*qkv.shape[:-3], self.n_head, hs), qkv[..., g, :])
+        if backend not in (None, "torch") and not torch.compiler.is_compiling():
+            q, k, v = SplitRotate.apply(qkv, nkv, hs, rot, backend)  # one launch, in place on the views
         else:
             q, k, v = SplitRotate.apply(qkv, nkv, hs, None, None)
-            if launcher is not None:  # traced by torch.compile: out of place (an in-place kernel on views is opaque)
-                q, k = rotary._apply(q, k, rot, False, launcher)
-            elif rot is not None:  # the torch reference under autograd
-                q, k = rotary.rotary_ref(q, k, rot.cos, rot.sin, rotary_dim=rot.rotary_dim, cu_seqlens=rot.cu_seqlens,
-                                         position_ids=rot.position_ids)
+            # under autograd: the torch reference, or the kernels out of place when traced by torch.compile (an
+            # in-place kernel on views is opaque to tracing)
+            if rot is not None:
+                q, k = rotary.apply_rotation(q, k, rot, backend)
         if self.recompute_core and torch.is_grad_enabled():
             out = checkpoint(self.core, q, k, v, cu_seqlens=pos.cu_seqlens, max_seqlen=pos.max_seqlen,
                              use_reentrant=False)
@@ -374,7 +374,7 @@ class MLP(nn.Module):
             h = self.fc(x).unflatten(-1, (-1, 2))
             h = F.silu(h[..., 0]) * h[..., 1]
         elif type(self.fc) is nn.Linear and self.fc.bias is not None and \
-                _backend.resolve("bias_gelu", x.device, self.kernels) != "torch":
+                bias_gelu_backend(x, self.kernels) != "torch":
             # the bias rides in the activation's pass; its gradient comes out of the GELU backward's pass
             h = megakern.bias_gelu(F.linear(x, self.fc.weight), self.fc.bias, backend=self.kernels)
         else:

@@ -16,7 +16,8 @@ while the current one is computed (``batch_isend_irecv``).
 Backward recomputes each block from the final out and lse (flash-attention's backward with the merged
 statistics gives each block's exact share of dq, dk, dv); kv blocks go around the ring again and their dk, dv
 accumulators (fp32) travel with them, returning to their owner after n hops. The blocks run on
-``megakern.attention``'s kernels (Triton on GPUs) or the fp32 torch reference (CPU), whichever attention picks.
+``megakern.attention``'s public ``attention_forward`` / ``attention_backward``: its kernels (Triton or Gluon on GPUs)
+or the fp32 torch reference (CPU), whichever attention picks.
 
 Positions: rank i's tokens have positions ``cp_positions(T, n, i)`` (pass them as position_ids so rotary or
 learned positions see the true ones). Packed documents (cu_seqlens) and sliding windows are not supported under
@@ -25,15 +26,13 @@ cp > 1 (a clear error).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import megakern
-from megakern import _backend
-from megakern.attention import TRITON_DTYPES, _window, merge_attention
+from megakern.attention import attention_backward, attention_forward, merge_attention
 from megakern.parallel.mappings import all_gather, group_rank, group_size
 
 
@@ -75,51 +74,16 @@ def cp_unshard(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
 
 
 # ---- attention blocks --------------------------------------------------------------------------------------------
-def _backend_name(q: torch.Tensor, backend) -> str:
-    """The backend megakern.attention picks for q (the same rule)."""
-    explicit = backend.get("attention") if isinstance(backend, Mapping) else backend
-    if explicit is None and q.dtype not in TRITON_DTYPES:
-        return "torch"
-    return _backend.resolve("attention", q.device, backend, size=q.shape[-1])
-
-
 def _block_fwd(q, k, v, causal: bool, scale: float, backend):
     """(out, lse) of one block, no autograd."""
-    with torch.no_grad():
-        return megakern.attention(q, k, v, causal=causal, softmax_scale=scale, return_lse=True, backend=backend)
+    return attention_forward(q, k, v, causal=causal, softmax_scale=scale, backend=backend)
 
 
-def _ref_bwd(dout, q, k, v, out, lse, causal: bool, scale: float):
-    """(dq, dk, dv) of one block given the final out and lse (flash-attention's backward), fp32 (fp64 for fp64)."""
-    compute = torch.promote_types(q.dtype, torch.float32)
-    b, tq, nh, hs = q.shape
-    tk, nkv = k.shape[1], k.shape[2]
-    g = nh // nkv
-    qf, kf, vf, of, dof = (t.transpose(1, 2).to(compute) for t in (q, k, v, out, dout))  # (B, heads, T, hs)
-    kf, vf = kf.repeat_interleave(g, dim=1), vf.repeat_interleave(g, dim=1)
-    s = (qf @ kf.transpose(-1, -2)) * scale
-    if causal:
-        i = torch.arange(tq, device=q.device)[:, None] + (tk - tq)
-        s = s.masked_fill(torch.arange(tk, device=q.device)[None, :] > i, float("-inf"))
-    p = torch.exp(s - lse.to(compute)[..., None]).nan_to_num(0.0)  # (B, nh, Tq, Tk)
-    dv = p.transpose(-1, -2) @ dof
-    dp = dof @ vf.transpose(-1, -2)
-    ds = p * (dp - (dof * of).sum(-1, keepdim=True))
-    dq = (ds @ kf) * scale
-    dk = (ds.transpose(-1, -2) @ qf) * scale
-    if g > 1:
-        dk, dv = (t.view(b, nkv, g, tk, hs).sum(2) for t in (dk, dv))
-    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
-
-
-def _block_bwd(dout, q, k, v, out, lse, causal: bool, scale: float, name: str, deterministic: bool):
-    if name == "torch":
-        return _ref_bwd(dout, q, k, v, out, lse, causal, scale)
-    from megakern import _attention_triton
-
-    q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))
-    return _attention_triton.bwd(dout, q, k, v, out, lse.contiguous(), causal, scale, _window(None, causal), None,
-                                 None, deterministic)
+def _block_bwd(dout, q, k, v, out, lse, causal: bool, scale: float, backend, deterministic: bool):
+    """(dq, dk, dv) of one block given the final out and lse, no autograd: fp32 (fp64 for fp64) from the torch
+    reference, q's dtype from the kernels."""
+    return attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, deterministic=deterministic,
+                              backend=backend)
 
 
 # ---- the ring ----------------------------------------------------------------------------------------------------
@@ -170,14 +134,13 @@ class _RingAttention(torch.autograd.Function):
                 kv = nxt
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale, ctx.deterministic = group, scale, deterministic
-        ctx.name = _backend_name(q, backend)
+        ctx.group, ctx.scale, ctx.backend, ctx.deterministic = group, scale, backend, deterministic
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, scale, name, det = ctx.group, ctx.scale, ctx.name, ctx.deterministic
+        group, scale, backend, det = ctx.group, ctx.scale, ctx.backend, ctx.deterministic
         n, i = group_size(group), group_rank(group)
         c = q.shape[1] // 2
         ring = _Ring(group)
@@ -192,18 +155,18 @@ class _RingAttention(torch.autograd.Function):
                 nxt, kv_reqs = ring.shift(kv)
             r = (i - s) % n
             if s == 0:
-                dq_, dk_, dv_ = _block_bwd(dout, q, k, v, out, lse, True, scale, name, det)
+                dq_, dk_, dv_ = _block_bwd(dout, q, k, v, out, lse, True, scale, backend, det)
                 dq += dq_
                 dkv[0] += dk_
                 dkv[1] += dv_
             else:
                 if r < i:
-                    dq_, dk_, dv_ = _block_bwd(dout, q, kv[0][:, :c], kv[1][:, :c], out, lse, False, scale, name,
-                                               det)
+                    dq_, dk_, dv_ = _block_bwd(dout, q, kv[0][:, :c], kv[1][:, :c], out, lse, False, scale,
+                                               backend, det)
                     dq += dq_
                 else:
                     dq_, dk_, dv_ = _block_bwd(dout[:, c:], q[:, c:], kv[0], kv[1], out[:, c:], lse[..., c:], False,
-                                               scale, name, det)
+                                               scale, backend, det)
                     dq[:, c:] += dq_
                 ring.wait(dkv_reqs)  # the accumulators of this kv block, from the previous rank
                 dkv = dkv_recv

@@ -17,7 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from benchmarks.common import bench, measure_matmul_tflops
 from megakern import _attention_gluon as glu
 from megakern import _attention_triton as kern
-from megakern.attention import attention_ref
+from megakern.attention import _bwd_kernels, _fwd_kernels, attention_ref
 
 
 def _err(got, want) -> float:
@@ -42,7 +42,7 @@ def check(configs) -> bool:
         scale = hs ** -0.5
         assert glu.supported(q, k, v, causal, (-1, -1), None), "not supported"
         ref, ref_lse = attention_ref(q, k, v, causal=causal)
-        tout, tlse = kern.fwd(q, k, v, causal, scale, (-1, -1), None, None, gluon=False)
+        tout, tlse = kern.fwd(q, k, v, causal, scale, (-1, -1), None, None)
         low = attention_ref(q, k, v, causal=causal, upcast=False)[0]
         te, le = _err(tout, ref), _err(low, ref)
         for cfg in configs or [None]:
@@ -78,7 +78,7 @@ def run_bench(hss, seqs, masks, configs, heads=(None,)) -> None:
             for mask in masks:
                 causal = mask == "causal"
                 flops = 4 * b * nh * t * t * hs / (2 if causal else 1)
-                runs = [("triton", lambda: kern.fwd(q, k, v, causal, hs ** -0.5, (-1, -1), None, None, gluon=False))]
+                runs = [("triton", lambda: kern.fwd(q, k, v, causal, hs ** -0.5, (-1, -1), None, None))]
                 for cfg in [c[1:] for c in configs if c[0] == hs] or [glu.CONFIGS[hs]]:
                     for hg in heads:
                         runs.append((f"gluon {cfg} heads {hg}",
@@ -115,7 +115,7 @@ def host() -> None:
     q, k, v = (torch.randn(2, 256, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     qg = q.clone().requires_grad_(True)
     rows = {"gluon fwd": host_us(lambda: glu.fwd(q, k, v, True, 0.088)),
-            "triton fwd": host_us(lambda: kern.fwd(q, k, v, True, 0.088, (-1, -1), None, None, gluon=False)),
+            "triton fwd": host_us(lambda: kern.fwd(q, k, v, True, 0.088, (-1, -1), None, None)),
             "attention (grad)": host_us(lambda: megakern.attention(qg, k, v))}
     print("host us: " + ", ".join(f"{n} {us:.0f}" for n, us in rows.items()), flush=True)
     prof = cProfile.Profile()
@@ -160,15 +160,15 @@ def bwd_probe(configs, dq_configs, heads=(None,)) -> None:
         k, v = (torch.randn(b, tk, nkv, hs, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(2))
         do = torch.randn(b, tq, nh, hs, device=dev, dtype=torch.bfloat16, generator=g)
         win = (-1, 0 if causal else -1)
-        out, lse = kern.fwd(q, k, v, causal, hs ** -0.5, win, None, None)
-        tri = kern.bwd(do, q, k, v, out, lse, causal, hs ** -0.5, win, None, None, True, gluon=False, gluon_dq=False)
+        out, lse = _fwd_kernels(q, k, v, causal, hs ** -0.5, win, None, None)
+        tri = kern.bwd(do, q, k, v, out, lse, causal, hs ** -0.5, win, None, None, True)
         leaves = [t.double().requires_grad_(True) for t in (q, k, v)]
         truth = torch.autograd.grad(attention_ref(*leaves, causal=causal)[0], leaves, do.double())
         dkdv = [c[1:] for c in configs if c[0] == hs] or [None]
         dqs = [c[1:] for c in dq_configs if c[0] == hs] or [None]
         for cfg, dcfg in [(c, False) for c in dkdv] + [(dkdv[0], d) for d in dqs]:
-            glu_g = kern.bwd(do, q, k, v, out, lse, causal, hs ** -0.5, win, None, None, True, gluon=cfg or True,
-                             gluon_dq=dcfg if dcfg is False else (dcfg or True))
+            glu_g = _bwd_kernels(do, q, k, v, out, lse, causal, hs ** -0.5, win, None, None, True, gluon=cfg or True,
+                                 gluon_dq=dcfg if dcfg is False else (dcfg or True))
             errs = [(_err(a, t), _err(c, t)) for a, c, t in zip(glu_g, tri, truth)]
             good = all(e <= 2 * te + 1e-3 for e, te in errs) and all(torch.isfinite(x).all() for x in glu_g)
             if cfg is None and dcfg is None:  # tiles in groups of 3 heads: the same results
@@ -186,12 +186,12 @@ def bwd_probe(configs, dq_configs, heads=(None,)) -> None:
         b, nh = max(1, 16384 // t), 2048 // hs
         q, k, v, do = (torch.randn(b, t, nh, hs, device=dev, dtype=torch.bfloat16) for _ in range(4))
         win = (-1, 0 if causal else -1)
-        out, lse = kern.fwd(q, k, v, causal, hs ** -0.5, win, None, None)
+        out, lse = _fwd_kernels(q, k, v, causal, hs ** -0.5, win, None, None)
         flops = 2.5 * 4 * b * nh * t * t * hs / (2 if causal else 1)
 
         def rate(dkdv, dq):
-            ms = bench(lambda: kern.bwd(do, q, k, v, out, lse, causal, hs ** -0.5, win, None, None, True, gluon=dkdv,
-                                        gluon_dq=dq), device=dev)["median"]
+            ms = bench(lambda: _bwd_kernels(do, q, k, v, out, lse, causal, hs ** -0.5, win, None, None, True,
+                                            gluon=dkdv, gluon_dq=dq), device=dev)["median"]
             return flops / ms / 1e9
         row = [f"triton {rate(False, False):6.1f}"]
         dkdv = [c[1:] for c in configs if c[0] == hs] or [True]

@@ -2,8 +2,9 @@
 
     python profiles/profile_attention_launch.py
 
-Microseconds of host time per call (perf_counter over many calls, no synchronization inside) of the forward kernel
-launcher alone (kern.fwd), of megakern.attention without and with autograd, and of forward + backward, for each
+Microseconds of host time per call (perf_counter over many calls, no synchronization inside) of the forward kernels'
+launcher alone (megakern.attention's _fwd_kernels: the Gluon forward where it applies, else the Triton one), of
+megakern.attention without and with autograd, and of forward + backward, for each
 way of moving tiles (the CONFIGS choice, device-side descriptors only, pointer loads only); next to the GPU time of
 forward + backward by CUDA-graph replay. A small problem keeps the GPU time short, so the host cost shows. Where
 the host time of a step is above its GPU time, the GPU waits for the host: an eager benchmark that times each call
@@ -19,6 +20,7 @@ from benchmarks.common import host_us
 def main() -> None:
     import megakern
     from megakern import _attention_triton as kern
+    from megakern.attention import _fwd_kernels
     from triton.testing import do_bench_cudagraph
 
     saved = {kind: {hs: rows for hs, rows in table.items()} for kind, table in kern.CONFIGS.items()}
@@ -36,7 +38,7 @@ def main() -> None:
                 return torch.autograd.grad(megakern.attention(q, k, v), (q, k, v), dout)
 
             rows = {
-                "kern.fwd": host_us(lambda: kern.fwd(qd, kd, vd, True, hs ** -0.5, (-1, -1), None, None)),
+                "launcher": host_us(lambda: _fwd_kernels(qd, kd, vd, True, hs ** -0.5, (-1, -1), None, None)),
                 "attention (no grad)": host_us(lambda: megakern.attention(qd, kd, vd)),
                 "attention (grad)": host_us(lambda: megakern.attention(q, k, v)),
                 "fwd+bwd": host_us(fb),

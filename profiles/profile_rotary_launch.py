@@ -38,7 +38,8 @@ def main() -> None:
             return torch.autograd.grad(megakern.apply_rotary(q, k, cos, sin, backend=args.backend), (q, k), (dq, dk))
 
         rows = {
-            "launcher": host_us(lambda: launcher(qd, kd, cos, sin, None, None, None, 0, hs, False, False, False)),
+            "launcher": host_us(lambda: launcher(qd, kd, *R.rotary_outputs(qd, kd, False), cos, sin, None, None, None,
+                                                 0, hs, False, False, False)),
             "apply (no grad)": host_us(lambda: megakern.apply_rotary(qd, kd, cos, sin, backend=args.backend)),
             "apply (grad)": host_us(lambda: megakern.apply_rotary(q, k, cos, sin, backend=args.backend)),
             "fwd+bwd": host_us(fb),

@@ -209,6 +209,48 @@ def test_merge_attention():
     torch.testing.assert_close(lse, lse_a)
 
 
+@pytest.mark.parametrize("layout", ("padded", "packed"))
+@pytest.mark.parametrize("window", (None, (5, 2)), ids=str)
+@pytest.mark.parametrize("causal", (True, False), ids=("causal", "full"))
+@pytest.mark.parametrize("backend", ("torch", "triton"))
+def test_forward_and_backward_without_autograd(backend, causal, window, layout):
+    """attention_forward and attention_backward (no autograd, as ring attention runs each block) give what attention
+    and its autograd backward give: the same kernels' bits on triton; on torch the reference's backward from the
+    saved out and lse, against autograd through the reference (fp64)."""
+    from megakern.attention import attention_backward, attention_forward
+
+    if backend == "triton":
+        require_triton()
+    seed("no-autograd", backend, causal, window, layout)
+    dtype = torch.float16 if backend == "triton" else torch.float64
+    if layout == "packed":
+        lengths = [1, 13, 6] if not HAS_CUDA else [1, 700, 301]
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+        q = torch.randn(sum(lengths), 4, 32, device=DEVICE, dtype=dtype)
+        k, v = (torch.randn(sum(lengths), 2, 32, device=DEVICE, dtype=dtype) for _ in range(2))
+    else:
+        cu = None
+        q, k, v = _qkv(2, 11 if not HAS_CUDA else 500, 11 if not HAS_CUDA else 500, 4, 2, 32, dtype)
+    kw = dict(causal=causal, window=window, cu_seqlens=cu, backend=backend)
+    out, lse = attention_forward(q, k, v, **kw)
+    assert not out.requires_grad and not lse.requires_grad
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    want, want_lse = attention(*leaves, return_lse=True, **kw)
+    dout = torch.randn_like(want)
+    want_grads = torch.autograd.grad(want, leaves, dout)
+    grads = attention_backward(dout, q, k, v, out, lse, **kw)
+    if backend == "triton":
+        assert torch.equal(out, want) and torch.equal(lse, want_lse)
+        for name, got, expected in zip(("dq", "dk", "dv"), grads, want_grads):
+            assert got.dtype == expected.dtype and torch.equal(got, expected), name
+    else:
+        torch.testing.assert_close(out, want)
+        torch.testing.assert_close(lse, want_lse)
+        for name, got, expected in zip(("dq", "dk", "dv"), grads, want_grads):
+            assert got.shape == expected.shape, name
+            torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-10, msg=name)
+
+
 def test_torch_backend_and_module():
     seed("module")
     q, k, v = _qkv(1, 12, 12, 4, 4, 16, torch.float32)
@@ -412,22 +454,22 @@ def test_gluon_dispatch():
     """Which forward runs: the Gluon one only for what it supports (checked without a GPU: CPU tensors never), on
     request an error naming what it needs; the GLUON_FWD table decides by head dim, mask and length."""
     from megakern import _attention_gluon as g
-    from megakern import _attention_triton as kern
+    from megakern.attention import _bwd_kernels, _fwd_kernels, _use_gluon
 
     q = torch.randn(1, 8, 2, 64, dtype=torch.float16)
     assert not g.supported(q, q, q, True, (-1, 0), None)
     with pytest.raises(ValueError, match="Gluon forward needs an sm_90 GPU"):
-        kern.fwd(q, q, q, True, 0.125, (-1, 0), None, None, gluon=True)
-    assert kern._use_gluon(128, True, 1 << 20) and kern._use_gluon(128, False, 16384)
-    assert kern._use_gluon(64, True, 16384) and kern._use_gluon(64, False, 1 << 20)
-    assert not kern._use_gluon(96, True, 1024) and not kern._use_gluon(256, False, 1024)
+        _fwd_kernels(q, q, q, True, 0.125, (-1, 0), None, None, gluon=True)
+    assert _use_gluon(128, True, 1 << 20) and _use_gluon(128, False, 16384)
+    assert _use_gluon(64, True, 16384) and _use_gluon(64, False, 1 << 20)
+    assert not _use_gluon(96, True, 1024) and not _use_gluon(256, False, 1024)
     out, lse = attention_ref(q, q, q, causal=True)  # the backward refuses before it launches anything
     with pytest.raises(ValueError, match="Gluon dk/dv pass needs the deterministic backward"):
-        kern.bwd(q, q, q, q, out, lse, True, 0.125, (-1, 0), None, None, True, gluon=True)
+        _bwd_kernels(q, q, q, q, out, lse, True, 0.125, (-1, 0), None, None, True, gluon=True)
     with pytest.raises(ValueError, match="Gluon dq pass needs the deterministic backward"):
-        kern.bwd(q, q, q, q, out, lse, True, 0.125, (-1, 0), None, None, True, gluon=False, gluon_dq=True)
+        _bwd_kernels(q, q, q, q, out, lse, True, 0.125, (-1, 0), None, None, True, gluon=False, gluon_dq=True)
     with pytest.raises(ValueError, match="Gluon dk/dv pass needs the deterministic backward"):  # atomic: never
-        kern.bwd(q, q, q, q, out, lse, True, 0.125, (-1, 0), None, None, False, gluon=True)
+        _bwd_kernels(q, q, q, q, out, lse, True, 0.125, (-1, 0), None, None, False, gluon=True)
 
 
 GLUON_CASES = [  # (B, Tq, Tk, nh, nkv, hs, causal)
@@ -446,7 +488,7 @@ def test_gluon_forward(case, dtype, pingpong):
     tile, past which TMA reads zeros), Tq != Tk both ways (rows that see no key: out 0, lse -inf), GQA / MQA, a
     non-contiguous q; and the backward from its lse."""
     from megakern import _attention_gluon as g
-    from megakern import _attention_triton as kern
+    from megakern.attention import _bwd_kernels
 
     b, tq, tk, nh, nkv, hs, causal = case
     seed("gluon", case, dtype, pingpong)
@@ -466,7 +508,7 @@ def test_gluon_forward(case, dtype, pingpong):
     assert (lse[seen].double() - truth_lse[seen]).abs().max().item() < 1e-3 if seen.any() else True
     # the backward kernels take the Gluon forward's out and lse as they take the Triton forward's
     dout = torch.randn_like(out)
-    grads = kern.bwd(dout, q, k, v, out, lse, causal, hs ** -0.5, (-1, 0 if causal else -1), None, None, True)
+    grads = _bwd_kernels(dout, q, k, v, out, lse, causal, hs ** -0.5, (-1, 0 if causal else -1), None, None, True)
     _assert_grads(grads, q, k, v, dout, causal, dtype)
 
 
@@ -487,7 +529,7 @@ def test_gluon_backward(case, dtype):
     """The Gluon dq and dk/dv passes of the deterministic backward, forced on, against fp64 truth under the 2x rule:
     the forward's cases, with a non-contiguous q and dout; delta comes from the Gluon dq pass."""
     from megakern import _attention_gluon as g
-    from megakern import _attention_triton as kern
+    from megakern.attention import _bwd_kernels, _fwd_kernels
 
     b, tq, tk, nh, nkv, hs, causal = case
     seed("gluon-bwd", case, dtype)
@@ -497,8 +539,9 @@ def test_gluon_backward(case, dtype):
         pytest.skip("the Gluon kernels need an sm_90 GPU and Triton with Gluon")
     q = torch.randn(b, nh, tq, hs, device=DEVICE, dtype=dtype).transpose(1, 2)
     dout = torch.randn(b, nh, tq, hs, device=DEVICE, dtype=dtype).transpose(1, 2)
-    out, lse = kern.fwd(q, k, v, causal, hs ** -0.5, window, None, None)
-    grads = kern.bwd(dout, q, k, v, out, lse, causal, hs ** -0.5, window, None, None, True, gluon=True, gluon_dq=True)
+    out, lse = _fwd_kernels(q, k, v, causal, hs ** -0.5, window, None, None)
+    grads = _bwd_kernels(dout, q, k, v, out, lse, causal, hs ** -0.5, window, None, None, True, gluon=True,
+                         gluon_dq=True)
     _assert_grads(grads, q, k, v, dout, causal, dtype)
 
 

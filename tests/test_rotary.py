@@ -306,6 +306,47 @@ def test_inplace_without_autograd(variant):
                 assert buf._version > version
 
 
+@pytest.mark.parametrize("backend", ("torch", "triton", "cuda"))
+def test_checked_once_applied_many_times(backend):
+    """The public pieces of apply_rotary, as models/gpt.py uses them (check once per forward, rotate per layer):
+    rotary_backend names the backend apply_rotary takes; apply_rotation under autograd gives apply_rotary's outputs
+    and gradients; rotate runs the kernels alone, out of place (packed q and k keep their shapes) or in place on views
+    of a qkv buffer, without autograd, and conj=True rotates back."""
+    if problem := megakern.available_backends(DEVICE)[backend]:
+        pytest.skip(f"backend {backend!r} unavailable: {problem}")
+    seed("checked-once", backend)
+    nh, nkv, hs, t = 4, 2, 32, 7
+    cos, sin = rotary_table(TABLE_LEN, hs, device=DEVICE)
+    cu = torch.tensor([0, 3, t], dtype=torch.int32, device=DEVICE)
+    assert rotary.rotary_backend(torch.empty(1, hs, device=DEVICE), {"rotary": backend}) == backend
+    assert rotary.rotary_backend(torch.empty(1, hs)) == "torch"  # the CPU default
+    qkv = torch.randn(t, nh + 2 * nkv, hs, device=DEVICE)
+    q, k = qkv[:, :nh], qkv[:, nh:nh + nkv]
+    rot = rotary.check_inputs(q, k, cos, sin, None, False, cu, None, 0)
+    want = megakern.apply_rotary(q, k, cos, sin, cu_seqlens=cu, backend=backend)
+    got = rotary.rotate(q, k, rot, backend)
+    assert got[0].shape == q.shape and got[1].shape == k.shape and not got[0].requires_grad
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+    back = rotary.rotate(*got, rot, backend, conj=True)
+    for b, x in zip(back, (q, k)):
+        torch.testing.assert_close(b, x, rtol=1e-5, atol=1e-5)
+    buf = qkv.clone()
+    qv, kv = buf[:, :nh], buf[:, nh:nh + nkv]
+    q_in, k_in = rotary.rotate(qv, kv, rot, backend, inplace=True)
+    assert q_in is qv and k_in is kv
+    for g, w in zip((qv, kv), want):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(buf[:, nh + nkv:], qkv[:, nh + nkv:], rtol=0, atol=0)  # v untouched
+    leaves = [x.clone().requires_grad_(True) for x in (q, k)]
+    out = rotary.apply_rotation(*leaves, rot, backend)
+    ref_leaves = [x.clone().requires_grad_(True) for x in (q, k)]
+    ref = megakern.apply_rotary(*ref_leaves, cos, sin, cu_seqlens=cu, backend=backend)
+    dout = [torch.randn_like(o) for o in out]
+    for g, w in zip(torch.autograd.grad(out, leaves, dout) + out, torch.autograd.grad(ref, ref_leaves, dout) + ref):
+        assert torch.equal(g, w)
+
+
 # ---- positions -------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("variant", kernel_variants())
 def test_position_sources_agree(variant):
