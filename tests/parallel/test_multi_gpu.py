@@ -77,20 +77,29 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["train/loss"] for r in read_records(run_dir) if "train/loss" in r}
 
 
-def _run(run_dir: Path, data_cache: Path, world: int, overrides: list[str], devices: list[int] | None):
-    args = [*COMMON, *overrides, f"data.cache_dir={data_cache}", f"log.run_dir={run_dir}"]
-    if world == 1:
-        cmd = [sys.executable, "-m", "megakern.train", *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port",
-               str(free_port()), "-m", "megakern.train", *args]
-    env = {**os.environ, **ENV}
-    if devices is not None and not ON_CPU:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
-    if proc.returncode != 0:
-        return None, f"exit {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    return _losses(run_dir), proc.stdout
+def _run(run_dir: Path, data_cache: Path, world: int, overrides: list[str], devices: list[int] | None,
+         attempts: int = 3):
+    """One run of the training program (torchrun over ``world`` ranks): (losses, stdout), or (None, the error). Runs
+    start concurrently, so the port free_port() found may be taken by another's rendezvous before this one binds it:
+    such a launch is tried again on another port (in a fresh run directory), up to ``attempts`` times."""
+    for attempt in range(attempts):
+        where = run_dir if attempt == 0 else run_dir.with_name(f"{run_dir.name}-retry{attempt}")
+        args = [*COMMON, *overrides, f"data.cache_dir={data_cache}", f"log.run_dir={where}"]
+        if world == 1:
+            cmd = [sys.executable, "-m", "megakern.train", *args]
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port",
+                   str(free_port()), "-m", "megakern.train", *args]
+        env = {**os.environ, **ENV}
+        if devices is not None and not ON_CPU:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
+        if proc.returncode == 0:
+            return _losses(where), proc.stdout
+        error = f"exit {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+        if "EADDRINUSE" not in proc.stderr:
+            break
+    return None, error
 
 
 def _selected(session) -> set[str]:
