@@ -181,7 +181,7 @@ def test_ranks_share_the_run_directory_rank_zero_names(tmp_path):
     """Two gloo ranks whose clocks are 5 s apart get one run directory (rank 0's); a rank that sees the directory
     at another absolute path stops both with both paths named; a directory rank 0 cannot lock stops both."""
     (tmp_path / "harness.py").write_text(RANK_HARNESS)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
            str(tmp_path / "harness.py")]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120, env=ENV)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -207,7 +207,7 @@ def _start(tmp_path: Path, data_cache: Path, *overrides, ranks: int = 1, patch: 
                                       "open(f'pid{os.environ.get(\"RANK\", 0)}', 'w').write(str(os.getpid()))\n"
                                       "sys.exit(train.main(sys.argv[1:]))\n")
     launch = ([] if ranks == 1 else
-              ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port", str(_free_port())])
+              ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--standalone"])
     cmd = [sys.executable, *launch, str(tmp_path / "main.py"), *args]
     return subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
 

@@ -409,7 +409,7 @@ def test_graph_replay_wait_names_a_stalled_rank():
 
 def test_parallel_cuda_graph_on_cpu_ranks_is_refused(tmp_path, data_cache):
     """tp2 over 2 gloo ranks with train.cuda_graph: the layout may be captured, the device may not."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
            "-m", "megakern.train", *TINY, "train.device=cpu", "parallel.tp=2", "train.cuda_graph=true",
            f"data.cache_dir={data_cache}", f"log.run_dir={tmp_path / 'run'}"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
@@ -452,7 +452,7 @@ def test_two_ranks_match_one_process_and_resume_in_one(tmp_path, data_cache):
               f"data.cache_dir={data_cache}"]
     single = trainer(tmp_path, data_cache, *common, "train.steps=5", name="single").run()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
            "-m", "megakern.train", *common, "train.steps=3", "parallel.dp=2", "parallel.dp_shard=fsdp",
            f"log.run_dir={tmp_path / 'ranks'}"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
@@ -474,7 +474,7 @@ def test_two_ranks_match_one_process_and_resume_in_one(tmp_path, data_cache):
 
 def test_ranks_refuse_bf16_fsdp_parameters_without_autocast(tmp_path, data_cache):
     pytest.importorskip("megakern.parallel")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
            "-m", "megakern.train", *TINY, "train.steps=1", "train.precision=fp32", "parallel.dp=2",
            "parallel.fsdp_param_dtype=bfloat16", f"data.cache_dir={data_cache}", f"log.run_dir={tmp_path / 'r'}"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,

@@ -14,7 +14,7 @@ import torch
 
 from megakern.checkpoint import CheckpointError, CheckpointManager
 from megakern.train import restore_dropout_rng
-from test_train import REPO, TINY, _free_port, _logged_losses
+from test_train import REPO, TINY, _logged_losses
 
 RESEEDED = "note: dropout RNG tracker re-seeded"
 
@@ -82,7 +82,7 @@ def test_rank_state_round_trip_and_older_files(tmp_path):
 
 
 def _torchrun(run_dir, *overrides):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
            "-m", "megakern.train", *overrides, f"log.run_dir={run_dir}"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -155,7 +155,7 @@ def test_two_rank_run_leaves_no_gloo_threads(tmp_path):
         "    except OSError: pass\n"
         "open(f'threads-{os.environ[\"RANK\"]}', 'w').write(f'rank {os.environ[\"RANK\"]} rc {rc} gloo threads '\n"
         "    f'{sum(n.startswith(\"pt_gloo\") or n.startswith(\"gloo\") for n in names)}')\n")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
            str(harness), *TINY, "train.micro_batch_size=4", "train.global_batch_size=4", "eval.every=0",
            "parallel.tp=2", "train.steps=2", f"data.cache_dir={tmp_path / 'data'}", f"log.run_dir={tmp_path / 'run'}"]
     # each rank's report in a file of its own: two ranks printing at once can run their lines together

@@ -162,9 +162,9 @@ def _probe(tmp_path, data_cache, *overrides) -> dict:  # noqa: F811
     import subprocess
     import sys
 
-    from test_train import REPO, _free_port
+    from test_train import REPO
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
            str(REPO / "tests" / "train" / "parallel_sync_probe.py"), *TINY, "train.micro_batch_size=2",
            "train.global_batch_size=8", "train.steps=5", "eval.every=0", "checkpoint.final=false",
            f"data.cache_dir={data_cache}", f"log.run_dir={tmp_path / 'probe'}", *overrides]
