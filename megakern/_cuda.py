@@ -13,7 +13,7 @@ Python launcher, so they run identical kernels with identical shapes.
 
 Both are optional dependencies (contract 10, docs/contracts.md): an extension that does not load (not built, or built
 against another torch) or was built from older sources (an entry point missing, or a ``__version__`` other than
-megakern's) is passed over with the reason; cupy must be ``MIN_CUPY`` or later (``_backend.optional_module``).
+megakern's) is passed over with the reason; cupy must be ``MIN_CUPY`` or later (``megakern._deps.optional_module``).
 """
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def extension():
 @functools.lru_cache(maxsize=None)
 def _cupy():
     """(cupy, '') if a usable cupy is installed, else (None, reason)."""
-    from megakern._backend import optional_module
+    from megakern._deps import optional_module
 
     minimum = ".".join(map(str, MIN_CUPY))
     return optional_module("cupy", MIN_CUPY, "the NVRTC path of the CUDA kernels",

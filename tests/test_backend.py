@@ -10,7 +10,7 @@ import torch
 from conftest import HAS_CUDA
 
 import megakern
-from megakern import _backend, _cuda, available_backends
+from megakern import _backend, _cuda, _deps, available_backends
 
 
 def test_available_backends_reasons():
@@ -42,11 +42,11 @@ def test_triton_on_cpu_needs_interpreter(monkeypatch):
 
 
 def test_version_parsing():
-    assert _backend._version_tuple("3.6.0") == (3, 6)
-    assert _backend._version_tuple("2.11.0+cu130") == (2, 11)
-    assert _backend._version_tuple("3.0.0rc1") == (3, 0)
-    assert _backend._version_tuple("0.17.0rc1", 3) == (0, 17, 0)
-    assert _backend._version_tuple("13", 3) == (13, 0, 0)
+    assert _deps.version_tuple("3.6.0") == (3, 6)
+    assert _deps.version_tuple("2.11.0+cu130") == (2, 11)
+    assert _deps.version_tuple("3.0.0rc1") == (3, 0)
+    assert _deps.version_tuple("0.17.0rc1", 3) == (0, 17, 0)
+    assert _deps.version_tuple("13", 3) == (13, 0, 0)
 
 
 def test_defaults_are_known_backends():
@@ -164,17 +164,17 @@ def test_liger_floor_reads_the_distribution_version(fresh_probes, monkeypatch):
     """liger_kernel has no __version__: the installed distribution's version is compared."""
     floor = ".".join(map(str, _backend.MIN_LIGER))
     monkeypatch.setitem(sys.modules, "liger_kernel", _module("liger_kernel"))
-    monkeypatch.setattr(_backend.importlib.metadata, "version", lambda name: {"liger_kernel": "0.4.2"}[name])
+    monkeypatch.setattr(_deps.importlib.metadata, "version", lambda name: {"liger_kernel": "0.4.2"}[name])
     assert _backend.liger_problem() == (f"liger_kernel>={floor} is needed for the liger provider, found liger_kernel "
                                         f"0.4.2 (/site-packages/liger_kernel/__init__.py); pip install -U "
                                         f"'liger_kernel>={floor}'")
-    monkeypatch.setattr(_backend.importlib.metadata, "version", lambda name: "0.8.5")
+    monkeypatch.setattr(_deps.importlib.metadata, "version", lambda name: "0.8.5")
     assert _backend.liger_problem() == ""
 
     def not_installed(name):
-        raise _backend.importlib.metadata.PackageNotFoundError(name)
+        raise _deps.importlib.metadata.PackageNotFoundError(name)
 
-    monkeypatch.setattr(_backend.importlib.metadata, "version", not_installed)
+    monkeypatch.setattr(_deps.importlib.metadata, "version", not_installed)
     assert "the version of liger_kernel (/site-packages/liger_kernel/__init__.py) cannot be read" in \
         _backend.liger_problem()
     monkeypatch.setitem(sys.modules, "liger_kernel", None)

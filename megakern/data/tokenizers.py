@@ -31,7 +31,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
-from megakern._backend import _version_tuple
+from megakern._deps import version_tuple
 
 # Oldest versions tested (tiktoken 0.5.2, tokenizers 0.19.1; tokenizers needs Tokenizer.encode_special_tokens).
 MIN_TIKTOKEN = (0, 5)
@@ -281,7 +281,7 @@ def _require(module: str, minimum: tuple[int, int], purpose: str):
         version = getattr(mod, "__version__", None) or importlib.metadata.version(module)
     except ImportError as exc:  # PackageNotFoundError is an ImportError too
         raise ImportError(f"{purpose} needs the {module} package ({exc}); pip install '{wanted}'") from exc
-    if _version_tuple(version) < minimum:
+    if version_tuple(version) < minimum:
         raise ImportError(f"{purpose} needs {wanted}, found {module} {version}; pip install -U '{wanted}'")
     return mod
 

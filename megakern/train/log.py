@@ -219,7 +219,7 @@ class RunLogger:
             raise LoggerError(f"TensorBoard wrote no event file in {run_dir / 'tb'}")
 
     def _open_wandb(self, run_dir: Path, options: WandbOptions, run_config: Mapping | None) -> None:
-        from megakern._backend import optional_module
+        from megakern._deps import optional_module
 
         module, problem = optional_module("wandb", MIN_WANDB, "log.wandb=true (Weights & Biases logging)")
         if module is None:
