@@ -10,6 +10,16 @@ are summed after each step (``tied_group``), so they stay equal.
 Each stage runs inside ``PipelineChunk``, which passes the step's position ids (context parallel) to every stage;
 the last stage's output is the logits (this rank's vocabulary columns under tensor parallel) and the schedule's
 loss function turns them into the loss. Micro-batches: the batch's dim 0 is split into ``n_microbatches``.
+
+Packed documents: the schedules split every tensor of ``step``'s positional and keyword arguments along dim 0 and
+replicate the rest, and hand each stage's forward its micro-batch's keyword arguments (on every pp rank: each
+calls ``step(..., **kwargs)`` with the same ones). ``packed_microbatches`` makes them: ``cu_seqlens`` a (m, K) int32
+table, row j micro-batch j's offsets (re-based to 0) padded with its last offset (empty documents at the end),
+``max_seqlen`` the longest document of any micro-batch (an int, replicated), and optionally ``position_ids`` (m, L)
+(context parallel's THD positions). ``PipelineChunk.forward(x, cu_seqlens=row, max_seqlen=..., position_ids=row)``
+passes them to the GPT. A kwarg, not a per-chunk counter of micro-batches: the schedule's metadata inference runs one
+extra forward on the first step, and the split keeps each micro-batch's packing with its tokens whatever order a
+schedule runs them in.
 """
 from __future__ import annotations
 
@@ -74,8 +84,14 @@ def cut_stage(model: nn.Module, stage: int, num_stages: int, blocks: range, *, r
 
 
 class PipelineChunk(nn.Module):
-    """A stage as the pipeline runs it: ``forward(x)`` = gpt(x, position_ids=self.position_ids), inside the context
-    ``rng_context()`` returns (the dropout RNG tracker's region for this stage; none by default)."""
+    """A stage as the pipeline runs it: ``forward(x, cu_seqlens=None, max_seqlen=None, position_ids=None)`` =
+    gpt(x, ...) inside the context ``rng_context()`` returns (the dropout RNG tracker's region for this stage; none
+    by default). Without ``position_ids`` the attribute ``self.position_ids`` (the step's, context parallel) applies.
+
+    ``cu_seqlens``: this micro-batch's row (1, K) (or (K,)) of ``packed_microbatches``' table: offsets of its packed
+    documents in its B' * T tokens, trailing repeats (empty documents) allowed; ``max_seqlen`` the longest document
+    (given: no host read); ``position_ids`` (1, L) or (L,): explicit positions (the THD layout of context parallel,
+    where positions do not restart at the local documents' starts)."""
 
     def __init__(self, gpt: nn.Module, rng_context=None):
         super().__init__()
@@ -83,10 +99,55 @@ class PipelineChunk(nn.Module):
         self.position_ids = None  # set by the ParallelModel for each step (context parallel)
         self.rng_context = rng_context or contextlib.nullcontext
 
-    def forward(self, x):
+    def forward(self, x, cu_seqlens=None, max_seqlen=None, position_ids=None):
+        pos = self.position_ids if position_ids is None else position_ids
+        if cu_seqlens is not None:
+            cu_seqlens = cu_seqlens.reshape(-1)
         with self.rng_context():
-            # the position ids are the ParallelModel's own (context-parallel shards): no host read of their range
-            return self.gpt(x, position_ids=self.position_ids, check_values=False)
+            # the position ids and packing are the ParallelModel's own: no host read of their range
+            if cu_seqlens is None:
+                return self.gpt(x, position_ids=pos, check_values=False)
+            if pos is None:
+                return self.gpt(x, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, check_values=False)
+            return self.gpt(x, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, position_ids=pos, check_values=False)
+
+
+def packed_microbatches(cu_seqlens: list[torch.Tensor], *, position_ids: torch.Tensor | None = None,
+                        max_seqlen: int | None = None, device=None) -> dict:
+    """The keyword arguments of ``schedule.step`` for packed micro-batches (see the module docstring).
+
+    ``cu_seqlens``: one 1-D int32 tensor per micro-batch, its documents' offsets from 0 to its token count (equal for
+    all: the schedule splits the batch evenly); ``position_ids`` (m, L) or None; ``max_seqlen`` their longest
+    document (None: read, one host read). Returns {"cu_seqlens": (m, K) int32 on ``device``, "max_seqlen": int
+    [, "position_ids": (m, L)]}."""
+    if not isinstance(cu_seqlens, (list, tuple)) or not cu_seqlens:
+        raise ValueError("packed_microbatches: cu_seqlens must be a non-empty list, one tensor per micro-batch")
+    rows, longest, total = [], 0, None
+    for j, cu in enumerate(cu_seqlens):
+        if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
+            raise TypeError(f"packed_microbatches: micro-batch {j}'s cu_seqlens must be a 1-D torch.int32 tensor of "
+                            ">= 2 offsets")
+        offsets = cu.tolist()
+        if offsets[0] != 0 or any(b < a for a, b in zip(offsets, offsets[1:])):
+            raise ValueError(f"packed_microbatches: micro-batch {j}'s cu_seqlens must start at 0 and not decrease, "
+                             f"got {offsets[:16]}")
+        if total is not None and offsets[-1] != total:
+            raise ValueError(f"packed_microbatches: micro-batch {j} holds {offsets[-1]} tokens, micro-batch 0 "
+                             f"{total}; the schedule splits the batch into equal micro-batches")
+        total = offsets[-1]
+        longest = max(longest, max(b - a for a, b in zip(offsets, offsets[1:])))
+        rows.append(offsets)
+    width = max(len(r) for r in rows)
+    table = torch.tensor([r + [r[-1]] * (width - len(r)) for r in rows], dtype=torch.int32, device=device)
+    if max_seqlen is not None and max_seqlen < longest:
+        raise ValueError(f"packed_microbatches: max_seqlen {max_seqlen} < the longest document ({longest})")
+    out = {"cu_seqlens": table, "max_seqlen": int(max_seqlen if max_seqlen is not None else longest)}
+    if position_ids is not None:
+        if position_ids.dim() != 2 or position_ids.shape[0] != len(rows):
+            raise ValueError(f"packed_microbatches: position_ids must be (m={len(rows)}, L), got "
+                             f"{tuple(position_ids.shape)}")
+        out["position_ids"] = position_ids
+    return out
 
 
 def build_schedule(name: str, submods: list[nn.Module], stage_indices: list[int], num_stages: int, device, group,
