@@ -584,7 +584,9 @@ class Linear(nn.Module):
                 pending = self._pending_amax(role)
                 self.scaling_state(role).update(pending, skip=hold)
                 pending.zero_()
-            self._w_cache = None  # the weight's scale may have changed
+        # the weight's scale may have changed, and the weight itself (an FSDP2 all-gather rewrites it without
+        # bumping its version): the next step casts it afresh
+        self._w_cache = None
         return bad
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -632,6 +634,13 @@ def update_scales(model: nn.Module) -> torch.Tensor:
     for m in layers:
         m.update_scales(skip=bad)
     return bad
+
+
+def pending_amaxes(model: nn.Module) -> list[torch.Tensor]:
+    """The pending amax buffers (one element each: x, w, grad) of every delayed-scaling fp8.Linear in ``model``, in
+    module order: what a parallel run reduces over the ranks sharing a tensor before ``update_scales`` (in place)."""
+    return [getattr(m, f"{role}_amax_pending") for m in model.modules()
+            if isinstance(m, Linear) and isinstance(m.recipe, DelayedScaling) for role in ("x", "w", "grad")]
 
 
 def convert_linears(model: nn.Module, *, recipe=None, emulate: bool = False, skip=()) -> nn.Module:

@@ -36,6 +36,40 @@ def _norms(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
                       for gs in groups.values()])
 
 
+def grad_norm(grad_sets: Sequence[tuple[Iterable[torch.Tensor | None], Sequence]], norm_type: float = 2.0,
+              device=None) -> torch.Tensor:
+    """The total norm (fp32 0-d tensor, equal on every rank) of gradients given in sets: [(gradients, groups)], each
+    set's gradients disjoint shards across each group in ``groups`` (None gradients, None groups and groups of one
+    rank are skipped). Every rank passes the same structure (the collectives match by position). ``device``: where
+    the norm is reduced (needed when this rank holds no gradient)."""
+    norm_type = float(norm_type)
+    if not (norm_type == math.inf or norm_type > 0):
+        raise ValueError(f"grad_norm: norm_type must be > 0 or inf, got {norm_type}")
+    inf = norm_type == math.inf
+    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+    total = None
+    for grads, groups in grad_sets:
+        grads = [_local(g) for g in grads if g is not None]
+        device = device if device is not None else (grads[0].device if grads else None)
+        if grads:
+            norms = _norms(grads, norm_type)
+            part = norms.max() if inf else norms.pow(norm_type).sum()
+        else:
+            part = torch.zeros((), dtype=torch.float32, device=device)
+        for group in groups:
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(part, op=op, group=group)
+        total = part if total is None else (torch.maximum(total, part) if inf else total + part)
+    if total is None:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return total if inf else total.pow(1.0 / norm_type)
+
+
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """min(1, max_norm / (norm + 1e-6)): what clipping multiplies every gradient by (torch's rule)."""
+    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+
+
 def clip_grad_norm_(param_sets: Sequence[tuple[Iterable[torch.Tensor], Sequence]], max_norm: float,
                     norm_type: float = 2.0, error_if_nonfinite: bool = False, device=None) -> torch.Tensor:
     """Clip in place; returns the total norm (fp32 0-d tensor, equal on every rank).
@@ -45,35 +79,14 @@ def clip_grad_norm_(param_sets: Sequence[tuple[Iterable[torch.Tensor], Sequence]
     match by position). ``device``: where the norm is reduced (the gradients' device; needed when this rank holds
     no gradient).
     """
-    norm_type = float(norm_type)
-    if not (norm_type == math.inf or norm_type > 0):
-        raise ValueError(f"clip_grad_norm_: norm_type must be > 0 or inf, got {norm_type}")
     if not (isinstance(max_norm, (int, float)) and max_norm > 0):
         raise ValueError(f"clip_grad_norm_: max_norm must be a number > 0, got {max_norm!r}")
-    inf = norm_type == math.inf
-    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
-    all_grads, total = [], None
-    for params, groups in param_sets:
-        grads = [_local(p.grad) for p in params if p.grad is not None]
-        all_grads += grads
-        device = device if device is not None else (grads[0].device if grads else None)
-        if grads:
-            norms = _norms(grads, norm_type)
-            part = norms.max() if inf else norms.pow(norm_type).sum()
-        else:
-            part = None
-        part = torch.zeros((), dtype=torch.float32, device=device) if part is None else part
-        for group in groups:
-            if group is not None and dist.get_world_size(group) > 1:
-                dist.all_reduce(part, op=op, group=group)
-        total = part if total is None else (torch.maximum(total, part) if inf else total + part)
-    if total is None:
-        return torch.zeros((), dtype=torch.float32)
-    norm = total if inf else total.pow(1.0 / norm_type)
+    param_sets = [(list(params), groups) for params, groups in param_sets]
+    norm = grad_norm([([p.grad for p in params], groups) for params, groups in param_sets], norm_type, device)
     if error_if_nonfinite and not torch.isfinite(norm):
-        raise RuntimeError(f"clip_grad_norm_: the total gradient norm ({norm_type:g}-norm) is {norm.item()}; "
+        raise RuntimeError(f"clip_grad_norm_: the total gradient norm ({float(norm_type):g}-norm) is {norm.item()}; "
                            "pass error_if_nonfinite=False to clip anyway")
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    all_grads = [_local(p.grad) for params, _ in param_sets for p in params if p.grad is not None]
     if all_grads:
-        torch._foreach_mul_(all_grads, coef.to(all_grads[0].device))
+        torch._foreach_mul_(all_grads, clip_coefficient(norm, max_norm).to(all_grads[0].device))
     return norm

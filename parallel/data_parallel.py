@@ -34,7 +34,7 @@ DP_SHARDS = ("fsdp", "ddp")
 
 
 def apply_fsdp(module: nn.Module, blocks: Iterable[nn.Module], mesh, *, reshard_after_forward: bool = True,
-               param_dtype: torch.dtype | None = None):
+               param_dtype: torch.dtype | None = None, root_param_dtype: torch.dtype | None = None):
     """fully_shard each block, then ``module`` (the root); in place, returns module. The root's own parameters
     (embeddings, final norm, head) stay gathered from forward to backward: the backward starts with them, so
     freeing them would only all-gather them again at once.
@@ -42,7 +42,9 @@ def apply_fsdp(module: nn.Module, blocks: Iterable[nn.Module], mesh, *, reshard_
     ``param_dtype`` (e.g. bf16 under bf16 autocast): the blocks' parameters are all-gathered and computed in it (half
     the all-gather bytes, and no autocast cast of each weight at each use and back in backward), their fp32 shards
     stay what the optimizer updates, and gradients are reduced in fp32. The blocks' inputs are not cast (the
-    residual stream keeps its dtype); the root (embeddings, head) stays in its own dtype."""
+    residual stream keeps its dtype); the root (embeddings, head) stays in its own dtype, unless
+    ``root_param_dtype`` is given (bf16 weights with fp32 masters: the whole model computes in bf16, the fp32 shards
+    are the masters)."""
     # torch 2.13's FSDP2 warns when a module returns a view (an in-place op on it would skip the pre-backward
     # hook): a block's MLP output is F.linear's view of its 2-D product, and the next block's norm reads it out of
     # place, never in place, so the hazard cannot arise here
@@ -51,7 +53,10 @@ def apply_fsdp(module: nn.Module, blocks: Iterable[nn.Module], mesh, *, reshard_
               if param_dtype is not None else MixedPrecisionPolicy())
     for block in blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
-    fully_shard(module, mesh=mesh, reshard_after_forward=False)
+    root_policy = (MixedPrecisionPolicy(param_dtype=root_param_dtype, reduce_dtype=torch.float32,
+                                        cast_forward_inputs=False) if root_param_dtype is not None
+                   else MixedPrecisionPolicy())
+    fully_shard(module, mesh=mesh, reshard_after_forward=False, mp_policy=root_policy)
     return module
 
 

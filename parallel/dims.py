@@ -208,6 +208,9 @@ class ParallelDims:
         ``init_distributed`` returned, when it was called before (the mesh keeps it: ``mesh.store``)."""
         device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
         timeout = _as_timedelta(timeout)
+        if not dist.is_initialized() and self.world_size in (None, 1) and rendezvous is None and (
+                int(os.environ.get("WORLD_SIZE", "1")) == 1):
+            return ParallelMesh(self.resolve(1), device_type, timeout, agree, None, local=True)
         if not dist.is_initialized():
             if rendezvous is not None:
                 raise RuntimeError("ParallelDims.build: rendezvous= was given, but torch.distributed is not "
@@ -374,6 +377,10 @@ class ParallelMesh:
     """Process groups of a resolved ParallelDims: a DeviceMesh with dims ("pp", "dp", "cp", "tp") and the groups
     of each, plus "dp_cp" (dp and cp flattened: where gradients are reduced and FSDP shards).
 
+    One process with every size 1 (``ParallelDims().build()`` outside torchrun, torch.distributed not initialized)
+    gets a local mesh (``local`` True): the same coordinates (all 0), no process group (the groups are None, ``mesh``
+    None), so a single-process run goes through the same parallel code, whose collectives all skip groups of one.
+
     Attributes: dims, device (this rank's device), rank, mesh (DeviceMesh), timeout; groups ``tp_group``,
     ``cp_group``, ``dp_group``, ``pp_group``, ``dp_cp_group`` and meshes ``dp_cp_mesh``; coordinates ``tp_rank``,
     ``cp_rank``, ``dp_rank``, ``pp_rank``; ``rendezvous`` (``Rendezvous``, or None where torch.distributed was
@@ -381,15 +388,24 @@ class ParallelMesh:
     """
 
     def __init__(self, dims: ParallelDims, device_type: str, timeout: datetime.timedelta,
-                 agree: Mapping[str, object] | None = None, rendezvous: Rendezvous | None = None):
+                 agree: Mapping[str, object] | None = None, rendezvous: Rendezvous | None = None, *,
+                 local: bool = False):
         self.dims, self.timeout, self.device_type = dims, timeout, device_type
         self.rendezvous = rendezvous
+        self.local = local
         self._store_users = 0
-        self.rank = dist.get_rank()
+        self._stage_mesh = None
         if device_type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
             self.device = torch.device(device_type)
+        if local:  # one process, every size 1: no process group, nothing to agree on, no collective ever
+            if dims.world_size != 1:
+                raise ValueError(f"ParallelMesh: a local mesh is one process; these dims have {dims.world_size}")
+            self.rank = self.pp_rank = self.dp_rank = self.cp_rank = self.tp_rank = 0
+            self.mesh = self.dp_cp_mesh = None
+            return
+        self.rank = dist.get_rank()
         # every rank must agree on the layout and versions before groups are split (a mismatch would hang there)
         fields = {"dims": repr(dims.shape), **versions()}
         for name, value in (agree or {}).items():
@@ -402,11 +418,21 @@ class ParallelMesh:
         self.pp_rank, self.dp_rank, self.cp_rank, self.tp_rank = (coord[n] for n in MESH_DIMS)
 
     def group(self, name: str):
-        """The process group of one mesh dim ("pp" | "dp" | "cp" | "tp" | "dp_cp")."""
+        """The process group of one mesh dim ("pp" | "dp" | "cp" | "tp" | "dp_cp"), or of every rank of this pipeline
+        stage ("pp_stage": dp x cp x tp, made on first use: every rank must ask for it alike); None on a local
+        mesh."""
+        if self.local:
+            if name not in MESH_DIMS + ("dp_cp", "pp_stage"):
+                raise ValueError(f"ParallelMesh: no dim {name!r}; dims are {MESH_DIMS + ('dp_cp', 'pp_stage')}")
+            return None
         if name == "dp_cp":
             return self.dp_cp_mesh.get_group()
+        if name == "pp_stage":  # every rank of this pipeline stage (dp x cp x tp), made on first use
+            if self._stage_mesh is None:
+                self._stage_mesh = self.mesh["dp", "cp", "tp"]._flatten("pp_stage")
+            return self._stage_mesh.get_group()
         if name not in MESH_DIMS:
-            raise ValueError(f"ParallelMesh: no dim {name!r}; dims are {MESH_DIMS + ('dp_cp',)}")
+            raise ValueError(f"ParallelMesh: no dim {name!r}; dims are {MESH_DIMS + ('dp_cp', 'pp_stage')}")
         return self.mesh.get_group(name)
 
     tp_group = property(lambda self: self.group("tp"))

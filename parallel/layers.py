@@ -45,6 +45,19 @@ def linear_reduce(x: torch.Tensor, weight: torch.Tensor, group, sequence_paralle
     return reduce_from_tp(y, group, inplace=True)
 
 
+def _fp8_gemm(layer: nn.Module, recipe) -> nn.Module:
+    """A megakern.fp8.Linear computing ``layer``'s local product x W_local^T in FP8 (no bias: the layer adds it),
+    sharing the layer's weight; its scaling state is this rank's (the amaxes are reduced over the ranks by
+    ParallelModel.update_fp8_scales)."""
+    from megakern import fp8
+
+    out_local, in_local = layer.weight.shape
+    gemm = fp8.Linear(in_local, out_local, bias=False, recipe=recipe, device=layer.weight.device,
+                      dtype=layer.weight.dtype)
+    gemm.weight = layer.weight
+    return gemm
+
+
 class ColumnParallelLinear(nn.Module):
     """y[..., shard] = x W_shard^T + b_shard: weight (out_features / tp, in_features).
 
@@ -64,6 +77,7 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features, self.group = in_features, out_features, group
         self.gather_output, self.sequence_parallel, self.seq_dim = gather_output, sequence_parallel, seq_dim
         self.input_is_gathered = input_is_gathered
+        self.fp8_gemm = None
         local = _local(out_features, group, "ColumnParallelLinear out_features")
         self.weight = nn.Parameter(torch.empty(local, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(local, device=device, dtype=dtype)) if bias else None
@@ -83,8 +97,16 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_gathered:
             x = gather_from_sp(x, self.group, self.seq_dim) if self.sequence_parallel else copy_to_tp(x, self.group)
-        y = F.linear(x, self.weight, self.bias)
+        if self.fp8_gemm is not None:
+            y = self.fp8_gemm(x)
+            y = y if self.bias is None else y + self.bias
+        else:
+            y = F.linear(x, self.weight, self.bias)
         return gather_from_tp(y, self.group, -1) if self.gather_output else y
+
+    def use_fp8(self, recipe) -> None:
+        """Compute the local product in FP8 with ``recipe`` (a megakern.fp8 recipe)."""
+        self.fp8_gemm = _fp8_gemm(self, recipe)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} (local {self.weight.shape[0]}), "
@@ -108,6 +130,7 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features, self.group = in_features, out_features, group
         self.input_is_parallel, self.sequence_parallel, self.seq_dim = input_is_parallel, sequence_parallel, seq_dim
         self.gemm_reduce = gemm_reduce or linear_reduce
+        self.fp8_gemm = None
         local = _local(in_features, group, "RowParallelLinear in_features")
         self.weight = nn.Parameter(torch.empty(out_features, local, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
@@ -132,8 +155,18 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group, -1)
-        y = self.gemm_reduce(x, self.weight, self.group, self.sequence_parallel, self.seq_dim)
+        if self.fp8_gemm is not None:  # the FP8 product, then the reduction
+            y = self.fp8_gemm(x)
+            y = (reduce_scatter_to_sp(y, self.group, self.seq_dim) if self.sequence_parallel
+                 else reduce_from_tp(y, self.group, inplace=True))
+        else:
+            y = self.gemm_reduce(x, self.weight, self.group, self.sequence_parallel, self.seq_dim)
         return y if self.bias is None else y + self.bias
+
+    def use_fp8(self, recipe) -> None:
+        """Compute the local product in FP8 with ``recipe`` (a megakern.fp8 recipe), then reduce it (a fused
+        GEMM + reduce-scatter, ``gemm_reduce``, is then not used)."""
+        self.fp8_gemm = _fp8_gemm(self, recipe)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} (local {self.weight.shape[1]}), out_features={self.out_features}, "

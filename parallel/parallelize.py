@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 
 import torch
 import torch.distributed as dist
@@ -30,12 +31,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from megakern._checks import document_lengths
 from megakern.config import ParallelConfig
-from megakern.parallel.clip import clip_grad_norm_ as _clip
+from megakern.parallel.clip import clip_coefficient, grad_norm
 from megakern.parallel.context import RingAttention, cp_positions, cp_shard
 from megakern.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megakern.parallel.data_parallel import (DP_SHARDS, allreduce_grads, allreduce_tensors, apply_ddp, apply_fsdp,
+from megakern.parallel.data_parallel import (DP_SHARDS, allreduce_tensors, apply_ddp, apply_fsdp,
                                              broadcast_params, set_grad_sync, zero1_optimizer)
 from megakern.parallel.dims import ParallelDims, ParallelMesh
+from megakern.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megakern.parallel.master import MasterWeights
 from megakern.parallel.pipeline import PipelineChunk, build_schedule, check_schedule, cut_stage, stage_layout
 from megakern.parallel.rng import RNGTracker
 from megakern.parallel.state_dict import as_global, checkpoint_mesh, group_hparams, init_optimizer_state
@@ -47,7 +50,8 @@ IGNORE_INDEX = -100
 
 def parallelize(model: nn.Module, mesh: ParallelMesh | ParallelDims, config: ParallelConfig | None = None, *,
                 generator=None, rng: RNGTracker | None = None, seed: int | None = None,
-                **overrides) -> ParallelModel:
+                master_weights: bool = False, read_model_grads: bool = False, fp8=None,
+                compile: bool | str = False, **overrides) -> ParallelModel:
     """Shard ``model`` (a megakern.models.gpt.GPT, materialized or on the meta device) over ``mesh``.
 
     ``config``: the ParallelConfig whose choices apply (default ``ParallelConfig()``; its sizes are the mesh's, which
@@ -55,6 +59,18 @@ def parallelize(model: nn.Module, mesh: ParallelMesh | ParallelDims, config: Par
     ``generator``: for a meta-device model, the generator of its initialization (as ``GPT.init_weights``).
     ``rng``: the dropout RNG tracker of this rank (default: ``RNGTracker.from_mesh(seed, mesh)``, ``seed`` defaulting
     to the initialization generator's initial seed when there is one, else 0).
+    ``master_weights``: bf16 parameters with fp32 master weights (Megatron's and megakern-train's bf16 precision):
+    under FSDP2 the fp32 shards are the masters (the blocks and the root all-gathered and computed in bf16,
+    gradients reduced in fp32); otherwise ``ParallelModel.masters`` (a ``MasterWeights``) holds fp32 copies whose
+    gradients accumulate in fp32 from every micro-batch and are reduced over the data-parallel ranks in fp32 (DDP's
+    replicas then are kept by hand: parameters broadcast once, the masters' gradients all-reduced after the
+    backward). ``read_model_grads``: where a step has one micro-batch and no data-parallel reduction, leave the bf16
+    gradients on the parameters for an optimizer that reads them (megakern.optim.MasterAdamW).
+    ``fp8``: a megakern.fp8 recipe: the blocks' linears (tensor-parallel ones too: their local GEMMs) compute in FP8;
+    delayed scaling's amaxes are reduced (MAX) over every rank of the pipeline stage before the scales update
+    (``update_fp8_scales``), so each rank scales as the single model would.
+    ``compile``: torch.compile each block's forward (after tensor/context parallelism, before data parallelism); a
+    string names the backend (default inductor).
     """
     if isinstance(mesh, ParallelDims):
         mesh = mesh.build()
@@ -70,7 +86,8 @@ def parallelize(model: nn.Module, mesh: ParallelMesh | ParallelDims, config: Par
     if unknown:
         raise TypeError(f"parallelize: unknown options {unknown}; ParallelConfig's fields are {sorted(fields)}")
     options = dataclasses.replace(config, **overrides)
-    return ParallelModel(model, mesh, options, generator, rng, seed)
+    return ParallelModel(model, mesh, options, generator, rng, seed, master_weights=master_weights,
+                         read_model_grads=read_model_grads, fp8=fp8, compile=compile)
 
 
 class ParallelModel:
@@ -81,7 +98,8 @@ class ParallelModel:
     """
 
     def __init__(self, model: nn.Module, pm: ParallelMesh, options: ParallelConfig, generator=None,
-                 rng: RNGTracker | None = None, seed: int | None = None):
+                 rng: RNGTracker | None = None, seed: int | None = None, *, master_weights: bool = False,
+                 read_model_grads: bool = False, fp8=None, compile: bool | str = False):
         d = pm.dims
         cfg = getattr(model, "config", None)
         if cfg is None or not isinstance(getattr(model, "blocks", None), nn.ModuleDict):
@@ -156,20 +174,44 @@ class ParallelModel:
                 g.to(pm.device)
         if meta:
             self._init_weights(type(model), generator)
+        self.has_fp8 = fp8 is not None
+        if fp8 is not None:  # the blocks' linears: nn.Linear, or a tensor-parallel layer's local GEMM
+            from megakern import fp8 as fp8_ops
+
+            for g in self.gpts:
+                for block in g.blocks.values():
+                    fp8_ops.convert_linears(block, recipe=fp8)
+                    for layer in block.modules():
+                        if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
+                            layer.use_fp8(fp8)
+            self.amax_group = pm.group("pp_stage") if d.world_size > d.pp else None
+        if compile:  # each block's forward (hooks of data parallelism stay outside, eager)
+            backend = compile if isinstance(compile, str) else "inductor"
+            for g in self.gpts:
+                for block in g.blocks.values():
+                    block.forward = torch.compile(block.forward, backend=backend)
 
         # 5. data parallel over dp x cp
         # (torch 2.13's pipelining breaks DDP's bucket rebuild with several micro-batches, so under pipeline
         # parallelism "ddp" replicates by hand: parameters broadcast once, gradients all-reduced after the schedule)
         self.fsdp = options.dp_shard == "fsdp" and d.dp * d.cp > 1
-        self.ddp = options.dp_shard == "ddp" and d.dp * d.cp > 1 and d.pp == 1
-        self.replicate = options.dp_shard == "ddp" and d.dp * d.cp > 1 and d.pp > 1
+        # bf16 weights with fp32 masters (not FSDP: there the fp32 shards are the masters): their gradients
+        # accumulate in fp32 per micro-batch and are reduced in fp32, by hand (DDP would reduce the bf16 ones)
+        self.masters = None
+        if master_weights and not self.fsdp:
+            direct = read_model_grads and self.microbatches == 1 and d.dp * d.cp == 1 and d.pp == 1
+            self.masters = MasterWeights(self.parameters(), accumulate=not direct)
+        self.ddp = options.dp_shard == "ddp" and d.dp * d.cp > 1 and d.pp == 1 and self.masters is None
+        self.replicate = options.dp_shard == "ddp" and d.dp * d.cp > 1 and not self.ddp
         runners = ([PipelineChunk(g, functools.partial(self._dropout_rng, s))
                     for g, s in zip(self.gpts, self.stage_indices)] if d.pp > 1 else list(self.gpts))
         if self.fsdp:
             param_dtype = {"float32": None, "auto": None, "bfloat16": torch.bfloat16}[options.fsdp_param_dtype]
+            if master_weights:
+                param_dtype = torch.bfloat16
             for r, g in zip(runners, self.gpts):
                 apply_fsdp(r, g.blocks.values(), pm.dp_cp_mesh, reshard_after_forward=d.pp == 1,
-                           param_dtype=param_dtype)
+                           param_dtype=param_dtype, root_param_dtype=torch.bfloat16 if master_weights else None)
         elif self.ddp:
             runners = [apply_ddp(r, pm.dp_cp_group, pm.device) for r in runners]
         elif self.replicate:
@@ -237,7 +279,7 @@ class ParallelModel:
         if self.sequence_parallel and (t // self.cp) % self.tp:
             raise ValueError(f"ParallelModel: sequence parallel needs each cp rank's {t // self.cp} tokens "
                              f"divisible by tp={self.tp}")
-        if not self._checked_batch:  # once: ranks that must share a batch (same dp index) do
+        if not self._checked_batch and self.mesh.dims.world_size > 1:  # once: ranks of one dp index share a batch
             self._checked_batch = True
             weights = torch.arange(idx.numel(), device=idx.device).view_as(idx) % 65521 + 1
             mine = (self.mesh.dp_rank, int((idx.long() * weights).sum()), int((targets.long() * weights).sum()))
@@ -262,8 +304,9 @@ class ParallelModel:
         return cp_shard(x, self.mesh.cp_group, 1) if self.cp > 1 else x
 
     def _dropout_rng(self, stage: int = 0):
-        """The context a stage's forward runs in: the RNG tracker's dropout region (nothing without dropout)."""
-        if not self.config.dropout:
+        """The context a stage's forward runs in: the RNG tracker's dropout region (nothing without dropout, or in
+        one process, whose dropout draws from the default generator)."""
+        if not self.config.dropout or self.mesh.dims.world_size == 1:
             return contextlib.nullcontext()
         return self.rng.fork(self.dropout_region, stage)
 
@@ -335,6 +378,8 @@ class ParallelModel:
         and targets' range (one host-device sync per batch), for callers whose data pipeline checked them."""
         idx_l, tgt_l, pos, packed, n_global = self._prepare(idx, targets, cu_seqlens, max_seqlen, check_values)
         scale = self.dp * self.cp / n_global.clamp(min=1.0)
+        if self.masters is not None:
+            self.masters.begin_step()
         if self.pp > 1:
             total = self._pipeline(idx_l, tgt_l, pos, scale, train=True)
         else:
@@ -348,6 +393,8 @@ class ParallelModel:
                     s = self._loss_sum(module, x, t, pos, packed[j])
                     (s * scale).backward()
                 total += s.detach().float()
+        if self.masters is not None:
+            self.masters.end_step()
         self.finalize_grads()
         return self._reduce_loss(total, n_global)
 
@@ -410,17 +457,28 @@ class ParallelModel:
         total = torch.stack([l.detach().float() for l in losses]).sum()
         return total / scale if train else total
 
+    def grad(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The gradient of parameter ``p`` the step uses: its fp32 master's (``master_weights``), or its own (the
+        local tensor of an FSDP2 shard's)."""
+        g = self.masters.grad(p) if self.masters is not None else p.grad
+        return g.to_local() if g is not None and hasattr(g, "to_local") else g
+
+    def optimizer_params(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What an optimizer over ``params`` (this rank's parameters) updates: their fp32 masters, or themselves."""
+        return [self.masters.masters[p] for p in params] if self.masters is not None else list(params)
+
     def finalize_grads(self) -> None:
         """After the backward: average gradients over dp x cp where no wrapper did (replicated pipeline stages),
         all-reduce over tp the gradients that are partial there (sequence parallel), and sum a tied head's gradient
         with wte's across the first and last pipeline stages. (forward_backward calls it.)"""
         if self.replicate:
-            allreduce_grads(list(self.parameters()), self.mesh.dp_cp_group, average=True)
+            grads = [g for g in map(self.grad, dict.fromkeys(self.parameters())) if g is not None]
+            allreduce_tensors(grads, self.mesh.dp_cp_group, average=True)
         partial, tied = [], []
         for name, p, _, sp_partial, tied_copy in self._param_table():
-            if p.grad is None:
+            g = self.grad(p)
+            if g is None:
                 continue
-            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
             if sp_partial:
                 partial.append(g)
             if self.tied_group is not None and (tied_copy or (name == "wte.weight" and self.has_first)):
@@ -429,61 +487,118 @@ class ParallelModel:
             if group is not None and grads:
                 allreduce_tensors(grads, group)
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
-        """Clip all gradients by their total norm over every group; returns the norm (equal on all ranks)."""
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The total norm of the step's gradients (``grad``) over every group: the single model's gradient norm,
+        equal on all ranks (fp32 0-d tensor on this rank's device)."""
         pm = self.mesh
         sharded, replicated = [], []
         for _, p, tp_dim, _, tied_copy in self._param_table():
             if tied_copy:
                 continue  # its twin, wte on the first stage, is counted
-            (sharded if tp_dim is not None else replicated).append(p)
+            (sharded if tp_dim is not None else replicated).append(self.grad(p))
         dp = pm.dp_cp_group if self.fsdp else None
         pp = pm.pp_group if self.pp > 1 else None
         tp = pm.tp_group if self.tp > 1 else None
-        norm = _clip([(sharded, [tp, dp, pp]), (replicated, [dp, pp])], max_norm, norm_type,
-                     error_if_nonfinite=error_if_nonfinite, device=pm.device)
-        tied = [p for _, p, _, _, t in self._param_table() if t]
-        if tied and tied[0].grad is not None:  # the copy gets the same scaling as its twin
-            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            for p in tied:
-                g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                g.mul_(coef.to(g.device))
+        return grad_norm([(sharded, [tp, dp, pp]), (replicated, [dp, pp])], norm_type, device=pm.device)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
+        """Clip all gradients by their total norm over every group; returns the norm (equal on all ranks)."""
+        if not (isinstance(max_norm, (int, float)) and max_norm > 0):
+            raise ValueError(f"clip_grad_norm_: max_norm must be a number > 0, got {max_norm!r}")
+        norm = self.grad_norm(norm_type)
+        if error_if_nonfinite and not torch.isfinite(norm):
+            raise RuntimeError(f"clip_grad_norm_: the total gradient norm is {norm.item()}; pass "
+                               "error_if_nonfinite=False to clip anyway")
+        if max_norm != math.inf:
+            self.scale_grads_(clip_coefficient(norm, max_norm))
         return norm
 
+    @torch.no_grad()
+    def scale_grads_(self, factor: torch.Tensor | float) -> None:
+        """Every gradient the step uses (``grad``) times ``factor`` (a 0-d tensor or a number), in place."""
+        grads = [g for g in map(self.grad, dict.fromkeys(self.parameters())) if g is not None]
+        if grads:
+            torch._foreach_mul_(grads, factor.to(grads[0].device) if isinstance(factor, torch.Tensor) else factor)
+
     def build_optimizer(self, optimizer_class=torch.optim.AdamW, params=None, **kwargs):
-        """``optimizer_class`` over this rank's parameters (or ``params``: tensors or param-group dicts); a
-        ZeroRedundancyOptimizer over dp x cp when the plan has zero1."""
+        """``optimizer_class`` over this rank's parameters (or ``params``: tensors or param-group dicts; with
+        ``master_weights`` their fp32 masters take their places); a ZeroRedundancyOptimizer over dp x cp when the plan
+        has zero1."""
         params = list(self.parameters()) if params is None else params
+        if self.masters is not None:
+            params = [dict(g, params=self.optimizer_params(g["params"])) if isinstance(g, dict)
+                      else self.masters.masters[g] for g in params]
         if self.options.zero1 and self.dp * self.cp > 1:
             return zero1_optimizer(params, optimizer_class, self.mesh.dp_cp_group, **kwargs)
         return optimizer_class(params, **kwargs)
 
+    @torch.no_grad()
+    def update_fp8_scales(self) -> torch.Tensor:
+        """Once per optimizer step with ``fp8``: delayed scaling's pending amaxes reduced (MAX) over the ranks of
+        this pipeline stage (tensor shards and data-parallel replicas see parts of what the single model's tensor
+        holds), then every layer's scales updated (megakern.fp8.update_scales). Returns the device bool: an amax of
+        the step was not finite on some rank (every rank then skips the step alike)."""
+        from megakern import fp8 as fp8_ops
+
+        if self.amax_group is not None:
+            buffers = [b for g in self.gpts for b in fp8_ops.pending_amaxes(g)]
+            if buffers:
+                flat = torch.cat([b.reshape(-1) for b in buffers]).nan_to_num(nan=math.inf)
+                dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=self.amax_group)
+                torch._foreach_copy_([b.reshape(-1) for b in buffers], list(flat.split([b.numel() for b in buffers])))
+        bad = torch.stack([fp8_ops.update_scales(g).to(self.mesh.device) for g in self.gpts]).any()
+        if self.pp > 1:  # every stage skips the step alike
+            flag = bad.float()
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.mesh.pp_group)
+            bad = flag > 0
+        return bad
+
     # ---- checkpoints -----------------------------------------------------------------------------------------------
     def checkpoint_state(self, optimizer=None, *, for_load: bool = False) -> dict:
-        """{"model": {fqn: DTensor}, "optim": {...}} for torch.distributed.checkpoint (save or load), in the single
-        model's names and shapes, so it loads under any other layout. ``for_load``: first give every parameter
-        its optimizer state so that DCP can load into it."""
-        if self._ckpt_mesh is None:
-            self._ckpt_mesh = checkpoint_mesh(self.mesh)
-        mesh = self._ckpt_mesh
+        """{"model": {fqn: DTensor}, "optim": {...}, "master": {fqn: fp32 master} (``master_weights``), "buffers":
+        {...} (FP8 scaling state)} for torch.distributed.checkpoint (save or load), in the single model's names and
+        shapes, so it loads under any other layout (one process: plain tensors). ``for_load``: first give every
+        parameter its optimizer state so that DCP can load into it."""
+        if self.mesh.local:
+            def whole(t, tp_dim):
+                return t
+        else:
+            if self._ckpt_mesh is None:
+                self._ckpt_mesh = checkpoint_mesh(self.mesh)
+
+            def whole(t, tp_dim):
+                return as_global(t, tp_dim, self.tp, self._ckpt_mesh)
         table = self._param_table()
-        model = {}
-        names = {}
+        model, names, master = {}, {}, {}
         for name, p, tp_dim, _, tied_copy in table:
             key = "wte.weight" if tied_copy else name
             names[p] = (key, tp_dim)
-            model[key] = as_global(p.detach(), tp_dim, self.tp, mesh)
+            model[key] = whole(p.detach(), tp_dim)
+            if self.masters is not None:
+                m = self.masters.masters[p]
+                names[m] = (key, tp_dim)
+                master[key] = whole(m.detach(), tp_dim)
         state = {"model": model}
+        if master:
+            state["master"] = master
+        params = {p for _, p, *_ in table}
+        buffers = {}
+        for g in self.gpts:  # persistent buffers (FP8 scaling), replicated over the stage's ranks
+            for key, b in g.state_dict(keep_vars=True).items():
+                if isinstance(b, torch.Tensor) and b not in params and not isinstance(b, nn.Parameter):
+                    buffers[key.replace(".fp8_gemm.", ".")] = whole(b.detach(), None)
+        if buffers:
+            state["buffers"] = buffers
         if optimizer is not None:
             inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer: this rank's share
             if for_load:
-                init_optimizer_state(optimizer, [p for _, p, *_ in table])
+                init_optimizer_state(optimizer, self.optimizer_params([p for _, p, *_ in table]))
             opt_state = {}
             for p, s in inner.state.items():
                 if p not in names:
                     continue
                 key, tp_dim = names[p]
-                opt_state[key] = {k: (as_global(v.detach(), tp_dim, self.tp, mesh)
+                opt_state[key] = {k: (whole(v.detach(), tp_dim)
                                       if isinstance(v, torch.Tensor) and v.shape == p.shape and v.dim() > 0 else v)
                                   for k, v in s.items()}
             state["optim"] = {"state": opt_state, "param_groups": group_hparams(optimizer)}

@@ -130,4 +130,4 @@ class StepGraph:
             gc.enable()
         t.after_capture()
         self.log(f"step {number}: captured the training step in a CUDA graph "
-                 f"({t.microbatches if t.parallel else t.accum} micro-batch(es))")
+                 f"({t.microbatches} micro-batch(es))")

@@ -189,7 +189,7 @@ class Loop:
         parallel.init_timeout_s."""
         t = self.trainer
         c, p = t.config, t.config.parallel
-        if not t.parallel or p.step_timeout_s is None:
+        if t.env.world == 1 or p.step_timeout_s is None:
             return None
         from megakern.parallel import StepWatchdog
 

@@ -28,21 +28,24 @@ def param_groups(named_parameters, config, *, tied: bool) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def optimizer_impl(config, device: torch.device, precision: str, parallel: bool) -> str:
-    """optim.fused resolved: 'auto' takes megakern's master-weight AdamW for bf16 weights with fp32 masters on one
-    CUDA device (Triton), torch's fused kernel elsewhere on CUDA, foreach on other devices. 'megakern' where it
-    cannot run is a ConfigError."""
+def optimizer_impl(config, device: torch.device, precision: str, sharded: bool) -> str:
+    """optim.fused resolved: 'auto' takes megakern's master-weight AdamW for bf16 weights with fp32 masters on CUDA
+    (Triton) where the masters are whole on each rank (not ``sharded`` by FSDP2 or ZeRO-1), torch's fused kernel
+    elsewhere on CUDA, foreach on other devices. 'megakern' where it cannot run is a ConfigError."""
     from megakern import _backend
 
     impl = config.fused
     if impl == "auto":
-        megakern_ok = (device.type == "cuda" and precision == "bf16" and not parallel
+        megakern_ok = (device.type == "cuda" and precision == "bf16" and not sharded
                        and not _backend.triton_problem(device))
         return "megakern" if megakern_ok else "fused" if device.type == "cuda" else "foreach"
     if impl == "megakern":
         if precision != "bf16":
             raise ConfigError(f"optim.fused=megakern updates fp32 master weights and writes the bf16 weights: it "
                               f"needs train.precision=bf16 (this run is {precision})")
+        if sharded:
+            raise ConfigError("optim.fused=megakern updates whole fp32 masters; under FSDP2 or ZeRO-1 the optimizer "
+                              "steps on shards: use optim.fused=auto or fused")
         problem = _backend.triton_problem(device)
         if problem:
             raise ConfigError(f"optim.fused=megakern runs a Triton kernel, which cannot run here: {problem}")

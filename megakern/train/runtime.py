@@ -1,6 +1,6 @@
 """A run's place: the device (``resolve_device``), the precision (``resolve_precision``), the FP8 recipe, and the
-process's place among the ranks (``setup_distributed`` -> Dist: one process needs no process group; several ranks
-get megakern.parallel's mesh)."""
+process's place among the ranks (``setup_distributed`` -> Dist and megakern.parallel's mesh: one process gets a
+local mesh of ones, without a process group)."""
 from __future__ import annotations
 
 import os
@@ -41,13 +41,12 @@ def fp8_recipe(name: str):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Distributed: world size 1 needs nothing; more ranks go through megakern.parallel.
+# Distributed: every run has megakern.parallel's mesh; one process's is local (no process group).
 
-@dataclass
 @dataclass
 class Dist:
     """This process's place: global rank and world size, the data-parallel rank and size the sampler uses, and
-    megakern.parallel's mesh (None for a single process)."""
+    megakern.parallel's mesh (a local mesh of ones for a single process)."""
 
     rank: int = 0
     world: int = 1
@@ -61,13 +60,15 @@ class Dist:
 
 
 def setup_distributed(config: TrainConfig, device: torch.device) -> Dist:
-    """One process with every parallel size 1: no process group. Otherwise (torchrun, or sizes > 1)
-    megakern.parallel's ParallelDims builds the groups, with the rendezvous timeout and a check that every rank
-    runs the same config."""
+    """megakern.parallel's mesh of the run: one process with every parallel size 1 gets a local mesh (no process
+    group); otherwise (torchrun) ParallelDims builds the groups, with the rendezvous timeout and a check that every
+    rank runs the same config."""
     p = config.parallel
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1 and max(p.tp, p.pp, p.cp) == 1 and p.dp in (-1, 1) and not dist.is_initialized():
-        return Dist()
+        from megakern.parallel import ParallelDims
+
+        return Dist(mesh=ParallelDims(world_size=1).build(device.type))
     if world == 1 and not dist.is_initialized():
         raise ConfigError(f"parallel sizes tp={p.tp} pp={p.pp} dp={p.dp} cp={p.cp} need several ranks; launch with "
                           f"torchrun --nproc-per-node N -m megakern.train ...")

@@ -9,8 +9,7 @@ from collections.abc import Mapping
 import warnings
 from pathlib import Path
 
-from megakern.checkpoint import (CheckpointError, CheckpointManager, checkpoint_keys, init_optimizer_state,
-                                 load_optimizer_state_dict, optimizer_state_dict)
+from megakern.checkpoint import CheckpointError, CheckpointManager, checkpoint_keys
 from megakern.config import to_dict
 from megakern.data import DataError
 from megakern.train.schedule import LRSchedule
@@ -61,23 +60,12 @@ def restore_dropout_rng(tracker, saved: Mapping | None, layout: Mapping, log) ->
 
 def tensor_tree(trainer, saved_keys: set[str] | None = None) -> dict:
     """The DCP tree: {"model": {name: parameter}, "optim": {...}, "master": {name: fp32 master} (bf16 runs),
-    "buffers": {...} (FP8 scaling state)}, in the single model's names (and, in parallel runs, full shapes as
-    DTensors), so checkpoints move between layouts. For a load (``saved_keys``: the checkpoint's keys), the weights
+    "buffers": {...} (FP8 scaling state)}, in the single model's names (and, over several ranks, full shapes as
+    DTensors: ParallelModel.checkpoint_state), so checkpoints move between layouts. For a load (``saved_keys``: the checkpoint's keys), the weights
     this run trains (masters, or the parameters) load from the checkpoint's masters when it has them, else from its
     model."""
     s, loading = trainer.stepper, saved_keys is not None
-    if s.parallel:
-        tree = s.pmodel.checkpoint_state(s.optimizer, for_load=loading)
-    else:
-        if loading:
-            init_optimizer_state(s.optimizer)
-        params = {name: p.detach() for p, name in s.names.items()}
-        tree = {"model": params, "optim": optimizer_state_dict(s.optimizer, s.opt_names)}
-        if s.masters is not None:
-            tree["master"] = {s.names[p]: m.detach() for p, m in s.masters.items()}
-        buffers = {k: v for k, v in s.model.state_dict().items() if k not in params}
-        if buffers:
-            tree["buffers"] = buffers
+    tree = s.pmodel.checkpoint_state(s.optimizer, for_load=loading)
     if not loading:
         return tree
     trained = tree.pop("master") if "master" in tree else tree["model"]
@@ -111,7 +99,7 @@ def save(trainer, asynchronous: bool):
     s = trainer.stepper
     # a parallel rank's dropout RNG tracker goes with its RNG states (restored by resume under the same layout)
     rank_state = ({"dropout_rng": {"layout": rng_layout(trainer), "tracker": s.pmodel.rng.state_dict()}}
-                  if s.parallel else None)
+                  if trainer.env.world > 1 else None)
     return trainer.manager.save(trainer.step, tensor_tree(trainer), state=run_state(trainer),
                                 files={"config.yaml": trainer.config_yaml}, rank_state=rank_state,
                                 asynchronous=asynchronous)
@@ -134,9 +122,7 @@ def resume(trainer) -> None:
     check_compatible(trainer.config, path)
     tree = tensor_tree(trainer, saved_keys=checkpoint_keys(path))
     state = trainer.manager.load(path, tree, verify=c.verify)
-    if not s.parallel:
-        load_optimizer_state_dict(s.optimizer, s.opt_names, tree["optim"])
-    else:  # the dropout masks continue where the checkpoint's run stopped (same layout), else restart from the seed
+    if trainer.env.world > 1:  # the dropout masks continue where the run stopped (same layout), else from the seed
         rank_state = state["rank_state"] or {}
         saved = rank_state.get("dropout_rng") if isinstance(rank_state, Mapping) else rank_state
         restore_dropout_rng(s.pmodel.rng, saved, rng_layout(trainer),

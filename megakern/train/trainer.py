@@ -43,11 +43,8 @@ class Trainer:
         t0 = time.perf_counter_ns()
         self.device = resolve_device(t.device, int(os.environ.get("LOCAL_RANK", "0")))
         self.env = setup_distributed(c, self.device)
-        self.parallel = self.env.mesh is not None
         self.precision = resolve_precision(t.precision, self.device)
-        if self.parallel:
-            self.precision = self._parallel_precision()
-            check_parallel_options(c, self.precision, self.env.world)
+        check_parallel_options(c, self.precision, self.env.world)
         self.signals = signals if signals is not None else StopSignals()
         self.vote = self.graph = self.manager = None
 
@@ -74,12 +71,6 @@ class Trainer:
             self.close(failed=True)
             raise
 
-    def _parallel_precision(self) -> str:
-        """train.precision=auto over several ranks: bf16 autocast where one process would take bf16 weights."""
-        if self.config.train.precision == "auto" and self.precision == "bf16":
-            return "bf16-autocast"
-        return self.precision
-
     def _setup(self, t0: int) -> None:
         """Everything after the run directory and the logger (the rest of the constructor)."""
         c, t = self.config, self.config.train
@@ -90,7 +81,7 @@ class Trainer:
             (self.run_dir / "config.yaml").write_text(self.config_yaml)
             self.log("resolved config:\n" + self.config_yaml.rstrip())
             layout = (f"{self.env.world} ranks (tp {c.parallel.tp}, pp {c.parallel.pp}, cp {c.parallel.cp}, dp "
-                      f"{self.env.dp_size})" if self.parallel else "1 process")
+                      f"{self.env.dp_size})" if self.env.world > 1 else "1 process")
             self.log(f"run directory {self.run_dir} (checkpoints in {self.ckpt_dir}); device {self.device}, "
                      f"precision {self.precision}, {layout}")
         # every rank votes after each step on stopping (a signal on any rank, data changed on any rank)
@@ -106,11 +97,11 @@ class Trainer:
                               f"{t.micro_batch_size} x data-parallel size {self.env.dp_size} = {micro_total}")
         self.accum = self.global_batch // micro_total
         self.eval_mbs = c.eval.micro_batch_size or t.micro_batch_size
-        # megakern.parallel takes a rank's whole step batch and cuts it into its micro-batches itself
-        self.microbatches = (c.parallel.microbatches or self.accum) if self.parallel else 1
-        self.draw = t.micro_batch_size * self.accum if self.parallel else t.micro_batch_size
+        # a rank draws its whole step batch; megakern.parallel cuts it into micro-batches itself
+        self.microbatches = c.parallel.microbatches or self.accum
+        self.draw = t.micro_batch_size * self.accum
         self.eval_draw = self.eval_mbs * self.microbatches
-        if self.parallel and self.draw % self.microbatches:
+        if self.draw % self.microbatches:
             raise ConfigError(f"parallel.microbatches {self.microbatches} does not divide a rank's step batch of "
                               f"{self.draw} sequences (train.global_batch_size / data-parallel size)")
         self.tokens_per_step = self.global_batch * self.seq_length
@@ -145,7 +136,7 @@ class Trainer:
         if t.cuda_graph:
             check_graph(c, self.stepper)
             self.graph = StepGraph(self.stepper, t.cuda_graph_warmup, log=self.log,
-                                   replay_timeout=c.parallel.init_timeout_s if self.parallel else None)
+                                   replay_timeout=c.parallel.init_timeout_s if self.env.world > 1 else None)
         self.log(f"model: {self.stepper.n_params / 1e6:.2f}M parameters ({self.stepper.n_body / 1e6:.2f}M without "
                  f"embeddings), {self.flops_per_token / 1e6:.1f} MFLOP per token; global batch {self.global_batch} x "
                  f"{self.seq_length} tokens = {self.accum} accumulation step(s) of {t.micro_batch_size} x "
@@ -209,8 +200,6 @@ class Trainer:
             for _ in range(count):
                 total += self.stepper.eval_loss(to_batch(next(draws), self.device, self.eod_id))
             total /= count
-            if self.env.dp_size > 1 and not self.parallel:
-                dist.all_reduce(total, op=dist.ReduceOp.AVG)
             return total.cpu()
         finally:
             self.stepper.set_training(was_training)
@@ -220,7 +209,7 @@ class Trainer:
         t = self.config.train
         if t.sample_tokens == 0:
             return None
-        if self.parallel:
+        if self.env.world > 1:
             p = self.config.parallel
             if max(p.tp, p.pp, p.cp) > 1 or p.dp_shard != "ddp":
                 self.log("sample: skipped, the model is sharded over ranks (tp/pp/cp or FSDP)")
@@ -236,7 +225,7 @@ class Trainer:
             return None
         idx = torch.tensor([prompt], dtype=torch.long, device=self.device)
         gen = torch.Generator(device=self.device).manual_seed(t.seed)
-        with self.stepper.autocast:
+        with self.stepper.autocast, torch.compiler.set_stance("force_eager"):  # compiled blocks run eagerly here
             out = generate(self.model, idx, length, temperature=t.sample_temperature, top_k=t.sample_top_k,
                            generator=gen, eos_id=tok.eod_id)
         return tok.decode(out[0, len(prompt):].tolist())
@@ -283,20 +272,20 @@ class Trainer:
 
 
 def check_parallel_options(config: TrainConfig, precision: str, world: int) -> None:
-    """ConfigError naming what the single-process trainer supports and a run over ``world`` ranks does not (yet).
-    Changes nothing."""
-    c, problems = config, []
-    if precision == "bf16":
-        problems.append("train.precision=bf16 (fp32 master weights) is single-process only; use bf16-autocast")
-    if c.train.fp8 != "none":
-        problems.append("train.fp8 is single-process only")
-    if c.train.compile:
-        problems.append("train.compile is single-process only")
-    problems += parallel_graph_problems(c, world)
-    if c.data.packed_documents:
-        problems.append("data.packed_documents is single-process only")
-    if c.parallel.fsdp_param_dtype == "bfloat16" and precision != "bf16-autocast":
-        problems.append(f"parallel.fsdp_param_dtype=bfloat16 computes under bf16 autocast; train.precision is "
-                        f"{precision} (use bf16-autocast, or fsdp_param_dtype auto / float32)")
+    """ConfigError naming what cannot work in this run's layout over ``world`` ranks, and why. Changes nothing."""
+    c, p, problems = config, config.parallel, []
+    if world > 1:
+        problems += parallel_graph_problems(c, world)
+    if c.data.packed_documents and (p.pp > 1 or p.cp > 1):
+        problems.append(f"data.packed_documents with parallel.pp={p.pp}, parallel.cp={p.cp}: the pipeline stages and "
+                        "the ring attention take (B, T) batches, not packed documents; use pp=1 and cp=1")
+    if c.train.fp8 != "none" and p.pp > 1:
+        problems.append(f"train.fp8 with parallel.pp={p.pp}: torch.distributed.pipelining infers the stages' shapes "
+                        "with a forward on uninitialized buffers, whose amaxes would enter FP8's scaling histories; "
+                        "use pp=1 (tensor, context or data parallelism)")
+    if p.fsdp_param_dtype == "bfloat16" and precision == "fp32":
+        problems.append("parallel.fsdp_param_dtype=bfloat16 computes the blocks in bf16, which an fp32 run's "
+                        "residual stream cannot enter; use train.precision=bf16 or bf16-autocast")
     if problems:
-        raise ConfigError(f"a run over {world} ranks: " + "; ".join(problems))
+        where = f"a run over {world} ranks" if world > 1 else "this run"
+        raise ConfigError(f"{where}: " + "; ".join(problems))

@@ -39,6 +39,7 @@ ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHME
        "OMP_NUM_THREADS": "1"}
 
 GRAPH = ["train.cuda_graph=true", "train.cuda_graph_warmup=2"]
+BF16 = ["train.precision=bf16"]  # bf16 weights with fp32 master weights
 # DDP's reducer reads timings on the host in its first 10 iterations: 11 eager steps, then 4 replays
 LONG_STEPS = 15
 DDP_GRAPH = ["train.cuda_graph=true", "train.cuda_graph_warmup=11", f"train.steps={LONG_STEPS}"]
@@ -68,9 +69,29 @@ LAYOUTS = [
     ("dp2-ddp-graph", 2, ["parallel.dp=2", "parallel.dp_shard=ddp", *DDP_GRAPH]),
     ("cp2-ddp-graph", 2, ["parallel.cp=2", "parallel.dp_shard=ddp", *DDP_GRAPH]),
     ("tp2-dp2-ddp-graph", 4, ["parallel.tp=2", "parallel.dp=2", "parallel.dp_shard=ddp", *DDP_GRAPH]),
+    # the training features, each against one GPU with the same features (FEATURE_KEYS)
+    ("tp2-bf16", 2, ["parallel.tp=2", *BF16]),
+    ("dp2-ddp-bf16", 2, ["parallel.dp=2", "parallel.dp_shard=ddp", *BF16]),
+    ("dp2-fsdp-bf16", 2, ["parallel.dp=2", "parallel.dp_shard=fsdp", *BF16]),
+    ("pp2-bf16", 2, ["parallel.pp=2", *BF16]),
+    ("cp2-bf16", 2, ["parallel.cp=2", *BF16]),
+    ("dp4-zero1-bf16", 4, ["parallel.dp=4", "parallel.dp_shard=ddp", "parallel.zero1=true", *BF16]),
+    ("tp2-fp8", 2, ["parallel.tp=2", *BF16, "train.fp8=delayed"]),
+    ("dp2-fsdp-fp8", 2, ["parallel.dp=2", "parallel.dp_shard=fsdp", *BF16, "train.fp8=current"]),
+    ("tp2-compile", 2, ["parallel.tp=2", "train.compile=true"]),
+    ("dp2-fsdp-compile", 2, ["parallel.dp=2", "parallel.dp_shard=fsdp", "train.compile=true"]),
+    ("tp2-recompute", 2, ["parallel.tp=2", "model.recompute=full"]),
+    ("tp2-dp2-bf16-graph", 4, ["parallel.tp=2", "parallel.dp=2", "parallel.dp_shard=ddp", *BF16, *DDP_GRAPH]),
 ]
-# fp32 everywhere; the layouts sum in other orders (sharded matmuls, ring-attention merges, reductions over ranks)
-ABS_TOL = 2e-3
+# fp32: the layouts sum in other orders (sharded matmuls, ring-attention merges, reductions over ranks); bf16 and
+# FP8 round those partial sums too
+ABS_TOL, LOW_PRECISION_TOL = 2e-3, 3e-2
+# the overrides that make a feature run: its one-GPU reference runs with the same ones
+FEATURE_KEYS = ("train.precision=", "train.fp8=", "train.compile=", "model.recompute=")
+
+
+def _features(overrides: list[str]) -> tuple[str, ...]:
+    return tuple(o for o in overrides if o.startswith(FEATURE_KEYS))
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
@@ -121,10 +142,13 @@ def runs(request, tmp_path_factory):
     selected = _selected(request.session)
     fitting = [(name, world, o) for name, world, o in LAYOUTS if world <= DEVICES and name in selected
                and not (ON_CPU and "train.cuda_graph=true" in o)]
-    references = {STEPS: reference}
-    if any(f"train.steps={LONG_STEPS}" in o for _, _, o in fitting):
-        references[LONG_STEPS], out = _run(tmp / "one-long", data_cache, 1, [f"train.steps={LONG_STEPS}"], [0])
-        assert references[LONG_STEPS] is not None, out
+    references = {(STEPS, ()): reference}
+    for _, _, o in fitting:  # one one-GPU reference per (steps, features)
+        key = (_steps(o), _features(o))
+        if key not in references:
+            references[key], out = _run(tmp / f"one-{len(references)}", data_cache, 1,
+                                        [f"train.steps={key[0]}", *key[1]], [0])
+            assert references[key] is not None, out
     free, ready = list(range(DEVICES)), threading.Condition()
 
     def job(item):
@@ -134,7 +158,7 @@ def runs(request, tmp_path_factory):
             devices = [free.pop(0) for _ in range(world)]
         try:
             losses, out = _run(tmp / name, data_cache, world, overrides, devices)
-            ref = references[_steps(overrides)]
+            ref = references[(_steps(overrides), _features(overrides))]
             diff = "failed" if losses is None else (
                 f"max |loss - one GPU's| {max(abs(losses[s] - ref.get(s, float('inf'))) for s in losses):.2e}")
             print(f"[multi-gpu] {name} on devices {devices}: {diff}", file=sys.__stdout__, flush=True)
@@ -162,7 +186,7 @@ def test_layout_matches_one_gpu(runs, name, world):
         pytest.skip(f"{name}: CUDA graphs need GPUs")
     references, done = runs
     steps = _steps(overrides)
-    reference = references[steps]
+    reference = references[(steps, _features(overrides))]
     losses, out = done[name]
     assert losses is not None, f"{name}: {out}"
     assert sorted(losses) == list(range(1, steps + 1)), out[-2000:]
@@ -170,6 +194,8 @@ def test_layout_matches_one_gpu(runs, name, world):
         warmup = int(next(o for o in overrides if o.startswith("train.cuda_graph_warmup=")).split("=")[1])
         assert f"step {warmup + 1}: captured the training step in a CUDA graph" in out, out[-2000:]
     diffs = {s: abs(losses[s] - reference[s]) for s in losses}
-    assert max(diffs.values()) <= ABS_TOL, (
+    low = any(o in overrides for o in ("train.precision=bf16", "train.precision=bf16-autocast")) or any(
+        o.startswith("train.fp8=") for o in overrides)
+    assert max(diffs.values()) <= (LOW_PRECISION_TOL if low else ABS_TOL), (
         f"{name}: losses {[round(losses[s], 5) for s in sorted(losses)]} vs one device "
         f"{[round(reference[s], 5) for s in sorted(reference)]}")

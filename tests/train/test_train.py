@@ -480,7 +480,7 @@ def test_ranks_refuse_bf16_fsdp_parameters_without_autocast(tmp_path, data_cache
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode != 0
-    assert "parallel.fsdp_param_dtype=bfloat16 computes under bf16 autocast" in proc.stdout + proc.stderr
+    assert "parallel.fsdp_param_dtype=bfloat16 computes the blocks in bf16" in proc.stdout + proc.stderr
 
 
 def test_console_script_is_declared():

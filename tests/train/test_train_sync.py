@@ -26,14 +26,14 @@ def test_nonfinite_steps_are_skipped_counted_then_halt(tmp_path, data_cache, imp
     t = trainer(tmp_path, data_cache, *TINY, "train.steps=9", "eval.every=0", "train.max_nonfinite=3",
                 "checkpoint.final=false", f"optim.fused={impl}")
     assert t.stepper.device_skip == (impl == "fused")
-    forward, calls, poisoned = t.stepper.forward, [0], {3, 4}
+    forward, calls, poisoned = t.stepper.pmodel.forward_backward, [0], {3, 4}
 
     def sometimes_nan(*args, **kwargs):
         calls[0] += 1
         loss = forward(*args, **kwargs)
         return loss * float("nan") if calls[0] in poisoned else loss
 
-    t.stepper.forward = sometimes_nan
+    t.stepper.pmodel.forward_backward = sometimes_nan
     before, original_step = {}, t.train_step
 
     def watched(batches):
@@ -52,7 +52,8 @@ def test_nonfinite_steps_are_skipped_counted_then_halt(tmp_path, data_cache, imp
 
     halting = trainer(tmp_path, data_cache, *TINY, "train.steps=12", "eval.every=0", "train.max_nonfinite=3",
                       f"optim.fused={impl}", name="halt")
-    halting.stepper.forward = lambda *a, **k: forward(*a, **k) * float("nan")
+    halting_forward = halting.stepper.pmodel.forward_backward
+    halting.stepper.pmodel.forward_backward = lambda *a, **k: halting_forward(*a, **k) * float("nan")
     with pytest.raises(TrainingHalted, match=r"3 steps in a row \(steps 1..3\) had a non-finite loss .* lower optim.lr"):
         halting.run()
     assert halting.nonfinite_total == 3 and halting.step <= 4  # stopped one step behind the device at most
