@@ -390,8 +390,10 @@ class ParallelModel:
                 last = j == m - 1
                 set_grad_sync(self.modules_chunks, last)
                 with (module.no_sync() if self.ddp and not last else contextlib.nullcontext()):
-                    s = self._loss_sum(module, x, t, pos, packed[j])
-                    (s * scale).backward()
+                    with torch.profiler.record_function("forward"):  # ranges of a profile (torch.profiler)
+                        s = self._loss_sum(module, x, t, pos, packed[j])
+                    with torch.profiler.record_function("backward"):
+                        (s * scale).backward()
                 total += s.detach().float()
         if self.masters is not None:
             self.masters.end_step()
