@@ -643,6 +643,19 @@ def pending_amaxes(model: nn.Module) -> list[torch.Tensor]:
             if isinstance(m, Linear) and isinstance(m.recipe, DelayedScaling) for role in ("x", "w", "grad")]
 
 
+@torch.no_grad()
+def discard_pending(model: nn.Module) -> None:
+    """Forget what the casts of every fp8.Linear in ``model`` recorded since the last ``update_scales`` (the pending
+    amaxes, and the weight's cached FP8 copy, so that its next cast records the weight's amax again): for a forward
+    that must not count, e.g. a pipeline's shape inference on uninitialized buffers."""
+    for m in model.modules():
+        if isinstance(m, Linear):
+            if isinstance(m.recipe, DelayedScaling):
+                for role in ("x", "w", "grad"):
+                    getattr(m, f"{role}_amax_pending").zero_()
+            m._w_cache = None
+
+
 def convert_linears(model: nn.Module, *, recipe=None, emulate: bool = False, skip=()) -> nn.Module:
     """Replace every nn.Linear of ``model`` (but those whose qualified names are in ``skip``, e.g. the output
     head) by an fp8.Linear holding the same parameters; returns the model."""

@@ -250,7 +250,11 @@ class Positions:
     def rotation(self, q: torch.Tensor, k: torch.Tensor):
         if self._rotation is None:
             cos, sin = self.rope.table(q.device)
-            rot = rotary.check_inputs(q, k, cos, sin, self.rope.dim, False, self.cu_seqlens, self.position_ids, 0)
+            if self.position_ids is not None:  # absolute positions (cu_seqlens, if any, only cuts attention)
+                pos = self.position_ids.reshape(-1) if q.dim() == 3 else self.position_ids
+                rot = rotary.check_inputs(q, k, cos, sin, self.rope.dim, False, None, pos, 0)
+            else:
+                rot = rotary.check_inputs(q, k, cos, sin, self.rope.dim, False, self.cu_seqlens, None, 0)
             self._rotation = rot, rotary.rotary_backend(q, self.rope_backend)
         return self._rotation
 
@@ -425,6 +429,9 @@ class GPT(nn.Module):
         self.rope = (megakern.RotaryEmbedding(config.rotary_dim, config.max_seqlen, config.rotary_base,
                                               scaling=config.rope_scaling, backend=config.kernels)
                      if config.position == "rotary" else None)
+        # the loss of a head whose vocabulary is split over ranks: loss(x (N, C), weight shard, targets (N,), **kw),
+        # as megakern.linear_cross_entropy's keywords (tensor parallelism sets it; None: the whole vocabulary here)
+        self.vocab_parallel_loss = None
         device = torch.get_default_device()
         if device.type != "meta":
             self.to_empty(device=device)
@@ -500,7 +507,9 @@ class GPT(nn.Module):
             # the caller's max_seqlen is taken on trust without check_values (reading cu_seqlens waits for the GPU)
             longest = (max(document_lengths("GPT", cu_seqlens, B * T)) if check_values or max_seqlen is None
                        else max_seqlen)
-            if longest > config.max_seqlen:
+            # with explicit positions (context parallel's THD layout, a pipeline's final pad document) the positions'
+            # range is what the tables see, not the local documents' lengths
+            if longest > config.max_seqlen and position_ids is None:
                 raise ValueError(f"GPT: a packed document has {longest} tokens; max_seqlen is {config.max_seqlen}")
             max_seqlen = longest if max_seqlen is None else max_seqlen
         device = idx.device
@@ -525,9 +534,9 @@ class GPT(nn.Module):
         weight = self.output_weight()
         if targets is None:
             return F.linear(y, weight)
-        return linear_cross_entropy(y.reshape(B * T, -1), weight, targets.reshape(B * T), ignore_index=IGNORE_INDEX,
-                                    reduction=reduction, chunk_size=config.ce_chunk, backend=config.kernels,
-                                    check_targets=check_values)
+        loss = self.vocab_parallel_loss or linear_cross_entropy
+        return loss(y.reshape(B * T, -1), weight, targets.reshape(B * T), ignore_index=IGNORE_INDEX,
+                    reduction=reduction, chunk_size=config.ce_chunk, backend=config.kernels, check_targets=check_values)
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0, top_k: Optional[int] = None,
                  generator: Optional[torch.Generator] = None, eos_id=None) -> torch.Tensor:
@@ -555,8 +564,8 @@ class GPT(nn.Module):
                 raise ValueError(f"GPT: targets must be a ({B}, {T}) int64 tensor like idx, got {_describe(targets)}")
             if targets.device != idx.device:
                 raise ValueError(f"GPT: targets are on {targets.device} but idx is on {idx.device}")
-        if cu_seqlens is not None and position_ids is not None:
-            raise ValueError("GPT: pass cu_seqlens or position_ids, not both (positions restart in each document)")
+        # cu_seqlens with position_ids: the positions are absolute within their documents (context parallel's
+        # shards of documents); cu_seqlens then only cuts attention into documents
         if position_ids is not None:
             # a stage without wte may receive a sequence shard (B, T / n, C) of the hidden state (sequence parallel)
             # while position_ids cover the whole local sequence its attention sees: any multiple of T there

@@ -15,7 +15,9 @@ a tied head's copy on the last pipeline stage is summed with wte's on the first.
 
 Dropout: each stage's forward runs inside the RNG tracker's region (rng.py): "replicated" (one mask on all tp
 ranks) for the residual stream, or "tensor_parallel" (a mask per tp rank) when sequence parallel shards it.
-Packed documents: ``forward_backward(idx, targets, cu_seqlens=...)`` under tensor and data parallelism.
+Packed documents: ``forward_backward(idx, targets, cu_seqlens=...)`` in every layout (no document may cross a
+micro-batch boundary); under context parallelism each micro-batch is laid out for the packed ring
+(context.cp_pack_layout), under a pipeline each micro-batch's packing travels with it (pipeline.packed_microbatches).
 """
 from __future__ import annotations
 
@@ -217,6 +219,12 @@ class ParallelModel:
         elif self.replicate:
             broadcast_params(list(self.parameters()), pm.dp_cp_group)
         self.modules_chunks = runners
+        # FP8 under a pipeline: a new schedule's first step infers the stages' shapes with a forward (and backward) on
+        # uninitialized buffers; the amaxes they record are dropped when the stage's first real forward starts
+        self._shape_inference = {}
+        if self.has_fp8 and d.pp > 1:
+            for r in runners:
+                r.register_forward_pre_hook(self._after_shape_inference)
 
         # tied embeddings across the first and last pipeline stages: one group per (dp, cp, tp) coordinate
         self.tied_group = None
@@ -264,7 +272,9 @@ class ParallelModel:
             m.zero_grad(set_to_none=set_to_none)
 
     # ---- steps -----------------------------------------------------------------------------------------------------
-    def _check_batch(self, idx, targets) -> None:
+    def _check_batch(self, idx, targets, packed: bool = False) -> None:
+        """``packed``: cu_seqlens is given; under context parallelism the documents are then padded into the THD
+        layout (any sequence length)."""
         if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"ParallelModel: idx must be a (B, T) int64 tensor, got "
                              f"{getattr(idx, 'shape', type(idx).__name__)}")
@@ -274,9 +284,10 @@ class ParallelModel:
         b, t = idx.shape
         if b % self.microbatches:
             raise ValueError(f"ParallelModel: batch {b} is not divisible into {self.microbatches} micro-batches")
-        if self.cp > 1 and t % (2 * self.cp):
+        thd = packed and self.cp > 1  # cp_pack_layout pads every document and the local sequence instead
+        if self.cp > 1 and not thd and t % (2 * self.cp):
             raise ValueError(f"ParallelModel: sequence length {t} is not divisible by 2*cp = {2 * self.cp}")
-        if self.sequence_parallel and (t // self.cp) % self.tp:
+        if self.sequence_parallel and not thd and (t // self.cp) % self.tp:
             raise ValueError(f"ParallelModel: sequence parallel needs each cp rank's {t // self.cp} tokens "
                              f"divisible by tp={self.tp}")
         if not self._checked_batch and self.mesh.dims.world_size > 1:  # once: ranks of one dp index share a batch
@@ -311,44 +322,46 @@ class ParallelModel:
         return self.rng.fork(self.dropout_region, stage)
 
     def _packed(self, cu_seqlens, max_seqlen, idx) -> list:
-        """Per micro-batch (cu_seqlens, max_seqlen) of a packed batch (None: unpacked); checks that no document
-        crosses a micro-batch boundary and re-bases each micro-batch's offsets to 0."""
+        """Per micro-batch (cu_seqlens, max_seqlen) of a packed batch ((None, None): unpacked): host-side int32
+        offsets re-based to 0 and the micro-batch's longest document. Checks that no document crosses a micro-batch
+        boundary and that none is longer than the model's max_seqlen (one host read of cu_seqlens)."""
         m = self.microbatches
         if cu_seqlens is None:
             if max_seqlen is not None:
                 raise ValueError("ParallelModel: max_seqlen is given without cu_seqlens")
             return [(None, None)] * m
-        if self.pp > 1 or self.cp > 1:
-            raise ValueError(f"ParallelModel: packed documents (cu_seqlens) run under tensor and data parallelism; "
-                             f"not with pp={self.pp}, cp={self.cp} (pipeline stages and the ring attention take "
-                             "(B, T) batches)")
         b, t = idx.shape
-        document_lengths("ParallelModel", cu_seqlens, b * t)  # 1-D int32, from 0 to B * T, non-decreasing
-        offsets = cu_seqlens.tolist()
+        lengths = document_lengths("ParallelModel", cu_seqlens, b * t)  # 1-D int32, 0 .. B * T, non-decreasing
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+        longest = max(lengths)
+        if max_seqlen is not None and max_seqlen < longest:
+            raise ValueError(f"ParallelModel: max_seqlen {max_seqlen} < the longest packed document ({longest})")
         per = b // m * t
         cuts = {j * per for j in range(m + 1)}
         if not cuts <= set(offsets):
             raise ValueError(f"ParallelModel: a packed document crosses a micro-batch boundary (offsets "
                              f"{sorted(cuts - set(offsets))} are not in cu_seqlens); pack each of the {m} "
                              "micro-batches on its own, or use microbatches=1")
+        if longest > self.config.max_seqlen:
+            raise ValueError(f"ParallelModel: a packed document has {longest} tokens; max_seqlen is "
+                             f"{self.config.max_seqlen}")
         out = []
         for j in range(m):
             local = sorted({o - j * per for o in offsets if j * per <= o <= (j + 1) * per})
-            out.append((torch.tensor(local, dtype=torch.int32, device=self.mesh.device), max_seqlen))
+            longest_j = max((e - s for s, e in zip(local, local[1:])), default=0)
+            out.append((torch.tensor(local, dtype=torch.int32), longest_j))
         return out
 
     def _loss_sum(self, module, idx, targets, pos, packed=(None, None)):
         # the model reads no device value: the targets were checked once per batch (_check_values), the position
-        # ids and packed offsets are this class's own
+        # ids and packed offsets are this class's own. Under tensor parallelism the GPT's loss is the vocab-parallel
+        # fused linear cross-entropy (tensor_parallel.py sets it): no (tokens x vocab/tp) fp32 logits
         cu_seqlens, max_seqlen = packed
         with self._dropout_rng():
-            if self.tp > 1:
-                logits = module(idx, position_ids=pos, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                                check_values=False)
-            else:
-                return module(idx, targets, position_ids=pos, reduction="sum", cu_seqlens=cu_seqlens,
-                              max_seqlen=max_seqlen, check_values=False)
-        return vocab_parallel_cross_entropy(logits, targets, self.mesh.tp_group, reduction="sum")
+            return module(idx, targets, position_ids=pos, reduction="sum", cu_seqlens=cu_seqlens,
+                          max_seqlen=max_seqlen, check_values=False)
 
     def _check_values(self, idx, targets) -> None:
         """Token ids and targets in range (targets may be ignore_index): one host read for the whole batch."""
@@ -373,25 +386,27 @@ class ParallelModel:
         """One step's forward and backward on this dp rank's batch (B, T); returns the global mean loss.
 
         ``cu_seqlens`` (ndocs + 1,) int32: packed documents, offsets into this rank's B * T flattened tokens (as
-        GPT.forward takes them; tensor and data parallelism only; no document may cross a micro-batch boundary);
-        ``max_seqlen`` their longest length (None: computed). ``check_values`` False: no host read of the token ids'
-        and targets' range (one host-device sync per batch), for callers whose data pipeline checked them."""
+        GPT.forward takes them; under every layout; no document may cross a micro-batch boundary; under context
+        parallelism each micro-batch is laid out in the THD layout, ``context.cp_pack_layout``); ``max_seqlen``
+        their longest length (None: computed; the offsets are read on the host once per batch either way).
+        ``check_values`` False: no host read of the token ids' and targets' range (one host-device sync per batch),
+        for callers whose data pipeline checked them."""
         idx_l, tgt_l, pos, packed, n_global = self._prepare(idx, targets, cu_seqlens, max_seqlen, check_values)
         scale = self.dp * self.cp / n_global.clamp(min=1.0)
         if self.masters is not None:
             self.masters.begin_step()
         if self.pp > 1:
-            total = self._pipeline(idx_l, tgt_l, pos, scale, train=True)
+            total = self._pipeline(idx_l, tgt_l, pos, scale, train=True, packed=packed)
         else:
             module = self.modules_chunks[0]
             total = torch.zeros((), dtype=torch.float32, device=self.mesh.device)
             m = self.microbatches
-            for j, (x, t) in enumerate(zip(idx_l.chunk(m), tgt_l.chunk(m))):
+            for j, (x, t) in enumerate(zip(idx_l, tgt_l)):  # the micro-batches (_prepare)
                 last = j == m - 1
                 set_grad_sync(self.modules_chunks, last)
                 with (module.no_sync() if self.ddp and not last else contextlib.nullcontext()):
                     with torch.profiler.record_function("forward"):  # ranges of a profile (torch.profiler)
-                        s = self._loss_sum(module, x, t, pos, packed[j])
+                        s = self._loss_sum(module, x, t, pos[j], packed[j])
                     with torch.profiler.record_function("backward"):
                         (s * scale).backward()
                 total += s.detach().float()
@@ -407,23 +422,57 @@ class ParallelModel:
         ``check_values`` as in forward_backward."""
         idx_l, tgt_l, pos, packed, n_global = self._prepare(idx, targets, cu_seqlens, max_seqlen, check_values)
         if self.pp > 1:
-            total = self._pipeline(idx_l, tgt_l, pos, None, train=False)
+            total = self._pipeline(idx_l, tgt_l, pos, None, train=False, packed=packed)
         else:
-            total = sum(self._loss_sum(self.modules_chunks[0], x, t, pos, p).float()
-                        for x, t, p in zip(idx_l.chunk(self.microbatches), tgt_l.chunk(self.microbatches), packed))
+            total = sum(self._loss_sum(self.modules_chunks[0], x, t, p, k).float()
+                        for x, t, p, k in zip(idx_l, tgt_l, pos, packed))
         return self._reduce_loss(total, n_global)
 
     def _prepare(self, idx, targets, cu_seqlens, max_seqlen, check_values: bool):
-        """A batch checked and laid out for this rank: (ids, targets) of its sequence shard on the device, position
-        ids (context parallel), per-micro-batch packing, and the global count of targets that are not ignored."""
-        self._check_batch(idx, targets)
+        """A batch checked and laid out for this rank: (ids, targets, position ids (context parallel), packing per
+        micro-batch ((cu_seqlens, max_seqlen), or (None, None)), the global count of targets that are not ignored).
+
+        Under pipeline parallelism ids, targets and position ids are whole tensors the schedule splits into
+        micro-batches, and the packing's offsets stay on the host (``packed_microbatches`` reads them); otherwise
+        they are lists, one entry per micro-batch, the packing on the device. Packed documents under context
+        parallelism: each micro-batch in the THD layout (``cp_pack_layout``), (1, L_j) ids, targets (pads ignored)
+        and positions within the documents; under a pipeline every micro-batch padded to one length L, a multiple
+        of 64 * lcm(2, tp under sequence parallel), so that few shapes (schedules) occur."""
+        self._check_batch(idx, targets, packed=cu_seqlens is not None)
         if check_values:
             self._check_values(idx, targets)
-        packed = self._packed(cu_seqlens, max_seqlen, idx)
-        idx, targets = idx.to(self.mesh.device), targets.to(self.mesh.device)
-        n_global = self._global_tokens(targets)
-        pos = self._positions(idx.shape[1])
-        return self._local_sequence(idx), self._local_sequence(targets), pos, packed, n_global
+        packed = self._packed(cu_seqlens, max_seqlen, idx)  # host-side offsets
+        device, m = self.mesh.device, self.microbatches
+        idx, targets = idx.to(device), targets.to(device)
+        n_global = self._global_tokens(targets)  # the whole batch's (pads of the THD layout are ignored)
+        if cu_seqlens is None or self.cp == 1:
+            pos = self._positions(idx.shape[1])
+            idx, targets = self._local_sequence(idx), self._local_sequence(targets)
+            if self.pp > 1:
+                return idx, targets, pos, packed, n_global
+            packed = [(cu if cu is None else cu.to(device, non_blocking=True), n) for cu, n in packed]
+            return list(idx.chunk(m)), list(targets.chunk(m)), [pos] * m, packed, n_global
+        from megakern.parallel.context import cp_pack_layout
+
+        mult = self.tp if self.sequence_parallel else 1  # the local tokens split over tp
+        tokens = idx.numel() // m
+
+        def layouts(length=None):
+            return [cp_pack_layout(cu, tokens, self.cp, self.mesh.cp_rank, multiple=mult, length=length)
+                    for cu, _ in packed]
+
+        lays = layouts()
+        if self.pp > 1:  # equal micro-batch shapes, bucketed
+            step = math.lcm(2, mult) * 64
+            lays = layouts(-(-max(lay.length for lay in lays) // step) * step)
+        host = [(lay.cu_seqlens, lay.max_seqlen) for lay in lays]
+        lays = [lay.to(device) for lay in lays]
+        xs = [lay.shard(x).view(1, -1) for lay, x in zip(lays, idx.chunk(m))]
+        ts = [lay.shard_targets(t).view(1, -1) for lay, t in zip(lays, targets.chunk(m))]
+        pos = [lay.position_ids.view(1, -1) for lay in lays]
+        if self.pp > 1:
+            return torch.cat(xs), torch.cat(ts), torch.cat(pos), host, n_global
+        return xs, ts, pos, [(lay.cu_seqlens, lay.max_seqlen) for lay in lays], n_global
 
     def _reduce_loss(self, total, n_global):
         total = total.detach().clone()
@@ -433,12 +482,24 @@ class ParallelModel:
             dist.broadcast(total, src=dist.get_global_rank(self.mesh.pp_group, self.pp - 1), group=self.mesh.pp_group)
         return total / n_global
 
-    def _pipeline(self, idx, targets, pos, scale, train: bool):
-        key = (tuple(idx.shape), train)
+    def _pipeline(self, idx, targets, pos, scale, train: bool, packed=None):
+        """``packed``: per micro-batch (host-side cu_seqlens, max_seqlen) or (None, None) (_prepare); packed
+        micro-batches travel as the schedule's keyword arguments (every pp rank passes them), under context
+        parallelism with their position ids (``pos`` (m, L))."""
+        kwargs = {}
+        if packed is not None and packed[0][0] is not None:
+            from megakern.parallel.pipeline import packed_microbatches
+
+            kwargs = packed_microbatches([cu for cu, _ in packed], position_ids=pos if self.cp > 1 else None,
+                                         max_seqlen=max(n for _, n in packed), device=self.mesh.device)
+            pos = None  # the chunks' attribute: the positions (if any) are the micro-batches' kwargs
+        key = (tuple(idx.shape), train, bool(kwargs))
         if key not in self._schedules:  # one per batch shape and mode: stages size their buffers on first use
             self._schedules[key] = build_schedule(
                 self.options.pp_schedule, self.modules_chunks, self.stage_indices, self.num_stages, self.mesh.device,
                 self.mesh.pp_group, self.microbatches, lambda logits, t: self._loss_fn(logits, t))
+            if self.has_fp8:  # its first step starts with the shape inference's forward on each stage
+                self._shape_inference = {id(r): "inference" for r in self.modules_chunks}
         # the schedule also calls the loss on its first (shape-inference) pass: count only the returned losses
         self._loss_fn = (lambda logits, t: self._ce_sum(logits, t) * scale) if train else self._ce_sum
         for chunk in self.modules_chunks:
@@ -451,9 +512,9 @@ class ParallelModel:
         target = targets.contiguous() if self.has_last else None
         losses = [] if self.has_last else None
         if train:
-            schedule.step(*args, target=target, losses=losses)
+            schedule.step(*args, target=target, losses=losses, **kwargs)
         else:
-            schedule.eval(*args, target=target, losses=losses)
+            schedule.eval(*args, target=target, losses=losses, **kwargs)
         if not losses:
             return torch.zeros((), dtype=torch.float32, device=self.mesh.device)
         total = torch.stack([l.detach().float() for l in losses]).sum()
@@ -533,6 +594,20 @@ class ParallelModel:
         if self.options.zero1 and self.dp * self.cp > 1:
             return zero1_optimizer(params, optimizer_class, self.mesh.dp_cp_group, **kwargs)
         return optimizer_class(params, **kwargs)
+
+    @torch.no_grad()
+    def _after_shape_inference(self, module, args) -> None:
+        """A pipeline stage's forward pre-hook (FP8 only): the forward after a new schedule's shape inference drops
+        the amaxes the inference recorded on uninitialized buffers (forward and backward) from the stage's FP8
+        layers."""
+        state = self._shape_inference.get(id(module))
+        if state == "inference":
+            self._shape_inference[id(module)] = "real"
+        elif state == "real":
+            del self._shape_inference[id(module)]
+            from megakern import fp8 as fp8_ops
+
+            fp8_ops.discard_pending(module)
 
     @torch.no_grad()
     def update_fp8_scales(self) -> torch.Tensor:

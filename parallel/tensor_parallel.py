@@ -13,18 +13,22 @@ Per block (tp ranks, group g):
 Embedding and head: wte -> VocabParallelEmbedding (under SP its reduce-scatter lands the embeddings on the
 sequence shards; a learned position table's output is split to the same shard by a forward hook); norm_f's output
 enters the region by a forward hook (copy / gather) and the head (lm_head, or the tied wte) gives this rank's
-vocabulary columns of the logits; the loss is ``vocab_parallel_cross_entropy``.
+vocabulary columns of the logits. The loss is the GPT's own (its ``vocab_parallel_loss``, set here):
+``vocab_parallel_linear_cross_entropy``, chunked over the tokens, never this rank's (tokens x vocab/tp) logits in
+fp32; a pipeline's last stage returns its logits instead and the schedule's loss is ``vocab_parallel_cross_entropy``.
 
 Under sequence parallel the norms (and RowParallel biases) see only this rank's tokens: their gradients are
 partial sums over the tp group, listed in the returned ``TPInfo.sp_partial`` and all-reduced after backward.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from megakern.parallel.cross_entropy import vocab_parallel_linear_cross_entropy
 from megakern.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from megakern.parallel.mappings import copy_to_tp, gather_from_sp, group_size, scatter_to_sp
 
@@ -121,4 +125,5 @@ def apply_tensor_parallel(gpt: nn.Module, group, sequence_parallel: bool, gemm_r
         elif getattr(gpt, "wte", None) is None:
             raise ValueError("tensor parallel: a stage with norm_f but neither lm_head nor wte has no output "
                              "projection")
+        gpt.vocab_parallel_loss = functools.partial(vocab_parallel_linear_cross_entropy, group=group)
     return info

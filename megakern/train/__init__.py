@@ -6,14 +6,16 @@
     megakern-train --help-config                               # every config key, its type, default and doc
 
 Flow: config (megakern.config) -> data (megakern.data: the default corpus or PREFIX.bin/.idx files, split by
-documents into train / held-out, GPTDataset or BlendedDataset, PretrainingSampler) -> model (GPT on the meta device,
-materialized and initialized once) -> precision (fp32 | bf16 autocast | bf16 weights with fp32 master weights) ->
-optional FP8 linears and torch.compile -> megakern.parallel.parallelize where ranks > 1 -> AdamW + LR schedule ->
+documents into train / held-out, GPTDataset or BlendedDataset, PretrainingSampler) -> model (GPT on the meta device)
+-> megakern.parallel.parallelize over the run's mesh (one process: a local mesh of ones), which materializes and
+initializes it once and gives it its precision (fp32 | bf16 autocast | bf16 weights with fp32 master weights),
+optional FP8 linears and torch.compile of the blocks -> AdamW + LR schedule ->
 resume from a checkpoint -> the loop -> final eval, checkpoint and a text sample.
 
 One optimizer step, with A = global_batch / (micro_batch x data-parallel size) accumulation steps:
 
-    for each of A micro-batches:   data -> forward (loss, mean over its tokens) -> backward of loss / A
+    for each of A micro-batches:   forward (loss summed over its tokens) -> backward of loss / N (N: the global
+                                   batch's tokens; bf16 weights: gradients accumulated in fp32 masters)
     grad norm (clipped to train.grad_clip) -> found_inf = loss or norm not finite (on the device)
     finite: AdamW step at the schedule's lr;  not finite: the step is skipped and counted, and
     train.max_nonfinite skipped steps in a row stop the run with an error saying what to change
@@ -28,9 +30,9 @@ the update on the host. Because nothing is read, the whole step can be captured 
 (``train.cuda_graph``: graph.StepGraph), which takes the host's launch cost out of the step; over several ranks too
 (tensor, context and DDP data parallelism), with their NCCL collectives in the graph.
 
-Over several ranks (torchrun) the model is megakern.parallel's ParallelModel: a rank draws its whole step batch
-(A micro-batches) and ``forward_backward`` cuts it into parallel.microbatches (pipeline micro-batches or
-accumulation), returning the global mean loss; clipping spans every group. Checkpoints hold the single model's names
+In every run the model is megakern.parallel's ParallelModel (one process and several ranks alike): a rank draws its
+whole step batch (A micro-batches) and ``forward_backward`` cuts it into parallel.microbatches (pipeline
+micro-batches or accumulation), returning the global mean loss; clipping spans every group. Checkpoints hold the single model's names
 and shapes, so a run may resume under another layout (or in one process). Each rank's dropout RNG tracker
 (megakern.parallel.rng) is saved with its RNG states and restored under the same layout, so a resumed run draws
 the uninterrupted run's masks; under another layout it starts from the seed again (one log line says so).

@@ -156,7 +156,7 @@ class TrainStep:
         micro-batches) and the clipping: [mean loss, norm (, FP8's non-finite flag)] on the device."""
         clip, batch = self.config.train.grad_clip, batches[0]
         with self.range("forward_backward"), self.autocast:
-            loss = self.pmodel.forward_backward(batch.inputs, batch.targets, **batch.model_kwargs(),
+            loss = self.pmodel.forward_backward(batch.inputs, batch.targets, **batch.parallel_kwargs(),
                                                 check_values=False)
         with self.range("optimizer"):
             norm = self.pmodel.grad_norm()
@@ -251,5 +251,5 @@ class TrainStep:
     def eval_loss(self, batch: Batch) -> torch.Tensor:
         """The mean loss of one held-out batch (over the ranks' shards), no gradients."""
         with self.autocast:
-            return self.pmodel.eval_loss(batch.inputs, batch.targets, **batch.model_kwargs(),
+            return self.pmodel.eval_loss(batch.inputs, batch.targets, **batch.parallel_kwargs(),
                                          check_values=False).float()

@@ -276,13 +276,6 @@ def check_parallel_options(config: TrainConfig, precision: str, world: int) -> N
     c, p, problems = config, config.parallel, []
     if world > 1:
         problems += parallel_graph_problems(c, world)
-    if c.data.packed_documents and (p.pp > 1 or p.cp > 1):
-        problems.append(f"data.packed_documents with parallel.pp={p.pp}, parallel.cp={p.cp}: the pipeline stages and "
-                        "the ring attention take (B, T) batches, not packed documents; use pp=1 and cp=1")
-    if c.train.fp8 != "none" and p.pp > 1:
-        problems.append(f"train.fp8 with parallel.pp={p.pp}: torch.distributed.pipelining infers the stages' shapes "
-                        "with a forward on uninitialized buffers, whose amaxes would enter FP8's scaling histories; "
-                        "use pp=1 (tensor, context or data parallelism)")
     if p.fsdp_param_dtype == "bfloat16" and precision == "fp32":
         problems.append("parallel.fsdp_param_dtype=bfloat16 computes the blocks in bf16, which an fp32 run's "
                         "residual stream cannot enter; use train.precision=bf16 or bf16-autocast")

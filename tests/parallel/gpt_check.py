@@ -177,10 +177,13 @@ def packed_offsets(regions: int, size: int, seed: int) -> torch.Tensor:
 
 
 def check_packed(layout: dict, options: dict, style: str = "gpt", steps: int = 2, global_batch: int = 4,
-                 seqlen: int = 16, max_norm: float = 0.05):
+                 seqlen: int = 16, max_norm: float = 0.05, n_layer: int = 2):
     """Like check_train, with packed documents: the global batch's cu_seqlens for the single model, each dp rank's
-    share (re-based) for the parallel one. Also the refusals of packed batches. Returns the losses."""
-    cfg = tiny_config(style)
+    share (re-based) for the parallel one; documents of any length (3..24 tokens, rows of 16) crossing rows, never a
+    micro-batch. Under context parallelism each micro-batch goes in the THD layout (documents padded to 2*cp chunks),
+    under a pipeline its packing travels with the micro-batch. Also the refusals of packed batches. Returns the
+    losses and the refusals' messages."""
+    cfg = tiny_config(style, n_layer)
     torch.manual_seed(0)
     ref = GPT(cfg)
     model = copy.deepcopy(ref)
@@ -225,19 +228,6 @@ def check_packed(layout: dict, options: dict, style: str = "gpt", steps: int = 2
     except TypeError as exc:
         errors["dtype"] = str(exc)
     return losses, errors
-
-
-def packed_refused(layout: dict, options: dict) -> str:
-    """The error of a packed batch under a layout that takes (B, T) batches only (pp or cp)."""
-    pm = ParallelDims(**layout).build("cpu", timeout=60)
-    torch.manual_seed(0)
-    pmodel = parallelize(GPT(tiny_config("llama")), pm, None, **options)
-    idx, targets = batches(1, 4 // pm.dims.dp, 16, 120)[0]
-    try:
-        pmodel.forward_backward(idx, targets, cu_seqlens=torch.tensor([0, 20, 64], dtype=torch.int32))
-    except ValueError as exc:
-        return str(exc)
-    return "no error"
 
 
 def bad_values(layout: dict) -> dict:

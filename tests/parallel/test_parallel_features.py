@@ -14,11 +14,11 @@ LAYOUTS = {
     "pp2-interleaved": (dict(pp=2), dict(pp_schedule="interleaved-1f1b", microbatches=2)),
     "cp2": (dict(cp=2), dict(dp_shard="ddp")),
 }
-# FP8 under pipeline parallelism is refused by the training program (megakern.train.trainer.check_parallel_options)
 CELLS = ([("bf16", name) for name in LAYOUTS]
-         + [("fp8", name) for name in LAYOUTS if not name.startswith("pp")]
+         + [("fp8", name) for name in LAYOUTS]
          + [(f"recompute-{kind}", name) for kind in ("full", "selective") for name in LAYOUTS]
-         + [("compile", "tp2-sp"), ("compile", "dp2-fsdp")])
+         # (ZeRO-1 differs from DDP only in its optimizer step, which is not compiled)
+         + [("compile", name) for name in ("tp2-sp", "dp2-ddp", "dp2-fsdp", "pp2-1f1b", "cp2")])
 
 
 @pytest.mark.parametrize("feature,layout", CELLS, ids=[f"{f}-{l}" for f, l in CELLS])
@@ -30,7 +30,28 @@ def test_feature_under_layout(feature, layout):
     assert all(l == losses[0] for l in losses), f"ranks returned different losses: {losses}"
 
 
-def test_feature_under_three_dimensional_layout():
-    """tp2 x dp2 (FSDP) on 4 ranks, bf16 weights with fp32 masters."""
-    losses = pool(4).run(check_feature, dict(tp=2, dp=2), dict(dp_shard="fsdp"), "bf16", style="llama")
+@pytest.mark.parametrize("feature", ["bf16", "fp8"])
+def test_feature_under_three_dimensional_layout(feature):
+    """tp2 x dp2 (FSDP) on 4 ranks."""
+    losses = pool(4).run(check_feature, dict(tp=2, dp=2), dict(dp_shard="fsdp"), feature, style="llama")
     assert all(l == losses[0] for l in losses)
+
+
+def test_tensor_parallel_loss_is_the_vocab_parallel_fused_cross_entropy():
+    """Under tensor parallelism the GPT's loss is parallel.cross_entropy's vocab-parallel linear cross-entropy (the
+    equality with one process is test_parallel_model.py's test_tensor_parallel)."""
+    assert pool(2).run(_loss_kind) == ["vocab_parallel_linear_cross_entropy"] * 2
+
+
+def _loss_kind():
+    import torch
+    from feature_check import _config
+
+    from megakern.models.gpt import GPT
+    from megakern.parallel import ParallelDims, parallelize
+
+    with torch.device("meta"):
+        model = GPT(_config("gpt", 2, ""))
+    pmodel = parallelize(model, ParallelDims(tp=2).build("cpu", timeout=60), None,
+                         generator=torch.Generator().manual_seed(0))
+    return pmodel.gpts[0].vocab_parallel_loss.func.__name__

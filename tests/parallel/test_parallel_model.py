@@ -4,8 +4,7 @@ import copy
 
 import pytest
 import torch
-from gpt_check import (check_fsdp_bf16_params, check_local_shard_step, check_packed, check_train, packed_refused,
-                       tiny_config)
+from gpt_check import check_fsdp_bf16_params, check_local_shard_step, check_packed, check_train, tiny_config
 from rankpool import pool
 
 from megakern.models.gpt import GPT
@@ -115,11 +114,25 @@ def test_packed_documents(world, layout, options, style):
             assert "crosses a micro-batch boundary" in errors["crossing"], errors
 
 
-@pytest.mark.parametrize("layout,options", [(dict(pp=2), dict(pp_schedule="gpipe")),
-                                            (dict(cp=2), dict(dp_shard="ddp"))])
-def test_packed_documents_refused_under_pipeline_and_context_parallel(layout, options):
-    for error in pool(2).run(packed_refused, layout, options):
-        assert "packed documents (cu_seqlens) run under tensor and data parallelism" in error, error
+@pytest.mark.parametrize("world,layout,options,kw", [
+    # CP: every document padded to 2*cp chunks (THD layout), ring attention over them; rotary positions within the
+    # documents; T = 18 (not a multiple of 2*cp: packing pads instead); DDP over cp, 2 micro-batches of their own L
+    (2, dict(cp=2), dict(dp_shard="ddp", microbatches=2), dict(style="llama", seqlen=18)),
+    # TP+SP x CP: the local tokens padded to a multiple of tp; learned positions; T = 15; FSDP over cp
+    (4, dict(tp=2, cp=2), dict(sequence_parallel=True), dict(style="gpt", seqlen=15)),
+    # PP: each micro-batch's packing as the schedule's kwargs; tied head across the stages
+    (2, dict(pp=2), dict(pp_schedule="1f1b", microbatches=2), dict(style="gpt")),
+    (2, dict(pp=2), dict(pp_schedule="interleaved-1f1b", microbatches=2), dict(style="llama", n_layer=4)),
+    # PP x CP: THD micro-batches of one bucketed length, positions as kwargs
+    (4, dict(pp=2, cp=2), dict(pp_schedule="1f1b", microbatches=2), dict(style="llama")),
+], ids=["cp2", "tp2-sp-cp2", "pp2-1f1b", "pp2-interleaved", "pp2-cp2"])
+def test_packed_documents_under_context_and_pipeline_parallel(world, layout, options, kw):
+    results = pool(world).run(check_packed, layout, options, **kw)
+    assert all(r[0] == results[0][0] for r in results), results
+    for _, errors in results:
+        assert "must be a 1-D torch.int32 tensor" in errors["dtype"]
+        if options.get("microbatches", 1) > 1:
+            assert "crosses a micro-batch boundary" in errors["crossing"], errors
 
 
 @pytest.mark.parametrize("layout", [{"tp": 2}, {"pp": 2}], ids=["tp2", "pp2"])
