@@ -27,10 +27,10 @@ import torch.nn.functional as F
 
 if __package__:
     from .common import (Results, Unavailable, bench, check_outputs, file_rows, load_providers, measure_matmul_tflops,
-                         parse_args, record, report_failure)
+                         parse_args, peak_gib, record, report_failure)
 else:  # python benchmarks/bench_cross_entropy.py
     from common import (Results, Unavailable, bench, check_outputs, file_rows, load_providers, measure_matmul_tflops,
-                        parse_args, record, report_failure)
+                        parse_args, peak_gib, record, report_failure)
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 IGNORED = 0.05  # fraction of targets set to ignore_index (-100), as padding would
@@ -94,18 +94,6 @@ def _outputs(fn, x, w, t):
     return (loss, *torch.autograd.grad(loss, (x, w)))
 
 
-def _peak_gib(step, device) -> float | None:
-    """GiB allocated at the peak of one ``step`` beyond what was allocated before it (CUDA), else None."""
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    step()
-    torch.cuda.synchronize(device)
-    return (torch.cuda.max_memory_allocated(device) - before) / 2**30
-
-
 def main(argv: list[str] | None = None) -> Results:
     extra = argparse.ArgumentParser(add_help=False)
     extra.add_argument("--chunks", type=lambda s: [int(c) for c in s.split(",") if c.strip()], default=[],
@@ -142,7 +130,7 @@ def main(argv: list[str] | None = None) -> Results:
                     timing = bench(step, device=device, graph=args.graph)
                     record(results, case, mode, name, timing, "TFLOP/s", flops(n, c, v) / (timing["median"] * 1e-3)
                            / 1e12)
-                    if (gib := _peak_gib(step, device)) is not None:
+                    if (gib := peak_gib(step, device)) is not None:
                         results.add(case, mode, name, "GiB", gib)
                         print(f"{case:<34} {mode:<14} {name:<16} peak {gib:.3f} GiB")
                 except Exception as e:

@@ -34,10 +34,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 if __package__:
-    from .common import (Results, check_outputs, file_rows, measure_matmul_tflops, parse_args, record,
+    from .common import (Results, check_outputs, file_rows, measure_matmul_tflops, parse_args, peak_gib, record,
                          report_failure)
 else:  # python benchmarks/bench_vocab_parallel_ce.py
-    from common import Results, check_outputs, file_rows, measure_matmul_tflops, parse_args, record, report_failure
+    from common import (Results, check_outputs, file_rows, measure_matmul_tflops, parse_args, peak_gib, record,
+                        report_failure)
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 IGNORED = 0.05  # fraction of targets set to ignore_index (-100), as padding would
@@ -84,17 +85,6 @@ def _timed(fn, device, calls: int, warmup: int) -> dict[str, float]:
     return dict(zip(("median", "p20", "p80"), figures.tolist()))
 
 
-def _peak_gib(step, device) -> float | None:
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    step()
-    torch.cuda.synchronize(device)
-    return (torch.cuda.max_memory_allocated(device) - before) / 2**30
-
-
 def _rank(rank: int, tp: int, port: int, args, chunks, queue) -> None:
     device = torch.device(f"cuda:{rank}") if args.device.type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -138,7 +128,7 @@ def _rank(rank: int, tp: int, port: int, args, chunks, queue) -> None:
                                       ref, tol, 1e-3)
                         timing = _timed(step, device, calls, warmup)
                         tflops = 6 * n * c * (v // tp) / (timing["median"] * 1e-3) / 1e12
-                        figures.append((case, mode, name, timing, tflops, _peak_gib(step, device)))
+                        figures.append((case, mode, name, timing, tflops, peak_gib(step, device)))
                     except Exception as e:  # every rank fails the same check, or the run is broken anyway
                         if rank == 0:
                             report_failure(name, case, e)

@@ -109,6 +109,18 @@ def bench(fn: Callable[[], object], *, device, warmup_ms: int = 100, rep_ms: int
     return {"median": deciles[4], "p20": deciles[1], "p80": deciles[7]}
 
 
+def peak_gib(step: Callable[[], object], device) -> float | None:
+    """GiB allocated at the peak of one ``step`` beyond what was allocated before it (CUDA), else None."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    step()
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - before) / 2**30
+
+
 def measure_copy_gbps(device) -> float:
     """Device-to-device copy throughput in GB/s, counting bytes read + written (2 GiB on CUDA)."""
     device = torch.device(device)

@@ -168,8 +168,8 @@ def _fp32_accumulating_mm(device: torch.device) -> bool:
         return False
 
 
-def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc (fp32) += a @ b, a and b in a lower precision."""
+def accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc (fp32) += a @ b, a and b possibly in a lower precision (accumulated in fp32 where the GEMM can)."""
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)
     elif _fp32_accumulating_mm(acc.device):
@@ -227,7 +227,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 if one_chunk:
                     torch.mm(logits.t(), x_c, out=grad_w)
                 else:
-                    _accumulate(grad_w, logits.t(), x_c)
+                    accumulate_mm(grad_w, logits.t(), x_c)
             if need_db:
                 grad_b += logits.sum(0, dtype=torch.float32)
             del logits  # before the next chunk's logits are allocated
@@ -266,8 +266,9 @@ class CrossEntropyFunction(torch.autograd.Function):
 
 
 # ---- public functions ----------------------------------------------------------------------------------------------
-def _autocast(x, weight, bias):
-    """Under autocast, x and weight (and a low-precision bias) in the autocast dtype, cast under autograd."""
+def autocast_inputs(x, weight, bias):
+    """Under autocast, x and weight (and a low-precision bias) in the autocast dtype, cast under autograd (what the
+    fused linear cross-entropy computes in; a caller with the same inputs takes them so too)."""
     device_type = x.device.type
     if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
@@ -291,7 +292,7 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
     target out of range then gives a NaN loss on the kernels' path, never an out-of-bounds read).
     Returns the fp32 loss.
     """
-    x, weight, bias = _autocast(x, weight, bias)
+    x, weight, bias = autocast_inputs(x, weight, bias)
     check_inputs(x, weight, targets, bias, ignore_index, reduction, label_smoothing, softcap, chunk_size,
                  check_targets)
     name = _backend.resolve("cross_entropy", x.device, backend, size=weight.shape[0])

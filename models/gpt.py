@@ -535,8 +535,11 @@ class GPT(nn.Module):
         if targets is None:
             return F.linear(y, weight)
         loss = self.vocab_parallel_loss or linear_cross_entropy
-        return loss(y.reshape(B * T, -1), weight, targets.reshape(B * T), ignore_index=IGNORE_INDEX,
-                    reduction=reduction, chunk_size=config.ce_chunk, backend=config.kernels, check_targets=check_values)
+        y = y.reshape(-1, y.shape[-1])  # (B * T, C): T the whole sequence (a stage's input may be a shard of it)
+        if y.shape[0] != targets.numel():
+            raise ValueError(f"GPT: the head sees {y.shape[0]} tokens, targets hold {targets.numel()}")
+        return loss(y, weight, targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction=reduction,
+                    chunk_size=config.ce_chunk, backend=config.kernels, check_targets=check_values)
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0, top_k: Optional[int] = None,
                  generator: Optional[torch.Generator] = None, eos_id=None) -> torch.Tensor:
@@ -559,8 +562,12 @@ class GPT(nn.Module):
         if cu_seqlens is None and T > config.max_seqlen:
             raise ValueError(f"GPT: sequence length {T} exceeds max_seqlen {config.max_seqlen}")
         if targets is not None:
-            if not isinstance(targets, torch.Tensor) or targets.shape != (B, T) or targets.dtype not in (
-                    torch.int64, torch.int32):
+            # a stage without wte may receive a sequence shard of the hidden state (sequence parallel, gathered by
+            # the final norm's hook before the head): its targets cover the whole sequence, a multiple of T
+            Tt = targets.shape[-1] if isinstance(targets, torch.Tensor) and targets.dim() == 2 else -1
+            whole = self.wte is None and Tt > 0 and Tt % T == 0
+            if (not isinstance(targets, torch.Tensor) or targets.shape != (B, Tt if whole else T)
+                    or targets.dtype not in (torch.int64, torch.int32)):
                 raise ValueError(f"GPT: targets must be a ({B}, {T}) int64 tensor like idx, got {_describe(targets)}")
             if targets.device != idx.device:
                 raise ValueError(f"GPT: targets are on {targets.device} but idx is on {idx.device}")

@@ -34,14 +34,14 @@ per-row lse, which is global after the gather, and the backward recomputes each 
 """
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 
 from megakern import op_backends
-from megakern.cross_entropy import check_inputs, default_chunk, linear_cross_entropy
+from megakern.cross_entropy import (accumulate_mm, autocast_inputs, check_inputs, default_chunk,
+                                    linear_cross_entropy)
 from megakern.parallel.mappings import all_gather, group_rank, group_size
 
 
@@ -120,30 +120,6 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, gr
 _OP = "vocab_parallel_linear_cross_entropy"
 
 
-@functools.lru_cache(maxsize=None)
-def _fp32_accumulating_mm(device: torch.device) -> bool:
-    """Whether addmm can accumulate a low-precision product into an fp32 output here (``out_dtype``, CUDA)."""
-    if device.type != "cuda":
-        return False
-    try:
-        a = torch.ones(16, 16, dtype=torch.bfloat16, device=device)
-        c = torch.ones(16, 16, dtype=torch.float32, device=device)
-        torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
-        return bool((c == 17).all())
-    except Exception:  # an older torch without out_dtype, or no such kernel for this device
-        return False
-
-
-def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc (fp32) += a @ b, a and b possibly in a lower precision."""
-    if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
-    elif _fp32_accumulating_mm(acc.device):
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    else:
-        acc.add_(a @ b)
-
-
 class _Shard:
     """What every chunk needs to know about this rank's columns: the group, the first global column, the columns
     that are real vocabulary (the rest is padding), the compute dtype of the softmax."""
@@ -183,7 +159,7 @@ def _chunk_grads(dz, x_c, weight, grad_x_c, grad_w, grad_b) -> None:
     if grad_x_c is not None:
         torch.mm(g, weight, out=grad_x_c)
     if grad_w is not None:
-        _accumulate(grad_w, g.t(), x_c)
+        accumulate_mm(grad_w, g.t(), x_c)
 
 
 class _VocabParallelLinearCE(torch.autograd.Function):
@@ -267,18 +243,6 @@ class _VocabParallelLinearCE(torch.autograd.Function):
                 None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None, None, None)
 
 
-def _autocast(x, weight, bias):
-    """Under autocast, x and weight (and a low-precision bias) in the autocast dtype, cast under autograd (as
-    ``linear_cross_entropy`` does)."""
-    device_type = x.device.type
-    if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        x, weight = x.to(dtype), weight.to(dtype)
-        if bias is not None and bias.dtype != torch.float32:
-            bias = bias.to(dtype)
-    return x, weight, bias
-
-
 def _check(x, weight, targets, bias, group, ignore_index, reduction, vocab_size, chunk_size, backend,
            check_targets) -> int:
     """TypeError / ValueError naming the argument; returns the group size."""
@@ -353,7 +317,7 @@ def vocab_parallel_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, t
     ``backend``, for "mean"/"sum" when no padding column is excluded). With several ranks the per-chunk math is
     torch ops: ``backend`` may be None, "torch" or a kernel table (which then applies to the one-rank case only).
     """
-    x, weight, bias = _autocast(x, weight, bias)
+    x, weight, bias = autocast_inputs(x, weight, bias)
     tp = _check(x, weight, targets, bias, group, ignore_index, reduction, vocab_size, chunk_size, backend,
                 check_targets)
     if tp == 1 and reduction != "none" and (vocab_size is None or vocab_size >= weight.shape[0]):

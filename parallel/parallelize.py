@@ -35,7 +35,6 @@ from megakern._checks import document_lengths
 from megakern.config import ParallelConfig
 from megakern.parallel.clip import clip_coefficient, grad_norm
 from megakern.parallel.context import RingAttention, cp_positions, cp_shard
-from megakern.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megakern.parallel.data_parallel import (DP_SHARDS, allreduce_tensors, apply_ddp, apply_fsdp,
                                              broadcast_params, set_grad_sync, zero1_optimizer)
 from megakern.parallel.dims import ParallelDims, ParallelMesh
@@ -272,7 +271,7 @@ class ParallelModel:
             m.zero_grad(set_to_none=set_to_none)
 
     # ---- steps -----------------------------------------------------------------------------------------------------
-    def _check_batch(self, idx, targets, packed: bool = False) -> None:
+    def _check_batch(self, idx, targets, packed: bool = False, microbatches: int | None = None) -> None:
         """``packed``: cu_seqlens is given; under context parallelism the documents are then padded into the THD
         layout (any sequence length)."""
         if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
@@ -282,8 +281,9 @@ class ParallelModel:
             raise ValueError(f"ParallelModel: targets must be shaped like idx {tuple(idx.shape)}, got "
                              f"{getattr(targets, 'shape', type(targets).__name__)}")
         b, t = idx.shape
-        if b % self.microbatches:
-            raise ValueError(f"ParallelModel: batch {b} is not divisible into {self.microbatches} micro-batches")
+        m = microbatches or self.microbatches
+        if b % m:
+            raise ValueError(f"ParallelModel: batch {b} is not divisible into {m} micro-batches")
         thd = packed and self.cp > 1  # cp_pack_layout pads every document and the local sequence instead
         if self.cp > 1 and not thd and t % (2 * self.cp):
             raise ValueError(f"ParallelModel: sequence length {t} is not divisible by 2*cp = {2 * self.cp}")
@@ -321,11 +321,11 @@ class ParallelModel:
             return contextlib.nullcontext()
         return self.rng.fork(self.dropout_region, stage)
 
-    def _packed(self, cu_seqlens, max_seqlen, idx) -> list:
+    def _packed(self, cu_seqlens, max_seqlen, idx, microbatches: int | None = None) -> list:
         """Per micro-batch (cu_seqlens, max_seqlen) of a packed batch ((None, None): unpacked): host-side int32
         offsets re-based to 0 and the micro-batch's longest document. Checks that no document crosses a micro-batch
         boundary and that none is longer than the model's max_seqlen (one host read of cu_seqlens)."""
-        m = self.microbatches
+        m = microbatches or self.microbatches
         if cu_seqlens is None:
             if max_seqlen is not None:
                 raise ValueError("ParallelModel: max_seqlen is given without cu_seqlens")
@@ -377,10 +377,6 @@ class ParallelModel:
             raise ValueError(f"ParallelModel: targets span {lims[2]}..{lims[3]} (besides ignore_index "
                              f"{IGNORE_INDEX}), outside the vocabulary [0, {vocab})")
 
-    def _ce_sum(self, logits, targets):
-        return vocab_parallel_cross_entropy(logits, targets, self.mesh.tp_group if self.tp > 1 else None,
-                                            reduction="sum")
-
     def forward_backward(self, idx: torch.Tensor, targets: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
                          max_seqlen: int | None = None, check_values: bool = True) -> torch.Tensor:
         """One step's forward and backward on this dp rank's batch (B, T); returns the global mean loss.
@@ -417,10 +413,16 @@ class ParallelModel:
 
     @torch.no_grad()
     def eval_loss(self, idx: torch.Tensor, targets: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
-                  max_seqlen: int | None = None, check_values: bool = True) -> torch.Tensor:
+                  max_seqlen: int | None = None, check_values: bool = True,
+                  microbatches: int | None = None) -> torch.Tensor:
         """The global mean loss of a batch, without gradients (mode as set by train()/eval()); packed documents and
-        ``check_values`` as in forward_backward."""
-        idx_l, tgt_l, pos, packed, n_global = self._prepare(idx, targets, cu_seqlens, max_seqlen, check_values)
+        ``check_values`` as in forward_backward. ``microbatches``: forwards the batch is cut into (default: the
+        training's; under pipeline parallelism only those)."""
+        if microbatches is not None and self.pp > 1 and microbatches != self.microbatches:
+            raise ValueError(f"ParallelModel.eval_loss: the pipeline schedule runs {self.microbatches} micro-batches, "
+                             f"not {microbatches}")
+        idx_l, tgt_l, pos, packed, n_global = self._prepare(idx, targets, cu_seqlens, max_seqlen, check_values,
+                                                            microbatches)
         if self.pp > 1:
             total = self._pipeline(idx_l, tgt_l, pos, None, train=False, packed=packed)
         else:
@@ -428,7 +430,7 @@ class ParallelModel:
                         for x, t, p, k in zip(idx_l, tgt_l, pos, packed))
         return self._reduce_loss(total, n_global)
 
-    def _prepare(self, idx, targets, cu_seqlens, max_seqlen, check_values: bool):
+    def _prepare(self, idx, targets, cu_seqlens, max_seqlen, check_values: bool, microbatches: int | None = None):
         """A batch checked and laid out for this rank: (ids, targets, position ids (context parallel), packing per
         micro-batch ((cu_seqlens, max_seqlen), or (None, None)), the global count of targets that are not ignored).
 
@@ -438,11 +440,11 @@ class ParallelModel:
         parallelism: each micro-batch in the THD layout (``cp_pack_layout``), (1, L_j) ids, targets (pads ignored)
         and positions within the documents; under a pipeline every micro-batch padded to one length L, a multiple
         of 64 * lcm(2, tp under sequence parallel), so that few shapes (schedules) occur."""
-        self._check_batch(idx, targets, packed=cu_seqlens is not None)
+        self._check_batch(idx, targets, packed=cu_seqlens is not None, microbatches=microbatches)
         if check_values:
             self._check_values(idx, targets)
-        packed = self._packed(cu_seqlens, max_seqlen, idx)  # host-side offsets
-        device, m = self.mesh.device, self.microbatches
+        packed = self._packed(cu_seqlens, max_seqlen, idx, microbatches)  # host-side offsets
+        device, m = self.mesh.device, microbatches or self.microbatches
         idx, targets = idx.to(device), targets.to(device)
         n_global = self._global_tokens(targets)  # the whole batch's (pads of the THD layout are ignored)
         if cu_seqlens is None or self.cp == 1:
@@ -493,15 +495,18 @@ class ParallelModel:
             kwargs = packed_microbatches([cu for cu, _ in packed], position_ids=pos if self.cp > 1 else None,
                                          max_seqlen=max(n for _, n in packed), device=self.mesh.device)
             pos = None  # the chunks' attribute: the positions (if any) are the micro-batches' kwargs
-        key = (tuple(idx.shape), train, bool(kwargs))
+        # the last stage takes its micro-batch's loss itself (the fused linear cross-entropy): the targets travel
+        # with the micro-batches, and the schedule's loss only scales that sum
+        kwargs["targets"] = targets.contiguous()
+        key = (tuple(idx.shape), train, "cu_seqlens" in kwargs)
         if key not in self._schedules:  # one per batch shape and mode: stages size their buffers on first use
             self._schedules[key] = build_schedule(
                 self.options.pp_schedule, self.modules_chunks, self.stage_indices, self.num_stages, self.mesh.device,
-                self.mesh.pp_group, self.microbatches, lambda logits, t: self._loss_fn(logits, t))
+                self.mesh.pp_group, self.microbatches, lambda loss, t: self._loss_fn(loss, t))
             if self.has_fp8:  # its first step starts with the shape inference's forward on each stage
                 self._shape_inference = {id(r): "inference" for r in self.modules_chunks}
         # the schedule also calls the loss on its first (shape-inference) pass: count only the returned losses
-        self._loss_fn = (lambda logits, t: self._ce_sum(logits, t) * scale) if train else self._ce_sum
+        self._loss_fn = (lambda loss, t: loss.sum() * scale) if train else (lambda loss, t: loss.sum())
         for chunk in self.modules_chunks:
             runner = chunk.module if isinstance(chunk, DistributedDataParallel) else chunk
             runner.position_ids = pos

@@ -91,7 +91,9 @@ class PipelineChunk(nn.Module):
     ``cu_seqlens``: this micro-batch's row (1, K) (or (K,)) of ``packed_microbatches``' table: offsets of its packed
     documents in its B' * T tokens, trailing repeats (empty documents) allowed; ``max_seqlen`` the longest document
     (given: no host read); ``position_ids`` (1, L) or (L,): explicit positions (the THD layout of context parallel,
-    where positions do not restart at the local documents' starts)."""
+    where positions do not restart at the local documents' starts). ``targets`` (this micro-batch's): on the last
+    stage (the one with the final norm) the output is the micro-batch's summed loss, taken by the model's own fused
+    linear cross-entropy (vocab-parallel under tensor parallelism), not its logits; other stages ignore them."""
 
     def __init__(self, gpt: nn.Module, rng_context=None):
         super().__init__()
@@ -99,17 +101,24 @@ class PipelineChunk(nn.Module):
         self.position_ids = None  # set by the ParallelModel for each step (context parallel)
         self.rng_context = rng_context or contextlib.nullcontext
 
-    def forward(self, x, cu_seqlens=None, max_seqlen=None, position_ids=None):
+    def forward(self, x, cu_seqlens=None, max_seqlen=None, position_ids=None, targets=None):
         pos = self.position_ids if position_ids is None else position_ids
         if cu_seqlens is not None:
             cu_seqlens = cu_seqlens.reshape(-1)
+        if getattr(self.gpt, "norm_f", None) is None:
+            targets = None
+        loss = {} if targets is None else {"reduction": "sum"}
         with self.rng_context():
-            # the position ids and packing are the ParallelModel's own: no host read of their range
+            # the position ids, packing and targets are the ParallelModel's own: no host read of their range
             if cu_seqlens is None:
-                return self.gpt(x, position_ids=pos, check_values=False)
-            if pos is None:
-                return self.gpt(x, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, check_values=False)
-            return self.gpt(x, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, position_ids=pos, check_values=False)
+                out = self.gpt(x, targets, position_ids=pos, check_values=False, **loss)
+            elif pos is None:
+                out = self.gpt(x, targets, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, check_values=False, **loss)
+            else:
+                out = self.gpt(x, targets, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, position_ids=pos,
+                               check_values=False, **loss)
+        # the summed loss as a (1,) tensor: the schedule concatenates the micro-batches' outputs
+        return out if targets is None else out.reshape(1)
 
 
 def packed_microbatches(cu_seqlens: list[torch.Tensor], *, position_ids: torch.Tensor | None = None,

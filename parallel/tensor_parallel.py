@@ -15,7 +15,7 @@ sequence shards; a learned position table's output is split to the same shard by
 enters the region by a forward hook (copy / gather) and the head (lm_head, or the tied wte) gives this rank's
 vocabulary columns of the logits. The loss is the GPT's own (its ``vocab_parallel_loss``, set here):
 ``vocab_parallel_linear_cross_entropy``, chunked over the tokens, never this rank's (tokens x vocab/tp) logits in
-fp32; a pipeline's last stage returns its logits instead and the schedule's loss is ``vocab_parallel_cross_entropy``.
+fp32 (a pipeline's last stage takes it too: its micro-batch's targets travel with it, pipeline.PipelineChunk).
 
 Under sequence parallel the norms (and RowParallel biases) see only this rank's tokens: their gradients are
 partial sums over the tp group, listed in the returned ``TPInfo.sp_partial`` and all-reduced after backward.

@@ -251,5 +251,5 @@ class TrainStep:
     def eval_loss(self, batch: Batch) -> torch.Tensor:
         """The mean loss of one held-out batch (over the ranks' shards), no gradients."""
         with self.autocast:
-            return self.pmodel.eval_loss(batch.inputs, batch.targets, **batch.parallel_kwargs(),
-                                         check_values=False).float()
+            return self.pmodel.eval_loss(batch.inputs, batch.targets, **batch.parallel_kwargs(), check_values=False,
+                                         microbatches=None if self.pmodel.pp > 1 else 1).float()

@@ -100,7 +100,8 @@ class Trainer:
         # a rank draws its whole step batch; megakern.parallel cuts it into micro-batches itself
         self.microbatches = c.parallel.microbatches or self.accum
         self.draw = t.micro_batch_size * self.accum
-        self.eval_draw = self.eval_mbs * self.microbatches
+        # an eval batch is one micro-batch (eval.batches of them), under a pipeline its schedule's micro-batches
+        self.eval_draw = self.eval_mbs * (self.microbatches if c.parallel.pp > 1 else 1)
         if self.draw % self.microbatches:
             raise ConfigError(f"parallel.microbatches {self.microbatches} does not divide a rank's step batch of "
                               f"{self.draw} sequences (train.global_batch_size / data-parallel size)")
