@@ -12,8 +12,8 @@ the factor that turns the average into the gradient of the global mean loss (see
   in bf16 while the fp32 shards are updated; ``local_shards`` runs the optimizer step on the shards' local tensors.
 - "ddp": ``DistributedDataParallel``; with ``zero1`` the optimizer is ``ZeroRedundancyOptimizer`` (each dp_cp rank
   keeps the optimizer state of a share of the parameters, updates them and broadcasts them). Under pipeline
-  parallelism the stages are replicated by hand instead (``broadcast_params`` once, ``allreduce_grads`` after the
-  schedule's last backward): torch 2.13's pipelining breaks DDP's bucket rebuild when a step has several
+  parallelism, and with fp32 master weights, the stages are replicated by hand instead (``broadcast_params`` once,
+  ``allreduce_tensors`` of the gradients after the schedule's last backward): torch 2.13's pipelining breaks DDP's bucket rebuild when a step has several
   micro-batches (gradients come out wrong or the reducer asserts), which torch 2.11 did not.
 """
 from __future__ import annotations
@@ -151,11 +151,6 @@ def allreduce_tensors(tensors: list[torch.Tensor], group, average: bool = False)
         for t in bucket:
             t.copy_(flat[offset:offset + t.numel()].view_as(t))
             offset += t.numel()
-
-
-def allreduce_grads(params: list[torch.Tensor], group, average: bool = True) -> None:
-    """Data-parallel gradient reduction by hand: every existing gradient averaged (or summed) over ``group``."""
-    allreduce_tensors([p.grad for p in params if p.grad is not None], group, average)
 
 
 @torch.no_grad()
