@@ -1,0 +1,165 @@
+"""Mixture-of-Experts token movement and expert GEMMs: the route plan, permute, unpermute (the weighted combine) and
+the grouped GEMM.
+
+A router picks, for each of N tokens, k experts of E (``expert_idx`` (N, k), -1 where a capacity limit dropped the
+assignment) with weights (N, k). Assignment a = t * k + j is token t's j-th choice. The plan sorts the assignments by
+expert, stably (ties in assignment order, so which rows an expert sees and in which order is deterministic), dropped
+ones last:
+
+    order    (N k,)   sorted row r holds assignment order[r]              (int64)
+    position (N k,)   the sorted row of assignment a, -1 if dropped       (int64)
+    counts   (E,)     assignments per expert (kept ones)                   (int64)
+    offsets  (E + 1,) offsets[e] = counts[:e].sum(): expert e owns rows offsets[e] .. offsets[e + 1]
+
+Shapes stay static (N k rows whatever the routing; rows from offsets[E] on are zero), so nothing reads the device
+on the host and a step that routes can be captured in a CUDA graph.
+
+    permute(x, plan)          (N, C) -> (N k, C):  out[r] = x[order[r] // k] for r < offsets[E], else 0
+    unpermute(y, w, plan)     (N k, C), (N, k) -> (N, C):  out[t] = sum_j w[t, j] y[position[t k + j]] (kept j)
+    grouped_mm(x, w, offsets) (M, K), (E, K, F) -> (M, F):  rows offsets[e] .. offsets[e + 1] times w[e]; rows
+                              from offsets[E] on are 0
+
+Math in fp32 (the combine's sum over k and the GEMMs' accumulation); outputs in the input's dtype; gradients for
+x, y, w and the expert weights. The references compute in fp32 under autograd; ``grouped_mm_ref`` loops over the
+experts (reading the offsets on the host).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int64, torch.int32)
+
+
+class RoutePlan(NamedTuple):
+    """Where each (token, choice) assignment goes: see the module docstring."""
+    order: torch.Tensor
+    position: torch.Tensor
+    counts: torch.Tensor
+    offsets: torch.Tensor
+    top_k: int
+
+
+# ---- checks --------------------------------------------------------------------------------------------------------
+def _check_index(name: str, idx, dims: int) -> None:
+    if not isinstance(idx, torch.Tensor) or idx.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{name} must be an int64/int32 tensor, got {getattr(idx, 'dtype', type(idx).__name__)}")
+    if idx.dim() != dims:
+        raise ValueError(f"{name} must have {dims} dimension(s), got shape {tuple(idx.shape)}")
+
+
+def _check_float(name: str, t, dims: int) -> None:
+    if not isinstance(t, torch.Tensor) or t.dtype not in FLOAT_DTYPES + (torch.float64,):
+        raise TypeError(f"{name} must be a float32/float16/bfloat16 tensor, got "
+                        f"{getattr(t, 'dtype', type(t).__name__)}")
+    if t.dim() != dims:
+        raise ValueError(f"{name} must have {dims} dimensions, got shape {tuple(t.shape)}")
+
+
+def _check_same_device(op: str, *named) -> None:
+    device = named[0][1].device
+    for name, t in named[1:]:
+        if t.device != device:
+            raise ValueError(f"{op}: {name} is on {t.device} but {named[0][0]} is on {device}")
+
+
+def _check_plan(op: str, plan: RoutePlan, rows: int) -> None:
+    if not isinstance(plan, RoutePlan):
+        raise TypeError(f"{op}: plan must be a RoutePlan from route_plan(), got {type(plan).__name__}")
+    if plan.order.shape != (rows,):
+        raise ValueError(f"{op}: the plan routes {plan.order.shape[0]} assignments, the input has {rows} rows")
+
+
+# ---- the plan ------------------------------------------------------------------------------------------------------
+def route_plan(expert_idx: torch.Tensor, num_experts: int) -> RoutePlan:
+    """The plan of ``expert_idx`` (N, k) (values in [0, num_experts), or -1 for a dropped assignment): a stable sort by
+    expert. The values are not read on the host (a router's top-k produces them in range); out-of-range ones are
+    counted as dropped."""
+    _check_index("route_plan: expert_idx", expert_idx, 2)
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"route_plan: num_experts must be a positive int, got {num_experts!r}")
+    n, k = expert_idx.shape
+    if k < 1 or k > num_experts:
+        raise ValueError(f"route_plan: top_k = {k} (expert_idx's second dim) must be in [1, num_experts = "
+                         f"{num_experts}]")
+    flat = expert_idx.reshape(-1).long()
+    dropped = (flat < 0) | (flat >= num_experts)
+    key = torch.where(dropped, torch.full_like(flat, num_experts), flat)
+    order = torch.sort(key, stable=True).indices
+    position = torch.empty_like(order)
+    position[order] = torch.arange(order.numel(), device=order.device)
+    position = torch.where(dropped, torch.full_like(position, -1), position)
+    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+    offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
+    return RoutePlan(order, position, counts, offsets, k)
+
+
+# ---- references ----------------------------------------------------------------------------------------------------
+def permute_ref(x: torch.Tensor, plan: RoutePlan) -> torch.Tensor:
+    """x's rows in expert order, (N k, C), in x's dtype; rows past offsets[E] are zero."""
+    rows = plan.order.numel()
+    valid = torch.arange(rows, device=x.device) < plan.offsets[-1]
+    out = x.index_select(0, plan.order // plan.top_k)
+    return out * valid.unsqueeze(1).to(out.dtype)
+
+
+def unpermute_ref(y: torch.Tensor, weights: torch.Tensor, plan: RoutePlan) -> torch.Tensor:
+    """sum_j weights[t, j] y[position[t k + j]] over the kept choices, in fp32 (fp64 for fp64), cast to y's dtype."""
+    compute = torch.promote_types(y.dtype, torch.float32)
+    kept = plan.position >= 0
+    rows = y.to(compute).index_select(0, plan.position.clamp(min=0))
+    w = weights.to(compute).reshape(-1) * kept.to(compute)
+    out = (rows * w.unsqueeze(1)).reshape(weights.shape[0], plan.top_k, y.shape[1]).sum(1)
+    return out.to(y.dtype)
+
+
+def grouped_mm_ref(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows offsets[e] .. offsets[e + 1] of x times w[e], in fp32 (fp64 for fp64), cast to x's dtype; rows from
+    offsets[E] on are zero. Reads the offsets on the host."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    bounds = offsets.tolist()
+    parts = [x[bounds[e]:bounds[e + 1]].to(compute) @ w[e].to(compute) for e in range(w.shape[0])]
+    parts.append(x.new_zeros(x.shape[0] - bounds[-1], w.shape[2], dtype=compute))
+    return torch.cat(parts).to(x.dtype)
+
+
+# ---- public ops ----------------------------------------------------------------------------------------------------
+def permute(x: torch.Tensor, plan: RoutePlan) -> torch.Tensor:
+    """x (N, C) -> (N k, C) in the plan's expert order (zeros for the dropped tail)."""
+    _check_float("permute: x", x, 2)
+    if not isinstance(plan, RoutePlan):
+        raise TypeError(f"permute: plan must be a RoutePlan from route_plan(), got {type(plan).__name__}")
+    if plan.order.numel() != x.shape[0] * plan.top_k:
+        raise ValueError(f"permute: the plan routes {plan.order.numel()} assignments, x has {x.shape[0]} tokens x "
+                         f"top_k {plan.top_k}")
+    _check_same_device("permute", ("x", x), ("plan.order", plan.order))
+    return permute_ref(x, plan)
+
+
+def unpermute(y: torch.Tensor, weights: torch.Tensor, plan: RoutePlan) -> torch.Tensor:
+    """y (N k, C) in expert order, weights (N, k) -> (N, C): each token's weighted sum over its kept choices."""
+    _check_float("unpermute: y", y, 2)
+    _check_float("unpermute: weights", weights, 2)
+    _check_plan("unpermute", plan, y.shape[0])
+    if weights.shape[1] != plan.top_k or weights.numel() != y.shape[0]:
+        raise ValueError(f"unpermute: weights has shape {tuple(weights.shape)}, expected "
+                         f"({y.shape[0] // plan.top_k}, {plan.top_k})")
+    _check_same_device("unpermute", ("y", y), ("weights", weights), ("plan.position", plan.position))
+    return unpermute_ref(y, weights, plan)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """x (M, K) and the experts' weights w (E, K, F) -> (M, F); offsets (E + 1,) the experts' row ranges."""
+    _check_float("grouped_mm: x", x, 2)
+    _check_float("grouped_mm: w", w, 3)
+    _check_index("grouped_mm: offsets", offsets, 1)
+    if w.shape[1] != x.shape[1]:
+        raise ValueError(f"grouped_mm: x has {x.shape[1]} columns but w is (E, K, F) = {tuple(w.shape)}")
+    if offsets.shape[0] != w.shape[0] + 1:
+        raise ValueError(f"grouped_mm: offsets must have E + 1 = {w.shape[0] + 1} entries, got {offsets.shape[0]}")
+    if w.dtype != x.dtype:
+        raise TypeError(f"grouped_mm: w is {w.dtype} but x is {x.dtype}")
+    _check_same_device("grouped_mm", ("x", x), ("w", w), ("offsets", offsets))
+    return grouped_mm_ref(x, w, offsets)
