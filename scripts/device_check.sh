@@ -6,7 +6,8 @@
 #   MEGAKERN_GIT_SHA=$(git rev-parse --short HEAD) bash scripts/device_check.sh [build] [test] [bench] [profile]
 #
 # With no stage named, all four run. TESTS="tests/test_attention.py tests/models" picks test paths (the whole suite
-# takes about 7 minutes with WORKERS=8 pytest workers, more than 9 on a 4-GPU host with 12: split it across calls
+# takes about 7 minutes with WORKERS=8 pytest workers on one GPU; on a host with several, the workers spread over
+# them (MEGAKERN_TEST_GPUS, default every GPU): split it across calls
 # that have a time limit, or give TEST_BUDGET_S so that the summary naming the failures is still printed).
 # BENCHES="norm attention" picks benchmarks (default: every bench_*.py); each
 # full benchmark takes minutes, so split them across calls when a call has a time limit. Wheels of missing Python packages (e.g. liger_kernel for the side-by-side
@@ -53,6 +54,10 @@ if want test; then
   # TEST_BUDGET_S: end the session after so many seconds (pytest-timeout's --session-timeout), so that a call's time
   # limit cuts the tests, not the summary that names the failures
   budget=(); [ -n "${TEST_BUDGET_S:-}" ] && budget=(--session-timeout "$TEST_BUDGET_S")
+  # the workers spread over every GPU of the host (tests/conftest.py); tests/parallel/test_multi_gpu.py then sees
+  # one GPU per worker and skips: scripts/multi_gpu_check.sh runs it
+  export MEGAKERN_TEST_GPUS=${MEGAKERN_TEST_GPUS:-$(nvidia-smi -L | wc -l)}
+  echo "pytest workers: ${WORKERS:-8} over $MEGAKERN_TEST_GPUS GPU(s)"
   python3 -m pytest ${TESTS:-tests} -q -n ${WORKERS:-8} -p no:cacheprovider -rfE ${budget[@]+"${budget[@]}"} \
     --junitxml="$OUT/pytest.xml" > "$OUT/pytest.log" 2>&1 || status=1
   grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -40; tail -15 "$OUT/pytest.log"

@@ -50,7 +50,12 @@ step "multi-GPU layouts against one GPU (NCCL)"
 reserve=10; want bench && reserve=300; want profile && reserve=$(( reserve + 120 ))
 timeout $(( $(left) - reserve )) python3 -m pytest tests/parallel/test_multi_gpu.py -q -s -p no:cacheprovider -rfEs \
   --tb=short ${TESTS_K:+-k "$TESTS_K"} > "$OUT/multi_gpu_tests.log" 2>&1 || status=1
-grep -E "^(FAILED|ERROR|SKIPPED)|multi-gpu" "$OUT/multi_gpu_tests.log" | head -30; tail -3 "$OUT/multi_gpu_tests.log"
+grep -E "^(FAILED|ERROR|SKIPPED)|multi-gpu" "$OUT/multi_gpu_tests.log" | head -60; tail -3 "$OUT/multi_gpu_tests.log"
+if [ -z "${TESTS_K:-}" ]; then  # the fault tests' two-GPU cases (the single-GPU suite spreads one GPU per worker)
+  timeout $(( $(left) - reserve )) python3 -m pytest tests/train/test_faults.py -q -p no:cacheprovider -rfEs \
+    --tb=short -k cuda > "$OUT/fault_tests.log" 2>&1 || status=1
+  grep -E "^(FAILED|ERROR)" "$OUT/fault_tests.log" | head; tail -2 "$OUT/fault_tests.log"
+fi
 fi
 
 if want profile; then

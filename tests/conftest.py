@@ -10,8 +10,15 @@ import zlib
 from functools import partial
 from pathlib import Path
 
-import pytest
-import torch
+# MEGAKERN_TEST_GPUS=N spreads pytest-xdist workers over N GPUs (worker i sees GPU i mod N only), set before torch
+# initializes CUDA: a 4-GPU host runs the single-GPU suite four times as wide
+_SPREAD = int(os.environ.get("MEGAKERN_TEST_GPUS", "0") or 0)
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _SPREAD > 1 and _WORKER.startswith("gw") and "CUDA_VISIBLE_DEVICES" not in os.environ:
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(int(_WORKER[2:]) % _SPREAD)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:

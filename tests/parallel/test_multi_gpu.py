@@ -40,6 +40,7 @@ ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHME
 
 GRAPH = ["train.cuda_graph=true", "train.cuda_graph_warmup=2"]
 BF16 = ["train.precision=bf16"]  # bf16 weights with fp32 master weights
+PACKED = ["data.packed_documents=true"]  # documents packed into each row (cu_seqlens)
 # DDP's reducer reads timings on the host in its first 10 iterations: 11 eager steps, then 4 replays
 LONG_STEPS = 15
 DDP_GRAPH = ["train.cuda_graph=true", "train.cuda_graph_warmup=11", f"train.steps={LONG_STEPS}"]
@@ -82,12 +83,21 @@ LAYOUTS = [
     ("dp2-fsdp-compile", 2, ["parallel.dp=2", "parallel.dp_shard=fsdp", "train.compile=true"]),
     ("tp2-recompute", 2, ["parallel.tp=2", "model.recompute=full"]),
     ("tp2-dp2-bf16-graph", 4, ["parallel.tp=2", "parallel.dp=2", "parallel.dp_shard=ddp", *BF16, *DDP_GRAPH]),
+    ("pp2-fp8", 2, ["parallel.pp=2", *BF16, "train.fp8=delayed"]),
+    ("pp2-interleaved-bf16", 2, ["parallel.pp=2", "parallel.pp_schedule=interleaved-1f1b", *BF16]),
+    ("tp2-packed", 2, ["parallel.tp=2", *PACKED]),
+    ("cp2-packed", 2, ["parallel.cp=2", *PACKED]),
+    ("pp2-packed", 2, ["parallel.pp=2", *PACKED]),
+    ("tp2-pp2-bf16-compile", 4, ["parallel.tp=2", "parallel.pp=2", *BF16, "train.compile=true"]),
+    ("tp2-cp2-bf16-recompute", 4, ["parallel.tp=2", "parallel.cp=2", *BF16, "model.recompute=full"]),
 ]
 # fp32: the layouts sum in other orders (sharded matmuls, ring-attention merges, reductions over ranks); bf16 and
 # FP8 round those partial sums too
 ABS_TOL, LOW_PRECISION_TOL = 2e-3, 3e-2
 # the overrides that make a feature run: its one-GPU reference runs with the same ones
-FEATURE_KEYS = ("train.precision=", "train.fp8=", "train.compile=", "model.recompute=")
+FEATURE_KEYS = ("train.precision=", "train.fp8=", "train.compile=", "model.recompute=", "data.packed_documents=")
+# runs sharing a GPU at once (the model is tiny: start-up, not the GPU, bounds each run)
+RUNS_PER_GPU = int(os.environ.get("MEGAKERN_TEST_RUNS_PER_GPU", "1" if ON_CPU else "3"))
 
 
 def _features(overrides: list[str]) -> tuple[str, ...]:
@@ -142,33 +152,47 @@ def runs(request, tmp_path_factory):
     selected = _selected(request.session)
     fitting = [(name, world, o) for name, world, o in LAYOUTS if world <= DEVICES and name in selected
                and not (ON_CPU and "train.cuda_graph=true" in o)]
-    references = {(STEPS, ()): reference}
-    for _, _, o in fitting:  # one one-GPU reference per (steps, features)
-        key = (_steps(o), _features(o))
-        if key not in references:
-            references[key], out = _run(tmp / f"one-{len(references)}", data_cache, 1,
-                                        [f"train.steps={key[0]}", *key[1]], [0])
-            assert references[key] is not None, out
-    free, ready = list(range(DEVICES)), threading.Condition()
+    keys = sorted({(_steps(o), _features(o)) for _, _, o in fitting} - {(STEPS, ())})
+    # a slot is a share of one GPU; a run takes one slot on each of ``world`` distinct GPUs
+    slots, ready = {d: RUNS_PER_GPU for d in range(DEVICES)}, threading.Condition()
+
+    def on_devices(world: int, work):
+        with ready:  # all of a run's devices at once (taking them one by one could deadlock two runs)
+            ready.wait_for(lambda: sum(n > 0 for n in slots.values()) >= world)
+            devices = sorted(slots, key=lambda d: -slots[d])[:world]
+            for d in devices:
+                slots[d] -= 1
+        try:
+            return work(devices)
+        finally:
+            with ready:
+                for d in devices:
+                    slots[d] += 1
+                ready.notify_all()
+
+    def reference_job(key):  # one one-GPU reference per (steps, features)
+        return key, on_devices(1, lambda devices: _run(tmp / f"one-{keys.index(key)}", data_cache, 1,
+                                                       [f"train.steps={key[0]}", *key[1]], devices))
+
+    with ThreadPoolExecutor(max_workers=max(1, DEVICES * RUNS_PER_GPU)) as pool:
+        references = {(STEPS, ()): reference}
+        for key, (losses, out) in pool.map(reference_job, keys):
+            assert losses is not None, out
+            references[key] = losses
 
     def job(item):
         name, world, overrides = item
-        with ready:  # all of a run's devices at once (taking them one by one could deadlock two runs)
-            ready.wait_for(lambda: len(free) >= world)
-            devices = [free.pop(0) for _ in range(world)]
-        try:
+
+        def work(devices):
             losses, out = _run(tmp / name, data_cache, world, overrides, devices)
             ref = references[(_steps(overrides), _features(overrides))]
             diff = "failed" if losses is None else (
                 f"max |loss - one GPU's| {max(abs(losses[s] - ref.get(s, float('inf'))) for s in losses):.2e}")
             print(f"[multi-gpu] {name} on devices {devices}: {diff}", file=sys.__stdout__, flush=True)
             return name, (losses, out)
-        finally:
-            with ready:
-                free.extend(devices)
-                ready.notify_all()
+        return on_devices(world, work)
 
-    with ThreadPoolExecutor(max_workers=max(1, DEVICES // 2)) as pool:  # largest first; the small ones fill gaps
+    with ThreadPoolExecutor(max_workers=max(1, DEVICES * RUNS_PER_GPU // 2)) as pool:  # largest first
         done = dict(pool.map(job, sorted(fitting, key=lambda item: -item[1])))
     return references, done
 
