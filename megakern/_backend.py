@@ -51,6 +51,10 @@ DEFAULTS: dict[str, tuple[tuple[int, tuple[str, ...]], ...]] = {
     "bias_gelu": ((1 << 30, ("triton", "torch")),),
     # the bias gradient by a Triton column sum, then F.linear's own
     "linear": ((1 << 30, ("triton", "torch")),),
+    # MoE permute / unpermute: the Triton gather and combine (the reference copies rows and its gradients scatter)
+    "moe": ((1 << 30, ("triton", "torch")),),
+    # the Triton grouped GEMM (the reference reads the offsets on the host and multiplies in fp32 per expert)
+    "grouped_mm": ((1 << 30, ("triton", "torch")),),
 }
 
 

@@ -22,12 +22,21 @@ on the host and a step that routes can be captured in a CUDA graph.
 Math in fp32 (the combine's sum over k and the GEMMs' accumulation); outputs in the input's dtype; gradients for
 x, y, w and the expert weights. The references compute in fp32 under autograd; ``grouped_mm_ref`` loops over the
 experts (reading the offsets on the host).
+
+Backends (``megakern._backend``; ops "moe" for permute / unpermute and "grouped_mm"): ``torch`` (the references
+under autograd; the default on a CPU and for fp64) and ``triton`` (megakern/_moe_triton.py: a gather and a combine
+kernel, each gradient one launch, no atomics; megakern/_grouped_gemm_triton.py: the grouped GEMM, its dX and dW,
+persistent with TMA tiles on Hopper; the default on a GPU). Inputs with any row stride are read in place; other
+layouts are made contiguous first.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
+
+from megakern import _backend, _nvtx
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int64, torch.int32)
@@ -70,6 +79,23 @@ def _check_plan(op: str, plan: RoutePlan, rows: int) -> None:
         raise TypeError(f"{op}: plan must be a RoutePlan from route_plan(), got {type(plan).__name__}")
     if plan.order.shape != (rows,):
         raise ValueError(f"{op}: the plan routes {plan.order.shape[0]} assignments, the input has {rows} rows")
+    _check_plan_tensors(op, plan)
+
+
+def _check_plan_tensors(op: str, plan: RoutePlan) -> None:
+    """The plan's index tensors: 1-D int64 / int32 on one device, order and position of one length."""
+    for name in ("order", "position", "counts", "offsets"):
+        _check_index(f"{op}: plan.{name}", getattr(plan, name), 1)
+    if plan.position.shape != plan.order.shape:
+        raise ValueError(f"{op}: plan.position has {plan.position.shape[0]} entries but plan.order has "
+                         f"{plan.order.shape[0]}")
+    if plan.offsets.shape[0] != plan.counts.shape[0] + 1:
+        raise ValueError(f"{op}: plan.offsets has {plan.offsets.shape[0]} entries, expected E + 1 = "
+                         f"{plan.counts.shape[0] + 1}")
+    if isinstance(plan.top_k, bool) or not isinstance(plan.top_k, int) or plan.top_k < 1:
+        raise ValueError(f"{op}: plan.top_k must be an int >= 1, got {plan.top_k!r}")
+    _check_same_device(op, ("plan.order", plan.order), ("plan.position", plan.position),
+                       ("plan.offsets", plan.offsets))
 
 
 # ---- the plan ------------------------------------------------------------------------------------------------------
@@ -125,21 +151,113 @@ def grouped_mm_ref(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> t
     return torch.cat(parts).to(x.dtype)
 
 
+# ---- the kernels' path ---------------------------------------------------------------------------------------------
+def _moe_kernels():
+    from megakern import _moe_triton
+
+    return _moe_triton
+
+
+def _gemm_kernels():
+    from megakern import _grouped_gemm_triton
+
+    return _grouped_gemm_triton
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t (2-D) with unit column stride (any row stride), as the kernels read it."""
+    return t if t.stride(1) == 1 or t.shape[1] <= 1 else t.contiguous()
+
+
+class PermuteFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, order, position, offsets, top_k):
+        ctx.save_for_backward(position)
+        ctx.top_k = top_k
+        return _moe_kernels().permute_fwd(_rows(x), order, offsets, top_k)
+
+    @staticmethod
+    def backward(ctx, dout):
+        (position,) = ctx.saved_tensors
+        return _moe_kernels().permute_bwd(_rows(dout), position, ctx.top_k), None, None, None, None
+
+
+class UnpermuteFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, weights, order, position, offsets, top_k):
+        y, weights = _rows(y), weights.contiguous()
+        ctx.save_for_backward(y, weights, order, offsets)
+        ctx.top_k = top_k
+        return _moe_kernels().unpermute_fwd(y, weights, position, top_k)
+
+    @staticmethod
+    def backward(ctx, dout):
+        y, weights, order, offsets = ctx.saved_tensors
+        dy, dw = _moe_kernels().unpermute_bwd(_rows(dout), y, weights, order, offsets, ctx.top_k)
+        return (dy if ctx.needs_input_grad[0] else None, dw.reshape(weights.shape) if ctx.needs_input_grad[1] else None,
+                None, None, None, None)
+
+
+class GroupedMMFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, offsets):
+        ctx.save_for_backward(x, w, offsets)
+        return _gemm_kernels().grouped_mm(x, w, offsets)
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, w, offsets = ctx.saved_tensors
+        kern = _gemm_kernels()
+        dout = _rows(dout)
+        dx = kern.grouped_mm(dout, w.transpose(1, 2), offsets) if ctx.needs_input_grad[0] else None
+        dw = kern.grouped_mm_dw(x, dout, offsets, w.shape[0], out_dtype=w.dtype) if ctx.needs_input_grad[1] else None
+        return dx, dw, None
+
+
+def _resolve(op: str, name: str, t: torch.Tensor, backend, size: int) -> str:
+    """The backend of one call: as ``_backend.resolve``, the reference for fp64 unless asked otherwise."""
+    explicit = backend.get(op) if isinstance(backend, Mapping) else backend
+    if explicit is None and t.dtype == torch.float64:
+        return "torch"
+    chosen = _backend.resolve(op, t.device, backend, size=size)
+    if chosen != "torch" and t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name}: the {chosen} backend takes float32 / float16 / bfloat16, got {t.dtype}")
+    return chosen
+
+
+def moe_backend(x: torch.Tensor, backend: str | Mapping[str, str] | None = None) -> str:
+    """The backend ``permute`` / ``unpermute`` take for rows like ``x``: 'torch' | 'triton'."""
+    return _resolve("moe", "moe", x, backend, x.shape[-1])
+
+
+def grouped_mm_backend(x: torch.Tensor, backend: str | Mapping[str, str] | None = None) -> str:
+    """The backend ``grouped_mm`` takes for ``x``: 'torch' | 'triton'."""
+    return _resolve("grouped_mm", "grouped_mm", x, backend, x.shape[-1])
+
+
 # ---- public ops ----------------------------------------------------------------------------------------------------
-def permute(x: torch.Tensor, plan: RoutePlan) -> torch.Tensor:
-    """x (N, C) -> (N k, C) in the plan's expert order (zeros for the dropped tail)."""
+def permute(x: torch.Tensor, plan: RoutePlan, *, backend: str | Mapping[str, str] | None = None) -> torch.Tensor:
+    """x (N, C) -> (N k, C) in the plan's expert order (zeros for the dropped tail). ``backend``: 'torch' |
+    'triton', or a config's kernel table {op: backend} (op "moe"); None picks the default for the device."""
     _check_float("permute: x", x, 2)
     if not isinstance(plan, RoutePlan):
         raise TypeError(f"permute: plan must be a RoutePlan from route_plan(), got {type(plan).__name__}")
+    _check_plan_tensors("permute", plan)
     if plan.order.numel() != x.shape[0] * plan.top_k:
         raise ValueError(f"permute: the plan routes {plan.order.numel()} assignments, x has {x.shape[0]} tokens x "
                          f"top_k {plan.top_k}")
     _check_same_device("permute", ("x", x), ("plan.order", plan.order))
-    return permute_ref(x, plan)
+    name = _resolve("moe", "permute", x, backend, x.shape[1])
+    with _nvtx.annotate(f"megakern.permute[{name}]"):
+        if name == "torch":
+            return permute_ref(x, plan)
+        return PermuteFunction.apply(x, plan.order, plan.position, plan.offsets, plan.top_k)
 
 
-def unpermute(y: torch.Tensor, weights: torch.Tensor, plan: RoutePlan) -> torch.Tensor:
-    """y (N k, C) in expert order, weights (N, k) -> (N, C): each token's weighted sum over its kept choices."""
+def unpermute(y: torch.Tensor, weights: torch.Tensor, plan: RoutePlan, *,
+              backend: str | Mapping[str, str] | None = None) -> torch.Tensor:
+    """y (N k, C) in expert order, weights (N, k) -> (N, C): each token's weighted sum over its kept choices.
+    ``backend`` as ``permute``."""
     _check_float("unpermute: y", y, 2)
     _check_float("unpermute: weights", weights, 2)
     _check_plan("unpermute", plan, y.shape[0])
@@ -147,11 +265,20 @@ def unpermute(y: torch.Tensor, weights: torch.Tensor, plan: RoutePlan) -> torch.
         raise ValueError(f"unpermute: weights has shape {tuple(weights.shape)}, expected "
                          f"({y.shape[0] // plan.top_k}, {plan.top_k})")
     _check_same_device("unpermute", ("y", y), ("weights", weights), ("plan.position", plan.position))
-    return unpermute_ref(y, weights, plan)
+    name = _resolve("moe", "unpermute", y, backend, y.shape[1])
+    if name != "torch" and weights.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"unpermute: the {name} backend takes float32 / float16 / bfloat16 weights, got "
+                        f"{weights.dtype}")
+    with _nvtx.annotate(f"megakern.unpermute[{name}]"):
+        if name == "torch":
+            return unpermute_ref(y, weights, plan)
+        return UnpermuteFunction.apply(y, weights, plan.order, plan.position, plan.offsets, plan.top_k)
 
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """x (M, K) and the experts' weights w (E, K, F) -> (M, F); offsets (E + 1,) the experts' row ranges."""
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, *,
+               backend: str | Mapping[str, str] | None = None) -> torch.Tensor:
+    """x (M, K) and the experts' weights w (E, K, F) -> (M, F); offsets (E + 1,) the experts' row ranges (on x's
+    device; never read on the host by the triton backend). ``backend`` as ``permute`` (op "grouped_mm")."""
     _check_float("grouped_mm: x", x, 2)
     _check_float("grouped_mm: w", w, 3)
     _check_index("grouped_mm: offsets", offsets, 1)
@@ -162,4 +289,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
     if w.dtype != x.dtype:
         raise TypeError(f"grouped_mm: w is {w.dtype} but x is {x.dtype}")
     _check_same_device("grouped_mm", ("x", x), ("w", w), ("offsets", offsets))
-    return grouped_mm_ref(x, w, offsets)
+    name = _resolve("grouped_mm", "grouped_mm", x, backend, x.shape[1])
+    with _nvtx.annotate(f"megakern.grouped_mm[{name}]"):
+        if name == "torch":
+            return grouped_mm_ref(x, w, offsets)
+        return GroupedMMFunction.apply(x, w, offsets)
