@@ -31,6 +31,11 @@ initialized twice:
         model = GPT(GPTConfig.preset("gpt-350m"))
     model.to_empty(device="cuda"); model.init_weights()
 
+Mixture of Experts (``config.n_experts`` > 0): the blocks moe_first_dense, moe_first_dense + moe_every, ... take
+models/moe.py's MoEMLP instead of the dense MLP (routed experts, optional shared ones, the router's aux and z losses
+attached to its output); ``num_params(active=True)`` and ``flops_per_token`` count the k routed experts a token
+uses, not all E.
+
 Activation recomputation (``config.recompute``): "none"; "selective" recomputes the attention core in the backward
 (keeps q, k, v; drops the output and the log-sum-exp); "full" recomputes each block from its inputs.
 """
@@ -55,11 +60,14 @@ from megakern.activation import bias_gelu_backend
 from megakern.attention import packed_qkv
 from megakern.cross_entropy import linear_cross_entropy
 from megakern.linear import linear_backend
+from megakern.models.moe import MoEMLP, stat_width
 
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("rotary", "learned")
 ACTIVATIONS = ("gelu", "swiglu")
 RECOMPUTE = ("none", "selective", "full")
+# weights initialized with std init_std / sqrt(2 n_layer) under scaled_init (names end so)
+OUTPUT_PROJECTIONS = ("attn.proj.weight", "mlp.proj.weight", "mlp.shared.proj.weight", "mlp.w_out")
 VOCAB_MULTIPLE = 128
 KERNEL_OPS = ("rms_norm", "layer_norm", "rotary", "attention", "cross_entropy", "bias_gelu", "linear")
 IGNORE_INDEX = -100
@@ -118,6 +126,37 @@ class GPTConfig:
     named take the fastest available backend."""
     ce_chunk: Optional[int] = None
     """Tokens per chunk of the fused linear cross-entropy (None: chosen from the vocabulary size)."""
+    n_experts: int = 0
+    """Routed experts E of the MoE blocks (0: every block dense)."""
+    moe_top_k: int = 2
+    """Experts each token is routed to (k <= n_experts)."""
+    moe_ffn_hidden: Optional[int] = None
+    """Hidden size of each expert (and of each shared expert); None: ffn_hidden."""
+    moe_every: int = 1
+    """Every moe_every-th block from moe_first_dense on is an MoE block."""
+    moe_first_dense: int = 0
+    """Leading blocks that stay dense (DeepSeek's first_k_dense)."""
+    moe_shared_experts: int = 0
+    """Shared experts every token goes through (one dense MLP of moe_shared_experts * moe_ffn_hidden units)."""
+    moe_router: str = "softmax"
+    """"softmax" (Mixtral: top-k of the softmax) | "sigmoid" (DeepSeek-V3: sigmoid scores, experts chosen with a
+    per-expert balancing bias updated from the load, auxiliary-loss-free)."""
+    moe_renormalize: bool = False
+    """Renormalize the k routing weights of a token to sum 1."""
+    moe_capacity_factor: Optional[float] = None
+    """None: dropless; else each expert keeps at most ceil(factor * tokens * k / E) assignments, those of the
+    highest router scores (models/moe.py)."""
+    moe_aux_loss_coef: float = 0.01
+    """Coefficient of the Switch/Mixtral load-balancing loss (0 disables it; it is still logged)."""
+    moe_z_loss_coef: float = 0.0
+    """Coefficient of the router z-loss (0 disables it; it is still logged)."""
+    moe_bias_update_rate: float = 1e-3
+    """The sigmoid router's bias update per optimizer step: bias_e += rate * sign(mean load - load_e) (0: fixed
+    bias; the softmax router has no bias)."""
+    moe_n_groups: int = 1
+    """Expert groups for group-limited routing (1: none); divides n_experts."""
+    moe_topk_groups: int = 1
+    """Groups a token may route to (with moe_n_groups > 1)."""
 
     def __post_init__(self):
         if self.n_kv_head is None:
@@ -125,6 +164,18 @@ class GPTConfig:
         if self.ffn_hidden is None and isinstance(self.n_embd, int):
             self.ffn_hidden = 4 * self.n_embd if self.activation != "swiglu" else _round_up(8 * self.n_embd // 3, 64)
         self.kernels = dict(self.kernels) if self.kernels is not None else {}
+        if self.moe_ffn_hidden is None and isinstance(self.n_experts, int) and self.n_experts > 0:
+            self.moe_ffn_hidden = self.ffn_hidden
+
+    def is_moe_block(self, i: int) -> bool:
+        """Whether block ``i`` holds an MoE MLP."""
+        return (self.n_experts > 0 and i >= self.moe_first_dense
+                and (i - self.moe_first_dense) % self.moe_every == 0)
+
+    @property
+    def moe_blocks(self) -> list[int]:
+        """The MoE blocks' indices (their order is the rows of the MoE statistics)."""
+        return [i for i in range(self.n_layer) if self.is_moe_block(i)]
 
     @property
     def head_dim(self) -> int:
@@ -208,9 +259,51 @@ class GPTConfig:
         need(self.ce_chunk is None or (isinstance(self.ce_chunk, int) and not isinstance(self.ce_chunk, bool)
                                        and self.ce_chunk >= 1), f"ce_chunk must be None or an int >= 1, got "
                                                                 f"{self.ce_chunk!r}")
+        if not errors:
+            self._validate_moe(need)
         if errors:
             raise ValueError("GPTConfig: " + "; ".join(errors))
         return self
+
+    def _validate_moe(self, need) -> None:
+        def whole(name, low):
+            value = getattr(self, name)
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
+            need(ok, f"{name} must be an int >= {low}, got {value!r}")
+            return ok
+
+        def number(name, ok, what):
+            value = getattr(self, name)
+            good = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and ok(value)
+            need(good, f"{name} must be {what}, got {value!r}")
+
+        if not whole("n_experts", 0) or self.n_experts == 0:
+            return
+        e = self.n_experts
+        ok = all([whole("moe_top_k", 1), whole("moe_every", 1), whole("moe_first_dense", 0),
+                  whole("moe_shared_experts", 0), whole("moe_n_groups", 1), whole("moe_topk_groups", 1),
+                  whole("moe_ffn_hidden", 1)])
+        need(self.moe_router in ("softmax", "sigmoid"),
+             f"moe_router must be 'softmax' or 'sigmoid', got {self.moe_router!r}")
+        need(isinstance(self.moe_renormalize, bool), f"moe_renormalize must be a bool, got {self.moe_renormalize!r}")
+        if self.moe_capacity_factor is not None:
+            number("moe_capacity_factor", lambda v: v > 0, "None (dropless) or a number > 0")
+        number("moe_aux_loss_coef", lambda v: v >= 0, "a number >= 0")
+        number("moe_z_loss_coef", lambda v: v >= 0, "a number >= 0")
+        number("moe_bias_update_rate", lambda v: v >= 0, "a number >= 0")
+        if not ok:
+            return
+        need(self.moe_top_k <= e, f"moe_top_k ({self.moe_top_k}) must be <= n_experts ({e})")
+        need(self.moe_first_dense < self.n_layer, f"moe_first_dense ({self.moe_first_dense}) leaves no MoE block "
+                                                  f"among n_layer ({self.n_layer}) blocks")
+        need(e % self.moe_n_groups == 0, f"moe_n_groups ({self.moe_n_groups}) must divide n_experts ({e})")
+        need(self.moe_topk_groups <= self.moe_n_groups,
+             f"moe_topk_groups ({self.moe_topk_groups}) must be <= moe_n_groups ({self.moe_n_groups})")
+        if e % self.moe_n_groups == 0 and self.moe_topk_groups <= self.moe_n_groups:
+            eligible = self.moe_topk_groups * (e // self.moe_n_groups)
+            need(self.moe_top_k <= eligible, f"moe_top_k ({self.moe_top_k}) exceeds the {eligible} experts of "
+                                             f"moe_topk_groups ({self.moe_topk_groups}) groups of "
+                                             f"{e // self.moe_n_groups}")
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -233,6 +326,20 @@ PRESETS: dict[str, dict[str, Any]] = {
                      max_seqlen=8192, rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                                                     "high_freq_factor": 4.0,
                                                     "original_max_position_embeddings": 8192}),
+    # MoE: trains in minutes on 2 CPU cores on the default corpus (llama-tiny's attention, 8 experts, top-2)
+    "moe-tiny": dict(_LLAMA, n_layer=4, n_embd=128, n_head=4, n_kv_head=2, vocab_size=257, max_seqlen=256,
+                     rotary_base=10000.0, n_experts=8, moe_top_k=2, moe_ffn_hidden=128, moe_first_dense=1,
+                     moe_aux_loss_coef=0.01, moe_z_loss_coef=0.001),
+    # Mixtral-style: 8 experts, top-2, softmax router, every block MoE; 1.6B parameters, 0.5B active (one GPU)
+    "moe-mixtral": dict(_LLAMA, n_layer=16, n_embd=1024, n_head=16, n_kv_head=8, vocab_size=32000, max_seqlen=4096,
+                        rotary_base=1e6, n_experts=8, moe_top_k=2, moe_ffn_hidden=3584, moe_renormalize=True,
+                        moe_aux_loss_coef=0.01, moe_z_loss_coef=0.001),
+    # DeepSeek-style fine-grained: 64 experts, top-6, 2 shared, sigmoid router with the balancing bias, 8 groups of
+    # which 4 eligible, the first block dense; 1.6B parameters, 0.3B active (one GPU)
+    "moe-deepseek": dict(_LLAMA, n_layer=16, n_embd=1024, n_head=16, n_kv_head=16, vocab_size=32000,
+                         max_seqlen=4096, ffn_hidden=4096, n_experts=64, moe_top_k=6, moe_ffn_hidden=512,
+                         moe_shared_experts=2, moe_first_dense=1, moe_router="sigmoid", moe_renormalize=True,
+                         moe_n_groups=8, moe_topk_groups=4, moe_aux_loss_coef=1e-4, moe_bias_update_rate=1e-3),
 }
 
 
@@ -364,13 +471,17 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: GPTConfig):
+    """The dense MLP (``hidden``: its units, default config.ffn_hidden; ``dropout``: on its output, default
+    config.dropout)."""
+
+    def __init__(self, config: GPTConfig, hidden: Optional[int] = None, dropout: Optional[float] = None):
         super().__init__()
+        hidden = config.ffn_hidden if hidden is None else hidden
         self.swiglu = config.activation == "swiglu"
         # swiglu: rows interleaved per unit, 2i the gate and 2i + 1 the up projection of unit i
-        self.fc = nn.Linear(config.n_embd, config.ffn_hidden * (2 if self.swiglu else 1), bias=config.bias)
-        self.proj = nn.Linear(config.ffn_hidden, config.n_embd, bias=config.bias)
-        self.dropout = config.dropout
+        self.fc = nn.Linear(config.n_embd, hidden * (2 if self.swiglu else 1), bias=config.bias)
+        self.proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
+        self.dropout = config.dropout if dropout is None else dropout
         self.kernels = config.kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -397,12 +508,17 @@ class Block(nn.Module):
     """Pre-norm transformer block over (x, h): x the last branch's output, h the residual stream before it (None in
     the first block); returns the same pair, so the next norm adds the residual in its own pass."""
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, index: int = 0):
         super().__init__()
         self.attn_norm = _norm(config)
         self.attn = CausalSelfAttention(config)
         self.mlp_norm = _norm(config)
-        self.mlp = MLP(config)
+        if config.is_moe_block(index):
+            shared = (MLP(config, config.moe_shared_experts * config.moe_ffn_hidden, dropout=0.0)
+                      if config.moe_shared_experts else None)
+            self.mlp = MoEMLP(config, shared, row=config.moe_blocks.index(index))
+        else:
+            self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], pos: Positions):
         if residual is None:
@@ -422,7 +538,7 @@ class GPT(nn.Module):
         with torch.device("meta"):  # built without memory; materialized and initialized once, below
             self.wte = nn.Embedding(config.padded_vocab, config.n_embd)
             self.wpe = nn.Embedding(config.max_seqlen, config.n_embd) if config.position == "learned" else None
-            self.blocks = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layer)})
+            self.blocks = nn.ModuleDict({str(i): Block(config, i) for i in range(config.n_layer)})
             self.norm_f = _norm(config)
             self.lm_head = None if config.tie_embeddings else nn.Linear(config.n_embd, config.padded_vocab,
                                                                        bias=False)
@@ -463,28 +579,82 @@ class GPT(nn.Module):
             elif leaf == "bias":
                 p.zero_()
             else:
-                std = out_std if name.endswith(("attn.proj.weight", "mlp.proj.weight")) else config.init_std
+                std = out_std if name.endswith(OUTPUT_PROJECTIONS) else config.init_std
                 gen = torch.Generator(device=p.device)
                 gen.manual_seed((base ^ zlib.crc32(name.encode())) & (2**63 - 1))
                 p.normal_(0.0, std, generator=gen)
+        if isinstance(self, nn.Module):  # (megakern.parallel initializes shards through a stand-in: it calls this)
+            self.init_buffers()
 
-    def num_params(self, exclude_embeddings: bool = False) -> int:
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Zero the persistent buffers that are state, not parameters: the sigmoid routers' balancing biases."""
+        for module in self.modules():
+            if isinstance(module, MoEMLP) and module.router.expert_bias is not None:
+                module.router.expert_bias.zero_()
+
+    # -- mixture of experts --
+    def moe_layers(self) -> list[MoEMLP]:
+        """This model's (or stage's) MoE MLPs, in block order."""
+        return [b.mlp for b in self.blocks.values() if isinstance(b.mlp, MoEMLP)]
+
+    def set_aux_loss_scale(self, scale: float) -> None:
+        """The gradient each MoE layer's aux + z loss gets per micro-batch (the training step sets it: see
+        megakern.parallel.ParallelModel.forward_backward); 1.0 until set."""
+        for layer in self.moe_layers():
+            layer.aux_loss_scale = float(scale)
+
+    def track_moe_statistics(self, stats: Optional[torch.Tensor]) -> None:
+        """Each MoE layer adds its training micro-batches' statistics to its row of ``stats`` (len(config.moe_blocks),
+        moe_statistics_width) fp32 (models/moe.py); None stops it."""
+        if stats is not None and tuple(stats.shape) != (len(self.config.moe_blocks), self.moe_statistics_width):
+            raise ValueError(f"GPT.track_moe_statistics: want a ({len(self.config.moe_blocks)}, "
+                             f"{self.moe_statistics_width}) tensor, got {tuple(stats.shape)}")
+        for layer in self.moe_layers():
+            layer.track_statistics(stats)
+
+    @torch.no_grad()
+    def discard_moe_statistics(self) -> None:
+        """Zero this model's (or stage's) MoE layers' rows of the statistics (e.g. what a pipeline's shape inference
+        added)."""
+        for layer in self.moe_layers():
+            if layer.stats is not None:
+                layer.stats[layer.row].zero_()
+
+    @property
+    def moe_statistics_width(self) -> int:
+        return stat_width(self.config.n_experts) if self.config.n_experts else 0
+
+    def update_expert_bias(self, loads: torch.Tensor, skip: Optional[torch.Tensor] = None) -> None:
+        """Once per optimizer step: each sigmoid router's bias from its row of ``loads`` (len(config.moe_blocks), E)
+        (tokens routed per expert over the step, every micro-batch and data-parallel rank); ``skip`` (device bool)
+        leaves them all unchanged."""
+        for layer in self.moe_layers():
+            layer.update_bias(loads[layer.row], skip)
+
+    def num_params(self, exclude_embeddings: bool = False, active: bool = False) -> int:
         """Parameters (each once, tied weights too); ``exclude_embeddings``: without wte and wpe (lm_head, when
-        untied, is counted)."""
+        untied, is counted); ``active``: the routed experts counted k of E (the parameters one token uses)."""
         skip = {id(m.weight) for m in (self.wte, self.wpe) if m is not None} if exclude_embeddings else set()
         seen, total = set(), 0
         for p in self.parameters():
             if id(p) not in seen and id(p) not in skip:
                 seen.add(id(p))
                 total += p.numel()
+        if active:
+            for layer in self.moe_layers():
+                for w in (layer.w_in, layer.w_out):
+                    total -= w.numel() * (layer.n_experts - layer.top_k) // layer.n_experts
         return total
 
     def flops_per_token(self, seqlen: int) -> float:
         """Training FLOPs per token (forward + backward), the MFU numerator (PaLM's convention): 6 N for the matmul
-        weights N (every block's linears and the output projection, tied or not) plus 12 * n_layer * nh * hs * seqlen
-        for attention's two matmuls (full, not halved for the causal mask, as commonly reported)."""
+        weights N a token uses (every block's linears, the MoE routers, shared experts and k of E routed experts, and
+        the output projection, tied or not) plus 12 * n_layer * nh * hs * seqlen for attention's two matmuls (full,
+        not halved for the causal mask, as commonly reported)."""
         c = self.config
-        n = self.num_params(exclude_embeddings=True) + (c.padded_vocab * c.n_embd if self.lm_head is None else 0)
+        n = (self.num_params(exclude_embeddings=True, active=True)
+             + (c.padded_vocab * c.n_embd if self.lm_head is None else 0))
         return 6.0 * n + 12.0 * c.n_layer * c.n_head * c.head_dim * seqlen
 
     # -- forward --

@@ -39,6 +39,7 @@ from megakern.parallel.data_parallel import (DP_SHARDS, allreduce_tensors, apply
                                              broadcast_params, set_grad_sync, zero1_optimizer)
 from megakern.parallel.dims import ParallelDims, ParallelMesh
 from megakern.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megakern.parallel.mappings import all_reduce
 from megakern.parallel.master import MasterWeights
 from megakern.parallel.pipeline import PipelineChunk, build_schedule, check_schedule, cut_stage, stage_layout
 from megakern.parallel.rng import RNGTracker
@@ -166,6 +167,8 @@ class ParallelModel:
             for g in self.gpts:
                 for block in g.blocks.values():
                     block.attn.core = RingAttention(pm.cp_group, backend=getattr(block.attn.core, "backend", None))
+                    if getattr(block.mlp, "is_moe", False):  # it routes this rank's share of the sequence
+                        block.mlp.shard_tokens(functools.partial(all_reduce, group=pm.cp_group), d.cp)
 
         # 4. materialize: slices of a materialized model are copied already; a meta model is initialized here
         for g in self.gpts:
@@ -175,6 +178,9 @@ class ParallelModel:
                 g.to(pm.device)
         if meta:
             self._init_weights(type(model), generator)
+            for g in self.gpts:  # persistent state that is not a parameter (MoE routers' balancing biases)
+                if hasattr(g, "init_buffers"):
+                    g.init_buffers()
         self.has_fp8 = fp8 is not None
         if fp8 is not None:  # the blocks' linears: nn.Linear, or a tensor-parallel layer's local GEMM
             from megakern import fp8 as fp8_ops
@@ -221,7 +227,8 @@ class ParallelModel:
         # FP8 under a pipeline: a new schedule's first step infers the stages' shapes with a forward (and backward) on
         # uninitialized buffers; the amaxes they record are dropped when the stage's first real forward starts
         self._shape_inference = {}
-        if self.has_fp8 and d.pp > 1:
+        self.has_moe = any(getattr(b.mlp, "is_moe", False) for g in self.gpts for b in g.blocks.values())
+        if (self.has_fp8 or self.has_moe) and d.pp > 1:
             for r in runners:
                 r.register_forward_pre_hook(self._after_shape_inference)
 
@@ -389,6 +396,12 @@ class ParallelModel:
         for callers whose data pipeline checked them."""
         idx_l, tgt_l, pos, packed, n_global = self._prepare(idx, targets, cu_seqlens, max_seqlen, check_values)
         scale = self.dp * self.cp / n_global.clamp(min=1.0)
+        if self.has_moe:
+            # the MoE layers' aux losses: per micro-batch means (a cp rank's is its share of the micro-batch's), so
+            # the step's is their mean over the dp x microbatches micro-batches: DDP's average over dp x cp does the
+            # rest
+            for g in self.gpts:
+                g.set_aux_loss_scale(self.cp / self.microbatches)
         if self.masters is not None:
             self.masters.begin_step()
         if self.pp > 1:
@@ -503,7 +516,7 @@ class ParallelModel:
             self._schedules[key] = build_schedule(
                 self.options.pp_schedule, self.modules_chunks, self.stage_indices, self.num_stages, self.mesh.device,
                 self.mesh.pp_group, self.microbatches, lambda loss, t: self._loss_fn(loss, t))
-            if self.has_fp8:  # its first step starts with the shape inference's forward on each stage
+            if self.has_fp8 or self.has_moe:  # its first step starts with the shape inference's forward on each stage
                 self._shape_inference = {id(r): "inference" for r in self.modules_chunks}
         # the schedule also calls the loss on its first (shape-inference) pass: count only the returned losses
         self._loss_fn = (lambda loss, t: loss.sum() * scale) if train else (lambda loss, t: loss.sum())
@@ -610,9 +623,12 @@ class ParallelModel:
             self._shape_inference[id(module)] = "real"
         elif state == "real":
             del self._shape_inference[id(module)]
-            from megakern import fp8 as fp8_ops
+            if self.has_fp8:
+                from megakern import fp8 as fp8_ops
 
-            fp8_ops.discard_pending(module)
+                fp8_ops.discard_pending(module)
+            if self.has_moe:  # the MoE statistics the inference's backward added
+                module.gpt.discard_moe_statistics()
 
     @torch.no_grad()
     def update_fp8_scales(self) -> torch.Tensor:

@@ -5,6 +5,10 @@ Per block (tp ranks, group g):
   [r*nkv/tp, (r+1)*nkv/tp) with their query heads); n_head / n_kv_head become the local counts; proj ->
   RowParallelLinear. The attention core runs on the local heads unchanged.
 - MLP: fc -> ColumnParallelLinear (swiglu's interleaved gate/up rows stay paired), proj -> RowParallelLinear.
+- MoE MLP (models/moe.py): whole on every tp rank (its experts, router and shared experts: expert parallelism is
+  what shards experts). Without sequence parallel every tp rank computes it on the same tokens (replicated, like
+  the norms); under sequence parallel it routes this rank's sequence shard, its statistics and aux loss count the
+  shards' sum (``shard_tokens``), and its gradients are partial sums over tp (``sp_partial``).
 - The input of attn and of mlp enters the tensor-parallel region once, by a forward pre-hook: ``copy_to_tp``, or
   under sequence parallel ``gather_from_sp`` (the sequence shards all-gathered); the row layers leave it by an
   all-reduce, or a reduce-scatter back to the sequence shards. Under autocast the input is cast to the autocast
@@ -30,7 +34,7 @@ from torch import nn
 
 from megakern.parallel.cross_entropy import vocab_parallel_linear_cross_entropy
 from megakern.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from megakern.parallel.mappings import copy_to_tp, gather_from_sp, group_size, scatter_to_sp
+from megakern.parallel.mappings import all_reduce, copy_to_tp, gather_from_sp, group_size, scatter_to_sp
 
 
 @dataclass
@@ -95,13 +99,19 @@ def apply_tensor_parallel(gpt: nn.Module, group, sequence_parallel: bool, gemm_r
         attn.proj = RowParallelLinear.from_linear(attn.proj, group, sequence_parallel=sequence_parallel,
                                                   gemm_reduce=gemm_reduce)
         attn.n_head, attn.n_kv_head = attn.n_head // tp, attn.n_kv_head // tp
-        mlp.fc = ColumnParallelLinear.from_linear(mlp.fc, group, input_is_gathered=True)
-        mlp.proj = RowParallelLinear.from_linear(mlp.proj, group, sequence_parallel=sequence_parallel,
-                                                 gemm_reduce=gemm_reduce)
         attn.register_forward_pre_hook(_enter_hook(group, sequence_parallel))
-        mlp.register_forward_pre_hook(_enter_hook(group, sequence_parallel))
-        for lname, layer in (("attn.qkv", attn.qkv), ("attn.proj", attn.proj), ("mlp.fc", mlp.fc),
-                             ("mlp.proj", mlp.proj)):
+        layers = [("attn.qkv", attn.qkv), ("attn.proj", attn.proj)]
+        if getattr(mlp, "is_moe", False):
+            if sequence_parallel:
+                mlp.shard_tokens(functools.partial(all_reduce, group=group), tp)
+                info.sp_partial.update(f"blocks.{bname}.mlp.{p}" for p, _ in mlp.named_parameters())
+        else:
+            mlp.fc = ColumnParallelLinear.from_linear(mlp.fc, group, input_is_gathered=True)
+            mlp.proj = RowParallelLinear.from_linear(mlp.proj, group, sequence_parallel=sequence_parallel,
+                                                     gemm_reduce=gemm_reduce)
+            mlp.register_forward_pre_hook(_enter_hook(group, sequence_parallel))
+            layers += [("mlp.fc", mlp.fc), ("mlp.proj", mlp.proj)]
+        for lname, layer in layers:
             for pname, dim in layer.tp_shard_dims.items():
                 if getattr(layer, pname) is not None:
                     info.shard_dims[f"blocks.{bname}.{lname}.{pname}"] = dim

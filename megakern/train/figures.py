@@ -11,15 +11,17 @@ import torch
 
 @dataclass
 class StepFigures:
-    """One optimizer step's figures on their way to the host: ``values`` (3,) fp32 = (loss, gradient norm, 1.0 if
-    the step was skipped); on CUDA a pinned host copy behind ``event``, so reading them waits for this step only,
-    not for the steps queued after it. ``time``: the step's duration (StepClock), attached by the loop."""
+    """One optimizer step's figures on their way to the host: ``values`` fp32 = (loss, gradient norm, 1.0 if the
+    step was skipped, then the MoE layers' figures if any); on CUDA a pinned host copy behind ``event``, so reading
+    them waits for this step only, not for the steps queued after it. ``time``: the step's duration (StepClock),
+    attached by the loop. ``extra``: the values after the first three, once read."""
 
     step: int
     values: torch.Tensor
     event: object = None
     timeout: float | None = None  # seconds to wait for the event before calling the step stalled (graph replays)
     time: "StepTime | None" = None
+    extra: "list[float] | None" = None
 
     def read(self) -> tuple[float, float, bool]:
         """(loss, norm, stepped), waiting for the step if it is still running."""
@@ -28,7 +30,9 @@ class StepFigures:
                 self.event.synchronize()
             else:
                 wait_for_event(self.event, self.timeout, f"step {self.step}")
-        loss, norm, skipped = self.values.tolist()
+        values = self.values.tolist()
+        loss, norm, skipped = values[:3]
+        self.extra = values[3:]
         return loss, norm, skipped == 0
 
 

@@ -273,13 +273,16 @@ class Loop:
         t = self.trainer
         c, step = t.config, figures.step
         loss, norm, stepped = figures.read()
+        moe = t.stepper.moe.summary(figures.extra) if t.stepper.moe is not None else None
         elapsed = figures.time.ns() if figures.time is not None else 0
         result.losses[step] = loss
         if not stepped:
             self.consecutive += 1
             t.nonfinite_total += 1
             result.skipped_steps.append(step)
-            t.log(f"step {step}: non-finite loss {loss} or gradient norm {norm}; step skipped "
+            routers = (f", {moe['nonfinite_logits']:.0f} non-finite MoE router logits"
+                       if moe is not None and moe["nonfinite_logits"] else "")
+            t.log(f"step {step}: non-finite loss {loss} or gradient norm {norm}{routers}; step skipped "
                   f"({self.consecutive} in a row, {t.nonfinite_total} in all)")
             if self.consecutive >= c.train.max_nonfinite:
                 raise TrainingHalted(
@@ -297,14 +300,22 @@ class Loop:
         mfu = (t.flops_per_token * tok_s / t.env.world / t.peak) if t.peak else None
         mem, mem_what = memory_gib(t.device)
         t.logger.progress(step, f"loss {loss:.4f} lr {lr:.2e} {format_count(tok_s)} tok/s MFU "
-                          f"{'n/a' if mfu is None else f'{100 * mfu:.1f}%'} {mem:.2f} GiB")
-        t.logger.record(step, {"train/loss": loss, "train/lr": lr, "train/grad_norm": norm,
-                        "perf/tokens_per_s": tok_s, "perf/mfu": mfu, "perf/memory_gib": mem,
-                        "perf/step_ms": elapsed / 1e6})
+                          f"{'n/a' if mfu is None else f'{100 * mfu:.1f}%'} {mem:.2f} GiB"
+                          + (f" MoE imbalance {moe['imbalance']:.2f}" if moe is not None else ""))
+        scalars = {"train/loss": loss, "train/lr": lr, "train/grad_norm": norm, "perf/tokens_per_s": tok_s,
+                   "perf/mfu": mfu, "perf/memory_gib": mem, "perf/step_ms": elapsed / 1e6}
+        if moe is not None:
+            scalars.update({f"moe/{k}": v for k, v in moe.items()})
+        t.logger.record(step, scalars)
         if step % c.log.every == 0 or step == c.train.steps:
+            experts = ""
+            if moe is not None:
+                experts = (f" | MoE tokens/expert {moe['tokens_per_expert_min']:.0f}..{moe['tokens_per_expert_max']:.0f}"
+                           f" (mean {moe['tokens_per_expert_mean']:.0f}) imbalance {moe['imbalance']:.2f} dropped "
+                           f"{100 * moe['dropped']:.1f}% aux {moe['aux_loss']:.4f} z {moe['z_loss']:.4f}")
             t.log(f"step {step:>6}/{c.train.steps} | loss {sum(window[2]) / len(window[2]):.4f} | "
                   f"lr {lr:.3e} | grad norm {norm:.3f} | {format_count(tok_s)} tok/s | MFU "
-                  f"{'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | {mem_what} {mem:.2f} GiB")
+                  f"{'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | {mem_what} {mem:.2f} GiB{experts}")
             self.window = [0, 0, []]
 
     def eval(self, result: RunResult) -> None:

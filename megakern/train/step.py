@@ -11,6 +11,9 @@ size) micro-batches on each rank:
                                           for bf16 weights) and reduced over the data-parallel ranks
     grad norm over every group (clipped to train.grad_clip) -> found_inf = loss or norm not finite (on the device)
     finite: AdamW step at the schedule's lr;  not finite: the step is skipped
+    MoE layers: their statistics summed over the micro-batches and ranks, appended to the step's values, and the
+                sigmoid routers' balancing biases updated from the step's loads (not when the step is skipped, nor
+                when a router saw a non-finite logit, which skips the step: experts.py)
 
 With a fused optimizer nothing is read on the host (``device_step``: the optimizer skips itself on the device), which
 is what a CUDA-graph step captures (graph.py); other optimizers read the figures and skip on the host
@@ -25,6 +28,7 @@ import torch
 from megakern import _nvtx
 from megakern.config import ConfigError, TrainConfig
 from megakern.data import Batch, to_batch
+from megakern.train.experts import MoEStats
 from megakern.train.figures import StepFigures
 from megakern.train.optimizer import device_skip, optimizer_impl, optimizer_kwargs, param_groups
 from megakern.train.runtime import Dist, fp8_recipe
@@ -54,6 +58,7 @@ class TrainStep:
         with torch.device("meta"):
             model = GPT(c.model)
         self.n_params, self.n_body = model.num_params(), model.num_params(exclude_embeddings=True)
+        self.n_active = model.num_params(active=True)
         self.flops_per_token_fn = model.flops_per_token
         # the stream a CUDA-graph step is captured on; DDP is built on it (it keeps the parameters' autograd
         # accumulator nodes, which record the stream they were made on: another stream would join the capture)
@@ -83,6 +88,7 @@ class TrainStep:
                     "weights), gradients reduced in fp32")
         self.model = self.pmodel.gpts[0]
         self.has_fp8 = self.pmodel.has_fp8
+        self.moe = MoEStats(self.pmodel, device) if c.model.n_experts else None
         self.masters = self.pmodel.masters.masters if self.pmodel.masters is not None else None
 
         # the optimizer: AdamW groups (decay / no decay) over the parameters, whose fp32 masters take their places
@@ -155,9 +161,13 @@ class TrainStep:
         """Forward and backward of the rank's step batch (``batches[0]``, which forward_backward cuts into
         micro-batches) and the clipping: [mean loss, norm (, FP8's non-finite flag)] on the device."""
         clip, batch = self.config.train.grad_clip, batches[0]
+        if self.moe is not None:
+            self.moe.begin()
         with self.range("forward_backward"), self.autocast:
             loss = self.pmodel.forward_backward(batch.inputs, batch.targets, **batch.parallel_kwargs(),
                                                 check_values=False)
+        if self.moe is not None:
+            self.moe.reduce()
         with self.range("optimizer"):
             norm = self.pmodel.grad_norm()
             self.clip_divisor = None
@@ -182,7 +192,9 @@ class TrainStep:
     def host_step(self, figures: list[torch.Tensor], number: int) -> StepFigures:
         """The optimizer step after reading the figures on the host (a sync), skipped if loss or norm is not finite
         (or the FP8 flag, a third figure, is set)."""
-        result = StepFigures(number, self.step_values(figures).cpu())
+        values = self.step_values(figures)
+        self.after_values(values)
+        result = StepFigures(number, values.cpu())
         if result.read()[2]:
             self._optimizer_step()
             self.copy_masters()
@@ -191,17 +203,28 @@ class TrainStep:
         return result
 
     def step_values(self, figures: list[torch.Tensor]) -> torch.Tensor:
-        """(loss, norm, 1.0 if the step must be skipped) as one fp32 (3,) device tensor."""
+        """(loss, norm, 1.0 if the step must be skipped) as one fp32 device tensor, then the MoE layers' figures
+        (experts.MoEStats.figures) when the model has experts."""
         loss, norm = (f.to(self.device, torch.float32).reshape(()) for f in figures[:2])
         bad = ~(torch.isfinite(loss) & torch.isfinite(norm))
         if len(figures) > 2:
             bad = bad | (figures[2].to(self.device).reshape(()) != 0)
-        return torch.stack([loss, norm, bad.to(torch.float32)])
+        if self.moe is None:
+            return torch.stack([loss, norm, bad.to(torch.float32)])
+        bad = bad | self.moe.nonfinite()
+        return torch.cat([torch.stack([loss, norm, bad.to(torch.float32)]), self.moe.figures()])
+
+    def after_values(self, values: torch.Tensor) -> None:
+        """Once per optimizer step, on the device: the sigmoid routers' biases from the step's loads, unless the step
+        is skipped (``values[2]``)."""
+        if self.moe is not None:
+            self.moe.update_bias(values[2] != 0)
 
     def device_step(self, figures: list[torch.Tensor]) -> torch.Tensor:
         """The fused optimizer's step, which skips itself on the device when the step is bad; nothing is read on
         the host (this is what a CUDA-graph step captures). Returns the step's values."""
         values = self.step_values(figures)
+        self.after_values(values)
         if self.master_step is not None:  # masters, moments and bf16 weights in one pass; skipped on values[2]
             self.master_step.step(grad_scale=self.clip_divisor, found_inf=values[2])
             for p in self.masters:

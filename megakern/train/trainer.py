@@ -138,8 +138,11 @@ class Trainer:
             check_graph(c, self.stepper)
             self.graph = StepGraph(self.stepper, t.cuda_graph_warmup, log=self.log,
                                    replay_timeout=c.parallel.init_timeout_s if self.env.world > 1 else None)
+        active = (f", {self.stepper.n_active / 1e6:.2f}M active per token: {c.model.moe_top_k} of "
+                  f"{c.model.n_experts} experts" if c.model.n_experts else "")
         self.log(f"model: {self.stepper.n_params / 1e6:.2f}M parameters ({self.stepper.n_body / 1e6:.2f}M without "
-                 f"embeddings), {self.flops_per_token / 1e6:.1f} MFLOP per token; global batch {self.global_batch} x "
+                 f"embeddings{active}), {self.flops_per_token / 1e6:.1f} MFLOP per token; global batch "
+                 f"{self.global_batch} x "
                  f"{self.seq_length} tokens = {self.accum} accumulation step(s) of {t.micro_batch_size} x "
                  f"{self.env.dp_size} data-parallel rank(s)")
 
