@@ -14,8 +14,9 @@
 Letters: B batch, T sequence, C = n_embd, nh / nkv query / key-value heads, hs head dim, V the padded vocabulary.
 
 Kernels: every op takes its backend from ``config.kernels`` (``{op: backend}``, passed as ``backend=`` to the
-megakern ops: "rms_norm" | "layer_norm" | "rotary" | "attention" | "cross_entropy" | "bias_gelu" | "linear"); an op
-not named takes the fastest backend available for the tensors' device (the torch references on CPU).
+megakern ops: "rms_norm" | "layer_norm" | "rotary" | "attention" | "cross_entropy" | "bias_gelu" | "linear" |
+"moe" | "grouped_mm"); an op not named takes the fastest backend available for the tensors' device (the torch
+references on CPU).
 
 Loss: ``forward(idx, targets)`` returns the cross-entropy of the next tokens through
 ``megakern.linear_cross_entropy``, which never holds fp32 logits for the whole vocabulary (chunked over tokens).
@@ -69,7 +70,8 @@ RECOMPUTE = ("none", "selective", "full")
 # weights initialized with std init_std / sqrt(2 n_layer) under scaled_init (names end so)
 OUTPUT_PROJECTIONS = ("attn.proj.weight", "mlp.proj.weight", "mlp.shared.proj.weight", "mlp.w_out")
 VOCAB_MULTIPLE = 128
-KERNEL_OPS = ("rms_norm", "layer_norm", "rotary", "attention", "cross_entropy", "bias_gelu", "linear")
+KERNEL_OPS = ("rms_norm", "layer_norm", "rotary", "attention", "cross_entropy", "bias_gelu", "linear", "moe",
+              "grouped_mm")
 IGNORE_INDEX = -100
 
 
@@ -122,8 +124,9 @@ class GPTConfig:
     """Activation recomputation: "none" | "selective" (the attention core) | "full" (each block)."""
     kernels: dict = field(default_factory=dict)
     """Backend per op, {op: "torch" | "triton" | "cuda"}, ops: rms_norm, layer_norm, rotary, attention,
-    cross_entropy, bias_gelu (the MLP's fc bias + GELU), linear (the other biased projections' bias gradient); ops not
-    named take the fastest available backend."""
+    cross_entropy, bias_gelu (the MLP's fc bias + GELU), linear (the other biased projections' bias gradient), moe
+    (the experts' permute / unpermute), grouped_mm (the experts' GEMMs); ops not named take the fastest available
+    backend."""
     ce_chunk: Optional[int] = None
     """Tokens per chunk of the fused linear cross-entropy (None: chosen from the vocabulary size)."""
     n_experts: int = 0

@@ -217,7 +217,7 @@ class MoEMLP(nn.Module):
         self.capacity_factor = c.moe_capacity_factor
         self.aux_coef, self.z_coef = c.moe_aux_loss_coef, c.moe_z_loss_coef
         self.bias_rate = c.moe_bias_update_rate
-        self.dropout = c.dropout
+        self.dropout, self.kernels = c.dropout, c.kernels  # kernels: ops "moe" and "grouped_mm" (megakern.moe)
         self.row = row
         self.router = Router(c.n_embd, c.n_experts, bias_buffer=c.moe_router == "sigmoid")
         self.w_in = nn.Parameter(torch.empty(c.n_experts, c.n_embd, c.moe_ffn_hidden * (2 if self.swiglu else 1)))
@@ -259,15 +259,15 @@ class MoEMLP(nn.Module):
         dtype = (torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type)
                  else self.w_in.dtype)
         plan = route_plan(expert_idx, self.n_experts)
-        xs = permute(x.to(dtype), plan)                                  # (N k, C) by expert
-        h = grouped_mm(xs, self.w_in.to(dtype), plan.offsets)            # (N k, F or 2F)
+        xs = permute(x.to(dtype), plan, backend=self.kernels)            # (N k, C) by expert
+        h = grouped_mm(xs, self.w_in.to(dtype), plan.offsets, backend=self.kernels)  # (N k, F or 2F)
         if self.swiglu:
             h = h.unflatten(-1, (-1, 2))
             h = F.silu(h[..., 0]) * h[..., 1]
         else:
             h = F.gelu(h, approximate="tanh")
-        y = grouped_mm(h, self.w_out.to(dtype), plan.offsets)            # (N k, C)
-        return unpermute(y, weights, plan)                               # (N, C)
+        y = grouped_mm(h, self.w_out.to(dtype), plan.offsets, backend=self.kernels)  # (N k, C)
+        return unpermute(y, weights, plan, backend=self.kernels)         # (N, C), the combine in fp32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
