@@ -49,7 +49,7 @@ class Config(NamedTuple):
     persistent: bool = True
 
 
-INTERPRETER_CONFIG = Config(16, 16, 16, 2, 1, 4, True)
+INTERPRETER_CONFIG = Config(32, 32, 32, 2, 1, 4, True)
 
 
 # ---- kernels ---------------------------------------------------------------------------------------------------

@@ -113,12 +113,13 @@ def route_plan(expert_idx: torch.Tensor, num_experts: int) -> RoutePlan:
     flat = expert_idx.reshape(-1).long()
     dropped = (flat < 0) | (flat >= num_experts)
     key = torch.where(dropped, torch.full_like(flat, num_experts), flat)
-    order = torch.sort(key, stable=True).indices
+    sorted_key, order = torch.sort(key, stable=True)
     position = torch.empty_like(order)
     position[order] = torch.arange(order.numel(), device=order.device)
     position = torch.where(dropped, torch.full_like(position, -1), position)
-    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
-    offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
+    # offsets[e] = the keys below e, searched in the sorted keys (bincount reads its input's max on the host on CUDA)
+    offsets = torch.searchsorted(sorted_key, torch.arange(num_experts + 1, device=key.device))
+    counts = offsets[1:] - offsets[:-1]
     return RoutePlan(order, position, counts, offsets, k)
 
 
