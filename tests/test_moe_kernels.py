@@ -278,6 +278,64 @@ def test_empty_inputs():
     assert torch.equal(dw, torch.zeros_like(dw))
 
 
+# ---- lowering for Hopper (Triton's sm_90 compiler runs without a GPU) ----------------------------------------------
+def compile_for_sm90() -> list:
+    """(kernel, shared memory bytes, uses wgmma, moves tiles by TMA) for the grouped GEMM's kernels at their default
+    bf16 tiles for the issue's shapes (forward, dX with w transposed, dW) and the gather / combine kernels, compiled
+    for sm_90. Needs real (not interpreted) Triton kernels: run with TRITON_INTERPRET=0."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from megakern import _grouped_gemm_triton as gg
+    from megakern import _moe_triton as mt
+
+    cuda = torch.device("cuda")
+    gemm = {"A": "*bf16", "B": "*bf16", "C": "*bf16", "OFFSETS": "*i64"}
+    moves = {"SRC": "*bf16", "Y": "*bf16", "OUT": "*bf16", "ORDER": "*i64", "OFFSETS": "*i64", "POSITION": "*i64",
+             "W": "*fp32", "DW": "*fp32"}
+    kernels = []
+    for name, (m, n, k, e) in {"fwd E=8": (65536, 14336, 4096, 8), "dX E=8": (65536, 4096, 14336, 8),
+                               "fwd E=64": (32768, 1408, 2048, 64)}.items():
+        cfg = gg.default_config(m, n, k, e, torch.bfloat16, cuda)
+        kernels.append((name, gg._grouped_mm_kernel, cfg, dict(
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, E_POW2=e,
+            STAGES=cfg.stages, TMA=True, TRANS_B=name.startswith("dX"), UPCAST=False, PRECISION="tf32")))
+    cfg = gg.default_config(65536, 14336, 4096, 8, torch.bfloat16, cuda, dw=True)
+    kernels.append(("dW E=8", gg._grouped_mm_dw_kernel, cfg, dict(
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.stages,
+        TMA=True, UPCAST=False, PRECISION="tf32")))
+    block_r, block_c, warps = mt._gather_blocks(4096, cuda)
+    kernels.append(("gather", mt._gather_kernel, gg.Config(0, 0, 0, 0, 1, warps), dict(
+        TOP_K=2, HAS_W=True, HAS_DW=True, BLOCK_R=block_r, BLOCK_C=block_c)))
+    block_t, block_c, warps = mt._combine_blocks(4096, cuda)
+    kernels.append(("combine", mt._combine_kernel, gg.Config(0, 0, 0, 0, 1, warps), dict(
+        TOP_K=2, HAS_W=True, BLOCK_T=block_t, BLOCK_C=block_c)))
+    results = []
+    for name, fn, cfg, constexprs in kernels:
+        pointers = moves if name in ("gather", "combine") else gemm
+        signature = {a: "constexpr" if a in constexprs else pointers.get(a, "i32") for a in fn.arg_names}
+        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                                  target=GPUTarget("cuda", 90, 64),
+                                  options=dict(num_warps=cfg.warps, num_stages=cfg.stages))
+        ptx = compiled.asm["ptx"]
+        results.append((name, compiled.metadata.shared, "wgmma" in ptx, "cp.async.bulk.tensor" in ptx))
+    return results
+
+
+def test_kernels_compile_for_sm90():
+    """The grouped GEMM lowers for Hopper onto wgmma with TMA tile moves, within shared memory; so do the gather and
+    combine kernels."""
+    from conftest import sm90_lowering
+
+    results = sm90_lowering("test_moe_kernels", "compile_for_sm90()")
+    assert [name for name, *_ in results] == ["fwd E=8", "dX E=8", "fwd E=64", "dW E=8", "gather", "combine"]
+    for name, shared, wgmma, tma in results:
+        assert shared <= 227 * 1024, f"{name}: {shared} bytes of shared memory"
+        if name not in ("gather", "combine"):
+            assert wgmma and tma, f"{name}: wgmma {wgmma}, TMA {tma} in the sm_90 PTX"
+
+
 # ---- GPU: larger shapes, TMA, no host syncs ------------------------------------------------------------------------
 GPU_GEMMS = [  # experts, K, N, rows, experts left without tokens
     (8, 512, 1024, 4096, (3,)),
