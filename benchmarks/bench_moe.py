@@ -236,7 +236,8 @@ def bench_moves(args, results: Results, device) -> None:
                 check_outputs(("permute", "permute dx"), _moves_outputs(permute, (x,), plan, dp), ref_p, 0.02, 1e-3)
                 check_outputs(("unpermute", "unpermute dy", "unpermute dweights"),
                               _moves_outputs(unpermute, (y, weights), plan, du), ref_u, 0.02, 1e-3)
-                for op, fn, inputs, grad in (("permute", permute, (x,), dp), ("unpermute", unpermute, (y, weights), du)):
+                ops = (("permute", permute, (x,), dp), ("unpermute", unpermute, (y, weights), du))
+                for op, fn, inputs, grad in ops:
                     for mode in ("fwd", "bwd"):
                         if mode == "fwd":
                             with torch.no_grad():
