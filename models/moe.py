@@ -120,18 +120,24 @@ def drop_over_capacity(expert_idx: torch.Tensor, score: torch.Tensor, n_experts:
     flat = expert_idx.reshape(-1)
     by_score = torch.sort(-score.reshape(-1).float(), stable=True).indices  # descending score, ties in order
     order = by_score[torch.sort(flat[by_score], stable=True).indices]       # by expert, then by score
-    counts = torch.bincount(flat, minlength=n_experts)
+    counts = _count(flat, n_experts)
     starts = torch.cumsum(counts, 0) - counts
     rank = torch.empty_like(flat)
     rank[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
     return torch.where(rank < cap, flat, torch.full_like(flat, -1)).view_as(expert_idx)
 
 
+def _count(flat: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """(E,) int64: how often each of 0 .. E-1 occurs in ``flat`` (others not counted). A scatter-add, not
+    torch.bincount, which reads its input's max on the host on CUDA."""
+    key = torch.where((flat < 0) | (flat >= n_experts), torch.full_like(flat, n_experts), flat)
+    return torch.zeros(n_experts + 1, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, key, torch.ones_like(key))[:n_experts]
+
+
 def expert_counts(expert_idx: torch.Tensor, n_experts: int) -> torch.Tensor:
     """Assignments per expert (E,) fp32, -1 (dropped) not counted."""
-    flat = expert_idx.reshape(-1)
-    key = torch.where(flat < 0, torch.full_like(flat, n_experts), flat)
-    return torch.bincount(key, minlength=n_experts + 1)[:n_experts].float()
+    return _count(expert_idx.reshape(-1), n_experts).float()
 
 
 def load_balancing_loss(probs: torch.Tensor, counts: torch.Tensor, n_tokens: float) -> torch.Tensor:

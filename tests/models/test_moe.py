@@ -320,3 +320,34 @@ def test_presets_build_and_validate():
     assert (ds.n_experts, ds.moe_top_k, ds.moe_shared_experts, ds.moe_router) == (64, 6, 2, "sigmoid")
     mx = GPTConfig.preset("moe-mixtral")
     assert (mx.n_experts, mx.moe_top_k) == (8, 2)
+
+
+def test_training_forward_and_backward_read_nothing_on_the_host(monkeypatch):
+    """The MoE layer (routing, capacity, losses, statistics) reads no device value on the host, so a step that routes
+    can be captured in a CUDA graph. megakern.moe's torch reference of the grouped GEMM reads the offsets (its Triton
+    kernel does not): a gather-based stand-in takes its place here."""
+    from host_reads import host_reads
+
+    import megakern.models.moe as moe_module
+
+    def grouped_mm(x, w, offsets, backend=None):
+        rows = torch.arange(x.shape[0])
+        e = torch.searchsorted(offsets[1:], rows, right=True).clamp(max=w.shape[0] - 1)
+        out = torch.bmm(x.unsqueeze(1), w[e]).squeeze(1)
+        return out * (rows < offsets[-1]).unsqueeze(1).to(out.dtype)
+
+    monkeypatch.setattr(moe_module, "grouped_mm", grouped_mm)
+    torch.manual_seed(6)
+    cfg = _config(moe_router="sigmoid", moe_capacity_factor=1.0, moe_shared_experts=1, moe_aux_loss_coef=0.01,
+                  moe_z_loss_coef=0.01, moe_n_groups=3, moe_topk_groups=2)
+    model = GPT(cfg)
+    stats = torch.zeros(2, model.moe_statistics_width)
+    model.track_moe_statistics(stats)
+    idx = torch.randint(0, 64, (2, 16))
+
+    def step():
+        model(idx, idx, check_values=False).backward()
+        model.update_expert_bias(stats[:, :cfg.n_experts], torch.tensor(False))
+
+    assert host_reads(step) == []
+    assert stats[:, :cfg.n_experts].sum() > 0
