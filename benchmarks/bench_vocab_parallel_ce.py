@@ -168,13 +168,13 @@ def main(argv: list[str] | None = None) -> Results:
         mp.start_processes(_rank, args=(tp, port, args, known.chunks, queue), nprocs=tp, join=True,
                            start_method="spawn")
         figures, roofline = queue.get()
+        if roofline is not None and "TFLOP/s" not in results.rooflines:  # before the figures: each prints its fraction
+            results.add_roofline("TFLOP/s", roofline)
         for case, mode, name, timing, tflops, gib in figures:
             record(results, case, mode, name, timing, "TFLOP/s", tflops)
             if gib is not None:
                 results.add(case, mode, name, "GiB", gib)
                 print(f"{case:<40} {mode:<16} {name:<10} peak {gib:.3f} GiB (rank 0)")
-    if roofline is not None:
-        results.add_roofline("TFLOP/s", roofline)
     file_rows(results, "vocab_parallel_ce", args.out, args.no_save)
     print(results.markdown("TFLOP/s"))
     if args.device.type == "cuda":
