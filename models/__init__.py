@@ -3,5 +3,6 @@
 Installed as ``megakern.models`` (the source folder is models/), so no top-level ``models`` package is installed.
 """
 from megakern.models.gpt import GPT, PRESETS, GPTConfig
+from megakern.models.moe import MoEMLP
 
-__all__ = ["GPT", "GPTConfig", "PRESETS"]  # generation: GPT.generate, or megakern.models.generate.generate
+__all__ = ["GPT", "GPTConfig", "MoEMLP", "PRESETS"]  # generation: GPT.generate, or megakern.models.generate.generate
