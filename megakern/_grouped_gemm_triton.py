@@ -54,6 +54,16 @@ INTERPRETER_CONFIG = Config(32, 32, 32, 2, 1, 4, True)
 
 # ---- kernels ---------------------------------------------------------------------------------------------------
 @triton.jit
+def _mma(a, b, acc, PRECISION: tl.constexpr):
+    # fp32 ("ieee"): each step's product is summed on its own and then added, a blocked sum whose rounding grows with
+    # BLOCK_K plus the number of steps, not with the whole reduction (an expert's rows for dW); bf16 / fp16 operands
+    # accumulate in the MMA
+    if PRECISION == "ieee":
+        return acc + tl.dot(a, b, input_precision=PRECISION)
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
 def _store_masked(C, tile, row0, row_end, col0, N, stride_cm, stride_cn, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr):
     rows = row0 + tl.arange(0, BLOCK_M)
@@ -129,7 +139,7 @@ def _grouped_mm_kernel(A, B, C, OFFSETS, M, N, K, E,
                         b = b_desc.load([g, kb * BLOCK_K, col0]).reshape(BLOCK_K, BLOCK_N)
                     if UPCAST:
                         a, b = a.to(tl.float32), b.to(tl.float32)
-                    acc = tl.dot(a, b, acc, input_precision=PRECISION)
+                    acc = _mma(a, b, acc, PRECISION)
             else:
                 rows = row0 + tl.arange(0, BLOCK_M)
                 cols = col0 + tl.arange(0, BLOCK_N)
@@ -144,7 +154,7 @@ def _grouped_mm_kernel(A, B, C, OFFSETS, M, N, K, E,
                     b = tl.load(b_ptrs, mask=k_ok[:, None] & (cols < N)[None, :], other=0.0)
                     if UPCAST:
                         a, b = a.to(tl.float32), b.to(tl.float32)
-                    acc = tl.dot(a, b, acc, input_precision=PRECISION)
+                    acc = _mma(a, b, acc, PRECISION)
                     a_ptrs += BLOCK_K * stride_ak
                     b_ptrs += BLOCK_K * stride_bk
             _store_rows(C, c_desc, acc.to(C.dtype.element_ty), row0, row_end, col0, N, stride_cm, stride_cn,
@@ -199,7 +209,7 @@ def _grouped_mm_dw_kernel(A, B, C, OFFSETS, M, K, N, E,
                 b = b_desc.load([r0, col0])
                 if UPCAST:
                     a, b = a.to(tl.float32), b.to(tl.float32)
-                acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
+                acc = _mma(tl.trans(a), b, acc, PRECISION)
         else:
             for i in tl.range(0, whole, num_stages=STAGES):
                 rows = (row_start + i * BLOCK_K + rs).to(tl.int64)
@@ -209,7 +219,7 @@ def _grouped_mm_dw_kernel(A, B, C, OFFSETS, M, K, N, E,
                             mask=(cols < N)[None, :], other=0.0)
                 if UPCAST:
                     a, b = a.to(tl.float32), b.to(tl.float32)
-                acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
+                acc = _mma(tl.trans(a), b, acc, PRECISION)
         # the remaining rows, masked
         r0 = row_start + whole * BLOCK_K
         if r0 < row_end:
@@ -221,7 +231,7 @@ def _grouped_mm_dw_kernel(A, B, C, OFFSETS, M, K, N, E,
                         mask=in_rows[:, None] & (cols < N)[None, :], other=0.0)
             if UPCAST:
                 a, b = a.to(tl.float32), b.to(tl.float32)
-            acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
+            acc = _mma(tl.trans(a), b, acc, PRECISION)
         out = acc.to(C.dtype.element_ty)
         if TMA:
             c_desc.store([g, k0, col0], out.reshape(1, BLOCK_M, BLOCK_N))
