@@ -1,4 +1,5 @@
-"""Mixture-of-Experts kernels: the grouped GEMM (TFLOP/s) and the token permutation (GB/s), with same-run rooflines.
+"""Mixture-of-Experts kernels and layer: the grouped GEMM (TFLOP/s), the token permutation (GB/s) and the whole MoE
+layer against Hugging Face's Mixtral block (TFLOP/s, tok/s), with same-run rooflines.
 
 Sections (``--sections``, default all), each filing rows under the bench name ``moe``:
 
@@ -27,23 +28,40 @@ GB/s = bytes / median time, also as a fraction of the same-run copy roofline (ta
 Providers: torch (megakern.moe's references under autograd), compile (the same under torch.compile),
 megakern-triton.
 
+layer: the MoE MLP forward and forward + backward (dx and every weight's gradient) at a Mixtral-8x7B layer's shape:
+8192 tokens (1 x 8192 x C), C 4096, F 14336, E 8, top-2, softmax router renormalized over the k, SwiGLU experts,
+bf16, training mode, router losses off (Hugging Face computes them outside the block). The same weights in both:
+    megakern            megakern.models.moe.MoEMLP (route plan, permute, grouped GEMMs, unpermute; Triton kernels)
+    hf-eager            transformers' MixtralSparseMoeBlock (MixtralConfig; its experts implementation is the one a
+                        Mixtral model gets by default, named in the case: grouped_mm (torch._grouped_mm) on
+                        transformers 5 where torch has it, the loop over experts on transformers 4; --hf-experts)
+    megakern-compile, hf-compile    the same under torch.compile
+FLOPs: the k experts' three matmuls per token, fwd = 2 N k (C 2F + F C), fwd+bwd = 3 fwd (router not counted).
+Figures: TFLOP/s (and the fraction of the same-run matmul roofline), tok/s = N / median time, ms, GiB = peak memory
+of one forward + backward beyond what was allocated before it; the speedup over hf-compile is printed.
+The check: each provider's routing (its own rounding of the router logits) must match the fp32 reference's for
+>= 98% of the tokens, and on those tokens out and dx must be within 0.03 of max |ref| (a token in 500 may be off).
+
 Every provider's outputs are checked against the fp32 reference before it is timed; a wrong one is reported and
 skipped.
 
-    python -m benchmarks.bench_moe [--quick] [--sections gemm,moves] [--providers torch,megakern-triton]
+    python -m benchmarks.bench_moe [--quick] [--sections gemm,moves,layer] [--providers torch,megakern-triton]
+    python -m benchmarks.bench_moe --sections layer [--providers megakern,hf-compile] [--hf-experts eager]
+    python -m benchmarks.bench_moe --device cpu --sections layer --providers megakern,hf-eager    # smoke test
 """
 
 import argparse
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 if __package__:
     from .common import (Results, Unavailable, bench, check_outputs, file_rows, load_providers, measure_copy_gbps,
-                         measure_matmul_tflops, parse_args, record, report_failure)
+                         measure_matmul_tflops, parse_args, peak_gib, record, report_failure)
 else:  # python benchmarks/bench_moe.py
     from common import (Results, Unavailable, bench, check_outputs, file_rows, load_providers, measure_copy_gbps,
-                        measure_matmul_tflops, parse_args, record, report_failure)
+                        measure_matmul_tflops, parse_args, peak_gib, record, report_failure)
 
 from megakern import moe
 
@@ -265,16 +283,296 @@ def _moves_outputs(fn, inputs, plan, grad, fp32=False):
     return [out.detach(), *torch.autograd.grad(out, inputs, grad.to(out.dtype))]
 
 
+# ---- the whole MoE layer ------------------------------------------------------------------------------------------
+class Layer(NamedTuple):
+    routing: Routing
+    hidden: int
+    ffn: int
+
+
+def layer_cases(device, quick: bool) -> list[Layer]:
+    if device.type != "cuda":
+        return [Layer(Routing("tiny layer", 4, 2, 24), 32, 48)]
+    return [Layer(Routing("Mixtral-8x7B layer", 8, 2, 8192), 4096, 14336)]
+
+
+def layer_flops(tokens: int, top_k: int, hidden: int, ffn: int, mode: str) -> int:
+    """The k experts' three SwiGLU matmuls per token (gate and up C -> F, down F -> C); the backward twice the
+    forward. The router's N C E and the elementwise work are not counted."""
+    fwd = 2 * tokens * top_k * (hidden * 2 * ffn + ffn * hidden)
+    return fwd if mode == "fwd" else 3 * fwd
+
+
+def layer_weights(case: Layer, device, dtype) -> dict[str, torch.Tensor]:
+    """Random weights in Hugging Face's layout, rounded to ``dtype``: gate (E, C), w1 / w3 (E, F, C) the experts'
+    gate / up projections, w2 (E, C, F) the down projection; router logits and outputs of unit scale."""
+    e, c, f = case.routing.experts, case.hidden, case.ffn
+    g = torch.Generator(device=device).manual_seed(0)
+    shapes = {"gate": ((e, c), c), "w1": ((e, f, c), c), "w3": ((e, f, c), c), "w2": ((e, c, f), f)}
+    return {name: (torch.randn(shape, device=device, generator=g) * fan_in ** -0.5).to(dtype)
+            for name, (shape, fan_in) in shapes.items()}
+
+
+def layer_ref(x: torch.Tensor, w: dict, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, expert_idx) of the Mixtral block in fp32: softmax router, top-k renormalized, SwiGLU experts, a loop over
+    the experts (differentiable in x)."""
+    x2 = x.reshape(-1, x.shape[-1]).float()
+    gate, w1, w3, w2 = (w[k].float() for k in ("gate", "w1", "w3", "w2"))
+    probs = torch.softmax(x2 @ gate.t(), dim=-1)
+    top, idx = probs.topk(top_k, dim=-1)
+    weights = top / top.sum(-1, keepdim=True)
+    out = torch.zeros_like(x2)
+    for e in range(gate.shape[0]):
+        tok, j = (idx == e).nonzero(as_tuple=True)
+        if tok.numel():
+            h = x2[tok]
+            y = (F.silu(h @ w1[e].t()) * (h @ w3[e].t())) @ w2[e].t()
+            out = out.index_add(0, tok, y * weights[tok, j, None])
+    return out.view(x.shape), idx
+
+
+class LayerUnderTest(NamedTuple):
+    """A provider's layer: ``forward(x) -> out`` (x (1, N, C)), ``params`` (gradients timed with dx),
+    ``route(x2) -> (N, k)`` its routing of x2 (N, C), computed eagerly (which tokens it sends where)."""
+    forward: object
+    params: list
+    route: object
+
+
+def _megakern_layer(case: Layer, w: dict, device, compile: bool) -> LayerUnderTest:
+    import megakern
+    from megakern.models.gpt import GPTConfig
+    from megakern.models.moe import MoEMLP
+
+    r = case.routing
+    # the Triton kernels on a GPU; a CPU takes the default (the torch references: the interpreter is too slow here)
+    kernels = ({"moe": "triton", "grouped_mm": "triton"}
+               if device.type == "cuda" and not megakern.available_backends(device)["triton"] else {})
+    config = GPTConfig(n_layer=1, n_embd=case.hidden, n_head=1, activation="swiglu", bias=False, n_experts=r.experts,
+                       moe_top_k=r.top_k, moe_ffn_hidden=case.ffn, moe_router="softmax", moe_renormalize=True,
+                       moe_aux_loss_coef=0.0, moe_z_loss_coef=0.0, dropout=0.0, kernels=kernels).validate()
+    with torch.device(device):  # parameters made on the device (torch.empty), then cast
+        layer = MoEMLP(config).to(dtype=w["w1"].dtype).train()
+    with torch.no_grad():
+        layer.router.weight.copy_(w["gate"])
+        # w_in (E, C, 2F): columns 2i / 2i + 1 the gate / up of unit i
+        layer.w_in.view(r.experts, case.hidden, case.ffn, 2).copy_(
+            torch.stack([w["w1"].transpose(1, 2), w["w3"].transpose(1, 2)], dim=-1))
+        layer.w_out.copy_(w["w2"].transpose(1, 2))
+    forward = torch.compile(layer) if compile else layer
+
+    def route(x2):
+        with torch.no_grad():
+            return layer.routing(layer.router.logits(x2)).expert_idx
+
+    return LayerUnderTest(forward, list(layer.parameters()), route)
+
+
+def _hf_experts_impl(choice: str, config) -> str | None:
+    """The experts implementation to set on the config (transformers with ``_experts_implementation``), or None
+    (older transformers: one implementation, the loop over experts)."""
+    if not hasattr(config, "_experts_implementation"):
+        if choice not in ("default", "eager"):
+            raise Unavailable(f"this transformers has no experts implementations (asked for {choice!r})")
+        return None
+    if choice != "default":
+        return choice
+    # what a Mixtral model gets by default: torch's grouped GEMM where there is one
+    return "grouped_mm" if hasattr(torch.nn.functional, "grouped_mm") or hasattr(torch, "_grouped_mm") else "eager"
+
+
+def _copy_hf_weights(block, w: dict, case: Layer) -> None:
+    """Hugging Face's block takes the weights in whichever layout the installed version has: a ModuleList of
+    experts with w1 / w2 / w3 linears (transformers 4), or stacked gate_up_proj / down_proj (transformers 5:
+    (E, 2F, C) gate then up, (E, C, F); transposed or interleaved where the experts say so)."""
+    e, c, f = case.routing.experts, case.hidden, case.ffn
+    experts = block.experts
+    with torch.no_grad():
+        block.gate.weight.copy_(w["gate"])
+        if hasattr(experts, "gate_up_proj"):
+            if getattr(experts, "is_concatenated", True):
+                gate_up = torch.cat([w["w1"], w["w3"]], dim=1)                       # (E, 2F, C)
+            else:
+                gate_up = torch.stack([w["w1"], w["w3"]], dim=2).reshape(e, 2 * f, c)
+            down = w["w2"]                                                           # (E, C, F)
+            transposed = getattr(experts, "is_transposed", None)
+            if transposed is None:
+                transposed = tuple(experts.gate_up_proj.shape) == (e, c, 2 * f) and c != 2 * f
+            if transposed:
+                gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+            if experts.gate_up_proj.shape != gate_up.shape or experts.down_proj.shape != down.shape:
+                raise Unavailable(f"unknown Mixtral experts layout: gate_up_proj {tuple(experts.gate_up_proj.shape)}, "
+                                  f"down_proj {tuple(experts.down_proj.shape)}")
+            experts.gate_up_proj.copy_(gate_up)
+            experts.down_proj.copy_(down)
+        else:
+            for i, expert in enumerate(experts):
+                expert.w1.weight.copy_(w["w1"][i])
+                expert.w3.weight.copy_(w["w3"][i])
+                expert.w2.weight.copy_(w["w2"][i])
+
+
+def _hf_layer(case: Layer, w: dict, device, compile: bool, experts_choice: str) -> LayerUnderTest:
+    from transformers import MixtralConfig
+    from transformers.models.mixtral import modeling_mixtral
+
+    r = case.routing
+    config = MixtralConfig(hidden_size=case.hidden, intermediate_size=case.ffn, num_local_experts=r.experts,
+                           num_experts_per_tok=r.top_k, router_jitter_noise=0.0, hidden_act="silu")
+    impl = _hf_experts_impl(experts_choice, config)
+    if impl is not None:
+        config._experts_implementation = impl
+    with torch.device(device):  # transformers 4 initializes its linears: on the device, not the host
+        block = modeling_mixtral.MixtralSparseMoeBlock(config).to(dtype=w["w1"].dtype).train()
+    _copy_hf_weights(block, w, case)
+    module = torch.compile(block) if compile else block
+
+    def forward(x):
+        out = module(x)
+        return out[0] if isinstance(out, tuple) else out  # transformers 4: (hidden, router_logits)
+
+    def route(x2):
+        # the block's own routing: bf16 logits (its dtype), softmax in fp32, top-k
+        with torch.no_grad():
+            probs = torch.softmax(F.linear(x2, block.gate.weight).float(), dim=-1)
+            return probs.topk(r.top_k, dim=-1).indices
+
+    return LayerUnderTest(forward, list(block.parameters()), route)
+
+
+def _load_layer_megakern(compile: bool):
+    def load(device):
+        import megakern.models.moe  # noqa: F401 (import errors name what is missing)
+
+        if compile:
+            torch.compiler.reset()
+        return lambda case, w, args: _megakern_layer(case, w, device, compile)
+
+    return load
+
+
+def _load_layer_hf(compile: bool):
+    def load(device):
+        try:
+            import transformers
+        except ImportError:
+            raise Unavailable("transformers is not installed (pip install transformers)") from None
+        try:
+            from transformers.models.mixtral import modeling_mixtral
+        except ImportError as exc:
+            raise Unavailable(f"transformers {transformers.__version__} has no Mixtral: {exc}") from None
+        if not hasattr(modeling_mixtral, "MixtralSparseMoeBlock"):
+            raise Unavailable(f"transformers {transformers.__version__} has no MixtralSparseMoeBlock")
+        if compile:
+            torch.compiler.reset()
+        return lambda case, w, args: _hf_layer(case, w, device, compile, args.hf_experts)
+
+    return load
+
+
+LAYER_PROVIDERS = {"megakern": _load_layer_megakern(False), "megakern-compile": _load_layer_megakern(True),
+                   "hf-eager": _load_layer_hf(False), "hf-compile": _load_layer_hf(True)}
+LAYER_BASELINE = "hf-compile"
+
+
+def check_layer(name: str, outs, ref, route, ref_idx, tol: float) -> str:
+    """Raise AssertionError unless the provider routes >= 98% of the tokens as the fp32 reference does and, on those
+    tokens, its output and dx are within ``tol`` of the reference (scaled by max |ref|; a token in 500 may be off:
+    a near tie of the router in the provider's own rounding). Returns a one-line summary."""
+    same = (route.sort(dim=1).values == ref_idx.sort(dim=1).values).all(dim=1)
+    n = same.numel()
+    if same.float().mean().item() < 0.98:
+        raise AssertionError(f"{name}: routes {n - int(same.sum())} of {n} tokens unlike the fp32 reference")
+    notes = []
+    for what, out, expected in zip(("out", "dx"), outs, ref):
+        out, expected = out.reshape(n, -1)[same].float(), expected.reshape(n, -1)[same]
+        err = (out - expected).abs().amax(dim=1) / expected.abs().max().clamp_min(1e-6)
+        bad = int((~(err <= tol)).sum())  # NaN counts as bad
+        if bad > max(1, n // 500):
+            raise AssertionError(f"{name}: {what} is off the fp32 reference at {bad} of {int(same.sum())} tokens "
+                                 f"(max scaled error {err.nan_to_num(float('inf')).max().item():.3g} > {tol})")
+        notes.append(f"{what} max error {err.nan_to_num(float('inf')).max().item():.2g} ({bad} off)")
+    return f"{int(same.sum())} of {n} tokens routed as the reference; " + ", ".join(notes)
+
+
+def bench_layer(args, results: Results, device) -> None:
+    if not (loaders := _providers("layer", LAYER_PROVIDERS, args, device, load=False)):
+        return
+    dtype = _dtype(device)
+    for case in layer_cases(device, args.quick):
+        r = case.routing
+        w = layer_weights(case, device, dtype)
+        x = torch.randn(1, r.tokens, case.hidden, device=device).to(dtype).requires_grad_()
+        g = torch.randn(x.shape, device=device).to(dtype)
+        x_ref = x.detach().float().requires_grad_()
+        ref_out, ref_idx = layer_ref(x_ref, w, r.top_k)
+        ref = [ref_out.detach(), torch.autograd.grad(ref_out, x_ref, g.float())[0]]
+        del ref_out, x_ref
+        impl = ""
+        if {"hf-eager", "hf-compile"} & loaders.keys():
+            try:
+                from transformers import MixtralConfig, __version__ as tf_version
+
+                impl = _hf_experts_impl(args.hf_experts, MixtralConfig()) or "loop"
+                print(f"transformers {tf_version}: Mixtral experts implementation {impl!r}")
+            except Exception as exc:
+                impl = f"? ({type(exc).__name__})"
+        name = (f"{r.name} N={r.tokens} C={case.hidden} F={case.ffn} E={r.experts} k={r.top_k} "
+                f"{str(dtype).removeprefix('torch.')}" + (f" hf={impl}" if impl else ""))
+        times = {}
+        for provider, load in loaders.items():
+            layer = None
+            try:
+                layer = load(device)(case, w, args)
+                inputs = [x, *layer.params]
+                out = layer.forward(x)
+                dx = torch.autograd.grad(out, inputs, g)[0]
+                summary = check_layer(provider, (out.detach(), dx), ref, layer.route(x.detach().view(r.tokens, -1)),
+                                      ref_idx, 0.03 if dtype != torch.float32 else 1e-3)
+                print(f"{provider}: {summary}")
+                del out, dx
+                for mode in ("fwd", "fwd+bwd"):
+                    if mode == "fwd":
+                        timing = bench(lambda: layer.forward(x), device=device)
+                    else:
+                        timing = bench(lambda: torch.autograd.grad(layer.forward(x), inputs, g), device=device)
+                    times[provider, mode] = timing["median"]
+                    record(results, name, mode, provider, timing, "TFLOP/s",
+                           layer_flops(r.tokens, r.top_k, case.hidden, case.ffn, mode) / (timing["median"] * 1e-3)
+                           / 1e12)
+                    results.add(name, mode, provider, "tok/s", r.tokens / (timing["median"] * 1e-3))
+                gib = peak_gib(lambda: torch.autograd.grad(layer.forward(x), inputs, g), device)
+                if gib is not None:
+                    results.add(name, "fwd+bwd", provider, "GiB", gib)
+            except Exception as e:
+                report_failure(provider, name, e)
+            finally:
+                layer = None
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        for mode in ("fwd", "fwd+bwd"):
+            if (base := times.get((LAYER_BASELINE, mode))) is None:
+                continue
+            ratios = [f"{p} {base / t:.2f}x" for (p, m), t in times.items() if m == mode and p != LAYER_BASELINE]
+            if ratios:
+                print(f"speedup over {LAYER_BASELINE} ({mode}, {name}): {', '.join(ratios)}")
+
+
 # ---- the run ------------------------------------------------------------------------------------------------------
 # section name -> (bench function, the roofline metric its figures are divided by)
-SECTIONS = {"gemm": (bench_gemm, "TFLOP/s"), "moves": (bench_moves, "GB/s")}
+SECTIONS = {"gemm": (bench_gemm, "TFLOP/s"), "moves": (bench_moves, "GB/s"), "layer": (bench_layer, "TFLOP/s")}
+# tables printed after a section's metric table
+EXTRA_TABLES = {"layer": ("tok/s", "GiB")}
 
 
-def _providers(section: str, table: dict, args, device) -> dict:
-    """The section's providers that load here, of those asked for (all when none is asked for)."""
+def _providers(section: str, table: dict, args, device, load: bool = True) -> dict:
+    """The section's providers that load here, of those asked for (all when none is asked for); ``load`` False: their
+    loaders, each called when its turn comes (a loader that builds or compiles a model frees the previous one's)."""
     if args.providers and not args.providers & table.keys():
         print(f"skip section {section}: none of its providers ({', '.join(table)}) asked for")
         return {}
+    if not load:
+        return {name: fn for name, fn in table.items() if not args.providers or name in args.providers}
     return load_providers(table, device, args.providers & table.keys() if args.providers else None)
 
 
@@ -286,11 +584,15 @@ def main(argv: list[str] | None = None) -> Results:
     extra = argparse.ArgumentParser(add_help=False)
     extra.add_argument("--sections", type=lambda s: [p.strip() for p in s.split(",") if p.strip()],
                        default=list(SECTIONS), help=f"sections to run, of {', '.join(SECTIONS)}")
+    extra.add_argument("--hf-experts", default="default",
+                       help="layer: the Hugging Face block's experts implementation (transformers 5: eager, "
+                            "grouped_mm, batched_mm; default: what a Mixtral model gets, grouped_mm where torch has it)")
     known, rest = extra.parse_known_args(argv)
     if unknown := set(known.sections) - SECTIONS.keys():
         raise SystemExit(f"unknown sections {sorted(unknown)}; choose from {sorted(SECTIONS)}")
     args = parse_args(__doc__.splitlines()[0], rest)
-    offered = set().union(*(table.keys() for table in (GEMM_PROVIDERS, MOVES_PROVIDERS)))
+    args.hf_experts = known.hf_experts
+    offered = set().union(*(table.keys() for table in (GEMM_PROVIDERS, MOVES_PROVIDERS, LAYER_PROVIDERS)))
     if args.providers and (unknown := args.providers - offered):
         raise SystemExit(f"unknown providers {sorted(unknown)}; choose from {sorted(offered)}")
     device = args.device
@@ -304,9 +606,11 @@ def main(argv: list[str] | None = None) -> Results:
     for section in known.sections:
         SECTIONS[section][0](args, results, device)
     file_rows(results, BENCH, args.out, args.no_save)
-    for metric in dict.fromkeys(metrics):
-        print(results.markdown(metric))
-        print()
+    extra_tables = [m for s in known.sections for m in EXTRA_TABLES.get(s, ())]
+    for metric in dict.fromkeys(metrics + extra_tables):
+        if any(f[3] == metric for f in results.figures):
+            print(results.markdown(metric))
+            print()
     return results
 
 

@@ -25,6 +25,13 @@ F = megakern's GPT.flops_per_token(seq) for every provider (same architecture): 
 output projection included) + 12 * n_layer * n_embd * seq (attention; the causal half not discounted), 2.42 GFLOP per
 token for this shape. TFLOP/s rows also get a fraction of the same-run bf16 matmul roofline.
 
+Other models (``--model PRESET``, e.g. moe-mixtral): the megakern providers at the preset's shape (moe-mixtral: 16
+layers, C 1024, 8 experts of F 3584, top-2; sequence 2048, micro-batch 8 on a GPU: 16k tokens a step), F = the
+model's own flops_per_token (6 x active parameters: k of E experts, the routers, plus attention); with
+``--dense-equivalent`` also the dense model of the same active parameters (no experts, MLP hidden (top_k + shared) x
+moe_ffn_hidden = 7168 for moe-mixtral), through the same step, and the two MFUs compared. The HF providers build
+GPT-2 and are left out.
+
 Not measured: building a provider (model, data, first Triton / Inductor compilation) and its warm-up steps; both
 are printed per provider ("setup", "warm-up") with the whole run's wall time, and an estimate of the run's length
 is printed first (setup times from cold compile caches; a second run is faster).
@@ -34,7 +41,10 @@ is printed first (setup times from cold compile caches; a second run is faster).
     python -m benchmarks.bench_train --quick --skip-compile    # megakern, hf-eager (~1 min)
     python -m benchmarks.bench_train --providers megakern,hf-compile --steps 30
     python -m benchmarks.bench_train --quick --providers megakern,megakern-graph,hf-compile
+    python -m benchmarks.bench_train --model moe-mixtral --dense-equivalent --quick   # MoE MFU and its dense twin
+    python -m benchmarks.bench_train --model moe-mixtral --micro-batch 4 --seq 4096 --providers megakern,megakern-graph
     python -m benchmarks.bench_train --tiny --device cpu   # smoke test of the machinery (fp32, a tiny shape)
+    python -m benchmarks.bench_train --device cpu --model moe-mixtral --dense-equivalent   # the same, tiny MoE
 """
 from __future__ import annotations
 
@@ -67,28 +77,79 @@ class Shape:
     seq: int
     vocab: int
     micro_batch: int
+    preset: str = "gpt-350m"
+    """The GPTConfig preset the other fields and ``overrides`` are applied to."""
+    overrides: tuple = ()
+    """More GPTConfig fields, (name, value) pairs (the MoE and dense-equivalent shapes)."""
+    label: str = "gpt"
 
     @property
     def name(self) -> str:
-        return f"gpt {self.n_layer}x{self.n_embd} h{self.n_head} T{self.seq} V{self.vocab} B{self.micro_batch}"
+        return f"{self.label} {self.n_layer}x{self.n_embd} h{self.n_head} T{self.seq} V{self.vocab} B{self.micro_batch}"
 
 
 GPT_350M = Shape(n_layer=24, n_embd=1024, n_head=16, seq=1024, vocab=50304, micro_batch=16)
 TINY = Shape(n_layer=2, n_embd=64, n_head=2, seq=64, vocab=257, micro_batch=2)
+DEFAULT_MODEL = "gpt-350m"
+# (sequence, micro-batch) of a preset on one 80 GB GPU: 16k tokens per micro-batch
+PRESET_BATCH = {"moe-mixtral": (2048, 8), "moe-deepseek": (2048, 8)}
+
+
+def preset_shape(name: str, tiny: bool = False, seq: int | None = None, micro_batch: int | None = None) -> Shape:
+    """A preset's shape (the tiny one keeps its structure: experts, top-k, router, dense blocks; sizes shrunk)."""
+    from megakern.models.gpt import GPTConfig
+
+    c = GPTConfig.preset(name)
+    overrides = {}
+    if tiny:
+        overrides = dict(n_kv_head=1 if c.n_kv_head < c.n_head else 2, ffn_hidden=128)
+        if c.n_experts:
+            overrides["moe_ffn_hidden"] = 64
+        dims = dict(n_layer=2, n_embd=64, n_head=2, vocab=257)
+        default_seq, default_batch = 64, 2
+    else:
+        dims = dict(n_layer=c.n_layer, n_embd=c.n_embd, n_head=c.n_head, vocab=c.vocab_size)
+        default_seq, default_batch = PRESET_BATCH.get(name, (min(c.max_seqlen, 2048), 8))
+    label = name + (f" E{c.n_experts} k{c.moe_top_k} F{overrides.get('moe_ffn_hidden', c.moe_ffn_hidden)}"
+                    if c.n_experts else "")
+    return Shape(**dims, seq=seq or default_seq, micro_batch=micro_batch or default_batch, preset=name,
+                 overrides=tuple(sorted(overrides.items())), label=label)
+
+
+def dense_equivalent(shape: Shape) -> Shape:
+    """The same model with dense MLPs of the hidden size a token uses in an MoE block: (top_k + shared experts) x
+    moe_ffn_hidden, so the active parameters match up to the routers' (every block of the dense model takes it: exact
+    for presets whose blocks are all MoE, as moe-mixtral)."""
+    c = _gpt_config(shape, _config_cls())
+    if not c.n_experts:
+        raise ValueError(f"{shape.preset} has no experts: no dense equivalent to take")
+    overrides = dict(shape.overrides)
+    overrides.update(n_experts=0, ffn_hidden=(c.moe_top_k + c.moe_shared_experts) * c.moe_ffn_hidden)
+    return Shape(**{**shape.__dict__, "overrides": tuple(sorted(overrides.items())),
+                    "label": f"{shape.preset} dense F{overrides['ffn_hidden']}"})
+
+
+def _config_cls():
+    from megakern.models.gpt import GPTConfig
+
+    return GPTConfig
+
+
+def _meta_model(shape: Shape):
+    from megakern.models.gpt import GPT
+
+    with torch.device("meta"):
+        return GPT(_gpt_config(shape, _config_cls()))
 
 
 def flops_per_token(shape: Shape) -> float:
-    """megakern GPT's count for this shape (built on the meta device: no memory)."""
-    from megakern.models.gpt import GPT, GPTConfig
-
-    with torch.device("meta"):
-        model = GPT(_gpt_config(shape, GPTConfig))
-    return model.flops_per_token(shape.seq)
+    """megakern GPT's count for this shape (built on the meta device: no memory); MoE: active parameters."""
+    return _meta_model(shape).flops_per_token(shape.seq)
 
 
 def _gpt_config(shape: Shape, cls):
-    return cls.preset("gpt-350m", n_layer=shape.n_layer, n_embd=shape.n_embd, n_head=shape.n_head,
-                      max_seqlen=shape.seq, vocab_size=shape.vocab, dropout=0.0)
+    return cls.preset(shape.preset, n_layer=shape.n_layer, n_embd=shape.n_embd, n_head=shape.n_head,
+                      max_seqlen=shape.seq, vocab_size=shape.vocab, dropout=0.0, **dict(shape.overrides))
 
 
 class Step:
@@ -111,7 +172,9 @@ class MegakernStep(Step):
         overrides = [f"model.{k}={v}" for k, v in (("n_layer", shape.n_layer), ("n_embd", shape.n_embd),
                                                    ("n_head", shape.n_head), ("max_seqlen", shape.seq),
                                                    ("vocab_size", shape.vocab), ("dropout", 0.0))]
-        overrides += ["model.preset=gpt-350m", f"train.micro_batch_size={shape.micro_batch}", f"train.device={device}",
+        overrides += [f"model.{k}={'null' if v is None else v}" for k, v in shape.overrides]
+        overrides += [f"model.preset={shape.preset}", f"train.micro_batch_size={shape.micro_batch}",
+                      f"train.device={device}",
                       f"train.precision={precision}", f"train.compile={str(compile).lower()}", "train.steps=1000",
                       f"train.cuda_graph={str(graph).lower()}", "train.cuda_graph_warmup=2",
                       "train.grad_clip=1.0", "optim.fused=auto", "data.max_epochs=1000", "data.num_workers=1",
@@ -133,6 +196,9 @@ class MegakernStep(Step):
 class HFStep(Step):
     def __init__(self, shape: Shape, device: torch.device, compile: bool):
         from transformers import GPT2Config, GPT2LMHeadModel
+
+        if shape.preset != DEFAULT_MODEL or shape.overrides:
+            raise Unavailable(f"the HF providers build GPT2LMHeadModel: the {DEFAULT_MODEL} shape only")
 
         config = GPT2Config(vocab_size=shape.vocab, n_positions=shape.seq, n_embd=shape.n_embd, n_layer=shape.n_layer,
                             n_head=shape.n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
@@ -261,6 +327,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 8; tiny 1)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 20; tiny 3)")
     parser.add_argument("--micro-batch", type=int, default=None, help="override the shape's micro-batch")
+    parser.add_argument("--seq", type=int, default=None, help="override the shape's sequence length")
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help=f"a GPTConfig preset (default {DEFAULT_MODEL}: the GPT-2 medium shape against HF); others "
+                             "run the megakern providers at the preset's shape, e.g. moe-mixtral (sequence 2048, "
+                             "micro-batch 8 on a GPU)")
+    parser.add_argument("--dense-equivalent", action="store_true",
+                        help="also the dense model with the same active parameters (MLP hidden = (top_k + shared) x "
+                             "moe_ffn_hidden, no experts)")
     parser.add_argument("--out", type=Path, default=None,
                         help=f"results root (default: {RESULTS_DIR} for a GPU run; a CPU run files no rows without it)")
     parser.add_argument("--no-save", action="store_true", help="print the table, write no CSV rows")
@@ -271,9 +345,22 @@ def main(argv=None) -> Results:
     args = parse_args(argv)
     device = args.device
     tiny = args.tiny or device.type != "cuda"
-    shape = TINY if tiny else GPT_350M
-    if args.micro_batch:
-        shape = Shape(**{**shape.__dict__, "micro_batch": args.micro_batch})
+    if args.model == DEFAULT_MODEL:
+        shape = TINY if tiny else GPT_350M
+        if args.micro_batch or args.seq:
+            shape = Shape(**{**shape.__dict__, "micro_batch": args.micro_batch or shape.micro_batch,
+                             "seq": args.seq or shape.seq})
+    else:
+        try:
+            shape = preset_shape(args.model, tiny, args.seq, args.micro_batch)
+        except ValueError as exc:
+            raise SystemExit(f"--model: {exc}") from None
+    shapes = [shape]
+    if args.dense_equivalent:
+        try:
+            shapes.append(dense_equivalent(shape))
+        except ValueError as exc:
+            raise SystemExit(f"--dense-equivalent: {exc}") from None
     warmup = args.warmup if args.warmup is not None else (1 if tiny else 3 if args.quick else 8)
     steps = args.steps if args.steps is not None else (3 if tiny else 8 if args.quick else 20)
     if args.graph:
@@ -283,44 +370,64 @@ def main(argv=None) -> Results:
     from megakern.train.log import peak_flops
 
     peak, peak_note = peak_flops(device)
-    fpt = flops_per_token(shape)
-    tokens = shape.micro_batch * shape.seq
     dtype = "bf16" if device.type == "cuda" else "fp32"
-    case = f"{shape.name} {dtype}"
-    print(f"{case}: {fpt / 1e9:.3f} GFLOP per token, {tokens} tokens per step, {warmup} warm-up + {steps} timed steps; "
-          f"peak {'n/a (' + peak_note + ')' if peak is None else f'{peak / 1e12:.1f} TFLOP/s'}")
+    cases = []
+    for sh in shapes:
+        model = _meta_model(sh)
+        fpt = model.flops_per_token(sh.seq)
+        case = f"{sh.name} {dtype}"
+        cases.append((sh, case, fpt))
+        params = (f"{model.num_params() / 1e6:.1f}M parameters, {model.num_params(active=True) / 1e6:.1f}M active"
+                  if model.config.n_experts else f"{model.num_params() / 1e6:.1f}M parameters")
+        print(f"{case}: {params}, {fpt / 1e9:.3f} GFLOP per token, {sh.micro_batch * sh.seq} tokens per step, "
+              f"{warmup} warm-up + {steps} timed steps; "
+              f"peak {'n/a (' + peak_note + ')' if peak is None else f'{peak / 1e12:.1f} TFLOP/s'}")
+        del model
 
+    hf_ok = args.model == DEFAULT_MODEL
     wanted = set(args.providers or (QUICK_PROVIDERS if args.quick else PROVIDERS))
+    if not args.providers and not hf_ok:  # the HF providers build GPT-2 only
+        wanted = {n for n in wanted if not n.startswith("hf-")}
     if args.skip_compile:
         wanted = {n for n in wanted if not n.endswith("-compile")}
         if not wanted:
             raise SystemExit("--skip-compile leaves no provider to run")
     names = [n for n in PROVIDERS if n in wanted]
-    print(f"estimated run time: about {estimate_seconds(names, warmup, steps, tiny) / 60:.1f} min for "
-          f"{', '.join(names)} (cold compile caches)")
+    print(f"estimated run time: about {len(shapes) * estimate_seconds(names, warmup, steps, tiny) / 60:.1f} min for "
+          f"{', '.join(names)}{f' x {len(shapes)} models' if len(shapes) > 1 else ''} (cold compile caches)")
     began = time.perf_counter()
     results = Results(device)
     results.add_roofline("TFLOP/s", measure_matmul_tflops(device))
     providers = load_providers(PROVIDERS, device, wanted)
-    for name, build in providers.items():
-        try:
-            figures = run_provider(name, build, shape, device, warmup, steps)
-        except Exception as exc:  # one provider failing (OOM, a compile error) does not stop the others
-            report_failure(name, case, exc)
-            continue
-        tok_s = tokens / (figures["ms"] / 1e3)
-        tflops = tok_s * fpt / 1e12
-        results.add(case, "train step", name, "ms", figures["ms"])
-        results.add(case, "train step", name, "tok/s", tok_s)
-        results.add(case, "train step", name, "TFLOP/s", tflops)
-        if peak is not None:
-            results.add(case, "train step", name, "MFU", tok_s * fpt / peak)
-        if device.type == "cuda":
-            results.add(case, "train step", name, "GiB", figures["GiB"])
-        mfu = f"{100 * tok_s * fpt / peak:.1f}%" if peak else "n/a"
-        print(f"{name:<18} {figures['ms']:9.2f} ms [p20 {figures['p20']:.2f}, p80 {figures['p80']:.2f}] "
-              f"{tok_s:12.0f} tok/s {tflops:8.1f} TFLOP/s MFU {mfu} peak {figures['GiB']:.2f} GiB "
-              f"(setup {figures['setup_s']:.0f} s, steps {figures['run_s']:.1f} s)")
+    mfus = {}
+    for sh, case, fpt in cases:
+        tokens = sh.micro_batch * sh.seq
+        for name, build in providers.items():
+            try:
+                figures = run_provider(name, build, sh, device, warmup, steps)
+            except Exception as exc:  # one provider failing (OOM, a compile error) does not stop the others
+                report_failure(name, case, exc)
+                continue
+            tok_s = tokens / (figures["ms"] / 1e3)
+            tflops = tok_s * fpt / 1e12
+            results.add(case, "train step", name, "ms", figures["ms"])
+            results.add(case, "train step", name, "tok/s", tok_s)
+            results.add(case, "train step", name, "TFLOP/s", tflops)
+            if peak is not None:
+                results.add(case, "train step", name, "MFU", tok_s * fpt / peak)
+                mfus[case, name] = tok_s * fpt / peak
+            if device.type == "cuda":
+                results.add(case, "train step", name, "GiB", figures["GiB"])
+            mfu = f"{100 * tok_s * fpt / peak:.1f}%" if peak else "n/a"
+            print(f"{name:<18} {figures['ms']:9.2f} ms [p20 {figures['p20']:.2f}, p80 {figures['p80']:.2f}] "
+                  f"{tok_s:12.0f} tok/s {tflops:8.1f} TFLOP/s MFU {mfu} peak {figures['GiB']:.2f} GiB "
+                  f"(setup {figures['setup_s']:.0f} s, steps {figures['run_s']:.1f} s)")
+    if len(cases) > 1:
+        for name in providers:
+            moe_mfu, dense_mfu = mfus.get((cases[0][1], name)), mfus.get((cases[1][1], name))
+            if moe_mfu is not None and dense_mfu is not None:
+                print(f"{name}: MoE MFU {100 * moe_mfu:.1f}% (active parameters) vs the dense equivalent's "
+                      f"{100 * dense_mfu:.1f}% ({moe_mfu / dense_mfu:.2f}x)")
     print(f"run time: {time.perf_counter() - began:.0f} s")
     file_rows(results, BENCH, args.out, args.no_save)
     for metric in ("tok/s", "TFLOP/s", "MFU", "GiB"):

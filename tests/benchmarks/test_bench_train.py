@@ -60,3 +60,34 @@ def test_run_time_estimates():
     quick = bench_train.estimate_seconds(bench_train.QUICK_PROVIDERS, 3, 8, tiny=False)
     assert quick < 150 < full  # --quick is meant to fit about 2 minutes on an H200
     assert bench_train.estimate_seconds(["megakern", "hf-eager"], 3, 8, tiny=False) < 75
+
+
+def test_moe_preset_and_dense_equivalent_cpu_smoke(capsys):
+    """--model moe-mixtral --dense-equivalent: the tiny MoE preset and its dense twin through the same megakern step;
+    F is each model's own flops_per_token (active parameters), which the twin matches up to the routers."""
+    results = bench_train.main(["--device", "cpu", "--model", "moe-mixtral", "--dense-equivalent", "--providers",
+                                "megakern", "--warmup", "0", "--steps", "1", "--no-save"])
+    out = capsys.readouterr().out
+    moe = bench_train.preset_shape("moe-mixtral", tiny=True)
+    dense = bench_train.dense_equivalent(moe)
+    assert dict(dense.overrides)["n_experts"] == 0 and dict(dense.overrides)["ffn_hidden"] == 2 * 64
+    cases = {f[0] for f in results.figures if f[2] == "megakern"}
+    assert cases == {f"{moe.name} fp32", f"{dense.name} fp32"}
+    assert "moe-mixtral E8 k2 F64 2x64" in out and "M active" in out
+    router = 2 * 8 * 64  # n_layer x E x C
+    assert bench_train.flops_per_token(moe) - bench_train.flops_per_token(dense) == 6 * router
+    figures = {(f[0], f[3]): f[4] for f in results.figures if f[2] == "megakern"}
+    tokens = moe.micro_batch * moe.seq
+    assert math.isclose(figures[f"{moe.name} fp32", "TFLOP/s"],
+                        tokens / (figures[f"{moe.name} fp32", "ms"] / 1e3) * bench_train.flops_per_token(moe) / 1e12)
+
+
+def test_moe_mixtral_shape_on_a_gpu():
+    """The preset's full shape: 16k tokens a micro-batch, hf providers refused by name."""
+    shape = bench_train.preset_shape("moe-mixtral")
+    assert (shape.n_layer, shape.n_embd, shape.seq, shape.micro_batch) == (16, 1024, 2048, 8)
+    assert dict(bench_train.dense_equivalent(shape).overrides)["ffn_hidden"] == 7168
+    with pytest.raises(SystemExit, match="no dense equivalent"):
+        bench_train.main(["--device", "cpu", "--model", "gpt-tiny", "--dense-equivalent", "--no-save"])
+    with pytest.raises(SystemExit, match="unknown preset"):
+        bench_train.main(["--device", "cpu", "--model", "nope", "--no-save"])
