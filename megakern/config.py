@@ -271,6 +271,9 @@ class ParallelConfig:
     """Data-parallel size; -1: the world size divided by tp x pp x cp."""
     cp: int = 1
     """Context-parallel size (ring attention)."""
+    ep: int = 1
+    """Expert-parallel size: the experts of MoE layers split over ep ranks carved out of the dp x cp ranks (ep must
+    divide dp x cp and model.n_experts); tokens travel to their experts by all-to-all. Needs dp_shard='ddp'."""
     sequence_parallel: bool = True
     """With tp > 1: shard the norms' and dropout's activations along the sequence over the tp ranks (Megatron's
     sequence parallelism); false keeps them whole on every tp rank."""
@@ -395,8 +398,15 @@ class TrainConfig:
         need(lg.profile_wait >= 0 and lg.profile_warmup >= 0 and lg.profile_active >= 1,
              "log.profile_wait/warmup must be >= 0 and log.profile_active >= 1")
         p = self.parallel
-        for name in ("tp", "pp", "cp"):
+        for name in ("tp", "pp", "cp", "ep"):
             need(getattr(p, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(p, name)}")
+        experts = getattr(self.model, "n_experts", 0) or 0
+        if p.ep > 1:
+            need(experts > 0, f"parallel.ep={p.ep} splits the experts of MoE layers, but the model has none "
+                              "(model.n_experts=0)")
+            need(experts <= 0 or experts % p.ep == 0,
+                 f"parallel.ep={p.ep} does not divide model.n_experts={experts} (each ep rank holds n_experts / ep "
+                 "experts)")
         need(p.dp == -1 or p.dp >= 1, f"parallel.dp must be >= 1 or -1, got {p.dp}")
         need(p.init_timeout_s > 0, f"parallel.init_timeout_s must be > 0, got {p.init_timeout_s}")
         need(p.step_timeout_s is None or p.step_timeout_s > 0,

@@ -31,6 +31,11 @@ Token shards: when a parallel plan gives this layer only part of a micro-batch's
 parallel), ``shard_tokens`` names how to sum over the other parts; f_e then counts the whole micro-batch and each
 part's aux and z are its share of the whole micro-batch's (their sum over the parts is the unsharded value).
 
+Expert parallelism: ``dispatcher`` (None here) is what computes the routed experts when a parallel plan sets it
+(megakern.parallel.expert: the tokens travel by all-to-all to the ranks holding their experts, whose ``w_in`` /
+``w_out`` are then this rank's slices of the E experts); it is called as ``experts`` is and may call
+``expert_ffn`` on the rows it received.
+
 Statistics: with a (L, STAT_WIDTH) fp32 tensor given (``track_statistics``), each training micro-batch adds to this
 layer's row, in the backward (so a recomputed forward or a forward without a backward counts nothing): tokens routed
 to each expert (E columns), kept and routed assignments, aux and z (this part's share), non-finite router logits,
@@ -230,6 +235,7 @@ class MoEMLP(nn.Module):
         self.w_out = nn.Parameter(torch.empty(c.n_experts, c.moe_ffn_hidden, c.n_embd))
         self.shared = shared
         self.aux_loss_scale = 1.0
+        self.dispatcher = None  # a parallel plan's experts(x, expert_idx, weights) (expert parallelism)
         self.stats: Optional[torch.Tensor] = None
         self._reducers, self.token_parts = [], 1
 
@@ -266,21 +272,26 @@ class MoEMLP(nn.Module):
                  else self.w_in.dtype)
         plan = route_plan(expert_idx, self.n_experts)
         xs = permute(x.to(dtype), plan, backend=self.kernels)            # (N k, C) by expert
-        h = grouped_mm(xs, self.w_in.to(dtype), plan.offsets, backend=self.kernels)  # (N k, F or 2F)
+        y = self.expert_ffn(xs, plan.offsets)                            # (N k, C)
+        return unpermute(y, weights, plan, backend=self.kernels)         # (N, C), the combine in fp32
+
+    def expert_ffn(self, xs: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """The experts this layer holds (``w_in`` (E', C, F or 2F), ``w_out`` (E', F, C)) on rows sorted by expert:
+        rows offsets[e] .. offsets[e + 1] of xs (M, C) through expert e, (M, C) in xs's dtype; offsets (E' + 1,)."""
+        h = grouped_mm(xs, self.w_in.to(xs.dtype), offsets, backend=self.kernels)  # (M, F or 2F)
         if self.swiglu:
             h = h.unflatten(-1, (-1, 2))
             h = F.silu(h[..., 0]) * h[..., 1]
         else:
             h = F.gelu(h, approximate="tanh")
-        y = grouped_mm(h, self.w_out.to(dtype), plan.offsets, backend=self.kernels)  # (N k, C)
-        return unpermute(y, weights, plan, backend=self.kernels)         # (N, C), the combine in fp32
+        return grouped_mm(h, self.w_out.to(xs.dtype), offsets, backend=self.kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         logits = self.router.logits(x2)                                  # (N, E) fp32
         r = self.routing(logits)
-        out = self.experts(x2, r.expert_idx, r.weights)
+        out = (self.experts if self.dispatcher is None else self.dispatcher)(x2, r.expert_idx, r.weights)
         if self.shared is not None:
             out = out + self.shared(x2).to(out.dtype)
         out = out.view(*shape[:-1], out.shape[-1])

@@ -1,4 +1,4 @@
-"""megakern.parallel: tensor, sequence, pipeline, data and context parallelism on torch.distributed.
+"""megakern.parallel: tensor, sequence, pipeline, data, context and expert parallelism on torch.distributed.
 
 Installed as ``megakern.parallel`` (the source folder is parallel/). Process groups and layouts are passed
 explicitly; nothing here holds module-level state.
@@ -17,6 +17,7 @@ from megakern.parallel.context import RingAttention, cp_positions, cp_shard, cp_
 from megakern.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megakern.parallel.dims import (MESH_DIMS, DisagreementError, ParallelDims, ParallelMesh, Rendezvous,
                                     RendezvousError, check_agreement, config_hash, init_distributed, versions)
+from megakern.parallel.expert import ExpertDispatcher, all_to_all, apply_expert_parallel
 from megakern.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, linear_reduce
 from megakern.parallel.overlap import gemm_reduce_scatter
 from megakern.parallel.parallelize import ParallelModel, parallelize
@@ -29,10 +30,10 @@ from megakern.parallel.mappings import (copy_to_tp, gather_from_sp, gather_from_
                                         reduce_scatter_to_sp, scatter_to_sp, scatter_to_tp)
 
 __all__ = [
-    "MESH_DIMS", "ColumnParallelLinear", "DisagreementError", "ParallelDims", "ParallelMesh",
+    "MESH_DIMS", "ColumnParallelLinear", "DisagreementError", "ExpertDispatcher", "ParallelDims", "ParallelMesh",
     "ParallelModel", "PipelineChunk", "RNGTracker", "Rendezvous", "RendezvousError", "RingAttention",
     "RowParallelLinear", "StepWatchdog", "TPInfo", "VocabParallelEmbedding", "WATCHDOG_EXIT_CODE", "WatchdogError",
-    "apply_tensor_parallel", "check_agreement", "clip_grad_norm_", "config_hash",
+    "all_to_all", "apply_expert_parallel", "apply_tensor_parallel", "check_agreement", "clip_grad_norm_", "config_hash",
     "cut_stage", "gemm_reduce_scatter", "parallelize", "stage_layout",
     "copy_to_tp", "cp_positions", "cp_shard", "cp_unshard", "gather_from_sp", "gather_from_tp", "init_distributed",
     "linear_reduce", "reduce_from_tp", "reduce_scatter_to_sp", "region_seed", "ring_attention", "scatter_to_sp",

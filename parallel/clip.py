@@ -7,6 +7,7 @@ shards), and counted once where it is replicated:
     tensor-parallel shards: over tp          (replicated norms, biases: not)
     FSDP shards:            over dp_cp       (DDP gradients are replicated: not)
     pipeline stages:        over pp          (a tied head copy is skipped: its stage-0 twin counts)
+    expert weights (ep):    over ep          (each ep rank's experts; their replicas over edp and tp: not)
 
 ``clip_grad_norm_`` takes the gradients in sets, each with its groups, reduces each set's local sum of |g|^q
 (max for q = inf) over its groups, adds the sets, and scales every gradient by min(1, max_norm / (norm + 1e-6)),

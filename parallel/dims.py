@@ -1,13 +1,23 @@
 """The layout of a parallel run: ParallelDims (sizes, checks) -> ParallelMesh (process groups, DeviceMesh).
 
-World size W = pp * dp * cp * tp (ep is reserved for mixture-of-experts layers). Rank order, tp fastest:
+World size W = pp * dp * cp * tp. Rank order, tp fastest:
 
     rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i
 
 so a tensor-parallel group is tp consecutive ranks (one NVLink island on a node), then context-parallel, then
-data-parallel neighbours, and pipeline stages are the slowest dimension (they talk least). Nothing here is global:
-``ParallelDims.build()`` returns a ``ParallelMesh`` that the model wrapping, the loss and the optimizer take as an
-argument.
+data-parallel neighbours, and pipeline stages are the slowest dimension (they talk least).
+
+Expert parallelism (ep, for mixture-of-experts layers) takes no ranks of its own: as in Megatron-LM and torchtitan it
+is carved out of the data-parallel ranks, dp x cp flattened (dp_cp_i = dp_i * cp + cp_i), which ep must divide:
+
+    dp_cp_i = edp_i * ep + ep_i
+
+An ep group is ep consecutive dp_cp ranks of one (pp, tp) coordinate; each holds E / ep of a layer's experts and
+the group's tokens travel between them by all-to-all. The expert-data-parallel group ("edp": dp * cp / ep ranks, one
+ep_i) holds replicas of the same experts: their gradients are reduced there, the dense parameters' over dp_cp.
+
+Nothing here is global: ``ParallelDims.build()`` returns a ``ParallelMesh`` that the model wrapping, the loss and
+the optimizer take as an argument.
 
 Initialization never hangs silently: ``init_distributed`` hosts (or joins) the rendezvous store with a timeout,
 every rank announces itself, and a rank that never comes ends in a ``RendezvousError`` naming the rendezvous
@@ -34,6 +44,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")  # slowest to fastest
+GROUPS = ("dp_cp", "ep", "edp", "pp_stage")  # groups over several mesh dims
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 GRACE_S = 2.0  # how long the rendezvous host waits for the others to read the list of missing ranks
 
@@ -87,7 +98,8 @@ class ParallelDims:
         pp: pipeline-parallel size (stages across ranks; virtual stages per rank are a schedule choice).
         dp: data-parallel size (FSDP2 or DDP replicas); -1: world_size // (pp * cp * tp).
         cp: context-parallel size (the sequence split over ranks, ring attention).
-        ep: expert-parallel size, reserved for mixture-of-experts layers (must be 1 for now).
+        ep: expert-parallel size: the experts of MoE layers split over ep ranks carved out of dp x cp (ep divides
+            dp * cp; see the module docstring).
         world_size: the number of ranks; None: torch.distributed's, else the WORLD_SIZE environment variable.
     """
 
@@ -105,9 +117,6 @@ class ParallelDims:
                 raise ValueError(f"ParallelDims: {name} must be an int >= 1, got {value!r}")
         if not isinstance(self.dp, int) or isinstance(self.dp, bool) or (self.dp < 1 and self.dp != -1):
             raise ValueError(f"ParallelDims: dp must be an int >= 1, or -1 for the rest of the world, got {self.dp!r}")
-        if self.ep != 1:
-            raise ValueError(f"ParallelDims: ep={self.ep}: expert parallelism is reserved for mixture-of-experts "
-                             "layers, which this version does not have; use ep=1")
         if self.world_size is not None:
             self._check_world(self.world_size)
 
@@ -120,11 +129,17 @@ class ParallelDims:
             if world % rest:
                 raise ValueError(f"ParallelDims: world size {world} is not divisible by pp*cp*tp = "
                                  f"{self.pp}*{self.cp}*{self.tp} = {rest}, so dp cannot be inferred")
-            return world // rest
-        if self.dp * rest != world:
+            dp = world // rest
+        elif self.dp * rest != world:
             raise ValueError(f"ParallelDims: pp*dp*cp*tp = {self.pp}*{self.dp}*{self.cp}*{self.tp} = "
                              f"{self.dp * rest} != world size {world}")
-        return self.dp
+        else:
+            dp = self.dp
+        if (dp * self.cp) % self.ep:
+            raise ValueError(f"ParallelDims: ep={self.ep} does not divide dp*cp = {dp}*{self.cp} = {dp * self.cp} "
+                             f"(world size {world}): expert-parallel ranks are carved out of the data-parallel "
+                             "(and context-parallel) ranks")
+        return dp
 
     def resolve(self, world_size: int | None = None) -> ParallelDims:
         """These dims with world_size and dp filled in (from the argument, torch.distributed, or WORLD_SIZE)."""
@@ -168,14 +183,25 @@ class ParallelDims:
         return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
 
     # -- the model
+    @property
+    def edp(self) -> int:
+        """The expert-data-parallel size, dp * cp / ep (dp must be resolved)."""
+        return self.dp * self.cp // self.ep
+
     def check_model(self, *, n_layer: int, n_head: int, n_kv_head: int, vocab: int, ffn_hidden: int | None = None,
-                    seqlen: int | None = None, stages_per_rank: int = 1, sequence_parallel: bool = False) -> None:
+                    seqlen: int | None = None, stages_per_rank: int = 1, sequence_parallel: bool = False,
+                    n_experts: int = 0) -> None:
         """Raise ValueError naming the numbers when the model cannot be split this way.
 
         ``vocab``: the padded vocabulary (rows of the embedding); ``seqlen``: the training sequence length, when
-        known (cp needs it divisible by 2*cp; sequence parallel by tp within each cp rank's share).
+        known (cp needs it divisible by 2*cp; sequence parallel by tp within each cp rank's share); ``n_experts``: the
+        routed experts of the MoE layers (0: none), split over ep.
         """
         problems = []
+        if self.ep > 1 and not n_experts:
+            problems.append(f"ep={self.ep} splits the experts of MoE layers, and this model has none (n_experts=0)")
+        elif n_experts % self.ep:
+            problems.append(f"{n_experts} experts are not divisible by ep={self.ep}")
         if n_head % self.tp:
             problems.append(f"{n_head} attention heads are not divisible by tp={self.tp}")
         if n_kv_head % self.tp:
@@ -197,8 +223,8 @@ class ParallelDims:
                 problems.append(f"sequence parallel: each cp rank's {seqlen // self.cp} tokens are not divisible "
                                 f"by tp={self.tp}")
         if problems:
-            raise ValueError(f"ParallelDims(tp={self.tp}, pp={self.pp}, dp={self.dp}, cp={self.cp}) cannot split "
-                             "this model: " + "; ".join(problems))
+            raise ValueError(f"ParallelDims(tp={self.tp}, pp={self.pp}, dp={self.dp}, cp={self.cp}, ep={self.ep}) "
+                             "cannot split this model: " + "; ".join(problems))
 
     def build(self, device_type: str | None = None, timeout=DEFAULT_TIMEOUT, *, backend: str | None = None,
               agree: Mapping[str, object] | None = None, rendezvous: Rendezvous | None = None) -> ParallelMesh:
@@ -382,8 +408,10 @@ class ParallelMesh:
     None), so a single-process run goes through the same parallel code, whose collectives all skip groups of one.
 
     Attributes: dims, device (this rank's device), rank, mesh (DeviceMesh), timeout; groups ``tp_group``,
-    ``cp_group``, ``dp_group``, ``pp_group``, ``dp_cp_group`` and meshes ``dp_cp_mesh``; coordinates ``tp_rank``,
-    ``cp_rank``, ``dp_rank``, ``pp_rank``; ``rendezvous`` (``Rendezvous``, or None where torch.distributed was
+    ``cp_group``, ``dp_group``, ``pp_group``, ``dp_cp_group``, ``ep_group`` and ``edp_group`` (expert parallel and
+    expert data parallel: the dp_cp ranks split as dp_cp_i = edp_i * ep + ep_i; with ep=1 ``ep_group`` is None and
+    ``edp_group`` is dp_cp's) and meshes ``dp_cp_mesh``; coordinates ``tp_rank``, ``cp_rank``, ``dp_rank``,
+    ``pp_rank``, ``ep_rank``, ``edp_rank``; ``rendezvous`` (``Rendezvous``, or None where torch.distributed was
     initialized elsewhere and ``build`` was not given it) and its ``store``.
     """
 
@@ -404,10 +432,11 @@ class ParallelMesh:
                 raise ValueError(f"ParallelMesh: a local mesh is one process; these dims have {dims.world_size}")
             self.rank = self.pp_rank = self.dp_rank = self.cp_rank = self.tp_rank = 0
             self.mesh = self.dp_cp_mesh = None
+            self._ep_groups = (None, None)
             return
         self.rank = dist.get_rank()
         # every rank must agree on the layout and versions before groups are split (a mismatch would hang there)
-        fields = {"dims": repr(dims.shape), **versions()}
+        fields = {"dims": repr(dims.shape + (dims.ep,)), **versions()}
         for name, value in (agree or {}).items():
             fields[f"hash({name})"] = config_hash(value)
         check_agreement(fields)
@@ -416,23 +445,41 @@ class ParallelMesh:
         self.dp_cp_mesh = self.mesh["dp", "cp"]._flatten("dp_cp")
         coord = dims.coordinate(self.rank)
         self.pp_rank, self.dp_rank, self.cp_rank, self.tp_rank = (coord[n] for n in MESH_DIMS)
+        self._ep_groups = self._expert_groups() if dims.ep > 1 else (None, None)
+
+    def _expert_groups(self):
+        """(ep group, edp group) of this rank: every rank makes every group, in the same order."""
+        d = self.dims
+        blocks = torch.arange(d.world_size).reshape(d.pp, d.edp, d.ep, d.tp)  # dp_cp_i = edp_i * ep + ep_i
+        ep_ranks = blocks.permute(0, 3, 1, 2).reshape(-1, d.ep).tolist()
+        edp_ranks = blocks.permute(0, 3, 2, 1).reshape(-1, d.edp).tolist()
+        ep_group, _ = dist.new_subgroups_by_enumeration(ep_ranks)
+        edp_group = None
+        if d.edp > 1:
+            edp_group, _ = dist.new_subgroups_by_enumeration(edp_ranks)
+        return ep_group, edp_group
 
     def group(self, name: str):
-        """The process group of one mesh dim ("pp" | "dp" | "cp" | "tp" | "dp_cp"), or of every rank of this pipeline
+        """The process group of one mesh dim ("pp" | "dp" | "cp" | "tp" | "dp_cp"), of expert parallelism ("ep":
+        None when ep=1; "edp": expert data parallel, None when it has one rank), or of every rank of this pipeline
         stage ("pp_stage": dp x cp x tp, made on first use: every rank must ask for it alike); None on a local
         mesh."""
         if self.local:
-            if name not in MESH_DIMS + ("dp_cp", "pp_stage"):
-                raise ValueError(f"ParallelMesh: no dim {name!r}; dims are {MESH_DIMS + ('dp_cp', 'pp_stage')}")
+            if name not in MESH_DIMS + GROUPS:
+                raise ValueError(f"ParallelMesh: no dim {name!r}; dims are {MESH_DIMS + GROUPS}")
             return None
         if name == "dp_cp":
             return self.dp_cp_mesh.get_group()
+        if name == "ep":
+            return self._ep_groups[0]
+        if name == "edp":  # expert data parallel: dp_cp itself without expert parallelism
+            return self._ep_groups[1] if self.dims.ep > 1 else self.dp_cp_mesh.get_group()
         if name == "pp_stage":  # every rank of this pipeline stage (dp x cp x tp), made on first use
             if self._stage_mesh is None:
                 self._stage_mesh = self.mesh["dp", "cp", "tp"]._flatten("pp_stage")
             return self._stage_mesh.get_group()
         if name not in MESH_DIMS:
-            raise ValueError(f"ParallelMesh: no dim {name!r}; dims are {MESH_DIMS + ('dp_cp', 'pp_stage')}")
+            raise ValueError(f"ParallelMesh: no dim {name!r}; dims are {MESH_DIMS + GROUPS}")
         return self.mesh.get_group(name)
 
     tp_group = property(lambda self: self.group("tp"))
@@ -440,10 +487,21 @@ class ParallelMesh:
     dp_group = property(lambda self: self.group("dp"))
     pp_group = property(lambda self: self.group("pp"))
     dp_cp_group = property(lambda self: self.group("dp_cp"))
+    ep_group = property(lambda self: self.group("ep"))
+    edp_group = property(lambda self: self.group("edp"))
 
     @property
     def dp_cp_rank(self) -> int:
         return self.dp_rank * self.dims.cp + self.cp_rank
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's place in its expert-parallel group (which E / ep experts it holds)."""
+        return self.dp_cp_rank % self.dims.ep
+
+    @property
+    def edp_rank(self) -> int:
+        return self.dp_cp_rank // self.dims.ep
 
     @property
     def store(self):
@@ -462,5 +520,6 @@ class ParallelMesh:
 
     def __repr__(self) -> str:
         d = self.dims
+        ep = f", ep {self.ep_rank}/{d.ep}" if d.ep > 1 else ""
         return (f"ParallelMesh(rank {self.rank}/{d.world_size}: pp {self.pp_rank}/{d.pp}, dp {self.dp_rank}/{d.dp}, "
-                f"cp {self.cp_rank}/{d.cp}, tp {self.tp_rank}/{d.tp}, device {self.device})")
+                f"cp {self.cp_rank}/{d.cp}, tp {self.tp_rank}/{d.tp}{ep}, device {self.device})")

@@ -18,6 +18,12 @@ ranks) for the residual stream, or "tensor_parallel" (a mask per tp rank) when s
 Packed documents: ``forward_backward(idx, targets, cu_seqlens=...)`` in every layout (no document may cross a
 micro-batch boundary); under context parallelism each micro-batch is laid out for the packed ring
 (context.cp_pack_layout), under a pipeline each micro-batch's packing travels with it (pipeline.packed_microbatches).
+
+Expert parallelism (ep > 1, expert.py): after tensor and context parallelism each MoE layer keeps this rank's E / ep
+experts and dispatches its tokens by all-to-all. The expert weights stay out of DDP (and of the by-hand replication):
+their gradients are summed over the expert-data-parallel group and divided by dp * cp after the backward; the
+clipping norm counts them once per ep group; checkpoints hold them as dim-0 shards of the (E, ...) tensors. FSDP2 and
+ZeRO-1 are refused with ep > 1 (see ``ParallelModel``).
 """
 from __future__ import annotations
 
@@ -38,6 +44,8 @@ from megakern.parallel.context import RingAttention, cp_positions, cp_shard
 from megakern.parallel.data_parallel import (DP_SHARDS, allreduce_tensors, apply_ddp, apply_fsdp,
                                              broadcast_params, set_grad_sync, zero1_optimizer)
 from megakern.parallel.dims import ParallelDims, ParallelMesh
+from megakern.parallel.expert import (apply_expert_parallel, as_global_expert, expert_checkpoint_mesh,
+                                      reduce_expert_grads)
 from megakern.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megakern.parallel.mappings import all_reduce
 from megakern.parallel.master import MasterWeights
@@ -107,7 +115,7 @@ class ParallelModel:
         if cfg is None or not isinstance(getattr(model, "blocks", None), nn.ModuleDict):
             raise TypeError("parallelize: model must be a megakern.models.gpt.GPT (config, blocks ModuleDict)")
         self.mesh, self.options, self.config = pm, options, cfg
-        self.tp, self.pp, self.cp, self.dp = d.tp, d.pp, d.cp, d.dp
+        self.tp, self.pp, self.cp, self.dp, self.ep = d.tp, d.pp, d.cp, d.dp, d.ep
         sp = options.sequence_parallel and d.tp > 1
         self.sequence_parallel = sp
         if options.tp_comm_overlap and d.tp > 1 and not sp:
@@ -121,6 +129,13 @@ class ParallelModel:
         if options.zero1 and options.dp_shard != "ddp":
             raise ValueError("parallelize: zero1 shards the optimizer of DDP; FSDP (dp_shard='fsdp') already shards "
                              "it: use dp_shard='ddp' with zero1, or zero1=False")
+        if d.ep > 1 and options.dp_shard == "fsdp":
+            raise ValueError(f"parallelize: ep={d.ep} with dp_shard='fsdp': FSDP2 would shard and reduce the expert "
+                             "weights over all dp x cp ranks, but each ep rank holds other experts (they are reduced "
+                             "over the expert-data-parallel group only); use dp_shard='ddp'")
+        if d.ep > 1 and options.zero1:
+            raise ValueError(f"parallelize: ep={d.ep} with zero1: ZeRO-1 broadcasts each parameter from the dp x cp "
+                             "rank that updates it, but each ep rank holds other experts; use zero1=False")
         spr = options.pp_stages_per_rank or (2 if options.pp_schedule == "interleaved-1f1b" and d.pp > 1 else 1)
         self.microbatches = options.microbatches or (d.pp if d.pp > 1 else 1)
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
@@ -140,7 +155,8 @@ class ParallelModel:
         self.rng = rng
         self.dropout_region = "tensor_parallel" if sp else "replicated"
         d.check_model(n_layer=cfg.n_layer, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, vocab=cfg.padded_vocab,
-                      ffn_hidden=cfg.ffn_hidden, stages_per_rank=spr, sequence_parallel=sp)
+                      ffn_hidden=cfg.ffn_hidden, stages_per_rank=spr, sequence_parallel=sp,
+                      n_experts=getattr(cfg, "n_experts", 0) or 0)
         self.stages_per_rank = spr
         meta = any(p.is_meta for p in model.parameters())
 
@@ -169,6 +185,9 @@ class ParallelModel:
                     block.attn.core = RingAttention(pm.cp_group, backend=getattr(block.attn.core, "backend", None))
                     if getattr(block.mlp, "is_moe", False):  # it routes this rank's share of the sequence
                         block.mlp.shard_tokens(functools.partial(all_reduce, group=pm.cp_group), d.cp)
+        # 3b. expert parallel: this rank's E / ep experts of each MoE layer, tokens dispatched by all-to-all
+        self.expert_names = [apply_expert_parallel(g, pm.ep_group, d.ep, pm.ep_rank) if d.ep > 1 else []
+                             for g in self.gpts]
 
         # 4. materialize: slices of a materialized model are copied already; a meta model is initialized here
         for g in self.gpts:
@@ -176,6 +195,9 @@ class ParallelModel:
                 g.to_empty(device=pm.device)
             else:
                 g.to(pm.device)
+        # the expert weights (E / ep experts each), reduced over the expert-data-parallel group (expert.py)
+        self.expert_params = {p for g, names in zip(self.gpts, self.expert_names)
+                              for name, p in g.named_parameters() if name in names}
         if meta:
             self._init_weights(type(model), generator)
             for g in self.gpts:  # persistent state that is not a parameter (MoE routers' balancing biases)
@@ -220,9 +242,14 @@ class ParallelModel:
                 apply_fsdp(r, g.blocks.values(), pm.dp_cp_mesh, reshard_after_forward=d.pp == 1,
                            param_dtype=param_dtype, root_param_dtype=torch.bfloat16 if master_weights else None)
         elif self.ddp:
+            for r, names in zip(runners, self.expert_names):
+                if names:  # reduced over their expert-data-parallel group instead (finalize_grads)
+                    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(r, names)
             runners = [apply_ddp(r, pm.dp_cp_group, pm.device) for r in runners]
         elif self.replicate:
-            broadcast_params(list(self.parameters()), pm.dp_cp_group)
+            broadcast_params([p for p in self.parameters() if p not in self.expert_params], pm.dp_cp_group)
+        if self.expert_params and pm.edp_group is not None:  # replicas of the same experts start alike
+            broadcast_params(self._expert_list(), pm.edp_group)
         self.modules_chunks = runners
         # FP8 under a pipeline: a new schedule's first step infers the stages' shapes with a forward (and backward) on
         # uninitialized buffers; the amaxes they record are dropped when the stage's first real forward starts
@@ -255,6 +282,10 @@ class ParallelModel:
     def parameters(self):
         for _, p in self.named_parameters():
             yield p
+
+    def _expert_list(self) -> list[torch.Tensor]:
+        """This rank's expert weights (expert parallelism), in the chunks' order."""
+        return [p for _, p in self.named_parameters() if p in self.expert_params]
 
     def _param_table(self):
         """[(name, param, tp dim or None, sp partial, tied copy)] over this rank's chunks."""
@@ -553,8 +584,16 @@ class ParallelModel:
         all-reduce over tp the gradients that are partial there (sequence parallel), and sum a tied head's gradient
         with wte's across the first and last pipeline stages. (forward_backward calls it.)"""
         if self.replicate:
-            grads = [g for g in map(self.grad, dict.fromkeys(self.parameters())) if g is not None]
+            grads = [g for g in map(self.grad, [p for p in dict.fromkeys(self.parameters())
+                                                if p not in self.expert_params]) if g is not None]
             allreduce_tensors(grads, self.mesh.dp_cp_group, average=True)
+        if self.expert_params:  # every rank of the group reduces all of them, a gradient or zeros
+            grads = []
+            for p in self._expert_list():
+                if self.grad(p) is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(self.grad(p))
+            reduce_expert_grads(grads, self.mesh.edp_group, self.dp * self.cp)
         partial, tied = [], []
         for name, p, _, sp_partial, tied_copy in self._param_table():
             g = self.grad(p)
@@ -572,15 +611,21 @@ class ParallelModel:
         """The total norm of the step's gradients (``grad``) over every group: the single model's gradient norm,
         equal on all ranks (fp32 0-d tensor on this rank's device)."""
         pm = self.mesh
-        sharded, replicated = [], []
+        sharded, replicated, experts = [], [], []
         for _, p, tp_dim, _, tied_copy in self._param_table():
             if tied_copy:
                 continue  # its twin, wte on the first stage, is counted
-            (sharded if tp_dim is not None else replicated).append(self.grad(p))
+            if p in self.expert_params:  # whole over tp, disjoint over ep, replicas over edp
+                experts.append(self.grad(p))
+            else:
+                (sharded if tp_dim is not None else replicated).append(self.grad(p))
         dp = pm.dp_cp_group if self.fsdp else None
         pp = pm.pp_group if self.pp > 1 else None
         tp = pm.tp_group if self.tp > 1 else None
-        return grad_norm([(sharded, [tp, dp, pp]), (replicated, [dp, pp])], norm_type, device=pm.device)
+        sets = [(sharded, [tp, dp, pp]), (replicated, [dp, pp])]
+        if self.ep > 1:
+            sets.append((experts, [pm.ep_group, pp]))
+        return grad_norm(sets, norm_type, device=pm.device)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
         """Clip all gradients by their total norm over every group; returns the norm (equal on all ranks)."""
@@ -658,24 +703,29 @@ class ParallelModel:
         shapes, so it loads under any other layout (one process: plain tensors). ``for_load``: first give every
         parameter its optimizer state so that DCP can load into it."""
         if self.mesh.local:
-            def whole(t, tp_dim):
+            def whole(t, tp_dim, expert=False):
                 return t
         else:
             if self._ckpt_mesh is None:
                 self._ckpt_mesh = checkpoint_mesh(self.mesh)
+                if self.ep > 1:
+                    self._expert_ckpt_mesh = expert_checkpoint_mesh(self.mesh)
 
-            def whole(t, tp_dim):
+            def whole(t, tp_dim, expert=False):
+                if expert:  # this rank's E / ep experts: dim-0 shards of the (E, ...) tensor over ep
+                    return as_global_expert(t, self._expert_ckpt_mesh, self.ep)
                 return as_global(t, tp_dim, self.tp, self._ckpt_mesh)
         table = self._param_table()
         model, names, master = {}, {}, {}
         for name, p, tp_dim, _, tied_copy in table:
             key = "wte.weight" if tied_copy else name
-            names[p] = (key, tp_dim)
-            model[key] = whole(p.detach(), tp_dim)
+            expert = p in self.expert_params
+            names[p] = (key, tp_dim, expert)
+            model[key] = whole(p.detach(), tp_dim, expert)
             if self.masters is not None:
                 m = self.masters.masters[p]
-                names[m] = (key, tp_dim)
-                master[key] = whole(m.detach(), tp_dim)
+                names[m] = (key, tp_dim, expert)
+                master[key] = whole(m.detach(), tp_dim, expert)
         state = {"model": model}
         if master:
             state["master"] = master
@@ -695,8 +745,8 @@ class ParallelModel:
             for p, s in inner.state.items():
                 if p not in names:
                     continue
-                key, tp_dim = names[p]
-                opt_state[key] = {k: (whole(v.detach(), tp_dim)
+                key, tp_dim, expert = names[p]
+                opt_state[key] = {k: (whole(v.detach(), tp_dim, expert)
                                       if isinstance(v, torch.Tensor) and v.shape == p.shape and v.dim() > 0 else v)
                                   for k, v in s.items()}
             state["optim"] = {"state": opt_state, "param_groups": group_hparams(optimizer)}
@@ -731,13 +781,16 @@ class ParallelModel:
         def named_parameters():
             for name, p, tp_dim, _, tied_copy in table:
                 shape = list(p.shape)
-                if tp_dim is not None:
-                    shape[tp_dim] *= self.tp
+                split, index, parts = tp_dim, rank, self.tp
+                if p in self.expert_params:  # this rank's E / ep experts
+                    split, index, parts = 0, self.mesh.ep_rank, self.ep
+                if split is not None:
+                    shape[split] *= parts
                 full = torch.empty(shape, dtype=p.dtype, device=p.device)
                 yield ("wte.weight" if tied_copy else name), full
                 with torch.no_grad():
-                    n = p.shape[tp_dim] if tp_dim is not None else None
-                    p.copy_(full.narrow(tp_dim, rank * n, n) if tp_dim is not None else full)
+                    n = p.shape[split] if split is not None else None
+                    p.copy_(full.narrow(split, index * n, n) if split is not None else full)
 
         shim.named_parameters = named_parameters
         gpt_class.init_weights(shim, generator)

@@ -65,20 +65,20 @@ def setup_distributed(config: TrainConfig, device: torch.device) -> Dist:
     rank runs the same config."""
     p = config.parallel
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1 and max(p.tp, p.pp, p.cp) == 1 and p.dp in (-1, 1) and not dist.is_initialized():
+    if world == 1 and max(p.tp, p.pp, p.cp, p.ep) == 1 and p.dp in (-1, 1) and not dist.is_initialized():
         from megakern.parallel import ParallelDims
 
         return Dist(mesh=ParallelDims(world_size=1).build(device.type))
     if world == 1 and not dist.is_initialized():
-        raise ConfigError(f"parallel sizes tp={p.tp} pp={p.pp} dp={p.dp} cp={p.cp} need several ranks; launch with "
-                          f"torchrun --nproc-per-node N -m megakern.train ...")
+        raise ConfigError(f"parallel sizes tp={p.tp} pp={p.pp} dp={p.dp} cp={p.cp} ep={p.ep} need several ranks; "
+                          f"launch with torchrun --nproc-per-node N -m megakern.train ...")
     try:
         from megakern.parallel import ParallelDims
     except ImportError as exc:
-        raise ConfigError(f"a run over {world} ranks (parallel: tp={p.tp} pp={p.pp} dp={p.dp} cp={p.cp}) needs "
-                          f"megakern.parallel, which cannot be imported ({exc})") from None
+        raise ConfigError(f"a run over {world} ranks (parallel: tp={p.tp} pp={p.pp} dp={p.dp} cp={p.cp} ep={p.ep}) "
+                          f"needs megakern.parallel, which cannot be imported ({exc})") from None
     try:
-        mesh = ParallelDims(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp).build(
+        mesh = ParallelDims(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep).build(
             device.type, timeout=p.init_timeout_s, agree={"config": to_dict(config)})
     except ValueError as exc:
         raise ConfigError(f"parallel: {exc}") from None

@@ -80,8 +80,9 @@ class Trainer:
         if self.env.writer:
             (self.run_dir / "config.yaml").write_text(self.config_yaml)
             self.log("resolved config:\n" + self.config_yaml.rstrip())
+            ep = f", ep {c.parallel.ep}" if c.parallel.ep > 1 else ""
             layout = (f"{self.env.world} ranks (tp {c.parallel.tp}, pp {c.parallel.pp}, cp {c.parallel.cp}, dp "
-                      f"{self.env.dp_size})" if self.env.world > 1 else "1 process")
+                      f"{self.env.dp_size}{ep})" if self.env.world > 1 else "1 process")
             self.log(f"run directory {self.run_dir} (checkpoints in {self.ckpt_dir}); device {self.device}, "
                      f"precision {self.precision}, {layout}")
         # every rank votes after each step on stopping (a signal on any rank, data changed on any rank)
@@ -215,8 +216,8 @@ class Trainer:
             return None
         if self.env.world > 1:
             p = self.config.parallel
-            if max(p.tp, p.pp, p.cp) > 1 or p.dp_shard != "ddp":
-                self.log("sample: skipped, the model is sharded over ranks (tp/pp/cp or FSDP)")
+            if max(p.tp, p.pp, p.cp, p.ep) > 1 or p.dp_shard != "ddp":
+                self.log("sample: skipped, the model is sharded over ranks (tp/pp/cp/ep or FSDP)")
                 return None
             if not self.env.writer:
                 return None
@@ -280,6 +281,16 @@ def check_parallel_options(config: TrainConfig, precision: str, world: int) -> N
     c, p, problems = config, config.parallel, []
     if world > 1:
         problems += parallel_graph_problems(c, world)
+    if p.ep > 1:
+        if p.dp_shard == "fsdp":
+            problems.append(f"parallel.ep={p.ep} needs parallel.dp_shard=ddp (FSDP2 would shard and reduce the expert "
+                            "weights over every dp x cp rank, but each ep rank holds other experts)")
+        if p.zero1:
+            problems.append(f"parallel.ep={p.ep} with parallel.zero1: ZeRO-1 broadcasts each parameter from one dp x "
+                            "cp rank, but each ep rank holds other experts; use parallel.zero1=false")
+        if c.train.cuda_graph:
+            problems.append(f"parallel.ep={p.ep} with train.cuda_graph: the all-to-all dispatch reads its split sizes "
+                            "on the host (one read per MoE layer and micro-batch), which a CUDA graph cannot capture")
     if p.fsdp_param_dtype == "bfloat16" and precision == "fp32":
         problems.append("parallel.fsdp_param_dtype=bfloat16 computes the blocks in bf16, which an fp32 run's "
                         "residual stream cannot enter; use train.precision=bf16 or bf16-autocast")

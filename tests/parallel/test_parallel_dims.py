@@ -27,7 +27,7 @@ def test_dims_resolve_and_rank_order_tp_fastest():
 @pytest.mark.parametrize("kwargs,world,message", [
     (dict(tp=0), 4, "tp must be an int >= 1, got 0"),
     (dict(dp=-2), 4, "dp must be an int >= 1, or -1"),
-    (dict(ep=2), 4, "ep=2: expert parallelism is reserved"),
+    (dict(ep=3), 4, "ep=3 does not divide dp\\*cp = 4\\*1 = 4"),
     (dict(tp=3), 4, "world size 4 is not divisible by pp\\*cp\\*tp = 1\\*1\\*3 = 3"),
     (dict(tp=2, dp=3), 4, "pp\\*dp\\*cp\\*tp = 1\\*3\\*1\\*2 = 6 != world size 4"),
     (dict(tp=2, world_size=4), 8, "world_size 4 was given, but the run has 8 ranks"),

@@ -1,0 +1,178 @@
+"""Expert parallelism: the routed experts of each MoE layer (models/moe.py) split over the ep ranks of an expert-
+parallel group, tokens dispatched to them and combined back by all-to-all.
+
+Layout (megakern.parallel.dims): ep ranks are carved out of the data-parallel ranks, dp x cp flattened, as
+dp_cp_i = edp_i * ep + ep_i. ep rank r holds experts r * E/ep .. (r + 1) * E/ep - 1 of every MoE layer: ``w_in``
+(E/ep, C, F or 2F) and ``w_out`` (E/ep, F, C), slices of the single model's (E, ...) tensors. Router, shared experts
+and everything else stay whole (replicated over dp x cp as before).
+
+One MoE layer's routed experts on an ep rank (``ExpertDispatcher``, the layer's ``dispatcher``), N tokens, top-k:
+
+    plan = route_plan(expert_idx, E)              rows sorted by global expert: rank s's experts are one run
+    xs = permute(x, plan)                         (N k, C), the kept assignments first (by expert), zeros after
+    counts (E,) -> all_to_all -> got (ep, E/ep)   got[s, l]: rows rank s sends to my local expert l
+    one host read of the split sizes              sent: counts summed per destination; received: got's rows
+    recv = all_to_all(xs[:kept])                  (R, C) ordered by (source rank, local expert)
+    y = expert_ffn(recv sorted by local expert)   the grouped GEMMs on my E/ep experts (stable sort: by source)
+    back = all_to_all(y in arrival order)         (kept, C), each row back on the rank that sent it, plan order
+    out = unpermute([back; zeros], weights, plan) the weighted combine of the token's k choices (fp32 sum)
+
+The all-to-alls carry autograd: the backward of one is the reverse all-to-all with the split sizes swapped.
+Split sizes exchanged first (all_to_all_single with per-rank sizes), not a fixed-capacity padded dispatch: the
+layer is dropless by default and a padded buffer would either drop tokens or be sized for the worst case (every
+token to one rank: ep times the traffic); the price is one host read per layer and micro-batch (Megatron-LM's and
+torchtitan's all-to-all dispatchers read them too), so a CUDA-graph step is refused with ep > 1. The dispatch is
+kept out of torch.compile (``torch.compiler.disable``).
+
+Gradients (``reduce_expert_grads``): every rank backpropagates (its tokens' loss sum) * dp * cp / N_global and a
+local expert's gradient already sums the contributions of the whole ep group's tokens, so the expert gradients are
+summed over the expert-data-parallel group (dp * cp / ep replicas of the same experts) and divided by dp * cp: the
+single model's gradient. The dense parameters are averaged over dp x cp as before. Under sequence parallel the
+expert gradients are partial sums over tp like the rest of the MoE layer's (all-reduced over tp afterwards); without
+it every tp rank computes them on the same tokens.
+
+Checkpoints (``expert_checkpoint_mesh``, ``as_global_expert``): each rank's slice is a DTensor sharded on dim 0 of
+the single model's (E, ...) tensor over the ep dim of a ("tp", "edp", "ep") mesh of the pipeline stage's ranks
+(replicated over tp and edp), so torch.distributed.checkpoint writes each expert once and loads it under another ep.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from megakern.moe import permute, route_plan, unpermute
+from megakern.parallel.data_parallel import allreduce_tensors
+
+EXPERT_WEIGHTS = ("w_in", "w_out")
+
+
+# ---- the all-to-all with autograd ----------------------------------------------------------------------------------
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return _all_to_all(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, dout):
+        out_splits, in_splits = ctx.splits
+        return _all_to_all(dout.contiguous(), in_splits, out_splits, ctx.group), None, None, None
+
+
+def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """Rows of ``x`` (sum(in_splits), ...): in_splits[s] rows to rank s of ``group``; returns the sum(out_splits)
+    rows received, out_splits[s] from rank s, in rank order. Differentiable (the backward is the reverse
+    all-to-all)."""
+    return _AllToAll.apply(x, list(out_splits), list(in_splits), group)
+
+
+# ---- the dispatcher ------------------------------------------------------------------------------------------------
+class ExpertDispatcher:
+    """An MoE layer's routed experts over an ep group (see the module docstring): ``layer.dispatcher``, called as
+    ``layer.experts(x, expert_idx, weights)`` is. ``layer``'s w_in / w_out hold this rank's E / ep experts."""
+
+    def __init__(self, layer: nn.Module, group, ep: int, ep_rank: int):
+        self.layer, self.group, self.ep, self.ep_rank = layer, group, ep, ep_rank
+        self.n_experts = layer.n_experts
+        self.n_local = layer.n_experts // ep
+
+    @torch.compiler.disable
+    def __call__(self, x: torch.Tensor, expert_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        layer, ep, n_local = self.layer, self.ep, self.n_local
+        device = x.device
+        dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else x.dtype
+        plan = route_plan(expert_idx, self.n_experts)
+        xs = permute(x.to(dtype), plan, backend=layer.kernels)          # (N k, C): kept rows first, by expert
+        with torch.no_grad():
+            send = plan.counts.view(ep, n_local).contiguous()           # rows for rank s's local expert l
+            got = torch.empty_like(send)
+            dist.all_to_all_single(got, send, group=self.group)          # got[s, l]: rank s's rows for my expert l
+            sizes = torch.stack([send.sum(1), got.sum(1)]).tolist()      # the split sizes, read on the host
+        in_splits, out_splits = sizes
+        kept, received = sum(in_splits), sum(out_splits)
+        recv = all_to_all(xs[:kept], out_splits, in_splits, self.group)  # (R, C) by source rank, then local expert
+        with torch.no_grad():
+            local = torch.arange(n_local, device=device).repeat(ep)
+            key = torch.repeat_interleave(local, got.reshape(-1), output_size=received)
+            order = torch.sort(key, stable=True).indices                 # by local expert, then source rank
+            inverse = torch.empty_like(order)
+            inverse[order] = torch.arange(received, device=device)
+            offsets = torch.zeros(n_local + 1, dtype=torch.int64, device=device)
+            offsets[1:] = torch.cumsum(got.sum(0), 0)
+        if received:
+            y = layer.expert_ffn(recv.index_select(0, order), offsets).index_select(0, inverse)
+        else:  # nothing for this rank's experts: one zero row keeps them (zero gradients) and the empty
+            # dispatch (whose backward is a collective every rank of the group joins) in the graph
+            y = layer.expert_ffn(torch.cat([recv, recv.new_zeros(1, recv.shape[1])]), offsets)[:0]
+        back = all_to_all(y, in_splits, out_splits, self.group)          # (kept, C) in the plan's order
+        rows = plan.order.numel()
+        if kept < rows:
+            back = torch.cat([back, back.new_zeros(rows - kept, back.shape[1])])
+        return unpermute(back, weights, plan, backend=layer.kernels)
+
+
+# ---- applying it ---------------------------------------------------------------------------------------------------
+def apply_expert_parallel(gpt: nn.Module, group, ep: int, ep_rank: int) -> list[str]:
+    """Give each MoE layer of ``gpt`` (a GPT or a pipeline stage of one, materialized or on the meta device) this
+    rank's E / ep experts and an ``ExpertDispatcher`` over ``group``, in place; returns the expert weights' names
+    (relative to ``gpt``)."""
+    names = []
+    for bname, block in gpt.blocks.items():
+        layer = block.mlp
+        if not getattr(layer, "is_moe", False):
+            continue
+        if layer.n_experts % ep:
+            raise ValueError(f"expert parallel: block {bname} has {layer.n_experts} experts, not divisible by "
+                             f"ep={ep}")
+        n = layer.n_experts // ep
+        for pname in EXPERT_WEIGHTS:
+            p = getattr(layer, pname)
+            if p.shape[0] != layer.n_experts:
+                raise ValueError(f"expert parallel: block {bname}'s {pname} holds {p.shape[0]} experts, not all "
+                                 f"{layer.n_experts} (applied twice?)")
+            setattr(layer, pname, nn.Parameter(p.detach()[ep_rank * n:(ep_rank + 1) * n].clone(),
+                                               requires_grad=p.requires_grad))
+            names.append(f"blocks.{bname}.mlp.{pname}")
+        layer.dispatcher = ExpertDispatcher(layer, group, ep, ep_rank)
+    return names
+
+
+@torch.no_grad()
+def reduce_expert_grads(grads: list[torch.Tensor], edp_group, dp_cp: int) -> None:
+    """The expert weights' gradients, in place: summed over the expert-data-parallel group (None or one rank: no
+    collective) and divided by dp * cp (see the module docstring)."""
+    if not grads:
+        return
+    if edp_group is not None and dist.get_world_size(edp_group) > 1:
+        allreduce_tensors(grads, edp_group)
+    torch._foreach_mul_(grads, 1.0 / dp_cp)
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------------------------
+def expert_checkpoint_mesh(pm) -> DeviceMesh:
+    """("tp", "edp", "ep") mesh of this rank's pipeline stage, without process groups (DCP asks it only for
+    coordinates)."""
+    d = pm.dims
+    ranks = torch.arange(d.world_size).reshape(d.pp, d.edp, d.ep, d.tp)[pm.pp_rank]  # (edp, ep, tp)
+    grid = ranks.permute(2, 0, 1).contiguous()
+    return DeviceMesh(pm.device_type, grid, mesh_dim_names=("tp", "edp", "ep"), _init_backend=False)
+
+
+def as_global_expert(t: torch.Tensor, mesh: DeviceMesh, ep: int) -> DTensor:
+    """This rank's (E / ep, ...) slice ``t`` as dim-0 shard of the single model's (E, ...) tensor."""
+    shape = (t.shape[0] * ep,) + tuple(t.shape[1:])
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= size
+    return DTensor.from_local(t, mesh, [Replicate(), Replicate(), Shard(0)], run_check=False,
+                              shape=torch.Size(shape), stride=tuple(reversed(stride)))
