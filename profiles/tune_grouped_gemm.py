@@ -281,8 +281,9 @@ def precompile(jobs: list[tuple], workers: int, deadline: float) -> dict:
             print(f"compile phase: the budget's share ran out with {len(done)} of {len(jobs)} compiled; the rest "
                   "compile when timed, as the budget allows")
     finally:
+        procs = list((getattr(pool, "_processes", None) or {}).values())  # shutdown() drops the table
         pool.shutdown(wait=False, cancel_futures=True)
-        for proc in list(getattr(pool, "_processes", {}).values()):
+        for proc in procs:
             if proc.is_alive():
                 proc.terminate()
     return done
