@@ -57,9 +57,9 @@ INTERPRETER_CONFIG = Config(32, 32, 32, 2, 1, 4, True)
 def _mma(a, b, acc, PRECISION: tl.constexpr):
     # fp32 ("ieee"): each step's product is summed on its own and then added, a blocked sum whose rounding grows with
     # BLOCK_K plus the number of steps, not with the whole reduction (an expert's rows for dW); bf16 / fp16 operands
-    # accumulate in the MMA
+    # accumulate in the MMA. Written as a subtraction of (-a) b: Triton folds acc + dot(a, b) back into dot(a, b, acc)
     if PRECISION == "ieee":
-        return acc + tl.dot(a, b, input_precision=PRECISION)
+        return acc - tl.dot(-a, b, input_precision=PRECISION)
     return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
