@@ -92,8 +92,8 @@ def test_parallelize_refuses_what_ep_cannot_run():
     assert "ep=2 with dp_shard='fsdp'" in messages[0] and "use dp_shard='ddp'" in messages[0]
     messages = pool(2).run(bad_layout, dict(dp=2, ep=2), dict(dp_shard="ddp", zero1=True), {})
     assert "ep=2 with zero1" in messages[0]
-    messages = pool(2).run(bad_layout, dict(dp=2, ep=2), dict(dp_shard="ddp"), dict(n_experts=6, moe_top_k=2))
-    assert "6 experts are not divisible by ep=2" in messages[0]
+    messages = pool(2).run(bad_layout, dict(dp=2, ep=2), dict(dp_shard="ddp"), dict(n_experts=5, moe_top_k=2))
+    assert "5 experts are not divisible by ep=2" in messages[0]
 
 
 # ---- the training program ------------------------------------------------------------------------------------------
@@ -104,7 +104,7 @@ MOE = ["log.tensorboard=false", "log.progress=false", "train.sample_tokens=0", "
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["model.preset=gpt-tiny", "parallel.ep=2"], "parallel.ep=2 splits the experts of MoE layers, but the model "
+    (["model.n_experts=0", "parallel.ep=2"], "parallel.ep=2 splits the experts of MoE layers, but the model "
                                                  "has none (model.n_experts=0)"),
     (["parallel.ep=3"], "parallel.ep=3 does not divide model.n_experts=4"),
     (["model.moe_top_k=5"], "moe_top_k (5) must be <= n_experts (4)"),
