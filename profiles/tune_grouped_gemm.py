@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -44,8 +43,6 @@ from typing import NamedTuple
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # python profiles/tune_grouped_gemm.py
-    sys.path.insert(0, str(REPO))
 
 PASSES = ("fwd", "dx", "dw")
 SMEM_BYTES = 232448  # Hopper's shared memory per block
