@@ -1,7 +1,7 @@
 """Rank-side checks of expert parallelism (megakern.parallel.expert): a 2-layer moe-tiny (block 0 dense, block 1 MoE
 with 4 experts; sigmoid router with its balancing bias, aux and z losses on) trained a few SGD steps with clipping
 and the training step's MoE statistics under an ep layout, against one process (the local mesh of ones) under the
-same seed and micro-batches: losses, clip norms, every weight (each rank's expert slice against the single model's
+same seed and micro-batches: losses (and a held-out loss after training), clip norms, every weight (each rank's expert slice against the single model's
 experts), the routers' biases and the step's MoE figures. Also: a rank whose experts receive no token, the
 checkpoint resharded across ep sizes, and the bad layouts."""
 from __future__ import annotations
@@ -53,6 +53,10 @@ def _train(mesh, options: dict, steps: int, global_batch: int, seqlen: int, conf
             moe.update_bias(torch.tensor(False))
         losses.append(float(loss))
         figures.append(moe.figures())
+    idx, targets = batches(1, global_batch, seqlen, cfg.vocab_size)[0]
+    pmodel.eval()
+    losses.append(float(pmodel.eval_loss(idx[mine], targets[mine])))  # a forward without gradients dispatches too
+    pmodel.train()
     weights = {name: (full_param(p).float().clone(), tp_dim, p in pmodel.expert_params)
                for name, p, tp_dim, _, tied in pmodel._param_table() if not tied}
     biases = {layer.row: layer.router.expert_bias.clone() for g in pmodel.gpts for layer in g.moe_layers()}
