@@ -2,7 +2,8 @@
 EP2 x DP2 (the expert weights reduced over their expert-data-parallel pair), EP2 x TP2 with sequence parallel, EP2 x
 PP2 (1F1B), bf16 weights with fp32 masters; routing forced so that a rank's experts receive no token; a checkpoint
 saved under ep2 loaded under ep1 (one process) and ep4; the bad layouts, each refused with its numbers before a step;
-the training program under torchrun with parallel.ep=2 against one process."""
+the training program under torchrun with parallel.ep=2 against one process, and its bad ep layouts refused before
+anything is written."""
 import json
 import os
 import subprocess
@@ -159,3 +160,18 @@ def test_training_program_ep2_under_torchrun(tmp_path):
                                          "schedule.on_resume=config", f"log.run_dir={tmp_path / 'resumed'}"]),
                       stream=open(tmp_path / "resumed.console", "a")).run()
     assert resumed.losses[4] == pytest.approx(single.losses[4], abs=1e-5)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["parallel.dp=2", "parallel.ep=2"], "parallel.ep=2 needs parallel.dp_shard=ddp"),
+    (["parallel.tp=2", "parallel.ep=2", "parallel.dp_shard=ddp"], "ep=2 does not divide dp*cp = 1*1 = 1"),
+])
+def test_training_program_refuses_bad_ep_layouts_before_writing(tmp_path, overrides, message):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+           "-m", "megakern.train", *MOE, "train.steps=1", *overrides, f"data.cache_dir={tmp_path / 'data'}",
+           f"log.run_dir={tmp_path / 'run'}"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0
+    assert message in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "run").exists() and not (tmp_path / "data").exists()
