@@ -41,6 +41,9 @@ ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHME
 GRAPH = ["train.cuda_graph=true", "train.cuda_graph_warmup=2"]
 BF16 = ["train.precision=bf16"]  # bf16 weights with fp32 master weights
 PACKED = ["data.packed_documents=true"]  # documents packed into each row (cu_seqlens)
+# MoE blocks (every block: 4 experts of 64 units, top-2, dropless); the one-GPU reference has the same ones
+MOE = ["model.n_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden=64"]
+EP = ["parallel.dp_shard=ddp"]  # expert parallelism: ep ranks carved out of dp x cp, dense replicas kept by DDP
 # DDP's reducer reads timings on the host in its first 10 iterations: 11 eager steps, then 4 replays
 LONG_STEPS = 15
 DDP_GRAPH = ["train.cuda_graph=true", "train.cuda_graph_warmup=11", f"train.steps={LONG_STEPS}"]
@@ -90,12 +93,24 @@ LAYOUTS = [
     ("pp2-packed", 2, ["parallel.pp=2", *PACKED]),
     ("tp2-pp2-bf16-compile", 4, ["parallel.tp=2", "parallel.pp=2", *BF16, "train.compile=true"]),
     ("tp2-cp2-bf16-recompute", 4, ["parallel.tp=2", "parallel.cp=2", *BF16, "model.recompute=full"]),
+    # Mixture of Experts: experts whole per rank (DP, TP, PP), or sharded over ep ranks (all-to-all dispatch)
+    ("dp2-moe", 2, ["parallel.dp=2", "parallel.dp_shard=ddp", *MOE]),
+    ("tp2-moe", 2, ["parallel.tp=2", *MOE]),
+    ("pp2-moe", 2, ["parallel.pp=2", *MOE]),
+    ("ep2-moe", 2, ["parallel.dp=2", "parallel.ep=2", *EP, *MOE]),
+    ("ep2-cp2-moe", 2, ["parallel.cp=2", "parallel.ep=2", *EP, *MOE]),
+    ("ep2-moe-bf16", 2, ["parallel.dp=2", "parallel.ep=2", *EP, *MOE, *BF16]),
+    ("ep4-moe", 4, ["parallel.dp=4", "parallel.ep=4", *EP, *MOE]),
+    ("ep2-dp2-moe", 4, ["parallel.dp=4", "parallel.ep=2", *EP, *MOE]),
+    ("ep2-tp2-moe", 4, ["parallel.tp=2", "parallel.dp=2", "parallel.ep=2", *EP, *MOE]),
+    ("ep2-pp2-moe", 4, ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2", *EP, *MOE]),
 ]
 # fp32: the layouts sum in other orders (sharded matmuls, ring-attention merges, reductions over ranks); bf16 and
 # FP8 round those partial sums too
 ABS_TOL, LOW_PRECISION_TOL = 2e-3, 3e-2
 # the overrides that make a feature run: its one-GPU reference runs with the same ones
-FEATURE_KEYS = ("train.precision=", "train.fp8=", "train.compile=", "model.recompute=", "data.packed_documents=")
+FEATURE_KEYS = ("train.precision=", "train.fp8=", "train.compile=", "model.recompute=", "data.packed_documents=",
+                "model.n_experts=", "model.moe_")
 # runs sharing a GPU at once (the model is tiny: start-up, not the GPU, bounds each run)
 RUNS_PER_GPU = int(os.environ.get("MEGAKERN_TEST_RUNS_PER_GPU", "1" if ON_CPU else "3"))
 
