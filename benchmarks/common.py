@@ -282,7 +282,8 @@ def record(results: "Results", case: str, mode: str, provider: str, timing: dict
     line = (f"{case:<34} {mode:<14} {provider:<16} {timing['median']:9.4f} ms "
             f"[p20 {timing['p20']:.4f}, p80 {timing['p80']:.4f}]")
     if not results.smoke:
-        line += f" {value:9.2f} {metric} ({results.frac(metric, value):.2f})"
+        frac = results.frac(metric, value)
+        line += f" {value:9.2f} {metric}" + (f" ({frac:.2f})" if frac is not None else "")
     print(line)
 
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -50,29 +51,12 @@ EXPERT_WEIGHTS = ("w_in", "w_out")
 
 
 # ---- the all-to-all with autograd ----------------------------------------------------------------------------------
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        return _all_to_all(x, out_splits, in_splits, group)
-
-    @staticmethod
-    def backward(ctx, dout):
-        out_splits, in_splits = ctx.splits
-        return _all_to_all(dout.contiguous(), in_splits, out_splits, ctx.group), None, None, None
-
-
-def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-    return out
-
-
 def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
     """Rows of ``x`` (sum(in_splits), ...): in_splits[s] rows to rank s of ``group``; returns the sum(out_splits)
-    rows received, out_splits[s] from rank s, in rank order. Differentiable (the backward is the reverse
-    all-to-all)."""
-    return _AllToAll.apply(x, list(out_splits), list(in_splits), group)
+    rows received, out_splits[s] from rank s, in rank order. Differentiable (torch.distributed.nn's all-to-all: the
+    backward is the reverse all-to-all)."""
+    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    return dist_nn.all_to_all_single(out, x.contiguous(), list(out_splits), list(in_splits), group=group)
 
 
 # ---- the dispatcher ------------------------------------------------------------------------------------------------
