@@ -4,7 +4,7 @@ Ops take ``backend=`` ('torch' | 'triton' | 'cuda', or a config's kernel table {
 ``available_backends`` (what runs on a device) and ``op_backends`` (what each op offers).
 """
 from megakern._backend import available_backends, op_backends
-from megakern.activation import bias_gelu, bias_gelu_ref
+from megakern.activation import bias_gelu, bias_gelu_ref, swiglu, swiglu_ref
 from megakern.attention import Attention, attention, attention_ref, merge_attention
 from megakern._cuda import runtime as cuda_runtime
 from megakern.cross_entropy import cross_entropy, cross_entropy_ref, linear_cross_entropy, linear_cross_entropy_ref
@@ -19,5 +19,5 @@ __all__ = [
     "Attention", "LayerNorm", "RMSNorm", "RotaryEmbedding", "apply_rotary", "attention", "attention_ref",
     "available_backends", "bias_gelu", "bias_gelu_ref", "cross_entropy", "cross_entropy_ref", "cuda_runtime",
     "layer_norm", "layer_norm_ref", "linear", "linear_cross_entropy", "linear_cross_entropy_ref", "merge_attention",
-    "op_backends", "rms_norm", "rms_norm_ref", "rotary_ref", "rotary_table",
+    "op_backends", "rms_norm", "rms_norm_ref", "rotary_ref", "rotary_table", "swiglu", "swiglu_ref",
 ]

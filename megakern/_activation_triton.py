@@ -1,10 +1,15 @@
 """Triton kernels of megakern.activation: bias + GELU (tanh approximation) forward, and its backward with the bias
-gradient's column sums made in the same pass.
+gradient's column sums made in the same pass; SwiGLU on interleaved (gate, up) pairs, forward and backward.
 
 Forward: h (M, N) contiguous, flat blocks of BLOCK elements, y = gelu(h + b[col]) in fp32, stored in h's dtype.
 Backward: a program per (BLOCK_M x BLOCK_N) tile writes dh = dy * gelu'(h + b) and the column sums of its tile of
 dh (as stored, in fp32) to its row of an (M / BLOCK_M, N) fp32 buffer, which the launcher sums. The separate
 bias-gradient pass over dh (a read of M x N) is gone; the partial sums add 1/16 of dh's bytes (bf16, BLOCK_M 32).
+
+SwiGLU: h (..., 2F) contiguous holds unit i's gate at column 2i and its up at 2i + 1, so output element o of y
+(..., F) reads the pair at flat offsets 2o, 2o + 1: a program loads a (BLOCK, 2) tile (contiguous bytes) and splits
+it. Forward y = silu(g) u; backward dg = dy u s (1 + g (1 - s)), du = dy silu(g) with s = sigmoid(g), written
+back interleaved as one (BLOCK, 2) tile. Math in fp32.
 """
 from __future__ import annotations
 
@@ -87,3 +92,51 @@ def bwd(dy: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None) -> tuple[t
     _bias_gelu_bwd_kernel[grid](dy, h, bias if bias is not None else h, dh, part, m, n, HAS_BIAS=bias is not None,
                                 BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
     return dh, (sum_rows(part, bias.dtype) if bias is not None else None)
+
+
+@triton.jit
+def _swiglu_fwd_kernel(H, Y, numel, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    pair = 2 * offs[:, None] + tl.arange(0, 2)[None, :]
+    g, u = tl.split(tl.load(H + pair, mask=mask[:, None], other=0.0).to(tl.float32))
+    s = 1.0 / (1.0 + tl.exp(-g))
+    tl.store(Y + offs, (g * s * u).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(DY, H, DH, numel, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    pair = 2 * offs[:, None] + tl.arange(0, 2)[None, :]
+    g, u = tl.split(tl.load(H + pair, mask=mask[:, None], other=0.0).to(tl.float32))
+    dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+    s = 1.0 / (1.0 + tl.exp(-g))
+    du = dy * g * s
+    dg = dy * u * s * (1.0 + g * (1.0 - s))
+    tl.store(DH + pair, tl.join(dg, du).to(DH.dtype.element_ty), mask=mask[:, None])
+
+
+def _swiglu_block(h: torch.Tensor) -> tuple[int, int]:
+    """(BLOCK, warps): output elements a program."""
+    return (2048, 8) if h.is_cuda else (128, 4)
+
+
+def swiglu_fwd(h: torch.Tensor) -> torch.Tensor:
+    """y (..., F) in h's dtype from contiguous h (..., 2F)."""
+    y = torch.empty((*h.shape[:-1], h.shape[-1] // 2), dtype=h.dtype, device=h.device)
+    numel = y.numel()
+    if numel:
+        block, warps = _swiglu_block(h)
+        _swiglu_fwd_kernel[(cdiv(numel, block),)](h, y, numel, BLOCK=block, num_warps=warps)
+    return y
+
+
+def swiglu_bwd(dy: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """dh like contiguous h from contiguous dy (..., F)."""
+    dh = torch.empty_like(h)
+    numel = dy.numel()
+    if numel:
+        block, warps = _swiglu_block(h)
+        _swiglu_bwd_kernel[(cdiv(numel, block),)](dy, h, dh, numel, BLOCK=block, num_warps=warps)
+    return dh

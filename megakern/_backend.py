@@ -49,6 +49,8 @@ DEFAULTS: dict[str, tuple[tuple[int, tuple[str, ...]], ...]] = {
     "cross_entropy": ((1 << 30, ("triton", "torch")),),
     # Triton (the GELU backward and the bias gradient in one pass), then the reference
     "bias_gelu": ((1 << 30, ("triton", "torch")),),
+    # SwiGLU on interleaved (gate, up): one Triton pass each way, then the reference (benchmarks/bench_activation.py)
+    "swiglu": ((1 << 30, ("triton", "torch")),),
     # the bias gradient by a Triton column sum, then F.linear's own
     "linear": ((1 << 30, ("triton", "torch")),),
     # MoE permute / unpermute: the Triton gather and combine (the reference copies rows and its gradients scatter)

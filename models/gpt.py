@@ -70,8 +70,8 @@ RECOMPUTE = ("none", "selective", "full")
 # weights initialized with std init_std / sqrt(2 n_layer) under scaled_init (names end so)
 OUTPUT_PROJECTIONS = ("attn.proj.weight", "mlp.proj.weight", "mlp.shared.proj.weight", "mlp.w_out")
 VOCAB_MULTIPLE = 128
-KERNEL_OPS = ("rms_norm", "layer_norm", "rotary", "attention", "cross_entropy", "bias_gelu", "linear", "moe",
-              "grouped_mm")
+KERNEL_OPS = ("rms_norm", "layer_norm", "rotary", "attention", "cross_entropy", "bias_gelu", "swiglu", "linear",
+              "moe", "grouped_mm")
 IGNORE_INDEX = -100
 
 
@@ -489,8 +489,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
-            h = self.fc(x).unflatten(-1, (-1, 2))
-            h = F.silu(h[..., 0]) * h[..., 1]
+            h = megakern.swiglu(self.fc(x), backend=self.kernels)
         elif type(self.fc) is nn.Linear and self.fc.bias is not None and \
                 bias_gelu_backend(x, self.kernels) != "torch":
             # the bias rides in the activation's pass; its gradient comes out of the GELU backward's pass

@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megakern.activation import swiglu
 from megakern.moe import grouped_mm, permute, route_plan, unpermute
 
 ROUTERS = ("softmax", "sigmoid")
@@ -280,8 +281,7 @@ class MoEMLP(nn.Module):
         rows offsets[e] .. offsets[e + 1] of xs (M, C) through expert e, (M, C) in xs's dtype; offsets (E' + 1,)."""
         h = grouped_mm(xs, self.w_in.to(xs.dtype), offsets, backend=self.kernels)  # (M, F or 2F)
         if self.swiglu:
-            h = h.unflatten(-1, (-1, 2))
-            h = F.silu(h[..., 0]) * h[..., 1]
+            h = swiglu(h, backend=self.kernels)
         else:
             h = F.gelu(h, approximate="tanh")
         return grouped_mm(h, self.w_out.to(xs.dtype), offsets, backend=self.kernels)

@@ -1,7 +1,7 @@
-"""megakern.activation.bias_gelu: gelu(h + bias) (tanh approximation) and its gradients (dh and the bias gradient
-made in the same pass) against the fp64 reference under the 2x rule; odd sizes, no bias, an fp32 bias beside
-low-precision h, non-contiguous h, empty input; bad input. Under the CPU interpreter in fp32 / fp16 at small sizes;
-bf16 and larger sizes on a GPU."""
+"""megakern.activation: bias_gelu, gelu(h + bias) (tanh approximation) and its gradients (dh and the bias gradient
+made in the same pass), and swiglu, silu(gate) * up over interleaved (gate, up) columns, and its gradient, against
+the fp64 reference under the 2x rule; odd sizes, no bias, an fp32 bias beside low-precision h, non-contiguous h,
+empty input; bad input. Under the CPU interpreter in fp32 / fp16 at small sizes; bf16 and larger sizes on a GPU."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from conftest import (ATOL, DEVICE, HAS_CUDA, assert_close_to_ref, poison_cuda_allocator, require_triton,
                       seed, skip_interpreter_faults)
 
-from megakern.activation import bias_gelu, bias_gelu_ref
+from megakern.activation import bias_gelu, bias_gelu_ref, swiglu, swiglu_ref
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SHAPES = [(5, 33), (2, 3, 40), (1, 1), (16, 130)]
@@ -89,6 +89,64 @@ def test_bad_input():
             bias_gelu(h, torch.zeros(8, device="meta"))
 
 
+# ---- swiglu ---------------------------------------------------------------------------------------------------------
+SWIGLU_SHAPES = [(5, 66), (2, 3, 10), (1, 2), (7, 258)]
+if HAS_CUDA:
+    SWIGLU_SHAPES += [(4, 1000, 2 * 2816), (8193, 2 * 1408), (3, 7, 2 * 5001)]
+
+
+def check_swiglu(h, dtype):
+    """y and dh of the Triton backend against fp64 truth, plain torch in h's dtype (strided views) the yardstick."""
+    require_triton()
+    poison_cuda_allocator(4 * h.numel() + 4096)
+    h = h.requires_grad_(True)
+    y = swiglu(h, backend="triton")
+    dy = torch.randn_like(y)
+    (dh,) = torch.autograd.grad(y, h, dy)
+    h64 = h.detach().double().requires_grad_(True)
+    truth = swiglu_ref(h64)
+    (truth_dh,) = torch.autograd.grad(truth, h64, dy.double())
+    lo = h.detach().clone().requires_grad_(True)
+    lowp = F.silu(lo[..., 0::2]) * lo[..., 1::2]
+    (lowp_dh,) = torch.autograd.grad(lowp, lo, dy)
+    assert y.dtype == dtype and y.shape == (*h.shape[:-1], h.shape[-1] // 2)
+    assert dh.dtype == dtype and dh.shape == h.shape
+    assert_close_to_ref("y", y, truth, lowp, ATOL[dtype])
+    assert_close_to_ref("dh", dh, truth_dh, lowp_dh, ATOL[dtype])
+
+
+@pytest.mark.parametrize("shape", SWIGLU_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_swiglu_matches_reference(dtype, shape):
+    skip_interpreter_faults("triton", dtype)
+    seed("swiglu", dtype, shape)
+    check_swiglu(3 * torch.randn(shape, device=DEVICE, dtype=dtype), dtype)
+
+
+def test_swiglu_non_contiguous_and_saturated():
+    seed("swiglu views")
+    base = torch.randn(2 * 48, 9, device=DEVICE, dtype=torch.float16)
+    h = (base * 12).t()  # transposed: rows strided; gates far into silu's tails
+    assert not h.is_contiguous()
+    check_swiglu(h.detach(), torch.float16)
+
+
+def test_swiglu_empty_torch_backend_and_bad_input():
+    require_triton()
+    h = torch.randn(0, 12, device=DEVICE, requires_grad=True)
+    y = swiglu(h, backend="triton")
+    y.sum().backward()
+    assert y.shape == (0, 6) and h.grad.shape == (0, 12)
+    x = torch.randn(3, 12, device=DEVICE, dtype=torch.float64)
+    torch.testing.assert_close(swiglu(x), F.silu(x[:, 0::2]) * x[:, 1::2])
+    with pytest.raises(ValueError, match=r"must be even, got shape \(4, 7\)"):
+        swiglu(torch.randn(4, 7, device=DEVICE))
+    with pytest.raises(TypeError, match="h must be a float32/float16/bfloat16 tensor"):
+        swiglu(torch.ones(4, 8, dtype=torch.int32))
+    with pytest.raises(ValueError, match="unknown backend 'cuda'"):
+        swiglu(torch.randn(4, 8, device=DEVICE), backend="cuda")
+
+
 def compile_for_sm90() -> list:
     """(kernel, registers spilled) for both kernels compiled for sm_90 with the GPU launch's parameters. Needs real
     (not interpreted) Triton kernels: run with TRITON_INTERPRET=0."""
@@ -101,7 +159,9 @@ def compile_for_sm90() -> list:
     results = []
     for fn, name, constexprs, warps in (
             (kern._bias_gelu_fwd_kernel, "fwd", {"HAS_BIAS": True, "BLOCK": 4096}, 8),
-            (kern._bias_gelu_bwd_kernel, "bwd", {"HAS_BIAS": True, "BLOCK_M": 32, "BLOCK_N": 128}, 4)):
+            (kern._bias_gelu_bwd_kernel, "bwd", {"HAS_BIAS": True, "BLOCK_M": 32, "BLOCK_N": 128}, 4),
+            (kern._swiglu_fwd_kernel, "swiglu fwd", {"BLOCK": 2048}, 8),
+            (kern._swiglu_bwd_kernel, "swiglu bwd", {"BLOCK": 2048}, 8)):
         types = {"PART": "*fp32", "numel": "i32", "N": "i32", "M": "i32"}
         signature = {a: constexprs.get(a) and "constexpr" or types.get(a, "*bf16") for a in fn.arg_names}
         signature.update({a: "constexpr" for a in constexprs})
@@ -112,7 +172,8 @@ def compile_for_sm90() -> list:
 
 
 def test_kernels_compile_for_sm90():
-    """Both kernels lower for Hopper without a GPU (Triton's sm_90 compiler): no interpreter-only constructs."""
+    """The kernels lower for Hopper without a GPU (Triton's sm_90 compiler): no interpreter-only constructs."""
     from conftest import sm90_lowering
 
-    assert [name for name, _ in sm90_lowering("test_activation", "compile_for_sm90()")] == ["fwd", "bwd"]
+    assert [name for name, _ in sm90_lowering("test_activation", "compile_for_sm90()")] == [
+        "fwd", "bwd", "swiglu fwd", "swiglu bwd"]
