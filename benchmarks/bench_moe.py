@@ -11,7 +11,8 @@ the experts by a random top-k routing (route_plan of uniform router choices, so 
 FLOPs over the rows routed (offsets[E]):
     fwd = 2 * rows * K * F;    bwd (dX and dW) = 4 * rows * K * F
 TFLOP/s = FLOPs / median time, also as a fraction of the same-run bf16 matmul roofline (8192^3). The backward is
-timed alone: autograd.grad of one forward's output, the graph retained.
+timed alone: autograd.grad of one forward's output, the graph retained (with ``--graph``: fwd+bwd, 6 rows K F, as
+the moves section does).
 Providers: megakern-triton (megakern.moe.grouped_mm, backend "triton": offsets on the device, never read on the
 host); torch (torch._grouped_mm: int32 ends of the groups, dims 16-byte aligned; rows past the last end are left
 unwritten); cublas (a loop of torch matmuls over the experts, its row ranges read on the host once, outside the
@@ -24,7 +25,10 @@ Bytes moved, R = N k sorted rows, R' = offsets[E] kept ones, C columns of b byte
     permute bwd     R' C b read + N C b written + 8 R          (dx: each token's rows summed)
     unpermute fwd   R' C b read + N C b written + 12 R         (position and weights)
     unpermute bwd   2 R' C b read + R C b written + 20 R       (dout rows, y; dy; order, weights, dweights)
-GB/s = bytes / median time, also as a fraction of the same-run copy roofline (target 0.85).
+GB/s = bytes / median time, also as a fraction of the same-run copy roofline (target 0.85). Eager, the backward is
+timed alone (autograd.grad of one forward's output, the graph retained): at these sizes the host's autograd call can
+take longer than the kernel. With ``--graph`` the modes are fwd and fwd+bwd (one captured forward and backward, its
+bytes the sum of both), the GPU time without the host.
 Providers: torch (megakern.moe's references under autograd), compile (the same under torch.compile),
 megakern-triton.
 
@@ -103,7 +107,7 @@ def gemm_cases(device, quick: bool) -> list[Gemm]:
 
 
 def gemm_flops(rows: int, k: int, f: int, mode: str) -> int:
-    return (2 if mode == "fwd" else 4) * rows * k * f
+    return {"fwd": 2, "bwd": 4, "fwd+bwd": 6}[mode] * rows * k * f
 
 
 # loaders: loader(device) -> fn(x, w, offsets, bounds) -> out (M, F), differentiable; bounds: the offsets on the host
@@ -156,14 +160,16 @@ def bench_gemm(args, results: Results, device) -> None:
             try:
                 check_outputs(("out", "dx", "dw"), _gemm_outputs(fn, x, w, plan.offsets, bounds, g, rows), ref, 0.05,
                               1e-3)
-                for mode in ("fwd", "bwd"):
+                for mode in ("fwd", "fwd+bwd" if args.graph else "bwd"):  # as bench_moves
                     if mode == "fwd":
                         with torch.no_grad():
                             timing = bench(lambda: fn(x, w, plan.offsets, bounds), device=device, graph=args.graph)
+                    elif mode == "fwd+bwd":
+                        timing = bench(lambda: torch.autograd.grad(fn(x, w, plan.offsets, bounds), (x, w), g),
+                                       device=device, graph=True)
                     else:
                         out = fn(x, w, plan.offsets, bounds)
-                        timing = bench(lambda: torch.autograd.grad(out, (x, w), g, retain_graph=True), device=device,
-                                       graph=args.graph)
+                        timing = bench(lambda: torch.autograd.grad(out, (x, w), g, retain_graph=True), device=device)
                         del out
                     record(results, name, _mode(mode, args), provider, timing, "TFLOP/s",
                            gemm_flops(rows, case.k, case.f, mode) / (timing["median"] * 1e-3) / 1e12)
@@ -256,16 +262,22 @@ def bench_moves(args, results: Results, device) -> None:
                               _moves_outputs(unpermute, (y, weights), plan, du), ref_u, 0.02, 1e-3)
                 ops = (("permute", permute, (x,), dp), ("unpermute", unpermute, (y, weights), du))
                 for op, fn, inputs, grad in ops:
-                    for mode in ("fwd", "bwd"):
+                    # a CUDA graph captures the backward only with its forward (autograd runs a backward op on its
+                    # forward's stream): under --graph the second mode is the forward and backward together
+                    for mode in ("fwd", "fwd+bwd" if args.graph else "bwd"):
                         if mode == "fwd":
                             with torch.no_grad():
                                 timing = bench(lambda: fn(*inputs, plan), device=device, graph=args.graph)
+                        elif mode == "fwd+bwd":
+                            timing = bench(lambda: torch.autograd.grad(fn(*inputs, plan), inputs, grad),
+                                           device=device, graph=True)
                         else:
                             out = fn(*inputs, plan)
                             timing = bench(lambda: torch.autograd.grad(out, inputs, grad, retain_graph=True),
-                                           device=device, graph=args.graph)
+                                           device=device)
                             del out
-                        nbytes = moves_bytes(op, mode, r.tokens, r.top_k, kept, case.cols, x.element_size())
+                        nbytes = sum(moves_bytes(op, m, r.tokens, r.top_k, kept, case.cols, x.element_size())
+                                     for m in mode.split("+"))
                         record(results, name, _mode(f"{op} {mode}", args), provider, timing, "GB/s",
                                nbytes / (timing["median"] * 1e-3) / 1e9)
             except Exception as e:

@@ -21,6 +21,14 @@ hidden = 1 - (step(dp) - step(one GPU)) / collectives, clipped to [0, 1]: the sh
 the data-parallel step does not add to the one-GPU step. When the layouts include "1xK" for the same number of GPUs
 (K one-GPU runs at once), that is the reference instead: it shares the host the same way, without communication.
 
+For an expert-parallel layout ("dp2.ep2-ddp": ep carved out of the dp x cp ranks, no GPUs of its own): the expert
+dispatch's all-to-alls of one step (dispatch and combine of every MoE block, forward and backward: a rank's routed
+rows, micro-batch x T / cp x top-k rows of C, in equal splits over ep ranks) are timed alone, and hidden = 1 -
+(step(layout) - step(the same layout without ep)) / those all-to-alls (the one-GPU step when that layout was not
+measured), clipped to [0, 1]. The layout without ep holds every expert on every rank; with ep the expert
+gradients are reduced over the expert-data-parallel group only, so some of the difference is the smaller gradient
+reduction: "hidden" there counts that saving too.
+
 For a tensor-parallel layout with "-ovl" measured after the same layout without it: the row-parallel layers'
 reduce-scatters (forward) and all-gathers (backward) of one step are timed alone, and
 hidden = (step(layout) - step(layout-ovl)) / those collectives, clipped to [0, 1].
@@ -40,6 +48,7 @@ bandwidth, driver), the ceiling of any K-GPU layout on this machine.
     python -m benchmarks.bench_parallel --layouts 1,dp2-ddp,tp2 --profile out/    # where the time goes, per layout
     python -m benchmarks.bench_parallel --layouts 1,1x2,1x4,dp2-ddp               # the host's share of the scaling
     python -m benchmarks.bench_parallel --layouts 1-graph,tp2-graph,tp2-ovl-graph,dp2-ddp-graph --overlap
+    python -m benchmarks.bench_parallel --model moe-mixtral --layouts 1,dp2-ddp,dp2.ep2-ddp,dp4.ep4-ddp --overlap
 
 Environment of every run: NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1 (NVLink
 multicast stays off), OMP_NUM_THREADS=4 unless set.
@@ -80,6 +89,7 @@ class Layout:
     pp: int = 1
     cp: int = 1
     dp: int = 1
+    ep: int = 1  # expert parallel: carved out of dp x cp (the ranks are the same), no extra GPUs
     dp_shard: str = "fsdp"
     zero1: bool = False
     tp_comm_overlap: bool = False  # "-ovl": the row-parallel reduce-scatter overlapped with the matmul (tp > 1)
@@ -127,11 +137,15 @@ class Layout:
         head, *flags = bare.split("-")
         sizes = {}
         for part in head.split("."):
-            m = re.fullmatch(r"(tp|pp|cp|dp)(\d+)", part)
+            m = re.fullmatch(r"(tp|pp|cp|dp|ep)(\d+)", part)
             if not m or m.group(1) in sizes or int(m.group(2)) < 1:
-                raise ValueError(f"bench_parallel: layout {spec!r}: each factor is tp|pp|cp|dp and a size >= 1, "
-                                 f"once (e.g. 'tp2.dp2', 'dp4-ddp-zero1'); bad part {part!r}")
+                raise ValueError(f"bench_parallel: layout {spec!r}: each factor is tp|pp|cp|dp|ep and a size >= 1, "
+                                 f"once (e.g. 'tp2.dp2', 'dp4-ddp-zero1', 'dp4.ep2-ddp'); bad part {part!r}")
             sizes[m.group(1)] = int(m.group(2))
+        ep, dp_cp = sizes.get("ep", 1), sizes.get("dp", 1) * sizes.get("cp", 1)
+        if dp_cp % ep:
+            raise ValueError(f"bench_parallel: layout {spec!r}: ep={ep} is carved out of dp x cp = {dp_cp} ranks and "
+                             f"must divide it")
         unknown = set(flags) - {"ddp", "fsdp", "zero1", "ovl"}
         if unknown:
             raise ValueError(f"bench_parallel: layout {spec!r}: unknown flag(s) {sorted(unknown)} (ddp, fsdp, zero1, "
@@ -172,7 +186,7 @@ def run_layout(layout: Layout, args, run_dir: Path, data_cache: Path) -> tuple[d
         "log.tensorboard=false", "log.every=1000000",
         f"data.num_workers={args.data_workers}", f"data.cache_dir={data_cache}", f"log.run_dir={run_dir}",
         f"parallel.tp={layout.tp}", f"parallel.pp={layout.pp}", f"parallel.cp={layout.cp}",
-        f"parallel.dp={layout.dp}", f"parallel.dp_shard={layout.dp_shard}",
+        f"parallel.dp={layout.dp}", f"parallel.ep={layout.ep}", f"parallel.dp_shard={layout.dp_shard}",
         f"parallel.zero1={str(layout.zero1).lower()}",
         f"parallel.tp_comm_overlap={str(layout.tp_comm_overlap).lower()}",
         *args.override,
@@ -262,6 +276,14 @@ def _run_copies(layout: Layout, args, run_dir: Path, overrides: list[str]) -> tu
             "GiB": max(f["GiB"] for f in each), "loss": each[0]["loss"], "wall": wall, "accum": 1}, tail
 
 
+def moe_facts(preset: str) -> tuple[int, int]:
+    """(top-k, MoE blocks) of the preset; (0, 0) for a dense model."""
+    from megakern.models.gpt import GPTConfig
+
+    config = GPTConfig.preset(preset)
+    return (config.moe_top_k, len(config.moe_blocks)) if config.n_experts else (0, 0)
+
+
 def model_facts(preset: str) -> tuple[float, int, int, int, int]:
     """(training FLOPs per token, parameters, sequence length, layers, hidden size) of the preset, built on the meta
     device."""
@@ -280,7 +302,9 @@ def _collective_worker(numel: int, kind: str, reps: int, device_type: str, count
     """Run under torchrun: time one step's collectives, on the GPUs (NCCL) or the CPUs (gloo) as the benchmark's runs;
     rank 0 prints one JSON line {"ms": median}. Data parallel ("all_reduce", "fsdp"): ``numel`` fp32 values.
     Sequence parallel's row-parallel pair ("sp_rs_ag"): ``count`` reduce-scatters and as many all-gathers of
-    ``numel`` values of ``dtype`` each (the full tensor's size): what tp_comm_overlap hides."""
+    ``numel`` values of ``dtype`` each (the full tensor's size): what tp_comm_overlap hides. Expert parallel's
+    dispatch ("all_to_all"): ``count`` all_to_all_single of a rank's ``numel`` values of ``dtype``, in equal splits
+    (a balanced router's exchange)."""
     import torch.distributed as dist
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -294,7 +318,10 @@ def _collective_worker(numel: int, kind: str, reps: int, device_type: str, count
     part = torch.empty(shard, device=device, dtype=full.dtype)
 
     def step():
-        if kind == "sp_rs_ag":  # forward's reduce-scatters, backward's all-gathers
+        if kind == "all_to_all":
+            for _ in range(count):
+                dist.all_to_all_single(part.new_empty(full.shape), full)
+        elif kind == "sp_rs_ag":  # forward's reduce-scatters, backward's all-gathers
             for _ in range(count):
                 dist.reduce_scatter_tensor(part, full)
             for _ in range(count):
@@ -366,7 +393,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "printed (ms to 0.1, MFU to 0.1%%); --meta gives the run's stamp")
     p.add_argument("--meta", metavar="DATE,SHA,GPU,TORCH,TRITON",
                    help="with --from-log: the run's UTC date, git sha, gpu slug, torch and triton versions")
-    p.add_argument("--collective-worker", choices=["all_reduce", "fsdp", "sp_rs_ag"], help=argparse.SUPPRESS)
+    p.add_argument("--collective-worker", choices=["all_reduce", "fsdp", "sp_rs_ag", "all_to_all"],
+                   help=argparse.SUPPRESS)
     p.add_argument("--numel", type=int, help=argparse.SUPPRESS)
     p.add_argument("--count", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
@@ -382,8 +410,8 @@ _HEAD = re.compile(r"^(?P<case>\S+ T\d+ mb\d+ \S+): .* per run$")
 _LAYOUT = re.compile(r"^(?P<spec>\S+)\s+(?P<gpus>\d+) x\s+(?P<ms>[\d.]+) ms\s+(?P<toks>[\d.]+) tok/s\s+(?P<tpg>[\d.]+) "
                      r"tok/s/gpu MFU (?P<mfu>[\d.]+%|n/a) (?P<gib>[\d.]+) GiB(?: scaling (?P<scaling>[\d.]+))? "
                      r"\(accum \d+, loss (?P<loss>[\d.]+|nan)")
-_COMM = re.compile(r"^\s+(?:collectives alone|row-parallel reduce-scatters).* (?P<comm>[\d.]+) ms; .*: "
-                   r"(?P<hidden>\d+)% hidden$")
+_COMM = re.compile(r"^\s+(?:collectives alone|row-parallel reduce-scatters|expert all-to-alls).* (?P<comm>[\d.]+) "
+                   r"ms; .*: (?P<hidden>\d+)% hidden$")
 
 
 def rows_from_log(text: str) -> list[tuple[str, str, str, str, float]]:
@@ -447,6 +475,7 @@ def main(argv=None) -> Results | None:
 def _main(args) -> Results:
     layouts = [Layout.parse(s) for s in args.layouts.split(",") if s.strip()]
     flops_per_token, params, args.seq, n_layer, n_embd = model_facts(args.model)
+    top_k, moe_blocks = moe_facts(args.model)
     device = torch.device(args.device)
     from megakern.train.log import peak_flops
 
@@ -504,6 +533,26 @@ def _main(args) -> Results:
                 results.add(case, layout.spec, "megakern", "comm hidden", hidden)
                 print(f"{'':<16} collectives alone ({kind}, {params * 4 / 2**30:.2f} GiB fp32) {comm:.1f} ms; step "
                       f"adds {exposed:.1f} ms over {ref_spec}: {100 * hidden:.0f}% hidden", flush=True)
+            dense = re.sub(r"\.ep\d+", "", layout.spec)  # the same ranks, every expert on every rank
+            if args.overlap and layout.ep > 1 and moe_blocks:
+                # the dispatch and combine all-to-alls of each MoE block, forward and backward (their gradients):
+                # a rank's routed rows (micro-batch x T / cp tokens x top-k, C) in the compute dtype, over ep ranks
+                numel = args.micro_batch * args.seq // layout.cp * top_k * n_embd
+                dtype = "bfloat16" if args.precision == "bf16-autocast" else "float32"
+                accum = args.pp_microbatches if layout.pp > 1 else 1
+                try:
+                    comm = collective_ms(layout.ep, numel, "all_to_all", args.timeout, device.type,
+                                         count=4 * moe_blocks // layout.pp * accum, dtype=dtype)
+                except (RuntimeError, subprocess.TimeoutExpired) as e:
+                    print(f"{layout.spec:<16} collectives FAILED: {e}")
+                    continue
+                ref_spec = dense if dense in figures else layout.base
+                exposed = max(f["ms"] - figures[ref_spec]["ms"], 0.0)
+                hidden = min(max(1.0 - exposed / comm, 0.0), 1.0) if comm > 0 else 1.0
+                results.add(case, layout.spec, "megakern", "comm ms", comm)
+                results.add(case, layout.spec, "megakern", "comm hidden", hidden)
+                print(f"{'':<16} expert all-to-alls alone (ep {layout.ep}) {comm:.1f} ms; step adds {exposed:.1f} ms "
+                      f"over {ref_spec}: {100 * hidden:.0f}% hidden", flush=True)
             plain = layout.spec.replace("-ovl", "")
             if args.overlap and layout.tp_comm_overlap and plain in figures:
                 # what the ring hides: each layer's two reduce-scatters (attention and MLP output) forward and the

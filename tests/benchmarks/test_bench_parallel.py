@@ -26,7 +26,11 @@ def test_layout_specs():
     assert ddp.ddp and (ddp.graph_warmup(4), ddp.untimed(4)) == (11, 12)
     assert Layout.parse("1-graph").world == 1 and Layout.parse("1x2-graph").copies == 2
     assert not Layout.parse("tp2").cuda_graph and Layout.parse("tp2").untimed(4) == 4
-    for bad, why in [("tp2.tp2", "once"), ("xp2", "tp|pp|cp|dp"), ("tp0", "size >= 1"), ("dp2-ring", "unknown flag"),
+    # expert parallel: carved out of dp x cp, no GPUs of its own
+    ep = Layout.parse("dp4.ep2-ddp")
+    assert (ep.dp, ep.ep, ep.world, ep.dp_shard) == (4, 2, 4, "ddp") and Layout.parse("cp2.ep2").ep == 2
+    for bad, why in [("tp2.tp2", "once"), ("xp2", "tp|pp|cp|dp|ep"), ("dp2.ep4", "must divide"),
+                     ("tp2.ep2", "must divide"), ("tp0", "size >= 1"), ("dp2-ring", "unknown flag"),
                      ("dp2-zero1", "add '-ddp'"), ("dp2-ovl", "needs tp >= 2"),
                      ("tp2-graph-ovl", "unknown flag"),
                      ("1x0", "K >= 1")]:
