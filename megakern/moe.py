@@ -18,6 +18,9 @@ on the host and a step that routes can be captured in a CUDA graph.
     unpermute(y, w, plan)     (N k, C), (N, k) -> (N, C):  out[t] = sum_j w[t, j] y[position[t k + j]] (kept j)
     grouped_mm(x, w, offsets) (M, K), (E, K, F) -> (M, F):  rows offsets[e] .. offsets[e + 1] times w[e]; rows
                               from offsets[E] on are 0
+    permute_rows(x, index, inverse)  x[index] for a permutation whose inverse the caller holds: the gradient is a
+                              gather by the inverse, not index_select's zero-fill and scatter-add (expert parallelism
+                              reorders received rows with it)
 
 Math in fp32 (the combine's sum over k and the GEMMs' accumulation); outputs in the input's dtype; gradients for
 x, y, w and the expert weights. The references compute in fp32 under autograd; ``grouped_mm_ref`` loops over the
@@ -213,6 +216,28 @@ class GroupedMMFunction(torch.autograd.Function):
         dx = kern.grouped_mm(dout, w.transpose(1, 2), offsets) if ctx.needs_input_grad[0] else None
         dw = kern.grouped_mm_dw(x, dout, offsets, w.shape[0], out_dtype=w.dtype) if ctx.needs_input_grad[1] else None
         return dx, dw, None
+
+
+class PermuteRowsFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, index, inverse):
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, dout):
+        (inverse,) = ctx.saved_tensors
+        return dout.index_select(0, inverse), None, None
+
+
+def permute_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """x[index] for a permutation ``index`` of x's rows, whose inverse (``inverse[index] = arange``) the caller has:
+    the gradient is a gather by ``inverse``, where index_select's backward would zero a buffer and scatter-add into
+    it (atomics; slow for bf16 rows). Not checked to be a permutation (the callers build both on the device)."""
+    if index.shape != (x.shape[0],) or inverse.shape != index.shape:
+        raise ValueError(f"permute_rows: index {tuple(index.shape)} and inverse {tuple(inverse.shape)} must both be "
+                         f"({x.shape[0]},), a permutation of x's rows")
+    return PermuteRowsFunction.apply(x, index, inverse)
 
 
 def _resolve(op: str, name: str, t: torch.Tensor, backend, size: int) -> str:

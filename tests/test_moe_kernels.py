@@ -218,6 +218,22 @@ def test_grouped_gemm_launch_paths(tma, persistent, dtype):
     _check(["out", "grad x", "grad w"], [out, dx, dw], truths, lowps, dtype)
 
 
+def test_permute_rows():
+    """x[index] with the gradient gathered by the inverse permutation: index_select's values and gradient, exactly."""
+    seed("permute_rows")
+    x = torch.randn(29, 6, device=DEVICE, dtype=torch.float64)[:, ::2].requires_grad_()  # strided rows
+    index = torch.randperm(29, device=DEVICE)
+    inverse = torch.empty_like(index)
+    inverse[index] = torch.arange(29, device=DEVICE)
+    g = torch.randn(29, 3, device=DEVICE, dtype=torch.float64)
+    out = moe.permute_rows(x, index, inverse)
+    (dx,) = torch.autograd.grad(out, x, g)
+    (ref_dx,) = torch.autograd.grad(x.index_select(0, index), x, g)
+    assert torch.equal(out, x.detach()[index]) and torch.equal(dx, ref_dx)
+    with pytest.raises(ValueError, match=r"permute_rows: index \(28,\) and inverse \(29,\)"):
+        moe.permute_rows(x, index[:28], inverse)
+
+
 def test_deterministic():
     require_triton()
     seed("deterministic")
