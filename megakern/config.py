@@ -273,7 +273,8 @@ class ParallelConfig:
     """Context-parallel size (ring attention)."""
     ep: int = 1
     """Expert-parallel size: the experts of MoE layers split over ep ranks carved out of the dp x cp ranks (ep must
-    divide dp x cp and model.n_experts); tokens travel to their experts by all-to-all. Needs dp_shard='ddp'."""
+    divide dp x cp and model.n_experts); tokens travel to their experts by all-to-all. Under dp_shard='fsdp' the
+    experts are sharded over the dp x cp / ep ranks that hold the same ones; not with zero1."""
     sequence_parallel: bool = True
     """With tp > 1: shard the norms' and dropout's activations along the sequence over the tp ranks (Megatron's
     sequence parallelism); false keeps them whole on every tp rank."""

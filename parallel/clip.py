@@ -8,6 +8,7 @@ shards), and counted once where it is replicated:
     FSDP shards:            over dp_cp       (DDP gradients are replicated: not)
     pipeline stages:        over pp          (a tied head copy is skipped: its stage-0 twin counts)
     expert weights (ep):    over ep          (each ep rank's experts; their replicas over edp and tp: not)
+    FSDP2 expert shards:    over edp too     (each ep rank's experts sharded over their edp ranks)
 
 ``clip_grad_norm_`` takes the gradients in sets, each with its groups, reduces each set's local sum of |g|^q
 (max for q = inf) over its groups, adds the sets, and scales every gradient by min(1, max_norm / (norm + 1e-6)),

@@ -10,6 +10,9 @@ the factor that turns the average into the gradient of the global mean loss (see
   stay gathered between forward and backward (reshard_after_forward=False), as micro-batches come back. With
   ``param_dtype`` bf16 (the training program's choice under bf16 autocast) the blocks are all-gathered and computed
   in bf16 while the fp32 shards are updated; ``local_shards`` runs the optimizer step on the shards' local tensors.
+  A block may hold parameters that are sharded and reduced over another mesh (``SeparateShard``: an MoE layer's
+  experts over their expert-data-parallel ranks under expert parallelism): they are left out of the block's unit and
+  become a unit of their own, nested in it.
 - "ddp": ``DistributedDataParallel``; with ``zero1`` the optimizer is ``ZeroRedundancyOptimizer`` (each dp_cp rank
   keeps the optimizer state of a share of the parameters, updates them and broadcasts them). Under pipeline
   parallelism, and with fp32 master weights, the stages are replicated by hand instead (``broadcast_params`` once,
@@ -20,21 +23,36 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel
 
 DP_SHARDS = ("fsdp", "ddp")
 
 
+@dataclass(frozen=True)
+class SeparateShard:
+    """A module inside a block whose own parameters (``recurse=False``; its children stay with the block) are an FSDP2
+    unit over ``mesh`` instead of the block's: sharded and all-gathered there, their gradients summed there and divided
+    by ``divide`` (not averaged over ``mesh``). ``placement``: parameter -> its Shard (None: dim 0)."""
+
+    module: nn.Module
+    mesh: DeviceMesh
+    divide: float
+    placement: Callable[[nn.Parameter], Shard] | None = None
+
+
 def apply_fsdp(module: nn.Module, blocks: Iterable[nn.Module], mesh, *, reshard_after_forward: bool = True,
-               param_dtype: torch.dtype | None = None, root_param_dtype: torch.dtype | None = None):
+               param_dtype: torch.dtype | None = None, root_param_dtype: torch.dtype | None = None,
+               separate: Iterable[SeparateShard] = ()):
     """fully_shard each block, then ``module`` (the root); in place, returns module. The root's own parameters
     (embeddings, final norm, head) stay gathered from forward to backward: the backward starts with them, so
     freeing them would only all-gather them again at once.
@@ -44,15 +62,38 @@ def apply_fsdp(module: nn.Module, blocks: Iterable[nn.Module], mesh, *, reshard_
     stay what the optimizer updates, and gradients are reduced in fp32. The blocks' inputs are not cast (the
     residual stream keeps its dtype); the root (embeddings, head) stays in its own dtype, unless
     ``root_param_dtype`` is given (bf16 weights with fp32 masters: the whole model computes in bf16, the fp32 shards
-    are the masters)."""
+    are the masters).
+
+    ``separate``: modules inside the blocks whose own parameters are units of their own (``SeparateShard``), with the
+    block's policy: each block is sharded without them, then each of them (nested in its block: its forward
+    all-gathers them, its backward reduces them, after the block's own all-gather and before its reduction)."""
     # torch 2.13's FSDP2 warns when a module returns a view (an in-place op on it would skip the pre-backward
     # hook): a block's MLP output is F.linear's view of its 2-D product, and the next block's norm reads it out of
     # place, never in place, so the hazard cannot arise here
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor", category=UserWarning)
     policy = (MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
               if param_dtype is not None else MixedPrecisionPolicy())
-    for block in blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    blocks, separate = list(blocks), list(separate)
+    nested = [[s for s in separate if any(s.module is m for m in block.modules())] for block in blocks]
+    placed = {id(s.module) for inner in nested for s in inner}
+    missing = [type(s.module).__name__ for s in separate if id(s.module) not in placed]
+    if missing:
+        raise ValueError(f"apply_fsdp: separate units {missing} are in none of the blocks")
+    for block, inner in zip(blocks, nested):
+        own = {p for s in inner for p in s.module.parameters(recurse=False)}
+        # the block first, without the separate parameters: a unit nested before it would hide its children (the
+        # MoE router) from the block's
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
+                    ignored_params=own or None)
+        for s in inner:
+            mine = set(s.module.parameters(recurse=False))
+            children = {p for p in s.module.parameters() if p not in mine}  # the block's (sharded already)
+            fully_shard(s.module, mesh=s.mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
+                        ignored_params=children or None, shard_placement_fn=s.placement)
+            s.module.set_gradient_divide_factor(s.divide)
+            # a sum, then the division of the shard: every backend has SUM (gloo has no PREMUL_SUM, which a factor
+            # other than the group's size would use). Not on one rank: there torch 2.13 would divide twice
+            s.module.set_force_sum_reduction_for_comms(s.mesh.size() > 1)
     root_policy = (MixedPrecisionPolicy(param_dtype=root_param_dtype, reduce_dtype=torch.float32,
                                         cast_forward_inputs=False) if root_param_dtype is not None
                    else MixedPrecisionPolicy())

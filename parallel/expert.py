@@ -24,16 +24,20 @@ token to one rank: ep times the traffic); the price is one host read per layer a
 torchtitan's all-to-all dispatchers read them too), so a CUDA-graph step is refused with ep > 1. The dispatch is
 kept out of torch.compile (``torch.compiler.disable``).
 
-Gradients (``reduce_expert_grads``): every rank backpropagates (its tokens' loss sum) * dp * cp / N_global and a
-local expert's gradient already sums the contributions of the whole ep group's tokens, so the expert gradients are
-summed over the expert-data-parallel group (dp * cp / ep replicas of the same experts) and divided by dp * cp: the
-single model's gradient. The dense parameters are averaged over dp x cp as before. Under sequence parallel the
-expert gradients are partial sums over tp like the rest of the MoE layer's (all-reduced over tp afterwards); without
-it every tp rank computes them on the same tokens.
+Gradients: every rank backpropagates (its tokens' loss sum) * dp * cp / N_global and a local expert's gradient already
+sums the contributions of the whole ep group's tokens, so the expert gradients are summed over the expert-data-
+parallel group (dp * cp / ep replicas of the same experts) and divided by dp * cp: the single model's gradient. Under
+DDP (and the by-hand replication) ``reduce_expert_grads`` does it after the backward. Under FSDP2 each MoE layer's
+w_in / w_out are their own ``fully_shard`` unit over the edp ranks (``expert_data_mesh``; torchtitan's layout):
+sharded there, all-gathered for forward and backward there, their gradients reduce-scattered there with the sum
+divided by dp * cp (not FSDP2's average over edp). The dense parameters are averaged over dp x cp as before. Under
+sequence parallel the expert gradients are partial sums over tp like the rest of the MoE layer's (all-reduced over tp
+afterwards); without it every tp rank computes them on the same tokens.
 
 Checkpoints (``expert_checkpoint_mesh``, ``as_global_expert``): each rank's slice is a DTensor sharded on dim 0 of
-the single model's (E, ...) tensor over the ep dim of a ("tp", "edp", "ep") mesh of the pipeline stage's ranks
-(replicated over tp and edp), so torch.distributed.checkpoint writes each expert once and loads it under another ep.
+the single model's (E, ...) tensor over the ep dim of a ("tp", "ep", "edp") mesh of the pipeline stage's ranks,
+replicated over tp and over edp (or, under FSDP2, sharded there as FSDP2 shards it: the ep slice's dim 0 or 1), so
+torch.distributed.checkpoint writes each expert once and loads it under another ep, with DDP or FSDP2.
 """
 from __future__ import annotations
 
@@ -45,7 +49,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from megakern.moe import permute, route_plan, unpermute
-from megakern.parallel.data_parallel import allreduce_tensors
+from megakern.parallel.data_parallel import SeparateShard, allreduce_tensors
 
 EXPERT_WEIGHTS = ("w_in", "w_out")
 
@@ -141,22 +145,69 @@ def reduce_expert_grads(grads: list[torch.Tensor], edp_group, dp_cp: int) -> Non
     torch._foreach_mul_(grads, 1.0 / dp_cp)
 
 
+# ---- FSDP2 ---------------------------------------------------------------------------------------------------------
+def expert_data_mesh(pm) -> DeviceMesh:
+    """The 1-D ("edp",) DeviceMesh of this rank's expert-data-parallel group (the dp * cp / ep ranks of its pipeline
+    stage and tp coordinate holding the same experts), with its process group: what FSDP2 shards and reduces the
+    expert weights over. ``pm``: a ParallelMesh with ep > 1. With one rank per group (ep = dp * cp) the groups of one
+    rank are made here: every rank must call this alike (it may make process groups), once per mesh."""
+    d = pm.dims
+    if pm.local or d.ep == 1:
+        raise ValueError(f"expert_data_mesh: the mesh has no expert parallelism (ep={d.ep}, "
+                         f"{'local' if pm.local else f'world {d.world_size}'})")
+    group = pm.edp_group
+    if group is None:  # edp = 1: each rank its own group
+        group, _ = dist.new_subgroups_by_enumeration([[r] for r in range(d.world_size)])
+    if dist.get_world_size(group) != d.edp:
+        raise RuntimeError(f"expert_data_mesh: the edp group has {dist.get_world_size(group)} ranks, the layout "
+                           f"dp * cp / ep = {d.dp} * {d.cp} / {d.ep} = {d.edp}")
+    return DeviceMesh.from_group(group, pm.device_type, mesh_dim_names=("edp",))
+
+
+def expert_shards(gpt: nn.Module, mesh: DeviceMesh, dp_cp: int) -> list[SeparateShard]:
+    """FSDP2 units of ``gpt``'s expert weights (after ``apply_expert_parallel``): each MoE layer's own parameters,
+    w_in and w_out (its router and shared experts are its children and stay with the block), sharded over ``mesh``
+    (``expert_data_mesh``), their gradients summed there and divided by ``dp_cp`` (dp * cp: the module docstring).
+    Each is sharded on dim 0 (its E / ep experts) where the edp ranks divide them, else on dim 1 where they divide it
+    (fewer local experts than edp ranks: dim 0 would leave ranks without a shard), else on dim 0 unevenly."""
+    edp = mesh.size()
+
+    def placement(p: torch.Tensor) -> Shard:
+        return Shard(0) if p.shape[0] % edp == 0 or p.shape[1] % edp else Shard(1)
+
+    shards = []
+    for layer in gpt.moe_layers():
+        own = dict(layer.named_parameters(recurse=False))
+        if set(own) != set(EXPERT_WEIGHTS):
+            raise ValueError(f"expert_shards: MoE layer {layer.row} holds parameters {sorted(own)} of its own; "
+                             f"expected exactly {list(EXPERT_WEIGHTS)}")
+        shards.append(SeparateShard(layer, mesh, float(dp_cp), placement))
+    return shards
+
+
 # ---- checkpoints ---------------------------------------------------------------------------------------------------
 def expert_checkpoint_mesh(pm) -> DeviceMesh:
-    """("tp", "edp", "ep") mesh of this rank's pipeline stage, without process groups (DCP asks it only for
-    coordinates)."""
+    """("tp", "ep", "edp") mesh of this rank's pipeline stage, without process groups (DCP asks it only for
+    coordinates). The ep dim comes before edp: under FSDP2 the edp ranks shard the ep slice (mesh order = order of
+    sharding)."""
     d = pm.dims
     ranks = torch.arange(d.world_size).reshape(d.pp, d.edp, d.ep, d.tp)[pm.pp_rank]  # (edp, ep, tp)
-    grid = ranks.permute(2, 0, 1).contiguous()
-    return DeviceMesh(pm.device_type, grid, mesh_dim_names=("tp", "edp", "ep"), _init_backend=False)
+    grid = ranks.permute(2, 1, 0).contiguous()
+    return DeviceMesh(pm.device_type, grid, mesh_dim_names=("tp", "ep", "edp"), _init_backend=False)
 
 
 def as_global_expert(t: torch.Tensor, mesh: DeviceMesh, ep: int) -> DTensor:
-    """This rank's (E / ep, ...) slice ``t`` as dim-0 shard of the single model's (E, ...) tensor."""
-    shape = (t.shape[0] * ep,) + tuple(t.shape[1:])
+    """This rank's (E / ep, ...) slice ``t`` as dim-0 shard of the single model's (E, ...) tensor; ``t`` may be an
+    FSDP2 DTensor over the edp ranks (``expert_shards``): its local shard, placed there as FSDP2 placed it."""
+    if isinstance(t, DTensor):
+        (edp,) = t.placements
+        local = t.to_local()
+    else:
+        edp, local = Replicate(), t
+    shape = (t.shape[0] * ep,) + tuple(t.shape[1:])  # a DTensor's shape is the whole ep slice's
     stride, acc = [], 1
     for size in reversed(shape):
         stride.append(acc)
         acc *= size
-    return DTensor.from_local(t, mesh, [Replicate(), Replicate(), Shard(0)], run_check=False,
+    return DTensor.from_local(local, mesh, [Replicate(), Shard(0), edp], run_check=False,
                               shape=torch.Size(shape), stride=tuple(reversed(stride)))

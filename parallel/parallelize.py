@@ -21,9 +21,11 @@ micro-batch boundary); under context parallelism each micro-batch is laid out fo
 
 Expert parallelism (ep > 1, expert.py): after tensor and context parallelism each MoE layer keeps this rank's E / ep
 experts and dispatches its tokens by all-to-all. The expert weights stay out of DDP (and of the by-hand replication):
-their gradients are summed over the expert-data-parallel group and divided by dp * cp after the backward; the
-clipping norm counts them once per ep group; checkpoints hold them as dim-0 shards of the (E, ...) tensors. FSDP2 and
-ZeRO-1 are refused with ep > 1 (see ``ParallelModel``).
+their gradients are summed over the expert-data-parallel group and divided by dp * cp after the backward. Under FSDP2
+each MoE layer's experts are an FSDP2 unit of their own over the expert-data-parallel ranks (nested in the block's
+unit over dp x cp), which reduce-scatters their gradients there with that sum and division. The clipping norm counts
+them once per ep group (their FSDP2 shards once per edp group); checkpoints hold them as dim-0 shards of the (E, ...)
+tensors. ZeRO-1 is refused with ep > 1 (see ``ParallelModel``).
 """
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ from megakern.parallel.data_parallel import (DP_SHARDS, allreduce_tensors, apply
                                              broadcast_params, set_grad_sync, zero1_optimizer)
 from megakern.parallel.dims import ParallelDims, ParallelMesh
 from megakern.parallel.expert import (apply_expert_parallel, as_global_expert, expert_checkpoint_mesh,
-                                      reduce_expert_grads)
+                                      expert_data_mesh, expert_shards, reduce_expert_grads)
 from megakern.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megakern.parallel.mappings import all_reduce
 from megakern.parallel.master import MasterWeights
@@ -129,10 +131,6 @@ class ParallelModel:
         if options.zero1 and options.dp_shard != "ddp":
             raise ValueError("parallelize: zero1 shards the optimizer of DDP; FSDP (dp_shard='fsdp') already shards "
                              "it: use dp_shard='ddp' with zero1, or zero1=False")
-        if d.ep > 1 and options.dp_shard == "fsdp":
-            raise ValueError(f"parallelize: ep={d.ep} with dp_shard='fsdp': FSDP2 would shard and reduce the expert "
-                             "weights over all dp x cp ranks, but each ep rank holds other experts (they are reduced "
-                             "over the expert-data-parallel group only); use dp_shard='ddp'")
         if d.ep > 1 and options.zero1:
             raise ValueError(f"parallelize: ep={d.ep} with zero1: ZeRO-1 broadcasts each parameter from the dp x cp "
                              "rank that updates it, but each ep rank holds other experts; use zero1=False")
@@ -234,13 +232,22 @@ class ParallelModel:
         self.replicate = options.dp_shard == "ddp" and d.dp * d.cp > 1 and not self.ddp
         runners = ([PipelineChunk(g, functools.partial(self._dropout_rng, s))
                     for g, s in zip(self.gpts, self.stage_indices)] if d.pp > 1 else list(self.gpts))
+        self.expert_mesh = None  # FSDP2 with ep > 1: the edp DeviceMesh the experts are sharded over
         if self.fsdp:
             param_dtype = {"float32": None, "auto": None, "bfloat16": torch.bfloat16}[options.fsdp_param_dtype]
             if master_weights:
                 param_dtype = torch.bfloat16
+            # expert parallelism: each MoE layer's experts an FSDP2 unit over their expert-data-parallel ranks, the
+            # gradients summed there and divided by dp * cp (expert.py)
+            self.expert_mesh = expert_data_mesh(pm) if d.ep > 1 else None
             for r, g in zip(runners, self.gpts):
+                separate = expert_shards(g, self.expert_mesh, d.dp * d.cp) if d.ep > 1 else ()
                 apply_fsdp(r, g.blocks.values(), pm.dp_cp_mesh, reshard_after_forward=d.pp == 1,
-                           param_dtype=param_dtype, root_param_dtype=torch.bfloat16 if master_weights else None)
+                           param_dtype=param_dtype, root_param_dtype=torch.bfloat16 if master_weights else None,
+                           separate=separate)
+            # fully_shard replaced the parameters with DTensors: the expert ones by name again
+            self.expert_params = {p for g, names in zip(self.gpts, self.expert_names)
+                                  for name, p in g.named_parameters() if name in names}
         elif self.ddp:
             for r, names in zip(runners, self.expert_names):
                 if names:  # reduced over their expert-data-parallel group instead (finalize_grads)
@@ -248,7 +255,8 @@ class ParallelModel:
             runners = [apply_ddp(r, pm.dp_cp_group, pm.device) for r in runners]
         elif self.replicate:
             broadcast_params([p for p in self.parameters() if p not in self.expert_params], pm.dp_cp_group)
-        if self.expert_params and pm.edp_group is not None:  # replicas of the same experts start alike
+        # replicas of the same experts start alike (FSDP2 keeps shards of what every rank built alike, as for dense)
+        if self.expert_params and pm.edp_group is not None and not self.fsdp:
             broadcast_params(self._expert_list(), pm.edp_group)
         self.modules_chunks = runners
         # FP8 under a pipeline: a new schedule's first step infers the stages' shapes with a forward (and backward) on
@@ -587,7 +595,7 @@ class ParallelModel:
             grads = [g for g in map(self.grad, [p for p in dict.fromkeys(self.parameters())
                                                 if p not in self.expert_params]) if g is not None]
             allreduce_tensors(grads, self.mesh.dp_cp_group, average=True)
-        if self.expert_params:  # every rank of the group reduces all of them, a gradient or zeros
+        if self.expert_params and not self.fsdp:  # every rank of the group reduces all of them, a gradient or zeros
             grads = []
             for p in self._expert_list():
                 if self.grad(p) is None:
@@ -623,8 +631,8 @@ class ParallelModel:
         pp = pm.pp_group if self.pp > 1 else None
         tp = pm.tp_group if self.tp > 1 else None
         sets = [(sharded, [tp, dp, pp]), (replicated, [dp, pp])]
-        if self.ep > 1:
-            sets.append((experts, [pm.ep_group, pp]))
+        if self.ep > 1:  # FSDP2 shards them over edp (None: one rank)
+            sets.append((experts, [pm.edp_group if self.fsdp else None, pm.ep_group, pp]))
         return grad_norm(sets, norm_type, device=pm.device)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):

@@ -6,7 +6,9 @@ names. Here each piece is described to torch.distributed.checkpoint as a DTensor
 ranks of this pipeline stage, placements (Shard(tp dim) or Replicate, Shard(0) under FSDP or Replicate): the
 mesh dims are in that order because FSDP shards the tensor-parallel shard (mesh order = order of sharding). DCP
 then writes each region once (replicas deduplicated) and reads whatever region a rank holds under another
-layout. The mesh needs no process groups (``_init_backend=False``): DCP only asks it for coordinates.
+layout. The mesh needs no process groups (``_init_backend=False``): DCP only asks it for coordinates. Expert weights
+under expert parallelism (dim-0 shards over ep, and over their edp ranks under FSDP2) are described on a mesh of their
+own (megakern.parallel.expert.expert_checkpoint_mesh).
 
 Optimizer state (torch optimizers: tensors shaped like the parameter, plus scalars such as ``step``) is stored
 the same way under "optim.state.<fqn>.<key>", with the hyper-parameters of each param group.

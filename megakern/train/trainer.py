@@ -282,9 +282,6 @@ def check_parallel_options(config: TrainConfig, precision: str, world: int) -> N
     if world > 1:
         problems += parallel_graph_problems(c, world)
     if p.ep > 1:
-        if p.dp_shard == "fsdp":
-            problems.append(f"parallel.ep={p.ep} needs parallel.dp_shard=ddp (FSDP2 would shard and reduce the expert "
-                            "weights over every dp x cp rank, but each ep rank holds other experts)")
         if p.zero1:
             problems.append(f"parallel.ep={p.ep} with parallel.zero1: ZeRO-1 broadcasts each parameter from one dp x "
                             "cp rank, but each ep rank holds other experts; use parallel.zero1=false")

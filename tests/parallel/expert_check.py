@@ -3,13 +3,14 @@ with 4 experts; sigmoid router with its balancing bias, aux and z losses on) tra
 and the training step's MoE statistics under an ep layout, against one process (the local mesh of ones) under the
 same seed and micro-batches: losses (and a held-out loss after training), clip norms, every weight (each rank's expert slice against the single model's
 experts), the routers' biases and the step's MoE figures. Also: a rank whose experts receive no token, the
-checkpoint resharded across ep sizes, and the bad layouts."""
+checkpoint resharded across ep sizes and between DDP and FSDP2, and the bad layouts."""
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from gpt_check import batches, expected_slice, full_param
+from torch.distributed.tensor import DTensor
 from moe_check import _local_mesh, moe_config
 
 from megakern.models.gpt import GPT
@@ -60,7 +61,9 @@ def _train(mesh, options: dict, steps: int, global_batch: int, seqlen: int, conf
     weights = {name: (full_param(p).float().clone(), tp_dim, p in pmodel.expert_params)
                for name, p, tp_dim, _, tied in pmodel._param_table() if not tied}
     biases = {layer.row: layer.router.expert_bias.clone() for g in pmodel.gpts for layer in g.moe_layers()}
-    return losses, norms, weights, biases, torch.stack(figures)
+    # how the experts are held: DTensor placements over the expert-data-parallel ranks (FSDP2), or "whole"
+    placements = sorted({str(p.placements) if isinstance(p, DTensor) else "whole" for p in pmodel.expert_params})
+    return losses, norms, weights, biases, torch.stack(figures), placements
 
 
 def _expected(full: torch.Tensor, tp_dim, expert: bool, pm) -> torch.Tensor:
@@ -74,17 +77,18 @@ def check_ep(layout: dict, options: dict, steps: int = 3, global_batch: int = 4,
              config: dict | None = None, bias: list[float] | None = None, both: dict | None = None,
              rtol: float = RTOL, atol: float = ATOL) -> dict:
     """Training under ``layout`` (with ep) against one process (see the module docstring); ``both``: options of
-    both runs (e.g. master_weights). Returns the losses and the first step's MoE figures."""
+    both runs (e.g. master_weights). Returns the losses, the first step's MoE figures and how the expert weights are
+    held ("whole", or their FSDP2 placements)."""
     global RTOL, ATOL
     RTOL, ATOL = rtol, atol
     config, both = config or {}, both or {}
     bias = None if bias is None else torch.tensor(bias)
     pm = ParallelDims(**layout).build("cpu", timeout=60)
-    losses, norms, weights, biases, figures = _train(pm, {**options, **both}, steps, global_batch, seqlen, config,
-                                                     bias)
+    losses, norms, weights, biases, figures, placements = _train(pm, {**options, **both}, steps, global_batch,
+                                                                 seqlen, config, bias)
     m = options.get("microbatches") or (pm.dims.pp if pm.dims.pp > 1 else 1)
     one = _train(_local_mesh(), {"microbatches": m * pm.dims.dp, **both}, steps, global_batch, seqlen, config, bias)
-    one_losses, one_norms, one_weights, one_biases, one_figures = one
+    one_losses, one_norms, one_weights, one_biases, one_figures, _ = one
     rank = dist.get_rank()
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(one_losses), rtol=RTOL, atol=ATOL,
                                msg=lambda msg: f"losses (rank {rank}): {msg}")
@@ -102,7 +106,7 @@ def check_ep(layout: dict, options: dict, steps: int = 3, global_batch: int = 4,
     for row, b in biases.items():
         torch.testing.assert_close(b, one_biases[row], rtol=0, atol=max(ATOL / 20, 1e-7),
                                    msg=lambda msg: f"expert bias of MoE layer {row} (rank {rank}): {msg}")
-    return {"losses": losses, "first_step_tokens": one_figures[0].tolist()}
+    return {"losses": losses, "first_step_tokens": one_figures[0].tolist(), "placements": placements}
 
 
 # ---- checkpoints across ep sizes -------------------------------------------------------------------------------------
@@ -110,10 +114,10 @@ def _state(pmodel, opt, load=False):
     return pmodel.checkpoint_state(opt, for_load=load)
 
 
-def save_ep(layout: dict, path: str, steps: int = 2) -> list[float]:
+def save_ep(layout: dict, path: str, steps: int = 2, dp_shard: str = "ddp") -> list[float]:
     """Train ``steps`` AdamW steps under ``layout`` and save model and optimizer with DCP; returns the losses."""
     pm = ParallelDims(**layout).build("cpu", timeout=60)
-    cfg, pmodel = _build(pm, dict(dp_shard="ddp"), {})
+    cfg, pmodel = _build(pm, dict(dp_shard=dp_shard), {})
     opt = pmodel.build_optimizer(torch.optim.AdamW, lr=1e-2)
     b = 4 // pm.dims.dp
     mine = slice(pm.dp_rank * b, (pm.dp_rank + 1) * b)
@@ -126,12 +130,12 @@ def save_ep(layout: dict, path: str, steps: int = 2) -> list[float]:
     return losses
 
 
-def load_ep(layout: dict | None, path: str) -> dict:
+def load_ep(layout: dict | None, path: str, dp_shard: str = "ddp") -> dict:
     """Load the checkpoint under ``layout`` (None: one process, its local mesh) and train one more step: returns
     the expert weights' full (E, ...) tensors (gathered over ep) after the load and after the step, and the step's
     loss."""
     pm = _local_mesh() if layout is None else ParallelDims(**layout).build("cpu", timeout=60)
-    cfg, pmodel = _build(pm, dict(dp_shard="ddp"), {})
+    cfg, pmodel = _build(pm, dict(dp_shard=dp_shard), {})
     opt = pmodel.build_optimizer(torch.optim.AdamW, lr=1e-2)
     state = _state(pmodel, opt, load=True)
     if pm.local:
@@ -149,15 +153,16 @@ def load_ep(layout: dict | None, path: str) -> dict:
 
 
 def _full_experts(pmodel, pm) -> dict:
-    """Each MoE layer's expert weights as the single model's (E, ...) tensors (gathered over ep)."""
+    """Each MoE layer's expert weights as the single model's (E, ...) tensors (gathered over edp (FSDP2) and ep)."""
     out = {}
     for name, p in pmodel.named_parameters():
         if p in pmodel.expert_params:
-            parts = [torch.empty_like(p) for _ in range(pm.dims.ep)]
-            dist.all_gather(parts, p.detach().contiguous(), group=pm.ep_group)
+            mine = full_param(p).contiguous()
+            parts = [torch.empty_like(mine) for _ in range(pm.dims.ep)]
+            dist.all_gather(parts, mine, group=pm.ep_group)
             out[name] = torch.cat(parts)
         elif name.endswith(("mlp.w_in", "mlp.w_out")):
-            out[name] = p.detach().clone()
+            out[name] = full_param(p).clone()
     return out
 
 

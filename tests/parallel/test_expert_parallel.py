@@ -1,9 +1,12 @@
 """Expert parallelism on gloo ranks against one process (expert_check.py): EP2 (carved out of dp, and out of cp),
 EP2 x DP2 (the expert weights reduced over their expert-data-parallel pair), EP2 x TP2 with sequence parallel, EP2 x
-PP2 (1F1B), bf16 weights with fp32 masters; routing forced so that a rank's experts receive no token; a checkpoint
-saved under ep2 loaded under ep1 (one process) and ep4; the bad layouts, each refused with its numbers before a step;
-the training program under torchrun with parallel.ep=2 against one process, and its bad ep layouts refused before
-anything is written."""
+PP2 (1F1B), each with DDP; with FSDP2 (the experts an FSDP2 unit over their expert-data-parallel ranks): EP2 (one
+rank per edp group), EP2 x DP2 (experts sharded over the edp pair), EP2 x PP2; bf16 weights with fp32 masters under
+DDP and FSDP2 (there 3 experts per ep rank, sharded over the edp pair on dim 1); routing forced so that a rank's experts
+receive no token; checkpoints saved under ep2 with DDP and with FSDP2, loaded under ep1 (one process), ep2 and ep4
+with the other data parallelism; the bad layouts, each refused with its numbers before a step; the training program
+under torchrun with parallel.ep=2 (DDP and FSDP2) against one process, and its bad ep layouts refused before anything
+is written."""
 import json
 import os
 import subprocess
@@ -26,7 +29,14 @@ LAYOUTS = {  # (ranks, sizes, options)
     "ep2-dp2": (4, dict(dp=4, ep=2), dict(dp_shard="ddp")),
     "ep2-tp2-sp": (4, dict(dp=2, tp=2, ep=2), dict(dp_shard="ddp", sequence_parallel=True)),
     "ep2-pp2": (4, dict(dp=2, pp=2, ep=2), dict(dp_shard="ddp", pp_schedule="1f1b", microbatches=2)),
+    # FSDP2: dense parameters sharded over dp x cp, each MoE layer's experts over their edp ranks
+    "ep2-fsdp": (2, dict(dp=2, ep=2), dict(dp_shard="fsdp")),
+    "ep2-dp2-fsdp": (4, dict(dp=4, ep=2), dict(dp_shard="fsdp")),
+    "ep2-pp2-fsdp": (4, dict(dp=2, pp=2, ep=2), dict(dp_shard="fsdp", pp_schedule="1f1b", microbatches=2)),
 }
+# how each layout holds its expert weights: whole (DDP), or FSDP2's shards over the edp ranks (dim 0; one rank: all)
+EXPERTS_HELD = {"ep2-dp2-fsdp": ["(Shard(dim=0),)"], "ep2-fsdp": ["(Shard(dim=0),)"],
+                "ep2-pp2-fsdp": ["(Shard(dim=0),)"]}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -34,13 +44,22 @@ def test_ep_layout_matches_one_process(layout):
     ranks, sizes, options = LAYOUTS[layout]
     out = pool(ranks).run(check_ep, sizes, options)
     assert all(o["losses"] == out[0]["losses"] for o in out), [o["losses"] for o in out]
+    held = sorted({h for o in out for h in o["placements"]})  # (a pipeline's first stage has no MoE layer)
+    assert held == EXPERTS_HELD.get(layout, ["whole"]), held
 
 
-def test_ep_bf16_master_weights():
+@pytest.mark.parametrize("dp_shard", ["ddp", "fsdp"])
+def test_ep_bf16_master_weights(dp_shard):
     """bf16 weights with fp32 masters (2 micro-batches accumulated in fp32), against one process's bf16 run: equal to
-    bf16 rounding."""
-    out = pool(2).run(check_ep, dict(dp=2, ep=2), dict(dp_shard="ddp", microbatches=2),
-                      both=dict(master_weights=True), rtol=2e-2, atol=2e-3)
+    bf16 rounding. DDP: fp32 masters by hand, ep2 over dp2. FSDP2: its fp32 shards are the masters, all-gathered in
+    bf16; ep2 x dp2 (4 ranks) with 6 experts, so each ep rank's 3 are sharded over the edp pair on dim 1."""
+    if dp_shard == "ddp":
+        out = pool(2).run(check_ep, dict(dp=2, ep=2), dict(dp_shard="ddp", microbatches=2),
+                          both=dict(master_weights=True), rtol=2e-2, atol=2e-3)
+    else:
+        out = pool(4).run(check_ep, dict(dp=4, ep=2), dict(dp_shard="fsdp"), config=dict(n_experts=6),
+                          both=dict(master_weights=True), rtol=2e-2, atol=2e-3)
+        assert all(o["placements"] == ["(Shard(dim=1),)"] for o in out), [o["placements"] for o in out]
     assert all(o["losses"] == out[0]["losses"] for o in out)
 
 
@@ -53,14 +72,22 @@ def test_experts_without_tokens(bias, empty):
     assert figures[0] == 0.0, f"an expert must receive no token (tokens_min {figures[0]})"
 
 
-def test_checkpoint_reshards_across_ep(tmp_path):
-    """Saved under ep2 (dp2): the experts load as the single model's (E, ...) tensors under ep1 in one process and
-    under ep4 (dp4), and the next step (loss and AdamW update, the moments resharded too) agrees."""
+@pytest.mark.parametrize("saved", ["ddp", "fsdp"])
+def test_checkpoint_reshards_across_ep(tmp_path, saved):
+    """Saved under ep2 with DDP (dp2) or FSDP2 (dp4: the experts sharded over their edp pair too): the experts load as
+    the single model's (E, ...) tensors under ep1 in one process, and under ep2 (dp2) and ep4 (dp4) with DDP or FSDP2
+    (each the other way round from the save where the world allows), and the next step (loss and AdamW update, the
+    moments resharded too) agrees."""
     path = str(tmp_path / "ckpt")
-    pool(2).run(save_ep, dict(dp=2, ep=2), path)
+    if saved == "ddp":
+        pool(2).run(save_ep, dict(dp=2, ep=2), path)
+        two_shard, four_shard = "fsdp", "ddp"
+    else:
+        pool(4).run(save_ep, dict(dp=4, ep=2), path, dp_shard="fsdp")
+        two_shard, four_shard = "ddp", "fsdp"
     one = pool(2).run(load_ep, None, path)[0]
-    four = pool(4).run(load_ep, dict(dp=4, ep=4), path)
-    two = pool(2).run(load_ep, dict(dp=2, ep=2), path)
+    four = pool(4).run(load_ep, dict(dp=4, ep=4), path, dp_shard=four_shard)
+    two = pool(2).run(load_ep, dict(dp=2, ep=2), path, dp_shard=two_shard)
     assert set(one["loaded"]) == {"blocks.1.mlp.w_in", "blocks.1.mlp.w_out"}
     for other in (two[0], four[0], four[3]):
         for name, w in one["loaded"].items():
@@ -88,9 +115,16 @@ def test_experts_that_do_not_fit_ep(experts, message):
         d.check_model(n_layer=2, n_head=4, n_kv_head=2, vocab=128, n_experts=experts)
 
 
+def test_expert_data_mesh_needs_expert_parallelism():
+    from moe_check import _local_mesh
+
+    from megakern.parallel.expert import expert_data_mesh
+
+    with pytest.raises(ValueError, match="expert_data_mesh: the mesh has no expert parallelism \\(ep=1, local\\)"):
+        expert_data_mesh(_local_mesh())
+
+
 def test_parallelize_refuses_what_ep_cannot_run():
-    messages = pool(2).run(bad_layout, dict(dp=2, ep=2), dict(dp_shard="fsdp"), {})
-    assert "ep=2 with dp_shard='fsdp'" in messages[0] and "use dp_shard='ddp'" in messages[0]
     messages = pool(2).run(bad_layout, dict(dp=2, ep=2), dict(dp_shard="ddp", zero1=True), {})
     assert "ep=2 with zero1" in messages[0]
     messages = pool(2).run(bad_layout, dict(dp=2, ep=2), dict(dp_shard="ddp"), dict(n_experts=5, moe_top_k=2))
@@ -124,8 +158,8 @@ def test_check_parallel_options_refuses_by_name():
     with pytest.raises(ConfigError) as info:
         check_parallel_options(config, "fp32", 2)
     text = str(info.value)
-    assert "parallel.ep=2 needs parallel.dp_shard=ddp" in text
     assert "parallel.ep=2 with parallel.zero1" in text
+    assert "parallel.ep=2 needs" not in text  # FSDP2 (the default dp_shard) runs with ep
     assert "parallel.ep=2 with train.cuda_graph: the all-to-all dispatch reads its split sizes on the host" in text
 
 
@@ -136,34 +170,38 @@ def _losses(run_dir: Path) -> dict[int, float]:
 
 
 def test_training_program_ep2_under_torchrun(tmp_path):
-    """python -m megakern.train under torchrun, 2 gloo ranks, parallel.ep=2 (dp2, DDP): the losses of one process on
-    the same global batch, and its checkpoint (experts saved as dim-0 shards) resumes in one process."""
+    """python -m megakern.train under torchrun, 2 gloo ranks, parallel.ep=2 (dp2) with DDP and with FSDP2 (the
+    default parallel.dp_shard): the losses of one process on the same global batch, and each run's checkpoint
+    (experts saved as dim-0 shards; under FSDP2 the dense parameters as FSDP2 shards) resumes in one process."""
     from megakern.train import Trainer
 
     common = [*MOE, f"data.cache_dir={tmp_path / 'data'}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-           "-m", "megakern.train", *common, "train.steps=3", "parallel.dp=2", "parallel.ep=2",
-           "parallel.dp_shard=ddp", f"log.run_dir={tmp_path / 'ranks'}"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "2 ranks (tp 1, pp 1, cp 1, dp 2, ep 2)" in proc.stdout
+    for dp_shard in ("ddp", "fsdp"):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+               "-m", "megakern.train", *common, "train.steps=3", "parallel.dp=2", "parallel.ep=2",
+               *(["parallel.dp_shard=ddp"] if dp_shard == "ddp" else []), f"log.run_dir={tmp_path / dp_shard}"]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+        assert proc.returncode == 0, dp_shard + proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert "2 ranks (tp 1, pp 1, cp 1, dp 2, ep 2)" in proc.stdout
     single = Trainer(load_config(None, [*common, "train.steps=4", f"log.run_dir={tmp_path / 'single'}"]),
                      stream=open(tmp_path / "single.console", "a")).run()
-    ranks = _losses(tmp_path / "ranks")
-    assert sorted(ranks) == [1, 2, 3]
-    for step, loss in ranks.items():
-        assert loss == pytest.approx(single.losses[step], abs=1e-5)
-    ckpt = tmp_path / "ranks" / "checkpoints" / "step_00000003"
-    assert json.loads((ckpt / "manifest.json").read_text())["world_size"] == 2
-    resumed = Trainer(load_config(None, [*common, "train.steps=4", f"checkpoint.resume={ckpt}",
-                                         "schedule.on_resume=config", f"log.run_dir={tmp_path / 'resumed'}"]),
-                      stream=open(tmp_path / "resumed.console", "a")).run()
-    assert resumed.losses[4] == pytest.approx(single.losses[4], abs=1e-5)
+    for dp_shard in ("ddp", "fsdp"):
+        ranks = _losses(tmp_path / dp_shard)
+        assert sorted(ranks) == [1, 2, 3], dp_shard
+        for step, loss in ranks.items():
+            assert loss == pytest.approx(single.losses[step], abs=1e-5), (dp_shard, step)
+        ckpt = tmp_path / dp_shard / "checkpoints" / "step_00000003"
+        assert json.loads((ckpt / "manifest.json").read_text())["world_size"] == 2
+        resumed = Trainer(load_config(None, [*common, "train.steps=4", f"checkpoint.resume={ckpt}",
+                                             "schedule.on_resume=config", f"log.run_dir={tmp_path / dp_shard}-resumed"]),
+                          stream=open(tmp_path / f"{dp_shard}-resumed.console", "a")).run()
+        assert resumed.losses[4] == pytest.approx(single.losses[4], abs=1e-5), dp_shard
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["parallel.dp=2", "parallel.ep=2"], "parallel.ep=2 needs parallel.dp_shard=ddp"),
+    (["parallel.dp=2", "parallel.ep=2", "parallel.dp_shard=ddp", "parallel.zero1=true"],
+     "parallel.ep=2 with parallel.zero1"),
     (["parallel.tp=2", "parallel.ep=2", "parallel.dp_shard=ddp"], "ep=2 does not divide dp*cp = 1*1 = 1"),
 ])
 def test_training_program_refuses_bad_ep_layouts_before_writing(tmp_path, overrides, message):
