@@ -104,6 +104,8 @@ LAYOUTS = [
     ("ep2-dp2-moe", 4, ["parallel.dp=4", "parallel.ep=2", *EP, *MOE]),
     ("ep2-tp2-moe", 4, ["parallel.tp=2", "parallel.dp=2", "parallel.ep=2", *EP, *MOE]),
     ("ep2-pp2-moe", 4, ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2", *EP, *MOE]),
+    # FSDP2: dense parameters sharded over dp, each MoE layer's experts over their edp pair
+    ("ep2-dp2-moe-fsdp", 4, ["parallel.dp=4", "parallel.ep=2", "parallel.dp_shard=fsdp", *MOE]),
 ]
 # fp32: the layouts sum in other orders (sharded matmuls, ring-attention merges, reductions over ranks); bf16 and
 # FP8 round those partial sums too
