@@ -3,8 +3,8 @@ EP2 x DP2 (the expert weights reduced over their expert-data-parallel pair), EP2
 PP2 (1F1B), each with DDP; with FSDP2 (the experts an FSDP2 unit over their expert-data-parallel ranks): EP2 (one
 rank per edp group), EP2 x DP2 (experts sharded over the edp pair), EP2 x PP2; bf16 weights with fp32 masters under
 DDP and FSDP2 (there 3 experts per ep rank, sharded over the edp pair on dim 1); routing forced so that a rank's experts
-receive no token; checkpoints saved under ep2 with DDP and with FSDP2, loaded under ep1 (one process), ep2 and ep4
-with the other data parallelism; the bad layouts, each refused with its numbers before a step; the training program
+receive no token; checkpoints saved under ep2 with DDP and with FSDP2, loaded under ep1 (one process), ep2 (with the
+other data parallelism) and ep4; the bad layouts, each refused with its numbers before a step; the training program
 under torchrun with parallel.ep=2 (DDP and FSDP2) against one process, and its bad ep layouts refused before anything
 is written."""
 import json
@@ -75,9 +75,8 @@ def test_experts_without_tokens(bias, empty):
 @pytest.mark.parametrize("saved", ["ddp", "fsdp"])
 def test_checkpoint_reshards_across_ep(tmp_path, saved):
     """Saved under ep2 with DDP (dp2) or FSDP2 (dp4: the experts sharded over their edp pair too): the experts load as
-    the single model's (E, ...) tensors under ep1 in one process, and under ep2 (dp2) and ep4 (dp4) with DDP or FSDP2
-    (each the other way round from the save where the world allows), and the next step (loss and AdamW update, the
-    moments resharded too) agrees."""
+    the single model's (E, ...) tensors under ep1 in one process, under ep2 (dp2) with the other data parallelism and
+    under ep4 (dp4) with the same, and the next step (loss and AdamW update, the moments resharded too) agrees."""
     path = str(tmp_path / "ckpt")
     if saved == "ddp":
         pool(2).run(save_ep, dict(dp=2, ep=2), path)
