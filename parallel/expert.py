@@ -48,7 +48,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from megakern.moe import permute, route_plan, unpermute
+from megakern.moe import permute, permute_rows, route_plan, unpermute
 from megakern.parallel.data_parallel import SeparateShard, allreduce_tensors
 
 EXPERT_WEIGHTS = ("w_in", "w_out")
@@ -97,7 +97,8 @@ class ExpertDispatcher:
             offsets = torch.zeros(n_local + 1, dtype=torch.int64, device=device)
             offsets[1:] = torch.cumsum(got.sum(0), 0)
         if received:
-            y = layer.expert_ffn(recv.index_select(0, order), offsets).index_select(0, inverse)
+            # permute_rows: each reorder's gradient is the inverse's gather (no zero-fill and scatter-add)
+            y = permute_rows(layer.expert_ffn(permute_rows(recv, order, inverse), offsets), inverse, order)
         else:  # nothing for this rank's experts: one zero row keeps them (zero gradients) and the empty
             # dispatch (whose backward is a collective every rank of the group joins) in the graph
             y = layer.expert_ffn(torch.cat([recv, recv.new_zeros(1, recv.shape[1])]), offsets)[:0]
