@@ -104,7 +104,9 @@ LAYOUTS = [
     ("ep2-dp2-moe", 4, ["parallel.dp=4", "parallel.ep=2", *EP, *MOE]),
     ("ep2-tp2-moe", 4, ["parallel.tp=2", "parallel.dp=2", "parallel.ep=2", *EP, *MOE]),
     ("ep2-pp2-moe", 4, ["parallel.pp=2", "parallel.dp=2", "parallel.ep=2", *EP, *MOE]),
-    # FSDP2: dense parameters sharded over dp, each MoE layer's experts over their edp pair
+    # FSDP2: dense parameters sharded over dp, each MoE layer's experts over their edp group (one rank at ep2 = dp2,
+    # a pair at ep2 x dp2), with bf16 masters on two GPUs
+    ("ep2-moe-fsdp-bf16", 2, ["parallel.dp=2", "parallel.ep=2", "parallel.dp_shard=fsdp", *MOE, *BF16]),
     ("ep2-dp2-moe-fsdp", 4, ["parallel.dp=4", "parallel.ep=2", "parallel.dp_shard=fsdp", *MOE]),
 ]
 # fp32: the layouts sum in other orders (sharded matmuls, ring-attention merges, reductions over ranks); bf16 and
