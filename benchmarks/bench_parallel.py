@@ -517,61 +517,9 @@ def _main(args) -> Results:
             print(f"{layout.spec:<16} {layout.gpus} x {f['ms']:8.1f} ms {f['tok/s']:10.0f} tok/s "
                   f"{f['tok/s/gpu']:9.0f} tok/s/gpu MFU {mfu} {f['GiB']:.1f} GiB{scaling} (accum {f['accum']}, "
                   f"loss {f['loss']:.3f}, run {f['wall']:.0f} s)", flush=True)
-            if args.overlap and layout.dp > 1 and layout.world == layout.dp and base:
-                kind = "all_reduce" if layout.dp_shard == "ddp" else "fsdp"
-                try:
-                    comm = collective_ms(layout.world, params, kind, args.timeout, device.type)
-                except (RuntimeError, subprocess.TimeoutExpired) as e:
-                    print(f"{layout.spec:<16} collectives FAILED: {e}")
-                    continue
-                # against K one-GPU runs at once when measured (the same host sharing, no communication)
-                copies = f"1x{layout.world}" + ("-graph" if layout.cuda_graph else "")
-                ref_spec = copies if copies in figures else layout.base
-                exposed = max(f["ms"] - figures[ref_spec]["ms"], 0.0)
-                hidden = min(max(1.0 - exposed / comm, 0.0), 1.0) if comm > 0 else 1.0
-                results.add(case, layout.spec, "megakern", "comm ms", comm)
-                results.add(case, layout.spec, "megakern", "comm hidden", hidden)
-                print(f"{'':<16} collectives alone ({kind}, {params * 4 / 2**30:.2f} GiB fp32) {comm:.1f} ms; step "
-                      f"adds {exposed:.1f} ms over {ref_spec}: {100 * hidden:.0f}% hidden", flush=True)
-            dense = re.sub(r"\.ep\d+", "", layout.spec)  # the same ranks, every expert on every rank
-            if args.overlap and layout.ep > 1 and moe_blocks:
-                # the dispatch and combine all-to-alls of each MoE block, forward and backward (their gradients):
-                # a rank's routed rows (micro-batch x T / cp tokens x top-k, C) in the compute dtype, over ep ranks
-                numel = args.micro_batch * args.seq // layout.cp * top_k * n_embd
-                dtype = "bfloat16" if args.precision == "bf16-autocast" else "float32"
-                accum = args.pp_microbatches if layout.pp > 1 else 1
-                try:
-                    comm = collective_ms(layout.ep, numel, "all_to_all", args.timeout, device.type,
-                                         count=4 * moe_blocks // layout.pp * accum, dtype=dtype)
-                except (RuntimeError, subprocess.TimeoutExpired) as e:
-                    print(f"{layout.spec:<16} collectives FAILED: {e}")
-                    continue
-                ref_spec = dense if dense in figures else layout.base
-                exposed = max(f["ms"] - figures[ref_spec]["ms"], 0.0)
-                hidden = min(max(1.0 - exposed / comm, 0.0), 1.0) if comm > 0 else 1.0
-                results.add(case, layout.spec, "megakern", "comm ms", comm)
-                results.add(case, layout.spec, "megakern", "comm hidden", hidden)
-                print(f"{'':<16} expert all-to-alls alone (ep {layout.ep}) {comm:.1f} ms; step adds {exposed:.1f} ms "
-                      f"over {ref_spec}: {100 * hidden:.0f}% hidden", flush=True)
-            plain = layout.spec.replace("-ovl", "")
-            if args.overlap and layout.tp_comm_overlap and plain in figures:
-                # what the ring hides: each layer's two reduce-scatters (attention and MLP output) forward and the
-                # two all-gathers of their gradients backward, (micro-batch, T / cp, C) in the compute dtype
-                numel = args.micro_batch * args.seq // layout.cp * n_embd
-                dtype = "bfloat16" if args.precision == "bf16-autocast" else "float32"
-                accum = args.pp_microbatches if layout.pp > 1 else 1
-                try:
-                    comm = collective_ms(layout.tp, numel, "sp_rs_ag", args.timeout, device.type,
-                                         count=2 * n_layer // layout.pp * accum, dtype=dtype)
-                except (RuntimeError, subprocess.TimeoutExpired) as e:
-                    print(f"{layout.spec:<16} collectives FAILED: {e}")
-                    continue
-                saved = figures[plain]["ms"] - f["ms"]
-                hidden = min(max(saved / comm, 0.0), 1.0) if comm > 0 else 0.0
-                results.add(case, layout.spec, "megakern", "comm ms", comm)
-                results.add(case, layout.spec, "megakern", "comm hidden", hidden)
-                print(f"{'':<16} row-parallel reduce-scatters + all-gathers alone (tp {layout.tp}) {comm:.1f} ms; the "
-                      f"step is {saved:.1f} ms shorter than {plain}'s: {100 * hidden:.0f}% hidden", flush=True)
+            if args.overlap:
+                _communication(layout, args, device, f, figures, results, case, params, (top_k, moe_blocks),
+                               (n_layer, n_embd))
     finally:  # the layouts measured so far are reported and saved, also when a time limit stops the run (SIGTERM)
         shutil.rmtree(tmp, ignore_errors=True)
         print()
@@ -582,6 +530,68 @@ def _main(args) -> Results:
         if results.figures:
             file_rows(results, BENCH, args.out, args.no_save)
     return results
+
+
+def _comm_alone(layout: Layout, args, device, world: int, numel: int, kind: str, count: int = 1,
+                dtype: str = "float32") -> float | None:
+    """collective_ms, or None after printing why it failed."""
+    try:
+        return collective_ms(world, numel, kind, args.timeout, device.type, count=count, dtype=dtype)
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        print(f"{layout.spec:<16} collectives FAILED: {e}")
+        return None
+
+
+def _hidden_share(step_ms: float, ref_ms: float, comm: float) -> tuple[float, float]:
+    """(ms the step adds over the reference, the share of ``comm`` it hides) = (exposed, 1 - exposed / comm)."""
+    exposed = max(step_ms - ref_ms, 0.0)
+    return exposed, (min(max(1.0 - exposed / comm, 0.0), 1.0) if comm > 0 else 1.0)
+
+
+def _communication(layout: Layout, args, device, f: dict, figures: dict, results: Results, case: str, params: int,
+                   moe: tuple[int, int], shape: tuple[int, int]) -> None:
+    """--overlap: the layout's communication timed alone and the share its step hides (the module docstring)."""
+    (top_k, moe_blocks), (n_layer, n_embd) = moe, shape
+    dtype = "bfloat16" if args.precision == "bf16-autocast" else "float32"
+    accum = args.pp_microbatches if layout.pp > 1 else 1
+    measured = []  # (comm ms, hidden share, the line printed)
+    if layout.dp > 1 and layout.world == layout.dp and layout.base in figures:
+        kind = "all_reduce" if layout.dp_shard == "ddp" else "fsdp"
+        if (comm := _comm_alone(layout, args, device, layout.world, params, kind)) is not None:
+            # against K one-GPU runs at once when measured (the same host sharing, no communication)
+            copies = f"1x{layout.world}" + ("-graph" if layout.cuda_graph else "")
+            ref_spec = copies if copies in figures else layout.base
+            exposed, hidden = _hidden_share(f["ms"], figures[ref_spec]["ms"], comm)
+            measured.append((comm, hidden, f"collectives alone ({kind}, {params * 4 / 2**30:.2f} GiB fp32) {comm:.1f} "
+                                           f"ms; step adds {exposed:.1f} ms over {ref_spec}"))
+    if layout.ep > 1 and moe_blocks:
+        # the dispatch and combine all-to-alls of each MoE block, forward and backward (their gradients): a rank's
+        # routed rows (micro-batch x T / cp tokens x top-k, C) in the compute dtype, over ep ranks
+        numel = args.micro_batch * args.seq // layout.cp * top_k * n_embd
+        comm = _comm_alone(layout, args, device, layout.ep, numel, "all_to_all",
+                           count=4 * moe_blocks // layout.pp * accum, dtype=dtype)
+        if comm is not None:
+            dense = re.sub(r"\.ep\d+", "", layout.spec)  # the same ranks, every expert on every rank
+            ref_spec = dense if dense in figures else layout.base
+            exposed, hidden = _hidden_share(f["ms"], figures[ref_spec]["ms"], comm)
+            measured.append((comm, hidden, f"expert all-to-alls alone (ep {layout.ep}) {comm:.1f} ms; step adds "
+                                           f"{exposed:.1f} ms over {ref_spec}"))
+    plain = layout.spec.replace("-ovl", "")
+    if layout.tp_comm_overlap and plain in figures:
+        # what the ring hides: each layer's two reduce-scatters (attention and MLP output) forward and the two
+        # all-gathers of their gradients backward, (micro-batch, T / cp, C) in the compute dtype
+        numel = args.micro_batch * args.seq // layout.cp * n_embd
+        comm = _comm_alone(layout, args, device, layout.tp, numel, "sp_rs_ag", count=2 * n_layer // layout.pp * accum,
+                           dtype=dtype)
+        if comm is not None:
+            saved = figures[plain]["ms"] - f["ms"]
+            hidden = min(max(saved / comm, 0.0), 1.0) if comm > 0 else 0.0
+            measured.append((comm, hidden, f"row-parallel reduce-scatters + all-gathers alone (tp {layout.tp}) "
+                                           f"{comm:.1f} ms; the step is {saved:.1f} ms shorter than {plain}'s"))
+    for comm, hidden, line in measured:
+        results.add(case, layout.spec, "megakern", "comm ms", comm)
+        results.add(case, layout.spec, "megakern", "comm hidden", hidden)
+        print(f"{'':<16} {line}: {100 * hidden:.0f}% hidden", flush=True)
 
 
 if __name__ == "__main__":
