@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -276,12 +277,24 @@ def _run_copies(layout: Layout, args, run_dir: Path, overrides: list[str]) -> tu
             "GiB": max(f["GiB"] for f in each), "loss": each[0]["loss"], "wall": wall, "accum": 1}, tail
 
 
-def moe_facts(preset: str) -> tuple[int, int]:
-    """(top-k, MoE blocks) of the preset; (0, 0) for a dense model."""
-    from megakern.models.gpt import GPTConfig
+def moe_facts(preset: str, overrides: list[str] = ()) -> tuple[int, int, float | None, int]:
+    """(top-k, MoE blocks, capacity factor or None, experts) of the preset with the ``model.moe_*`` ones of
+    ``overrides``; (0, 0, None, 0) for a dense model."""
+    from megakern.config import load_config
 
-    config = GPTConfig.preset(preset)
-    return (config.moe_top_k, len(config.moe_blocks)) if config.n_experts else (0, 0)
+    config = load_config(None, [f"model.preset={preset}", *[o for o in overrides if o.startswith("model.")]]).model
+    if not config.n_experts:
+        return 0, 0, None, 0
+    return config.moe_top_k, len(config.moe_blocks), config.moe_capacity_factor, config.n_experts
+
+
+def routed_rows(tokens: int, moe: tuple[int, int, float | None, int]) -> int:
+    """Rows a rank sends in each expert all-to-all for ``tokens`` tokens: tokens x top-k (dropless), or with a
+    capacity factor the fixed slots, E x ceil(factor x tokens x top-k / E) (the empty ones travel too)."""
+    top_k, _, factor, experts = moe
+    if factor is None:
+        return tokens * top_k
+    return experts * math.ceil(factor * tokens * top_k / experts)
 
 
 def model_facts(preset: str) -> tuple[float, int, int, int, int]:
@@ -475,14 +488,16 @@ def main(argv=None) -> Results | None:
 def _main(args) -> Results:
     layouts = [Layout.parse(s) for s in args.layouts.split(",") if s.strip()]
     flops_per_token, params, args.seq, n_layer, n_embd = model_facts(args.model)
-    top_k, moe_blocks = moe_facts(args.model)
+    moe = moe_facts(args.model, args.override)
     device = torch.device(args.device)
     from megakern.train.log import peak_flops
 
     peak, peak_note = peak_flops(device)
     have = available_gpus(args.device)
     results = Results(device)
-    case = f"{args.model} T{args.seq} mb{args.micro_batch} {args.precision}"
+    # the overrides (e.g. model.moe_capacity_factor=1.25) name the case: their rows are not the plain model's
+    case = f"{args.model} T{args.seq} mb{args.micro_batch} {args.precision}" + (
+        f"[{','.join(args.override)}]" if args.override else "")
     print(f"{case}: {params / 1e6:.0f}M parameters, {flops_per_token / 1e9:.2f} GFLOP per token; peak "
           f"{'n/a (' + peak_note + ')' if peak is None else f'{peak / 1e12:.1f} TFLOP/s'}; {have} "
           f"{'GPUs' if device.type == 'cuda' else 'CPUs'}; {args.warmup} warm-up + {args.steps} timed steps per run")
@@ -518,7 +533,7 @@ def _main(args) -> Results:
                   f"{f['tok/s/gpu']:9.0f} tok/s/gpu MFU {mfu} {f['GiB']:.1f} GiB{scaling} (accum {f['accum']}, "
                   f"loss {f['loss']:.3f}, run {f['wall']:.0f} s)", flush=True)
             if args.overlap:
-                _communication(layout, args, device, f, figures, results, case, params, (top_k, moe_blocks),
+                _communication(layout, args, device, f, figures, results, case, params, moe,
                                (n_layer, n_embd))
     finally:  # the layouts measured so far are reported and saved, also when a time limit stops the run (SIGTERM)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -549,9 +564,9 @@ def _hidden_share(step_ms: float, ref_ms: float, comm: float) -> tuple[float, fl
 
 
 def _communication(layout: Layout, args, device, f: dict, figures: dict, results: Results, case: str, params: int,
-                   moe: tuple[int, int], shape: tuple[int, int]) -> None:
+                   moe: tuple, shape: tuple[int, int]) -> None:
     """--overlap: the layout's communication timed alone and the share its step hides (the module docstring)."""
-    (top_k, moe_blocks), (n_layer, n_embd) = moe, shape
+    (_, moe_blocks, _, _), (n_layer, n_embd) = moe, shape
     dtype = "bfloat16" if args.precision == "bf16-autocast" else "float32"
     accum = args.pp_microbatches if layout.pp > 1 else 1
     measured = []  # (comm ms, hidden share, the line printed)
@@ -566,8 +581,8 @@ def _communication(layout: Layout, args, device, f: dict, figures: dict, results
                                            f"ms; step adds {exposed:.1f} ms over {ref_spec}"))
     if layout.ep > 1 and moe_blocks:
         # the dispatch and combine all-to-alls of each MoE block, forward and backward (their gradients): a rank's
-        # routed rows (micro-batch x T / cp tokens x top-k, C) in the compute dtype, over ep ranks
-        numel = args.micro_batch * args.seq // layout.cp * top_k * n_embd
+        # routed rows (routed_rows of its micro-batch x T / cp tokens, C) in the compute dtype, over ep ranks
+        numel = routed_rows(args.micro_batch * args.seq // layout.cp, moe) * n_embd
         comm = _comm_alone(layout, args, device, layout.ep, numel, "all_to_all",
                            count=4 * moe_blocks // layout.pp * accum, dtype=dtype)
         if comm is not None:

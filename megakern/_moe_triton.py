@@ -3,8 +3,9 @@
 Two kernels, each used twice. With the plan's order, position and offsets (see megakern/moe.py), top_k = k:
 
 gather (a program per BLOCK_R sorted rows, walking the columns in BLOCK_C steps):
-    out[r] = s_r * src[order[r] // k]      for r < offsets[E], else 0;   s_r = w[order[r]] or 1
-    dw[order[r]] = dot(src[order[r] // k], y[r])   (fp32; 0 for the dropped assignments past offsets[E])
+    out[r] = s_r * src[order[r] // k]      for r < offsets[E] and order[r] >= 0, else 0;   s_r = w[order[r]] or 1
+    dw[order[r]] = dot(src[order[r] // k], y[r])   (fp32; 0 for the dropped assignments past offsets[E], and for
+                                                    those a padded plan gives no row)
   permute forward:    src = x, no weights
   unpermute backward: src = dout, s = w, and dw against y: dy and dweights in one pass
 
@@ -33,9 +34,9 @@ def _gather_kernel(SRC, ORDER, OFFSETS, W, Y, OUT, DW, R, C, E, stride_s, stride
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_range = rows < R
     total = tl.load(OFFSETS + E)
-    assignment = tl.load(ORDER + rows, mask=in_range, other=0)
-    kept = in_range & (rows < total)
-    token = (assignment // TOP_K).to(tl.int64)
+    assignment = tl.load(ORDER + rows, mask=in_range, other=-1)
+    kept = in_range & (rows < total) & (assignment >= 0)  # order -1: a padded plan's empty row
+    token = (tl.maximum(assignment, 0) // TOP_K).to(tl.int64)
     rows64 = rows.to(tl.int64)
     if HAS_W:
         scale = tl.load(W + assignment, mask=kept, other=0.0).to(tl.float32)
@@ -54,7 +55,7 @@ def _gather_kernel(SRC, ORDER, OFFSETS, W, Y, OUT, DW, R, C, E, stride_s, stride
                         other=0.0)
             dot += tl.sum(v.to(tl.float32) * y.to(tl.float32), axis=1)
     if HAS_DW:
-        tl.store(DW + assignment, dot.to(DW.dtype.element_ty), mask=in_range)
+        tl.store(DW + assignment, dot.to(DW.dtype.element_ty), mask=in_range & (assignment >= 0))
 
 
 @triton.jit
@@ -101,7 +102,8 @@ def _combine_blocks(cols: int, device: torch.device) -> tuple[int, int, int]:
 def _gather(src, order, offsets, top_k, weights=None, y=None, blocks=None):
     rows, cols = order.shape[0], src.shape[1]
     out = torch.empty((rows, cols), dtype=src.dtype, device=src.device)
-    dw = torch.empty(rows, dtype=weights.dtype, device=src.device) if y is not None else None
+    # by assignment: zeros, as a padded plan has rows for the kept assignments only
+    dw = torch.zeros(weights.numel(), dtype=weights.dtype, device=src.device) if y is not None else None
     if rows == 0:
         return out, dw
     block_r, block_c, warps = blocks or _gather_blocks(cols, src.device)
@@ -129,7 +131,8 @@ def _combine(src, position, top_k, weights=None, blocks=None):
 
 
 def permute_fwd(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, top_k: int, blocks=None) -> torch.Tensor:
-    """(N k, C) in x's dtype: out[r] = x[order[r] // top_k] for r < offsets[E], else 0."""
+    """(R, C) in x's dtype, R = order's length: out[r] = x[order[r] // top_k] for r < offsets[E] and order[r] >= 0,
+    else 0."""
     return _gather(x, order, offsets, top_k, blocks=blocks)[0]
 
 
@@ -147,6 +150,6 @@ def unpermute_fwd(y: torch.Tensor, weights: torch.Tensor, position: torch.Tensor
 
 def unpermute_bwd(dout: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor,
                   offsets: torch.Tensor, top_k: int, blocks=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dy (N k, C) in dout's dtype, dweights (N k,) in weights' dtype): dy[r] = w[a] dout[a // k] and
-    dweights[a] = dot(dout[a // k], y[r]) in fp32 for a = order[r], r < offsets[E]; 0 elsewhere."""
+    """(dy (R, C) in dout's dtype, dweights (N k,) in weights' dtype): dy[r] = w[a] dout[a // k] and
+    dweights[a] = dot(dout[a // k], y[r]) in fp32 for a = order[r] >= 0, r < offsets[E]; 0 elsewhere."""
     return _gather(dout, order, offsets, top_k, weights.reshape(-1), y, blocks=blocks)

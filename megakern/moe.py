@@ -14,8 +14,16 @@ ones last:
 Shapes stay static (N k rows whatever the routing; rows from offsets[E] on are zero), so nothing reads the device
 on the host and a step that routes can be captured in a CUDA graph.
 
-    permute(x, plan)          (N, C) -> (N k, C):  out[r] = x[order[r] // k] for r < offsets[E], else 0
-    unpermute(y, w, plan)     (N k, C), (N, k) -> (N, C):  out[t] = sum_j w[t, j] y[position[t k + j]] (kept j)
+A padded plan (``padded_plan(plan, capacity)``, for a capacity-limited router) lays the rows out in fixed slots
+instead: expert e owns rows e * capacity .. (e + 1) * capacity, its kept assignments first (in the plan's order),
+then empty rows whose order is -1 (permute writes zeros there; unpermute never reads them). Then order has
+E * capacity entries (one per row) and position N k (one per assignment); offsets are the slots' bounds
+(offsets[e] = e * capacity) and counts the kept rows of each slot. Expert parallelism sends such slots with fixed
+split sizes.
+
+    permute(x, plan)          (N, C) -> (R, C):  out[r] = x[order[r] // k] for r < offsets[E] and order[r] >= 0,
+                              else 0 (R = N k, or E * capacity for a padded plan)
+    unpermute(y, w, plan)     (R, C), (N, k) -> (N, C):  out[t] = sum_j w[t, j] y[position[t k + j]] (kept j)
     grouped_mm(x, w, offsets) (M, K), (E, K, F) -> (M, F):  rows offsets[e] .. offsets[e + 1] times w[e]; rows
                               from offsets[E] on are 0
     permute_rows(x, index, inverse)  x[index] for a permutation whose inverse the caller holds: the gradient is a
@@ -80,18 +88,16 @@ def _check_same_device(op: str, *named) -> None:
 def _check_plan(op: str, plan: RoutePlan, rows: int) -> None:
     if not isinstance(plan, RoutePlan):
         raise TypeError(f"{op}: plan must be a RoutePlan from route_plan(), got {type(plan).__name__}")
-    if plan.order.shape != (rows,):
-        raise ValueError(f"{op}: the plan routes {plan.order.shape[0]} assignments, the input has {rows} rows")
     _check_plan_tensors(op, plan)
+    if plan.order.shape != (rows,):
+        raise ValueError(f"{op}: the plan lays out {plan.order.shape[0]} rows, the input has {rows} rows")
 
 
 def _check_plan_tensors(op: str, plan: RoutePlan) -> None:
-    """The plan's index tensors: 1-D int64 / int32 on one device, order and position of one length."""
+    """The plan's index tensors: 1-D int64 / int32 on one device (order: one entry per row, position one per
+    assignment; the same length unless the plan is padded)."""
     for name in ("order", "position", "counts", "offsets"):
         _check_index(f"{op}: plan.{name}", getattr(plan, name), 1)
-    if plan.position.shape != plan.order.shape:
-        raise ValueError(f"{op}: plan.position has {plan.position.shape[0]} entries but plan.order has "
-                         f"{plan.order.shape[0]}")
     if plan.offsets.shape[0] != plan.counts.shape[0] + 1:
         raise ValueError(f"{op}: plan.offsets has {plan.offsets.shape[0]} entries, expected E + 1 = "
                          f"{plan.counts.shape[0] + 1}")
@@ -126,12 +132,41 @@ def route_plan(expert_idx: torch.Tensor, num_experts: int) -> RoutePlan:
     return RoutePlan(order, position, counts, offsets, k)
 
 
+def padded_plan(plan: RoutePlan, capacity: int) -> RoutePlan:
+    """``plan`` (from ``route_plan``) in fixed slots of ``capacity`` rows per expert (see the module docstring): the
+    same shapes whatever the routing, computed on the device. An assignment ranked at ``capacity`` or later in its
+    expert's order gets no slot (position -1, as a dropped one): a router that applies the same capacity
+    (megakern.models.moe's drop_over_capacity) has dropped it already."""
+    if not isinstance(plan, RoutePlan):
+        raise TypeError(f"padded_plan: plan must be a RoutePlan from route_plan(), got {type(plan).__name__}")
+    _check_plan_tensors("padded_plan", plan)
+    if plan.position.shape != plan.order.shape:
+        raise ValueError(f"padded_plan: plan is padded already ({plan.order.shape[0]} rows for "
+                         f"{plan.position.shape[0]} assignments)")
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+        raise ValueError(f"padded_plan: capacity must be an int >= 1, got {capacity!r}")
+    e = plan.counts.shape[0]
+    device = plan.order.device
+    rows = torch.arange(plan.order.numel(), device=device)
+    offsets = plan.offsets.long()
+    expert = torch.searchsorted(offsets[1:], rows, right=True)  # sorted row r's expert (E past the kept rows)
+    rank = rows - offsets[expert]
+    keep = (expert < e) & (rank < capacity)
+    slot = torch.where(keep, expert * capacity + rank, torch.full_like(rank, -1))  # each sorted row's slot
+    order = torch.full((e * capacity + 1,), -1, dtype=plan.order.dtype, device=device)
+    order.scatter_(0, torch.where(keep, slot, e * capacity), plan.order)  # (row E * capacity: the rest, cut off)
+    position = torch.where(plan.position >= 0, slot[plan.position.clamp(min=0)], -1).to(plan.position.dtype)
+    counts = plan.counts.clamp(max=capacity)
+    bounds = (torch.arange(e + 1, device=device) * capacity).to(plan.offsets.dtype)
+    return RoutePlan(order[:-1], position, counts, bounds, plan.top_k)
+
+
 # ---- references ----------------------------------------------------------------------------------------------------
 def permute_ref(x: torch.Tensor, plan: RoutePlan) -> torch.Tensor:
-    """x's rows in expert order, (N k, C), in x's dtype; rows past offsets[E] are zero."""
+    """x's rows in expert order, (R, C), in x's dtype; rows past offsets[E] and rows of order -1 are zero."""
     rows = plan.order.numel()
-    valid = torch.arange(rows, device=x.device) < plan.offsets[-1]
-    out = x.index_select(0, plan.order // plan.top_k)
+    valid = (torch.arange(rows, device=x.device) < plan.offsets[-1]) & (plan.order >= 0)
+    out = x.index_select(0, plan.order.clamp(min=0) // plan.top_k)
     return out * valid.unsqueeze(1).to(out.dtype)
 
 
@@ -263,14 +298,15 @@ def grouped_mm_backend(x: torch.Tensor, backend: str | Mapping[str, str] | None 
 
 # ---- public ops ----------------------------------------------------------------------------------------------------
 def permute(x: torch.Tensor, plan: RoutePlan, *, backend: str | Mapping[str, str] | None = None) -> torch.Tensor:
-    """x (N, C) -> (N k, C) in the plan's expert order (zeros for the dropped tail). ``backend``: 'torch' |
-    'triton', or a config's kernel table {op: backend} (op "moe"); None picks the default for the device."""
+    """x (N, C) -> (R, C) in the plan's expert order (zeros for the dropped tail, or a padded plan's empty rows).
+    ``backend``: 'torch' | 'triton', or a config's kernel table {op: backend} (op "moe"); None picks the default for
+    the device."""
     _check_float("permute: x", x, 2)
     if not isinstance(plan, RoutePlan):
         raise TypeError(f"permute: plan must be a RoutePlan from route_plan(), got {type(plan).__name__}")
     _check_plan_tensors("permute", plan)
-    if plan.order.numel() != x.shape[0] * plan.top_k:
-        raise ValueError(f"permute: the plan routes {plan.order.numel()} assignments, x has {x.shape[0]} tokens x "
+    if plan.position.numel() != x.shape[0] * plan.top_k:
+        raise ValueError(f"permute: the plan routes {plan.position.numel()} assignments, x has {x.shape[0]} tokens x "
                          f"top_k {plan.top_k}")
     _check_same_device("permute", ("x", x), ("plan.order", plan.order))
     name = _resolve("moe", "permute", x, backend, x.shape[1])
@@ -282,14 +318,14 @@ def permute(x: torch.Tensor, plan: RoutePlan, *, backend: str | Mapping[str, str
 
 def unpermute(y: torch.Tensor, weights: torch.Tensor, plan: RoutePlan, *,
               backend: str | Mapping[str, str] | None = None) -> torch.Tensor:
-    """y (N k, C) in expert order, weights (N, k) -> (N, C): each token's weighted sum over its kept choices.
-    ``backend`` as ``permute``."""
+    """y (R, C) in the plan's expert order, weights (N, k) -> (N, C): each token's weighted sum over its kept
+    choices. ``backend`` as ``permute``."""
     _check_float("unpermute: y", y, 2)
     _check_float("unpermute: weights", weights, 2)
     _check_plan("unpermute", plan, y.shape[0])
-    if weights.shape[1] != plan.top_k or weights.numel() != y.shape[0]:
+    if weights.shape[1] != plan.top_k or weights.numel() != plan.position.numel():
         raise ValueError(f"unpermute: weights has shape {tuple(weights.shape)}, expected "
-                         f"({y.shape[0] // plan.top_k}, {plan.top_k})")
+                         f"({plan.position.numel() // plan.top_k}, {plan.top_k})")
     _check_same_device("unpermute", ("y", y), ("weights", weights), ("plan.position", plan.position))
     name = _resolve("moe", "unpermute", y, backend, y.shape[1])
     if name != "torch" and weights.dtype not in FLOAT_DTYPES:

@@ -258,11 +258,16 @@ class MoEMLP(nn.Module):
             update_expert_bias(self.router.expert_bias, load, self.bias_rate, skip)
 
     # -- forward --
+    def expert_capacity(self, n_tokens: int) -> Optional[int]:
+        """Assignments each expert keeps of ``n_tokens`` tokens (the part of a micro-batch this layer sees), or None
+        (dropless)."""
+        return capacity(n_tokens, self.top_k, self.n_experts, self.capacity_factor)
+
     def routing(self, logits: torch.Tensor) -> Routing:
         """The router's decision for ``logits`` (N, E), the capacity applied."""
         r = route(logits, self.top_k, router=self.router_kind, bias=self.router.expert_bias,
                   renormalize=self.renormalize, n_groups=self.n_groups, topk_groups=self.topk_groups)
-        cap = capacity(logits.shape[0], self.top_k, self.n_experts, self.capacity_factor)  # of this part's N
+        cap = self.expert_capacity(logits.shape[0])  # of this part's N
         if cap is None:
             return r
         return r._replace(expert_idx=drop_over_capacity(r.expert_idx, r.score, self.n_experts, cap))

@@ -18,11 +18,25 @@ One MoE layer's routed experts on an ep rank (``ExpertDispatcher``, the layer's 
     out = unpermute([back; zeros], weights, plan) the weighted combine of the token's k choices (fp32 sum)
 
 The all-to-alls carry autograd: the backward of one is the reverse all-to-all with the split sizes swapped.
-Split sizes exchanged first (all_to_all_single with per-rank sizes), not a fixed-capacity padded dispatch: the
-layer is dropless by default and a padded buffer would either drop tokens or be sized for the worst case (every
-token to one rank: ep times the traffic); the price is one host read per layer and micro-batch (Megatron-LM's and
-torchtitan's all-to-all dispatchers read them too), so a CUDA-graph step is refused with ep > 1. The dispatch is
-kept out of torch.compile (``torch.compiler.disable``).
+Dropless (the default), the split sizes are exchanged first (all_to_all_single with per-rank sizes), not a padded
+dispatch: a padded buffer would either drop tokens or be sized for the worst case (every token to one rank: ep times
+the traffic); the price is one host read per layer and micro-batch (Megatron-LM's and torchtitan's all-to-all
+dispatchers read them too), which a CUDA graph cannot capture.
+
+With a capacity factor (the layer keeps at most ``cap`` = ceil(factor N k / E) assignments per expert of its N
+tokens) the dispatch has fixed sizes and reads nothing on the host (``_fixed``):
+
+    plan = padded_plan(route_plan(expert_idx, E), cap)   expert e owns rows e cap .. (e + 1) cap, kept ones first
+    xs = permute(x, plan)                         (E cap, C): rank s's slots are rows s S .. (s + 1) S, S = E/ep cap
+    counts (E,) -> all_to_all -> got (ep, E/ep)   on the device only: which received rows hold a token
+    recv = all_to_all(xs), S rows each way        (ep S, C) as (source rank, local expert, slot)
+    y = expert_ffn(recv's valid rows sorted by local expert, then source; the empty ones after)
+    back = all_to_all(y in arrival order)         (E cap, C) in the padded plan's rows
+    out = unpermute(back, weights, plan)
+
+It moves factor x the dropless traffic at a balanced routing (the empty slots travel too) but computes the experts on
+the kept rows only, and its shapes are the same every step: a CUDA-graph step captures it. The dispatch is kept out
+of torch.compile (``torch.compiler.disable``).
 
 Gradients: every rank backpropagates (its tokens' loss sum) * dp * cp / N_global and a local expert's gradient already
 sums the contributions of the whole ep group's tokens, so the expert gradients are summed over the expert-data-
@@ -48,7 +62,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from megakern.moe import permute, permute_rows, route_plan, unpermute
+from megakern.moe import padded_plan, permute, permute_rows, route_plan, unpermute
 from megakern.parallel.data_parallel import SeparateShard, allreduce_tensors
 
 EXPERT_WEIGHTS = ("w_in", "w_out")
@@ -75,11 +89,45 @@ class ExpertDispatcher:
 
     @torch.compiler.disable
     def __call__(self, x: torch.Tensor, expert_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        layer, ep, n_local = self.layer, self.ep, self.n_local
         device = x.device
         dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else x.dtype
+        cap = self.layer.expert_capacity(x.shape[0])
+        if cap is None:
+            return self._dropless(x.to(dtype), expert_idx, weights)
+        return self._fixed(x.to(dtype), expert_idx, weights, cap)
+
+    def _fixed(self, x: torch.Tensor, expert_idx: torch.Tensor, weights: torch.Tensor, cap: int) -> torch.Tensor:
+        """The capacity-limited dispatch: fixed split sizes, no host read (the module docstring)."""
+        layer, ep, n_local = self.layer, self.ep, self.n_local
+        device = x.device
+        plan = padded_plan(route_plan(expert_idx, self.n_experts), cap)
+        xs = permute(x, plan, backend=layer.kernels)                    # (E cap, C): slots by expert
+        with torch.no_grad():
+            got = torch.empty_like(plan.counts)
+            dist.all_to_all_single(got, plan.counts, group=self.group)   # got[s l]: rank s's rows for my expert l
+        splits = [n_local * cap] * ep
+        recv = all_to_all(xs, splits, splits, self.group)                # (ep S, C): (source, local expert, slot)
+        with torch.no_grad():
+            got = got.view(ep, n_local, 1)
+            slot = torch.arange(cap, device=device).view(1, 1, cap)
+            by_expert = (torch.arange(n_local, device=device).view(1, n_local, 1) * ep
+                         + torch.arange(ep, device=device).view(ep, 1, 1))
+            key = torch.where(slot < got, by_expert, n_local * ep).reshape(-1)
+            order = torch.sort(key, stable=True).indices                 # valid rows by local expert, then source
+            inverse = torch.empty_like(order)
+            inverse[order] = torch.arange(order.numel(), device=device)
+            offsets = torch.zeros(n_local + 1, dtype=torch.int64, device=device)
+            offsets[1:] = torch.cumsum(got.sum(0).view(-1), 0)
+        y = permute_rows(layer.expert_ffn(permute_rows(recv, order, inverse), offsets), inverse, order)
+        back = all_to_all(y, splits, splits, self.group)                 # (E cap, C): the plan's rows
+        return unpermute(back, weights, plan, backend=layer.kernels)
+
+    def _dropless(self, x: torch.Tensor, expert_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The dropless dispatch: split sizes exchanged and read on the host (the module docstring)."""
+        layer, ep, n_local = self.layer, self.ep, self.n_local
+        device = x.device
         plan = route_plan(expert_idx, self.n_experts)
-        xs = permute(x.to(dtype), plan, backend=layer.kernels)          # (N k, C): kept rows first, by expert
+        xs = permute(x, plan, backend=layer.kernels)                     # (N k, C): kept rows first, by expert
         with torch.no_grad():
             send = plan.counts.view(ep, n_local).contiguous()           # rows for rank s's local expert l
             got = torch.empty_like(send)

@@ -3,8 +3,8 @@
 permute, unpermute and grouped_mm on the triton backend, forward and every gradient (x, y, the combine weights, the
 expert weights), held to the 2x rule against the fp64 reference (see conftest): odd sizes (37 tokens, 24 and 40
 columns, 5 experts, top-2), experts that receive no token, dropped assignments (-1) and a plan that drops every
-assignment, non-contiguous inputs and incoming gradients, the grouped GEMM's pointer and TMA paths, persistent and
-one program per tile. On a CPU the kernels run under the interpreter at tiny sizes in fp32 and fp16 (the interpreter
+assignment, padded plans (fixed slots per expert that cut rows or leave them empty), non-contiguous inputs and
+incoming gradients, the grouped GEMM's pointer and TMA paths, persistent and one program per tile. On a CPU the kernels run under the interpreter at tiny sizes in fp32 and fp16 (the interpreter
 rounds bf16 wrongly); bf16, larger shapes, TMA on Hopper and the absence of host syncs run on a GPU.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from conftest import ATOL, DEVICE, HAS_CUDA, assert_close_to_ref, poison_cuda_allocator, require_triton, seed
 
 from megakern import _backend, moe
-from megakern.moe import grouped_mm_ref, permute_ref, route_plan, unpermute_ref
+from megakern.moe import grouped_mm_ref, padded_plan, permute_ref, route_plan, unpermute_ref
 
 DTYPES = (torch.float32, torch.float16) + ((torch.bfloat16,) if HAS_CUDA else ())
 
@@ -31,6 +31,10 @@ LAYOUTS = ("contiguous", "rows", "cols")
 # every plan with contiguous inputs, the plans that route tokens with the non-contiguous ones
 PLAN_LAYOUTS = [(name, layout) for name in PLANS for layout in LAYOUTS
                 if layout == "contiguous" or name != "all-dropped"]
+# padded plans (expert parallelism's fixed-size dispatch): slots that cut some experts' rows (odd@6: about 15 a
+# expert), slots with room to spare (fine@12), a plan that drops every assignment
+PADDED = ("odd@6", "fine@12", "all-dropped@2")
+PADDED_LAYOUTS = [("odd@6", "rows"), ("fine@12", "cols"), ("all-dropped@2", "contiguous")]
 
 
 def _expert_idx(n, k, experts, empty, dropped):
@@ -44,8 +48,12 @@ def _expert_idx(n, k, experts, empty, dropped):
 
 
 def _plan(name):
+    """PLANS[name]'s plan; "name@C": that plan padded to C slots per expert (padded_plan)."""
+    name, _, cap = name.partition("@")
     n, k, experts, cols, empty, dropped = PLANS[name]
     plan = route_plan(_expert_idx(n, k, experts, empty, dropped), experts)
+    if cap:
+        plan = padded_plan(plan, int(cap))
     return plan, n, k, experts, cols
 
 
@@ -113,9 +121,37 @@ def test_route_plan(name):
     assert sorted(plan.order.tolist()) == list(range(n * k))
 
 
+@pytest.mark.parametrize("name", PADDED)
+def test_padded_plan(name):
+    """Expert e's slot holds its first min(count, C) rows of the plan in order, then -1; position points each kept
+    assignment at its row (-1 past the capacity); the shapes depend on E and C alone."""
+    seed("padded", name)
+    base, _, cap = name.partition("@")
+    cap = int(cap)
+    n, k, experts, _, empty, dropped = PLANS[base]
+    plan = route_plan(_expert_idx(n, k, experts, empty, dropped), experts)
+    padded = padded_plan(plan, cap)
+    assert padded.order.shape == (experts * cap,) and padded.position.shape == (n * k,)
+    assert padded.offsets.tolist() == [e * cap for e in range(experts + 1)]
+    assert padded.counts.tolist() == [min(c, cap) for c in plan.counts.tolist()]
+    want_position = torch.full((n * k,), -1, dtype=torch.int64)
+    for e in range(experts):
+        rows = plan.order[plan.offsets[e]:plan.offsets[e + 1]][:cap].cpu()
+        slot = padded.order[e * cap:(e + 1) * cap].cpu()
+        assert torch.equal(slot[:len(rows)], rows) and (slot[len(rows):] == -1).all(), (e, slot, rows)
+        want_position[rows] = torch.arange(e * cap, e * cap + len(rows))
+    assert torch.equal(padded.position.cpu(), want_position)
+    if base == "odd":
+        assert int((padded.position < 0).sum()) > int((plan.position < 0).sum()), "the slots must cut rows"
+    with pytest.raises(ValueError, match="padded_plan: capacity must be an int >= 1, got 0"):
+        padded_plan(plan, 0)
+    with pytest.raises(ValueError, match="padded_plan: plan is padded already"):
+        padded_plan(padded_plan(plan, 1), 1)
+
+
 # ---- permute -------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("name,layout", PLAN_LAYOUTS)
+@pytest.mark.parametrize("name,layout", PLAN_LAYOUTS + PADDED_LAYOUTS)
 def test_permute_matches_reference(name, layout, dtype):
     require_triton()
     seed("permute", name, layout, dtype)
@@ -135,13 +171,14 @@ def test_permute_matches_reference(name, layout, dtype):
 # ---- unpermute -----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name,layout,w_dtype", [(name, layout, "fp32") for name, layout in PLAN_LAYOUTS]
-                         + [("odd", "contiguous", "same"), ("fine", "cols", "same")])
+                         + [("odd", "contiguous", "same"), ("fine", "cols", "same")]
+                         + [(name, layout, "same") for name, layout in PADDED_LAYOUTS])
 def test_unpermute_matches_reference(name, layout, w_dtype, dtype):
     require_triton()
     _skip_interpreter_bf16(dtype)
     seed("unpermute", name, layout, w_dtype, dtype)
     plan, n, k, _, cols = _plan(name)
-    y = _leaf((n * k, cols), dtype, layout)
+    y = _leaf((plan.order.numel(), cols), dtype, layout)
     w = _leaf((n, k), torch.float32 if w_dtype == "fp32" else dtype, "cols" if layout == "cols" else "contiguous")
     poison_cuda_allocator(1 << 20)
     out = moe.unpermute(y, w, plan, backend="triton")
@@ -272,8 +309,10 @@ def test_backends_and_checks():
         moe.grouped_mm(y, w.to("meta"), plan.offsets)
     with pytest.raises(ValueError, match="unpermute: weights is on meta"):
         moe.unpermute(y, torch.rand(n, k, device="meta"), plan)
-    with pytest.raises(ValueError, match="permute: plan.position has 3 entries but plan.order has 74"):
+    with pytest.raises(ValueError, match="permute: the plan routes 3 assignments, x has 37 tokens x top_k 2"):
         moe.permute(x, plan._replace(position=plan.position[:3]))
+    with pytest.raises(ValueError, match="unpermute: the plan lays out 15 rows, the input has 74 rows"):
+        moe.unpermute(y, torch.rand(n, k, device=DEVICE), padded_plan(plan, 3))
     with pytest.raises(TypeError, match="permute: plan.offsets must be an int64/int32 tensor, got torch.float32"):
         moe.permute(x, plan._replace(offsets=plan.offsets.float()))
     with pytest.raises(ValueError, match="unpermute: weights has shape \\(37, 3\\), expected \\(37, 2\\)"):
@@ -393,11 +432,15 @@ def test_grouped_mm_gpu_shapes(case, dtype, tma):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_moe_ops_gpu_shapes(dtype):
-    seed("gpu moe", dtype)
+def test_moe_ops_gpu_shapes(dtype, padded):
+    """The three ops chained at a layer's size; padded: slots of 1100 rows (about 1170 a expert: some cut)."""
+    seed("gpu moe", dtype, padded)
     n, k, experts, cols = 4096, 2, 8, 1024
     plan = route_plan(_expert_idx(n, k, experts, (5,), 100), experts)
+    if padded:
+        plan = padded_plan(plan, 1100)
     x = _leaf((n, cols), dtype)
     w = _leaf((experts, cols, 512), dtype, scale=cols ** -0.5)
     wts = _leaf((n, k), torch.float32)
@@ -427,15 +470,19 @@ def test_no_host_sync_gpu():
     w = _leaf((experts, cols, 128), torch.bfloat16)
     wts = _leaf((n, k), torch.float32)
 
-    def step():
+    def step(cap=None):
         plan = route_plan(idx, experts)
+        if cap:
+            plan = padded_plan(plan, cap)
         out = moe.unpermute(moe.grouped_mm(moe.permute(x, plan), w, plan.offsets), wts, plan)
         return torch.autograd.grad(out.float().square().sum(), (x, w, wts))
 
     step()  # compile the kernels first
+    step(100)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         step()
+        step(100)
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -285,9 +285,11 @@ def check_parallel_options(config: TrainConfig, precision: str, world: int) -> N
         if p.zero1:
             problems.append(f"parallel.ep={p.ep} with parallel.zero1: ZeRO-1 broadcasts each parameter from one dp x "
                             "cp rank, but each ep rank holds other experts; use parallel.zero1=false")
-        if c.train.cuda_graph:
-            problems.append(f"parallel.ep={p.ep} with train.cuda_graph: the all-to-all dispatch reads its split sizes "
-                            "on the host (one read per MoE layer and micro-batch), which a CUDA graph cannot capture")
+        if c.train.cuda_graph and c.model.moe_capacity_factor is None:
+            problems.append(f"parallel.ep={p.ep} with train.cuda_graph needs model.moe_capacity_factor: the dropless "
+                            "all-to-all dispatch reads its split sizes on the host (one read per MoE layer and "
+                            "micro-batch), which a CUDA graph cannot capture; with a capacity factor the dispatch has "
+                            "fixed sizes")
     if p.fsdp_param_dtype == "bfloat16" and precision == "fp32":
         problems.append("parallel.fsdp_param_dtype=bfloat16 computes the blocks in bf16, which an fp32 run's "
                         "residual stream cannot enter; use train.precision=bf16 or bf16-autocast")

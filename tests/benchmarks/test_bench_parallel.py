@@ -87,3 +87,17 @@ def test_bench_parallel_cpu_smoke(tmp_path, capsys):
     assert back[1][:6] == ["2026-01-02", "abc1234", "h200", "2.11.0+cu130", "3.6.0", "parallel"]
     with pytest.raises(SystemExit, match="--meta"):
         bench_parallel.save_from_log(log, "2026-01-02,abc1234", tmp_path / "back")
+
+
+def test_expert_all_to_all_rows_count_the_capacity_slots():
+    """The all-to-all timed alone moves what the dispatch moves: tokens x top-k dropless; with a capacity factor
+    every expert's fixed slots (the empty rows too)."""
+    from benchmarks.bench_parallel import moe_facts, routed_rows
+
+    dropless = moe_facts("moe-mixtral")
+    assert dropless == (2, 16, None, 8)
+    assert routed_rows(4096, dropless) == 8192
+    capped = moe_facts("moe-mixtral", ["model.moe_capacity_factor=1.25", "train.steps=3"])
+    assert capped == (2, 16, 1.25, 8)
+    assert routed_rows(4097, capped) == 8 * 1281  # ceil(1.25 x 4097 x 2 / 8) = ceil(1280.3)
+    assert moe_facts("gpt-tiny") == (0, 0, None, 0)

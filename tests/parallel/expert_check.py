@@ -109,6 +109,20 @@ def check_ep(layout: dict, options: dict, steps: int = 3, global_batch: int = 4,
     return {"losses": losses, "first_step_tokens": one_figures[0].tolist(), "placements": placements}
 
 
+# ---- host reads -----------------------------------------------------------------------------------------------------
+def dispatch_host_reads(factor: float | None) -> list[str]:
+    """The host reads (tests/host_reads.py) that parallel/expert.py makes in one forward + backward of ep2 over dp2
+    with capacity factor ``factor`` (None: dropless)."""
+    from host_reads import host_reads
+
+    pm = ParallelDims(dp=2, ep=2).build("cpu", timeout=60)
+    cfg, pmodel = _build(pm, dict(dp_shard="ddp"), dict(moe_capacity_factor=factor))
+    idx, targets = batches(1, 4, 32, cfg.vocab_size)[0]
+    mine = slice(pm.dp_rank * 2, (pm.dp_rank + 1) * 2)
+    reads = host_reads(pmodel.forward_backward, idx[mine], targets[mine])
+    return [f"{what} at {where}" for what, where in reads if where.startswith("expert.py:")]
+
+
 # ---- checkpoints across ep sizes -------------------------------------------------------------------------------------
 def _state(pmodel, opt, load=False):
     return pmodel.checkpoint_state(opt, for_load=load)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from expert_check import bad_layout, check_ep, load_ep, save_ep
+from expert_check import bad_layout, check_ep, dispatch_host_reads, load_ep, save_ep
 from rankpool import pool
 
 from megakern.config import ConfigError, load_config
@@ -70,6 +70,28 @@ def test_experts_without_tokens(bias, empty):
     out = pool(2).run(check_ep, dict(dp=2, ep=2), dict(dp_shard="ddp"), bias=bias)
     figures = out[0]["first_step_tokens"]
     assert figures[0] == 0.0, f"an expert must receive no token (tokens_min {figures[0]})"
+
+
+@pytest.mark.parametrize("layout,factor", [("ep2", 1.0), ("ep2-dp2", 1.0), ("ep2-fsdp", 2.0), ("ep2-pp2", 1.25),
+                                           ("ep2-tp2-sp", 2.0)])
+def test_fixed_size_dispatch_matches_one_process(layout, factor):
+    """With a capacity factor the dispatch sends fixed slots (padded_plan) and reads nothing on the host; it still
+    equals one process, whose layer drops the same assignments (each rank's micro-batch is one of its micro-batches).
+    Factors 1.0 and 1.25 drop some (cap = 32 and 40 of 64 tokens x top-2 over 4 experts); 2.0 none (cap = every
+    token), though the slots hold empty rows. Under tp with sequence parallel the layer sees half the tokens, so only a factor that
+    drops nothing equals one process."""
+    ranks, sizes, options = LAYOUTS[layout]
+    out = pool(ranks).run(check_ep, sizes, options, config=dict(moe_capacity_factor=factor))
+    assert all(o["losses"] == out[0]["losses"] for o in out), [o["losses"] for o in out]
+    dropped = out[0]["first_step_tokens"][3]  # (the single model's first step: its one MoE layer)
+    assert (dropped > 0) == (factor < 2.0), f"dropped fraction {dropped} at capacity factor {factor}"
+
+
+def test_fixed_size_dispatch_reads_nothing_on_the_host():
+    reads = pool(2).run(dispatch_host_reads, 1.25)
+    assert reads == [[], []], reads
+    dropless = pool(2).run(dispatch_host_reads, None)  # the check can fail: the dropless dispatch reads its sizes
+    assert all(any("Tensor.tolist" in r for r in rank) for rank in dropless), dropless
 
 
 @pytest.mark.parametrize("saved", ["ddp", "fsdp"])
@@ -159,7 +181,12 @@ def test_check_parallel_options_refuses_by_name():
     text = str(info.value)
     assert "parallel.ep=2 with parallel.zero1" in text
     assert "parallel.ep=2 needs" not in text  # FSDP2 (the default dp_shard) runs with ep
-    assert "parallel.ep=2 with train.cuda_graph: the all-to-all dispatch reads its split sizes on the host" in text
+    assert ("parallel.ep=2 with train.cuda_graph needs model.moe_capacity_factor: the dropless all-to-all dispatch "
+            "reads its split sizes on the host") in text
+    # with a capacity factor the dispatch has fixed sizes: a graph may capture it
+    config = load_config(None, [*MOE, "parallel.ep=2", "train.cuda_graph=true", "parallel.dp_shard=ddp",
+                                "train.cuda_graph_warmup=11", "model.moe_capacity_factor=1.25"])
+    check_parallel_options(config, "fp32", 2)
 
 
 def _losses(run_dir: Path) -> dict[int, float]:

@@ -43,6 +43,7 @@ BF16 = ["train.precision=bf16"]  # bf16 weights with fp32 master weights
 PACKED = ["data.packed_documents=true"]  # documents packed into each row (cu_seqlens)
 # MoE blocks (every block: 4 experts of 64 units, top-2, dropless); the one-GPU reference has the same ones
 MOE = ["model.n_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden=64"]
+CAPACITY = ["model.moe_capacity_factor=1.25"]  # each expert keeps 1.25 x its even share of a micro-batch's tokens
 EP = ["parallel.dp_shard=ddp"]  # expert parallelism: ep ranks carved out of dp x cp, dense replicas kept by DDP
 # DDP's reducer reads timings on the host in its first 10 iterations: 11 eager steps, then 4 replays
 LONG_STEPS = 15
@@ -108,6 +109,10 @@ LAYOUTS = [
     # a pair at ep2 x dp2), with bf16 masters on two GPUs
     ("ep2-moe-fsdp-bf16", 2, ["parallel.dp=2", "parallel.ep=2", "parallel.dp_shard=fsdp", *MOE, *BF16]),
     ("ep2-dp2-moe-fsdp", 4, ["parallel.dp=4", "parallel.ep=2", "parallel.dp_shard=fsdp", *MOE]),
+    # a capacity factor: the fixed-size dispatch (no host read), eager and captured in a CUDA graph
+    ("ep2-moe-capacity", 2, ["parallel.dp=2", "parallel.ep=2", *EP, *MOE, *CAPACITY]),
+    ("ep2-moe-capacity-graph", 2, ["parallel.dp=2", "parallel.ep=2", *EP, *MOE, *CAPACITY, *DDP_GRAPH]),
+    ("ep2-dp2-moe-capacity-graph", 4, ["parallel.dp=4", "parallel.ep=2", *EP, *MOE, *CAPACITY, *DDP_GRAPH]),
 ]
 # fp32: the layouts sum in other orders (sharded matmuls, ring-attention merges, reductions over ranks); bf16 and
 # FP8 round those partial sums too
