@@ -412,7 +412,8 @@ class ParallelMesh:
     expert data parallel: the dp_cp ranks split as dp_cp_i = edp_i * ep + ep_i; with ep=1 ``ep_group`` is None and
     ``edp_group`` is dp_cp's) and meshes ``dp_cp_mesh``; coordinates ``tp_rank``, ``cp_rank``, ``dp_rank``,
     ``pp_rank``, ``ep_rank``, ``edp_rank``; ``rendezvous`` (``Rendezvous``, or None where torch.distributed was
-    initialized elsewhere and ``build`` was not given it) and its ``store``.
+    initialized elsewhere and ``build`` was not given it) and its ``store``. ``close()`` (or leaving a ``with`` block)
+    destroys the groups it made, for a process that builds mesh after mesh on one default group.
     """
 
     def __init__(self, dims: ParallelDims, device_type: str, timeout: datetime.timedelta,
@@ -518,8 +519,69 @@ class ParallelMesh:
         self._store_users += 1
         return f"megakern/{name}/{self.rendezvous.attempt}/{self._store_users}"
 
+    # -- release
+    def close(self) -> None:
+        """Destroy the process groups this mesh made (those of the mesh dims, dp_cp, pp_stage, ep and edp; never the
+        default group, which ``init_distributed`` made and ``destroy_process_group()`` ends) and drop torch's DTensor
+        caches, which hold the meshes of earlier DTensors and would hand them (with their destroyed groups) to a new
+        mesh of the same layout. Every rank calls it, in step, once its last collective on these groups is done; the
+        mesh and everything built on it are unusable afterwards. A local mesh, or a closed one: nothing to do.
+        ``with ParallelDims(...).build() as pm:`` closes on leaving the block."""
+        if self.local or getattr(self, "mesh", None) is None:  # (a mesh whose __init__ failed may lack it)
+            return
+        groups = [self.mesh.get_group(name) for name in MESH_DIMS]
+        for mesh in (getattr(self, "dp_cp_mesh", None), self._stage_mesh):
+            if mesh is not None:
+                groups.append(mesh.get_group())
+        groups += [g for g in getattr(self, "_ep_groups", ()) if g is not None]
+        self.mesh = self.dp_cp_mesh = self._stage_mesh = None
+        self._ep_groups = (None, None)
+        seen = {dist.group.WORLD.group_name}
+        for group in groups:  # in the order they were made, the same on every rank
+            if group.group_name not in seen:
+                seen.add(group.group_name)
+                dist.destroy_process_group(group)
+        _forget_dtensor_meshes()
+
+    def __enter__(self) -> ParallelMesh:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def __repr__(self) -> str:
         d = self.dims
         ep = f", ep {self.ep_rank}/{d.ep}" if d.ep > 1 else ""
         return (f"ParallelMesh(rank {self.rank}/{d.world_size}: pp {self.pp_rank}/{d.pp}, dp {self.dp_rank}/{d.dp}, "
                 f"cp {self.cp_rank}/{d.cp}, tp {self.tp_rank}/{d.tp}{ep}, device {self.device})")
+
+
+def _forget_dtensor_meshes() -> None:
+    """Empty torch's DTensor caches that key on (and hold) device meshes: sharding propagation (the Python cache and
+    the C++ fast path), the redistribution plans and the mesh topologies. A new DeviceMesh equal to a closed one (the
+    same ranks, shape and names) would otherwise be answered with the closed one, whose groups are gone ("Could not
+    resolve the process group registered under the name ..."). Each is skipped where this torch has no such cache."""
+    from torch.distributed.tensor import DTensor
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    caches = [getattr(propagator, "propagate_op_sharding", None),
+              getattr(propagator, "_propagate_tensor_meta_cached", None)]
+    try:
+        from torch.distributed.tensor import _redistribute
+
+        caches.append(getattr(_redistribute, "_gen_transform_infos", None))
+        if hasattr(_redistribute, "clear_redistribute_planner_cache"):
+            _redistribute.clear_redistribute_planner_cache()
+    except ImportError:
+        pass
+    try:
+        from torch.distributed.tensor._collective_utils import MeshTopoInfo
+
+        caches.append(MeshTopoInfo.build_from_mesh)
+    except ImportError:
+        pass
+    for cache in caches:
+        if hasattr(cache, "cache_clear"):
+            cache.cache_clear()
+    if hasattr(torch._C, "_clear_DTensor_sharding_propagator_cache"):
+        torch._C._clear_DTensor_sharding_propagator_cache()

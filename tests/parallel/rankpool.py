@@ -4,11 +4,22 @@
 megakern.parallel.init_distributed) once; ``pool(n).run(fn, *args)`` runs the module-level function ``fn(*args)`` on
 every rank and returns the list of results by rank. Any error or a rank silent past the deadline fails the check
 with every rank's traceback and retires the pool (the next ``pool(n)`` spawns a fresh one), so a hang fails instead
-of blocking the suite. Workers use one thread each: 4 ranks share 2 cores.
+of blocking the suite. Workers use one thread each: 4 ranks share 2 cores. Ranks (and ``spawn``'s processes) fork
+from multiprocessing's forkserver, which has imported torch and megakern.parallel once: a rank starts in a fraction
+of a second instead of importing torch itself (seconds each, minutes on a loaded machine), and ranks started
+together come up together (a rendezvous with a short timeout does not wait on another rank's imports).
+
+After each check every rank releases what the check made: the ParallelMesh objects built in it
+(``ParallelMesh.close()``: their process groups and torch's DTensor caches that hold their meshes), then any other
+process group the check left (a pipeline's tied-embedding groups, a checkpoint's background group, groups a check
+made itself). Gloo runs threads for every group (its I/O loop and workers), so groups kept across hundreds of checks
+pile up hundreds of idle threads per rank that cost the machine system time; ``pool(n).run(threads)`` gives each
+rank's count.
 """
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import queue
 import socket
@@ -20,6 +31,13 @@ import torch.multiprocessing as mp
 PG_TIMEOUT_S = 45.0  # every collective in a worker; a mismatched collective raises after this
 RUN_TIMEOUT_S = 120.0  # a whole check, all ranks
 GRACE_S = 3.0  # after the first rank's error, how long to wait for the others' reports
+
+
+def _context():
+    """The forkserver context, torch and megakern.parallel preloaded (test_watchdog.py's forkserver is the same)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "megakern.parallel"])
+    return ctx
 
 
 def free_port() -> int:
@@ -43,6 +61,7 @@ def _worker(rank: int, world: int, port: int, tasks, results, pg_timeout: float)
     results.put((rank, "ready", None))
     import torch.distributed as dist
 
+    meshes = _track_meshes()
     parent = os.getppid()
     while True:
         try:
@@ -54,18 +73,63 @@ def _worker(rank: int, world: int, port: int, tasks, results, pg_timeout: float)
         if task is None:
             break
         fn, args, kwargs = task
+        groups = set(_live_groups())
         try:
-            results.put((rank, "ok", fn(*args, **kwargs)))
-        except BaseException:  # noqa: BLE001 - reported to the parent
+            out = fn(*args, **kwargs)
+            _release(meshes, groups)
+            results.put((rank, "ok", out))
+        except BaseException:  # noqa: BLE001 - reported to the parent (which retires the pool)
             results.put((rank, "error", traceback.format_exc()))
     dist.destroy_process_group()
 
 
+def _track_meshes() -> list:
+    """The list every ParallelMesh made in this process from now on is appended to (as its __init__ starts: a mesh
+    that fails half-way is released too)."""
+    from megakern.parallel import ParallelMesh
+
+    built, init = [], ParallelMesh.__init__
+
+    def tracked(self, *args, **kwargs):
+        built.append(self)
+        init(self, *args, **kwargs)
+
+    ParallelMesh.__init__ = tracked
+    return built
+
+
+def _live_groups() -> list:
+    """This rank's process groups other than the default one, oldest first."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _world
+
+    return [g for g in _world.pg_map if g is not dist.group.WORLD]
+
+
+def _release(meshes: list, before: set) -> None:
+    """After a check: once every rank is done (a barrier), close the meshes it built, then destroy the groups it made
+    outside them (those not in ``before``)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    while meshes:
+        meshes.pop(0).close()
+    for group in _live_groups():
+        if group not in before:
+            dist.destroy_process_group(group)
+    gc.collect()  # a group's threads end with its last reference, often held in a cycle of the check's objects
+
+
+def threads() -> int:
+    """This process's threads (the kernel's count: gloo's native threads too)."""
+    return len(os.listdir("/proc/self/task"))
+
+
 class RankPool:
-    """``world`` spawned ranks with a gloo process group, answering ``run`` calls."""
+    """``world`` ranks with a gloo process group, answering ``run`` calls."""
 
     def __init__(self, world: int, pg_timeout: float = PG_TIMEOUT_S):
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.world, self.broken = world, False
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world)]
@@ -122,7 +186,7 @@ _POOLS: dict[int, RankPool] = {}
 
 
 def pool(world: int) -> RankPool:
-    """The live pool of ``world`` ranks (spawned on first use, or again after a failure)."""
+    """The live pool of ``world`` ranks (started on first use, or again after a failure)."""
     current = _POOLS.get(world)
     if current is None or current.broken:
         _POOLS[world] = current = RankPool(world)
@@ -147,9 +211,9 @@ def _one_off(fn, rank, args, results) -> None:
 
 
 def spawn(fn, ranks, *args, timeout: float = RUN_TIMEOUT_S) -> dict:
-    """Run fn(rank, *args) in one fresh process per entry of ``ranks`` (no process group: fn makes its own);
+    """Run fn(rank, *args) in one new process per entry of ``ranks`` (no process group: fn makes its own);
     {rank: result}. A process silent past ``timeout`` is killed and fails the check."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     procs = [ctx.Process(target=_one_off, args=(fn, r, args, results), daemon=True) for r in ranks]
     for p in procs:
