@@ -1,5 +1,13 @@
 """Run under torchrun by test_train_sync.py: build the trainer from the overrides on the command line, run one
-warm-up step, then one step watched for host reads of device values; rank 0 prints them as one JSON line."""
+warm-up step, then one step watched for host reads of device values; rank 0 prints them as one JSON line.
+
+    parallel_sync_probe.py OVERRIDE... [--probe NAME OVERRIDE...]...
+
+Each ``--probe`` probes a trainer of the common overrides plus its own, one after the other in the same ranks (one
+launch for several layouts): rank 0 prints one JSON line per run, {"run": NAME, ...}. Between runs every rank releases
+the trainer's process groups (its mesh's and the rest) so that the next builds its own. A run that raises ends the
+probe (a non-zero exit), its name on stderr before the traceback. Without ``--probe``: one probe of the overrides.
+"""
 import json
 import os
 import sys
@@ -13,8 +21,12 @@ from megakern.config import load_config  # noqa: E402
 from megakern.train import Trainer  # noqa: E402
 
 
-def main() -> None:
-    config = load_config(None, sys.argv[1:])
+def probe(overrides: list[str]) -> dict:
+    """This rank's {device_skip, reads, figures, skipped, unchanged} of one trainer, whose groups are released after."""
+    import torch
+    import torch.distributed as dist
+
+    config = load_config(None, overrides)
     t = Trainer(config, stream=open(os.devnull, "w"))
     batches = t.batches(t.data.train, 0, t.draw)
     t.stepper.set_training(True)
@@ -24,9 +36,6 @@ def main() -> None:
     figures = t.train_step(batches).read()
     # a non-finite step: one rank's gradient overflows (a NaN in rank 0's shard of the first gradient); the norm,
     # reduced over every group, is NaN on all ranks, which all skip: no parameter may change anywhere
-    import torch
-    import torch.distributed as dist
-
     forward_backward = t.stepper.pmodel.forward_backward
 
     def overflowing(*args, **kwargs):
@@ -45,11 +54,56 @@ def main() -> None:
     before = [full(p).clone() for p in t.model.parameters()]
     skipped = t.train_step(batches).read()
     unchanged = all(torch.equal(a, full(b)) for a, b in zip(before, t.model.parameters()))
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(json.dumps({"device_skip": t.stepper.device_skip, "reads": reads, "figures": figures, "skipped": skipped,
-                          "unchanged": unchanged}))
+    out = {"device_skip": t.stepper.device_skip, "reads": reads, "figures": figures, "skipped": skipped,
+           "unchanged": unchanged}
+    t.close()
+    if dist.is_initialized():
+        dist.barrier()  # every rank done with the groups before any destroys them
+        _release(t)
+    return out
+
+
+def _release(t) -> None:
+    """The trainer's mesh closed (its groups and torch's DTensor caches of it) and every other group it made
+    destroyed; the default group stays for the next run."""
+    import gc
+
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _world
+
+    t.env.mesh.close()
+    for group in [g for g in _world.pg_map if g is not dist.group.WORLD]:
+        dist.destroy_process_group(group)
+    gc.collect()
+
+
+def parse(argv: list[str]) -> list[tuple[str | None, list[str]]]:
+    """[(run name, overrides)]: the common overrides, then each ``--probe NAME``'s own (one unnamed run without)."""
+    common, runs = [], []
+    args = iter(argv)
+    for arg in args:
+        if arg == "--probe":
+            runs.append((next(args), []))
+        elif runs:
+            runs[-1][1].append(arg)
+        else:
+            common.append(arg)
+    return [(name, common + own) for name, own in runs] or [(None, common)]
+
+
+def main() -> None:
     import torch.distributed as dist
 
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    for name, overrides in parse(sys.argv[1:]):
+        try:
+            out = probe(overrides)
+        except BaseException:
+            print(f"parallel_sync_probe: run {name} failed on rank {os.environ.get('RANK', '0')}:", file=sys.stderr,
+                  flush=True)
+            raise
+        if rank0:
+            print(json.dumps({"run": name, **out}), flush=True)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

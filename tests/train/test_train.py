@@ -12,6 +12,7 @@ import json
 import math
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -49,6 +50,22 @@ def data_cache(tmp_path_factory):
 def trainer(tmp_path, data_cache, *overrides, config_file=None, name="run", profile=False):
     config = load_config(config_file, [*overrides, f"log.run_dir={tmp_path / name}", f"data.cache_dir={data_cache}"])
     return Trainer(config, profile=profile, stream=open(tmp_path / f"{name}.console", "a"))
+
+
+def launch(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """``cmd`` (a torchrun) from the repository, one OMP thread a process, output captured. It runs in a session of
+    its own: past ``timeout`` the whole session is killed, its ranks too (subprocess.run's timeout kills torchrun
+    alone, and its ranks ran on as orphans), and the test fails with what it printed."""
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"still running after {timeout:g} s, killed with its ranks: {' '.join(cmd)}\n{out[-3000:]}"
+                    f"{err[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def golden_run(run_dir: Path, data_cache: Path) -> list[float]:
@@ -407,16 +424,38 @@ def test_graph_replay_wait_names_a_stalled_rank():
     wait_for_event(Soon(), 5.0, "step 1")
 
 
-def test_parallel_cuda_graph_on_cpu_ranks_is_refused(tmp_path, data_cache):
-    """tp2 over 2 gloo ranks with train.cuda_graph: the layout may be captured, the device may not."""
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory, data_cache) -> dict[str, str | None]:
+    """tests/train/parallel_refusal_probe.py on 2 gloo ranks (torchrun), one launch for every refusal of a run over
+    ranks: {case: the ConfigError's message, or None where the trainer started}."""
+    tmp = tmp_path_factory.mktemp("refusals")
+    cases = {"cuda-graph-on-cpu": ["parallel.tp=2", "train.cuda_graph=true"],
+             "bf16-fsdp-params-in-fp32": ["train.steps=1", "train.precision=fp32", "parallel.dp=2",
+                                          "parallel.fsdp_param_dtype=bfloat16"]}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-           "-m", "megakern.train", *TINY, "train.device=cpu", "parallel.tp=2", "train.cuda_graph=true",
-           f"data.cache_dir={data_cache}", f"log.run_dir={tmp_path / 'run'}"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode != 0
-    assert "train.cuda_graph needs a CUDA device (train.device is cpu)" in proc.stdout + proc.stderr, (
-        proc.stdout[-2000:] + proc.stderr[-2000:])
+           str(REPO / "tests" / "train" / "parallel_refusal_probe.py"), *TINY, "train.device=cpu",
+           f"data.cache_dir={data_cache}"]
+    for name, overrides in cases.items():
+        cmd += ["--case", name, *overrides, f"log.run_dir={tmp / name}"]
+    proc = launch(cmd, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = {r["case"]: r["refused"] for r in map(json.loads, (line for line in proc.stdout.splitlines()
+                                                                 if line.startswith("{")))}
+    assert sorted(out) == sorted(cases), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+def test_parallel_cuda_graph_on_cpu_ranks_is_refused(refusals):
+    """tp2 over 2 gloo ranks with train.cuda_graph: the layout may be captured, the device may not."""
+    refused = refusals["cuda-graph-on-cpu"]
+    assert refused is not None, "the trainer started"
+    assert "train.cuda_graph needs a CUDA device (train.device is cpu)" in refused, refused
+
+
+def test_ranks_refuse_bf16_fsdp_parameters_without_autocast(refusals):
+    refused = refusals["bf16-fsdp-params-in-fp32"]
+    assert refused is not None, "the trainer started"
+    assert "parallel.fsdp_param_dtype=bfloat16 computes the blocks in bf16" in refused, refused
 
 
 @pytest.mark.gpu
@@ -451,11 +490,10 @@ def test_two_ranks_match_one_process_and_resume_in_one(tmp_path, data_cache):
     common = [*TINY, "train.micro_batch_size=4", "train.global_batch_size=8", "eval.every=0",
               f"data.cache_dir={data_cache}"]
     single = trainer(tmp_path, data_cache, *common, "train.steps=5", name="single").run()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
            "-m", "megakern.train", *common, "train.steps=3", "parallel.dp=2", "parallel.dp_shard=fsdp",
            f"log.run_dir={tmp_path / 'ranks'}"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    proc = launch(cmd, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "2 ranks (tp 1, pp 1, cp 1, dp 2)" in proc.stdout
     ranks = _logged_losses(tmp_path / "ranks")
@@ -470,17 +508,6 @@ def test_two_ranks_match_one_process_and_resume_in_one(tmp_path, data_cache):
     assert sorted(resumed.losses) == [4, 5]
     for step in (4, 5):
         assert resumed.losses[step] == pytest.approx(single.losses[step], abs=1e-5)
-
-
-def test_ranks_refuse_bf16_fsdp_parameters_without_autocast(tmp_path, data_cache):
-    pytest.importorskip("megakern.parallel")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-           "-m", "megakern.train", *TINY, "train.steps=1", "train.precision=fp32", "parallel.dp=2",
-           "parallel.fsdp_param_dtype=bfloat16", f"data.cache_dir={data_cache}", f"log.run_dir={tmp_path / 'r'}"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode != 0
-    assert "parallel.fsdp_param_dtype=bfloat16 computes the blocks in bf16" in proc.stdout + proc.stderr
 
 
 def test_console_script_is_declared():

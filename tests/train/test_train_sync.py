@@ -156,32 +156,48 @@ LAYOUTS = {"dp2-fsdp": ["parallel.dp=2", "parallel.dp_shard=fsdp"],
            "tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"], "cp2": ["parallel.cp=2"]}
 
 
-def _probe(tmp_path, data_cache, *overrides) -> dict:  # noqa: F811
-    """tests/train/parallel_sync_probe.py on 2 gloo ranks: rank 0's {device_skip, reads, figures} of one step."""
+# every probe of the tests below, its own overrides: run one after the other in one launch of 2 ranks
+PROBES = {**{layout: ["optim.fused=fused", *overrides] for layout, overrides in LAYOUTS.items()},
+          "foreach-dp2-ddp": ["optim.fused=foreach", *LAYOUTS["dp2-ddp"]]}
+
+
+@pytest.fixture(scope="module")
+def probes(tmp_path_factory, data_cache):  # noqa: F811
+    """tests/train/parallel_sync_probe.py on 2 gloo ranks (torchrun), one launch for every probe of PROBES: rank 0's
+    {device_skip, reads, figures, skipped, unchanged} of one step by probe name, and the launch's output (a probe
+    that failed, and those after it, are absent: their tests fail with that output)."""
     import json
-    import os
-    import subprocess
     import sys
 
-    from test_train import REPO
+    from test_train import REPO, launch
 
+    tmp = tmp_path_factory.mktemp("sync-probes")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
            str(REPO / "tests" / "train" / "parallel_sync_probe.py"), *TINY, "train.micro_batch_size=2",
            "train.global_batch_size=8", "train.steps=5", "eval.every=0", "checkpoint.final=false",
-           f"data.cache_dir={data_cache}", f"log.run_dir={tmp_path / 'probe'}", *overrides]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+           f"data.cache_dir={data_cache}"]
+    for name, overrides in PROBES.items():
+        cmd += ["--probe", name, *overrides, f"log.run_dir={tmp / name}"]
+    proc = launch(cmd, timeout=900)
+    results = {r.pop("run"): r for r in map(json.loads, (line for line in proc.stdout.splitlines()
+                                                         if line.startswith("{")))}
+    return results, f"exit code {proc.returncode}\n{proc.stdout[-3000:]}{proc.stderr[-5000:]}"
+
+
+def _probe(probes, name: str) -> dict:
+    """One probe's result, or a failure with the launch's output."""
+    results, output = probes
+    assert name in results, f"probe {name} gave no result:\n{output}"
+    return results[name]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_parallel_fused_step_reads_no_device_value(tmp_path, data_cache, layout):  # noqa: F811
+def test_parallel_fused_step_reads_no_device_value(probes, layout):
     """Over 2 ranks (FSDP2, DDP, tp with sequence parallel, pipeline, context parallel) the step reads no device value
     with fused AdamW either: the model is told the data pipeline checked the ids, the position ids are the
     ParallelModel's own, and a non-finite step is skipped on the device. A NaN in one rank's gradient makes the
     reduced norm NaN on every rank, and no parameter changes anywhere."""
-    probe = _probe(tmp_path, data_cache, "optim.fused=fused", *LAYOUTS[layout])
+    probe = _probe(probes, layout)
     assert probe["device_skip"] is True
     assert probe["reads"] == [], probe["reads"]
     loss, norm, stepped = probe["figures"]
@@ -189,8 +205,8 @@ def test_parallel_fused_step_reads_no_device_value(tmp_path, data_cache, layout)
     assert math.isnan(probe["skipped"][1]) and probe["skipped"][2] is False and probe["unchanged"]
 
 
-def test_parallel_foreach_step_reads_its_figures_once(tmp_path, data_cache):  # noqa: F811
-    probe = _probe(tmp_path, data_cache, "optim.fused=foreach", *LAYOUTS["dp2-ddp"])
+def test_parallel_foreach_step_reads_its_figures_once(probes):
+    probe = _probe(probes, "foreach-dp2-ddp")
     assert probe["device_skip"] is False
     assert [what for what, where in probe["reads"] if where.split(":")[0] in TRAINER_FILES] == ["Tensor.tolist"]
     assert probe["skipped"][2] is False and probe["unchanged"]
