@@ -70,10 +70,11 @@ def shared_data(*needed: str) -> Path:
 def sm90_lowering(module: str, call: str):
     """The Python literal printed by ``module.call`` (a test module's compile-for-sm_90 function) run with real
     Triton kernels (TRITON_INTERPRET=0) in a subprocess, as this process may interpret them. Skips where this Triton
-    cannot compile for a target without a GPU."""
+    cannot compile for a target without a GPU.
+
+    The subprocess is started once (a ``_Lowering`` server) and answers every call of this test process in turn: it
+    imports torch, Triton and the test modules once instead of once a call (most of a call's time)."""
     import ast
-    import subprocess
-    import sys
 
     pytest.importorskip("triton")
     try:
@@ -81,12 +82,78 @@ def sm90_lowering(module: str, call: str):
         from triton.compiler import ASTSource  # noqa: F401
     except ImportError as exc:
         pytest.skip(f"this Triton has no ASTSource/GPUTarget: {exc}")
-    here = os.path.dirname(os.path.abspath(__file__))
-    script = f"import sys; sys.path.insert(0, {here!r}); import {module} as t; print(t.{call})"
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+    global _LOWERING
+    if _LOWERING is None or not _LOWERING.alive():
+        _LOWERING = _Lowering()
+    return ast.literal_eval(_LOWERING.ask(module, call, timeout=600))
+
+
+_LOWERING = None  # this process's _Lowering server, started on first use
+
+# The server: one request a line on stdin, (module, call) as JSON; one reply a line, {"out": print()'s text of
+# module.call} or {"error": the traceback}, on the file descriptor it was started with. Anything else printed
+# (Triton's warnings, a compiler's output) goes to stderr, a file.
+_SERVER = """
+import importlib, json, os, sys, traceback
+sys.path.insert(0, {here!r})
+replies = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+for line in sys.stdin:
+    module, call = json.loads(line)
+    try:
+        reply = {{"out": str(eval("t." + call, {{"t": importlib.import_module(module)}}))}}
+    except BaseException:
+        reply = {{"error": traceback.format_exc()}}
+    sys.stdout.flush()
+    replies.write(json.dumps(reply) + "\\n")
+    replies.flush()
+"""
+
+
+class _Lowering:
+    """A Python subprocess with TRITON_INTERPRET=0 that evaluates compile-for-sm_90 calls of the test modules."""
+
+    def __init__(self):
+        import atexit
+        import subprocess
+        import sys
+        import tempfile
+
+        here = os.path.dirname(os.path.abspath(__file__))
+        self.log = tempfile.TemporaryFile(mode="w+")  # its stderr: read back when it fails
+        self.proc = subprocess.Popen([sys.executable, "-c", _SERVER.format(here=here)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     env={**os.environ, "TRITON_INTERPRET": "0"})
+        atexit.register(self.close)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def ask(self, module: str, call: str, timeout: float) -> str:
+        """``module.call``'s printed result; AssertionError with the traceback (or the server's last words)."""
+        import json
+        import select
+
+        self.proc.stdin.write(json.dumps([module, call]) + "\n")
+        self.proc.stdin.flush()
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            self.close()
+            why = f"gave no answer within {timeout:g} s" if not ready else f"exited {self.proc.returncode}"
+            raise AssertionError(f"{module}.{call}: the sm_90 lowering process {why}:\n{self._stderr()}")
+        reply = json.loads(line)
+        assert "error" not in reply, f"{module}.{call}:\n{reply.get('error', '')[-3000:]}"
+        return reply["out"]
+
+    def _stderr(self) -> str:
+        self.log.seek(0)
+        return self.log.read()[-3000:]
+
+    def close(self) -> None:
+        if self.alive():
+            self.proc.kill()
+        self.proc.wait()
 
 
 def pytest_collection_modifyitems(config, items):
