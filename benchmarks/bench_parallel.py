@@ -240,8 +240,14 @@ def _figures(run_dir: Path, untimed: int, tokens: int, wall: float, accum: int) 
         raise RuntimeError(f"no timed steps in {run_dir / 'train.log'} (steps logged: {sorted(steps)})")
     last = steps[max(steps)]
     ms = statistics.median(timed)
-    return {"ms": ms, "tok/s": tokens / (ms / 1e3), "GiB": max(r.get("perf/memory_gib", 0.0) for r in steps.values()),
-            "loss": last["train/loss"], "wall": wall, "accum": accum}
+    out = {"ms": ms, "tok/s": tokens / (ms / 1e3), "GiB": max(r.get("perf/memory_gib", 0.0) for r in steps.values()),
+           "loss": last["train/loss"], "wall": wall, "accum": accum}
+    # an MoE model's routing over the timed steps: the worst layer's max / mean tokens per expert, the share dropped
+    for key, name in (("moe/imbalance", "moe imbalance"), ("moe/dropped", "moe dropped")):
+        values = [steps[s][key] for s in sorted(steps) if s > untimed and key in steps[s]]
+        if values:
+            out[name] = statistics.mean(values)
+    return out
 
 
 def _run_copies(layout: Layout, args, run_dir: Path, overrides: list[str]) -> tuple[dict, str]:
@@ -497,7 +503,7 @@ def _main(args) -> Results:
     results = Results(device)
     # the overrides (e.g. model.moe_capacity_factor=1.25) name the case: their rows are not the plain model's
     case = f"{args.model} T{args.seq} mb{args.micro_batch} {args.precision}" + (
-        f"[{','.join(args.override)}]" if args.override else "")
+        f"[{';'.join(args.override)}]" if args.override else "")
     print(f"{case}: {params / 1e6:.0f}M parameters, {flops_per_token / 1e9:.2f} GFLOP per token; peak "
           f"{'n/a (' + peak_note + ')' if peak is None else f'{peak / 1e12:.1f} TFLOP/s'}; {have} "
           f"{'GPUs' if device.type == 'cuda' else 'CPUs'}; {args.warmup} warm-up + {args.steps} timed steps per run")
@@ -524,14 +530,17 @@ def _main(args) -> Results:
             figures[layout.spec] = f
             base = figures.get(layout.base)
             f["scaling"] = f["tok/s/gpu"] / base["tok/s/gpu"] if base else None
-            for metric in ("ms", "tok/s", "tok/s/gpu", "MFU", "GiB", "scaling", "loss"):
-                if f[metric] is not None:
+            for metric in ("ms", "tok/s", "tok/s/gpu", "MFU", "GiB", "scaling", "loss", "moe imbalance",
+                           "moe dropped"):
+                if f.get(metric) is not None:
                     results.add(case, layout.spec, "megakern", metric, f[metric])
             mfu = "n/a" if f["MFU"] is None else f"{100 * f['MFU']:.1f}%"
             scaling = "" if f["scaling"] is None else f" scaling {f['scaling']:.2f}"
+            routing = (f", routing imbalance {f['moe imbalance']:.2f}, dropped {100 * f['moe dropped']:.1f}%"
+                       if "moe imbalance" in f and "moe dropped" in f else "")
             print(f"{layout.spec:<16} {layout.gpus} x {f['ms']:8.1f} ms {f['tok/s']:10.0f} tok/s "
                   f"{f['tok/s/gpu']:9.0f} tok/s/gpu MFU {mfu} {f['GiB']:.1f} GiB{scaling} (accum {f['accum']}, "
-                  f"loss {f['loss']:.3f}, run {f['wall']:.0f} s)", flush=True)
+                  f"loss {f['loss']:.3f}, run {f['wall']:.0f} s{routing})", flush=True)
             if args.overlap:
                 _communication(layout, args, device, f, figures, results, case, params, moe,
                                (n_layer, n_embd))
