@@ -39,9 +39,7 @@ from megakern._intmath import cdiv, next_power_of_2
 
 class Config(NamedTuple):
     """Launch parameters: tile (BLOCK_M rows, BLOCK_N columns, BLOCK_K reduction), GROUP_M row tiles per L2 group,
-    pipeline stages, warps, persistent (one program per SM) or one program per tile slot; ``flatten`` (Triton's loop
-    flattening of the persistent tile loop with its reduction loop: the next tile's loads issued while this one's
-    epilogue runs) and ``warp_specialize`` (Triton's producer / consumer warp groups) of the tile loop."""
+    pipeline stages, warps, persistent (one program per SM) or one program per tile slot."""
     block_m: int
     block_n: int
     block_k: int
@@ -49,8 +47,6 @@ class Config(NamedTuple):
     stages: int = 3
     warps: int = 8
     persistent: bool = True
-    flatten: bool = False
-    warp_specialize: bool = False
 
 
 INTERPRETER_CONFIG = Config(32, 32, 32, 2, 1, 4, True)
@@ -95,8 +91,7 @@ def _grouped_mm_kernel(A, B, C, OFFSETS, M, N, K, E,
                        NUM_PROGRAMS,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                        E_POW2: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr, TRANS_B: tl.constexpr,
-                       UPCAST: tl.constexpr, PRECISION: tl.constexpr, FLATTEN: tl.constexpr,
-                       WARP_SPECIALIZE: tl.constexpr):
+                       UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     pid = tl.program_id(0)
     # the schedule: row tiles per expert, their prefix sums, then the zero tail
     e = tl.arange(0, E_POW2)
@@ -121,7 +116,7 @@ def _grouped_mm_kernel(A, B, C, OFFSETS, M, N, K, E,
         c_desc = tl.make_tensor_descriptor(C, shape=[M, N], strides=[stride_cm, 1], block_shape=[BLOCK_M, BLOCK_N])
     else:
         c_desc = C
-    for tile in tl.range(pid, num_tiles, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
+    for tile in range(pid, num_tiles, NUM_PROGRAMS):
         # tile -> (row tile, column tile), GROUP_M row tiles at a time
         per_group = GROUP_M * tiles_n
         first_m = (tile // per_group) * GROUP_M
@@ -176,8 +171,7 @@ def _grouped_mm_dw_kernel(A, B, C, OFFSETS, M, K, N, E,
                           stride_am, stride_ak, stride_bm, stride_bn, stride_ce, stride_ck, stride_cn,
                           NUM_PROGRAMS,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                          STAGES: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                          FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+                          STAGES: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     # C[e] (K, N) = A[rows of e]^T (K, rows) @ B[rows of e] (rows, N); tiles of BLOCK_M over K, BLOCK_N over N, and
     # the expert's rows walked in BLOCK_K steps
     pid = tl.program_id(0)
@@ -190,7 +184,7 @@ def _grouped_mm_dw_kernel(A, B, C, OFFSETS, M, K, N, E,
         b_desc = tl.make_tensor_descriptor(B, shape=[M, N], strides=[stride_bm, 1], block_shape=[BLOCK_K, BLOCK_N])
         c_desc = tl.make_tensor_descriptor(C, shape=[E, K, N], strides=[stride_ce, stride_ck, 1],
                                            block_shape=[1, BLOCK_M, BLOCK_N])
-    for tile in tl.range(pid, num_tiles, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
+    for tile in range(pid, num_tiles, NUM_PROGRAMS):
         g = tile // per_expert
         t = tile % per_expert
         per_group = GROUP_M * tiles_n
@@ -357,8 +351,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, *, confi
         programs,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         E_POW2=max(2, next_power_of_2(experts)), STAGES=cfg.stages, TMA=use_tma, TRANS_B=trans_b and use_tma,
-        UPCAST=x.device.type != "cuda", PRECISION=_precision(x.dtype), FLATTEN=cfg.flatten,
-        WARP_SPECIALIZE=cfg.warp_specialize, num_warps=cfg.warps, num_stages=cfg.stages,
+        UPCAST=x.device.type != "cuda", PRECISION=_precision(x.dtype),
+        num_warps=cfg.warps, num_stages=cfg.stages,
     )
     return out
 
@@ -392,7 +386,7 @@ def grouped_mm_dw(x: torch.Tensor, dout: torch.Tensor, offsets: torch.Tensor, ex
         x.stride(0), x.stride(1), dout.stride(0), dout.stride(1), out.stride(0), out.stride(1), out.stride(2),
         programs,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.stages,
-        TMA=use_tma, UPCAST=x.device.type != "cuda", PRECISION=_precision(x.dtype), FLATTEN=cfg.flatten,
-        WARP_SPECIALIZE=cfg.warp_specialize, num_warps=cfg.warps, num_stages=cfg.stages,
+        TMA=use_tma, UPCAST=x.device.type != "cuda", PRECISION=_precision(x.dtype),
+        num_warps=cfg.warps, num_stages=cfg.stages,
     )
     return out

@@ -87,13 +87,6 @@ def _configs():
           C(128, 64, 64, 4, 4, 4, True), C(64, 64, 64, 8, 5, 4, True), C(256, 64, 64, 8, 4, 8, True),
           C(128, 64, 128, 8, 3, 4, True), C(128, 256, 64, 8, 4, 8, True), C(256, 128, 64, 8, 4, 8, True)]
     dw = [(c, True) for c in dw] + [(C(128, 128, 64, 8, 4, 8, True), False), (C(128, 256, 64, 8, 3, 8, True), False)]
-    # the persistent tile loop flattened with its reduction loop, or warp-specialized, at the leading tiles
-    lead = {"mn": [C(128, 256, 64, 8, 3, 8, True), C(128, 128, 64, 8, 4, 8, True), C(64, 128, 64, 8, 4, 4, True)],
-            "dw": [C(128, 256, 32, 8, 4, 8, True), C(128, 128, 64, 8, 4, 8, True), C(128, 256, 64, 8, 3, 8, True)]}
-    variants = {key: [(c._replace(flatten=True), True) for c in cs] + [(c._replace(warp_specialize=True), True)
-                                                                        for c in cs] for key, cs in lead.items()}
-    mn = mn[:3] + variants["mn"] + mn[3:]
-    dw = dw[:3] + variants["dw"] + dw[3:]
     return {"fwd": mn, "dx": mn, "dw": dw}
 
 
