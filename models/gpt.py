@@ -149,6 +149,10 @@ class GPTConfig:
     moe_capacity_factor: Optional[float] = None
     """None: dropless; else each expert keeps at most ceil(factor * tokens * k / E) assignments, those of the
     highest router scores (models/moe.py)."""
+    moe_force_balance: bool = False
+    """For throughput benchmarks only: each token's k experts are drawn at random (an even load in expectation, as a
+    trained router's) instead of the router's top-k; the weights are still the router's scores of those experts, so
+    it gets gradients. A model trained so learns no routing."""
     moe_aux_loss_coef: float = 0.01
     """Coefficient of the Switch/Mixtral load-balancing loss (0 disables it; it is still logged)."""
     moe_z_loss_coef: float = 0.0
@@ -289,6 +293,8 @@ class GPTConfig:
         need(self.moe_router in ("softmax", "sigmoid"),
              f"moe_router must be 'softmax' or 'sigmoid', got {self.moe_router!r}")
         need(isinstance(self.moe_renormalize, bool), f"moe_renormalize must be a bool, got {self.moe_renormalize!r}")
+        need(isinstance(self.moe_force_balance, bool),
+             f"moe_force_balance must be a bool, got {self.moe_force_balance!r}")
         if self.moe_capacity_factor is not None:
             number("moe_capacity_factor", lambda v: v > 0, "None (dropless) or a number > 0")
         number("moe_aux_loss_coef", lambda v: v >= 0, "a number >= 0")

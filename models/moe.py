@@ -226,7 +226,7 @@ class MoEMLP(nn.Module):
         self.swiglu = c.activation == "swiglu"
         self.router_kind, self.renormalize = c.moe_router, c.moe_renormalize
         self.n_groups, self.topk_groups = c.moe_n_groups, c.moe_topk_groups
-        self.capacity_factor = c.moe_capacity_factor
+        self.capacity_factor, self.force_balance = c.moe_capacity_factor, c.moe_force_balance
         self.aux_coef, self.z_coef = c.moe_aux_loss_coef, c.moe_z_loss_coef
         self.bias_rate = c.moe_bias_update_rate
         self.dropout, self.kernels = c.dropout, c.kernels  # kernels: ops "moe" and "grouped_mm" (megakern.moe)
@@ -267,10 +267,24 @@ class MoEMLP(nn.Module):
         """The router's decision for ``logits`` (N, E), the capacity applied."""
         r = route(logits, self.top_k, router=self.router_kind, bias=self.router.expert_bias,
                   renormalize=self.renormalize, n_groups=self.n_groups, topk_groups=self.topk_groups)
+        if self.force_balance:
+            r = self._random_choice(logits, r)
         cap = self.expert_capacity(logits.shape[0])  # of this part's N
         if cap is None:
             return r
         return r._replace(expert_idx=drop_over_capacity(r.expert_idx, r.score, self.n_experts, cap))
+
+    def _random_choice(self, logits: torch.Tensor, r: Routing) -> Routing:
+        """``moe_force_balance`` (benchmarks): k distinct experts per token drawn uniformly (the default generator),
+        weighted by the router's scores of them (renormalized if asked); the aux loss's probabilities stay the
+        router's."""
+        idx = torch.rand(logits.shape, device=logits.device).topk(self.top_k, dim=-1).indices
+        scores = torch.softmax(logits.float(), -1) if self.router_kind == "softmax" else torch.sigmoid(logits.float())
+        score = scores.gather(1, idx)
+        weights = score
+        if self.renormalize:
+            weights = score / score.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+        return Routing(idx, weights, score, r.probs, idx)
 
     def experts(self, x: torch.Tensor, expert_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """sum_j weights[t, j] expert_{idx[t, j]}(x_t) for x (N, C) (dropped choices skipped)."""

@@ -203,6 +203,32 @@ def test_capacity_in_the_layer_is_deterministic_and_bounded():
     torch.testing.assert_close(layer(x), layer(x), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+def test_forced_balance_draws_experts_evenly_weighted_by_the_router(router):
+    """moe_force_balance (benchmarks): whatever the router prefers (here one expert by far), the k distinct experts
+    are drawn evenly; the weights are the router's scores of them (renormalized), so the router gets gradients."""
+    torch.manual_seed(5)
+    layer = MoEMLP(_config(moe_force_balance=True, moe_router=router, moe_renormalize=True))
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    with torch.no_grad():
+        layer.router.weight[0] += 0.4  # with inputs around 2: expert 0's logit about 26 above the others
+    x = torch.randn(3000, 32) + 2.0
+    logits = layer.router.logits(x)
+    assert (route(logits, 2, router=router).expert_idx[:, 0] == 0).float().mean() > 0.95
+    r = layer.routing(logits)
+    counts = expert_counts(r.expert_idx, 6)
+    assert counts.sum() == 6000 and (counts - 1000).abs().max() < 150, counts  # 1000 each, +-4.5 sigma
+    assert (r.expert_idx[:, 0] != r.expert_idx[:, 1]).all()
+    scores = torch.softmax(logits, -1) if router == "softmax" else torch.sigmoid(logits)
+    picked = scores.gather(1, r.expert_idx)
+    torch.testing.assert_close(r.weights, picked / picked.sum(-1, keepdim=True))
+    layer(x[:64]).square().sum().backward()
+    assert layer.router.weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="moe_force_balance must be a bool, got 1"):
+        _config(moe_force_balance=1)
+
+
 # ---- losses, bias, statistics --------------------------------------------------------------------------------------
 def test_aux_and_z_loss_by_hand():
     probs = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.6, 0.3]])
