@@ -152,9 +152,11 @@ class ParallelModel:
             raise TypeError(f"parallelize: rng must be an RNGTracker, got {type(rng).__name__}")
         self.rng = rng
         self.dropout_region = "tensor_parallel" if sp else "replicated"
+        n_experts = getattr(cfg, "n_experts", 0) or 0
+        dense_mlps = not n_experts or len(cfg.moe_blocks) < cfg.n_layer  # MoE MLPs stay whole on each tp rank
         d.check_model(n_layer=cfg.n_layer, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, vocab=cfg.padded_vocab,
-                      ffn_hidden=cfg.ffn_hidden, stages_per_rank=spr, sequence_parallel=sp,
-                      n_experts=getattr(cfg, "n_experts", 0) or 0)
+                      ffn_hidden=cfg.ffn_hidden if dense_mlps else None, stages_per_rank=spr, sequence_parallel=sp,
+                      n_experts=n_experts)
         self.stages_per_rank = spr
         meta = any(p.is_meta for p in model.parameters())
 

@@ -145,6 +145,15 @@ def test_expert_data_mesh_needs_expert_parallelism():
         expert_data_mesh(_local_mesh())
 
 
+def test_tensor_parallel_checks_the_dense_mlp_width_only_where_there_is_one():
+    """MoE MLPs stay whole on each tp rank: an all-MoE model's (unused) dense ffn_hidden need not divide by tp; with
+    a dense block it must."""
+    messages = pool(2).run(bad_layout, dict(tp=2), dict(dp_shard="ddp"), dict(ffn_hidden=33, moe_first_dense=0))
+    assert messages == ["", ""], messages
+    messages = pool(2).run(bad_layout, dict(tp=2), dict(dp_shard="ddp"), dict(ffn_hidden=33, moe_first_dense=1))
+    assert "the MLP's 33 hidden units are not divisible by tp=2" in messages[0], messages
+
+
 def test_parallelize_refuses_what_ep_cannot_run():
     messages = pool(2).run(bad_layout, dict(dp=2, ep=2), dict(dp_shard="ddp", zero1=True), {})
     assert "ep=2 with zero1" in messages[0]
