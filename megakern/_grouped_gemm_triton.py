@@ -86,6 +86,16 @@ def _store_rows(C, c_desc, tile, row0, row_end, col0, N, stride_cm, stride_cn,
 
 
 @triton.jit
+def _swizzle(t, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    """Tile number t of a tiles_m x tiles_n grid -> (row tile, column tile), GROUP_M row tiles at a time: neighbouring
+    tiles share their column tile's operand in L2."""
+    per_group = GROUP_M * tiles_n
+    first_m = (t // per_group) * GROUP_M
+    group_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    return first_m + (t % per_group) % group_m, (t % per_group) // group_m
+
+
+@triton.jit
 def _grouped_mm_kernel(A, B, C, OFFSETS, M, N, K, E,
                        stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
                        NUM_PROGRAMS,
@@ -117,12 +127,7 @@ def _grouped_mm_kernel(A, B, C, OFFSETS, M, N, K, E,
     else:
         c_desc = C
     for tile in range(pid, num_tiles, NUM_PROGRAMS):
-        # tile -> (row tile, column tile), GROUP_M row tiles at a time
-        per_group = GROUP_M * tiles_n
-        first_m = (tile // per_group) * GROUP_M
-        group_m = tl.minimum(tiles_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % per_group) % group_m
-        pid_n = (tile % per_group) // group_m
+        pid_m, pid_n = _swizzle(tile, tiles_m, tiles_n, GROUP_M)
         col0 = pid_n * BLOCK_N
         if pid_m < group_tiles:
             # the expert whose row tiles hold pid_m, and the tile's first row within its rows
@@ -186,12 +191,7 @@ def _grouped_mm_dw_kernel(A, B, C, OFFSETS, M, K, N, E,
                                            block_shape=[1, BLOCK_M, BLOCK_N])
     for tile in range(pid, num_tiles, NUM_PROGRAMS):
         g = tile // per_expert
-        t = tile % per_expert
-        per_group = GROUP_M * tiles_n
-        first_m = (t // per_group) * GROUP_M
-        group_m = tl.minimum(tiles_k - first_m, GROUP_M)
-        pid_m = first_m + (t % per_group) % group_m
-        pid_n = (t % per_group) // group_m
+        pid_m, pid_n = _swizzle(tile % per_expert, tiles_k, tiles_n, GROUP_M)
         k0 = pid_m * BLOCK_M
         col0 = pid_n * BLOCK_N
         row_start = tl.load(OFFSETS + g).to(tl.int32)
