@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -52,20 +53,41 @@ def trainer(tmp_path, data_cache, *overrides, config_file=None, name="run", prof
     return Trainer(config, profile=profile, stream=open(tmp_path / f"{name}.console", "a"))
 
 
-def launch(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
-    """``cmd`` (a torchrun) from the repository, one OMP thread a process, output captured. It runs in a session of
-    its own: past ``timeout`` the whole session is killed, its ranks too (subprocess.run's timeout kills torchrun
-    alone, and its ranks ran on as orphans), and the test fails with what it printed."""
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+def start(cmd: list[str]) -> subprocess.Popen:
+    """``cmd`` (a torchrun) started from the repository in a session of its own, one OMP thread a process, its output
+    to temporary files (launches that run at once never block on a full pipe); ``finish`` waits for it."""
+    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=err, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    proc.files = (out, err)
+    return proc
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
+    """The exit code and output of ``proc`` (from ``start``). Past ``timeout`` the whole session is killed, its ranks
+    too (subprocess.run's timeout kills torchrun alone, and its ranks ran on as orphans), and the test fails with
+    what it printed."""
     try:
-        out, err = proc.communicate(timeout=timeout)
+        proc.wait(timeout=timeout)
+        timed_out = False
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"still running after {timeout:g} s, killed with its ranks: {' '.join(cmd)}\n{out[-3000:]}"
-                    f"{err[-3000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+        proc.wait()
+        timed_out = True
+    for f in proc.files:
+        f.seek(0)
+    out, err = (f.read() for f in proc.files)
+    for f in proc.files:
+        f.close()
+    if timed_out:
+        pytest.fail(f"still running after {timeout:g} s, killed with its ranks: {' '.join(proc.args)}\n"
+                    f"{out[-3000:]}{err[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def launch(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """``cmd`` (a torchrun) run as ``start`` and ``finish`` do."""
+    return finish(start(cmd), timeout)
 
 
 def golden_run(run_dir: Path, data_cache: Path) -> list[float]:

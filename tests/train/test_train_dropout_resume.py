@@ -5,6 +5,8 @@ the log says so in one line."""
 import hashlib
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +16,7 @@ import torch
 
 from megakern.checkpoint import CheckpointError, CheckpointManager
 from megakern.train import restore_dropout_rng
-from test_train import REPO, TINY, _logged_losses
+from test_train import TINY, _logged_losses, finish, start
 
 RESEEDED = "note: dropout RNG tracker re-seeded"
 
@@ -81,13 +83,22 @@ def test_rank_state_round_trip_and_older_files(tmp_path):
     assert manager.load(older, {"w": torch.zeros(3, 5)})["rank_state"] is None
 
 
-def _torchrun(run_dir, *overrides):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-           "-m", "megakern.train", *overrides, f"log.run_dir={run_dir}"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+def _start(run_dir, *overrides):
+    """megakern.train on 2 ranks (torchrun) into ``run_dir``, started; ``_finish`` waits for it."""
+    return run_dir, start([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                           "-m", "megakern.train", *overrides, f"log.run_dir={run_dir}"])
+
+
+def _finish(started, timeout: float = 600):
+    """The logged losses and train.log of a run from ``_start``, which must succeed."""
+    run_dir, proc = started
+    proc = finish(proc, timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return _logged_losses(run_dir), (run_dir / "train.log").read_text()
+
+
+def _torchrun(run_dir, *overrides):
+    return _finish(_start(run_dir, *overrides))
 
 
 def _drop_rank_states(ckpt) -> None:
@@ -123,16 +134,27 @@ def test_two_rank_tp_dropout_run_resumes_bit_for_bit(tmp_path):
         trackers.append(saved["tracker"]["states"]["tensor_parallel/0"])
     assert not torch.equal(*trackers)  # the sequence shards draw from the tp-offset streams
 
-    resumed, log = _torchrun(tmp_path / "resumed", *common, "train.steps=5", f"checkpoint.resume={ckpt}")
+    # the two resumes at once: from the checkpoint, and from a copy of it without tracker states (as older megakern
+    # wrote it)
+    older_ckpt = tmp_path / "older-checkpoints" / ckpt.name
+    shutil.copytree(ckpt, older_ckpt)
+    _drop_rank_states(older_ckpt)
+    resuming = _start(tmp_path / "resumed", *common, "train.steps=5", f"checkpoint.resume={ckpt}")
+    from_older = _start(tmp_path / "older", *common, "train.steps=4", f"checkpoint.resume={older_ckpt}",
+                        "schedule.on_resume=config")
+    try:
+        resumed, log = _finish(resuming)
+        older, older_log = _finish(from_older)
+    finally:  # (the other launch too, where one fails)
+        for _, proc in (resuming, from_older):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
     assert sorted(resumed) == [4, 5]
     assert [resumed[s] for s in (4, 5)] == [full[s] for s in (4, 5)]  # bit for bit
     assert RESEEDED not in log
 
-    _drop_rank_states(ckpt)
-    older, log = _torchrun(tmp_path / "older", *common, "train.steps=4", f"checkpoint.resume={ckpt}",
-                           "schedule.on_resume=config")
     assert sorted(older) == [4] and older[4] != full[4]  # fresh masks
-    lines = [line for line in log.splitlines() if RESEEDED in line]
+    lines = [line for line in older_log.splitlines() if RESEEDED in line]
     assert len(lines) == 1 and "no dropout RNG tracker states" in lines[0], lines
 
 
