@@ -10,28 +10,16 @@ import json
 import os
 import sys
 
+from probe_args import split_runs  # this script's folder
+
 from megakern.config import ConfigError, load_config
 from megakern.train import Trainer
-
-
-def parse(argv: list[str]) -> list[tuple[str, list[str]]]:
-    """[(case name, overrides)]: the common overrides, then each ``--case NAME``'s own."""
-    common, cases = [], []
-    args = iter(argv)
-    for arg in args:
-        if arg == "--case":
-            cases.append((next(args), []))
-        elif cases:
-            cases[-1][1].append(arg)
-        else:
-            common.append(arg)
-    return [(name, common + own) for name, own in cases]
 
 
 def main() -> None:
     import torch.distributed as dist
 
-    for name, overrides in parse(sys.argv[1:]):
+    for name, overrides in split_runs(sys.argv[1:], "--case"):
         try:
             Trainer(load_config(None, overrides), stream=open(os.devnull, "w")).close()
             refused = None

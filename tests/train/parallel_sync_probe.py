@@ -16,6 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: host_reads
 
 from host_reads import host_reads  # noqa: E402
+from probe_args import split_runs  # noqa: E402
 
 from megakern.config import load_config  # noqa: E402
 from megakern.train import Trainer  # noqa: E402
@@ -79,16 +80,7 @@ def _release(t) -> None:
 
 def parse(argv: list[str]) -> list[tuple[str | None, list[str]]]:
     """[(run name, overrides)]: the common overrides, then each ``--probe NAME``'s own (one unnamed run without)."""
-    common, runs = [], []
-    args = iter(argv)
-    for arg in args:
-        if arg == "--probe":
-            runs.append((next(args), []))
-        elif runs:
-            runs[-1][1].append(arg)
-        else:
-            common.append(arg)
-    return [(name, common + own) for name, own in runs] or [(None, common)]
+    return split_runs(argv, "--probe") or [(None, list(argv))]
 
 
 def main() -> None:
