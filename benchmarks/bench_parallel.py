@@ -23,11 +23,16 @@ the data-parallel step does not add to the one-GPU step. When the layouts includ
 
 For an expert-parallel layout ("dp2.ep2-ddp": ep carved out of the dp x cp ranks, no GPUs of its own): the expert
 dispatch's all-to-alls of one step (dispatch and combine of every MoE block, forward and backward: a rank's routed
-rows, micro-batch x T / cp x top-k rows of C, in equal splits over ep ranks) are timed alone, and hidden = 1 -
+rows, micro-batch x T / cp x top-k rows of C (with model.moe_capacity_factor the fixed slots, E x capacity rows), in
+equal splits over ep ranks) are timed alone, and hidden = 1 -
 (step(layout) - step(the same layout without ep)) / those all-to-alls (the one-GPU step when that layout was not
 measured), clipped to [0, 1]. The layout without ep holds every expert on every rank; with ep the expert
 gradients are reduced over the expert-data-parallel group only, so some of the difference is the smaller gradient
-reduction: "hidden" there counts that saving too.
+reduction: "hidden" there counts that saving too. An MoE run's line also gives its routing imbalance (the worst
+layer's max / mean tokens per expert) and dropped share over the timed steps: an untrained router may send every
+token of a layer to the same experts (imbalance E / top-k, its most: 4.00 for top-2 of 8), which with ep makes one rank
+compute for all; `--override model.moe_force_balance=true` draws the experts evenly (a trained router's load).
+``--override`` (repeatable) passes megakern-train overrides to every layout; they are named in the rows' case.
 
 For a tensor-parallel layout with "-ovl" measured after the same layout without it: the row-parallel layers'
 reduce-scatters (forward) and all-gathers (backward) of one step are timed alone, and
@@ -49,6 +54,8 @@ bandwidth, driver), the ceiling of any K-GPU layout on this machine.
     python -m benchmarks.bench_parallel --layouts 1,1x2,1x4,dp2-ddp               # the host's share of the scaling
     python -m benchmarks.bench_parallel --layouts 1-graph,tp2-graph,tp2-ovl-graph,dp2-ddp-graph --overlap
     python -m benchmarks.bench_parallel --model moe-mixtral --layouts 1,dp2-ddp,dp2.ep2-ddp,dp4.ep4-ddp --overlap
+    python -m benchmarks.bench_parallel --model moe-mixtral --override model.moe_force_balance=true \
+        --override model.moe_capacity_factor=1.25 --layouts 1-graph,dp2.ep2-ddp-graph --overlap   # fixed-size dispatch
 
 Environment of every run: NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1 (NVLink
 multicast stays off), OMP_NUM_THREADS=4 unless set.
