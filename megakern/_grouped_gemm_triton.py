@@ -18,8 +18,8 @@ Tile moves. On Hopper (sm_90+) tiles are loaded by TMA through tensor descriptor
 w as a 3-D (E, K, N) descriptor (so the K edge of one expert reads zeros, never the next expert's rows), and full
 output tiles stored through an (M, N) descriptor; a tile that ends inside its expert's rows is stored by a masked
 pointer store. Elsewhere, and for strides TMA cannot take, masked pointer loads. The dW kernel walks each expert's
-rows in BLOCK_K steps (TMA for whole steps, a masked step for the remainder) and stores each (BLOCK_M, BLOCK_N)
-tile of dw[e] through an (E, K, N) descriptor.
+rows in BLOCK_K steps (TMA for whole steps, a masked step for the remainder, whose loads may be issued first) and
+stores each (BLOCK_M, BLOCK_N) tile of dw[e] through an (E, K, N) descriptor.
 
 fp32 inputs multiply in IEEE fp32 (no TF32); under the interpreter 16-bit tiles are upcast before the product.
 Launchers take tensors and return tensors; no autograd.
@@ -39,7 +39,9 @@ from megakern._intmath import cdiv, next_power_of_2
 
 class Config(NamedTuple):
     """Launch parameters: tile (BLOCK_M rows, BLOCK_N columns, BLOCK_K reduction), GROUP_M row tiles per L2 group,
-    pipeline stages, warps, persistent (one program per SM) or one program per tile slot."""
+    pipeline stages, warps, persistent (``occupancy`` programs per SM) or one program per tile slot; ``prefetch_tail``
+    (dW): the masked loads of an expert's last rows (fewer than BLOCK_K) are issued before its whole steps and used
+    after them, so that their latency hides under the whole steps."""
     block_m: int
     block_n: int
     block_k: int
@@ -47,6 +49,8 @@ class Config(NamedTuple):
     stages: int = 3
     warps: int = 8
     persistent: bool = True
+    occupancy: int = 1
+    prefetch_tail: bool = False
 
 
 INTERPRETER_CONFIG = Config(32, 32, 32, 2, 1, 4, True)
@@ -176,7 +180,8 @@ def _grouped_mm_dw_kernel(A, B, C, OFFSETS, M, K, N, E,
                           stride_am, stride_ak, stride_bm, stride_bn, stride_ce, stride_ck, stride_cn,
                           NUM_PROGRAMS,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                          STAGES: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                          STAGES: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                          PREFETCH_TAIL: tl.constexpr):
     # C[e] (K, N) = A[rows of e]^T (K, rows) @ B[rows of e] (rows, N); tiles of BLOCK_M over K, BLOCK_N over N, and
     # the expert's rows walked in BLOCK_K steps
     pid = tl.program_id(0)
@@ -201,6 +206,15 @@ def _grouped_mm_dw_kernel(A, B, C, OFFSETS, M, K, N, E,
         cols = col0 + tl.arange(0, BLOCK_N)
         rs = tl.arange(0, BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        # the remaining rows past the whole steps, masked (all masked off when there are none)
+        r_tail = row_start + whole * BLOCK_K
+        t_rows = r_tail + rs
+        in_tail = t_rows < row_end
+        if PREFETCH_TAIL:
+            ta = tl.load(A + t_rows.to(tl.int64)[:, None] * stride_am + kcols[None, :] * stride_ak,
+                         mask=in_tail[:, None] & (kcols < K)[None, :], other=0.0)
+            tb = tl.load(B + t_rows.to(tl.int64)[:, None] * stride_bm + cols[None, :] * stride_bn,
+                         mask=in_tail[:, None] & (cols < N)[None, :], other=0.0)
         # whole steps of BLOCK_K rows
         if TMA:
             for i in tl.range(0, whole, num_stages=STAGES):
@@ -220,15 +234,16 @@ def _grouped_mm_dw_kernel(A, B, C, OFFSETS, M, K, N, E,
                 if UPCAST:
                     a, b = a.to(tl.float32), b.to(tl.float32)
                 acc = _mma(tl.trans(a), b, acc, PRECISION)
-        # the remaining rows, masked
-        r0 = row_start + whole * BLOCK_K
-        if r0 < row_end:
-            rows = r0 + rs
-            in_rows = rows < row_end
-            a = tl.load(A + rows.to(tl.int64)[:, None] * stride_am + kcols[None, :] * stride_ak,
-                        mask=in_rows[:, None] & (kcols < K)[None, :], other=0.0)
-            b = tl.load(B + rows.to(tl.int64)[:, None] * stride_bm + cols[None, :] * stride_bn,
-                        mask=in_rows[:, None] & (cols < N)[None, :], other=0.0)
+        if PREFETCH_TAIL:
+            if r_tail < row_end:
+                if UPCAST:
+                    ta, tb = ta.to(tl.float32), tb.to(tl.float32)
+                acc = _mma(tl.trans(ta), tb, acc, PRECISION)
+        elif r_tail < row_end:
+            a = tl.load(A + t_rows.to(tl.int64)[:, None] * stride_am + kcols[None, :] * stride_ak,
+                        mask=in_tail[:, None] & (kcols < K)[None, :], other=0.0)
+            b = tl.load(B + t_rows.to(tl.int64)[:, None] * stride_bm + cols[None, :] * stride_bn,
+                        mask=in_tail[:, None] & (cols < N)[None, :], other=0.0)
             if UPCAST:
                 a, b = a.to(tl.float32), b.to(tl.float32)
             acc = _mma(tl.trans(a), b, acc, PRECISION)
@@ -301,8 +316,10 @@ def default_config(m: int, n: int, k: int, experts: int, dtype: torch.dtype, dev
     if dtype == torch.float32:
         return Config(64, 64, 32, 8, 3, 4, False)
     # the best or within 2% of the best of profiles/tune_grouped_gemm.py's sweep at E = 8, 64 and 128
-    # (profiles/h100/tune_grouped_gemm.txt)
+    # (profiles/h100/tune_grouped_gemm.txt, profiles/h200/tune_grouped_gemm_dw.txt)
     if dw:
+        if m < 2048 * experts:  # short reductions: two programs per SM, the last step's loads issued first
+            return Config(128, 128, 32, 8, 4, 4, True, occupancy=2, prefetch_tail=True)
         return Config(128, 256, 32, 8, 4, 8, True)
     return Config(128, 256, 64, 8, 3, 8, True)
 
@@ -312,7 +329,7 @@ def _programs(tiles: int, cfg: Config, device: torch.device) -> int:
         return max(1, tiles)
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 4
-    return max(1, min(tiles, sms))
+    return max(1, min(tiles, sms * cfg.occupancy))
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -387,6 +404,7 @@ def grouped_mm_dw(x: torch.Tensor, dout: torch.Tensor, offsets: torch.Tensor, ex
         programs,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.stages,
         TMA=use_tma, UPCAST=x.device.type != "cuda", PRECISION=_precision(x.dtype),
+        PREFETCH_TAIL=cfg.prefetch_tail,
         num_warps=cfg.warps, num_stages=cfg.stages,
     )
     return out

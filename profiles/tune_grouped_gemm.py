@@ -46,6 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 PASSES = ("fwd", "dx", "dw")
 SMEM_BYTES = 232448  # Hopper's shared memory per block
+SMEM_PER_SM = 233472  # and per SM
 
 
 class Shape(NamedTuple):
@@ -87,6 +88,17 @@ def _configs():
           C(128, 64, 64, 4, 4, 4, True), C(64, 64, 64, 8, 5, 4, True), C(256, 64, 64, 8, 4, 8, True),
           C(128, 64, 128, 8, 3, 4, True), C(128, 256, 64, 8, 4, 8, True), C(256, 128, 64, 8, 4, 8, True)]
     dw = [(c, True) for c in dw] + [(C(128, 128, 64, 8, 4, 8, True), False), (C(128, 256, 64, 8, 3, 8, True), False)]
+    # two programs per SM (one's epilogue under the other's main loop), and dW's tail step prefetched
+    two = [C(128, 128, 64, 8, 2, 8, True, 2), C(128, 128, 32, 8, 4, 8, True, 2), C(128, 128, 32, 8, 4, 4, True, 2),
+           C(64, 128, 64, 8, 3, 4, True, 2)]
+    mn = [(c, True) for c in two[:2]] + mn + [(c, True) for c in two[2:]]
+    tails = [C(128, 128, 32, 8, 4, 8, True, 2, True), C(128, 256, 32, 8, 4, 8, True, 1, True),
+             C(128, 128, 32, 8, 3, 8, True, 2, True), C(128, 128, 32, 8, 4, 4, True, 2, True),
+             C(128, 128, 32, 4, 4, 8, True, 2, True), C(128, 128, 32, 16, 4, 8, True, 2, True),
+             C(128, 128, 64, 8, 2, 8, True, 2, True), C(256, 128, 32, 8, 4, 8, True, 1, True),
+             C(128, 256, 64, 8, 3, 8, True, 1, True), C(128, 128, 32, 8, 4, 8, True, 2),
+             C(64, 256, 32, 8, 3, 4, True, 2, True), C(128, 128, 64, 8, 4, 8, True, 1, True)]
+    dw = [(c, True) for c in tails] + dw
     return {"fwd": mn, "dx": mn, "dw": dw}
 
 
@@ -99,8 +111,12 @@ def _tiny_configs():
 
 
 def smem_ok(cfg) -> bool:
-    """The pipeline's buffers (stages x (A tile + B tile), 2 bytes an element) fit Hopper's shared memory."""
-    return cfg.stages * (cfg.block_m * cfg.block_k + cfg.block_k * cfg.block_n) * 2 <= SMEM_BYTES
+    """The pipeline's buffers (stages x (A tile + B tile), 2 bytes an element) fit Hopper's shared memory, and with
+    two or more programs per SM their buffers and output tiles fit the SM's together."""
+    pipeline = cfg.stages * (cfg.block_m * cfg.block_k + cfg.block_k * cfg.block_n) * 2
+    if cfg.occupancy <= 1:
+        return pipeline <= SMEM_BYTES
+    return cfg.occupancy * (pipeline + cfg.block_m * cfg.block_n * 2 + 1024) <= SMEM_PER_SM
 
 
 def candidates(shape: Shape, pass_: str, device: torch.device, tiny: bool) -> list[tuple]:

@@ -255,6 +255,27 @@ def test_grouped_gemm_launch_paths(tma, persistent, dtype):
     _check(["out", "grad x", "grad w"], [out, dx, dw], truths, lowps, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tma", [False, True])
+def test_grouped_gemm_dw_prefetched_tail(tma, dtype):
+    """dW with each expert's last (masked) step loaded before its whole steps, two programs per SM: experts without
+    rows, with fewer rows than a step and with a remainder, against the fp64 truth."""
+    require_triton()
+    _skip_interpreter_bf16(dtype)
+    from megakern import _grouped_gemm_triton as gg
+
+    if tma and HAS_CUDA and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA descriptors need sm_90+")
+    seed("dw tail", tma, dtype)
+    offsets, x, w = _grouped_mm_case("odd", dtype, "contiguous", "contiguous", features=48)
+    stages = 2 if x.is_cuda else 1
+    cfg = gg.Config(16, 32, 16, 2, stages, 4, True, occupancy=2, prefetch_tail=True)
+    g = _grad_out((x.shape[0], w.shape[2]), dtype).contiguous()
+    dw = gg.grouped_mm_dw(x.detach(), g, offsets, w.shape[0], config=cfg, tma=tma)
+    truths, lowps = _grouped_mm_truth(x, w, offsets, g, dtype)
+    _check(["grad w"], [dw], truths[2:], lowps[2:], dtype)
+
+
 def test_permute_rows():
     """x[index] with the gradient gathered by the inverse permutation: index_select's values and gradient, exactly."""
     seed("permute_rows")
