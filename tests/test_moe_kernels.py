@@ -377,10 +377,11 @@ def compile_for_sm90() -> list:
         kernels.append((name, gg._grouped_mm_kernel, cfg, dict(
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, E_POW2=e,
             STAGES=cfg.stages, TMA=True, TRANS_B=name.startswith("dX"), UPCAST=False, PRECISION="tf32")))
-    cfg = gg.default_config(65536, 14336, 4096, 8, torch.bfloat16, cuda, dw=True)
-    kernels.append(("dW E=8", gg._grouped_mm_dw_kernel, cfg, dict(
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.stages,
-        TMA=True, UPCAST=False, PRECISION="tf32")))
+    for name, (m, n, k, e) in {"dW E=8": (65536, 14336, 4096, 8), "dW E=64": (32768, 1408, 2048, 64)}.items():
+        cfg = gg.default_config(m, n, k, e, torch.bfloat16, cuda, dw=True)
+        kernels.append((name, gg._grouped_mm_dw_kernel, cfg, dict(
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.stages,
+            TMA=True, UPCAST=False, PRECISION="tf32", PREFETCH_TAIL=cfg.prefetch_tail)))
     block_r, block_c, warps = mt._gather_blocks(4096, cuda)
     kernels.append(("gather", mt._gather_kernel, gg.Config(0, 0, 0, 0, 1, warps), dict(
         TOP_K=2, HAS_W=True, HAS_DW=True, BLOCK_R=block_r, BLOCK_C=block_c)))
@@ -395,19 +396,24 @@ def compile_for_sm90() -> list:
                                   target=GPUTarget("cuda", 90, 64),
                                   options=dict(num_warps=cfg.warps, num_stages=cfg.stages))
         ptx = compiled.asm["ptx"]
-        results.append((name, compiled.metadata.shared, "wgmma" in ptx, "cp.async.bulk.tensor" in ptx))
+        results.append((name, compiled.metadata.shared, "wgmma" in ptx, "cp.async.bulk.tensor" in ptx,
+                        cfg.occupancy))
     return results
 
 
 def test_kernels_compile_for_sm90():
-    """The grouped GEMM lowers for Hopper onto wgmma with TMA tile moves, within shared memory; so do the gather and
-    combine kernels."""
+    """The grouped GEMM lowers for Hopper onto wgmma with TMA tile moves, within shared memory (two programs of the
+    dW tile for few rows an expert fit one SM); so do the gather and combine kernels."""
     from conftest import sm90_lowering
 
     results = sm90_lowering("test_moe_kernels", "compile_for_sm90()")
-    assert [name for name, *_ in results] == ["fwd E=8", "dX E=8", "fwd E=64", "dW E=8", "gather", "combine"]
-    for name, shared, wgmma, tma in results:
+    assert [name for name, *_ in results] == ["fwd E=8", "dX E=8", "fwd E=64", "dW E=8", "dW E=64", "gather",
+                                              "combine"]
+    assert [occupancy for *_, occupancy in results[3:5]] == [1, 2], "dW E=64's tile is the two-programs-an-SM one"
+    for name, shared, wgmma, tma, occupancy in results:
         assert shared <= 227 * 1024, f"{name}: {shared} bytes of shared memory"
+        # an SM has 228 KiB, of which each resident program reserves 1 KiB
+        assert occupancy * (shared + 1024) <= 228 * 1024, f"{name}: {occupancy} programs of {shared} bytes an SM"
         if name not in ("gather", "combine"):
             assert wgmma and tma, f"{name}: wgmma {wgmma}, TMA {tma} in the sm_90 PTX"
 
