@@ -288,8 +288,10 @@ class ParallelConfig:
     """With dp_shard='ddp': shard the optimizer state over the data-parallel ranks (ZeroRedundancyOptimizer); FSDP2
     already shards it."""
     tp_comm_overlap: bool = False
-    """With tp > 1: overlap the row-parallel layers' sequence-parallel reduce-scatter (and, backward, all-gather)
-    with their matmuls, as a ring of transfers each behind the next chunk's matmul (megakern.parallel.overlap)."""
+    """With tp > 1 and sequence parallelism: the row-parallel layers' GEMM + reduce-scatter and the column-parallel
+    layers' all-gather + GEMM fused, forward and backward (megakern.parallel.overlap): on CUDA ranks the data moves
+    peer to peer through symmetric memory under the GEMMs; on gloo ranks a ring of transfers behind chunked matmuls
+    and the unfused gather."""
     fsdp_param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """With dp_shard='fsdp': the dtype the blocks' parameters are all-gathered and computed in (their fp32 shards
     are what the optimizer updates; gradients are reduced in fp32); auto: bfloat16 under bf16-autocast, else

@@ -453,10 +453,12 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
 
     def forward(self, x: torch.Tensor, pos: Positions) -> torch.Tensor:
-        B, T, _ = x.shape
         nkv, hs = self.n_kv_head, self.head_dim
         g = self.n_head // nkv
         qkv = _project(self.qkv, x, self.kernels)
+        # the sequence's length from the projection: a sequence-parallel qkv that gathers its input itself takes x's
+        # shard and returns the whole sequence
+        B, T = qkv.shape[0], qkv.shape[1]
         # (B, T, nkv, g + 2, hs), or packed (B * T, ...) when documents are packed
         qkv = qkv.view(B * T, nkv, g + 2, hs) if pos.cu_seqlens is not None else qkv.view(B, T, nkv, g + 2, hs)
         rot, backend = None, None

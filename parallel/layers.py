@@ -65,6 +65,8 @@ class ColumnParallelLinear(nn.Module):
     ``sequence_parallel``: x is this rank's sequence shard (dim ``seq_dim``); it is all-gathered first.
     ``input_is_gathered``: x already entered the tensor-parallel region (the caller applied copy_to_tp /
     gather_from_sp itself, e.g. once for several layers reading the same input).
+    ``gather_gemm``: under sequence parallel, the all-gather + GEMM ``gather_gemm(x, weight, group, seq_dim)``
+    (e.g. overlap.all_gather_gemm) in place of gather_from_sp, then the matmul.
     """
 
     tp_shard_dims = {"weight": 0, "bias": 0}
@@ -72,11 +74,12 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True, group=None,
                  gather_output: bool = False, sequence_parallel: bool = False, seq_dim: int = 1,
-                 input_is_gathered: bool = False, device=None, dtype=None):
+                 input_is_gathered: bool = False, gather_gemm=None, device=None, dtype=None):
         super().__init__()
         self.in_features, self.out_features, self.group = in_features, out_features, group
         self.gather_output, self.sequence_parallel, self.seq_dim = gather_output, sequence_parallel, seq_dim
         self.input_is_gathered = input_is_gathered
+        self.gather_gemm = gather_gemm
         self.fp8_gemm = None
         local = _local(out_features, group, "ColumnParallelLinear out_features")
         self.weight = nn.Parameter(torch.empty(local, in_features, device=device, dtype=dtype))
@@ -95,6 +98,12 @@ class ColumnParallelLinear(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = (self.gather_gemm is not None and self.sequence_parallel and not self.input_is_gathered
+                 and self.fp8_gemm is None)
+        if fused:  # the all-gather under the GEMM
+            y = self.gather_gemm(x, self.weight, self.group, self.seq_dim)
+            y = y if self.bias is None else y + self.bias
+            return gather_from_tp(y, self.group, -1) if self.gather_output else y
         if not self.input_is_gathered:
             x = gather_from_sp(x, self.group, self.seq_dim) if self.sequence_parallel else copy_to_tp(x, self.group)
         if self.fp8_gemm is not None:

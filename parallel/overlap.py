@@ -1,38 +1,56 @@
-"""GEMM overlapped with the sequence-parallel reduce-scatter (and, backward, with the all-gather): a ring of
-point-to-point transfers, each hidden behind the next chunk's matmul.
+"""GEMM overlapped with the sequence-parallel collectives: GEMM + reduce-scatter (the row-parallel layer's output)
+and all-gather + GEMM (the column-parallel layer's input), forward and backward.
 
-Under sequence parallelism the row-parallel layer computes y = x W^T on this rank's feature shard of x (the whole
-sequence) and reduce-scatters y along the sequence: the partial products of every rank summed, rank r keeping
-chunk r. ``linear_reduce`` does the whole matmul, then one reduce-scatter, which nothing hides. Here the sequence is
-cut into one chunk per rank and the chunks' partial sums travel around the ring (as Megatron-LM's and Transformer
-Engine's tp-comm-overlap "ring exchange" do):
+Two implementations behind one signature each:
+
+**Symmetric memory (CUDA, NCCL groups of one host; ``workspace`` given).** Every rank maps its peers' buffers of a
+``symmetric.SymmetricWorkspace`` and moves data peer to peer over NVLink while its GEMMs run:
+
+- GEMM + reduce-scatter, y = x W^T summed over the ranks, rank r keeping sequence chunk r: the rank computes the
+  chunks in the order r+1, r+2, ..., r, each GEMM writing its output tiles straight into the buffer of the rank that
+  owns the chunk (slot r of rank c's buffer: cuBLAS's own stores cross NVLink, no copy after it); one barrier; then
+  each rank sums the n slots of its own buffer (fp32 accumulation). The transfer of chunk c runs inside chunk c's
+  GEMM, and the whole op costs the GEMM, a barrier and an n-way sum of one chunk.
+- all-gather + GEMM, y = gather(x) W^T: each rank copies its shard into its own buffer, one barrier, then a side
+  stream pulls the peers' shards (copy engines; peers in the order r-1, r-2, ...) while the GEMM of the shard at hand
+  runs: its own first, each next one as soon as its pull's event has fired.
+- The backwards are the same two ops transposed: the row layer's dX is all-gather(dY) + GEMM with its dW from the
+  gathered dY; the column layer's dX is GEMM + reduce-scatter, while its gathered input is pulled again for dW
+  (sequence parallel keeps only the shard between forward and backward).
+Buffers alternate between two per role, so one barrier per op suffices (symmetric.py); the side stream forks from
+and joins the current stream, so the ops can be captured in CUDA graphs.
+
+**Everywhere else (gloo ranks on CPU, or no workspace).** GEMM + reduce-scatter is a ring of ``batch_isend_irecv``
+transfers around chunked matmuls (Megatron-LM's ring exchange); all-gather + GEMM is the unfused
+``gather_from_sp`` + matmul. Both are tested against the unfused layers on gloo ranks.
+
+Ring details: the sequence is cut into one chunk per rank and the chunks' partial sums travel around the ring:
 
     step s = 0 .. n-1 on rank r: chunk c = (r - 1 - s) mod n
         acc = x_c W^T  (+ the accumulator received from rank r-1 for chunk c, when s > 0)
         send acc to rank r+1 (when s < n-1), and meanwhile compute step s+1's matmul
     after the last step acc is chunk r of the sum: this rank's output.
 
-Each transfer (torch.distributed.batch_isend_irecv: NCCL's own stream on GPUs, gloo on CPUs) runs while the next
-chunk's matmul does. The backward is the dual ring: the output gradient's chunks are all-gathered around the ring,
-each chunk's input-gradient rows computed while the next chunk travels; the weight gradient is one matmul over the
-gathered gradient at the end (summed in the GEMM's fp32 accumulator, as the unfused backward).
+Its backward is the dual ring (the output gradient's chunks all-gathered around the ring, each chunk's input-gradient
+rows computed while the next chunk travels; the weight gradient one matmul over the gathered gradient).
 
-The sums follow the ring's order instead of NCCL's: equal within rounding to ``linear_reduce`` (tested on gloo
-ranks against it, forward and every gradient). Partial sums travel in the output's dtype, as NCCL's reduce-scatter
-sums in it.
+Sums follow their own order (the slots' order, the ring's) instead of NCCL's: equal within rounding to the unfused
+``layers.linear_reduce``. The sequence dim must be divisible by the group size (checked, the numbers in the error).
 
-``gemm_reduce_scatter(x, weight, group, sequence_parallel, seq_dim)`` has the signature of
-``layers.linear_reduce``: pass it as RowParallelLinear's ``gemm_reduce`` (``parallel.tp_comm_overlap=true`` does so
-for every row-parallel layer of the GPT). Without sequence parallelism (an all-reduce, not a reduce-scatter) or on a
-group of one it is ``linear_reduce``.
+``gemm_reduce_scatter(x, weight, group, sequence_parallel, seq_dim, workspace=None)`` has the signature of
+``layers.linear_reduce`` (RowParallelLinear's ``gemm_reduce``); ``all_gather_gemm(x, weight, group, seq_dim,
+workspace=None)`` is ColumnParallelLinear's ``gather_gemm``. ``parallel.tp_comm_overlap=true`` puts both in every
+layer of the GPT (bind the workspace with functools.partial).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megakern.parallel.mappings import group_rank, group_size
+from megakern.parallel.mappings import gather_from_sp, group_rank, group_size
 
 
 def _peers(group) -> tuple[int, int, int, int]:
@@ -52,9 +70,9 @@ def _exchange(send: torch.Tensor | None, recv: torch.Tensor | None, nxt: int, pr
     return dist.batch_isend_irecv(ops) if ops else []
 
 
-def _chunks(t: torch.Tensor, n: int, dim: int) -> tuple[torch.Tensor, ...]:
+def _chunks(t: torch.Tensor, n: int, dim: int, what: str = "gemm_reduce_scatter") -> tuple[torch.Tensor, ...]:
     if t.shape[dim] % n:
-        raise ValueError(f"gemm_reduce_scatter: the sequence dim {dim} of a tensor of shape {tuple(t.shape)} is not "
+        raise ValueError(f"{what}: the sequence dim {dim} of a tensor of shape {tuple(t.shape)} is not "
                          f"divisible by the tensor-parallel size {n}")
     return t.chunk(n, dim)
 
@@ -67,7 +85,167 @@ def _chunk_linear(xc: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(xc, weight)
 
 
-class _GemmReduceScatter(torch.autograd.Function):
+def _mm_into(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    """out = a @ w^T in place: a (..., K), w (N, K) (any strides), out (..., N) (a view: its rows may be strided).
+    A strided 3-D chunk is one batched GEMM reading and writing in place."""
+    if (a.dim() == 2 or a.is_contiguous()) and (out.dim() == 2 or out.is_contiguous()):
+        torch.mm(a.reshape(-1, a.shape[-1]), w.t(), out=out.view(-1, out.shape[-1]))
+    elif a.dim() == 3 and a.stride(-1) == 1 and out.stride(-1) == 1:
+        torch.bmm(a, w.t().unsqueeze(0).expand(a.shape[0], -1, -1), out=out)
+    else:
+        out.copy_(F.linear(a, w))
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+
+
+# ---- symmetric memory ------------------------------------------------------------------------------------------
+def _rs_symm(x: torch.Tensor, w: torch.Tensor, ws, seq_dim: int) -> torch.Tensor:
+    """This rank's sequence chunk of sum over ranks (x @ w^T): each chunk's GEMM writes into its owner's buffer."""
+    n, r = ws.size, ws.rank
+    xs = _chunks(x, n, seq_dim)
+    shape = [*xs[0].shape[:-1], w.shape[0]]
+    numel = math.prod(shape)
+    handle = ws.buffer("rs", n * numel * x.element_size())
+    for step in range(1, n + 1):
+        c = (r + step) % n  # the own chunk last: the peers' chunks leave first
+        _mm_into(xs[c], w, handle.get_buffer(c, shape, x.dtype, r * numel))
+    ws.barrier(handle, "rs")
+    return handle.get_buffer(r, [n, *shape], x.dtype, 0).sum(0)
+
+
+class _Gather:
+    """All-gather of ``shard`` along ``seq_dim`` into this rank's symmetric buffer: the own shard copied in, one
+    barrier, then the peers' shards pulled on a side stream; ``chunk(c)`` makes the current stream wait for shard c
+    and returns it, ``full()`` the whole gathered tensor (a view of the buffer, valid until the role's buffer is
+    used again two ops later)."""
+
+    def __init__(self, shard: torch.Tensor, ws, seq_dim: int, stream):
+        n, r = ws.size, ws.rank
+        self.n, self.r, self.dim, self.shard, self.len = n, r, seq_dim, shard, shard.shape[seq_dim]
+        shape = list(shard.shape)
+        shape[seq_dim] *= n
+        handle = ws.buffer("ag", math.prod(shape) * shard.element_size())
+        self.full_view = handle.get_buffer(r, shape, shard.dtype, 0)
+        self.full_view.narrow(seq_dim, r * self.len, self.len).copy_(shard)
+        ws.barrier(handle, "ag")
+        current = torch.cuda.current_stream()
+        stream.wait_stream(current)
+        self.events, self.stream, self.current = {}, stream, current
+        with torch.cuda.stream(stream):
+            for step in range(1, n):
+                src = (r - step) % n
+                peer = handle.get_buffer(src, shape, shard.dtype, 0)
+                _copy_rows(self.full_view.narrow(seq_dim, src * self.len, self.len),
+                           peer.narrow(seq_dim, src * self.len, self.len))
+                event = torch.cuda.Event()
+                event.record(stream)
+                self.events[src] = event
+
+    def order(self) -> list[int]:
+        """The shards in the order they become available: this rank's, then r-1, r-2, ..."""
+        return [(self.r - step) % self.n for step in range(self.n)]
+
+    def chunk(self, c: int) -> torch.Tensor:
+        if c == self.r:
+            return self.shard
+        self.current.wait_event(self.events[c])
+        return self.full_view.narrow(self.dim, c * self.len, self.len)
+
+    def full(self) -> torch.Tensor:
+        self.current.wait_stream(self.stream)  # every pull done (and the side stream joined, for graph capture)
+        return self.full_view
+
+
+def _copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src) as copy-engine transfers: one when both are contiguous, else one per index of the leading dim
+    when that makes them contiguous (a sequence chunk of (B, T, C)), else an elementwise copy kernel."""
+    if dst.is_contiguous() and src.is_contiguous():
+        dst.copy_(src)
+    elif dst.dim() >= 2 and dst.shape[0] <= 64 and dst[0].is_contiguous() and src[0].is_contiguous():
+        for i in range(dst.shape[0]):
+            dst[i].copy_(src[i])
+    else:
+        dst.copy_(src)
+
+
+def _gathered_gemm(gather: _Gather, w: torch.Tensor, out: torch.Tensor) -> None:
+    """out (the whole sequence) = gather(x) @ w^T, each shard's rows as soon as the shard is here."""
+    for c in gather.order():
+        _mm_into(gather.chunk(c), w, out.narrow(gather.dim, c * gather.len, gather.len))
+
+
+def _out_like(x: torch.Tensor, seq_dim: int, n: int, cols: int, dtype) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[seq_dim] *= n
+    shape[-1] = cols
+    return torch.empty(shape, dtype=dtype, device=x.device)
+
+
+class _SymmGemmReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, ws, seq_dim):
+        dtype = _compute_dtype(x)
+        ctx.save_for_backward(x, weight)
+        ctx.ws, ctx.seq_dim, ctx.dtype = ws, seq_dim, dtype
+        with torch.autocast(x.device.type, enabled=False):
+            return _rs_symm(x.to(dtype), weight.to(dtype), ws, seq_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        ws, seq_dim, dtype = ctx.ws, ctx.seq_dim, ctx.dtype
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad = grad.to(dtype).contiguous()
+        w = weight.to(dtype)
+        gather = _Gather(grad, ws, seq_dim, ws.side_stream())
+        dx = None
+        if need_x:  # dX = gather(dY) @ W, a shard's rows as soon as it arrives
+            dx = _out_like(grad, seq_dim, ws.size, w.shape[1], dtype)
+            _gathered_gemm(gather, w.t(), dx)
+            dx = dx.to(x.dtype)
+        full = gather.full()
+        dw = None
+        if need_w:  # one GEMM over the gathered gradient, summed in its fp32 accumulator
+            dw = (full.reshape(-1, full.shape[-1]).t() @ x.to(dtype).reshape(-1, x.shape[-1])).to(weight.dtype)
+        return dx, dw, None, None
+
+
+class _SymmAllGatherGemm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, ws, seq_dim):
+        dtype = _compute_dtype(x)
+        ctx.save_for_backward(x, weight)
+        ctx.ws, ctx.seq_dim, ctx.dtype = ws, seq_dim, dtype
+        with torch.autocast(x.device.type, enabled=False):
+            xc, w = x.to(dtype).contiguous(), weight.to(dtype)
+            gather = _Gather(xc, ws, seq_dim, ws.side_stream())
+            out = _out_like(xc, seq_dim, ws.size, w.shape[0], dtype)
+            _gathered_gemm(gather, w, out)
+            gather.full()
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        ws, seq_dim, dtype = ctx.ws, ctx.seq_dim, ctx.dtype
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad = grad.to(dtype)
+        w = weight.to(dtype)
+        # the input gathered again for dW (pulled on the side stream under dX's GEMMs)
+        gather = _Gather(x.to(dtype).contiguous(), ws, seq_dim, ws.side_stream()) if need_w else None
+        dx = _rs_symm(grad, w.t(), ws, seq_dim).to(x.dtype) if need_x else None
+        dw = None
+        if need_w:
+            full = gather.full()
+            dw = (grad.reshape(-1, grad.shape[-1]).t() @ full.reshape(-1, full.shape[-1])).to(weight.dtype)
+        return dx, dw, None, None
+
+
+# ---- the ring (any backend) ------------------------------------------------------------------------------------
+class _RingGemmReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, group, seq_dim):
         n, r, nxt, prev = _peers(group)
@@ -119,18 +297,49 @@ class _GemmReduceScatter(torch.autograd.Function):
         return dx, dw, None, None
 
 
+def _check_operands(what: str, x: torch.Tensor, weight: torch.Tensor, seq_dim: int) -> int:
+    if x.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"{what}: x of shape {tuple(x.shape)} does not fit weight of shape {tuple(weight.shape)} "
+                         "(last dims differ)")
+    if x.dim() < 2 or (seq_dim % x.dim()) == x.dim() - 1:
+        raise ValueError(f"{what}: seq_dim {seq_dim} must name a dimension of x {tuple(x.shape)} other than the "
+                         "features (last)")
+    return seq_dim % x.dim()
+
+
+def _check_workspace(what: str, ws, group, x: torch.Tensor) -> None:
+    if ws.group is not group:
+        raise ValueError(f"{what}: the workspace belongs to another process group")
+    if x.device != ws.device:
+        raise ValueError(f"{what}: x is on {x.device}, the workspace on {ws.device}")
+
+
 def gemm_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group, sequence_parallel: bool,
-                        seq_dim: int) -> torch.Tensor:
-    """x @ weight^T reduce-scattered along ``seq_dim`` over ``group``, the transfers overlapped with the chunks'
-    matmuls (see the module doc); ``layers.linear_reduce`` where there is no reduce-scatter to hide."""
+                        seq_dim: int, workspace=None) -> torch.Tensor:
+    """x @ weight^T reduce-scattered along ``seq_dim`` over ``group``, the transfers overlapped with the matmuls
+    (see the module doc): through ``workspace`` (a symmetric.SymmetricWorkspace of ``group``) on CUDA, else the
+    ring; ``layers.linear_reduce`` where there is no reduce-scatter to hide."""
     from megakern.parallel.layers import linear_reduce
 
     if not sequence_parallel or group_size(group) == 1:
         return linear_reduce(x, weight, group, sequence_parallel, seq_dim)
-    if x.shape[-1] != weight.shape[-1]:
-        raise ValueError(f"gemm_reduce_scatter: x of shape {tuple(x.shape)} does not fit weight of shape "
-                         f"{tuple(weight.shape)} (last dims differ)")
-    if x.dim() < 2 or (seq_dim % x.dim()) == x.dim() - 1:
-        raise ValueError(f"gemm_reduce_scatter: seq_dim {seq_dim} must name a dimension of x {tuple(x.shape)} "
-                         "other than the features (last)")
-    return _GemmReduceScatter.apply(x, weight, group, seq_dim)
+    seq_dim = _check_operands("gemm_reduce_scatter", x, weight, seq_dim)
+    _chunks(x, group_size(group), seq_dim)
+    if workspace is not None and x.is_cuda:
+        _check_workspace("gemm_reduce_scatter", workspace, group, x)
+        return _SymmGemmReduceScatter.apply(x, weight, workspace, seq_dim)
+    return _RingGemmReduceScatter.apply(x, weight, group, seq_dim)
+
+
+def all_gather_gemm(x: torch.Tensor, weight: torch.Tensor, group, seq_dim: int, workspace=None) -> torch.Tensor:
+    """gather(x) @ weight^T: x is this rank's shard of the sequence (dim ``seq_dim``), the result covers the whole
+    sequence (this rank's columns of a column-parallel layer); the gradient of x is reduce-scattered back. Through
+    ``workspace`` on CUDA the shards travel under the GEMMs (see the module doc); else gather_from_sp, then the
+    matmul."""
+    if group_size(group) == 1:
+        return F.linear(x, weight)
+    seq_dim = _check_operands("all_gather_gemm", x, weight, seq_dim)
+    if workspace is not None and x.is_cuda:
+        _check_workspace("all_gather_gemm", workspace, group, x)
+        return _SymmAllGatherGemm.apply(x, weight, workspace, seq_dim)
+    return F.linear(gather_from_sp(x, group, seq_dim), weight)

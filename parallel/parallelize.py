@@ -54,7 +54,8 @@ from megakern.parallel.master import MasterWeights
 from megakern.parallel.pipeline import PipelineChunk, build_schedule, check_schedule, cut_stage, stage_layout
 from megakern.parallel.rng import RNGTracker
 from megakern.parallel.state_dict import as_global, checkpoint_mesh, group_hparams, init_optimizer_state
-from megakern.parallel.overlap import gemm_reduce_scatter
+from megakern.parallel.overlap import all_gather_gemm, gemm_reduce_scatter
+from megakern.parallel.symmetric import SymmetricWorkspace, symmetric_memory_usable
 from megakern.parallel.tensor_parallel import apply_tensor_parallel
 
 IGNORE_INDEX = -100
@@ -176,8 +177,18 @@ class ParallelModel:
         self.has_last = self.num_stages - 1 in self.stage_indices
 
         # 2. tensor (+ sequence) parallel, 3. context parallel
-        gemm_reduce = gemm_reduce_scatter if options.tp_comm_overlap else None
-        self.tp_info = [apply_tensor_parallel(g, pm.tp_group if d.tp > 1 else None, sp, gemm_reduce=gemm_reduce)
+        # tp_comm_overlap: the row layers' GEMM + reduce-scatter and the column layers' all-gather + GEMM fused
+        # (overlap.py), peer to peer through a symmetric-memory workspace where the tp group allows (NCCL ranks on
+        # CUDA); elsewhere (gloo) the ring and the unfused gather
+        self.tp_workspace = None
+        gemm_reduce = gather_gemm = None
+        if options.tp_comm_overlap and d.tp > 1:
+            if not symmetric_memory_usable(pm.tp_group, pm.device):
+                self.tp_workspace = SymmetricWorkspace(pm.tp_group, pm.device)
+            gemm_reduce = functools.partial(gemm_reduce_scatter, workspace=self.tp_workspace)
+            gather_gemm = functools.partial(all_gather_gemm, workspace=self.tp_workspace)
+        self.tp_info = [apply_tensor_parallel(g, pm.tp_group if d.tp > 1 else None, sp, gemm_reduce=gemm_reduce,
+                                              gather_gemm=gather_gemm)
                         for g in self.gpts]
         if d.cp > 1:
             for g in self.gpts:
@@ -462,6 +473,8 @@ class ParallelModel:
                 total += s.detach().float()
         if self.masters is not None:
             self.masters.end_step()
+        if self.tp_workspace is not None:
+            self.tp_workspace.end_step()
         self.finalize_grads()
         return self._reduce_loss(total, n_global)
 
@@ -482,6 +495,8 @@ class ParallelModel:
         else:
             total = sum(self._loss_sum(self.modules_chunks[0], x, t, p, k).float()
                         for x, t, p, k in zip(idx_l, tgt_l, pos, packed))
+        if self.tp_workspace is not None:
+            self.tp_workspace.end_step()
         return self._reduce_loss(total, n_global)
 
     def _prepare(self, idx, targets, cu_seqlens, max_seqlen, check_values: bool, microbatches: int | None = None):

@@ -57,10 +57,12 @@ def _to_autocast_dtype(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _enter_hook(group, sequence_parallel: bool):
+def _enter_hook(group, sequence_parallel: bool, fused: bool = False):
+    """``fused``: the block's column layer gathers its input itself (gather_gemm); only the autocast cast here."""
     def hook(module, args):
         x = _to_autocast_dtype(args[0])
-        x = gather_from_sp(x, group, 1) if sequence_parallel else copy_to_tp(x, group)
+        if not fused:
+            x = gather_from_sp(x, group, 1) if sequence_parallel else copy_to_tp(x, group)
         return (x, *args[1:])
 
     return hook
@@ -81,35 +83,40 @@ def _split_positions_hook(group):
     return hook
 
 
-def apply_tensor_parallel(gpt: nn.Module, group, sequence_parallel: bool, gemm_reduce=None) -> TPInfo:
+def apply_tensor_parallel(gpt: nn.Module, group, sequence_parallel: bool, gemm_reduce=None,
+                          gather_gemm=None) -> TPInfo:
     """Shard ``gpt`` (a GPT or a pipeline stage of one) over ``group`` in place; returns its TPInfo.
     ``gemm_reduce``: the row-parallel layers' GEMM + reduction (layers.linear_reduce when None; e.g.
-    overlap.gemm_reduce_scatter)."""
+    overlap.gemm_reduce_scatter). ``gather_gemm``: under sequence parallel, the column layers of attention and the
+    MLP (qkv, fc) take their input's sequence shard and gather it under their GEMM (e.g. overlap.all_gather_gemm;
+    the attention and MLP modules then receive the shard and read the whole sequence's shape off their projection)."""
     info = TPInfo()
     tp = group_size(group)
     if tp == 1:
         return info
+    fused = gather_gemm is not None and sequence_parallel
+    column = (dict(sequence_parallel=True, gather_gemm=gather_gemm) if fused else dict(input_is_gathered=True))
     for bname, block in gpt.blocks.items():
         attn, mlp = block.attn, block.mlp
         for name, n in (("n_head", attn.n_head), ("n_kv_head", attn.n_kv_head)):
             if n % tp:
                 raise ValueError(f"tensor parallel: block {bname} has {n} {name.replace('n_', '')}s, not divisible "
                                  f"by tp={tp}")
-        attn.qkv = ColumnParallelLinear.from_linear(attn.qkv, group, input_is_gathered=True)
+        attn.qkv = ColumnParallelLinear.from_linear(attn.qkv, group, **column)
         attn.proj = RowParallelLinear.from_linear(attn.proj, group, sequence_parallel=sequence_parallel,
                                                   gemm_reduce=gemm_reduce)
         attn.n_head, attn.n_kv_head = attn.n_head // tp, attn.n_kv_head // tp
-        attn.register_forward_pre_hook(_enter_hook(group, sequence_parallel))
+        attn.register_forward_pre_hook(_enter_hook(group, sequence_parallel, fused))
         layers = [("attn.qkv", attn.qkv), ("attn.proj", attn.proj)]
         if getattr(mlp, "is_moe", False):
             if sequence_parallel:
                 mlp.shard_tokens(functools.partial(all_reduce, group=group), tp)
                 info.sp_partial.update(f"blocks.{bname}.mlp.{p}" for p, _ in mlp.named_parameters())
         else:
-            mlp.fc = ColumnParallelLinear.from_linear(mlp.fc, group, input_is_gathered=True)
+            mlp.fc = ColumnParallelLinear.from_linear(mlp.fc, group, **column)
             mlp.proj = RowParallelLinear.from_linear(mlp.proj, group, sequence_parallel=sequence_parallel,
                                                      gemm_reduce=gemm_reduce)
-            mlp.register_forward_pre_hook(_enter_hook(group, sequence_parallel))
+            mlp.register_forward_pre_hook(_enter_hook(group, sequence_parallel, fused))
             layers += [("mlp.fc", mlp.fc), ("mlp.proj", mlp.proj)]
         for lname, layer in layers:
             for pname, dim in layer.tp_shard_dims.items():

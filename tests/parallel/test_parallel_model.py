@@ -20,7 +20,8 @@ def run(world, layout, options, **kw):
 @pytest.mark.parametrize("style,sp,overlap", [("llama", False, False), ("gpt", True, False), ("gpt", True, True),
                                              ("llama", True, True)])
 def test_tensor_parallel(style, sp, overlap):
-    """overlap: the row-parallel layers' reduce-scatter as parallel.overlap's ring behind the chunks' matmuls."""
+    """overlap: parallel.overlap in the layers (gloo: the row layers' ring behind the chunks' matmuls, the column
+    layers' unfused gather through their gather_gemm seam)."""
     run(2, dict(tp=2), dict(sequence_parallel=sp, tp_comm_overlap=overlap), style=style)
 
 

@@ -1,6 +1,7 @@
-"""parallel.overlap.gemm_reduce_scatter (the sequence-parallel GEMM + reduce-scatter as a ring of transfers hidden
-behind the chunks' matmuls) against layers.linear_reduce (the matmul, then NCCL's / gloo's reduce-scatter), on
-spawned gloo ranks: output and both gradients, fp64 and bf16 autocast, the sequence first or second, odd sizes."""
+"""parallel.overlap on spawned gloo ranks: gemm_reduce_scatter's ring (the sequence-parallel GEMM + reduce-scatter,
+transfers hidden behind the chunks' matmuls) against layers.linear_reduce (the matmul, then the reduce-scatter):
+output and both gradients, fp64 and bf16 autocast, the sequence first or second, odd sizes; all_gather_gemm's
+unfused path; bad input. The symmetric-memory path: test_overlap_gpu.py."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -98,3 +99,45 @@ def overlap_without_sequence_parallel() -> str:
 def test_overlap_needs_sequence_parallel():
     for message in pool(2).run(overlap_without_sequence_parallel):
         assert "tp_comm_overlap" in message and "sequence_parallel=True" in message, message
+
+
+def check_all_gather_gemm(n):
+    """The gloo path of all_gather_gemm: gather_from_sp then the matmul, its gradients reduce-scattered back (the
+    layer's unfused path); its operand checks."""
+    from megakern.parallel.mappings import gather_from_sp
+    from megakern.parallel.overlap import all_gather_gemm
+
+    g, r = dist.group.WORLD, dist.get_rank()
+    torch.manual_seed(7)
+    X = torch.randn(3, 5 * n, 6, dtype=torch.float64)  # the whole sequence, the same on every rank
+    torch.manual_seed(100 + r)
+    w0 = torch.randn(4, 6, dtype=torch.float64)  # this rank's output columns
+    dy = torch.randn(3, 5 * n, 4, dtype=torch.float64)
+    out = []
+    for fused in (True, False):
+        x = X[:, 5 * r:5 * (r + 1)].clone().requires_grad_()
+        w = w0.clone().requires_grad_()
+        y = all_gather_gemm(x, w, g, 1) if fused else torch.nn.functional.linear(gather_from_sp(x, g, 1), w)
+        y.backward(dy)
+        out.append((y.detach(), x.grad, w.grad))
+    for a, b in zip(*out):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out[0][0], X @ w0.t())  # the whole sequence, this rank's columns
+    with pytest.raises(ValueError, match="does not fit weight"):
+        all_gather_gemm(torch.randn(2, 3, 4), torch.randn(5, 3), g, 1)
+    with pytest.raises(ValueError, match="other than the features"):
+        all_gather_gemm(torch.randn(2, 3, 4), torch.randn(5, 4), g, 2)
+    return True
+
+
+def test_all_gather_gemm_gloo_path():
+    assert all(pool(2).run(check_all_gather_gemm, 2))
+
+
+def test_symmetric_workspace_refuses_gloo():
+    """The symmetric-memory workspace names why it cannot run: a CPU device, a one-rank group."""
+    from megakern.parallel.symmetric import SymmetricWorkspace, symmetric_memory_usable
+
+    assert "not cuda" in symmetric_memory_usable(None, torch.device("cpu"))
+    with pytest.raises(ValueError, match="symmetric memory cannot be used: the device is cpu"):
+        SymmetricWorkspace(None, torch.device("cpu"))

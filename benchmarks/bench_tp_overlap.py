@@ -1,0 +1,239 @@
+"""Sequence-parallel tensor-parallel GEMMs with their collectives, on tp ranks: all-gather + GEMM (a column-parallel
+layer's input) and GEMM + reduce-scatter (a row-parallel layer's output), fused and unfused.
+
+Shapes: M tokens (the whole sequence over the group) in (8192, 16384, 32768), K = N in (4096, 8192), tp in --tp
+(default: 2 and 4 up to the GPUs here); bf16 on CUDA (NCCL), fp32 on CPU (gloo; smoke runs only).
+    ag+gemm   x shard (M/tp, K) on each rank -> gather(x) (M, K) @ W_r^T, W_r (N/tp, K)      -> (M, N/tp)
+    gemm+rs   x (M, K/tp) @ W_r^T, W_r (N, K/tp), summed over the ranks, rank r keeping rows r  -> (M/tp, N)
+FLOPs per rank = 2 M K N / tp for either; TFLOP/s per GPU = FLOPs / median time (the slowest rank's), also as a
+fraction of the same-run bf16 matmul roofline.
+
+Providers:
+- gemm: the local GEMM alone, on data already in place (the floor the fused ops aim at);
+- unfused: NCCL's all-gather then the GEMM / the GEMM then NCCL's reduce-scatter (one stream, nothing hidden);
+- torch-symm: PyTorch's async tensor parallelism, torch.ops.symm_mem.fused_all_gather_matmul /
+  fused_matmul_reduce_scatter (symmetric memory, multicast off);
+- megakern: megakern.parallel.overlap.all_gather_gemm / gemm_reduce_scatter with a SymmetricWorkspace.
+Modes: fwd (the op), and fwd+bwd for unfused and megakern (the op and its gradients: dX by the transposed op, dW).
+Besides the times, each fused provider's share of the collective it hides, (unfused - fused) / (unfused - gemm),
+is printed and filed as metric "hidden" (mode fwd).
+
+Before timing, each provider's output is checked against the unfused one; a wrong provider is reported and skipped.
+Every rank runs the same fixed number of calls (the collectives must pair up; triton's do_bench picks repetitions
+per rank and would deadlock them): CUDA events around each call after a warm-up, the median / p20 / p80 of the
+slowest rank.
+
+    python -m benchmarks.bench_tp_overlap [--quick] [--tp 2,4] [--providers gemm,unfused,megakern]
+    python -m benchmarks.bench_tp_overlap --device cpu --tp 2        # smoke test (gloo ranks)
+"""
+
+import argparse
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+if __package__:
+    from .common import Results, check_outputs, file_rows, measure_matmul_tflops, parse_args, record, report_failure
+else:  # python benchmarks/bench_tp_overlap.py
+    from common import Results, check_outputs, file_rows, measure_matmul_tflops, parse_args, record, report_failure
+
+PROVIDERS = ("gemm", "unfused", "torch-symm", "megakern")
+OPS = ("ag+gemm", "gemm+rs")
+ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def shapes(device: torch.device, quick: bool) -> list[tuple[int, int, int]]:
+    """(M, K, N) cases."""
+    if device.type != "cuda":
+        return [(24, 16, 8)]
+    cases = [(m, k, k) for k in (4096, 8192) for m in (8192, 16384, 32768)]
+    return [cases[0], cases[2]] if quick else cases
+
+
+def _timed(fn, device, calls: int, warmup: int) -> dict[str, float]:
+    """{'median', 'p20', 'p80'} ms of ``calls`` calls after ``warmup``, the same count on every rank; the slowest
+    rank's figures."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(calls):
+        if device.type == "cuda":
+            dist.barrier()  # start together: a rank's wait for a late peer is not the op's time
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter_ns()
+            fn()
+            times.append((time.perf_counter_ns() - t0) / 1e6)
+    q = statistics.quantiles(times, n=10, method="inclusive")
+    figures = torch.tensor([q[4], q[1], q[7]], dtype=torch.float64, device=device)
+    dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+    return dict(zip(("median", "p20", "p80"), figures.tolist()))
+
+
+def _operands(op: str, m: int, k: int, n: int, tp: int, rank: int, device, dtype):
+    g = torch.Generator(device=device).manual_seed(1 + rank)
+    if op == "ag+gemm":
+        x = torch.randn(m // tp, k, device=device, generator=g).to(dtype)
+        w = (torch.randn(n // tp, k, device=device, generator=g) / k ** 0.5).to(dtype)
+    else:
+        x = torch.randn(m, k // tp, device=device, generator=g).to(dtype)
+        w = (torch.randn(n, k // tp, device=device, generator=g) / k ** 0.5).to(dtype)
+    return x, w
+
+
+def _provider(name: str, op: str, group, ws, tp: int):
+    """fn(x, w) -> the op's output, or None where the provider does not do this op here."""
+    import torch.nn.functional as F
+
+    from megakern.parallel.layers import linear_reduce
+    from megakern.parallel.mappings import gather_from_sp
+    from megakern.parallel.overlap import all_gather_gemm, gemm_reduce_scatter
+
+    if name == "gemm":
+        return lambda x, w: F.linear(x, w)
+    if name == "unfused":
+        if op == "ag+gemm":
+            return lambda x, w: F.linear(gather_from_sp(x, group, 0), w)
+        return lambda x, w: linear_reduce(x, w, group, True, 0)
+    if name == "megakern":
+        if op == "ag+gemm":
+            return lambda x, w: all_gather_gemm(x, w, group, 0, workspace=ws)
+        return lambda x, w: gemm_reduce_scatter(x, w, group, True, 0, workspace=ws)
+    if name == "torch-symm":
+        if ws is None:
+            return None
+        group_name = group.group_name
+        if op == "ag+gemm":
+            return lambda x, w: torch.ops.symm_mem.fused_all_gather_matmul(x, [w.t()], 0, group_name)[1][0]
+        return lambda x, w: torch.ops.symm_mem.fused_matmul_reduce_scatter(x, w.t(), "sum", 0, group_name)
+    raise ValueError(name)
+
+
+def _rank(rank: int, tp: int, port: int, args, queue) -> None:
+    os.environ.update({k: v for k, v in ENV.items() if k not in os.environ})
+    device = torch.device(f"cuda:{rank}") if args.device.type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=tp, device_id=device if device.type == "cuda" else None)
+    group = dist.group.WORLD
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    ws = None
+    if device.type == "cuda":
+        from megakern.parallel.symmetric import SymmetricWorkspace
+
+        ws = SymmetricWorkspace(group, device)
+        try:
+            from torch.distributed import _symmetric_memory as symm_mem
+
+            if hasattr(symm_mem, "enable_symm_mem_for_group"):
+                import warnings
+
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", FutureWarning)
+                    symm_mem.enable_symm_mem_for_group(group.group_name)
+        except ImportError:
+            pass
+    calls, warmup = (30, 8) if device.type == "cuda" else (5, 1)
+    figures = []  # (case, mode, provider, timing, tflops)
+    try:
+        for m, k, n in shapes(device, args.quick):
+            for op in OPS:
+                case = f"{op} M={m} K={k} N={n} tp={tp} {'bf16' if dtype == torch.bfloat16 else 'fp32'}"
+                x, w = _operands(op, m, k, n, tp, rank, device, dtype)
+                ref = _provider("unfused", op, group, ws, tp)(x, w)
+                flops = 2 * m * k * n / tp
+                for name in PROVIDERS:
+                    if args.providers and name not in args.providers:
+                        continue
+                    fn = _provider(name, op, group, ws, tp)
+                    if fn is None:
+                        continue
+                    try:
+                        if name != "gemm":
+                            check_outputs(("out",), (fn(x, w),), (ref,), 2e-2 if dtype == torch.bfloat16 else 1e-4,
+                                          1e-2)
+                        timing = _timed(lambda: fn(x, w), device, calls, warmup)
+                        figures.append((case, "fwd", name, timing, flops / (timing["median"] * 1e-3) / 1e12))
+                        if name in ("unfused", "megakern"):
+                            xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+                            dy = torch.randn_like(fn(xg, wg))
+
+                            def step():
+                                return torch.autograd.grad(fn(xg, wg), (xg, wg), dy)
+
+                            timing = _timed(step, device, calls, warmup)
+                            figures.append((case, "fwd+bwd", name, timing,
+                                            3 * flops / (timing["median"] * 1e-3) / 1e12))
+                    except Exception as e:  # every rank fails the same check, or the run is broken anyway
+                        if rank == 0:
+                            report_failure(name, case, e)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        roofline = measure_matmul_tflops(device) if rank == 0 and device.type == "cuda" else None
+        if rank == 0:
+            queue.put((figures, roofline))
+    finally:
+        dist.destroy_process_group()
+
+
+def hidden_shares(figures) -> dict[str, float]:
+    """{case: (unfused - megakern) / (unfused - gemm)} of the fwd medians, where all three ran."""
+    ms = {(case, name): timing["median"] for case, mode, name, timing, _ in figures if mode == "fwd"}
+    out = {}
+    for case in {c for c, _ in ms}:
+        if all((case, p) in ms for p in ("gemm", "unfused", "megakern")):
+            exposed = ms[case, "unfused"] - ms[case, "gemm"]
+            if exposed > 0:
+                out[case] = (ms[case, "unfused"] - ms[case, "megakern"]) / exposed
+    return out
+
+
+def main(argv: list[str] | None = None) -> Results:
+    extra = argparse.ArgumentParser(add_help=False)
+    extra.add_argument("--tp", type=lambda s: [int(c) for c in s.split(",") if c.strip()], default=None,
+                       help="tensor-parallel sizes (default: 2 and 4 up to the GPUs here; 2 on CPU)")
+    known, rest = extra.parse_known_args(argv)
+    args = parse_args(__doc__.splitlines()[0], rest)
+    if args.providers and (unknown := args.providers - set(PROVIDERS)):
+        raise SystemExit(f"unknown providers {sorted(unknown)}; choose from {sorted(PROVIDERS)}")
+    gpus = torch.cuda.device_count() if args.device.type == "cuda" else 0
+    sizes = known.tp or ([k for k in (2, 4) if k <= gpus] if gpus else [2])
+    if args.device.type == "cuda" and gpus < 2:
+        raise SystemExit(f"bench_tp_overlap needs at least 2 GPUs, this machine has {gpus}")
+    if gpus and (too_many := [k for k in sizes if k > gpus]):
+        raise SystemExit(f"--tp {too_many}: this machine has {gpus} GPUs")
+    results = Results(args.device)
+    ctx = mp.get_context("spawn")
+    for tp in sizes:
+        queue = ctx.Queue()
+        with socket.socket() as s:  # a free port for this run's rendezvous
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.start_processes(_rank, args=(tp, port, args, queue), nprocs=tp, join=True, start_method="spawn")
+        figures, roofline = queue.get()
+        if roofline is not None and "TFLOP/s" not in results.rooflines:
+            results.add_roofline("TFLOP/s", roofline)
+        for case, mode, name, timing, tflops in figures:
+            record(results, case, mode, name, timing, "TFLOP/s", tflops)
+        for case, share in sorted(hidden_shares(figures).items() if args.device.type == "cuda" else []):
+            results.add(case, "fwd", "megakern", "hidden", share)
+            print(f"{case:<44} megakern hides {share:6.1%} of the unfused collective")
+    file_rows(results, "tp_overlap", args.out, args.no_save)
+    print(results.markdown("TFLOP/s"))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Symmetric memory of a tensor-parallel group: buffers that every rank of the group maps and writes peer to peer
+(NVLink), for the fused GEMM + collective ops of ``overlap.py``.
+
+``SymmetricWorkspace(group, device)`` holds, per named role, two symmetric allocations used in turn (``buffer(role,
+nbytes)`` returns the next one's handle): an op that writes into its peers' buffers and ends with a barrier can
+then start the next op of the same role without a barrier first, because every peer has passed the previous op's
+barrier, after which it no longer reads the buffer in use two ops ago. ``end_step()`` keeps the turns alternating
+across the replays of a captured step. Buffers grow, collectively, when an op needs
+more bytes than they hold; every rank of the group calls the ops in the same order with the same shapes (sequence
+parallel requires it), so every rank grows at the same call. Growing needs the host (a rendezvous over the group's
+store): it is refused with a clear error inside a CUDA-graph capture (run one eager step first, as the trainer's
+warm-up steps do).
+
+Peer-to-peer only: NVLink multicast (NVLS) stays off (``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` is set here unless the
+environment says otherwise, before the first allocation), and the CUDA backend of torch's symmetric memory is
+selected (not NVSHMEM). Nothing here holds module-level state: a ParallelModel owns its workspace.
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from megakern.parallel.mappings import group_rank, group_size
+
+CHANNELS = {"rs": 0, "ag": 1}  # signal-pad channels: each role's barriers on its own
+
+
+def symmetric_memory_usable(group, device: torch.device) -> str:
+    """'' when the fused ops can run on ``group`` (NCCL ranks of one host, CUDA devices, torch with symmetric
+    memory); else why not, in a sentence."""
+    if device.type != "cuda":
+        return f"the device is {device.type}, not cuda"
+    if group is None or group_size(group) < 2:
+        return "the group has one rank"
+    backend = dist.get_backend(group)
+    if "nccl" not in str(backend).lower():
+        return f"the group's backend is {backend}, not nccl"
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401
+    except ImportError as exc:
+        return f"torch {torch.__version__} has no symmetric memory ({exc})"
+    return ""
+
+
+class SymmetricWorkspace:
+    """Double-buffered symmetric allocations of one process group (see the module doc)."""
+
+    def __init__(self, group, device: torch.device):
+        why = symmetric_memory_usable(group, device)
+        if why:
+            raise ValueError(f"SymmetricWorkspace: symmetric memory cannot be used: {why}")
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        self._symm = symm_mem
+        try:
+            symm_mem.set_backend("CUDA")
+        except Exception:  # an older torch without backends, or a backend chosen already by the application
+            pass
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.group, self.device = group, device
+        self.size, self.rank = group_size(group), group_rank(group)
+        hosts = [None] * self.size
+        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        if len(set(hosts)) > 1:
+            raise ValueError(f"SymmetricWorkspace: the group spans hosts {sorted(set(hosts))}; symmetric memory maps "
+                             "peers of one host (NVLink): tp_comm_overlap needs the tensor-parallel group on one host")
+        self._buffers: dict[str, list] = {}  # role -> [[tensor, handle], [tensor, handle]]
+        self._turn: dict[str, int] = {}
+        self._uses: dict[str, int] = {}  # ops of each role since end_step
+        self._stream = None
+        self.grown = 0  # allocations made (tests, logs)
+
+    def side_stream(self):
+        """The stream that pulls peers' shards while the current stream computes (one per workspace)."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
+        return self._stream
+
+    def buffer(self, role: str, nbytes: int):
+        """The handle of ``role``'s next buffer (alternating between two), at least ``nbytes`` long."""
+        if role not in CHANNELS:
+            raise ValueError(f"SymmetricWorkspace: unknown role {role!r} (known: {sorted(CHANNELS)})")
+        pair = self._buffers.setdefault(role, [[None, None], [None, None]])
+        turn = self._turn.get(role, 0)
+        self._turn[role] = 1 - turn
+        self._uses[role] = self._uses.get(role, 0) + 1
+        slot = pair[turn]
+        if slot[0] is None or slot[0].numel() < nbytes:
+            if torch.cuda.is_current_stream_capturing():
+                have = 0 if slot[0] is None else slot[0].numel()
+                raise RuntimeError(f"SymmetricWorkspace: the {role!r} buffer must grow from {have} to {nbytes} bytes "
+                                   "inside a CUDA-graph capture, which cannot rendezvous; run the step once eagerly "
+                                   "before capturing it")
+            size = max(nbytes, 2 * (0 if slot[0] is None else slot[0].numel()))
+            if slot[0] is not None:  # work queued on this device may still read the old buffer
+                torch.cuda.synchronize(self.device)
+            slot[1] = None
+            slot[0] = self._symm.empty(size, dtype=torch.uint8, device=self.device)
+            slot[1] = self._symm.rendezvous(slot[0], self.group)
+            self.grown += 1
+        return slot[1]
+
+    def barrier(self, handle, role: str) -> None:
+        """Every rank of the group reaches this point of its current stream (the role's channel)."""
+        handle.barrier(channel=CHANNELS[role])
+
+    def end_step(self) -> None:
+        """Ends a training (or evaluation) step: a role used an odd number of times since the last call takes one more
+        turn, a barrier alone. A step captured in a CUDA graph and replayed then still alternates the two buffers
+        across replays (its last op and the next replay's first never share one)."""
+        for role, uses in sorted(self._uses.items()):
+            if uses % 2:
+                self.barrier(self.buffer(role, 1), role)
+        self._uses.clear()
+
+    def close(self) -> None:
+        """Drops the buffers (collective in effect: every rank should close together)."""
+        self._buffers.clear()
