@@ -9,7 +9,8 @@ FLOPs per rank = 2 M K N / tp for either; TFLOP/s per GPU = FLOPs / median time 
 fraction of the same-run bf16 matmul roofline.
 
 Providers:
-- gemm: the local GEMM alone, on data already in place (the floor the fused ops aim at);
+- gemm: the local GEMM alone, on data already in place (for ag+gemm: over M gathered rows): the floor the fused
+  ops aim at;
 - unfused: NCCL's all-gather then the GEMM / the GEMM then NCCL's reduce-scatter (one stream, nothing hidden);
 - torch-symm: PyTorch's async tensor parallelism, torch.ops.symm_mem.fused_all_gather_matmul /
   fused_matmul_reduce_scatter (symmetric memory, multicast off);
@@ -160,6 +161,9 @@ def _rank(rank: int, tp: int, port: int, args, queue) -> None:
                     fn = _provider(name, op, group, ws, tp)
                     if fn is None:
                         continue
+                    if name == "gemm" and op == "ag+gemm":  # the GEMM over the gathered rows, already in place
+                        x_full = x.repeat(tp, 1)
+                        fn = (lambda f, xf: lambda x_, w_: f(xf, w_))(fn, x_full)
                     try:
                         if name != "gemm":
                             check_outputs(("out",), (fn(x, w),), (ref,), 2e-2 if dtype == torch.bfloat16 else 1e-4,

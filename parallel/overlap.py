@@ -4,21 +4,22 @@ and all-gather + GEMM (the column-parallel layer's input), forward and backward.
 Two implementations behind one signature each:
 
 **Symmetric memory (CUDA, NCCL groups of one host; ``workspace`` given).** Every rank maps its peers' buffers of a
-``symmetric.SymmetricWorkspace`` and moves data peer to peer over NVLink while its GEMMs run:
+``symmetric.SymmetricWorkspace``; data moves peer to peer over NVLink by copy engines, each peer on its own stream,
+while the GEMMs run on the SMs, and ranks tell each other that data is in place by signals (no barrier per op):
 
 - GEMM + reduce-scatter, y = x W^T summed over the ranks, rank r keeping sequence chunk r: the rank computes the
-  chunks in the order r+1, r+2, ..., r, each GEMM writing its output tiles straight into the buffer of the rank that
-  owns the chunk (slot r of rank c's buffer: cuBLAS's own stores cross NVLink, no copy after it); one barrier; then
-  each rank sums the n slots of its own buffer (fp32 accumulation). The transfer of chunk c runs inside chunk c's
-  GEMM, and the whole op costs the GEMM, a barrier and an n-way sum of one chunk.
-- all-gather + GEMM, y = gather(x) W^T: each rank copies its shard into its own buffer, one barrier, then a side
-  stream pulls the peers' shards (copy engines; peers in the order r-1, r-2, ...) while the GEMM of the shard at hand
-  runs: its own first, each next one as soon as its pull's event has fired.
-- The backwards are the same two ops transposed: the row layer's dX is all-gather(dY) + GEMM with its dW from the
-  gathered dY; the column layer's dX is GEMM + reduce-scatter, while its gathered input is pulled again for dW
+  chunks in the order r+1, r+2, ..., r into its own buffer, signalling each chunk's owner after its GEMM; the owner
+  pulls it while the next chunk's GEMM runs; after the own chunk (last) each rank sums its n partial sums (fp32
+  accumulation). Only the last pulled chunk and the sum stay exposed.
+- all-gather + GEMM, y = gather(x) W^T: each rank copies its shard into its own buffer and signals its peers, which
+  pull it, all peers at once, while the GEMM of the shard at hand runs: the own shard first, each next one as soon as
+  its pull has landed.
+- The backwards are the same two ops transposed: the row layer's dX is all-gather(dY) + GEMM, its dW one GEMM over
+  the gathered dY; the column layer's dX is GEMM + reduce-scatter, while its input is gathered again for dW
   (sequence parallel keeps only the shard between forward and backward).
-Buffers alternate between two per role, so one barrier per op suffices (symmetric.py); the side stream forks from
-and joins the current stream, so the ops can be captured in CUDA graphs.
+Buffers alternate between two per role, and a rank starts an op only after every peer's signal of the op before it:
+so no rank writes a buffer a peer still reads (symmetric.py). The peers' streams fork from and join the current
+stream, so the ops can be captured in CUDA graphs.
 
 **Everywhere else (gloo ranks on CPU, or no workspace).** GEMM + reduce-scatter is a ring of ``batch_isend_irecv``
 transfers around chunked matmuls (Megatron-LM's ring exchange); all-gather + GEMM is the unfused
@@ -103,26 +104,33 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 # ---- symmetric memory ------------------------------------------------------------------------------------------
 def _rs_symm(x: torch.Tensor, w: torch.Tensor, ws, seq_dim: int) -> torch.Tensor:
-    """This rank's sequence chunk of sum over ranks (x @ w^T): each chunk's GEMM writes into its owner's buffer."""
+    """This rank's sequence chunk of sum over ranks (x @ w^T): each peer's chunk computed into this rank's buffer and
+    signalled, the peer pulling it while the next chunk's GEMM runs; the own chunk last, then the n-way sum."""
     n, r = ws.size, ws.rank
     xs = _chunks(x, n, seq_dim)
     shape = [*xs[0].shape[:-1], w.shape[0]]
     numel = math.prod(shape)
     handle = ws.buffer("rs", n * numel * x.element_size())
-    for step in range(1, n + 1):
-        c = (r + step) % n  # the own chunk last: the peers' chunks leave first
-        _mm_into(xs[c], w, handle.get_buffer(c, shape, x.dtype, r * numel))
-    ws.barrier(handle, "rs")
-    return handle.get_buffer(r, [n, *shape], x.dtype, 0).sum(0)
+    parts = torch.empty([n, *shape], dtype=x.dtype, device=x.device)  # slot s: rank s's partial sum of chunk r
+    # peer r - s computes chunk r at its step s: pull in that order, each as soon as the peer signals it
+    events = ws.pull(handle, "rs", [(r - step) % n for step in range(1, n)],
+                     lambda p: parts[p].copy_(handle.get_buffer(p, shape, x.dtype, r * numel)), signal_first=False)
+    for step in range(1, n):
+        c = (r + step) % n
+        _mm_into(xs[c], w, handle.get_buffer(r, shape, x.dtype, c * numel))
+        ws.signal(handle, "rs", c)
+    _mm_into(xs[r], w, parts[r])
+    ws.join(events)
+    return parts.sum(0)
 
 
 class _Gather:
-    """All-gather of ``shard`` along ``seq_dim`` into this rank's symmetric buffer: the own shard copied in, one
-    barrier, then the peers' shards pulled on a side stream; ``chunk(c)`` makes the current stream wait for shard c
-    and returns it, ``full()`` the whole gathered tensor (a view of the buffer, valid until the role's buffer is
-    used again two ops later)."""
+    """All-gather of ``shard`` along ``seq_dim`` into this rank's symmetric buffer: the own shard copied in, then
+    each peer's shard pulled on that peer's stream once the peer signals it in place (copy engines, all peers at
+    once); ``chunk(c)`` makes the current stream wait for shard c and returns it, ``full()`` the whole gathered
+    tensor (a view of the buffer, valid until the role's buffer is used again two ops later)."""
 
-    def __init__(self, shard: torch.Tensor, ws, seq_dim: int, stream):
+    def __init__(self, shard: torch.Tensor, ws, seq_dim: int):
         n, r = ws.size, ws.rank
         self.n, self.r, self.dim, self.shard, self.len = n, r, seq_dim, shard, shard.shape[seq_dim]
         shape = list(shard.shape)
@@ -130,32 +138,27 @@ class _Gather:
         handle = ws.buffer("ag", math.prod(shape) * shard.element_size())
         self.full_view = handle.get_buffer(r, shape, shard.dtype, 0)
         self.full_view.narrow(seq_dim, r * self.len, self.len).copy_(shard)
-        ws.barrier(handle, "ag")
-        current = torch.cuda.current_stream()
-        stream.wait_stream(current)
-        self.events, self.stream, self.current = {}, stream, current
-        with torch.cuda.stream(stream):
-            for step in range(1, n):
-                src = (r - step) % n
-                peer = handle.get_buffer(src, shape, shard.dtype, 0)
-                _copy_rows(self.full_view.narrow(seq_dim, src * self.len, self.len),
-                           peer.narrow(seq_dim, src * self.len, self.len))
-                event = torch.cuda.Event()
-                event.record(stream)
-                self.events[src] = event
+        L = self.len
+
+        def copy(p):
+            peer = handle.get_buffer(p, shape, shard.dtype, 0)
+            _copy_rows(self.full_view.narrow(seq_dim, p * L, L), peer.narrow(seq_dim, p * L, L))
+
+        self.events = ws.pull(handle, "ag", [(r - step) % n for step in range(1, n)], copy, signal_first=True)
+        self.ws = ws
 
     def order(self) -> list[int]:
-        """The shards in the order they become available: this rank's, then r-1, r-2, ..."""
+        """The shards in the order they are used: this rank's, then r-1, r-2, ..."""
         return [(self.r - step) % self.n for step in range(self.n)]
 
     def chunk(self, c: int) -> torch.Tensor:
         if c == self.r:
             return self.shard
-        self.current.wait_event(self.events[c])
+        torch.cuda.current_stream().wait_event(self.events[c])
         return self.full_view.narrow(self.dim, c * self.len, self.len)
 
     def full(self) -> torch.Tensor:
-        self.current.wait_stream(self.stream)  # every pull done (and the side stream joined, for graph capture)
+        self.ws.join(self.events)  # every pull done (and their streams joined, for graph capture)
         return self.full_view
 
 
@@ -200,7 +203,7 @@ class _SymmGemmReduceScatter(torch.autograd.Function):
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad = grad.to(dtype).contiguous()
         w = weight.to(dtype)
-        gather = _Gather(grad, ws, seq_dim, ws.side_stream())
+        gather = _Gather(grad, ws, seq_dim)
         dx = None
         if need_x:  # dX = gather(dY) @ W, a shard's rows as soon as it arrives
             dx = _out_like(grad, seq_dim, ws.size, w.shape[1], dtype)
@@ -221,7 +224,7 @@ class _SymmAllGatherGemm(torch.autograd.Function):
         ctx.ws, ctx.seq_dim, ctx.dtype = ws, seq_dim, dtype
         with torch.autocast(x.device.type, enabled=False):
             xc, w = x.to(dtype).contiguous(), weight.to(dtype)
-            gather = _Gather(xc, ws, seq_dim, ws.side_stream())
+            gather = _Gather(xc, ws, seq_dim)
             out = _out_like(xc, seq_dim, ws.size, w.shape[0], dtype)
             _gathered_gemm(gather, w, out)
             gather.full()
@@ -235,7 +238,7 @@ class _SymmAllGatherGemm(torch.autograd.Function):
         grad = grad.to(dtype)
         w = weight.to(dtype)
         # the input gathered again for dW (pulled on the side stream under dX's GEMMs)
-        gather = _Gather(x.to(dtype).contiguous(), ws, seq_dim, ws.side_stream()) if need_w else None
+        gather = _Gather(x.to(dtype).contiguous(), ws, seq_dim) if need_w else None
         dx = _rs_symm(grad, w.t(), ws, seq_dim).to(x.dtype) if need_x else None
         dw = None
         if need_w:

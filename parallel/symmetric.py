@@ -2,12 +2,14 @@
 (NVLink), for the fused GEMM + collective ops of ``overlap.py``.
 
 ``SymmetricWorkspace(group, device)`` holds, per named role, two symmetric allocations used in turn (``buffer(role,
-nbytes)`` returns the next one's handle): an op that writes into its peers' buffers and ends with a barrier can
-then start the next op of the same role without a barrier first, because every peer has passed the previous op's
-barrier, after which it no longer reads the buffer in use two ops ago. ``end_step()`` keeps the turns alternating
-across the replays of a captured step. Buffers grow, collectively, when an op needs
-more bytes than they hold; every rank of the group calls the ops in the same order with the same shapes (sequence
-parallel requires it), so every rank grows at the same call. Growing needs the host (a rendezvous over the group's
+nbytes)`` returns the next one's handle), one stream per peer for the copy-engine pulls (``pull``), and the signals
+that order them (``signal``, ``pull``: a rank tells a peer that data is in place; the peer waits for it on its
+stream). An op of a role signals every peer and waits for every peer's signal; a rank writes the buffer used two ops
+ago only after the op in between, whose signals every peer sent after finishing the op before it: so no rank
+overwrites data a peer still reads, without a barrier. ``end_step()`` keeps the turns alternating across the
+replays of a captured step. Buffers grow, collectively, when an op needs more bytes than they hold; every rank of the
+group calls the ops in the same order with the same shapes (sequence parallel requires it), so every rank grows at
+the same call. Growing needs the host (a rendezvous over the group's
 store): it is refused with a clear error inside a CUDA-graph capture (run one eager step first, as the trainer's
 warm-up steps do).
 
@@ -72,14 +74,45 @@ class SymmetricWorkspace:
         self._buffers: dict[str, list] = {}  # role -> [[tensor, handle], [tensor, handle]]
         self._turn: dict[str, int] = {}
         self._uses: dict[str, int] = {}  # ops of each role since end_step
-        self._stream = None
+        self._streams: dict = {}
         self.grown = 0  # allocations made (tests, logs)
 
-    def side_stream(self):
-        """The stream that pulls peers' shards while the current stream computes (one per workspace)."""
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=self.device)
-        return self._stream
+    def peer_stream(self, peer: int):
+        """The stream that moves data from ``peer`` while the current stream computes (one per peer)."""
+        if peer not in self._streams:
+            self._streams[peer] = torch.cuda.Stream(device=self.device)
+        return self._streams[peer]
+
+    def pull(self, handle, role: str, peers: list[int], copy, signal_first: bool) -> dict:
+        """For each of ``peers``, on its own stream forked from the current one: (``signal_first``: tell the peer
+        this rank's data is in place,) wait for the peer's signal, then ``copy(peer)`` (copy-engine transfers out
+        of the peer's buffer). {peer: event after its copy}; ``join`` them into the current stream."""
+        current = torch.cuda.current_stream()
+        channel = CHANNELS[role]
+        events = {}
+        for peer in peers:
+            stream = self.peer_stream(peer)
+            stream.wait_stream(current)
+            with torch.cuda.stream(stream):
+                if signal_first:
+                    handle.put_signal(peer, channel=channel)
+                handle.wait_signal(peer, channel=channel)
+                copy(peer)
+                event = torch.cuda.Event()
+                event.record(stream)
+            events[peer] = event
+        return events
+
+    def signal(self, handle, role: str, peer: int) -> None:
+        """Tell ``peer`` (on the current stream, after the work queued on it) that its data is in this buffer."""
+        handle.put_signal(peer, channel=CHANNELS[role])
+
+    @staticmethod
+    def join(events: dict) -> None:
+        """The current stream waits for every pull of ``events`` (and so joins their streams, for graph capture)."""
+        current = torch.cuda.current_stream()
+        for event in events.values():
+            current.wait_event(event)
 
     def buffer(self, role: str, nbytes: int):
         """The handle of ``role``'s next buffer (alternating between two), at least ``nbytes`` long."""
