@@ -35,11 +35,13 @@ compute for all; `--override model.moe_force_balance=true` draws the experts eve
 ``--override`` (repeatable) passes megakern-train overrides to every layout; they are named in the rows' case.
 
 For a tensor-parallel layout with "-ovl" measured after the same layout without it: the row-parallel layers'
-reduce-scatters (forward) and all-gathers (backward) of one step are timed alone, and
+reduce-scatters (forward) and all-gathers (backward) of one step (with "-symm" the column layers' too) are timed
+alone, and
 hidden = (step(layout) - step(layout-ovl)) / those collectives, clipped to [0, 1].
 
 Layouts are written as factors: "1", "dp2", "dp2-ddp", "tp2", "pp2", "cp2", "tp2.dp2", "tp2.pp2", "dp4-ddp-zero1", ...
-(dp defaults to FSDP; "-ovl" overlaps the row-parallel layers' reduce-scatter with their matmuls, e.g. "tp2-ovl"; a
+(dp defaults to FSDP; "-ovl" overlaps the row-parallel layers' reduce-scatter with their matmuls, e.g. "tp2-ovl",
+"-ovl-symm" both layers' collectives through symmetric memory (parallel.tp_overlap_impl=symmetric); a
 last "-graph" captures the step in a CUDA graph (train.cuda_graph) after the warm-up: "1-graph", "tp2-ovl-graph",
 "dp2-ddp-graph" (DDP: 11 eager steps first), compared with "1-graph" and "1xK-graph"). The GPUs needed are the
 product of the factors; layouts needing more than this machine has are skipped with a line saying so. "1xK" runs K
@@ -101,6 +103,7 @@ class Layout:
     dp_shard: str = "fsdp"
     zero1: bool = False
     tp_comm_overlap: bool = False  # "-ovl": the row-parallel reduce-scatter overlapped with the matmul (tp > 1)
+    tp_overlap_impl: str = "ring"  # "-symm" (with -ovl): the row and column layers' ops through symmetric memory
     copies: int = 1  # "1xK": K independent one-GPU runs at once (the host's own scaling, no communication)
     cuda_graph: bool = False  # "-graph": the step captured in a CUDA graph after the warm-up and replayed
 
@@ -154,18 +157,20 @@ class Layout:
         if dp_cp % ep:
             raise ValueError(f"bench_parallel: layout {spec!r}: ep={ep} is carved out of dp x cp = {dp_cp} ranks and "
                              f"must divide it")
-        unknown = set(flags) - {"ddp", "fsdp", "zero1", "ovl"}
+        unknown = set(flags) - {"ddp", "fsdp", "zero1", "ovl", "symm"}
         if unknown:
             raise ValueError(f"bench_parallel: layout {spec!r}: unknown flag(s) {sorted(unknown)} (ddp, fsdp, zero1, "
-                             f"ovl; and graph, last)")
+                             f"ovl, symm; and graph, last)")
+        if "symm" in flags and "ovl" not in flags:
+            raise ValueError(f"bench_parallel: layout {spec!r}: symm picks the overlap's implementation; add '-ovl'")
         if "ovl" in flags and sizes.get("tp", 1) < 2:
             raise ValueError(f"bench_parallel: layout {spec!r}: ovl overlaps tensor parallelism's reduce-scatter; it "
                              f"needs tp >= 2")
         shard = "ddp" if "ddp" in flags else "fsdp"
         if "zero1" in flags and shard != "ddp":
             raise ValueError(f"bench_parallel: layout {spec!r}: zero1 shards the optimizer of DDP; add '-ddp'")
-        return cls(spec, dp_shard=shard, zero1="zero1" in flags, tp_comm_overlap="ovl" in flags, cuda_graph=graph,
-                   **sizes)
+        return cls(spec, dp_shard=shard, zero1="zero1" in flags, tp_comm_overlap="ovl" in flags,
+                   tp_overlap_impl="symmetric" if "symm" in flags else "ring", cuda_graph=graph, **sizes)
 
 
 def free_port() -> int:
@@ -197,6 +202,7 @@ def run_layout(layout: Layout, args, run_dir: Path, data_cache: Path) -> tuple[d
         f"parallel.dp={layout.dp}", f"parallel.ep={layout.ep}", f"parallel.dp_shard={layout.dp_shard}",
         f"parallel.zero1={str(layout.zero1).lower()}",
         f"parallel.tp_comm_overlap={str(layout.tp_comm_overlap).lower()}",
+        f"parallel.tp_overlap_impl={layout.tp_overlap_impl}",
         *args.override,
     ]
     if layout.cuda_graph:
@@ -607,17 +613,20 @@ def _communication(layout: Layout, args, device, f: dict, figures: dict, results
             exposed, hidden = _hidden_share(f["ms"], figures[ref_spec]["ms"], comm)
             measured.append((comm, hidden, f"expert all-to-alls alone (ep {layout.ep}) {comm:.1f} ms; step adds "
                                            f"{exposed:.1f} ms over {ref_spec}"))
-    plain = layout.spec.replace("-ovl", "")
+    plain = layout.spec.replace("-ovl", "").replace("-symm", "")
     if layout.tp_comm_overlap and plain in figures:
         # what the ring hides: each layer's two reduce-scatters (attention and MLP output) forward and the two
-        # all-gathers of their gradients backward, (micro-batch, T / cp, C) in the compute dtype
+        # all-gathers of their gradients backward, (micro-batch, T / cp, C) in the compute dtype; the symmetric
+        # implementation also the column layers' two all-gathers forward and two reduce-scatters backward
         numel = args.micro_batch * args.seq // layout.cp * n_embd
-        comm = _comm_alone(layout, args, device, layout.tp, numel, "sp_rs_ag", count=2 * n_layer // layout.pp * accum,
-                           dtype=dtype)
+        symm = layout.tp_overlap_impl == "symmetric"
+        comm = _comm_alone(layout, args, device, layout.tp, numel, "sp_rs_ag",
+                           count=(4 if symm else 2) * n_layer // layout.pp * accum, dtype=dtype)
         if comm is not None:
             saved = figures[plain]["ms"] - f["ms"]
             hidden = min(max(saved / comm, 0.0), 1.0) if comm > 0 else 0.0
-            measured.append((comm, hidden, f"row-parallel reduce-scatters + all-gathers alone (tp {layout.tp}) "
+            what = "sequence-parallel" if symm else "row-parallel"
+            measured.append((comm, hidden, f"{what} reduce-scatters + all-gathers alone (tp {layout.tp}) "
                                            f"{comm:.1f} ms; the step is {saved:.1f} ms shorter than {plain}'s"))
     for comm, hidden, line in measured:
         results.add(case, layout.spec, "megakern", "comm ms", comm)

@@ -288,10 +288,13 @@ class ParallelConfig:
     """With dp_shard='ddp': shard the optimizer state over the data-parallel ranks (ZeroRedundancyOptimizer); FSDP2
     already shards it."""
     tp_comm_overlap: bool = False
-    """With tp > 1 and sequence parallelism: the row-parallel layers' GEMM + reduce-scatter and the column-parallel
-    layers' all-gather + GEMM fused, forward and backward (megakern.parallel.overlap): on CUDA ranks the data moves
-    peer to peer through symmetric memory under the GEMMs; on gloo ranks a ring of transfers behind chunked matmuls
-    and the unfused gather."""
+    """With tp > 1 and sequence parallelism: the row-parallel layers' GEMM + reduce-scatter overlapped with the
+    matmuls (and, with tp_overlap_impl='symmetric', the column-parallel layers' all-gather + GEMM too), forward and
+    backward (megakern.parallel.overlap)."""
+    tp_overlap_impl: Literal["ring", "symmetric"] = "ring"
+    """With tp_comm_overlap: 'ring', a ring of NCCL transfers behind chunked matmuls (any backend); 'symmetric',
+    peer-to-peer copies through symmetric memory under the GEMMs, signalled between the ranks, for the row and the
+    column layers (NCCL ranks of one host; in development: see docs/parallelism.md for where it stands)."""
     fsdp_param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """With dp_shard='fsdp': the dtype the blocks' parameters are all-gathered and computed in (their fp32 shards
     are what the optimizer updates; gradients are reduced in fp32); auto: bfloat16 under bf16-autocast, else

@@ -105,21 +105,29 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 # ---- symmetric memory ------------------------------------------------------------------------------------------
 def _rs_symm(x: torch.Tensor, w: torch.Tensor, ws, seq_dim: int) -> torch.Tensor:
     """This rank's sequence chunk of sum over ranks (x @ w^T): each peer's chunk computed into this rank's buffer and
-    signalled, the peer pulling it while the next chunk's GEMM runs; the own chunk last, then the n-way sum."""
+    signalled, the peer pulling it while the next chunk's GEMM runs; the own chunk last, then the n-way sum.
+
+    Every GEMM is launched before the pulls' waiting kernels are: a kernel launched for the first time may have to
+    wait for the device's running kernels (lazy module loading), and a kernel that waits for a peer must not be
+    among them while the peer waits for this rank's GEMMs."""
     n, r = ws.size, ws.rank
     xs = _chunks(x, n, seq_dim)
     shape = [*xs[0].shape[:-1], w.shape[0]]
     numel = math.prod(shape)
     handle = ws.buffer("rs", n * numel * x.element_size())
     parts = torch.empty([n, *shape], dtype=x.dtype, device=x.device)  # slot s: rank s's partial sum of chunk r
-    # peer r - s computes chunk r at its step s: pull in that order, each as soon as the peer signals it
-    events = ws.pull(handle, "rs", [(r - step) % n for step in range(1, n)],
-                     lambda p: parts[p].copy_(handle.get_buffer(p, shape, x.dtype, r * numel)), signal_first=False)
+    start = torch.cuda.Event()
+    start.record()
     for step in range(1, n):
         c = (r + step) % n
         _mm_into(xs[c], w, handle.get_buffer(r, shape, x.dtype, c * numel))
         ws.signal(handle, "rs", c)
     _mm_into(xs[r], w, parts[r])
+    # peer r - s computes chunk r at its step s: pulled in that order, each as soon as the peer signals it, on streams
+    # forked at the op's start (they run beside the GEMMs above)
+    events = ws.pull(handle, "rs", [(r - step) % n for step in range(1, n)],
+                     lambda p: parts[p].copy_(handle.get_buffer(p, shape, x.dtype, r * numel)), signal_first=False,
+                     after=start)
     ws.join(events)
     return parts.sum(0)
 
@@ -127,25 +135,34 @@ def _rs_symm(x: torch.Tensor, w: torch.Tensor, ws, seq_dim: int) -> torch.Tensor
 class _Gather:
     """All-gather of ``shard`` along ``seq_dim`` into this rank's symmetric buffer: the own shard copied in, then
     each peer's shard pulled on that peer's stream once the peer signals it in place (copy engines, all peers at
-    once); ``chunk(c)`` makes the current stream wait for shard c and returns it, ``full()`` the whole gathered
-    tensor (a view of the buffer, valid until the role's buffer is used again two ops later)."""
+    once, forked where the gather began); ``chunk(c)`` makes the current stream wait for shard c and returns it,
+    ``full()`` the whole gathered tensor (a view of the buffer, valid until the role's buffer is used again two ops
+    later). The pulls are queued at the first ``chunk`` of a peer's shard or ``full()``, after the GEMMs launched
+    before (see _rs_symm on launch order)."""
 
     def __init__(self, shard: torch.Tensor, ws, seq_dim: int):
         n, r = ws.size, ws.rank
-        self.n, self.r, self.dim, self.shard, self.len = n, r, seq_dim, shard, shard.shape[seq_dim]
-        shape = list(shard.shape)
-        shape[seq_dim] *= n
-        handle = ws.buffer("ag", math.prod(shape) * shard.element_size())
-        self.full_view = handle.get_buffer(r, shape, shard.dtype, 0)
+        self.n, self.r, self.dim, self.shard, self.len, self.ws = n, r, seq_dim, shard, shard.shape[seq_dim], ws
+        self.shape = list(shard.shape)
+        self.shape[seq_dim] *= n
+        self.handle = ws.buffer("ag", math.prod(self.shape) * shard.element_size())
+        self.full_view = self.handle.get_buffer(r, self.shape, shard.dtype, 0)
         self.full_view.narrow(seq_dim, r * self.len, self.len).copy_(shard)
-        L = self.len
+        self.start = torch.cuda.Event()
+        self.start.record()
+        self.events = None
 
-        def copy(p):
-            peer = handle.get_buffer(p, shape, shard.dtype, 0)
-            _copy_rows(self.full_view.narrow(seq_dim, p * L, L), peer.narrow(seq_dim, p * L, L))
+    def _pulls(self) -> dict:
+        if self.events is None:
+            dim, L, shape, handle = self.dim, self.len, self.shape, self.handle
 
-        self.events = ws.pull(handle, "ag", [(r - step) % n for step in range(1, n)], copy, signal_first=True)
-        self.ws = ws
+            def copy(p):
+                peer = handle.get_buffer(p, shape, self.shard.dtype, 0)
+                _copy_rows(self.full_view.narrow(dim, p * L, L), peer.narrow(dim, p * L, L))
+
+            self.events = self.ws.pull(handle, "ag", [(self.r - step) % self.n for step in range(1, self.n)], copy,
+                                       signal_first=True, after=self.start)
+        return self.events
 
     def order(self) -> list[int]:
         """The shards in the order they are used: this rank's, then r-1, r-2, ..."""
@@ -154,11 +171,11 @@ class _Gather:
     def chunk(self, c: int) -> torch.Tensor:
         if c == self.r:
             return self.shard
-        torch.cuda.current_stream().wait_event(self.events[c])
+        torch.cuda.current_stream().wait_event(self._pulls()[c])
         return self.full_view.narrow(self.dim, c * self.len, self.len)
 
     def full(self) -> torch.Tensor:
-        self.ws.join(self.events)  # every pull done (and their streams joined, for graph capture)
+        self.ws.join(self._pulls())  # every pull done (and their streams joined, for graph capture)
         return self.full_view
 
 

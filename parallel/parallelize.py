@@ -177,16 +177,22 @@ class ParallelModel:
         self.has_last = self.num_stages - 1 in self.stage_indices
 
         # 2. tensor (+ sequence) parallel, 3. context parallel
-        # tp_comm_overlap: the row layers' GEMM + reduce-scatter and the column layers' all-gather + GEMM fused
-        # (overlap.py), peer to peer through a symmetric-memory workspace where the tp group allows (NCCL ranks on
-        # CUDA); elsewhere (gloo) the ring and the unfused gather
+        # tp_comm_overlap (overlap.py): the row layers' GEMM + reduce-scatter as the ring ('ring'), or the row and
+        # column layers' ops peer to peer through a symmetric-memory workspace ('symmetric': NCCL ranks of one host)
         self.tp_workspace = None
         gemm_reduce = gather_gemm = None
         if options.tp_comm_overlap and d.tp > 1:
-            if not symmetric_memory_usable(pm.tp_group, pm.device):
+            if options.tp_overlap_impl == "symmetric":
+                why = symmetric_memory_usable(pm.tp_group, pm.device)
+                if why:
+                    raise ValueError(f"parallelize: tp_overlap_impl='symmetric' cannot run here: {why}; use "
+                                     "tp_overlap_impl='ring'")
                 self.tp_workspace = SymmetricWorkspace(pm.tp_group, pm.device)
+                gather_gemm = functools.partial(all_gather_gemm, workspace=self.tp_workspace)
+            elif options.tp_overlap_impl != "ring":
+                raise ValueError(f"parallelize: tp_overlap_impl must be 'ring' or 'symmetric', got "
+                                 f"{options.tp_overlap_impl!r}")
             gemm_reduce = functools.partial(gemm_reduce_scatter, workspace=self.tp_workspace)
-            gather_gemm = functools.partial(all_gather_gemm, workspace=self.tp_workspace)
         self.tp_info = [apply_tensor_parallel(g, pm.tp_group if d.tp > 1 else None, sp, gemm_reduce=gemm_reduce,
                                               gather_gemm=gather_gemm)
                         for g in self.gpts]

@@ -83,16 +83,15 @@ class SymmetricWorkspace:
             self._streams[peer] = torch.cuda.Stream(device=self.device)
         return self._streams[peer]
 
-    def pull(self, handle, role: str, peers: list[int], copy, signal_first: bool) -> dict:
-        """For each of ``peers``, on its own stream forked from the current one: (``signal_first``: tell the peer
-        this rank's data is in place,) wait for the peer's signal, then ``copy(peer)`` (copy-engine transfers out
-        of the peer's buffer). {peer: event after its copy}; ``join`` them into the current stream."""
-        current = torch.cuda.current_stream()
+    def pull(self, handle, role: str, peers: list[int], copy, signal_first: bool, after) -> dict:
+        """For each of ``peers``, on its own stream forked from the current one at event ``after``: (``signal_first``:
+        tell the peer this rank's data is in place,) wait for the peer's signal, then ``copy(peer)`` (copy-engine
+        transfers out of the peer's buffer). {peer: event after its copy}; ``join`` them into the current stream."""
         channel = CHANNELS[role]
         events = {}
         for peer in peers:
             stream = self.peer_stream(peer)
-            stream.wait_stream(current)
+            stream.wait_event(after)
             with torch.cuda.stream(stream):
                 if signal_first:
                     handle.put_signal(peer, channel=channel)

@@ -16,6 +16,10 @@ def test_layout_specs():
         2, 2, 1, 2, "ddp", True, 8)
     assert Layout.parse("cp4").dp_shard == "fsdp"
     assert Layout.parse("tp2.dp2-ovl").tp_comm_overlap and not Layout.parse("tp2").tp_comm_overlap
+    assert Layout.parse("tp2-ovl").tp_overlap_impl == "ring"
+    assert Layout.parse("tp2-ovl-symm-graph").tp_overlap_impl == "symmetric"
+    with pytest.raises(ValueError, match="symm picks the overlap's implementation; add '-ovl'"):
+        Layout.parse("tp2-symm")
     copies = Layout.parse("1x4")
     assert (copies.world, copies.copies, copies.gpus) == (1, 4, 4)
     # "-graph": the captured step; its one-GPU base is "1-graph"; DDP's reducer needs 11 eager steps first

@@ -39,6 +39,7 @@ ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHME
        "OMP_NUM_THREADS": "1"}
 
 GRAPH = ["train.cuda_graph=true", "train.cuda_graph_warmup=2"]
+SYMM = ["parallel.tp_overlap_impl=symmetric"]  # tp_comm_overlap peer to peer through symmetric memory
 BF16 = ["train.precision=bf16"]  # bf16 weights with fp32 master weights
 PACKED = ["data.packed_documents=true"]  # documents packed into each row (cu_seqlens)
 # MoE blocks (every block: 4 experts of 64 units, top-2, dropless); the one-GPU reference has the same ones
@@ -66,11 +67,15 @@ LAYOUTS = [
     ("dp4-ddp-zero1", 4, ["parallel.dp=4", "parallel.dp_shard=ddp", "parallel.zero1=true"]),
     ("tp4", 4, ["parallel.tp=4"]),
     ("tp4-overlap", 4, ["parallel.tp=4", "parallel.tp_comm_overlap=true"]),
+    # the row and column layers' ops peer to peer through symmetric memory
+    ("tp2-sp-overlap-symm", 2, ["parallel.tp=2", "parallel.tp_comm_overlap=true", *SYMM]),
+    ("tp4-overlap-symm", 4, ["parallel.tp=4", "parallel.tp_comm_overlap=true", *SYMM]),
     ("tp2-pp2-dp2", 8, ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2"]),
     ("tp2-pp2-cp2", 8, ["parallel.tp=2", "parallel.pp=2", "parallel.cp=2"]),
     # the step captured in a CUDA graph (collectives included) and replayed from the warm-up's end on
     ("tp2-sp-graph", 2, ["parallel.tp=2", *GRAPH]),
     ("tp2-sp-overlap-graph", 2, ["parallel.tp=2", "parallel.tp_comm_overlap=true", *GRAPH]),
+    ("tp2-sp-overlap-symm-graph", 2, ["parallel.tp=2", "parallel.tp_comm_overlap=true", *SYMM, *GRAPH]),
     ("dp2-ddp-graph", 2, ["parallel.dp=2", "parallel.dp_shard=ddp", *DDP_GRAPH]),
     ("cp2-ddp-graph", 2, ["parallel.cp=2", "parallel.dp_shard=ddp", *DDP_GRAPH]),
     ("tp2-dp2-ddp-graph", 4, ["parallel.tp=2", "parallel.dp=2", "parallel.dp_shard=ddp", *DDP_GRAPH]),

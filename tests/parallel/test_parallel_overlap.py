@@ -141,3 +141,54 @@ def test_symmetric_workspace_refuses_gloo():
     assert "not cuda" in symmetric_memory_usable(None, torch.device("cpu"))
     with pytest.raises(ValueError, match="symmetric memory cannot be used: the device is cpu"):
         SymmetricWorkspace(None, torch.device("cpu"))
+
+
+def check_column_gather_gemm_seam(n):
+    """ColumnParallelLinear under sequence parallel with a gather_gemm (all_gather_gemm, its gloo path) equals the
+    layer gathering by gather_from_sp: it takes the shard and returns the whole sequence, bias added, gradients of
+    the shard, the weight and the bias."""
+    import functools
+
+    from megakern.parallel.layers import ColumnParallelLinear
+    from megakern.parallel.overlap import all_gather_gemm
+
+    g, r = dist.group.WORLD, dist.get_rank()
+    torch.manual_seed(3)
+    full = torch.nn.Linear(6, 4 * n, dtype=torch.float64)
+    X = torch.randn(2, 3 * n, 6, dtype=torch.float64)
+    dy = torch.randn(2, 3 * n, 4, dtype=torch.float64)
+    out = []
+    for seam in (functools.partial(all_gather_gemm, workspace=None), None):
+        layer = ColumnParallelLinear.from_linear(full, g, sequence_parallel=True, gather_gemm=seam)
+        x = X[:, 3 * r:3 * (r + 1)].clone().requires_grad_()
+        y = layer(x)
+        y.backward(dy)
+        out.append((y.detach(), x.grad, layer.weight.grad, layer.bias.grad))
+    for a, b in zip(*out):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert out[0][0].shape == (2, 3 * n, 4)
+    return True
+
+
+def test_column_gather_gemm_seam():
+    assert all(pool(2).run(check_column_gather_gemm_seam, 2))
+
+
+def symmetric_on_gloo() -> str:
+    from megakern.models.gpt import GPT
+    from megakern.parallel import ParallelDims, parallelize
+
+    from gpt_check import tiny_config
+
+    pm = ParallelDims(tp=2).build("cpu", timeout=60)
+    try:
+        parallelize(GPT(tiny_config("gpt")), pm, None, sequence_parallel=True, tp_comm_overlap=True,
+                    tp_overlap_impl="symmetric")
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_symmetric_impl_refused_on_gloo():
+    for message in pool(2).run(symmetric_on_gloo):
+        assert "tp_overlap_impl='symmetric' cannot run here: the device is cpu" in message, message

@@ -404,6 +404,7 @@ def test_cuda_graph_refused_where_it_cannot_run(tmp_path, data_cache):
 @pytest.mark.parametrize("world,overrides,expected", [
     (2, ["parallel.tp=2"], []),
     (2, ["parallel.tp=2", "parallel.tp_comm_overlap=true"], []),
+    (2, ["parallel.tp=2", "parallel.tp_comm_overlap=true", "parallel.tp_overlap_impl=symmetric"], []),
     (4, ["parallel.tp=2", "parallel.cp=2", "parallel.dp_shard=ddp", "train.cuda_graph_warmup=11"], []),
     (2, ["parallel.dp=2", "parallel.dp_shard=fsdp"], ["not FSDP2 over dp x cp = 2 ranks"]),
     (2, ["parallel.cp=2"], ["not FSDP2 over dp x cp = 2 ranks"]),  # cp's ranks share the data-parallel wrapper
