@@ -40,8 +40,9 @@ Sums follow their own order (the slots' order, the ring's) instead of NCCL's: eq
 
 ``gemm_reduce_scatter(x, weight, group, sequence_parallel, seq_dim, workspace=None)`` has the signature of
 ``layers.linear_reduce`` (RowParallelLinear's ``gemm_reduce``); ``all_gather_gemm(x, weight, group, seq_dim,
-workspace=None)`` is ColumnParallelLinear's ``gather_gemm``. ``parallel.tp_comm_overlap=true`` puts both in every
-layer of the GPT (bind the workspace with functools.partial).
+workspace=None)`` is ColumnParallelLinear's ``gather_gemm``. ``parallel.tp_comm_overlap=true`` puts the first in the
+GPT's row layers (the ring); with ``parallel.tp_overlap_impl=symmetric`` both, through the ParallelModel's workspace
+(bound with functools.partial).
 """
 from __future__ import annotations
 
