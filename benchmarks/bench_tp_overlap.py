@@ -30,18 +30,16 @@ slowest rank.
 
 import argparse
 import os
-import socket
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 if __package__:
-    from .common import Results, check_outputs, file_rows, measure_matmul_tflops, parse_args, record, report_failure
+    from .common import (Results, check_outputs, file_rows, init_rank, measure_matmul_tflops, parse_args, record,
+                         report_failure, run_ranks, timed_on_ranks, tp_sizes)
 else:  # python benchmarks/bench_tp_overlap.py
-    from common import Results, check_outputs, file_rows, measure_matmul_tflops, parse_args, record, report_failure
+    from common import (Results, check_outputs, file_rows, init_rank, measure_matmul_tflops, parse_args, record,
+                        report_failure, run_ranks, timed_on_ranks, tp_sizes)
 
 PROVIDERS = ("gemm", "unfused", "torch-symm", "megakern")
 OPS = ("ag+gemm", "gemm+rs")
@@ -54,32 +52,6 @@ def shapes(device: torch.device, quick: bool) -> list[tuple[int, int, int]]:
         return [(24, 16, 8)]
     cases = [(m, k, k) for k in (4096, 8192) for m in (8192, 16384, 32768)]
     return [cases[0], cases[2]] if quick else cases
-
-
-def _timed(fn, device, calls: int, warmup: int) -> dict[str, float]:
-    """{'median', 'p20', 'p80'} ms of ``calls`` calls after ``warmup``, the same count on every rank; the slowest
-    rank's figures."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(calls):
-        if device.type == "cuda":
-            dist.barrier()  # start together: a rank's wait for a late peer is not the op's time
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter_ns()
-            fn()
-            times.append((time.perf_counter_ns() - t0) / 1e6)
-    q = statistics.quantiles(times, n=10, method="inclusive")
-    figures = torch.tensor([q[4], q[1], q[7]], dtype=torch.float64, device=device)
-    dist.all_reduce(figures, op=dist.ReduceOp.MAX)
-    return dict(zip(("median", "p20", "p80"), figures.tolist()))
 
 
 def _operands(op: str, m: int, k: int, n: int, tp: int, rank: int, device, dtype):
@@ -123,11 +95,7 @@ def _provider(name: str, op: str, group, ws, tp: int):
 
 def _rank(rank: int, tp: int, port: int, args, queue) -> None:
     os.environ.update({k: v for k, v in ENV.items() if k not in os.environ})
-    device = torch.device(f"cuda:{rank}") if args.device.type == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=tp, device_id=device if device.type == "cuda" else None)
+    device = init_rank(rank, tp, port, args.device.type)
     group = dist.group.WORLD
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     ws = None
@@ -168,7 +136,7 @@ def _rank(rank: int, tp: int, port: int, args, queue) -> None:
                         if name != "gemm":
                             check_outputs(("out",), (fn(x, w),), (ref,), 2e-2 if dtype == torch.bfloat16 else 1e-4,
                                           1e-2)
-                        timing = _timed(lambda: fn(x, w), device, calls, warmup)
+                        timing = timed_on_ranks(lambda: fn(x, w), device, calls, warmup, align=True)
                         figures.append((case, "fwd", name, timing, flops / (timing["median"] * 1e-3) / 1e12))
                         if name in ("unfused", "megakern"):
                             xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -177,7 +145,7 @@ def _rank(rank: int, tp: int, port: int, args, queue) -> None:
                             def step():
                                 return torch.autograd.grad(fn(xg, wg), (xg, wg), dy)
 
-                            timing = _timed(step, device, calls, warmup)
+                            timing = timed_on_ranks(step, device, calls, warmup, align=True)
                             figures.append((case, "fwd+bwd", name, timing,
                                             3 * flops / (timing["median"] * 1e-3) / 1e12))
                     except Exception as e:  # every rank fails the same check, or the run is broken anyway
@@ -212,21 +180,10 @@ def main(argv: list[str] | None = None) -> Results:
     args = parse_args(__doc__.splitlines()[0], rest)
     if args.providers and (unknown := args.providers - set(PROVIDERS)):
         raise SystemExit(f"unknown providers {sorted(unknown)}; choose from {sorted(PROVIDERS)}")
-    gpus = torch.cuda.device_count() if args.device.type == "cuda" else 0
-    sizes = known.tp or ([k for k in (2, 4) if k <= gpus] if gpus else [2])
-    if args.device.type == "cuda" and gpus < 2:
-        raise SystemExit(f"bench_tp_overlap needs at least 2 GPUs, this machine has {gpus}")
-    if gpus and (too_many := [k for k in sizes if k > gpus]):
-        raise SystemExit(f"--tp {too_many}: this machine has {gpus} GPUs")
+    sizes = tp_sizes(known.tp, args.device, (2, 4), "bench_tp_overlap")
     results = Results(args.device)
-    ctx = mp.get_context("spawn")
     for tp in sizes:
-        queue = ctx.Queue()
-        with socket.socket() as s:  # a free port for this run's rendezvous
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.start_processes(_rank, args=(tp, port, args, queue), nprocs=tp, join=True, start_method="spawn")
-        figures, roofline = queue.get()
+        figures, roofline = run_ranks(_rank, tp, args)
         if roofline is not None and "TFLOP/s" not in results.rooflines:
             results.add_roofline("TFLOP/s", roofline)
         for case, mode, name, timing, tflops in figures:

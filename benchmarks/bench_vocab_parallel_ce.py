@@ -25,20 +25,16 @@ CUDA events around each call after a warm-up, the median / p20 / p80 of the slow
 """
 
 import argparse
-import socket
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 if __package__:
-    from .common import (Results, check_outputs, file_rows, measure_matmul_tflops, parse_args, peak_gib, record,
-                         report_failure)
+    from .common import (Results, check_outputs, file_rows, init_rank, measure_matmul_tflops, parse_args, peak_gib,
+                         record, report_failure, run_ranks, timed_on_ranks, tp_sizes)
 else:  # python benchmarks/bench_vocab_parallel_ce.py
-    from common import (Results, check_outputs, file_rows, measure_matmul_tflops, parse_args, peak_gib, record,
-                        report_failure)
+    from common import (Results, check_outputs, file_rows, init_rank, measure_matmul_tflops, parse_args, peak_gib,
+                        record, report_failure, run_ranks, timed_on_ranks, tp_sizes)
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 IGNORED = 0.05  # fraction of targets set to ignore_index (-100), as padding would
@@ -61,36 +57,8 @@ def _fn(name: str, group, chunk):
     return lambda x, w, t: vocab_parallel_linear_cross_entropy(x, w, t, group, chunk_size=chunk, check_targets=False)
 
 
-def _timed(fn, device, calls: int, warmup: int) -> dict[str, float]:
-    """{'median', 'p20', 'p80'} ms of ``calls`` calls after ``warmup``, the same count on every rank; the slowest
-    rank's figures."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(calls):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter_ns()
-            fn()
-            times.append((time.perf_counter_ns() - t0) / 1e6)
-    q = statistics.quantiles(times, n=10, method="inclusive")
-    figures = torch.tensor([q[4], q[1], q[7]], dtype=torch.float64, device=device)
-    dist.all_reduce(figures, op=dist.ReduceOp.MAX)
-    return dict(zip(("median", "p20", "p80"), figures.tolist()))
-
-
 def _rank(rank: int, tp: int, port: int, args, chunks, queue) -> None:
-    device = torch.device(f"cuda:{rank}") if args.device.type == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=tp, device_id=device if device.type == "cuda" else None)
+    device = init_rank(rank, tp, port, args.device.type)
     group = dist.group.WORLD
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tol = 1e-3 if dtype == torch.float32 else 0.05
@@ -126,7 +94,7 @@ def _rank(rank: int, tp: int, port: int, args, chunks, queue) -> None:
                         loss = fn(x, w, t)
                         check_outputs(("loss", "dx (partial)", "dweight"), (loss, *torch.autograd.grad(loss, (x, w))),
                                       ref, tol, 1e-3)
-                        timing = _timed(step, device, calls, warmup)
+                        timing = timed_on_ranks(step, device, calls, warmup)
                         tflops = 6 * n * c * (v // tp) / (timing["median"] * 1e-3) / 1e12
                         figures.append((case, mode, name, timing, tflops, peak_gib(step, device)))
                     except Exception as e:  # every rank fails the same check, or the run is broken anyway
@@ -153,21 +121,11 @@ def main(argv: list[str] | None = None) -> Results:
     args = parse_args(__doc__.splitlines()[0], rest)
     if args.providers and (unknown := args.providers - set(PROVIDERS)):
         raise SystemExit(f"unknown providers {sorted(unknown)}; choose from {sorted(PROVIDERS)}")
-    gpus = torch.cuda.device_count() if args.device.type == "cuda" else 0
-    sizes = known.tp or ([k for k in (2, 4, 8) if k <= gpus] if gpus else [2])
-    if gpus and (too_many := [k for k in sizes if k > gpus]):
-        raise SystemExit(f"--tp {too_many}: this machine has {gpus} GPUs")
+    sizes = tp_sizes(known.tp, args.device, (2, 4, 8), "bench_vocab_parallel_ce")
     results = Results(args.device)
-    ctx = mp.get_context("spawn")
     roofline = None
     for tp in sizes:
-        queue = ctx.Queue()
-        with socket.socket() as s:  # a free port for this run's rendezvous
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.start_processes(_rank, args=(tp, port, args, known.chunks, queue), nprocs=tp, join=True,
-                           start_method="spawn")
-        figures, roofline = queue.get()
+        figures, roofline = run_ranks(_rank, tp, args, known.chunks)
         if roofline is not None and "TFLOP/s" not in results.rooflines:  # before the figures: each prints its fraction
             results.add_roofline("TFLOP/s", roofline)
         for case, mode, name, timing, tflops, gib in figures:

@@ -109,6 +109,78 @@ def bench(fn: Callable[[], object], *, device, warmup_ms: int = 100, rep_ms: int
     return {"median": deciles[4], "p20": deciles[1], "p80": deciles[7]}
 
 
+def init_rank(rank: int, world: int, port: int, device_type: str) -> torch.device:
+    """This spawned process as rank ``rank`` of ``world`` on 127.0.0.1:``port``: NCCL on cuda:``rank``, or gloo on
+    the CPU; returns the rank's device."""
+    import torch.distributed as dist
+
+    device = torch.device(f"cuda:{rank}") if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world, device_id=device if device.type == "cuda" else None)
+    return device
+
+
+def tp_sizes(requested: list[int] | None, device, defaults: tuple[int, ...], bench: str) -> list[int]:
+    """The group sizes a multi-rank benchmark runs: ``requested`` (--tp), else those of ``defaults`` this machine's
+    GPUs hold (2 on a CPU: gloo ranks); SystemExit naming the GPUs when it has too few."""
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    if device.type == "cuda" and gpus < 2:
+        raise SystemExit(f"{bench} needs at least 2 GPUs, this machine has {gpus}")
+    sizes = requested or ([k for k in defaults if k <= gpus] if gpus else [2])
+    if gpus and (too_many := [k for k in sizes if k > gpus]):
+        raise SystemExit(f"--tp {too_many}: this machine has {gpus} GPUs")
+    return sizes
+
+
+def run_ranks(fn: Callable, world: int, *args):
+    """``fn(rank, world, port, *args, queue)`` in ``world`` spawned processes on a free local port (each calls
+    init_rank); returns what rank 0 put on the queue."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    queue = mp.get_context("spawn").Queue()
+    with socket.socket() as sock:  # a free port for the run's rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.start_processes(fn, args=(world, port, *args, queue), nprocs=world, join=True, start_method="spawn")
+    return queue.get()
+
+
+def timed_on_ranks(fn: Callable[[], object], device, calls: int, warmup: int, align: bool = False) -> dict[str, float]:
+    """{'median', 'p20', 'p80'} ms of ``calls`` calls of ``fn`` after ``warmup``, for benchmarks run on the ranks of
+    a process group: every rank makes the same number of calls (their collectives must pair up; triton's do_bench
+    picks its repetitions per rank and would deadlock them), each timed by CUDA events (the host's clock on a CPU),
+    and the slowest rank's figures are returned on every rank. ``align``: the ranks start each call together (a
+    barrier and a device sync first), so that a rank's wait for a late peer is not counted as the op's time."""
+    import torch.distributed as dist
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(calls):
+        if device.type == "cuda":
+            if align:
+                dist.barrier()
+                torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter_ns()
+            fn()
+            times.append((time.perf_counter_ns() - t0) / 1e6)
+    q = statistics.quantiles(times, n=10, method="inclusive")
+    figures = torch.tensor([q[4], q[1], q[7]], dtype=torch.float64, device=device)
+    dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+    return dict(zip(("median", "p20", "p80"), figures.tolist()))
+
+
 def peak_gib(step: Callable[[], object], device) -> float | None:
     """GiB allocated at the peak of one ``step`` beyond what was allocated before it (CUDA), else None."""
     if device.type != "cuda":

@@ -205,12 +205,18 @@ def _out_like(x: torch.Tensor, seq_dim: int, n: int, cols: int, dtype) -> torch.
     return torch.empty(shape, dtype=dtype, device=x.device)
 
 
+def _save(ctx, x, weight, ws, seq_dim) -> torch.dtype:
+    """Keeps what a symmetric op's backward needs; returns the dtype its GEMMs run in (autocast's, or x's)."""
+    dtype = _compute_dtype(x)
+    ctx.save_for_backward(x, weight)
+    ctx.ws, ctx.seq_dim, ctx.dtype = ws, seq_dim, dtype
+    return dtype
+
+
 class _SymmGemmReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, ws, seq_dim):
-        dtype = _compute_dtype(x)
-        ctx.save_for_backward(x, weight)
-        ctx.ws, ctx.seq_dim, ctx.dtype = ws, seq_dim, dtype
+        dtype = _save(ctx, x, weight, ws, seq_dim)
         with torch.autocast(x.device.type, enabled=False):
             return _rs_symm(x.to(dtype), weight.to(dtype), ws, seq_dim)
 
@@ -237,9 +243,7 @@ class _SymmGemmReduceScatter(torch.autograd.Function):
 class _SymmAllGatherGemm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, ws, seq_dim):
-        dtype = _compute_dtype(x)
-        ctx.save_for_backward(x, weight)
-        ctx.ws, ctx.seq_dim, ctx.dtype = ws, seq_dim, dtype
+        dtype = _save(ctx, x, weight, ws, seq_dim)
         with torch.autocast(x.device.type, enabled=False):
             xc, w = x.to(dtype).contiguous(), weight.to(dtype)
             gather = _Gather(xc, ws, seq_dim)

@@ -82,7 +82,8 @@ def test_bad_input_and_all_reduce_fallback():
     assert all(pool(2).run(check_bad_input_and_fallback, 2))
 
 
-def overlap_without_sequence_parallel() -> str:
+def parallelize_error(**options) -> str:
+    """The ValueError's message of parallelize on a tiny GPT under tp2 (gloo ranks) with ``options``."""
     from megakern.models.gpt import GPT
     from megakern.parallel import ParallelDims, parallelize
 
@@ -90,14 +91,14 @@ def overlap_without_sequence_parallel() -> str:
 
     pm = ParallelDims(tp=2).build("cpu", timeout=60)
     try:
-        parallelize(GPT(tiny_config("gpt")), pm, None, sequence_parallel=False, tp_comm_overlap=True)
+        parallelize(GPT(tiny_config("gpt")), pm, None, **options)
     except ValueError as exc:
         return str(exc)
     return "no error"
 
 
 def test_overlap_needs_sequence_parallel():
-    for message in pool(2).run(overlap_without_sequence_parallel):
+    for message in pool(2).run(parallelize_error, sequence_parallel=False, tp_comm_overlap=True):
         assert "tp_comm_overlap" in message and "sequence_parallel=True" in message, message
 
 
@@ -174,21 +175,7 @@ def test_column_gather_gemm_seam():
     assert all(pool(2).run(check_column_gather_gemm_seam, 2))
 
 
-def symmetric_on_gloo() -> str:
-    from megakern.models.gpt import GPT
-    from megakern.parallel import ParallelDims, parallelize
-
-    from gpt_check import tiny_config
-
-    pm = ParallelDims(tp=2).build("cpu", timeout=60)
-    try:
-        parallelize(GPT(tiny_config("gpt")), pm, None, sequence_parallel=True, tp_comm_overlap=True,
-                    tp_overlap_impl="symmetric")
-    except ValueError as exc:
-        return str(exc)
-    return "no error"
-
-
 def test_symmetric_impl_refused_on_gloo():
-    for message in pool(2).run(symmetric_on_gloo):
+    for message in pool(2).run(parallelize_error, sequence_parallel=True, tp_comm_overlap=True,
+                               tp_overlap_impl="symmetric"):
         assert "tp_overlap_impl='symmetric' cannot run here: the device is cpu" in message, message
