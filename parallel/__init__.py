@@ -19,10 +19,11 @@ from megakern.parallel.dims import (MESH_DIMS, DisagreementError, ParallelDims, 
                                     RendezvousError, check_agreement, config_hash, init_distributed, versions)
 from megakern.parallel.expert import ExpertDispatcher, all_to_all, apply_expert_parallel
 from megakern.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, linear_reduce
-from megakern.parallel.overlap import gemm_reduce_scatter
+from megakern.parallel.overlap import all_gather_gemm, gemm_reduce_scatter
 from megakern.parallel.parallelize import ParallelModel, parallelize
 from megakern.parallel.pipeline import PipelineChunk, cut_stage, stage_layout
 from megakern.parallel.rng import RNGTracker, region_seed
+from megakern.parallel.symmetric import SymmetricWorkspace
 from megakern.parallel.tensor_parallel import TPInfo, apply_tensor_parallel
 from megakern.parallel.watchdog import EXIT_CODE as WATCHDOG_EXIT_CODE
 from megakern.parallel.watchdog import StepWatchdog, WatchdogError
@@ -32,8 +33,8 @@ from megakern.parallel.mappings import (copy_to_tp, gather_from_sp, gather_from_
 __all__ = [
     "MESH_DIMS", "ColumnParallelLinear", "DisagreementError", "ExpertDispatcher", "ParallelDims", "ParallelMesh",
     "ParallelModel", "PipelineChunk", "RNGTracker", "Rendezvous", "RendezvousError", "RingAttention",
-    "RowParallelLinear", "StepWatchdog", "TPInfo", "VocabParallelEmbedding", "WATCHDOG_EXIT_CODE", "WatchdogError",
-    "all_to_all", "apply_expert_parallel", "apply_tensor_parallel", "check_agreement", "clip_grad_norm_", "config_hash",
+    "RowParallelLinear", "StepWatchdog", "SymmetricWorkspace", "TPInfo", "VocabParallelEmbedding", "WATCHDOG_EXIT_CODE", "WatchdogError",
+    "all_gather_gemm", "all_to_all", "apply_expert_parallel", "apply_tensor_parallel", "check_agreement", "clip_grad_norm_", "config_hash",
     "cut_stage", "gemm_reduce_scatter", "parallelize", "stage_layout",
     "copy_to_tp", "cp_positions", "cp_shard", "cp_unshard", "gather_from_sp", "gather_from_tp", "init_distributed",
     "linear_reduce", "reduce_from_tp", "reduce_scatter_to_sp", "region_seed", "ring_attention", "scatter_to_sp",
