@@ -33,9 +33,10 @@ from megakern.parallel.mappings import (copy_to_tp, gather_from_sp, gather_from_
 __all__ = [
     "MESH_DIMS", "ColumnParallelLinear", "DisagreementError", "ExpertDispatcher", "ParallelDims", "ParallelMesh",
     "ParallelModel", "PipelineChunk", "RNGTracker", "Rendezvous", "RendezvousError", "RingAttention",
-    "RowParallelLinear", "StepWatchdog", "SymmetricWorkspace", "TPInfo", "VocabParallelEmbedding", "WATCHDOG_EXIT_CODE", "WatchdogError",
-    "all_gather_gemm", "all_to_all", "apply_expert_parallel", "apply_tensor_parallel", "check_agreement", "clip_grad_norm_", "config_hash",
-    "cut_stage", "gemm_reduce_scatter", "parallelize", "stage_layout",
+    "RowParallelLinear", "StepWatchdog", "SymmetricWorkspace", "TPInfo", "VocabParallelEmbedding",
+    "WATCHDOG_EXIT_CODE", "WatchdogError",
+    "all_gather_gemm", "all_to_all", "apply_expert_parallel", "apply_tensor_parallel", "check_agreement",
+    "clip_grad_norm_", "config_hash", "cut_stage", "gemm_reduce_scatter", "parallelize", "stage_layout",
     "copy_to_tp", "cp_positions", "cp_shard", "cp_unshard", "gather_from_sp", "gather_from_tp", "init_distributed",
     "linear_reduce", "reduce_from_tp", "reduce_scatter_to_sp", "region_seed", "ring_attention", "scatter_to_sp",
     "scatter_to_tp",
