@@ -1,0 +1,393 @@
+"""Hugging Face checkpoints to and from megakern GPTs: ``load(path) -> (model, config)`` and ``save(model, dir)``.
+
+A Hugging Face checkpoint is a directory with config.json and safetensors weights (one model.safetensors, or shards
+named by model.safetensors.index.json); they are read and written with the ``safetensors`` library, never pickles.
+
+Families (config.json's ``architectures``):
+
+| architecture | megakern GPT |
+|---|---|
+| GPT2LMHeadModel | LayerNorm, learned positions, GELU (tanh), biases, tied embeddings |
+| LlamaForCausalLM, MistralForCausalLM | RMSNorm, RoPE (rotate-half, rope_theta, Llama-3 rope_scaling), SwiGLU, |
+| | grouped-query attention, no biases |
+
+Weights are rearranged, not recomputed: GPT-2's Conv1D weights are transposed; q, k and v (GPT-2's fused c_attn, or
+Llama's q_proj / k_proj / v_proj) become megakern's qkv, whose rows are grouped per key/value head ([the g query
+heads it serves, its k head, its v head]); Llama's gate_proj and up_proj become megakern's fc with interleaved rows
+(2i the gate of unit i, 2i + 1 its up projection); the embedding gets megakern's padded vocabulary (rows past the
+tokenizer's zero on import, dropped on export). Import then export gives the same tensors, bit for bit.
+
+What a checkpoint uses that megakern lacks is a ValueError naming the file and the field (an unknown architecture,
+attention or MLP biases in a Llama, a head dim other than hidden / heads, an activation other than the family's, a
+rope_scaling type megakern does not implement); a missing, extra or misshapen tensor names the tensor, the file and
+both shapes; a truncated or corrupt safetensors file names the file. ``save`` writes into a temporary directory beside
+the target and renames it into place: an export that fails leaves nothing behind.
+
+A Mistral ``sliding_window`` shorter than ``max_position_embeddings`` becomes the model's max_seqlen: within it the
+attention is the same (megakern attends to the whole context).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from megakern.models.gpt import GPT, GPTConfig
+
+CONFIG = "config.json"
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+FAMILIES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"}
+MAX_SHARD_BYTES = 5 * 2**30
+
+
+# ---- configs ---------------------------------------------------------------------------------------------------
+def _need(ok: bool, where: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{where}: {message}")
+
+
+def config_from_hf(hf: dict, where: str = CONFIG) -> tuple[GPTConfig, str]:
+    """(megakern GPTConfig, family) of a Hugging Face config dict; ValueError naming what megakern lacks."""
+    archs = hf.get("architectures") or []
+    family = next((FAMILIES[a] for a in archs if a in FAMILIES), None)
+    _need(family is not None, where, f"architectures {archs} is not one megakern imports (known: {sorted(FAMILIES)})")
+    if family == "gpt2":
+        act = hf.get("activation_function", "gelu_new")
+        _need(act in ("gelu_new", "gelu_pytorch_tanh"), where,
+              f"activation_function {act!r}: megakern's GPT-2 MLP is the tanh GELU (gelu_new)")
+        _need(hf.get("scale_attn_weights", True), where, "scale_attn_weights false: megakern scales by 1/sqrt(hs)")
+        _need(not hf.get("scale_attn_by_inverse_layer_idx", False), where,
+              "scale_attn_by_inverse_layer_idx true is not implemented")
+        c = hf["n_embd"]
+        config = GPTConfig(n_layer=hf["n_layer"], n_embd=c, n_head=hf["n_head"], ffn_hidden=hf.get("n_inner") or 4 * c,
+                           vocab_size=hf["vocab_size"], max_seqlen=hf["n_positions"], norm="layernorm",
+                           norm_eps=hf.get("layer_norm_epsilon", 1e-5), position="learned", activation="gelu",
+                           bias=True, tie_embeddings=hf.get("tie_word_embeddings", True), dropout=0.0)
+        return config.validate(), family
+    # llama / mistral
+    c, nh = hf["hidden_size"], hf["num_attention_heads"]
+    _need(hf.get("hidden_act", "silu") == "silu", where, f"hidden_act {hf.get('hidden_act')!r}: megakern's SwiGLU "
+                                                          "gates with silu")
+    for key in ("attention_bias", "mlp_bias"):
+        _need(not hf.get(key, False), where, f"{key} true: megakern's {family} layers have no biases")
+    head_dim = hf.get("head_dim") or c // nh
+    _need(head_dim * nh == c, where, f"head_dim {head_dim} x num_attention_heads {nh} != hidden_size {c}: megakern's "
+                                     "head dim is hidden_size / heads")
+    params = hf.get("rope_parameters") or {}
+    theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
+    scaling = hf.get("rope_scaling")
+    if scaling is None and params.get("rope_type", "default") != "default":
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    if scaling is not None and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = None
+    max_seqlen = hf.get("max_position_embeddings", 2048)
+    window = hf.get("sliding_window") if family == "mistral" else None
+    if window is not None and window < max_seqlen:
+        max_seqlen = window
+    config = GPTConfig(n_layer=hf["num_hidden_layers"], n_embd=c, n_head=nh,
+                       n_kv_head=hf.get("num_key_value_heads") or nh, ffn_hidden=hf["intermediate_size"],
+                       vocab_size=hf["vocab_size"], max_seqlen=max_seqlen, norm="rmsnorm",
+                       norm_eps=hf.get("rms_norm_eps", 1e-6), position="rotary", rotary_base=float(theta),
+                       rope_scaling=scaling, activation="swiglu", bias=False,
+                       tie_embeddings=hf.get("tie_word_embeddings", False), dropout=0.0)
+    try:
+        return config.validate(), family
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
+def config_to_hf(config: GPTConfig, family: str, dtype: torch.dtype) -> dict:
+    """The config.json of ``config`` as a ``family`` model."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    if family == "gpt2":
+        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": config.n_layer,
+                "n_embd": config.n_embd, "n_head": config.n_head, "n_inner": config.ffn_hidden,
+                "n_positions": config.max_seqlen, "n_ctx": config.max_seqlen, "vocab_size": config.vocab_size,
+                "layer_norm_epsilon": config.norm_eps, "activation_function": "gelu_new",
+                "tie_word_embeddings": config.tie_embeddings, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+                "attn_pdrop": 0.0, "scale_attn_weights": True, "torch_dtype": dtype_name, "dtype": dtype_name}
+    arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}[family]
+    out = {"architectures": [arch], "model_type": family, "num_hidden_layers": config.n_layer,
+           "hidden_size": config.n_embd, "num_attention_heads": config.n_head,
+           "num_key_value_heads": config.n_kv_head, "head_dim": config.head_dim,
+           "intermediate_size": config.ffn_hidden, "vocab_size": config.vocab_size,
+           "max_position_embeddings": config.max_seqlen, "rms_norm_eps": config.norm_eps, "hidden_act": "silu",
+           "rope_theta": config.rotary_base, "rope_scaling": config.rope_scaling, "attention_bias": False,
+           "mlp_bias": False, "tie_word_embeddings": config.tie_embeddings, "attention_dropout": 0.0,
+           "torch_dtype": dtype_name, "dtype": dtype_name}
+    if family == "mistral":
+        out["sliding_window"] = None
+    return out
+
+
+def family_of(config: GPTConfig) -> str:
+    """The Hugging Face family a megakern config exports as; ValueError naming what none of them has."""
+    if (config.norm, config.position, config.activation, config.bias) == ("layernorm", "learned", "gelu", True):
+        _need(config.n_kv_head == config.n_head, "GPTConfig", "GPT-2 has no grouped-query attention "
+                                                               f"(n_kv_head {config.n_kv_head} != n_head)")
+        return "gpt2"
+    if (config.norm, config.position, config.activation, config.bias) == ("rmsnorm", "rotary", "swiglu", False):
+        _need(config.rotary_pct == 1.0, "GPTConfig", f"rotary_pct {config.rotary_pct}: Llama rotates the whole head")
+        return "llama"
+    raise ValueError(f"GPTConfig: norm={config.norm}, position={config.position}, activation={config.activation}, "
+                     f"bias={config.bias} is neither GPT-2 (layernorm, learned, gelu, biases) nor Llama (rmsnorm, "
+                     "rotary, swiglu, no biases)")
+
+
+def _check_exportable(config: GPTConfig) -> None:
+    _need(not config.n_experts, "GPTConfig", f"n_experts={config.n_experts}: Mixture-of-Experts export is not "
+                                             "implemented")
+
+
+# ---- weights ---------------------------------------------------------------------------------------------------
+def _qkv_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: GPTConfig) -> torch.Tensor:
+    """megakern's qkv (rows grouped per kv head: its g query heads, its k head, its v head) from q, k, v (rows per
+    head, first dim)."""
+    nkv, hs = config.n_kv_head, config.head_dim
+    g = config.n_head // nkv
+    rest = q.shape[1:]
+    parts = [q.reshape(nkv, g, hs, *rest), k.reshape(nkv, 1, hs, *rest), v.reshape(nkv, 1, hs, *rest)]
+    return torch.cat(parts, dim=1).reshape(nkv * (g + 2) * hs, *rest)
+
+
+def _qkv_split(qkv: torch.Tensor, config: GPTConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    nkv, hs = config.n_kv_head, config.head_dim
+    g = config.n_head // nkv
+    rest = qkv.shape[1:]
+    grouped = qkv.reshape(nkv, g + 2, hs, *rest)
+    return (grouped[:, :g].reshape(nkv * g * hs, *rest), grouped[:, g].reshape(nkv * hs, *rest),
+            grouped[:, g + 1].reshape(nkv * hs, *rest))
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+
+def state_from_hf(tensors: dict, config: GPTConfig, family: str) -> dict:
+    """megakern's state dict from a Hugging Face one (names without the files); KeyError lists the missing names."""
+    out = {}
+    V = config.padded_vocab
+
+    def take(name):
+        return tensors[name]
+
+    if family == "gpt2":
+        pre = "transformer."
+        out["wte.weight"] = _pad_rows(take(pre + "wte.weight"), V)
+        out["wpe.weight"] = take(pre + "wpe.weight")
+        c = config.n_embd
+        for i in range(config.n_layer):
+            h, b = f"{pre}h.{i}.", f"blocks.{i}."
+            for src, dst in (("ln_1", "attn_norm"), ("ln_2", "mlp_norm")):
+                out[b + dst + ".weight"], out[b + dst + ".bias"] = take(h + src + ".weight"), take(h + src + ".bias")
+            w, bias = take(h + "attn.c_attn.weight").t(), take(h + "attn.c_attn.bias")  # (3C, C): q, k, v blocks
+            out[b + "attn.qkv.weight"] = _qkv_rows(w[:c], w[c:2 * c], w[2 * c:], config)
+            out[b + "attn.qkv.bias"] = _qkv_rows(bias[:c], bias[c:2 * c], bias[2 * c:], config)
+            out[b + "attn.proj.weight"], out[b + "attn.proj.bias"] = (take(h + "attn.c_proj.weight").t(),
+                                                                      take(h + "attn.c_proj.bias"))
+            out[b + "mlp.fc.weight"] = take(h + "mlp.c_fc.weight").t()
+            out[b + "mlp.fc.bias"] = take(h + "mlp.c_fc.bias")
+            out[b + "mlp.proj.weight"], out[b + "mlp.proj.bias"] = (take(h + "mlp.c_proj.weight").t(),
+                                                                    take(h + "mlp.c_proj.bias"))
+        out["norm_f.weight"], out["norm_f.bias"] = take(pre + "ln_f.weight"), take(pre + "ln_f.bias")
+        if not config.tie_embeddings:
+            out["lm_head.weight"] = _pad_rows(take("lm_head.weight"), V)
+    else:
+        pre = "model."
+        out["wte.weight"] = _pad_rows(take(pre + "embed_tokens.weight"), V)
+        for i in range(config.n_layer):
+            h, b = f"{pre}layers.{i}.", f"blocks.{i}."
+            out[b + "attn_norm.weight"] = take(h + "input_layernorm.weight")
+            out[b + "mlp_norm.weight"] = take(h + "post_attention_layernorm.weight")
+            out[b + "attn.qkv.weight"] = _qkv_rows(take(h + "self_attn.q_proj.weight"),
+                                                   take(h + "self_attn.k_proj.weight"),
+                                                   take(h + "self_attn.v_proj.weight"), config)
+            out[b + "attn.proj.weight"] = take(h + "self_attn.o_proj.weight")
+            gate, up = take(h + "mlp.gate_proj.weight"), take(h + "mlp.up_proj.weight")
+            out[b + "mlp.fc.weight"] = torch.stack([gate, up], dim=1).reshape(2 * gate.shape[0], gate.shape[1])
+            out[b + "mlp.proj.weight"] = take(h + "mlp.down_proj.weight")
+        out["norm_f.weight"] = take(pre + "norm.weight")
+        if not config.tie_embeddings:
+            out["lm_head.weight"] = _pad_rows(take("lm_head.weight"), V)
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def state_to_hf(state: dict, config: GPTConfig, family: str) -> dict:
+    """A Hugging Face state dict (contiguous, no shared storage) from megakern's."""
+    out = {}
+    V = config.vocab_size
+    if family == "gpt2":
+        pre = "transformer."
+        out[pre + "wte.weight"] = state["wte.weight"][:V]
+        out[pre + "wpe.weight"] = state["wpe.weight"]
+        for i in range(config.n_layer):
+            h, b = f"{pre}h.{i}.", f"blocks.{i}."
+            for dst, src in (("ln_1", "attn_norm"), ("ln_2", "mlp_norm")):
+                out[h + dst + ".weight"], out[h + dst + ".bias"] = state[b + src + ".weight"], state[b + src + ".bias"]
+            q, k, v = _qkv_split(state[b + "attn.qkv.weight"], config)
+            out[h + "attn.c_attn.weight"] = torch.cat([q, k, v]).t()
+            out[h + "attn.c_attn.bias"] = torch.cat(_qkv_split(state[b + "attn.qkv.bias"], config))
+            out[h + "attn.c_proj.weight"], out[h + "attn.c_proj.bias"] = (state[b + "attn.proj.weight"].t(),
+                                                                          state[b + "attn.proj.bias"])
+            out[h + "mlp.c_fc.weight"] = state[b + "mlp.fc.weight"].t()
+            out[h + "mlp.c_fc.bias"] = state[b + "mlp.fc.bias"]
+            out[h + "mlp.c_proj.weight"], out[h + "mlp.c_proj.bias"] = (state[b + "mlp.proj.weight"].t(),
+                                                                        state[b + "mlp.proj.bias"])
+        out[pre + "ln_f.weight"], out[pre + "ln_f.bias"] = state["norm_f.weight"], state["norm_f.bias"]
+    else:
+        pre = "model."
+        out[pre + "embed_tokens.weight"] = state["wte.weight"][:V]
+        for i in range(config.n_layer):
+            h, b = f"{pre}layers.{i}.", f"blocks.{i}."
+            out[h + "input_layernorm.weight"] = state[b + "attn_norm.weight"]
+            out[h + "post_attention_layernorm.weight"] = state[b + "mlp_norm.weight"]
+            q, k, v = _qkv_split(state[b + "attn.qkv.weight"], config)
+            out[h + "self_attn.q_proj.weight"], out[h + "self_attn.k_proj.weight"] = q, k
+            out[h + "self_attn.v_proj.weight"] = v
+            out[h + "self_attn.o_proj.weight"] = state[b + "attn.proj.weight"]
+            fc = state[b + "mlp.fc.weight"]
+            pairs = fc.reshape(fc.shape[0] // 2, 2, fc.shape[1])
+            out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = pairs[:, 0], pairs[:, 1]
+            out[h + "mlp.down_proj.weight"] = state[b + "mlp.proj.weight"]
+        out[pre + "norm.weight"] = state["norm_f.weight"]
+    if not config.tie_embeddings:
+        out["lm_head.weight"] = state["lm_head.weight"][:V]
+    return {k: v.detach().contiguous().clone() for k, v in out.items()}
+
+
+# ---- files -----------------------------------------------------------------------------------------------------
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: not found (a Hugging Face checkpoint directory holds config.json and "
+                                f"{SINGLE} or {INDEX})") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+
+
+def _read_tensors(root: Path) -> tuple[dict, dict]:
+    """{name: tensor} of the checkpoint's safetensors files and {name: file}; errors name the file."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if (root / INDEX).exists():
+        weight_map = _read_json(root / INDEX).get("weight_map")
+        _need(isinstance(weight_map, dict) and weight_map, str(root / INDEX), "no weight_map")
+        files = sorted(set(weight_map.values()))
+    elif (root / SINGLE).exists():
+        files = [SINGLE]
+    else:
+        raise FileNotFoundError(f"{root}: neither {SINGLE} nor {INDEX} (only safetensors checkpoints are read; "
+                                "convert pytorch_model.bin files with transformers first)")
+    tensors, where = {}, {}
+    for name in files:
+        path = root / name
+        try:
+            part = load_file(str(path))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path}: named by {INDEX} but not found") from None
+        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+            raise ValueError(f"{path}: not a readable safetensors file (truncated or corrupt?): {exc}") from None
+        for key, t in part.items():
+            tensors[key], where[key] = t, name
+    return tensors, where
+
+
+def load(path, *, dtype: torch.dtype | None = None, device="cpu") -> tuple[GPT, GPTConfig]:
+    """(model, config) of the Hugging Face checkpoint directory ``path``; weights in ``dtype`` (default: as stored)
+    on ``device``. Unused tensors other than rotary tables are an error, as are missing ones."""
+    root = Path(path)
+    _need(root.is_dir(), str(root), "not a directory")
+    hf = _read_json(root / CONFIG)
+    config, family = config_from_hf(hf, str(root / CONFIG))
+    tensors, where = _read_tensors(root)
+    expected = _hf_shapes(config, family)
+    missing = [n for n in expected if n not in tensors]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"{root}: the {family} checkpoint lacks tensor {missing[0]!r}{more} (files "
+                         f"{sorted(set(where.values()))})")
+    extra = sorted(n for n in tensors if n not in expected and not n.endswith("rotary_emb.inv_freq")
+                   and not (config.tie_embeddings and n == "lm_head.weight"))
+    if extra:
+        raise ValueError(f"{root}: tensors megakern does not use: {extra[:8]}{' ...' if len(extra) > 8 else ''} "
+                         f"(in {sorted({where[n] for n in extra})})")
+    for name, shape in expected.items():
+        got = tuple(tensors[name].shape)
+        _need(got == shape, str(root / where[name]), f"tensor {name} has shape {got}; {CONFIG} asks for {shape}")
+    state = state_from_hf(tensors, config, family)
+    with torch.device("meta"):
+        model = GPT(config)
+    dtype = dtype or next(iter(state.values())).dtype
+    model.to_empty(device=device)
+    model.to(dtype)
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
+    return model, config
+
+
+def _hf_shapes(config: GPTConfig, family: str) -> dict:
+    """{tensor name: shape} of a ``family`` checkpoint of ``config``."""
+    with torch.device("meta"):
+        state = GPT(config).state_dict()
+    return {name: tuple(t.shape) for name, t in state_to_hf(state, config, family).items()}
+
+
+def save(model: GPT, path, *, family: str | None = None, dtype: torch.dtype | None = None,
+         max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+    """Writes ``model`` (a megakern GPT, or its state dict with ``model.config``) as a Hugging Face checkpoint
+    directory ``path`` (config.json, model.safetensors or shards with their index) in ``dtype`` (default: the
+    model's). ``family``: "gpt2" | "llama" | "mistral" (default: the one its config matches). ``path`` must not
+    exist or be an empty directory; on any error nothing is left there."""
+    from safetensors.torch import save_file
+
+    config = model.config
+    _check_exportable(config)
+    family = family or family_of(config)
+    _need(family in FAMILIES.values(), "save", f"family {family!r} (known: {sorted(FAMILIES.values())})")
+    if family != family_of(config):
+        raise ValueError(f"save: a {family_of(config)} model cannot be written as {family}")
+    state = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
+    dtype = dtype or next(iter(state.values())).dtype
+    tensors = {k: v.to(dtype) for k, v in state_to_hf(state, config, family).items()}
+    target = Path(path)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise FileExistsError(f"{target}: exists and is not an empty directory; nothing written")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        (tmp / CONFIG).write_text(json.dumps(config_to_hf(config, family, dtype), indent=2) + "\n")
+        shards, size = [{}], 0
+        for name, t in tensors.items():
+            nbytes = t.numel() * t.element_size()
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][name] = t
+            size += nbytes
+        metadata = {"format": "pt"}
+        if len(shards) == 1:
+            save_file(shards[0], str(tmp / SINGLE), metadata=metadata)
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, str(tmp / name), metadata=metadata)
+                weight_map.update({k: name for k in shard})
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                indent=2) + "\n")
+        if target.exists():
+            target.rmdir()
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target

@@ -1,0 +1,194 @@
+"""megakern.models.hf against transformers, on CPU with tiny random models built offline: logits parity (fp32,
+max |difference| <= 1e-4) for GPT-2, Llama (GQA, Llama-3 rope_scaling, tied embeddings) and Mistral; import -> export ->
+import bit-exact; an export transformers loads and generates the same greedy tokens from; sharded checkpoints; bad
+input (truncated file, unknown architecture, misshapen / missing / extra tensors, unsupported fields, a non-empty
+target) named, nothing written."""
+import json
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install '.[hf]')")
+pytest.importorskip("safetensors", reason="safetensors is not installed (pip install '.[hf]')")
+
+from megakern.models import hf  # noqa: E402
+
+V = 300
+
+
+def _hf_model(family: str, **kw):
+    from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                              MistralForCausalLM)
+
+    transformers.logging.set_verbosity_error()
+    if family == "gpt2":
+        cfg = GPT2Config(vocab_size=V, n_embd=64, n_layer=2, n_head=4, n_positions=96, bos_token_id=0,
+                         eos_token_id=0, **kw)
+        return GPT2LMHeadModel(cfg)
+    common = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, bos_token_id=0,
+                  eos_token_id=0)
+    common.update(kw)
+    if family == "mistral":
+        return MistralForCausalLM(MistralConfig(**common))
+    return LlamaForCausalLM(LlamaConfig(**common))
+
+
+CASES = {
+    "gpt2": ("gpt2", {}),
+    "llama-gqa": ("llama", {}),
+    "llama3-tied-mqa": ("llama", dict(num_key_value_heads=1, tie_word_embeddings=True, rope_theta=500000.0,
+                                      max_position_embeddings=256,
+                                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "mistral": ("mistral", dict(sliding_window=None)),
+}
+
+
+def _saved(tmp_path, name, seed=0):
+    family, kw = CASES[name]
+    torch.manual_seed(seed)
+    model = _hf_model(family, **kw).eval()
+    with torch.no_grad():  # norms and biases away from their initial 1 / 0
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    path = tmp_path / name
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.save_pretrained(path)
+    return model, path
+
+
+def _ids(seed=1, shape=(2, 37)):
+    return torch.randint(0, V, shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_import_logits_match_transformers(tmp_path, name):
+    ref_model, path = _saved(tmp_path, name)
+    model, config = hf.load(path)
+    model.eval()
+    idx = _ids()
+    with torch.no_grad():
+        want = ref_model(idx).logits
+        got = model(idx)[..., :V]
+    assert config.vocab_size == V and got.dtype == torch.float32
+    assert (got - want).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_export_round_trip_and_transformers_generation(tmp_path, name):
+    ref_model, path = _saved(tmp_path, name)
+    model, config = hf.load(path)
+    out = hf.save(model, tmp_path / "export")
+    again, config2 = hf.load(out)
+    assert config2 == config
+    for (k, a), (k2, b) in zip(model.state_dict().items(), again.state_dict().items()):
+        assert k == k2 and torch.equal(a, b), k  # bit-exact
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(out).eval()
+    idx = _ids(2, (1, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(exported(idx).logits, ref_model(idx).logits, rtol=0, atol=1e-5)
+        greedy = exported.generate(idx, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        want = ref_model.generate(idx, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(greedy, want)
+    exported_files = {p.name for p in out.iterdir()}
+    assert exported_files == {"config.json", "model.safetensors"}, exported_files
+
+
+def test_sharded_export_and_import(tmp_path):
+    _, path = _saved(tmp_path, "llama-gqa")
+    model, _ = hf.load(path)
+    out = hf.save(model, tmp_path / "sharded", max_shard_bytes=20_000)
+    index = json.loads((out / hf.INDEX).read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    again, _ = hf.load(out)
+    for a, b in zip(model.state_dict().values(), again.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_bf16_load_and_save(tmp_path):
+    _, path = _saved(tmp_path, "gpt2")
+    model, _ = hf.load(path, dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    out = hf.save(model, tmp_path / "bf16")
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+# ---- bad input ---------------------------------------------------------------------------------------------------
+def _edit_config(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_truncated_safetensors_named(tmp_path):
+    _, path = _saved(tmp_path, "llama-gqa")
+    f = path / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"model\.safetensors: not a readable safetensors file"):
+        hf.load(path)
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(architectures=["FalconForCausalLM"]), r"architectures \['FalconForCausalLM'\] is not one megakern imports"),
+    (dict(attention_bias=True), "attention_bias true: megakern's llama layers have no biases"),
+    (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+    (dict(head_dim=32), "head_dim 32 x num_attention_heads 4 != hidden_size 64"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling"),
+])
+def test_unsupported_config_named(tmp_path, changes, message):
+    _, path = _saved(tmp_path, "llama-gqa")
+    _edit_config(path, **changes)
+    with pytest.raises(ValueError, match=message) as info:
+        hf.load(path)
+    assert "config.json" in str(info.value)
+
+
+def test_misshapen_missing_and_extra_tensors_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _, path = _saved(tmp_path, "llama-gqa")
+    f = path / "model.safetensors"
+    tensors = load_file(str(f))
+    name = "model.layers.1.mlp.up_proj.weight"
+    bad = dict(tensors)
+    bad[name] = torch.zeros(97, 64)
+    save_file(bad, str(f))
+    with pytest.raises(ValueError, match=r"model\.safetensors: tensor model\.layers\.1\.mlp\.up_proj\.weight has "
+                                         r"shape \(97, 64\); config\.json asks for \(96, 64\)"):
+        hf.load(path)
+    missing = {k: v for k, v in tensors.items() if k != name}
+    save_file(missing, str(f))
+    with pytest.raises(ValueError, match="lacks tensor 'model.layers.1.mlp.up_proj.weight'"):
+        hf.load(path)
+    save_file({**tensors, "model.layers.0.self_attn.q_norm.weight": torch.ones(16)}, str(f))
+    with pytest.raises(ValueError, match=r"tensors megakern does not use: \['model\.layers\.0\.self_attn\.q_norm"):
+        hf.load(path)
+
+
+def test_vocab_and_context_from_config(tmp_path):
+    """A Mistral sliding window shorter than the context becomes max_seqlen; the padded vocabulary rows are 0."""
+    _, path = _saved(tmp_path, "mistral")
+    _edit_config(path, sliding_window=64)
+    model, config = hf.load(path)
+    assert config.max_seqlen == 64 and config.padded_vocab > V
+    assert not model.wte.weight[V:].any()
+
+
+def test_save_refuses_a_non_empty_target_and_leaves_nothing(tmp_path):
+    _, path = _saved(tmp_path, "gpt2")
+    model, _ = hf.load(path)
+    target = tmp_path / "taken"
+    target.mkdir()
+    (target / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not an empty directory; nothing written"):
+        hf.save(model, target)
+    assert [p.name for p in target.iterdir()] == ["keep.txt"]
+    with pytest.raises(ValueError, match="cannot be written as llama"):
+        hf.save(model, tmp_path / "wrong", family="llama")
+    assert not (tmp_path / "wrong").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary directory left
