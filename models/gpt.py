@@ -116,6 +116,8 @@ class GPTConfig:
     """Dropout probability on the embeddings and on each block's attention and MLP outputs."""
     bias: bool = True
     """Biases in the linear layers and LayerNorms."""
+    qkv_bias: Optional[bool] = None
+    """Biases in the attention's qkv projection alone (Qwen2: true with bias false); None: as ``bias``."""
     init_std: float = 0.02
     """Standard deviation of the normal initialization of embeddings and linear weights."""
     scaled_init: bool = True
@@ -229,6 +231,8 @@ class GPTConfig:
         need(self.n_embd % self.n_head == 0, f"n_head ({self.n_head}) must divide n_embd ({self.n_embd})")
         need(self.n_head % self.n_kv_head == 0,
              f"n_kv_head ({self.n_kv_head}) must divide n_head ({self.n_head}) (grouped-query attention)")
+        need(self.qkv_bias is None or isinstance(self.qkv_bias, bool),
+             f"qkv_bias must be true, false or null (as bias), got {self.qkv_bias!r}")
         need(self.norm in NORMS, f"norm must be one of {NORMS}, got {self.norm!r}")
         need(self.position in POSITIONS, f"position must be one of {POSITIONS}, got {self.position!r}")
         need(self.activation in ACTIVATIONS, f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
@@ -445,7 +449,8 @@ class CausalSelfAttention(nn.Module):
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
         hs = config.head_dim
         # rows grouped per kv head: [g query heads, k head, v head] for each kv head (a TP shard is one row block)
-        self.qkv = nn.Linear(config.n_embd, (config.n_head + 2 * config.n_kv_head) * hs, bias=config.bias)
+        qkv_bias = config.bias if config.qkv_bias is None else config.qkv_bias
+        self.qkv = nn.Linear(config.n_embd, (config.n_head + 2 * config.n_kv_head) * hs, bias=qkv_bias)
         self.proj = nn.Linear(config.n_head * hs, config.n_embd, bias=config.bias)
         self.core = AttentionCore(config.kernels)
         self.kernels = config.kernels

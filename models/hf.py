@@ -10,6 +10,7 @@ Families (config.json's ``architectures``):
 | GPT2LMHeadModel | LayerNorm, learned positions, GELU (tanh), biases, tied embeddings |
 | LlamaForCausalLM, MistralForCausalLM | RMSNorm, RoPE (rotate-half, rope_theta, Llama-3 rope_scaling), SwiGLU, |
 | | grouped-query attention, no biases |
+| Qwen2ForCausalLM | as Llama, with biases in q, k and v (``qkv_bias``) |
 
 Weights are rearranged, not recomputed: GPT-2's Conv1D weights are transposed; q, k and v (GPT-2's fused c_attn, or
 Llama's q_proj / k_proj / v_proj) become megakern's qkv, whose rows are grouped per key/value head ([the g query
@@ -41,7 +42,8 @@ from megakern.models.gpt import GPT, GPTConfig
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-FAMILIES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"}
+FAMILIES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+            "Qwen2ForCausalLM": "qwen2"}
 MAX_SHARD_BYTES = 5 * 2**30
 
 
@@ -69,7 +71,7 @@ def config_from_hf(hf: dict, where: str = CONFIG) -> tuple[GPTConfig, str]:
                            norm_eps=hf.get("layer_norm_epsilon", 1e-5), position="learned", activation="gelu",
                            bias=True, tie_embeddings=hf.get("tie_word_embeddings", True), dropout=0.0)
         return config.validate(), family
-    # llama / mistral
+    # llama / mistral / qwen2
     c, nh = hf["hidden_size"], hf["num_attention_heads"]
     _need(hf.get("hidden_act", "silu") == "silu", where, f"hidden_act {hf.get('hidden_act')!r}: megakern's SwiGLU "
                                                           "gates with silu")
@@ -87,13 +89,19 @@ def config_from_hf(hf: dict, where: str = CONFIG) -> tuple[GPTConfig, str]:
         scaling = None
     max_seqlen = hf.get("max_position_embeddings", 2048)
     window = hf.get("sliding_window") if family == "mistral" else None
+    if family == "qwen2" and hf.get("use_sliding_window", False):
+        window = hf.get("sliding_window")
+        _need(hf.get("max_window_layers", 0) >= hf["num_hidden_layers"] or window is None or window >= max_seqlen,
+              where, f"use_sliding_window with sliding_window {window} below max_position_embeddings {max_seqlen} "
+                     "in some layers (max_window_layers): megakern attends to the whole context in every layer")
+        window = None
     if window is not None and window < max_seqlen:
         max_seqlen = window
     config = GPTConfig(n_layer=hf["num_hidden_layers"], n_embd=c, n_head=nh,
                        n_kv_head=hf.get("num_key_value_heads") or nh, ffn_hidden=hf["intermediate_size"],
                        vocab_size=hf["vocab_size"], max_seqlen=max_seqlen, norm="rmsnorm",
                        norm_eps=hf.get("rms_norm_eps", 1e-6), position="rotary", rotary_base=float(theta),
-                       rope_scaling=scaling, activation="swiglu", bias=False,
+                       rope_scaling=scaling, activation="swiglu", bias=False, qkv_bias=family == "qwen2" or None,
                        tie_embeddings=hf.get("tie_word_embeddings", False), dropout=0.0)
     try:
         return config.validate(), family
@@ -111,7 +119,7 @@ def config_to_hf(config: GPTConfig, family: str, dtype: torch.dtype) -> dict:
                 "layer_norm_epsilon": config.norm_eps, "activation_function": "gelu_new",
                 "tie_word_embeddings": config.tie_embeddings, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
                 "attn_pdrop": 0.0, "scale_attn_weights": True, "torch_dtype": dtype_name, "dtype": dtype_name}
-    arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}[family]
+    arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}[family]
     out = {"architectures": [arch], "model_type": family, "num_hidden_layers": config.n_layer,
            "hidden_size": config.n_embd, "num_attention_heads": config.n_head,
            "num_key_value_heads": config.n_kv_head, "head_dim": config.head_dim,
@@ -122,6 +130,10 @@ def config_to_hf(config: GPTConfig, family: str, dtype: torch.dtype) -> dict:
            "torch_dtype": dtype_name, "dtype": dtype_name}
     if family == "mistral":
         out["sliding_window"] = None
+    if family == "qwen2":
+        for key in ("attention_bias", "mlp_bias", "head_dim"):
+            del out[key]
+        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=config.n_layer)
     return out
 
 
@@ -130,10 +142,11 @@ def family_of(config: GPTConfig) -> str:
     if (config.norm, config.position, config.activation, config.bias) == ("layernorm", "learned", "gelu", True):
         _need(config.n_kv_head == config.n_head, "GPTConfig", "GPT-2 has no grouped-query attention "
                                                                f"(n_kv_head {config.n_kv_head} != n_head)")
+        _need(config.qkv_bias in (None, True), "GPTConfig", "qkv_bias false: GPT-2's c_attn has a bias")
         return "gpt2"
     if (config.norm, config.position, config.activation, config.bias) == ("rmsnorm", "rotary", "swiglu", False):
         _need(config.rotary_pct == 1.0, "GPTConfig", f"rotary_pct {config.rotary_pct}: Llama rotates the whole head")
-        return "llama"
+        return "qwen2" if config.qkv_bias else "llama"
     raise ValueError(f"GPTConfig: norm={config.norm}, position={config.position}, activation={config.activation}, "
                      f"bias={config.bias} is neither GPT-2 (layernorm, learned, gelu, biases) nor Llama (rmsnorm, "
                      "rotary, swiglu, no biases)")
@@ -209,6 +222,10 @@ def state_from_hf(tensors: dict, config: GPTConfig, family: str) -> dict:
             out[b + "attn.qkv.weight"] = _qkv_rows(take(h + "self_attn.q_proj.weight"),
                                                    take(h + "self_attn.k_proj.weight"),
                                                    take(h + "self_attn.v_proj.weight"), config)
+            if family == "qwen2":
+                out[b + "attn.qkv.bias"] = _qkv_rows(take(h + "self_attn.q_proj.bias"),
+                                                     take(h + "self_attn.k_proj.bias"),
+                                                     take(h + "self_attn.v_proj.bias"), config)
             out[b + "attn.proj.weight"] = take(h + "self_attn.o_proj.weight")
             gate, up = take(h + "mlp.gate_proj.weight"), take(h + "mlp.up_proj.weight")
             out[b + "mlp.fc.weight"] = torch.stack([gate, up], dim=1).reshape(2 * gate.shape[0], gate.shape[1])
@@ -251,6 +268,10 @@ def state_to_hf(state: dict, config: GPTConfig, family: str) -> dict:
             q, k, v = _qkv_split(state[b + "attn.qkv.weight"], config)
             out[h + "self_attn.q_proj.weight"], out[h + "self_attn.k_proj.weight"] = q, k
             out[h + "self_attn.v_proj.weight"] = v
+            if family == "qwen2":
+                qb, kb, vb = _qkv_split(state[b + "attn.qkv.bias"], config)
+                out[h + "self_attn.q_proj.bias"], out[h + "self_attn.k_proj.bias"] = qb, kb
+                out[h + "self_attn.v_proj.bias"] = vb
             out[h + "self_attn.o_proj.weight"] = state[b + "attn.proj.weight"]
             fc = state[b + "mlp.fc.weight"]
             pairs = fc.reshape(fc.shape[0] // 2, 2, fc.shape[1])
@@ -352,8 +373,9 @@ def save(model: GPT, path, *, family: str | None = None, dtype: torch.dtype | No
     _check_exportable(config)
     family = family or family_of(config)
     _need(family in FAMILIES.values(), "save", f"family {family!r} (known: {sorted(FAMILIES.values())})")
-    if family != family_of(config):
-        raise ValueError(f"save: a {family_of(config)} model cannot be written as {family}")
+    natural = family_of(config)
+    if family != natural and {family, natural} != {"llama", "mistral"}:
+        raise ValueError(f"save: a {natural} model cannot be written as {family}")
     state = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
     dtype = dtype or next(iter(state.values())).dtype
     tensors = {k: v.to(dtype) for k, v in state_to_hf(state, config, family).items()}

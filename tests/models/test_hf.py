@@ -1,5 +1,6 @@
 """megakern.models.hf against transformers, on CPU with tiny random models built offline: logits parity (fp32,
-max |difference| <= 1e-4) for GPT-2, Llama (GQA, Llama-3 rope_scaling, tied embeddings) and Mistral; import -> export ->
+max |difference| <= 1e-4) for GPT-2, Llama (GQA, Llama-3 rope_scaling, tied embeddings), Mistral and Qwen2 (qkv
+biases); import -> export ->
 import bit-exact; an export transformers loads and generates the same greedy tokens from; sharded checkpoints; bad
 input (truncated file, unknown architecture, misshapen / missing / extra tensors, unsupported fields, a non-empty
 target) named, nothing written."""
@@ -19,7 +20,7 @@ V = 300
 
 def _hf_model(family: str, **kw):
     from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                              MistralForCausalLM)
+                              MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
     transformers.logging.set_verbosity_error()
     if family == "gpt2":
@@ -32,6 +33,8 @@ def _hf_model(family: str, **kw):
     common.update(kw)
     if family == "mistral":
         return MistralForCausalLM(MistralConfig(**common))
+    if family == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**common))
     return LlamaForCausalLM(LlamaConfig(**common))
 
 
@@ -43,6 +46,7 @@ CASES = {
                                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
     "mistral": ("mistral", dict(sliding_window=None)),
+    "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True, rope_theta=1e6)),
 }
 
 
