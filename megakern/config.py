@@ -689,10 +689,20 @@ def _build_model(base_model, layers: list[dict], known: list[str], use_preset: b
             else:
                 keys[key] = _coerce(value, hints[key], f"model.{key}")
     try:
+        if keys.get("init_from") is not None:  # the architecture of a Hugging Face checkpoint: its config.json
+            if name is not None:
+                raise ConfigError(f"model.preset {name!r} and model.init_from {keys['init_from']!r} both set: the "
+                                  "architecture of a Hugging Face checkpoint is its config.json (drop the preset)")
+            source = keys["init_from"]
+            if not isinstance(source, str) or not source.startswith("hf:"):
+                raise ConfigError(f"config key 'model.init_from': expected 'hf:DIR', got {source!r}")
+            from megakern.models.hf import read_config
+
+            return dataclasses.replace(read_config(source[3:]), **keys).validate()
         if name is None and not use_preset:
             return dataclasses.replace(base_model, **keys)
         return cls.preset(name or DEFAULT_PRESET, **keys)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OSError) as exc:
         raise ConfigError(f"model: {exc}") from None
 
 

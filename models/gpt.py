@@ -122,6 +122,10 @@ class GPTConfig:
     """Standard deviation of the normal initialization of embeddings and linear weights."""
     scaled_init: bool = True
     """Output projections (attn.proj, mlp.proj) start with std init_std / sqrt(2 * n_layer) (GPT-2)."""
+    init_from: Optional[str] = None
+    """Weights to start from instead of the random initialization: 'hf:DIR', a Hugging Face checkpoint directory
+    (megakern.models.hf), whose config.json also gives the architecture (model keys beside it override its fields:
+    dropout, kernels, recompute, ...; a preset with it is an error)."""
     recompute: str = "none"
     """Activation recomputation: "none" | "selective" (the attention core) | "full" (each block)."""
     kernels: dict = field(default_factory=dict)
@@ -231,6 +235,9 @@ class GPTConfig:
         need(self.n_embd % self.n_head == 0, f"n_head ({self.n_head}) must divide n_embd ({self.n_embd})")
         need(self.n_head % self.n_kv_head == 0,
              f"n_kv_head ({self.n_kv_head}) must divide n_head ({self.n_head}) (grouped-query attention)")
+        need(self.init_from is None or (isinstance(self.init_from, str) and self.init_from.startswith("hf:")
+                                        and len(self.init_from) > 3),
+             f"init_from must be 'hf:DIR' (a Hugging Face checkpoint directory) or null, got {self.init_from!r}")
         need(self.qkv_bias is None or isinstance(self.qkv_bias, bool),
              f"qkv_bias must be true, false or null (as bias), got {self.qkv_bias!r}")
         need(self.norm in NORMS, f"norm must be one of {NORMS}, got {self.norm!r}")

@@ -26,6 +26,10 @@ the target and renames it into place: an export that fails leaves nothing behind
 
 A Mistral ``sliding_window`` shorter than ``max_position_embeddings`` becomes the model's max_seqlen: within it the
 attention is the same (megakern attends to the whole context).
+
+The logits of the tokenizer's ids equal transformers'. megakern's loss and sampling see its padded vocabulary: the
+rows past vocab_size start at zero (logit 0), so where vocab_size is not a multiple of 128 (GPT-2's 50257, not
+Llama-3's 128256) an imported model's loss counts those columns in its softmax until training pushes them down.
 """
 from __future__ import annotations
 
@@ -322,9 +326,10 @@ def _read_tensors(root: Path) -> tuple[dict, dict]:
     return tensors, where
 
 
-def load(path, *, dtype: torch.dtype | None = None, device="cpu") -> tuple[GPT, GPTConfig]:
-    """(model, config) of the Hugging Face checkpoint directory ``path``; weights in ``dtype`` (default: as stored)
-    on ``device``. Unused tensors other than rotary tables are an error, as are missing ones."""
+def read_state(path) -> tuple[dict, GPTConfig]:
+    """(megakern state dict on the CPU in the checkpoint's dtype, config) of the Hugging Face checkpoint directory
+    ``path``, every tensor checked (names, shapes) and nothing built: what ``load`` and a parallel run's
+    initialization (``parallelize(init_state=...)``) start from."""
     root = Path(path)
     _need(root.is_dir(), str(root), "not a directory")
     hf = _read_json(root / CONFIG)
@@ -344,7 +349,19 @@ def load(path, *, dtype: torch.dtype | None = None, device="cpu") -> tuple[GPT, 
     for name, shape in expected.items():
         got = tuple(tensors[name].shape)
         _need(got == shape, str(root / where[name]), f"tensor {name} has shape {got}; {CONFIG} asks for {shape}")
-    state = state_from_hf(tensors, config, family)
+    return state_from_hf(tensors, config, family), config
+
+
+def read_config(path) -> GPTConfig:
+    """The megakern GPTConfig of the Hugging Face checkpoint directory ``path`` (its config.json alone)."""
+    root = Path(path)
+    return config_from_hf(_read_json(root / CONFIG), str(root / CONFIG))[0]
+
+
+def load(path, *, dtype: torch.dtype | None = None, device="cpu") -> tuple[GPT, GPTConfig]:
+    """(model, config) of the Hugging Face checkpoint directory ``path``; weights in ``dtype`` (default: as stored)
+    on ``device``. Unused tensors other than rotary tables are an error, as are missing ones."""
+    state, config = read_state(path)
     with torch.device("meta"):
         model = GPT(config)
     dtype = dtype or next(iter(state.values())).dtype

@@ -64,12 +64,14 @@ IGNORE_INDEX = -100
 def parallelize(model: nn.Module, mesh: ParallelMesh | ParallelDims, config: ParallelConfig | None = None, *,
                 generator=None, rng: RNGTracker | None = None, seed: int | None = None,
                 master_weights: bool = False, read_model_grads: bool = False, fp8=None,
-                compile: bool | str = False, **overrides) -> ParallelModel:
+                compile: bool | str = False, init_state: dict | None = None, **overrides) -> ParallelModel:
     """Shard ``model`` (a megakern.models.gpt.GPT, materialized or on the meta device) over ``mesh``.
 
     ``config``: the ParallelConfig whose choices apply (default ``ParallelConfig()``; its sizes are the mesh's, which
     is what counts here); keywords override its fields (``microbatches=4``, ``dp_shard="ddp"``, ...).
     ``generator``: for a meta-device model, the generator of its initialization (as ``GPT.init_weights``).
+    ``init_state``: for a meta-device model, the whole model's weights to start from instead ({name: tensor} in the
+    single GPT's names and shapes, e.g. megakern.models.hf's import; any device): each rank copies its slices.
     ``rng``: the dropout RNG tracker of this rank (default: ``RNGTracker.from_mesh(seed, mesh)``, ``seed`` defaulting
     to the initialization generator's initial seed when there is one, else 0).
     ``master_weights``: bf16 parameters with fp32 master weights (Megatron's and megakern-train's bf16 precision):
@@ -100,7 +102,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh | ParallelDims, config: Par
         raise TypeError(f"parallelize: unknown options {unknown}; ParallelConfig's fields are {sorted(fields)}")
     options = dataclasses.replace(config, **overrides)
     return ParallelModel(model, mesh, options, generator, rng, seed, master_weights=master_weights,
-                         read_model_grads=read_model_grads, fp8=fp8, compile=compile)
+                         read_model_grads=read_model_grads, fp8=fp8, compile=compile, init_state=init_state)
 
 
 class ParallelModel:
@@ -112,7 +114,8 @@ class ParallelModel:
 
     def __init__(self, model: nn.Module, pm: ParallelMesh, options: ParallelConfig, generator=None,
                  rng: RNGTracker | None = None, seed: int | None = None, *, master_weights: bool = False,
-                 read_model_grads: bool = False, fp8=None, compile: bool | str = False):
+                 read_model_grads: bool = False, fp8=None, compile: bool | str = False,
+                 init_state: dict | None = None):
         d = pm.dims
         cfg = getattr(model, "config", None)
         if cfg is None or not isinstance(getattr(model, "blocks", None), nn.ModuleDict):
@@ -215,8 +218,14 @@ class ParallelModel:
         # the expert weights (E / ep experts each), reduced over the expert-data-parallel group (expert.py)
         self.expert_params = {p for g, names in zip(self.gpts, self.expert_names)
                               for name, p in g.named_parameters() if name in names}
+        if init_state is not None and not meta:
+            raise ValueError("parallelize: init_state is for a model on the meta device (a materialized model "
+                             "already holds its weights)")
         if meta:
-            self._init_weights(type(model), generator)
+            if init_state is not None:
+                self._load_weights(init_state)
+            else:
+                self._init_weights(type(model), generator)
             for g in self.gpts:  # persistent state that is not a parameter (MoE routers' balancing biases)
                 if hasattr(g, "init_buffers"):
                     g.init_buffers()
@@ -796,11 +805,37 @@ class ParallelModel:
             group.update({k: v for k, v in hp.items() if k != "params"})
 
     # ---- initialization --------------------------------------------------------------------------------------------
+    def _slices(self):
+        """(name in the single model, local parameter, split dim or None, this rank's index, parts) per parameter."""
+        for name, p, tp_dim, _, tied_copy in self._param_table():
+            split, index, parts = tp_dim, self.mesh.tp_rank, self.tp
+            if p in self.expert_params:  # this rank's E / ep experts
+                split, index, parts = 0, self.mesh.ep_rank, self.ep
+            yield ("wte.weight" if tied_copy else name), p, split, index, parts
+
+    @torch.no_grad()
+    def _load_weights(self, state: dict) -> None:
+        """Every local shard from the whole model's tensors in ``state`` (checked: names and full shapes)."""
+        missing = []
+        for name, p, split, index, parts in self._slices():
+            if name not in state:
+                missing.append(name)
+                continue
+            full = state[name]
+            shape = list(p.shape)
+            if split is not None:
+                shape[split] *= parts
+            if tuple(full.shape) != tuple(shape):
+                raise ValueError(f"parallelize: init_state[{name!r}] has shape {tuple(full.shape)}, the model's is "
+                                 f"{tuple(shape)}")
+            n = p.shape[split] if split is not None else None
+            p.copy_(full.narrow(split, index * n, n) if split is not None else full)
+        if missing:
+            raise ValueError(f"parallelize: init_state lacks {missing[:6]}{' ...' if len(missing) > 6 else ''}")
+
     def _init_weights(self, gpt_class, generator) -> None:
         """Initialize every local shard as the single model's init_weights initializes the whole tensor: the full
         tensor of each parameter is drawn (one at a time) by the model's own rule and this rank's slice kept."""
-        rank = self.mesh.tp_rank
-        table = self._param_table()
         config = self.config
 
         class FullShapes:  # what GPT.init_weights reads: config and named_parameters()
@@ -810,15 +845,12 @@ class ParallelModel:
         shim.config = config
 
         def named_parameters():
-            for name, p, tp_dim, _, tied_copy in table:
+            for name, p, split, index, parts in self._slices():
                 shape = list(p.shape)
-                split, index, parts = tp_dim, rank, self.tp
-                if p in self.expert_params:  # this rank's E / ep experts
-                    split, index, parts = 0, self.mesh.ep_rank, self.ep
                 if split is not None:
                     shape[split] *= parts
                 full = torch.empty(shape, dtype=p.dtype, device=p.device)
-                yield ("wte.weight" if tied_copy else name), full
+                yield name, full
                 with torch.no_grad():
                     n = p.shape[split] if split is not None else None
                     p.copy_(full.narrow(split, index * n, n) if split is not None else full)

@@ -57,6 +57,15 @@ class TrainStep:
 
         with torch.device("meta"):
             model = GPT(c.model)
+        init_state = None
+        if c.model.init_from is not None:  # the whole model's weights on the CPU; each rank keeps its slices
+            from megakern.models import hf
+
+            try:
+                init_state, _ = hf.read_state(c.model.init_from.removeprefix("hf:"))
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"model.init_from: {exc}") from None
+            log(f"model: initialized from {c.model.init_from} ({len(init_state)} tensors)")
         self.n_params, self.n_body = model.num_params(), model.num_params(exclude_embeddings=True)
         self.n_active = model.num_params(active=True)
         self.flops_per_token_fn = model.flops_per_token
@@ -76,7 +85,9 @@ class TrainStep:
                 self.pmodel = parallelize(model, env.mesh, p, generator=generator, microbatches=microbatches,
                                           fsdp_param_dtype=fsdp_dtype, master_weights=precision == "bf16",
                                           read_model_grads=self.optim_impl == "megakern",
-                                          fp8=fp8_recipe(t.fp8) if t.fp8 != "none" else None, compile=t.compile)
+                                          fp8=fp8_recipe(t.fp8) if t.fp8 != "none" else None, compile=t.compile,
+                                          init_state=init_state)
+            del init_state
             if self.capture_stream is not None:
                 torch.cuda.current_stream(device).wait_stream(self.capture_stream)
         except ValueError as exc:

@@ -196,3 +196,43 @@ def test_save_refuses_a_non_empty_target_and_leaves_nothing(tmp_path):
         hf.save(model, tmp_path / "wrong", family="llama")
     assert not (tmp_path / "wrong").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary directory left
+
+
+# ---- starting a (parallel) run from an imported checkpoint ----------------------------------------------------------
+def test_model_init_from_config_keys(tmp_path):
+    """model.init_from=hf:DIR takes the architecture from config.json; model keys beside it override its fields; a
+    preset with it, a path without 'hf:', or a missing directory is a ConfigError naming it."""
+    from megakern.config import ConfigError, load_config
+
+    _, path = _saved(tmp_path, "llama-gqa")
+    config = load_config(None, [f"model.init_from=hf:{path}", "model.dropout=0.1"])
+    assert (config.model.n_layer, config.model.n_kv_head, config.model.vocab_size) == (2, 2, V)
+    assert config.model.dropout == 0.1 and config.model.init_from == f"hf:{path}"
+    with pytest.raises(ConfigError, match="model.preset 'gpt-tiny' and model.init_from"):
+        load_config(None, ["model.preset=gpt-tiny", f"model.init_from=hf:{path}"])
+    with pytest.raises(ConfigError, match="expected 'hf:DIR'"):
+        load_config(None, [f"model.init_from={path}"])
+    with pytest.raises(ConfigError, match=r"nowhere/config\.json: not found"):
+        load_config(None, [f"model.init_from=hf:{tmp_path / 'nowhere'}"])
+
+
+def test_trainer_starts_from_the_checkpoint(tmp_path):
+    """megakern-train with model.init_from=hf:DIR (the default byte corpus: 257 ids within the model's 300): the
+    model it builds holds the checkpoint's weights (lr 0: one step changes nothing), and says where they came from."""
+    from megakern.config import load_config
+    from megakern.train import Trainer
+
+    _, path = _saved(tmp_path, "llama-gqa")
+    config = load_config(None, [f"model.init_from=hf:{path}", "train.device=cpu", "train.steps=1",
+                                "train.micro_batch_size=2", "optim.lr=1e-30", "schedule.min_lr=0", "log.progress=false",
+                                "log.tensorboard=false", "train.sample_tokens=0", "data.num_workers=0",
+                                "eval.every=0", "checkpoint.final=false", f"log.run_dir={tmp_path / 'run'}"])
+    console = tmp_path / "console.txt"
+    trainer = Trainer(config, stream=open(console, "a"))
+    trainer.run()
+    want, _ = hf.read_state(path)
+    got = trainer.stepper.model.state_dict()
+    for name, t in want.items():
+        rows = V if name in ("wte.weight", "lm_head.weight") else t.shape[0]  # the padded vocabulary rows train too
+        assert torch.equal(got[name][:rows].to(t.dtype), t[:rows]), name
+    assert f"model: initialized from hf:{path}" in console.read_text()
