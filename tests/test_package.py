@@ -142,7 +142,7 @@ def test_pip_install_gives_working_imports(tmp_path):
     assert not (target / "models").exists() and not (target / "parallel").exists()
     for name in _kernel_sources():
         assert (target / "megakern" / "_csrc" / name).is_file(), name
-    assert (target / "bin" / "megakern-train").is_file()  # the console script
+    assert (target / "bin" / "megakern-train").is_file() and (target / "bin" / "megakern-export").is_file()
     _check_imports(target, tmp_path)
 
 
@@ -255,7 +255,9 @@ def test_sdist_carries_the_sources_and_installs_the_kernels(tmp_path):
     requires = meta.get_all("Requires-Dist")
     assert {r for r in requires if "extra ==" not in r} == set(project["dependencies"])
     assert set(meta.get_all("Provides-Extra")) == {"triton", "hf", "nvrtc-cu12", "nvrtc-cu13", "wandb", "bench", "dev"}
-    assert "megakern-train = megakern.train:main" in (info / "entry_points.txt").read_text()
+    entry_points = (info / "entry_points.txt").read_text()
+    assert "megakern-train = megakern.train:main" in entry_points
+    assert "megakern-export = megakern.models.export:main" in entry_points
 
 
 def test_metadata_lives_in_pyproject_only():
@@ -265,7 +267,8 @@ def test_metadata_lives_in_pyproject_only():
     project, tool = pyproject["project"], pyproject["tool"]["setuptools"]
     assert "version" not in project and project["dynamic"] == ["version"]
     assert tool["dynamic"]["version"] == {"attr": "megakern.__version__"}
-    assert project["scripts"] == {"megakern-train": "megakern.train:main"}
+    assert project["scripts"] == {"megakern-train": "megakern.train:main",
+                                  "megakern-export": "megakern.models.export:main"}
     calls = [node for node in ast.walk(ast.parse((ROOT / "setup.py").read_text()))
              if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setup"]
     assert len(calls) == 1 and {k.arg for k in calls[0].keywords} == {"ext_modules", "cmdclass"}

@@ -15,7 +15,7 @@ from megakern.data import DataError
 from megakern.train.schedule import LRSchedule
 
 # Model fields that do not change the parameters: a checkpoint loads across changes of these.
-RUNTIME_MODEL_FIELDS = ("kernels", "recompute", "ce_chunk", "dropout")
+RUNTIME_MODEL_FIELDS = ("kernels", "recompute", "ce_chunk", "dropout", "init_from")  # not the architecture
 
 
 def describe_layout(layout: Mapping) -> str:

@@ -8,6 +8,7 @@ After an intended change of the model, the data pipeline or the loop, regenerate
 
 and say why in the commit.
 """
+import importlib.util
 import json
 import math
 import os
@@ -508,11 +509,13 @@ def _logged_losses(run_dir: Path) -> dict[int, float]:
 
 def test_two_ranks_match_one_process_and_resume_in_one(tmp_path, data_cache):
     """torchrun, 2 CPU ranks (gloo), FSDP over dp=2 through megakern.parallel: the same losses as one process on the
-    same global batch; its checkpoint (written by both ranks) resumes in one process with the same losses."""
+    same global batch; its checkpoint (written by both ranks) resumes in one process with the same losses, and
+    megakern-export writes it (on the CPU, no process group) as the Hugging Face model the one process's checkpoint
+    of the same step becomes."""
     pytest.importorskip("megakern.parallel")
     common = [*TINY, "train.micro_batch_size=4", "train.global_batch_size=8", "eval.every=0",
               f"data.cache_dir={data_cache}"]
-    single = trainer(tmp_path, data_cache, *common, "train.steps=5", name="single").run()
+    single = trainer(tmp_path, data_cache, *common, "train.steps=5", "checkpoint.every=3", name="single").run()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
            "-m", "megakern.train", *common, "train.steps=3", "parallel.dp=2", "parallel.dp_shard=fsdp",
            f"log.run_dir={tmp_path / 'ranks'}"]
@@ -531,6 +534,18 @@ def test_two_ranks_match_one_process_and_resume_in_one(tmp_path, data_cache):
     assert sorted(resumed.losses) == [4, 5]
     for step in (4, 5):
         assert resumed.losses[step] == pytest.approx(single.losses[step], abs=1e-5)
+    if importlib.util.find_spec("transformers") and importlib.util.find_spec("safetensors"):
+        from transformers import AutoModelForCausalLM
+
+        from megakern.models.export import main as export
+
+        outs = []
+        for name, step_dir in (("ranks", ckpt), ("single", tmp_path / "single" / "checkpoints" / "step_00000003")):
+            assert export([str(step_dir), str(tmp_path / f"hf-{name}")]) == 0
+            outs.append(AutoModelForCausalLM.from_pretrained(tmp_path / f"hf-{name}").eval())
+        idx = torch.randint(0, 257, (2, 24), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            torch.testing.assert_close(outs[0](idx).logits, outs[1](idx).logits, rtol=0, atol=1e-4)
 
 
 def test_console_script_is_declared():
@@ -538,6 +553,7 @@ def test_console_script_is_declared():
 
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     assert project["scripts"]["megakern-train"] == "megakern.train:main"
+    assert project["scripts"]["megakern-export"] == "megakern.models.export:main"
 
 
 if __name__ == "__main__":
