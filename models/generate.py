@@ -13,7 +13,8 @@ free memory; a cache that does not fit raises MemoryError saying how much it nee
 under no_grad, and its previous mode is restored afterwards, also on errors.
 
 Sampling: logits of the real vocabulary only (the padded rows never come out), divided by ``temperature`` (0:
-greedy argmax), cut to the ``top_k`` largest, then drawn with ``generator``. ``eos_id`` (an id or a list of ids,
+greedy argmax), cut to the ``top_k`` largest, then to the nucleus of ``top_p`` (the most likely tokens whose
+probabilities sum to top_p), then drawn with ``generator``. ``eos_id`` (an id or a list of ids,
 checked against the vocabulary): a sequence that emits one is padded with the first stop id from then on, and
 generation stops early once every sequence has stopped.
 """
@@ -51,7 +52,7 @@ def _stop_ids(eos_id, vocab_size: int) -> list[int]:
     return list(ids)
 
 
-def _check(model: GPT, idx, max_new_tokens, temperature, top_k) -> None:
+def _check(model: GPT, idx, max_new_tokens, temperature, top_k, top_p=None) -> None:
     config = model.config
     if not isinstance(model, GPT):
         raise TypeError(f"generate: model must be a megakern GPT, got {type(model).__name__}")
@@ -77,6 +78,9 @@ def _check(model: GPT, idx, max_new_tokens, temperature, top_k) -> None:
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)
                               or not 1 <= top_k <= config.vocab_size):
         raise ValueError(f"generate: top_k must be None or an int in 1..{config.vocab_size}, got {top_k!r}")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
+                              or not 0 < top_p <= 1):
+        raise ValueError(f"generate: top_p must be None or a number in (0, 1], got {top_p!r}")
     if idx.numel():
         lo, hi = (int(v) for v in torch.aminmax(idx))
         if lo < 0 or hi >= config.vocab_size:
@@ -132,23 +136,32 @@ def _forward_step(model: GPT, idx, cache, start: int) -> torch.Tensor:
     return F.linear(y[:, 0], model.output_weight()[:model.config.vocab_size]).float()
 
 
-def _sample(logits, temperature: float, top_k, generator):
+def _sample(logits, temperature: float, top_k, generator, top_p=None):
     if temperature == 0:
         return logits.argmax(-1)
     logits = logits / temperature
     if top_k is not None:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1:
+        # nucleus: the most likely tokens whose probabilities sum to top_p (the first one always kept)
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = F.softmax(sorted_logits, dim=-1)
+        before = probs.cumsum(-1) - probs  # the mass of the tokens ranked above each
+        sorted_logits = sorted_logits.masked_fill(before >= top_p, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)[:, 0]
 
 
 def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
-             generator: torch.Generator | None = None, eos_id: int | Sequence[int] | None = None) -> torch.Tensor:
+             generator: torch.Generator | None = None, eos_id: int | Sequence[int] | None = None,
+             top_p: float | None = None) -> torch.Tensor:
     """idx (B, T) prompt ids -> (B, T + n) ids, n <= max_new_tokens (fewer when every sequence stopped at eos_id).
 
-    ``temperature`` 0 is greedy; ``top_k`` keeps the k most likely tokens; ``generator`` seeds the draws.
+    ``temperature`` 0 is greedy; ``top_k`` keeps the k most likely tokens, ``top_p`` the most likely ones whose
+    probabilities sum to top_p (after top_k); ``generator`` seeds the draws.
     """
-    _check(model, idx, max_new_tokens, temperature, top_k)
+    _check(model, idx, max_new_tokens, temperature, top_k, top_p)
     stops = _stop_ids(eos_id, model.config.vocab_size)
     was_training = model.training
     model.eval()
@@ -165,7 +178,7 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, temperature:
             done = torch.zeros(B, dtype=torch.bool, device=idx.device)
             logits = _forward_step(model, idx, cache, 0)  # prefill
             for i in range(max_new_tokens):
-                token = _sample(logits, temperature, top_k, generator)
+                token = _sample(logits, temperature, top_k, generator, top_p)
                 if stops:
                     token = torch.where(done, stop[0], token)  # a finished sequence repeats its stop id
                     done |= torch.isin(token, stop)

@@ -734,12 +734,13 @@ class GPT(nn.Module):
                     chunk_size=config.ce_chunk, backend=config.kernels, check_targets=check_values)
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0, top_k: Optional[int] = None,
-                 generator: Optional[torch.Generator] = None, eos_id=None) -> torch.Tensor:
+                 generator: Optional[torch.Generator] = None, eos_id=None,
+                 top_p: Optional[float] = None) -> torch.Tensor:
         """idx (B, T) -> (B, T + n) with a preallocated KV cache; see megakern.models.generate."""
         from megakern.models.generate import generate
 
         return generate(self, idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator,
-                        eos_id=eos_id)
+                        eos_id=eos_id, top_p=top_p)
 
     def _check_inputs(self, idx, targets, cu_seqlens, position_ids, check_values: bool = True) -> tuple[int, int]:
         config = self.config

@@ -1,5 +1,6 @@
 """Generation with the KV cache (megakern.models.generate): cached steps equal the uncached model's argmax
-continuation; sampling is reproducible and respects top_k; stop ids, lengths, memory and modes are checked."""
+continuation; sampling is reproducible and respects top_k and top_p; stop ids, lengths, memory and modes are
+checked."""
 from __future__ import annotations
 
 import pytest
@@ -81,6 +82,26 @@ def test_sampling_is_seeded_and_respects_top_k():
     assert (top3 == out[:, 3:, None]).any(-1).all()
 
 
+def test_top_p_keeps_the_nucleus():
+    """top_p: every token drawn lies in the smallest set of most likely tokens whose mass reaches top_p (from the
+    uncached model's probabilities at temperature 1); top_p 1 is plain sampling with the same draws."""
+    model = make("gpt2-like")
+    with torch.no_grad():
+        model.output_weight().div_(5)
+    idx = torch.randint(0, 101, (4, 3))
+    out = model.generate(idx, 8, top_p=0.6, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        probs = model(out)[:, 2:-1, :101].float().softmax(-1)
+    sorted_probs, order = probs.sort(-1, descending=True)
+    kept = (sorted_probs.cumsum(-1) - sorted_probs) < 0.6  # the nucleus, in rank order
+    rank = (order == out[:, 3:, None]).float().argmax(-1)  # each drawn token's rank
+    assert kept.gather(-1, rank[..., None]).all()
+    assert (kept.sum(-1) < 101).any()  # the nucleus did cut tokens away somewhere
+    a = model.generate(idx, 8, top_p=1.0, generator=torch.Generator().manual_seed(5))
+    b = model.generate(idx, 8, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(a, b)
+
+
 def test_stop_ids():
     model = make("gpt2-like")
     idx = torch.randint(0, 101, (2, 4))
@@ -107,6 +128,8 @@ def test_stop_ids():
     (dict(temperature=-0.5), ValueError, "temperature must be a finite number >= 0"),
     (dict(top_k=0), ValueError, "top_k must be None or an int in 1..101"),
     (dict(top_k=102), ValueError, "top_k must be None or an int in 1..101"),
+    (dict(top_p=0.0), ValueError, "top_p must be None or a number in \\(0, 1\\]"),
+    (dict(top_p=1.5), ValueError, "top_p must be None or a number in \\(0, 1\\]"),
 ])
 def test_argument_errors(kwargs, error, message):
     model = make("gpt2-like")

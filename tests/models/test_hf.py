@@ -82,6 +82,18 @@ def test_import_logits_match_transformers(tmp_path, name):
 
 
 @pytest.mark.parametrize("name", list(CASES))
+def test_greedy_generation_matches_transformers(tmp_path, name):
+    """megakern's generation (KV cache) from an imported model, greedy, gives transformers' greedy tokens."""
+    ref_model, path = _saved(tmp_path, name)
+    model, _ = hf.load(path)
+    idx = _ids(4, (2, 7))
+    with torch.no_grad():
+        want = ref_model.generate(idx, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                                  attention_mask=torch.ones_like(idx))
+    assert torch.equal(model.generate(idx, 12, temperature=0), want)
+
+
+@pytest.mark.parametrize("name", list(CASES))
 def test_export_round_trip_and_transformers_generation(tmp_path, name):
     ref_model, path = _saved(tmp_path, name)
     model, config = hf.load(path)
