@@ -258,6 +258,7 @@ def test_sdist_carries_the_sources_and_installs_the_kernels(tmp_path):
     entry_points = (info / "entry_points.txt").read_text()
     assert "megakern-train = megakern.train:main" in entry_points
     assert "megakern-export = megakern.models.export:main" in entry_points
+    assert "megakern-generate = megakern.models.generate_cli:main" in entry_points
 
 
 def test_metadata_lives_in_pyproject_only():
@@ -268,7 +269,8 @@ def test_metadata_lives_in_pyproject_only():
     assert "version" not in project and project["dynamic"] == ["version"]
     assert tool["dynamic"]["version"] == {"attr": "megakern.__version__"}
     assert project["scripts"] == {"megakern-train": "megakern.train:main",
-                                  "megakern-export": "megakern.models.export:main"}
+                                  "megakern-export": "megakern.models.export:main",
+                                  "megakern-generate": "megakern.models.generate_cli:main"}
     calls = [node for node in ast.walk(ast.parse((ROOT / "setup.py").read_text()))
              if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setup"]
     assert len(calls) == 1 and {k.arg for k in calls[0].keywords} == {"ext_modules", "cmdclass"}

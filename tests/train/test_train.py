@@ -554,6 +554,7 @@ def test_console_script_is_declared():
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     assert project["scripts"]["megakern-train"] == "megakern.train:main"
     assert project["scripts"]["megakern-export"] == "megakern.models.export:main"
+    assert project["scripts"]["megakern-generate"] == "megakern.models.generate_cli:main"
 
 
 if __name__ == "__main__":
