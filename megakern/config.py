@@ -63,8 +63,9 @@ class DataConfig:
     weights: list[float] | None = None
     """Blend weights, one per path (normalized); None: a single path, or equal weights."""
     tokenizer: str = "byte"
-    """Tokenizer spec for the default corpus ('byte', 'char:FILE', 'gpt2:DIR', 'hf:FILE'); datasets given by
-    ``paths`` carry their own (PREFIX.tokenizer.json)."""
+    """Tokenizer spec for the default corpus ('byte', 'char:FILE', 'gpt2:DIR', 'hf:FILE'), and for Megatron-LM
+    datasets in ``paths`` (MMIDIDX .bin/.idx, which record none); megakern's own datasets carry theirs
+    (PREFIX.tokenizer.json)."""
     cache_dir: str | None = None
     """Where the default corpus is tokenized; None: $MEGAKERN_CACHE/data or ~/.cache/megakern/data."""
     index_cache_dir: str | None = None

@@ -12,13 +12,15 @@ from megakern.data.build import Data, DocumentSubset, build_data, split_document
 from megakern.data.corpus import ensure_default_dataset
 from megakern.data.gpt_dataset import GPTDataset, build_indices
 from megakern.data.indexed import DataError, IndexedDataset, IndexedDatasetWriter, dtype_for_vocab
+from megakern.data.megatron import MegatronIndexedDataset, is_megatron
 from megakern.data.sampler import PretrainingSampler, build_dataloader, check_ranks_agree
 from megakern.data.tokenizers import (ByteTokenizer, CharTokenizer, GPT2BPETokenizer, HFTokenizer, Tokenizer,
                                       load_tokenizer)
 
 __all__ = [
     "Batch", "BlendedDataset", "ByteTokenizer", "CharTokenizer", "Data", "DataError", "DocumentSubset", "GPT2BPETokenizer", "GPTDataset", "HFTokenizer",
-    "IndexedDataset", "IndexedDatasetWriter", "PretrainingSampler", "Tokenizer", "build_data", "build_dataloader", "build_indices",
-    "check_ranks_agree", "document_offsets", "dtype_for_vocab", "ensure_default_dataset", "load_tokenizer",
+    "IndexedDataset", "IndexedDatasetWriter", "MegatronIndexedDataset", "PretrainingSampler", "Tokenizer", "build_data", "build_dataloader", "build_indices",
+    "check_ranks_agree", "document_offsets", "dtype_for_vocab", "ensure_default_dataset", "is_megatron",
+    "load_tokenizer",
     "split_documents", "to_batch",
 ]

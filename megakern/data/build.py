@@ -19,6 +19,7 @@ from megakern.data.blended import BlendedDataset
 from megakern.data.corpus import ensure_default_dataset
 from megakern.data.gpt_dataset import GPTDataset
 from megakern.data.indexed import DataError, IndexedDataset
+from megakern.data.megatron import MegatronIndexedDataset, is_megatron
 from megakern.data.tokenizers import load_tokenizer
 
 
@@ -42,6 +43,14 @@ class DocumentSubset:
 
     def check_unmodified(self) -> None:
         self.indexed.check_unmodified()
+
+
+def open_indexed(prefix, vocab_size: int):
+    """The dataset at ``prefix``: megakern's own format, or Megatron-LM's (megatron.py), checked against the
+    vocabulary."""
+    if is_megatron(prefix):
+        return MegatronIndexedDataset(prefix, vocab_size=vocab_size)
+    return IndexedDataset(prefix, vocab_size=vocab_size)
 
 
 def split_documents(indexed: IndexedDataset, valid_fraction: float, seed: int) -> tuple[DocumentSubset, ...]:
@@ -78,10 +87,15 @@ def _dataset_prefixes(config: TrainConfig, log) -> tuple[list[Path], object]:
     prefixes, tokenizer = [Path(p) for p in d.paths], None
     for prefix in prefixes:
         spec = prefix.with_name(prefix.name + ".tokenizer.json")
-        try:
-            this = load_tokenizer(json.loads(spec.read_text()))
-        except FileNotFoundError:
-            raise DataError(f"{spec}: missing; datasets from megakern.data.preprocess carry their tokenizer there")
+        if is_megatron(prefix) and not spec.exists():  # Megatron-LM's corpora do not record their tokenizer
+            this = load_tokenizer(d.tokenizer)
+            log(f"data: {prefix} is a Megatron-LM dataset; its ids are read as {this.name}'s (data.tokenizer)")
+        else:
+            try:
+                this = load_tokenizer(json.loads(spec.read_text()))
+            except FileNotFoundError:
+                raise DataError(f"{spec}: missing; datasets from megakern.data.preprocess carry their tokenizer "
+                                "there") from None
         if tokenizer is not None and this.name != tokenizer.name:
             raise DataError(f"{prefix} was tokenized by {this.name}, {prefixes[0]} by {tokenizer.name}; a run "
                             "needs one tokenizer")
@@ -97,7 +111,7 @@ def build_data(config: TrainConfig, *, seq_length: int, eval_seq_length: int, tr
     if tokenizer.vocab_size > config.model.vocab_size:
         raise ConfigError(f"model.vocab_size {config.model.vocab_size} is smaller than the tokenizer's "
                           f"{tokenizer.vocab_size} ids ({tokenizer.name}); set model.vocab_size={tokenizer.vocab_size}")
-    splits = [split_documents(IndexedDataset(p, vocab_size=tokenizer.vocab_size), d.valid_fraction, d.split_seed)
+    splits = [split_documents(open_indexed(p, tokenizer.vocab_size), d.valid_fraction, d.split_seed)
               for p in prefixes]
     cache = d.index_cache_dir
 
