@@ -70,8 +70,14 @@ class DataConfig:
     """Where the default corpus is tokenized; None: $MEGAKERN_CACHE/data or ~/.cache/megakern/data."""
     index_cache_dir: str | None = None
     """Where the sample index arrays are cached between runs; None: built in memory each run."""
+    valid_paths: list[str] = field(default_factory=list)
+    """Separate validation datasets (prefixes as in ``paths``, the same tokenizer): eval reads them, training reads
+    every document of ``paths`` (nothing is held out); empty: ``valid_fraction`` of ``paths`` is held out."""
+    valid_weights: list[float] | None = None
+    """Blend weights of ``valid_paths``, one per path; None: equal weights."""
     valid_fraction: float = 0.05
-    """Fraction of each dataset's documents held out for eval (chosen by a seeded permutation of documents)."""
+    """Fraction of each dataset's documents held out for eval (chosen by a seeded permutation of documents), when
+    ``valid_paths`` is empty."""
     split_seed: int = 1234
     """Seed of the train/valid document split (fixed across runs, so resumes see the same split)."""
     max_epochs: int = 1
@@ -396,6 +402,12 @@ class TrainConfig:
                                                 f"{d.loader_timeout_s}")
         need(d.weights is None or len(d.weights) == max(len(d.paths), 1),
              f"data.weights has {len(d.weights or [])} entries for {len(d.paths)} data.paths")
+        need(not d.valid_paths or d.paths, "data.valid_paths needs data.paths (the default corpus holds out its own)")
+        need(d.valid_weights is None or len(d.valid_weights) == len(d.valid_paths),
+             f"data.valid_weights has {len(d.valid_weights or [])} entries for {len(d.valid_paths)} data.valid_paths")
+        need(not set(map(str, d.valid_paths)) & set(map(str, d.paths)),
+             f"data.valid_paths {sorted(set(map(str, d.valid_paths)) & set(map(str, d.paths)))} also in data.paths: "
+             "the model would be evaluated on its training documents")
         c = self.checkpoint
         need(c.every >= 0 and c.keep >= 0, f"checkpoint.every and checkpoint.keep must be >= 0, got {c.every}, "
                                            f"{c.keep}")

@@ -1,10 +1,12 @@
 """megakern.data: raw text -> token files -> training samples, with every assumption checked.
 
 tokenizers (byte, char, GPT-2 BPE, any tokenizer.json) -> preprocess (streaming, multiprocess:
-``megakern.data.preprocess.preprocess`` and ``python -m megakern.data.preprocess``) -> indexed (.bin/.idx with checksums) -> gpt_dataset (deterministic sample
+``megakern.data.preprocess.preprocess`` and ``python -m megakern.data.preprocess``) -> indexed (.bin/.idx with
+checksums; megatron: Megatron-LM's MMIDIDX files) -> gpt_dataset (deterministic sample
 indices, cached) -> blended (weighted mixes) -> sampler (resumable, data-parallel). corpus: the default corpus that
 is always present (the Python standard library's sources), built into a cache on first use. build: a run's
-train / held-out datasets (``build_data``); batch: samples -> device micro-batches (``to_batch``).
+train / held-out (or data.valid_paths) datasets (``build_data``); batch: samples -> device micro-batches
+(``to_batch``).
 """
 from megakern.data.batch import Batch, document_offsets, to_batch
 from megakern.data.blended import BlendedDataset
@@ -18,9 +20,9 @@ from megakern.data.tokenizers import (ByteTokenizer, CharTokenizer, GPT2BPEToken
                                       load_tokenizer)
 
 __all__ = [
-    "Batch", "BlendedDataset", "ByteTokenizer", "CharTokenizer", "Data", "DataError", "DocumentSubset", "GPT2BPETokenizer", "GPTDataset", "HFTokenizer",
-    "IndexedDataset", "IndexedDatasetWriter", "MegatronIndexedDataset", "PretrainingSampler", "Tokenizer", "build_data", "build_dataloader", "build_indices",
-    "check_ranks_agree", "document_offsets", "dtype_for_vocab", "ensure_default_dataset", "is_megatron",
-    "load_tokenizer",
+    "Batch", "BlendedDataset", "ByteTokenizer", "CharTokenizer", "Data", "DataError", "DocumentSubset",
+    "GPT2BPETokenizer", "GPTDataset", "HFTokenizer", "IndexedDataset", "IndexedDatasetWriter", "MegatronIndexedDataset",
+    "PretrainingSampler", "Tokenizer", "build_data", "build_dataloader", "build_indices", "check_ranks_agree",
+    "document_offsets", "dtype_for_vocab", "ensure_default_dataset", "is_megatron", "load_tokenizer",
     "split_documents", "to_batch",
 ]

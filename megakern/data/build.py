@@ -84,7 +84,12 @@ def _dataset_prefixes(config: TrainConfig, log) -> tuple[list[Path], object]:
         prefix = ensure_default_dataset(d.cache_dir, tokenizer)
         log(f"data: the default corpus, {tokenizer.name} tokens, at {prefix}")
         return [prefix], tokenizer
-    prefixes, tokenizer = [Path(p) for p in d.paths], None
+    return _prefixes_and_tokenizer([Path(p) for p in d.paths], d, log)
+
+
+def _prefixes_and_tokenizer(prefixes: list[Path], d, log) -> tuple[list[Path], object]:
+    """``prefixes`` and their common tokenizer (recorded beside them, or data.tokenizer for Megatron-LM's)."""
+    tokenizer = None
     for prefix in prefixes:
         spec = prefix.with_name(prefix.name + ".tokenizer.json")
         if is_megatron(prefix) and not spec.exists():  # Megatron-LM's corpora do not record their tokenizer
@@ -111,8 +116,17 @@ def build_data(config: TrainConfig, *, seq_length: int, eval_seq_length: int, tr
     if tokenizer.vocab_size > config.model.vocab_size:
         raise ConfigError(f"model.vocab_size {config.model.vocab_size} is smaller than the tokenizer's "
                           f"{tokenizer.vocab_size} ids ({tokenizer.name}); set model.vocab_size={tokenizer.vocab_size}")
-    splits = [split_documents(open_indexed(p, tokenizer.vocab_size), d.valid_fraction, d.split_seed)
-              for p in prefixes]
+    if d.valid_paths:  # separate validation data: every training document trains
+        valid_prefixes, valid_tokenizer = _prefixes_and_tokenizer([Path(p) for p in d.valid_paths], d, log)
+        if valid_tokenizer.name != tokenizer.name:
+            raise DataError(f"data.valid_paths were tokenized by {valid_tokenizer.name}, data.paths by "
+                            f"{tokenizer.name}; a run needs one tokenizer")
+        held = [_whole(open_indexed(p, tokenizer.vocab_size), "valid") for p in valid_prefixes]
+        splits = [(_whole(open_indexed(p, tokenizer.vocab_size), "train"), None) for p in prefixes]
+    else:
+        held = None
+        splits = [split_documents(open_indexed(p, tokenizer.vocab_size), d.valid_fraction, d.split_seed)
+                  for p in prefixes]
     cache = d.index_cache_dir
 
     if len(prefixes) == 1:
@@ -135,12 +149,13 @@ def build_data(config: TrainConfig, *, seq_length: int, eval_seq_length: int, tr
         # whole epochs, so that the sample order (and the fingerprint) does not depend on train.steps
         train = GPTDataset(train_docs, seq_length, epochs * per_epoch, seed, cache_dir=cache, max_epochs=epochs,
                            name=train_docs.prefix.name)
-        with _held_out(config, eval_samples, eval_seq_length):
-            valid = GPTDataset(valid_docs, eval_seq_length, eval_samples, seed, cache_dir=cache,
-                               name=valid_docs.prefix.name + f"-{eval_seq_length}")
+        if held is None:
+            with _held_out(config, eval_samples, eval_seq_length):
+                valid = GPTDataset(valid_docs, eval_seq_length, eval_samples, seed, cache_dir=cache,
+                                   name=valid_docs.prefix.name + f"-{eval_seq_length}")
         description = (f"{train_docs.prefix.name}: {len(train_docs)} documents, {train_docs.num_tokens:,} "
-                       f"tokens ({len(valid_docs)} documents held out), {len(train)} samples of {seq_length} "
-                       f"({epochs} epoch{'s' * (epochs > 1)})")
+                       f"tokens ({len(valid_docs) if held is None else 0} documents held out), {len(train)} samples "
+                       f"of {seq_length} ({epochs} epoch{'s' * (epochs > 1)})")
     else:
         weights = d.weights or [1.0] * len(prefixes)
 
@@ -151,9 +166,10 @@ def build_data(config: TrainConfig, *, seq_length: int, eval_seq_length: int, tr
         try:
             train = BlendedDataset(factories(0, seq_length, d.max_epochs, ""), weights, train_samples, seed=seed,
                                    allow_extreme=d.allow_extreme_weights)
-            with _held_out(config, eval_samples, eval_seq_length):
-                valid = BlendedDataset(factories(1, eval_seq_length, 1, f"-{eval_seq_length}"), weights,
-                                       eval_samples, seed=seed, allow_extreme=d.allow_extreme_weights)
+            if held is None:
+                with _held_out(config, eval_samples, eval_seq_length):
+                    valid = BlendedDataset(factories(1, eval_seq_length, 1, f"-{eval_seq_length}"), weights,
+                                           eval_samples, seed=seed, allow_extreme=d.allow_extreme_weights)
         except ValueError as exc:
             if isinstance(exc, DataError):
                 raise
@@ -162,6 +178,9 @@ def build_data(config: TrainConfig, *, seq_length: int, eval_seq_length: int, tr
                        .replace("raise num_samples", "raise train.steps or train.global_batch_size"))
             raise ConfigError(message) from None
         description = "blend:\n" + train.describe()
+    if held is not None:
+        valid = _separate_valid(config, held, cache, eval_samples, eval_seq_length, seed)
+        description += f"; eval on data.valid_paths ({sum(len(h) for h in held)} documents)"
     # what fixes the training samples' order (the held-out set depends on eval sizes, not recorded)
     fingerprint = hashlib.sha256(f"{train.fingerprint}:{tokenizer.name}".encode()).hexdigest()
     return Data(train, valid, tokenizer, fingerprint[:32], description)
@@ -180,6 +199,30 @@ def _held_out(config: TrainConfig, eval_samples: int, eval_seq_length: int):
                         f"eval.batches or eval.micro_batch_size, shorten eval.seq_length, hold out more documents "
                         f"(data.valid_fraction, now {d.valid_fraction:g}), or set eval.every=0 to train without "
                         "eval") from None
+
+
+def _whole(indexed, split: str) -> DocumentSubset:
+    """Every document of ``indexed`` as one part (``split`` names it)."""
+    return DocumentSubset(indexed, np.arange(len(indexed)), split)
+
+
+def _separate_valid(config: TrainConfig, held: list[DocumentSubset], cache, eval_samples: int, eval_seq_length: int,
+                    seed: int):
+    """The eval set of data.valid_paths: one dataset's samples, or their blend (data.valid_weights)."""
+    d = config.data
+    with _held_out(config, eval_samples, eval_seq_length):
+        if len(held) == 1:
+            return GPTDataset(held[0], eval_seq_length, eval_samples, seed, cache_dir=cache,
+                              name=held[0].prefix.name + f"-{eval_seq_length}")
+        parts = [functools.partial(_component, h, eval_seq_length, cache, 1, h.prefix.name + f"-{eval_seq_length}")
+                 for h in held]
+        try:
+            return BlendedDataset(parts, d.valid_weights or [1.0] * len(held), eval_samples, seed=seed,
+                                  allow_extreme=d.allow_extreme_weights)
+        except ValueError as exc:
+            if isinstance(exc, DataError):
+                raise
+            raise ConfigError(f"data.valid_weights {d.valid_weights}: {exc}") from None
 
 
 def _component(docs: DocumentSubset, seq_length: int, cache, max_epochs: int, name: str, count: int, seed: int):
