@@ -145,7 +145,50 @@ class IndexedDatasetWriter:
         return False
 
 
-class IndexedDataset:
+class MappedTokens:
+    """What a memory-mapped token file pair gives a dataset: documents by ``get`` (views of the mapping), their
+    count, and the check that neither file changed since it was opened. A subclass sets bin_path, idx_path, sizes,
+    offsets (the documents' first token, and the total last), tokens, and ``_stat = self._stats()`` when it opens."""
+
+    def _stats(self) -> tuple:
+        """(size, mtime, ctime, inode, device) of the .bin and of the .idx: any write, truncation, replacement
+        (a new inode) or restored mtime (ctime still moves) changes it."""
+        return tuple((s.st_size, s.st_mtime_ns, s.st_ctime_ns, s.st_ino, s.st_dev)
+                     for s in (self.bin_path.stat(), self.idx_path.stat()))
+
+    def check_unmodified(self) -> None:
+        """DataError naming the file if the .bin or .idx changed on disk since it was opened: written to (size,
+        modification or change time), replaced (another inode) or removed. A stat of each file: a few
+        microseconds."""
+        try:
+            now = self._stats()
+        except FileNotFoundError as exc:
+            raise DataError(f"{exc.filename}: removed while in use") from None
+        for path, before, after in zip((self.bin_path, self.idx_path), self._stat, now):
+            if before != after:
+                what = [name for name, b, a in zip(("size", "modification time", "change time", "inode", "device"),
+                                                   before, after) if b != a]
+                raise DataError(f"{path}: changed on disk since it was opened ({', '.join(what)} differ"
+                                f"{f': {before[0]} -> {after[0]} bytes' if before[0] != after[0] else ''}); the "
+                                "samples read since then may hold other tokens. Restore the file, or start a new "
+                                "run on the new data")
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def get(self, doc: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Tokens offset .. offset + length of document ``doc`` (a view of the mapping)."""
+        if not 0 <= doc < len(self.sizes):
+            raise IndexError(f"document {doc} out of range [0, {len(self.sizes)})")
+        size = int(self.sizes[doc])
+        length = size - offset if length is None else length
+        if offset < 0 or length < 0 or offset + length > size:
+            raise IndexError(f"tokens {offset}..{offset + length} outside document {doc} of {size} tokens")
+        start = int(self.offsets[doc]) + offset
+        return self.tokens[start:start + length]
+
+
+class IndexedDataset(MappedTokens):
     """A memory-mapped PREFIX.bin / PREFIX.idx pair, checked on open (``verify``: every chunk's CRC and the ids)."""
 
     def __init__(self, prefix, *, vocab_size: int | None = None, verify: bool = True):
@@ -163,12 +206,6 @@ class IndexedDataset:
         self.checked_vocab = vocab_size or self.vocab_size
         if verify:
             self.verify()
-
-    def _stats(self) -> tuple:
-        """(size, mtime, ctime, inode, device) of the .bin and of the .idx: any write, truncation, replacement
-        (a new inode) or restored mtime (ctime still moves) changes it."""
-        return tuple((s.st_size, s.st_mtime_ns, s.st_ctime_ns, s.st_ino, s.st_dev)
-                     for s in (self.bin_path.stat(), self.idx_path.stat()))
 
     def _read_index(self) -> None:
         raw = self.idx_path.read_bytes()
@@ -225,37 +262,6 @@ class IndexedDataset:
                                 f"vocabulary of {self.checked_vocab}")
             if chunk.size and self.dtype.kind == "i" and int(chunk.min()) < 0:  # signed files (int32)
                 raise DataError(f"{self.bin_path}: token id {int(chunk.min())} in chunk {i} is negative")
-
-    def check_unmodified(self) -> None:
-        """DataError naming the file if the .bin or .idx changed on disk since it was opened: written to (size,
-        modification or change time), replaced (another inode) or removed. A stat of each file: a few
-        microseconds."""
-        try:
-            now = self._stats()
-        except FileNotFoundError as exc:
-            raise DataError(f"{exc.filename}: removed while in use") from None
-        for path, before, after in zip((self.bin_path, self.idx_path), self._stat, now):
-            if before != after:
-                what = [name for name, b, a in zip(("size", "modification time", "change time", "inode", "device"),
-                                                   before, after) if b != a]
-                raise DataError(f"{path}: changed on disk since it was opened ({', '.join(what)} differ"
-                                f"{f': {before[0]} -> {after[0]} bytes' if before[0] != after[0] else ''}); the "
-                                "samples read since then may hold other tokens. Restore the file, or start a new "
-                                "run on the new data")
-
-    def __len__(self) -> int:
-        return len(self.sizes)
-
-    def get(self, doc: int, offset: int = 0, length: int | None = None) -> np.ndarray:
-        """Tokens offset .. offset + length of document ``doc`` (a view of the mapping)."""
-        if not 0 <= doc < len(self.sizes):
-            raise IndexError(f"document {doc} out of range [0, {len(self.sizes)})")
-        size = int(self.sizes[doc])
-        length = size - offset if length is None else length
-        if offset < 0 or length < 0 or offset + length > size:
-            raise IndexError(f"tokens {offset}..{offset + length} outside document {doc} of {size} tokens")
-        start = int(self.offsets[doc]) + offset
-        return self.tokens[start:start + length]
 
     def __repr__(self) -> str:
         return (f"IndexedDataset({str(self.prefix)!r}, documents={len(self)}, tokens={self.num_tokens}, "

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megakern.data.indexed import DataError, paths
+from megakern.data.indexed import DataError, MappedTokens, paths
 
 MAGIC = b"MMIDIDX\x00\x00"
 HEADER = struct.Struct("<9sQBQQ")
@@ -46,7 +46,7 @@ def is_megatron(prefix) -> bool:
         return False
 
 
-class MegatronIndexedDataset:
+class MegatronIndexedDataset(MappedTokens):
     """A memory-mapped Megatron-LM PREFIX.bin / PREFIX.idx pair (see the module doc)."""
 
     def __init__(self, prefix, *, vocab_size: int, verify: bool = True):
@@ -63,10 +63,6 @@ class MegatronIndexedDataset:
         self._open_bin()
         if verify:
             self.verify()
-
-    def _stats(self) -> tuple:
-        return tuple((s.st_size, s.st_mtime_ns, s.st_ctime_ns, s.st_ino, s.st_dev)
-                     for s in (self.bin_path.stat(), self.idx_path.stat()))
 
     def _read_index(self) -> None:
         raw = self.idx_path.read_bytes()
@@ -144,31 +140,6 @@ class MegatronIndexedDataset:
                 os.replace(tmp, path)
             except OSError:  # a read-only corpus: checked, not recorded
                 tmp.unlink(missing_ok=True)
-
-    def check_unmodified(self) -> None:
-        """DataError naming the file if the .bin or .idx changed on disk since it was opened."""
-        try:
-            now = self._stats()
-        except FileNotFoundError as exc:
-            raise DataError(f"{exc.filename}: removed while in use") from None
-        for path, before, after in zip((self.bin_path, self.idx_path), self._stat, now):
-            if before != after:
-                raise DataError(f"{path}: changed on disk since it was opened; restore the file, or start a new run "
-                                "on the new data")
-
-    def __len__(self) -> int:
-        return len(self.sizes)
-
-    def get(self, doc: int, offset: int = 0, length: int | None = None) -> np.ndarray:
-        """Tokens offset .. offset + length of document (sequence) ``doc`` (a view of the mapping)."""
-        if not 0 <= doc < len(self.sizes):
-            raise IndexError(f"document {doc} out of range [0, {len(self.sizes)})")
-        size = int(self.sizes[doc])
-        length = size - offset if length is None else length
-        if offset < 0 or length < 0 or offset + length > size:
-            raise IndexError(f"tokens {offset}..{offset + length} outside document {doc} of {size} tokens")
-        start = int(self.offsets[doc]) + offset
-        return self.tokens[start:start + length]
 
     def __repr__(self) -> str:
         return (f"MegatronIndexedDataset({self.prefix}, {len(self)} documents, {self.num_tokens} tokens, "
