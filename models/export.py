@@ -55,11 +55,7 @@ def read_checkpoint(path, *, verify: bool = True):
         raise CheckpointError(f"{found}: the checkpoint lacks {missing[:6]} of the model its config.yaml describes")
     CheckpointManager(found.parent).load(found, tree, verify=verify, restore_rng=False)
     state = {**tree.get("model", {}), **tree.get("master", {})}  # the fp32 masters where there are some
-    model.to_empty(device="cpu")
-    dtype = state[names[0]].dtype
-    model.to(dtype)
-    model.load_state_dict({n: state[n].to(dtype) for n in names}, strict=True)
-    return model, config, found
+    return GPT.from_state(config, {n: state[n] for n in names}), config, found
 
 
 def main(argv: list[str] | None = None) -> int:

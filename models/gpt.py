@@ -575,6 +575,19 @@ class GPT(nn.Module):
             self.to_empty(device=device)
             self.init_weights()
 
+    @classmethod
+    def from_state(cls, config: GPTConfig, state: dict, *, dtype: Optional[torch.dtype] = None,
+                   device="cpu") -> "GPT":
+        """A GPT of ``config`` holding ``state`` (the whole model's tensors in its names: every one, no other), in
+        ``dtype`` (default: the tensors') on ``device``; built on the meta device, nothing initialized twice."""
+        with torch.device("meta"):
+            model = cls(config)
+        dtype = dtype or next(iter(state.values())).dtype
+        model.to_empty(device=device)
+        model.to(dtype)
+        model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
+        return model
+
     # -- parameters --
     def output_weight(self) -> torch.Tensor:
         """The (V, C) output projection: lm_head's weight, or wte's when tied."""

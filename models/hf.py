@@ -362,13 +362,7 @@ def load(path, *, dtype: torch.dtype | None = None, device="cpu") -> tuple[GPT, 
     """(model, config) of the Hugging Face checkpoint directory ``path``; weights in ``dtype`` (default: as stored)
     on ``device``. Unused tensors other than rotary tables are an error, as are missing ones."""
     state, config = read_state(path)
-    with torch.device("meta"):
-        model = GPT(config)
-    dtype = dtype or next(iter(state.values())).dtype
-    model.to_empty(device=device)
-    model.to(dtype)
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
-    return model, config
+    return GPT.from_state(config, state, dtype=dtype, device=device), config
 
 
 def _hf_shapes(config: GPTConfig, family: str) -> dict:
