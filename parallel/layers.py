@@ -102,7 +102,9 @@ class ColumnParallelLinear(nn.Module):
                  and self.fp8_gemm is None)
         if fused:  # the all-gather under the GEMM
             y = self.gather_gemm(x, self.weight, self.group, self.seq_dim)
-            y = y if self.bias is None else y + self.bias
+            # the bias in the product's dtype, as F.linear adds it (under autocast an fp32 bias would turn a bf16
+            # product fp32, and every consumer after it, attention included, would run in fp32)
+            y = y if self.bias is None else y + self.bias.to(y.dtype)
             return gather_from_tp(y, self.group, -1) if self.gather_output else y
         if not self.input_is_gathered:
             x = gather_from_sp(x, self.group, self.seq_dim) if self.sequence_parallel else copy_to_tp(x, self.group)

@@ -168,6 +168,12 @@ def check_column_gather_gemm_seam(n):
     for a, b in zip(*out):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     assert out[0][0].shape == (2, 3 * n, 4)
+    # under bf16 autocast the fused path returns the product's dtype, as the unfused F.linear (bias included) does
+    layer = ColumnParallelLinear.from_linear(full.float(), g, sequence_parallel=True,
+                                             gather_gemm=functools.partial(all_gather_gemm, workspace=None))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(X[:, 3 * r:3 * (r + 1)].float())
+    assert y.dtype == torch.bfloat16, y.dtype
     return True
 
 
