@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,6 +107,9 @@ class HFPatchStep(Step):
         elif how == "liger":
             import liger_kernel.transformers as liger
 
+            # liger's patch also replaces the modeling module's classes and functions and the causal LM class's
+            # forward for the whole process: they are put back in close(), before the next provider builds a model
+            self._restore = _snapshot(sys.modules[type(self.model).__module__])
             apply = getattr(liger, f"apply_liger_kernel_to_{shape.family}")
             apply(model=self.model)
         elif how == "compile":
@@ -129,6 +133,29 @@ class HFPatchStep(Step):
 
     def close(self) -> None:
         del self.model, self.forward, self.optimizer, self.tokens
+        if getattr(self, "_restore", None) is not None:
+            self._restore()
+
+
+def _snapshot(module):
+    """A function that puts back ``module``'s attributes and its classes' attributes as they are now."""
+    names = dict(vars(module))
+    classes = {c: dict(vars(c)) for c in names.values() if isinstance(c, type) and c.__module__ == module.__name__}
+
+    def restore():
+        for name in set(vars(module)) - set(names):
+            delattr(module, name)
+        for name, value in names.items():
+            if vars(module).get(name) is not value:
+                setattr(module, name, value)
+        for cls, attrs in classes.items():
+            for name in set(vars(cls)) - set(attrs):
+                delattr(cls, name)
+            for name, value in attrs.items():
+                if vars(cls).get(name) is not value and name not in ("__dict__", "__weakref__"):
+                    setattr(cls, name, value)
+
+    return restore
 
 
 def _provider(how: str):
@@ -147,8 +174,8 @@ def _provider(how: str):
     return load
 
 
-PROVIDERS = {"hf": _provider("plain"), "hf-megakern": _provider("megakern"), "hf-liger": _provider("liger"),
-             "hf-compile": _provider("compile")}
+PROVIDERS = {"hf": _provider("plain"), "hf-compile": _provider("compile"), "hf-megakern": _provider("megakern"),
+             "hf-liger": _provider("liger")}
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -42,3 +42,17 @@ def test_flops_per_token_counts_the_models_matmul_weights(name):
 def test_unknown_shape_is_named():
     with pytest.raises(SystemExit, match="unknown \\['gpt-9'\\]"):
         bench_hf_patch.main(["--device", "cuda", "--shapes", "gpt-9"])
+
+
+def test_liger_style_module_patches_are_put_back():
+    """liger_kernel's patch replaces a modeling module's classes, functions and the causal LM class's forward for the
+    whole process: the snapshot taken before it restores them, so the providers after it build unpatched models."""
+    import transformers.models.llama.modeling_llama as m
+
+    norm, forward, rotary = m.LlamaRMSNorm, m.LlamaForCausalLM.forward, m.apply_rotary_pos_emb
+    restore = bench_hf_patch._snapshot(m)
+    m.LlamaRMSNorm, m.apply_rotary_pos_emb, m.added = object, None, 3
+    m.LlamaForCausalLM.forward = lambda self: None
+    restore()
+    assert m.LlamaRMSNorm is norm and m.apply_rotary_pos_emb is rotary and not hasattr(m, "added")
+    assert m.LlamaForCausalLM.forward is forward
