@@ -59,17 +59,17 @@ def read_checkpoint(path, *, verify: bool = True):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megakern.models import hf
+
     parser = argparse.ArgumentParser(prog="megakern-export", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a step directory, or a checkpoint directory (its latest)")
     parser.add_argument("out", help="the Hugging Face directory to write (must not exist, or be empty)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="the exported weights' dtype (default: the checkpoint's trained weights')")
-    parser.add_argument("--family", choices=["gpt2", "llama", "mistral", "qwen2"], default=None,
+    parser.add_argument("--family", choices=sorted(hf.ARCHITECTURES), default=None,
                         help="the Hugging Face architecture (default: the one the model's config matches)")
     parser.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the checkpoint's files")
     args = parser.parse_args(argv)
-    from megakern.models import hf
-
     try:
         model, config, found = read_checkpoint(args.checkpoint, verify=not args.no_verify)
         out = hf.save(model, Path(args.out), family=args.family, dtype=DTYPES[args.dtype] if args.dtype else None)

@@ -125,13 +125,9 @@ def _forward_step(model: GPT, idx, cache, start: int) -> torch.Tensor:
         x = x + model.wpe(torch.arange(start, start + T, device=idx.device))
     residual = None
     for block, (k_cache, v_cache) in zip(model.blocks.values(), cache):
-        if residual is None:
-            y, residual = block.attn_norm(x), x
-        else:
-            y, residual = block.attn_norm(x, residual)
-        x = _attention_step(block.attn, y, k_cache, v_cache, start, model.rope)
-        y, residual = block.mlp_norm(x, residual)
-        x = block.mlp(y)
+        # the block's own norms and MLP (sequential or parallel residual); its attention over the cache
+        x, residual = block(x, residual, None,
+                            attend=lambda y: _attention_step(block.attn, y, k_cache, v_cache, start, model.rope))
     y = model.norm_f(x[:, -1:], residual[:, -1:])[0]
     return F.linear(y[:, 0], model.output_weight()[:model.config.vocab_size]).float()
 

@@ -9,7 +9,10 @@
             q, k, v = views of qkv; q, k rotated (RoPE) in place
             out = core(q, k, v) = megakern.attention(causal), (B, T, nh, hs) -> proj
     mlp:    proj(gelu(fc(y)))  or  proj(silu(gate) * up) with (gate, up) interleaved rows of fc (SwiGLU); with a
-            bias, gelu(y W^T + b) is megakern.bias_gelu (its backward also makes the bias gradient)
+            bias, gelu(y W^T + b) is megakern.bias_gelu (its backward also makes the bias gradient); "gelu_exact" the
+            erf GELU (GPT-NeoX's, torch's F.gelu)
+    parallel_residual (GPT-NeoX): both branches read the same stream, h + attn(attn_norm(h)) + mlp(mlp_norm(h)):
+            y, h = attn_norm(x, residual=h); x = attn(y) + mlp(mlp_norm(h))
 
 Letters: B batch, T sequence, C = n_embd, nh / nkv query / key-value heads, hs head dim, V the padded vocabulary.
 
@@ -65,7 +68,7 @@ from megakern.models.moe import MoEMLP, stat_width
 
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("rotary", "learned")
-ACTIVATIONS = ("gelu", "swiglu")
+ACTIVATIONS = ("gelu", "gelu_exact", "swiglu")
 RECOMPUTE = ("none", "selective", "full")
 # weights initialized with std init_std / sqrt(2 n_layer) under scaled_init (names end so)
 OUTPUT_PROJECTIONS = ("attn.proj.weight", "mlp.proj.weight", "mlp.shared.proj.weight", "mlp.w_out")
@@ -109,7 +112,8 @@ class GPTConfig:
     rope_scaling: Optional[dict] = None
     """A Llama-family rope_scaling dict ({"rope_type": "llama3", "factor": 8.0, ...}), or None."""
     activation: str = "gelu"
-    """"gelu" (tanh approximation, as GPT-2) | "swiglu" (silu(gate) * up)."""
+    """"gelu" (tanh approximation, as GPT-2) | "gelu_exact" (the erf GELU, as GPT-NeoX; no fused bias + GELU kernel)
+    | "swiglu" (silu(gate) * up)."""
     tie_embeddings: bool = True
     """The output projection reuses wte's weight (no lm_head parameters)."""
     dropout: float = 0.0
@@ -118,6 +122,10 @@ class GPTConfig:
     """Biases in the linear layers and LayerNorms."""
     qkv_bias: Optional[bool] = None
     """Biases in the attention's qkv projection alone (Qwen2: true with bias false); None: as ``bias``."""
+    parallel_residual: bool = False
+    """Each block adds its attention and its MLP to the same residual stream, x + attn(attn_norm(x)) +
+    mlp(mlp_norm(x)) (GPT-NeoX's use_parallel_residual); false: sequential, the MLP reads the stream after the
+    attention's add."""
     init_std: float = 0.02
     """Standard deviation of the normal initialization of embeddings and linear weights."""
     scaled_init: bool = True
@@ -263,7 +271,7 @@ class GPTConfig:
                 rotary.rotary_table(0, max(self.rotary_dim, 4), 10000.0, scaling=self.rope_scaling)
             except (TypeError, ValueError) as exc:
                 errors.append(f"rope_scaling: {exc}")
-        for name in ("tie_embeddings", "bias", "scaled_init"):
+        for name in ("tie_embeddings", "bias", "scaled_init", "parallel_residual"):
             need(isinstance(getattr(self, name), bool), f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.kernels, Mapping):
             errors.append(f"kernels must be a dict {{op: backend}}, got {self.kernels!r}")
@@ -501,6 +509,7 @@ class MLP(nn.Module):
         super().__init__()
         hidden = config.ffn_hidden if hidden is None else hidden
         self.swiglu = config.activation == "swiglu"
+        self.gelu_exact = config.activation == "gelu_exact"
         # swiglu: rows interleaved per unit, 2i the gate and 2i + 1 the up projection of unit i
         self.fc = nn.Linear(config.n_embd, hidden * (2 if self.swiglu else 1), bias=config.bias)
         self.proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
@@ -510,6 +519,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
             h = megakern.swiglu(self.fc(x), backend=self.kernels)
+        elif self.gelu_exact:  # (megakern.bias_gelu is the tanh approximation)
+            h = F.gelu(self.fc(x))
         elif type(self.fc) is nn.Linear and self.fc.bias is not None and \
                 bias_gelu_backend(x, self.kernels) != "torch":
             # the bias rides in the activation's pass; its gradient comes out of the GELU backward's pass
@@ -528,10 +539,12 @@ def _norm(config: GPTConfig) -> nn.Module:
 
 class Block(nn.Module):
     """Pre-norm transformer block over (x, h): x the last branch's output, h the residual stream before it (None in
-    the first block); returns the same pair, so the next norm adds the residual in its own pass."""
+    the first block); returns the same pair, so the next norm adds the residual in its own pass. With
+    ``config.parallel_residual`` the returned x is the sum of both branches' outputs, each computed from h."""
 
     def __init__(self, config: GPTConfig, index: int = 0):
         super().__init__()
+        self.parallel_residual = config.parallel_residual
         self.attn_norm = _norm(config)
         self.attn = CausalSelfAttention(config)
         self.mlp_norm = _norm(config)
@@ -542,12 +555,16 @@ class Block(nn.Module):
         else:
             self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], pos: Positions):
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], pos: Optional[Positions], attend=None):
+        """``attend(y)``: computes the attention of the normed input instead of ``self.attn(y, pos)`` (the KV-cache
+        generation's step, models/generate.py)."""
         if residual is None:
             y, residual = self.attn_norm(x), x
         else:
             y, residual = self.attn_norm(x, residual)
-        x = self.attn(y, pos)
+        x = self.attn(y, pos) if attend is None else attend(y)
+        if self.parallel_residual:  # both branches read h; the next norm adds their sum to it
+            return x + self.mlp(self.mlp_norm(residual)), residual
         y, residual = self.mlp_norm(x, residual)
         return self.mlp(y), residual
 

@@ -11,21 +11,40 @@ Families (config.json's ``architectures``):
 | LlamaForCausalLM, MistralForCausalLM | RMSNorm, RoPE (rotate-half, rope_theta, Llama-3 rope_scaling), SwiGLU, |
 | | grouped-query attention, no biases |
 | Qwen2ForCausalLM | as Llama, with biases in q, k and v (``qkv_bias``) |
+| GPTNeoXForCausalLM | LayerNorm, partial RoPE (rotary_pct: the first features of each head, rotate-half), GELU |
+| | (erf: ``activation="gelu_exact"``; or the tanh form), biases, parallel residual (``parallel_residual``) or |
+| | sequential, untied embed_out |
+| MixtralForCausalLM | as Mistral, every MLP a Mixture of Experts: softmax router, top-k renormalized |
+| | (``moe_renormalize``), SwiGLU experts, dropless |
 
 Weights are rearranged, not recomputed: GPT-2's Conv1D weights are transposed; q, k and v (GPT-2's fused c_attn, or
 Llama's q_proj / k_proj / v_proj) become megakern's qkv, whose rows are grouped per key/value head ([the g query
-heads it serves, its k head, its v head]); Llama's gate_proj and up_proj become megakern's fc with interleaved rows
-(2i the gate of unit i, 2i + 1 its up projection); the embedding gets megakern's padded vocabulary (rows past the
-tokenizer's zero on import, dropped on export). Import then export gives the same tensors, bit for bit.
+heads it serves, its k head, its v head]); GPT-NeoX's query_key_value, rows (nh, 3, hs) per head, is that layout
+already; Llama's gate_proj and up_proj become megakern's fc with interleaved rows (2i the gate of unit i, 2i + 1 its
+up projection); Mixtral's experts.E.w1 / w3 (gate / up) become column pairs of w_in[E] (C, 2F) the same way,
+w_out[E] (F, C) is w2 transposed, the gate is the router's weight; the embedding gets megakern's padded vocabulary
+(rows past the tokenizer's zero on import, dropped on export). Import then export gives the same tensors, bit for
+bit.
+Besides the names save_pretrained writes, the names of transformers' modules are read too (a state dict saved as
+the model holds it): GPT-NeoX's lm_head.weight for embed_out.weight, Mixtral's fused mlp.experts.gate_up_proj
+(E, 2F, C: the F gate rows, then the F up rows) and down_proj (E, C, F) and mlp.gate.weight.
 
 What a checkpoint uses that megakern lacks is a ValueError naming the file and the field (an unknown architecture,
-attention or MLP biases in a Llama, a head dim other than hidden / heads, an activation other than the family's, a
-rope_scaling type megakern does not implement); a missing, extra or misshapen tensor names the tensor, the file and
-both shapes; a truncated or corrupt safetensors file names the file. ``save`` writes into a temporary directory beside
-the target and renames it into place: an export that fails leaves nothing behind.
+attention or MLP biases in a Llama, a GPT-NeoX without attention biases, a head dim other than hidden / heads, an
+activation other than the family's, a rope_scaling type megakern does not implement, a rotary_pct that rotates an odd
+number of features); a missing, extra or misshapen tensor names the tensor, the file and both shapes; a truncated or
+corrupt safetensors file names the file. ``save`` writes into a temporary directory beside the target and renames
+it into place: an export that fails leaves nothing behind.
 
-A Mistral ``sliding_window`` shorter than ``max_position_embeddings`` becomes the model's max_seqlen: within it the
-attention is the same (megakern attends to the whole context).
+A Mistral or Mixtral ``sliding_window`` shorter than ``max_position_embeddings`` becomes the model's max_seqlen:
+within it the attention is the same (megakern attends to the whole context).
+
+Mixtral's router is megakern's softmax router with ``moe_renormalize`` (softmax over all experts in fp32, the top k,
+their weights renormalized to sum 1), dropless (``moe_capacity_factor`` None); megakern computes the router's logits
+in fp32 too, transformers in the model's dtype (the same in fp32). ``router_aux_loss_coef`` becomes
+``moe_aux_loss_coef`` as it is (megakern adds each MoE layer's Switch loss; transformers' loss, when asked for with
+output_router_logits, is k times it and averaged over the layers); ``router_jitter_noise``, a training-time input
+noise of transformers, is not applied by megakern (inference is the same; a fine-tuning run has no jitter).
 
 The logits of the tokenizer's ids equal transformers'. megakern's loss and sampling see its padded vocabulary: the
 rows past vocab_size start at zero (logit 0), so where vocab_size is not a multiple of 128 (GPT-2's 50257, not
@@ -47,7 +66,10 @@ CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 FAMILIES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-            "Qwen2ForCausalLM": "qwen2"}
+            "Qwen2ForCausalLM": "qwen2", "GPTNeoXForCausalLM": "gpt_neox", "MixtralForCausalLM": "mixtral"}
+ARCHITECTURES = {family: arch for arch, family in FAMILIES.items()}
+# GPT-NeoX's hidden_act -> megakern's activation
+NEOX_ACTIVATIONS = {"gelu": "gelu_exact", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu"}
 MAX_SHARD_BYTES = 5 * 2**30
 
 
@@ -55,6 +77,24 @@ MAX_SHARD_BYTES = 5 * 2**30
 def _need(ok: bool, where: str, message: str) -> None:
     if not ok:
         raise ValueError(f"{where}: {message}")
+
+
+def _rope_scaling(hf: dict, params: dict) -> dict | None:
+    """The rope_scaling dict of a config (its rope_scaling, or transformers 5's rope_parameters less the base and the
+    rotary fraction); None for the plain rotation."""
+    scaling = hf.get("rope_scaling")
+    if scaling is None and params.get("rope_type", "default") != "default":
+        scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    if scaling is not None and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        return None
+    return scaling
+
+
+def _validated(config: GPTConfig, family: str, where: str) -> tuple[GPTConfig, str]:
+    try:
+        return config.validate(), family
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
 
 
 def config_from_hf(hf: dict, where: str = CONFIG) -> tuple[GPTConfig, str]:
@@ -75,8 +115,33 @@ def config_from_hf(hf: dict, where: str = CONFIG) -> tuple[GPTConfig, str]:
                            norm_eps=hf.get("layer_norm_epsilon", 1e-5), position="learned", activation="gelu",
                            bias=True, tie_embeddings=hf.get("tie_word_embeddings", True), dropout=0.0)
         return config.validate(), family
-    # llama / mistral / qwen2
     c, nh = hf["hidden_size"], hf["num_attention_heads"]
+    params = hf.get("rope_parameters") or {}
+    if family == "gpt_neox":
+        act = hf.get("hidden_act", "gelu")
+        _need(act in NEOX_ACTIVATIONS, where, f"hidden_act {act!r}: megakern's GPT-NeoX MLP is a GELU, one of "
+                                              f"{sorted(NEOX_ACTIVATIONS)} ('gelu' the erf form)")
+        _need(hf.get("attention_bias", True), where, "attention_bias false: megakern's attention projections have "
+                                                     "biases when its MLP and LayerNorms do (bias)")
+        # transformers 5's rope_parameters first (as it reads them), then the published configs' keys
+        theta = params.get("rope_theta", hf.get("rotary_emb_base", 10000.0))
+        pct = params.get("partial_rotary_factor", hf.get("rotary_pct", 0.25))
+        _need(isinstance(pct, (int, float)) and not isinstance(pct, bool) and 0 < pct <= 1, where,
+              f"rotary_pct {pct!r} must be in (0, 1]")
+        if c % nh == 0:
+            rotated = int(c // nh * pct)  # transformers' rotary_ndims
+            _need(rotated >= 2 and rotated % 2 == 0, where,
+                  f"rotary_pct {pct} of head dim {c // nh} rotates {rotated} features: megakern rotates pairs (an "
+                  "even number, at least 2)")
+        config = GPTConfig(n_layer=hf["num_hidden_layers"], n_embd=c, n_head=nh, ffn_hidden=hf["intermediate_size"],
+                           vocab_size=hf["vocab_size"], max_seqlen=hf.get("max_position_embeddings", 2048),
+                           norm="layernorm", norm_eps=hf.get("layer_norm_eps", 1e-5), position="rotary",
+                           rotary_pct=float(pct), rotary_base=float(theta), rope_scaling=_rope_scaling(hf, params),
+                           activation=NEOX_ACTIVATIONS[act], bias=True,
+                           parallel_residual=bool(hf.get("use_parallel_residual", True)),
+                           tie_embeddings=hf.get("tie_word_embeddings", False), dropout=0.0)
+        return _validated(config, family, where)
+    # llama / mistral / qwen2 / mixtral
     _need(hf.get("hidden_act", "silu") == "silu", where, f"hidden_act {hf.get('hidden_act')!r}: megakern's SwiGLU "
                                                           "gates with silu")
     for key in ("attention_bias", "mlp_bias"):
@@ -84,15 +149,11 @@ def config_from_hf(hf: dict, where: str = CONFIG) -> tuple[GPTConfig, str]:
     head_dim = hf.get("head_dim") or c // nh
     _need(head_dim * nh == c, where, f"head_dim {head_dim} x num_attention_heads {nh} != hidden_size {c}: megakern's "
                                      "head dim is hidden_size / heads")
-    params = hf.get("rope_parameters") or {}
-    theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
-    scaling = hf.get("rope_scaling")
-    if scaling is None and params.get("rope_type", "default") != "default":
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    if scaling is not None and scaling.get("rope_type", scaling.get("type", "default")) == "default":
-        scaling = None
+    pct = params.get("partial_rotary_factor", 1.0)
+    _need(pct == 1, where, f"rope_parameters' partial_rotary_factor {pct}: megakern's {family} rotates the whole head")
+    theta = hf.get("rope_theta", params.get("rope_theta", 1e6 if family == "mixtral" else 10000.0))
     max_seqlen = hf.get("max_position_embeddings", 2048)
-    window = hf.get("sliding_window") if family == "mistral" else None
+    window = hf.get("sliding_window") if family in ("mistral", "mixtral") else None
     if family == "qwen2" and hf.get("use_sliding_window", False):
         window = hf.get("sliding_window")
         _need(hf.get("max_window_layers", 0) >= hf["num_hidden_layers"] or window is None or window >= max_seqlen,
@@ -101,16 +162,28 @@ def config_from_hf(hf: dict, where: str = CONFIG) -> tuple[GPTConfig, str]:
         window = None
     if window is not None and window < max_seqlen:
         max_seqlen = window
+    moe = {}
+    if family == "mixtral":
+        e, k = hf.get("num_local_experts", 8), hf.get("num_experts_per_tok", 2)
+        _need(isinstance(e, int) and not isinstance(e, bool) and e >= 1, where,
+              f"num_local_experts {e!r} must be an int >= 1")
+        _need(isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= e, where,
+              f"num_experts_per_tok {k!r} must be an int in 1..num_local_experts ({e})")
+        jitter = hf.get("router_jitter_noise", 0.0) or 0.0
+        _need(isinstance(jitter, (int, float)) and jitter >= 0, where, f"router_jitter_noise {jitter!r} must be >= 0")
+        # softmax over all experts, the top k, renormalized: megakern's softmax router with moe_renormalize; no
+        # capacity (transformers' Mixtral drops nothing); router_jitter_noise (training only) is not applied
+        moe = dict(n_experts=e, moe_top_k=k, moe_ffn_hidden=hf["intermediate_size"], moe_router="softmax",
+                   moe_renormalize=True, moe_capacity_factor=None,
+                   moe_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)), moe_z_loss_coef=0.0)
     config = GPTConfig(n_layer=hf["num_hidden_layers"], n_embd=c, n_head=nh,
                        n_kv_head=hf.get("num_key_value_heads") or nh, ffn_hidden=hf["intermediate_size"],
                        vocab_size=hf["vocab_size"], max_seqlen=max_seqlen, norm="rmsnorm",
                        norm_eps=hf.get("rms_norm_eps", 1e-6), position="rotary", rotary_base=float(theta),
-                       rope_scaling=scaling, activation="swiglu", bias=False, qkv_bias=family == "qwen2" or None,
-                       tie_embeddings=hf.get("tie_word_embeddings", False), dropout=0.0)
-    try:
-        return config.validate(), family
-    except ValueError as exc:
-        raise ValueError(f"{where}: {exc}") from None
+                       rope_scaling=_rope_scaling(hf, params), activation="swiglu", bias=False,
+                       qkv_bias=family == "qwen2" or None, tie_embeddings=hf.get("tie_word_embeddings", False),
+                       dropout=0.0, **moe)
+    return _validated(config, family, where)
 
 
 def config_to_hf(config: GPTConfig, family: str, dtype: torch.dtype) -> dict:
@@ -123,8 +196,18 @@ def config_to_hf(config: GPTConfig, family: str, dtype: torch.dtype) -> dict:
                 "layer_norm_epsilon": config.norm_eps, "activation_function": "gelu_new",
                 "tie_word_embeddings": config.tie_embeddings, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
                 "attn_pdrop": 0.0, "scale_attn_weights": True, "torch_dtype": dtype_name, "dtype": dtype_name}
-    arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}[family]
-    out = {"architectures": [arch], "model_type": family, "num_hidden_layers": config.n_layer,
+    if family == "gpt_neox":  # the keys of the published GPT-NeoX / Pythia configs
+        return {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox",
+                "num_hidden_layers": config.n_layer, "hidden_size": config.n_embd,
+                "num_attention_heads": config.n_head, "intermediate_size": config.ffn_hidden,
+                "vocab_size": config.vocab_size, "max_position_embeddings": config.max_seqlen,
+                "layer_norm_eps": config.norm_eps,
+                "hidden_act": "gelu" if config.activation == "gelu_exact" else "gelu_new",
+                "rotary_pct": config.rotary_pct, "rotary_emb_base": config.rotary_base,
+                "rope_scaling": config.rope_scaling, "use_parallel_residual": config.parallel_residual,
+                "attention_bias": True, "tie_word_embeddings": config.tie_embeddings, "attention_dropout": 0.0,
+                "hidden_dropout": 0.0, "torch_dtype": dtype_name, "dtype": dtype_name}
+    out = {"architectures": [ARCHITECTURES[family]], "model_type": family, "num_hidden_layers": config.n_layer,
            "hidden_size": config.n_embd, "num_attention_heads": config.n_head,
            "num_key_value_heads": config.n_kv_head, "head_dim": config.head_dim,
            "intermediate_size": config.ffn_hidden, "vocab_size": config.vocab_size,
@@ -138,27 +221,59 @@ def config_to_hf(config: GPTConfig, family: str, dtype: torch.dtype) -> dict:
         for key in ("attention_bias", "mlp_bias", "head_dim"):
             del out[key]
         out.update(use_sliding_window=False, sliding_window=None, max_window_layers=config.n_layer)
+    if family == "mixtral":
+        for key in ("attention_bias", "mlp_bias"):
+            del out[key]
+        out.update(intermediate_size=config.moe_ffn_hidden, num_local_experts=config.n_experts,
+                   num_experts_per_tok=config.moe_top_k, router_aux_loss_coef=config.moe_aux_loss_coef,
+                   router_jitter_noise=0.0, output_router_logits=False, sliding_window=None)
     return out
 
 
 def family_of(config: GPTConfig) -> str:
     """The Hugging Face family a megakern config exports as; ValueError naming what none of them has."""
-    if (config.norm, config.position, config.activation, config.bias) == ("layernorm", "learned", "gelu", True):
+    kind = (config.norm, config.position, config.activation, config.bias)
+    if config.n_experts:
+        _need(kind == ("rmsnorm", "rotary", "swiglu", False), "GPTConfig",
+              f"n_experts={config.n_experts} with norm={config.norm}, position={config.position}, "
+              f"activation={config.activation}, bias={config.bias}: the Mixture-of-Experts family megakern writes is "
+              "Mixtral (rmsnorm, rotary, swiglu, no biases)")
+        for ok, what in ((config.moe_every == 1 and config.moe_first_dense == 0,
+                          f"moe_every={config.moe_every}, moe_first_dense={config.moe_first_dense}: every Mixtral "
+                          "block is MoE"),
+                         (config.moe_shared_experts == 0, f"moe_shared_experts={config.moe_shared_experts}: Mixtral "
+                                                          "has no shared experts"),
+                         (config.moe_router == "softmax", f"moe_router={config.moe_router!r}: Mixtral's router is "
+                                                          "the softmax"),
+                         (config.moe_renormalize, "moe_renormalize false: Mixtral renormalizes the top-k weights"),
+                         (config.moe_n_groups == 1, f"moe_n_groups={config.moe_n_groups}: Mixtral routes without "
+                                                    "groups"),
+                         (not config.moe_force_balance, "moe_force_balance true: the router was bypassed in "
+                                                        "training (benchmarks only)"),
+                         (not config.qkv_bias, "qkv_bias true: Mixtral's q, k, v have no biases"),
+                         (not config.parallel_residual, "parallel_residual true: Mixtral's blocks are sequential"),
+                         (config.rotary_pct == 1.0, f"rotary_pct {config.rotary_pct}: Mixtral rotates the whole "
+                                                    "head")):
+            _need(ok, "GPTConfig", what)
+        return "mixtral"
+    if kind in (("layernorm", "rotary", "gelu", True), ("layernorm", "rotary", "gelu_exact", True)):
+        _need(config.n_kv_head == config.n_head, "GPTConfig", "GPT-NeoX has no grouped-query attention "
+                                                               f"(n_kv_head {config.n_kv_head} != n_head)")
+        _need(config.qkv_bias in (None, True), "GPTConfig", "qkv_bias false: GPT-NeoX's query_key_value has a bias")
+        return "gpt_neox"
+    _need(not config.parallel_residual, "GPTConfig", "parallel_residual true: the family megakern writes with it is "
+                                                     "GPT-NeoX (layernorm, rotary, gelu or gelu_exact, biases)")
+    if kind == ("layernorm", "learned", "gelu", True):
         _need(config.n_kv_head == config.n_head, "GPTConfig", "GPT-2 has no grouped-query attention "
                                                                f"(n_kv_head {config.n_kv_head} != n_head)")
         _need(config.qkv_bias in (None, True), "GPTConfig", "qkv_bias false: GPT-2's c_attn has a bias")
         return "gpt2"
-    if (config.norm, config.position, config.activation, config.bias) == ("rmsnorm", "rotary", "swiglu", False):
+    if kind == ("rmsnorm", "rotary", "swiglu", False):
         _need(config.rotary_pct == 1.0, "GPTConfig", f"rotary_pct {config.rotary_pct}: Llama rotates the whole head")
         return "qwen2" if config.qkv_bias else "llama"
     raise ValueError(f"GPTConfig: norm={config.norm}, position={config.position}, activation={config.activation}, "
-                     f"bias={config.bias} is neither GPT-2 (layernorm, learned, gelu, biases) nor Llama (rmsnorm, "
-                     "rotary, swiglu, no biases)")
-
-
-def _check_exportable(config: GPTConfig) -> None:
-    _need(not config.n_experts, "GPTConfig", f"n_experts={config.n_experts}: Mixture-of-Experts export is not "
-                                             "implemented")
+                     f"bias={config.bias} is none of GPT-2 (layernorm, learned, gelu, biases), GPT-NeoX (layernorm, "
+                     "rotary, gelu or gelu_exact, biases), Llama (rmsnorm, rotary, swiglu, no biases)")
 
 
 # ---- weights ---------------------------------------------------------------------------------------------------
@@ -185,6 +300,28 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     if t.shape[0] == rows:
         return t
     return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+
+def _interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """(2F, C) rows 2i / 2i + 1 the gate / up of unit i, from gate and up (F, C): megakern's SwiGLU layout."""
+    return torch.stack([gate, up], dim=1).reshape(2 * gate.shape[0], gate.shape[1])
+
+
+def _deinterleave(fc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    pairs = fc.reshape(fc.shape[0] // 2, 2, fc.shape[1])
+    return pairs[:, 0], pairs[:, 1]
+
+
+def output_name(family: str) -> str:
+    """The Hugging Face name of the untied output projection's weight."""
+    return "embed_out.weight" if family == "gpt_neox" else "lm_head.weight"
+
+
+# GPT-NeoX's modules of a layer -> megakern's (each with weight and bias; query_key_value's rows, (nh, 3, hs), are
+# megakern's qkv layout with one query head per kv head)
+NEOX_LAYER = (("input_layernorm", "attn_norm"), ("post_attention_layernorm", "mlp_norm"),
+              ("attention.query_key_value", "attn.qkv"), ("attention.dense", "attn.proj"),
+              ("mlp.dense_h_to_4h", "mlp.fc"), ("mlp.dense_4h_to_h", "mlp.proj"))
 
 
 def state_from_hf(tensors: dict, config: GPTConfig, family: str) -> dict:
@@ -214,8 +351,16 @@ def state_from_hf(tensors: dict, config: GPTConfig, family: str) -> dict:
             out[b + "mlp.proj.weight"], out[b + "mlp.proj.bias"] = (take(h + "mlp.c_proj.weight").t(),
                                                                     take(h + "mlp.c_proj.bias"))
         out["norm_f.weight"], out["norm_f.bias"] = take(pre + "ln_f.weight"), take(pre + "ln_f.bias")
-        if not config.tie_embeddings:
-            out["lm_head.weight"] = _pad_rows(take("lm_head.weight"), V)
+    elif family == "gpt_neox":
+        pre = "gpt_neox."
+        out["wte.weight"] = _pad_rows(take(pre + "embed_in.weight"), V)
+        for i in range(config.n_layer):
+            h, b = f"{pre}layers.{i}.", f"blocks.{i}."
+            for src, dst in NEOX_LAYER:
+                for leaf in (".weight", ".bias"):
+                    out[b + dst + leaf] = take(h + src + leaf)
+        for leaf in (".weight", ".bias"):
+            out["norm_f" + leaf] = take(pre + "final_layer_norm" + leaf)
     else:
         pre = "model."
         out["wte.weight"] = _pad_rows(take(pre + "embed_tokens.weight"), V)
@@ -231,12 +376,20 @@ def state_from_hf(tensors: dict, config: GPTConfig, family: str) -> dict:
                                                      take(h + "self_attn.k_proj.bias"),
                                                      take(h + "self_attn.v_proj.bias"), config)
             out[b + "attn.proj.weight"] = take(h + "self_attn.o_proj.weight")
-            gate, up = take(h + "mlp.gate_proj.weight"), take(h + "mlp.up_proj.weight")
-            out[b + "mlp.fc.weight"] = torch.stack([gate, up], dim=1).reshape(2 * gate.shape[0], gate.shape[1])
-            out[b + "mlp.proj.weight"] = take(h + "mlp.down_proj.weight")
+            if family == "mixtral":  # expert e: w1 (gate), w3 (up) (F, C) -> w_in[e] (C, 2F); w2 (C, F) -> w_out[e]
+                m = h + "block_sparse_moe."
+                out[b + "mlp.router.weight"] = take(m + "gate.weight")
+                experts = [f"{m}experts.{e}." for e in range(config.n_experts)]
+                out[b + "mlp.w_in"] = torch.stack([_interleave(take(x + "w1.weight"), take(x + "w3.weight")).t()
+                                                   for x in experts])
+                out[b + "mlp.w_out"] = torch.stack([take(x + "w2.weight").t() for x in experts])
+            else:
+                out[b + "mlp.fc.weight"] = _interleave(take(h + "mlp.gate_proj.weight"),
+                                                       take(h + "mlp.up_proj.weight"))
+                out[b + "mlp.proj.weight"] = take(h + "mlp.down_proj.weight")
         out["norm_f.weight"] = take(pre + "norm.weight")
-        if not config.tie_embeddings:
-            out["lm_head.weight"] = _pad_rows(take("lm_head.weight"), V)
+    if not config.tie_embeddings:
+        out["lm_head.weight"] = _pad_rows(take(output_name(family)), V)
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -262,6 +415,16 @@ def state_to_hf(state: dict, config: GPTConfig, family: str) -> dict:
             out[h + "mlp.c_proj.weight"], out[h + "mlp.c_proj.bias"] = (state[b + "mlp.proj.weight"].t(),
                                                                         state[b + "mlp.proj.bias"])
         out[pre + "ln_f.weight"], out[pre + "ln_f.bias"] = state["norm_f.weight"], state["norm_f.bias"]
+    elif family == "gpt_neox":
+        pre = "gpt_neox."
+        out[pre + "embed_in.weight"] = state["wte.weight"][:V]
+        for i in range(config.n_layer):
+            h, b = f"{pre}layers.{i}.", f"blocks.{i}."
+            for dst, src in NEOX_LAYER:
+                for leaf in (".weight", ".bias"):
+                    out[h + dst + leaf] = state[b + src + leaf]
+        for leaf in (".weight", ".bias"):
+            out[pre + "final_layer_norm" + leaf] = state["norm_f" + leaf]
     else:
         pre = "model."
         out[pre + "embed_tokens.weight"] = state["wte.weight"][:V]
@@ -277,14 +440,54 @@ def state_to_hf(state: dict, config: GPTConfig, family: str) -> dict:
                 out[h + "self_attn.q_proj.bias"], out[h + "self_attn.k_proj.bias"] = qb, kb
                 out[h + "self_attn.v_proj.bias"] = vb
             out[h + "self_attn.o_proj.weight"] = state[b + "attn.proj.weight"]
-            fc = state[b + "mlp.fc.weight"]
-            pairs = fc.reshape(fc.shape[0] // 2, 2, fc.shape[1])
-            out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = pairs[:, 0], pairs[:, 1]
-            out[h + "mlp.down_proj.weight"] = state[b + "mlp.proj.weight"]
+            if family == "mixtral":
+                m = h + "block_sparse_moe."
+                out[m + "gate.weight"] = state[b + "mlp.router.weight"]
+                for e, (w_in, w_out) in enumerate(zip(state[b + "mlp.w_in"], state[b + "mlp.w_out"])):
+                    x = f"{m}experts.{e}."
+                    out[x + "w1.weight"], out[x + "w3.weight"] = _deinterleave(w_in.t())
+                    out[x + "w2.weight"] = w_out.t()
+            else:
+                gate, up = _deinterleave(state[b + "mlp.fc.weight"])
+                out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
+                out[h + "mlp.down_proj.weight"] = state[b + "mlp.proj.weight"]
         out[pre + "norm.weight"] = state["norm_f.weight"]
     if not config.tie_embeddings:
-        out["lm_head.weight"] = state["lm_head.weight"][:V]
+        out[output_name(family)] = state["lm_head.weight"][:V]
     return {k: v.detach().contiguous().clone() for k, v in out.items()}
+
+
+def _file_names(tensors: dict, where: dict, config: GPTConfig, family: str, root: Path) -> None:
+    """Renames, in place, tensors under transformers' module names (a state dict saved as the model holds it) to the
+    names save_pretrained writes: GPT-NeoX's lm_head (embed_out); Mixtral's mlp.gate and fused experts,
+    gate_up_proj (E, 2F, C: gate rows, then up rows) and down_proj (E, C, F), to block_sparse_moe's per-expert
+    w1 / w3 / w2."""
+    def rename(old, new):
+        tensors[new], where[new] = tensors.pop(old), where.pop(old)
+
+    if family == "gpt_neox" and "lm_head.weight" in tensors and "embed_out.weight" not in tensors:
+        rename("lm_head.weight", "embed_out.weight")
+    if family != "mixtral":
+        return
+    for i in range(config.n_layer):
+        h = f"model.layers.{i}."
+        m = h + "block_sparse_moe."
+        if h + "mlp.gate.weight" in tensors:
+            rename(h + "mlp.gate.weight", m + "gate.weight")
+        for fused in ("gate_up_proj", "down_proj"):
+            name = f"{h}mlp.experts.{fused}"
+            if name not in tensors:
+                continue
+            t, file = tensors.pop(name), where.pop(name)
+            _need(t.dim() == 3 and (fused == "down_proj" or t.shape[1] % 2 == 0), str(root / file),
+                  f"tensor {name} has shape {tuple(t.shape)}; transformers' fused experts are gate_up_proj "
+                  "(E, 2F, C) and down_proj (E, C, F)")
+            for e in range(t.shape[0]):
+                x = f"{m}experts.{e}."
+                leaves = ({"w2.weight": t[e]} if fused == "down_proj"
+                          else dict(zip(("w1.weight", "w3.weight"), t[e].chunk(2))))
+                for leaf, w in leaves.items():
+                    tensors[x + leaf], where[x + leaf] = w, file
 
 
 # ---- files -----------------------------------------------------------------------------------------------------
@@ -326,6 +529,10 @@ def _read_tensors(root: Path) -> tuple[dict, dict]:
     return tensors, where
 
 
+# buffers older checkpoints hold, which transformers ignores too: rotary tables, GPT-NeoX's causal mask
+IGNORED = ("rotary_emb.inv_freq", "attention.bias", "attention.masked_bias")
+
+
 def read_state(path) -> tuple[dict, GPTConfig]:
     """(megakern state dict on the CPU in the checkpoint's dtype, config) of the Hugging Face checkpoint directory
     ``path``, every tensor checked (names, shapes) and nothing built: what ``load`` and a parallel run's
@@ -335,14 +542,15 @@ def read_state(path) -> tuple[dict, GPTConfig]:
     hf = _read_json(root / CONFIG)
     config, family = config_from_hf(hf, str(root / CONFIG))
     tensors, where = _read_tensors(root)
+    _file_names(tensors, where, config, family, root)
     expected = _hf_shapes(config, family)
     missing = [n for n in expected if n not in tensors]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ValueError(f"{root}: the {family} checkpoint lacks tensor {missing[0]!r}{more} (files "
                          f"{sorted(set(where.values()))})")
-    extra = sorted(n for n in tensors if n not in expected and not n.endswith("rotary_emb.inv_freq")
-                   and not (config.tie_embeddings and n == "lm_head.weight"))
+    extra = sorted(n for n in tensors if n not in expected and not n.endswith(IGNORED)
+                   and not (config.tie_embeddings and n == output_name(family)))
     if extra:
         raise ValueError(f"{root}: tensors megakern does not use: {extra[:8]}{' ...' if len(extra) > 8 else ''} "
                          f"(in {sorted({where[n] for n in extra})})")
@@ -360,7 +568,8 @@ def read_config(path) -> GPTConfig:
 
 def load(path, *, dtype: torch.dtype | None = None, device="cpu") -> tuple[GPT, GPTConfig]:
     """(model, config) of the Hugging Face checkpoint directory ``path``; weights in ``dtype`` (default: as stored)
-    on ``device``. Unused tensors other than rotary tables are an error, as are missing ones."""
+    on ``device``. Unused tensors other than the buffers transformers ignores (``IGNORED``) are an error, as are
+    missing ones."""
     state, config = read_state(path)
     return GPT.from_state(config, state, dtype=dtype, device=device), config
 
@@ -376,12 +585,12 @@ def save(model: GPT, path, *, family: str | None = None, dtype: torch.dtype | No
          max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
     """Writes ``model`` (a megakern GPT, or its state dict with ``model.config``) as a Hugging Face checkpoint
     directory ``path`` (config.json, model.safetensors or shards with their index) in ``dtype`` (default: the
-    model's). ``family``: "gpt2" | "llama" | "mistral" (default: the one its config matches). ``path`` must not
-    exist or be an empty directory; on any error nothing is left there."""
+    model's). ``family``: "gpt2" | "llama" | "mistral" | "qwen2" | "gpt_neox" | "mixtral" (default: the one its
+    config matches; a llama may be written as a mistral and back). ``path`` must not exist or be an empty
+    directory; on any error nothing is left there."""
     from safetensors.torch import save_file
 
     config = model.config
-    _check_exportable(config)
     family = family or family_of(config)
     _need(family in FAMILIES.values(), "save", f"family {family!r} (known: {sorted(FAMILIES.values())})")
     natural = family_of(config)

@@ -9,7 +9,8 @@ sorted by expert (megakern.moe: route_plan, permute, grouped_mm, unpermute), opt
                      best (sigmoid, as DeepSeek-V3); only the topk_groups best groups are eligible
     experts:         y = sum_j weights[t, j] expert_{idx[t, j]}(x_t) (+ shared(x_t)), expert(x) = act(x W_in) W_out
                      with W_in (E, C, F) (SwiGLU: (E, C, 2F), columns 2i / 2i + 1 the gate / up of unit i, as the
-                     dense MLP's rows) and W_out (E, F, C): stacked so the grouped GEMM takes them as they are
+                     dense MLP's rows) and W_out (E, F, C): stacked so the grouped GEMM takes them as they are;
+                     act the config's activation (SwiGLU, the tanh GELU, or the erf GELU for "gelu_exact")
 
 Capacity (``moe_capacity_factor``; None is dropless): expert e keeps at most ceil(factor * N * k / E) of its
 assignments, those with the highest router scores (the softmax probability or sigmoid affinity, before
@@ -224,6 +225,7 @@ class MoEMLP(nn.Module):
         c = config
         self.n_experts, self.top_k, self.ffn_hidden = c.n_experts, c.moe_top_k, c.moe_ffn_hidden
         self.swiglu = c.activation == "swiglu"
+        self.gelu = "none" if c.activation == "gelu_exact" else "tanh"  # F.gelu's approximate, without swiglu
         self.router_kind, self.renormalize = c.moe_router, c.moe_renormalize
         self.n_groups, self.topk_groups = c.moe_n_groups, c.moe_topk_groups
         self.capacity_factor, self.force_balance = c.moe_capacity_factor, c.moe_force_balance
@@ -302,7 +304,7 @@ class MoEMLP(nn.Module):
         if self.swiglu:
             h = swiglu(h, backend=self.kernels)
         else:
-            h = F.gelu(h, approximate="tanh")
+            h = F.gelu(h, approximate=self.gelu)
         return grouped_mm(h, self.w_out.to(xs.dtype), offsets, backend=self.kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

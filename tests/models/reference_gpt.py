@@ -1,7 +1,8 @@
 """A plain-torch GPT of the same GPTConfig, written independently of megakern's ops, loading the same state_dict.
 
 Everything explicit: F.layer_norm / RMSNorm by hand, rotary by "rotate half" on the first rotary_dim features,
-attention by a masked softmax over repeated kv heads, F.cross_entropy over full logits. Computes in the parameters'
+attention by a masked softmax over repeated kv heads, GELU by its formulas (tanh, or erf), parallel or sequential
+residual blocks, F.cross_entropy over full logits. Computes in the parameters'
 dtype (fp64 in the tests).
 """
 from __future__ import annotations
@@ -66,7 +67,7 @@ class RefAttention(nn.Module):
 class RefMLP(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.swiglu = config.activation == "swiglu"
+        self.swiglu, self.exact = config.activation == "swiglu", config.activation == "gelu_exact"
         self.fc = nn.Linear(config.n_embd, config.ffn_hidden * (2 if self.swiglu else 1), bias=config.bias)
         self.proj = nn.Linear(config.ffn_hidden, config.n_embd, bias=config.bias)
 
@@ -75,6 +76,8 @@ class RefMLP(nn.Module):
         if self.swiglu:
             gate, up = h[..., 0::2], h[..., 1::2]
             h = F.silu(gate) * up
+        elif self.exact:
+            h = 0.5 * h * (1 + torch.erf(h / math.sqrt(2)))
         else:
             h = 0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h ** 3)))
         return self.proj(h)
@@ -85,8 +88,11 @@ class RefBlock(nn.Module):
         super().__init__()
         self.attn_norm, self.attn = RefNorm(config), RefAttention(config)
         self.mlp_norm, self.mlp = RefNorm(config), RefMLP(config)
+        self.parallel = config.parallel_residual
 
     def forward(self, x, pos, doc):
+        if self.parallel:  # GPT-NeoX: both branches read the block's input
+            return x + self.attn(self.attn_norm(x), pos, doc) + self.mlp(self.mlp_norm(x))
         x = x + self.attn(self.attn_norm(x), pos, doc)
         return x + self.mlp(self.mlp_norm(x))
 

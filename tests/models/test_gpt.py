@@ -22,7 +22,11 @@ LLAMA_LIKE = dict(n_layer=2, n_embd=64, n_head=4, n_kv_head=2, ffn_hidden=72, vo
 MQA = dict(n_layer=1, n_embd=64, n_head=4, n_kv_head=1, vocab_size=77, max_seqlen=40, norm="layernorm",
            position="rotary", activation="gelu", bias=False, tie_embeddings=True, rotary_base=500.0)
 MHA_ROTARY = dict(LLAMA_LIKE, n_kv_head=4, rotary_pct=1.0)
-CONFIGS = {"gpt2-like": GPT2_LIKE, "llama-like": LLAMA_LIKE, "mqa": MQA, "mha-rotary": MHA_ROTARY}
+# GPT-NeoX: partial rotary, erf GELU with biases, attention and MLP in parallel off one residual stream
+NEOX_LIKE = dict(n_layer=2, n_embd=48, n_head=3, vocab_size=101, max_seqlen=40, norm="layernorm", position="rotary",
+                 rotary_pct=0.25, activation="gelu_exact", bias=True, tie_embeddings=False, parallel_residual=True)
+CONFIGS = {"gpt2-like": GPT2_LIKE, "llama-like": LLAMA_LIKE, "mqa": MQA, "mha-rotary": MHA_ROTARY,
+           "neox-like": NEOX_LIKE}
 
 
 def make(config: dict, seed: int = 0, **overrides) -> GPT:
@@ -151,12 +155,12 @@ def test_init_statistics():
     assert torch.equal(stage.blocks["6"].mlp.fc.weight, whole.blocks["6"].mlp.fc.weight)
 
 
-@pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_recompute_modes_give_identical_gradients(dropout):
-    idx, targets = batch(GPTConfig(**LLAMA_LIKE), 2, 12)
+@pytest.mark.parametrize("name,dropout", [("llama-like", 0.0), ("llama-like", 0.1), ("neox-like", 0.1)])
+def test_recompute_modes_give_identical_gradients(name, dropout):
+    idx, targets = batch(GPTConfig(**CONFIGS[name]), 2, 12)
     results = {}
     for mode in ("none", "selective", "full"):
-        model = make(LLAMA_LIKE, recompute=mode, dropout=dropout)
+        model = make(CONFIGS[name], recompute=mode, dropout=dropout)
         torch.manual_seed(11)
         results[mode] = loss_and_grads(model, idx, targets)
     for mode in ("selective", "full"):
@@ -224,6 +228,7 @@ def test_presets_validate_and_build_on_meta():
     (dict(kernels={"softmax": "triton"}), "unknown op 'softmax'"),
     (dict(ce_chunk=0), "ce_chunk must be None or an int >= 1"),
     (dict(norm_eps=-1.0), "norm_eps must be > 0"),
+    (dict(parallel_residual="yes"), "parallel_residual must be a bool"),
 ])
 def test_config_errors(fields, message):
     with pytest.raises(ValueError, match=message):

@@ -151,9 +151,10 @@ def test_layer_against_a_loop_over_experts(dtype, shared, renormalize, losses):
         assert_close_to_ref(f"d{name}", p.grad, truth[2][name], lowp[2][name], atol=1e-5)
 
 
-def test_gelu_experts_and_zero_token_experts():
+@pytest.mark.parametrize("activation,approximate", [("gelu", "tanh"), ("gelu_exact", "none")])
+def test_gelu_experts_and_zero_token_experts(activation, approximate):
     torch.manual_seed(3)
-    cfg = _config(activation="gelu", n_experts=8, moe_top_k=1)
+    cfg = _config(activation=activation, n_experts=8, moe_top_k=1)
     layer = MoEMLP(cfg)
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.3)
@@ -162,7 +163,7 @@ def test_gelu_experts_and_zero_token_experts():
     x = torch.randn(9, 32).abs()
     out = layer(x)
     r = layer.routing(layer.router.logits(x))
-    expect = torch.stack([r.weights[t, 0] * (F.gelu(x[t] @ layer.w_in[i], approximate="tanh") @ layer.w_out[i])
+    expect = torch.stack([r.weights[t, 0] * (F.gelu(x[t] @ layer.w_in[i], approximate=approximate) @ layer.w_out[i])
                           for t, i in enumerate(r.expert_idx[:, 0].tolist())])
     assert r.expert_idx.max() < 5
     torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-6)

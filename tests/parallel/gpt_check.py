@@ -19,6 +19,9 @@ STYLES = {
     "gpt": dict(norm="layernorm", position="learned", activation="gelu", bias=True, tie_embeddings=True),
     # Llama style: rotary, untied, RMSNorm, SwiGLU, grouped-query attention, no bias
     "llama": dict(norm="rmsnorm", position="rotary", activation="swiglu", bias=False, tie_embeddings=False),
+    # GPT-NeoX style: parallel residual, partial rotary, LayerNorm with bias, the erf GELU, untied
+    "neox": dict(norm="layernorm", position="rotary", rotary_pct=0.25, activation="gelu_exact", bias=True,
+                 tie_embeddings=False, parallel_residual=True),
 }
 
 

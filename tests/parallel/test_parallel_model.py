@@ -18,7 +18,7 @@ def run(world, layout, options, **kw):
 
 
 @pytest.mark.parametrize("style,sp,overlap", [("llama", False, False), ("gpt", True, False), ("gpt", True, True),
-                                             ("llama", True, True)])
+                                             ("llama", True, True), ("neox", True, True)])
 def test_tensor_parallel(style, sp, overlap):
     """overlap: parallel.overlap in the layers (gloo: the row layers' ring behind the chunks' matmuls, the column
     layers' unfused gather through their gather_gemm seam)."""
@@ -46,6 +46,7 @@ def test_context_parallel(style):
     (dict(tp=2, cp=2), dict(dp_shard="fsdp"), "llama"),                               # TP+SP x CP (FSDP over cp)
     (dict(pp=2, dp=2), dict(pp_schedule="gpipe", dp_shard="fsdp", microbatches=2), "llama"),  # FSDP x PP
     (dict(pp=2, cp=2), dict(pp_schedule="1f1b", dp_shard="fsdp", microbatches=2), "llama"),   # CP x PP, rotary
+    (dict(tp=2, pp=2), dict(pp_schedule="1f1b", dp_shard="ddp", microbatches=2), "neox"),     # parallel residual
 ])
 def test_combined_layouts(layout, options, style):
     run(4, layout, options, style=style)
