@@ -85,6 +85,15 @@ class DataConfig:
     packed_documents: bool = False
     """Attention stays within documents: cu_seqlens and position ids from the end-of-document tokens of each
     micro-batch (documents otherwise run across sample boundaries in one causal window)."""
+    whole_documents: bool = False
+    """Each sample holds whole documents (SFT examples), packed in a seeded order into samples of seq_length + 1
+    tokens and padded with token 0, which is never trained, instead of windows of the document stream that cut
+    documents at sample boundaries (Megatron's GPTDataset); every document must fit one sample (megakern.data.preprocess
+    --format sft --max-length)."""
+    loss_mask: bool = True
+    """Train only the targets that a dataset's loss mask keeps (PREFIX.mask.bin of SFT data from
+    ``megakern.data.preprocess --format sft``: the responses), the others being ignored by the loss; false trains every
+    token of them too (axolotl's train_on_inputs). Datasets without a mask train every token either way."""
     num_workers: int = 1
     """DataLoader worker processes; capped to the usable CPUs with a warning."""
     loader_timeout_s: float = 600.0

@@ -566,7 +566,8 @@ class ParallelModel:
             dist.all_reduce(total, group=self.mesh.dp_cp_group)
         if self.pp > 1:  # the loss lives on the last stage
             dist.broadcast(total, src=dist.get_global_rank(self.mesh.pp_group, self.pp - 1), group=self.mesh.pp_group)
-        return total / n_global
+        # a batch whose targets are all ignored (an SFT batch of prompts alone) has loss 0, as its gradient
+        return total / (n_global.clamp(min=1) if isinstance(n_global, torch.Tensor) else max(n_global, 1))
 
     def _pipeline(self, idx, targets, pos, scale, train: bool, packed=None):
         """``packed``: per micro-batch (host-side cu_seqlens, max_seqlen) or (None, None) (_prepare); packed

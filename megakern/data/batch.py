@@ -1,10 +1,13 @@
-"""A micro-batch on the device (Batch) from a sample of token rows: inputs and targets shifted by one, and for packed
-documents the documents' offsets (cu_seqlens) found at each end-of-document token."""
+"""A micro-batch on the device (Batch) from a sample of token rows: inputs and targets shifted by one, targets the
+loss mask leaves out set to the ignore index, and for packed documents the documents' offsets (cu_seqlens) found at
+each end-of-document token."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+IGNORE_INDEX = -100  # targets not trained: the model's loss ignores them (megakern.models.gpt.IGNORE_INDEX)
 
 
 @dataclass
@@ -42,9 +45,25 @@ def document_offsets(inputs: torch.Tensor, eod_id: int) -> tuple[torch.Tensor, i
     return bounds.to(torch.int32), int(torch.diff(bounds).max())
 
 
+def targets_of(sample: dict) -> torch.Tensor:
+    """The targets of a sample's (B, T + 1) ``tokens``: ``tokens[:, 1:]``, and where the sample has a ``loss_mask``
+    (B, T + 1) aligned with the tokens, IGNORE_INDEX at each target whose token the mask leaves out (the mask of a
+    target is that of the token predicted, not of the input it is predicted from)."""
+    targets = sample["tokens"][:, 1:]
+    mask = sample.get("loss_mask")
+    if mask is None:
+        return targets
+    if mask.shape != sample["tokens"].shape:
+        raise ValueError(f"a loss_mask of shape {tuple(mask.shape)} for tokens of shape "
+                         f"{tuple(sample['tokens'].shape)}")
+    return targets.masked_fill(~mask[:, 1:].bool(), IGNORE_INDEX)
+
+
 def to_batch(sample: dict, device: torch.device, eod_id: int | None) -> Batch:
+    """The Batch of a sample of (B, T + 1) ``tokens`` (and its ``loss_mask``: ``targets_of``); with ``eod_id`` (packed
+    documents) the documents' offsets."""
     tokens = sample["tokens"]
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    inputs, targets = tokens[:, :-1], targets_of(sample)
     cu, longest = document_offsets(inputs, eod_id) if eod_id is not None else (None, None)
     non_blocking = device.type == "cuda"
     return Batch(inputs.to(device, non_blocking=non_blocking), targets.to(device, non_blocking=non_blocking),

@@ -13,6 +13,9 @@ seed, e.g. ``functools.partial(GPTDataset, indexed, seq_length, cache_dir=cache)
 exactly ``count`` samples with ``name``, ``fingerprint`` and ``check_unmodified()`` (as GPTDataset has). A
 component that cannot supply its count raises (GPTDataset's DataError gives the epochs it would need; pass it
 ``max_epochs`` to allow repeating the data), and the blend adds which component it was.
+
+Loss masks: when any component's items carry a ``'loss_mask'`` (SFT data: its ``has_loss_mask``), the blend's all
+do, all True for the components without one (every token trains), so that the items of a batch stack alike.
 """
 from __future__ import annotations
 
@@ -86,6 +89,7 @@ class BlendedDataset(torch.utils.data.Dataset):
                              f"samples; raise num_samples or drop it from the blend")
         self.datasets = [self._build(i, factory) for i, factory in enumerate(datasets)]
         self.dataset_index, self.sample_index = blend_order(self.counts)
+        self.has_loss_mask = any(getattr(d, "has_loss_mask", False) for d in self.datasets)
         parts = [f"{self.seed}"] + [f"{d.fingerprint}:{c}" for d, c in zip(self.datasets, self.counts.tolist())]
         self.fingerprint = hashlib.sha256(";".join(parts).encode()).hexdigest()[:32]
 
@@ -121,4 +125,7 @@ class BlendedDataset(torch.utils.data.Dataset):
     def __getitem__(self, i: int):
         if not 0 <= i < self.num_samples:
             raise IndexError(f"blend sample {i} out of range [0, {self.num_samples})")
-        return self.datasets[int(self.dataset_index[i])][int(self.sample_index[i])]
+        sample = self.datasets[int(self.dataset_index[i])][int(self.sample_index[i])]
+        if self.has_loss_mask and "loss_mask" not in sample:
+            sample = {**sample, "loss_mask": torch.ones(sample["tokens"].shape, dtype=torch.bool)}
+        return sample

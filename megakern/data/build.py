@@ -1,7 +1,8 @@
 """The run's datasets (``build_data``): each file's documents split into train and held-out (DocumentSubset, a seeded
 split), a GPTDataset per split or a BlendedDataset over several files, with errors that name the config keys to
 change, and the fingerprint that fixes the training samples' order (recorded in checkpoints, compared across ranks
-and on resume)."""
+and on resume). Datasets with a loss mask (SFT data) serve it unless data.loss_mask=false; data.whole_documents packs
+whole documents into samples."""
 from __future__ import annotations
 
 import contextlib
@@ -25,10 +26,11 @@ from megakern.data.tokenizers import load_tokenizer
 
 class DocumentSubset:
     """Some documents of an IndexedDataset, seen as a dataset of its own (what GPTDataset reads: sizes, get,
-    num_tokens, fingerprint, prefix, check_unmodified)."""
+    num_tokens, fingerprint, prefix, check_unmodified, and has_loss_mask, get_mask)."""
 
     def __init__(self, indexed: IndexedDataset, docs: np.ndarray, split: str):
         self.indexed, self.docs, self.split = indexed, np.asarray(docs, dtype=np.int64), split
+        self.has_loss_mask = bool(getattr(indexed, "has_loss_mask", False))
         self.sizes = indexed.sizes[self.docs]
         self.num_tokens = int(self.sizes.sum())
         self.prefix = indexed.prefix.with_name(f"{indexed.prefix.name}-{split}")
@@ -40,6 +42,9 @@ class DocumentSubset:
 
     def get(self, doc: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         return self.indexed.get(int(self.docs[doc]), offset, length)
+
+    def get_mask(self, doc: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        return self.indexed.get_mask(int(self.docs[doc]), offset, length)
 
     def check_unmodified(self) -> None:
         self.indexed.check_unmodified()
@@ -128,8 +133,25 @@ def build_data(config: TrainConfig, *, seq_length: int, eval_seq_length: int, tr
         splits = [split_documents(open_indexed(p, tokenizer.vocab_size), d.valid_fraction, d.split_seed)
                   for p in prefixes]
     cache = d.index_cache_dir
+    kinds = {"whole_documents": d.whole_documents, "loss_mask": d.loss_mask}  # how every GPTDataset reads its data
 
-    if len(prefixes) == 1:
+    if len(prefixes) == 1 and d.whole_documents:
+        train_docs, valid_docs = splits[0]
+        try:  # whole epochs, so that the sample order (and the fingerprint) does not depend on train.steps
+            train = GPTDataset(train_docs, seq_length, None, seed, cache_dir=cache, max_epochs=d.max_epochs,
+                               name=train_docs.prefix.name, min_samples=train_samples, **kinds)
+        except DataError as exc:
+            raise DataError(f"data.whole_documents: the run needs {train_samples} samples (train.steps x global "
+                            f"batch): {str(exc).replace('pass max_epochs', 'set data.max_epochs')}") from None
+        if held is None:
+            with _held_out(config, eval_samples, eval_seq_length):
+                valid = GPTDataset(valid_docs, eval_seq_length, eval_samples, seed, cache_dir=cache,
+                                   name=valid_docs.prefix.name + f"-{eval_seq_length}", **kinds)
+        description = (f"{train_docs.prefix.name}: {len(train_docs)} documents, {train_docs.num_tokens:,} "
+                       f"tokens ({len(valid_docs) if held is None else 0} documents held out), {len(train)} samples "
+                       f"of {seq_length} ({train.epochs} epoch{'s' * (train.epochs > 1)}), whole documents filling "
+                       f"{train.fill:.1%} of them")
+    elif len(prefixes) == 1:
         train_docs, valid_docs = splits[0]
         per_epoch = (train_docs.num_tokens - 1) // seq_length
         if per_epoch < 1:
@@ -148,11 +170,11 @@ def build_data(config: TrainConfig, *, seq_length: int, eval_seq_length: int, tr
                 f"but data.max_epochs={d.max_epochs}: set data.max_epochs={epochs} to repeat the data, or {fix}")
         # whole epochs, so that the sample order (and the fingerprint) does not depend on train.steps
         train = GPTDataset(train_docs, seq_length, epochs * per_epoch, seed, cache_dir=cache, max_epochs=epochs,
-                           name=train_docs.prefix.name)
+                           name=train_docs.prefix.name, **kinds)
         if held is None:
             with _held_out(config, eval_samples, eval_seq_length):
                 valid = GPTDataset(valid_docs, eval_seq_length, eval_samples, seed, cache_dir=cache,
-                                   name=valid_docs.prefix.name + f"-{eval_seq_length}")
+                                   name=valid_docs.prefix.name + f"-{eval_seq_length}", **kinds)
         description = (f"{train_docs.prefix.name}: {len(train_docs)} documents, {train_docs.num_tokens:,} "
                        f"tokens ({len(valid_docs) if held is None else 0} documents held out), {len(train)} samples "
                        f"of {seq_length} ({epochs} epoch{'s' * (epochs > 1)})")
@@ -160,8 +182,8 @@ def build_data(config: TrainConfig, *, seq_length: int, eval_seq_length: int, tr
         weights = d.weights or [1.0] * len(prefixes)
 
         def factories(part: int, length: int, max_epochs: int, suffix: str):
-            return [functools.partial(_component, s[part], length, cache, max_epochs, s[part].prefix.name + suffix)
-                    for s in splits]
+            return [functools.partial(_component, s[part], length, cache, max_epochs, s[part].prefix.name + suffix,
+                                      **kinds) for s in splits]
 
         try:
             train = BlendedDataset(factories(0, seq_length, d.max_epochs, ""), weights, train_samples, seed=seed,
@@ -179,8 +201,12 @@ def build_data(config: TrainConfig, *, seq_length: int, eval_seq_length: int, tr
             raise ConfigError(message) from None
         description = "blend:\n" + train.describe()
     if held is not None:
-        valid = _separate_valid(config, held, cache, eval_samples, eval_seq_length, seed)
+        valid = _separate_valid(config, held, cache, eval_samples, eval_seq_length, seed, kinds)
         description += f"; eval on data.valid_paths ({sum(len(h) for h in held)} documents)"
+    masked = [s[0].prefix.name for s in splits if s[0].has_loss_mask]
+    if masked:
+        description += (f"; loss masks of {', '.join(masked)} (PREFIX.mask.bin) " +
+                        ("applied" if d.loss_mask else "ignored: data.loss_mask=false trains every token"))
     # what fixes the training samples' order (the held-out set depends on eval sizes, not recorded)
     fingerprint = hashlib.sha256(f"{train.fingerprint}:{tokenizer.name}".encode()).hexdigest()
     return Data(train, valid, tokenizer, fingerprint[:32], description)
@@ -207,15 +233,15 @@ def _whole(indexed, split: str) -> DocumentSubset:
 
 
 def _separate_valid(config: TrainConfig, held: list[DocumentSubset], cache, eval_samples: int, eval_seq_length: int,
-                    seed: int):
+                    seed: int, kinds: dict):
     """The eval set of data.valid_paths: one dataset's samples, or their blend (data.valid_weights)."""
     d = config.data
     with _held_out(config, eval_samples, eval_seq_length):
         if len(held) == 1:
             return GPTDataset(held[0], eval_seq_length, eval_samples, seed, cache_dir=cache,
-                              name=held[0].prefix.name + f"-{eval_seq_length}")
-        parts = [functools.partial(_component, h, eval_seq_length, cache, 1, h.prefix.name + f"-{eval_seq_length}")
-                 for h in held]
+                              name=held[0].prefix.name + f"-{eval_seq_length}", **kinds)
+        parts = [functools.partial(_component, h, eval_seq_length, cache, 1, h.prefix.name + f"-{eval_seq_length}",
+                                   **kinds) for h in held]
         try:
             return BlendedDataset(parts, d.valid_weights or [1.0] * len(held), eval_samples, seed=seed,
                                   allow_extreme=d.allow_extreme_weights)
@@ -225,7 +251,8 @@ def _separate_valid(config: TrainConfig, held: list[DocumentSubset], cache, eval
             raise ConfigError(f"data.valid_weights {d.valid_weights}: {exc}") from None
 
 
-def _component(docs: DocumentSubset, seq_length: int, cache, max_epochs: int, name: str, count: int, seed: int):
-    return GPTDataset(docs, seq_length, count, seed, cache_dir=cache, max_epochs=max_epochs, name=name)
+def _component(docs: DocumentSubset, seq_length: int, cache, max_epochs: int, name: str, count: int, seed: int,
+               **kinds):
+    return GPTDataset(docs, seq_length, count, seed, cache_dir=cache, max_epochs=max_epochs, name=name, **kinds)
 
 

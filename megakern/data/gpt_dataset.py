@@ -27,6 +27,20 @@ Modification (contracts 11 and 34, docs/contracts.md): ``fingerprint`` identifie
 in checkpoints and compare it on resume); ``check_unmodified()`` is a cheap stat of the .bin/.idx (the training
 program calls it after every step and before every checkpoint), and ``__getitem__`` calls it too whenever a sample
 crosses an epoch boundary.
+
+Loss masks (SFT data, ``megakern.data.sft``): where the indexed dataset has one (PREFIX.mask.bin), each item also
+holds ``'loss_mask'``, a bool tensor (L + 1,) aligned with the tokens, True where the token is trained as a target;
+``to_batch`` turns the targets of the others into the ignore index. ``loss_mask=False`` ignores the dataset's mask
+(every token trains). A dataset without one serves ``{'tokens'}`` alone, exactly as before.
+
+Whole documents (``whole_documents=True``): instead of windows of the stream, each sample holds whole documents,
+packed in the epoch's document order (the permutation above) into samples of L + 1 tokens: a document goes into the
+first of the last OPEN_BINS samples still open that has room for it, else opens a new one (closing the fullest when
+OPEN_BINS are open); samples never span epochs. The rest of a sample is PAD_ID tokens whose loss mask is False, so
+every item has a ``'loss_mask'``; a document longer than L + 1 tokens is an error. No example of SFT data is then
+cut from its prompt or split over two samples. ``doc_idx`` holds the documents in packed order, sample j being
+``doc_idx[sample_idx[j, 0]:sample_idx[j + 1, 0]]`` (offsets 0); the epochs are as many as the samples need, found by
+packing (``min_samples``: the fewest whole epochs holding at least that many samples).
 """
 from __future__ import annotations
 
@@ -47,6 +61,8 @@ import torch
 from megakern.data.indexed import DataError, IndexedDataset
 
 CACHE_FORMAT = 1
+OPEN_BINS = 16  # samples open to more documents at once when packing whole documents
+PAD_ID = 0  # the token that fills the rest of a sample of whole documents (never trained)
 _DOC_STREAM, _SHUFFLE_STREAM = 0, 1  # second word of the seed: document order vs sample order
 _ARRAYS = ("doc_idx", "sample_idx", "shuffle_idx")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -108,6 +124,77 @@ def build_indices(sizes: np.ndarray, seq_length: int, num_samples: int, seed: in
     return Indices(doc_idx, sample_idx, shuffle_idx.astype(_index_dtype(num_samples - 1)))
 
 
+def pack_documents(sizes: np.ndarray, order: np.ndarray, capacity: int,
+                   open_bins: int = OPEN_BINS) -> tuple[np.ndarray, np.ndarray]:
+    """(the documents of ``order`` regrouped by sample, each sample's document count): documents of ``sizes`` tokens
+    (none over ``capacity``) packed in the given order into samples of ``capacity`` tokens, each into the first open
+    sample with room for it (see the module doc)."""
+    closed: list[list[int]] = []
+    docs: list[list[int]] = []
+    room: list[int] = []
+    for d, size in zip(order.tolist(), sizes[order].tolist()):
+        for k, free in enumerate(room):
+            if size <= free:
+                docs[k].append(d)
+                room[k] = free - size
+                if not room[k]:
+                    closed.append(docs.pop(k))
+                    room.pop(k)
+                break
+        else:
+            if size == capacity:  # a sample of its own, full at once
+                closed.append([d])
+                continue
+            if len(room) == open_bins:
+                k = room.index(min(room))
+                closed.append(docs.pop(k))
+                room.pop(k)
+            docs.append([d])
+            room.append(capacity - size)
+    closed += docs
+    counts = np.fromiter((len(b) for b in closed), dtype=np.int64, count=len(closed))
+    return np.fromiter((d for b in closed for d in b), dtype=np.int64, count=len(order)), counts
+
+
+def build_packed_indices(sizes: np.ndarray, seq_length: int, seed: int, *, num_samples: int | None = None,
+                         min_samples: int | None = None, max_epochs: int = 1,
+                         name: str = "dataset") -> tuple[Indices, int]:
+    """(the index arrays, epochs) of samples of whole documents (see the module doc): ``num_samples`` of them, or
+    with ``min_samples`` all those of the fewest epochs holding that many, else one epoch's. DataError when more than
+    ``max_epochs`` epochs would be needed, or a document does not fit a sample."""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    capacity, num_docs = seq_length + 1, len(sizes)
+    if num_docs and int(sizes.max()) > capacity:
+        over = int((sizes > capacity).sum())
+        raise DataError(f"{name}: {over} of {num_docs} documents are longer than a sample of whole documents "
+                        f"(seq_length {seq_length} + 1 = {capacity} tokens; the longest has {int(sizes.max())}): "
+                        f"shorten them (megakern.data.preprocess --format sft --max-length {capacity}) or use a longer "
+                        "sequence")
+    wanted = num_samples if num_samples is not None else min_samples
+    orders, ends, total = [], [], 0
+    for epoch in range(max_epochs):
+        perm = np.random.default_rng((seed, _DOC_STREAM, epoch)).permutation(num_docs)
+        order, counts = pack_documents(sizes, perm, capacity)
+        orders.append(order)
+        ends.append(epoch * num_docs + np.cumsum(counts))
+        total += len(counts)
+        if wanted is None or total >= wanted:
+            break
+    if wanted is not None and total < wanted:
+        per = total / max_epochs
+        raise DataError(f"{name}: {wanted} samples of whole documents (seq_length {seq_length}) need about "
+                        f"{-(-wanted // max(int(per), 1))} epochs of this dataset (one packs into {per:.0f} samples), "
+                        f"but max_epochs={max_epochs}; pass max_epochs to repeat the data, or ask for at most "
+                        f"{total} samples")
+    epochs, count = len(orders), wanted if num_samples is not None else total
+    starts = np.concatenate([[0], *ends])[:count + 1]
+    doc_idx = np.concatenate(orders).astype(_index_dtype(max(num_docs - 1, 0)))
+    sample_idx = np.zeros((count + 1, 2), dtype=_index_dtype(len(doc_idx)))
+    sample_idx[:, 0] = starts
+    shuffle_idx = np.random.default_rng((seed, _SHUFFLE_STREAM)).permutation(count)
+    return Indices(doc_idx, sample_idx, shuffle_idx.astype(_index_dtype(count - 1))), epochs
+
+
 def _crc32(array: np.ndarray) -> int:
     """CRC32 of an array's bytes."""
     return zlib.crc32(memoryview(np.ascontiguousarray(array)).cast("B"))
@@ -137,10 +224,14 @@ class GPTDataset(torch.utils.data.Dataset):
     strict: refuse (DataError) a cache built for other parameters or data instead of rebuilding it.
     name: the cache's file name stem and the name in messages; defaults to the indexed dataset's file name.
     Must be unique among the datasets sharing a cache_dir.
+    min_samples: with num_samples None, the samples of the fewest whole epochs that hold at least this many.
+    whole_documents: samples of whole documents, packed and padded (see the module doc).
+    loss_mask: serve the indexed dataset's loss mask where it has one (False: every token trains).
     """
 
     def __init__(self, indexed: IndexedDataset, seq_length: int, num_samples: int | None, seed: int, *,
-                 cache_dir=None, max_epochs: int = 1, strict: bool = False, name: str | None = None):
+                 cache_dir=None, max_epochs: int = 1, strict: bool = False, name: str | None = None,
+                 min_samples: int | None = None, whole_documents: bool = False, loss_mask: bool = True):
         self.indexed = indexed
         self.seq_length = _int_arg("seq_length", seq_length, 1)
         self.seed = _int_arg("seed", seed, 0)
@@ -148,29 +239,59 @@ class GPTDataset(torch.utils.data.Dataset):
         self.name = indexed.prefix.name if name is None else name
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
             raise ValueError(f"name must be letters, digits, '.', '_' or '-' (a file name stem), got {self.name!r}")
+        if min_samples is not None:
+            min_samples = _int_arg("min_samples", min_samples, 1)
+            if num_samples is not None:
+                raise ValueError("num_samples and min_samples are alternatives: give one")
+        self.whole_documents = bool(whole_documents)
+        self.reads_mask = bool(loss_mask) and bool(getattr(indexed, "has_loss_mask", False))
+        self.has_loss_mask = self.reads_mask or self.whole_documents  # items carry 'loss_mask'
         tokens = indexed.num_tokens
         if tokens == 0:
             raise DataError(f"{self.name}: the dataset has no tokens ({len(indexed)} documents)")
-        per_epoch = (tokens - 1) // self.seq_length
-        if num_samples is None and per_epoch < 1:
-            raise DataError(f"{self.name}: {tokens} tokens, too few for one sample of seq_length "
-                            f"{self.seq_length} + 1 tokens")
-        self.num_samples = _int_arg("num_samples", per_epoch if num_samples is None else num_samples, 1)
-        self.epochs = epochs_needed(tokens, self.seq_length, self.num_samples)
-        if self.epochs > self.max_epochs:
-            raise DataError(
-                f"{self.name}: {self.num_samples} samples of seq_length {self.seq_length} need "
-                f"{self.num_samples * self.seq_length + 1} tokens, {self.epochs} epochs of this dataset's {tokens} "
-                f"tokens, but max_epochs={self.max_epochs}; pass max_epochs={self.epochs} to repeat the data, or "
-                f"ask for at most {self.max_epochs * per_epoch} samples")
+        built = None
+        if self.whole_documents:
+            if num_samples is not None:
+                num_samples = _int_arg("num_samples", num_samples, 1)
+            built, self.epochs = build_packed_indices(indexed.sizes, self.seq_length, self.seed,
+                                                      num_samples=num_samples, min_samples=min_samples,
+                                                      max_epochs=self.max_epochs, name=self.name)
+            self.num_samples = len(built.shuffle_idx)
+        else:
+            per_epoch = (tokens - 1) // self.seq_length
+            if (num_samples is None or min_samples is not None) and per_epoch < 1:
+                raise DataError(f"{self.name}: {tokens} tokens, too few for one sample of seq_length "
+                                f"{self.seq_length} + 1 tokens")
+            if min_samples is not None:
+                num_samples = -(-min_samples // per_epoch) * per_epoch
+            self.num_samples = _int_arg("num_samples", per_epoch if num_samples is None else num_samples, 1)
+            self.epochs = epochs_needed(tokens, self.seq_length, self.num_samples)
+            if self.epochs > self.max_epochs:
+                raise DataError(
+                    f"{self.name}: {self.num_samples} samples of seq_length {self.seq_length} need "
+                    f"{self.num_samples * self.seq_length + 1} tokens, {self.epochs} epochs of this dataset's "
+                    f"{tokens} tokens, but max_epochs={self.max_epochs}; pass max_epochs={self.epochs} to repeat the "
+                    f"data, or ask for at most {self.max_epochs * per_epoch} samples")
         self.descriptor = {"format": CACHE_FORMAT, "dataset": indexed.fingerprint, "documents": len(indexed),
                            "tokens": tokens, "seq_length": self.seq_length, "seed": self.seed,
                            "num_samples": self.num_samples, "epochs": self.epochs}
+        if self.whole_documents:  # (absent otherwise: the windows' caches and fingerprints stay as they were)
+            self.descriptor.update(whole_documents=True, open_bins=OPEN_BINS)
         self.fingerprint = hashlib.sha256(json.dumps(self.descriptor, sort_keys=True).encode()).hexdigest()[:32]
         self.cache_dir = None if cache_dir is None else Path(cache_dir)
-        arrays = self._load_or_build_cache(strict) if self.cache_dir else build_indices(
-            indexed.sizes, self.seq_length, self.num_samples, self.seed)
+        self._built = built
+        arrays = self._load_or_build_cache(strict) if self.cache_dir else self._build()
+        self._built = None
         self.doc_idx, self.sample_idx, self.shuffle_idx = arrays
+        self.fill = None  # whole documents: the share of the samples' tokens that are documents' (not padding)
+        if self.whole_documents:
+            used = np.asarray(indexed.sizes, dtype=np.int64)[self.doc_idx[:int(self.sample_idx[-1, 0])]].sum()
+            self.fill = float(used) / (self.num_samples * (self.seq_length + 1))
+
+    def _build(self) -> Indices:
+        if self._built is not None:
+            return self._built
+        return build_indices(self.indexed.sizes, self.seq_length, self.num_samples, self.seed)
 
     def _shapes(self) -> dict[str, tuple[int, ...]]:
         return {"doc_idx": (self.epochs * len(self.indexed),), "sample_idx": (self.num_samples + 1, 2),
@@ -216,7 +337,7 @@ class GPTDataset(torch.utils.data.Dataset):
     def _write_cache(self, path: Path) -> Indices:
         """Build the arrays, write them and then the descriptor atomically, drop older arrays, map the new ones."""
         self.cache_dir.mkdir(parents=True, exist_ok=True)
-        arrays = build_indices(self.indexed.sizes, self.seq_length, self.num_samples, self.seed)
+        arrays = self._build()
         stem = f"{self.name}.{self.fingerprint[:16]}"
         for field, array in zip(_ARRAYS, arrays):
             _write_atomic(self.cache_dir / f"{stem}.{field}.npy", lambda f, a=array: np.save(f, a))
@@ -239,17 +360,37 @@ class GPTDataset(torch.utils.data.Dataset):
         if not 0 <= i < self.num_samples:
             raise IndexError(f"{self.name}: sample {i} out of range [0, {self.num_samples})")
         j = int(self.shuffle_idx[i])
+        if self.whole_documents:
+            return self._whole(j)
         (first, offset), (last, end) = self.sample_idx[j].tolist(), self.sample_idx[j + 1].tolist()
         if first // len(self.indexed) != last // len(self.indexed):
             self.check_unmodified()
         docs = self.doc_idx[first:last + 1].tolist()
-        if first == last:
-            parts = [self.indexed.get(docs[0], offset, end - offset + 1)]
-        else:
-            parts = ([self.indexed.get(docs[0], offset)] + [self.indexed.get(d) for d in docs[1:-1]]
-                     + [self.indexed.get(docs[-1], 0, end + 1)])
-        return {"tokens": torch.from_numpy(np.concatenate(parts).astype(np.int64))}
+
+        def window(get) -> np.ndarray:
+            if first == last:
+                return get(docs[0], offset, end - offset + 1)
+            return np.concatenate([get(docs[0], offset)] + [get(d) for d in docs[1:-1]] + [get(docs[-1], 0, end + 1)])
+
+        sample = {"tokens": torch.from_numpy(window(self.indexed.get).astype(np.int64))}
+        if self.reads_mask:
+            sample["loss_mask"] = torch.from_numpy(window(self.indexed.get_mask).astype(bool))
+        return sample
+
+    def _whole(self, j: int) -> dict[str, torch.Tensor]:
+        """Sample ``j`` of whole documents: their tokens, then PAD_ID up to seq_length + 1, with the loss mask."""
+        docs = self.doc_idx[int(self.sample_idx[j, 0]):int(self.sample_idx[j + 1, 0])].tolist()
+        tokens = np.full(self.seq_length + 1, PAD_ID, dtype=np.int64)
+        mask = np.zeros(self.seq_length + 1, dtype=bool)
+        at = 0
+        for d in docs:
+            ids = self.indexed.get(d)
+            tokens[at:at + len(ids)] = ids
+            mask[at:at + len(ids)] = self.indexed.get_mask(d) if self.reads_mask else True
+            at += len(ids)
+        return {"tokens": torch.from_numpy(tokens), "loss_mask": torch.from_numpy(mask)}
 
     def __repr__(self) -> str:
         return (f"GPTDataset({self.name!r}, samples={self.num_samples}, seq_length={self.seq_length}, "
-                f"seed={self.seed}, epochs={self.epochs})")
+                f"seed={self.seed}, epochs={self.epochs}{', whole documents' if self.whole_documents else ''}"
+                f"{', loss mask' if self.reads_mask else ''})")

@@ -21,6 +21,11 @@ against the vocabulary) and PREFIX.tokenizer.json, the tokenizer's ``to_config()
 ``load_tokenizer(json.load(f))`` rebuilds it. Existing outputs are refused unless ``--overwrite``.
 
 ``preprocess()`` is the same as a function; ``preprocess_documents()`` tokenizes an iterable of strings.
+
+``--format sft`` reads supervised fine-tuning examples instead ({"prompt", "response"} or {"messages": [...]} JSONL
+lines, rendered by ``--chat-template``, bounded by ``--max-length`` and ``--overlong``) and writes PREFIX.mask.bin
+beside the tokens, the loss mask that keeps the responses only: ``megakern.data.sft``, through the same readers,
+workers and writer.
 """
 from __future__ import annotations
 
@@ -81,7 +86,7 @@ def preprocess(inputs: Sequence[str | Path], tokenizer: Tokenizer, output_prefix
     gzipped = any(p.name.endswith(".gz") for p in paths)
     total = None if gzipped else sum(p.stat().st_size for p in paths)
     return _run(_read_inputs(paths, txt_split), [str(p) for p in paths], tokenizer, output_prefix,
-                json_key=json_key, workers=workers, append_eod=append_eod, skip_bad_lines=skip_bad_lines,
+                tokenize=_Tokenize(tokenizer, json_key, append_eod), workers=workers, skip_bad_lines=skip_bad_lines,
                 overwrite=overwrite, chunksize=chunksize, progress=progress, total_bytes=total)
 
 
@@ -90,35 +95,44 @@ def preprocess_documents(documents: Iterable[str], tokenizer: Tokenizer, output_
                          progress: bool = True, total_bytes: int | None = None) -> dict[str, Any]:
     """Like ``preprocess`` for documents given as strings (errors name '<documents>:N', the Nth document)."""
     records = ((0, n, "text", doc) for n, doc in enumerate(documents, 1))
-    return _run(records, ["<documents>"], tokenizer, output_prefix, json_key="text", workers=workers,
-                append_eod=append_eod, skip_bad_lines=False, overwrite=overwrite, chunksize=chunksize,
-                progress=progress, total_bytes=total_bytes)
+    return _run(records, ["<documents>"], tokenizer, output_prefix, tokenize=_Tokenize(tokenizer, "text", append_eod),
+                workers=workers, skip_bad_lines=False, overwrite=overwrite, chunksize=chunksize, progress=progress,
+                total_bytes=total_bytes)
 
 
 def _run(records: Iterable[Record], sources: list[str], tokenizer: Tokenizer, output_prefix: str | Path, *,
-         json_key: str, workers: int, append_eod: bool, skip_bad_lines: bool, overwrite: bool, chunksize: int,
-         progress: bool, total_bytes: int | None) -> dict[str, Any]:
+         tokenize, workers: int, skip_bad_lines: bool, overwrite: bool, chunksize: int, progress: bool,
+         total_bytes: int | None, loss_mask: bool = False) -> dict[str, Any]:
+    """Writes the documents that ``tokenize`` (_Tokenize, or megakern.data.sft's examples with ``loss_mask``) makes
+    of ``records``; see the module doc."""
     if not isinstance(tokenizer, Tokenizer):
         raise TypeError(f"tokenizer must be a megakern.data.tokenizers.Tokenizer, got {type(tokenizer).__name__}")
     if chunksize < 1:
         raise ValueError(f"chunksize must be >= 1, got {chunksize}")
     workers = cap_workers(workers)
     prefix = Path(output_prefix)
-    outputs = [prefix.with_name(prefix.name + s) for s in (".bin", ".idx", ".tokenizer.json")]
+    suffixes = (".bin", ".idx", ".tokenizer.json") + ((".mask.bin",) if loss_mask else ())
+    outputs = [prefix.with_name(prefix.name + s) for s in suffixes]
     existing = [str(p) for p in outputs if p.exists()]
     if existing and not overwrite:
         raise FileExistsError(f"{', '.join(existing)} already exist; pass --overwrite (overwrite=True) to replace")
 
-    tokenize = _Tokenize(tokenizer, json_key, append_eod)
     stats = {"docs": 0, "tokens": 0, "bytes": 0, "empty_docs": 0, "bad_lines": 0, "workers": workers}
-    bad_examples = []
+    if loss_mask:
+        stats.update(trained_tokens=0, dropped=0, truncated=0)
+    bad_examples, noted = [], {}
     meter = _Progress(progress, total_bytes)
     try:
-        with (IndexedDatasetWriter(prefix, vocab_size=tokenizer.vocab_size, overwrite=overwrite) as writer,
+        with (IndexedDatasetWriter(prefix, vocab_size=tokenizer.vocab_size, overwrite=overwrite,
+                                   loss_mask=loss_mask) as writer,
               _tokenized(records, tokenize, workers, chunksize) as results):
-            for src, line, nbytes, ids, problem, skippable in results:
+            for src, line, nbytes, ids, mask, problem, skippable, note in results:
                 where = f"{sources[src]}:{line}" if line else sources[src]
                 stats["bytes"] += nbytes
+                if note is not None:  # (kind, what): an example dropped or truncated
+                    stats[note[0]] += 1
+                    if len(examples := noted.setdefault(note[0], [])) < BAD_EXAMPLES:
+                        examples.append(f"{where}: {note[1]}")
                 if problem is not None:
                     if not (skippable and skip_bad_lines):
                         hint = "; --skip-bad-lines skips such lines" if skippable else ""
@@ -126,16 +140,20 @@ def _run(records: Iterable[Record], sources: list[str], tokenizer: Tokenizer, ou
                     stats["bad_lines"] += 1
                     if len(bad_examples) < BAD_EXAMPLES:
                         bad_examples.append(f"{where}: {problem}")
+                elif ids is None:  # dropped (noted)
+                    pass
                 elif not len(ids):
                     stats["empty_docs"] += 1
                 else:
                     try:
-                        writer.add_document(ids)
+                        writer.add_document(ids) if mask is None else writer.add_document(ids, mask)
                     except ValueError as exc:
                         raise DataError(f"{where}: {exc} (tokenizer {tokenizer.name})") from exc
                     stats["docs"] += 1
                     stats["tokens"] += len(ids)
                 meter.update(stats["docs"], stats["bytes"])
+            if loss_mask:
+                stats["trained_tokens"] = writer.trained_tokens
     finally:
         meter.close()
     write_json_atomic(outputs[2], tokenizer.to_config())
@@ -143,6 +161,8 @@ def _run(records: Iterable[Record], sources: list[str], tokenizer: Tokenizer, ou
     stats.update(seconds=seconds, mb_per_s=stats["bytes"] / 1e6 / seconds, docs_per_s=stats["docs"] / seconds)
     if stats["bad_lines"]:
         warnings.warn(f"skipped {stats['bad_lines']} bad lines, e.g.\n  " + "\n  ".join(bad_examples), stacklevel=3)
+    for kind, examples in noted.items():
+        warnings.warn(f"{kind} {stats[kind]} examples, e.g.\n  " + "\n  ".join(examples), stacklevel=3)
     return stats
 
 
@@ -159,8 +179,8 @@ def cap_workers(workers: int) -> int:
 
 
 class _Tokenize:
-    """Record -> (source, line, input bytes, ids or None, problem or None, whether the problem is a skippable bad
-    line). Runs in the worker processes (or inline for one worker)."""
+    """Record -> (source, line, input bytes, ids or None, loss mask (None), problem or None, whether the problem is
+    a skippable bad line, note (None)). Runs in the worker processes (or inline for one worker)."""
 
     def __init__(self, tokenizer: Tokenizer, json_key: str, append_eod: bool):
         self.tokenizer, self.json_key, self.append_eod = tokenizer, json_key, append_eod
@@ -168,22 +188,23 @@ class _Tokenize:
     def __call__(self, record: Record) -> tuple:
         src, line, kind, payload = record
         if kind == "error":
-            return src, line, 0, None, payload, False
+            return src, line, 0, None, None, payload, False, None
         nbytes = len(payload) if isinstance(payload, bytes) else len(payload.encode("utf-8", "surrogatepass"))
         try:
             text = self._text(kind, payload)
         except ValueError as exc:
-            return src, line, nbytes, None, str(exc), True
+            return src, line, nbytes, None, None, str(exc), True, None
         try:
             ids = self.tokenizer.encode(text)
         except ValueError as exc:
-            return src, line, nbytes, None, f"tokenizer {self.tokenizer.name}: {exc}", False
+            return src, line, nbytes, None, None, f"tokenizer {self.tokenizer.name}: {exc}", False, None
         if ids and self.append_eod:
             ids.append(self.tokenizer.eod_id)
         try:  # int32: half the bytes of int64 back from the workers; the writer checks them against the vocabulary
-            return src, line, nbytes, np.asarray(ids, dtype=np.int32), None, False
+            return src, line, nbytes, np.asarray(ids, dtype=np.int32), None, None, False, None
         except OverflowError:
-            return src, line, nbytes, None, f"tokenizer {self.tokenizer.name}: an id does not fit int32", False
+            problem = f"tokenizer {self.tokenizer.name}: an id does not fit int32"
+            return src, line, nbytes, None, None, problem, False, None
 
     def _text(self, kind: str, payload: bytes | str) -> str:
         if isinstance(payload, str):
@@ -208,10 +229,10 @@ class _Tokenize:
         return text
 
 
-_worker_tokenize: _Tokenize | None = None  # each pool worker's own, set once by _init_worker
+_worker_tokenize = None  # each pool worker's own _Tokenize (or SFT examples), set once by _init_worker
 
 
-def _init_worker(tokenize: _Tokenize) -> None:
+def _init_worker(tokenize) -> None:
     global _worker_tokenize
     _worker_tokenize = tokenize
     # a forked worker inherits its parent's Python signal handlers: a SIGTERM handler of the parent (an application
@@ -223,7 +244,7 @@ def _init_worker(tokenize: _Tokenize) -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
-def _pool(workers: int, tokenize: _Tokenize):
+def _pool(workers: int, tokenize):
     """A process pool whose workers start with SIGTERM blocked until their initializer restores its default action
     (a worker still starting when a fast error makes the parent call terminate() then ends too). The parent's mask
     is restored at once: a SIGTERM for the parent meanwhile stays pending and reaches its own handler."""
@@ -241,7 +262,7 @@ def _work(record: Record) -> tuple:
 
 
 @contextlib.contextmanager
-def _tokenized(records: Iterable[Record], tokenize: _Tokenize, workers: int,
+def _tokenized(records: Iterable[Record], tokenize, workers: int,
                chunksize: int) -> Iterator[Iterator[tuple]]:
     """The tokenized records in input order: inline for one worker, else from a process pool whose read-ahead a
     _Window bounds."""
@@ -388,37 +409,78 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+SFT_OPTIONS = ("chat_template", "max_length", "overlong", "prompt_key", "response_key", "messages_key")
+TEXT_OPTIONS = ("json_key", "txt_split", "append_eod")
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="python -m megakern.data.preprocess", description=__doc__.split("\n")[0])
     parser.add_argument("--input", nargs="+", required=True, metavar="FILE", help="inputs: .jsonl, .jsonl.gz, .txt")
     parser.add_argument("--tokenizer", required=True, metavar="SPEC", help="one of " + ", ".join(SPEC_FORMS[:-1]))
     parser.add_argument("--output-prefix", required=True, metavar="PREFIX",
-                        help="writes PREFIX.bin, PREFIX.idx, PREFIX.tokenizer.json")
-    parser.add_argument("--json-key", default="text", help="the key holding the text in JSONL inputs (default: text)")
+                        help="writes PREFIX.bin, PREFIX.idx, PREFIX.tokenizer.json (and PREFIX.mask.bin with "
+                             "--format sft)")
+    parser.add_argument("--format", choices=("text", "sft"), default="text",
+                        help="text: documents (default); sft: prompt/response or chat examples, with a loss mask on "
+                             "the responses (megakern.data.sft)")
+    parser.add_argument("--json-key", help="the key holding the text in JSONL inputs (default: text)")
     parser.add_argument("--txt-split", choices=TXT_SPLITS,
                         help="split .txt inputs into documents by lines or paragraphs (default: one per file)")
     parser.add_argument("--workers", type=int, default=1, help="tokenizing processes (capped to the CPU count)")
     parser.add_argument("--chunksize", type=int, default=64, help="documents per task sent to a worker")
-    parser.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True,
+    parser.add_argument("--append-eod", action=argparse.BooleanOptionalAction,
                         help="append the tokenizer's end-of-document id to every document (default: on)")
     parser.add_argument("--eod-token", help="the end-of-document token of an 'hf:' tokenizer")
     parser.add_argument("--skip-bad-lines", action="store_true",
                         help="skip (and count) records that are not documents (JSONL lines that are not JSON objects "
-                             "with the key, text that is not UTF-8) instead of failing")
-    parser.add_argument("--overwrite", action="store_true", help="replace existing PREFIX.bin/.idx/.tokenizer.json")
+                             "with the key, text that is not UTF-8; with --format sft: examples that are not "
+                             "valid) instead of failing")
+    parser.add_argument("--overwrite", action="store_true", help="replace existing outputs")
     parser.add_argument("--quiet", action="store_true", help="no progress display")
+    sft = parser.add_argument_group("--format sft")
+    sft.add_argument("--chat-template", metavar="TEMPLATE",
+                     help="how 'messages' are rendered: 'plain' (role headers in text; the default) or a Hugging Face "
+                          "tokenizer_config.json / .jinja chat template (needs jinja2)")
+    sft.add_argument("--max-length", type=int, metavar="N",
+                     help="most tokens of an example, the end-of-document token included (default: no bound)")
+    sft.add_argument("--overlong", choices=("drop", "truncate", "error"),
+                     help="examples over --max-length: dropped (default), truncated, or an error; counted either way")
+    sft.add_argument("--prompt-key", help="the prompt's key (default: prompt)")
+    sft.add_argument("--response-key", help="the response's key (default: response)")
+    sft.add_argument("--messages-key", help="the conversation's key (default: messages)")
     args = parser.parse_args(argv)
+    given = {name for name in SFT_OPTIONS + TEXT_OPTIONS if getattr(args, name) is not None}
+    wrong = given & set(SFT_OPTIONS if args.format == "text" else TEXT_OPTIONS)
+    if wrong:
+        flags = ", ".join(sorted("--" + name.replace("_", "-") for name in wrong))
+        parser.error(f"{flags} do not apply to --format {args.format}")
     try:
         tokenizer = load_tokenizer(args.tokenizer, eod_token=args.eod_token)
-        stats = preprocess(args.input, tokenizer, args.output_prefix, json_key=args.json_key, txt_split=args.txt_split,
-                           workers=args.workers, append_eod=args.append_eod, skip_bad_lines=args.skip_bad_lines,
-                           overwrite=args.overwrite, chunksize=args.chunksize, progress=not args.quiet)
+        if args.format == "sft":
+            from megakern.data.sft import preprocess_sft
+
+            options = {name: getattr(args, name) for name in SFT_OPTIONS if getattr(args, name) is not None}
+            stats = preprocess_sft(args.input, tokenizer, args.output_prefix, workers=args.workers,
+                                   skip_bad_lines=args.skip_bad_lines, overwrite=args.overwrite,
+                                   chunksize=args.chunksize, progress=not args.quiet, **options)
+        else:
+            stats = preprocess(args.input, tokenizer, args.output_prefix, json_key=args.json_key or "text",
+                               txt_split=args.txt_split, workers=args.workers,
+                               append_eod=args.append_eod is not False, skip_bad_lines=args.skip_bad_lines,
+                               overwrite=args.overwrite, chunksize=args.chunksize, progress=not args.quiet)
     except (ValueError, OSError, ImportError) as exc:  # DataError is a ValueError
         parser.exit(1, f"{parser.prog}: error: {exc}\n")
-    print(f"{args.output_prefix}: {stats['docs']:,} documents, {stats['tokens']:,} tokens ({tokenizer.name}) from "
-          f"{stats['bytes'] / 1e6:,.1f} MB in {stats['seconds']:.1f} s: {stats['mb_per_s']:.2f} MB/s, "
-          f"{stats['docs_per_s']:,.0f} docs/s, {stats['workers']} workers; {stats['empty_docs']} empty documents "
-          f"and {stats['bad_lines']} bad lines skipped")
+    speed = (f"{stats['bytes'] / 1e6:,.1f} MB in {stats['seconds']:.1f} s: {stats['mb_per_s']:.2f} MB/s, "
+             f"{stats['docs_per_s']:,.0f} docs/s, {stats['workers']} workers")
+    if args.format == "sft":
+        share = stats["trained_tokens"] / max(stats["tokens"], 1)
+        print(f"{args.output_prefix}: {stats['docs']:,} examples, {stats['tokens']:,} tokens ({tokenizer.name}, "
+              f"template {stats['template']}), {stats['trained_tokens']:,} trained ({share:.1%}), from {speed}; "
+              f"{stats['dropped']} dropped and {stats['truncated']} truncated over --max-length, "
+              f"{stats['bad_lines']} bad lines skipped")
+    else:
+        print(f"{args.output_prefix}: {stats['docs']:,} documents, {stats['tokens']:,} tokens ({tokenizer.name}) "
+              f"from {speed}; {stats['empty_docs']} empty documents and {stats['bad_lines']} bad lines skipped")
     return stats
 
 

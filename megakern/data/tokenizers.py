@@ -13,8 +13,10 @@ small JSON-able dict recorded next to a dataset from which ``Tokenizer.from_conf
 - ``HFTokenizer``: any Hugging Face ``tokenizer.json``, run by the ``tokenizers`` library.
 
 Text is always encoded as ordinary text: a document that contains the spelling of a special token (e.g.
-'<|endoftext|>') gets the ids of those characters, never the special id, so data cannot forge document ends. Byte
-and char tokenizers decode their eod id to nothing (it has no text); GPT-2 and Hugging Face ones to its token string.
+'<|endoftext|>') gets the ids of those characters, never the special id, so data cannot forge document ends. The one
+exception is ``encode_with_special_tokens``, for text a chat template wrote (megakern.data.sft), whose special tokens
+('<|im_start|>', '<|eot_id|>' ...) are meant as such; ``special_tokens`` lists their spellings. Byte and char
+tokenizers decode their eod id to nothing (it has no text); GPT-2 and Hugging Face ones to its token string.
 
 ``load_tokenizer(spec)`` builds one from a command-line spec ('byte', 'char:PATH', 'gpt2:DIR', 'hf:FILE') or from a
 ``to_config()`` dict.
@@ -59,6 +61,21 @@ class Tokenizer(abc.ABC):
         if not isinstance(text, str):
             raise TypeError(f"{self.name}: encode takes a str, got {type(text).__name__}")
         return self._encode(text)
+
+    def encode_with_special_tokens(self, text: str) -> list[int]:
+        """The ids of ``text`` with the spellings of the tokenizer's special tokens (``special_tokens``) encoded as
+        those tokens: for text a chat template wrote, never for data (no eod appended)."""
+        if not isinstance(text, str):
+            raise TypeError(f"{self.name}: encode takes a str, got {type(text).__name__}")
+        return self._encode_special(text)
+
+    def _encode_special(self, text: str) -> list[int]:
+        return self._encode(text)  # tokenizers without special tokens
+
+    @property
+    def special_tokens(self) -> tuple[str, ...]:
+        """The spellings of the special tokens that ``encode_with_special_tokens`` recognizes."""
+        return ()
 
     def decode(self, ids: Iterable[int]) -> str:
         """The text of ``ids``; raises ValueError on an id outside [0, vocab_size)."""
@@ -182,6 +199,13 @@ class GPT2BPETokenizer(Tokenizer):
     def _encode(self, text: str) -> list[int]:
         return self._enc.encode_ordinary(text)
 
+    def _encode_special(self, text: str) -> list[int]:
+        return self._enc.encode(text, allowed_special="all")
+
+    @property
+    def special_tokens(self) -> tuple[str, ...]:
+        return tuple(sorted(self._enc.special_tokens_set))
+
     def _decode(self, ids: list[int]) -> str:
         try:
             return self._enc.decode(ids, errors="replace")
@@ -224,6 +248,17 @@ class HFTokenizer(Tokenizer):
 
     def _encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def _encode_special(self, text: str) -> list[int]:
+        self._tok.encode_special_tokens = False  # the special tokens' spellings become their ids, for this call
+        try:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        finally:
+            self._tok.encode_special_tokens = True
+
+    @property
+    def special_tokens(self) -> tuple[str, ...]:
+        return tuple(sorted(t.content for t in self._tok.get_added_tokens_decoder().values() if t.special))
 
     def _decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)

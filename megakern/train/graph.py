@@ -7,7 +7,7 @@ import gc
 import torch
 
 from megakern.config import ConfigError, TrainConfig
-from megakern.data import Batch
+from megakern.data import Batch, targets_of
 from megakern.train.figures import StepFigures
 from megakern.train.step import TrainStep
 
@@ -85,12 +85,12 @@ class StepGraph:
                 shape = (len(tokens), *tokens[0][:, :-1].shape)
                 self.inputs = torch.empty(shape, dtype=tokens[0].dtype, device=t.device)
                 self.targets = torch.empty(shape, dtype=tokens[0].dtype, device=t.device)
-            for i, tok in enumerate(tokens):
+            for i, (tok, sample) in enumerate(zip(tokens, samples)):
                 if tok[:, :-1].shape != self.inputs.shape[1:]:
                     raise RuntimeError(f"train.cuda_graph: a batch of shape {tuple(tok[:, :-1].shape)} after "
                                        f"the captured {tuple(self.inputs.shape[1:])}: the graph needs fixed shapes")
                 self.inputs[i].copy_(tok[:, :-1], non_blocking=True)
-                self.targets[i].copy_(tok[:, 1:], non_blocking=True)
+                self.targets[i].copy_(targets_of(sample), non_blocking=True)  # a loss mask's ignored targets too
         if self.graph is None:
             self._capture(number)
         self.graph.replay()

@@ -335,3 +335,17 @@ def check_fsdp_bf16_params(style: str = "gpt", steps: int = 3) -> bool:
     assert seen == {"fc": torch.bfloat16, "norm": torch.bfloat16}
     assert all(p.dtype == torch.float32 for p in pmodel.parameters())  # the shards the optimizer updates
     return True
+
+
+def check_all_ignored_targets() -> list[float]:
+    """A batch whose targets are all ignored (an SFT batch of prompts alone) on dp ranks: the reported loss is 0 (no
+    NaN), every gradient 0; a batch with targets on one rank only is that rank's mean."""
+    pm = ParallelDims().build("cpu", timeout=30)
+    torch.manual_seed(0)
+    pmodel = parallelize(GPT(tiny_config("gpt")), pm, None)
+    idx = torch.randint(0, 120, (2, 16))
+    losses = [float(pmodel.forward_backward(idx, torch.full_like(idx, -100)))]
+    assert all(p.grad is None or not p.grad.any() for p in pmodel.parameters())
+    targets = torch.full_like(idx, -100) if dist.get_rank() == 1 else idx
+    losses.append(float(pmodel.forward_backward(idx, targets)))
+    return losses

@@ -156,3 +156,11 @@ def test_fsdp_optimizer_steps_on_local_shards():
 @pytest.mark.parametrize("style", ["gpt", "llama"])
 def test_fsdp_blocks_compute_in_bf16_under_autocast(style):
     assert all(pool(2).run(check_fsdp_bf16_params, style))
+
+
+def test_all_ignored_targets_report_zero_loss():
+    from gpt_check import check_all_ignored_targets
+
+    (zero0, mean0), (zero1, mean1) = pool(2).run(check_all_ignored_targets)
+    assert zero0 == zero1 == 0.0
+    assert mean0 == mean1 and mean0 > 0  # rank 0's targets alone make the global mean
