@@ -126,6 +126,10 @@ class GPTConfig:
     """Each block adds its attention and its MLP to the same residual stream, x + attn(attn_norm(x)) +
     mlp(mlp_norm(x)) (GPT-NeoX's use_parallel_residual); false: sequential, the MLP reads the stream after the
     attention's add."""
+    mask_padded_vocab: bool = False
+    """The loss's softmax leaves out the padded vocabulary's columns (ids vocab_size .. padded_vocab - 1): set for
+    models imported from Hugging Face (megakern.models.hf), whose padding rows start at zero and whose loss is then
+    transformers'; false counts them, as Megatron-LM and nanoGPT do, their rows trained down like any other."""
     init_std: float = 0.02
     """Standard deviation of the normal initialization of embeddings and linear weights."""
     scaled_init: bool = True
@@ -271,7 +275,7 @@ class GPTConfig:
                 rotary.rotary_table(0, max(self.rotary_dim, 4), 10000.0, scaling=self.rope_scaling)
             except (TypeError, ValueError) as exc:
                 errors.append(f"rope_scaling: {exc}")
-        for name in ("tie_embeddings", "bias", "scaled_init", "parallel_residual"):
+        for name in ("tie_embeddings", "bias", "scaled_init", "parallel_residual", "mask_padded_vocab"):
             need(isinstance(getattr(self, name), bool), f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.kernels, Mapping):
             errors.append(f"kernels must be a dict {{op: backend}}, got {self.kernels!r}")
@@ -756,12 +760,17 @@ class GPT(nn.Module):
         weight = self.output_weight()
         if targets is None:
             return F.linear(y, weight)
-        loss = self.vocab_parallel_loss or linear_cross_entropy
         y = y.reshape(-1, y.shape[-1])  # (B * T, C): T the whole sequence (a stage's input may be a shard of it)
         if y.shape[0] != targets.numel():
             raise ValueError(f"GPT: the head sees {y.shape[0]} tokens, targets hold {targets.numel()}")
-        return loss(y, weight, targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction=reduction,
-                    chunk_size=config.ce_chunk, backend=config.kernels, check_targets=check_values)
+        common = dict(ignore_index=IGNORE_INDEX, reduction=reduction, chunk_size=config.ce_chunk,
+                      backend=config.kernels, check_targets=check_values)
+        masked = config.mask_padded_vocab and config.padded_vocab != config.vocab_size
+        if self.vocab_parallel_loss is not None:  # this rank's vocabulary shard; the padding is in the last one
+            return self.vocab_parallel_loss(y, weight, targets.reshape(-1), **common,
+                                            vocab_size=config.vocab_size if masked else None)
+        # one process: the real vocabulary's rows of the head, a view (their gradient flows into the padded weight)
+        return linear_cross_entropy(y, weight[:config.vocab_size] if masked else weight, targets.reshape(-1), **common)
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0, top_k: Optional[int] = None,
                  generator: Optional[torch.Generator] = None, eos_id=None,

@@ -46,9 +46,9 @@ in fp32 too, transformers in the model's dtype (the same in fp32). ``router_aux_
 output_router_logits, is k times it and averaged over the layers); ``router_jitter_noise``, a training-time input
 noise of transformers, is not applied by megakern (inference is the same; a fine-tuning run has no jitter).
 
-The logits of the tokenizer's ids equal transformers'. megakern's loss and sampling see its padded vocabulary: the
-rows past vocab_size start at zero (logit 0), so where vocab_size is not a multiple of 128 (GPT-2's 50257, not
-Llama-3's 128256) an imported model's loss counts those columns in its softmax until training pushes them down.
+The logits of the tokenizer's ids equal transformers'. An imported model's config has ``mask_padded_vocab``: its
+loss leaves out the padded vocabulary's columns (rows past vocab_size, zero on import), so it is transformers' loss
+also where vocab_size is not a multiple of 128 (GPT-2's 50257); sampling reads the real vocabulary only.
 """
 from __future__ import annotations
 
@@ -91,6 +91,8 @@ def _rope_scaling(hf: dict, params: dict) -> dict | None:
 
 
 def _validated(config: GPTConfig, family: str, where: str) -> tuple[GPTConfig, str]:
+    """The checked config; its loss leaves out the padded vocabulary (transformers' loss over the real one)."""
+    config.mask_padded_vocab = True
     try:
         return config.validate(), family
     except ValueError as exc:
@@ -114,7 +116,7 @@ def config_from_hf(hf: dict, where: str = CONFIG) -> tuple[GPTConfig, str]:
                            vocab_size=hf["vocab_size"], max_seqlen=hf["n_positions"], norm="layernorm",
                            norm_eps=hf.get("layer_norm_epsilon", 1e-5), position="learned", activation="gelu",
                            bias=True, tie_embeddings=hf.get("tie_word_embeddings", True), dropout=0.0)
-        return config.validate(), family
+        return _validated(config, family, where)
     c, nh = hf["hidden_size"], hf["num_attention_heads"]
     params = hf.get("rope_parameters") or {}
     if family == "gpt_neox":

@@ -50,12 +50,20 @@ def _tp2_from_hf(path):
     targets = torch.randint(0, V, (2, 32), generator=g)
     pmodel.eval()
     single.eval()
+    import transformers
+
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
     with torch.no_grad():
-        return float(pmodel.eval_loss(idx, targets)), float(single(idx, targets))
+        logits = reference(idx).logits  # (B, T, V): transformers' softmax over the real vocabulary only
+        theirs = torch.nn.functional.cross_entropy(logits.reshape(-1, V), targets.reshape(-1))
+        return float(pmodel.eval_loss(idx, targets)), float(single(idx, targets)), float(theirs)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_parallel_model_starts_from_the_checkpoint(tmp_path, family):
+    """The tp2 model's loss is the single imported model's, and both are transformers' (V = 300, padded to 384: the
+    padding columns are left out of the softmax, the vocab-parallel loss's last shard and the single model's slice)."""
     path = _checkpoint(tmp_path, family)
-    for got, want in pool(2).run(_tp2_from_hf, str(path)):
+    for got, want, theirs in pool(2).run(_tp2_from_hf, str(path)):
         assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+        assert abs(want - theirs) <= 1e-5 * abs(theirs), (want, theirs)
