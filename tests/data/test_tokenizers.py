@@ -216,3 +216,38 @@ def test_bad_specs_configs_and_ids():
         ByteTokenizer().decode([1, 257])
     with pytest.raises(TypeError, match="encode takes a str"):
         ByteTokenizer().encode(b"bytes")
+
+
+def _sentencepiece_style_json(path: Path, text: str) -> Path:
+    """A tokenizer.json as transformers converts a SentencePiece BPE model (Llama 2, Mistral): a BPE with byte
+    fallback (<0x00> .. <0xFF> in the vocabulary), the Metaspace prepend / replace of spaces by '▁', and the decoder
+    chain Replace('▁', ' ') + ByteFallback + Fuse + Strip(one leading space); <unk>, <s>, </s> special."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, normalizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    bytes_ = [f"<0x{i:02X}>" for i in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", "<s>", "</s>", *bytes_],
+                                  initial_alphabet=sorted(set(text.replace(" ", "▁"))), show_progress=False)
+    tok.train_from_iterator([text], trainer)
+    tok.save(str(path))
+    return path
+
+
+def test_hf_tokenizer_converted_from_sentencepiece(tmp_path):
+    """A SentencePiece-style tokenizer.json (Llama 2's layout): ids equal transformers' fast tokenizer's for text with
+    characters outside the vocabulary (byte fallback), decode gives the text back, and '</s>' is the eod."""
+    transformers = pytest.importorskip("transformers")
+    corpus = "the quick brown fox jumps over the lazy dog. " * 40 + "Sphinx of black quartz, judge my vow."
+    path = _sentencepiece_style_json(tmp_path / "tokenizer.json", corpus)
+    tok = load_tokenizer(f"hf:{path}")
+    assert tok.eod_token == "</s>" and tok.eod_id == 2 and tok.vocab_size <= 600
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path))
+    for text in ("the lazy dog", "naïve café 日本語 🎉", "  two  spaces\nand\ttabs", "Judge", "x" * 50):
+        ids = tok.encode(text)
+        assert ids == fast.encode(text, add_special_tokens=False), text
+        assert tok.decode(ids) == text, text
+    assert any(3 <= i < 3 + 256 for i in tok.encode("🎉"))  # the emoji's UTF-8 bytes, as <0xF0> <0x9F> ...
