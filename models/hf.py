@@ -56,6 +56,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 
 import torch
@@ -326,73 +327,119 @@ NEOX_LAYER = (("input_layernorm", "attn_norm"), ("post_attention_layernorm", "ml
               ("mlp.dense_h_to_4h", "mlp.fc"), ("mlp.dense_4h_to_h", "mlp.proj"))
 
 
-def state_from_hf(tensors: dict, config: GPTConfig, family: str) -> dict:
+def _prefix(family: str) -> str:
+    return {"gpt2": "transformer.", "gpt_neox": "gpt_neox."}.get(family, "model.")
+
+
+def _head_state(take, config: GPTConfig, family: str) -> dict:
+    """megakern's tensors before the blocks (the embeddings), from ``take(hf_name)``."""
+    pre, V = _prefix(family), config.padded_vocab
+    if family == "gpt2":
+        return {"wte.weight": _pad_rows(take(pre + "wte.weight"), V), "wpe.weight": take(pre + "wpe.weight")}
+    return {"wte.weight": _pad_rows(take(pre + ("embed_in.weight" if family == "gpt_neox" else "embed_tokens.weight")),
+                                    V)}
+
+
+def _block_state(take, config: GPTConfig, family: str, i: int) -> dict:
+    """megakern's tensors of block ``i``, from ``take(hf_name)``."""
+    out, pre, b = {}, _prefix(family), f"blocks.{i}."
+    if family == "gpt2":
+        h, c = f"{pre}h.{i}.", config.n_embd
+        for src, dst in (("ln_1", "attn_norm"), ("ln_2", "mlp_norm")):
+            out[b + dst + ".weight"], out[b + dst + ".bias"] = take(h + src + ".weight"), take(h + src + ".bias")
+        w, bias = take(h + "attn.c_attn.weight").t(), take(h + "attn.c_attn.bias")  # (3C, C): q, k, v blocks
+        out[b + "attn.qkv.weight"] = _qkv_rows(w[:c], w[c:2 * c], w[2 * c:], config)
+        out[b + "attn.qkv.bias"] = _qkv_rows(bias[:c], bias[c:2 * c], bias[2 * c:], config)
+        out[b + "attn.proj.weight"], out[b + "attn.proj.bias"] = (take(h + "attn.c_proj.weight").t(),
+                                                                  take(h + "attn.c_proj.bias"))
+        out[b + "mlp.fc.weight"] = take(h + "mlp.c_fc.weight").t()
+        out[b + "mlp.fc.bias"] = take(h + "mlp.c_fc.bias")
+        out[b + "mlp.proj.weight"], out[b + "mlp.proj.bias"] = (take(h + "mlp.c_proj.weight").t(),
+                                                                take(h + "mlp.c_proj.bias"))
+        return out
+    h = f"{pre}layers.{i}."
+    if family == "gpt_neox":
+        for src, dst in NEOX_LAYER:
+            for leaf in (".weight", ".bias"):
+                out[b + dst + leaf] = take(h + src + leaf)
+        return out
+    out[b + "attn_norm.weight"] = take(h + "input_layernorm.weight")
+    out[b + "mlp_norm.weight"] = take(h + "post_attention_layernorm.weight")
+    out[b + "attn.qkv.weight"] = _qkv_rows(take(h + "self_attn.q_proj.weight"), take(h + "self_attn.k_proj.weight"),
+                                           take(h + "self_attn.v_proj.weight"), config)
+    if family == "qwen2":
+        out[b + "attn.qkv.bias"] = _qkv_rows(take(h + "self_attn.q_proj.bias"), take(h + "self_attn.k_proj.bias"),
+                                             take(h + "self_attn.v_proj.bias"), config)
+    out[b + "attn.proj.weight"] = take(h + "self_attn.o_proj.weight")
+    if family == "mixtral":  # expert e: w1 (gate), w3 (up) (F, C) -> w_in[e] (C, 2F); w2 (C, F) -> w_out[e]
+        m = h + "block_sparse_moe."
+        out[b + "mlp.router.weight"] = take(m + "gate.weight")
+        experts = [f"{m}experts.{e}." for e in range(config.n_experts)]
+        out[b + "mlp.w_in"] = torch.stack([_interleave(take(x + "w1.weight"), take(x + "w3.weight")).t()
+                                           for x in experts])
+        out[b + "mlp.w_out"] = torch.stack([take(x + "w2.weight").t() for x in experts])
+    else:
+        out[b + "mlp.fc.weight"] = _interleave(take(h + "mlp.gate_proj.weight"), take(h + "mlp.up_proj.weight"))
+        out[b + "mlp.proj.weight"] = take(h + "mlp.down_proj.weight")
+    return out
+
+
+def _tail_state(take, config: GPTConfig, family: str) -> dict:
+    """megakern's tensors after the blocks: the final norm and an untied output projection."""
+    pre, out = _prefix(family), {}
+    norm = {"gpt2": "ln_f", "gpt_neox": "final_layer_norm"}.get(family, "norm")
+    for leaf in ((".weight", ".bias") if family in ("gpt2", "gpt_neox") else (".weight",)):
+        out["norm_f" + leaf] = take(pre + norm + leaf)
+    if not config.tie_embeddings:
+        out["lm_head.weight"] = _pad_rows(take(output_name(family)), config.padded_vocab)
+    return out
+
+
+def _groups(config: GPTConfig, family: str) -> list:
+    """The parts of megakern's state dict in its order: each a function of ``take``."""
+    return ([lambda take: _head_state(take, config, family)]
+            + [lambda take, i=i: _block_state(take, config, family, i) for i in range(config.n_layer)]
+            + [lambda take: _tail_state(take, config, family)])
+
+
+def state_from_hf(tensors, config: GPTConfig, family: str) -> dict:
     """megakern's state dict from a Hugging Face one (names without the files); KeyError lists the missing names."""
     out = {}
-    V = config.padded_vocab
-
-    def take(name):
-        return tensors[name]
-
-    if family == "gpt2":
-        pre = "transformer."
-        out["wte.weight"] = _pad_rows(take(pre + "wte.weight"), V)
-        out["wpe.weight"] = take(pre + "wpe.weight")
-        c = config.n_embd
-        for i in range(config.n_layer):
-            h, b = f"{pre}h.{i}.", f"blocks.{i}."
-            for src, dst in (("ln_1", "attn_norm"), ("ln_2", "mlp_norm")):
-                out[b + dst + ".weight"], out[b + dst + ".bias"] = take(h + src + ".weight"), take(h + src + ".bias")
-            w, bias = take(h + "attn.c_attn.weight").t(), take(h + "attn.c_attn.bias")  # (3C, C): q, k, v blocks
-            out[b + "attn.qkv.weight"] = _qkv_rows(w[:c], w[c:2 * c], w[2 * c:], config)
-            out[b + "attn.qkv.bias"] = _qkv_rows(bias[:c], bias[c:2 * c], bias[2 * c:], config)
-            out[b + "attn.proj.weight"], out[b + "attn.proj.bias"] = (take(h + "attn.c_proj.weight").t(),
-                                                                      take(h + "attn.c_proj.bias"))
-            out[b + "mlp.fc.weight"] = take(h + "mlp.c_fc.weight").t()
-            out[b + "mlp.fc.bias"] = take(h + "mlp.c_fc.bias")
-            out[b + "mlp.proj.weight"], out[b + "mlp.proj.bias"] = (take(h + "mlp.c_proj.weight").t(),
-                                                                    take(h + "mlp.c_proj.bias"))
-        out["norm_f.weight"], out["norm_f.bias"] = take(pre + "ln_f.weight"), take(pre + "ln_f.bias")
-    elif family == "gpt_neox":
-        pre = "gpt_neox."
-        out["wte.weight"] = _pad_rows(take(pre + "embed_in.weight"), V)
-        for i in range(config.n_layer):
-            h, b = f"{pre}layers.{i}.", f"blocks.{i}."
-            for src, dst in NEOX_LAYER:
-                for leaf in (".weight", ".bias"):
-                    out[b + dst + leaf] = take(h + src + leaf)
-        for leaf in (".weight", ".bias"):
-            out["norm_f" + leaf] = take(pre + "final_layer_norm" + leaf)
-    else:
-        pre = "model."
-        out["wte.weight"] = _pad_rows(take(pre + "embed_tokens.weight"), V)
-        for i in range(config.n_layer):
-            h, b = f"{pre}layers.{i}.", f"blocks.{i}."
-            out[b + "attn_norm.weight"] = take(h + "input_layernorm.weight")
-            out[b + "mlp_norm.weight"] = take(h + "post_attention_layernorm.weight")
-            out[b + "attn.qkv.weight"] = _qkv_rows(take(h + "self_attn.q_proj.weight"),
-                                                   take(h + "self_attn.k_proj.weight"),
-                                                   take(h + "self_attn.v_proj.weight"), config)
-            if family == "qwen2":
-                out[b + "attn.qkv.bias"] = _qkv_rows(take(h + "self_attn.q_proj.bias"),
-                                                     take(h + "self_attn.k_proj.bias"),
-                                                     take(h + "self_attn.v_proj.bias"), config)
-            out[b + "attn.proj.weight"] = take(h + "self_attn.o_proj.weight")
-            if family == "mixtral":  # expert e: w1 (gate), w3 (up) (F, C) -> w_in[e] (C, 2F); w2 (C, F) -> w_out[e]
-                m = h + "block_sparse_moe."
-                out[b + "mlp.router.weight"] = take(m + "gate.weight")
-                experts = [f"{m}experts.{e}." for e in range(config.n_experts)]
-                out[b + "mlp.w_in"] = torch.stack([_interleave(take(x + "w1.weight"), take(x + "w3.weight")).t()
-                                                   for x in experts])
-                out[b + "mlp.w_out"] = torch.stack([take(x + "w2.weight").t() for x in experts])
-            else:
-                out[b + "mlp.fc.weight"] = _interleave(take(h + "mlp.gate_proj.weight"),
-                                                       take(h + "mlp.up_proj.weight"))
-                out[b + "mlp.proj.weight"] = take(h + "mlp.down_proj.weight")
-        out["norm_f.weight"] = take(pre + "norm.weight")
-    if not config.tie_embeddings:
-        out["lm_head.weight"] = _pad_rows(take(output_name(family)), V)
+    for group in _groups(config, family):
+        out.update(group(tensors.__getitem__))
     return {k: v.contiguous() for k, v in out.items()}
+
+
+class LazyState(Mapping):
+    """megakern's state dict of a Hugging Face checkpoint, each tensor made when it is read: the checkpoint's tensors
+    come from the memory-mapped safetensors files, one block's at a time (the last block made is kept for the next
+    reads). A parallel run's ranks start from it holding one block of the model in host memory, not the whole."""
+
+    def __init__(self, tensors, shapes: dict, config: GPTConfig, family: str):
+        self._tensors, self._groups = tensors, _groups(config, family)
+        meta = {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}
+        self._where, self.shapes = {}, {}
+        for index, group in enumerate(self._groups):  # names and shapes without reading a byte: on meta tensors
+            for name, t in group(meta.__getitem__).items():
+                self._where[name], self.shapes[name] = index, tuple(t.shape)
+        self._cached = (None, {})
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        index = self._where[name]
+        if self._cached[0] != index:
+            self._cached = (None, {})  # the previous group freed before the next one is made
+            made = self._groups[index](self._tensors.__getitem__)
+            self._cached = (index, {k: v.contiguous() for k, v in made.items()})
+        return self._cached[1][name]
+
+    def __contains__(self, name) -> bool:  # Mapping's would make the tensor's block
+        return name in self._where
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
 
 
 def state_to_hf(state: dict, config: GPTConfig, family: str) -> dict:
@@ -465,7 +512,11 @@ def _file_names(tensors: dict, where: dict, config: GPTConfig, family: str, root
     gate_up_proj (E, 2F, C: gate rows, then up rows) and down_proj (E, C, F), to block_sparse_moe's per-expert
     w1 / w3 / w2."""
     def rename(old, new):
-        tensors[new], where[new] = tensors.pop(old), where.pop(old)
+        if isinstance(tensors, _MappedTensors):
+            tensors.rename(old, new)  # not read
+        else:
+            tensors[new] = tensors.pop(old)
+        where[new] = where.pop(old)
 
     if family == "gpt_neox" and "lm_head.weight" in tensors and "embed_out.weight" not in tensors:
         rename("lm_head.weight", "embed_out.weight")
@@ -503,9 +554,58 @@ def _read_json(path: Path) -> dict:
         raise ValueError(f"{path}: not valid JSON ({exc})") from None
 
 
-def _read_tensors(root: Path) -> tuple[dict, dict]:
-    """{name: tensor} of the checkpoint's safetensors files and {name: file}; errors name the file."""
-    from safetensors import SafetensorError
+class _MappedTensors(MutableMapping):
+    """{name: tensor} of safetensors files opened memory-mapped (``safe_open``): a tensor is read when it is asked
+    for, its shape without reading it (``shape``); tensors set in it (renamed or split ones) are held as given."""
+
+    def __init__(self):
+        self._items = {}  # name -> (safe_open handle, file path) or a tensor
+
+    def add(self, handle, path: Path) -> None:
+        for key in handle.keys():
+            self._items[key] = (handle, path)
+
+    def __getitem__(self, name):
+        item = self._items[name]
+        if isinstance(item, torch.Tensor):
+            return item
+        handle, path = item
+        try:
+            return handle.get_tensor(name)
+        except Exception as exc:  # safetensors raises its own error types for a damaged file
+            raise ValueError(f"{path}: tensor {name!r} is not readable (truncated or corrupt?): {exc}") from None
+
+    def shape(self, name) -> tuple:
+        item = self._items[name]
+        return tuple(item.shape) if isinstance(item, torch.Tensor) else tuple(item[0].get_slice(name).get_shape())
+
+    def rename(self, old, new) -> None:
+        self._items[new] = self._items.pop(old)
+
+    def __contains__(self, name) -> bool:  # Mapping's would read the tensor
+        return name in self._items
+
+    def __setitem__(self, name, value):
+        self._items[name] = value
+
+    def __delitem__(self, name):
+        del self._items[name]
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __len__(self):
+        return len(self._items)
+
+
+def _shape(tensors, name) -> tuple:
+    return tensors.shape(name) if isinstance(tensors, _MappedTensors) else tuple(tensors[name].shape)
+
+
+def _read_tensors(root: Path, *, mapped: bool = False) -> tuple:
+    """{name: tensor} of the checkpoint's safetensors files and {name: file}; errors name the file. ``mapped``: the
+    files opened memory-mapped, each tensor read when asked for (``_MappedTensors``), not all read now."""
+    from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
 
     if (root / INDEX).exists():
@@ -517,17 +617,23 @@ def _read_tensors(root: Path) -> tuple[dict, dict]:
     else:
         raise FileNotFoundError(f"{root}: neither {SINGLE} nor {INDEX} (only safetensors checkpoints are read; "
                                 "convert pytorch_model.bin files with transformers first)")
-    tensors, where = {}, {}
+    tensors, where = (_MappedTensors() if mapped else {}), {}
     for name in files:
         path = root / name
         try:
-            part = load_file(str(path))
+            if mapped:
+                handle = safe_open(str(path), framework="pt")
+                tensors.add(handle, path)
+                keys = list(handle.keys())
+            else:
+                part = load_file(str(path))
+                tensors.update(part)
+                keys = list(part)
         except FileNotFoundError:
             raise FileNotFoundError(f"{path}: named by {INDEX} but not found") from None
         except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
             raise ValueError(f"{path}: not a readable safetensors file (truncated or corrupt?): {exc}") from None
-        for key, t in part.items():
-            tensors[key], where[key] = t, name
+        where.update(dict.fromkeys(keys, name))
     return tensors, where
 
 
@@ -535,15 +641,17 @@ def _read_tensors(root: Path) -> tuple[dict, dict]:
 IGNORED = ("rotary_emb.inv_freq", "attention.bias", "attention.masked_bias")
 
 
-def read_state(path) -> tuple[dict, GPTConfig]:
+def read_state(path, *, lazy: bool = False) -> tuple:
     """(megakern state dict on the CPU in the checkpoint's dtype, config) of the Hugging Face checkpoint directory
     ``path``, every tensor checked (names, shapes) and nothing built: what ``load`` and a parallel run's
-    initialization (``parallelize(init_state=...)``) start from."""
+    initialization (``parallelize(init_state=...)``) start from. ``lazy``: a ``LazyState`` instead of a dict, the
+    files memory-mapped and each tensor made when read, one block at a time (what every rank of a run takes: its
+    host memory holds a block, not the model)."""
     root = Path(path)
     _need(root.is_dir(), str(root), "not a directory")
     hf = _read_json(root / CONFIG)
     config, family = config_from_hf(hf, str(root / CONFIG))
-    tensors, where = _read_tensors(root)
+    tensors, where = _read_tensors(root, mapped=lazy)
     _file_names(tensors, where, config, family, root)
     expected = _hf_shapes(config, family)
     missing = [n for n in expected if n not in tensors]
@@ -557,8 +665,10 @@ def read_state(path) -> tuple[dict, GPTConfig]:
         raise ValueError(f"{root}: tensors megakern does not use: {extra[:8]}{' ...' if len(extra) > 8 else ''} "
                          f"(in {sorted({where[n] for n in extra})})")
     for name, shape in expected.items():
-        got = tuple(tensors[name].shape)
+        got = _shape(tensors, name)
         _need(got == shape, str(root / where[name]), f"tensor {name} has shape {got}; {CONFIG} asks for {shape}")
+    if lazy:
+        return LazyState(tensors, expected, config, family), config
     return state_from_hf(tensors, config, family), config
 
 

@@ -58,11 +58,11 @@ class TrainStep:
         with torch.device("meta"):
             model = GPT(c.model)
         init_state = None
-        if c.model.init_from is not None:  # the whole model's weights on the CPU; each rank keeps its slices
-            from megakern.models import hf
+        if c.model.init_from is not None:  # the checkpoint's tensors, memory-mapped: each rank reads its slices,
+            from megakern.models import hf    # one block made at a time
 
             try:
-                init_state, _ = hf.read_state(c.model.init_from.removeprefix("hf:"))
+                init_state, _ = hf.read_state(c.model.init_from.removeprefix("hf:"), lazy=True)
             except (OSError, ValueError) as exc:
                 raise ConfigError(f"model.init_from: {exc}") from None
             log(f"model: initialized from {c.model.init_from} ({len(init_state)} tensors)")

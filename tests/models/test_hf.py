@@ -147,6 +147,36 @@ def test_truncated_safetensors_named(tmp_path):
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     with pytest.raises(ValueError, match=r"model\.safetensors: not a readable safetensors file"):
         hf.load(path)
+    with pytest.raises(ValueError, match=r"model\.safetensors: not a readable safetensors file"):
+        hf.read_state(path, lazy=True)  # memory-mapped: the header's sizes against the file's, at open
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_lazy_state_equals_the_read_one_and_reads_a_block_at_a_time(tmp_path, name, monkeypatch):
+    """read_state(lazy=True), what a run's ranks start from: the same names, order, shapes and tensors as the state
+    read whole; reading a block's tensor reads that block's checkpoint tensors only, and keeps one block made."""
+    _, path = _saved(tmp_path, name)
+    want, config = hf.read_state(path)
+    reads = []
+    original = hf._MappedTensors.__getitem__
+
+    def counting(self, key):
+        reads.append(key)
+        return original(self, key)
+
+    monkeypatch.setattr(hf._MappedTensors, "__getitem__", counting)
+    lazy, lazy_config = hf.read_state(path, lazy=True)
+    assert lazy_config == config and not reads  # checked (names, shapes) without reading a tensor
+    assert list(lazy) == list(want) and len(lazy) == len(want)
+    assert all(lazy.shapes[k] == tuple(t.shape) for k, t in want.items())
+    block1 = [k for k in want if k.startswith("blocks.1.")]
+    for key in block1:
+        assert torch.equal(lazy[key], want[key]) and lazy[key].is_contiguous()
+    layer = "h.1." if name == "gpt2" else "layers.1."
+    assert reads and all(layer in r for r in reads), reads  # block 1's tensors alone
+    reads.clear()
+    assert all(torch.equal(lazy[k], t) for k, t in want.items())
+    assert len(reads) < 3 * len(want)  # each group made once in order, not once per tensor
 
 
 @pytest.mark.parametrize("changes,message", [

@@ -39,7 +39,7 @@ def _tp2_from_hf(path):
     from megakern.models.gpt import GPT
     from megakern.parallel import ParallelDims, parallelize
 
-    state, config = hf.read_state(path)
+    state, config = hf.read_state(path, lazy=True)  # as the trainer reads it: memory-mapped, a block at a time
     single, _ = hf.load(path)
     pm = ParallelDims(tp=2).build("cpu", timeout=60)
     with torch.device("meta"):
