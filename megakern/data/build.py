@@ -135,49 +135,44 @@ def build_data(config: TrainConfig, *, seq_length: int, eval_seq_length: int, tr
     cache = d.index_cache_dir
     kinds = {"whole_documents": d.whole_documents, "loss_mask": d.loss_mask}  # how every GPTDataset reads its data
 
-    if len(prefixes) == 1 and d.whole_documents:
+    if len(prefixes) == 1:
         train_docs, valid_docs = splits[0]
-        try:  # whole epochs, so that the sample order (and the fingerprint) does not depend on train.steps
-            train = GPTDataset(train_docs, seq_length, None, seed, cache_dir=cache, max_epochs=d.max_epochs,
-                               name=train_docs.prefix.name, min_samples=train_samples, **kinds)
-        except DataError as exc:
-            raise DataError(f"data.whole_documents: the run needs {train_samples} samples (train.steps x global "
-                            f"batch): {str(exc).replace('pass max_epochs', 'set data.max_epochs')}") from None
+        if d.whole_documents:
+            try:  # whole epochs, so that the sample order (and the fingerprint) does not depend on train.steps
+                train = GPTDataset(train_docs, seq_length, None, seed, cache_dir=cache, max_epochs=d.max_epochs,
+                                   name=train_docs.prefix.name, min_samples=train_samples, **kinds)
+            except DataError as exc:
+                raise DataError(f"data.whole_documents: the run needs {train_samples} samples (train.steps x global "
+                                f"batch): {str(exc).replace('pass max_epochs', 'set data.max_epochs')}") from None
+            epochs, filled = train.epochs, f", whole documents filling {train.fill:.1%} of them"
+        else:
+            per_epoch = (train_docs.num_tokens - 1) // seq_length
+            if per_epoch < 1:
+                raise DataError(f"{prefixes[0]}: {train_docs.num_tokens} training tokens, fewer than one sample of "
+                                f"{seq_length} + 1")
+            epochs = -(-train_samples // per_epoch)
+            if epochs > d.max_epochs:  # contract 26 (docs/contracts.md): say so now, not after an endless pass
+                global_batch = max(train_samples // max(config.train.steps, 1), 1)
+                fits = d.max_epochs * per_epoch // global_batch
+                fix = (f"lower train.steps to {fits}" if fits >= 1 else
+                       f"the data holds fewer samples than one step's global batch of {global_batch}: lower "
+                       "train.global_batch_size or train.seq_length, or add data")
+                raise DataError(
+                    f"the run needs {train_samples} samples (train.steps x global batch) of {seq_length} tokens; the "
+                    f"training split holds {per_epoch} per epoch ({train_docs.num_tokens} tokens), so {epochs} "
+                    f"epochs, but data.max_epochs={d.max_epochs}: set data.max_epochs={epochs} to repeat the data, "
+                    f"or {fix}")
+            # whole epochs, so that the sample order (and the fingerprint) does not depend on train.steps
+            train = GPTDataset(train_docs, seq_length, epochs * per_epoch, seed, cache_dir=cache, max_epochs=epochs,
+                               name=train_docs.prefix.name, **kinds)
+            filled = ""
         if held is None:
             with _held_out(config, eval_samples, eval_seq_length):
                 valid = GPTDataset(valid_docs, eval_seq_length, eval_samples, seed, cache_dir=cache,
                                    name=valid_docs.prefix.name + f"-{eval_seq_length}", **kinds)
         description = (f"{train_docs.prefix.name}: {len(train_docs)} documents, {train_docs.num_tokens:,} "
                        f"tokens ({len(valid_docs) if held is None else 0} documents held out), {len(train)} samples "
-                       f"of {seq_length} ({train.epochs} epoch{'s' * (train.epochs > 1)}), whole documents filling "
-                       f"{train.fill:.1%} of them")
-    elif len(prefixes) == 1:
-        train_docs, valid_docs = splits[0]
-        per_epoch = (train_docs.num_tokens - 1) // seq_length
-        if per_epoch < 1:
-            raise DataError(f"{prefixes[0]}: {train_docs.num_tokens} training tokens, fewer than one sample of "
-                            f"{seq_length} + 1")
-        epochs = -(-train_samples // per_epoch)
-        if epochs > d.max_epochs:  # contract 26 (docs/contracts.md): say so now, not after an endless or repeated pass
-            global_batch = max(train_samples // max(config.train.steps, 1), 1)
-            fits = d.max_epochs * per_epoch // global_batch
-            fix = (f"lower train.steps to {fits}" if fits >= 1 else
-                   f"the data holds fewer samples than one step's global batch of {global_batch}: lower "
-                   "train.global_batch_size or train.seq_length, or add data")
-            raise DataError(
-                f"the run needs {train_samples} samples (train.steps x global batch) of {seq_length} tokens; the "
-                f"training split holds {per_epoch} per epoch ({train_docs.num_tokens} tokens), so {epochs} epochs, "
-                f"but data.max_epochs={d.max_epochs}: set data.max_epochs={epochs} to repeat the data, or {fix}")
-        # whole epochs, so that the sample order (and the fingerprint) does not depend on train.steps
-        train = GPTDataset(train_docs, seq_length, epochs * per_epoch, seed, cache_dir=cache, max_epochs=epochs,
-                           name=train_docs.prefix.name, **kinds)
-        if held is None:
-            with _held_out(config, eval_samples, eval_seq_length):
-                valid = GPTDataset(valid_docs, eval_seq_length, eval_samples, seed, cache_dir=cache,
-                                   name=valid_docs.prefix.name + f"-{eval_seq_length}", **kinds)
-        description = (f"{train_docs.prefix.name}: {len(train_docs)} documents, {train_docs.num_tokens:,} "
-                       f"tokens ({len(valid_docs) if held is None else 0} documents held out), {len(train)} samples "
-                       f"of {seq_length} ({epochs} epoch{'s' * (epochs > 1)})")
+                       f"of {seq_length} ({epochs} epoch{'s' * (epochs > 1)}){filled}")
     else:
         weights = d.weights or [1.0] * len(prefixes)
 

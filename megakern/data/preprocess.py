@@ -85,9 +85,10 @@ def preprocess(inputs: Sequence[str | Path], tokenizer: Tokenizer, output_prefix
                          f"got {txt_split!r}")
     gzipped = any(p.name.endswith(".gz") for p in paths)
     total = None if gzipped else sum(p.stat().st_size for p in paths)
-    return _run(_read_inputs(paths, txt_split), [str(p) for p in paths], tokenizer, output_prefix,
-                tokenize=_Tokenize(tokenizer, json_key, append_eod), workers=workers, skip_bad_lines=skip_bad_lines,
-                overwrite=overwrite, chunksize=chunksize, progress=progress, total_bytes=total)
+    return write_dataset(read_inputs(paths, txt_split), [str(p) for p in paths], tokenizer, output_prefix,
+                         tokenize=_Tokenize(tokenizer, json_key, append_eod), workers=workers,
+                         skip_bad_lines=skip_bad_lines, overwrite=overwrite, chunksize=chunksize, progress=progress,
+                         total_bytes=total)
 
 
 def preprocess_documents(documents: Iterable[str], tokenizer: Tokenizer, output_prefix: str | Path, *,
@@ -95,14 +96,14 @@ def preprocess_documents(documents: Iterable[str], tokenizer: Tokenizer, output_
                          progress: bool = True, total_bytes: int | None = None) -> dict[str, Any]:
     """Like ``preprocess`` for documents given as strings (errors name '<documents>:N', the Nth document)."""
     records = ((0, n, "text", doc) for n, doc in enumerate(documents, 1))
-    return _run(records, ["<documents>"], tokenizer, output_prefix, tokenize=_Tokenize(tokenizer, "text", append_eod),
-                workers=workers, skip_bad_lines=False, overwrite=overwrite, chunksize=chunksize, progress=progress,
-                total_bytes=total_bytes)
+    return write_dataset(records, ["<documents>"], tokenizer, output_prefix,
+                         tokenize=_Tokenize(tokenizer, "text", append_eod), workers=workers, skip_bad_lines=False,
+                         overwrite=overwrite, chunksize=chunksize, progress=progress, total_bytes=total_bytes)
 
 
-def _run(records: Iterable[Record], sources: list[str], tokenizer: Tokenizer, output_prefix: str | Path, *,
-         tokenize, workers: int, skip_bad_lines: bool, overwrite: bool, chunksize: int, progress: bool,
-         total_bytes: int | None, loss_mask: bool = False) -> dict[str, Any]:
+def write_dataset(records: Iterable[Record], sources: list[str], tokenizer: Tokenizer, output_prefix: str | Path,
+                  *, tokenize, workers: int, skip_bad_lines: bool, overwrite: bool, chunksize: int, progress: bool,
+                  total_bytes: int | None, loss_mask: bool = False) -> dict[str, Any]:
     """Writes the documents that ``tokenize`` (_Tokenize, or megakern.data.sft's examples with ``loss_mask``) makes
     of ``records``; see the module doc."""
     if not isinstance(tokenizer, Tokenizer):
@@ -214,12 +215,7 @@ class _Tokenize:
                 return (payload.rstrip(b"\r\n") if kind == "lines" else payload).decode("utf-8")
             except UnicodeDecodeError as exc:
                 raise ValueError(f"not UTF-8 text ({exc})") from None
-        try:
-            obj = json.loads(payload)
-        except ValueError as exc:
-            raise ValueError(f"not valid JSON ({exc})") from None
-        if not isinstance(obj, dict):
-            raise ValueError(f"a JSON {type(obj).__name__}, not an object")
+        obj = json_object(payload)
         if self.json_key not in obj:
             keys = ", ".join(map(repr, list(obj)[:8])) or "none"
             raise ValueError(f"no key {self.json_key!r} (keys: {keys}); choose it with --json-key")
@@ -324,7 +320,18 @@ class _Window:
             self._cond.notify_all()
 
 
-def _read_inputs(paths: list[Path], txt_split: str | None) -> Iterator[Record]:
+def json_object(payload: bytes | str) -> dict:
+    """The JSON object of one JSONL line; ValueError saying what it is instead."""
+    try:
+        obj = json.loads(payload)
+    except ValueError as exc:
+        raise ValueError(f"not valid JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"a JSON {type(obj).__name__}, not an object")
+    return obj
+
+
+def read_inputs(paths: list[Path], txt_split: str | None) -> Iterator[Record]:
     """The records of each input in turn; a read failure becomes an 'error' record and ends the stream."""
     for src, path in enumerate(paths):
         line = 0

@@ -281,12 +281,9 @@ class _Examples:
     def segments(self, payload: bytes) -> tuple[Segments, bool, bool]:
         """(segments, whether they are encoded with special tokens, whether the end-of-document token is trained)
         of a JSONL line; ValueError saying what is wrong with it."""
-        try:
-            obj = json.loads(payload)
-        except ValueError as exc:
-            raise ValueError(f"not valid JSON ({exc})") from None
-        if not isinstance(obj, dict):
-            raise ValueError(f"a JSON {type(obj).__name__}, not an object")
+        from megakern.data.preprocess import json_object
+
+        obj = json_object(payload)
         pk, rk, mk = self.prompt_key, self.response_key, self.messages_key
         pair = pk in obj or rk in obj
         if mk in obj and pair:
@@ -383,7 +380,7 @@ def preprocess_sft(inputs: Sequence[str | Path], tokenizer: Tokenizer, output_pr
     """Tokenizes the SFT examples of ``inputs`` (.jsonl, .jsonl.gz; see the module doc) into ``output_prefix``.bin/
     .idx/.mask.bin/.tokenizer.json. Returns the stats: docs (examples written), tokens, trained_tokens, dropped,
     truncated, bad_lines, bytes, seconds, mb_per_s, docs_per_s, workers, template."""
-    from megakern.data.preprocess import _read_inputs
+    from megakern.data.preprocess import read_inputs
 
     paths = [Path(p) for p in inputs]
     if not paths:
@@ -395,7 +392,7 @@ def preprocess_sft(inputs: Sequence[str | Path], tokenizer: Tokenizer, output_pr
             raise DataError(f"input {path}: SFT examples are JSON lines; expected .jsonl or .jsonl.gz")
     examples = _make_examples(tokenizer, chat_template, max_length, overlong, prompt_key, response_key, messages_key)
     total = None if any(p.name.endswith(".gz") for p in paths) else sum(p.stat().st_size for p in paths)
-    return _run_sft(_read_inputs(paths, None), [str(p) for p in paths], tokenizer, output_prefix, examples,
+    return _run_sft(read_inputs(paths, None), [str(p) for p in paths], tokenizer, output_prefix, examples,
                     workers=workers, skip_bad_lines=skip_bad_lines, overwrite=overwrite, chunksize=chunksize,
                     progress=progress, total_bytes=total)
 
@@ -433,8 +430,8 @@ def _make_examples(tokenizer, chat_template, max_length, overlong, prompt_key, r
 
 
 def _run_sft(records, sources, tokenizer, output_prefix, examples: _Examples, **kw) -> dict[str, Any]:
-    from megakern.data.preprocess import _run
+    from megakern.data.preprocess import write_dataset
 
-    stats = _run(records, sources, tokenizer, output_prefix, tokenize=examples, loss_mask=True, **kw)
+    stats = write_dataset(records, sources, tokenizer, output_prefix, tokenize=examples, loss_mask=True, **kw)
     stats["template"] = examples.template.name
     return stats

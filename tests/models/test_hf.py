@@ -1,7 +1,7 @@
 """megakern.models.hf against transformers, on CPU with tiny random models built offline: logits parity (fp32,
-max |difference| <= 1e-4) for GPT-2, Llama (GQA, Llama-3 rope_scaling, tied embeddings), Mistral and Qwen2 (qkv
-biases); import -> export ->
-import bit-exact; an export transformers loads and generates the same greedy tokens from; sharded checkpoints; bad
+max |difference| <= 1e-4) for GPT-2, Llama (GQA, Llama-3 rope_scaling, tied embeddings), Mistral, Qwen2 (qkv
+biases), GPT-NeoX and Mixtral (the cases of hf_cases.py); greedy generation equal to transformers'; import -> export
+-> import bit-exact; an export transformers loads and generates the same greedy tokens from; sharded checkpoints; bad
 input (truncated file, unknown architecture, misshapen / missing / extra tensors, unsupported fields, a non-empty
 target) named, nothing written."""
 import json
@@ -15,57 +15,7 @@ pytest.importorskip("safetensors", reason="safetensors is not installed (pip ins
 
 from megakern.models import hf  # noqa: E402
 
-V = 300
-
-
-def _hf_model(family: str, **kw):
-    from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                              MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
-
-    transformers.logging.set_verbosity_error()
-    if family == "gpt2":
-        cfg = GPT2Config(vocab_size=V, n_embd=64, n_layer=2, n_head=4, n_positions=96, bos_token_id=0,
-                         eos_token_id=0, **kw)
-        return GPT2LMHeadModel(cfg)
-    common = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, bos_token_id=0,
-                  eos_token_id=0)
-    common.update(kw)
-    if family == "mistral":
-        return MistralForCausalLM(MistralConfig(**common))
-    if family == "qwen2":
-        return Qwen2ForCausalLM(Qwen2Config(**common))
-    return LlamaForCausalLM(LlamaConfig(**common))
-
-
-CASES = {
-    "gpt2": ("gpt2", {}),
-    "llama-gqa": ("llama", {}),
-    "llama3-tied-mqa": ("llama", dict(num_key_value_heads=1, tie_word_embeddings=True, rope_theta=500000.0,
-                                      max_position_embeddings=256,
-                                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
-    "mistral": ("mistral", dict(sliding_window=None)),
-    "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True, rope_theta=1e6)),
-}
-
-
-def _saved(tmp_path, name, seed=0):
-    family, kw = CASES[name]
-    torch.manual_seed(seed)
-    model = _hf_model(family, **kw).eval()
-    with torch.no_grad():  # norms and biases away from their initial 1 / 0
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    path = tmp_path / name
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model.save_pretrained(path)
-    return model, path
-
-
-def _ids(seed=1, shape=(2, 37)):
-    return torch.randint(0, V, shape, generator=torch.Generator().manual_seed(seed))
+from hf_cases import CASES, V, edit_config as _edit_config, ids as _ids, saved as _saved  # noqa: E402
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -104,7 +54,11 @@ def test_export_round_trip_and_transformers_generation(tmp_path, name):
         assert k == k2 and torch.equal(a, b), k  # bit-exact
     from transformers import AutoModelForCausalLM
 
-    exported = AutoModelForCausalLM.from_pretrained(out).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exported = AutoModelForCausalLM.from_pretrained(out).eval()
+    # the family megakern's config matches (a Mistral without a sliding window is written as the Llama it equals)
+    assert type(exported).__name__ == hf.ARCHITECTURES[hf.family_of(config)]
     idx = _ids(2, (1, 9))
     with torch.no_grad():
         torch.testing.assert_close(exported(idx).logits, ref_model(idx).logits, rtol=0, atol=1e-5)
@@ -135,12 +89,6 @@ def test_bf16_load_and_save(tmp_path):
 
 
 # ---- bad input ---------------------------------------------------------------------------------------------------
-def _edit_config(path, **changes):
-    cfg = json.loads((path / "config.json").read_text())
-    cfg.update(changes)
-    (path / "config.json").write_text(json.dumps(cfg))
-
-
 def test_truncated_safetensors_named(tmp_path):
     _, path = _saved(tmp_path, "llama-gqa")
     f = path / "model.safetensors"

@@ -1,12 +1,9 @@
 """megakern.models.hf for GPT-NeoX and Mixtral against transformers, on CPU with tiny random models built offline:
-logits parity (fp32, max |difference| <= 1e-4) for GPT-NeoX (parallel and sequential residual, rotary_pct 0.25 and
-1.0, the erf and the tanh GELU, tied embeddings) and Mixtral (top-2 of 4 experts with grouped-query attention, top-1
-of 3 with one kv head); greedy generation equal to transformers'; import -> export -> import bit-exact; the export
-read by transformers gives the same logits and greedy tokens; the published configs' keys (rotary_pct,
+the configs' fields (GPT-NeoX with parallel and sequential residual, rotary_pct 0.25, 0.5 and 1.0, the erf and the
+tanh GELU; Mixtral top-2 of 4 and top-1 of 3 experts; their logits, generation and round trips run in test_hf.py over
+hf_cases.py); the published configs' keys (rotary_pct,
 rotary_emb_base), transformers' in-memory tensor names (fused experts, lm_head) and GPT-NeoX's old buffers read;
 unsupported fields named, on import and on export."""
-import json
-import warnings
 
 import pytest
 import torch
@@ -17,111 +14,24 @@ pytest.importorskip("safetensors", reason="safetensors is not installed (pip ins
 from megakern.models import hf  # noqa: E402
 from megakern.models.gpt import GPTConfig  # noqa: E402
 
-V = 300
+from hf_cases import CASES, V, edit_config as _edit_config, saved as _saved  # noqa: E402
 
-CASES = {
-    "neox-parallel": ("gpt_neox", dict(rotary_pct=0.25)),
-    "neox-sequential": ("gpt_neox", dict(rotary_pct=1.0, use_parallel_residual=False, rotary_emb_base=500.0)),
-    "neox-tanh-tied": ("gpt_neox", dict(rotary_pct=0.5, hidden_act="gelu_new", tie_word_embeddings=True)),
-    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
-    "mixtral-top1-mqa": ("mixtral", dict(num_local_experts=3, num_experts_per_tok=1, num_key_value_heads=1,
-                                         rope_theta=10000.0, router_jitter_noise=0.1)),
-}
+NEOX_MIXTRAL = [name for name, (family, _) in CASES.items() if family in ("gpt_neox", "mixtral")]
 
 
-def _hf_model(family: str, **kw):
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, MixtralConfig, MixtralForCausalLM
-
-    transformers.logging.set_verbosity_error()
-    common = dict(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  max_position_embeddings=128, bos_token_id=0, eos_token_id=0)
-    if family == "gpt_neox":
-        return GPTNeoXForCausalLM(GPTNeoXConfig(**common, intermediate_size=96, **kw))
-    return MixtralForCausalLM(MixtralConfig(**{**common, "intermediate_size": 48, "num_key_value_heads": 2,
-                                               "rms_norm_eps": 1e-5, **kw}))
-
-
-def _saved(tmp_path, name, seed=0):
+@pytest.mark.parametrize("name", NEOX_MIXTRAL)
+def test_config_fields_of_the_import(tmp_path, name):
+    """What GPT-NeoX and Mixtral configs become (their logits, generation and round trips: test_hf.py's cases)."""
     family, kw = CASES[name]
-    torch.manual_seed(seed)
-    model = _hf_model(family, **kw).eval()
-    with torch.no_grad():  # norms, biases and routers away from their initial values
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    path = tmp_path / name
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model.save_pretrained(path)
-    return model, path
-
-
-def _ids(seed=1, shape=(2, 37)):
-    return torch.randint(0, V, shape, generator=torch.Generator().manual_seed(seed))
-
-
-def _edit_config(path, drop=(), **changes):
-    cfg = json.loads((path / "config.json").read_text())
-    for key in drop:
-        cfg.pop(key, None)
-    cfg.update(changes)
-    (path / "config.json").write_text(json.dumps(cfg))
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_import_logits_match_transformers(tmp_path, name):
-    ref_model, path = _saved(tmp_path, name)
-    model, config = hf.load(path)
-    model.eval()
-    idx = _ids()
-    with torch.no_grad():
-        want = ref_model(idx).logits
-        got = model(idx)[..., :V]
-    assert config.vocab_size == V and got.dtype == torch.float32
-    assert (got - want).abs().max().item() <= 1e-4
-    _, kw = CASES[name]
-    if CASES[name][0] == "gpt_neox":
+    _, path = _saved(tmp_path, name)
+    config = hf.read_config(path)
+    if family == "gpt_neox":
         assert config.parallel_residual == kw.get("use_parallel_residual", True)
         assert config.rotary_pct == kw["rotary_pct"]
         assert config.activation == ("gelu" if kw.get("hidden_act") == "gelu_new" else "gelu_exact")
     else:
         assert (config.n_experts, config.moe_top_k) == (kw["num_local_experts"], kw["num_experts_per_tok"])
         assert config.moe_renormalize and config.moe_router == "softmax" and config.moe_capacity_factor is None
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_greedy_generation_matches_transformers(tmp_path, name):
-    """megakern's generation (KV cache) from an imported model, greedy, gives transformers' greedy tokens."""
-    ref_model, path = _saved(tmp_path, name)
-    model, _ = hf.load(path)
-    idx = _ids(4, (2, 7))
-    with torch.no_grad():
-        want = ref_model.generate(idx, max_new_tokens=10, do_sample=False, pad_token_id=0,
-                                  attention_mask=torch.ones_like(idx))
-    assert torch.equal(model.generate(idx, 10, temperature=0), want)
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_export_round_trip_and_transformers_generation(tmp_path, name):
-    ref_model, path = _saved(tmp_path, name)
-    model, config = hf.load(path)
-    out = hf.save(model, tmp_path / "export")
-    again, config2 = hf.load(out)
-    assert config2 == config
-    for (k, a), (k2, b) in zip(model.state_dict().items(), again.state_dict().items()):
-        assert k == k2 and torch.equal(a, b), k  # bit-exact
-    from transformers import AutoModelForCausalLM
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        exported = AutoModelForCausalLM.from_pretrained(out).eval()
-    assert type(exported) is type(ref_model)
-    idx = _ids(2, (1, 9))
-    with torch.no_grad():
-        torch.testing.assert_close(exported(idx).logits, ref_model(idx).logits, rtol=0, atol=1e-5)
-        greedy = exported.generate(idx, max_new_tokens=6, do_sample=False, pad_token_id=0)
-        want = ref_model.generate(idx, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    assert torch.equal(greedy, want)
-    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors"}
 
 
 def test_exported_tensor_names_are_the_published_ones(tmp_path):
