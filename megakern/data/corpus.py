@@ -79,7 +79,8 @@ def ensure_default_dataset(cache_dir: str | Path | None, tokenizer: Tokenizer, *
         if _complete(prefix):  # built by another process while this one waited
             return prefix
         # imported here: `python -m megakern.data.preprocess` must find that module not yet imported
-        from megakern.data.preprocess import preprocess_documents, write_json_atomic
+        from megakern.data.preprocess import preprocess_documents
+        from megakern.data.writer import write_json_atomic
 
         files = default_corpus_files()
         total = sum(p.stat().st_size for p in files)

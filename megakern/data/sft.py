@@ -59,6 +59,7 @@ import numpy as np
 
 from megakern.data.indexed import DataError
 from megakern.data.tokenizers import Tokenizer
+from megakern.data.writer import json_object, read_inputs, write_dataset
 
 ROLES = ("system", "user", "assistant")
 OVERLONG = ("drop", "truncate", "error")
@@ -281,8 +282,6 @@ class _Examples:
     def segments(self, payload: bytes) -> tuple[Segments, bool, bool]:
         """(segments, whether they are encoded with special tokens, whether the end-of-document token is trained)
         of a JSONL line; ValueError saying what is wrong with it."""
-        from megakern.data.preprocess import json_object
-
         obj = json_object(payload)
         pk, rk, mk = self.prompt_key, self.response_key, self.messages_key
         pair = pk in obj or rk in obj
@@ -380,7 +379,6 @@ def preprocess_sft(inputs: Sequence[str | Path], tokenizer: Tokenizer, output_pr
     """Tokenizes the SFT examples of ``inputs`` (.jsonl, .jsonl.gz; see the module doc) into ``output_prefix``.bin/
     .idx/.mask.bin/.tokenizer.json. Returns the stats: docs (examples written), tokens, trained_tokens, dropped,
     truncated, bad_lines, bytes, seconds, mb_per_s, docs_per_s, workers, template."""
-    from megakern.data.preprocess import read_inputs
 
     paths = [Path(p) for p in inputs]
     if not paths:
@@ -430,7 +428,6 @@ def _make_examples(tokenizer, chat_template, max_length, overlong, prompt_key, r
 
 
 def _run_sft(records, sources, tokenizer, output_prefix, examples: _Examples, **kw) -> dict[str, Any]:
-    from megakern.data.preprocess import write_dataset
 
     stats = write_dataset(records, sources, tokenizer, output_prefix, tokenize=examples, loss_mask=True, **kw)
     stats["template"] = examples.template.name

@@ -17,7 +17,7 @@ pytest.importorskip("megakern.data.indexed")
 
 from megakern.data import preprocess as pp  # noqa: E402
 from megakern.data.corpus import default_corpus_files, ensure_default_dataset  # noqa: E402
-from megakern.data.indexed import DataError, IndexedDataset  # noqa: E402
+from megakern.data.indexed import DataError, IndexedDataset, IndexedDatasetWriter  # noqa: E402
 from megakern.data.tokenizers import ByteTokenizer, CharTokenizer, load_tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,7 +88,7 @@ def test_workers_give_identical_output(tmp_path):
 
 def test_read_ahead_is_bounded(tmp_path, monkeypatch):
     written, ahead = [0], []
-    add = pp.IndexedDatasetWriter.add_document
+    add = IndexedDatasetWriter.add_document
 
     def counting_add(self, ids):
         written[0] += 1
@@ -99,7 +99,7 @@ def test_read_ahead_is_bounded(tmp_path, monkeypatch):
             ahead.append(i - written[0])
             yield "doc"
 
-    monkeypatch.setattr(pp.IndexedDatasetWriter, "add_document", counting_add)
+    monkeypatch.setattr(IndexedDatasetWriter, "add_document", counting_add)
     pp.preprocess_documents(docs(), BYTE, tmp_path / "d", workers=2, chunksize=4, progress=False)
     assert written[0] == 2000 and max(ahead) <= 4 * 4 * 2  # the window: 4 chunks per worker
 
@@ -153,12 +153,12 @@ def test_worker_still_starting_stops_at_terminate(tmp_path):
     SIGTERM stays blocked in it until its initializer, so it ends and the error comes back."""
     marker = tmp_path / "first-worker"
     proc = _preprocess_under_a_sigterm_handler(tmp_path, (
-        "init = pp._init_worker\n"
+        "from megakern.data import writer\ninit = writer._init_worker\n"
         "def slow_init(*a):\n"
         f"    try: os.close(os.open({str(marker)!r}, os.O_CREAT | os.O_EXCL))\n"
         "    except FileExistsError: time.sleep(2.0)  # every worker but the first\n"
         "    init(*a)\n"
-        "pp._init_worker = slow_init\n"
+        "writer._init_worker = slow_init\n"
         f"run({str(tmp_path / 'x')!r})\n"))
     assert "not valid JSON" in proc.stdout, proc.stdout
 
