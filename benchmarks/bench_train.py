@@ -1,4 +1,5 @@
-"""Training throughput of a GPT-350M-shaped model: megakern's training step against Hugging Face GPT2LMHeadModel.
+"""Training throughput: megakern's training step against the same model in Hugging Face transformers (GPT-350M's
+shape against GPT2LMHeadModel by default; Llama and Mixtral presets against LlamaForCausalLM / MixtralForCausalLM).
 
 Shape (GPT-2 medium): 24 layers, hidden 1024, 16 heads, sequence 1024, vocabulary 50304, micro-batch 16, bf16,
 learned positions, tied embeddings, no dropout. One step = forward + loss + backward + clip the gradient norm to
@@ -12,9 +13,12 @@ Providers, each built fresh and freed before the next:
   step later (here never); ``megakern-graph`` the same step captured in a CUDA graph after 2 eager steps and
   replayed (train.cuda_graph=true: one launch per step); ``megakern-compile`` the same under torch.compile
   (train.compile=true).
-- ``hf-eager`` / ``hf-compile``: transformers' GPT2LMHeadModel (its default attention, SDPA), fp32 weights under
-  bf16 autocast (the mixed precision of HF's Trainer with bf16=True), fused AdamW, no host sync; eager or
-  torch.compile'd. Skipped with the reason where transformers is not installed.
+- ``hf-eager`` / ``hf-compile``: the same model in transformers (GPT2LMHeadModel here; for another preset the
+  family megakern.models.hf exports it as, built from that export's config: LlamaForCausalLM for llama-1b /
+  llama-8b, MixtralForCausalLM for moe-mixtral; skipped with the reason for a preset no family matches), its default
+  attention (SDPA), fp32 weights under bf16 autocast (the mixed precision of HF's Trainer with bf16=True), fused
+  AdamW, ``use_cache=False``, no host sync; eager or torch.compile'd. Skipped with the reason where transformers is
+  not installed.
 
 Figures per provider: tok/s = micro_batch * seq / (median step time over the timed steps, warm-up steps
 excluded; CUDA events recorded between consecutive steps, so the time of a step is the device's when the host keeps
@@ -29,8 +33,9 @@ Other models (``--model PRESET``, e.g. moe-mixtral): the megakern providers at t
 layers, C 1024, 8 experts of F 3584, top-2; sequence 2048, micro-batch 8 on a GPU: 16k tokens a step), F = the
 model's own flops_per_token (6 x active parameters: k of E experts, the routers, plus attention); with
 ``--dense-equivalent`` also the dense model of the same active parameters (no experts, MLP hidden (top_k + shared) x
-moe_ffn_hidden = 7168 for moe-mixtral), through the same step, and the two MFUs compared. The HF providers build
-GPT-2 and are left out.
+moe_ffn_hidden = 7168 for moe-mixtral), through the same step, and the two MFUs compared. llama-1b runs T 2048 with
+micro-batch 4 (Llama-3.2-1B's shape), llama-8b T 4096 with micro-batch 2; ``--n-layer N`` keeps N of a preset's
+layers (Llama-3-8B's layer shape on one GPU: ``--model llama-8b --n-layer 4``).
 
 Not measured: building a provider (model, data, first Triton / Inductor compilation) and its warm-up steps; both
 are printed per provider ("setup", "warm-up") with the whole run's wall time, and an estimate of the run's length
@@ -41,6 +46,8 @@ is printed first (setup times from cold compile caches; a second run is faster).
     python -m benchmarks.bench_train --quick --skip-compile    # megakern, hf-eager (~1 min)
     python -m benchmarks.bench_train --providers megakern,hf-compile --steps 30
     python -m benchmarks.bench_train --quick --providers megakern,megakern-graph,hf-compile
+    python -m benchmarks.bench_train --model llama-1b --quick   # megakern against LlamaForCausalLM (+ compile)
+    python -m benchmarks.bench_train --model llama-8b --n-layer 4 --quick
     python -m benchmarks.bench_train --model moe-mixtral --dense-equivalent --quick   # MoE MFU and its dense twin
     python -m benchmarks.bench_train --model moe-mixtral --micro-batch 4 --seq 4096 --providers megakern,megakern-graph
     python -m benchmarks.bench_train --tiny --device cpu   # smoke test of the machinery (fp32, a tiny shape)
@@ -92,7 +99,7 @@ GPT_350M = Shape(n_layer=24, n_embd=1024, n_head=16, seq=1024, vocab=50304, micr
 TINY = Shape(n_layer=2, n_embd=64, n_head=2, seq=64, vocab=257, micro_batch=2)
 DEFAULT_MODEL = "gpt-350m"
 # (sequence, micro-batch) of a preset on one 80 GB GPU: 16k tokens per micro-batch
-PRESET_BATCH = {"moe-mixtral": (2048, 8), "moe-deepseek": (2048, 8)}
+PRESET_BATCH = {"moe-mixtral": (2048, 8), "moe-deepseek": (2048, 8), "llama-1b": (2048, 4), "llama-8b": (4096, 2)}
 
 
 def preset_shape(name: str, tiny: bool = False, seq: int | None = None, micro_batch: int | None = None) -> Shape:
@@ -193,18 +200,38 @@ class MegakernStep(Step):
         self._tmp.cleanup()
 
 
+def hf_config(shape: Shape):
+    """The transformers config of the same model as the megakern GPT of ``shape``: GPT-2 for the gpt presets, else the
+    Hugging Face family megakern.models.hf exports the preset as (Llama, Mixtral, ...); Unavailable where there is
+    none (e.g. moe-deepseek's sigmoid router)."""
+    import transformers
+
+    from megakern.models import hf
+
+    config = _gpt_config(shape, _config_cls())
+    try:
+        family = hf.family_of(config)
+    except ValueError as exc:
+        raise Unavailable(f"no Hugging Face model of {shape.preset}: {exc}") from None
+    fields = hf.config_to_hf(config, family, torch.float32)
+    fields["use_cache"] = False
+    for key in ("rope_scaling", "rope_parameters"):  # a scaled RoPE's context (original x factor), not the bench's T
+        scaling = fields.get(key) or {}
+        if "original_max_position_embeddings" in scaling:
+            fields["max_position_embeddings"] = int(scaling["original_max_position_embeddings"] *
+                                                    scaling.get("factor", 1.0))
+    model_type = fields.pop("model_type")
+    fields.pop("architectures", None)
+    return transformers.AutoConfig.for_model(model_type, **fields)
+
+
 class HFStep(Step):
     def __init__(self, shape: Shape, device: torch.device, compile: bool):
-        from transformers import GPT2Config, GPT2LMHeadModel
+        import transformers
 
-        if shape.preset != DEFAULT_MODEL or shape.overrides:
-            raise Unavailable(f"the HF providers build GPT2LMHeadModel: the {DEFAULT_MODEL} shape only")
-
-        config = GPT2Config(vocab_size=shape.vocab, n_positions=shape.seq, n_embd=shape.n_embd, n_layer=shape.n_layer,
-                            n_head=shape.n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                            tie_word_embeddings=True)
+        config = hf_config(shape)
         torch.manual_seed(0)
-        self.model = GPT2LMHeadModel(config).to(device).train()
+        self.model = transformers.AutoModelForCausalLM.from_config(config).to(device).train()
         self.forward = torch.compile(self.model) if compile else self.model
         fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
@@ -217,7 +244,7 @@ class HFStep(Step):
 
     def step(self) -> None:
         with self.autocast:
-            loss = self.forward(input_ids=self.tokens, labels=self.tokens).loss
+            loss = self.forward(input_ids=self.tokens, labels=self.tokens, use_cache=False).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0, foreach=True)
         self.optimizer.step()
@@ -244,8 +271,8 @@ def _hf(compile: bool):
             import transformers
         except ImportError:
             raise Unavailable("transformers is not installed (pip install transformers)") from None
-        if not hasattr(transformers, "GPT2LMHeadModel"):
-            raise Unavailable(f"transformers {transformers.__version__} has no GPT2LMHeadModel")
+        if not hasattr(transformers, "AutoModelForCausalLM"):
+            raise Unavailable(f"transformers {transformers.__version__} has no AutoModelForCausalLM")
         return lambda shape: HFStep(shape, device, compile)
 
     return load
@@ -328,6 +355,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 20; tiny 3)")
     parser.add_argument("--micro-batch", type=int, default=None, help="override the shape's micro-batch")
     parser.add_argument("--seq", type=int, default=None, help="override the shape's sequence length")
+    parser.add_argument("--n-layer", type=int, default=None,
+                        help="override the preset's layer count (a large model's layer shape on one GPU: "
+                             "--model llama-8b --n-layer 4)")
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help=f"a GPTConfig preset (default {DEFAULT_MODEL}: the GPT-2 medium shape against HF); others "
                              "run the megakern providers at the preset's shape, e.g. moe-mixtral (sequence 2048, "
@@ -355,6 +385,10 @@ def main(argv=None) -> Results:
             shape = preset_shape(args.model, tiny, args.seq, args.micro_batch)
         except ValueError as exc:
             raise SystemExit(f"--model: {exc}") from None
+    if args.n_layer is not None:
+        if args.n_layer < 1:
+            raise SystemExit(f"--n-layer must be >= 1, got {args.n_layer}")
+        shape = Shape(**{**shape.__dict__, "n_layer": args.n_layer})
     shapes = [shape]
     if args.dense_equivalent:
         try:
@@ -384,10 +418,7 @@ def main(argv=None) -> Results:
               f"peak {'n/a (' + peak_note + ')' if peak is None else f'{peak / 1e12:.1f} TFLOP/s'}")
         del model
 
-    hf_ok = args.model == DEFAULT_MODEL
     wanted = set(args.providers or (QUICK_PROVIDERS if args.quick else PROVIDERS))
-    if not args.providers and not hf_ok:  # the HF providers build GPT-2 only
-        wanted = {n for n in wanted if not n.startswith("hf-")}
     if args.skip_compile:
         wanted = {n for n in wanted if not n.endswith("-compile")}
         if not wanted:

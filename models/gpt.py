@@ -45,6 +45,8 @@ Activation recomputation (``config.recompute``): "none"; "selective" recomputes 
 """
 from __future__ import annotations
 
+import copy
+
 import dataclasses
 import math
 import zlib
@@ -226,7 +228,7 @@ class GPTConfig:
         fields = {f.name for f in dataclasses.fields(cls)}
         if unknown := sorted(set(overrides) - fields):
             raise ValueError(f"GPTConfig: unknown fields {unknown}; fields: {', '.join(sorted(fields))}")
-        config = cls(**{**PRESETS[name], **overrides})
+        config = cls(**{**copy.deepcopy(PRESETS[name]), **overrides})  # no config shares the table's dicts
         config.validate()
         return config
 
@@ -356,6 +358,11 @@ PRESETS: dict[str, dict[str, Any]] = {
                        rotary_base=10000.0),
     "llama-1b": dict(_LLAMA, n_layer=16, n_embd=2048, n_head=32, n_kv_head=8, ffn_hidden=8192, vocab_size=128256,
                      max_seqlen=8192, rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                                    "high_freq_factor": 4.0,
+                                                    "original_max_position_embeddings": 8192}),
+    # Llama-3.1-8B's shape (32 layers; bench_train --n-layer takes a few of them onto one GPU)
+    "llama-8b": dict(_LLAMA, n_layer=32, n_embd=4096, n_head=32, n_kv_head=8, ffn_hidden=14336, vocab_size=128256,
+                     max_seqlen=8192, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                     "high_freq_factor": 4.0,
                                                     "original_max_position_embeddings": 8192}),
     # MoE: trains in minutes on 2 CPU cores on the default corpus (llama-tiny's attention, 8 experts, top-2)

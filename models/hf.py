@@ -189,6 +189,11 @@ def config_from_hf(hf: dict, where: str = CONFIG) -> tuple[GPTConfig, str]:
     return _validated(config, family, where)
 
 
+def _copied(scaling: dict | None) -> dict | None:
+    """A copy of a config's rope_scaling: transformers' configs edit the dict they are given (adding rope_theta)."""
+    return None if scaling is None else dict(scaling)
+
+
 def config_to_hf(config: GPTConfig, family: str, dtype: torch.dtype) -> dict:
     """The config.json of ``config`` as a ``family`` model."""
     dtype_name = str(dtype).removeprefix("torch.")
@@ -207,7 +212,7 @@ def config_to_hf(config: GPTConfig, family: str, dtype: torch.dtype) -> dict:
                 "layer_norm_eps": config.norm_eps,
                 "hidden_act": "gelu" if config.activation == "gelu_exact" else "gelu_new",
                 "rotary_pct": config.rotary_pct, "rotary_emb_base": config.rotary_base,
-                "rope_scaling": config.rope_scaling, "use_parallel_residual": config.parallel_residual,
+                "rope_scaling": _copied(config.rope_scaling), "use_parallel_residual": config.parallel_residual,
                 "attention_bias": True, "tie_word_embeddings": config.tie_embeddings, "attention_dropout": 0.0,
                 "hidden_dropout": 0.0, "torch_dtype": dtype_name, "dtype": dtype_name}
     out = {"architectures": [ARCHITECTURES[family]], "model_type": family, "num_hidden_layers": config.n_layer,
@@ -215,7 +220,7 @@ def config_to_hf(config: GPTConfig, family: str, dtype: torch.dtype) -> dict:
            "num_key_value_heads": config.n_kv_head, "head_dim": config.head_dim,
            "intermediate_size": config.ffn_hidden, "vocab_size": config.vocab_size,
            "max_position_embeddings": config.max_seqlen, "rms_norm_eps": config.norm_eps, "hidden_act": "silu",
-           "rope_theta": config.rotary_base, "rope_scaling": config.rope_scaling, "attention_bias": False,
+           "rope_theta": config.rotary_base, "rope_scaling": _copied(config.rope_scaling), "attention_bias": False,
            "mlp_bias": False, "tie_word_embeddings": config.tie_embeddings, "attention_dropout": 0.0,
            "torch_dtype": dtype_name, "dtype": dtype_name}
     if family == "mistral":

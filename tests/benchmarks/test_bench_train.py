@@ -91,3 +91,33 @@ def test_moe_mixtral_shape_on_a_gpu():
         bench_train.main(["--device", "cpu", "--model", "gpt-tiny", "--dense-equivalent", "--no-save"])
     with pytest.raises(SystemExit, match="unknown preset"):
         bench_train.main(["--device", "cpu", "--model", "nope", "--no-save"])
+
+
+@pytest.mark.parametrize("preset", ["llama-1b", "llama-8b", "moe-mixtral"])
+def test_hf_provider_builds_the_same_model(preset):
+    """The HF providers of a preset build the Hugging Face model megakern exports it as: the same parameter count
+    (a meta-device build), so tok/s and MFU compare like with like."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    shape = bench_train.preset_shape(preset)
+    if preset == "llama-8b":
+        shape = bench_train.Shape(**{**shape.__dict__, "n_layer": 2})
+    with torch.device("meta"):
+        theirs = transformers.AutoModelForCausalLM.from_config(bench_train.hf_config(shape))
+    ours = bench_train._meta_model(shape)
+    assert sum(p.numel() for p in theirs.parameters()) == ours.num_params()
+
+
+def test_hf_provider_unavailable_is_named(capsys):
+    pytest.importorskip("transformers")
+    bench_train.main(["--device", "cpu", "--model", "moe-deepseek", "--providers", "hf-eager", "--no-save"])
+    assert "skip hf-eager on moe-deepseek" in capsys.readouterr().out
+
+
+def test_llama_preset_against_hf_on_cpu(capsys):
+    pytest.importorskip("transformers")
+    results = bench_train.main(["--device", "cpu", "--model", "llama-tiny", "--providers", "megakern,hf-eager",
+                                "--n-layer", "1", "--no-save"])
+    assert {f[2] for f in results.figures} == {"roofline", "megakern", "hf-eager"}
+    assert "llama-tiny 1x64" in capsys.readouterr().out

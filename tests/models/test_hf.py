@@ -226,3 +226,16 @@ def test_trainer_starts_from_the_checkpoint(tmp_path):
         rows = V if name in ("wte.weight", "lm_head.weight") else t.shape[0]  # the padded vocabulary rows train too
         assert torch.equal(got[name][:rows].to(t.dtype), t[:rows]), name
     assert f"model: initialized from hf:{path}" in console.read_text()
+
+
+def test_exported_config_shares_no_dict_with_the_model_config():
+    """transformers' configs edit the rope_scaling dict they are given (adding rope_theta): neither the exported
+    config.json dict nor a preset's config may share one with megakern's presets."""
+    from megakern.models.gpt import PRESETS, GPTConfig
+
+    config = GPTConfig.preset("llama-1b")
+    assert config.rope_scaling == PRESETS["llama-1b"]["rope_scaling"]
+    assert config.rope_scaling is not PRESETS["llama-1b"]["rope_scaling"]
+    fields = hf.config_to_hf(config, "llama", torch.float32)
+    fields["rope_scaling"]["rope_theta"] = 1.0
+    assert "rope_theta" not in config.rope_scaling and "rope_theta" not in PRESETS["llama-1b"]["rope_scaling"]
