@@ -25,7 +25,6 @@ card's dense bf16 peak) and peak GiB per provider.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,10 +32,10 @@ from pathlib import Path
 import torch
 
 if __package__:
-    from .bench_train import Step, run_provider
+    from .bench_train import HFStep, run_provider
     from .common import Results, Unavailable, file_rows, load_providers, measure_matmul_tflops, report_failure
 else:  # python benchmarks/bench_hf_patch.py
-    from bench_train import Step, run_provider
+    from bench_train import HFStep, run_provider
     from common import Results, Unavailable, file_rows, load_providers, measure_matmul_tflops, report_failure
 
 BENCH = "hf_patch"
@@ -92,48 +91,39 @@ SHAPES = {
 TINY = HFShape("tiny", "llama", 2, 64, 4, 2, 96, 257, 64, 2)
 
 
-class HFPatchStep(Step):
+class HFPatchStep(HFStep):
+    """bench_train's transformers step on the shape's own model, patched (``how``: 'megakern', 'liger'), compiled
+    ('compile') or as it is ('plain')."""
+
     def __init__(self, shape: HFShape, device: torch.device, how: str):
+        self.how, self._restore = how, None
+        super().__init__(shape, device, compile=how == "compile")
+
+    def build(self, shape: HFShape):
         import transformers
 
         transformers.logging.set_verbosity_error()
-        torch.manual_seed(0)
-        self.model = transformers.AutoModelForCausalLM.from_config(shape.config()).to(device).train()
-        self.forward = self.model
-        if how == "megakern":
+        return transformers.AutoModelForCausalLM.from_config(shape.config())
+
+    def prepare(self, shape: HFShape) -> None:
+        if self.how == "megakern":
             from megakern.models.hf_patch import patch
 
             patch(self.model)
-        elif how == "liger":
+        elif self.how == "liger":
             import liger_kernel.transformers as liger
 
             # liger's patch also replaces the modeling module's classes and functions and the causal LM class's
             # forward for the whole process: they are put back in close(), before the next provider builds a model
             self._restore = _snapshot(sys.modules[type(self.model).__module__])
-            apply = getattr(liger, f"apply_liger_kernel_to_{shape.family}")
-            apply(model=self.model)
-        elif how == "compile":
-            self.forward = torch.compile(self.model)
-        fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
-                                           **fused)
-        self.autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda"
-                         else contextlib.nullcontext())
-        generator = torch.Generator(device=device).manual_seed(0)
-        self.tokens = torch.randint(0, shape.vocab, (shape.micro_batch, shape.seq), device=device,
-                                    generator=generator)
+            getattr(liger, f"apply_liger_kernel_to_{shape.family}")(model=self.model)
 
-    def step(self) -> None:
-        with self.autocast:
-            loss = self.forward(input_ids=self.tokens, labels=self.tokens, use_cache=False).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0, foreach=True)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+    def token_bound(self, shape: HFShape) -> int:
+        return shape.vocab
 
     def close(self) -> None:
-        del self.model, self.forward, self.optimizer, self.tokens
-        if getattr(self, "_restore", None) is not None:
+        super().close()
+        if self._restore is not None:
             self._restore()
 
 

@@ -226,12 +226,14 @@ def hf_config(shape: Shape):
 
 
 class HFStep(Step):
-    def __init__(self, shape: Shape, device: torch.device, compile: bool):
-        import transformers
+    """A transformers causal LM's training step: fp32 weights under bf16 autocast on a GPU, fused AdamW, clipping;
+    ``build`` makes the model (here the preset's Hugging Face family), ``prepare`` may change it before the optimizer
+    is made (bench_hf_patch's patches)."""
 
-        config = hf_config(shape)
+    def __init__(self, shape, device: torch.device, compile: bool):
         torch.manual_seed(0)
-        self.model = transformers.AutoModelForCausalLM.from_config(config).to(device).train()
+        self.model = self.build(shape).to(device).train()
+        self.prepare(shape)
         self.forward = torch.compile(self.model) if compile else self.model
         fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
@@ -239,8 +241,19 @@ class HFStep(Step):
         self.autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda"
                          else contextlib.nullcontext())
         generator = torch.Generator(device=device).manual_seed(0)
-        self.tokens = torch.randint(0, min(shape.vocab, 50257), (shape.micro_batch, shape.seq), device=device,
+        self.tokens = torch.randint(0, self.token_bound(shape), (shape.micro_batch, shape.seq), device=device,
                                     generator=generator)
+
+    def build(self, shape):
+        import transformers
+
+        return transformers.AutoModelForCausalLM.from_config(hf_config(shape))
+
+    def prepare(self, shape) -> None:
+        pass
+
+    def token_bound(self, shape) -> int:
+        return min(shape.vocab, 50257)
 
     def step(self) -> None:
         with self.autocast:

@@ -36,9 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from megakern.data.indexed import DataError
 from megakern.data.tokenizers import SPEC_FORMS, Tokenizer, load_tokenizer
-from megakern.data.writer import Record, json_object, read_inputs, write_dataset
+from megakern.data.writer import Record, input_paths, json_object, read_inputs, write_dataset
 
 TXT_SPLITS = ("lines", "paragraphs")
 SUFFIXES = (".jsonl", ".jsonl.gz", ".txt")
@@ -51,14 +50,7 @@ def preprocess(inputs: Sequence[str | Path], tokenizer: Tokenizer, output_prefix
     """Tokenizes the documents of ``inputs`` (.jsonl, .jsonl.gz, .txt; see the module docstring) into
     ``output_prefix``.bin/.idx/.tokenizer.json. Returns the stats: docs, tokens, bytes (of input read), seconds,
     mb_per_s, docs_per_s, empty_docs, bad_lines, workers."""
-    paths = [Path(p) for p in inputs]
-    if not paths:
-        raise ValueError("no inputs given")
-    for path in paths:
-        if not path.is_file():
-            raise FileNotFoundError(f"input {path} does not exist or is not a file")
-        if not path.name.endswith(SUFFIXES):
-            raise DataError(f"input {path}: unsupported file type; expected one of {', '.join(SUFFIXES)}")
+    paths = input_paths(inputs, SUFFIXES, "unsupported file type")
     if not isinstance(json_key, str) or not json_key:
         raise ValueError(f"json_key must be a non-empty str, got {json_key!r}")
     if txt_split not in (None, *TXT_SPLITS):

@@ -57,9 +57,8 @@ from typing import Any
 
 import numpy as np
 
-from megakern.data.indexed import DataError
 from megakern.data.tokenizers import Tokenizer
-from megakern.data.writer import json_object, read_inputs, write_dataset
+from megakern.data.writer import input_paths, json_object, read_inputs, write_dataset
 
 ROLES = ("system", "user", "assistant")
 OVERLONG = ("drop", "truncate", "error")
@@ -380,14 +379,7 @@ def preprocess_sft(inputs: Sequence[str | Path], tokenizer: Tokenizer, output_pr
     .idx/.mask.bin/.tokenizer.json. Returns the stats: docs (examples written), tokens, trained_tokens, dropped,
     truncated, bad_lines, bytes, seconds, mb_per_s, docs_per_s, workers, template."""
 
-    paths = [Path(p) for p in inputs]
-    if not paths:
-        raise ValueError("no inputs given")
-    for path in paths:
-        if not path.is_file():
-            raise FileNotFoundError(f"input {path} does not exist or is not a file")
-        if not path.name.endswith((".jsonl", ".jsonl.gz")):
-            raise DataError(f"input {path}: SFT examples are JSON lines; expected .jsonl or .jsonl.gz")
+    paths = input_paths(inputs, (".jsonl", ".jsonl.gz"), "SFT examples are JSON lines")
     examples = _make_examples(tokenizer, chat_template, max_length, overlong, prompt_key, response_key, messages_key)
     total = None if any(p.name.endswith(".gz") for p in paths) else sum(p.stat().st_size for p in paths)
     return _run_sft(read_inputs(paths, None), [str(p) for p in paths], tokenizer, output_prefix, examples,

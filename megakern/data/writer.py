@@ -205,6 +205,20 @@ class _Window:
             self._cond.notify_all()
 
 
+def input_paths(inputs, suffixes: tuple[str, ...], what: str) -> list[Path]:
+    """The input files as paths, each checked to exist and to end in one of ``suffixes`` (``what`` says what they
+    hold, in the error)."""
+    paths = [Path(p) for p in inputs]
+    if not paths:
+        raise ValueError("no inputs given")
+    for path in paths:
+        if not path.is_file():
+            raise FileNotFoundError(f"input {path} does not exist or is not a file")
+        if not path.name.endswith(suffixes):
+            raise DataError(f"input {path}: {what}; expected one of {', '.join(suffixes)}")
+    return paths
+
+
 def json_object(payload: bytes | str) -> dict:
     """The JSON object of one JSONL line; ValueError saying what it is instead."""
     try:
