@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 
 if __package__:
-    from .bench_train import HFStep, run_provider
+    from .bench_train import HFStep, need_transformers, run_provider
     from .common import Results, Unavailable, file_rows, load_providers, measure_matmul_tflops, report_failure
 else:  # python benchmarks/bench_hf_patch.py
-    from bench_train import HFStep, run_provider
+    from bench_train import HFStep, need_transformers, run_provider
     from common import Results, Unavailable, file_rows, load_providers, measure_matmul_tflops, report_failure
 
 BENCH = "hf_patch"
@@ -150,10 +150,7 @@ def _snapshot(module):
 
 def _provider(how: str):
     def load(device):
-        try:
-            import transformers  # noqa: F401
-        except ImportError:
-            raise Unavailable("transformers is not installed (pip install transformers)") from None
+        need_transformers()
         if how == "liger":
             try:
                 import liger_kernel.transformers  # noqa: F401

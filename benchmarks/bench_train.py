@@ -278,14 +278,19 @@ def _megakern(compile: bool, graph: bool = False):
     return load
 
 
+def need_transformers() -> None:
+    """Unavailable (the reason) where transformers cannot build the HF providers' models."""
+    try:
+        import transformers
+    except ImportError:
+        raise Unavailable("transformers is not installed (pip install transformers)") from None
+    if not hasattr(transformers, "AutoModelForCausalLM"):
+        raise Unavailable(f"transformers {transformers.__version__} has no AutoModelForCausalLM")
+
+
 def _hf(compile: bool):
     def load(device):
-        try:
-            import transformers
-        except ImportError:
-            raise Unavailable("transformers is not installed (pip install transformers)") from None
-        if not hasattr(transformers, "AutoModelForCausalLM"):
-            raise Unavailable(f"transformers {transformers.__version__} has no AutoModelForCausalLM")
+        need_transformers()
         return lambda shape: HFStep(shape, device, compile)
 
     return load

@@ -127,15 +127,26 @@ def test_lazy_state_equals_the_read_one_and_reads_a_block_at_a_time(tmp_path, na
     assert len(reads) < 3 * len(want)  # each group made once in order, not once per tensor
 
 
-@pytest.mark.parametrize("changes,message", [
-    (dict(architectures=["FalconForCausalLM"]), r"architectures \['FalconForCausalLM'\] is not one megakern imports"),
-    (dict(attention_bias=True), "attention_bias true: megakern's llama layers have no biases"),
-    (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
-    (dict(head_dim=32), "head_dim 32 x num_attention_heads 4 != hidden_size 64"),
-    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling"),
+@pytest.mark.parametrize("name,changes,message", [
+    ("llama-gqa", dict(architectures=["FalconForCausalLM"]),
+     r"architectures \['FalconForCausalLM'\] is not one megakern imports"),
+    ("llama-gqa", dict(attention_bias=True), "attention_bias true: megakern's llama layers have no biases"),
+    ("llama-gqa", dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+    ("llama-gqa", dict(head_dim=32), "head_dim 32 x num_attention_heads 4 != hidden_size 64"),
+    ("llama-gqa", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling"),
+    ("neox-parallel", dict(hidden_act="relu"), "hidden_act 'relu': megakern's GPT-NeoX MLP is a GELU"),
+    ("neox-parallel", dict(attention_bias=False), "attention_bias false"),
+    ("neox-parallel", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.1}),
+     "rotary_pct 0.1 of head dim 16 rotates 1 features"),
+    ("neox-parallel", dict(rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4,
+                                            "partial_rotary_factor": 0.25}), "rope_scaling"),
+    ("mixtral", dict(num_experts_per_tok=5), r"num_experts_per_tok 5 must be an int in 1\.\.num_local_experts \(4\)"),
+    ("mixtral", dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+    ("mixtral", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}),
+     "partial_rotary_factor 0.5"),
 ])
-def test_unsupported_config_named(tmp_path, changes, message):
-    _, path = _saved(tmp_path, "llama-gqa")
+def test_unsupported_config_named(tmp_path, name, changes, message):
+    _, path = _saved(tmp_path, name)
     _edit_config(path, **changes)
     with pytest.raises(ValueError, match=message) as info:
         hf.load(path)
