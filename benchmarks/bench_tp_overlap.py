@@ -14,8 +14,11 @@ Providers:
 - unfused: NCCL's all-gather then the GEMM / the GEMM then NCCL's reduce-scatter (one stream, nothing hidden);
 - torch-symm: PyTorch's async tensor parallelism, torch.ops.symm_mem.fused_all_gather_matmul /
   fused_matmul_reduce_scatter (symmetric memory, multicast off);
-- megakern: megakern.parallel.overlap.all_gather_gemm / gemm_reduce_scatter with a SymmetricWorkspace.
-Modes: fwd (the op), and fwd+bwd for unfused and megakern (the op and its gradients: dX by the transposed op, dW).
+- megakern: megakern.parallel.overlap.all_gather_gemm / gemm_reduce_scatter with a SymmetricWorkspace (GEMM +
+  reduce-scatter by its default, the Triton GEMM storing tiles into the owners' buffers);
+- megakern-copy (gemm+rs): the workspace's other GEMM + reduce-scatter, cuBLAS GEMMs and copy-engine pulls.
+Modes: fwd (the op), and fwd+bwd for unfused and the megakern providers (the op and its gradients: dX by the
+transposed op, dW).
 Besides the times, each fused provider's share of the collective it hides, (unfused - fused) / (unfused - gemm),
 is printed and filed as metric "hidden" (mode fwd).
 
@@ -41,7 +44,7 @@ else:  # python benchmarks/bench_tp_overlap.py
     from common import (Results, check_outputs, file_rows, init_rank, measure_matmul_tflops, parse_args, record,
                         report_failure, run_ranks, timed_on_ranks, tp_sizes)
 
-PROVIDERS = ("gemm", "unfused", "torch-symm", "megakern")
+PROVIDERS = ("gemm", "unfused", "torch-symm", "megakern", "megakern-copy")
 OPS = ("ag+gemm", "gemm+rs")
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -83,6 +86,17 @@ def _provider(name: str, op: str, group, ws, tp: int):
         if op == "ag+gemm":
             return lambda x, w: all_gather_gemm(x, w, group, 0, workspace=ws)
         return lambda x, w: gemm_reduce_scatter(x, w, group, True, 0, workspace=ws)
+    if name == "megakern-copy":
+        if op == "ag+gemm" or ws is None:
+            return None
+
+        def copy_impl(x, w):
+            ws.rs_impl = "copy"
+            try:
+                return gemm_reduce_scatter(x, w, group, True, 0, workspace=ws)
+            finally:
+                ws.rs_impl = "kernel"
+        return copy_impl
     if name == "torch-symm":
         if ws is None:
             return None
@@ -138,7 +152,7 @@ def _rank(rank: int, tp: int, port: int, args, queue) -> None:
                                           1e-2)
                         timing = timed_on_ranks(lambda: fn(x, w), device, calls, warmup, align=True)
                         figures.append((case, "fwd", name, timing, flops / (timing["median"] * 1e-3) / 1e12))
-                        if name in ("unfused", "megakern"):
+                        if name in ("unfused", "megakern", "megakern-copy"):
                             xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
                             dy = torch.randn_like(fn(xg, wg))
 

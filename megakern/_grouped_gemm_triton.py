@@ -26,8 +26,6 @@ Launchers take tensors and return tensors; no autograd.
 """
 from __future__ import annotations
 
-import functools
-import os
 from typing import NamedTuple
 
 import torch
@@ -35,6 +33,7 @@ import triton
 import triton.language as tl
 
 from megakern._intmath import cdiv, next_power_of_2
+from megakern._triton_launch import ensure_allocator, hopper_or_newer, sm_count, tma_strides_ok
 
 
 class Config(NamedTuple):
@@ -257,53 +256,13 @@ def _grouped_mm_dw_kernel(A, B, C, OFFSETS, M, K, N, E,
 
 
 # ---- launch helpers --------------------------------------------------------------------------------------------
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-@functools.lru_cache(maxsize=None)
-def _hopper_or_newer(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
-
-
-def _scratch(size: int, alignment: int, stream):
-    """Global scratch for device-side tensor descriptors (Triton asks for it at launch)."""
-    device = "cpu" if _interpreting() or not torch.cuda.is_available() else torch.cuda.current_device()
-    return torch.empty(size, dtype=torch.int8, device=device)
-
-
-def _ensure_allocator() -> None:
-    """Device-side descriptors need a Triton allocator; set one unless the application has its own."""
-    try:
-        from triton.runtime import _allocation
-
-        if not isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-            return
-    except (ImportError, AttributeError):
-        pass
-    triton.set_allocator(_scratch)
-
-
-def _tma_strides_ok(t: torch.Tensor, unit_dim: int) -> bool:
-    """TMA can address ``t``: unit stride along ``unit_dim``, 16-byte aligned base and other strides."""
-    size = t.element_size()
-    if t.stride(unit_dim) != 1 or t.data_ptr() % 16:
-        return False
-    return all((s * size) % 16 == 0 for d, s in enumerate(t.stride()) if d != unit_dim)
-
-
 def _tma_usable(device: torch.device, tma: bool | None) -> bool:
     """Tensor descriptors asked for (``tma`` True / False) or by default: on Hopper or newer GPUs."""
     if tma is not None:
-        if tma and device.type == "cuda" and not _hopper_or_newer(device.index or torch.cuda.current_device()):
+        if tma and device.type == "cuda" and not hopper_or_newer(device.index or torch.cuda.current_device()):
             raise ValueError("grouped_mm: tma=True needs a Hopper or newer GPU (sm_90+)")
         return tma
-    return device.type == "cuda" and _hopper_or_newer(device.index if device.index is not None
+    return device.type == "cuda" and hopper_or_newer(device.index if device.index is not None
                                                       else torch.cuda.current_device())
 
 
@@ -327,7 +286,7 @@ def default_config(m: int, n: int, k: int, experts: int, dtype: torch.dtype, dev
 def _programs(tiles: int, cfg: Config, device: torch.device) -> int:
     if not cfg.persistent:
         return max(1, tiles)
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+    sms = sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 4
     return max(1, min(tiles, sms * cfg.occupancy))
 
@@ -354,12 +313,12 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, *, confi
     trans_b = w.stride(2) != 1 and w.stride(1) == 1
     if use_tma:
         b_unit = 1 if trans_b else 2
-        if not (_tma_strides_ok(x, 1) and _tma_strides_ok(w, b_unit) and _tma_strides_ok(out, 1)):
+        if not (tma_strides_ok(x, 1) and tma_strides_ok(w, b_unit) and tma_strides_ok(out, 1)):
             if tma:
                 raise ValueError("grouped_mm: tma=True needs 16-byte aligned tensors with a unit inner stride")
             use_tma = False
     if use_tma:
-        _ensure_allocator()
+        ensure_allocator()
     tile_slots = (cdiv(m, cfg.block_m) + experts + 1) * cdiv(n, cfg.block_n)
     programs = _programs(tile_slots, cfg, x.device)
     _grouped_mm_kernel[(programs,)](
@@ -390,12 +349,12 @@ def grouped_mm_dw(x: torch.Tensor, dout: torch.Tensor, offsets: torch.Tensor, ex
     dout = dout if dout.stride(1) == 1 else dout.contiguous()
     cfg = config or default_config(m, n, k, experts, x.dtype, x.device, dw=True)
     use_tma = _tma_usable(x.device, tma)
-    if use_tma and not (_tma_strides_ok(x, 1) and _tma_strides_ok(dout, 1) and _tma_strides_ok(out, 2)):
+    if use_tma and not (tma_strides_ok(x, 1) and tma_strides_ok(dout, 1) and tma_strides_ok(out, 2)):
         if tma:
             raise ValueError("grouped_mm: tma=True needs 16-byte aligned tensors with a unit inner stride")
         use_tma = False
     if use_tma:
-        _ensure_allocator()
+        ensure_allocator()
     tiles = experts * cdiv(k, cfg.block_m) * cdiv(n, cfg.block_n)
     programs = _programs(tiles, cfg, x.device)
     _grouped_mm_dw_kernel[(programs,)](

@@ -4,13 +4,17 @@ and all-gather + GEMM (the column-parallel layer's input), forward and backward.
 Two implementations behind one signature each:
 
 **Symmetric memory (CUDA, NCCL groups of one host; ``workspace`` given).** Every rank maps its peers' buffers of a
-``symmetric.SymmetricWorkspace``; data moves peer to peer over NVLink by copy engines, each peer on its own stream,
-while the GEMMs run on the SMs, and ranks tell each other that data is in place by signals (no barrier per op):
+``symmetric.SymmetricWorkspace``; data moves peer to peer over NVLink while the GEMMs run, and ranks tell each other
+that data is in place by signals (no barrier per op):
 
-- GEMM + reduce-scatter, y = x W^T summed over the ranks, rank r keeping sequence chunk r: the rank computes the
-  chunks in the order r+1, r+2, ..., r into its own buffer, signalling each chunk's owner after its GEMM; the owner
-  pulls it while the next chunk's GEMM runs; after the own chunk (last) each rank sums its n partial sums (fp32
-  accumulation). Only the last pulled chunk and the sum stay exposed.
+- GEMM + reduce-scatter, y = x W^T summed over the ranks, rank r keeping sequence chunk r. By default (the
+  workspace's ``rs_impl="kernel"``) a Triton GEMM (megakern.gemm_scatter) computes chunks r+1, r+2, ... and stores
+  each output tile into slot r of its owner's buffer over NVLink as soon as the tile is done, so the transfer runs
+  inside the GEMM; the rank signals every peer and waits for every peer's signal; a second launch computes chunk r
+  and adds the n - 1 partial sums found in its slots in the epilogue (fp32, one rounding). Nothing is copied after
+  the GEMMs and no summing pass rereads the partial sums. With ``rs_impl="copy"``: cuBLAS GEMMs compute the chunks
+  in the order r+1, ..., r into the rank's own buffer, signalling each chunk's owner, which pulls it by copy engine
+  while the next chunk's GEMM runs; then a summing pass (the last pull and the sum stay exposed).
 - all-gather + GEMM, y = gather(x) W^T: each rank copies its shard into its own buffer and signals its peers, which
   pull it, all peers at once, while the GEMM of the shard at hand runs: the own shard first, each next one as soon as
   its pull has landed.
@@ -52,6 +56,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megakern.gemm_scatter import reduce_own, scatter_partials
 from megakern.parallel.mappings import gather_from_sp, group_rank, group_size
 
 
@@ -105,6 +110,40 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 # ---- symmetric memory ------------------------------------------------------------------------------------------
 def _rs_symm(x: torch.Tensor, w: torch.Tensor, ws, seq_dim: int) -> torch.Tensor:
+    """This rank's sequence chunk of sum over ranks (x @ w^T), by the workspace's ``rs_impl``: "kernel" (the GEMM
+    stores the peers' chunks straight into their buffers, then the own chunk's GEMM adds what the peers left here) or
+    "copy" (cuBLAS GEMMs, copy-engine pulls, a summing pass)."""
+    if ws.rs_impl == "kernel":
+        return _rs_kernel(x, w, ws, seq_dim)
+    return _rs_copy(x, w, ws, seq_dim)
+
+
+def _rs_kernel(x: torch.Tensor, w: torch.Tensor, ws, seq_dim: int) -> torch.Tensor:
+    """GEMM + reduce-scatter by megakern.gemm_scatter: launch 1 computes chunks r+1, r+2, ... and stores each
+    output tile into slot r of its owner's buffer as it is done (the transfer runs inside the GEMM); this rank then
+    signals every peer and waits for every peer's signal; launch 2 computes chunk r and adds the peers' n - 1 partial
+    sums in its epilogue (fp32, one rounding). All on the current stream."""
+    n, r = ws.size, ws.rank
+    shape = list(x.shape)
+    s_len = shape[seq_dim]
+    p, q = math.prod(shape[:seq_dim]), math.prod(shape[seq_dim + 1:-1])
+    x4 = x.contiguous().view(p, n, s_len // n * q, shape[-1])
+    out_shape = [*shape[:-1], w.shape[0]]
+    out_shape[seq_dim] = s_len // n
+    numel = math.prod(out_shape)
+    handle = ws.buffer("rs", n * numel * x.element_size())
+    addresses = ws.addresses(handle)
+    scatter_partials(x4, w, addresses, r)
+    for step in range(1, n):
+        ws.signal(handle, "rs", (r + step) % n)
+    for step in range(1, n):
+        ws.wait(handle, "rs", (r - step) % n)
+    out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
+    reduce_own(x4, w, addresses, r, out.view(-1, out_shape[-1]))
+    return out
+
+
+def _rs_copy(x: torch.Tensor, w: torch.Tensor, ws, seq_dim: int) -> torch.Tensor:
     """This rank's sequence chunk of sum over ranks (x @ w^T): each peer's chunk computed into this rank's buffer and
     signalled, the peer pulling it while the next chunk's GEMM runs; the own chunk last, then the n-way sum.
 

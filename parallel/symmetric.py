@@ -2,7 +2,8 @@
 (NVLink), for the fused GEMM + collective ops of ``overlap.py``.
 
 ``SymmetricWorkspace(group, device)`` holds, per named role, two symmetric allocations used in turn (``buffer(role,
-nbytes)`` returns the next one's handle), one stream per peer for the copy-engine pulls (``pull``), and the signals
+nbytes)`` returns the next one's handle), every rank's buffer address on the device (``addresses``, for kernels that
+store into a peer's buffer), one stream per peer for the copy-engine pulls (``pull``), and the signals
 that order them (``signal``, ``pull``: a rank tells a peer that data is in place; the peer waits for it on its
 stream). An op of a role signals every peer and waits for every peer's signal; a rank writes the buffer used two ops
 ago only after the op in between, whose signals every peer sent after finishing the op before it: so no rank
@@ -75,7 +76,11 @@ class SymmetricWorkspace:
         self._turn: dict[str, int] = {}
         self._uses: dict[str, int] = {}  # ops of each role since end_step
         self._streams: dict = {}
+        self._addresses: dict[int, torch.Tensor] = {}  # id(handle) -> every rank's buffer address, on the device
         self.grown = 0  # allocations made (tests, logs)
+        # GEMM + reduce-scatter: "kernel" (a GEMM storing its tiles into the owners' buffers) or "copy" (cuBLAS GEMMs,
+        # copy-engine pulls, then a summing pass); overlap.py's doc compares them
+        self.rs_impl = "kernel"
 
     def peer_stream(self, peer: int):
         """The stream that moves data from ``peer`` while the current stream computes (one per peer)."""
@@ -106,6 +111,10 @@ class SymmetricWorkspace:
         """Tell ``peer`` (on the current stream, after the work queued on it) that its data is in this buffer."""
         handle.put_signal(peer, channel=CHANNELS[role])
 
+    def wait(self, handle, role: str, peer: int) -> None:
+        """The current stream waits for ``peer``'s signal (its data is in this rank's buffer)."""
+        handle.wait_signal(peer, channel=CHANNELS[role])
+
     @staticmethod
     def join(events: dict) -> None:
         """The current stream waits for every pull of ``events`` (and so joins their streams, for graph capture)."""
@@ -131,11 +140,22 @@ class SymmetricWorkspace:
             size = max(nbytes, 2 * (0 if slot[0] is None else slot[0].numel()))
             if slot[0] is not None:  # work queued on this device may still read the old buffer
                 torch.cuda.synchronize(self.device)
+            if slot[1] is not None:
+                self._addresses.pop(id(slot[1]), None)
             slot[1] = None
             slot[0] = self._symm.empty(size, dtype=torch.uint8, device=self.device)
             slot[1] = self._symm.rendezvous(slot[0], self.group)
+            # made here, outside any capture: a host-to-device copy cannot be captured
+            self._addresses[id(slot[1])] = torch.tensor(
+                [slot[1].get_buffer(peer, [1], torch.uint8, 0).data_ptr() for peer in range(self.size)],
+                dtype=torch.int64, device=self.device)
             self.grown += 1
         return slot[1]
+
+    def addresses(self, handle) -> torch.Tensor:
+        """(group size,) int64 on the device: where each rank's buffer of ``handle`` is mapped in this process (for
+        kernels that store into peers' buffers)."""
+        return self._addresses[id(handle)]
 
     def barrier(self, handle, role: str) -> None:
         """Every rank of the group reaches this point of its current stream (the role's channel)."""
@@ -153,3 +173,4 @@ class SymmetricWorkspace:
     def close(self) -> None:
         """Drops the buffers (collective in effect: every rank should close together)."""
         self._buffers.clear()
+        self._addresses.clear()

@@ -2,7 +2,8 @@
 the fp64 truth with the 2x rule next to the unfused pair (layers.linear_reduce; gather_from_sp then the matmul):
 output, dX and dW of GEMM + reduce-scatter and of all-gather + GEMM, at tp 2 and 4, fp32 and bf16, the sequence
 first or second, shards of odd length, calls repeated with growing shapes (both buffers of each role used, grown),
-and the ops captured in a CUDA graph and replayed on new inputs."""
+and the ops captured in a CUDA graph and replayed on new inputs; GEMM + reduce-scatter by both of the workspace's
+implementations (the Triton kernel storing tiles into the owners' buffers, and cuBLAS + copy-engine pulls)."""
 import pytest
 import torch
 from conftest import HAS_CUDA
@@ -13,7 +14,7 @@ DEVICES = torch.cuda.device_count() if HAS_CUDA else 0
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def _setup(rank, world, port):
+def _setup(rank, world, port, rs_impl="kernel"):
     import os
 
     os.environ.update(ENV)
@@ -24,7 +25,9 @@ def _setup(rank, world, port):
                             device_id=torch.device("cuda", rank))
     from megakern.parallel.symmetric import SymmetricWorkspace
 
-    return dist.group.WORLD, SymmetricWorkspace(dist.group.WORLD, torch.device("cuda", rank))
+    ws = SymmetricWorkspace(dist.group.WORLD, torch.device("cuda", rank))
+    ws.rs_impl = rs_impl
+    return dist.group.WORLD, ws
 
 
 def _global(shape, seed, dtype=torch.float64):
@@ -97,9 +100,9 @@ CASES = [  # dtype, seq_dim, B, T (a multiple of n; T / n odd where possible), K
 ]
 
 
-def _ops_check(rank, world, port):
+def _ops_check(rank, world, port, rs_impl):
     torch.backends.cuda.matmul.allow_tf32 = False
-    group, ws = _setup(rank, world, port)
+    group, ws = _setup(rank, world, port, rs_impl)
     n, r = world, rank
     out = []
     for i, (dtype, seq_dim, B, big, K, N) in enumerate(CASES):
@@ -114,11 +117,11 @@ def _ops_check(rank, world, port):
     return out
 
 
-def _graph_check(rank, world, port):
+def _graph_check(rank, world, port, rs_impl):
     """Row + column ops forward and backward captured once, replayed on new inputs: equal to eager calls."""
     from megakern.parallel.overlap import all_gather_gemm, gemm_reduce_scatter
 
-    group, ws = _setup(rank, world, port)
+    group, ws = _setup(rank, world, port, rs_impl)
     B, L, K, N = 2, 33, 128, 96
     g = torch.Generator(device="cuda").manual_seed(7 + rank)
     x = torch.randn(B, L, K, device="cuda", generator=g, dtype=torch.bfloat16)
@@ -172,11 +175,12 @@ def _worlds():
 
 
 @pytest.mark.skipif(DEVICES < 2, reason=f"needs 2 CUDA devices, this machine has {DEVICES}")
+@pytest.mark.parametrize("rs_impl", ["kernel", "copy"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_fused_ops_match_fp64(world):
+def test_fused_ops_match_fp64(world, rs_impl):
     if world > DEVICES:
         pytest.skip(f"tp {world} needs {world} CUDA devices, this machine has {DEVICES}")
-    results = spawn(_ops_check, list(range(world)), world, free_port(), timeout=600)
+    results = spawn(_ops_check, list(range(world)), world, free_port(), rs_impl, timeout=600)
     for rank, out in results.items():
         *cases, (_, grown) = out
         assert grown >= 4, f"rank {rank}: {grown} allocations (both buffers of both roles, and the growth)"
@@ -188,7 +192,8 @@ def test_fused_ops_match_fp64(world):
 
 
 @pytest.mark.skipif(DEVICES < 2, reason=f"needs 2 CUDA devices, this machine has {DEVICES}")
-def test_fused_ops_in_a_cuda_graph():
-    results = spawn(_graph_check, [0, 1], 2, free_port(), timeout=600)
+@pytest.mark.parametrize("rs_impl", ["kernel", "copy"])
+def test_fused_ops_in_a_cuda_graph(rs_impl):
+    results = spawn(_graph_check, [0, 1], 2, free_port(), rs_impl, timeout=600)
     for rank, diffs in results.items():
         assert max(diffs) <= 1e-2, f"rank {rank}: replay vs eager {diffs}"

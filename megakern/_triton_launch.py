@@ -1,0 +1,50 @@
+"""Launch helpers shared by the Triton GEMM kernels: the device's SM count and generation, the allocator Triton asks
+for when a kernel makes tensor descriptors (TMA) on the device, and whether TMA can address a tensor."""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+
+
+def interpreting() -> bool:
+    """True under Triton's CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def hopper_or_newer(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def _scratch(size: int, alignment: int, stream):
+    """Global scratch for device-side tensor descriptors (Triton asks for it at launch)."""
+    device = "cpu" if interpreting() or not torch.cuda.is_available() else torch.cuda.current_device()
+    return torch.empty(size, dtype=torch.int8, device=device)
+
+
+def ensure_allocator() -> None:
+    """Device-side descriptors need a Triton allocator; set one unless the application has its own."""
+    try:
+        from triton.runtime import _allocation
+
+        if not isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+            return
+    except (ImportError, AttributeError):
+        pass
+    triton.set_allocator(_scratch)
+
+
+def tma_strides_ok(t: torch.Tensor, unit_dim: int) -> bool:
+    """TMA can address ``t``: unit stride along ``unit_dim``, 16-byte aligned base and other strides."""
+    size = t.element_size()
+    if t.stride(unit_dim) != 1 or t.data_ptr() % 16:
+        return False
+    return all((s * size) % 16 == 0 for d, s in enumerate(t.stride()) if d != unit_dim)
