@@ -76,7 +76,7 @@ def _tile_gemm(X, W, x_desc, w_desc, p, c, row0, col0, L, N, K,
         rows = row0 + tl.arange(0, BLOCK_M)
         cols = col0 + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
-        a_ptrs = (X + p.to(tl.int64) * stride_xp + c.to(tl.int64) * stride_xc
+        a_ptrs = (X + tl.cast(p, tl.int64) * stride_xp + tl.cast(c, tl.int64) * stride_xc
                   + rows.to(tl.int64)[:, None] * stride_xl + ks[None, :] * stride_xk)
         b_ptrs = W + ks[:, None] * stride_wk + cols.to(tl.int64)[None, :] * stride_wn
         for kb in tl.range(0, k_steps, num_stages=STAGES):
@@ -91,7 +91,8 @@ def _tile_gemm(X, W, x_desc, w_desc, p, c, row0, col0, L, N, K,
     return acc
 
 
-@triton.jit
+# sizes and the rank stay runtime values (Triton would make a 1 a constant): one compiled kernel for all of them
+@triton.jit(do_not_specialize=["P", "L", "N", "K", "RANK", "NCHUNK", "CHUNKS"])
 def _gemm_scatter_kernel(X, W, DEST_PTRS, OUT, P, L, N, K, RANK, NCHUNK, CHUNKS,
                          stride_xp, stride_xc, stride_xl, stride_xk, stride_wn, stride_wk, NUM_PROGRAMS,
                          REDUCE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -104,7 +105,7 @@ def _gemm_scatter_kernel(X, W, DEST_PTRS, OUT, P, L, N, K, RANK, NCHUNK, CHUNKS,
     tiles_m = P * l_tiles
     tiles_n = tl.cdiv(N, BLOCK_N)
     per_chunk = tiles_m * tiles_n
-    slot = P.to(tl.int64) * L * N  # elements of one slot
+    slot = tl.cast(P, tl.int64) * L * N  # elements of one slot
     if TMA:
         x_desc = tl.make_tensor_descriptor(X, shape=[P, NCHUNK, L, K], strides=[stride_xp, stride_xc, stride_xl, 1],
                                            block_shape=[1, 1, BLOCK_M, BLOCK_K])
@@ -138,7 +139,7 @@ def _gemm_scatter_kernel(X, W, DEST_PTRS, OUT, P, L, N, K, RANK, NCHUNK, CHUNKS,
         rows = row0 + tl.arange(0, BLOCK_M)
         cols = col0 + tl.arange(0, BLOCK_N)
         mask = (rows < L)[:, None] & (cols < N)[None, :]
-        offs = (p.to(tl.int64) * L + rows)[:, None] * N + cols[None, :]
+        offs = (tl.cast(p, tl.int64) * L + rows)[:, None] * N + cols[None, :]
         if REDUCE:
             for s in range(1, NCHUNK):  # the peers' partial sums of this tile, in slot order from RANK + 1
                 q = (RANK + s) % NCHUNK

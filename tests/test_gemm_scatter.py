@@ -106,7 +106,7 @@ def test_refusals():
 
 def compile_for_sm90() -> list:
     """(launch, shared memory bytes, uses wgmma, moves tiles by TMA) for both launches at the bf16 tile, w as stored
-    and transposed, compiled for sm_90 (TRITON_INTERPRET=0)."""
+    and transposed, and with sizes and rank of 1 as constants, compiled for sm_90 (TRITON_INTERPRET=0)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -115,21 +115,23 @@ def compile_for_sm90() -> list:
 
     cfg = gs.default_config(torch.bfloat16, torch.device("cuda"))
     results = []
-    for reduce in (False, True):
-        for w_kn in (False, True):
-            constexprs = dict(REDUCE=reduce, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                              GROUP_M=cfg.group_m, STAGES=cfg.stages, TMA=True, W_KN=w_kn, UPCAST=False,
-                              PRECISION="tf32")
-            pointers = {"X": "*bf16", "W": "*bf16", "DEST_PTRS": "*i64", "OUT": "*bf16"}
-            signature = {a: "constexpr" if a in constexprs else pointers.get(a, "i32")
-                         for a in gs._gemm_scatter_kernel.arg_names}
-            compiled = triton.compile(ASTSource(fn=gs._gemm_scatter_kernel, signature=signature,
-                                                constexprs=constexprs),
-                                      target=GPUTarget("cuda", 90, 64),
-                                      options=dict(num_warps=cfg.warps, num_stages=cfg.stages))
-            ptx = compiled.asm["ptx"]
-            results.append((f"{'reduce' if reduce else 'scatter'}{' w^T' if w_kn else ''}", compiled.metadata.shared,
-                            "wgmma" in ptx, "cp.async.bulk.tensor" in ptx))
+    for reduce, w_kn, ones in ((False, False, False), (False, True, False), (True, False, False),
+                               (True, True, False), (True, False, True)):
+        constexprs = dict(REDUCE=reduce, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                          GROUP_M=cfg.group_m, STAGES=cfg.stages, TMA=True, W_KN=w_kn, UPCAST=False,
+                          PRECISION="tf32")
+        if ones:  # sizes and rank of 1 as a specializing launcher would pass them, made constants
+            constexprs.update(P=1, RANK=1, CHUNKS=1)
+        pointers = {"X": "*bf16", "W": "*bf16", "DEST_PTRS": "*i64", "OUT": "*bf16"}
+        signature = {a: "constexpr" if a in constexprs else pointers.get(a, "i32")
+                     for a in gs._gemm_scatter_kernel.arg_names}
+        compiled = triton.compile(ASTSource(fn=gs._gemm_scatter_kernel, signature=signature,
+                                            constexprs=constexprs),
+                                  target=GPUTarget("cuda", 90, 64),
+                                  options=dict(num_warps=cfg.warps, num_stages=cfg.stages))
+        ptx = compiled.asm["ptx"]
+        results.append((f"{'reduce' if reduce else 'scatter'}{' w^T' if w_kn else ''}{' ones' if ones else ''}",
+                        compiled.metadata.shared, "wgmma" in ptx, "cp.async.bulk.tensor" in ptx))
     return results
 
 
@@ -138,7 +140,7 @@ def test_kernel_compiles_for_sm90():
     from conftest import sm90_lowering
 
     results = sm90_lowering("test_gemm_scatter", "compile_for_sm90()")
-    assert [name for name, *_ in results] == ["scatter", "scatter w^T", "reduce", "reduce w^T"]
+    assert [name for name, *_ in results] == ["scatter", "scatter w^T", "reduce", "reduce w^T", "reduce ones"]
     for name, shared, wgmma, tma in results:
         assert shared <= 227 * 1024, f"{name}: {shared} bytes of shared memory"
         assert wgmma and tma, f"{name}: wgmma {wgmma}, TMA {tma} in the sm_90 PTX"
