@@ -41,7 +41,8 @@ hidden = (step(layout) - step(layout-ovl)) / those collectives, clipped to [0, 1
 
 Layouts are written as factors: "1", "dp2", "dp2-ddp", "tp2", "pp2", "cp2", "tp2.dp2", "tp2.pp2", "dp4-ddp-zero1", ...
 (dp defaults to FSDP; "-ovl" overlaps the row-parallel layers' reduce-scatter with their matmuls, e.g. "tp2-ovl",
-"-ovl-symm" both layers' collectives through symmetric memory (parallel.tp_overlap_impl=symmetric); a
+"-ovl-symm" both layers' collectives through symmetric memory (parallel.tp_overlap_impl=symmetric), "-ovl-symm-kern"
+with the GEMM + reduce-scatter by the Triton tile-storing kernel (tp_overlap_impl=symmetric-kernel); a
 last "-graph" captures the step in a CUDA graph (train.cuda_graph) after the warm-up: "1-graph", "tp2-ovl-graph",
 "dp2-ddp-graph" (DDP: 11 eager steps first), compared with "1-graph" and "1xK-graph"). The GPUs needed are the
 product of the factors; layouts needing more than this machine has are skipped with a line saying so. "1xK" runs K
@@ -157,12 +158,14 @@ class Layout:
         if dp_cp % ep:
             raise ValueError(f"bench_parallel: layout {spec!r}: ep={ep} is carved out of dp x cp = {dp_cp} ranks and "
                              f"must divide it")
-        unknown = set(flags) - {"ddp", "fsdp", "zero1", "ovl", "symm"}
+        unknown = set(flags) - {"ddp", "fsdp", "zero1", "ovl", "symm", "kern"}
         if unknown:
             raise ValueError(f"bench_parallel: layout {spec!r}: unknown flag(s) {sorted(unknown)} (ddp, fsdp, zero1, "
-                             f"ovl, symm; and graph, last)")
+                             f"ovl, symm, kern; and graph, last)")
         if "symm" in flags and "ovl" not in flags:
             raise ValueError(f"bench_parallel: layout {spec!r}: symm picks the overlap's implementation; add '-ovl'")
+        if "kern" in flags and "symm" not in flags:
+            raise ValueError(f"bench_parallel: layout {spec!r}: kern picks symm's GEMM + reduce-scatter; add '-symm'")
         if "ovl" in flags and sizes.get("tp", 1) < 2:
             raise ValueError(f"bench_parallel: layout {spec!r}: ovl overlaps tensor parallelism's reduce-scatter; it "
                              f"needs tp >= 2")
@@ -170,7 +173,8 @@ class Layout:
         if "zero1" in flags and shard != "ddp":
             raise ValueError(f"bench_parallel: layout {spec!r}: zero1 shards the optimizer of DDP; add '-ddp'")
         return cls(spec, dp_shard=shard, zero1="zero1" in flags, tp_comm_overlap="ovl" in flags,
-                   tp_overlap_impl="symmetric" if "symm" in flags else "ring", cuda_graph=graph, **sizes)
+                   tp_overlap_impl=("symmetric-kernel" if "kern" in flags else "symmetric") if "symm" in flags
+                   else "ring", cuda_graph=graph, **sizes)
 
 
 def free_port() -> int:
@@ -613,13 +617,13 @@ def _communication(layout: Layout, args, device, f: dict, figures: dict, results
             exposed, hidden = _hidden_share(f["ms"], figures[ref_spec]["ms"], comm)
             measured.append((comm, hidden, f"expert all-to-alls alone (ep {layout.ep}) {comm:.1f} ms; step adds "
                                            f"{exposed:.1f} ms over {ref_spec}"))
-    plain = layout.spec.replace("-ovl", "").replace("-symm", "")
+    plain = layout.spec.replace("-ovl", "").replace("-symm", "").replace("-kern", "")
     if layout.tp_comm_overlap and plain in figures:
         # what the ring hides: each layer's two reduce-scatters (attention and MLP output) forward and the two
         # all-gathers of their gradients backward, (micro-batch, T / cp, C) in the compute dtype; the symmetric
         # implementation also the column layers' two all-gathers forward and two reduce-scatters backward
         numel = args.micro_batch * args.seq // layout.cp * n_embd
-        symm = layout.tp_overlap_impl == "symmetric"
+        symm = layout.tp_overlap_impl.startswith("symmetric")
         comm = _comm_alone(layout, args, device, layout.tp, numel, "sp_rs_ag",
                            count=(4 if symm else 2) * n_layer // layout.pp * accum, dtype=dtype)
         if comm is not None:

@@ -15,12 +15,14 @@ Providers:
 - torch-symm: PyTorch's async tensor parallelism, torch.ops.symm_mem.fused_all_gather_matmul /
   fused_matmul_reduce_scatter (symmetric memory, multicast off);
 - megakern: megakern.parallel.overlap.all_gather_gemm / gemm_reduce_scatter with a SymmetricWorkspace (GEMM +
-  reduce-scatter by its default, the Triton GEMM storing tiles into the owners' buffers);
-- megakern-copy (gemm+rs): the workspace's other GEMM + reduce-scatter, cuBLAS GEMMs and copy-engine pulls.
-Modes: fwd (the op), and fwd+bwd for unfused and the megakern providers (the op and its gradients: dX by the
-transposed op, dW).
+  reduce-scatter by its default: cuBLAS GEMMs, copy-engine pulls);
+- megakern-kernel (gemm+rs): the workspace's other GEMM + reduce-scatter, the Triton GEMM storing its tiles into
+  the owners' buffers (megakern.gemm_scatter).
+Modes: fwd (the op), fwd-graph (the op captured in a CUDA graph, two calls a replay, as a CUDA-graph training step
+runs it: no host launch overhead), and fwd+bwd for unfused and the megakern providers (the op and its gradients: dX
+by the transposed op, dW).
 Besides the times, each fused provider's share of the collective it hides, (unfused - fused) / (unfused - gemm),
-is printed and filed as metric "hidden" (mode fwd).
+is printed and filed as metric "hidden" (modes fwd and fwd-graph).
 
 Before timing, each provider's output is checked against the unfused one; a wrong provider is reported and skipped.
 Every rank runs the same fixed number of calls (the collectives must pair up; triton's do_bench picks repetitions
@@ -44,7 +46,7 @@ else:  # python benchmarks/bench_tp_overlap.py
     from common import (Results, check_outputs, file_rows, init_rank, measure_matmul_tflops, parse_args, record,
                         report_failure, run_ranks, timed_on_ranks, tp_sizes)
 
-PROVIDERS = ("gemm", "unfused", "torch-symm", "megakern", "megakern-copy")
+PROVIDERS = ("gemm", "unfused", "torch-symm", "megakern", "megakern-kernel")
 OPS = ("ag+gemm", "gemm+rs")
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -86,17 +88,17 @@ def _provider(name: str, op: str, group, ws, tp: int):
         if op == "ag+gemm":
             return lambda x, w: all_gather_gemm(x, w, group, 0, workspace=ws)
         return lambda x, w: gemm_reduce_scatter(x, w, group, True, 0, workspace=ws)
-    if name == "megakern-copy":
-        if op == "ag+gemm" or ws is None:
+    if name == "megakern-kernel":
+        if ws is None or op == "ag+gemm":
             return None
 
-        def copy_impl(x, w):
-            ws.rs_impl = "copy"
+        def kernel_impl(x, w):
+            ws.rs_impl = "kernel"
             try:
                 return gemm_reduce_scatter(x, w, group, True, 0, workspace=ws)
             finally:
-                ws.rs_impl = "kernel"
-        return copy_impl
+                ws.rs_impl = "copy"
+        return kernel_impl
     if name == "torch-symm":
         if ws is None:
             return None
@@ -105,6 +107,26 @@ def _provider(name: str, op: str, group, ws, tp: int):
             return lambda x, w: torch.ops.symm_mem.fused_all_gather_matmul(x, [w.t()], 0, group_name)[1][0]
         return lambda x, w: torch.ops.symm_mem.fused_matmul_reduce_scatter(x, w.t(), "sum", 0, group_name)
     raise ValueError(name)
+
+
+def _graphed(fn, ws):
+    """A callable replaying a CUDA graph of two calls of ``fn`` (warmed up eagerly on a side stream first: symmetric
+    buffers grow and kernels compile outside the capture); two calls keep the workspace's buffers alternating across
+    replays."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+            fn()
+            if ws is not None:
+                ws.end_step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+        fn()
+    return graph.replay
 
 
 def _rank(rank: int, tp: int, port: int, args, queue) -> None:
@@ -152,7 +174,13 @@ def _rank(rank: int, tp: int, port: int, args, queue) -> None:
                                           1e-2)
                         timing = timed_on_ranks(lambda: fn(x, w), device, calls, warmup, align=True)
                         figures.append((case, "fwd", name, timing, flops / (timing["median"] * 1e-3) / 1e12))
-                        if name in ("unfused", "megakern", "megakern-copy"):
+                        if device.type == "cuda":
+                            replay = _graphed(lambda: fn(x, w), ws)
+                            timing = {key: v / 2 for key, v in
+                                      timed_on_ranks(replay, device, calls, warmup, align=True).items()}
+                            figures.append((case, "fwd-graph", name, timing,
+                                            flops / (timing["median"] * 1e-3) / 1e12))
+                        if name in ("unfused", "megakern", "megakern-kernel"):
                             xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
                             dy = torch.randn_like(fn(xg, wg))
 
@@ -174,15 +202,18 @@ def _rank(rank: int, tp: int, port: int, args, queue) -> None:
         dist.destroy_process_group()
 
 
-def hidden_shares(figures) -> dict[str, float]:
-    """{case: (unfused - megakern) / (unfused - gemm)} of the fwd medians, where all three ran."""
-    ms = {(case, name): timing["median"] for case, mode, name, timing, _ in figures if mode == "fwd"}
+def hidden_shares(figures) -> dict[tuple[str, str, str], float]:
+    """{(case, mode, provider): (unfused - provider) / (unfused - gemm)} of the fwd and fwd-graph medians of the
+    fused providers, where the three ran."""
+    ms = {(case, mode, name): timing["median"] for case, mode, name, timing, _ in figures
+          if mode in ("fwd", "fwd-graph")}
     out = {}
-    for case in {c for c, _ in ms}:
-        if all((case, p) in ms for p in ("gemm", "unfused", "megakern")):
-            exposed = ms[case, "unfused"] - ms[case, "gemm"]
-            if exposed > 0:
-                out[case] = (ms[case, "unfused"] - ms[case, "megakern"]) / exposed
+    for case, mode, name in ms:
+        if name in ("gemm", "unfused") or not all((case, mode, p) in ms for p in ("gemm", "unfused")):
+            continue
+        exposed = ms[case, mode, "unfused"] - ms[case, mode, "gemm"]
+        if exposed > 0:
+            out[case, mode, name] = (ms[case, mode, "unfused"] - ms[case, mode, name]) / exposed
     return out
 
 
@@ -202,9 +233,9 @@ def main(argv: list[str] | None = None) -> Results:
             results.add_roofline("TFLOP/s", roofline)
         for case, mode, name, timing, tflops in figures:
             record(results, case, mode, name, timing, "TFLOP/s", tflops)
-        for case, share in sorted(hidden_shares(figures).items() if args.device.type == "cuda" else []):
-            results.add(case, "fwd", "megakern", "hidden", share)
-            print(f"{case:<44} megakern hides {share:6.1%} of the unfused collective")
+        for (case, mode, name), share in sorted(hidden_shares(figures).items() if args.device.type == "cuda" else []):
+            results.add(case, mode, name, "hidden", share)
+            print(f"{case:<44} {mode:<9} {name:<13} hides {share:6.1%} of the unfused collective")
     file_rows(results, "tp_overlap", args.out, args.no_save)
     print(results.markdown("TFLOP/s"))
     return results

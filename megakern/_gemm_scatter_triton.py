@@ -137,25 +137,39 @@ def _gemm_scatter_kernel(X, W, DEST_PTRS, OUT, P, L, N, K, RANK, NCHUNK, CHUNKS,
                          stride_xp, stride_xc, stride_xl, stride_xk, stride_wn, stride_wk,
                          BLOCK_M, BLOCK_N, BLOCK_K, STAGES, TMA, W_KN, UPCAST, PRECISION)
         rows = row0 + tl.arange(0, BLOCK_M)
-        cols = col0 + tl.arange(0, BLOCK_N)
-        mask = (rows < L)[:, None] & (cols < N)[None, :]
-        offs = (tl.cast(p, tl.int64) * L + rows)[:, None] * N + cols[None, :]
+        row_offs = (tl.cast(p, tl.int64) * L + rows)[:, None] * N
         if REDUCE:
-            for s in range(1, NCHUNK):  # the peers' partial sums of this tile, in slot order from RANK + 1
+            # the peers' partial sums of this tile added half a tile at a time (a whole tile's fp32 loads beside the
+            # accumulator would spill registers), in slot order from RANK + 1
+            HALF: tl.constexpr = BLOCK_N // 2
+            lo, hi = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF)), (0, 2, 1)))
+            cols_lo = col0 + tl.arange(0, HALF)
+            cols_hi = cols_lo + HALF
+            mask_lo = (rows < L)[:, None] & (cols_lo < N)[None, :]
+            mask_hi = (rows < L)[:, None] & (cols_hi < N)[None, :]
+            for s in range(1, NCHUNK):
                 q = (RANK + s) % NCHUNK
-                acc += tl.load(own + q * slot + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(OUT + offs, acc.to(OUT.dtype.element_ty), mask=mask)
+                lo += tl.load(own + q * slot + row_offs + cols_lo[None, :], mask=mask_lo, other=0.0).to(tl.float32)
+            tl.store(OUT + row_offs + cols_lo[None, :], lo.to(OUT.dtype.element_ty), mask=mask_lo)
+            for s in range(1, NCHUNK):
+                q = (RANK + s) % NCHUNK
+                hi += tl.load(own + q * slot + row_offs + cols_hi[None, :], mask=mask_hi, other=0.0).to(tl.float32)
+            tl.store(OUT + row_offs + cols_hi[None, :], hi.to(OUT.dtype.element_ty), mask=mask_hi)
         else:
+            cols = col0 + tl.arange(0, BLOCK_N)
+            mask = (rows < L)[:, None] & (cols < N)[None, :]
+            offs = row_offs + cols[None, :]
             dest = tl.load(DEST_PTRS + c).to(tl.pointer_type(OUT.dtype.element_ty))
             tl.store(dest + RANK * slot + offs, acc.to(OUT.dtype.element_ty), mask=mask)
 
 
-def default_config(dtype: torch.dtype, device: torch.device) -> Config:
+def default_config(dtype: torch.dtype, device: torch.device, reduce: bool = False) -> Config:
+    """The tile of launch 1 (``reduce`` False) or launch 2."""
     if device.type != "cuda":
         return INTERPRETER_CONFIG
     if dtype == torch.float32:
         return Config(64, 64, 32, 8, 3, 4)
-    return Config(128, 256, 64, 8, 3, 8)
+    return Config(256, 128, 64, 8, 3, 8)
 
 
 def _launch(x4: torch.Tensor, w: torch.Tensor, dest_ptrs: torch.Tensor, out: torch.Tensor, rank: int,
@@ -167,7 +181,7 @@ def _launch(x4: torch.Tensor, w: torch.Tensor, dest_ptrs: torch.Tensor, out: tor
         return
     if x4.stride(3) != 1:
         x4 = x4.contiguous()
-    cfg = config or default_config(x4.dtype, x4.device)
+    cfg = config or default_config(x4.dtype, x4.device, reduce)
     w_kn = w.stride(1) != 1 and w.stride(0) == 1
     cuda = x4.device.type == "cuda"
     use_tma = cuda and hopper_or_newer(x4.device.index if x4.device.index is not None else torch.cuda.current_device())

@@ -307,10 +307,12 @@ class ParallelConfig:
     """With tp > 1 and sequence parallelism: the row-parallel layers' GEMM + reduce-scatter overlapped with the
     matmuls (and, with tp_overlap_impl='symmetric', the column-parallel layers' all-gather + GEMM too), forward and
     backward (megakern.parallel.overlap)."""
-    tp_overlap_impl: Literal["ring", "symmetric"] = "ring"
+    tp_overlap_impl: Literal["ring", "symmetric", "symmetric-kernel"] = "ring"
     """With tp_comm_overlap: 'ring', a ring of NCCL transfers behind chunked matmuls (any backend); 'symmetric',
     peer-to-peer copies through symmetric memory under the GEMMs, signalled between the ranks, for the row and the
-    column layers (NCCL ranks of one host; in development: see docs/parallelism.md for where it stands)."""
+    column layers (NCCL ranks of one host; in development: see docs/parallelism.md for where it stands);
+    'symmetric-kernel', the same with every GEMM + reduce-scatter done by a Triton GEMM that stores its output tiles
+    into the owners' buffers (megakern.gemm_scatter)."""
     fsdp_param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """With dp_shard='fsdp': the dtype the blocks' parameters are all-gathered and computed in (their fp32 shards
     are what the optimizer updates; gradients are reduced in fp32); auto: bfloat16 under bf16-autocast, else

@@ -8,13 +8,14 @@ Two implementations behind one signature each:
 that data is in place by signals (no barrier per op):
 
 - GEMM + reduce-scatter, y = x W^T summed over the ranks, rank r keeping sequence chunk r. By default (the
-  workspace's ``rs_impl="kernel"``) a Triton GEMM (megakern.gemm_scatter) computes chunks r+1, r+2, ... and stores
-  each output tile into slot r of its owner's buffer over NVLink as soon as the tile is done, so the transfer runs
-  inside the GEMM; the rank signals every peer and waits for every peer's signal; a second launch computes chunk r
-  and adds the n - 1 partial sums found in its slots in the epilogue (fp32, one rounding). Nothing is copied after
-  the GEMMs and no summing pass rereads the partial sums. With ``rs_impl="copy"``: cuBLAS GEMMs compute the chunks
-  in the order r+1, ..., r into the rank's own buffer, signalling each chunk's owner, which pulls it by copy engine
-  while the next chunk's GEMM runs; then a summing pass (the last pull and the sum stay exposed).
+  workspace's ``rs_impl="copy"``) cuBLAS GEMMs compute the chunks in the order r+1, ..., r into the rank's own
+  buffer, signalling each chunk's owner, which pulls it by copy engine while the next chunk's GEMM runs; then a
+  summing pass (the last pull and the sum stay exposed). With ``rs_impl="kernel"`` a Triton GEMM
+  (megakern.gemm_scatter) computes chunks r+1, r+2, ... and stores each output tile into slot r of its owner's
+  buffer over NVLink as soon as the tile is done, so the transfer runs inside the GEMM; the rank signals every peer
+  and waits for every peer's signal; a second launch computes chunk r and adds the n - 1 partial sums found in its
+  slots in the epilogue (fp32, one rounding): nothing is copied after the GEMMs and no summing pass rereads the
+  partial sums, but the Triton GEMM trails cuBLAS at these shapes (docs/parallelism.md has the figures).
 - all-gather + GEMM, y = gather(x) W^T: each rank copies its shard into its own buffer and signals its peers, which
   pull it, all peers at once, while the GEMM of the shard at hand runs: the own shard first, each next one as soon as
   its pull has landed.

@@ -185,16 +185,17 @@ class ParallelModel:
         self.tp_workspace = None
         gemm_reduce = gather_gemm = None
         if options.tp_comm_overlap and d.tp > 1:
-            if options.tp_overlap_impl == "symmetric":
+            if options.tp_overlap_impl in ("symmetric", "symmetric-kernel"):
                 why = symmetric_memory_usable(pm.tp_group, pm.device)
                 if why:
-                    raise ValueError(f"parallelize: tp_overlap_impl='symmetric' cannot run here: {why}; use "
-                                     "tp_overlap_impl='ring'")
+                    raise ValueError(f"parallelize: tp_overlap_impl={options.tp_overlap_impl!r} cannot run here: "
+                                     f"{why}; use tp_overlap_impl='ring'")
                 self.tp_workspace = SymmetricWorkspace(pm.tp_group, pm.device)
+                self.tp_workspace.rs_impl = "kernel" if options.tp_overlap_impl == "symmetric-kernel" else "copy"
                 gather_gemm = functools.partial(all_gather_gemm, workspace=self.tp_workspace)
             elif options.tp_overlap_impl != "ring":
-                raise ValueError(f"parallelize: tp_overlap_impl must be 'ring' or 'symmetric', got "
-                                 f"{options.tp_overlap_impl!r}")
+                raise ValueError(f"parallelize: tp_overlap_impl must be 'ring', 'symmetric' or 'symmetric-kernel', "
+                                 f"got {options.tp_overlap_impl!r}")
             gemm_reduce = functools.partial(gemm_reduce_scatter, workspace=self.tp_workspace)
         self.tp_info = [apply_tensor_parallel(g, pm.tp_group if d.tp > 1 else None, sp, gemm_reduce=gemm_reduce,
                                               gather_gemm=gather_gemm)

@@ -18,6 +18,7 @@ def test_layout_specs():
     assert Layout.parse("tp2.dp2-ovl").tp_comm_overlap and not Layout.parse("tp2").tp_comm_overlap
     assert Layout.parse("tp2-ovl").tp_overlap_impl == "ring"
     assert Layout.parse("tp2-ovl-symm-graph").tp_overlap_impl == "symmetric"
+    assert Layout.parse("tp2-ovl-symm-kern-graph").tp_overlap_impl == "symmetric-kernel"
     with pytest.raises(ValueError, match="symm picks the overlap's implementation; add '-ovl'"):
         Layout.parse("tp2-symm")
     copies = Layout.parse("1x4")

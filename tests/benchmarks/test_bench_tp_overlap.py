@@ -15,5 +15,9 @@ def test_cpu_smoke(capsys):
 
 def test_hidden_shares():
     fig = [("c", "fwd", "gemm", {"median": 1.0}, 0.0), ("c", "fwd", "unfused", {"median": 2.0}, 0.0),
-           ("c", "fwd", "megakern", {"median": 1.25}, 0.0), ("d", "fwd", "unfused", {"median": 2.0}, 0.0)]
-    assert bench_tp_overlap.hidden_shares(fig) == {"c": 0.75}
+           ("c", "fwd", "megakern", {"median": 1.25}, 0.0), ("c", "fwd", "torch-symm", {"median": 2.5}, 0.0),
+           ("c", "fwd-graph", "gemm", {"median": 1.0}, 0.0), ("c", "fwd-graph", "unfused", {"median": 1.5}, 0.0),
+           ("c", "fwd-graph", "megakern", {"median": 1.125}, 0.0), ("c", "fwd+bwd", "megakern", {"median": 9.0}, 0.0),
+           ("d", "fwd", "unfused", {"median": 2.0}, 0.0), ("d", "fwd", "megakern", {"median": 1.0}, 0.0)]
+    assert bench_tp_overlap.hidden_shares(fig) == {("c", "fwd", "megakern"): 0.75, ("c", "fwd", "torch-symm"): -0.5,
+                                                   ("c", "fwd-graph", "megakern"): 0.75}

@@ -76,6 +76,8 @@ LAYOUTS = [
     ("tp2-sp-graph", 2, ["parallel.tp=2", *GRAPH]),
     ("tp2-sp-overlap-graph", 2, ["parallel.tp=2", "parallel.tp_comm_overlap=true", *GRAPH]),
     ("tp2-sp-overlap-symm-graph", 2, ["parallel.tp=2", "parallel.tp_comm_overlap=true", *SYMM, *GRAPH]),
+    ("tp2-sp-overlap-symm-kern-graph", 2, ["parallel.tp=2", "parallel.tp_comm_overlap=true",
+                                           "parallel.tp_overlap_impl=symmetric-kernel", *GRAPH]),
     ("dp2-ddp-graph", 2, ["parallel.dp=2", "parallel.dp_shard=ddp", *DDP_GRAPH]),
     ("cp2-ddp-graph", 2, ["parallel.cp=2", "parallel.dp_shard=ddp", *DDP_GRAPH]),
     ("tp2-dp2-ddp-graph", 4, ["parallel.tp=2", "parallel.dp=2", "parallel.dp_shard=ddp", *DDP_GRAPH]),
