@@ -170,36 +170,38 @@ def _rs_copy(x: torch.Tensor, w: torch.Tensor, ws, seq_dim: int) -> torch.Tensor
                      lambda p: parts[p].copy_(handle.get_buffer(p, shape, x.dtype, r * numel)), signal_first=False,
                      after=start)
     ws.join(events)
+    if n == 2:  # one elementwise add: cheaper than a reduction over the slots' dim
+        return torch.add(parts[r], parts[1 - r])
     return parts.sum(0)
 
 
 class _Gather:
-    """All-gather of ``shard`` along ``seq_dim`` into this rank's symmetric buffer: the own shard copied in, then
-    each peer's shard pulled on that peer's stream once the peer signals it in place (copy engines, all peers at
-    once, forked where the gather began); ``chunk(c)`` makes the current stream wait for shard c and returns it,
-    ``full()`` the whole gathered tensor (a view of the buffer, valid until the role's buffer is used again two ops
-    later). The pulls are queued at the first ``chunk`` of a peer's shard or ``full()``, after the GEMMs launched
-    before (see _rs_symm on launch order)."""
+    """All-gather of ``shard`` along ``seq_dim`` into this rank's symmetric buffer, laid out shard by shard ((n,
+    *shard.shape), rank c's shard in slot c): the own shard copied into slot r, then each peer's shard pulled on that
+    peer's stream once the peer signals it in place (one contiguous copy-engine transfer a peer, all peers at once,
+    forked where the gather began); ``chunk(c)`` makes the current stream wait for shard c and returns it, ``rows()``
+    every shard as one (n * shard rows, C) matrix, in slot order (a view of the buffer, valid until the role's buffer
+    is used again two ops later; ``chunk_major`` puts another tensor's rows in the same order). The pulls are queued at
+    the first ``chunk`` of a peer's shard or ``rows()``, after the GEMMs launched before (see _rs_copy on launch
+    order)."""
 
     def __init__(self, shard: torch.Tensor, ws, seq_dim: int):
         n, r = ws.size, ws.rank
         self.n, self.r, self.dim, self.shard, self.len, self.ws = n, r, seq_dim, shard, shard.shape[seq_dim], ws
-        self.shape = list(shard.shape)
-        self.shape[seq_dim] *= n
-        self.handle = ws.buffer("ag", math.prod(self.shape) * shard.element_size())
-        self.full_view = self.handle.get_buffer(r, self.shape, shard.dtype, 0)
-        self.full_view.narrow(seq_dim, r * self.len, self.len).copy_(shard)
+        self.slot_shape = list(shard.shape)
+        self.handle = ws.buffer("ag", n * shard.numel() * shard.element_size())
+        self.slots = self.handle.get_buffer(r, [n, *self.slot_shape], shard.dtype, 0)
+        self.slots[r].copy_(shard)
         self.start = torch.cuda.Event()
         self.start.record()
         self.events = None
 
     def _pulls(self) -> dict:
         if self.events is None:
-            dim, L, shape, handle = self.dim, self.len, self.shape, self.handle
+            handle, shape, dtype = self.handle, [self.n, *self.slot_shape], self.shard.dtype
 
             def copy(p):
-                peer = handle.get_buffer(p, shape, self.shard.dtype, 0)
-                _copy_rows(self.full_view.narrow(dim, p * L, L), peer.narrow(dim, p * L, L))
+                self.slots[p].copy_(handle.get_buffer(p, shape, dtype, 0)[p])
 
             self.events = self.ws.pull(handle, "ag", [(self.r - step) % self.n for step in range(1, self.n)], copy,
                                        signal_first=True, after=self.start)
@@ -213,23 +215,17 @@ class _Gather:
         if c == self.r:
             return self.shard
         torch.cuda.current_stream().wait_event(self._pulls()[c])
-        return self.full_view.narrow(self.dim, c * self.len, self.len)
+        return self.slots[c]
 
-    def full(self) -> torch.Tensor:
+    def rows(self) -> torch.Tensor:
         self.ws.join(self._pulls())  # every pull done (and their streams joined, for graph capture)
-        return self.full_view
+        return self.slots.reshape(-1, self.slot_shape[-1])
 
-
-def _copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst.copy_(src) as copy-engine transfers: one when both are contiguous, else one per index of the leading dim
-    when that makes them contiguous (a sequence chunk of (B, T, C)), else an elementwise copy kernel."""
-    if dst.is_contiguous() and src.is_contiguous():
-        dst.copy_(src)
-    elif dst.dim() >= 2 and dst.shape[0] <= 64 and dst[0].is_contiguous() and src[0].is_contiguous():
-        for i in range(dst.shape[0]):
-            dst[i].copy_(src[i])
-    else:
-        dst.copy_(src)
+    def chunk_major(self, t: torch.Tensor) -> torch.Tensor:
+        """The rows of ``t`` (the whole sequence along ``seq_dim``) in rows()'s order, as a matrix: a view where the
+        sequence dim leads its layout, else a copy."""
+        grouped = t.unflatten(self.dim, (self.n, self.len)).movedim(self.dim, 0)
+        return grouped.reshape(-1, t.shape[-1])
 
 
 def _gathered_gemm(gather: _Gather, w: torch.Tensor, out: torch.Tensor) -> None:
@@ -273,10 +269,10 @@ class _SymmGemmReduceScatter(torch.autograd.Function):
             dx = _out_like(grad, seq_dim, ws.size, w.shape[1], dtype)
             _gathered_gemm(gather, w.t(), dx)
             dx = dx.to(x.dtype)
-        full = gather.full()
+        full = gather.rows()
         dw = None
         if need_w:  # one GEMM over the gathered gradient, summed in its fp32 accumulator
-            dw = (full.reshape(-1, full.shape[-1]).t() @ x.to(dtype).reshape(-1, x.shape[-1])).to(weight.dtype)
+            dw = (full.t() @ gather.chunk_major(x.to(dtype))).to(weight.dtype)
         return dx, dw, None, None
 
 
@@ -289,7 +285,7 @@ class _SymmAllGatherGemm(torch.autograd.Function):
             gather = _Gather(xc, ws, seq_dim)
             out = _out_like(xc, seq_dim, ws.size, w.shape[0], dtype)
             _gathered_gemm(gather, w, out)
-            gather.full()
+            gather.rows()
         return out
 
     @staticmethod
@@ -304,8 +300,8 @@ class _SymmAllGatherGemm(torch.autograd.Function):
         dx = _rs_symm(grad, w.t(), ws, seq_dim).to(x.dtype) if need_x else None
         dw = None
         if need_w:
-            full = gather.full()
-            dw = (grad.reshape(-1, grad.shape[-1]).t() @ full.reshape(-1, full.shape[-1])).to(weight.dtype)
+            full = gather.rows()
+            dw = (gather.chunk_major(grad).t() @ full).to(weight.dtype)
         return dx, dw, None, None
 
 
