@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from megakern._intmath import cdiv
-from megakern._triton_launch import ensure_allocator, hopper_or_newer, sm_count, tma_strides_ok
+from megakern._gemm_shared_triton import ensure_allocator, hopper_or_newer, mma, sm_count, tma_strides_ok
 
 
 class Config(NamedTuple):
@@ -44,14 +44,6 @@ class Config(NamedTuple):
 
 
 INTERPRETER_CONFIG = Config(16, 16, 16, 2, 1, 4)
-
-
-@triton.jit
-def _mma(a, b, acc, PRECISION: tl.constexpr):
-    # fp32 ("ieee"): the step's product summed on its own, then added (Triton would fold acc + dot into the MMA)
-    if PRECISION == "ieee":
-        return acc - tl.dot(-a, b, input_precision=PRECISION)
-    return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
 @triton.jit
@@ -71,7 +63,7 @@ def _tile_gemm(X, W, x_desc, w_desc, p, c, row0, col0, L, N, K,
                 b = tl.trans(w_desc.load([col0, kb * BLOCK_K]))
             if UPCAST:
                 a, b = a.to(tl.float32), b.to(tl.float32)
-            acc = _mma(a, b, acc, PRECISION)
+            acc = mma(a, b, acc, PRECISION)
     else:
         rows = row0 + tl.arange(0, BLOCK_M)
         cols = col0 + tl.arange(0, BLOCK_N)
@@ -85,7 +77,7 @@ def _tile_gemm(X, W, x_desc, w_desc, p, c, row0, col0, L, N, K,
             b = tl.load(b_ptrs, mask=k_ok[:, None] & (cols < N)[None, :], other=0.0)
             if UPCAST:
                 a, b = a.to(tl.float32), b.to(tl.float32)
-            acc = _mma(a, b, acc, PRECISION)
+            acc = mma(a, b, acc, PRECISION)
             a_ptrs += BLOCK_K * stride_xk
             b_ptrs += BLOCK_K * stride_wk
     return acc

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from megakern._intmath import cdiv, next_power_of_2
-from megakern._triton_launch import ensure_allocator, hopper_or_newer, sm_count, tma_strides_ok
+from megakern._gemm_shared_triton import ensure_allocator, hopper_or_newer, mma, sm_count, tma_strides_ok
 
 
 class Config(NamedTuple):
@@ -56,16 +56,6 @@ INTERPRETER_CONFIG = Config(32, 32, 32, 2, 1, 4, True)
 
 
 # ---- kernels ---------------------------------------------------------------------------------------------------
-@triton.jit
-def _mma(a, b, acc, PRECISION: tl.constexpr):
-    # fp32 ("ieee"): each step's product is summed on its own and then added, a blocked sum whose rounding grows with
-    # BLOCK_K plus the number of steps, not with the whole reduction (an expert's rows for dW); bf16 / fp16 operands
-    # accumulate in the MMA. Written as a subtraction of (-a) b: Triton folds acc + dot(a, b) back into dot(a, b, acc)
-    if PRECISION == "ieee":
-        return acc - tl.dot(-a, b, input_precision=PRECISION)
-    return tl.dot(a, b, acc, input_precision=PRECISION)
-
-
 @triton.jit
 def _store_masked(C, tile, row0, row_end, col0, N, stride_cm, stride_cn, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr):
@@ -147,7 +137,7 @@ def _grouped_mm_kernel(A, B, C, OFFSETS, M, N, K, E,
                         b = b_desc.load([g, kb * BLOCK_K, col0]).reshape(BLOCK_K, BLOCK_N)
                     if UPCAST:
                         a, b = a.to(tl.float32), b.to(tl.float32)
-                    acc = _mma(a, b, acc, PRECISION)
+                    acc = mma(a, b, acc, PRECISION)
             else:
                 rows = row0 + tl.arange(0, BLOCK_M)
                 cols = col0 + tl.arange(0, BLOCK_N)
@@ -162,7 +152,7 @@ def _grouped_mm_kernel(A, B, C, OFFSETS, M, N, K, E,
                     b = tl.load(b_ptrs, mask=k_ok[:, None] & (cols < N)[None, :], other=0.0)
                     if UPCAST:
                         a, b = a.to(tl.float32), b.to(tl.float32)
-                    acc = _mma(a, b, acc, PRECISION)
+                    acc = mma(a, b, acc, PRECISION)
                     a_ptrs += BLOCK_K * stride_ak
                     b_ptrs += BLOCK_K * stride_bk
             _store_rows(C, c_desc, acc.to(C.dtype.element_ty), row0, row_end, col0, N, stride_cm, stride_cn,
@@ -222,7 +212,7 @@ def _grouped_mm_dw_kernel(A, B, C, OFFSETS, M, K, N, E,
                 b = b_desc.load([r0, col0])
                 if UPCAST:
                     a, b = a.to(tl.float32), b.to(tl.float32)
-                acc = _mma(tl.trans(a), b, acc, PRECISION)
+                acc = mma(tl.trans(a), b, acc, PRECISION)
         else:
             for i in tl.range(0, whole, num_stages=STAGES):
                 rows = (row_start + i * BLOCK_K + rs).to(tl.int64)
@@ -232,12 +222,12 @@ def _grouped_mm_dw_kernel(A, B, C, OFFSETS, M, K, N, E,
                             mask=(cols < N)[None, :], other=0.0)
                 if UPCAST:
                     a, b = a.to(tl.float32), b.to(tl.float32)
-                acc = _mma(tl.trans(a), b, acc, PRECISION)
+                acc = mma(tl.trans(a), b, acc, PRECISION)
         if PREFETCH_TAIL:
             if r_tail < row_end:
                 if UPCAST:
                     ta, tb = ta.to(tl.float32), tb.to(tl.float32)
-                acc = _mma(tl.trans(ta), tb, acc, PRECISION)
+                acc = mma(tl.trans(ta), tb, acc, PRECISION)
         elif r_tail < row_end:
             a = tl.load(A + t_rows.to(tl.int64)[:, None] * stride_am + kcols[None, :] * stride_ak,
                         mask=in_tail[:, None] & (kcols < K)[None, :], other=0.0)
@@ -245,7 +235,7 @@ def _grouped_mm_dw_kernel(A, B, C, OFFSETS, M, K, N, E,
                         mask=in_tail[:, None] & (cols < N)[None, :], other=0.0)
             if UPCAST:
                 a, b = a.to(tl.float32), b.to(tl.float32)
-            acc = _mma(tl.trans(a), b, acc, PRECISION)
+            acc = mma(tl.trans(a), b, acc, PRECISION)
         out = acc.to(C.dtype.element_ty)
         if TMA:
             c_desc.store([g, k0, col0], out.reshape(1, BLOCK_M, BLOCK_N))

@@ -1,5 +1,6 @@
-"""Launch helpers shared by the Triton GEMM kernels: the device's SM count and generation, the allocator Triton asks
-for when a kernel makes tensor descriptors (TMA) on the device, and whether TMA can address a tensor."""
+"""What the Triton GEMM kernels share: the MMA step that keeps fp32 products exact, and launch helpers (the device's
+SM count and generation, the allocator Triton asks for when a kernel makes tensor descriptors (TMA) on the device,
+and whether TMA can address a tensor)."""
 from __future__ import annotations
 
 import functools
@@ -7,6 +8,17 @@ import os
 
 import torch
 import triton
+import triton.language as tl
+
+
+@triton.jit
+def mma(a, b, acc, PRECISION: tl.constexpr):
+    """acc + a @ b. fp32 ("ieee"): each step's product is summed on its own and then added, a blocked sum whose
+    rounding grows with BLOCK_K plus the number of steps, not with the whole reduction; bf16 / fp16 operands
+    accumulate in the MMA. Written as a subtraction of (-a) b: Triton folds acc + dot(a, b) back into dot(a, b, acc)."""
+    if PRECISION == "ieee":
+        return acc - tl.dot(-a, b, input_precision=PRECISION)
+    return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
 def interpreting() -> bool:
