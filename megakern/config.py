@@ -303,16 +303,19 @@ class ParallelConfig:
     zero1: bool = False
     """With dp_shard='ddp': shard the optimizer state over the data-parallel ranks (ZeroRedundancyOptimizer); FSDP2
     already shards it."""
-    tp_comm_overlap: bool = False
-    """With tp > 1 and sequence parallelism: the row-parallel layers' GEMM + reduce-scatter overlapped with the
-    matmuls (and, with tp_overlap_impl='symmetric', the column-parallel layers' all-gather + GEMM too), forward and
-    backward (megakern.parallel.overlap)."""
-    tp_overlap_impl: Literal["ring", "symmetric", "symmetric-kernel"] = "ring"
+    tp_comm_overlap: bool | Literal["auto"] = "auto"
+    """With tp > 1 and sequence parallelism: the sequence-parallel collectives overlapped with the GEMMs beside them,
+    forward and backward (megakern.parallel.overlap): the row-parallel layers' GEMM + reduce-scatter, and with a
+    'symmetric' implementation the column-parallel layers' all-gather + GEMM too. 'auto': on, through symmetric
+    memory, where it measured faster: a CUDA-graph step (train.cuda_graph) over NCCL ranks of one host; off
+    elsewhere (eager, the fused ops' host work outweighs what they hide). The log says which and why."""
+    tp_overlap_impl: Literal["auto", "ring", "symmetric", "symmetric-kernel"] = "auto"
     """With tp_comm_overlap: 'ring', a ring of NCCL transfers behind chunked matmuls (any backend); 'symmetric',
     peer-to-peer copies through symmetric memory under the GEMMs, signalled between the ranks, for the row and the
-    column layers (NCCL ranks of one host; in development: see docs/parallelism.md for where it stands);
-    'symmetric-kernel', the same with every GEMM + reduce-scatter done by a Triton GEMM that stores its output tiles
-    into the owners' buffers (megakern.gemm_scatter)."""
+    column layers (NCCL ranks of one host); 'symmetric-kernel', the same with every GEMM + reduce-scatter done by a
+    Triton GEMM that stores its output tiles into the owners' buffers (megakern.gemm_scatter; slower than
+    'symmetric' where measured); 'auto': 'symmetric' in a CUDA-graph step where symmetric memory can be used, else
+    'ring'."""
     fsdp_param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """With dp_shard='fsdp': the dtype the blocks' parameters are all-gathered and computed in (their fp32 shards
     are what the optimizer updates; gradients are reduced in fp32); auto: bfloat16 under bf16-autocast, else

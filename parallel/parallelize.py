@@ -64,7 +64,8 @@ IGNORE_INDEX = -100
 def parallelize(model: nn.Module, mesh: ParallelMesh | ParallelDims, config: ParallelConfig | None = None, *,
                 generator=None, rng: RNGTracker | None = None, seed: int | None = None,
                 master_weights: bool = False, read_model_grads: bool = False, fp8=None,
-                compile: bool | str = False, init_state: dict | None = None, **overrides) -> ParallelModel:
+                compile: bool | str = False, init_state: dict | None = None, cuda_graph: bool = False,
+                **overrides) -> ParallelModel:
     """Shard ``model`` (a megakern.models.gpt.GPT, materialized or on the meta device) over ``mesh``.
 
     ``config``: the ParallelConfig whose choices apply (default ``ParallelConfig()``; its sizes are the mesh's, which
@@ -86,6 +87,8 @@ def parallelize(model: nn.Module, mesh: ParallelMesh | ParallelDims, config: Par
     (``update_fp8_scales``), so each rank scales as the single model would.
     ``compile``: torch.compile each block's forward (after tensor/context parallelism, before data parallelism); a
     string names the backend (default inductor).
+    ``cuda_graph``: the training step will be captured in a CUDA graph; resolves tp_comm_overlap='auto' and
+    tp_overlap_impl='auto' (``choose_tp_overlap``; ``ParallelModel.tp_overlap_note`` says what was chosen and why).
     """
     if isinstance(mesh, ParallelDims):
         mesh = mesh.build()
@@ -102,7 +105,33 @@ def parallelize(model: nn.Module, mesh: ParallelMesh | ParallelDims, config: Par
         raise TypeError(f"parallelize: unknown options {unknown}; ParallelConfig's fields are {sorted(fields)}")
     options = dataclasses.replace(config, **overrides)
     return ParallelModel(model, mesh, options, generator, rng, seed, master_weights=master_weights,
-                         read_model_grads=read_model_grads, fp8=fp8, compile=compile, init_state=init_state)
+                         read_model_grads=read_model_grads, fp8=fp8, compile=compile, init_state=init_state,
+                         cuda_graph=cuda_graph)
+
+
+def choose_tp_overlap(overlap: bool | str, impl: str, tp: int, sequence_parallel: bool, cuda_graph: bool,
+                      symmetric_problem: str) -> tuple[bool, str, str]:
+    """(overlap on, implementation, a sentence for the log: empty when nothing was chosen for the user) from
+    ParallelConfig's tp_comm_overlap / tp_overlap_impl, resolving 'auto' by where the overlap measured faster
+    (docs/results.md): through symmetric memory in CUDA-graph steps. Eager, the fused ops' host work outweighs what
+    they hide, so auto leaves the overlap off there. ``symmetric_problem``: why symmetric memory cannot be used
+    here ('' when it can)."""
+    if impl == "auto":
+        impl = "symmetric" if cuda_graph and not symmetric_problem else "ring"
+    if overlap != "auto":
+        return bool(overlap) and tp > 1, impl, ""
+    if tp == 1:
+        return False, impl, ""
+    if not sequence_parallel:
+        why = "off: sequence parallelism is off"
+    elif not cuda_graph:
+        why = "off: the step is eager (the overlap measured faster in CUDA-graph steps only)"
+    elif not impl.startswith("symmetric"):
+        why = ("off: " + (f"symmetric memory cannot be used ({symmetric_problem})" if symmetric_problem
+                          else f"tp_overlap_impl={impl!r} did not measure faster"))
+    else:
+        return True, impl, f"tp_comm_overlap=auto: on, {impl} (a CUDA-graph step, NCCL ranks of one host)"
+    return False, impl, f"tp_comm_overlap=auto: {why}"
 
 
 class ParallelModel:
@@ -115,7 +144,7 @@ class ParallelModel:
     def __init__(self, model: nn.Module, pm: ParallelMesh, options: ParallelConfig, generator=None,
                  rng: RNGTracker | None = None, seed: int | None = None, *, master_weights: bool = False,
                  read_model_grads: bool = False, fp8=None, compile: bool | str = False,
-                 init_state: dict | None = None):
+                 init_state: dict | None = None, cuda_graph: bool = False):
         d = pm.dims
         cfg = getattr(model, "config", None)
         if cfg is None or not isinstance(getattr(model, "blocks", None), nn.ModuleDict):
@@ -124,7 +153,17 @@ class ParallelModel:
         self.tp, self.pp, self.cp, self.dp, self.ep = d.tp, d.pp, d.cp, d.dp, d.ep
         sp = options.sequence_parallel and d.tp > 1
         self.sequence_parallel = sp
-        if options.tp_comm_overlap and d.tp > 1 and not sp:
+        if options.tp_overlap_impl not in ("auto", "ring", "symmetric", "symmetric-kernel"):
+            raise ValueError(f"parallelize: tp_overlap_impl must be 'auto', 'ring', 'symmetric' or "
+                             f"'symmetric-kernel', got {options.tp_overlap_impl!r}")
+        if options.tp_comm_overlap not in ("auto", True, False):
+            raise ValueError(f"parallelize: tp_comm_overlap must be true, false or 'auto', got "
+                             f"{options.tp_comm_overlap!r}")
+        symmetric_problem = symmetric_memory_usable(pm.tp_group, pm.device) if d.tp > 1 else ""
+        overlap, overlap_impl, self.tp_overlap_note = choose_tp_overlap(
+            options.tp_comm_overlap, options.tp_overlap_impl, d.tp, sp, cuda_graph, symmetric_problem)
+        self.tp_overlap = overlap_impl if overlap else None  # the implementation in use, None: no overlap
+        if overlap and not sp:
             raise ValueError("parallelize: tp_comm_overlap overlaps the sequence-parallel reduce-scatter with the "
                              "matmul; it needs sequence_parallel=True")
         if options.dp_shard not in DP_SHARDS:
@@ -184,18 +223,14 @@ class ParallelModel:
         # column layers' ops peer to peer through a symmetric-memory workspace ('symmetric': NCCL ranks of one host)
         self.tp_workspace = None
         gemm_reduce = gather_gemm = None
-        if options.tp_comm_overlap and d.tp > 1:
-            if options.tp_overlap_impl in ("symmetric", "symmetric-kernel"):
-                why = symmetric_memory_usable(pm.tp_group, pm.device)
-                if why:
-                    raise ValueError(f"parallelize: tp_overlap_impl={options.tp_overlap_impl!r} cannot run here: "
-                                     f"{why}; use tp_overlap_impl='ring'")
+        if overlap:
+            if overlap_impl in ("symmetric", "symmetric-kernel"):
+                if symmetric_problem:
+                    raise ValueError(f"parallelize: tp_overlap_impl={overlap_impl!r} cannot run here: "
+                                     f"{symmetric_problem}; use tp_overlap_impl='ring'")
                 self.tp_workspace = SymmetricWorkspace(pm.tp_group, pm.device)
-                self.tp_workspace.rs_impl = "kernel" if options.tp_overlap_impl == "symmetric-kernel" else "copy"
+                self.tp_workspace.rs_impl = "kernel" if overlap_impl == "symmetric-kernel" else "copy"
                 gather_gemm = functools.partial(all_gather_gemm, workspace=self.tp_workspace)
-            elif options.tp_overlap_impl != "ring":
-                raise ValueError(f"parallelize: tp_overlap_impl must be 'ring', 'symmetric' or 'symmetric-kernel', "
-                                 f"got {options.tp_overlap_impl!r}")
             gemm_reduce = functools.partial(gemm_reduce_scatter, workspace=self.tp_workspace)
         self.tp_info = [apply_tensor_parallel(g, pm.tp_group if d.tp > 1 else None, sp, gemm_reduce=gemm_reduce,
                                               gather_gemm=gather_gemm)

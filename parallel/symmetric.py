@@ -33,7 +33,8 @@ CHANNELS = {"rs": 0, "ag": 1}  # signal-pad channels: each role's barriers on it
 
 def symmetric_memory_usable(group, device: torch.device) -> str:
     """'' when the fused ops can run on ``group`` (NCCL ranks of one host, CUDA devices, torch with symmetric
-    memory); else why not, in a sentence."""
+    memory); else why not, in a sentence. Collective over ``group`` once it reaches the host check (every rank of the
+    group calls it at the same point)."""
     if device.type != "cuda":
         return f"the device is {device.type}, not cuda"
     if group is None or group_size(group) < 2:
@@ -45,6 +46,11 @@ def symmetric_memory_usable(group, device: torch.device) -> str:
         import torch.distributed._symmetric_memory  # noqa: F401
     except ImportError as exc:
         return f"torch {torch.__version__} has no symmetric memory ({exc})"
+    hosts = [None] * group_size(group)
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    if len(set(hosts)) > 1:
+        return (f"the group spans hosts {sorted(set(hosts))}; symmetric memory maps peers of one host (NVLink), so "
+                "the tensor-parallel group must be on one host")
     return ""
 
 
@@ -67,11 +73,6 @@ class SymmetricWorkspace:
             device = torch.device("cuda", torch.cuda.current_device())
         self.group, self.device = group, device
         self.size, self.rank = group_size(group), group_rank(group)
-        hosts = [None] * self.size
-        dist.all_gather_object(hosts, socket.gethostname(), group=group)
-        if len(set(hosts)) > 1:
-            raise ValueError(f"SymmetricWorkspace: the group spans hosts {sorted(set(hosts))}; symmetric memory maps "
-                             "peers of one host (NVLink): tp_comm_overlap needs the tensor-parallel group on one host")
         self._buffers: dict[str, list] = {}  # role -> [[tensor, handle], [tensor, handle]]
         self._turn: dict[str, int] = {}
         self._uses: dict[str, int] = {}  # ops of each role since end_step

@@ -86,12 +86,15 @@ class TrainStep:
                                           fsdp_param_dtype=fsdp_dtype, master_weights=precision == "bf16",
                                           read_model_grads=self.optim_impl == "megakern",
                                           fp8=fp8_recipe(t.fp8) if t.fp8 != "none" else None, compile=t.compile,
-                                          init_state=init_state)
+                                          init_state=init_state,
+                                          cuda_graph=bool(t.cuda_graph) and device.type == "cuda")
             del init_state
             if self.capture_stream is not None:
                 torch.cuda.current_stream(device).wait_stream(self.capture_stream)
         except ValueError as exc:
             raise ConfigError(f"parallel: {exc}") from None
+        if self.pmodel.tp_overlap_note:
+            log(f"parallel: {self.pmodel.tp_overlap_note}")
         if self.pmodel.fsdp:
             dtype = "bfloat16" if precision == "bf16" else fsdp_dtype
             if dtype != "float32":

@@ -97,6 +97,55 @@ def parallelize_error(**options) -> str:
     return "no error"
 
 
+def overlap_choice(**options) -> tuple:
+    """(tp_overlap, tp_overlap_note) of parallelize on a tiny GPT under tp2 (gloo ranks) with ``options``."""
+    from megakern.models.gpt import GPT
+    from megakern.parallel import ParallelDims, parallelize
+
+    from gpt_check import tiny_config
+
+    pm = ParallelDims(tp=2).build("cpu", timeout=60)
+    model = parallelize(GPT(tiny_config("gpt")), pm, None, **options)
+    return model.tp_overlap, model.tp_overlap_note
+
+
+def test_overlap_auto_on_gloo():
+    """The default (auto) on gloo ranks: off, saying why (symmetric memory needs CUDA; eager steps first)."""
+    for choice in pool(2).run(overlap_choice):
+        assert choice == (None, "tp_comm_overlap=auto: off: the step is eager (the overlap measured faster in "
+                                "CUDA-graph steps only)"), choice
+    for choice in pool(2).run(overlap_choice, cuda_graph=True):
+        assert choice == (None, "tp_comm_overlap=auto: off: symmetric memory cannot be used (the device is cpu, "
+                                "not cuda)"), choice
+    for choice in pool(2).run(overlap_choice, tp_comm_overlap=True):
+        assert choice == ("ring", ""), choice
+
+
+@pytest.mark.parametrize("overlap, impl, tp, sp, graph, problem, want", [
+    ("auto", "auto", 2, True, True, "", (True, "symmetric", "on, symmetric")),
+    ("auto", "auto", 4, True, False, "", (False, "ring", "off: the step is eager")),
+    ("auto", "auto", 2, False, True, "", (False, "symmetric", "off: sequence parallelism is off")),
+    ("auto", "auto", 2, True, True, "the group spans hosts", (False, "ring", "the group spans hosts")),
+    ("auto", "ring", 2, True, True, "", (False, "ring", "tp_overlap_impl='ring' did not measure faster")),
+    ("auto", "symmetric-kernel", 2, True, True, "", (True, "symmetric-kernel", "on, symmetric-kernel")),
+    ("auto", "auto", 1, True, True, "", (False, "symmetric", None)),
+    (True, "auto", 2, True, False, "", (True, "ring", None)),
+    (True, "auto", 2, True, True, "", (True, "symmetric", None)),
+    (True, "symmetric", 2, True, False, "", (True, "symmetric", None)),
+    (False, "auto", 2, True, True, "", (False, "symmetric", None)),
+    (True, "ring", 1, True, True, "", (False, "ring", None)),
+])
+def test_choose_tp_overlap(overlap, impl, tp, sp, graph, problem, want):
+    from megakern.parallel.parallelize import choose_tp_overlap
+
+    on, chosen, note = choose_tp_overlap(overlap, impl, tp, sp, graph, problem)
+    assert (on, chosen) == want[:2]
+    if want[2] is None:  # nothing chosen for the user: no log line
+        assert note == ""
+    else:
+        assert note.startswith("tp_comm_overlap=auto: ") and want[2] in note, note
+
+
 def test_overlap_needs_sequence_parallel():
     for message in pool(2).run(parallelize_error, sequence_parallel=False, tp_comm_overlap=True):
         assert "tp_comm_overlap" in message and "sequence_parallel=True" in message, message
