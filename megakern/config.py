@@ -307,8 +307,9 @@ class ParallelConfig:
     """With tp > 1 and sequence parallelism: the sequence-parallel collectives overlapped with the GEMMs beside them,
     forward and backward (megakern.parallel.overlap): the row-parallel layers' GEMM + reduce-scatter, and with a
     'symmetric' implementation the column-parallel layers' all-gather + GEMM too. 'auto': on, through symmetric
-    memory, where it measured faster: a CUDA-graph step (train.cuda_graph) over NCCL ranks of one host; off
-    elsewhere (eager, the fused ops' host work outweighs what they hide). The log says which and why."""
+    memory, where it measured faster: a CUDA-graph step (train.cuda_graph) of tensor parallelism alone over NCCL
+    ranks of one host; off elsewhere (eager, the fused ops' host work outweighs what they hide; beside other
+    parallel dims, not yet measured). The log says which and why."""
     tp_overlap_impl: Literal["auto", "ring", "symmetric", "symmetric-kernel"] = "auto"
     """With tp_comm_overlap: 'ring', a ring of NCCL transfers behind chunked matmuls (any backend); 'symmetric',
     peer-to-peer copies through symmetric memory under the GEMMs, signalled between the ranks, for the row and the

@@ -110,12 +110,13 @@ def parallelize(model: nn.Module, mesh: ParallelMesh | ParallelDims, config: Par
 
 
 def choose_tp_overlap(overlap: bool | str, impl: str, tp: int, sequence_parallel: bool, cuda_graph: bool,
-                      symmetric_problem: str) -> tuple[bool, str, str]:
+                      symmetric_problem: str, other_dims: str = "") -> tuple[bool, str, str]:
     """(overlap on, implementation, a sentence for the log: empty when nothing was chosen for the user) from
     ParallelConfig's tp_comm_overlap / tp_overlap_impl, resolving 'auto' by where the overlap measured faster
-    (docs/results.md): through symmetric memory in CUDA-graph steps. Eager, the fused ops' host work outweighs what
-    they hide, so auto leaves the overlap off there. ``symmetric_problem``: why symmetric memory cannot be used
-    here ('' when it can)."""
+    (docs/results.md): through symmetric memory in CUDA-graph steps of tensor parallelism alone. Eager, the fused
+    ops' host work outweighs what they hide, so auto leaves the overlap off there; beside other parallel dims
+    (``other_dims``, e.g. 'dp=2', '' for none) it is not measured yet, and auto leaves it off too.
+    ``symmetric_problem``: why symmetric memory cannot be used here ('' when it can)."""
     if impl == "auto":
         impl = "symmetric" if cuda_graph and not symmetric_problem else "ring"
     if overlap != "auto":
@@ -126,6 +127,8 @@ def choose_tp_overlap(overlap: bool | str, impl: str, tp: int, sequence_parallel
         why = "off: sequence parallelism is off"
     elif not cuda_graph:
         why = "off: the step is eager (the overlap measured faster in CUDA-graph steps only)"
+    elif other_dims:
+        why = f"off: not yet measured beside {other_dims} (set parallel.tp_comm_overlap=true to try it)"
     elif not impl.startswith("symmetric"):
         why = ("off: " + (f"symmetric memory cannot be used ({symmetric_problem})" if symmetric_problem
                           else f"tp_overlap_impl={impl!r} did not measure faster"))
@@ -160,8 +163,10 @@ class ParallelModel:
             raise ValueError(f"parallelize: tp_comm_overlap must be true, false or 'auto', got "
                              f"{options.tp_comm_overlap!r}")
         symmetric_problem = symmetric_memory_usable(pm.tp_group, pm.device) if d.tp > 1 else ""
+        other_dims = ", ".join(f"{k}={v}" for k, v in (("pp", d.pp), ("cp", d.cp), ("dp", d.dp), ("ep", d.ep))
+                               if v > 1)
         overlap, overlap_impl, self.tp_overlap_note = choose_tp_overlap(
-            options.tp_comm_overlap, options.tp_overlap_impl, d.tp, sp, cuda_graph, symmetric_problem)
+            options.tp_comm_overlap, options.tp_overlap_impl, d.tp, sp, cuda_graph, symmetric_problem, other_dims)
         self.tp_overlap = overlap_impl if overlap else None  # the implementation in use, None: no overlap
         if overlap and not sp:
             raise ValueError("parallelize: tp_comm_overlap overlaps the sequence-parallel reduce-scatter with the "

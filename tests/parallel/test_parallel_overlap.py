@@ -121,24 +121,26 @@ def test_overlap_auto_on_gloo():
         assert choice == ("ring", ""), choice
 
 
-@pytest.mark.parametrize("overlap, impl, tp, sp, graph, problem, want", [
-    ("auto", "auto", 2, True, True, "", (True, "symmetric", "on, symmetric")),
-    ("auto", "auto", 4, True, False, "", (False, "ring", "off: the step is eager")),
-    ("auto", "auto", 2, False, True, "", (False, "symmetric", "off: sequence parallelism is off")),
-    ("auto", "auto", 2, True, True, "the group spans hosts", (False, "ring", "the group spans hosts")),
-    ("auto", "ring", 2, True, True, "", (False, "ring", "tp_overlap_impl='ring' did not measure faster")),
-    ("auto", "symmetric-kernel", 2, True, True, "", (True, "symmetric-kernel", "on, symmetric-kernel")),
-    ("auto", "auto", 1, True, True, "", (False, "symmetric", None)),
-    (True, "auto", 2, True, False, "", (True, "ring", None)),
-    (True, "auto", 2, True, True, "", (True, "symmetric", None)),
-    (True, "symmetric", 2, True, False, "", (True, "symmetric", None)),
-    (False, "auto", 2, True, True, "", (False, "symmetric", None)),
-    (True, "ring", 1, True, True, "", (False, "ring", None)),
+@pytest.mark.parametrize("overlap, impl, tp, sp, graph, problem, want, others", [
+    ("auto", "auto", 2, True, True, "", (True, "symmetric", "on, symmetric"), ""),
+    ("auto", "auto", 4, True, False, "", (False, "ring", "off: the step is eager"), ""),
+    ("auto", "auto", 2, False, True, "", (False, "symmetric", "off: sequence parallelism is off"), ""),
+    ("auto", "auto", 2, True, True, "the group spans hosts", (False, "ring", "the group spans hosts"), ""),
+    ("auto", "ring", 2, True, True, "", (False, "ring", "tp_overlap_impl='ring' did not measure faster"), ""),
+    ("auto", "symmetric-kernel", 2, True, True, "", (True, "symmetric-kernel", "on, symmetric-kernel"), ""),
+    ("auto", "auto", 1, True, True, "", (False, "symmetric", None), ""),
+    (True, "auto", 2, True, False, "", (True, "ring", None), ""),
+    (True, "auto", 2, True, True, "", (True, "symmetric", None), ""),
+    (True, "symmetric", 2, True, False, "", (True, "symmetric", None), ""),
+    (False, "auto", 2, True, True, "", (False, "symmetric", None), ""),
+    (True, "ring", 1, True, True, "", (False, "ring", None), ""),
+    ("auto", "auto", 2, True, True, "", (False, "symmetric", "off: not yet measured beside dp=2"), "dp=2"),
+    (True, "auto", 2, True, True, "", (True, "symmetric", None), "dp=2"),
 ])
-def test_choose_tp_overlap(overlap, impl, tp, sp, graph, problem, want):
+def test_choose_tp_overlap(overlap, impl, tp, sp, graph, problem, want, others):
     from megakern.parallel.parallelize import choose_tp_overlap
 
-    on, chosen, note = choose_tp_overlap(overlap, impl, tp, sp, graph, problem)
+    on, chosen, note = choose_tp_overlap(overlap, impl, tp, sp, graph, problem, others)
     assert (on, chosen) == want[:2]
     if want[2] is None:  # nothing chosen for the user: no log line
         assert note == ""
