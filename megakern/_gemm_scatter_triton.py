@@ -29,7 +29,8 @@ import triton
 import triton.language as tl
 
 from megakern._intmath import cdiv
-from megakern._gemm_shared_triton import ensure_allocator, hopper_or_newer, mma, sm_count, tma_strides_ok
+from megakern._gemm_shared_triton import (ensure_allocator, hopper_or_newer, mma, pointer_k_loop, sm_count,
+                                          tma_strides_ok)
 
 
 class Config(NamedTuple):
@@ -65,21 +66,9 @@ def _tile_gemm(X, W, x_desc, w_desc, p, c, row0, col0, L, N, K,
                 a, b = a.to(tl.float32), b.to(tl.float32)
             acc = mma(a, b, acc, PRECISION)
     else:
-        rows = row0 + tl.arange(0, BLOCK_M)
-        cols = col0 + tl.arange(0, BLOCK_N)
-        ks = tl.arange(0, BLOCK_K)
-        a_ptrs = (X + tl.cast(p, tl.int64) * stride_xp + tl.cast(c, tl.int64) * stride_xc
-                  + rows.to(tl.int64)[:, None] * stride_xl + ks[None, :] * stride_xk)
-        b_ptrs = W + ks[:, None] * stride_wk + cols.to(tl.int64)[None, :] * stride_wn
-        for kb in tl.range(0, k_steps, num_stages=STAGES):
-            k_ok = kb * BLOCK_K + ks < K
-            a = tl.load(a_ptrs, mask=(rows < L)[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & (cols < N)[None, :], other=0.0)
-            if UPCAST:
-                a, b = a.to(tl.float32), b.to(tl.float32)
-            acc = mma(a, b, acc, PRECISION)
-            a_ptrs += BLOCK_K * stride_xk
-            b_ptrs += BLOCK_K * stride_wk
+        acc = pointer_k_loop(X + tl.cast(p, tl.int64) * stride_xp + tl.cast(c, tl.int64) * stride_xc, W,
+                             row0 + tl.arange(0, BLOCK_M), col0 + tl.arange(0, BLOCK_N), L, N, K,
+                             stride_xl, stride_xk, stride_wk, stride_wn, acc, BLOCK_K, STAGES, UPCAST, PRECISION)
     return acc
 
 

@@ -1,4 +1,5 @@
-"""What the Triton GEMM kernels share: the MMA step that keeps fp32 products exact, and launch helpers (the device's
+"""What the Triton GEMM kernels share: the MMA step that keeps fp32 products exact, the masked pointer-load K loop
+(for tiles TMA cannot move), and launch helpers (the device's
 SM count and generation, the allocator Triton asks for when a kernel makes tensor descriptors (TMA) on the device,
 and whether TMA can address a tensor)."""
 from __future__ import annotations
@@ -19,6 +20,27 @@ def mma(a, b, acc, PRECISION: tl.constexpr):
     if PRECISION == "ieee":
         return acc - tl.dot(-a, b, input_precision=PRECISION)
     return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def pointer_k_loop(a_base, b_base, rows, cols, row_end, N, K, stride_am, stride_ak, stride_bk, stride_bn, acc,
+                   BLOCK_K: tl.constexpr, STAGES: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + a[rows, :] @ b[:, cols] by masked pointer loads, BLOCK_K at a time (where TMA cannot be used): a's
+    element (i, k) at a_base + i * stride_am + k * stride_ak, b's (k, j) at b_base + k * stride_bk + j * stride_bn;
+    rows from row_end on and columns from N on read zeros. UPCAST: 16-bit tiles to fp32 first (the interpreter)."""
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_base + rows.to(tl.int64)[:, None] * stride_am + ks[None, :] * stride_ak
+    b_ptrs = b_base + ks[:, None] * stride_bk + cols.to(tl.int64)[None, :] * stride_bn
+    for kb in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=STAGES):
+        k_ok = kb * BLOCK_K + ks < K
+        a = tl.load(a_ptrs, mask=(rows < row_end)[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & (cols < N)[None, :], other=0.0)
+        if UPCAST:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc = mma(a, b, acc, PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    return acc
 
 
 def interpreting() -> bool:

@@ -33,7 +33,8 @@ import triton
 import triton.language as tl
 
 from megakern._intmath import cdiv, next_power_of_2
-from megakern._gemm_shared_triton import ensure_allocator, hopper_or_newer, mma, sm_count, tma_strides_ok
+from megakern._gemm_shared_triton import (ensure_allocator, hopper_or_newer, mma, pointer_k_loop, sm_count,
+                                          tma_strides_ok)
 
 
 class Config(NamedTuple):
@@ -139,22 +140,10 @@ def _grouped_mm_kernel(A, B, C, OFFSETS, M, N, K, E,
                         a, b = a.to(tl.float32), b.to(tl.float32)
                     acc = mma(a, b, acc, PRECISION)
             else:
-                rows = row0 + tl.arange(0, BLOCK_M)
-                cols = col0 + tl.arange(0, BLOCK_N)
-                ks = tl.arange(0, BLOCK_K)
                 # rows past the expert's end (< M) are read and never stored: a row's product is its own
-                a_ptrs = A + rows.to(tl.int64)[:, None] * stride_am + ks[None, :] * stride_ak
-                b_ptrs = (B + g.to(tl.int64) * stride_be + ks[:, None] * stride_bk
-                          + cols.to(tl.int64)[None, :] * stride_bn)
-                for kb in tl.range(0, k_steps, num_stages=STAGES):
-                    k_ok = kb * BLOCK_K + ks < K
-                    a = tl.load(a_ptrs, mask=(rows < M)[:, None] & k_ok[None, :], other=0.0)
-                    b = tl.load(b_ptrs, mask=k_ok[:, None] & (cols < N)[None, :], other=0.0)
-                    if UPCAST:
-                        a, b = a.to(tl.float32), b.to(tl.float32)
-                    acc = mma(a, b, acc, PRECISION)
-                    a_ptrs += BLOCK_K * stride_ak
-                    b_ptrs += BLOCK_K * stride_bk
+                acc = pointer_k_loop(A, B + g.to(tl.int64) * stride_be, row0 + tl.arange(0, BLOCK_M),
+                                     col0 + tl.arange(0, BLOCK_N), M, N, K, stride_am, stride_ak, stride_bk,
+                                     stride_bn, acc, BLOCK_K, STAGES, UPCAST, PRECISION)
             _store_rows(C, c_desc, acc.to(C.dtype.element_ty), row0, row_end, col0, N, stride_cm, stride_cn,
                         BLOCK_M, BLOCK_N, TMA)
         else:
