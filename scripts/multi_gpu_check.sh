@@ -8,15 +8,17 @@
 #
 #   3. (stage "profile") bench_parallel --profile: rank 0's kernel and host tables and every rank's timeline of
 #      each GPT-350M layout, in one file $OUT/profiles.txt.
+#   4. (stage "ops") benchmarks/bench_tp_overlap.py: the sequence-parallel GEMMs with their collectives, fused and
+#      unfused, eager and in CUDA graphs, at tp 2 and 4 up to the GPUs here (rows to tp_overlap.csv).
 #
-#   MEGAKERN_GIT_SHA=$(git rev-parse --short HEAD) BUDGET_S=520 bash scripts/multi_gpu_check.sh [test] [bench] [profile]
+#   MEGAKERN_GIT_SHA=$(git rev-parse --short HEAD) BUDGET_S=520 bash scripts/multi_gpu_check.sh [test] [bench] [profile] [ops]
 #
 # TESTS_K selects test layouts (pytest -k, e.g. TESTS_K=graph); LAYOUTS_350M, LAYOUTS_13B the benchmarked layouts
 # (e.g. LAYOUTS_350M=1-graph,tp2-graph,tp2-ovl-graph,dp2-ddp-graph: CUDA-graph steps).
 #
 # With no stage named, test and bench run.
 # Logs and result rows go to $OUT (default ./device-out): rows are appended to benchmarks/results/<gpu>/parallel.csv
-# and copied to $OUT/parallel_<gpu>.csv. Rows lost with a run's CSV: bench_parallel --from-log LOG --meta ... (its log).
+# (and tp_overlap.csv) and copied to $OUT/parallel_<gpu>.csv (and $OUT/tp_overlap_<gpu>.csv). Rows lost with a run's CSV: bench_parallel --from-log LOG --meta ... (its log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device-out}
@@ -75,7 +77,7 @@ if [ "${gpus:-0}" -ge 8 ]; then
   default_13b=1-graph,1,tp8-graph,tp2.pp2.dp2,dp8,tp4-graph,tp2-graph
 else
   default_350m=1-graph,1x2-graph,dp2-ddp-graph,tp2-graph,tp2-ovl-graph,cp2-ddp-graph,dp4-ddp-graph,tp2.dp2-ddp-graph,tp4-graph,pp2,dp2
-  default_13b=1-graph,tp2-graph,tp2-ovl-graph,tp4-graph,tp4-ovl-graph,dp4
+  default_13b=1-graph,tp2-graph,tp2-ovl-symm-graph,tp4-graph,tp4-ovl-symm-graph,tp2-ovl-graph,dp4
 fi
 step "bench_parallel gpt-350m"
 timeout $(( $(left) - 60 )) python3 -m benchmarks.bench_parallel --model gpt-350m --micro-batch 8 --warmup 3 --steps 8 \
@@ -90,7 +92,15 @@ if [ "$(left)" -gt 90 ]; then
   grep -v "^|" "$OUT/bench_parallel_1.3b.log" | tail -12
 fi
 fi
+if want ops; then
+step "bench_tp_overlap"
+timeout $(( $(left) - 5 )) python3 -m benchmarks.bench_tp_overlap ${OPS_TP:+--tp $OPS_TP} > "$OUT/bench_tp_overlap.log" 2>&1 \
+  || status=1
+grep -E "hides|^\| case|fwd-graph" "$OUT/bench_tp_overlap.log" | tail -40
+fi
 # one file per GPU kind (a plain cp of several parallel.csv into $OUT kept only the first: h100's, not the run's)
-for f in benchmarks/results/*/parallel.csv; do [ -f "$f" ] && cp "$f" "$OUT/parallel_$(basename "$(dirname "$f")").csv"; done
+for f in benchmarks/results/*/parallel.csv benchmarks/results/*/tp_overlap.csv; do
+  [ -f "$f" ] && cp "$f" "$OUT/$(basename "$f" .csv)_$(basename "$(dirname "$f")").csv"
+done
 step "done (status $status)"
 exit $status
