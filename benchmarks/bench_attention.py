@@ -20,7 +20,8 @@ gradients are checked against the fp32 SDPA math reference; a wrong provider is 
 
 Providers: 'torch' (SDPA math backend; on CUDA only up to T = 4096), 'sdpa-flash', 'sdpa-cudnn',
 'sdpa-efficient' (SDPA pinned to that backend with torch.nn.attention.sdpa_kernel), 'flash-attn'
-(flash_attn.flash_attn_func, where installed) and 'megakern-triton' (megakern.attention, backend='triton').
+(flash_attn.flash_attn_func, where installed), 'fa4' (FlashAttention-4, flash_attn.cute.flash_attn_func, where
+installed: ../shared/peers/README.md) and 'megakern-triton' (megakern.attention, backend='triton').
 
     python -m benchmarks.bench_attention [--quick] [--providers sdpa-flash,megakern-triton] [--no-save] [--graph]
                                          [--head-dims 64] [--seqlens 1024,2048]
@@ -148,12 +149,26 @@ def _load_megakern_triton(device):
     return Provider("bthd", lambda q, k, v, causal: megakern.attention(q, k, v, causal=causal, backend="triton"))
 
 
+def _load_fa4(device):
+    """FlashAttention-4 (flash-attn-4, CuTe DSL; sm90 forward and backward). On the GPU machines it comes as
+    ../shared/peers/README.md says."""
+    if device.type != "cuda":
+        raise Unavailable("FlashAttention-4 needs CUDA")
+    try:
+        from flash_attn.cute import flash_attn_func
+    except ImportError as e:
+        raise Unavailable(f"flash-attn-4 is not installed ({e}; ../shared/peers/README.md brings it)") from e
+    # it returns (out, lse)
+    return Provider("bthd", lambda q, k, v, causal: flash_attn_func(q, k, v, causal=causal)[0])
+
+
 PROVIDERS = {
     "torch": _load_torch,
     "sdpa-flash": _load_sdpa(SDPBackend.FLASH_ATTENTION),
     "sdpa-cudnn": _load_sdpa(SDPBackend.CUDNN_ATTENTION),
     "sdpa-efficient": _load_sdpa(SDPBackend.EFFICIENT_ATTENTION),
     "flash-attn": _load_flash_attn,
+    "fa4": _load_fa4,
     "megakern-triton": _load_megakern_triton,
 }
 

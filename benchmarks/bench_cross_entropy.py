@@ -1,6 +1,7 @@
 """The language-model loss, forward + backward: logits = x @ W^T, cross-entropy against targets, gradients of x and W.
 
-Shapes: x (N, C), W (V, C), targets (N,) with N = B * T = 16384 tokens, C in (1024, 4096), V in (50304, 128256);
+Shapes: x (N, C), W (V, C), targets (N,) with N = B * T = 16384 tokens, C in (1024, 4096), V in (50304, 128256,
+151936) (GPT-2's padded vocabulary, Llama 3's, Qwen 2's);
 bf16 on CUDA, fp32 on CPU (smoke runs only).
 
 FLOPs: the three GEMMs, forward logits and the two gradients, 2 * N * C * V each:
@@ -12,6 +13,8 @@ Providers:
 - torch: logits = x @ W^T in bf16, then F.cross_entropy(logits.float(), targets) (what a plain model does);
 - compile: the same function under torch.compile;
 - liger: LigerFusedLinearCrossEntropyLoss (liger_kernel, when installed);
+- cce: Apple's cut-cross-entropy `linear_cross_entropy(x, W, targets)` (when installed: ../shared/peers/README.md);
+- quack: quack-kernels' `chunked_linear_cross_entropy` (when installed, likewise);
 - megakern-triton: megakern.linear_cross_entropy(backend="triton") with its default chunk, and with each of
   --chunks (mode 'fwd+bwd chunk=<n>').
 Before timing, each provider's loss and gradients are checked against the fp32 reference; a wrong provider is
@@ -40,7 +43,7 @@ def shapes(device: torch.device, quick: bool) -> list[tuple[int, int, int]]:
     """(N, C, V) cases."""
     if device.type != "cuda":
         return [(13, 16, 67)]
-    cases = [(16384, c, v) for c in (1024, 4096) for v in (50304, 128256)]
+    cases = [(16384, c, v) for c in (1024, 4096) for v in (50304, 128256, 151936)]
     return cases[:1] + cases[-1:] if quick else cases
 
 
@@ -86,7 +89,32 @@ def _load_megakern(device):
     return make
 
 
-PROVIDERS = {"torch": _load_torch, "compile": _load_compile, "liger": _load_liger, "megakern-triton": _load_megakern}
+def _load_cce(device):
+    """Apple's cut-cross-entropy (Triton; its default 'cce' implementation). On the GPU machines it comes as
+    ../shared/peers/README.md says."""
+    if device.type != "cuda":
+        raise Unavailable("cut-cross-entropy's Triton kernels need CUDA")
+    try:
+        from cut_cross_entropy import linear_cross_entropy
+    except ImportError as e:
+        raise Unavailable(f"cut-cross-entropy is not installed ({e}; ../shared/peers/README.md brings it)") from e
+    return lambda chunk: (lambda x, w, t: linear_cross_entropy(x, w, t, ignore_index=-100))
+
+
+def _load_quack(device):
+    """quack-kernels' chunked linear cross-entropy (CuTe DSL; its default chunk). On the GPU machines it comes as
+    ../shared/peers/README.md says."""
+    if device.type != "cuda":
+        raise Unavailable("quack's CuTe-DSL kernels need CUDA")
+    try:
+        from quack.linear_cross_entropy import chunked_linear_cross_entropy
+    except ImportError as e:
+        raise Unavailable(f"quack-kernels is not installed ({e}; ../shared/peers/README.md brings it)") from e
+    return lambda chunk: (lambda x, w, t: chunked_linear_cross_entropy(x, w, t, ignore_index=-100))
+
+
+PROVIDERS = {"torch": _load_torch, "compile": _load_compile, "liger": _load_liger, "cce": _load_cce,
+             "quack": _load_quack, "megakern-triton": _load_megakern}
 
 
 def _outputs(fn, x, w, t):

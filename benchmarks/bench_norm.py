@@ -15,6 +15,10 @@ Bytes moved, e = bytes per element of x; stats = one fp32 per row each: rstd (rm
              + read stats
 GB/s = bytes / median time; every figure is also given as a fraction of the copy roofline.
 
+Providers: torch (eager), compile (torch.compile), megakern-torch / -triton / -cuda, liger (liger_kernel, where
+installed) and quack (quack-kernels' RMSNorm, where installed: ../shared/peers/README.md; it has no LayerNorm with
+bias and autograd).
+
 Both modes run on inputs that require grad, as in training: 'fwd' is the training forward, 'fwd+bwd'
 adds torch.autograd.grad of y w.r.t. x, weight (and bias) for a fixed random dy. Before timing, each
 provider's y and gradients are checked against the fp32 torch reference; a wrong provider is reported
@@ -114,6 +118,24 @@ def _load_liger(device):
     return make
 
 
+def _load_quack(device):
+    """quack-kernels' RMSNorm (CuTe DSL, with autograd); it has no LayerNorm with autograd and bias. On the GPU
+    machines it comes as ../shared/peers/README.md says."""
+    if device.type != "cuda":
+        raise Unavailable("quack's CuTe-DSL kernels need CUDA")
+    try:
+        import quack
+    except ImportError as e:
+        raise Unavailable(f"quack-kernels is not installed ({e}; ../shared/peers/README.md brings it)") from e
+
+    def make(op):
+        if op != "rmsnorm":
+            raise Unavailable("quack has no LayerNorm with bias and autograd")
+        return lambda x, w, b: quack.rmsnorm(x, w, eps=EPS[op])
+
+    return make
+
+
 PROVIDERS = {
     "torch": _load_torch,
     "compile": _load_compile,
@@ -121,6 +143,7 @@ PROVIDERS = {
     "megakern-triton": _load_megakern("triton"),
     "megakern-cuda": _load_megakern("cuda"),
     "liger": _load_liger,
+    "quack": _load_quack,
 }
 
 
