@@ -32,6 +32,7 @@ time without host launch overhead.
 (`python benchmarks/bench_attention.py` works too, but finds megakern only where it is installed.)
 """
 
+import importlib
 import warnings
 from typing import Callable, NamedTuple
 
@@ -40,11 +41,11 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 if __package__:
-    from .common import (Results, Unavailable, bench, check_outputs, file_rows, load_providers, measure_matmul_tflops,
-                         parse_args, record, report_failure)
+    from .common import (Results, Unavailable, bench, check_outputs, file_rows, import_peer, load_providers,
+                         measure_matmul_tflops, parse_args, record, report_failure)
 else:  # python benchmarks/bench_attention.py
-    from common import (Results, Unavailable, bench, check_outputs, file_rows, load_providers, measure_matmul_tflops,
-                        parse_args, record, report_failure)
+    from common import (Results, Unavailable, bench, check_outputs, file_rows, import_peer, load_providers,
+                        measure_matmul_tflops, parse_args, record, report_failure)
 
 MODES = ("fwd", "fwd+bwd")
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -152,14 +153,9 @@ def _load_megakern_triton(device):
 def _load_fa4(device):
     """FlashAttention-4 (flash-attn-4, CuTe DSL; sm90 forward and backward). On the GPU machines it comes as
     ../shared/peers/README.md says."""
-    if device.type != "cuda":
-        raise Unavailable("FlashAttention-4 needs CUDA")
-    try:
-        from flash_attn.cute import flash_attn_func
-    except ImportError as e:
-        raise Unavailable(f"flash-attn-4 is not installed ({e}; ../shared/peers/README.md brings it)") from e
+    cute = import_peer(device, "flash-attn-4", lambda: importlib.import_module("flash_attn.cute"))
     # it returns (out, lse)
-    return Provider("bthd", lambda q, k, v, causal: flash_attn_func(q, k, v, causal=causal)[0])
+    return Provider("bthd", lambda q, k, v, causal: cute.flash_attn_func(q, k, v, causal=causal)[0])
 
 
 PROVIDERS = {

@@ -24,16 +24,17 @@ reported and skipped.
 """
 
 import argparse
+import importlib
 
 import torch
 import torch.nn.functional as F
 
 if __package__:
-    from .common import (Results, Unavailable, bench, check_outputs, file_rows, load_providers, measure_matmul_tflops,
-                         parse_args, peak_gib, record, report_failure)
+    from .common import (Results, Unavailable, bench, check_outputs, file_rows, import_peer, load_providers,
+                         measure_matmul_tflops, parse_args, peak_gib, record, report_failure)
 else:  # python benchmarks/bench_cross_entropy.py
-    from common import (Results, Unavailable, bench, check_outputs, file_rows, load_providers, measure_matmul_tflops,
-                        parse_args, peak_gib, record, report_failure)
+    from common import (Results, Unavailable, bench, check_outputs, file_rows, import_peer, load_providers,
+                        measure_matmul_tflops, parse_args, peak_gib, record, report_failure)
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 IGNORED = 0.05  # fraction of targets set to ignore_index (-100), as padding would
@@ -92,25 +93,15 @@ def _load_megakern(device):
 def _load_cce(device):
     """Apple's cut-cross-entropy (Triton; its default 'cce' implementation). On the GPU machines it comes as
     ../shared/peers/README.md says."""
-    if device.type != "cuda":
-        raise Unavailable("cut-cross-entropy's Triton kernels need CUDA")
-    try:
-        from cut_cross_entropy import linear_cross_entropy
-    except ImportError as e:
-        raise Unavailable(f"cut-cross-entropy is not installed ({e}; ../shared/peers/README.md brings it)") from e
-    return lambda chunk: (lambda x, w, t: linear_cross_entropy(x, w, t, ignore_index=-100))
+    cce = import_peer(device, "cut-cross-entropy", lambda: importlib.import_module("cut_cross_entropy"))
+    return lambda chunk: (lambda x, w, t: cce.linear_cross_entropy(x, w, t, ignore_index=-100))
 
 
 def _load_quack(device):
     """quack-kernels' chunked linear cross-entropy (CuTe DSL; its default chunk). On the GPU machines it comes as
     ../shared/peers/README.md says."""
-    if device.type != "cuda":
-        raise Unavailable("quack's CuTe-DSL kernels need CUDA")
-    try:
-        from quack.linear_cross_entropy import chunked_linear_cross_entropy
-    except ImportError as e:
-        raise Unavailable(f"quack-kernels is not installed ({e}; ../shared/peers/README.md brings it)") from e
-    return lambda chunk: (lambda x, w, t: chunked_linear_cross_entropy(x, w, t, ignore_index=-100))
+    lce = import_peer(device, "quack-kernels", lambda: importlib.import_module("quack.linear_cross_entropy"))
+    return lambda chunk: (lambda x, w, t: lce.chunked_linear_cross_entropy(x, w, t, ignore_index=-100))
 
 
 PROVIDERS = {"torch": _load_torch, "compile": _load_compile, "liger": _load_liger, "cce": _load_cce,

@@ -32,15 +32,17 @@ time without host launch overhead, which eager autograd timings include when the
 (`python benchmarks/bench_norm.py` works too, but finds megakern only where it is installed.)
 """
 
+import importlib
+
 import torch
 import torch.nn.functional as F
 
 if __package__:
-    from .common import (Results, Unavailable, bench, check_outputs, file_rows, load_providers, measure_copy_gbps,
-                         parse_args, record, report_failure)
+    from .common import (Results, Unavailable, bench, check_outputs, file_rows, import_peer, load_providers,
+                         measure_copy_gbps, parse_args, record, report_failure)
 else:  # python benchmarks/bench_norm.py
-    from common import (Results, Unavailable, bench, check_outputs, file_rows, load_providers, measure_copy_gbps,
-                        parse_args, record, report_failure)
+    from common import (Results, Unavailable, bench, check_outputs, file_rows, import_peer, load_providers,
+                        measure_copy_gbps, parse_args, record, report_failure)
 
 OPS = ("rmsnorm", "layernorm")
 MODES = ("fwd", "fwd+bwd")
@@ -121,12 +123,7 @@ def _load_liger(device):
 def _load_quack(device):
     """quack-kernels' RMSNorm (CuTe DSL, with autograd); it has no LayerNorm with autograd and bias. On the GPU
     machines it comes as ../shared/peers/README.md says."""
-    if device.type != "cuda":
-        raise Unavailable("quack's CuTe-DSL kernels need CUDA")
-    try:
-        import quack
-    except ImportError as e:
-        raise Unavailable(f"quack-kernels is not installed ({e}; ../shared/peers/README.md brings it)") from e
+    quack = import_peer(device, "quack-kernels", lambda: importlib.import_module("quack"))
 
     def make(op):
         if op != "rmsnorm":

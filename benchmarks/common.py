@@ -213,6 +213,17 @@ def measure_matmul_tflops(device) -> float:
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
+def import_peer(device, package: str, importer: Callable):
+    """``importer()`` (the import of a frontier peer: flash-attn-4, quack-kernels, cut-cross-entropy), or Unavailable
+    saying why not: they need CUDA, and the GPU machines get them as ../shared/peers/README.md says."""
+    if torch.device(device).type != "cuda":
+        raise Unavailable(f"{package} needs CUDA")
+    try:
+        return importer()
+    except ImportError as e:
+        raise Unavailable(f"{package} is not installed ({e}; ../shared/peers/README.md brings it)") from e
+
+
 def load_providers(loaders: dict[str, Callable], device, wanted: set[str] | None = None) -> dict:
     """Call each loader(device) and keep what it returns; a loader that fails is skipped with one line.
 

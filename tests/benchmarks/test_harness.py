@@ -340,3 +340,17 @@ def test_bench_optim_cpu_smoke(tmp_path, capsys):
     providers = {"torch-fused"} | ({"megakern"} if not megakern.available_backends("cpu")["triton"] else set())
     assert {r["provider"] for r in records if r["provider"] != "roofline"} == providers
     assert all(float(r["value"]) > 0 for r in records)
+
+
+def test_import_peer_says_why():
+    """A frontier peer that cannot run here is Unavailable with the reason: no CUDA, or not installed (and where
+    it comes from); one that imports is returned."""
+    def missing():
+        raise ImportError("No module named 'quack'")
+
+    with pytest.raises(common.Unavailable, match="quack-kernels needs CUDA"):
+        common.import_peer(torch.device("cpu"), "quack-kernels", missing)
+    with pytest.raises(common.Unavailable, match=r"quack-kernels is not installed \(No module named 'quack'; "
+                                                 r"\.\./shared/peers/README.md brings it\)"):
+        common.import_peer("cuda", "quack-kernels", missing)
+    assert common.import_peer("cuda", "math", lambda: __import__("math")).sqrt(4.0) == 2.0
