@@ -29,8 +29,8 @@ import triton
 import triton.language as tl
 
 from megakern._intmath import cdiv
-from megakern._gemm_shared_triton import (ensure_allocator, hopper_or_newer, mma, pointer_k_loop, sm_count,
-                                          tma_strides_ok)
+from megakern._gemm_shared_triton import (device_index, ensure_allocator, mma, pointer_k_loop, sm_count,
+                                          tma_strides_ok, tma_usable)
 
 
 class Config(NamedTuple):
@@ -165,11 +165,7 @@ def _launch(x4: torch.Tensor, w: torch.Tensor, dest_ptrs: torch.Tensor, out: tor
     cfg = config or default_config(x4.dtype, x4.device, reduce)
     w_kn = w.stride(1) != 1 and w.stride(0) == 1
     cuda = x4.device.type == "cuda"
-    use_tma = cuda and hopper_or_newer(x4.device.index if x4.device.index is not None else torch.cuda.current_device())
-    if tma is not None:
-        if tma and not use_tma:
-            raise ValueError("gemm_scatter: tma=True needs a Hopper or newer GPU (sm_90+)")
-        use_tma = tma
+    use_tma = tma_usable(x4.device, tma, "gemm_scatter")
     if use_tma and not (tma_strides_ok(x4, 3) and tma_strides_ok(w, 0 if w_kn else 1)):
         if tma:
             raise ValueError("gemm_scatter: tma=True needs 16-byte aligned tensors with a unit inner stride")
@@ -177,8 +173,7 @@ def _launch(x4: torch.Tensor, w: torch.Tensor, dest_ptrs: torch.Tensor, out: tor
     if use_tma:
         ensure_allocator()
     tiles = chunks * p * cdiv(length, cfg.block_m) * cdiv(cols, cfg.block_n)
-    programs = max(1, min(tiles, sm_count(x4.device.index if x4.device.index is not None
-                                          else torch.cuda.current_device()) if cuda else 4))
+    programs = max(1, min(tiles, sm_count(device_index(x4.device)) if cuda else 4))
     precision = "ieee" if x4.dtype == torch.float32 else "tf32"
     _gemm_scatter_kernel[(programs,)](
         x4, w, dest_ptrs, out, p, length, cols, k, rank, n, chunks,

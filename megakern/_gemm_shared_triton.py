@@ -1,7 +1,7 @@
 """What the Triton GEMM kernels share: the MMA step that keeps fp32 products exact, the masked pointer-load K loop
-(for tiles TMA cannot move), and launch helpers (the device's
-SM count and generation, the allocator Triton asks for when a kernel makes tensor descriptors (TMA) on the device,
-and whether TMA can address a tensor)."""
+(for tiles TMA cannot move), and launch helpers (the device's SM count and generation, whether a launch uses tensor
+descriptors (TMA) and whether TMA can address a tensor, the allocator Triton asks for when a kernel makes
+descriptors on the device)."""
 from __future__ import annotations
 
 import functools
@@ -48,6 +48,11 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def device_index(device: torch.device) -> int:
+    """The CUDA device index of ``device`` (the current device for a bare 'cuda')."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 @functools.lru_cache(maxsize=None)
 def sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -74,6 +79,16 @@ def ensure_allocator() -> None:
     except (ImportError, AttributeError):
         pass
     triton.set_allocator(_scratch)
+
+
+def tma_usable(device: torch.device, tma: bool | None, op: str) -> bool:
+    """Tensor descriptors asked for (``tma`` True / False) or by default: on Hopper or newer GPUs. ``op`` names the
+    caller in the error for tma=True on an older GPU."""
+    if tma is not None:
+        if tma and device.type == "cuda" and not hopper_or_newer(device_index(device)):
+            raise ValueError(f"{op}: tma=True needs a Hopper or newer GPU (sm_90+)")
+        return tma
+    return device.type == "cuda" and hopper_or_newer(device_index(device))
 
 
 def tma_strides_ok(t: torch.Tensor, unit_dim: int) -> bool:

@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 
 from megakern._intmath import cdiv, next_power_of_2
-from megakern._gemm_shared_triton import (ensure_allocator, hopper_or_newer, mma, pointer_k_loop, sm_count,
-                                          tma_strides_ok)
+from megakern._gemm_shared_triton import (device_index, ensure_allocator, mma, pointer_k_loop, sm_count,
+                                          tma_strides_ok, tma_usable)
 
 
 class Config(NamedTuple):
@@ -235,16 +235,6 @@ def _grouped_mm_dw_kernel(A, B, C, OFFSETS, M, K, N, E,
 
 
 # ---- launch helpers --------------------------------------------------------------------------------------------
-def _tma_usable(device: torch.device, tma: bool | None) -> bool:
-    """Tensor descriptors asked for (``tma`` True / False) or by default: on Hopper or newer GPUs."""
-    if tma is not None:
-        if tma and device.type == "cuda" and not hopper_or_newer(device.index or torch.cuda.current_device()):
-            raise ValueError("grouped_mm: tma=True needs a Hopper or newer GPU (sm_90+)")
-        return tma
-    return device.type == "cuda" and hopper_or_newer(device.index if device.index is not None
-                                                      else torch.cuda.current_device())
-
-
 def default_config(m: int, n: int, k: int, experts: int, dtype: torch.dtype, device: torch.device,
                    dw: bool = False) -> Config:
     """The tile of a launch (``dw``: of the weight-gradient kernel, whose tile is (K, N) and whose reduction runs
@@ -265,7 +255,7 @@ def default_config(m: int, n: int, k: int, experts: int, dtype: torch.dtype, dev
 def _programs(tiles: int, cfg: Config, device: torch.device) -> int:
     if not cfg.persistent:
         return max(1, tiles)
-    sms = sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+    sms = sm_count(device_index(device)) \
         if device.type == "cuda" else 4
     return max(1, min(tiles, sms * cfg.occupancy))
 
@@ -288,7 +278,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, *, confi
     if x.stride(1) != 1:
         x = x.contiguous()
     cfg = config or default_config(m, n, k, experts, x.dtype, x.device)
-    use_tma = _tma_usable(x.device, tma)
+    use_tma = tma_usable(x.device, tma, "grouped_mm")
     trans_b = w.stride(2) != 1 and w.stride(1) == 1
     if use_tma:
         b_unit = 1 if trans_b else 2
@@ -327,7 +317,7 @@ def grouped_mm_dw(x: torch.Tensor, dout: torch.Tensor, offsets: torch.Tensor, ex
     x = x if x.stride(1) == 1 else x.contiguous()
     dout = dout if dout.stride(1) == 1 else dout.contiguous()
     cfg = config or default_config(m, n, k, experts, x.dtype, x.device, dw=True)
-    use_tma = _tma_usable(x.device, tma)
+    use_tma = tma_usable(x.device, tma, "grouped_mm")
     if use_tma and not (tma_strides_ok(x, 1) and tma_strides_ok(dout, 1) and tma_strides_ok(out, 2)):
         if tma:
             raise ValueError("grouped_mm: tma=True needs 16-byte aligned tensors with a unit inner stride")
