@@ -82,15 +82,11 @@ class SymmetricWorkspace:
         # GEMM + reduce-scatter: "copy" (cuBLAS GEMMs, copy-engine pulls, then a summing pass) or "kernel" (a Triton
         # GEMM storing its tiles into the owners' buffers); docs/parallelism.md compares them
         self.rs_impl = "copy"
-        self.peer_priority = -100  # torch maps it to the device's highest stream priority
 
     def peer_stream(self, peer: int):
-        """The stream that moves data from ``peer`` while the current stream computes (one per peer). Of the highest
-        priority: its kernel that waits for the peer's signal takes the first SM that frees up, instead of queueing
-        behind the next GEMM's blocks (a GEMM that fills every SM would otherwise hold the transfer back until it
-        ends)."""
+        """The stream that moves data from ``peer`` while the current stream computes (one per peer)."""
         if peer not in self._streams:
-            self._streams[peer] = torch.cuda.Stream(device=self.device, priority=self.peer_priority)
+            self._streams[peer] = torch.cuda.Stream(device=self.device)
         return self._streams[peer]
 
     def pull(self, handle, role: str, peers: list[int], copy, signal_first: bool, after) -> dict:
