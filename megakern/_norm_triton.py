@@ -38,11 +38,9 @@ def _norm_fwd_kernel(
     col_mask = cols < N
     mask = row_mask[:, None] & col_mask[None, :]
     # the rows, plus the residual rounded to the residual's dtype and stored: what is normalized is what is kept
-    x = tl.load(X + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
-    x = x.to(tl.float32)
+    x = tl.load(X + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
-        r = tl.load(RES + rows[:, None] * stride_resm + cols[None, :], mask=mask, other=0.0,
-                    eviction_policy="evict_first")
+        r = tl.load(RES + rows[:, None] * stride_resm + cols[None, :], mask=mask, other=0.0)
         h = (x + r.to(tl.float32)).to(RES_OUT.dtype.element_ty)
         tl.store(RES_OUT + rows[:, None] * stride_resoutm + cols[None, :], h, mask=mask)
         x = h.to(tl.float32)
@@ -65,12 +63,29 @@ def _norm_fwd_kernel(
 
 
 @triton.jit
+def _load_bwd_rows(X, DY, MEAN, RSTD, rows, row_end, cols, col_mask, stride_xm, stride_dym, IS_RMS: tl.constexpr):
+    """One step's rows of x and dy (as stored), and their statistics; rows past ``row_end`` read as zeros."""
+    row_mask = rows < row_end
+    rows64 = rows.to(tl.int64)
+    mask = row_mask[:, None] & col_mask[None, :]
+    x = tl.load(X + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+    dy = tl.load(DY + rows64[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0)
+    rstd = tl.load(RSTD + rows64, mask=row_mask, other=0.0)
+    if IS_RMS:
+        mean = rstd
+    else:
+        mean = tl.load(MEAN + rows64, mask=row_mask, other=0.0)
+    return x, dy, mean, rstd
+
+
+@triton.jit
 def _norm_bwd_kernel(
     X, DY, DRES_OUT, W, MEAN, RSTD, DX, DRES, DW_PARTIAL, DB_PARTIAL,
     stride_xm, stride_dym, stride_dresoutm, stride_dxm, stride_dresm,
     M, N, rows_per_program,
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_DW: tl.constexpr, HAS_DB: tl.constexpr,
     HAS_DRES_OUT: tl.constexpr, HAS_DRES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -81,23 +96,31 @@ def _norm_bwd_kernel(
     db = tl.zeros([BLOCK_N], dtype=tl.float32)
     row_start = pid * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, M)
+    if PREFETCH:  # the next step's rows are loaded before this step's math: their latency hides under it
+        x_next, dy_next, mean_next, rstd_next = _load_bwd_rows(
+            X, DY, MEAN, RSTD, row_start + tl.arange(0, BLOCK_M), row_end, cols, col_mask, stride_xm, stride_dym,
+            IS_RMS)
     # BLOCK_M rows per step: a (BLOCK_M, BLOCK_N) tile keeps more loads in flight per program
     for row0 in range(row_start, row_end, BLOCK_M):
         rows = row0 + tl.arange(0, BLOCK_M)
+        if PREFETCH:
+            x, dy, mean, rstd = x_next, dy_next, mean_next, rstd_next
+            x_next, dy_next, mean_next, rstd_next = _load_bwd_rows(
+                X, DY, MEAN, RSTD, rows + BLOCK_M, row_end, cols, col_mask, stride_xm, stride_dym, IS_RMS)
+        else:
+            x, dy, mean, rstd = _load_bwd_rows(X, DY, MEAN, RSTD, rows, row_end, cols, col_mask, stride_xm,
+                                               stride_dym, IS_RMS)
         row_mask = rows < row_end
         rows64 = rows.to(tl.int64)
         mask = row_mask[:, None] & col_mask[None, :]
-        x = tl.load(X + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0,
-                    eviction_policy="evict_first").to(tl.float32)
-        dy = tl.load(DY + rows64[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0,
-                     eviction_policy="evict_first").to(tl.float32)
-        rstd = tl.load(RSTD + rows64, mask=row_mask, other=0.0)[:, None]
+        x = x.to(tl.float32)
+        dy = dy.to(tl.float32)
+        rstd = rstd[:, None]
         # xhat, and g = dy * w
         if IS_RMS:
             xhat = x * rstd
         else:
-            mean = tl.load(MEAN + rows64, mask=row_mask, other=0.0)[:, None]
-            xhat = tl.where(mask, (x - mean) * rstd, 0.0)
+            xhat = tl.where(mask, (x - mean[:, None]) * rstd, 0.0)
         g = dy * w[None, :] if HAS_W else dy
         # dx = rstd * (g - xhat * mean(g * xhat) - mean(g))   (RMSNorm: no mean(g))
         dx = g - xhat * (tl.sum(g * xhat, axis=1) / N)[:, None]
@@ -130,23 +153,28 @@ def _block(n: int) -> int:
 
 # Launch geometry, measured on the H200 with profiles/tune_norm.py (figures in docs/tuning.md, norms).
 def _fwd_config(block: int) -> tuple[int, int]:
-    """(rows per program, warps): about 8192 elements a program, 8 warps; wider rows 16-32 warps."""
-    rows = max(1, 8192 // block)
-    return rows, min(32, max(8, rows * block // 1024))
-
-
-def _bwd_config(block: int, is_rms: bool) -> tuple[int, int, int]:
-    """(rows per step, warps, programs per SM): one persistent program per SM, rows per step and warps by hidden
-    size; up to 1024, 4 programs per SM (one leaves too few warps in flight for rows this short)."""
-    if block <= 1024:
-        return 2, 4, 4
+    """(rows per program, warps): one row a program from hidden 2048 up, 4 warps to 2048, 8 at 4096-8192, then one
+    warp per 1024 columns; below 2048, rows enough for 2048 elements a program (8192 below 1024)."""
+    if block < 1024:
+        return 8192 // block, 8
     if block <= 2048:
-        return 4, 8, 1
-    if block <= 4096:
-        return (4, 8, 1) if is_rms else (2, 16, 1)
+        return 2048 // block, 4
     if block <= 8192:
-        return (2, 16, 1) if is_rms else (1, 16, 1)
-    return 1, 32, 1
+        return 1, 8
+    return 1, min(32, block // 1024)
+
+
+def _bwd_config(block: int) -> tuple[int, int, int, bool]:
+    """(rows per step, warps, programs per SM, prefetch): from hidden 1024 to 8192, one row a step with the next
+    row's loads issued before this row's math, 8 elements of a row per thread, and 8192 // hidden programs per SM;
+    wider rows have no registers left for a second row in flight."""
+    if block < 1024:
+        return 2, 4, 4, False
+    if block <= 8192:
+        return 1, block // 256, 8192 // block, True
+    if block <= 16384:
+        return 1, 16, 1, False
+    return 1, 32, 1, False
 
 
 @functools.lru_cache(maxsize=None)
@@ -186,13 +214,15 @@ def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | No
 
 
 def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype, need_dw: bool, need_db: bool,
-        num_warps: int | None = None, programs_per_sm: int | None = None, rows_per_step: int | None = None):
+        num_warps: int | None = None, programs_per_sm: int | None = None, rows_per_step: int | None = None,
+        prefetch: bool | None = None):
     """(dx, dresidual | None, dweight | None, dbias | None); arguments as megakern._norm_cuda.bwd, plus tuning
     overrides."""
     rows, n = dy.shape
     block = _block(n)
-    default_rows, warps, per_sm = _bwd_config(block, is_rms)
+    default_rows, warps, per_sm, default_prefetch = _bwd_config(block)
     rows_per_step, warps = rows_per_step or default_rows, num_warps or warps
+    prefetch = default_prefetch if prefetch is None else prefetch
     programs = _programs(rows, dy.device, programs_per_sm or per_sm)
     rows_per_program = math.ceil(rows / programs) if rows else 0
     dx = torch.empty((rows, n), dtype=dy.dtype, device=dy.device)
@@ -211,7 +241,7 @@ def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype, need_
         rows, n, rows_per_program,
         IS_RMS=is_rms, HAS_W=weight is not None, HAS_DW=need_dw, HAS_DB=has_db,
         HAS_DRES_OUT=dres_out is not None, HAS_DRES=separate_dres, BLOCK_M=rows_per_step, BLOCK_N=block,
-        num_warps=warps,
+        PREFETCH=prefetch, num_warps=warps,
     )
     sums = sum_rows(parts, weight.dtype) if parts is not None else None  # summed and cast in one launch
     dw = sums[0] if need_dw else None

@@ -39,7 +39,7 @@ def main() -> None:
         for op, is_rms, bias in (("rms", True, None), ("ln", False, b)):
             _, _, mean, rstd = _norm_triton.fwd(x, None, w, bias, 1e-5, is_rms)
             runs = []
-            for warps, rows_pp in ((8, 1), (16, 1), (8, 2), (16, 2), (16, 4), (4, 4), (8, 8)):
+            for warps, rows_pp in ((4, 1), (8, 1), (16, 1), (4, 2), (8, 2), (16, 2), (16, 4), (4, 4), (8, 8)):
                 runs.append((f"triton fwd warps={warps} rows/program={rows_pp}", 2 * act,
                              lambda warps=warps, rows_pp=rows_pp: _norm_triton.fwd(
                                  x, None, w, bias, 1e-5, is_rms, num_warps=warps, rows_per_program=rows_pp)))
@@ -47,15 +47,21 @@ def main() -> None:
                          lambda: _norm_cuda.fwd(x, None, w, bias, 1e-5, is_rms)))
             dres = torch.randn_like(x) if args.residual else None
             bwd_bytes = (4 if args.residual else 3) * act
-            geometries = [(16, 1, 1), (16, 1, 2), (8, 1, 2), (8, 1, 4), (4, 1, 4)]
+            # (warps, programs per SM, rows per step, prefetch of the next step's rows)
+            geometries = [(16, 1, 1, False), (16, 1, 2, False), (8, 1, 2, False), (8, 1, 4, False), (4, 1, 4, False),
+                          (max(4, n // 256), max(1, 8192 // n), 1, True), (max(4, n // 256), max(1, 4096 // n), 1, True),
+                          (max(4, n // 512), max(1, 8192 // n), 1, True)]
             if args.residual:
-                geometries += [(4, 2, 4), (4, 4, 4), (4, 8, 4), (4, 4, 2), (4, 8, 2), (8, 4, 4), (8, 2, 4), (4, 4, 8),
-                               (2, 8, 4), (4, 16, 2)]
-            for warps, per_sm, block_m in geometries:
-                runs.append((f"triton bwd warps={warps} per_sm={per_sm} rows/step={block_m}", bwd_bytes,
-                             lambda warps=warps, per_sm=per_sm, block_m=block_m: _norm_triton.bwd(
+                geometries += [(4, 2, 4, False), (4, 4, 4, False), (4, 8, 4, False), (4, 4, 2, False),
+                               (4, 8, 2, False), (8, 4, 4, False), (8, 2, 4, False), (4, 4, 8, False),
+                               (2, 8, 4, False), (4, 16, 2, False)]
+            for warps, per_sm, block_m, prefetch in geometries:
+                runs.append((f"triton bwd warps={warps} per_sm={per_sm} rows/step={block_m} prefetch={int(prefetch)}",
+                             bwd_bytes,
+                             lambda warps=warps, per_sm=per_sm, block_m=block_m, prefetch=prefetch: _norm_triton.bwd(
                                  dy, x, dres, w, mean, rstd, is_rms, x.dtype if args.residual else None, True,
-                                 not is_rms, num_warps=warps, programs_per_sm=per_sm, rows_per_step=block_m)))
+                                 not is_rms, num_warps=warps, programs_per_sm=per_sm, rows_per_step=block_m,
+                                 prefetch=prefetch)))
             runs.append(("cuda bwd default " + str(_norm_cuda.launch_config(n, x.dtype, True)), bwd_bytes,
                          lambda: _norm_cuda.bwd(dy, x, dres, w, mean, rstd, is_rms, x.dtype if args.residual else None,
                                                 True, not is_rms)))

@@ -6,6 +6,8 @@ kernels run under the interpreter on small shapes; on a GPU, also both CUDA path
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -44,8 +46,11 @@ def _lowp(op, x, w, b, eps, residual):
     return y if h is None else (y, h)
 
 
-def run(variant, op, x, w, b, eps, residual):
-    """One implementation: the public op for 'torch' / 'triton', the autograd Function for a CUDA path."""
+def run(variant, op, x, w, b, eps, residual, launchers=None):
+    """One implementation: the public op for 'torch' / 'triton', the autograd Function for a CUDA path (or for the
+    given ``launchers``)."""
+    if launchers is not None:
+        return _norm.NormFunction.apply(x, w, b, residual, eps, op == "rms_norm", launchers)
     if variant in ("torch", "triton"):
         launchers_for(variant)  # skips when unavailable
         fn = getattr(megakern, op)
@@ -69,7 +74,7 @@ def make_inputs(op, dtype, shape, setup, device=DEVICE):
     return x, w, b, r
 
 
-def check_fwd_bwd(variant, op, dtype, x, w, b, r, eps=1e-5, dy_fn=torch.randn_like):
+def check_fwd_bwd(variant, op, dtype, x, w, b, r, eps=1e-5, dy_fn=torch.randn_like, launchers=None):
     """Run one implementation and the two references, compare outputs and all gradients, check inputs intact."""
     skip_interpreter_faults(variant, dtype)
     leaves = [t for t in (x, w, b, r) if t is not None]
@@ -77,7 +82,7 @@ def check_fwd_bwd(variant, op, dtype, x, w, b, r, eps=1e-5, dy_fn=torch.randn_li
     for t in leaves:
         t.requires_grad_(True)
     poison_cuda_allocator(8 * x.numel() * 4)
-    out = run(variant, op, x, w, b, eps, r)
+    out = run(variant, op, x, w, b, eps, r, launchers)
     outs = out if isinstance(out, tuple) else (out,)
     douts = [dy_fn(o) for o in outs]
     grads = torch.autograd.grad(outs, leaves, douts)
@@ -118,6 +123,23 @@ def test_matches_reference(op, variant, dtype, shape, setup):
     seed(op, variant, dtype, shape, setup)
     x, w, b, r = make_inputs(op, dtype, shape, setup)
     check_fwd_bwd(variant, op, dtype, x, w, b, r)
+
+
+@pytest.mark.parametrize("prefetch,rows_per_step", [(False, 1), (False, 2), (True, 1), (True, 2)])
+@pytest.mark.parametrize("setup", ("affine", "residual", "fp32-residual-fp32-weight"))
+@pytest.mark.parametrize("op", OPS)
+def test_triton_bwd_geometries(op, setup, prefetch, rows_per_step):
+    """Each backward geometry the launch table picks from (rows a step, the next step's rows loaded ahead or not),
+    on row counts that leave programs a partial last step, one row, or none."""
+    fwd, bwd = launchers_for("triton")
+    dtype = torch.bfloat16 if HAS_CUDA else torch.float32
+    shape = (5, 333, 1000) if HAS_CUDA else (3, 5, 96)
+    for rows, per_sm in ((shape[1], 3), (2, 1)):
+        seed(op, setup, prefetch, rows_per_step, rows)
+        x, w, b, r = make_inputs(op, dtype, (shape[0], rows, shape[2]), setup)
+        launchers = (fwd, functools.partial(bwd, prefetch=prefetch, rows_per_step=rows_per_step,
+                                            programs_per_sm=per_sm))
+        check_fwd_bwd("triton", op, dtype, x, w, b, r, launchers=launchers)
 
 
 LAYOUTS = ("padded-rows", "strided-leading", "transposed", "misaligned")
