@@ -153,27 +153,29 @@ def _block(n: int) -> int:
 
 # Launch geometry, measured on the H200 with profiles/tune_norm.py (figures in docs/tuning.md, norms).
 def _fwd_config(block: int) -> tuple[int, int]:
-    """(rows per program, warps): one row a program from hidden 2048 up, 4 warps to 2048, 8 at 4096-8192, then one
-    warp per 1024 columns; below 2048, rows enough for 2048 elements a program (8192 below 1024)."""
+    """(rows per program, warps): below hidden 2048, rows enough for 2048 elements a program at 4 warps (8192 at 8
+    below 1024); from 2048 one row a program, 4 warps to 2048, 8 to 16384, 32 above."""
     if block < 1024:
         return 8192 // block, 8
     if block <= 2048:
         return 2048 // block, 4
-    if block <= 8192:
-        return 1, 8
-    return 1, min(32, block // 1024)
-
-
-def _bwd_config(block: int) -> tuple[int, int, int, bool]:
-    """(rows per step, warps, programs per SM, prefetch): from hidden 1024 to 8192, one row a step with the next
-    row's loads issued before this row's math, 8 elements of a row per thread, and 8192 // hidden programs per SM;
-    wider rows have no registers left for a second row in flight."""
-    if block < 1024:
-        return 2, 4, 4, False
-    if block <= 8192:
-        return 1, block // 256, 8192 // block, True
     if block <= 16384:
-        return 1, 16, 1, False
+        return 1, 8
+    return 1, 32
+
+
+def _bwd_config(block: int, is_rms: bool) -> tuple[int, int, int, bool]:
+    """(rows per step, warps, programs per SM, prefetch): short rows several rows a step and programs per SM; at
+    hidden 4096-8192 one row a step with the next row's loads issued before this row's math (16 warps, 8192 // hidden
+    programs per SM); LayerNorm at 16384 prefetches too, at 32 warps."""
+    if block <= 1024:
+        return 2, 4, 4, False
+    if block <= 2048:
+        return 4, 8, 1, False
+    if block <= 8192:
+        return 1, 16, 8192 // block, True
+    if block <= 16384:
+        return (1, 16, 1, False) if is_rms else (1, 32, 1, True)
     return 1, 32, 1, False
 
 
@@ -220,7 +222,7 @@ def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype, need_
     overrides."""
     rows, n = dy.shape
     block = _block(n)
-    default_rows, warps, per_sm, default_prefetch = _bwd_config(block)
+    default_rows, warps, per_sm, default_prefetch = _bwd_config(block, is_rms)
     rows_per_step, warps = rows_per_step or default_rows, num_warps or warps
     prefetch = default_prefetch if prefetch is None else prefetch
     programs = _programs(rows, dy.device, programs_per_sm or per_sm)
