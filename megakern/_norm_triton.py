@@ -3,7 +3,8 @@
 Forward: one program per row; the row is read once (with the residual, if fused), the statistics reduced in
 registers, y written once. Backward: a persistent grid; each program walks a contiguous run of rows, reads x and
 dy once, writes dx, and keeps its dweight / dbias partial sums in registers until one final store, so the
-column reduction costs one small (programs, N) sum afterwards instead of a second pass over x and dy.
+column reduction costs one small (programs, N) sum afterwards instead of a second pass over x and dy. Rows too wide
+for registers have a two-pass backward (``wide``) that walks each row in chunks, its partial sums kept in L2.
 
 Launchers take validated 2-D views (rows, N) with unit stride along N; tensors in, tensors out, no autograd.
 """
@@ -144,6 +145,65 @@ def _norm_bwd_kernel(
         tl.store(DB_PARTIAL + pid * N + cols, db, mask=col_mask)
 
 
+@triton.jit
+def _norm_bwd_wide_kernel(
+    X, DY, DRES_OUT, W, MEAN, RSTD, DX, DRES, DW_PARTIAL, DB_PARTIAL,
+    stride_xm, stride_dym, stride_dresoutm, stride_dxm, stride_dresm,
+    M, N, rows_per_program,
+    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_DW: tl.constexpr, HAS_DB: tl.constexpr,
+    HAS_DRES_OUT: tl.constexpr, HAS_DRES: tl.constexpr, CHUNK: tl.constexpr, STAGES: tl.constexpr,
+):
+    """The backward for rows too wide for registers: a row at a time, in CHUNK-column pieces, twice. The first pass
+    reads x and dy from memory for the row's two sums; the second reads them again (from L2, where the first pass
+    left them), writes dx and adds dy * xhat (and dy) into this program's partial rows of dweight (and dbias),
+    zeroed by the launcher, which stay in L2 across the program's rows."""
+    pid = tl.program_id(0)
+    offs = tl.arange(0, CHUNK)
+    row_start = pid.to(tl.int64) * rows_per_program  # int64 bounds: the row loop's offsets are 64-bit
+    row_end = tl.minimum(row_start + rows_per_program, M)
+    part_row = pid.to(tl.int64) * N
+    for row64 in range(row_start, row_end):
+        x_row = X + row64 * stride_xm
+        dy_row = DY + row64 * stride_dym
+        rstd = tl.load(RSTD + row64)
+        mean = 0.0 if IS_RMS else tl.load(MEAN + row64)
+        # pass 1: sum(g * xhat) and sum(g) over the row (g = dy * w; zero past N, so no masking of the sums)
+        acc_gx = tl.zeros([CHUNK], dtype=tl.float32)
+        acc_g = tl.zeros([CHUNK], dtype=tl.float32)
+        for c0 in tl.range(0, N, CHUNK, num_stages=STAGES):
+            cols = c0 + offs
+            m = cols < N
+            x = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32)
+            g = tl.load(dy_row + cols, mask=m, other=0.0).to(tl.float32)
+            if HAS_W:
+                g = g * tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
+            acc_gx += g * ((x - mean) * rstd)
+            if not IS_RMS:
+                acc_g += g
+        c_gx = tl.sum(acc_gx, axis=0) / N
+        c_g = 0.0 if IS_RMS else tl.sum(acc_g, axis=0) / N
+        # pass 2: dx, and the partial column sums (the first row of a program starts them)
+        for c0 in tl.range(0, N, CHUNK, num_stages=STAGES):
+            cols = c0 + offs
+            m = cols < N
+            x = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32)
+            dy = tl.load(dy_row + cols, mask=m, other=0.0).to(tl.float32)
+            xhat = (x - mean) * rstd
+            g = dy * tl.load(W + cols, mask=m, other=0.0).to(tl.float32) if HAS_W else dy
+            dx = (g - xhat * c_gx - c_g) * rstd
+            if HAS_DRES_OUT:
+                dx = dx + tl.load(DRES_OUT + row64 * stride_dresoutm + cols, mask=m, other=0.0).to(tl.float32)
+            tl.store(DX + row64 * stride_dxm + cols, dx.to(DX.dtype.element_ty), mask=m)
+            if HAS_DRES:
+                tl.store(DRES + row64 * stride_dresm + cols, dx, mask=m)
+            if HAS_DW:
+                dw_at = DW_PARTIAL + part_row + cols
+                tl.store(dw_at, tl.load(dw_at, mask=m, other=0.0) + dy * xhat, mask=m)
+            if HAS_DB:
+                db_at = DB_PARTIAL + part_row + cols
+                tl.store(db_at, tl.load(db_at, mask=m, other=0.0) + dy, mask=m)
+
+
 def _block(n: int) -> int:
     block = next_power_of_2(n)
     if block > MAX_BLOCK:
@@ -217,9 +277,10 @@ def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | No
 
 def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype, need_dw: bool, need_db: bool,
         num_warps: int | None = None, programs_per_sm: int | None = None, rows_per_step: int | None = None,
-        prefetch: bool | None = None):
+        prefetch: bool | None = None, wide: bool = False, chunk: int = 4096, stages: int = 2):
     """(dx, dresidual | None, dweight | None, dbias | None); arguments as megakern._norm_cuda.bwd, plus tuning
-    overrides."""
+    overrides. ``wide``: the two-pass kernel for rows too wide for registers, ``chunk`` columns at a time with
+    ``stages`` of them in flight; ``rows_per_step`` and ``prefetch`` do not apply to it."""
     rows, n = dy.shape
     block = _block(n)
     default_rows, warps, per_sm, default_prefetch = _bwd_config(block, is_rms)
@@ -232,19 +293,19 @@ def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype, need_
     dres = torch.empty((rows, n), dtype=torch.float32, device=dy.device) if separate_dres else None
     has_db = need_db and not is_rms
     # the per-program partial sums of dweight and dbias in one buffer, reduced by one launch
-    parts = torch.empty((int(need_dw) + int(has_db), programs, n), dtype=torch.float32, device=dy.device) \
-        if need_dw or has_db else None
+    parts = (torch.zeros if wide else torch.empty)((int(need_dw) + int(has_db), programs, n), dtype=torch.float32,
+                                                   device=dy.device) if need_dw or has_db else None
     dw_partial = parts[0] if need_dw else None
     db_partial = parts[-1] if has_db else None
-    _norm_bwd_kernel[(programs,)](
-        x, dy, dres_out, weight, mean, rstd, dx, dres, dw_partial, db_partial,
-        x.stride(0), dy.stride(0), dres_out.stride(0) if dres_out is not None else 0, dx.stride(0),
-        dres.stride(0) if dres is not None else 0,
-        rows, n, rows_per_program,
-        IS_RMS=is_rms, HAS_W=weight is not None, HAS_DW=need_dw, HAS_DB=has_db,
-        HAS_DRES_OUT=dres_out is not None, HAS_DRES=separate_dres, BLOCK_M=rows_per_step, BLOCK_N=block,
-        PREFETCH=prefetch, num_warps=warps,
-    )
+    args = (x, dy, dres_out, weight, mean, rstd, dx, dres, dw_partial, db_partial,
+            x.stride(0), dy.stride(0), dres_out.stride(0) if dres_out is not None else 0, dx.stride(0),
+            dres.stride(0) if dres is not None else 0, rows, n, rows_per_program)
+    flags = dict(IS_RMS=is_rms, HAS_W=weight is not None, HAS_DW=need_dw, HAS_DB=has_db,
+                 HAS_DRES_OUT=dres_out is not None, HAS_DRES=separate_dres, num_warps=warps)
+    if wide:
+        _norm_bwd_wide_kernel[(programs,)](*args, CHUNK=min(next_power_of_2(chunk), block), STAGES=stages, **flags)
+    else:
+        _norm_bwd_kernel[(programs,)](*args, BLOCK_M=rows_per_step, BLOCK_N=block, PREFETCH=prefetch, **flags)
     sums = sum_rows(parts, weight.dtype) if parts is not None else None  # summed and cast in one launch
     dw = sums[0] if need_dw else None
     db = sums[-1] if has_db else None

@@ -63,6 +63,16 @@ def main() -> None:
                                  dy, x, dres, w, mean, rstd, is_rms, x.dtype if args.residual else None, True,
                                  not is_rms, num_warps=warps, programs_per_sm=per_sm, rows_per_step=block_m,
                                  prefetch=prefetch)))
+            if n >= 8192:  # the two-pass kernel for wide rows: (warps, programs per SM, chunk, stages)
+                for warps, per_sm, chunk, stages in ((8, 2, 4096, 2), (8, 4, 4096, 2), (4, 4, 2048, 2), (8, 2, 2048, 3),
+                                                     (16, 2, 8192, 2), (16, 1, 8192, 2), (8, 4, 2048, 2),
+                                                     (4, 8, 1024, 3), (8, 2, 4096, 3), (16, 2, 4096, 2)):
+                    runs.append((f"triton bwd wide warps={warps} per_sm={per_sm} chunk={chunk} stages={stages}",
+                                 bwd_bytes,
+                                 lambda warps=warps, per_sm=per_sm, chunk=chunk, stages=stages: _norm_triton.bwd(
+                                     dy, x, dres, w, mean, rstd, is_rms, x.dtype if args.residual else None, True,
+                                     not is_rms, num_warps=warps, programs_per_sm=per_sm, wide=True, chunk=chunk,
+                                     stages=stages)))
             runs.append(("cuda bwd default " + str(_norm_cuda.launch_config(n, x.dtype, True)), bwd_bytes,
                          lambda: _norm_cuda.bwd(dy, x, dres, w, mean, rstd, is_rms, x.dtype if args.residual else None,
                                                 True, not is_rms)))

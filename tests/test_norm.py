@@ -125,20 +125,25 @@ def test_matches_reference(op, variant, dtype, shape, setup):
     check_fwd_bwd(variant, op, dtype, x, w, b, r)
 
 
-@pytest.mark.parametrize("prefetch,rows_per_step", [(False, 1), (False, 2), (True, 1), (True, 2)])
-@pytest.mark.parametrize("setup", ("affine", "residual", "fp32-residual-fp32-weight"))
+GEOMETRIES = {"1-row": dict(rows_per_step=1), "2-rows": dict(rows_per_step=2), "1-row-prefetch": dict(prefetch=True),
+              "2-rows-prefetch": dict(rows_per_step=2, prefetch=True), "wide": dict(wide=True, chunk=32),
+              "wide-1-stage": dict(wide=True, chunk=64, stages=1)}
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+@pytest.mark.parametrize("setup", ("affine", "residual", "fp32-residual-fp32-weight", "no-affine"))
 @pytest.mark.parametrize("op", OPS)
-def test_triton_bwd_geometries(op, setup, prefetch, rows_per_step):
-    """Each backward geometry the launch table picks from (rows a step, the next step's rows loaded ahead or not),
-    on row counts that leave programs a partial last step, one row, or none."""
+def test_triton_bwd_geometries(op, setup, geometry):
+    """Each backward geometry the launch table picks from (rows a step, the next step's rows loaded ahead or not, the
+    two-pass kernel for wide rows), on row counts that leave programs a partial last step, one row, or none, and on
+    a hidden size that leaves the last chunk of a wide row partial."""
     fwd, bwd = launchers_for("triton")
     dtype = torch.bfloat16 if HAS_CUDA else torch.float32
-    shape = (5, 333, 1000) if HAS_CUDA else (3, 5, 96)
+    shape = (5, 333, 1000) if HAS_CUDA else (3, 5, 100)
     for rows, per_sm in ((shape[1], 3), (2, 1)):
-        seed(op, setup, prefetch, rows_per_step, rows)
+        seed(op, setup, geometry, rows)
         x, w, b, r = make_inputs(op, dtype, (shape[0], rows, shape[2]), setup)
-        launchers = (fwd, functools.partial(bwd, prefetch=prefetch, rows_per_step=rows_per_step,
-                                            programs_per_sm=per_sm))
+        launchers = (fwd, functools.partial(bwd, programs_per_sm=per_sm, **GEOMETRIES[geometry]))
         check_fwd_bwd("triton", op, dtype, x, w, b, r, launchers=launchers)
 
 
