@@ -147,6 +147,47 @@ def test_triton_bwd_geometries(op, setup, geometry):
         check_fwd_bwd("triton", op, dtype, x, w, b, r, launchers=launchers)
 
 
+def compile_for_sm90() -> list:
+    """(kernel, shared memory bytes) for the forward, the backward and the wide-row backward of both ops, with and
+    without the fused residual and prefetch, compiled for sm_90 (TRITON_INTERPRET=0)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from megakern import _norm_triton as nt
+
+    pointers = {"X", "RES", "W", "B", "Y", "RES_OUT", "MEAN", "RSTD", "DY", "DRES_OUT", "DX", "DRES", "DW_PARTIAL",
+                "DB_PARTIAL"}
+    fp32 = {"MEAN", "RSTD", "DRES", "DW_PARTIAL", "DB_PARTIAL"}
+    results = []
+    for is_rms, residual in ((True, False), (False, True)):
+        flags = dict(IS_RMS=is_rms, HAS_W=True)
+        cases = [("fwd", nt._norm_fwd_kernel, dict(flags, HAS_RES=residual, HAS_B=not is_rms, BLOCK_M=1, BLOCK_N=8192),
+                  8),
+                 ("bwd", nt._norm_bwd_kernel, dict(flags, HAS_DW=True, HAS_DB=not is_rms, HAS_DRES_OUT=residual,
+                                                   HAS_DRES=False, BLOCK_M=1, BLOCK_N=8192, PREFETCH=True), 16),
+                 ("bwd wide", nt._norm_bwd_wide_kernel, dict(flags, HAS_DW=True, HAS_DB=not is_rms,
+                                                             HAS_DRES_OUT=residual, HAS_DRES=residual, CHUNK=4096,
+                                                             STAGES=2), 8)]
+        for name, kernel, constexprs, warps in cases:
+            signature = {a: "constexpr" if a in constexprs else
+                         ("*fp32" if a in fp32 else "*bf16") if a in pointers else
+                         "fp32" if a == "eps" else "i32" for a in kernel.arg_names}
+            compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                                      target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+            results.append((f"{'rms' if is_rms else 'ln'} {name}{' residual' if residual else ''}",
+                            compiled.metadata.shared))
+    return results
+
+
+def test_kernels_compile_for_sm90():
+    """Every norm kernel lowers for Hopper (the interpreter runs the rest of this file on a CPU)."""
+    from conftest import sm90_lowering
+
+    results = sm90_lowering("test_norm", "compile_for_sm90()")
+    assert len(results) == 6, results
+
+
 LAYOUTS = ("padded-rows", "strided-leading", "transposed", "misaligned")
 
 
