@@ -4,11 +4,13 @@ Shapes: q, k, v, out, dout (B, T, nh, hs) for megakern and flash_attn; (B, nh, T
 gets its own contiguous copies of the same values, made before timing, so no transpose is timed. bf16 on
 CUDA, fp32 on CPU (smoke runs only).
 Cases on CUDA: head dim hs in (64, 128), model width nh * hs = 2048, sequence length T in 1k..16k with
-B = max(1, 16384 // T) (16k tokens per batch), causal and non-causal; --quick: hs 128, T in (1k, 4k, 16k),
-causal only. Case names read 'attn hs128 T4096 B4 causal bf16'.
+B = max(1, 16384 // T) (16k tokens per batch), causal and non-causal, query heads per key/value head (the GQA
+ratio) 1 and 4; --quick: hs 128, T in (1k, 4k, 16k), causal, ratio 1. --head-dims, --seqlens and --gqa pick
+others (hs 96 and 256 included). Case names read 'attn hs128 T4096 B4 causal bf16', or with grouped key/value
+heads 'attn hs128 T4096 B4 causal gqa16:4 bf16' (16 query heads, 4 key/value heads).
 
 FLOPs, self-attention (Tq = Tk = T), matmuls only, 2 FLOPs per multiply-add:
-    fwd      = 4 * B * nh * Tq * Tk * hs          S = Q K^T and O = P V, 2 * Tq * Tk * hs each
+    fwd      = 4 * B * nh * Tq * Tk * hs          S = Q K^T and O = P V, 2 * Tq * Tk * hs each (nh: query heads)
                / 2 when causal                     (half of the score matrix is masked out)
     bwd      = 2.5 * fwd                           dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q, and S again
     fwd+bwd  = 3.5 * fwd
@@ -24,7 +26,7 @@ Providers: 'torch' (SDPA math backend; on CUDA only up to T = 4096), 'sdpa-flash
 installed: ../shared/peers/README.md) and 'megakern-triton' (megakern.attention, backend='triton').
 
     python -m benchmarks.bench_attention [--quick] [--providers sdpa-flash,megakern-triton] [--no-save] [--graph]
-                                         [--head-dims 64] [--seqlens 1024,2048]
+                                         [--head-dims 64] [--seqlens 1024,2048] [--gqa 1,4,8]
 
 With --graph every provider is timed by CUDA-graph replay instead (modes 'fwd graph', 'fwd+bwd graph'): GPU
 time without host launch overhead.
@@ -57,19 +59,36 @@ MATH_MAX_T = 4096  # the 'torch' (SDPA math) provider materialises (T, T) scores
 REF_SCORES = 2**28  # the fp32 reference holds at most this many score elements (1 GiB) per chunk of heads
 
 
-def cases(device: torch.device, quick: bool, head_dims=None, seqlens=None) -> list[tuple[int, int, int, int, bool]]:
-    """(B, T, nh, hs, causal) cases; ``head_dims`` / ``seqlens`` (--head-dims, --seqlens) narrow the GPU matrix."""
+class Case(NamedTuple):
+    """One shape: B sequences of T tokens, nh query heads and nkv key/value heads (nh // nkv query heads share
+    one) of dim hs."""
+
+    b: int
+    t: int
+    nh: int
+    nkv: int
+    hs: int
+    causal: bool
+
+
+def cases(device: torch.device, quick: bool, head_dims=None, seqlens=None, gqa=None) -> list[Case]:
+    """The cases; ``head_dims`` / ``seqlens`` / ``gqa`` (--head-dims, --seqlens, --gqa) narrow the GPU matrix. A GQA
+    ratio that does not divide a head dim's head count is left out of that head dim."""
     if device.type != "cuda":
-        return [(1, 64, 2, 32, True), (1, 64, 2, 32, False)]
+        return [Case(1, 64, 2, 2, 32, True), Case(1, 64, 2, 2, 32, False), Case(1, 64, 4, 2, 32, True)]
     head_dims = head_dims or ((128,) if quick else (64, 128))
     seqlens = seqlens or ((1024, 4096, 16384) if quick else (1024, 2048, 4096, 8192, 16384))
     causals = (True,) if quick else (True, False)
-    return [(max(1, TOKENS // t), t, WIDTH // hs, hs, causal)
-            for hs in head_dims for t in seqlens for causal in causals]
+    ratios = gqa or ((1,) if quick else (1, 4))
+    return [Case(max(1, TOKENS // t), t, WIDTH // hs, WIDTH // hs // ratio, hs, causal)
+            for hs in head_dims for ratio in ratios if (WIDTH // hs) % ratio == 0
+            for t in seqlens for causal in causals]
 
 
-def case_name(b: int, t: int, hs: int, causal: bool, dtype: torch.dtype) -> str:
-    return f"attn hs{hs} T{t} B{b} {'causal' if causal else 'noncausal'} {DTYPE_NAMES[dtype]}"
+def case_name(case: Case, dtype: torch.dtype) -> str:
+    gqa = f" gqa{case.nh}:{case.nkv}" if case.nkv != case.nh else ""
+    return (f"attn hs{case.hs} T{case.t} B{case.b} {'causal' if case.causal else 'noncausal'}{gqa} "
+            f"{DTYPE_NAMES[dtype]}")
 
 
 def flops(mode: str, b: int, nh: int, tq: int, tk: int, hs: int, causal: bool) -> float:
@@ -112,7 +131,7 @@ def _dtype(device: torch.device) -> torch.dtype:
 def _sdpa(backend: SDPBackend):
     def fn(q, k, v, causal):
         with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
 
     return fn
 
@@ -169,22 +188,26 @@ PROVIDERS = {
 }
 
 
-def _inputs(b, t, nh, hs, device, dtype) -> dict[str, tuple[torch.Tensor, ...]]:
+def _inputs(case: Case, device, dtype) -> dict[str, tuple[torch.Tensor, ...]]:
     """The same q, k, v (leaves that require grad) and dout in both layouts, each its own contiguous tensor."""
-    bthd = [torch.randn(b, t, nh, hs, device=device, dtype=dtype) for _ in range(4)]
+    heads = (case.nh, case.nkv, case.nkv, case.nh)
+    bthd = [torch.randn(case.b, case.t, h, case.hs, device=device, dtype=dtype) for h in heads]
     bhtd = [x.transpose(1, 2).contiguous() for x in bthd]
     return {layout: (*(x.requires_grad_() for x in xs[:3]), xs[3]) for layout, xs in (("bthd", bthd), ("bhtd", bhtd))}
 
 
 def _reference(q, k, v, dout, causal) -> list[torch.Tensor]:
-    """out, dq, dk, dv in fp32 from the SDPA math backend, all (B, nh, T, hs).
+    """out, dq, dk, dv in fp32 from the SDPA math backend, all (B, heads, T, hs).
 
     Heads are independent, so they are done a few at a time: the math backend materialises the (Tq, Tk) scores,
-    and a chunk holds at most REF_SCORES of them.
+    and a chunk holds at most REF_SCORES of them. Grouped key/value heads are repeated for their query heads, and
+    their gradients summed over the group.
     """
     b, nh, tq, hs = q.shape
-    tk = k.shape[2]
-    flat = [x.detach().reshape(b * nh, x.shape[2], hs) for x in (q, k, v, dout)]
+    nkv, tk = k.shape[1], k.shape[2]
+    group = nh // nkv
+    kv = [x.detach().repeat_interleave(group, dim=1) for x in (k, v)]
+    flat = [x.detach().reshape(b * nh, x.shape[2], hs) for x in (q, *kv, dout)]
     outs = [torch.empty(x.shape, device=x.device, dtype=torch.float32) for x in (flat[0], *flat[:3])]
     step = max(1, REF_SCORES // (tq * tk))
     with sdpa_kernel(SDPBackend.MATH):
@@ -195,7 +218,9 @@ def _reference(q, k, v, dout, causal) -> list[torch.Tensor]:
             for dst, src in zip(outs, (oi.detach(), *grads)):
                 dst[i:i + step] = src
             del qi, ki, vi, oi, grads
-    return [x.view(b, nh, x.shape[1], hs) for x in outs]
+    out, dq, dk, dv = (x.view(b, nh, x.shape[1], hs) for x in outs)
+    dk, dv = (x.view(b, nkv, group, tk, hs).sum(2) for x in (dk, dv))
+    return [out, dq, dk, dv]
 
 
 def _outputs(fn, q, k, v, dout, causal):
@@ -221,6 +246,8 @@ def main(argv: list[str] | None = None) -> Results:
         ints = lambda text: tuple(int(v) for v in text.split(","))  # noqa: E731
         parser.add_argument("--head-dims", type=ints, help="comma-separated head dims (default: 64,128; quick 128)")
         parser.add_argument("--seqlens", type=ints, help="comma-separated sequence lengths")
+        parser.add_argument("--gqa", type=ints, help="comma-separated query heads per key/value head (default: 1,4; "
+                                                     "quick 1)")
 
     args = parse_args(__doc__.splitlines()[0], argv, extra)
     device = args.device
@@ -229,11 +256,12 @@ def main(argv: list[str] | None = None) -> Results:
     results = Results(device)
     results.add_roofline("TFLOP/s", measure_matmul_tflops(device))
     torch.manual_seed(0)
-    for b, t, nh, hs, causal in cases(device, args.quick, args.head_dims, args.seqlens):
-        case = case_name(b, t, hs, causal, dtype)
+    for shape in cases(device, args.quick, args.head_dims, args.seqlens, args.gqa):
+        b, t, nh, hs, causal = shape.b, shape.t, shape.nh, shape.hs, shape.causal
+        case = case_name(shape, dtype)
         inputs = ref = None
         try:
-            inputs = _inputs(b, t, nh, hs, device, dtype)
+            inputs = _inputs(shape, device, dtype)
             ref = _reference(*inputs["bhtd"], causal)
         except Exception as e:
             report_failure("all providers", case, e)

@@ -50,7 +50,8 @@ def main() -> None:
             # (warps, programs per SM, rows per step, prefetch of the next step's rows)
             geometries = [(16, 1, 1, False), (16, 1, 2, False), (8, 1, 2, False), (8, 1, 4, False), (4, 1, 4, False),
                           (4, 4, 2, False), (32, 1, 1, False), (max(4, n // 256), 1, 1, True),
-                          (max(4, n // 256), max(1, 8192 // n), 1, True), (max(4, n // 256), max(1, 4096 // n), 1, True),
+                          (max(4, n // 256), max(1, 8192 // n), 1, True),
+                          (max(4, n // 256), max(1, 4096 // n), 1, True),
                           (max(4, n // 512), max(1, 8192 // n), 1, True)]
             if args.residual:
                 geometries += [(4, 2, 4, False), (4, 4, 4, False), (4, 8, 4, False), (4, 4, 2, False),

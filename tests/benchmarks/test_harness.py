@@ -203,24 +203,28 @@ def test_attention_flops_and_cases():
     assert bench_attention.flops("fwd", 2, 16, 1024, 1024, 128, True) == fwd / 2
     assert bench_attention.flops("fwd+bwd", 2, 16, 1024, 1024, 128, True) == 3.5 * fwd / 2
     full = bench_attention.cases(torch.device("cuda"), quick=False)
-    assert len(full) == 20
-    assert all(b * t == 16384 and nh * hs == 2048 for b, t, nh, hs, causal in full)
-    quick = [bench_attention.case_name(b, t, hs, causal, torch.bfloat16)
-             for b, t, nh, hs, causal in bench_attention.cases(torch.device("cuda"), quick=True)]
+    assert len(full) == 40  # hs 64 and 128, 5 lengths, causal or not, GQA ratio 1 and 4
+    assert all(c.b * c.t == 16384 and c.nh * c.hs == 2048 and c.nh in (c.nkv, 4 * c.nkv) for c in full)
+    quick = [bench_attention.case_name(c, torch.bfloat16) for c in bench_attention.cases(torch.device("cuda"), True)]
     assert quick == ["attn hs128 T1024 B16 causal bf16", "attn hs128 T4096 B4 causal bf16",
                      "attn hs128 T16384 B1 causal bf16"]
+    # hs 96 has 21 heads: ratio 4 does not divide them and is left out; hs 256 has 8
+    odd = bench_attention.cases(torch.device("cuda"), False, head_dims=(96, 256), seqlens=(2048,), gqa=(4,))
+    assert [bench_attention.case_name(c, torch.bfloat16) for c in odd] == [
+        "attn hs256 T2048 B8 causal gqa8:2 bf16", "attn hs256 T2048 B8 noncausal gqa8:2 bf16"]
 
 
 def _attention_wrong_mask(device):
-    return bench_attention.Provider(
-        "bhtd", lambda q, k, v, causal: F.scaled_dot_product_attention(q, k, v, is_causal=not causal))
+    return bench_attention.Provider("bhtd", lambda q, k, v, causal: F.scaled_dot_product_attention(
+        q, k, v, is_causal=not causal, enable_gqa=k.shape[1] != q.shape[1]))
 
 
 def _attention_bthd(device):
     """SDPA behind the (B, T, nh, hs) layout that flash_attn and megakern take."""
     def fn(q, k, v, causal):
         assert q.shape[1] == 64 and q.is_contiguous()  # (B, T, nh, hs) on the CPU cases
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
+                                             enable_gqa=k.shape[2] != q.shape[2])
         return out.transpose(1, 2)
 
     return bench_attention.Provider("bthd", fn)
@@ -228,7 +232,7 @@ def _attention_bthd(device):
 
 def _attention_capped(device):
     return bench_attention.Provider("bhtd", lambda q, k, v, causal: F.scaled_dot_product_attention(
-        q, k, v, is_causal=causal), max_t=32)
+        q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1]), max_t=32)
 
 
 def _attention_raises(device):
@@ -261,7 +265,9 @@ def test_bench_attention_cpu_smoke(tmp_path, capsys, monkeypatch):
     assert all(r["gpu"] == "cpu" and r["bench"] == "attention" for r in records)
     assert {r["provider"] for r in records} == {"torch", "sdpa-flash", "bthd", "roofline"}
     figures = {(r["case"], r["mode"], r["provider"], r["metric"]) for r in records}
-    for case in ("attn hs32 T64 B1 causal fp32", "attn hs32 T64 B1 noncausal fp32"):
+    cpu_cases = ("attn hs32 T64 B1 causal fp32", "attn hs32 T64 B1 noncausal fp32",
+                 "attn hs32 T64 B1 causal gqa4:2 fp32")
+    for case in cpu_cases:
         for mode in bench_attention.MODES:
             for provider in ("torch", "sdpa-flash", "bthd"):
                 for metric in ("ms", "TFLOP/s", "roofline_frac"):
@@ -270,23 +276,26 @@ def test_bench_attention_cpu_smoke(tmp_path, capsys, monkeypatch):
     ms = {(f[0], f[1], f[2]): f[4] for f in results.figures if f[3] == "ms"}
     for (case, mode, provider, metric, value) in results.figures:
         if metric == "TFLOP/s":  # TFLOP/s is the formula's FLOPs over the median time
-            causal = "noncausal" not in case
-            expected = bench_attention.flops(mode, 1, 2, 64, 64, 32, causal) / (ms[case, mode, provider] * 1e-3) / 1e12
+            causal, nh = "noncausal" not in case, 4 if "gqa4:2" in case else 2
+            expected = bench_attention.flops(mode, 1, nh, 64, 64, 32, causal) / (ms[case, mode, provider] * 1e-3) / 1e12
             assert value == pytest.approx(expected)
 
 
 def test_bench_attention_megakern_provider(monkeypatch, capsys):
     """The megakern-triton provider against a stand-in with the call megakern.attention is to take."""
     def attention(q, k, v, *, causal=False, backend=None):
-        assert backend == "triton" and q.shape == (1, 64, 2, 32)  # (B, T, nh, hs)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
+        assert backend == "triton" and q.shape[:2] == (1, 64) and k.shape == (1, 64, 2, 32)  # (B, T, heads, hs)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
+                                             enable_gqa=k.shape[2] != q.shape[2])
         return out.transpose(1, 2)
 
     stand_in = types.SimpleNamespace(attention=attention, available_backends=lambda d: {"triton": ""})
     monkeypatch.setitem(sys.modules, "megakern", stand_in)
     results = bench_attention.main(["--device", "cpu", "--providers", "megakern-triton", "--no-save"])
     assert {figure[2] for figure in results.figures} == {"roofline", "megakern-triton"}
-    assert "| attn hs32 T64 B1 causal fp32 | fwd+bwd |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| attn hs32 T64 B1 causal fp32 | fwd+bwd |" in out
+    assert "| attn hs32 T64 B1 causal gqa4:2 fp32 | fwd+bwd |" in out
 
     no_attention = types.SimpleNamespace(available_backends=lambda d: {"triton": ""})
     monkeypatch.setitem(sys.modules, "megakern", no_attention)
