@@ -4,7 +4,8 @@ Forward: one program per row; the row is read once (with the residual, if fused)
 registers, y written once. Backward: a persistent grid; each program walks a contiguous run of rows, reads x and
 dy once, writes dx, and keeps its dweight / dbias partial sums in registers until one final store, so the
 column reduction costs one small (programs, N) sum afterwards instead of a second pass over x and dy. Rows too wide
-for registers have a two-pass backward (``wide``) that walks each row in chunks, its partial sums kept in L2.
+for registers have two-pass kernels (``wide``) that walk each row in chunks, the second pass reading from L2 (the
+backward's partial sums kept there too).
 
 Launchers take validated 2-D views (rows, N) with unit stride along N; tensors in, tensors out, no autograd.
 """
@@ -61,6 +62,62 @@ def _norm_fwd_kernel(
     if HAS_B:
         y = y + tl.load(B + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)[None, :]
     tl.store(Y + rows[:, None] * stride_ym + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_fwd_wide_kernel(
+    X, RES, W, B, Y, RES_OUT, MEAN, RSTD,
+    stride_xm, stride_resm, stride_ym, stride_resoutm,
+    M, N, eps,
+    IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    CHUNK: tl.constexpr, STAGES: tl.constexpr,
+):
+    """The forward for rows too wide for registers: a row a program, in CHUNK-column pieces, twice. The first pass
+    reads the row (and the residual, storing their sum) from memory for its statistics, LayerNorm's as per-chunk
+    mean and squared deviations merged chunk by chunk (Chan et al.); the second reads it again from L2 and writes y."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, CHUNK)
+    x_row = X + row * stride_xm
+    count = 0.0
+    mean = 0.0
+    m2 = 0.0
+    for c0 in tl.range(0, N, CHUNK, num_stages=STAGES):
+        cols = c0 + offs
+        m = cols < N
+        x = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32)
+        if HAS_RES:
+            h = (x + tl.load(RES + row * stride_resm + cols, mask=m, other=0.0).to(tl.float32))
+            h = h.to(RES_OUT.dtype.element_ty)
+            tl.store(RES_OUT + row * stride_resoutm + cols, h, mask=m)
+            x = h.to(tl.float32)
+        if IS_RMS:
+            m2 += tl.sum(x * x, axis=0)
+        else:
+            k = tl.minimum(N - c0, CHUNK).to(tl.float32)
+            c_mean = tl.sum(x, axis=0) / k
+            c_m2 = tl.sum(tl.where(m, (x - c_mean) * (x - c_mean), 0.0), axis=0)
+            total = count + k
+            delta = c_mean - mean
+            mean += delta * (k / total)
+            m2 += c_m2 + delta * delta * (count * k / total)
+            count = total
+    rstd = 1.0 / tl.sqrt(m2 / N + eps)
+    tl.store(RSTD + row, rstd)
+    if not IS_RMS:
+        tl.store(MEAN + row, mean)
+    for c0 in tl.range(0, N, CHUNK, num_stages=STAGES):
+        cols = c0 + offs
+        m = cols < N
+        if HAS_RES:
+            x = tl.load(RES_OUT + row * stride_resoutm + cols, mask=m, other=0.0).to(tl.float32)
+        else:
+            x = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32)
+        y = (x - mean) * rstd
+        if HAS_W:
+            y = y * tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
+        if HAS_B:
+            y = y + tl.load(B + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(Y + row * stride_ym + cols, y.to(Y.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -251,9 +308,10 @@ def _programs(rows: int, device: torch.device, per_sm: int = 1) -> int:
 
 
 def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | None = None,
-        rows_per_program: int | None = None):
+        rows_per_program: int | None = None, wide: bool = False, chunk: int = 4096, stages: int = 2):
     """(y, residual_out | None, mean | None, rstd) for 2-D ``x``; ``num_warps`` and ``rows_per_program`` override
-    the defaults (tuning)."""
+    the defaults (tuning). ``wide``: the two-pass kernel for rows too wide for registers, a row a program, ``chunk``
+    columns at a time with ``stages`` of them in flight."""
     rows, n = x.shape
     block = _block(n)
     default_rows, warps = _fwd_config(block)
@@ -264,14 +322,15 @@ def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | No
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows == 0:
         return y, res_out, mean, rstd
-    _norm_fwd_kernel[(cdiv(rows, rows_per_program),)](
-        x, residual, weight, bias, y, res_out, mean, rstd,
-        x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
-        res_out.stride(0) if res_out is not None else 0,
-        rows, n, eps,
-        IS_RMS=is_rms, HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
-        BLOCK_M=rows_per_program, BLOCK_N=block, num_warps=warps,
-    )
+    args = (x, residual, weight, bias, y, res_out, mean, rstd,
+            x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
+            res_out.stride(0) if res_out is not None else 0, rows, n, eps)
+    flags = dict(IS_RMS=is_rms, HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
+                 num_warps=warps)
+    if wide:
+        _norm_fwd_wide_kernel[(rows,)](*args, CHUNK=min(next_power_of_2(chunk), block), STAGES=stages, **flags)
+    else:
+        _norm_fwd_kernel[(cdiv(rows, rows_per_program),)](*args, BLOCK_M=rows_per_program, BLOCK_N=block, **flags)
     return y, res_out, mean, rstd
 
 

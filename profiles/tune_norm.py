@@ -43,6 +43,12 @@ def main() -> None:
                 runs.append((f"triton fwd warps={warps} rows/program={rows_pp}", 2 * act,
                              lambda warps=warps, rows_pp=rows_pp: _norm_triton.fwd(
                                  x, None, w, bias, 1e-5, is_rms, num_warps=warps, rows_per_program=rows_pp)))
+            if n >= 8192:  # the two-pass forward for wide rows: (warps, chunk, stages)
+                for warps, chunk, stages in ((4, 2048, 2), (8, 4096, 2), (8, 2048, 3), (16, 8192, 2), (4, 4096, 3)):
+                    runs.append((f"triton fwd wide warps={warps} chunk={chunk} stages={stages}", 2 * act,
+                                 lambda warps=warps, chunk=chunk, stages=stages: _norm_triton.fwd(
+                                     x, None, w, bias, 1e-5, is_rms, num_warps=warps, wide=True, chunk=chunk,
+                                     stages=stages)))
             runs.append(("cuda fwd default " + str(_norm_cuda.launch_config(n, x.dtype, False)), 2 * act,
                          lambda: _norm_cuda.fwd(x, None, w, bias, 1e-5, is_rms)))
             dres = torch.randn_like(x) if args.residual else None

@@ -133,23 +133,28 @@ GEOMETRIES = {"1-row": dict(rows_per_step=1), "2-rows": dict(rows_per_step=2), "
 @pytest.mark.parametrize("geometry", GEOMETRIES)
 @pytest.mark.parametrize("setup", ("affine", "residual", "fp32-residual-fp32-weight", "no-affine"))
 @pytest.mark.parametrize("op", OPS)
-def test_triton_bwd_geometries(op, setup, geometry):
+def test_triton_geometries(op, setup, geometry):
     """Each backward geometry the launch table picks from (rows a step, the next step's rows loaded ahead or not, the
-    two-pass kernel for wide rows), on row counts that leave programs a partial last step, one row, or none, and on
-    a hidden size that leaves the last chunk of a wide row partial."""
+    two-pass kernels for wide rows, forward and backward), on row counts that leave programs a partial last step,
+    one row, or none, and on a hidden size that leaves the last chunk of a wide row partial."""
     fwd, bwd = launchers_for("triton")
+    if geometry.startswith("wide"):  # the wide forward with it
+        fwd = functools.partial(fwd, wide=True, chunk=GEOMETRIES[geometry]["chunk"])
     dtype = torch.bfloat16 if HAS_CUDA else torch.float32
     shape = (5, 333, 1000) if HAS_CUDA else (3, 5, 100)
     for rows, per_sm in ((shape[1], 3), (2, 1)):
         seed(op, setup, geometry, rows)
         x, w, b, r = make_inputs(op, dtype, (shape[0], rows, shape[2]), setup)
+        if op == "layer_norm":  # rows far from zero mean: the statistics must not cancel (the wide kernel merges
+            x.add_(torch.linspace(-8, 8, x.shape[-1], dtype=dtype, device=x.device))  # chunk means that differ)
         launchers = (fwd, functools.partial(bwd, programs_per_sm=per_sm, **GEOMETRIES[geometry]))
         check_fwd_bwd("triton", op, dtype, x, w, b, r, launchers=launchers)
 
 
 def compile_for_sm90() -> list:
-    """(kernel, shared memory bytes) for the forward, the backward and the wide-row backward of both ops, with and
-    without the fused residual and prefetch, compiled for sm_90 (TRITON_INTERPRET=0)."""
+    """(kernel, shared memory bytes) for the forward and backward kernels of both ops, for rows in registers (the
+    backward with prefetch) and for wide rows, with and without the fused residual, compiled for sm_90
+    (TRITON_INTERPRET=0)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -166,6 +171,8 @@ def compile_for_sm90() -> list:
                   8),
                  ("bwd", nt._norm_bwd_kernel, dict(flags, HAS_DW=True, HAS_DB=not is_rms, HAS_DRES_OUT=residual,
                                                    HAS_DRES=False, BLOCK_M=1, BLOCK_N=8192, PREFETCH=True), 16),
+                 ("fwd wide", nt._norm_fwd_wide_kernel, dict(flags, HAS_RES=residual, HAS_B=not is_rms, CHUNK=4096,
+                                                             STAGES=2), 8),
                  ("bwd wide", nt._norm_bwd_wide_kernel, dict(flags, HAS_DW=True, HAS_DB=not is_rms,
                                                              HAS_DRES_OUT=residual, HAS_DRES=residual, CHUNK=4096,
                                                              STAGES=2), 8)]
@@ -185,7 +192,7 @@ def test_kernels_compile_for_sm90():
     from conftest import sm90_lowering
 
     results = sm90_lowering("test_norm", "compile_for_sm90()")
-    assert len(results) == 6, results
+    assert len(results) == 8, results
 
 
 LAYOUTS = ("padded-rows", "strided-leading", "transposed", "misaligned")
