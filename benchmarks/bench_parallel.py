@@ -211,6 +211,8 @@ def run_layout(layout: Layout, args, run_dir: Path, data_cache: Path) -> tuple[d
     ]
     if layout.cuda_graph:
         overrides += ["train.cuda_graph=true", f"train.cuda_graph_warmup={layout.graph_warmup(args.warmup)}"]
+    else:  # eager steps, as the layout names them (train.cuda_graph's default 'auto' would capture where it can)
+        overrides += ["train.cuda_graph=false"]
     if args.profile:  # the profiler's wait + warm-up + 3 recorded steps instead of the timed steps
         overrides += [f"log.profile_dir={run_dir / 'profile'}",
                       f"log.profile_wait={max(layout.untimed(args.warmup) - 1, 1)}",

@@ -134,13 +134,15 @@ class LoopConfig:
     """Steps with a non-finite loss or gradient norm are skipped and counted; this many in a row stop the run."""
     compile: bool = False
     """torch.compile the model (the megakern ops are custom ops or run between graphs)."""
-    cuda_graph: bool = False
+    cuda_graph: bool | Literal["auto"] = "auto"
     """Capture the whole step (micro-batches' forward and backward, clipping, fused AdamW, skip) in a CUDA graph
     after cuda_graph_warmup eager steps, then replay it: one launch per step instead of thousands, for steps the host
     cannot launch as fast as the GPU runs them. CUDA, fused AdamW, fixed shapes (not with packed documents, FP8 or
     compile). Over several ranks: tensor (+ sequence, + tp_comm_overlap), context and DDP data parallelism, their
     NCCL collectives captured too (not pipeline stages, FSDP2, ZeRO-1 or dropout); a replay that does not finish
-    within parallel.init_timeout_s stops the run with an error."""
+    within parallel.init_timeout_s stops the run with an error. 'auto' (the default): on wherever the run can be
+    captured and has steps after the warm-up, else eager, with one log line saying which and why; true where the
+    run cannot be captured is a ConfigError naming what it lacks."""
     cuda_graph_warmup: int = 3
     """Eager steps before the capture (kernel compilation, optimizer state, NCCL communicators, allocator warm-up);
     >= 1, and >= 11 with DDP (its reducer reads timings on the host in its first 10 iterations)."""
@@ -377,6 +379,8 @@ class TrainConfig:
         need(t.steps >= 1, f"train.steps must be >= 1, got {t.steps}")
         need(t.micro_batch_size >= 1, f"train.micro_batch_size must be >= 1, got {t.micro_batch_size}")
         need(t.cuda_graph_warmup >= 1, f"train.cuda_graph_warmup must be >= 1, got {t.cuda_graph_warmup}")
+        need(t.cuda_graph in (True, False, "auto"), f"train.cuda_graph must be true, false or auto, got "
+                                                     f"{t.cuda_graph!r}")
         need(t.global_batch_size is None or t.global_batch_size >= 1,
              f"train.global_batch_size must be >= 1 or null, got {t.global_batch_size}")
         need(t.global_batch_size is None or t.global_batch_size % t.micro_batch_size == 0,

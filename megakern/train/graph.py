@@ -1,7 +1,9 @@
 """The training step in a CUDA graph (``train.cuda_graph``): StepGraph captures TrainStep's device step once and
-replays it; ``check_graph`` says why a run cannot be captured (``parallel_graph_problems``: over several ranks)."""
+replays it; ``resolve_cuda_graph`` decides 'auto'; ``check_graph`` says why a run cannot be captured
+(``parallel_graph_problems``: over several ranks)."""
 from __future__ import annotations
 
+import dataclasses
 import gc
 
 import torch
@@ -25,10 +27,14 @@ def check_graph(config: TrainConfig, step: TrainStep) -> None:
 
 
 def parallel_graph_problems(config: TrainConfig, world: int) -> list[str]:
-    """Why ``config``'s train.cuda_graph cannot run over ``world`` ranks (empty: it can, or no graph is asked)."""
+    """Why ``config``'s train.cuda_graph=true cannot run over ``world`` ranks (empty: it can, or no graph is asked;
+    'auto' is decided by ``resolve_cuda_graph``)."""
+    return _layout_problems(config, world) if config.train.cuda_graph is True else []
+
+
+def _layout_problems(config: TrainConfig, world: int) -> list[str]:
+    """What keeps ``config``'s layout over ``world`` ranks out of a CUDA graph."""
     c, p = config, config.parallel
-    if not c.train.cuda_graph:
-        return []
     problems, why = [], "train.cuda_graph over several ranks captures tensor, context and DDP data parallelism"
     dp_ranks = world // (p.tp * p.pp)  # dp x cp
     if p.pp > 1:
@@ -47,6 +53,36 @@ def parallel_graph_problems(config: TrainConfig, world: int) -> list[str]:
                         f"{c.train.cuda_graph_warmup} (DDP's reducer reads timings on the host in its first 10 "
                         "iterations)")
     return problems
+
+
+def resolve_cuda_graph(config: TrainConfig, device: torch.device, world: int) -> tuple[TrainConfig, str | None]:
+    """``config`` with train.cuda_graph 'auto' decided for this ``device`` and ``world`` ranks, and the log line that
+    says what was decided and why (None when train.cuda_graph was given as true or false). 'auto' captures the
+    step wherever train.cuda_graph=true would be accepted and some step follows the warm-up; the conditions are
+    those ``check_graph`` and ``parallel_graph_problems`` check, read from the config."""
+    t, p = config.train, config.parallel
+    if t.cuda_graph != "auto":
+        return config, None
+    needs = [why for bad, why in (
+        (device.type != "cuda", f"a CUDA device (the run is on {device.type})"),
+        (config.optim.fused not in ("auto", "megakern", "fused"),
+         f"fused AdamW (optim.fused is {config.optim.fused})"),
+        (t.compile, "no train.compile"), (t.fp8 != "none", f"no FP8 (train.fp8 is {t.fp8})"),
+        (config.data.packed_documents, "fixed shapes (data.packed_documents varies them)"),
+        (p.ep > 1 and config.model.moe_capacity_factor is None,
+         f"a capacity factor under parallel.ep={p.ep} (model.moe_capacity_factor: dropless dispatch reads its split "
+         "sizes on the host)"),
+        (t.steps <= t.cuda_graph_warmup,
+         f"steps after the warm-up (train.steps {t.steps} <= train.cuda_graph_warmup {t.cuda_graph_warmup})"))
+        if bad]
+    layout = _layout_problems(config, world) if world > 1 else []
+    on = not needs and not layout
+    resolved = dataclasses.replace(config, train=dataclasses.replace(t, cuda_graph=on))
+    if on:
+        return resolved, (f"train.cuda_graph auto: the step is captured in a CUDA graph after "
+                          f"{t.cuda_graph_warmup} eager step(s) and replayed (train.cuda_graph=false for eager steps)")
+    why = (["a CUDA graph needs " + ", ".join(needs)] if needs else []) + layout
+    return resolved, "train.cuda_graph auto: eager steps, because " + "; ".join(why)
 
 
 class StepGraph:

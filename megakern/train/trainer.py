@@ -18,7 +18,7 @@ from megakern.checkpoint import CheckpointError, CheckpointManager
 from megakern.config import ConfigError, TrainConfig, to_dict, to_yaml
 from megakern.data import PretrainingSampler, build_data, build_dataloader, check_ranks_agree, to_batch
 from megakern.train.figures import StepFigures
-from megakern.train.graph import StepGraph, check_graph, parallel_graph_problems
+from megakern.train.graph import StepGraph, check_graph, parallel_graph_problems, resolve_cuda_graph
 from megakern.train.log import RunLogger, WandbOptions, peak_flops
 from megakern.train.loop import Loop, RunResult
 from megakern.train.run_dir import claim_run_dirs
@@ -44,6 +44,9 @@ class Trainer:
         self.device = resolve_device(t.device, int(os.environ.get("LOCAL_RANK", "0")))
         self.env = setup_distributed(c, self.device)
         self.precision = resolve_precision(t.precision, self.device)
+        # train.cuda_graph 'auto' decided here: everything after (the step, the layout, the loop) sees true or false
+        c, self.graph_note = resolve_cuda_graph(c, self.device, self.env.world)
+        self.config, t = c, c.train
         check_parallel_options(c, self.precision, self.env.world)
         self.signals = signals if signals is not None else StopSignals()
         self.vote = self.graph = self.manager = None
@@ -76,6 +79,8 @@ class Trainer:
         c, t = self.config, self.config.train
         for note in self.dirs.notes():
             self.log(note)
+        if self.graph_note:
+            self.log(self.graph_note)
         self.config_yaml = to_yaml(c)
         if self.env.writer:
             (self.run_dir / "config.yaml").write_text(self.config_yaml)
@@ -285,7 +290,7 @@ def check_parallel_options(config: TrainConfig, precision: str, world: int) -> N
         if p.zero1:
             problems.append(f"parallel.ep={p.ep} with parallel.zero1: ZeRO-1 broadcasts each parameter from one dp x "
                             "cp rank, but each ep rank holds other experts; use parallel.zero1=false")
-        if c.train.cuda_graph and c.model.moe_capacity_factor is None:
+        if c.train.cuda_graph is True and c.model.moe_capacity_factor is None:
             problems.append(f"parallel.ep={p.ep} with train.cuda_graph needs model.moe_capacity_factor: the dropless "
                             "all-to-all dispatch reads its split sizes on the host (one read per MoE layer and "
                             "micro-batch), which a CUDA graph cannot capture; with a capacity factor the dispatch has "

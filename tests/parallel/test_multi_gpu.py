@@ -34,7 +34,8 @@ COMMON = ["model.preset=gpt-tiny", "model.n_layer=4", "model.n_embd=64", "model.
           "model.dropout=0.0", "train.precision=fp32", f"train.device={'cpu' if ON_CPU else 'cuda'}",
           "train.micro_batch_size=2", "train.global_batch_size=8", f"train.steps={STEPS}", "optim.lr=3e-3",
           "schedule.warmup_steps=2", "eval.every=0", "checkpoint.every=0", "checkpoint.final=false",
-          "train.sample_tokens=0", "log.progress=false", "log.tensorboard=false", "data.num_workers=0"]
+          "train.sample_tokens=0", "log.progress=false", "log.tensorboard=false", "data.num_workers=0",
+          "train.cuda_graph=false"]  # eager steps unless a layout adds GRAPH
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
        "OMP_NUM_THREADS": "1"}
 

@@ -425,7 +425,8 @@ def test_gpu_eval_micro_batch_that_does_not_fit_stops_the_run_after_its_first_st
     is logged as fitting."""
     import torch
 
-    common = [*TINY, "train.device=cuda", "model.n_embd=512", "model.n_head=8", "train.steps=6", "eval.every=6",
+    common = [*TINY, "train.device=cuda", "train.cuda_graph=false", "model.n_embd=512", "model.n_head=8",
+              "train.steps=6", "eval.every=6",
               "data.valid_fraction=0.2", "checkpoint.final=false"]
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(256 * 2**20 / total)

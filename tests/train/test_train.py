@@ -346,7 +346,7 @@ def test_command_line(tmp_path, data_cache):
     assert bad.returncode == 2 and "unknown config key 'train.stpes' (did you mean 'train.steps'" in bad.stderr
 
 
-GPU = ["train.device=cuda"]
+GPU = ["train.device=cuda", "train.cuda_graph=false"]  # eager steps unless a test asks for the graph
 
 
 @pytest.mark.gpu
@@ -400,6 +400,71 @@ def test_cuda_graph_refused_where_it_cannot_run(tmp_path, data_cache):
         trainer(tmp_path, data_cache, *TINY, "train.device=cpu", "train.cuda_graph=true")
     with pytest.raises(ConfigError, match="train.cuda_graph_warmup must be >= 1"):
         trainer(tmp_path, data_cache, *TINY, "train.device=cpu", "train.cuda_graph=true", "train.cuda_graph_warmup=0")
+
+
+@pytest.mark.parametrize("overrides,device,world,reasons", [
+    ([], "cpu", 1, ["a CUDA device (the run is on cpu)"]),
+    (["optim.fused=foreach"], "cuda", 1, ["fused AdamW (optim.fused is foreach)"]),
+    (["train.compile=true", "train.fp8=delayed"], "cuda", 1, ["no train.compile", "no FP8 (train.fp8 is delayed)"]),
+    (["data.packed_documents=true"], "cuda", 1, ["fixed shapes (data.packed_documents varies them)"]),
+    (["train.steps=3"], "cuda", 1, ["(train.steps 3 <= train.cuda_graph_warmup 3)"]),
+    (["parallel.pp=2", "model.dropout=0.0"], "cuda", 2, ["not parallel.pp=2"]),
+    (["parallel.dp=2", "parallel.dp_shard=ddp", "model.dropout=0.0"], "cuda", 2,
+     ["needs train.cuda_graph_warmup >= 11, got 3"]),
+    (["parallel.ep=2", "parallel.dp_shard=ddp", "model.n_experts=4", "model.moe_top_k=2", "model.dropout=0.0"],
+     "cuda", 2, ["a capacity factor under parallel.ep=2", "needs train.cuda_graph_warmup >= 11"]),
+])
+def test_cuda_graph_auto_falls_back_naming_why(overrides, device, world, reasons):
+    """train.cuda_graph 'auto' (the default) is off wherever train.cuda_graph=true would be refused or capture
+    nothing, with every reason in its one log line."""
+    from megakern.train.graph import resolve_cuda_graph
+
+    config = load_config(None, overrides)
+    assert config.train.cuda_graph == "auto"
+    resolved, note = resolve_cuda_graph(config, torch.device(device), world)
+    assert resolved.train.cuda_graph is False
+    assert note.startswith("train.cuda_graph auto: eager steps, because ")
+    for reason in reasons:
+        assert reason in note, note
+
+
+@pytest.mark.parametrize("overrides,world", [
+    ([], 1), (["train.precision=bf16-autocast", "train.global_batch_size=16"], 1),
+    (["parallel.tp=2", "model.dropout=0.0"], 2),
+    (["parallel.dp=2", "parallel.dp_shard=ddp", "model.dropout=0.0", "train.cuda_graph_warmup=11"], 2)])
+def test_cuda_graph_auto_captures_where_it_can(overrides, world):
+    from megakern.train.graph import resolve_cuda_graph
+
+    resolved, note = resolve_cuda_graph(load_config(None, overrides), torch.device("cuda"), world)
+    assert resolved.train.cuda_graph is True
+    assert note.startswith("train.cuda_graph auto: the step is captured in a CUDA graph after "), note
+    for value in (True, False):  # given values pass through, with nothing to log
+        config = load_config(None, [*overrides, f"train.cuda_graph={str(value).lower()}"])
+        assert resolve_cuda_graph(config, torch.device("cuda"), world) == (config, None)
+
+
+def test_cuda_graph_auto_logs_its_choice(tmp_path, data_cache):
+    t = trainer(tmp_path, data_cache, *TINY)
+    try:
+        assert t.config.train.cuda_graph is False and t.graph is None
+        log = (tmp_path / "run" / "train.log").read_text()
+        assert "train.cuda_graph auto: eager steps, because a CUDA graph needs a CUDA device (the run is on cpu)" in log
+    finally:
+        t.close()
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_is_the_default(tmp_path, data_cache):
+    """On a GPU the default run captures its step (after 3 eager steps) and says so; its losses are the eager
+    run's."""
+    common = [*TINY, "train.device=cuda", "train.steps=6", "eval.every=0", "checkpoint.final=false"]
+    default = trainer(tmp_path, data_cache, *common, name="default").run()
+    log = (tmp_path / "default" / "train.log").read_text()
+    assert "train.cuda_graph auto: the step is captured in a CUDA graph after 3 eager step(s)" in log
+    assert "step 4: captured the training step in a CUDA graph" in log
+    eager = trainer(tmp_path, data_cache, *common, "train.cuda_graph=false", name="eager").run()
+    for s in range(1, 7):
+        assert default.losses[s] == pytest.approx(eager.losses[s], abs=5e-3), s
 
 
 @pytest.mark.parametrize("world,overrides,expected", [

@@ -129,8 +129,8 @@ def test_gpu_training_step_does_not_sync(tmp_path, data_cache, precision):  # no
     """A few steps of a tiny model on the GPU under set_sync_debug_mode("error"): any host-device sync in the
     step (data, forward, backward, clipping, skip flag, fused AdamW, the figures' copy) raises."""
     overrides = [o for o in TINY if o != "train.device=cpu"]
-    t = trainer(tmp_path, data_cache, *overrides, "train.device=cuda", "train.steps=6", "eval.every=0",
-                f"train.precision={precision}", "train.grad_clip=1.0")
+    t = trainer(tmp_path, data_cache, *overrides, "train.device=cuda", "train.cuda_graph=false", "train.steps=6",
+                "eval.every=0", f"train.precision={precision}", "train.grad_clip=1.0")
     assert t.stepper.device_skip, "fused AdamW expected on CUDA (optim.fused=auto)"
     batches = t.batches(t.data.train, 0, t.draw)
     t.stepper.set_training(True)
