@@ -11,7 +11,8 @@ rows that count (NaN when none does, as torch). With ``softcap`` s the logits ar
 
 ``linear_cross_entropy(x, weight, targets)``: the loss of logits = x @ weight^T (+ bias), x (N, C) (or (..., C)
 with targets (...)), weight (V, C), without the (N, V) fp32 logits (Liger's fused linear cross-entropy). Tokens go
-in chunks of ``chunk_size``; per chunk:
+in chunks of ``chunk_size`` (default ``default_chunk``: one chunk where the logits in x's dtype take no more memory
+than the fp32 weight gradient chunks would accumulate, else chunks of logits under 256 MiB); per chunk:
 
     logits_c  = x_c @ W^T                  in x's dtype (tensor cores), (chunk, V)
     kernel:     loss_c, and d(loss)/d(logits_c) written over logits_c      fp32 math, online over V in blocks
@@ -140,9 +141,14 @@ def check_inputs(x, weight, targets, bias, ignore_index, reduction, label_smooth
                   softcap, check_targets)
 
 
-def default_chunk(rows: int, vocab: int, itemsize: int) -> int:
+def default_chunk(rows: int, vocab: int, itemsize: int, hidden: int | None = None) -> int:
     """Tokens per chunk: the largest power of two whose logits fit CHUNK_BYTES, between 256 and 8192, at most
-    ``rows``."""
+    ``rows``. ``hidden`` (C, given when the weight takes a gradient): all ``rows`` in one chunk where their logits
+    take no more memory than the fp32 weight gradient that chunks would accumulate (rows * itemsize <= 4 * C): one
+    chunk's weight gradient is one GEMM written in the weight's dtype, with no accumulator to read and write back
+    for every chunk."""
+    if hidden is not None and rows * itemsize <= 4 * hidden:
+        return max(1, rows)
     fit = max(1, CHUNK_BYTES // max(1, vocab * itemsize))
     return max(1, min(rows, max(256, min(8192, 1 << (fit.bit_length() - 1)))))
 
@@ -309,7 +315,9 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
         elif reduction == "none" and any(t is not None and t.requires_grad for t in (x2, weight, bias)):
             raise ValueError("linear_cross_entropy: reduction 'none' is for evaluation (no gradient); training takes "
                              "'mean' or 'sum'")
-        chunk = chunk_size or default_chunk(x2.shape[0], weight.shape[0], x.element_size())
+        weight_grad = torch.is_grad_enabled() and weight.requires_grad
+        chunk = chunk_size or default_chunk(x2.shape[0], weight.shape[0], x.element_size(),
+                                            hidden=weight.shape[1] if weight_grad else None)
         loss = LinearCrossEntropyFunction.apply(x2, weight, bias, t2, ignore_index, reduction,
                                                 float(label_smoothing), softcap, chunk)
         return loss.reshape(targets.shape) if reduction == "none" else loss

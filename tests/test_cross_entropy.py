@@ -185,6 +185,11 @@ def test_default_chunk():
     assert default_chunk(100, 50304, 2) == 100
     assert default_chunk(16384, 1000, 4) == 8192
     assert default_chunk(16384, 10_000_000, 4) == 256
+    # with the weight's gradient: one chunk while the bf16 logits are no larger than the fp32 accumulator (N <= 2 C)
+    assert default_chunk(8192, 128256, 2, hidden=4096) == 8192
+    assert default_chunk(8193, 128256, 2, hidden=4096) == 1024
+    assert default_chunk(16384, 128256, 2, hidden=4096) == 1024
+    assert default_chunk(4096, 50304, 4, hidden=4096) == 4096 and default_chunk(4097, 50304, 4, hidden=4096) == 1024
 
 
 @pytest.mark.parametrize("call, message", [
