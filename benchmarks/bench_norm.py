@@ -25,6 +25,7 @@ provider's y and gradients are checked against the fp32 torch reference; a wrong
 and skipped.
 
     python -m benchmarks.bench_norm [--quick] [--providers torch,megakern-triton] [--no-save] [--graph]
+                                    [--hidden 16384,32768] [--ops rmsnorm]
 
 With --graph every provider is timed by CUDA-graph replay instead (modes 'fwd graph', 'fwd+bwd graph'): GPU
 time without host launch overhead, which eager autograd timings include when the host falls behind.
@@ -50,10 +51,13 @@ EPS = {"rmsnorm": 1e-6, "layernorm": 1e-5}
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
-def shapes(device: torch.device, quick: bool) -> list[tuple[int, int]]:
-    """(N, C) cases: the headline 16384x8192, then the C sweep at 2**27 elements per tensor."""
+def shapes(device: torch.device, quick: bool, hidden=None) -> list[tuple[int, int]]:
+    """(N, C) cases: the headline 16384x8192, then the C sweep at 2**27 elements per tensor; ``hidden`` (--hidden):
+    only those C, at 2**27 elements."""
     if device.type != "cuda":
         return [(64, 256), (16, 1024)]
+    if hidden:
+        return [(2**27 // c, c) for c in hidden]
     sweep = (1024, 32768) if quick else (1024, 2048, 4096, 8192, 16384, 32768)
     return list(dict.fromkeys([(16384, 8192), *((2**27 // c, c) for c in sweep)]))
 
@@ -159,7 +163,15 @@ def _outputs(fn, x, w, b, dy):
 
 
 def main(argv: list[str] | None = None) -> Results:
-    args = parse_args(__doc__.splitlines()[0], argv)
+    def extra(parser):
+        parser.add_argument("--hidden", type=lambda text: tuple(int(v) for v in text.split(",")),
+                            help="comma-separated hidden sizes (2**27 elements each) instead of the sweep")
+        parser.add_argument("--ops", type=lambda text: tuple(v.strip() for v in text.split(",")), default=OPS,
+                            help=f"comma-separated ops (default: {','.join(OPS)})")
+
+    args = parse_args(__doc__.splitlines()[0], argv, extra)
+    if unknown := set(args.ops) - set(OPS):
+        raise SystemExit(f"bench_norm: unknown op(s) {sorted(unknown)}; known: {', '.join(OPS)}")
     device = args.device
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tol = 1e-3 if dtype == torch.float32 else 0.1
@@ -167,8 +179,8 @@ def main(argv: list[str] | None = None) -> Results:
     results = Results(device)
     results.add_roofline("GB/s", measure_copy_gbps(device))
     torch.manual_seed(0)
-    for op in OPS:
-        for rows, hidden in shapes(device, args.quick):
+    for op in args.ops:
+        for rows, hidden in shapes(device, args.quick, args.hidden):
             case = f"{op} {rows}x{hidden} {DTYPE_NAMES[dtype]}"
             x = torch.randn(rows, hidden, device=device, dtype=dtype, requires_grad=True)
             w = (1 + 0.1 * torch.randn(hidden, device=device)).to(dtype).requires_grad_()

@@ -133,6 +133,16 @@ def _raises(device):
     return make
 
 
+def test_bench_norm_hidden_and_ops(capsys):
+    """--hidden replaces the GPU sweep (2**27 elements a tensor); --ops picks the ops, an unknown one is named."""
+    assert bench_norm.shapes(torch.device("cuda"), False, (16384, 32768)) == [(8192, 16384), (4096, 32768)]
+    assert len(bench_norm.shapes(torch.device("cuda"), False)) == 6  # 16384 x 8192 is also the sweep's 8192
+    results = bench_norm.main(["--device", "cpu", "--providers", "torch", "--ops", "rmsnorm", "--no-save"])
+    assert {f[0].split()[0] for f in results.figures if f[0] != "roofline"} == {"rmsnorm"}
+    with pytest.raises(SystemExit, match=r"unknown op\(s\) \['groupnorm'\]"):
+        bench_norm.main(["--device", "cpu", "--ops", "rmsnorm,groupnorm"])
+
+
 def test_bench_norm_cpu_smoke(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(bench_norm.PROVIDERS, "wrong", _wrong)
     monkeypatch.setitem(bench_norm.PROVIDERS, "raises", _raises)
