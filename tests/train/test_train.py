@@ -455,9 +455,10 @@ def test_cuda_graph_auto_logs_its_choice(tmp_path, data_cache):
 
 @pytest.mark.gpu
 def test_gpu_cuda_graph_is_the_default(tmp_path, data_cache):
-    """On a GPU the default run captures its step (after 3 eager steps) and says so; its losses are the eager
-    run's."""
-    common = [*TINY, "train.device=cuda", "train.steps=6", "eval.every=0", "checkpoint.final=false"]
+    """On a GPU the default run captures its step (after 3 eager steps) and says so, evaluates between replays and
+    samples at the end; its losses are the eager run's."""
+    common = [*TINY, "train.device=cuda", "train.steps=6", "eval.every=3", "checkpoint.final=false",
+              "train.sample_tokens=20"]
     default = trainer(tmp_path, data_cache, *common, name="default").run()
     log = (tmp_path / "default" / "train.log").read_text()
     assert "train.cuda_graph auto: the step is captured in a CUDA graph after 3 eager step(s)" in log
@@ -465,6 +466,10 @@ def test_gpu_cuda_graph_is_the_default(tmp_path, data_cache):
     eager = trainer(tmp_path, data_cache, *common, "train.cuda_graph=false", name="eager").run()
     for s in range(1, 7):
         assert default.losses[s] == pytest.approx(eager.losses[s], abs=5e-3), s
+    assert sorted(default.eval_losses) == sorted(eager.eval_losses) and len(eager.eval_losses) >= 2
+    for s in eager.eval_losses:
+        assert default.eval_losses[s] == pytest.approx(eager.eval_losses[s], abs=5e-3), s
+    assert default.sample, "no sample after the graphed steps"
 
 
 @pytest.mark.parametrize("world,overrides,expected", [
