@@ -13,7 +13,7 @@ from megakern.config import ConfigError
 from megakern.data import DataError
 from megakern.train.figures import StepClock, StepFigures
 from megakern.train.log import format_count, memory_gib
-from megakern.train.profile import make_profiler, write_profile
+from megakern.train.profile import make_profiler, past_capture, write_profile
 from megakern.train.stopping import EXIT_INTERRUPTED
 
 
@@ -90,8 +90,13 @@ class Loop:
         if t.step >= c.train.steps:
             t.log(f"nothing to do: step {t.step} >= train.steps {c.train.steps}")
         batches = t.batches(t.data.train, t.consumed_samples, t.draw)
-        profiler = make_profiler(c.log, t.device) if t.profiling else None
-        last = t.step + (c.log.profile_wait + c.log.profile_warmup + c.log.profile_active) if profiler else None
+        profiler = last = None
+        if t.profiling:
+            lg, note = past_capture(c.log, c.train.cuda_graph_warmup if t.graph is not None else None)
+            if note:
+                t.log(note)
+            profiler = make_profiler(lg, t.device)
+            last = t.step + lg.profile_wait + lg.profile_warmup + lg.profile_active
         clock = StepClock(t.device)
         t.stepper.set_training(True)
         if t.device.type == "cuda":

@@ -1,7 +1,9 @@
 """``megakern-train --profile``: a few steps under torch.profiler (``make_profiler``), then the trace, a top-kernels
-table and, on GPUs, the split of each step's GPU time written into log.profile_dir (``write_profile``)."""
+table and, on GPUs, the split of each step's GPU time written into log.profile_dir (``write_profile``); with a
+CUDA-graph step the recorded steps are replays (``past_capture``)."""
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 from pathlib import Path
@@ -10,6 +12,18 @@ import torch
 import torch.distributed as dist
 
 from megakern.train import timeline
+
+
+def past_capture(log_config, graph_warmup: int | None):
+    """(log config, note | None): with a CUDA-graph step (``graph_warmup`` eager steps, then the capture) the
+    profiler waits until the capture is done, so that it records replays and never runs during a capture; the note
+    says so where that lengthens log.profile_wait."""
+    if graph_warmup is None or log_config.profile_wait > graph_warmup:
+        return log_config, None
+    wait = graph_warmup + 1
+    return (dataclasses.replace(log_config, profile_wait=wait),
+            f"profile: waits {wait} steps (log.profile_wait is {log_config.profile_wait}), past the {graph_warmup} "
+            "eager steps and the capture of the CUDA-graph step: it records replays")
 
 
 def make_profiler(log_config, device: torch.device):

@@ -567,6 +567,33 @@ def test_gpu_profile_has_kernels(tmp_path, data_cache):
     assert "# timeline per step" in (out / "timeline.txt").read_text() and "# timeline per step" in table
 
 
+def test_profile_waits_past_the_graph_capture():
+    """With a CUDA-graph step the profiler records replays: its wait covers the eager steps and the capture."""
+    from megakern.train.profile import past_capture
+
+    lg = load_config(None, []).log
+    assert past_capture(lg, None) == (lg, None)
+    waited, note = past_capture(lg, 3)
+    assert (waited.profile_wait, waited.profile_warmup, waited.profile_active) == (4, lg.profile_warmup,
+                                                                                  lg.profile_active)
+    assert note == ("profile: waits 4 steps (log.profile_wait is 1), past the 3 eager steps and the capture of the "
+                    "CUDA-graph step: it records replays")
+    long_wait = load_config(None, ["log.profile_wait=5"]).log
+    assert past_capture(long_wait, 3) == (long_wait, None)
+
+
+@pytest.mark.gpu
+def test_gpu_profile_of_the_default_graph_step(tmp_path, data_cache):
+    """The default run on a GPU is a CUDA-graph step: --profile records replays, after the capture."""
+    t = trainer(tmp_path, data_cache, *TINY, "train.device=cuda", f"log.profile_dir={tmp_path / 'profiles'}",
+                profile=True)
+    out = Path(t.run().profile_dir)
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "profile: waits 4 steps" in log and "step 4: captured the training step in a CUDA graph" in log
+    steps = _timeline.analyze(_timeline.load(out / "trace.json"))
+    assert len(steps) == t.config.log.profile_active and all(s.kernels > 0 for s in steps)
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
