@@ -26,12 +26,17 @@ MAX_BLOCK = 65536
 
 
 @triton.jit
+def _add_pair(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
 def _norm_fwd_kernel(
     X, RES, W, B, Y, RES_OUT, MEAN, RSTD,
     stride_xm, stride_resm, stride_ym, stride_resoutm,
     M, N, eps,
     IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
 ):
     # BLOCK_M rows per program, as a (BLOCK_M, BLOCK_N) tile
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -49,11 +54,26 @@ def _norm_fwd_kernel(
     # statistics in fp32
     if IS_RMS:
         xc = x
+        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
+    elif ONE_PASS:
+        # LayerNorm's two sums in one reduction, of the row shifted by its first element (as stored): the shift
+        # keeps sum(d^2) / N - (sum(d) / N)^2 from cancelling when the mean is large against the spread
+        x0 = tl.load(X + rows * stride_xm, mask=row_mask, other=0.0).to(tl.float32)
+        if HAS_RES:
+            x0 = (x0 + tl.load(RES + rows * stride_resm, mask=row_mask, other=0.0).to(tl.float32))
+            x0 = x0.to(RES_OUT.dtype.element_ty).to(tl.float32)
+        d = tl.where(mask, x - x0[:, None], 0.0)
+        s1, s2 = tl.reduce((d, d * d), 1, _add_pair)
+        mean_d = s1 / N
+        mean = x0 + mean_d
+        xc = x - mean[:, None]
+        tl.store(MEAN + rows, mean, mask=row_mask)
+        rstd = 1.0 / tl.sqrt(tl.maximum(s2 / N - mean_d * mean_d, 0.0) + eps)
     else:
         mean = tl.sum(x, axis=1) / N
         xc = tl.where(mask, x - mean[:, None], 0.0)
         tl.store(MEAN + rows, mean, mask=row_mask)
-    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
+        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
     tl.store(RSTD + rows, rstd, mask=row_mask)
     # scale, shift, store
     y = xc * rstd[:, None]
@@ -308,10 +328,12 @@ def _programs(rows: int, device: torch.device, per_sm: int = 1) -> int:
 
 
 def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | None = None,
-        rows_per_program: int | None = None, wide: bool = False, chunk: int = 4096, stages: int = 2):
+        rows_per_program: int | None = None, wide: bool = False, chunk: int = 4096, stages: int = 2,
+        one_pass: bool = False):
     """(y, residual_out | None, mean | None, rstd) for 2-D ``x``; ``num_warps`` and ``rows_per_program`` override
     the defaults (tuning). ``wide``: the two-pass kernel for rows too wide for registers, a row a program, ``chunk``
-    columns at a time with ``stages`` of them in flight."""
+    columns at a time with ``stages`` of them in flight. ``one_pass``: LayerNorm's sum and sum of squares (of the
+    row shifted by its first element) in one reduction instead of the mean, then the squared deviations."""
     rows, n = x.shape
     block = _block(n)
     default_rows, warps = _fwd_config(block)
@@ -330,7 +352,8 @@ def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | No
     if wide:
         _norm_fwd_wide_kernel[(rows,)](*args, CHUNK=min(next_power_of_2(chunk), block), STAGES=stages, **flags)
     else:
-        _norm_fwd_kernel[(cdiv(rows, rows_per_program),)](*args, BLOCK_M=rows_per_program, BLOCK_N=block, **flags)
+        _norm_fwd_kernel[(cdiv(rows, rows_per_program),)](*args, BLOCK_M=rows_per_program, BLOCK_N=block,
+                                                          ONE_PASS=one_pass and not is_rms, **flags)
     return y, res_out, mean, rstd
 
 

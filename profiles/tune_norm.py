@@ -43,6 +43,12 @@ def main() -> None:
                 runs.append((f"triton fwd warps={warps} rows/program={rows_pp}", 2 * act,
                              lambda warps=warps, rows_pp=rows_pp: _norm_triton.fwd(
                                  x, None, w, bias, 1e-5, is_rms, num_warps=warps, rows_per_program=rows_pp)))
+            if not is_rms:  # LayerNorm's statistics in one reduction, at the table's geometry and its neighbours
+                for warps, rows_pp in ((4, 2), (4, 1), (8, 1), (8, 2)):
+                    runs.append((f"triton fwd one-pass warps={warps} rows/program={rows_pp}", 2 * act,
+                                 lambda warps=warps, rows_pp=rows_pp: _norm_triton.fwd(
+                                     x, None, w, bias, 1e-5, is_rms, num_warps=warps, rows_per_program=rows_pp,
+                                     one_pass=True)))
             if n >= 8192:  # the two-pass forward for wide rows: (warps, chunk, stages)
                 for warps, chunk, stages in ((4, 2048, 2), (8, 4096, 2), (8, 2048, 3), (16, 8192, 2), (4, 4096, 3)):
                     runs.append((f"triton fwd wide warps={warps} chunk={chunk} stages={stages}", 2 * act,
