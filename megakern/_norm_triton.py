@@ -163,7 +163,7 @@ def _norm_bwd_kernel(
     M, N, rows_per_program,
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_DW: tl.constexpr, HAS_DB: tl.constexpr,
     HAS_DRES_OUT: tl.constexpr, HAS_DRES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, PAIRED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -201,9 +201,13 @@ def _norm_bwd_kernel(
             xhat = tl.where(mask, (x - mean[:, None]) * rstd, 0.0)
         g = dy * w[None, :] if HAS_W else dy
         # dx = rstd * (g - xhat * mean(g * xhat) - mean(g))   (RMSNorm: no mean(g))
-        dx = g - xhat * (tl.sum(g * xhat, axis=1) / N)[:, None]
-        if not IS_RMS:
-            dx = dx - (tl.sum(g, axis=1) / N)[:, None]
+        if PAIRED and not IS_RMS:  # LayerNorm's two row sums in one reduction
+            s_gx, s_g = tl.reduce((g * xhat, g), 1, _add_pair)
+            dx = g - xhat * (s_gx / N)[:, None] - (s_g / N)[:, None]
+        else:
+            dx = g - xhat * (tl.sum(g * xhat, axis=1) / N)[:, None]
+            if not IS_RMS:
+                dx = dx - (tl.sum(g, axis=1) / N)[:, None]
         dx = dx * rstd
         if HAS_DRES_OUT:
             dx = dx + tl.load(DRES_OUT + rows64[:, None] * stride_dresoutm + cols[None, :], mask=mask,
@@ -359,10 +363,11 @@ def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | No
 
 def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype, need_dw: bool, need_db: bool,
         num_warps: int | None = None, programs_per_sm: int | None = None, rows_per_step: int | None = None,
-        prefetch: bool | None = None, wide: bool = False, chunk: int = 4096, stages: int = 2):
+        prefetch: bool | None = None, wide: bool = False, chunk: int = 4096, stages: int = 2, paired: bool = False):
     """(dx, dresidual | None, dweight | None, dbias | None); arguments as megakern._norm_cuda.bwd, plus tuning
     overrides. ``wide``: the two-pass kernel for rows too wide for registers, ``chunk`` columns at a time with
-    ``stages`` of them in flight; ``rows_per_step`` and ``prefetch`` do not apply to it."""
+    ``stages`` of them in flight; ``rows_per_step`` and ``prefetch`` do not apply to it. ``paired``: LayerNorm's two
+    row sums in one reduction."""
     rows, n = dy.shape
     block = _block(n)
     default_rows, warps, per_sm, default_prefetch = _bwd_config(block, is_rms)
@@ -387,7 +392,8 @@ def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype, need_
     if wide:
         _norm_bwd_wide_kernel[(programs,)](*args, CHUNK=min(next_power_of_2(chunk), block), STAGES=stages, **flags)
     else:
-        _norm_bwd_kernel[(programs,)](*args, BLOCK_M=rows_per_step, BLOCK_N=block, PREFETCH=prefetch, **flags)
+        _norm_bwd_kernel[(programs,)](*args, BLOCK_M=rows_per_step, BLOCK_N=block, PREFETCH=prefetch, PAIRED=paired,
+                                      **flags)
     sums = sum_rows(parts, weight.dtype) if parts is not None else None  # summed and cast in one launch
     dw = sums[0] if need_dw else None
     db = sums[-1] if has_db else None

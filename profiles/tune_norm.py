@@ -76,6 +76,14 @@ def main() -> None:
                                  dy, x, dres, w, mean, rstd, is_rms, x.dtype if args.residual else None, True,
                                  not is_rms, num_warps=warps, programs_per_sm=per_sm, rows_per_step=block_m,
                                  prefetch=prefetch)))
+            if not is_rms:  # the table's geometry with LayerNorm's two row sums in one reduction
+                runs.append(("triton bwd default geometry, paired sums", bwd_bytes,
+                             lambda: _norm_triton.bwd(dy, x, dres, w, mean, rstd, is_rms,
+                                                      x.dtype if args.residual else None, True, True,
+                                                      paired=True)))
+                runs.append(("triton bwd default geometry", bwd_bytes,
+                             lambda: _norm_triton.bwd(dy, x, dres, w, mean, rstd, is_rms,
+                                                      x.dtype if args.residual else None, True, True)))
             if n >= 8192:  # the two-pass kernel for wide rows: (warps, programs per SM, chunk, stages)
                 for warps, per_sm, chunk, stages in ((8, 2, 4096, 2), (8, 4, 4096, 2), (4, 4, 2048, 2), (8, 2, 2048, 3),
                                                      (16, 2, 8192, 2), (16, 1, 8192, 2), (8, 4, 2048, 2),

@@ -126,7 +126,10 @@ def test_matches_reference(op, variant, dtype, shape, setup):
 
 
 GEOMETRIES = {"1-row": dict(rows_per_step=1), "2-rows": dict(rows_per_step=2), "1-row-prefetch": dict(prefetch=True),
-              "2-rows-prefetch": dict(rows_per_step=2, prefetch=True), "wide": dict(wide=True, chunk=32),
+              "2-rows-prefetch": dict(rows_per_step=2, prefetch=True),
+              "1-row-paired": dict(rows_per_step=1, paired=True),
+              "2-rows-prefetch-paired": dict(rows_per_step=2, prefetch=True, paired=True),
+              "wide": dict(wide=True, chunk=32),
               "wide-1-stage": dict(wide=True, chunk=64, stages=1)}
 
 
@@ -184,7 +187,8 @@ def compile_for_sm90() -> list:
         cases = [("fwd", nt._norm_fwd_kernel, dict(flags, HAS_RES=residual, HAS_B=not is_rms, BLOCK_M=1, BLOCK_N=8192,
                                                    ONE_PASS=not is_rms), 8),
                  ("bwd", nt._norm_bwd_kernel, dict(flags, HAS_DW=True, HAS_DB=not is_rms, HAS_DRES_OUT=residual,
-                                                   HAS_DRES=False, BLOCK_M=1, BLOCK_N=8192, PREFETCH=True), 16),
+                                                   HAS_DRES=False, BLOCK_M=1, BLOCK_N=8192, PREFETCH=True,
+                                                   PAIRED=not is_rms), 16),
                  ("fwd wide", nt._norm_fwd_wide_kernel, dict(flags, HAS_RES=residual, HAS_B=not is_rms, CHUNK=4096,
                                                              STAGES=2), 8),
                  ("bwd wide", nt._norm_bwd_wide_kernel, dict(flags, HAS_DW=True, HAS_DB=not is_rms,
