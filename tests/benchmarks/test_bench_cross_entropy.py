@@ -2,6 +2,9 @@
 file with the same-run matmul roofline, a wrong provider reported and skipped."""
 import csv
 
+import pytest
+import torch
+
 import megakern
 
 from benchmarks import bench_cross_entropy
@@ -34,3 +37,12 @@ def test_bench_cross_entropy_cpu_smoke(tmp_path, capsys, monkeypatch):
             assert (mode, provider, metric) in figures, (mode, provider, metric)
     assert all(float(r["value"]) > 0 for r in records)
     assert bench_cross_entropy.flops(16384, 1024, 50304) == 6 * 16384 * 1024 * 50304
+
+
+def test_bench_cross_entropy_tokens():
+    """--tokens sets N of every CUDA case; a count below 1 is refused by name."""
+    cases = bench_cross_entropy.shapes(torch.device("cuda"), False, 8192)
+    assert len(cases) == 6 and {n for n, _, _ in cases} == {8192}
+    assert {n for n, _, _ in bench_cross_entropy.shapes(torch.device("cuda"), False)} == {16384}
+    with pytest.raises(SystemExit, match="--tokens must be >= 1, got 0"):
+        bench_cross_entropy.main(["--device", "cpu", "--tokens", "0"])
