@@ -4,107 +4,152 @@ Times the kernel-level launchers (no autograd) of megakern._norm_triton and mega
 knobs, bf16, against the copy roofline measured in the same run, and the host time of one public call on a tiny
 input (what a launch costs the CPU). The defaults in the launchers are set from this table.
 
-    python profiles/tune_norm.py [--hidden 8192,16384] [--residual]
+    python profiles/tune_norm.py [--hidden 8192,16384] [--ops rms,ln] [--residual] [--jobs 12] [--rep-ms 500]
 
 ``--residual``: the backward also reads the gradient of the residual stream (the fused residual add of a pre-norm
-block, as in training: one more M x N read), and the sweep covers more programs per SM.
+block, as in training: one more M x N read), and the sweep covers more programs per SM. ``--jobs``: before the
+timing, that many processes call every configuration once, so that the kernels compile in parallel into the
+caches the timing process then reads (most of a sweep's time is compilation); 1 compiles as it times.
 """
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+import time
+from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
 from benchmarks.common import bench, host_us, measure_copy_gbps
 from megakern import _norm_cuda, _norm_triton
 
+ROWS_TOTAL = 2**27  # elements of each (M, N) tensor
+OPS = {"rms": True, "ln": False}  # op -> is_rms
+
+
+def specs(n: int, is_rms: bool, residual: bool) -> list[tuple[str, str, dict]]:
+    """(label, launcher, keyword overrides) of every configuration swept at hidden size ``n``; launcher is one of
+    'triton fwd', 'triton bwd', 'cuda fwd', 'cuda bwd'."""
+    out = []
+    for warps, rows_pp in ((4, 1), (8, 1), (16, 1), (4, 2), (8, 2), (16, 2), (16, 4), (4, 4), (8, 8)):
+        out.append((f"triton fwd warps={warps} rows/program={rows_pp}", "triton fwd",
+                    dict(num_warps=warps, rows_per_program=rows_pp)))
+    if not is_rms:  # LayerNorm's statistics in one reduction, at the table's geometry and its neighbours
+        for warps, rows_pp in ((4, 2), (4, 1), (8, 1), (8, 2)):
+            out.append((f"triton fwd one-pass warps={warps} rows/program={rows_pp}", "triton fwd",
+                        dict(num_warps=warps, rows_per_program=rows_pp, one_pass=True)))
+    if n >= 8192:  # the two-pass forward for wide rows: (warps, chunk, stages)
+        for warps, chunk, stages in ((4, 2048, 2), (8, 4096, 2), (8, 2048, 3), (16, 8192, 2), (4, 4096, 3)):
+            out.append((f"triton fwd wide warps={warps} chunk={chunk} stages={stages}", "triton fwd",
+                        dict(num_warps=warps, wide=True, chunk=chunk, stages=stages)))
+    out.append((f"cuda fwd default {_norm_cuda.launch_config(n, torch.bfloat16, False)}", "cuda fwd", {}))
+    # (warps, programs per SM, rows per step, prefetch of the next step's rows)
+    geometries = [(16, 1, 1, False), (16, 1, 2, False), (8, 1, 2, False), (8, 1, 4, False), (4, 1, 4, False),
+                  (4, 4, 2, False), (32, 1, 1, False), (max(4, n // 256), 1, 1, True),
+                  (max(4, n // 256), max(1, 8192 // n), 1, True), (max(4, n // 256), max(1, 4096 // n), 1, True),
+                  (max(4, n // 512), max(1, 8192 // n), 1, True)]
+    if residual:
+        geometries += [(4, 2, 4, False), (4, 4, 4, False), (4, 8, 4, False), (4, 4, 2, False), (4, 8, 2, False),
+                       (8, 4, 4, False), (8, 2, 4, False), (4, 4, 8, False), (2, 8, 4, False), (4, 16, 2, False)]
+    for warps, per_sm, block_m, prefetch in geometries:
+        out.append((f"triton bwd warps={warps} per_sm={per_sm} rows/step={block_m} prefetch={int(prefetch)}",
+                    "triton bwd", dict(num_warps=warps, programs_per_sm=per_sm, rows_per_step=block_m,
+                                       prefetch=prefetch)))
+    if not is_rms:  # the table's geometry with LayerNorm's two row sums in one reduction, and without
+        out.append(("triton bwd default geometry, paired sums", "triton bwd", dict(paired=True)))
+        out.append(("triton bwd default geometry", "triton bwd", {}))
+    if n >= 8192:  # the two-pass backward for wide rows: (warps, programs per SM, chunk, stages)
+        for warps, per_sm, chunk, stages in ((8, 2, 4096, 2), (8, 4, 4096, 2), (4, 4, 2048, 2), (8, 2, 2048, 3),
+                                             (16, 2, 8192, 2), (16, 1, 8192, 2), (8, 4, 2048, 2), (4, 8, 1024, 3),
+                                             (8, 2, 4096, 3), (16, 2, 4096, 2)):
+            out.append((f"triton bwd wide warps={warps} per_sm={per_sm} chunk={chunk} stages={stages}", "triton bwd",
+                        dict(num_warps=warps, programs_per_sm=per_sm, wide=True, chunk=chunk, stages=stages)))
+    out.append((f"cuda bwd default {_norm_cuda.launch_config(n, torch.bfloat16, True)}", "cuda bwd", {}))
+    return out
+
+
+class Inputs:
+    """The tensors of one hidden size: x, dy (and the residual's gradient), weight, bias, and the forward's
+    statistics."""
+
+    def __init__(self, n: int, residual: bool, device: torch.device):
+        m = ROWS_TOTAL // n
+        self.x = torch.randn(m, n, device=device, dtype=torch.bfloat16)
+        self.dy = torch.randn_like(self.x)
+        self.w = 1 + 0.1 * torch.randn(n, device=device, dtype=torch.bfloat16)
+        self.b = 0.1 * torch.randn(n, device=device, dtype=torch.bfloat16)
+        self.dres = torch.randn_like(self.x) if residual else None
+        self.stats = {is_rms: _norm_triton.fwd(self.x, None, self.w, None if is_rms else self.b, 1e-5, is_rms)[2:]
+                      for is_rms in OPS.values()}
+
+    def call(self, launcher: str, is_rms: bool, kwargs: dict):
+        """One call of ``launcher`` with ``kwargs``."""
+        bias = None if is_rms else self.b
+        mean, rstd = self.stats[is_rms]
+        residual_dtype = self.x.dtype if self.dres is not None else None
+        if launcher == "triton fwd":
+            return _norm_triton.fwd(self.x, None, self.w, bias, 1e-5, is_rms, **kwargs)
+        if launcher == "cuda fwd":
+            return _norm_cuda.fwd(self.x, None, self.w, bias, 1e-5, is_rms, **kwargs)
+        module = _norm_triton if launcher == "triton bwd" else _norm_cuda
+        return module.bwd(self.dy, self.x, self.dres, self.w, mean, rstd, is_rms, residual_dtype, True, not is_rms,
+                          **kwargs)
+
+
+def _warm(job: tuple[int, bool, list[str], int, int]) -> int:
+    """A worker of --jobs: calls every ``parts``-th configuration of hidden size ``n`` from the ``part``-th on once
+    (compiling its kernels into the caches); returns how many ran."""
+    n, residual, ops, part, parts = job
+    inputs, done = Inputs(n, residual, torch.device("cuda")), 0
+    for op in ops:
+        for _, launcher, kwargs in specs(n, OPS[op], residual)[part::parts]:
+            try:
+                inputs.call(launcher, OPS[op], kwargs)
+                done += 1
+            except Exception:  # the timing process reports it
+                pass
+    torch.cuda.synchronize()
+    return done
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--hidden", default="1024,4096,8192")
+    parser.add_argument("--ops", default="rms,ln", help="comma-separated: rms, ln")
     parser.add_argument("--residual", action="store_true")
+    parser.add_argument("--jobs", type=int, default=12, help="processes compiling the kernels first (1: none)")
+    parser.add_argument("--rep-ms", type=int, default=500, help="timing window of each configuration")
     args = parser.parse_args()
+    ops = [op.strip() for op in args.ops.split(",") if op.strip()]
+    if unknown := set(ops) - set(OPS):
+        raise SystemExit(f"tune_norm: unknown op(s) {sorted(unknown)}; known: {', '.join(OPS)}")
+    hidden = [int(h) for h in args.hidden.split(",")]
     dev = torch.device("cuda")
+    if args.jobs > 1:
+        start = time.perf_counter()
+        parts = max(1, args.jobs // len(hidden))  # processes per hidden size, each with its own tensors
+        jobs = [(n, args.residual, ops, part, parts) for n in hidden for part in range(parts)]
+        with ProcessPoolExecutor(len(jobs), mp_context=multiprocessing.get_context("spawn")) as pool:
+            done = sum(pool.map(_warm, jobs))
+        print(f"compiled: {done} configurations called once by {len(jobs)} processes in "
+              f"{time.perf_counter() - start:.0f} s")
     copy = measure_copy_gbps(dev)
     print(f"copy roofline {copy:.0f} GB/s")
-    rows_total = 2**27
-    for n in map(int, args.hidden.split(",")):
-        m = rows_total // n
-        x = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
-        dy = torch.randn_like(x)
-        w = 1 + 0.1 * torch.randn(n, device=dev, dtype=torch.bfloat16)
-        b = 0.1 * torch.randn(n, device=dev, dtype=torch.bfloat16)
-        act = x.numel() * 2
-        for op, is_rms, bias in (("rms", True, None), ("ln", False, b)):
-            _, _, mean, rstd = _norm_triton.fwd(x, None, w, bias, 1e-5, is_rms)
-            runs = []
-            for warps, rows_pp in ((4, 1), (8, 1), (16, 1), (4, 2), (8, 2), (16, 2), (16, 4), (4, 4), (8, 8)):
-                runs.append((f"triton fwd warps={warps} rows/program={rows_pp}", 2 * act,
-                             lambda warps=warps, rows_pp=rows_pp: _norm_triton.fwd(
-                                 x, None, w, bias, 1e-5, is_rms, num_warps=warps, rows_per_program=rows_pp)))
-            if not is_rms:  # LayerNorm's statistics in one reduction, at the table's geometry and its neighbours
-                for warps, rows_pp in ((4, 2), (4, 1), (8, 1), (8, 2)):
-                    runs.append((f"triton fwd one-pass warps={warps} rows/program={rows_pp}", 2 * act,
-                                 lambda warps=warps, rows_pp=rows_pp: _norm_triton.fwd(
-                                     x, None, w, bias, 1e-5, is_rms, num_warps=warps, rows_per_program=rows_pp,
-                                     one_pass=True)))
-            if n >= 8192:  # the two-pass forward for wide rows: (warps, chunk, stages)
-                for warps, chunk, stages in ((4, 2048, 2), (8, 4096, 2), (8, 2048, 3), (16, 8192, 2), (4, 4096, 3)):
-                    runs.append((f"triton fwd wide warps={warps} chunk={chunk} stages={stages}", 2 * act,
-                                 lambda warps=warps, chunk=chunk, stages=stages: _norm_triton.fwd(
-                                     x, None, w, bias, 1e-5, is_rms, num_warps=warps, wide=True, chunk=chunk,
-                                     stages=stages)))
-            runs.append(("cuda fwd default " + str(_norm_cuda.launch_config(n, x.dtype, False)), 2 * act,
-                         lambda: _norm_cuda.fwd(x, None, w, bias, 1e-5, is_rms)))
-            dres = torch.randn_like(x) if args.residual else None
-            bwd_bytes = (4 if args.residual else 3) * act
-            # (warps, programs per SM, rows per step, prefetch of the next step's rows)
-            geometries = [(16, 1, 1, False), (16, 1, 2, False), (8, 1, 2, False), (8, 1, 4, False), (4, 1, 4, False),
-                          (4, 4, 2, False), (32, 1, 1, False), (max(4, n // 256), 1, 1, True),
-                          (max(4, n // 256), max(1, 8192 // n), 1, True),
-                          (max(4, n // 256), max(1, 4096 // n), 1, True),
-                          (max(4, n // 512), max(1, 8192 // n), 1, True)]
-            if args.residual:
-                geometries += [(4, 2, 4, False), (4, 4, 4, False), (4, 8, 4, False), (4, 4, 2, False),
-                               (4, 8, 2, False), (8, 4, 4, False), (8, 2, 4, False), (4, 4, 8, False),
-                               (2, 8, 4, False), (4, 16, 2, False)]
-            for warps, per_sm, block_m, prefetch in geometries:
-                runs.append((f"triton bwd warps={warps} per_sm={per_sm} rows/step={block_m} prefetch={int(prefetch)}",
-                             bwd_bytes,
-                             lambda warps=warps, per_sm=per_sm, block_m=block_m, prefetch=prefetch: _norm_triton.bwd(
-                                 dy, x, dres, w, mean, rstd, is_rms, x.dtype if args.residual else None, True,
-                                 not is_rms, num_warps=warps, programs_per_sm=per_sm, rows_per_step=block_m,
-                                 prefetch=prefetch)))
-            if not is_rms:  # the table's geometry with LayerNorm's two row sums in one reduction
-                runs.append(("triton bwd default geometry, paired sums", bwd_bytes,
-                             lambda: _norm_triton.bwd(dy, x, dres, w, mean, rstd, is_rms,
-                                                      x.dtype if args.residual else None, True, True,
-                                                      paired=True)))
-                runs.append(("triton bwd default geometry", bwd_bytes,
-                             lambda: _norm_triton.bwd(dy, x, dres, w, mean, rstd, is_rms,
-                                                      x.dtype if args.residual else None, True, True)))
-            if n >= 8192:  # the two-pass kernel for wide rows: (warps, programs per SM, chunk, stages)
-                for warps, per_sm, chunk, stages in ((8, 2, 4096, 2), (8, 4, 4096, 2), (4, 4, 2048, 2), (8, 2, 2048, 3),
-                                                     (16, 2, 8192, 2), (16, 1, 8192, 2), (8, 4, 2048, 2),
-                                                     (4, 8, 1024, 3), (8, 2, 4096, 3), (16, 2, 4096, 2)):
-                    runs.append((f"triton bwd wide warps={warps} per_sm={per_sm} chunk={chunk} stages={stages}",
-                                 bwd_bytes,
-                                 lambda warps=warps, per_sm=per_sm, chunk=chunk, stages=stages: _norm_triton.bwd(
-                                     dy, x, dres, w, mean, rstd, is_rms, x.dtype if args.residual else None, True,
-                                     not is_rms, num_warps=warps, programs_per_sm=per_sm, wide=True, chunk=chunk,
-                                     stages=stages)))
-            runs.append(("cuda bwd default " + str(_norm_cuda.launch_config(n, x.dtype, True)), bwd_bytes,
-                         lambda: _norm_cuda.bwd(dy, x, dres, w, mean, rstd, is_rms, x.dtype if args.residual else None,
-                                                True, not is_rms)))
-            for name, nbytes, fn in runs:
+    for n in hidden:
+        m = ROWS_TOTAL // n
+        inputs = Inputs(n, args.residual, dev)
+        act = inputs.x.numel() * inputs.x.element_size()
+        for op in ops:
+            for name, launcher, kwargs in specs(n, OPS[op], args.residual):
+                nbytes = 2 * act if launcher.endswith("fwd") else (4 if args.residual else 3) * act
                 try:
-                    t = bench(fn, device=dev)["median"]
+                    t = bench(lambda: inputs.call(launcher, OPS[op], kwargs), device=dev, rep_ms=args.rep_ms)["median"]
                 except Exception as exc:  # a geometry the kernel rejects: report it, keep sweeping
                     print(f"{op} {m}x{n} {name:55} failed: {str(exc).splitlines()[0][:80]}")
                     continue
                 gbps = nbytes / t / 1e6
                 print(f"{op} {m}x{n} {name:55} {t * 1e3:8.1f} us {gbps:6.0f} GB/s {gbps / copy:5.2f}")
+        del inputs
     import megakern
 
     xs = torch.randn(4, 1024, device=dev, dtype=torch.bfloat16)
@@ -114,8 +159,9 @@ def main() -> None:
         xg = xs.clone().requires_grad_()
         us_g = host_us(lambda: megakern.rms_norm(xg, ws, backend=backend))
         print(f"host per call, rms_norm 4x1024 [{backend}]: {us:6.1f} us (no grad) {us_g:6.1f} us (x requires grad)")
-    print(f"  kernel-only launch of triton fwd: {host_us(lambda: _norm_triton.fwd(xs, None, ws, None, 1e-6, True)):6.1f} us,"
-          f" cuda fwd: {host_us(lambda: _norm_cuda.fwd(xs, None, ws, None, 1e-6, True)):6.1f} us")
+    triton_us = host_us(lambda: _norm_triton.fwd(xs, None, ws, None, 1e-6, True))
+    cuda_us = host_us(lambda: _norm_cuda.fwd(xs, None, ws, None, 1e-6, True))
+    print(f"  kernel-only launch of triton fwd: {triton_us:6.1f} us, cuda fwd: {cuda_us:6.1f} us")
 
 
 if __name__ == "__main__":
