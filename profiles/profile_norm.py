@@ -2,9 +2,13 @@
 
     python profiles/profile_norm.py                       # run under any profiler (Nsight Systems / Compute)
     python profiles/profile_norm.py --ncu OUT.csv         # re-run itself under ncu and summarize per kernel
+    python profiles/profile_norm.py --ncu OUT.csv --sections --hidden 1024 --backends cuda
 
 With --ncu: duration, DRAM bytes read + written, and achieved bandwidth per kernel, from the hardware counters
 (clocks left alone), next to the bytes a fused kernel must move. DRAM bytes well over that mean re-reads.
+--sections: Nsight Compute's SpeedOfLight, Occupancy, LaunchStats and WarpStateStats sections instead (where a
+kernel's warps stall), every metric listed per kernel. --hidden: the row length (2**27 elements a tensor; default
+8192, 16384 rows).
 """
 from __future__ import annotations
 
@@ -18,17 +22,20 @@ import sys
 
 import torch
 
-ROWS, HIDDEN = 16384, 8192
+ELEMENTS = 2**27  # per activation tensor
 METRICS = ("gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,launch__registers_per_thread,"
            "sm__warps_active.avg.pct_of_peak_sustained_active,launch__block_size,launch__grid_size")
 
 
-def run_ops(backends: list[str]) -> None:
+SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats")
+
+
+def run_ops(backends: list[str], hidden: int) -> None:
     import megakern
 
-    x = torch.randn(ROWS, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    w = torch.randn(HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    b = torch.randn(HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(ELEMENTS // hidden, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
     for backend in backends:
         for op, args in (("rms_norm", (x, w)), ("layer_norm", (x, w, b))):
@@ -42,22 +49,38 @@ def find_ncu() -> str | None:
     return shutil.which("ncu") or next(iter(sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu"))), None)
 
 
-def profile(out_csv: str, backends: list[str]) -> None:
+def profile(out_csv: str, backends: list[str], hidden: int, sections: bool) -> None:
     ncu = find_ncu()
     if ncu is None:
         sys.exit("ncu (Nsight Compute) not found")
-    cmd = [ncu, "--clock-control", "none", "--metrics", METRICS, "--kernel-name", "regex:norm", "--csv",
-           sys.executable, __file__, "--backends", ",".join(backends)]
+    what = [arg for name in SECTIONS for arg in ("--section", name)] if sections else ["--metrics", METRICS]
+    cmd = [ncu, "--clock-control", "none", *what, "--kernel-name", "regex:norm", "--csv",
+           sys.executable, __file__, "--backends", ",".join(backends), "--hidden", str(hidden)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     text = proc.stdout[proc.stdout.find('"ID"'):]
     if proc.returncode or not text:
         sys.exit(f"ncu failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     with open(out_csv, "w") as f:
         f.write(text)
-    summarize(text)
+    if sections:
+        list_sections(text)
+    else:
+        summarize(text, hidden)
 
 
-def summarize(text: str) -> None:
+def list_sections(text: str) -> None:
+    """Every metric of ncu's section CSV, per kernel."""
+    current = None
+    for row in csv.DictReader(io.StringIO(text)):
+        key = (row["ID"], row["Kernel Name"][:90])
+        if key != current:
+            current = key
+            print(f"\n{key[0]} {key[1]}")
+        print(f"  {row.get('Section Name', ''):28} {row['Metric Name']:52} {row['Metric Value']:>14} "
+              f"{row['Metric Unit']}")
+
+
+def summarize(text: str, hidden: int) -> None:
     """Per-kernel table from ncu's CSV."""
     kernels: dict[tuple[str, str], dict[str, float]] = {}
     for row in csv.DictReader(io.StringIO(text)):
@@ -66,9 +89,9 @@ def summarize(text: str) -> None:
         scale = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "ns": 1e-9, "nsecond": 1e-9, "us": 1e-6,
                  "usecond": 1e-6, "ms": 1e-3, "msecond": 1e-3}.get(row["Metric Unit"], 1)
         kernels.setdefault(key, {})[row["Metric Name"]] = value * scale
-    act = ROWS * HIDDEN * 2
-    print(f"per kernel, {ROWS}x{HIDDEN} bf16 (one activation tensor = {act / 1e6:.0f} MB; fused fwd moves 2 of them, "
-          f"bwd 3):")
+    act = ELEMENTS * 2
+    print(f"per kernel, {ELEMENTS // hidden}x{hidden} bf16 (one activation tensor = {act / 1e6:.0f} MB; fused fwd "
+          f"moves 2 of them, bwd 3):")
     print(f"{'kernel':62} {'us':>8} {'DRAM MB':>9} {'tensors':>8} {'GB/s':>7} {'regs':>5} {'occ%':>5} "
           f"{'block':>6} {'grid':>7}")
     for (_, name), m in kernels.items():
@@ -85,15 +108,19 @@ def main() -> None:
     parser.add_argument("--ncu", metavar="CSV", help="profile under Nsight Compute, raw metrics to CSV")
     parser.add_argument("--backends", default="triton,cuda")
     parser.add_argument("--summarize", metavar="CSV", help="only print the table of an earlier --ncu CSV")
+    parser.add_argument("--hidden", type=int, default=8192, help="row length (2**27 elements a tensor)")
+    parser.add_argument("--sections", action="store_true", help="with --ncu: Nsight Compute's sections, every metric")
     args = parser.parse_args()
     backends = args.backends.split(",")
+    if not 1 <= args.hidden <= ELEMENTS:
+        sys.exit(f"--hidden must be in 1..{ELEMENTS}, got {args.hidden}")
     if args.summarize:
         with open(args.summarize) as f:
-            summarize(f.read())
+            summarize(f.read(), args.hidden)
     elif args.ncu:
-        profile(args.ncu, backends)
+        profile(args.ncu, backends, args.hidden, args.sections)
     else:
-        run_ops(backends)
+        run_ops(backends, args.hidden)
 
 
 if __name__ == "__main__":
