@@ -263,7 +263,7 @@ def _norm_bwd_wide_kernel(
                 acc_g += g
         c_gx = tl.sum(acc_gx, axis=0) / N
         c_g = 0.0 if IS_RMS else tl.sum(acc_g, axis=0) / N
-        # pass 2: dx, and the partial column sums (the first row of a program starts them)
+        # pass 2: dx, and the partial column sums added to this program's rows (zeroed by the launcher)
         for c0 in tl.range(0, N, CHUNK, num_stages=STAGES):
             cols = c0 + offs
             m = cols < N

@@ -14,14 +14,19 @@ from megakern.train.figures import StepFigures
 from megakern.train.step import TrainStep
 
 
+def _needs(config: TrainConfig, device: torch.device, fused_adamw: bool, fp8: bool, packed: bool) -> list[str]:
+    """What a CUDA-graph step needs and a run on ``device`` lacks, worded for one log line or error: the device, an
+    optimizer that skips a bad step by itself, no compile, no FP8, fixed shapes."""
+    return [why for bad, why in (
+        (device.type != "cuda", f"a CUDA device (train.device is {device})"),
+        (not fused_adamw, f"fused AdamW (optim.fused is {config.optim.fused}; auto, megakern or fused)"),
+        (config.train.compile, "no train.compile"), (fp8, f"no FP8 (train.fp8 is {config.train.fp8})"),
+        (packed, "fixed shapes (data.packed_documents varies them)")) if bad]
+
+
 def check_graph(config: TrainConfig, step: TrainStep) -> None:
     """ConfigError naming what train.cuda_graph needs and this run lacks (nothing when it can be captured)."""
-    t = config.train
-    problems = [why for bad, why in (
-        (step.device.type != "cuda", f"a CUDA device (train.device is {step.device})"),
-        (not step.device_skip, "fused AdamW (optim.fused auto or fused)"),
-        (t.compile, "no train.compile"), (step.has_fp8, "no FP8 (train.fp8=none)"),
-        (step.eod_id is not None, "fixed shapes: no data.packed_documents")) if bad]
+    problems = _needs(config, step.device, step.device_skip, step.has_fp8, step.eod_id is not None)
     if problems:
         raise ConfigError("train.cuda_graph needs " + ", ".join(problems))
 
@@ -63,12 +68,11 @@ def resolve_cuda_graph(config: TrainConfig, device: torch.device, world: int) ->
     t, p = config.train, config.parallel
     if t.cuda_graph != "auto":
         return config, None
-    needs = [why for bad, why in (
-        (device.type != "cuda", f"a CUDA device (the run is on {device.type})"),
-        (config.optim.fused not in ("auto", "megakern", "fused"),
-         f"fused AdamW (optim.fused is {config.optim.fused})"),
-        (t.compile, "no train.compile"), (t.fp8 != "none", f"no FP8 (train.fp8 is {t.fp8})"),
-        (config.data.packed_documents, "fixed shapes (data.packed_documents varies them)"),
+    # what check_graph reads from the built step, foreseen from the config: fused AdamW (device_skip) wherever
+    # optim.fused resolves to a fused torch AdamW on CUDA, FP8 layers, the packed documents' offsets
+    needs = _needs(config, device, config.optim.fused in ("auto", "megakern", "fused"), t.fp8 != "none",
+                   config.data.packed_documents)
+    needs += [why for bad, why in (
         (p.ep > 1 and config.model.moe_capacity_factor is None,
          f"a capacity factor under parallel.ep={p.ep} (model.moe_capacity_factor: dropless dispatch reads its split "
          "sizes on the host)"),

@@ -403,8 +403,8 @@ def test_cuda_graph_refused_where_it_cannot_run(tmp_path, data_cache):
 
 
 @pytest.mark.parametrize("overrides,device,world,reasons", [
-    ([], "cpu", 1, ["a CUDA device (the run is on cpu)"]),
-    (["optim.fused=foreach"], "cuda", 1, ["fused AdamW (optim.fused is foreach)"]),
+    ([], "cpu", 1, ["a CUDA device (train.device is cpu)"]),
+    (["optim.fused=foreach"], "cuda", 1, ["fused AdamW (optim.fused is foreach; auto, megakern or fused)"]),
     (["train.compile=true", "train.fp8=delayed"], "cuda", 1, ["no train.compile", "no FP8 (train.fp8 is delayed)"]),
     (["data.packed_documents=true"], "cuda", 1, ["fixed shapes (data.packed_documents varies them)"]),
     (["train.steps=3"], "cuda", 1, ["(train.steps 3 <= train.cuda_graph_warmup 3)"]),
@@ -448,7 +448,7 @@ def test_cuda_graph_auto_logs_its_choice(tmp_path, data_cache):
     try:
         assert t.config.train.cuda_graph is False and t.graph is None
         log = (tmp_path / "run" / "train.log").read_text()
-        assert "train.cuda_graph auto: eager steps, because a CUDA graph needs a CUDA device (the run is on cpu)" in log
+        assert "train.cuda_graph auto: eager steps, because a CUDA graph needs a CUDA device (train.device is cpu)" in log
     finally:
         t.close()
 
