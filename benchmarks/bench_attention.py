@@ -43,10 +43,10 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 if __package__:
-    from .common import (Results, Unavailable, bench, check_outputs, file_rows, import_peer, load_providers,
+    from .common import (Results, Unavailable, bench, check_outputs, file_rows, import_peer, int_list, load_providers,
                          measure_matmul_tflops, parse_args, record, report_failure)
 else:  # python benchmarks/bench_attention.py
-    from common import (Results, Unavailable, bench, check_outputs, file_rows, import_peer, load_providers,
+    from common import (Results, Unavailable, bench, check_outputs, file_rows, import_peer, int_list, load_providers,
                         measure_matmul_tflops, parse_args, record, report_failure)
 
 MODES = ("fwd", "fwd+bwd")
@@ -243,11 +243,10 @@ def _free(device: torch.device) -> None:
 
 def main(argv: list[str] | None = None) -> Results:
     def extra(parser):
-        ints = lambda text: tuple(int(v) for v in text.split(","))  # noqa: E731
-        parser.add_argument("--head-dims", type=ints, help="comma-separated head dims (default: 64,128; quick 128)")
-        parser.add_argument("--seqlens", type=ints, help="comma-separated sequence lengths")
-        parser.add_argument("--gqa", type=ints, help="comma-separated query heads per key/value head (default: 1,4; "
-                                                     "quick 1)")
+        parser.add_argument("--head-dims", type=int_list, help="comma-separated head dims (default: 64,128; quick 128)")
+        parser.add_argument("--seqlens", type=int_list, help="comma-separated sequence lengths")
+        parser.add_argument("--gqa", type=int_list,
+                            help="comma-separated query heads per key/value head (default: 1,4; quick 1)")
 
     args = parse_args(__doc__.splitlines()[0], argv, extra)
     device = args.device

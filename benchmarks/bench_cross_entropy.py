@@ -31,10 +31,10 @@ import torch
 import torch.nn.functional as F
 
 if __package__:
-    from .common import (Results, Unavailable, bench, check_outputs, file_rows, import_peer, load_providers,
+    from .common import (Results, Unavailable, bench, check_outputs, file_rows, import_peer, int_list, load_providers,
                          measure_matmul_tflops, parse_args, peak_gib, record, report_failure)
 else:  # python benchmarks/bench_cross_entropy.py
-    from common import (Results, Unavailable, bench, check_outputs, file_rows, import_peer, load_providers,
+    from common import (Results, Unavailable, bench, check_outputs, file_rows, import_peer, int_list, load_providers,
                         measure_matmul_tflops, parse_args, peak_gib, record, report_failure)
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -116,7 +116,7 @@ def _outputs(fn, x, w, t):
 
 def main(argv: list[str] | None = None) -> Results:
     extra = argparse.ArgumentParser(add_help=False)
-    extra.add_argument("--chunks", type=lambda s: [int(c) for c in s.split(",") if c.strip()], default=[],
+    extra.add_argument("--chunks", type=int_list, default=[],
                        help="megakern chunk sizes to time besides the default (tokens per chunk)")
     extra.add_argument("--tokens", type=int, default=16384, help="N, the tokens of every CUDA case (default 16384)")
     known, rest = extra.parse_known_args(argv)

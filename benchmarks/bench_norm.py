@@ -39,10 +39,10 @@ import torch
 import torch.nn.functional as F
 
 if __package__:
-    from .common import (Results, Unavailable, bench, check_outputs, file_rows, import_peer, load_providers,
+    from .common import (Results, Unavailable, bench, check_outputs, file_rows, import_peer, int_list, load_providers,
                          measure_copy_gbps, parse_args, record, report_failure)
 else:  # python benchmarks/bench_norm.py
-    from common import (Results, Unavailable, bench, check_outputs, file_rows, import_peer, load_providers,
+    from common import (Results, Unavailable, bench, check_outputs, file_rows, import_peer, int_list, load_providers,
                         measure_copy_gbps, parse_args, record, report_failure)
 
 OPS = ("rmsnorm", "layernorm")
@@ -164,7 +164,7 @@ def _outputs(fn, x, w, b, dy):
 
 def main(argv: list[str] | None = None) -> Results:
     def extra(parser):
-        parser.add_argument("--hidden", type=lambda text: tuple(int(v) for v in text.split(",")),
+        parser.add_argument("--hidden", type=int_list,
                             help="comma-separated hidden sizes (2**27 elements each) instead of the sweep")
         parser.add_argument("--ops", type=lambda text: tuple(v.strip() for v in text.split(",")), default=OPS,
                             help=f"comma-separated ops (default: {','.join(OPS)})")

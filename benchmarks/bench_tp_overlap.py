@@ -40,11 +40,11 @@ import torch
 import torch.distributed as dist
 
 if __package__:
-    from .common import (Results, check_outputs, file_rows, init_rank, measure_matmul_tflops, parse_args, record,
-                         report_failure, run_ranks, timed_on_ranks, tp_sizes)
+    from .common import (Results, check_outputs, file_rows, init_rank, int_list, measure_matmul_tflops, parse_args,
+                         record, report_failure, run_ranks, timed_on_ranks, tp_sizes)
 else:  # python benchmarks/bench_tp_overlap.py
-    from common import (Results, check_outputs, file_rows, init_rank, measure_matmul_tflops, parse_args, record,
-                        report_failure, run_ranks, timed_on_ranks, tp_sizes)
+    from common import (Results, check_outputs, file_rows, init_rank, int_list, measure_matmul_tflops, parse_args,
+                        record, report_failure, run_ranks, timed_on_ranks, tp_sizes)
 
 PROVIDERS = ("gemm", "unfused", "torch-symm", "megakern", "megakern-kernel")
 OPS = ("ag+gemm", "gemm+rs")
@@ -219,7 +219,7 @@ def hidden_shares(figures) -> dict[tuple[str, str, str], float]:
 
 def main(argv: list[str] | None = None) -> Results:
     extra = argparse.ArgumentParser(add_help=False)
-    extra.add_argument("--tp", type=lambda s: [int(c) for c in s.split(",") if c.strip()], default=None,
+    extra.add_argument("--tp", type=int_list, default=None,
                        help="tensor-parallel sizes (default: 2 and 4 up to the GPUs here; 2 on CPU)")
     known, rest = extra.parse_known_args(argv)
     args = parse_args(__doc__.splitlines()[0], rest)

@@ -30,11 +30,11 @@ import torch
 import torch.distributed as dist
 
 if __package__:
-    from .common import (Results, check_outputs, file_rows, init_rank, measure_matmul_tflops, parse_args, peak_gib,
-                         record, report_failure, run_ranks, timed_on_ranks, tp_sizes)
+    from .common import (Results, check_outputs, file_rows, init_rank, int_list, measure_matmul_tflops, parse_args,
+                         peak_gib, record, report_failure, run_ranks, timed_on_ranks, tp_sizes)
 else:  # python benchmarks/bench_vocab_parallel_ce.py
-    from common import (Results, check_outputs, file_rows, init_rank, measure_matmul_tflops, parse_args, peak_gib,
-                        record, report_failure, run_ranks, timed_on_ranks, tp_sizes)
+    from common import (Results, check_outputs, file_rows, init_rank, int_list, measure_matmul_tflops, parse_args,
+                        peak_gib, record, report_failure, run_ranks, timed_on_ranks, tp_sizes)
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 IGNORED = 0.05  # fraction of targets set to ignore_index (-100), as padding would
@@ -113,9 +113,9 @@ def _rank(rank: int, tp: int, port: int, args, chunks, queue) -> None:
 
 def main(argv: list[str] | None = None) -> Results:
     extra = argparse.ArgumentParser(add_help=False)
-    extra.add_argument("--chunks", type=lambda s: [int(c) for c in s.split(",") if c.strip()], default=[],
+    extra.add_argument("--chunks", type=int_list, default=[],
                        help="megakern chunk sizes to time besides the default (tokens per chunk)")
-    extra.add_argument("--tp", type=lambda s: [int(c) for c in s.split(",") if c.strip()], default=None,
+    extra.add_argument("--tp", type=int_list, default=None,
                        help="tensor-parallel sizes (default: 2, 4, 8 up to the GPUs here; 2 on CPU)")
     known, rest = extra.parse_known_args(argv)
     args = parse_args(__doc__.splitlines()[0], rest)

@@ -384,6 +384,11 @@ def file_rows(results: "Results", bench_name: str, out: Path | None, no_save: bo
     return path
 
 
+def int_list(text: str) -> list[int]:
+    """A comma-separated list of ints, as options such as --chunks 1024,4096 take (empty items skipped)."""
+    return [int(item) for item in text.split(",") if item.strip()]
+
+
 def parse_args(description: str, argv: list[str] | None = None,
                extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
     """Options every benchmark takes: --quick, --out, --no-save, --device, --providers, --graph; ``extra`` adds a
