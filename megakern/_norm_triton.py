@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -232,57 +233,70 @@ def _norm_bwd_wide_kernel(
     stride_xm, stride_dym, stride_dresoutm, stride_dxm, stride_dresm,
     M, N, rows_per_program,
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_DW: tl.constexpr, HAS_DB: tl.constexpr,
-    HAS_DRES_OUT: tl.constexpr, HAS_DRES: tl.constexpr, CHUNK: tl.constexpr, STAGES: tl.constexpr,
+    HAS_DRES_OUT: tl.constexpr, HAS_DRES: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
-    """The backward for rows too wide for registers: a row at a time, in CHUNK-column pieces, twice. The first pass
-    reads x and dy from memory for the row's two sums; the second reads them again (from L2, where the first pass
-    left them), writes dx and adds dy * xhat (and dy) into this program's partial rows of dweight (and dbias),
-    zeroed by the launcher, which stay in L2 across the program's rows."""
+    """The backward for rows too wide for registers: BLOCK_M rows a step, in CHUNK-column pieces, twice. The first
+    pass reads x and dy from memory for each row's two sums; the second reads them again (from L2, where the first
+    pass left them), writes dx and adds the step's column sums of dy * xhat (and dy) into this program's partial rows
+    of dweight (and dbias), zeroed by the launcher, which stay in L2 across the program's rows: one read-modify-write
+    of them a step, so more rows a step means less L2 traffic per row."""
     pid = tl.program_id(0)
     offs = tl.arange(0, CHUNK)
     row_start = pid.to(tl.int64) * rows_per_program  # int64 bounds: the row loop's offsets are 64-bit
     row_end = tl.minimum(row_start + rows_per_program, M)
     part_row = pid.to(tl.int64) * N
-    for row64 in range(row_start, row_end):
-        x_row = X + row64 * stride_xm
-        dy_row = DY + row64 * stride_dym
-        rstd = tl.load(RSTD + row64)
-        mean = 0.0 if IS_RMS else tl.load(MEAN + row64)
-        # pass 1: sum(g * xhat) and sum(g) over the row (g = dy * w; zero past N, so no masking of the sums)
-        acc_gx = tl.zeros([CHUNK], dtype=tl.float32)
-        acc_g = tl.zeros([CHUNK], dtype=tl.float32)
+    for row0 in range(row_start, row_end, BLOCK_M):
+        rows = row0 + tl.arange(0, BLOCK_M)
+        row_mask = rows < row_end
+        x_rows = X + rows[:, None] * stride_xm
+        dy_rows = DY + rows[:, None] * stride_dym
+        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)[:, None]
+        if IS_RMS:
+            mean = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
+        else:
+            mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)[:, None]
+        # pass 1: sum(g * xhat) and sum(g) over each row (g = dy * w; zero where masked, so no masking of the sums)
+        s_gx = tl.zeros([BLOCK_M], dtype=tl.float32)
+        s_g = tl.zeros([BLOCK_M], dtype=tl.float32)
         for c0 in tl.range(0, N, CHUNK, num_stages=STAGES):
             cols = c0 + offs
-            m = cols < N
-            x = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32)
-            g = tl.load(dy_row + cols, mask=m, other=0.0).to(tl.float32)
+            col_mask = cols < N
+            m = row_mask[:, None] & col_mask[None, :]
+            x = tl.load(x_rows + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            g = tl.load(dy_rows + cols[None, :], mask=m, other=0.0).to(tl.float32)
             if HAS_W:
-                g = g * tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
-            acc_gx += g * ((x - mean) * rstd)
+                g = g * tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+            s_gx += tl.sum(g * ((x - mean) * rstd), axis=1)
             if not IS_RMS:
-                acc_g += g
-        c_gx = tl.sum(acc_gx, axis=0) / N
-        c_g = 0.0 if IS_RMS else tl.sum(acc_g, axis=0) / N
-        # pass 2: dx, and the partial column sums added to this program's rows (zeroed by the launcher)
+                s_g += tl.sum(g, axis=1)
+        c_gx = (s_gx / N)[:, None]
+        c_g = (s_g / N)[:, None]
+        # pass 2: dx, and the step's column sums added to this program's partial rows (zeroed by the launcher)
         for c0 in tl.range(0, N, CHUNK, num_stages=STAGES):
             cols = c0 + offs
-            m = cols < N
-            x = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32)
-            dy = tl.load(dy_row + cols, mask=m, other=0.0).to(tl.float32)
+            col_mask = cols < N
+            m = row_mask[:, None] & col_mask[None, :]
+            x = tl.load(x_rows + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            dy = tl.load(dy_rows + cols[None, :], mask=m, other=0.0).to(tl.float32)
             xhat = (x - mean) * rstd
-            g = dy * tl.load(W + cols, mask=m, other=0.0).to(tl.float32) if HAS_W else dy
+            if HAS_W:
+                g = dy * tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+            else:
+                g = dy
             dx = (g - xhat * c_gx - c_g) * rstd
             if HAS_DRES_OUT:
-                dx = dx + tl.load(DRES_OUT + row64 * stride_dresoutm + cols, mask=m, other=0.0).to(tl.float32)
-            tl.store(DX + row64 * stride_dxm + cols, dx.to(DX.dtype.element_ty), mask=m)
+                dx = dx + tl.load(DRES_OUT + rows[:, None] * stride_dresoutm + cols[None, :], mask=m,
+                                  other=0.0).to(tl.float32)
+            tl.store(DX + rows[:, None] * stride_dxm + cols[None, :], dx.to(DX.dtype.element_ty), mask=m)
             if HAS_DRES:
-                tl.store(DRES + row64 * stride_dresm + cols, dx, mask=m)
+                tl.store(DRES + rows[:, None] * stride_dresm + cols[None, :], dx, mask=m)
             if HAS_DW:
                 dw_at = DW_PARTIAL + part_row + cols
-                tl.store(dw_at, tl.load(dw_at, mask=m, other=0.0) + dy * xhat, mask=m)
+                tl.store(dw_at, tl.load(dw_at, mask=col_mask, other=0.0) + tl.sum(dy * xhat, axis=0), mask=col_mask)
             if HAS_DB:
                 db_at = DB_PARTIAL + part_row + cols
-                tl.store(db_at, tl.load(db_at, mask=m, other=0.0) + dy, mask=m)
+                tl.store(db_at, tl.load(db_at, mask=col_mask, other=0.0) + tl.sum(dy, axis=0), mask=col_mask)
 
 
 def _block(n: int) -> int:
@@ -305,19 +319,32 @@ def _fwd_config(block: int) -> tuple[int, int]:
     return 1, 32
 
 
-def _bwd_config(block: int, is_rms: bool) -> tuple[int, int, int, bool]:
-    """(rows per step, warps, programs per SM, prefetch): short rows several rows a step and programs per SM; at
-    hidden 4096-8192 one row a step with the next row's loads issued before this row's math (16 warps, 8192 // hidden
-    programs per SM); LayerNorm at 16384 prefetches too, at 32 warps."""
+class BwdConfig(NamedTuple):
+    """The backward's launch geometry: rows a step, warps, programs per SM, the next step's rows loaded before this
+    step's math (``prefetch``), and for rows too wide for registers the two-pass kernel (``wide``) with ``chunk``
+    columns at a time and ``stages`` of them in flight."""
+    rows: int
+    warps: int
+    per_sm: int
+    prefetch: bool = False
+    wide: bool = False
+    chunk: int = 4096
+    stages: int = 2
+
+
+def _bwd_config(block: int, is_rms: bool) -> BwdConfig:
+    """Short rows several rows a step and programs per SM; at hidden 4096-8192 one row a step with the next row's
+    loads issued before this row's math (16 warps, 8192 // hidden programs per SM); LayerNorm at 16384 prefetches
+    too, at 32 warps."""
     if block <= 1024:
-        return 2, 4, 4, False
+        return BwdConfig(2, 4, 4)
     if block <= 2048:
-        return 4, 8, 1, False
+        return BwdConfig(4, 8, 1)
     if block <= 8192:
-        return 1, 16, 8192 // block, True
+        return BwdConfig(1, 16, 8192 // block, True)
     if block <= 16384:
-        return (1, 16, 1, False) if is_rms else (1, 32, 1, True)
-    return 1, 32, 1, False
+        return BwdConfig(1, 16, 1) if is_rms else BwdConfig(1, 32, 1, True)
+    return BwdConfig(1, 32, 1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -362,38 +389,42 @@ def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | No
 
 
 def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype, need_dw: bool, need_db: bool,
-        num_warps: int | None = None, programs_per_sm: int | None = None, rows_per_step: int | None = None,
-        prefetch: bool | None = None, wide: bool = False, chunk: int = 4096, stages: int = 2, paired: bool = False):
-    """(dx, dresidual | None, dweight | None, dbias | None); arguments as megakern._norm_cuda.bwd, plus tuning
-    overrides. ``wide``: the two-pass kernel for rows too wide for registers, ``chunk`` columns at a time with
-    ``stages`` of them in flight; ``rows_per_step`` and ``prefetch`` do not apply to it. ``paired``: LayerNorm's two
-    row sums in one reduction."""
+        paired: bool = False, **overrides):
+    """(dx, dresidual | None, dweight | None, dbias | None); arguments as megakern._norm_cuda.bwd. ``overrides``:
+    fields of BwdConfig (tuning; unnamed ones from the launch table, ``wide`` switching kernels leaves its other
+    fields as named or at their defaults). ``paired``: LayerNorm's two row sums in one reduction."""
     rows, n = dy.shape
     block = _block(n)
-    default_rows, warps, per_sm, default_prefetch = _bwd_config(block, is_rms)
-    rows_per_step, warps = rows_per_step or default_rows, num_warps or warps
-    prefetch = default_prefetch if prefetch is None else prefetch
-    programs = _programs(rows, dy.device, programs_per_sm or per_sm)
+    unknown = set(overrides) - set(BwdConfig._fields)
+    if unknown:
+        raise TypeError(f"unknown backward launch options {sorted(unknown)}; known: {BwdConfig._fields}")
+    table = _bwd_config(block, is_rms)
+    if "wide" in overrides and overrides["wide"] != table.wide:  # the other kernel: its own defaults
+        table = BwdConfig(1, table.warps, table.per_sm, wide=overrides["wide"])
+    config = table._replace(**{k: v for k, v in overrides.items() if v is not None})
+    programs = _programs(rows, dy.device, config.per_sm)
     rows_per_program = math.ceil(rows / programs) if rows else 0
     dx = torch.empty((rows, n), dtype=dy.dtype, device=dy.device)
     separate_dres = residual_dtype is not None and residual_dtype != dy.dtype
     dres = torch.empty((rows, n), dtype=torch.float32, device=dy.device) if separate_dres else None
     has_db = need_db and not is_rms
     # the per-program partial sums of dweight and dbias in one buffer, reduced by one launch
-    parts = (torch.zeros if wide else torch.empty)((int(need_dw) + int(has_db), programs, n), dtype=torch.float32,
-                                                   device=dy.device) if need_dw or has_db else None
+    zeros_or_empty = torch.zeros if config.wide else torch.empty
+    parts = zeros_or_empty((int(need_dw) + int(has_db), programs, n), dtype=torch.float32,
+                           device=dy.device) if need_dw or has_db else None
     dw_partial = parts[0] if need_dw else None
     db_partial = parts[-1] if has_db else None
     args = (x, dy, dres_out, weight, mean, rstd, dx, dres, dw_partial, db_partial,
             x.stride(0), dy.stride(0), dres_out.stride(0) if dres_out is not None else 0, dx.stride(0),
             dres.stride(0) if dres is not None else 0, rows, n, rows_per_program)
     flags = dict(IS_RMS=is_rms, HAS_W=weight is not None, HAS_DW=need_dw, HAS_DB=has_db,
-                 HAS_DRES_OUT=dres_out is not None, HAS_DRES=separate_dres, num_warps=warps)
-    if wide:
-        _norm_bwd_wide_kernel[(programs,)](*args, CHUNK=min(next_power_of_2(chunk), block), STAGES=stages, **flags)
+                 HAS_DRES_OUT=dres_out is not None, HAS_DRES=separate_dres, num_warps=config.warps)
+    if config.wide:
+        _norm_bwd_wide_kernel[(programs,)](*args, BLOCK_M=config.rows, CHUNK=min(next_power_of_2(config.chunk), block),
+                                           STAGES=config.stages, **flags)
     else:
-        _norm_bwd_kernel[(programs,)](*args, BLOCK_M=rows_per_step, BLOCK_N=block, PREFETCH=prefetch, PAIRED=paired,
-                                      **flags)
+        _norm_bwd_kernel[(programs,)](*args, BLOCK_M=config.rows, BLOCK_N=block, PREFETCH=config.prefetch,
+                                      PAIRED=paired, **flags)
     sums = sum_rows(parts, weight.dtype) if parts is not None else None  # summed and cast in one launch
     dw = sums[0] if need_dw else None
     db = sums[-1] if has_db else None

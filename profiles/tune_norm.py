@@ -25,6 +25,7 @@ from megakern import _norm_cuda, _norm_triton
 
 ROWS_TOTAL = 2**27  # elements of each (M, N) tensor
 OPS = {"rms": True, "ln": False}  # op -> is_rms
+LAUNCHERS = ("triton fwd", "triton bwd", "cuda fwd", "cuda bwd")
 
 
 def specs(n: int, is_rms: bool, residual: bool) -> list[tuple[str, str, dict]]:
@@ -43,27 +44,35 @@ def specs(n: int, is_rms: bool, residual: bool) -> list[tuple[str, str, dict]]:
             out.append((f"triton fwd wide warps={warps} chunk={chunk} stages={stages}", "triton fwd",
                         dict(num_warps=warps, wide=True, chunk=chunk, stages=stages)))
     out.append((f"cuda fwd default {_norm_cuda.launch_config(n, torch.bfloat16, False)}", "cuda fwd", {}))
-    # (warps, programs per SM, rows per step, prefetch of the next step's rows)
-    geometries = [(16, 1, 1, False), (16, 1, 2, False), (8, 1, 2, False), (8, 1, 4, False), (4, 1, 4, False),
-                  (4, 4, 2, False), (32, 1, 1, False), (max(4, n // 256), 1, 1, True),
-                  (max(4, n // 256), max(1, 8192 // n), 1, True), (max(4, n // 256), max(1, 4096 // n), 1, True),
-                  (max(4, n // 512), max(1, 8192 // n), 1, True)]
+    # the backward in registers: (rows a step, warps, programs per SM, prefetch), warps from the elements each thread
+    # holds of a step's rows (8, 16 or 32) and programs per SM filling 16 or 32 warps an SM; several rows a step only
+    # up to 8192 elements a step
+    geometries = set()
+    for rows in (r for r in (1, 2, 4) if r == 1 or r * n <= 8192):
+        for per_thread in (8, 16, 32):
+            warps = rows * n // (32 * per_thread)
+            if not 2 <= warps <= 32:
+                continue
+            for warps_per_sm in (16, 32):
+                for prefetch in (False, True):
+                    geometries.add((rows, warps, max(1, warps_per_sm // warps), prefetch))
     if residual:
-        geometries += [(4, 2, 4, False), (4, 4, 4, False), (4, 8, 4, False), (4, 4, 2, False), (4, 8, 2, False),
-                       (8, 4, 4, False), (8, 2, 4, False), (4, 4, 8, False), (2, 8, 4, False), (4, 16, 2, False)]
-    for warps, per_sm, block_m, prefetch in geometries:
-        out.append((f"triton bwd warps={warps} per_sm={per_sm} rows/step={block_m} prefetch={int(prefetch)}",
-                    "triton bwd", dict(num_warps=warps, programs_per_sm=per_sm, rows_per_step=block_m,
-                                       prefetch=prefetch)))
-    if not is_rms:  # the table's geometry with LayerNorm's two row sums in one reduction, and without
-        out.append(("triton bwd default geometry, paired sums", "triton bwd", dict(paired=True)))
-        out.append(("triton bwd default geometry", "triton bwd", {}))
-    if n >= 8192:  # the two-pass backward for wide rows: (warps, programs per SM, chunk, stages)
-        for warps, per_sm, chunk, stages in ((8, 2, 4096, 2), (8, 4, 4096, 2), (4, 4, 2048, 2), (8, 2, 2048, 3),
-                                             (16, 2, 8192, 2), (16, 1, 8192, 2), (8, 4, 2048, 2), (4, 8, 1024, 3),
-                                             (8, 2, 4096, 3), (16, 2, 4096, 2)):
-            out.append((f"triton bwd wide warps={warps} per_sm={per_sm} chunk={chunk} stages={stages}", "triton bwd",
-                        dict(num_warps=warps, programs_per_sm=per_sm, wide=True, chunk=chunk, stages=stages)))
+        geometries |= {(4, 4, 2, False), (4, 4, 4, False), (4, 4, 8, False), (2, 4, 8, False), (4, 8, 4, False),
+                       (4, 8, 2, False), (8, 4, 4, False), (4, 2, 8, False), (2, 4, 16, False)}
+    for rows, warps, per_sm, prefetch in sorted(geometries):
+        out.append((f"triton bwd warps={warps} per_sm={per_sm} rows/step={rows} prefetch={int(prefetch)}",
+                    "triton bwd", dict(warps=warps, per_sm=per_sm, rows=rows, prefetch=prefetch)))
+    out.append(("triton bwd default", "triton bwd", {}))
+    if not is_rms:  # the table's geometry with LayerNorm's two row sums in one reduction
+        out.append(("triton bwd default, paired sums", "triton bwd", dict(paired=True)))
+    if n >= 8192:  # the two-pass backward for wide rows: (rows a step, warps, programs per SM, chunk, stages)
+        for rows, warps, per_sm, chunk, stages in ((1, 16, 1, 8192, 2), (1, 8, 2, 4096, 2), (2, 8, 2, 2048, 2),
+                                                   (2, 8, 2, 4096, 2), (4, 8, 2, 1024, 2), (4, 8, 1, 2048, 2),
+                                                   (2, 16, 1, 4096, 2), (4, 16, 1, 2048, 2), (2, 8, 4, 1024, 2),
+                                                   (4, 8, 2, 2048, 3), (8, 8, 1, 1024, 2), (4, 4, 4, 1024, 2)):
+            out.append((f"triton bwd wide rows/step={rows} warps={warps} per_sm={per_sm} chunk={chunk} "
+                        f"stages={stages}", "triton bwd",
+                        dict(rows=rows, warps=warps, per_sm=per_sm, wide=True, chunk=chunk, stages=stages)))
     out.append((f"cuda bwd default {_norm_cuda.launch_config(n, torch.bfloat16, True)}", "cuda bwd", {}))
     return out
 
@@ -96,13 +105,13 @@ class Inputs:
                           **kwargs)
 
 
-def _warm(job: tuple[int, bool, list[str], int, int]) -> int:
+def _warm(job: tuple[int, bool, list[str], set[str], int, int]) -> int:
     """A worker of --jobs: calls every ``parts``-th configuration of hidden size ``n`` from the ``part``-th on once
     (compiling its kernels into the caches); returns how many ran."""
-    n, residual, ops, part, parts = job
+    n, residual, ops, launchers, part, parts = job
     inputs, done = Inputs(n, residual, torch.device("cuda")), 0
     for op in ops:
-        for _, launcher, kwargs in specs(n, OPS[op], residual)[part::parts]:
+        for _, launcher, kwargs in [spec for spec in specs(n, OPS[op], residual) if spec[1] in launchers][part::parts]:
             try:
                 inputs.call(launcher, OPS[op], kwargs)
                 done += 1
@@ -119,16 +128,21 @@ def main() -> None:
     parser.add_argument("--residual", action="store_true")
     parser.add_argument("--jobs", type=int, default=12, help="processes compiling the kernels first (1: none)")
     parser.add_argument("--rep-ms", type=int, default=500, help="timing window of each configuration")
+    parser.add_argument("--launchers", default=",".join(LAUNCHERS),
+                        help=f"comma-separated, of: {', '.join(LAUNCHERS)}")
     args = parser.parse_args()
     ops = [op.strip() for op in args.ops.split(",") if op.strip()]
     if unknown := set(ops) - set(OPS):
         raise SystemExit(f"tune_norm: unknown op(s) {sorted(unknown)}; known: {', '.join(OPS)}")
     hidden = [int(h) for h in args.hidden.split(",")]
+    launchers = {name.strip() for name in args.launchers.split(",") if name.strip()}
+    if unknown := launchers - set(LAUNCHERS):
+        raise SystemExit(f"tune_norm: unknown launcher(s) {sorted(unknown)}; known: {', '.join(LAUNCHERS)}")
     dev = torch.device("cuda")
     if args.jobs > 1:
         start = time.perf_counter()
         parts = max(1, args.jobs // len(hidden))  # processes per hidden size, each with its own tensors
-        jobs = [(n, args.residual, ops, part, parts) for n in hidden for part in range(parts)]
+        jobs = [(n, args.residual, ops, launchers, part, parts) for n in hidden for part in range(parts)]
         with ProcessPoolExecutor(len(jobs), mp_context=multiprocessing.get_context("spawn")) as pool:
             done = sum(pool.map(_warm, jobs))
         print(f"compiled: {done} configurations called once by {len(jobs)} processes in "
@@ -141,6 +155,8 @@ def main() -> None:
         act = inputs.x.numel() * inputs.x.element_size()
         for op in ops:
             for name, launcher, kwargs in specs(n, OPS[op], args.residual):
+                if launcher not in launchers:
+                    continue
                 nbytes = 2 * act if launcher.endswith("fwd") else (4 if args.residual else 3) * act
                 try:
                     t = bench(lambda: inputs.call(launcher, OPS[op], kwargs), device=dev, rep_ms=args.rep_ms)["median"]

@@ -125,12 +125,13 @@ def test_matches_reference(op, variant, dtype, shape, setup):
     check_fwd_bwd(variant, op, dtype, x, w, b, r)
 
 
-GEOMETRIES = {"1-row": dict(rows_per_step=1), "2-rows": dict(rows_per_step=2), "1-row-prefetch": dict(prefetch=True),
-              "2-rows-prefetch": dict(rows_per_step=2, prefetch=True),
-              "1-row-paired": dict(rows_per_step=1, paired=True),
-              "2-rows-prefetch-paired": dict(rows_per_step=2, prefetch=True, paired=True),
+GEOMETRIES = {"1-row": dict(rows=1), "2-rows": dict(rows=2), "1-row-prefetch": dict(prefetch=True),
+              "2-rows-prefetch": dict(rows=2, prefetch=True),
+              "1-row-paired": dict(rows=1, paired=True),
+              "2-rows-prefetch-paired": dict(rows=2, prefetch=True, paired=True),
               "wide": dict(wide=True, chunk=32),
-              "wide-1-stage": dict(wide=True, chunk=64, stages=1)}
+              "wide-1-stage": dict(wide=True, chunk=64, stages=1),
+              "wide-4-rows": dict(wide=True, rows=4, chunk=32)}
 
 
 @pytest.mark.parametrize("geometry", GEOMETRIES)
@@ -150,7 +151,7 @@ def test_triton_geometries(op, setup, geometry):
         x, w, b, r = make_inputs(op, dtype, (shape[0], rows, shape[2]), setup)
         if op == "layer_norm":  # rows far from zero mean: the statistics must not cancel (the wide kernel merges
             x.add_(torch.linspace(-8, 8, x.shape[-1], dtype=dtype, device=x.device))  # chunk means that differ)
-        launchers = (fwd, functools.partial(bwd, programs_per_sm=per_sm, **GEOMETRIES[geometry]))
+        launchers = (fwd, functools.partial(bwd, per_sm=per_sm, **GEOMETRIES[geometry]))
         check_fwd_bwd("triton", op, dtype, x, w, b, r, launchers=launchers)
 
 
@@ -192,8 +193,8 @@ def compile_for_sm90() -> list:
                  ("fwd wide", nt._norm_fwd_wide_kernel, dict(flags, HAS_RES=residual, HAS_B=not is_rms, CHUNK=4096,
                                                              STAGES=2), 8),
                  ("bwd wide", nt._norm_bwd_wide_kernel, dict(flags, HAS_DW=True, HAS_DB=not is_rms,
-                                                             HAS_DRES_OUT=residual, HAS_DRES=residual, CHUNK=4096,
-                                                             STAGES=2), 8)]
+                                                             HAS_DRES_OUT=residual, HAS_DRES=residual, BLOCK_M=2,
+                                                             CHUNK=2048, STAGES=2), 8)]
         for name, kernel, constexprs, warps in cases:
             signature = {a: "constexpr" if a in constexprs else
                          ("*fp32" if a in fp32 else "*bf16") if a in pointers else
