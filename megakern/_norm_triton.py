@@ -333,18 +333,17 @@ class BwdConfig(NamedTuple):
 
 
 def _bwd_config(block: int, is_rms: bool) -> BwdConfig:
-    """Short rows several rows a step and programs per SM; at hidden 4096-8192 one row a step with the next row's
-    loads issued before this row's math (16 warps, 8192 // hidden programs per SM); LayerNorm at 16384 prefetches
-    too, at 32 warps."""
-    if block <= 1024:
-        return BwdConfig(2, 4, 4)
-    if block <= 2048:
-        return BwdConfig(4, 8, 1)
+    """Rows in registers up to hidden 8192 (RMSNorm 16384): 16 elements of a step's rows a thread, 16 warps an SM,
+    the next step's rows loaded before this step's math. Wider rows (LayerNorm from 16384, whose dweight and dbias
+    sums overflow the registers), the two-pass kernel, 4 rows a step."""
+    if block <= 4096:
+        warps = max(2, min(16, block // 256))
+        return BwdConfig(2, warps, 16 // warps, True)
     if block <= 8192:
-        return BwdConfig(1, 16, 8192 // block, True)
-    if block <= 16384:
-        return BwdConfig(1, 16, 1) if is_rms else BwdConfig(1, 32, 1, True)
-    return BwdConfig(1, 32, 1)
+        return BwdConfig(1, 16, 1, True)
+    if block <= 16384 and is_rms:
+        return BwdConfig(1, 16, 1)
+    return BwdConfig(4, 8, 2, wide=True, chunk=2048, stages=3)
 
 
 @functools.lru_cache(maxsize=None)
