@@ -346,6 +346,23 @@ def _bwd_config(block: int, is_rms: bool) -> BwdConfig:
     return BwdConfig(4, 8, 2, wide=True, chunk=2048, stages=3)
 
 
+WIDE_PIPELINE_BYTES = 160 * 1024  # shared memory the wide backward's loads in flight may take (228 KiB an SM)
+
+
+def _wide_pipeline(config: BwdConfig, block: int, loaded: list[torch.Tensor]) -> tuple[int, int]:
+    """(chunk, stages) of the wide backward within WIDE_PIPELINE_BYTES: ``stages`` chunks of ``config.rows`` rows of
+    every tensor in ``loaded`` in flight; the chunk halves (down to 256 columns), then the stages drop, until they
+    fit (fp32 inputs and the residual's gradient take more than bf16 x and dy)."""
+    chunk, stages = min(next_power_of_2(config.chunk), block), config.stages
+    per_column = config.rows * sum(t.element_size() for t in loaded)
+    while stages * chunk * per_column > WIDE_PIPELINE_BYTES and (chunk > 256 or stages > 1):
+        if chunk > 256:
+            chunk //= 2
+        else:
+            stages -= 1
+    return chunk, stages
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -419,8 +436,8 @@ def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype, need_
     flags = dict(IS_RMS=is_rms, HAS_W=weight is not None, HAS_DW=need_dw, HAS_DB=has_db,
                  HAS_DRES_OUT=dres_out is not None, HAS_DRES=separate_dres, num_warps=config.warps)
     if config.wide:
-        _norm_bwd_wide_kernel[(programs,)](*args, BLOCK_M=config.rows, CHUNK=min(next_power_of_2(config.chunk), block),
-                                           STAGES=config.stages, **flags)
+        chunk, stages = _wide_pipeline(config, block, [t for t in (x, dy, dres_out) if t is not None])
+        _norm_bwd_wide_kernel[(programs,)](*args, BLOCK_M=config.rows, CHUNK=chunk, STAGES=stages, **flags)
     else:
         _norm_bwd_kernel[(programs,)](*args, BLOCK_M=config.rows, BLOCK_N=block, PREFETCH=config.prefetch,
                                       PAIRED=paired, **flags)

@@ -367,3 +367,24 @@ def test_torch_compile_with_cuda_ops(op):
     dy = torch.randn_like(y)
     torch.library.opcheck(_norm_cuda.norm_bwd_op, (dy, res_out, torch.randn_like(res_out), w.detach(),
                                                    None if is_rms else mean, rstd, is_rms, r2.dtype, True, not is_rms))
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32))
+@pytest.mark.parametrize("residual", (False, True))
+def test_wide_backward_pipeline_fits_shared_memory(dtype, residual):
+    """The wide backward's loads in flight (stages x rows x chunk of x, dy and the residual's gradient) stay within
+    the shared-memory budget for every input dtype, and bf16 without the residual keeps the launch table's pipeline;
+    an unknown launch option is refused by name."""
+    from megakern import _norm_triton as nt
+
+    config = nt._bwd_config(32768, False)
+    assert config.wide
+    loaded = [torch.empty(0, dtype=dtype)] * (3 if residual else 2)
+    chunk, stages = nt._wide_pipeline(config, 32768, loaded)
+    assert stages >= 1 and chunk >= 256
+    assert stages * chunk * config.rows * sum(t.element_size() for t in loaded) <= nt.WIDE_PIPELINE_BYTES
+    if dtype == torch.bfloat16 and not residual:
+        assert (chunk, stages) == (config.chunk, config.stages)
+    x = torch.zeros(2, 8)
+    with pytest.raises(TypeError, match="unknown backward launch options.*'warp'"):
+        nt.bwd(x, x, None, None, None, torch.ones(2), True, None, False, False, warp=4)
