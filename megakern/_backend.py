@@ -35,10 +35,9 @@ MIN_LIGER = (0, 5)  # the first minor release whose LigerRMSNormFunction takes i
 # (largest size, backends fastest first). Measured with the benchmarks named per entry; the figures are in
 # docs/tuning.md (backend defaults).
 DEFAULTS: dict[str, tuple[tuple[int, tuple[str, ...]], ...]] = {
-    # Triton up to 16384, longer rows CUDA (its streaming backward; Triton's tiles spill), profiles/tune_norm.py
-    "rms_norm": ((16384, ("triton", "cuda", "torch")), (1 << 30, ("cuda", "triton", "torch"))),
-    # as RMSNorm, the crossover at 8192
-    "layer_norm": ((8192, ("triton", "cuda", "torch")), (1 << 30, ("cuda", "triton", "torch"))),
+    # Triton at every hidden size, forward and backward (wide rows: its two-pass backward), profiles/tune_norm.py
+    "rms_norm": ((1 << 30, ("triton", "cuda", "torch")),),
+    "layer_norm": ((1 << 30, ("triton", "cuda", "torch")),),
     # no CUDA C++ implementation: Triton (Gluon on Hopper), then the reference
     "attention": ((1 << 30, ("triton", "torch")),),
     # Triton's forward ahead of the CUDA kernel's (benchmarks/results/h200/rotary.csv)

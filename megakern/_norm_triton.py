@@ -27,17 +27,12 @@ MAX_BLOCK = 65536
 
 
 @triton.jit
-def _add_pair(a0, a1, b0, b1):
-    return a0 + b0, a1 + b1
-
-
-@triton.jit
 def _norm_fwd_kernel(
     X, RES, W, B, Y, RES_OUT, MEAN, RSTD,
     stride_xm, stride_resm, stride_ym, stride_resoutm,
     M, N, eps,
     IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # BLOCK_M rows per program, as a (BLOCK_M, BLOCK_N) tile
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -56,20 +51,6 @@ def _norm_fwd_kernel(
     if IS_RMS:
         xc = x
         rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
-    elif ONE_PASS:
-        # LayerNorm's two sums in one reduction, of the row shifted by its first element (as stored): the shift
-        # keeps sum(d^2) / N - (sum(d) / N)^2 from cancelling when the mean is large against the spread
-        x0 = tl.load(X + rows * stride_xm, mask=row_mask, other=0.0).to(tl.float32)
-        if HAS_RES:
-            x0 = (x0 + tl.load(RES + rows * stride_resm, mask=row_mask, other=0.0).to(tl.float32))
-            x0 = x0.to(RES_OUT.dtype.element_ty).to(tl.float32)
-        d = tl.where(mask, x - x0[:, None], 0.0)
-        s1, s2 = tl.reduce((d, d * d), 1, _add_pair)
-        mean_d = s1 / N
-        mean = x0 + mean_d
-        xc = x - mean[:, None]
-        tl.store(MEAN + rows, mean, mask=row_mask)
-        rstd = 1.0 / tl.sqrt(tl.maximum(s2 / N - mean_d * mean_d, 0.0) + eps)
     else:
         mean = tl.sum(x, axis=1) / N
         xc = tl.where(mask, x - mean[:, None], 0.0)
@@ -164,7 +145,7 @@ def _norm_bwd_kernel(
     M, N, rows_per_program,
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_DW: tl.constexpr, HAS_DB: tl.constexpr,
     HAS_DRES_OUT: tl.constexpr, HAS_DRES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PREFETCH: tl.constexpr, PAIRED: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -202,13 +183,9 @@ def _norm_bwd_kernel(
             xhat = tl.where(mask, (x - mean[:, None]) * rstd, 0.0)
         g = dy * w[None, :] if HAS_W else dy
         # dx = rstd * (g - xhat * mean(g * xhat) - mean(g))   (RMSNorm: no mean(g))
-        if PAIRED and not IS_RMS:  # LayerNorm's two row sums in one reduction
-            s_gx, s_g = tl.reduce((g * xhat, g), 1, _add_pair)
-            dx = g - xhat * (s_gx / N)[:, None] - (s_g / N)[:, None]
-        else:
-            dx = g - xhat * (tl.sum(g * xhat, axis=1) / N)[:, None]
-            if not IS_RMS:
-                dx = dx - (tl.sum(g, axis=1) / N)[:, None]
+        dx = g - xhat * (tl.sum(g * xhat, axis=1) / N)[:, None]
+        if not IS_RMS:
+            dx = dx - (tl.sum(g, axis=1) / N)[:, None]
         dx = dx * rstd
         if HAS_DRES_OUT:
             dx = dx + tl.load(DRES_OUT + rows64[:, None] * stride_dresoutm + cols[None, :], mask=mask,
@@ -375,12 +352,11 @@ def _programs(rows: int, device: torch.device, per_sm: int = 1) -> int:
 
 
 def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | None = None,
-        rows_per_program: int | None = None, wide: bool = False, chunk: int = 4096, stages: int = 2,
-        one_pass: bool = False):
+        rows_per_program: int | None = None, wide: bool = False, chunk: int = 4096, stages: int = 2):
     """(y, residual_out | None, mean | None, rstd) for 2-D ``x``; ``num_warps`` and ``rows_per_program`` override
     the defaults (tuning). ``wide``: the two-pass kernel for rows too wide for registers, a row a program, ``chunk``
-    columns at a time with ``stages`` of them in flight. ``one_pass``: LayerNorm's sum and sum of squares (of the
-    row shifted by its first element) in one reduction instead of the mean, then the squared deviations."""
+    columns at a time with ``stages`` of them in flight (measured slower than rows in registers up to hidden 32768:
+    docs/tuning.md)."""
     rows, n = x.shape
     block = _block(n)
     default_rows, warps = _fwd_config(block)
@@ -399,16 +375,15 @@ def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | No
     if wide:
         _norm_fwd_wide_kernel[(rows,)](*args, CHUNK=min(next_power_of_2(chunk), block), STAGES=stages, **flags)
     else:
-        _norm_fwd_kernel[(cdiv(rows, rows_per_program),)](*args, BLOCK_M=rows_per_program, BLOCK_N=block,
-                                                          ONE_PASS=one_pass and not is_rms, **flags)
+        _norm_fwd_kernel[(cdiv(rows, rows_per_program),)](*args, BLOCK_M=rows_per_program, BLOCK_N=block, **flags)
     return y, res_out, mean, rstd
 
 
 def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype, need_dw: bool, need_db: bool,
-        paired: bool = False, **overrides):
+        **overrides):
     """(dx, dresidual | None, dweight | None, dbias | None); arguments as megakern._norm_cuda.bwd. ``overrides``:
     fields of BwdConfig (tuning; unnamed ones from the launch table, ``wide`` switching kernels leaves its other
-    fields as named or at their defaults). ``paired``: LayerNorm's two row sums in one reduction."""
+    fields as named or at their defaults)."""
     rows, n = dy.shape
     block = _block(n)
     unknown = set(overrides) - set(BwdConfig._fields)
@@ -439,8 +414,7 @@ def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype, need_
         chunk, stages = _wide_pipeline(config, block, [t for t in (x, dy, dres_out) if t is not None])
         _norm_bwd_wide_kernel[(programs,)](*args, BLOCK_M=config.rows, CHUNK=chunk, STAGES=stages, **flags)
     else:
-        _norm_bwd_kernel[(programs,)](*args, BLOCK_M=config.rows, BLOCK_N=block, PREFETCH=config.prefetch,
-                                      PAIRED=paired, **flags)
+        _norm_bwd_kernel[(programs,)](*args, BLOCK_M=config.rows, BLOCK_N=block, PREFETCH=config.prefetch, **flags)
     sums = sum_rows(parts, weight.dtype) if parts is not None else None  # summed and cast in one launch
     dw = sums[0] if need_dw else None
     db = sums[-1] if has_db else None

@@ -35,10 +35,6 @@ def specs(n: int, is_rms: bool, residual: bool) -> list[tuple[str, str, dict]]:
     for warps, rows_pp in ((4, 1), (8, 1), (16, 1), (4, 2), (8, 2), (16, 2), (16, 4), (4, 4), (8, 8)):
         out.append((f"triton fwd warps={warps} rows/program={rows_pp}", "triton fwd",
                     dict(num_warps=warps, rows_per_program=rows_pp)))
-    if not is_rms:  # LayerNorm's statistics in one reduction, at the table's geometry and its neighbours
-        for warps, rows_pp in ((4, 2), (4, 1), (8, 1), (8, 2)):
-            out.append((f"triton fwd one-pass warps={warps} rows/program={rows_pp}", "triton fwd",
-                        dict(num_warps=warps, rows_per_program=rows_pp, one_pass=True)))
     if n >= 8192:  # the two-pass forward for wide rows: (warps, chunk, stages)
         for warps, chunk, stages in ((4, 2048, 2), (8, 4096, 2), (8, 2048, 3), (16, 8192, 2), (4, 4096, 3)):
             out.append((f"triton fwd wide warps={warps} chunk={chunk} stages={stages}", "triton fwd",
@@ -63,8 +59,6 @@ def specs(n: int, is_rms: bool, residual: bool) -> list[tuple[str, str, dict]]:
         out.append((f"triton bwd warps={warps} per_sm={per_sm} rows/step={rows} prefetch={int(prefetch)}",
                     "triton bwd", dict(warps=warps, per_sm=per_sm, rows=rows, prefetch=prefetch)))
     out.append(("triton bwd default", "triton bwd", {}))
-    if not is_rms:  # the table's geometry with LayerNorm's two row sums in one reduction
-        out.append(("triton bwd default, paired sums", "triton bwd", dict(paired=True)))
     if n >= 8192:  # the two-pass backward for wide rows: (rows a step, warps, programs per SM, chunk, stages)
         for rows, warps, per_sm, chunk, stages in ((1, 16, 1, 8192, 2), (1, 8, 2, 4096, 2), (2, 8, 2, 2048, 2),
                                                    (2, 8, 2, 4096, 2), (4, 8, 2, 1024, 2), (4, 8, 1, 2048, 2),

@@ -127,8 +127,6 @@ def test_matches_reference(op, variant, dtype, shape, setup):
 
 GEOMETRIES = {"1-row": dict(rows=1), "2-rows": dict(rows=2), "1-row-prefetch": dict(prefetch=True),
               "2-rows-prefetch": dict(rows=2, prefetch=True),
-              "1-row-paired": dict(rows=1, paired=True),
-              "2-rows-prefetch-paired": dict(rows=2, prefetch=True, paired=True),
               "wide": dict(wide=True, chunk=32),
               "wide-1-stage": dict(wide=True, chunk=64, stages=1),
               "wide-4-rows": dict(wide=True, rows=4, chunk=32)}
@@ -155,20 +153,6 @@ def test_triton_geometries(op, setup, geometry):
         check_fwd_bwd("triton", op, dtype, x, w, b, r, launchers=launchers)
 
 
-@pytest.mark.parametrize("offset", [0.0, 1000.0])
-@pytest.mark.parametrize("setup", ("affine", "residual", "fp32-residual-fp32-weight", "no-affine"))
-def test_layer_norm_one_pass_statistics(setup, offset):
-    """LayerNorm's forward with both sums in one reduction (fwd(one_pass=True)) holds the 2x rule, also on rows whose
-    mean is far from zero against their spread (where sum(x^2) - sum(x)^2 / N would cancel without the shift)."""
-    fwd, bwd = launchers_for("triton")
-    dtype = torch.bfloat16 if HAS_CUDA else torch.float32
-    shape = (3, 333, 1000) if HAS_CUDA else (3, 5, 100)
-    seed("one-pass", setup, offset)
-    x, w, b, r = make_inputs("layer_norm", dtype, shape, setup)
-    x.add_(offset)
-    check_fwd_bwd("triton", "layer_norm", dtype, x, w, b, r, launchers=(functools.partial(fwd, one_pass=True), bwd))
-
-
 def compile_for_sm90() -> list:
     """(kernel, shared memory bytes) for the forward and backward kernels of both ops, for rows in registers (the
     backward with prefetch) and for wide rows, with and without the fused residual, compiled for sm_90
@@ -185,11 +169,11 @@ def compile_for_sm90() -> list:
     results = []
     for is_rms, residual in ((True, False), (False, True)):
         flags = dict(IS_RMS=is_rms, HAS_W=True)
-        cases = [("fwd", nt._norm_fwd_kernel, dict(flags, HAS_RES=residual, HAS_B=not is_rms, BLOCK_M=1, BLOCK_N=8192,
-                                                   ONE_PASS=not is_rms), 8),
+        cases = [("fwd", nt._norm_fwd_kernel, dict(flags, HAS_RES=residual, HAS_B=not is_rms, BLOCK_M=1,
+                                                   BLOCK_N=8192), 8),
                  ("bwd", nt._norm_bwd_kernel, dict(flags, HAS_DW=True, HAS_DB=not is_rms, HAS_DRES_OUT=residual,
-                                                   HAS_DRES=False, BLOCK_M=1, BLOCK_N=8192, PREFETCH=True,
-                                                   PAIRED=not is_rms), 16),
+                                                   HAS_DRES=False, BLOCK_M=1, BLOCK_N=8192, PREFETCH=True),
+                 16),
                  ("fwd wide", nt._norm_fwd_wide_kernel, dict(flags, HAS_RES=residual, HAS_B=not is_rms, CHUNK=4096,
                                                              STAGES=2), 8),
                  ("bwd wide", nt._norm_bwd_wide_kernel, dict(flags, HAS_DW=True, HAS_DB=not is_rms,
