@@ -12,13 +12,18 @@ Providers, each built fresh and freed before the next:
   device and its (loss, norm, skipped) figures go to pinned memory behind an event, read by the training loop one
   step later (here never); ``megakern-graph`` the same step captured in a CUDA graph after 2 eager steps and
   replayed (train.cuda_graph=true: one launch per step); ``megakern-compile`` the same under torch.compile
-  (train.compile=true).
+  (train.compile=true); ``megakern`` itself runs eager (train.cuda_graph=false), ``megakern-default`` with the
+  training program's defaults (train.cuda_graph=auto: what a user gets without asking).
 - ``hf-eager`` / ``hf-compile``: the same model in transformers (GPT2LMHeadModel here; for another preset the
   family megakern.models.hf exports it as, built from that export's config: LlamaForCausalLM for llama-1b /
   llama-8b, MixtralForCausalLM for moe-mixtral; skipped with the reason for a preset no family matches), its default
   attention (SDPA), fp32 weights under bf16 autocast (the mixed precision of HF's Trainer with bf16=True), fused
   AdamW, ``use_cache=False``, no host sync; eager or torch.compile'd. Skipped with the reason where transformers is
   not installed.
+- ``plain-eager`` / ``plain-compile``: the GPT-2 family shapes (LayerNorm, GELU, learned positions, tied
+  embeddings) as a plain PyTorch model laid out as nanoGPT's model.py (benchmarks/plain_gpt.py: SDPA attention, one
+  qkv projection), trained as nanoGPT's loop trains it: fp32 weights under bf16 autocast, fused AdamW, clipping;
+  eager or torch.compile'd. Other families are skipped with the reason.
 
 Figures per provider: tok/s = micro_batch * seq / (median step time over the timed steps, warm-up steps
 excluded; CUDA events recorded between consecutive steps, so the time of a step is the device's when the host keeps
@@ -28,6 +33,10 @@ run.
 F = megakern's GPT.flops_per_token(seq) for every provider (same architecture): 6 N (N = matmul weights, the tied
 output projection included) + 12 * n_layer * n_embd * seq (attention; the causal half not discounted), 2.42 GFLOP per
 token for this shape. TFLOP/s rows also get a fraction of the same-run bf16 matmul roofline.
+
+``--model gpt-char``: a small model, nanoGPT's shakespeare_char shape (6 layers, hidden 384, 6 heads, sequence 256,
+micro-batch 64, no biases), with the byte vocabulary (257) of megakern's default corpus on every side: where a
+step is a few milliseconds and host overhead decides (``--providers megakern,megakern-default,plain-compile``).
 
 Other models (``--model PRESET``, e.g. moe-mixtral): the megakern providers at the preset's shape (moe-mixtral: 16
 layers, C 1024, 8 experts of F 3584, top-2; sequence 2048, micro-batch 8 on a GPU: 16k tokens a step), F = the
@@ -50,6 +59,7 @@ is printed first (setup times from cold compile caches; a second run is faster).
     python -m benchmarks.bench_train --model llama-8b --n-layer 4 --quick
     python -m benchmarks.bench_train --model moe-mixtral --dense-equivalent --quick   # MoE MFU and its dense twin
     python -m benchmarks.bench_train --model moe-mixtral --micro-batch 4 --seq 4096 --providers megakern,megakern-graph
+    python -m benchmarks.bench_train --model gpt-char --providers megakern,megakern-default,plain-compile
     python -m benchmarks.bench_train --tiny --device cpu   # smoke test of the machinery (fp32, a tiny shape)
     python -m benchmarks.bench_train --device cpu --model moe-mixtral --dense-equivalent   # the same, tiny MoE
 """
@@ -98,6 +108,10 @@ class Shape:
 GPT_350M = Shape(n_layer=24, n_embd=1024, n_head=16, seq=1024, vocab=50304, micro_batch=16)
 TINY = Shape(n_layer=2, n_embd=64, n_head=2, seq=64, vocab=257, micro_batch=2)
 DEFAULT_MODEL = "gpt-350m"
+# shapes by name beside the GPTConfig presets: a small character-level model (nanoGPT's shakespeare_char shape, the
+# byte vocabulary of the default corpus)
+BENCH_SHAPES = {"gpt-char": Shape(n_layer=6, n_embd=384, n_head=6, seq=256, vocab=257, micro_batch=64,
+                                  preset="gpt-tiny", overrides=(("bias", False),), label="gpt-char")}
 # (sequence, micro-batch) of a preset on one 80 GB GPU: 16k tokens per micro-batch
 PRESET_BATCH = {"moe-mixtral": (2048, 8), "moe-deepseek": (2048, 8), "llama-1b": (2048, 4), "llama-8b": (4096, 2)}
 
@@ -170,7 +184,9 @@ class Step:
 
 
 class MegakernStep(Step):
-    def __init__(self, shape: Shape, device: torch.device, compile: bool, graph: bool = False):
+    """megakern's training step; ``graph`` None leaves train.cuda_graph at the training program's default."""
+
+    def __init__(self, shape: Shape, device: torch.device, compile: bool, graph: bool | None = False):
         from megakern.config import load_config
         from megakern.train import Trainer
 
@@ -183,10 +199,11 @@ class MegakernStep(Step):
         overrides += [f"model.preset={shape.preset}", f"train.micro_batch_size={shape.micro_batch}",
                       f"train.device={device}",
                       f"train.precision={precision}", f"train.compile={str(compile).lower()}", "train.steps=1000",
-                      f"train.cuda_graph={str(graph).lower()}", "train.cuda_graph_warmup=2",
                       "train.grad_clip=1.0", "optim.fused=auto", "data.max_epochs=1000", "data.num_workers=1",
                       "eval.every=0", "checkpoint.final=false", "train.sample_tokens=0", "log.tensorboard=false",
                       "log.progress=false", f"log.run_dir={self._tmp.name}"]
+        if graph is not None:
+            overrides += [f"train.cuda_graph={str(graph).lower()}", "train.cuda_graph_warmup=2"]
         self.trainer = Trainer(load_config(None, overrides), stream=open(Path(self._tmp.name) / "console", "w"))
         self.batches = self.trainer.batches(self.trainer.data.train, 0, shape.micro_batch)
 
@@ -267,11 +284,37 @@ class HFStep(Step):
         del self.model, self.forward, self.optimizer, self.tokens
 
 
-def _megakern(compile: bool, graph: bool = False):
+class PlainStep(HFStep):
+    """benchmarks/plain_gpt.py's model of a GPT-2 family shape, trained as HFStep trains its model."""
+
+    def build(self, shape):
+        if __package__:
+            from .plain_gpt import PlainGPT
+        else:  # python benchmarks/bench_train.py
+            from plain_gpt import PlainGPT
+
+        c = _gpt_config(shape, _config_cls())
+        family = dict(norm="layernorm", position="learned", activation="gelu", tie_embeddings=True, n_experts=0,
+                      ffn_hidden=4 * c.n_embd, n_kv_head=c.n_head, parallel_residual=False)
+        differ = [f"{k}={getattr(c, k)!r}" for k, v in family.items() if getattr(c, k) != v]
+        if differ:
+            raise Unavailable(f"the plain GPT is GPT-2's family; {shape.preset} has {', '.join(differ)}")
+        return PlainGPT(c.n_layer, c.n_embd, c.n_head, c.padded_vocab, shape.seq, c.bias)
+
+    def step(self) -> None:
+        with self.autocast:
+            loss = self.forward(self.tokens, self.tokens)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0, foreach=True)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def _megakern(compile: bool, graph: bool | None = False):
     def load(device):
         import megakern.train  # noqa: F401 (import errors name what is missing)
 
-        if graph and device.type != "cuda":
+        if graph is True and device.type != "cuda":
             raise Unavailable("CUDA graphs need a CUDA device")
         return lambda shape: MegakernStep(shape, device, compile, graph)
 
@@ -296,12 +339,22 @@ def _hf(compile: bool):
     return load
 
 
+def _plain(compile: bool):
+    def load(device):
+        return lambda shape: PlainStep(shape, device, compile)
+
+    return load
+
+
 PROVIDERS = {"megakern": _megakern(False), "megakern-graph": _megakern(False, graph=True),
-             "megakern-compile": _megakern(True), "hf-eager": _hf(False), "hf-compile": _hf(True)}
+             "megakern-default": _megakern(False, graph=None), "megakern-compile": _megakern(True),
+             "hf-eager": _hf(False), "hf-compile": _hf(True), "plain-eager": _plain(False),
+             "plain-compile": _plain(True)}
 # rough seconds to build a provider at the 350M shape on an H200 with cold compile caches (first Triton compiles of
 # megakern's kernels, Inductor for the compiled ones), and of one step: for the printed estimate of a run's length
 QUICK_PROVIDERS = ("megakern", "hf-eager", "hf-compile")  # megakern and the target's baseline (hf-compile)
-SETUP_S = {"megakern": 45.0, "megakern-graph": 50.0, "megakern-compile": 120.0, "hf-eager": 10.0, "hf-compile": 75.0}
+SETUP_S = {"megakern": 45.0, "megakern-graph": 50.0, "megakern-default": 50.0, "megakern-compile": 120.0,
+           "hf-eager": 10.0, "hf-compile": 75.0, "plain-eager": 5.0, "plain-compile": 60.0}
 STEP_S = 0.15
 
 
@@ -377,7 +430,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="override the preset's layer count (a large model's layer shape on one GPU: "
                              "--model llama-8b --n-layer 4)")
     parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help=f"a GPTConfig preset (default {DEFAULT_MODEL}: the GPT-2 medium shape against HF); others "
+                        help=f"a GPTConfig preset (default {DEFAULT_MODEL}: the GPT-2 medium shape against HF) or "
+                             f"{', '.join(BENCH_SHAPES)} (a small model, nanoGPT's character shape); others "
                              "run the megakern providers at the preset's shape, e.g. moe-mixtral (sequence 2048, "
                              "micro-batch 8 on a GPU)")
     parser.add_argument("--dense-equivalent", action="store_true",
@@ -393,8 +447,10 @@ def main(argv=None) -> Results:
     args = parse_args(argv)
     device = args.device
     tiny = args.tiny or device.type != "cuda"
-    if args.model == DEFAULT_MODEL:
-        shape = TINY if tiny else GPT_350M
+    if args.model == DEFAULT_MODEL or args.model in BENCH_SHAPES:
+        shape = BENCH_SHAPES.get(args.model, GPT_350M)
+        if tiny:
+            shape = Shape(**{**TINY.__dict__, "overrides": shape.overrides})
         if args.micro_batch or args.seq:
             shape = Shape(**{**shape.__dict__, "micro_batch": args.micro_batch or shape.micro_batch,
                              "seq": args.seq or shape.seq})

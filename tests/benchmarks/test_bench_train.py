@@ -121,3 +121,53 @@ def test_llama_preset_against_hf_on_cpu(capsys):
                                 "--n-layer", "1", "--no-save"])
     assert {f[2] for f in results.figures} == {"roofline", "megakern", "hf-eager"}
     assert "llama-tiny 1x64" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["gpt-char", "gpt-350m"])
+def test_plain_provider_builds_the_same_model(name):
+    """The plain-PyTorch GPT of a GPT-2 family shape holds megakern's parameters (a meta-device build; biases or
+    none, the padded vocabulary, tied embeddings), so the small-model comparison is like with like."""
+    import torch
+
+    from benchmarks.plain_gpt import PlainGPT
+
+    shape = bench_train.BENCH_SHAPES.get(name, bench_train.GPT_350M)
+    c = bench_train._gpt_config(shape, bench_train._config_cls())
+    with torch.device("meta"):
+        theirs = PlainGPT(c.n_layer, c.n_embd, c.n_head, c.padded_vocab, shape.seq, c.bias)
+    assert sum(p.numel() for p in theirs.parameters()) == bench_train._meta_model(shape).num_params()
+    assert (name == "gpt-char") == (not c.bias)
+
+
+def test_plain_model_loss_and_gradients():
+    """PlainGPT's loss is the mean next-token cross-entropy of its logits (computed here by hand), and too long a
+    sequence is refused by name."""
+    import torch
+    import torch.nn.functional as F
+
+    from benchmarks.plain_gpt import PlainGPT
+
+    torch.manual_seed(0)
+    model = PlainGPT(2, 32, 4, 61, 16, bias=False).double()
+    idx = torch.randint(0, 61, (3, 16))
+    x = model.wte(idx) + model.wpe(torch.arange(16))
+    for block in model.blocks:
+        x = block(x)
+    want = F.cross_entropy((model.ln_f(x) @ model.wte.weight.T).reshape(-1, 61), idx.reshape(-1))
+    loss = model(idx, idx)
+    torch.testing.assert_close(loss, want)
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    with pytest.raises(ValueError, match="sequence length 17 exceeds max_seqlen 16"):
+        model(torch.zeros(1, 17, dtype=torch.long), torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_small_model_providers_on_cpu(capsys):
+    """--model gpt-char runs megakern (eager), megakern-default (the training program's defaults) and the plain
+    providers; the plain providers refuse a family they do not build, naming what differs."""
+    results = bench_train.main(["--device", "cpu", "--model", "gpt-char", "--providers",
+                                "megakern,megakern-default,plain-eager", "--warmup", "0", "--steps", "1", "--no-save"])
+    assert {f[2] for f in results.figures} == {"roofline", "megakern", "megakern-default", "plain-eager"}
+    bench_train.main(["--device", "cpu", "--model", "llama-tiny", "--providers", "plain-eager", "--no-save",
+                      "--steps", "1", "--warmup", "0"])
+    assert "the plain GPT is GPT-2's family; llama-tiny has norm='rmsnorm'" in capsys.readouterr().out
