@@ -28,6 +28,25 @@ OPS = {"rms": True, "ln": False}  # op -> is_rms
 LAUNCHERS = ("triton fwd", "triton bwd", "cuda fwd", "cuda bwd")
 
 
+def cuda_geometries(n: int, backward: bool) -> list:
+    """The CUDA kernels' launch shapes around the table's (bf16, 8 elements a 16-byte group): a warp per row (4 rows
+    a block) holding the whole row, and a block per row at 1, 2 or 4 groups a thread; within the kernels' thread
+    bounds (1024 forward, 512 backward), the table's own left out. Through NVRTC any groups count compiles (the
+    extension's switch builds those within FWD_CAP / BWD_CAP)."""
+    default = _norm_cuda.launch_config(n, torch.bfloat16, backward)
+    max_threads = _norm_cuda.BWD_MAX_THREADS if backward else _norm_cuda.FWD_MAX_THREADS
+    groups = -(-n // 8)
+    out = []
+    for nv in (1, 2, 4, 8):
+        threads = 32 * -(-groups // (32 * nv))
+        if threads > max_threads:
+            continue
+        config = _norm_cuda.LaunchConfig(nv, threads, 4 if threads == 32 else 1)
+        if config != default and config not in out:
+            out.append(config)
+    return out
+
+
 def specs(n: int, is_rms: bool, residual: bool) -> list[tuple[str, str, dict]]:
     """(label, launcher, keyword overrides) of every configuration swept at hidden size ``n``; launcher is one of
     'triton fwd', 'triton bwd', 'cuda fwd', 'cuda bwd'."""
@@ -40,6 +59,8 @@ def specs(n: int, is_rms: bool, residual: bool) -> list[tuple[str, str, dict]]:
             out.append((f"triton fwd wide warps={warps} chunk={chunk} stages={stages}", "triton fwd",
                         dict(num_warps=warps, wide=True, chunk=chunk, stages=stages)))
     out.append((f"cuda fwd default {_norm_cuda.launch_config(n, torch.bfloat16, False)}", "cuda fwd", {}))
+    for config in cuda_geometries(n, backward=False):
+        out.append((f"cuda fwd {config}", "cuda fwd", dict(config=config)))
     # the backward in registers: (rows a step, warps, programs per SM, prefetch), warps from the elements each thread
     # holds of a step's rows (8, 16 or 32) and programs per SM filling 16 or 32 warps an SM; several rows a step only
     # up to 8192 elements a step
@@ -68,6 +89,8 @@ def specs(n: int, is_rms: bool, residual: bool) -> list[tuple[str, str, dict]]:
                         f"stages={stages}", "triton bwd",
                         dict(rows=rows, warps=warps, per_sm=per_sm, wide=True, chunk=chunk, stages=stages)))
     out.append((f"cuda bwd default {_norm_cuda.launch_config(n, torch.bfloat16, True)}", "cuda bwd", {}))
+    for config in cuda_geometries(n, backward=True):
+        out.append((f"cuda bwd {config}", "cuda bwd", dict(config=config)))
     return out
 
 
