@@ -39,7 +39,7 @@ def cuda_geometries(n: int, backward: bool) -> list:
     out = []
     for nv in (1, 2, 4, 8):
         threads = 32 * -(-groups // (32 * nv))
-        if threads > max_threads:
+        if threads > max_threads or 2 * groups <= threads * nv:  # too many threads, or half of them idle
             continue
         config = _norm_cuda.LaunchConfig(nv, threads, 4 if threads == 32 else 1)
         if config != default and config not in out:
