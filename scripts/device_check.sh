@@ -3,9 +3,10 @@
 #   build megakern._C, run the full test suite (GPU tests included), run every benchmark, and leave logs and
 #   result files under $OUT (default: ./device-out).
 #
-#   MEGAKERN_GIT_SHA=$(git rev-parse --short HEAD) bash scripts/device_check.sh [build] [test] [bench] [profile]
+#   MEGAKERN_GIT_SHA=$(git rev-parse --short HEAD) bash scripts/device_check.sh [build] [test] [bench] [profile] [train]
 #
-# With no stage named, all four run. TESTS="tests/test_attention.py tests/models" picks test paths (the whole suite
+# With no stage named, the first four run; "train" (the training steps of Llama shapes and a small model, and a
+# profile of one step: several minutes) runs when named. TESTS="tests/test_attention.py tests/models" picks test paths (the whole suite
 # takes about 7 minutes with WORKERS=8 pytest workers on one GPU; on a host with several, the workers spread over
 # them (MEGAKERN_TEST_GPUS, default every GPU): split it across calls
 # that have a time limit, or give TEST_BUDGET_S so that the summary naming the failures is still printed).
@@ -17,7 +18,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
-STAGES=${*:-build test bench profile}
+STAGES=${*:-build test bench profile}  # train only when named
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 status=0
 want() { [[ " $STAGES " == *" $1 "* ]]; }
@@ -78,6 +79,36 @@ if want profile; then
   step "profile (ncu, one pass per kernel)"
   timeout 240 python3 profiles/profile_norm.py --ncu "$OUT/ncu_norm.csv" > "$OUT/profile.log" 2>&1 || { status=1; tail -20 "$OUT/profile.log"; }
   tail -25 "$OUT/profile.log"
+fi
+
+if want train; then
+  # the training steps of the shapes people train (not part of the default stages): a small model against the plain
+  # PyTorch GPT compiled, Llama-3.2-1B and Llama-3-8B's layer shape and GPT-350M against Hugging Face + compile, each
+  # with megakern's defaults; then one eager Llama-1B step profiled (GPU time by source) into $OUT.
+  # TRAIN_MODELS picks among: gpt-char llama-1b llama-8b-4l gpt-350m profile-llama-1b
+  step "training steps"
+  for model in ${TRAIN_MODELS:-gpt-char llama-1b llama-8b-4l gpt-350m profile-llama-1b}; do
+    case $model in
+      gpt-char) args=(--model gpt-char --providers megakern,megakern-default,plain-compile --warmup 5 --steps 30) ;;
+      llama-1b) args=(--model llama-1b --quick --providers megakern-default,hf-compile) ;;
+      llama-8b-4l) args=(--model llama-8b --n-layer 4 --quick --providers megakern-default,hf-compile) ;;
+      gpt-350m) args=(--quick --providers megakern-default,hf-compile) ;;
+      profile-llama-1b)
+        timeout 300 python3 -m megakern.train --profile model.preset=llama-1b model.max_seqlen=2048 \
+          train.micro_batch_size=4 train.precision=bf16 train.cuda_graph=false eval.every=0 checkpoint.final=false \
+          train.sample_tokens=0 log.tensorboard=false log.progress=false "log.run_dir=$OUT/run-llama-1b" \
+          "log.profile_dir=$OUT/profile-llama-1b" > "$OUT/profile_llama_1b.log" 2>&1 \
+          || { status=1; tail -20 "$OUT/profile_llama_1b.log"; }
+        rm -f "$OUT"/profile-llama-1b/*/trace.json  # tens of MB: the tables stay
+        continue ;;
+      *) echo "TRAIN_MODELS: unknown $model"; status=1; continue ;;
+    esac
+    python3 -m benchmarks.bench_train "${args[@]}" > "$OUT/bench_train_$model.log" 2>&1 \
+      || { status=1; tail -30 "$OUT/bench_train_$model.log"; }
+    sed -n '/^|/,$p' "$OUT/bench_train_$model.log" | head -8
+  done
+  gpu=$(python3 -c "from benchmarks.common import gpu_slug; import torch; print(gpu_slug(torch.device('cuda')))")
+  cp benchmarks/results/"$gpu"/train.csv "$OUT/train_$gpu.csv" 2>/dev/null
 fi
 
 step "done (status $status)"
