@@ -15,7 +15,7 @@ from megakern import _cuda
 
 # Flag bits, mirrored from csrc/norm/norm.h.
 RMS, VECTORIZED, HAS_WEIGHT, HAS_BIAS, W_F32 = 1, 2, 4, 8, 16
-HAS_RESIDUAL, RES_F32, HAS_DRES_OUT, HAS_DRES, HAS_DW = 32, 64, 128, 256, 512
+HAS_RESIDUAL, RES_F32, HAS_DRES_OUT, HAS_DRES, HAS_DW, STAGED = 32, 64, 128, 256, 512, 1024
 
 _CTYPES = {torch.float32: (0, "float"), torch.float16: (1, "__half"), torch.bfloat16: (2, "__nv_bfloat16")}
 _VEC = {torch.float32: 4, torch.float16: 8, torch.bfloat16: 8}  # elements in 16 bytes
@@ -27,11 +27,21 @@ FWD_CAP, FWD_MAX_THREADS = 16, 1024
 BWD_CAP, BWD_MAX_THREADS = 16, 512
 
 
+STAGED_NV = (1, 2, 4)  # the staged backward's instances (csrc/norm/norm.cu, norm_bwd_staged_kernel)
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
     nv: int  # 16-byte groups per thread kept in registers; 0 = streaming
     threads: int  # threads per row (block.x)
     rows_per_block: int  # block.y
+    staged: bool = False  # backward: the staged kernel (the next row copied into shared memory; 16-bit rows)
+
+
+def staged_smem_bytes(cols: int, itemsize: int, nv: int, has_db: bool) -> int:
+    """The staged backward's dynamic shared memory (csrc/norm/norm.h, norm_staged_smem_bytes): the next row's x and dy,
+    plus the dweight (and dbias) sums when they live there (nv > 2)."""
+    return cols * (2 * itemsize + (4 * (2 if has_db else 1) if nv > 2 else 0))
 
 
 @functools.lru_cache(maxsize=None)
@@ -62,6 +72,10 @@ def _bwd_name(ctype: str, nv: int, has_db: bool, vecio: bool) -> str:
     return f"megakern::norm_bwd_kernel<{ctype}, {nv}, {_b(has_db)}, {_b(vecio)}>"
 
 
+def _bwd_staged_name(ctype: str, nv: int, has_db: bool) -> str:
+    return f"megakern::norm_bwd_staged_kernel<{ctype}, {nv}, {_b(has_db)}>"
+
+
 def kernel_names() -> list[str]:
     """Every kernel instance the launchers can ask for: NVRTC name expressions, one per
     (dtype, NV, vectorized[, has_db])."""
@@ -72,6 +86,8 @@ def kernel_names() -> list[str]:
             names += [_fwd_name(ctype, nv, io) for nv in (0, 1, 2, 4, 8) if nv * vec <= FWD_CAP]
             names += [_bwd_name(ctype, nv, db, io) for nv in (0, 1, 2, 4, 8) if nv * vec <= BWD_CAP
                       for db in (False, True)]
+        if dtype != torch.float32:
+            names += [_bwd_staged_name(ctype, nv, db) for nv in STAGED_NV for db in (False, True)]
     return names
 
 
@@ -103,12 +119,38 @@ def _nvrtc_args(*args):
     return tuple(out)
 
 
-def _bwd_grid(rows: int, cfg: LaunchConfig, regs: int, device: torch.device) -> int:
-    """Persistent grid: as many blocks as the device holds at once (by registers and threads)."""
+def _bwd_grid(rows: int, cfg: LaunchConfig, regs: int, device: torch.device, smem: int = 0) -> int:
+    """Persistent grid: as many blocks as the device holds at once (by registers, threads and ``smem`` bytes of
+    dynamic shared memory a block)."""
     threads = cfg.threads * cfg.rows_per_block
     regs_per_block = 8 * math.ceil(max(regs, 1) / 8) * threads
     per_sm = max(1, min(65536 // regs_per_block, 2048 // threads, 32))
+    if smem:
+        props = torch.cuda.get_device_properties(device)
+        per_sm_smem = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
+        per_sm = max(1, min(per_sm, per_sm_smem // (smem + 1024 + 256)))  # + the runtime's 1 KiB, the kernel's own
     return min(math.ceil(rows / cfg.rows_per_block), per_sm * _cuda.sm_count(device.index))
+
+
+def _staged_problem(cfg: LaunchConfig, dy: torch.Tensor, x: torch.Tensor, vecio: bool, has_db: bool) -> str:
+    """Why the staged backward cannot take these tensors with ``cfg`` ('' if it can)."""
+    if dy.dtype not in (torch.float16, torch.bfloat16):
+        return f"it takes 16-bit rows, not {dy.dtype}"
+    if x.dtype != dy.dtype:
+        return f"x ({x.dtype}) must have dy's dtype ({dy.dtype})"
+    if not vecio:
+        return "the rows must start on 16-byte boundaries and hold a multiple of 8 elements"
+    if cfg.nv not in STAGED_NV or cfg.rows_per_block != 1:
+        return f"nv must be one of {STAGED_NV}, one row a block"
+    if cfg.nv * cfg.threads * _VEC[dy.dtype] < dy.shape[1]:
+        return f"{cfg.threads} threads x {cfg.nv} groups of {_VEC[dy.dtype]} do not cover a row of {dy.shape[1]}"
+    if cfg.threads > BWD_MAX_THREADS:
+        return f"at most {BWD_MAX_THREADS} threads a block"
+    smem = staged_smem_bytes(dy.shape[1], dy.element_size(), cfg.nv, has_db)
+    limit = getattr(torch.cuda.get_device_properties(dy.device), "shared_memory_per_block_optin", 227 * 1024)
+    if smem > limit:
+        return f"{smem} bytes of shared memory a block, above the device's {limit}"
+    return ""
 
 
 def fwd(x, residual, weight, bias, eps: float, is_rms: bool, path: Optional[str] = None,
@@ -171,13 +213,21 @@ def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype: Optio
         flags |= VECTORIZED
     vecio = bool(flags & VECTORIZED)
     cfg = config or launch_config(cols, dy.dtype, backward=True)
+    smem = 0
+    if cfg.staged:
+        problem = _staged_problem(cfg, dy, x, vecio, has_db)
+        if problem:
+            raise ValueError(f"norm backward: the staged kernel {cfg} does not apply: {problem}")
+        flags |= STAGED
+        smem = staged_smem_bytes(cols, dy.element_size(), cfg.nv, has_db)
     if path == "extension":
         ext = _cuda.extension()[0]
-        regs = ext.norm_bwd_num_regs(dtype_code, cfg.nv, has_db, vecio)
+        regs = ext.norm_bwd_kernel_regs(dtype_code, cfg.nv, has_db, vecio, cfg.staged)
     else:
-        kernel = _cuda.nvrtc_kernel("norm/norm.cu", _bwd_name(ctype, cfg.nv, has_db, vecio))
+        name = _bwd_staged_name(ctype, cfg.nv, has_db) if cfg.staged else _bwd_name(ctype, cfg.nv, has_db, vecio)
+        kernel = _cuda.nvrtc_kernel("norm/norm.cu", name)
         regs = kernel.num_regs
-    grid = _bwd_grid(max(rows, 1), cfg, regs, dy.device)
+    grid = _bwd_grid(max(rows, 1), cfg, regs, dy.device, smem)
     slots = grid * cfg.rows_per_block
     dw_partial = torch.empty((slots, cols), dtype=torch.float32, device=dy.device) if need_dw else None
     db_partial = torch.empty((slots, cols), dtype=torch.float32, device=dy.device) if has_db else None
@@ -190,7 +240,7 @@ def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype: Optio
                            ("p", _ptr(dw_partial)), ("p", _ptr(db_partial)), ("i64", rows), ("i32", cols),
                            ("i64", _stride(x)), ("i64", _stride(dy)), ("i64", _stride(dres_out)),
                            ("i64", _stride(dx)), ("i64", _stride(dres)), ("i32", flags))
-        _cuda.nvrtc_launch(kernel, (grid,), (cfg.threads, cfg.rows_per_block), args, dy.device)
+        _cuda.nvrtc_launch(kernel, (grid,), (cfg.threads, cfg.rows_per_block), args, dy.device, smem)
     dw = dw_partial.sum(0).to(weight.dtype) if need_dw else None
     db = db_partial.sum(0).to(weight.dtype) if has_db else None
     if residual_dtype is None:

@@ -31,7 +31,7 @@ LAUNCHERS = ("triton fwd", "triton bwd", "cuda fwd", "cuda bwd")
 def cuda_geometries(n: int, backward: bool) -> list:
     """The CUDA kernels' launch shapes around the table's (bf16, 8 elements a 16-byte group): a warp per row (4 rows
     a block) holding the whole row, and a block per row at 1, 2 or 4 groups a thread; within the kernels' thread
-    bounds (1024 forward, 512 backward), the table's own left out. Through NVRTC any groups count compiles (the
+    bounds (1024 forward, 512 backward), the table's own left out; for the backward also the staged kernel's. Through NVRTC any groups count compiles (the
     extension's switch builds those within FWD_CAP / BWD_CAP)."""
     default = _norm_cuda.launch_config(n, torch.bfloat16, backward)
     max_threads = _norm_cuda.BWD_MAX_THREADS if backward else _norm_cuda.FWD_MAX_THREADS
@@ -44,6 +44,12 @@ def cuda_geometries(n: int, backward: bool) -> list:
         config = _norm_cuda.LaunchConfig(nv, threads, 4 if threads == 32 else 1)
         if config != default and config not in out:
             out.append(config)
+    if backward:  # the staged kernel (the next row in shared memory), where its shared memory fits (LayerNorm's)
+        for nv in _norm_cuda.STAGED_NV:
+            threads = 32 * -(-groups // (32 * nv))
+            smem = _norm_cuda.staged_smem_bytes(n, 2, nv, True)
+            if threads <= max_threads and 2 * groups > threads * nv and smem <= 227 * 1024:
+                out.append(_norm_cuda.LaunchConfig(nv, threads, 1, staged=True))
     return out
 
 

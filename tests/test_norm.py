@@ -372,3 +372,50 @@ def test_wide_backward_pipeline_fits_shared_memory(dtype, residual):
     x = torch.zeros(2, 8)
     with pytest.raises(TypeError, match="unknown backward launch options.*'warp'"):
         nt.bwd(x, x, None, None, None, torch.ones(2), True, None, False, False, warp=4)
+
+
+STAGED = [((3, 77, 1024), 1, 128), ((3, 77, 1024), 4, 32), ((2, 61, 4096), 2, 256), ((130, 8192), 2, 512),
+          ((67, 16384), 4, 512)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [v for v in kernel_variants() if v.startswith("cuda-")])
+@pytest.mark.parametrize("setup", ("affine", "residual", "no-affine", "fp32-weight"))
+@pytest.mark.parametrize("case", STAGED, ids=lambda c: f"{'x'.join(map(str, c[0]))}-nv{c[1]}-t{c[2]}")
+@pytest.mark.parametrize("op", OPS)
+def test_cuda_staged_backward(op, case, setup, variant):
+    """The staged CUDA backward (the next row copied into shared memory; dweight / dbias sums in registers up to 2
+    groups a thread, in shared memory above), through both CUDA paths, on row counts that leave some blocks
+    without a row and others with several, against the fp64 reference (2x rule)."""
+    from megakern import _norm_cuda
+
+    fwd, bwd = launchers_for(variant)
+    shape, nv, threads = case
+    seed(op, shape, nv, setup, variant)
+    x, w, b, r = make_inputs(op, torch.bfloat16, shape, "affine" if setup == "fp32-weight" else setup)
+    if setup == "fp32-weight":
+        w = w.float()
+        b = b.float() if b is not None else None
+    config = _norm_cuda.LaunchConfig(nv, threads, 1, staged=True)
+    check_fwd_bwd(variant, op, torch.bfloat16, x, w, b, r, launchers=(fwd, functools.partial(bwd, config=config)))
+
+
+@pytest.mark.gpu
+def test_cuda_staged_backward_refuses_what_it_cannot_take():
+    """fp32 rows, an fp32 residual stream (x in fp32), rows off 16-byte boundaries and a geometry that leaves part
+    of a row uncovered are refused by name, not computed wrong."""
+    from megakern import _norm_cuda
+
+    if cuda_path_problem("nvrtc") and cuda_path_problem("extension"):
+        pytest.skip("no CUDA path")
+    config = _norm_cuda.LaunchConfig(1, 128, 1, staged=True)
+    x = torch.randn(4, 1024, device=DEVICE, dtype=torch.bfloat16)
+    stats = _norm_cuda.fwd(x, None, None, None, 1e-5, True)[3]
+    cases = [(x.float(), x.float(), "16-bit rows"), (x, x.float(), "must have dy's dtype"),
+             (torch.randn(4, 1028, device=DEVICE, dtype=torch.bfloat16)[:, 1:1025],) * 2 + ("16-byte boundaries",)]
+    for dy, xx, message in cases:
+        with pytest.raises(ValueError, match=message):
+            _norm_cuda.bwd(dy, xx, None, None, None, stats, True, None, False, False, config=config)
+    with pytest.raises(ValueError, match="do not cover a row"):
+        _norm_cuda.bwd(x, x, None, None, None, stats, True, None, False, False,
+                       config=_norm_cuda.LaunchConfig(1, 64, 1, staged=True))

@@ -138,6 +138,24 @@ __device__ __forceinline__ void prefetch_groups_l1(const S* row, int cols) {
   }
 }
 
+// ---- asynchronous copies global -> shared (sm_80+): 16 bytes a copy, completed by cp_async_wait_all --------
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(addr), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// This thread's outstanding copies are complete and visible to it (other threads' need a barrier as well).
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// 16 bytes of S at p (shared or global, 16-byte aligned) as floats.
+template <typename S>
+__device__ __forceinline__ void load16(const S* p, float (&out)[16 / sizeof(S)]) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+  const S* e = reinterpret_cast<const S*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 16 / (int)sizeof(S); ++i) out[i] = to_float(e[i]);
+}
+
 // ---- reductions --------------------------------------------------------------------------------------
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

@@ -292,6 +292,136 @@ norm_bwd_kernel(const void* __restrict__ x, const T* __restrict__ dy, const void
   }
 }
 
+// The staged backward: a row of a block's persistent sequence at a time, one block a row slot (blockDim.y == 1), x and
+// dy of the kernel's dtype T (16-bit), 16-byte aligned rows. The next row's x and dy are copied into shared memory
+// (cp.async, each thread its own groups) while this row is reduced and written, so the prefetch takes no registers;
+// the dweight (dbias) sums stay in registers for NV <= 2 and in shared memory above (again each thread its own
+// columns: no barrier guards them). Dynamic shared memory: norm_staged_smem_bytes (norm.h).
+template <typename T, int NV, bool HAS_DB>
+__global__ void __launch_bounds__(512)
+norm_bwd_staged_kernel(const T* __restrict__ x, const T* __restrict__ dy, const void* __restrict__ dres_out,
+                       const void* __restrict__ weight, const float* __restrict__ mean,
+                       const float* __restrict__ rstd, T* __restrict__ dx, float* __restrict__ dres,
+                       float* __restrict__ dw_partial, float* __restrict__ db_partial, i64 rows, int cols,
+                       i64 stride_x, i64 stride_dy, i64 stride_dres_out, i64 stride_dx, i64 stride_dres, int flags) {
+  constexpr int VEC = 16 / sizeof(T);
+  constexpr bool ACC_SMEM = NV > 2;  // as norm_staged_smem_bytes
+  static_assert(sizeof(T) == 2, "the staged backward takes 16-bit rows");
+  extern __shared__ __align__(16) unsigned char staged_smem[];
+  __shared__ float smem[64];
+  const bool rms = flags & NORM_RMS, has_w = flags & NORM_HAS_WEIGHT, w_f32 = flags & NORM_W_F32;
+  const bool has_dw = flags & NORM_HAS_DW, has_dres_out = flags & NORM_HAS_DRES_OUT;
+  const bool has_dres = flags & NORM_HAS_DRES, res_f32 = flags & NORM_RES_F32;
+  const float inv_cols = 1.f / cols;
+  float* sw = reinterpret_cast<float*>(staged_smem);  // [cols] dweight sums, then [cols] dbias sums (ACC_SMEM)
+  float* sb = sw + cols;
+  T* xs = reinterpret_cast<T*>(staged_smem + (ACC_SMEM ? (HAS_DB ? 8 : 4) * (i64)cols : 0));
+  T* ds = xs + cols;
+  const i64 row_step = gridDim.x;
+
+  float acc_w[ACC_SMEM ? 1 : NV][VEC], acc_b[(ACC_SMEM || !HAS_DB) ? 1 : NV][VEC];
+#pragma unroll
+  for (int g = 0; g < NV; ++g) {
+    const int c = (g * blockDim.x + threadIdx.x) * VEC;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      if constexpr (ACC_SMEM) {
+        if (c < cols) {
+          sw[c + i] = 0.f;
+          if constexpr (HAS_DB) sb[c + i] = 0.f;
+        }
+      } else {
+        acc_w[g][i] = 0.f;
+        if constexpr (HAS_DB) acc_b[g][i] = 0.f;
+      }
+    }
+  }
+  auto stage = [&](i64 row) {  // this thread's groups of the row's x and dy, copied into shared memory
+#pragma unroll
+    for (int g = 0; g < NV; ++g) {
+      const int c = (g * blockDim.x + threadIdx.x) * VEC;
+      if (c < cols) {
+        cp_async16(xs + c, x + row * stride_x + c);
+        cp_async16(ds + c, dy + row * stride_dy + c);
+      }
+    }
+    cp_async_commit();
+  };
+
+  if (blockIdx.x < rows) stage(blockIdx.x);
+  for (i64 row = blockIdx.x; row < rows; row += row_step) {
+    float xh[NV][VEC], d[NV][VEC];
+    cp_async_wait_all();  // this thread's copies of the row (only its own columns are read below)
+#pragma unroll
+    for (int g = 0; g < NV; ++g) {
+      const int c = (g * blockDim.x + threadIdx.x) * VEC;
+      if (c < cols) {
+        load16<T>(xs + c, xh[g]);
+        load16<T>(ds + c, d[g]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) xh[g][i] = d[g][i] = 0.f;
+      }
+    }
+    // the reads above are consumed (converted) before the next row's copies overwrite the same bytes
+    if (row + row_step < rows) stage(row + row_step);
+    const float mu = rms ? 0.f : mean[row], rs = rstd[row];
+    float sums[2] = {0.f, 0.f};
+#pragma unroll
+    for (int g = 0; g < NV; ++g) {
+      const int c = (g * blockDim.x + threadIdx.x) * VEC;
+      float w[VEC];
+      if (has_w && c < cols) load_t_or_f32<T, VEC>(weight, w_f32, c, w, VEC, true);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        xh[g][i] = c < cols ? (xh[g][i] - mu) * rs : 0.f;
+        const float gw = has_w && c < cols ? d[g][i] * w[i] : d[g][i];
+        sums[0] += gw * xh[g][i];
+        sums[1] += gw;
+      }
+    }
+    row_sum<2>(sums, smem);
+    const float a = sums[0] * inv_cols, b = rms ? 0.f : sums[1] * inv_cols;
+#pragma unroll
+    for (int g = 0; g < NV; ++g) {
+      const int c = (g * blockDim.x + threadIdx.x) * VEC;
+      if (c >= cols) continue;
+      float w[VEC], r[VEC], o[VEC];
+      if (has_w) load_t_or_f32<T, VEC>(weight, w_f32, c, w, VEC, true);
+      if (has_dres_out) load_t_or_f32<T, VEC>(dres_out, res_f32, row * stride_dres_out + c, r, VEC, true);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        const float gw = has_w ? d[g][i] * w[i] : d[g][i];
+        o[i] = rs * (gw - xh[g][i] * a - b);
+        if (has_dres_out) o[i] += r[i];
+        if constexpr (ACC_SMEM) {
+          sw[c + i] += d[g][i] * xh[g][i];
+          if constexpr (HAS_DB) sb[c + i] += d[g][i];
+        } else {
+          acc_w[g][i] += d[g][i] * xh[g][i];
+          if constexpr (HAS_DB) acc_b[g][i] += d[g][i];
+        }
+      }
+      store_n<T, VEC>(dx + row * stride_dx + c, o, VEC, true);
+      if (has_dres) store_n<float, VEC>(dres + row * stride_dres + c, o, VEC, true);
+    }
+  }
+  float* pw = dw_partial + (i64)blockIdx.x * cols;
+  float* pb = HAS_DB ? db_partial + (i64)blockIdx.x * cols : nullptr;
+#pragma unroll
+  for (int g = 0; g < NV; ++g) {
+    const int c = (g * blockDim.x + threadIdx.x) * VEC;
+    if (c >= cols) continue;
+    if constexpr (ACC_SMEM) {
+      if (has_dw) store_n<float, VEC>(pw + c, *reinterpret_cast<const float(*)[VEC]>(sw + c), VEC, true);
+      if constexpr (HAS_DB) store_n<float, VEC>(pb + c, *reinterpret_cast<const float(*)[VEC]>(sb + c), VEC, true);
+    } else {
+      if (has_dw) store_n<float, VEC>(pw + c, acc_w[g], VEC, true);
+      if constexpr (HAS_DB) store_n<float, VEC>(pb + c, acc_b[g], VEC, true);
+    }
+  }
+}
+
 }  // namespace megakern
 
 #ifndef __CUDACC_RTC__
@@ -353,8 +483,49 @@ cudaError_t norm_fwd(int dtype, int nv, dim3 grid, dim3 block, const NormFwdArgs
   }
 }
 
+// The staged backward (16-bit T): a launch with its dynamic shared memory, or (regs non-null) a registers query.
+template <typename T, int NV, bool HAS_DB>
+static cudaError_t norm_bwd_staged_run(dim3 grid, dim3 block, const NormBwdArgs& a, cudaStream_t stream, int* regs) {
+  auto kernel = norm_bwd_staged_kernel<T, NV, HAS_DB>;
+  if (regs != nullptr) {
+    cudaFuncAttributes attr;
+    MEGAKERN_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+    *regs = attr.numRegs;
+    return cudaSuccess;
+  }
+  if (!(a.flags & NORM_VECTORIZED) || (a.flags & NORM_RES_F32) || block.y != 1) return cudaErrorInvalidValue;
+  const long long smem = norm_staged_smem_bytes(a.cols, sizeof(T), NV, HAS_DB);
+  if (smem > 48 * 1024)
+    MEGAKERN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  kernel<<<grid, block, smem, stream>>>(
+      static_cast<const T*>(a.x), static_cast<const T*>(a.dy), a.dres_out, a.weight, a.mean, a.rstd,
+      static_cast<T*>(a.dx), a.dres, a.dw_partial, a.db_partial, a.rows, a.cols, a.stride_x, a.stride_dy,
+      a.stride_dres_out, a.stride_dx, a.stride_dres, a.flags);
+  return cudaGetLastError();
+}
+
+template <typename T, bool HAS_DB>
+static cudaError_t norm_bwd_staged_t(int nv, dim3 grid, dim3 block, const NormBwdArgs& a, cudaStream_t stream,
+                                     int* regs) {
+  switch (nv) {
+    case 1: return norm_bwd_staged_run<T, 1, HAS_DB>(grid, block, a, stream, regs);
+    case 2: return norm_bwd_staged_run<T, 2, HAS_DB>(grid, block, a, stream, regs);
+    case 4: return norm_bwd_staged_run<T, 4, HAS_DB>(grid, block, a, stream, regs);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
 static cudaError_t norm_bwd_dispatch(int dtype, int nv, bool has_db, dim3 grid, dim3 block, const NormBwdArgs& a,
                                      cudaStream_t stream, int* regs) {
+  if (a.flags & NORM_STAGED) {
+    switch (dtype * 2 + (has_db ? 1 : 0)) {
+      case NORM_F16 * 2: return norm_bwd_staged_t<__half, false>(nv, grid, block, a, stream, regs);
+      case NORM_F16 * 2 + 1: return norm_bwd_staged_t<__half, true>(nv, grid, block, a, stream, regs);
+      case NORM_BF16 * 2: return norm_bwd_staged_t<__nv_bfloat16, false>(nv, grid, block, a, stream, regs);
+      case NORM_BF16 * 2 + 1: return norm_bwd_staged_t<__nv_bfloat16, true>(nv, grid, block, a, stream, regs);
+      default: return cudaErrorInvalidValue;  // fp32 rows: the register kernels
+    }
+  }
   switch (dtype * 2 + (has_db ? 1 : 0)) {
     case NORM_F32 * 2: return norm_bwd_t<float, false>(nv, grid, block, a, stream, regs);
     case NORM_F32 * 2 + 1: return norm_bwd_t<float, true>(nv, grid, block, a, stream, regs);
@@ -371,9 +542,9 @@ cudaError_t norm_bwd(int dtype, int nv, bool has_db, dim3 grid, dim3 block, cons
   return norm_bwd_dispatch(dtype, nv, has_db, grid, block, args, stream, nullptr);
 }
 
-cudaError_t norm_bwd_num_regs(int dtype, int nv, bool has_db, bool vectorized, int* regs) {
+cudaError_t norm_bwd_num_regs(int dtype, int nv, bool has_db, bool vectorized, bool staged, int* regs) {
   NormBwdArgs args{};
-  args.flags = vectorized ? NORM_VECTORIZED : 0;
+  args.flags = (vectorized ? NORM_VECTORIZED : 0) | (staged ? NORM_STAGED : 0);
   return norm_bwd_dispatch(dtype, nv, has_db, dim3(), dim3(), args, nullptr, regs);
 }
 

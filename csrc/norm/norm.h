@@ -21,7 +21,9 @@ enum NormFlags {
   NORM_HAS_DRES_OUT = 1 << 7, // bwd: gradient of residual_out added to dx
   NORM_HAS_DRES = 1 << 8,     // bwd: dx also written as fp32 to dres (fp32 residual)
   NORM_HAS_DW = 1 << 9,       // bwd: weight gradient partials wanted
+  NORM_STAGED = 1 << 10,      // bwd: the staged kernel (needs NORM_VECTORIZED and x of the kernel's dtype)
 };
+
 
 }  // namespace megakern
 
@@ -66,12 +68,19 @@ struct NormBwdArgs {
 };
 
 // dtype: NormDType of x / y / dy / dx. nv in {0, 1, 2, 4, 8}; args.flags & NORM_VECTORIZED picks the 16-byte
-// instance. Returns the launch's error, if any.
+// instance, args.flags & NORM_STAGED the staged backward (16-bit dtypes, nv in {1, 2, 4}, one row a block). Returns
+// the launch's error, if any.
 cudaError_t norm_fwd(int dtype, int nv, dim3 grid, dim3 block, const NormFwdArgs& args, cudaStream_t stream);
 cudaError_t norm_bwd(int dtype, int nv, bool has_db, dim3 grid, dim3 block, const NormBwdArgs& args,
                      cudaStream_t stream);
+// The staged backward's dynamic shared memory, in bytes, for rows of `cols` elements of `elem_bytes` each: the next
+// row's x and dy, plus the dweight (and dbias) sums when they live there (nv > 2; below, in registers). Mirrored in
+// megakern/_norm_cuda.py (staged_smem_bytes).
+inline long long norm_staged_smem_bytes(int cols, int elem_bytes, int nv, bool has_db) {
+  return (long long)cols * (2 * elem_bytes + (nv > 2 ? 4 * (has_db ? 2 : 1) : 0));
+}
 // Registers per thread of the backward kernel the same arguments select (sizes its persistent grid).
-cudaError_t norm_bwd_num_regs(int dtype, int nv, bool has_db, bool vectorized, int* regs);
+cudaError_t norm_bwd_num_regs(int dtype, int nv, bool has_db, bool vectorized, bool staged, int* regs);
 
 }  // namespace megakern
 #endif
