@@ -115,14 +115,15 @@ def _outputs(fn, x, w, t):
 
 
 def main(argv: list[str] | None = None) -> Results:
-    extra = argparse.ArgumentParser(add_help=False)
-    extra.add_argument("--chunks", type=int_list, default=[],
-                       help="megakern chunk sizes to time besides the default (tokens per chunk)")
-    extra.add_argument("--tokens", type=int, default=16384, help="N, the tokens of every CUDA case (default 16384)")
-    known, rest = extra.parse_known_args(argv)
-    if known.tokens < 1:
-        raise SystemExit(f"bench_cross_entropy: --tokens must be >= 1, got {known.tokens}")
-    args = parse_args(__doc__.splitlines()[0], rest)
+    def extra(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--chunks", type=int_list, default=[],
+                            help="megakern chunk sizes to time besides the default (tokens per chunk)")
+        parser.add_argument("--tokens", type=int, default=16384,
+                            help="N, the tokens of every CUDA case (default 16384)")
+
+    args = parse_args(__doc__.splitlines()[0], argv, extra)
+    if args.tokens < 1:
+        raise SystemExit(f"bench_cross_entropy: --tokens must be >= 1, got {args.tokens}")
     device = args.device
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tol = 1e-3 if dtype == torch.float32 else 0.05
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> Results:
     results = Results(device)
     results.add_roofline("TFLOP/s", measure_matmul_tflops(device))
     torch.manual_seed(0)
-    for n, c, v in shapes(device, args.quick, known.tokens):
+    for n, c, v in shapes(device, args.quick, args.tokens):
         case = f"N={n} C={c} V={v} {DTYPE_NAMES[dtype]}"
         x = torch.randn(n, c, device=device, dtype=dtype, requires_grad=True)
         w = (torch.randn(v, c, device=device) / c ** 0.5).to(dtype).requires_grad_()
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> Results:
         ref = _outputs(_plain, x.detach().float().requires_grad_(), w.detach().float().requires_grad_(), t)
         ref = [r.detach() for r in ref]
         for name, make in providers.items():
-            chunks = [None] + (known.chunks if name == "megakern-triton" else [])
+            chunks = [None] + (args.chunks if name == "megakern-triton" else [])
             for chunk in chunks:
                 mode = "fwd+bwd" + (f" chunk={chunk}" if chunk else "") + (" graph" if args.graph else "")
                 try:

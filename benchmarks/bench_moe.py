@@ -593,32 +593,32 @@ def _mode(mode: str, args) -> str:
 
 
 def main(argv: list[str] | None = None) -> Results:
-    extra = argparse.ArgumentParser(add_help=False)
-    extra.add_argument("--sections", type=lambda s: [p.strip() for p in s.split(",") if p.strip()],
-                       default=list(SECTIONS), help=f"sections to run, of {', '.join(SECTIONS)}")
-    extra.add_argument("--hf-experts", default="default",
-                       help="layer: the Hugging Face block's experts implementation (transformers 5: eager, "
-                            "grouped_mm, batched_mm; default: what a Mixtral model gets, grouped_mm where torch has it)")
-    known, rest = extra.parse_known_args(argv)
-    if unknown := set(known.sections) - SECTIONS.keys():
+    def extra(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--sections", type=lambda s: [p.strip() for p in s.split(",") if p.strip()],
+                            default=list(SECTIONS), help=f"sections to run, of {', '.join(SECTIONS)}")
+        parser.add_argument("--hf-experts", default="default",
+                            help="layer: the Hugging Face block's experts implementation (transformers 5: eager, "
+                                 "grouped_mm, batched_mm; default: what a Mixtral model gets, grouped_mm where torch "
+                                 "has it)")
+
+    args = parse_args(__doc__.splitlines()[0], argv, extra)
+    if unknown := set(args.sections) - SECTIONS.keys():
         raise SystemExit(f"unknown sections {sorted(unknown)}; choose from {sorted(SECTIONS)}")
-    args = parse_args(__doc__.splitlines()[0], rest)
-    args.hf_experts = known.hf_experts
     offered = set().union(*(table.keys() for table in (GEMM_PROVIDERS, MOVES_PROVIDERS, LAYER_PROVIDERS)))
     if args.providers and (unknown := args.providers - offered):
         raise SystemExit(f"unknown providers {sorted(unknown)}; choose from {sorted(offered)}")
     device = args.device
     results = Results(device)
-    metrics = [SECTIONS[s][1] for s in known.sections]
+    metrics = [SECTIONS[s][1] for s in args.sections]
     if "TFLOP/s" in metrics:
         results.add_roofline("TFLOP/s", measure_matmul_tflops(device))
     if "GB/s" in metrics:
         results.add_roofline("GB/s", measure_copy_gbps(device))
     torch.manual_seed(0)
-    for section in known.sections:
+    for section in args.sections:
         SECTIONS[section][0](args, results, device)
     file_rows(results, BENCH, args.out, args.no_save)
-    extra_tables = [m for s in known.sections for m in EXTRA_TABLES.get(s, ())]
+    extra_tables = [m for s in args.sections for m in EXTRA_TABLES.get(s, ())]
     for metric in dict.fromkeys(metrics + extra_tables):
         if any(f[3] == metric for f in results.figures):
             print(results.markdown(metric))

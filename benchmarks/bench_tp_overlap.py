@@ -218,14 +218,14 @@ def hidden_shares(figures) -> dict[tuple[str, str, str], float]:
 
 
 def main(argv: list[str] | None = None) -> Results:
-    extra = argparse.ArgumentParser(add_help=False)
-    extra.add_argument("--tp", type=int_list, default=None,
-                       help="tensor-parallel sizes (default: 2 and 4 up to the GPUs here; 2 on CPU)")
-    known, rest = extra.parse_known_args(argv)
-    args = parse_args(__doc__.splitlines()[0], rest)
+    def extra(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--tp", type=int_list, default=None,
+                            help="tensor-parallel sizes (default: 2 and 4 up to the GPUs here; 2 on CPU)")
+
+    args = parse_args(__doc__.splitlines()[0], argv, extra)
     if args.providers and (unknown := args.providers - set(PROVIDERS)):
         raise SystemExit(f"unknown providers {sorted(unknown)}; choose from {sorted(PROVIDERS)}")
-    sizes = tp_sizes(known.tp, args.device, (2, 4), "bench_tp_overlap")
+    sizes = tp_sizes(args.tp, args.device, (2, 4), "bench_tp_overlap")
     results = Results(args.device)
     for tp in sizes:
         figures, roofline = run_ranks(_rank, tp, args)

@@ -112,20 +112,20 @@ def _rank(rank: int, tp: int, port: int, args, chunks, queue) -> None:
 
 
 def main(argv: list[str] | None = None) -> Results:
-    extra = argparse.ArgumentParser(add_help=False)
-    extra.add_argument("--chunks", type=int_list, default=[],
-                       help="megakern chunk sizes to time besides the default (tokens per chunk)")
-    extra.add_argument("--tp", type=int_list, default=None,
-                       help="tensor-parallel sizes (default: 2, 4, 8 up to the GPUs here; 2 on CPU)")
-    known, rest = extra.parse_known_args(argv)
-    args = parse_args(__doc__.splitlines()[0], rest)
+    def extra(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--chunks", type=int_list, default=[],
+                            help="megakern chunk sizes to time besides the default (tokens per chunk)")
+        parser.add_argument("--tp", type=int_list, default=None,
+                            help="tensor-parallel sizes (default: 2, 4, 8 up to the GPUs here; 2 on CPU)")
+
+    args = parse_args(__doc__.splitlines()[0], argv, extra)
     if args.providers and (unknown := args.providers - set(PROVIDERS)):
         raise SystemExit(f"unknown providers {sorted(unknown)}; choose from {sorted(PROVIDERS)}")
-    sizes = tp_sizes(known.tp, args.device, (2, 4, 8), "bench_vocab_parallel_ce")
+    sizes = tp_sizes(args.tp, args.device, (2, 4, 8), "bench_vocab_parallel_ce")
     results = Results(args.device)
     roofline = None
     for tp in sizes:
-        figures, roofline = run_ranks(_rank, tp, args, known.chunks)
+        figures, roofline = run_ranks(_rank, tp, args, args.chunks)
         if roofline is not None and "TFLOP/s" not in results.rooflines:  # before the figures: each prints its fraction
             results.add_roofline("TFLOP/s", roofline)
         for case, mode, name, timing, tflops, gib in figures:
