@@ -6,7 +6,8 @@
 #   MEGAKERN_GIT_SHA=$(git rev-parse --short HEAD) bash scripts/device_check.sh [build] [test] [bench] [profile] [train]
 #
 # With no stage named, the first four run; "train" (the training steps of Llama shapes and a small model, and a
-# profile of one step: several minutes) runs when named. TESTS="tests/test_attention.py tests/models" picks test paths (the whole suite
+# profile of one step: several minutes) and "peers" (attention, norms and cross-entropy beside FlashAttention-4,
+# quack and cut-cross-entropy, carried in .peers2/, with liger from .whl/) run when named. TESTS="tests/test_attention.py tests/models" picks test paths (the whole suite
 # takes about 7 minutes with WORKERS=8 pytest workers on one GPU; on a host with several, the workers spread over
 # them (MEGAKERN_TEST_GPUS, default every GPU): split it across calls
 # that have a time limit, or give TEST_BUDGET_S so that the summary naming the failures is still printed).
@@ -79,6 +80,35 @@ if want profile; then
   step "profile (ncu, one pass per kernel)"
   timeout 240 python3 profiles/profile_norm.py --ncu "$OUT/ncu_norm.csv" > "$OUT/profile.log" 2>&1 || { status=1; tail -20 "$OUT/profile.log"; }
   tail -25 "$OUT/profile.log"
+fi
+
+if want peers; then
+  # the frontier peers side by side (named only): FlashAttention-4, quack and cut-cross-entropy from .peers2 (see
+  # ../shared/peers/README.md: a first call leaves the DSL's first part in /tmp/peers, this call must follow at once)
+  # PEER_BENCHES picks among: attention norm cross_entropy
+  step "peers"
+  if [ ! -f .peers2/install.sh ]; then
+    echo "peers: .peers2/ is not in this tree (carry it)"; status=1
+  elif ! source .peers2/install.sh; then
+    status=1
+  else
+    for name in ${PEER_BENCHES:-attention norm cross_entropy}; do
+      case $name in
+        attention) args=(--graph --providers megakern-triton,fa4,sdpa-cudnn --head-dims 64,128
+                         --seqlens 1024,2048,4096,8192 --gqa 1,4) ;;
+        norm) args=(--graph --hidden 1024,2048,4096,8192,16384 --providers megakern-triton,quack,liger,compile) ;;
+        cross_entropy) args=(--providers megakern-triton,compile,cce,quack,liger --tokens 8192) ;;
+        *) echo "PEER_BENCHES: unknown $name"; status=1; continue ;;
+      esac
+      python3 -m "benchmarks.bench_$name" "${args[@]}" > "$OUT/peers_$name.log" 2>&1 \
+        || { status=1; tail -30 "$OUT/peers_$name.log"; }
+      sed -n '/^|/,$p' "$OUT/peers_$name.log" | head -60
+    done
+    gpu=$(python3 -c "from benchmarks.common import gpu_slug; import torch; print(gpu_slug(torch.device('cuda')))")
+    for name in ${PEER_BENCHES:-attention norm cross_entropy}; do
+      cp benchmarks/results/"$gpu"/"$name".csv "$OUT/peers_${name}_$gpu.csv" 2>/dev/null
+    done
+  fi
 fi
 
 if want train; then
