@@ -323,6 +323,20 @@ def _bwd_config(block: int, is_rms: bool) -> BwdConfig:
     return BwdConfig(4, 8, 2, wide=True, chunk=2048, stages=3)
 
 
+def resolve_bwd_config(block: int, is_rms: bool, overrides: dict) -> BwdConfig:
+    """The launch table's BwdConfig with ``overrides`` (fields of BwdConfig; None keeps the table's) in its place;
+    naming ``wide`` against the table's kernel starts from that kernel's own defaults (one row a step, chunk 4096,
+    2 stages) before the other overrides apply."""
+    unknown = set(overrides) - set(BwdConfig._fields)
+    if unknown:
+        raise TypeError(f"unknown backward launch options {sorted(unknown)}; known: {BwdConfig._fields}")
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    table = _bwd_config(block, is_rms)
+    if "wide" in overrides and bool(overrides["wide"]) != table.wide:
+        table = BwdConfig(1, table.warps, table.per_sm, wide=bool(overrides["wide"]))
+    return table._replace(**overrides)
+
+
 WIDE_PIPELINE_BYTES = 160 * 1024  # shared memory the wide backward's loads in flight may take (228 KiB an SM)
 
 
@@ -386,13 +400,7 @@ def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype, need_
     fields as named or at their defaults)."""
     rows, n = dy.shape
     block = _block(n)
-    unknown = set(overrides) - set(BwdConfig._fields)
-    if unknown:
-        raise TypeError(f"unknown backward launch options {sorted(unknown)}; known: {BwdConfig._fields}")
-    table = _bwd_config(block, is_rms)
-    if "wide" in overrides and overrides["wide"] != table.wide:  # the other kernel: its own defaults
-        table = BwdConfig(1, table.warps, table.per_sm, wide=overrides["wide"])
-    config = table._replace(**{k: v for k, v in overrides.items() if v is not None})
+    config = resolve_bwd_config(block, is_rms, overrides)
     programs = _programs(rows, dy.device, config.per_sm)
     rows_per_program = math.ceil(rows / programs) if rows else 0
     dx = torch.empty((rows, n), dtype=dy.dtype, device=dy.device)

@@ -419,3 +419,20 @@ def test_cuda_staged_backward_refuses_what_it_cannot_take():
     with pytest.raises(ValueError, match="do not cover a row"):
         _norm_cuda.bwd(x, x, None, None, None, stats, True, None, False, False,
                        config=_norm_cuda.LaunchConfig(1, 64, 1, staged=True))
+
+
+def test_backward_launch_overrides():
+    """Tuning overrides replace the launch table's fields one by one (None keeps the table's); naming the other
+    kernel starts from its own defaults; unknown names are refused."""
+    from megakern import _norm_triton as nt
+
+    table = nt._bwd_config(1024, True)
+    assert nt.resolve_bwd_config(1024, True, {}) == table
+    assert nt.resolve_bwd_config(1024, True, dict(warps=None, wide=None, rows=None)) == table
+    assert nt.resolve_bwd_config(1024, True, dict(warps=8)) == table._replace(warps=8)
+    wide = nt.resolve_bwd_config(1024, True, dict(wide=True, chunk=256))
+    assert wide.wide and wide.rows == 1 and wide.chunk == 256 and wide.stages == 2
+    assert not nt.resolve_bwd_config(32768, False, dict(wide=False)).wide
+    assert nt.resolve_bwd_config(32768, False, dict(wide=True)) == nt._bwd_config(32768, False)
+    with pytest.raises(TypeError, match="unknown backward launch options"):
+        nt.resolve_bwd_config(1024, True, dict(num_warps=4))
