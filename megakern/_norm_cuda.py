@@ -132,8 +132,9 @@ def _bwd_grid(rows: int, cfg: LaunchConfig, regs: int, device: torch.device, sme
     return min(math.ceil(rows / cfg.rows_per_block), per_sm * _cuda.sm_count(device.index))
 
 
-def _staged_problem(cfg: LaunchConfig, dy: torch.Tensor, x: torch.Tensor, vecio: bool, has_db: bool) -> str:
-    """Why the staged backward cannot take these tensors with ``cfg`` ('' if it can)."""
+def _staged_problem(cfg: LaunchConfig, dy: torch.Tensor, x: torch.Tensor, vecio: bool, smem: int) -> str:
+    """Why the staged backward cannot take these tensors with ``cfg`` and ``smem`` bytes of shared memory a block
+    ('' if it can)."""
     if dy.dtype not in (torch.float16, torch.bfloat16):
         return f"it takes 16-bit rows, not {dy.dtype}"
     if x.dtype != dy.dtype:
@@ -146,7 +147,6 @@ def _staged_problem(cfg: LaunchConfig, dy: torch.Tensor, x: torch.Tensor, vecio:
         return f"{cfg.threads} threads x {cfg.nv} groups of {_VEC[dy.dtype]} do not cover a row of {dy.shape[1]}"
     if cfg.threads > BWD_MAX_THREADS:
         return f"at most {BWD_MAX_THREADS} threads a block"
-    smem = staged_smem_bytes(dy.shape[1], dy.element_size(), cfg.nv, has_db)
     limit = getattr(torch.cuda.get_device_properties(dy.device), "shared_memory_per_block_optin", 227 * 1024)
     if smem > limit:
         return f"{smem} bytes of shared memory a block, above the device's {limit}"
@@ -213,13 +213,12 @@ def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype: Optio
         flags |= VECTORIZED
     vecio = bool(flags & VECTORIZED)
     cfg = config or launch_config(cols, dy.dtype, backward=True)
-    smem = 0
+    smem = staged_smem_bytes(cols, dy.element_size(), cfg.nv, has_db) if cfg.staged else 0
     if cfg.staged:
-        problem = _staged_problem(cfg, dy, x, vecio, has_db)
+        problem = _staged_problem(cfg, dy, x, vecio, smem)
         if problem:
             raise ValueError(f"norm backward: the staged kernel {cfg} does not apply: {problem}")
         flags |= STAGED
-        smem = staged_smem_bytes(cols, dy.element_size(), cfg.nv, has_db)
     if path == "extension":
         ext = _cuda.extension()[0]
         regs = ext.norm_bwd_kernel_regs(dtype_code, cfg.nv, has_db, vecio, cfg.staged)

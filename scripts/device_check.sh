@@ -24,6 +24,7 @@ export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} PYTHONPATH=$PWD${PYTHONPATH:+
 status=0
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 step() { echo; echo "=== $1 ($(date -u +%H:%M:%S))"; }
+gpu_dir() { python3 -c "from benchmarks.common import gpu_slug; import torch; print(gpu_slug(torch.device('cuda')))"; }
 
 # the project's shared data files, where the tree carries them (cp ../shared/data/* .shared-data/ before the call)
 [ -d .shared-data ] && export MEGAKERN_SHARED_DATA=$PWD/.shared-data
@@ -71,7 +72,7 @@ if want bench; then
   for name in $names; do
     python3 -m "benchmarks.bench_$name" ${BENCH_ARGS:-} > "$OUT/bench_$name.log" 2>&1 || { status=1; tail -30 "$OUT/bench_$name.log"; }
   done
-  gpu=$(python3 -c "from benchmarks.common import gpu_slug; import torch; print(gpu_slug(torch.device('cuda')))")
+  gpu=$(gpu_dir)
   cp benchmarks/results/"$gpu"/*.csv "$OUT/" 2>/dev/null
   for name in $names; do sed -n '/^|/,$p' "$OUT/bench_$name.log"; done
 fi
@@ -104,7 +105,7 @@ if want peers; then
         || { status=1; tail -30 "$OUT/peers_$name.log"; }
       sed -n '/^|/,$p' "$OUT/peers_$name.log" | head -60
     done
-    gpu=$(python3 -c "from benchmarks.common import gpu_slug; import torch; print(gpu_slug(torch.device('cuda')))")
+    gpu=$(gpu_dir)
     for name in ${PEER_BENCHES:-attention norm cross_entropy}; do
       cp benchmarks/results/"$gpu"/"$name".csv "$OUT/peers_${name}_$gpu.csv" 2>/dev/null
     done
@@ -137,7 +138,7 @@ if want train; then
       || { status=1; tail -30 "$OUT/bench_train_$model.log"; }
     sed -n '/^|/,$p' "$OUT/bench_train_$model.log" | head -8
   done
-  gpu=$(python3 -c "from benchmarks.common import gpu_slug; import torch; print(gpu_slug(torch.device('cuda')))")
+  gpu=$(gpu_dir)
   cp benchmarks/results/"$gpu"/train.csv "$OUT/train_$gpu.csv" 2>/dev/null
 fi
 
