@@ -33,7 +33,8 @@ void check_launch(cudaError_t err, const char* what) {
 
 void norm_fwd(const at::Tensor& x, const OptTensor& residual, const OptTensor& weight, const OptTensor& bias,
               at::Tensor& y, const OptTensor& residual_out, const OptTensor& mean, at::Tensor& rstd, double eps,
-              int64_t flags, int64_t dtype, int64_t nv, int64_t threads, int64_t rows_per_block, int64_t grid) {
+              int64_t flags, int64_t dtype, int64_t nv, int64_t row_batch, int64_t threads, int64_t rows_per_block,
+              int64_t grid) {
   check_rows(x, x, "x");
   check_rows(y, x, "y");
   for (auto [t, name] : {std::pair{opt(residual), "residual"}, {opt(residual_out), "residual_out"}})
@@ -44,8 +45,8 @@ void norm_fwd(const at::Tensor& x, const OptTensor& residual, const OptTensor& w
                           mean.has_value() ? mean->data_ptr<float>() : nullptr, rstd.data_ptr<float>(), x.size(0),
                           static_cast<int>(x.size(1)), x.stride(0), row_stride(residual), y.stride(0),
                           row_stride(residual_out), static_cast<float>(eps), static_cast<int>(flags)};
-  check_launch(megakern::norm_fwd(static_cast<int>(dtype), static_cast<int>(nv), dim3(grid),
-                                  dim3(threads, rows_per_block), a, at::cuda::getCurrentCUDAStream()),
+  check_launch(megakern::norm_fwd(static_cast<int>(dtype), static_cast<int>(nv), static_cast<int>(row_batch),
+                                  dim3(grid), dim3(threads, rows_per_block), a, at::cuda::getCurrentCUDAStream()),
                "norm_fwd launch");
 }
 
@@ -169,7 +170,7 @@ void fp8_cast(const at::Tensor& x, at::Tensor& y, const at::Tensor& scale, const
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "megakern CUDA kernels (raw entry points; use megakern.rms_norm / megakern.layer_norm / megakern.apply_rotary / megakern.fp8.quantize)";
-  m.def("norm_fwd", &norm_fwd, "LayerNorm / RMSNorm forward (see csrc/norm/norm.cu)");
+  m.def("norm_fwd_rows", &norm_fwd, "LayerNorm / RMSNorm forward, several rows a row group (see csrc/norm/norm.cu)");
   m.def("norm_bwd", &norm_bwd, "LayerNorm / RMSNorm backward (see csrc/norm/norm.cu)");
   m.def("norm_bwd_kernel_regs", &norm_bwd_kernel_regs,
         "registers per thread of a norm_bwd kernel instance (the register or the staged kernel)");

@@ -28,7 +28,7 @@ import torch
 PATHS = ("extension", "nvrtc")
 MIN_CUPY = (13, 0)  # the NVRTC path's floor (pyproject.toml's nvrtc extra declares the same)
 # What megakern's launchers call on megakern._C (csrc/bindings.cpp); a build that lacks one is from older sources.
-ENTRY_POINTS = ("norm_fwd", "norm_bwd", "norm_bwd_kernel_regs", "fp8_cast", "rotary")
+ENTRY_POINTS = ("norm_fwd_rows", "norm_bwd", "norm_bwd_kernel_regs", "fp8_cast", "rotary")
 REBUILD = "python setup.py build_ext --inplace"
 
 
@@ -137,7 +137,7 @@ def _cuda_include_dirs() -> list[str]:
 
 @functools.lru_cache(maxsize=None)
 def nvrtc_kernel(source: str, name: str):
-    """The kernel ``name`` (a C++ name expression, e.g. 'megakern::norm_fwd_kernel<float, 2>') of csrc/``source``."""
+    """The kernel ``name`` (a C++ name expression, e.g. 'megakern::norm_fwd_kernel<float, 2, 1, true>') of csrc/``source``."""
     cupy, problem = _cupy()
     if cupy is None:
         raise RuntimeError(problem)
@@ -150,11 +150,12 @@ def nvrtc_kernel(source: str, name: str):
 
 def nvrtc_launch(kernel, grid: tuple, block: tuple, args: tuple, device: torch.device, shared_mem: int = 0) -> None:
     """Launch an NVRTC kernel on torch's current stream of ``device``, with ``shared_mem`` bytes of dynamic shared
-    memory (above 48 KiB the kernel's limit is raised to it first)."""
+    memory (above what the kernel may take by default, 48 KiB less its static shared memory, the kernel's limit is
+    raised to it first)."""
     cupy, _ = _cupy()
     stream = torch.cuda.current_stream(device)
     with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(stream.cuda_stream):
-        if shared_mem > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared_mem:
+        if kernel.max_dynamic_shared_size_bytes < shared_mem:
             kernel.max_dynamic_shared_size_bytes = shared_mem
         kernel(grid, block, args, shared_mem=shared_mem)
 

@@ -24,10 +24,13 @@ _VEC = {torch.float32: 4, torch.float16: 8, torch.bfloat16: 8}  # elements in 16
 # the budgets that compile without spills for sm_90a and ran fastest on the H200 (profiles/tune_norm.py; registers in
 # docs/tuning.md, norms). Longer rows stream (NV = 0).
 FWD_CAP, FWD_MAX_THREADS = 16, 1024
+# The forward takes several rows at once while a block's threads x rows stay within this many (profiles/tune_norm.py)
+FWD_BATCH_THREADS = 256
 BWD_CAP, BWD_MAX_THREADS = 16, 512
 
 
 STAGED_NV = (1, 2, 4)  # the staged backward's instances (csrc/norm/norm.cu, norm_bwd_staged_kernel)
+ROW_BATCHES = (1, 2, 4)  # the forward's rows at once (norm_fwd_kernel's ROWS); more than 1 only with rows in registers
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,7 @@ class LaunchConfig:
     threads: int  # threads per row (block.x)
     rows_per_block: int  # block.y
     staged: bool = False  # backward: the staged kernel (the next row copied into shared memory; 16-bit rows)
+    row_batch: int = 1  # forward: rows each row's threads take at once, every row's loads in flight (ROW_BATCHES)
 
 
 def staged_smem_bytes(cols: int, itemsize: int, nv: int, has_db: bool) -> int:
@@ -57,15 +61,32 @@ def launch_config(cols: int, dtype: torch.dtype, backward: bool) -> LaunchConfig
     threads = 32 * math.ceil(math.ceil(groups / nv) / 32)
     if threads > max_threads:
         return LaunchConfig(0, max_threads, 1)
-    return LaunchConfig(nv, threads, 4 if threads == 32 else 1)
+    rows_per_block = 4 if threads == 32 else 1
+    # the forward of short rows: several rows at once, so that enough bytes are in flight on each SM
+    batch = 1 if backward else max((b for b in ROW_BATCHES if b * threads * rows_per_block <= FWD_BATCH_THREADS),
+                                   default=1)
+    return LaunchConfig(nv, threads, rows_per_block, row_batch=batch)
+
+
+def check_fwd_config(cfg: LaunchConfig) -> None:
+    """Raise ValueError naming what the forward kernels cannot take in ``cfg`` (a tuning override)."""
+    if cfg.staged:
+        raise ValueError(f"{cfg}: the staged kernel is a backward")
+    if cfg.row_batch not in ROW_BATCHES:
+        raise ValueError(f"{cfg}: row_batch must be one of {ROW_BATCHES}")
+    if cfg.row_batch > 1 and cfg.nv == 0:
+        raise ValueError(f"{cfg}: streaming (nv 0) takes one row at a time")
+    if cfg.threads * cfg.rows_per_block * cfg.row_batch > FWD_MAX_THREADS:
+        raise ValueError(f"{cfg}: threads x rows_per_block x row_batch is above {FWD_MAX_THREADS} (the kernel's "
+                         "launch bounds)")
 
 
 def _b(flag: bool) -> str:
     return "true" if flag else "false"
 
 
-def _fwd_name(ctype: str, nv: int, vecio: bool) -> str:
-    return f"megakern::norm_fwd_kernel<{ctype}, {nv}, {_b(vecio)}>"
+def _fwd_name(ctype: str, nv: int, vecio: bool, row_batch: int = 1) -> str:
+    return f"megakern::norm_fwd_kernel<{ctype}, {nv}, {row_batch}, {_b(vecio)}>"
 
 
 def _bwd_name(ctype: str, nv: int, has_db: bool, vecio: bool) -> str:
@@ -83,7 +104,8 @@ def kernel_names() -> list[str]:
     for dtype, (_, ctype) in _CTYPES.items():
         vec = _VEC[dtype]
         for io in (False, True):
-            names += [_fwd_name(ctype, nv, io) for nv in (0, 1, 2, 4, 8) if nv * vec <= FWD_CAP]
+            names += [_fwd_name(ctype, nv, io, batch) for nv in (0, 1, 2, 4, 8) if nv * vec <= FWD_CAP
+                      for batch in (ROW_BATCHES if nv else (1,))]
             names += [_bwd_name(ctype, nv, db, io) for nv in (0, 1, 2, 4, 8) if nv * vec <= BWD_CAP
                       for db in (False, True)]
         if dtype != torch.float32:
@@ -172,14 +194,16 @@ def fwd(x, residual, weight, bias, eps: float, is_rms: bool, path: Optional[str]
     if cols % _VEC[x.dtype] == 0 and _aligned(x, residual, weight, bias, y, res_out):
         flags |= VECTORIZED
     cfg = config or launch_config(cols, x.dtype, backward=False)
-    grid = math.ceil(rows / cfg.rows_per_block)
+    if config is not None:
+        check_fwd_config(config)
+    grid = math.ceil(rows / (cfg.rows_per_block * cfg.row_batch))
     if rows == 0:
         return y, res_out, mean, rstd
     if path == "extension":
-        _cuda.extension()[0].norm_fwd(x, residual, weight, bias, y, res_out, mean, rstd, eps, flags, dtype_code,
-                                      cfg.nv, cfg.threads, cfg.rows_per_block, grid)
+        _cuda.extension()[0].norm_fwd_rows(x, residual, weight, bias, y, res_out, mean, rstd, eps, flags, dtype_code,
+                                           cfg.nv, cfg.row_batch, cfg.threads, cfg.rows_per_block, grid)
     else:
-        kernel = _cuda.nvrtc_kernel("norm/norm.cu", _fwd_name(ctype, cfg.nv, bool(flags & VECTORIZED)))
+        kernel = _cuda.nvrtc_kernel("norm/norm.cu", _fwd_name(ctype, cfg.nv, bool(flags & VECTORIZED), cfg.row_batch))
         args = _nvrtc_args(("p", _ptr(x)), ("p", _ptr(residual)), ("p", _ptr(weight)), ("p", _ptr(bias)),
                            ("p", _ptr(y)), ("p", _ptr(res_out)), ("p", _ptr(mean)), ("p", _ptr(rstd)),
                            ("i64", rows), ("i32", cols), ("i64", _stride(x)), ("i64", _stride(residual)),

@@ -30,7 +30,8 @@ LAUNCHERS = ("triton fwd", "triton bwd", "cuda fwd", "cuda bwd")
 
 def cuda_geometries(n: int, backward: bool) -> list:
     """The CUDA kernels' launch shapes around the table's (bf16, 8 elements a 16-byte group): a warp per row (4 rows
-    a block) holding the whole row, and a block per row at 1, 2 or 4 groups a thread; within the kernels' thread
+    a block) holding the whole row, and a block per row at 1, 2 or 4 groups a thread, the forward taking 1, 2 or 4
+    rows at once; within the kernels' thread
     bounds (1024 forward, 512 backward), the table's own left out; for the backward also the staged kernel's. Through NVRTC any groups count compiles (the
     extension's switch builds those within FWD_CAP / BWD_CAP)."""
     default = _norm_cuda.launch_config(n, torch.bfloat16, backward)
@@ -41,9 +42,11 @@ def cuda_geometries(n: int, backward: bool) -> list:
         threads = 32 * -(-groups // (32 * nv))
         if threads > max_threads or 2 * groups <= threads * nv:  # too many threads, or half of them idle
             continue
-        config = _norm_cuda.LaunchConfig(nv, threads, 4 if threads == 32 else 1)
-        if config != default and config not in out:
-            out.append(config)
+        rows_per_block = 4 if threads == 32 else 1
+        for batch in (1,) if backward else _norm_cuda.ROW_BATCHES:  # the forward: 1, 2 or 4 rows at once
+            config = _norm_cuda.LaunchConfig(nv, threads, rows_per_block, row_batch=batch)
+            if threads * rows_per_block * batch <= max_threads and config != default and config not in out:
+                out.append(config)
     if backward:  # the staged kernel (the next row in shared memory), where its shared memory fits (LayerNorm's)
         for nv in _norm_cuda.STAGED_NV:
             threads = 32 * -(-groups // (32 * nv))

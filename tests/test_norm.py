@@ -375,7 +375,7 @@ def test_wide_backward_pipeline_fits_shared_memory(dtype, residual):
 
 
 STAGED = [((3, 77, 1024), 1, 128), ((3, 77, 1024), 4, 32), ((2, 61, 4096), 2, 256), ((130, 8192), 2, 512),
-          ((67, 16384), 4, 512)]
+          ((67, 16384), 4, 512), ((5, 37, 4096), 4, 128)]  # the last: LayerNorm's 48 KiB of shared memory exactly
 
 
 @pytest.mark.gpu
@@ -398,6 +398,48 @@ def test_cuda_staged_backward(op, case, setup, variant):
         b = b.float() if b is not None else None
     config = _norm_cuda.LaunchConfig(nv, threads, 1, staged=True)
     check_fwd_bwd(variant, op, torch.bfloat16, x, w, b, r, launchers=(fwd, functools.partial(bwd, config=config)))
+
+
+# (shape, nv, threads, rows_per_block, row_batch): row counts that end in a partial batch; 1001 columns take the
+# kernels' unaligned loads
+ROW_BATCH = [((3, 77, 1024), 1, 128, 1, 2), ((3, 77, 1024), 1, 128, 1, 4), ((45, 1001), 1, 128, 1, 4),
+             ((3, 7, 256), 1, 32, 4, 4), ((3, 41, 4096), 2, 256, 1, 2), ((130, 2048), 1, 256, 1, 4),
+             ((37, 512), 2, 32, 4, 2)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [v for v in kernel_variants() if v.startswith("cuda-")])
+@pytest.mark.parametrize("setup", ("affine", "residual", "no-affine", "fp32-weight"))
+@pytest.mark.parametrize("case", ROW_BATCH, ids=lambda c: f"{'x'.join(map(str, c[0]))}-nv{c[1]}-t{c[2]}x{c[3]}-b{c[4]}")
+@pytest.mark.parametrize("op", OPS)
+def test_cuda_forward_row_batches(op, case, setup, variant):
+    """The CUDA forward taking several rows at once (every row's loads in flight, the reductions' barriers shared),
+    through both CUDA paths, against the fp64 reference (2x rule); the backward is the table's."""
+    from megakern import _norm_cuda
+
+    fwd, bwd = launchers_for(variant)
+    shape, nv, threads, rows_per_block, batch = case
+    seed(op, shape, nv, threads, batch, setup, variant)
+    x, w, b, r = make_inputs(op, torch.bfloat16, shape, "affine" if setup == "fp32-weight" else setup)
+    if setup == "fp32-weight":
+        w = w.float()
+        b = b.float() if b is not None else None
+    config = _norm_cuda.LaunchConfig(nv, threads, rows_per_block, row_batch=batch)
+    check_fwd_bwd(variant, op, torch.bfloat16, x, w, b, r, launchers=(functools.partial(fwd, config=config), bwd))
+
+
+def test_cuda_forward_refuses_a_launch_it_cannot_take():
+    """A forward launch override the kernels were not built for is refused by name before any launch."""
+    from megakern import _norm_cuda
+
+    LC = _norm_cuda.LaunchConfig
+    for config, message in ((LC(1, 128, 1, row_batch=3), "row_batch must be one of"),
+                            (LC(0, 256, 1, row_batch=2), "streaming"),
+                            (LC(1, 512, 1, row_batch=4), "launch bounds"),
+                            (LC(1, 128, 1, staged=True), "staged kernel is a backward")):
+        with pytest.raises(ValueError, match=message):
+            _norm_cuda.check_fwd_config(config)
+    _norm_cuda.check_fwd_config(_norm_cuda.launch_config(1024, torch.bfloat16, False))
 
 
 @pytest.mark.gpu

@@ -16,19 +16,21 @@
 
 namespace megakern {
 
-template <typename T, int NV, bool VECIO>
-__global__ void __launch_bounds__(1024)
+template <typename T, int NV, int ROWS, bool VECIO>
+__global__ void __launch_bounds__(1024 / ROWS)
 norm_fwd_kernel(const T* __restrict__ x, const void* __restrict__ residual, const void* __restrict__ weight,
                 const void* __restrict__ bias, T* __restrict__ y, void* __restrict__ residual_out,
                 float* __restrict__ mean_out, float* __restrict__ rstd_out, i64 rows, int cols, i64 stride_x,
                 i64 stride_res, i64 stride_y, i64 stride_res_out, float eps, int flags) {
+  static_assert(ROWS >= 1 && (ROWS == 1 || NV > 0), "streaming (NV = 0) takes one row at a time");
   constexpr int VEC = 16 / sizeof(T);
-  __shared__ float smem[32];
+  __shared__ float smem[32 * ROWS];
   constexpr bool vec = VECIO;
   const bool rms = flags & NORM_RMS;
   const bool has_w = flags & NORM_HAS_WEIGHT, has_b = flags & NORM_HAS_BIAS, w_f32 = flags & NORM_W_F32;
   const bool has_res = flags & NORM_HAS_RESIDUAL, res_f32 = flags & NORM_RES_F32;
-  const i64 row = (i64)blockIdx.x * blockDim.y + threadIdx.y;
+  // This row group's first row; it takes ROWS consecutive rows (those past the end are neither read nor written)
+  const i64 row = ((i64)blockIdx.x * blockDim.y + threadIdx.y) * ROWS;
   if (row >= rows) return;  // only with a warp per row, where no barrier follows
   const T* xr = x + row * stride_x;
   const float inv_cols = 1.f / cols;
@@ -45,7 +47,7 @@ norm_fwd_kernel(const T* __restrict__ x, const void* __restrict__ residual, cons
     for (int i = 0; i < VEC; ++i) v[i] = res_f32 ? v[i] + r[i] : round_to<T>(v[i] + r[i]);
     store_t_or_f32<T, VEC>(residual_out, res_f32, row * stride_res_out + c, v, valid, vec);
   };
-  auto output = [&](int c, const float(&v)[VEC], int valid, float mean, float rstd) {
+  auto output = [&](i64 rw, int c, const float(&v)[VEC], int valid, float mean, float rstd) {
     float w[VEC], b[VEC], o[VEC];
     if (has_w) load_t_or_f32<T, VEC>(weight, w_f32, c, w, valid, vec);
     if (has_b) load_t_or_f32<T, VEC>(bias, w_f32, c, b, valid, vec);
@@ -55,7 +57,7 @@ norm_fwd_kernel(const T* __restrict__ x, const void* __restrict__ residual, cons
       if (has_w) o[i] *= w[i];
       if (has_b) o[i] += b[i];
     }
-    store_n<T, VEC>(y + row * stride_y + c, o, valid, vec);
+    store_n<T, VEC>(y + rw * stride_y + c, o, valid, vec);
   };
   auto sq_dev = [&](int c, const float(&v)[VEC], float mean) {
     float s = 0.f;
@@ -64,9 +66,9 @@ norm_fwd_kernel(const T* __restrict__ x, const void* __restrict__ residual, cons
     return s;
   };
 
-  float mean = 0.f, rstd;
   if constexpr (NV > 0) {
-    // The row lives in registers: one read of x (and residual), one write of y.
+    // The rows live in registers: one read of x (and residual), one write of y. Every row's loads are issued
+    // before the first reduction, and the ROWS rows share the reductions' barriers.
     // weight and bias are read after the row reductions' barriers: start bringing them into L1 now
     if (has_w) {
       if (w_f32) prefetch_groups_l1<float, NV, VEC>(static_cast<const float*>(weight), cols);
@@ -76,40 +78,77 @@ norm_fwd_kernel(const T* __restrict__ x, const void* __restrict__ residual, cons
       if (w_f32) prefetch_groups_l1<float, NV, VEC>(static_cast<const float*>(bias), cols);
       else prefetch_groups_l1<T, NV, VEC>(static_cast<const T*>(bias), cols);
     }
-    float v[NV][VEC];
-    load_groups<T, NV, VEC, VECIO>(xr, cols, v);
+    const int live = rows - row < ROWS ? (int)(rows - row) : ROWS;  // rows of this group inside the tensor
+    float v[ROWS][NV][VEC];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      if (r < live) {
+        load_groups<T, NV, VEC, VECIO>(xr + r * stride_x, cols, v[r]);
+      } else {
+#pragma unroll
+        for (int g = 0; g < NV; ++g)
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) v[r][g][i] = 0.f;
+      }
+    }
     if (has_res) {
-      float r[NV][VEC];
-      load_groups_t_or_f32<T, NV, VEC, VECIO>(residual, res_f32, row * stride_res, cols, r);
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        if (r >= live) continue;
+        float rs[NV][VEC];
+        load_groups_t_or_f32<T, NV, VEC, VECIO>(residual, res_f32, (row + r) * stride_res, cols, rs);
+#pragma unroll
+        for (int g = 0; g < NV; ++g) {
+          const int c = (g * blockDim.x + threadIdx.x) * VEC;
+#pragma unroll
+          for (int i = 0; i < VEC; ++i)
+            v[r][g][i] = res_f32 ? v[r][g][i] + rs[g][i] : round_to<T>(v[r][g][i] + rs[g][i]);
+          if (c < cols)
+            store_t_or_f32<T, VEC>(residual_out, res_f32, (row + r) * stride_res_out + c, v[r][g], cols - c, vec);
+        }
+      }
+    }
+    float mean[ROWS], rstd[ROWS];
+    if (!rms) {
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        mean[r] = 0.f;
+#pragma unroll
+        for (int g = 0; g < NV; ++g)
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) mean[r] += v[r][g][i];
+      }
+      row_sum<ROWS>(mean, smem);
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) mean[r] *= inv_cols;
+    } else {
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) mean[r] = 0.f;
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      rstd[r] = 0.f;
+#pragma unroll
+      for (int g = 0; g < NV; ++g) rstd[r] += sq_dev((g * blockDim.x + threadIdx.x) * VEC, v[r][g], mean[r]);
+    }
+    row_sum<ROWS>(rstd, smem);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      rstd[r] = rsqrtf(rstd[r] * inv_cols + eps);
+      if (r >= live) continue;
 #pragma unroll
       for (int g = 0; g < NV; ++g) {
         const int c = (g * blockDim.x + threadIdx.x) * VEC;
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) v[g][i] = res_f32 ? v[g][i] + r[g][i] : round_to<T>(v[g][i] + r[g][i]);
-        if (c < cols) store_t_or_f32<T, VEC>(residual_out, res_f32, row * stride_res_out + c, v[g], cols - c, vec);
+        if (c < cols) output(row + r, c, v[r][g], cols - c, mean[r], rstd[r]);
       }
-    }
-    if (!rms) {
-      float s[1] = {0.f};
-#pragma unroll
-      for (int g = 0; g < NV; ++g)
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) s[0] += v[g][i];
-      row_sum<1>(s, smem);
-      mean = s[0] * inv_cols;
-    }
-    float ss[1] = {0.f};
-#pragma unroll
-    for (int g = 0; g < NV; ++g) ss[0] += sq_dev((g * blockDim.x + threadIdx.x) * VEC, v[g], mean);
-    row_sum<1>(ss, smem);
-    rstd = rsqrtf(ss[0] * inv_cols + eps);
-#pragma unroll
-    for (int g = 0; g < NV; ++g) {
-      const int c = (g * blockDim.x + threadIdx.x) * VEC;
-      if (c < cols) output(c, v[g], cols - c, mean, rstd);
+      if (threadIdx.x == 0) {
+        rstd_out[row + r] = rstd[r];
+        if (mean_out != nullptr) mean_out[row + r] = mean[r];
+      }
     }
   } else {
     // Streaming: rows too long for registers are read again (from L2) for each pass.
+    float mean = 0.f, rstd;
     const int step = blockDim.x * VEC;
     bool first = true;
     if (!rms) {
@@ -135,12 +174,12 @@ norm_fwd_kernel(const T* __restrict__ x, const void* __restrict__ residual, cons
     for (int c = threadIdx.x * VEC; c < cols; c += step) {
       float v[VEC];
       input(c, v, cols - c, false);
-      output(c, v, cols - c, mean, rstd);
+      output(row, c, v, cols - c, mean, rstd);
     }
-  }
-  if (threadIdx.x == 0) {
-    rstd_out[row] = rstd;
-    if (mean_out != nullptr) mean_out[row] = mean;
+    if (threadIdx.x == 0) {
+      rstd_out[row] = rstd;
+      if (mean_out != nullptr) mean_out[row] = mean;
+    }
   }
 }
 
@@ -439,18 +478,35 @@ namespace megakern {
     default: return cudaErrorInvalidValue;                                                       \
   }
 
-template <typename T, bool VECIO>
-static cudaError_t norm_fwd_v(int nv, dim3 grid, dim3 block, const NormFwdArgs& a, cudaStream_t stream) {
-  MEGAKERN_NV_SWITCH(nv, 16, norm_fwd_kernel<T, NV, VECIO><<<grid, block, 0, stream>>>(
-      static_cast<const T*>(a.x), a.residual, a.weight, a.bias, static_cast<T*>(a.y), a.residual_out, a.mean,
-      a.rstd, a.rows, a.cols, a.stride_x, a.stride_res, a.stride_y, a.stride_res_out, a.eps, a.flags));
+template <typename T, int ROWS, bool VECIO>
+static cudaError_t norm_fwd_r(int nv, dim3 grid, dim3 block, const NormFwdArgs& a, cudaStream_t stream) {
+  if constexpr (ROWS > 1) {
+    if (nv == 0) return cudaErrorInvalidValue;  // streaming takes one row at a time
+  }
+  MEGAKERN_NV_SWITCH(nv, 16, if constexpr (ROWS == 1 || NV > 0) {
+    norm_fwd_kernel<T, NV, ROWS, VECIO><<<grid, block, 0, stream>>>(
+        static_cast<const T*>(a.x), a.residual, a.weight, a.bias, static_cast<T*>(a.y), a.residual_out, a.mean,
+        a.rstd, a.rows, a.cols, a.stride_x, a.stride_res, a.stride_y, a.stride_res_out, a.eps, a.flags);
+  });
   return cudaGetLastError();
 }
 
+template <typename T, bool VECIO>
+static cudaError_t norm_fwd_v(int nv, int row_batch, dim3 grid, dim3 block, const NormFwdArgs& a,
+                              cudaStream_t stream) {
+  switch (row_batch) {
+    case 1: return norm_fwd_r<T, 1, VECIO>(nv, grid, block, a, stream);
+    case 2: return norm_fwd_r<T, 2, VECIO>(nv, grid, block, a, stream);
+    case 4: return norm_fwd_r<T, 4, VECIO>(nv, grid, block, a, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
 template <typename T>
-static cudaError_t norm_fwd_t(int nv, dim3 grid, dim3 block, const NormFwdArgs& a, cudaStream_t stream) {
-  return (a.flags & NORM_VECTORIZED) ? norm_fwd_v<T, true>(nv, grid, block, a, stream)
-                                     : norm_fwd_v<T, false>(nv, grid, block, a, stream);
+static cudaError_t norm_fwd_t(int nv, int row_batch, dim3 grid, dim3 block, const NormFwdArgs& a,
+                              cudaStream_t stream) {
+  return (a.flags & NORM_VECTORIZED) ? norm_fwd_v<T, true>(nv, row_batch, grid, block, a, stream)
+                                     : norm_fwd_v<T, false>(nv, row_batch, grid, block, a, stream);
 }
 
 template <typename T, bool HAS_DB, bool VECIO>
@@ -474,11 +530,13 @@ static cudaError_t norm_bwd_t(int nv, dim3 grid, dim3 block, const NormBwdArgs& 
                                      : norm_bwd_v<T, HAS_DB, false>(nv, grid, block, a, stream, regs);
 }
 
-cudaError_t norm_fwd(int dtype, int nv, dim3 grid, dim3 block, const NormFwdArgs& args, cudaStream_t stream) {
+cudaError_t norm_fwd(int dtype, int nv, int row_batch, dim3 grid, dim3 block, const NormFwdArgs& args,
+                     cudaStream_t stream) {
+  if ((long long)block.x * block.y * row_batch > 1024) return cudaErrorInvalidValue;  // the kernel's launch bounds
   switch (dtype) {
-    case NORM_F32: return norm_fwd_t<float>(nv, grid, block, args, stream);
-    case NORM_F16: return norm_fwd_t<__half>(nv, grid, block, args, stream);
-    case NORM_BF16: return norm_fwd_t<__nv_bfloat16>(nv, grid, block, args, stream);
+    case NORM_F32: return norm_fwd_t<float>(nv, row_batch, grid, block, args, stream);
+    case NORM_F16: return norm_fwd_t<__half>(nv, row_batch, grid, block, args, stream);
+    case NORM_BF16: return norm_fwd_t<__nv_bfloat16>(nv, row_batch, grid, block, args, stream);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -495,7 +553,9 @@ static cudaError_t norm_bwd_staged_run(dim3 grid, dim3 block, const NormBwdArgs&
   }
   if (!(a.flags & NORM_VECTORIZED) || (a.flags & NORM_RES_F32) || block.y != 1) return cudaErrorInvalidValue;
   const long long smem = norm_staged_smem_bytes(a.cols, sizeof(T), NV, HAS_DB);
-  if (smem > 48 * 1024)
+  cudaFuncAttributes attr;
+  MEGAKERN_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  if (smem > attr.maxDynamicSharedSizeBytes)  // by default 48 KiB less the kernel's static shared memory
     MEGAKERN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   kernel<<<grid, block, smem, stream>>>(
       static_cast<const T*>(a.x), static_cast<const T*>(a.dy), a.dres_out, a.weight, a.mean, a.rstd,

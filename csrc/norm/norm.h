@@ -3,7 +3,8 @@
 // Launch geometry is decided in one place, megakern/_norm_cuda.py (`launch_config`), and handed to the
 // launchers here, so the extension and the NVRTC path run the very same kernels with the same shapes:
 //   block = (threads per row, rows per block), rows per block > 1 only with 32 threads per row;
-//   NV > 0: each thread keeps NV groups of 16 bytes of its row in registers (one read of the row);
+//   NV > 0: each thread keeps NV groups of 16 bytes of its row in registers (one read of the row); the forward's
+//           row groups may take row_batch consecutive rows at once (all their loads in flight, shared barriers);
 //   NV == 0: streaming, for rows too long for registers (the row is read again from L2).
 #pragma once
 
@@ -67,10 +68,13 @@ struct NormBwdArgs {
   int flags;
 };
 
-// dtype: NormDType of x / y / dy / dx. nv in {0, 1, 2, 4, 8}; args.flags & NORM_VECTORIZED picks the 16-byte
-// instance, args.flags & NORM_STAGED the staged backward (16-bit dtypes, nv in {1, 2, 4}, one row a block). Returns
+// dtype: NormDType of x / y / dy / dx. nv in {0, 1, 2, 4, 8}; row_batch (forward) in {1, 2, 4}: the rows each
+// row's threads take at once (1 when streaming; block.x * block.y * row_batch <= 1024); args.flags &
+// NORM_VECTORIZED picks the 16-byte instance, args.flags & NORM_STAGED the staged backward (16-bit dtypes, nv in
+// {1, 2, 4}, one row a block). Returns
 // the launch's error, if any.
-cudaError_t norm_fwd(int dtype, int nv, dim3 grid, dim3 block, const NormFwdArgs& args, cudaStream_t stream);
+cudaError_t norm_fwd(int dtype, int nv, int row_batch, dim3 grid, dim3 block, const NormFwdArgs& args,
+                     cudaStream_t stream);
 cudaError_t norm_bwd(int dtype, int nv, bool has_db, dim3 grid, dim3 block, const NormBwdArgs& args,
                      cudaStream_t stream);
 // The staged backward's dynamic shared memory, in bytes, for rows of `cols` elements of `elem_bytes` each: the next

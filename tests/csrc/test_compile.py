@@ -70,7 +70,12 @@ def test_launch_config_covers_rows(dtype, backward):
         assert cfg.nv * vec <= cap, (cols, cfg)
         if cfg.nv:
             assert cfg.nv * cfg.threads * vec >= cols, (cols, cfg)  # the row fits in registers
+        if backward:
+            assert cfg.row_batch == 1, (cols, cfg)
+        else:
+            _norm_cuda.check_fwd_config(cfg)
         ctype = _norm_cuda._CTYPES[dtype][1]
         for io in (False, True):
-            name = _norm_cuda._bwd_name(ctype, cfg.nv, True, io) if backward else _norm_cuda._fwd_name(ctype, cfg.nv, io)
+            name = _norm_cuda._bwd_name(ctype, cfg.nv, True, io) if backward else \
+                _norm_cuda._fwd_name(ctype, cfg.nv, io, cfg.row_batch)
             assert name in names, (cols, name)
