@@ -51,12 +51,14 @@ def staged_smem_bytes(cols: int, itemsize: int, nv: int, has_db: bool) -> int:
 @functools.lru_cache(maxsize=None)
 def launch_config(cols: int, dtype: torch.dtype, backward: bool) -> LaunchConfig:
     """Geometry for a row of ``cols`` elements: a few 16-byte groups per thread (at most the register
-    budget) and about 256 threads a row; a warp per row (4 rows a block) for short rows."""
+    budget) and about 256 threads a row; a warp per row (4 rows a block) for short rows. The forward holds as many
+    groups a thread as the budget allows while a warp stays full, and takes several rows at once while a block's
+    threads x rows stay within FWD_BATCH_THREADS (the fastest on the H200, profiles/tune_norm.py)."""
     vec = _VEC[dtype]
     cap, max_threads = (BWD_CAP, BWD_MAX_THREADS) if backward else (FWD_CAP, FWD_MAX_THREADS)
     groups = math.ceil(cols / vec)
     nv = 1
-    while nv * vec < cap and math.ceil(groups / nv) > 256:
+    while nv * vec < cap and (math.ceil(groups / nv) > 256 or not backward and math.ceil(groups / (2 * nv)) >= 32):
         nv *= 2
     threads = 32 * math.ceil(math.ceil(groups / nv) / 32)
     if threads > max_threads:
@@ -83,6 +85,18 @@ def check_fwd_config(cfg: LaunchConfig) -> None:
 
 def _b(flag: bool) -> str:
     return "true" if flag else "false"
+
+
+def staged_config(cols: int, dtype: torch.dtype, has_db: bool) -> Optional[LaunchConfig]:
+    """The staged backward's default geometry for 16-bit rows of ``cols`` elements, or None where the register
+    kernel is the one to take (rows under 1024, other dtypes, or rows too long). Fastest on the H200
+    (profiles/tune_norm.py): 4 groups a thread with the dweight sums in shared memory; with the dbias sums as well,
+    2 groups a thread, the sums in registers."""
+    if dtype not in (torch.float16, torch.bfloat16) or cols < 1024:
+        return None
+    nv = 2 if has_db else 4
+    threads = 32 * math.ceil(math.ceil(cols / _VEC[dtype]) / (32 * nv))
+    return LaunchConfig(nv, threads, 1, staged=True) if threads <= BWD_MAX_THREADS else None
 
 
 def _fwd_name(ctype: str, nv: int, vecio: bool, row_batch: int = 1) -> str:
@@ -236,7 +250,12 @@ def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype: Optio
     if cols % _VEC[dy.dtype] == 0 and _aligned(x, dy, dres_out, weight, dx, dres):
         flags |= VECTORIZED
     vecio = bool(flags & VECTORIZED)
-    cfg = config or launch_config(cols, dy.dtype, backward=True)
+    cfg = config
+    if cfg is None:  # the staged kernel where it takes these tensors, else the register kernel
+        cfg = staged_config(cols, dy.dtype, has_db)
+        if cfg is None or _staged_problem(cfg, dy, x, vecio, staged_smem_bytes(cols, dy.element_size(), cfg.nv,
+                                                                                   has_db)):
+            cfg = launch_config(cols, dy.dtype, backward=True)
     smem = staged_smem_bytes(cols, dy.element_size(), cfg.nv, has_db) if cfg.staged else 0
     if cfg.staged:
         problem = _staged_problem(cfg, dy, x, vecio, smem)

@@ -79,3 +79,22 @@ def test_launch_config_covers_rows(dtype, backward):
             name = _norm_cuda._bwd_name(ctype, cfg.nv, True, io) if backward else \
                 _norm_cuda._fwd_name(ctype, cfg.nv, io, cfg.row_batch)
             assert name in names, (cols, name)
+
+
+def test_staged_backward_default_geometry():
+    """The staged backward is the default only for 16-bit rows of 1024 elements and more, with a geometry its
+    instances were built for that covers the row; other rows keep the register kernel (None)."""
+    names = set(_norm_cuda.kernel_names())
+    for dtype in (torch.float16, torch.bfloat16):
+        ctype = _norm_cuda._CTYPES[dtype][1]
+        for cols in (1024, 1032, 2048, 4096, 8192, 12288, 16384):
+            for has_db in (False, True):
+                cfg = _norm_cuda.staged_config(cols, dtype, has_db)
+                if cfg is None:
+                    assert has_db and cols > 8192, (cols, has_db)
+                    continue
+                assert cfg.staged and cfg.nv in _norm_cuda.STAGED_NV and cfg.rows_per_block == 1, cfg
+                assert cfg.nv * cfg.threads * 8 >= cols and cfg.threads <= _norm_cuda.BWD_MAX_THREADS, (cols, cfg)
+                assert _norm_cuda._bwd_staged_name(ctype, cfg.nv, has_db) in names
+    assert _norm_cuda.staged_config(4096, torch.float32, False) is None
+    assert _norm_cuda.staged_config(512, torch.bfloat16, False) is None
