@@ -6,8 +6,9 @@
 
 With --ncu: duration, DRAM bytes read + written, and achieved bandwidth per kernel, from the hardware counters
 (clocks left alone), next to the bytes a fused kernel must move. DRAM bytes well over that mean re-reads.
---sections: Nsight Compute's SpeedOfLight, Occupancy, LaunchStats and WarpStateStats sections instead (where a
-kernel's warps stall), every metric listed per kernel. --hidden: the row length (2**27 elements a tensor; default
+--sections: Nsight Compute's SpeedOfLight, Occupancy, LaunchStats and WarpStateStats sections instead, with the
+instructions executed and the stall cycles per issued instruction by reason (where a kernel's warps wait), every
+metric listed per kernel. --hidden: the row length (2**27 elements a tensor; default
 8192, 16384 rows).
 """
 from __future__ import annotations
@@ -28,6 +29,13 @@ METRICS = ("gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,la
 
 
 SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats")
+# With the sections: instructions executed, and the cycles a warp spends stalled for each reason per instruction it
+# issues (the WarpStateStats section's breakdown, which its details page leaves out)
+STALL_REASONS = ("barrier", "branch_resolving", "dispatch_stall", "drain", "imc_miss", "lg_throttle", "long_scoreboard",
+                 "math_pipe_throttle", "membar", "mio_throttle", "misc", "no_instruction", "not_selected", "selected",
+                 "short_scoreboard", "sleeping", "tex_throttle", "wait")
+STALL_METRICS = ",".join(["smsp__inst_executed.sum"] + [
+    f"smsp__average_warps_issue_stalled_{reason}_per_issue_active.ratio" for reason in STALL_REASONS])
 
 
 def run_ops(backends: list[str], hidden: int) -> None:
@@ -53,7 +61,8 @@ def profile(out_csv: str, backends: list[str], hidden: int, sections: bool) -> N
     ncu = find_ncu()
     if ncu is None:
         sys.exit("ncu (Nsight Compute) not found")
-    what = [arg for name in SECTIONS for arg in ("--section", name)] if sections else ["--metrics", METRICS]
+    what = ([arg for name in SECTIONS for arg in ("--section", name)] + ["--metrics", STALL_METRICS] if sections
+            else ["--metrics", METRICS])
     cmd = [ncu, "--clock-control", "none", *what, "--kernel-name", "regex:norm", "--csv",
            sys.executable, __file__, "--backends", ",".join(backends), "--hidden", str(hidden)]
     proc = subprocess.run(cmd, capture_output=True, text=True)

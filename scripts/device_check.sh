@@ -86,7 +86,8 @@ fi
 if want peers; then
   # the frontier peers side by side (named only): FlashAttention-4, quack and cut-cross-entropy from .peers2 (see
   # ../shared/peers/README.md: a first call leaves the DSL's first part in /tmp/peers, this call must follow at once)
-  # PEER_BENCHES picks among: attention norm cross_entropy
+  # PEER_BENCHES picks among: attention norm cross_entropy. Attention over both head dims takes more than one call
+  # of ten minutes (FlashAttention-4 compiles each shape): PEER_HEAD_DIMS=64, then 128, in two calls
   step "peers"
   if [ ! -f .peers2/install.sh ]; then
     echo "peers: .peers2/ is not in this tree (carry it)"; status=1
@@ -95,7 +96,7 @@ if want peers; then
   else
     for name in ${PEER_BENCHES:-attention norm cross_entropy}; do
       case $name in
-        attention) args=(--graph --providers megakern-triton,fa4,sdpa-cudnn --head-dims 64,128
+        attention) args=(--graph --providers megakern-triton,fa4,sdpa-cudnn --head-dims "${PEER_HEAD_DIMS:-64,128}"
                          --seqlens 1024,2048,4096,8192 --gqa 1,4) ;;
         norm) args=(--graph --hidden 1024,2048,4096,8192,16384 --providers megakern-triton,quack,liger,compile) ;;
         cross_entropy) args=(--providers megakern-triton,compile,cce,quack,liger --tokens 8192) ;;
