@@ -665,9 +665,10 @@ def bwd(dout, q, k, v, out, lse, causal: bool, scale: float, window, cu_seqlens,
     ``dq_pass`` / ``dkdv_pass``: another implementation of a pass of the deterministic backward, run instead of the
     Triton kernel (megakern/attention.py hands in the Gluon kernels where they are the faster ones):
     ``dq_pass(dout, q, k, v, out, lse, delta, dq, causal, scale)`` writes dq and delta = rowsum(dO * O) (like lse);
-    ``dkdv_pass(dout, q, k, v, lse, delta, dk, dv, causal, scale)`` writes dk and dv."""
-    if not deterministic and (dq_pass is not None or dkdv_pass is not None):
-        raise ValueError("attention backward: dq_pass / dkdv_pass replace passes of the deterministic backward")
+    ``dkdv_pass(dout, q, k, v, lse, delta, dk, dv, causal, scale)`` writes dk and dv; without ``deterministic`` it
+    is the single-pass backward's kernel and adds dq into the fp32 tensor it is given as ``dq_acc``."""
+    if not deterministic and dq_pass is not None:
+        raise ValueError("attention backward: dq_pass replaces the deterministic backward's dq pass")
     configs = configs or {}
     varlen, batch, tq, tk = _geometry(q, k, cu_seqlens, max_seqlen)
     q4, k4, v4, o4, do4 = (_as4d(t, varlen) for t in (q, k, v, out, dout))
@@ -719,6 +720,9 @@ def bwd(dout, q, k, v, out, lse, causal: bool, scale: float, window, cu_seqlens,
             **common,
         )
     if dkdv_pass is not None:
+        if atomic:
+            dkdv_pass(dout, q, k, v, lse, delta, dk, dv, causal, scale, dq_acc=dq)
+            return (dq_out.copy_(dq) if dq_out is not None else dq.to(q.dtype)), dk, dv
         dkdv_pass(dout, q, k, v, lse, delta, dk, dv, causal, scale)
         return dq, dk, dv
     block_m, block_n, warps, stages, prefer = _tiles(configs.get("dkdv"), tma, hs, q.device,

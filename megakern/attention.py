@@ -236,6 +236,9 @@ GLUON_FWD = {128: {True: _LONG, False: _LONG}, 64: {True: _LONG, False: _LONG}}
 # faster one; dq (GLUON_DQ, which also makes delta) runs first, then dk/dv (GLUON_BWD).
 GLUON_BWD = {128: (True, False), 64: (True, False)}
 GLUON_DQ = {128: (True, False), 64: (True, False)}
+# The single-pass backward (``deterministic=False``) by the Gluon dk/dv kernel adding dq by atomics: the masks per head
+# dim where it is the default (none until measured against the Triton atomic kernel; ``gluon=True`` forces it)
+GLUON_BWD_ATOMIC: dict[int, tuple[bool, ...]] = {}
 
 
 def _use_gluon(hs: int, causal: bool, seqlen: int) -> bool:
@@ -266,21 +269,25 @@ def _fwd_kernels(q, k, v, causal: bool, scale: float, window, cu_seqlens, max_se
 
 def _gluon_pass(choice, table, name, pass_name, dout, q, k, v, others, causal, window, cu_seqlens, configs, tma,
                 atomic):
-    """The Gluon kernel that runs a pass of the deterministic backward (``pass_name`` of megakern/_attention_gluon.py,
-    with its tiles), or None for the Triton one. ``choice`` None asks ``table`` (head dim -> the masks where it wins)
-    unless ``configs`` or ``tma`` are given; False never; True / a config tuple always, an error where it cannot run.
+    """The Gluon kernel that runs a pass of the backward (``pass_name`` of megakern/_attention_gluon.py, with its
+    tiles), or None for the Triton one. ``choice`` None asks ``table`` (head dim -> the masks where it wins) unless
+    ``configs`` or ``tma`` are given; False never; True / a config tuple always, an error where it cannot run.
     ``others``: the pass's other tensors, which it reads or writes beside dout, q, k, v (the gradients the Triton
-    launcher allocates itself are fresh contiguous tensors, which TMA can address)."""
-    if choice is False or atomic and not choice:
+    launcher allocates itself are fresh contiguous tensors, which TMA can address). ``atomic`` (the single-pass
+    backward): only the dk/dv pass, which then adds dq by atomics, for the head dims the Gluon kernel takes so."""
+    if choice is False:
         return None
     if choice is None and (configs or tma is not None or not q.is_cuda or causal not in table.get(q.shape[-1], ())):
         return None
     from megakern import _attention_gluon
 
-    can = not atomic and _attention_gluon.supported(q, k, v, causal, window, cu_seqlens, others=(dout, *others))
+    single_pass = pass_name == "bwd_dkdv" and q.shape[-1] in _attention_gluon.ATOMIC_HEAD_DIMS
+    can = (not atomic or single_pass) and _attention_gluon.supported(q, k, v, causal, window, cu_seqlens,
+                                                                     others=(dout, *others))
     if choice and not can:
-        raise ValueError(f"attention: the Gluon {name} pass needs the deterministic backward and what the Gluon "
-                         "forward needs, for dout and the gradients too")
+        raise ValueError(f"attention: the Gluon {name} pass needs what the Gluon forward needs, for dout and the "
+                         "gradients too, and the deterministic backward (the single-pass backward: the dk/dv pass, "
+                         f"head dims {_attention_gluon.ATOMIC_HEAD_DIMS})")
     if not can:
         return None
     return functools.partial(getattr(_attention_gluon, pass_name), config=choice if isinstance(choice, tuple) else None)
@@ -290,7 +297,8 @@ def _bwd_kernels(dout, q, k, v, out, lse, causal: bool, scale: float, window, cu
                  deterministic: bool, configs=None, tma=None, out_grads=None, gluon=None, gluon_dq=None):
     """(dq, dk, dv) by the kernels, no autograd; arguments as megakern/_attention_triton.py's ``bwd`` takes them.
     ``gluon`` / ``gluon_dq``: the deterministic backward's dk/dv / dq pass by the Gluon kernel
-    (megakern/_attention_gluon.py's bwd_dkdv / bwd_dq): None where it applies (GLUON_BWD / GLUON_DQ) and neither
+    (megakern/_attention_gluon.py's bwd_dkdv / bwd_dq; without ``deterministic``, ``gluon`` is the single-pass
+    backward's dk/dv kernel adding dq by atomics, GLUON_BWD_ATOMIC): None where it applies (the tables) and neither
     ``configs`` nor ``tma`` is given; False never; True or a config tuple always (an error where it cannot run).
     Which passes run as the Gluon kernels is decided (and a forced one that cannot run refused) before any work."""
     from megakern import _attention_triton
@@ -299,7 +307,7 @@ def _bwd_kernels(dout, q, k, v, out, lse, causal: bool, scale: float, window, cu
     dq, dk, dv = out_grads if out_grads is not None else (None, None, None)
     dq_pass = _gluon_pass(gluon_dq, GLUON_DQ, "dq", "bwd_dq", dout, q, k, v,
                           (out,) if dq is None else (out, dq), causal, window, cu_seqlens, configs, tma, atomic)
-    dkdv_pass = _gluon_pass(gluon, GLUON_BWD, "dk/dv", "bwd_dkdv", dout, q, k, v,
+    dkdv_pass = _gluon_pass(gluon, GLUON_BWD_ATOMIC if atomic else GLUON_BWD, "dk/dv", "bwd_dkdv", dout, q, k, v,
                             () if dk is None else (dk, dv), causal, window, cu_seqlens, configs, tma, atomic)
     return _attention_triton.bwd(dout, q, k, v, out, lse, causal, scale, window, cu_seqlens, max_seqlen,
                                  deterministic, configs, tma, out_grads, dq_pass, dkdv_pass)

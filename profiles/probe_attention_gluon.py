@@ -148,7 +148,8 @@ def _gluon_bwd(do, q, k, v, out, lse, causal, heads):
 def bwd_probe(configs, dq_configs, heads=(None,)) -> None:
     """The Gluon backward passes: dq, dk, dv against fp64 truth next to the Triton passes' errors, then the
     deterministic backward's TFLOP/s (backward = 2.5x forward FLOPs) with the Triton passes, the Gluon dk/dv pass and
-    both Gluon passes (``configs``: dk/dv tiles, ``dq_configs``: dq tiles, (hs, ...) each)."""
+    both Gluon passes (``configs``: dk/dv tiles, ``dq_configs``: dq tiles, (hs, ...) each); for the head dims of
+    ATOMIC_HEAD_DIMS also the single-pass backward (``deterministic=False``), by the Triton and the Gluon kernels."""
     dev = torch.device("cuda")
     cases = [(2, 1000, 1000, 4, 4, 128, True), (2, 1000, 1000, 4, 2, 128, False), (1, 777, 777, 2, 1, 64, True),
              (2, 300, 700, 4, 2, 64, True), (2, 700, 300, 4, 4, 128, True), (3, 17, 17, 4, 2, 128, True),
@@ -178,6 +179,14 @@ def bwd_probe(configs, dq_configs, heads=(None,)) -> None:
             print(f"bwd check B{b} Tq{tq} Tk{tk} nh{nh}/{nkv} hs{hs} causal={causal} dkdv {cfg} dq {dcfg}: dq, dk, dv "
                   "gluon / triton " + ", ".join(f"{e:.2e} / {te:.2e}" for e, te in errs) + (" ok" if good else " WRONG"),
                   flush=True)
+        if hs in glu.ATOMIC_HEAD_DIMS:  # the single-pass backward (dq by atomics in the dk/dv pass)
+            single = _bwd_kernels(do, q, k, v, out, lse, causal, hs ** -0.5, win, None, None, False, gluon=True)
+            errs = [(_err(a, t), _err(c, t)) for a, c, t in zip(single, tri, truth)]
+            good = all(e <= 2 * te + 1e-3 for e, te in errs) and all(torch.isfinite(x).all() for x in single)
+            ok &= good
+            print(f"bwd check B{b} Tq{tq} Tk{tk} nh{nh}/{nkv} hs{hs} causal={causal} single pass: dq, dk, dv "
+                  "gluon / triton " + ", ".join(f"{e:.2e} / {te:.2e}" for e, te in errs) + (" ok" if good else " WRONG"),
+                  flush=True)
     if not ok:
         print("GLUON BWD CHECK FAILED")
         return
@@ -189,11 +198,14 @@ def bwd_probe(configs, dq_configs, heads=(None,)) -> None:
         out, lse = _fwd_kernels(q, k, v, causal, hs ** -0.5, win, None, None)
         flops = 2.5 * 4 * b * nh * t * t * hs / (2 if causal else 1)
 
-        def rate(dkdv, dq):
-            ms = bench(lambda: _bwd_kernels(do, q, k, v, out, lse, causal, hs ** -0.5, win, None, None, True,
+        def rate(dkdv, dq, deterministic=True):
+            ms = bench(lambda: _bwd_kernels(do, q, k, v, out, lse, causal, hs ** -0.5, win, None, None, deterministic,
                                             gluon=dkdv, gluon_dq=dq), device=dev)["median"]
             return flops / ms / 1e9
         row = [f"triton {rate(False, False):6.1f}"]
+        if hs in glu.ATOMIC_HEAD_DIMS:  # the single-pass backward: Triton's atomic kernel, the Gluon one
+            row += [f"single pass triton {rate(False, False, False):6.1f}",
+                    f"single pass gluon {rate(True, False, False):6.1f}"]
         dkdv = [c[1:] for c in configs if c[0] == hs] or [True]
         for cfg in dkdv:
             row.append(f"gluon dkdv {cfg} {rate(cfg, False):6.1f}")

@@ -417,7 +417,8 @@ def _sched(causal: bool) -> dict:
 
 
 def compile_gluon_bwd_for_sm90(kernel: str, hs: int, causal: bool):
-    """The same for a Gluon backward pass, ``kernel`` 'dq' (DQ_CONFIGS tiles) or 'dkdv' (BWD_CONFIGS tiles)."""
+    """The same for a Gluon backward pass, ``kernel`` 'dq' (DQ_CONFIGS tiles), 'dkdv' (BWD_CONFIGS tiles) or
+    'dkdv-atomic' (the single-pass backward: the dk/dv pass adding dq by atomics)."""
     from megakern import _attention_gluon as g
 
     if not g.AVAILABLE:
@@ -427,20 +428,27 @@ def compile_gluon_bwd_for_sm90(kernel: str, hs: int, causal: bool):
         fn, extra, outputs = g._attn_bwd_dq_ws_kernel, {"PINGPONG": pingpong}, {"O": "*bf16", "DQ": "*bf16"}
     else:
         block_m, block_n, warps, bufs = g.BWD_CONFIGS[hs]
-        fn, extra, outputs = g._attn_bwd_dkdv_ws_kernel, {}, {"DK": "*bf16", "DV": "*bf16"}
+        atomic = kernel == "dkdv-atomic"
+        fn, extra = g._attn_bwd_dkdv_ws_kernel, {"ATOMIC_DQ": atomic} | ({} if atomic else {"DQ": None})
+        outputs = {"DK": "*bf16", "DV": "*bf16"} | ({"DQ": "*fp32"} if atomic else {})
     constexprs = dict(HEAD_DIM=hs, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal, num_warps=warps,
                       **extra, **_sched(causal))
     return _compile_gluon(fn, constexprs, {"q_desc": block_m, "do_desc": block_m, "k_desc": block_n, "v_desc": block_n},
                           {**outputs, "LSE": "*fp32", "DELTA": "*fp32", "SCHED": "*i32"}, hs)
 
 
-@pytest.mark.parametrize("kernel", ("forward", "forward-one-consumer", "dkdv", "dq"))
+@pytest.mark.parametrize("kernel", ("forward", "forward-one-consumer", "dkdv", "dq", "dkdv-atomic"))
 @pytest.mark.parametrize("causal", (True, False), ids=("causal", "full"))
 @pytest.mark.parametrize("hs", (64, 128))
 def test_gluon_kernels_compile_for_sm90(hs, causal, kernel):
-    """The Gluon kernels (the forward with its two consumer layouts, the dq and dk/dv passes) lower for Hopper without
-    a GPU: wgmma, warp-specialized partitions (setmaxnreg), mbarrier hand-offs, within the 227 KiB of shared memory."""
-    call = (f"compile_gluon_bwd_for_sm90({kernel!r}, {hs}, {causal})" if kernel in ("dq", "dkdv")
+    """The Gluon kernels (the forward with its two consumer layouts, the dq and dk/dv passes, the single-pass
+    backward) lower for Hopper without a GPU: wgmma, warp-specialized partitions (setmaxnreg), mbarrier hand-offs,
+    within the 227 KiB of shared memory."""
+    from megakern import _attention_gluon as g
+
+    if kernel == "dkdv-atomic" and hs not in g.ATOMIC_HEAD_DIMS:
+        pytest.skip(f"the single-pass backward takes head dims {g.ATOMIC_HEAD_DIMS}")
+    call = (f"compile_gluon_bwd_for_sm90({kernel!r}, {hs}, {causal})" if kernel in ("dq", "dkdv", "dkdv-atomic")
             else f"compile_gluon_for_sm90({hs}, {causal}, {kernel == 'forward'})")
     result = sm90_lowering("test_attention", call)
     if result is None:
@@ -464,12 +472,15 @@ def test_gluon_dispatch():
     assert _use_gluon(64, True, 16384) and _use_gluon(64, False, 1 << 20)
     assert not _use_gluon(96, True, 1024) and not _use_gluon(256, False, 1024)
     out, lse = attention_ref(q, q, q, causal=True)  # the backward refuses before it launches anything
-    with pytest.raises(ValueError, match="Gluon dk/dv pass needs the deterministic backward"):
+    with pytest.raises(ValueError, match="Gluon dk/dv pass needs what the Gluon forward needs"):
         _bwd_kernels(q, q, q, q, out, lse, True, 0.125, (-1, 0), None, None, True, gluon=True)
-    with pytest.raises(ValueError, match="Gluon dq pass needs the deterministic backward"):
+    with pytest.raises(ValueError, match="Gluon dq pass needs what the Gluon forward needs"):
         _bwd_kernels(q, q, q, q, out, lse, True, 0.125, (-1, 0), None, None, True, gluon=False, gluon_dq=True)
-    with pytest.raises(ValueError, match="Gluon dk/dv pass needs the deterministic backward"):  # atomic: never
+    # the single-pass backward: the dk/dv pass only (here refused for the CPU tensors), never a dq pass
+    with pytest.raises(ValueError, match="the single-pass backward: the dk/dv pass, head dims"):
         _bwd_kernels(q, q, q, q, out, lse, True, 0.125, (-1, 0), None, None, False, gluon=True)
+    with pytest.raises(ValueError, match="Gluon dq pass"):
+        _bwd_kernels(q, q, q, q, out, lse, True, 0.125, (-1, 0), None, None, False, gluon=False, gluon_dq=True)
 
 
 GLUON_CASES = [  # (B, Tq, Tk, nh, nkv, hs, causal)
@@ -543,6 +554,36 @@ def test_gluon_backward(case, dtype):
     grads = _bwd_kernels(dout, q, k, v, out, lse, causal, hs ** -0.5, window, None, None, True, gluon=True,
                          gluon_dq=True)
     _assert_grads(grads, q, k, v, dout, causal, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("case", [c for c in GLUON_CASES if c[5] == 64] + [(2, 2048, 2048, 8, 2, 64, True)],
+                         ids=lambda c: "x".join(map(str, c)))
+def test_gluon_single_pass_backward(case, dtype):
+    """The single-pass backward by the Gluon dk/dv kernel (dq added by fp32 atomics, ``deterministic=False``), forced
+    on, against fp64 truth under the 2x rule: odd lengths, Tq != Tk both ways, GQA / MQA, non-contiguous q and dout;
+    through the public function's autograd too."""
+    from megakern import _attention_gluon as g
+    from megakern.attention import _bwd_kernels, _fwd_kernels
+
+    b, tq, tk, nh, nkv, hs, causal = case
+    seed("gluon-single-pass", case, dtype)
+    q, k, v = _qkv(b, tq, tk, nh, nkv, hs, dtype)
+    window = (-1, 0 if causal else -1)
+    if not g.supported(q, k, v, causal, window, None):
+        pytest.skip("the Gluon kernels need an sm_90 GPU and Triton with Gluon")
+    q = torch.randn(b, nh, tq, hs, device=DEVICE, dtype=dtype).transpose(1, 2)
+    dout = torch.randn(b, nh, tq, hs, device=DEVICE, dtype=dtype).transpose(1, 2)
+    out, lse = _fwd_kernels(q, k, v, causal, hs ** -0.5, window, None, None)
+    grads = _bwd_kernels(dout, q, k, v, out, lse, causal, hs ** -0.5, window, None, None, False, gluon=True)
+    _assert_grads(grads, q, k, v, dout, causal, dtype)
+    out_grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))  # written whole, in place
+    _bwd_kernels(dout, q, k, v, out, lse, causal, hs ** -0.5, window, None, None, False, out_grads=out_grads,
+                 gluon=True)
+    for name, got, want in zip(("dq", "dk", "dv"), out_grads, grads):
+        assert torch.isfinite(got).all(), name
+        assert (got.float() - want.float()).abs().max().item() <= 1e-2 * max(1.0, want.abs().max().item()), name
 
 
 @pytest.mark.parametrize("keys", (False, True), ids=("query-tiles", "key-tiles"))
