@@ -276,6 +276,39 @@ def _norm_bwd_wide_kernel(
                 tl.store(db_at, tl.load(db_at, mask=col_mask, other=0.0) + tl.sum(dy, axis=0), mask=col_mask)
 
 
+@triton.jit
+def _norm_bwd_dwdb_kernel(
+    X, DY, MEAN, RSTD, DW_PARTIAL, DB_PARTIAL, stride_xm, stride_dym, M, N, rows_per_program,
+    IS_RMS: tl.constexpr, HAS_DW: tl.constexpr, HAS_DB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """The split backward's weight (and bias) gradient: a strip of BLOCK_C columns over this program's share of the
+    rows, BLOCK_M rows a step, the column sums of dy * xhat (and dy) kept per row of the step until the end, then
+    written as this program's partial row (every column of it: an empty share writes zeros)."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < N
+    part = tl.program_id(1).to(tl.int64)
+    row_start = part * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, M)
+    dw = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
+    db = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
+    for row0 in range(row_start, row_end, BLOCK_M):
+        rows = row0 + tl.arange(0, BLOCK_M)
+        x, dy, mean, rstd = _load_bwd_rows(X, DY, MEAN, RSTD, rows, row_end, cols, col_mask, stride_xm, stride_dym,
+                                           IS_RMS)
+        dy = dy.to(tl.float32)
+        if HAS_DW:  # rows past the end read x, dy and rstd as zeros: they add nothing
+            if IS_RMS:
+                dw += dy * (x.to(tl.float32) * rstd[:, None])
+            else:
+                dw += dy * ((x.to(tl.float32) - mean[:, None]) * rstd[:, None])
+        if HAS_DB:
+            db += dy
+    if HAS_DW:
+        tl.store(DW_PARTIAL + part * N + cols, tl.sum(dw, axis=0), mask=col_mask)
+    if HAS_DB:
+        tl.store(DB_PARTIAL + part * N + cols, tl.sum(db, axis=0), mask=col_mask)
+
+
 def _block(n: int) -> int:
     block = next_power_of_2(n)
     if block > MAX_BLOCK:
@@ -299,7 +332,10 @@ def _fwd_config(block: int) -> tuple[int, int]:
 class BwdConfig(NamedTuple):
     """The backward's launch geometry: rows a step, warps, programs per SM, the next step's rows loaded before this
     step's math (``prefetch``), and for rows too wide for registers the two-pass kernel (``wide``) with ``chunk``
-    columns at a time and ``stages`` of them in flight."""
+    columns at a time and ``stages`` of them in flight. ``split``: dx by that kernel alone, without the dweight /
+    dbias sums that crowd its registers or its L2, and those sums by a second kernel over strips of columns
+    (``_norm_bwd_dwdb_kernel``, ``split_geometry``: columns a strip, rows a step, warps, programs per SM), which
+    reads x and dy once more."""
     rows: int
     warps: int
     per_sm: int
@@ -307,6 +343,8 @@ class BwdConfig(NamedTuple):
     wide: bool = False
     chunk: int = 4096
     stages: int = 2
+    split: bool = False
+    split_geometry: tuple = (256, 16, 4, 4)
 
 
 def _bwd_config(block: int, is_rms: bool) -> BwdConfig:
@@ -403,21 +441,35 @@ def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype, need_
     config = resolve_bwd_config(block, is_rms, overrides)
     programs = _programs(rows, dy.device, config.per_sm)
     rows_per_program = math.ceil(rows / programs) if rows else 0
+    split_cols, split_rows, split_warps, split_per_sm = config.split_geometry
+    strips = cdiv(n, split_cols)
+    # the split backward's partial rows: one a share of the rows, enough shares for split_per_sm programs an SM
+    shares = max(1, min(rows, cdiv(_programs(rows * strips, dy.device, split_per_sm), strips))) if config.split \
+        else programs
+    rows_per_share = math.ceil(rows / shares) if rows else 0
     dx = torch.empty((rows, n), dtype=dy.dtype, device=dy.device)
     separate_dres = residual_dtype is not None and residual_dtype != dy.dtype
     dres = torch.empty((rows, n), dtype=torch.float32, device=dy.device) if separate_dres else None
     has_db = need_db and not is_rms
     # the per-program partial sums of dweight and dbias in one buffer, reduced by one launch
-    zeros_or_empty = torch.zeros if config.wide else torch.empty
-    parts = zeros_or_empty((int(need_dw) + int(has_db), programs, n), dtype=torch.float32,
+    zeros_or_empty = torch.zeros if config.wide and not config.split else torch.empty
+    parts = zeros_or_empty((int(need_dw) + int(has_db), shares, n), dtype=torch.float32,
                            device=dy.device) if need_dw or has_db else None
     dw_partial = parts[0] if need_dw else None
     db_partial = parts[-1] if has_db else None
     args = (x, dy, dres_out, weight, mean, rstd, dx, dres, dw_partial, db_partial,
             x.stride(0), dy.stride(0), dres_out.stride(0) if dres_out is not None else 0, dx.stride(0),
             dres.stride(0) if dres is not None else 0, rows, n, rows_per_program)
-    flags = dict(IS_RMS=is_rms, HAS_W=weight is not None, HAS_DW=need_dw, HAS_DB=has_db,
-                 HAS_DRES_OUT=dres_out is not None, HAS_DRES=separate_dres, num_warps=config.warps)
+    flags = dict(IS_RMS=is_rms, HAS_W=weight is not None, HAS_DW=need_dw and not config.split,
+                 HAS_DB=has_db and not config.split, HAS_DRES_OUT=dres_out is not None, HAS_DRES=separate_dres,
+                 num_warps=config.warps)
+    if config.split and parts is not None and rows:
+        _norm_bwd_dwdb_kernel[(strips, shares)](
+            x, dy, mean, rstd, dw_partial, db_partial, x.stride(0), dy.stride(0), rows, n, rows_per_share,
+            IS_RMS=is_rms, HAS_DW=need_dw, HAS_DB=has_db, BLOCK_M=split_rows, BLOCK_C=split_cols,
+            num_warps=split_warps)
+    elif config.split and parts is not None:
+        parts.zero_()
     if config.wide:
         chunk, stages = _wide_pipeline(config, block, [t for t in (x, dy, dres_out) if t is not None])
         _norm_bwd_wide_kernel[(programs,)](*args, BLOCK_M=config.rows, CHUNK=chunk, STAGES=stages, **flags)

@@ -97,6 +97,17 @@ def specs(n: int, is_rms: bool, residual: bool) -> list[tuple[str, str, dict]]:
             out.append((f"triton bwd wide rows/step={rows} warps={warps} per_sm={per_sm} chunk={chunk} "
                         f"stages={stages}", "triton bwd",
                         dict(rows=rows, warps=warps, per_sm=per_sm, wide=True, chunk=chunk, stages=stages)))
+    if n >= 8192:  # the split backward: dx alone (rows in registers to 16384, else two-pass), then the column sums
+        dx_kernels = [dict(rows=1, warps=16, per_sm=1), dict(rows=1, warps=8, per_sm=2),
+                      dict(rows=1, warps=16, per_sm=1, prefetch=True)] if n <= 16384 else []
+        dx_kernels += [dict(rows=4, warps=8, per_sm=2, wide=True, chunk=2048, stages=3),
+                       dict(rows=2, warps=8, per_sm=2, wide=True, chunk=4096, stages=2),
+                       dict(rows=1, warps=16, per_sm=1, wide=True, chunk=8192, stages=2)]
+        for dx in dx_kernels:
+            for geometry in ((256, 16, 4, 4), (128, 32, 4, 4), (512, 8, 8, 2), (256, 32, 8, 2), (1024, 4, 8, 2)):
+                label = " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in dx.items())
+                out.append((f"triton bwd split {label} columns/rows/warps/per_sm={'/'.join(map(str, geometry))}",
+                            "triton bwd", dict(dx, split=True, split_geometry=geometry)))
     out.append((f"cuda bwd default {_norm_cuda.launch_config(n, torch.bfloat16, True)}", "cuda bwd", {}))
     for config in cuda_geometries(n, backward=True):
         out.append((f"cuda bwd {config}", "cuda bwd", dict(config=config)))

@@ -129,7 +129,10 @@ GEOMETRIES = {"1-row": dict(rows=1), "2-rows": dict(rows=2), "1-row-prefetch": d
               "2-rows-prefetch": dict(rows=2, prefetch=True),
               "wide": dict(wide=True, chunk=32),
               "wide-1-stage": dict(wide=True, chunk=64, stages=1),
-              "wide-4-rows": dict(wide=True, rows=4, chunk=32)}
+              "wide-4-rows": dict(wide=True, rows=4, chunk=32),
+              "split": dict(split=True), "split-2-rows-prefetch": dict(split=True, rows=2, prefetch=True),
+              "split-wide": dict(split=True, wide=True, rows=2, chunk=32),
+              "split-narrow-strips": dict(split=True, split_geometry=(32, 4, 2, 2))}
 
 
 @pytest.mark.parametrize("geometry", GEOMETRIES)
@@ -137,8 +140,9 @@ GEOMETRIES = {"1-row": dict(rows=1), "2-rows": dict(rows=2), "1-row-prefetch": d
 @pytest.mark.parametrize("op", OPS)
 def test_triton_geometries(op, setup, geometry):
     """Each backward geometry the launch table picks from (rows a step, the next step's rows loaded ahead or not, the
-    two-pass kernels for wide rows, forward and backward), on row counts that leave programs a partial last step,
-    one row, or none, and on a hidden size that leaves the last chunk of a wide row partial."""
+    two-pass kernels for wide rows, forward and backward, the split backward's dx kernels and its column kernel), on
+    row counts that leave programs a partial last step, one row, or none, and on a hidden size that leaves the last
+    chunk of a wide row partial."""
     fwd, bwd = launchers_for("triton")
     if geometry.startswith("wide"):  # the wide forward with it
         fwd = functools.partial(fwd, wide=True, chunk=GEOMETRIES[geometry]["chunk"])
@@ -178,7 +182,9 @@ def compile_for_sm90() -> list:
                                                              STAGES=2), 8),
                  ("bwd wide", nt._norm_bwd_wide_kernel, dict(flags, HAS_DW=True, HAS_DB=not is_rms,
                                                              HAS_DRES_OUT=residual, HAS_DRES=residual, BLOCK_M=2,
-                                                             CHUNK=2048, STAGES=2), 8)]
+                                                             CHUNK=2048, STAGES=2), 8),
+                 ("bwd dwdb", nt._norm_bwd_dwdb_kernel, dict(IS_RMS=is_rms, HAS_DW=True, HAS_DB=not is_rms,
+                                                            BLOCK_M=16, BLOCK_C=256), 4)]
         for name, kernel, constexprs, warps in cases:
             signature = {a: "constexpr" if a in constexprs else
                          ("*fp32" if a in fp32 else "*bf16") if a in pointers else
@@ -195,7 +201,7 @@ def test_kernels_compile_for_sm90():
     from conftest import sm90_lowering
 
     results = sm90_lowering("test_norm", "compile_for_sm90()")
-    assert len(results) == 8, results
+    assert len(results) == 10, results
 
 
 LAYOUTS = ("padded-rows", "strided-leading", "transposed", "misaligned")
