@@ -487,6 +487,7 @@ GLUON_CASES = [  # (B, Tq, Tk, nh, nkv, hs, causal)
     (2, 1000, 1000, 4, 4, 128, True), (2, 1000, 1000, 4, 2, 128, False), (1, 4097, 4097, 2, 1, 128, True),
     (3, 17, 17, 4, 2, 64, True), (2, 1, 1, 2, 2, 64, True), (2, 300, 700, 4, 2, 64, True),
     (2, 700, 300, 4, 4, 128, True), (2, 513, 513, 8, 1, 64, False), (1, 2048, 2048, 3, 3, 128, True),
+    (2, 2048, 2048, 8, 2, 64, True),
 ]
 
 
@@ -534,16 +535,22 @@ def _assert_grads(grads, q, k, v, dout, causal, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", ("deterministic", "single-pass"))
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: "x".join(map(str, c)))
-def test_gluon_backward(case, dtype):
-    """The Gluon dq and dk/dv passes of the deterministic backward, forced on, against fp64 truth under the 2x rule:
-    the forward's cases, with a non-contiguous q and dout; delta comes from the Gluon dq pass."""
+def test_gluon_backward(case, dtype, mode):
+    """The Gluon backward kernels, forced on, against fp64 truth under the 2x rule, on the forward's cases with a
+    non-contiguous q and dout: the deterministic backward's dq and dk/dv passes (delta from the dq pass), and the
+    single-pass backward of head dim 64 (``deterministic=False``: the dk/dv kernel adding dq by fp32 atomics), whose
+    dq, dk and dv also go whole into given tensors."""
     from megakern import _attention_gluon as g
     from megakern.attention import _bwd_kernels, _fwd_kernels
 
     b, tq, tk, nh, nkv, hs, causal = case
-    seed("gluon-bwd", case, dtype)
+    single = mode == "single-pass"
+    if single and hs not in g.ATOMIC_HEAD_DIMS:
+        pytest.skip(f"the single-pass backward takes head dims {g.ATOMIC_HEAD_DIMS}")
+    seed("gluon-bwd", case, dtype, mode)
     q, k, v = _qkv(b, tq, tk, nh, nkv, hs, dtype)
     window = (-1, 0 if causal else -1)
     if not g.supported(q, k, v, causal, window, None):
@@ -551,39 +558,16 @@ def test_gluon_backward(case, dtype):
     q = torch.randn(b, nh, tq, hs, device=DEVICE, dtype=dtype).transpose(1, 2)
     dout = torch.randn(b, nh, tq, hs, device=DEVICE, dtype=dtype).transpose(1, 2)
     out, lse = _fwd_kernels(q, k, v, causal, hs ** -0.5, window, None, None)
-    grads = _bwd_kernels(dout, q, k, v, out, lse, causal, hs ** -0.5, window, None, None, True, gluon=True,
-                         gluon_dq=True)
+    passes = dict(gluon=True) if single else dict(gluon=True, gluon_dq=True)
+    grads = _bwd_kernels(dout, q, k, v, out, lse, causal, hs ** -0.5, window, None, None, not single, **passes)
     _assert_grads(grads, q, k, v, dout, causal, dtype)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
-@pytest.mark.parametrize("case", [c for c in GLUON_CASES if c[5] == 64] + [(2, 2048, 2048, 8, 2, 64, True)],
-                         ids=lambda c: "x".join(map(str, c)))
-def test_gluon_single_pass_backward(case, dtype):
-    """The single-pass backward by the Gluon dk/dv kernel (dq added by fp32 atomics, ``deterministic=False``), forced
-    on, against fp64 truth under the 2x rule: odd lengths, Tq != Tk both ways, GQA / MQA, non-contiguous q and dout;
-    through the public function's autograd too."""
-    from megakern import _attention_gluon as g
-    from megakern.attention import _bwd_kernels, _fwd_kernels
-
-    b, tq, tk, nh, nkv, hs, causal = case
-    seed("gluon-single-pass", case, dtype)
-    q, k, v = _qkv(b, tq, tk, nh, nkv, hs, dtype)
-    window = (-1, 0 if causal else -1)
-    if not g.supported(q, k, v, causal, window, None):
-        pytest.skip("the Gluon kernels need an sm_90 GPU and Triton with Gluon")
-    q = torch.randn(b, nh, tq, hs, device=DEVICE, dtype=dtype).transpose(1, 2)
-    dout = torch.randn(b, nh, tq, hs, device=DEVICE, dtype=dtype).transpose(1, 2)
-    out, lse = _fwd_kernels(q, k, v, causal, hs ** -0.5, window, None, None)
-    grads = _bwd_kernels(dout, q, k, v, out, lse, causal, hs ** -0.5, window, None, None, False, gluon=True)
-    _assert_grads(grads, q, k, v, dout, causal, dtype)
-    out_grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))  # written whole, in place
-    _bwd_kernels(dout, q, k, v, out, lse, causal, hs ** -0.5, window, None, None, False, out_grads=out_grads,
-                 gluon=True)
-    for name, got, want in zip(("dq", "dk", "dv"), out_grads, grads):
-        assert torch.isfinite(got).all(), name
-        assert (got.float() - want.float()).abs().max().item() <= 1e-2 * max(1.0, want.abs().max().item()), name
+    if single:
+        out_grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))  # written whole, in place
+        _bwd_kernels(dout, q, k, v, out, lse, causal, hs ** -0.5, window, None, None, False, out_grads=out_grads,
+                     **passes)
+        for name, got, want in zip(("dq", "dk", "dv"), out_grads, grads):
+            assert torch.isfinite(got).all(), name
+            assert (got.float() - want.float()).abs().max().item() <= 1e-2 * max(1.0, want.abs().max().item()), name
 
 
 @pytest.mark.parametrize("keys", (False, True), ids=("query-tiles", "key-tiles"))

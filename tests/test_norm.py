@@ -380,6 +380,15 @@ def test_wide_backward_pipeline_fits_shared_memory(dtype, residual):
         nt.bwd(x, x, None, None, None, torch.ones(2), True, None, False, False, warp=4)
 
 
+def bf16_inputs(op, shape, setup):
+    """make_inputs' bf16 tensors for ``setup``, where "fp32-weight" is "affine" with the weight and bias in fp32."""
+    x, w, b, r = make_inputs(op, torch.bfloat16, shape, "affine" if setup == "fp32-weight" else setup)
+    if setup == "fp32-weight":
+        w = w.float()
+        b = b.float() if b is not None else None
+    return x, w, b, r
+
+
 STAGED = [((3, 77, 1024), 1, 128), ((3, 77, 1024), 4, 32), ((2, 61, 4096), 2, 256), ((130, 8192), 2, 512),
           ((67, 16384), 4, 512), ((5, 37, 4096), 4, 128)]  # the last: LayerNorm's 48 KiB of shared memory exactly
 
@@ -398,10 +407,7 @@ def test_cuda_staged_backward(op, case, setup, variant):
     fwd, bwd = launchers_for(variant)
     shape, nv, threads = case
     seed(op, shape, nv, setup, variant)
-    x, w, b, r = make_inputs(op, torch.bfloat16, shape, "affine" if setup == "fp32-weight" else setup)
-    if setup == "fp32-weight":
-        w = w.float()
-        b = b.float() if b is not None else None
+    x, w, b, r = bf16_inputs(op, shape, setup)
     config = _norm_cuda.LaunchConfig(nv, threads, 1, staged=True)
     check_fwd_bwd(variant, op, torch.bfloat16, x, w, b, r, launchers=(fwd, functools.partial(bwd, config=config)))
 
@@ -426,10 +432,7 @@ def test_cuda_forward_row_batches(op, case, setup, variant):
     fwd, bwd = launchers_for(variant)
     shape, nv, threads, rows_per_block, batch = case
     seed(op, shape, nv, threads, batch, setup, variant)
-    x, w, b, r = make_inputs(op, torch.bfloat16, shape, "affine" if setup == "fp32-weight" else setup)
-    if setup == "fp32-weight":
-        w = w.float()
-        b = b.float() if b is not None else None
+    x, w, b, r = bf16_inputs(op, shape, setup)
     config = _norm_cuda.LaunchConfig(nv, threads, rows_per_block, row_batch=batch)
     check_fwd_bwd(variant, op, torch.bfloat16, x, w, b, r, launchers=(functools.partial(fwd, config=config), bwd))
 
