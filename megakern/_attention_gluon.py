@@ -413,10 +413,13 @@ if AVAILABLE:
         i = 0
         s_zero = gl.zeros([ROWS, BLOCK_M], gl.float32, layout=s_layout)
         if ATOMIC_DQ:
+            # dq in 64-column pieces, one at a time: beside dk and dv its accumulator then takes 32 registers a thread
             gl.static_assert(ROWS == BLOCK_M, "the atomic dq takes query blocks as long as a consumer's key rows")
-            dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
-            dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-            dq_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+            gl.static_assert(BLOCK_M == 64, "the atomic dq's pieces are (64, 64) wgmma tiles")
+            ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+            dq_zero = gl.zeros([BLOCK_M, 64], gl.float32, layout=s_layout)
+            dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+            dq_cols = gl.arange(0, 64, layout=gl.SliceLayout(0, s_layout))
         lo, hi, step = _span(SCHED, num_n * B * NKV)
         t = _tile_at(SCHED, lo)
         for idx in range(lo, hi, step):
@@ -459,18 +462,27 @@ if AVAILABLE:
                     dv = warpgroup_mma(pt_op, do, dv, is_async=True)
                     dk = warpgroup_mma(dst_op, q, dk, is_async=True)
                     if ATOMIC_DQ:
-                        ds_op = gl.convert_layout(gl.permute(dst.to(dtype), (1, 0)), a_layout)
-                        dq = warpgroup_mma(ds_op, k, dq_zero, use_acc=False, is_async=True)
-                        dv, dk, dq, pt_op, dst_op, ds_op = warpgroup_mma_wait(
-                            0, deps=[dv, dk, dq, pt_op, dst_op, ds_op])
+                        ds_op = gl.convert_layout(gl.permute(dst.to(dtype), (1, 0)), ds_layout)
+                        qrow = start_m + dq_rows
+                        dq_at = (DQ + bb * stride_dqb + h.to(gl.int64) * stride_dqh
+                                 + qrow.to(gl.int64)[:, None] * stride_dqt + dq_cols[None, :])
+                        if HEAD_DIM == 64:  # dq's one piece on the tensor cores beside dv's and dk's
+                            dq = warpgroup_mma(ds_op, k, dq_zero, use_acc=False, is_async=True)
+                            dv, dk, dq, pt_op, dst_op, ds_op = warpgroup_mma_wait(
+                                0, deps=[dv, dk, dq, pt_op, dst_op, ds_op])
+                            mbarrier.arrive(q_empty.index(s), count=1)
+                            gl.atomic_add(dq_at, dq * scale, mask=(qrow < TQ)[:, None], sem="relaxed")
+                        else:  # after them, a piece at a time (registers)
+                            dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=[dv, dk, pt_op, dst_op])
+                            mbarrier.arrive(q_empty.index(s), count=1)
+                            for c in gl.static_range(HEAD_DIM // 64):
+                                dq = warpgroup_mma(ds_op, k.slice(c * 64, 64, dim=1), dq_zero, use_acc=False,
+                                                   is_async=True)
+                                dq, ds_op = warpgroup_mma_wait(0, deps=[dq, ds_op])
+                                gl.atomic_add(dq_at + c * 64, dq * scale, mask=(qrow < TQ)[:, None], sem="relaxed")
                     else:
                         dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=[dv, dk, pt_op, dst_op])
-                    mbarrier.arrive(q_empty.index(s), count=1)
-                    if ATOMIC_DQ:
-                        qrow = start_m + dq_rows
-                        gl.atomic_add(DQ + bb * stride_dqb + h.to(gl.int64) * stride_dqh
-                                      + qrow.to(gl.int64)[:, None] * stride_dqt + dq_cols[None, :],
-                                      dq * scale, mask=(qrow < TQ)[:, None], sem="relaxed")
+                        mbarrier.arrive(q_empty.index(s), count=1)
                     cnt += 1
             mbarrier.arrive(kv_empty.index(kvs), count=1)
             i += 1
@@ -800,9 +812,9 @@ def supported(q, k, v, causal, window, cu_seqlens, others=()) -> bool:
 
 # (BLOCK_M query rows per step, BLOCK_N key rows per tile, warps per consumer, q / dO ring slots) per head dim
 BWD_CONFIGS = {64: (64, 128, 4, 3), 128: (64, 128, 4, 2)}
-# The single-pass backward (dq by atomics in the dk/dv pass): head dims whose consumers hold dq's tile beside dk's and
-# dv's in registers (hs 128 would hold 3 x 64 fp32 accumulators a thread)
-ATOMIC_HEAD_DIMS = (64,)
+# The single-pass backward (dq by atomics in the dk/dv pass): the head dims it takes; hs 128 computes dq in two
+# 64-column pieces after dk's and dv's matmuls, so that its accumulator fits the registers beside theirs
+ATOMIC_HEAD_DIMS = (64, 128)
 
 
 def bwd_dkdv(dout, q, k, v, lse, delta, dk, dv, causal: bool, scale: float, config=None, heads=None, programs=None,
