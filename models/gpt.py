@@ -142,6 +142,9 @@ class GPTConfig:
     dropout, kernels, recompute, ...; a preset with it is an error)."""
     recompute: str = "none"
     """Activation recomputation: "none" | "selective" (the attention core) | "full" (each block)."""
+    deterministic_attention: bool = True
+    """The attention backward without atomics, bitwise reproducible (two passes, megakern.attention's default); False:
+    the single-pass backward, dq added by fp32 atomics (docs/tuning.md says where each is the faster)."""
     kernels: dict = field(default_factory=dict)
     """Backend per op, {op: "torch" | "triton" | "cuda"}, ops: rms_norm, layer_norm, rotary, attention,
     cross_entropy, bias_gelu (the MLP's fc bias + GELU), linear (the other biased projections' bias gradient), moe
@@ -277,7 +280,8 @@ class GPTConfig:
                 rotary.rotary_table(0, max(self.rotary_dim, 4), 10000.0, scaling=self.rope_scaling)
             except (TypeError, ValueError) as exc:
                 errors.append(f"rope_scaling: {exc}")
-        for name in ("tie_embeddings", "bias", "scaled_init", "parallel_residual", "mask_padded_vocab"):
+        for name in ("tie_embeddings", "bias", "scaled_init", "parallel_residual", "mask_padded_vocab",
+                     "deterministic_attention"):
             need(isinstance(getattr(self, name), bool), f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.kernels, Mapping):
             errors.append(f"kernels must be a dict {{op: backend}}, got {self.kernels!r}")
@@ -460,13 +464,13 @@ class AttentionCore(nn.Module):
     """softmax(q k^T / sqrt(hs), causal) v by megakern.attention: ``core(q, k, v, *, cu_seqlens, max_seqlen)``,
     q (B, T, nh, hs), k / v (B, T, nkv, hs), or packed (total, heads, hs). Context parallelism replaces it."""
 
-    def __init__(self, backend=None):
+    def __init__(self, backend=None, deterministic: bool = True):
         super().__init__()
-        self.backend = backend
+        self.backend, self.deterministic = backend, deterministic
 
     def forward(self, q, k, v, *, cu_seqlens=None, max_seqlen=None):
         return megakern.attention(q, k, v, causal=True, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                                  backend=self.backend)
+                                  backend=self.backend, deterministic=self.deterministic)
 
 
 class CausalSelfAttention(nn.Module):
@@ -478,7 +482,7 @@ class CausalSelfAttention(nn.Module):
         qkv_bias = config.bias if config.qkv_bias is None else config.qkv_bias
         self.qkv = nn.Linear(config.n_embd, (config.n_head + 2 * config.n_kv_head) * hs, bias=qkv_bias)
         self.proj = nn.Linear(config.n_head * hs, config.n_embd, bias=config.bias)
-        self.core = AttentionCore(config.kernels)
+        self.core = AttentionCore(config.kernels, config.deterministic_attention)
         self.kernels = config.kernels
         self.recompute_core = config.recompute == "selective"
         self.dropout = config.dropout

@@ -243,7 +243,9 @@ class ParallelModel:
         if d.cp > 1:
             for g in self.gpts:
                 for block in g.blocks.values():
-                    block.attn.core = RingAttention(pm.cp_group, backend=getattr(block.attn.core, "backend", None))
+                    core = block.attn.core
+                    block.attn.core = RingAttention(pm.cp_group, backend=getattr(core, "backend", None),
+                                                    deterministic=getattr(core, "deterministic", True))
                     if getattr(block.mlp, "is_moe", False):  # it routes this rank's share of the sequence
                         block.mlp.shard_tokens(functools.partial(all_reduce, group=pm.cp_group), d.cp)
         # 3b. expert parallel: this rank's E / ep experts of each MoE layer, tokens dispatched by all-to-all

@@ -169,6 +169,30 @@ def test_recompute_modes_give_identical_gradients(name, dropout):
             assert torch.equal(results[mode][1][name], g), (mode, name)
 
 
+def test_deterministic_attention_reaches_the_attention_op(monkeypatch):
+    """``deterministic_attention`` is what every block's attention call asks for, and the model's loss and gradients
+    do not depend on it where the backend has one backward (here the reference)."""
+    import megakern
+
+    calls = []
+    real = megakern.attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("deterministic"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(megakern, "attention", spy)
+    idx, targets = batch(GPTConfig(**CONFIGS["llama-like"]), 2, 12)
+    results = {}
+    for flag in (True, False):
+        calls.clear()
+        model = make(CONFIGS["llama-like"], deterministic_attention=flag)
+        torch.manual_seed(11)
+        results[flag] = loss_and_grads(model, idx, targets)
+        assert calls and set(calls) == {flag}, calls
+    assert torch.equal(results[True][0], results[False][0])
+
+
 def test_dropout_only_in_training():
     model = make(GPT2_LIKE, dropout=0.5)
     idx, targets = batch(model.config, 2, 8)
@@ -229,6 +253,7 @@ def test_presets_validate_and_build_on_meta():
     (dict(ce_chunk=0), "ce_chunk must be None or an int >= 1"),
     (dict(norm_eps=-1.0), "norm_eps must be > 0"),
     (dict(parallel_residual="yes"), "parallel_residual must be a bool"),
+    (dict(deterministic_attention=0), "deterministic_attention must be a bool"),
 ])
 def test_config_errors(fields, message):
     with pytest.raises(ValueError, match=message):
