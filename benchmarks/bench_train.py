@@ -13,7 +13,8 @@ Providers, each built fresh and freed before the next:
   step later (here never); ``megakern-graph`` the same step captured in a CUDA graph after 2 eager steps and
   replayed (train.cuda_graph=true: one launch per step); ``megakern-compile`` the same under torch.compile
   (train.compile=true); ``megakern`` itself runs eager (train.cuda_graph=false), ``megakern-default`` with the
-  training program's defaults (train.cuda_graph=auto: what a user gets without asking).
+  training program's defaults (train.cuda_graph=auto: what a user gets without asking), ``megakern-single-pass``
+  those defaults with the single-pass attention backward (model.deterministic_attention=false).
 - ``hf-eager`` / ``hf-compile``: the same model in transformers (GPT2LMHeadModel here; for another preset the
   family megakern.models.hf exports it as, built from that export's config: LlamaForCausalLM for llama-1b /
   llama-8b, MixtralForCausalLM for moe-mixtral; skipped with the reason for a preset no family matches), its default
@@ -184,9 +185,11 @@ class Step:
 
 
 class MegakernStep(Step):
-    """megakern's training step; ``graph`` None leaves train.cuda_graph at the training program's default."""
+    """megakern's training step; ``graph`` None leaves train.cuda_graph at the training program's default; ``extra``:
+    more config overrides ("section.key=value")."""
 
-    def __init__(self, shape: Shape, device: torch.device, compile: bool, graph: bool | None = False):
+    def __init__(self, shape: Shape, device: torch.device, compile: bool, graph: bool | None = False,
+                 extra: tuple[str, ...] = ()):
         from megakern.config import load_config
         from megakern.train import Trainer
 
@@ -204,6 +207,7 @@ class MegakernStep(Step):
                       "log.progress=false", f"log.run_dir={self._tmp.name}"]
         if graph is not None:
             overrides += [f"train.cuda_graph={str(graph).lower()}", "train.cuda_graph_warmup=2"]
+        overrides += list(extra)
         self.trainer = Trainer(load_config(None, overrides), stream=open(Path(self._tmp.name) / "console", "w"))
         self.batches = self.trainer.batches(self.trainer.data.train, 0, shape.micro_batch)
 
@@ -310,13 +314,13 @@ class PlainStep(HFStep):
         self.optimizer.zero_grad(set_to_none=True)
 
 
-def _megakern(compile: bool, graph: bool | None = False):
+def _megakern(compile: bool, graph: bool | None = False, extra: tuple[str, ...] = ()):
     def load(device):
         import megakern.train  # noqa: F401 (import errors name what is missing)
 
         if graph is True and device.type != "cuda":
             raise Unavailable("CUDA graphs need a CUDA device")
-        return lambda shape: MegakernStep(shape, device, compile, graph)
+        return lambda shape: MegakernStep(shape, device, compile, graph, extra)
 
     return load
 
@@ -348,12 +352,14 @@ def _plain(compile: bool):
 
 PROVIDERS = {"megakern": _megakern(False), "megakern-graph": _megakern(False, graph=True),
              "megakern-default": _megakern(False, graph=None), "megakern-compile": _megakern(True),
+             "megakern-single-pass": _megakern(False, graph=None, extra=("model.deterministic_attention=false",)),
              "hf-eager": _hf(False), "hf-compile": _hf(True), "plain-eager": _plain(False),
              "plain-compile": _plain(True)}
 # rough seconds to build a provider at the 350M shape on an H200 with cold compile caches (first Triton compiles of
 # megakern's kernels, Inductor for the compiled ones), and of one step: for the printed estimate of a run's length
 QUICK_PROVIDERS = ("megakern", "hf-eager", "hf-compile")  # megakern and the target's baseline (hf-compile)
-SETUP_S = {"megakern": 45.0, "megakern-graph": 50.0, "megakern-default": 50.0, "megakern-compile": 120.0,
+SETUP_S = {"megakern": 45.0, "megakern-graph": 50.0, "megakern-default": 50.0, "megakern-single-pass": 50.0,
+           "megakern-compile": 120.0,
            "hf-eager": 10.0, "hf-compile": 75.0, "plain-eager": 5.0, "plain-compile": 60.0}
 STEP_S = 0.15
 
