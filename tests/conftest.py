@@ -38,6 +38,23 @@ if _WORKERS > 1:
 ATOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 
 
+@pytest.fixture
+def attention_determinism(monkeypatch) -> list:
+    """The ``deterministic`` argument of every megakern.attention call made while the test runs, in order (the calls
+    still run)."""
+    import megakern
+
+    asked = []
+    real = megakern.attention
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs.get("deterministic"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(megakern, "attention", spy)
+    return asked
+
+
 def seed(*key) -> None:
     """Seed torch's RNG from a test's own key (its name and parameters): fresh inputs per case, the same on every
     run and under any test order or worker split."""

@@ -380,6 +380,10 @@ def test_wide_backward_pipeline_fits_shared_memory(dtype, residual):
         nt.bwd(x, x, None, None, None, torch.ones(2), True, None, False, False, warp=4)
 
 
+CUDA_VARIANTS = [v for v in kernel_variants() if v.startswith("cuda-")]  # the extension and NVRTC paths
+BF16_SETUPS = ("affine", "residual", "no-affine", "fp32-weight")  # what bf16_inputs makes
+
+
 def bf16_inputs(op, shape, setup):
     """make_inputs' bf16 tensors for ``setup``, where "fp32-weight" is "affine" with the weight and bias in fp32."""
     x, w, b, r = make_inputs(op, torch.bfloat16, shape, "affine" if setup == "fp32-weight" else setup)
@@ -394,8 +398,8 @@ STAGED = [((3, 77, 1024), 1, 128), ((3, 77, 1024), 4, 32), ((2, 61, 4096), 2, 25
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", [v for v in kernel_variants() if v.startswith("cuda-")])
-@pytest.mark.parametrize("setup", ("affine", "residual", "no-affine", "fp32-weight"))
+@pytest.mark.parametrize("variant", CUDA_VARIANTS)
+@pytest.mark.parametrize("setup", BF16_SETUPS)
 @pytest.mark.parametrize("case", STAGED, ids=lambda c: f"{'x'.join(map(str, c[0]))}-nv{c[1]}-t{c[2]}")
 @pytest.mark.parametrize("op", OPS)
 def test_cuda_staged_backward(op, case, setup, variant):
@@ -420,8 +424,8 @@ ROW_BATCH = [((3, 77, 1024), 1, 128, 1, 2), ((3, 77, 1024), 1, 128, 1, 4), ((45,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", [v for v in kernel_variants() if v.startswith("cuda-")])
-@pytest.mark.parametrize("setup", ("affine", "residual", "no-affine", "fp32-weight"))
+@pytest.mark.parametrize("variant", CUDA_VARIANTS)
+@pytest.mark.parametrize("setup", BF16_SETUPS)
 @pytest.mark.parametrize("case", ROW_BATCH, ids=lambda c: f"{'x'.join(map(str, c[0]))}-nv{c[1]}-t{c[2]}x{c[3]}-b{c[4]}")
 @pytest.mark.parametrize("op", OPS)
 def test_cuda_forward_row_batches(op, case, setup, variant):

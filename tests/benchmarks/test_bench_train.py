@@ -173,20 +173,10 @@ def test_small_model_providers_on_cpu(capsys):
     assert "the plain GPT is GPT-2's family; llama-tiny has norm='rmsnorm'" in capsys.readouterr().out
 
 
-def test_single_pass_provider_trains_with_the_single_pass_attention(monkeypatch):
+def test_single_pass_provider_trains_with_the_single_pass_attention(attention_determinism):
     """megakern-single-pass is the training program's defaults with model.deterministic_attention=false: its model's
     attention calls ask for the single-pass backward."""
-    import megakern
-
-    asked = []
-    real = megakern.attention
-
-    def spy(*args, **kwargs):
-        asked.append(kwargs.get("deterministic"))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(megakern, "attention", spy)
     results = bench_train.main(["--device", "cpu", "--providers", "megakern-single-pass", "--warmup", "0", "--steps",
                                 "1", "--no-save"])
     assert {f[2] for f in results.figures} == {"roofline", "megakern-single-pass"}
-    assert asked and set(asked) == {False}
+    assert attention_determinism and set(attention_determinism) == {False}

@@ -169,27 +169,17 @@ def test_recompute_modes_give_identical_gradients(name, dropout):
             assert torch.equal(results[mode][1][name], g), (mode, name)
 
 
-def test_deterministic_attention_reaches_the_attention_op(monkeypatch):
+def test_deterministic_attention_reaches_the_attention_op(attention_determinism):
     """``deterministic_attention`` is what every block's attention call asks for, and the model's loss and gradients
     do not depend on it where the backend has one backward (here the reference)."""
-    import megakern
-
-    calls = []
-    real = megakern.attention
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs.get("deterministic"))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(megakern, "attention", spy)
     idx, targets = batch(GPTConfig(**CONFIGS["llama-like"]), 2, 12)
     results = {}
     for flag in (True, False):
-        calls.clear()
+        attention_determinism.clear()
         model = make(CONFIGS["llama-like"], deterministic_attention=flag)
         torch.manual_seed(11)
         results[flag] = loss_and_grads(model, idx, targets)
-        assert calls and set(calls) == {flag}, calls
+        assert attention_determinism and set(attention_determinism) == {flag}, attention_determinism
     assert torch.equal(results[True][0], results[False][0])
 
 
