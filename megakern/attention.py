@@ -237,7 +237,8 @@ GLUON_FWD = {128: {True: _LONG, False: _LONG}, 64: {True: _LONG, False: _LONG}}
 GLUON_BWD = {128: (True, False), 64: (True, False)}
 GLUON_DQ = {128: (True, False), 64: (True, False)}
 # The single-pass backward (``deterministic=False``) by the Gluon dk/dv kernel adding dq by atomics: the masks per head
-# dim where it is the default (none until measured against the Triton atomic kernel; ``gluon=True`` forces it)
+# dim where it is the default (none: slower than the deterministic pair everywhere, and than Triton's atomic kernel at
+# hs 128; docs/tuning.md; ``gluon=True`` forces it)
 GLUON_BWD_ATOMIC: dict[int, tuple[bool, ...]] = {}
 
 
