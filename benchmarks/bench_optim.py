@@ -1,5 +1,5 @@
-"""The optimizer step of bf16 training with fp32 master weights, over GPT-350M's parameters (or GPT-1.3B's), against
-the same-run copy roofline.
+"""The optimizer step of bf16 training with fp32 master weights, over GPT-350M's parameters (or GPT-1.3B's, or those
+of megakern's llama-1b preset: 1.50B in 99 tensors, the largest 262M), against the same-run copy roofline.
 
 Each provider does the whole step after the backward: bf16 gradients in, fp32 masters, both moments and the bf16
 weights updated, with a clipping divisor (grad_scale) and a skip flag (found_inf) on the device, as the trainer runs
@@ -11,7 +11,8 @@ GB/s counts the 28 bytes a parameter a single pass must move (read master, momen
 moments, bf16 weight) for every provider, so the figures compare times; the fraction is of the copy bandwidth.
 Both providers start from the same state and must agree on the masters after one step before they are timed.
 
-    python -m benchmarks.bench_optim [--quick] [--model gpt-350m|gpt-1.3b] [--providers ...] [--graph] [--no-save]
+    python -m benchmarks.bench_optim [--quick] [--model gpt-350m|gpt-1.3b|llama-1b] [--providers ...] [--graph]
+                                     [--no-save]
 """
 
 import torch
@@ -24,12 +25,22 @@ else:  # python benchmarks/bench_optim.py
                         report_failure)
 
 BYTES_PER_PARAM = 28
-MODELS = {"gpt-350m": (24, 1024), "gpt-1.3b": (24, 2048)}
+GPT2_MODELS = {"gpt-350m": (24, 1024), "gpt-1.3b": (24, 2048)}
+PRESET_MODELS = ("llama-1b",)  # megakern.models.gpt presets, their parameters' shapes as the model holds them
+MODELS = (*GPT2_MODELS, *PRESET_MODELS)
 
 
 def shapes(model: str, device: torch.device) -> list[tuple[int, ...]]:
-    """GPT-2-style parameter shapes (vocabulary 50304, 1024 positions, biases, LayerNorm); a tiny model on CPU."""
-    layers, d = MODELS[model] if device.type == "cuda" else (2, 64)
+    """The parameter shapes of ``model``: GPT-2-style (vocabulary 50304, 1024 positions, biases, LayerNorm), or a
+    megakern preset's (its model built on the meta device); a tiny model on CPU."""
+    if model in PRESET_MODELS:
+        from megakern.models.gpt import GPT, GPTConfig
+
+        tiny = dict(n_layer=2, n_embd=64, n_head=4, n_kv_head=2, ffn_hidden=128, vocab_size=512)
+        config = GPTConfig.preset(model, **({} if device.type == "cuda" else tiny))
+        with torch.device("meta"):
+            return [tuple(p.shape) for p in GPT(config).parameters()]
+    layers, d = GPT2_MODELS[model] if device.type == "cuda" else (2, 64)
     vocab, positions = (50304, 1024) if device.type == "cuda" else (512, 64)
     block = [(3 * d, d), (3 * d,), (d, d), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,), (d,), (d,), (d,), (d,)]
     return [(vocab, d), (positions, d), *block * layers, (d,), (d,)]
@@ -90,12 +101,12 @@ PROVIDERS = {"torch-fused": _load_torch_fused, "megakern": _load_megakern}
 def main(argv: list[str] | None = None) -> Results:
     args = parse_args(__doc__.splitlines()[0], argv, extra=lambda p: p.add_argument(
         "--model", choices=sorted(MODELS), action="append", help="parameter shapes (default: gpt-350m, and gpt-1.3b "
-        "without --quick)"))
+        "and llama-1b without --quick)"))
     device = args.device
     providers = load_providers(PROVIDERS, device, args.providers)
     results = Results(device)
     results.add_roofline("GB/s", measure_copy_gbps(device))
-    models = args.model or (["gpt-350m"] if args.quick else ["gpt-350m", "gpt-1.3b"])
+    models = args.model or (["gpt-350m"] if args.quick else ["gpt-350m", "gpt-1.3b", "llama-1b"])
     for model in models:
         params = shapes(model, device)
         numel = sum(torch.Size(s).numel() for s in params)

@@ -245,7 +245,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, grad_loss):
         grad_x, grad_w, grad_b = ctx.saved_tensors
         g = grad_loss.to(torch.float32)
-        grads = [None if t is None else (t * g).to(t.dtype) for t in (grad_x, grad_w, grad_b)]
+        scale = _kernels().scale
+        grads = [None if t is None else scale(t, g) if t.is_contiguous() and t.dtype in FLOAT_DTYPES
+                 else (t * g).to(t.dtype) for t in (grad_x, grad_w, grad_b)]
         return (*grads, None, None, None, None, None, None)
 
 

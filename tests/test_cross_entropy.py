@@ -296,3 +296,24 @@ def test_gpu_check_targets_false_does_not_sync():
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert torch.isfinite(w.grad.float()).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 67, 4099])
+def test_backward_scale_kernel_rounds_as_torch(dtype, n):
+    """The backward's multiplication by the loss's gradient (a device factor, fp32 arithmetic, rounded to nearest):
+    bit for bit torch's fp32 product cast to the gradient's dtype, a new tensor, the input left as it was."""
+    require_triton()
+    from megakern import _cross_entropy_triton as kern
+
+    seed("ce-scale", n, dtype)
+    x = (torch.randn(n, device=DEVICE) * 3).to(dtype)
+    before = x.clone()
+    for factor in (torch.tensor(0.7, device=DEVICE), torch.tensor([1 / 3], device=DEVICE, dtype=torch.float64),
+                   torch.tensor(-2.5, device=DEVICE, dtype=torch.bfloat16)):
+        out = kern.scale(x, factor)
+        want = (x.float() * factor.float().reshape(())).to(dtype)
+        assert out.dtype == dtype and out.shape == x.shape and out.data_ptr() != x.data_ptr()
+        assert torch.equal(out, want), (out - want).abs().max()
+        assert torch.equal(x, before)
+    assert kern.scale(x[:0], torch.ones(1, device=DEVICE)).numel() == 0
