@@ -106,6 +106,41 @@ __device__ __forceinline__ void load_groups(const S* __restrict__ row, int cols,
   }
 }
 
+// ROWS rows of NV groups each (row r at row0 + r * stride, group g as in load_groups), 16-byte transactions, every
+// load of every row issued before any is converted: one straight-line phase of predicated loads, so that ROWS * NV
+// * 16 bytes per thread are in flight at once (converting a row before loading the next would wait on its loads
+// first). Rows from `live` on (1 <= live) hold row live - 1 again, read through its address rather than skipped:
+// a condition on the row would become a branch per row, which ptxas schedules as separate blocks of loads and
+// conversions. Groups past the row's end read as 0; cols a multiple of VEC, rows 16-byte aligned.
+template <typename S, int ROWS, int NV, int VEC>
+__device__ __forceinline__ void load_rows_vec(const S* __restrict__ row0, i64 stride, int cols, int live,
+                                              float (&v)[ROWS][NV][VEC]) {
+  constexpr int CH = VEC * sizeof(S) / 16, PER = 16 / sizeof(S);
+  static_assert((VEC * sizeof(S)) % 16 == 0, "a group must be a whole number of 16-byte chunks");
+  uint4 raw[ROWS][NV][CH];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    const S* row = row0 + (r < live ? r : live - 1) * stride;
+#pragma unroll
+    for (int g = 0; g < NV; ++g) {
+      const int c = (g * blockDim.x + threadIdx.x) * VEC;
+#pragma unroll
+      for (int k = 0; k < CH; ++k)
+        raw[r][g][k] = c < cols ? reinterpret_cast<const uint4*>(row + c)[k] : make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+    for (int g = 0; g < NV; ++g)
+#pragma unroll
+      for (int k = 0; k < CH; ++k) {
+        const S* e = reinterpret_cast<const S*>(&raw[r][g][k]);
+#pragma unroll
+        for (int i = 0; i < PER; ++i) v[r][g][k * PER + i] = to_float(e[i]);
+      }
+}
+
 // Tensors whose dtype is either the kernel's T or fp32, chosen at run time (a uniform branch).
 template <typename T, int NV, int VEC, bool VECIO>
 __device__ __forceinline__ void load_groups_t_or_f32(const void* base, bool f32, i64 offset, int cols,

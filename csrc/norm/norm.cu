@@ -61,6 +61,11 @@ norm_fwd_kernel(const T* __restrict__ x, const void* __restrict__ residual, cons
   };
   auto sq_dev = [&](int c, const float(&v)[VEC], float mean) {
     float s = 0.f;
+    if constexpr (VECIO) {  // a group lies wholly inside the row or wholly past its end (cols % VEC == 0)
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) s = fmaf(v[i] - mean, v[i] - mean, s);
+      return c < cols ? s : 0.f;
+    }
 #pragma unroll
     for (int i = 0; i < VEC; ++i) s += c + i < cols ? (v[i] - mean) * (v[i] - mean) : 0.f;
     return s;
@@ -80,15 +85,19 @@ norm_fwd_kernel(const T* __restrict__ x, const void* __restrict__ residual, cons
     }
     const int live = rows - row < ROWS ? (int)(rows - row) : ROWS;  // rows of this group inside the tensor
     float v[ROWS][NV][VEC];
+    if constexpr (VECIO) {
+      load_rows_vec<T, ROWS, NV, VEC>(xr, stride_x, cols, live, v);
+    } else {
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      if (r < live) {
-        load_groups<T, NV, VEC, VECIO>(xr + r * stride_x, cols, v[r]);
-      } else {
+      for (int r = 0; r < ROWS; ++r) {
+        if (r < live) {
+          load_groups<T, NV, VEC, VECIO>(xr + r * stride_x, cols, v[r]);
+        } else {
 #pragma unroll
-        for (int g = 0; g < NV; ++g)
+          for (int g = 0; g < NV; ++g)
 #pragma unroll
-          for (int i = 0; i < VEC; ++i) v[r][g][i] = 0.f;
+            for (int i = 0; i < VEC; ++i) v[r][g][i] = 0.f;
+        }
       }
     }
     if (has_res) {
