@@ -141,6 +141,19 @@ __device__ __forceinline__ void load_rows_vec(const S* __restrict__ row0, i64 st
       }
 }
 
+// N elements of S held as raw 16-byte chunks (loaded earlier, e.g. all of a thread's loads at once) as floats.
+template <typename S, int N>
+__device__ __forceinline__ void unpack16(const uint4* raw, float (&out)[N]) {
+  static_assert((N * sizeof(S)) % 16 == 0, "whole 16-byte chunks");
+  constexpr int PER = 16 / sizeof(S);
+#pragma unroll
+  for (int c = 0; c < N / PER; ++c) {
+    const S* e = reinterpret_cast<const S*>(&raw[c]);
+#pragma unroll
+    for (int i = 0; i < PER; ++i) out[c * PER + i] = to_float(e[i]);
+  }
+}
+
 // Tensors whose dtype is either the kernel's T or fp32, chosen at run time (a uniform branch).
 template <typename T, int NV, int VEC, bool VECIO>
 __device__ __forceinline__ void load_groups_t_or_f32(const void* base, bool f32, i64 offset, int cols,

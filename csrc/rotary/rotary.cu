@@ -131,11 +131,31 @@ rotary_kernel(const T* q, const T* k, T* q_out, T* k_out, const TC* __restrict__
       int g, slot, ca, cb, va, vb;
       locate(i, src, dst, g, slot);
       columns(g, ca, cb, va, vb);
+      const bool rot = g < groups_rot;
+      const int j = g * VEC;
+      const i64 m = rot ? s_pos[slot] : 0;
+      if (vec_ok(ca, va) && vec_ok(cb, vb)) {
+        // Whole 16-byte chunks (with a rotary group, whole table chunks too: rot_half - j >= VEC): the x chunks'
+        // and the table rows' loads issued together, predicated, before any is converted, so they are in flight
+        // at once (separate branches would each wait for their load before the next one is issued).
+        constexpr int CT = VEC * sizeof(TC) / 16;
+        const uint4 ra = *reinterpret_cast<const uint4*>(src + ca), rb = *reinterpret_cast<const uint4*>(src + cb);
+        uint4 rc[CT], rs[CT];
+#pragma unroll
+        for (int k = 0; k < CT; ++k) {
+          rc[k] = rot ? reinterpret_cast<const uint4*>(cos + m * stride_cos + j)[k] : make_uint4(0u, 0u, 0u, 0u);
+          rs[k] = rot ? reinterpret_cast<const uint4*>(sin + m * stride_sin + j)[k] : make_uint4(0u, 0u, 0u, 0u);
+        }
+        unpack16<T, VEC>(&ra, xa[u]);
+        unpack16<T, VEC>(&rb, xb[u]);
+        unpack16<TC, VEC>(rc, c[u]);
+        unpack16<TC, VEC>(rs, s[u]);
+        continue;
+      }
       load_chunk(src + ca, xa[u], va, ca);
       load_chunk(src + cb, xb[u], vb, cb);
-      if (g < groups_rot) {
-        const int j = g * VEC, valid = min(VEC, rot_half - j);
-        const i64 m = s_pos[slot];
+      if (rot) {
+        const int valid = min(VEC, rot_half - j);
         load_n<TC, VEC>(cos + m * stride_cos + j, c[u], valid, VECIO && valid == VEC);
         load_n<TC, VEC>(sin + m * stride_sin + j, s[u], valid, VECIO && valid == VEC);
       }
