@@ -25,9 +25,10 @@ Gluon forward takes (GLUON_DQ, GLUON_BWD). ``deterministic=False`` computes dq i
 dk/dv pass by fp32 atomic adds (a TMA reduce on Hopper): fewer FLOPs, results that vary in the last bits from run to
 run.
 
-Packed q, k, v: when q, k and v are the three views ``[..., 0, :]``, ``[..., 1, :]``, ``[..., 2, :]`` of one
-(..., heads, 3, hs) tensor (a fused qkv projection split without copies; ``packed_qkv`` tells), the backward writes dq,
-dk and dv into one tensor of that layout, so the gradient of the projection's output needs no concatenation.
+Packed q, k, v: when q, k and v are views of one fused qkv projection's output, either the three views ``[..., 0,
+:]``, ``[..., 1, :]``, ``[..., 2, :]`` of a (..., heads, 3, hs) tensor or, with grouped queries, its first nh, next nkv
+and last nkv heads of a (..., nh + 2 nkv, hs) tensor (``packed_qkv`` tells), the backward writes dq, dk and dv into one
+tensor of that layout, so the gradient of the projection's output needs no concatenation.
 
 Backends: ``torch`` (``attention_ref``: explicit softmax, fp32, O(T^2) memory) and ``triton`` (the Triton kernels
 of megakern/_attention_triton.py, the Gluon ones where they are faster). The default is ``triton`` for fp16 /
@@ -208,23 +209,48 @@ def check_inputs(q, k, v, cu_seqlens, max_seqlen, softmax_scale) -> None:
         raise ValueError(f"attention: max_seqlen {max_seqlen} < the longest document ({max(lengths)})")
 
 
-def packed_qkv(q, k, v):
-    """The (..., heads, 3, hs) tensor whose ``[..., 0, :]``, ``[..., 1, :]`` and ``[..., 2, :]`` are q, k and v
-    (same shape, views of one tensor), else None. None under torch.compile, whose traced tensors do not keep their
-    view bases."""
+def _packings(base: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+    """The layouts a fused projection's output ``base`` may hold q, k and v in, as (packed, (q, k, v) views):
+    (..., heads, 3, hs) with q, k, v at ``[..., i, :]`` (as many query heads as kv heads), and (..., nh + 2 nkv, hs)
+    with every query head, then every k head, then every v head."""
+    lead, nh, nkv, hs = q.shape[:-2], q.shape[-2], k.shape[-2], q.shape[-1]
+    if nh == nkv:
+        packed = base.view(*lead, nh, 3, hs)
+        yield packed, (packed[..., 0, :], packed[..., 1, :], packed[..., 2, :])
+    packed = base.view(*lead, nh + 2 * nkv, hs)
+    yield packed, (packed[..., :nh, :], packed[..., nh:nh + nkv, :], packed[..., nh + nkv:, :])
+
+
+def _packing(q, k, v):
+    """(the index in ``_packings`` of the layout q, k and v are views in, their base), else None."""
     if torch.compiler.is_compiling():
         return None
     base = q._base
-    if base is None or k._base is not base or v._base is not base or not q.shape == k.shape == v.shape:
+    if base is None or k._base is not base or v._base is not base or not base.is_contiguous():
         return None
-    if base.numel() != 3 * q.numel() or not base.is_contiguous():
+    if k.shape != v.shape or k.shape[:-2] != q.shape[:-2] or k.shape[-1] != q.shape[-1]:
         return None
-    packed = base.view(*q.shape[:-1], 3, q.shape[-1])
-    for i, t in enumerate((q, k, v)):
-        part = packed[..., i, :]
-        if t.data_ptr() != part.data_ptr() or t.stride() != part.stride():
-            return None
-    return packed
+    if base.numel() != q.numel() + k.numel() + v.numel():
+        return None
+    for i, (packed, parts) in enumerate(_packings(base, q, k)):
+        if all(_same_elements(t, p) for t, p in zip((q, k, v), parts)):
+            return i, packed
+    return None
+
+
+def _same_elements(t: torch.Tensor, view: torch.Tensor) -> bool:
+    """t addresses the same elements as ``view`` (a dim of size 1 may have any stride)."""
+    return t.data_ptr() == view.data_ptr() and t.shape == view.shape and all(
+        n == 1 or a == b for n, a, b in zip(t.shape, t.stride(), view.stride()))
+
+
+def packed_qkv(q, k, v):
+    """The tensor of which q, k and v are views in a layout of a fused qkv projection's output, else None:
+    (..., heads, 3, hs) with q, k, v its ``[..., 0, :]``, ``[..., 1, :]``, ``[..., 2, :]`` (same shapes), or
+    (..., nh + 2 nkv, hs) with q its first nh heads, k the next nkv, v the last nkv (grouped queries). None under
+    torch.compile, whose traced tensors do not keep their view bases."""
+    found = _packing(q, k, v)
+    return None if found is None else found[1]
 
 
 # ---- the kernels: Gluon where it is the faster one, else Triton ----------------------------------------------------
@@ -320,7 +346,8 @@ class AttentionFunction(torch.autograd.Function):
         out, lse = _fwd_kernels(q, k, v, causal, scale, window, cu_seqlens, max_seqlen)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
         ctx.args = (causal, scale, window, max_seqlen, deterministic)
-        ctx.packed = packed_qkv(q, k, v) is not None
+        found = _packing(q, k, v)
+        ctx.packing = None if found is None else found[0]
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -329,9 +356,9 @@ class AttentionFunction(torch.autograd.Function):
         q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
         causal, scale, window, max_seqlen, deterministic = ctx.args
         grads = None
-        if ctx.packed:  # one (..., heads, 3, hs) gradient, laid out as q, k and v were (see packed_qkv)
-            buf = q.new_empty((*q.shape[:-1], 3, q.shape[-1]))
-            grads = (buf[..., 0, :], buf[..., 1, :], buf[..., 2, :])
+        if ctx.packing is not None:  # one gradient tensor, laid out as q, k and v were (see packed_qkv)
+            buf = q.new_empty(q.numel() + k.numel() + v.numel())
+            grads = list(_packings(buf, q, k))[ctx.packing][1]
         dq, dk, dv = _bwd_kernels(dout, q, k, v, out, lse, causal, scale, window, cu_seqlens, max_seqlen,
                                   deterministic, out_grads=grads)
         return dq, dk, dv, None, None, None, None, None, None

@@ -417,46 +417,99 @@ def _split_qkv(qkv: torch.Tensor, nkv: int, hs: int):
     return q, qkv[..., g, :], qkv[..., g + 1, :]
 
 
-class SplitRotate(torch.autograd.Function):
-    """The fused projection qkv (..., nkv, g + 2, hs) -> (q, k, v), q and k rotated in place by one launch of a
-    rotary kernel (none with ``rot`` None). Backward: the three gradients in one qkv-shaped tensor, the rotation
-    undone in place. Without grouped queries megakern.attention's backward already writes them so (see
-    ``megakern.attention.packed_qkv``); otherwise they are gathered by one concatenation. (Plain views under
-    autograd would instead sum three zero-filled qkv-sized gradients.)"""
+def _split_heads_major(qkv: torch.Tensor, nkv: int):
+    """q (..., nh, hs), k, v (..., nkv, hs), views of qkv (..., nh + 2 nkv, hs) in the heads-major order (see
+    ``_HeadsMajor``)."""
+    nh = qkv.shape[-2] - 2 * nkv
+    return qkv[..., :nh, :], qkv[..., nh:nh + nkv, :], qkv[..., nh + nkv:, :]
+
+
+def _reorder_rows(w: torch.Tensor, nkv: int, g: int, hs: int, to_heads_major: bool) -> torch.Tensor:
+    """``w``'s rows (the leading dim of a qkv weight, bias or their gradient) from the grouped order [g query heads,
+    k, v] per kv head to the heads-major order [every query head, every k head, every v head], or back: one copy."""
+    w = w.contiguous()
+    out = torch.empty_like(w)
+    grouped = (w if to_heads_major else out).view(nkv, g + 2, hs, -1)
+    major = (out if to_heads_major else w).view(nkv * (g + 2) * hs, -1)
+    nq, nk = nkv * g * hs, nkv * hs
+    for part, block in ((major[:nq].view(nkv, g, hs, -1), grouped[:, :g]),
+                        (major[nq:nq + nk].view(nkv, 1, hs, -1), grouped[:, g:g + 1]),
+                        (major[nq + nk:].view(nkv, 1, hs, -1), grouped[:, g + 1:])):
+        if to_heads_major:
+            part.copy_(block)
+        else:
+            block.copy_(part)
+    return out
+
+
+class _HeadsMajor(torch.autograd.Function):
+    """The fused qkv projection's weight (or bias), rows grouped per kv head as [g query heads, k, v] (the layout a
+    tensor-parallel shard and the checkpoints keep), reordered for one product into [every query head, every k
+    head, every v head]: q, k and v of that product are then views with one head stride each, so grouped-query
+    attention needs no copy of q, and its backward writes the three gradients into one tensor (no concatenation).
+    One copy of the weight each way (the product's output is the same numbers, its columns reordered)."""
 
     @staticmethod
-    def forward(ctx, qkv, nkv: int, hs: int, rot, backend):
-        q, k, v = _split_qkv(qkv, nkv, hs)
+    def forward(ctx, w, nkv: int, g: int, hs: int):
+        ctx.args = (nkv, g, hs)
+        return _reorder_rows(w, nkv, g, hs, to_heads_major=True)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reorder_rows(grad, *ctx.args, to_heads_major=False), None, None, None
+
+
+class SplitRotate(torch.autograd.Function):
+    """The fused projection qkv -> (q, k, v), q and k rotated in place by one launch of a rotary kernel (none with
+    ``rot`` None). qkv is (..., nkv, g + 2, hs), the rows grouped per kv head, or with ``heads_major`` (..., nh + 2
+    nkv, hs) (see ``_HeadsMajor``). Backward: the three gradients in one qkv-shaped tensor, the rotation undone in
+    place. Where q, k and v are views (no grouped queries, or heads-major) megakern.attention's backward already
+    writes them so (see ``megakern.attention.packed_qkv``); otherwise they are gathered by one concatenation.
+    (Plain views under autograd would instead sum three zero-filled qkv-sized gradients.)"""
+
+    @staticmethod
+    def forward(ctx, qkv, nkv: int, hs: int, rot, backend, heads_major: bool = False):
+        q, k, v = _split_heads_major(qkv, nkv) if heads_major else _split_qkv(qkv, nkv, hs)
         if rot is not None:
             rotary.rotate(q, k, rot, backend, inplace=True)
             torch.autograd.graph.increment_version(qkv)  # kernels wrote into qkv
         ctx.shape, ctx.nkv, ctx.hs, ctx.rot, ctx.backend = qkv.shape, nkv, hs, rot, backend
-        ctx.q_is_view = q._base is not None
+        ctx.heads_major, ctx.q_is_view = heads_major, q._base is not None
         return q, k, v
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
-        lead, g = ctx.shape[:-3], ctx.shape[-2] - 2
         if ctx.rot is not None and not ctx.q_is_view:  # rotate back before the gather, q's gradient is separate
             dq, dk = rotary.rotate(dq, dk, ctx.rot, ctx.backend, conj=True)
-        packed = packed_qkv(dq, dk, dv) if g == 1 else None  # attention wrote them into one qkv-shaped tensor
-        if packed is not None:
+        # attention wrote them into one tensor, laid out as its inputs were: as views of qkv
+        packed = packed_qkv(dq, dk, dv)
+        if packed is not None and packed.numel() == math.prod(ctx.shape):
             dqkv = packed.view(ctx.shape)
+        elif ctx.heads_major:
+            dqkv = torch.cat((dq, dk, dv), dim=-2)
         else:
+            lead, g = ctx.shape[:-3], ctx.shape[-2] - 2
             dqkv = torch.cat((dq.reshape(*lead, ctx.nkv, g, ctx.hs), dk.reshape(*lead, ctx.nkv, 1, ctx.hs),
                               dv.reshape(*lead, ctx.nkv, 1, ctx.hs)), dim=-2)
         if ctx.rot is not None and ctx.q_is_view:
-            q, k, _ = _split_qkv(dqkv, ctx.nkv, ctx.hs)
+            q, k, _ = _split_heads_major(dqkv, ctx.nkv) if ctx.heads_major else _split_qkv(dqkv, ctx.nkv, ctx.hs)
             rotary.rotate(q, k, ctx.rot, ctx.backend, conj=True, inplace=True)
-        return dqkv, None, None, None, None
+        return dqkv, None, None, None, None, None
 
 
 def _project(layer: nn.Module, x: torch.Tensor, kernels) -> torch.Tensor:
     """``layer(x)``; a plain biased nn.Linear through megakern.linear (its bias gradient by a Triton column sum) where
     that backend is not the reference. Tensor-parallel and FP8 layers keep their own forward."""
-    if type(layer) is nn.Linear and layer.bias is not None and linear_backend(x, layer.weight, kernels) != "torch":
-        return megakern.linear(x, layer.weight, layer.bias, backend=kernels)
+    if type(layer) is nn.Linear and layer.bias is not None:
+        return _project_weights(x, layer.weight, layer.bias, kernels)
     return layer(x)
+
+
+def _project_weights(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], kernels) -> torch.Tensor:
+    """x @ weight^T + bias, the bias through megakern.linear where that backend is not the reference."""
+    if bias is not None and linear_backend(x, weight, kernels) != "torch":
+        return megakern.linear(x, weight, bias, backend=kernels)
+    return F.linear(x, weight, bias)
 
 
 # ---- modules -------------------------------------------------------------------------------------------------------
@@ -490,19 +543,30 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, pos: Positions) -> torch.Tensor:
         nkv, hs = self.n_kv_head, self.head_dim
         g = self.n_head // nkv
-        qkv = _project(self.qkv, x, self.kernels)
+        # grouped queries: the product in the heads-major order, so that q is a view too (see _HeadsMajor); a
+        # tensor-parallel or FP8 projection keeps its own forward and its output's grouped order
+        heads_major = g > 1 and nkv > 1 and type(self.qkv) is nn.Linear
+        if heads_major:
+            w = _HeadsMajor.apply(self.qkv.weight, nkv, g, hs)
+            b = None if self.qkv.bias is None else _HeadsMajor.apply(self.qkv.bias, nkv, g, hs)
+            qkv = _project_weights(x, w, b, self.kernels)
+        else:
+            qkv = _project(self.qkv, x, self.kernels)
         # the sequence's length from the projection: a sequence-parallel qkv that gathers its input itself takes x's
         # shard and returns the whole sequence
         B, T = qkv.shape[0], qkv.shape[1]
-        # (B, T, nkv, g + 2, hs), or packed (B * T, ...) when documents are packed
-        qkv = qkv.view(B * T, nkv, g + 2, hs) if pos.cu_seqlens is not None else qkv.view(B, T, nkv, g + 2, hs)
+        # (B, T, nkv, g + 2, hs) or heads-major (B, T, nh + 2 nkv, hs); (B * T, ...) when documents are packed
+        heads = (self.n_head + 2 * nkv, hs) if heads_major else (nkv, g + 2, hs)
+        qkv = qkv.view(B * T, *heads) if pos.cu_seqlens is not None else qkv.view(B, T, *heads)
+        lead = qkv.shape[:-2] if heads_major else qkv.shape[:-3]
         rot, backend = None, None
         if pos.rope is not None:  # checked once per forward, on tensors of q's and k's shapes (no copies)
-            rot, backend = pos.rotation(qkv.new_empty(()).expand(*qkv.shape[:-3], self.n_head, hs), qkv[..., g, :])
+            k_view = qkv[..., self.n_head:self.n_head + nkv, :] if heads_major else qkv[..., g, :]
+            rot, backend = pos.rotation(qkv.new_empty(()).expand(*lead, self.n_head, hs), k_view)
         if backend not in (None, "torch") and not torch.compiler.is_compiling():
-            q, k, v = SplitRotate.apply(qkv, nkv, hs, rot, backend)  # one launch, in place on the views
+            q, k, v = SplitRotate.apply(qkv, nkv, hs, rot, backend, heads_major)  # one launch, in place on the views
         else:
-            q, k, v = SplitRotate.apply(qkv, nkv, hs, None, None)
+            q, k, v = SplitRotate.apply(qkv, nkv, hs, None, None, heads_major)
             # under autograd: the torch reference, or the kernels out of place when traced by torch.compile (an
             # in-place kernel on views is opaque to tracing)
             if rot is not None:

@@ -186,10 +186,35 @@ def test_packed_projection_gradients_land_in_one_tensor(causal, deterministic):
             assert torch.equal(got, want), f"{name}: the packed gradient differs from the separate one"
         else:  # atomic dq adds in a varying order
             torch.testing.assert_close(got, want, rtol=0, atol=2e-3)
-    other = x.view(b, t, 3, nh, hs).unbind(2)  # (B, T, 3, nh, hs): not the packed layout
+    other = x.view(b, 3, t, nh, hs).unbind(1)  # (B, 3, T, nh, hs): not a packed layout
     assert packed_qkv(*other) is None
     grads = torch.autograd.grad(attention(*other, causal=causal, backend="triton"), other, dout)
     assert packed_qkv(*grads) is None
+
+
+@pytest.mark.parametrize("kv_heads", (1, 2, 4), ids=("mqa", "gqa", "mha"))
+def test_heads_major_projection_gradients_land_in_one_tensor(kv_heads):
+    """q, k, v as the first nh, next nkv and last nkv heads of one (B, T, nh + 2 nkv, hs) projection output (grouped
+    queries included): the backward writes dq, dk, dv into one tensor of that layout, bit for bit the separate
+    inputs' gradients."""
+    from megakern.attention import packed_qkv
+
+    require_triton()
+    seed("heads-major-grads", kv_heads)
+    b, t, nh, hs = (2, 1000, 4, 64) if HAS_CUDA else (2, 19, 4, 32)
+    x = torch.randn(b, t, (nh + 2 * kv_heads) * hs, device=DEVICE, dtype=torch.float16, requires_grad=True)
+    heads = x.view(b, t, nh + 2 * kv_heads, hs)
+    q, k, v = heads[..., :nh, :], heads[..., nh:nh + kv_heads, :], heads[..., nh + kv_heads:, :]
+    assert packed_qkv(q, k, v) is not None and packed_qkv(q, v, k) is None
+    out = attention(q, k, v, causal=True, backend="triton")
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    packed = packed_qkv(*grads)
+    assert packed is not None and packed.shape == heads.shape, "dq, dk, dv are views of one projection-shaped tensor"
+    sep = [t_.detach().clone().requires_grad_(True) for t_ in (q, k, v)]
+    ref = torch.autograd.grad(attention(*sep, causal=True, backend="triton"), sep, dout)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref):
+        assert torch.equal(got, want), f"{name}: the packed gradient differs from the separate one"
 
 
 def test_merge_attention():

@@ -82,6 +82,33 @@ def test_matches_reference(name):
     check_against_reference(model, B=2, T=13, atol=ATOL[torch.float32])
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=("no-bias", "bias"))
+def test_heads_major_projection_is_the_grouped_one_reordered(bias):
+    """The grouped-query projection's heads-major product: q, k, v are views of it (q too) with the values of the
+    grouped product's split, and the weight's and bias's gradients are the grouped product's, back in its order."""
+    import megakern.models.gpt as gpt
+
+    torch.manual_seed(7)
+    B, T, C, nkv, g, hs = 2, 5, 24, 3, 4, 8
+    w = torch.randn(nkv * (g + 2) * hs, C, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(nkv * (g + 2) * hs, dtype=torch.float64, requires_grad=True) if bias else None
+    x = torch.randn(B, T, C, dtype=torch.float64)
+    ref = torch.nn.functional.linear(x, w, b).view(B, T, nkv, g + 2, hs)
+    want = gpt._split_qkv(ref, nkv, hs)
+    wh = gpt._HeadsMajor.apply(w, nkv, g, hs)
+    bh = gpt._HeadsMajor.apply(b, nkv, g, hs) if bias else None
+    got = gpt._split_heads_major(torch.nn.functional.linear(x, wh, bh).view(B, T, nkv * (g + 2), hs), nkv)
+    weights = [torch.randn_like(t) for t in want]
+    for name, a, e in zip("qkv", got, want):
+        assert a.shape == e.shape and a._base is not None, name
+        torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12, msg=name)
+    leaves = (w, b) if bias else (w,)
+    grads = torch.autograd.grad(sum((t * r).sum() for t, r in zip(got, weights)), leaves)
+    grads_ref = torch.autograd.grad(sum((t * r).sum() for t, r in zip(want, weights)), leaves)
+    for a, e in zip(grads, grads_ref):
+        torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
+
+
 def test_packed_documents_match_reference_and_separate_runs():
     model = make(LLAMA_LIKE)
     lengths = [5, 11, 1, 7]
@@ -350,24 +377,23 @@ def test_traced_rotary_path_matches_in_place(name, monkeypatch):
         torch.testing.assert_close(traced_grads[key], g, rtol=1e-5, atol=1e-6, msg=key)
 
 
-@pytest.mark.parametrize("kv_heads", [1, 2], ids=("gqa", "mha"))
+@pytest.mark.parametrize("heads", [(4, 2), (2, 1), (2, 2)], ids=("gqa", "mqa", "mha"))
 @pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if HAS_CUDA else []))
-def test_triton_kernels_with_attention_low_precision(dtype, kv_heads, monkeypatch):
+def test_triton_kernels_with_attention_low_precision(dtype, heads, monkeypatch):
     """Every op in Triton, fp16 weights (and bf16 on a GPU): the 2x rule against the fp64 reference and plain torch
-    in the same dtype, for the packed layout too. Without grouped queries the attention backward writes the qkv
-    gradient whole (the rotation undone in place on it), with them it is gathered by a concatenation."""
+    in the same dtype, for the packed layout too. q, k and v are views of the projection's output (grouped queries:
+    its heads-major product), so the attention backward writes the qkv gradient whole (the rotation undone in place
+    on it), with no concatenation."""
     import megakern.models.gpt as gpt
 
     require_triton()
     packed = []
     monkeypatch.setattr(gpt, "packed_qkv", lambda *t: packed.append(megakern_packed(*t)) or packed[-1])
-    config = dict(LLAMA_LIKE, n_layer=1, n_embd=32, n_head=2, n_kv_head=kv_heads, ffn_hidden=24)
+    n_head, kv_heads = heads
+    config = dict(LLAMA_LIKE, n_layer=1, n_embd=16 * n_head, n_head=n_head, n_kv_head=kv_heads, ffn_hidden=24)
     model = make(config, kernels={**TRITON_KERNELS, "attention": "triton"}).to(DEVICE, dtype)
     check_against_reference(model, B=1, T=18, atol=ATOL[dtype])
-    if kv_heads == 2:
-        assert packed and all(p is not None for p in packed), "the qkv gradient comes whole from attention"
-    else:
-        assert not packed, "grouped queries: q is a copy, the gradients are gathered"
+    assert packed and all(p is not None for p in packed), "the qkv gradient comes whole from attention"
     cu = torch.tensor([0, 7, 18], dtype=torch.int32)
     check_against_reference(model, B=1, T=18, atol=ATOL[dtype], doc_lengths=[7, 11], cu_seqlens=cu)
 
