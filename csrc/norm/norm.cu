@@ -265,23 +265,13 @@ norm_bwd_kernel(const void* __restrict__ x, const T* __restrict__ dy, const void
         acc_b[HAS_DB ? g : 0][i] = 0.f;
       }
     // Software pipelining: the next row's x and dy are loaded before this row's reduction and stay in flight
-    // across its barriers.
-    float xh[NV][VEC], d[NV][VEC], xn[NV][VEC], dn[NV][VEC];
-    auto load_row = [&](i64 row, float(&xv)[NV][VEC], float(&dv)[NV][VEC]) {
-      load_groups_t_or_f32<T, NV, VEC, VECIO>(x, x_f32, row * stride_x, cols, xv);
-      load_groups<T, NV, VEC, VECIO>(dy + row * stride_dy, cols, dv);
-    };
-    if (slot < rows) load_row(slot, xn, dn);
-    for (i64 row = slot; row < rows; row += row_step) {
+    // across its barriers. With 16-byte I/O of 16-bit rows they stay raw bits until the next iteration converts
+    // them: a conversion right after the loads would wait for them there (and a branch between x's and dy's loads
+    // would wait for x's before issuing dy's). fp32 rows keep converted prefetches (raw ones spill more there).
+    float xh[NV][VEC], d[NV][VEC];
+    // One row: its statistics, the two row sums, dx stored and the dw / db contributions added (xh, d converted)
+    auto row_work = [&](i64 row) {
       float sums[2] = {0.f, 0.f}, mu, rs, a, b;
-#pragma unroll
-      for (int g = 0; g < NV; ++g)
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) {
-          xh[g][i] = xn[g][i];
-          d[g][i] = dn[g][i];
-        }
-      if (row + row_step < rows) load_row(row + row_step, xn, dn);
       row_stats(row, mu, rs);
 #pragma unroll
       for (int g = 0; g < NV; ++g) {
@@ -301,6 +291,55 @@ norm_bwd_kernel(const void* __restrict__ x, const T* __restrict__ dy, const void
       for (int g = 0; g < NV; ++g) {
         const int c = (g * blockDim.x + threadIdx.x) * VEC;
         if (c < cols) pass2(row, c, cols - c, rs, a, b, xh[g], d[g], acc_w[g], acc_b[HAS_DB ? g : 0]);
+      }
+    };
+    const bool raw_prefetch = VECIO && sizeof(T) == 2 && !x_f32;  // (an fp32 residual stream: converted)
+    if constexpr (VECIO && sizeof(T) == 2) {
+      if (raw_prefetch) {
+        constexpr int CH = VEC * sizeof(T) / 16;
+        uint4 xraw[NV][CH], draw[NV][CH];
+        auto fetch = [&](i64 row) {  // predicated loads only, no conversion
+          const T* xr = static_cast<const T*>(x) + row * stride_x;
+          const T* dr = dy + row * stride_dy;
+#pragma unroll
+          for (int g = 0; g < NV; ++g) {
+            const int c = (g * blockDim.x + threadIdx.x) * VEC;
+#pragma unroll
+            for (int k = 0; k < CH; ++k) {
+              xraw[g][k] = c < cols ? reinterpret_cast<const uint4*>(xr + c)[k] : make_uint4(0u, 0u, 0u, 0u);
+              draw[g][k] = c < cols ? reinterpret_cast<const uint4*>(dr + c)[k] : make_uint4(0u, 0u, 0u, 0u);
+            }
+          }
+        };
+        if (slot < rows) fetch(slot);
+        for (i64 row = slot; row < rows; row += row_step) {
+#pragma unroll
+          for (int g = 0; g < NV; ++g) {
+            unpack16<T, VEC>(xraw[g], xh[g]);
+            unpack16<T, VEC>(draw[g], d[g]);
+          }
+          if (row + row_step < rows) fetch(row + row_step);
+          row_work(row);
+        }
+      }
+    }
+    if (!raw_prefetch) {
+      float xn[NV][VEC], dn[NV][VEC];
+      auto load_row = [&](i64 row, float(&xv)[NV][VEC], float(&dv)[NV][VEC]) {
+        load_groups_t_or_f32<T, NV, VEC, VECIO>(x, x_f32, row * stride_x, cols, xv);
+        load_groups<T, NV, VEC, VECIO>(dy + row * stride_dy, cols, dv);
+      };
+      if (slot < rows) load_row(slot, xn, dn);
+      for (i64 row = slot; row < rows; row += row_step) {
+#pragma unroll
+        for (int g = 0; g < NV; ++g)
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) {
+            xh[g][i] = xn[g][i];
+            d[g][i] = dn[g][i];
+          }
+        if (row + row_step < rows) load_row(row + row_step, xn, dn);
+        row_work(row);
       }
     }
 #pragma unroll
