@@ -134,7 +134,10 @@ class MasterAdamW:
                 state = self._state(p)
                 steps.append(state["step"])
                 model = self.models[p]
-                kind = (grad.dtype, model.dtype if model is not None else None)
+                # one launch per dtypes, and per alignment: 16-byte aligned tensors take the vectorized kernel
+                tensors = (p, grad, state["exp_avg"], state["exp_avg_sq"]) + (() if model is None else (model,))
+                aligned = all(t.data_ptr() % 16 == 0 for t in tensors)
+                kind = (grad.dtype, model.dtype if model is not None else None, aligned)
                 by_kind.setdefault(kind, []).append((p, grad, state, model))
             for kind, members in by_kind.items():
                 launches.append((gi, group, kind, members, beta1, beta2))
@@ -155,7 +158,7 @@ class MasterAdamW:
                         log2_beta2=math.log2(beta2) if beta2 > 0 else -math.inf,
                         eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
                         grad_scale=grad_scale, found_inf=found_inf, grad_dtype=kind[0], model_dtype=kind[1],
-                        block=self.block, warps=self.warps)
+                        block=self.block, warps=self.warps, aligned=kind[2])
 
     def _tables_for(self, key, members) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(work list, table, programs) for one launch. The work list, a (row, first element) pair per block, depends

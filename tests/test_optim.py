@@ -16,9 +16,25 @@ SHAPES = [(37, 19), (5,), (3, 130), (1,), (2100,)]  # odd sizes; 2100 spans seve
 BLOCK = 512
 
 
-def make(shapes, model_dtype, grad_on: str):
+def make(shapes, model_dtype, grad_on: str, unaligned: bool = False):
+    """Masters and their model copies; ``unaligned``: both laid out in flat buffers from element 1 on (4- and 2-byte
+    aligned addresses, as views into a flat parameter buffer may be), which the kernel must take element by element."""
     masters = [torch.randn(s, device=DEVICE) for s in shapes]
+    if unaligned:
+        flat = torch.empty(1 + sum(m.numel() for m in masters), device=DEVICE)
+        views, at = [], 1
+        for m in masters:
+            views.append(flat[at:at + m.numel()].view(m.shape).copy_(m))
+            at += m.numel()
+        masters = views
     models = [m.detach().to(model_dtype) if model_dtype is not None else None for m in masters]
+    if unaligned and model_dtype is not None:
+        flat = torch.empty(1 + sum(w.numel() for w in models), device=DEVICE, dtype=model_dtype)
+        views, at = [], 1
+        for w in models:
+            views.append(flat[at:at + w.numel()].view(w.shape).copy_(w))
+            at += w.numel()
+        models = views
     return masters, models
 
 
@@ -47,10 +63,16 @@ def assert_rounded(model: torch.Tensor, master: torch.Tensor, what: str) -> None
     (torch.bfloat16, "model", torch.bfloat16), (torch.bfloat16, "master", torch.float32),
     (torch.float16, "model", torch.float16), (None, "master", torch.float32)])
 @pytest.mark.parametrize("lr_tensor", [False, True])
-def test_master_adamw_matches_torch(model_dtype, grad_on, grad_dtype, lr_tensor):
+@pytest.mark.parametrize("unaligned", [False, True], ids=("aligned", "unaligned"))
+def test_master_adamw_matches_torch(model_dtype, grad_on, grad_dtype, lr_tensor, unaligned, monkeypatch):
+    from megakern import _optim_triton
+
     require_triton()
-    seed("master_adamw", model_dtype, grad_on, grad_dtype, lr_tensor)
-    masters, models = make(SHAPES, model_dtype, grad_on)
+    seed("master_adamw", model_dtype, grad_on, grad_dtype, lr_tensor, unaligned)
+    launched = []
+    launch = _optim_triton.launch
+    monkeypatch.setattr(_optim_triton, "launch", lambda *a, **k: launched.append(k["aligned"]) or launch(*a, **k))
+    masters, models = make(SHAPES, model_dtype, grad_on, unaligned)
     if model_dtype is None:
         models = [torch.zeros_like(m) for m in masters]  # the gradients' holders only; no copy is written
     ref = [m.detach().double().clone().requires_grad_() for m in masters]
@@ -81,6 +103,9 @@ def test_master_adamw_matches_torch(model_dtype, grad_on, grad_dtype, lr_tensor)
             if model_dtype is not None:
                 assert_rounded(models[j], m, f"step {i}: model weight {j}")
     assert set(opt.state_dict()["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+    # 16-byte aligned tensors take the vectorized launch, the others (most of the flat buffers' views) the
+    # element-wise one
+    assert (False in launched) if unaligned else set(launched) == {True}, launched
 
 
 def test_master_adamw_found_inf_skips_everything():
@@ -165,15 +190,20 @@ def compile_for_sm90():
 
     out = []
     for grad in (tl.bfloat16, tl.float32):
-        constexprs = {"LR_ON_DEVICE": True, "HAS_SCALE": True, "HAS_INF": True, "GRAD_DTYPE": grad,
-                      "MODEL_DTYPE": tl.bfloat16, "WRITE_MODEL": True, "ROUND_BY_BITS": False,
-                      "BLOCK": 4096}
-        types = {"WORK": "*i64", "TABLE": "*i64", "LR": "*fp32", "SCALE": "*fp32", "FOUND_INF": "*fp32"}
-        signature = {a: "constexpr" if a in constexprs else types.get(a, "fp32") for a in kern._adamw_kernel.arg_names}
-        src = ASTSource(fn=kern._adamw_kernel, signature=signature, constexprs=constexprs)
-        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=8))
+        for aligned in (False, True):
+            constexprs = {"LR_ON_DEVICE": True, "HAS_SCALE": True, "HAS_INF": True, "GRAD_DTYPE": grad,
+                          "MODEL_DTYPE": tl.bfloat16, "WRITE_MODEL": True, "ROUND_BY_BITS": False,
+                          "ALIGNED": aligned, "BLOCK": 4096}
+            types = {"WORK": "*i64", "TABLE": "*i64", "LR": "*fp32", "SCALE": "*fp32", "FOUND_INF": "*fp32"}
+            signature = {a: "constexpr" if a in constexprs else types.get(a, "fp32")
+                         for a in kern._adamw_kernel.arg_names}
+            src = ASTSource(fn=kern._adamw_kernel, signature=signature, constexprs=constexprs)
+            ptx = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=8)).asm["ptx"]
+            assert "st.global" in ptx
+            # aligned launches move whole blocks in 16-byte vectors (the masters, moments and gradients)
+            vectors = ptx.count("ld.global.v4") + ptx.count("st.global.v4")
+            assert (vectors >= 8) if aligned else vectors == 0, (str(grad), aligned, vectors)
         out.append(str(grad))
-        assert "st.global" in compiled.asm["ptx"]
     return out
 
 
