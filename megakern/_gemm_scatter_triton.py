@@ -17,8 +17,10 @@ between the launches (signals after launch 1, waits before launch 2) and buffer 
 Tiles: a persistent grid walks (chunk, row tile of (P, L), column tile) in GROUP_M-swizzled order. On Hopper (sm_90+)
 x and w are read by TMA through device-made tensor descriptors: x as a 4-D (P, n, L, K) descriptor, so a tile never
 reads the next chunk's rows (zeros past L); elsewhere (and for strides TMA cannot take) masked pointer loads. Stores
-are masked pointer stores (the destination may be another GPU's memory). fp32 inputs multiply in IEEE fp32 (no TF32);
-under the interpreter 16-bit tiles are upcast before the product. Launchers take tensors; no autograd.
+are masked pointer stores (the destination may be another GPU's memory), in 16-byte vectors: every
+``dest_ptrs`` address must be 16-byte aligned (symmetric-memory buffers are; megakern.parallel's workspace checks).
+fp32 inputs multiply in IEEE fp32 (no TF32); under the interpreter 16-bit tiles are upcast before the product.
+Launchers take tensors; no autograd.
 """
 from __future__ import annotations
 
@@ -97,7 +99,10 @@ def _gemm_scatter_kernel(X, W, DEST_PTRS, OUT, P, L, N, K, RANK, NCHUNK, CHUNKS,
     else:
         x_desc = X
         w_desc = W
-    own = tl.load(DEST_PTRS + RANK).to(tl.pointer_type(OUT.dtype.element_ty))
+    # the buffers' addresses come from a table, which tells the compiler nothing of their alignment: declared 16-byte
+    # aligned (as the callers guarantee), so that a thread's run of a tile row moves in 16-byte vectors rather than
+    # element by element (over NVLink, for the peers' stores)
+    own = tl.multiple_of(tl.load(DEST_PTRS + RANK).to(tl.pointer_type(OUT.dtype.element_ty)), 16)
     for tile in range(pid, CHUNKS * per_chunk, NUM_PROGRAMS):
         j = tile // per_chunk
         t = tile % per_chunk
@@ -140,7 +145,7 @@ def _gemm_scatter_kernel(X, W, DEST_PTRS, OUT, P, L, N, K, RANK, NCHUNK, CHUNKS,
             cols = col0 + tl.arange(0, BLOCK_N)
             mask = (rows < L)[:, None] & (cols < N)[None, :]
             offs = row_offs + cols[None, :]
-            dest = tl.load(DEST_PTRS + c).to(tl.pointer_type(OUT.dtype.element_ty))
+            dest = tl.multiple_of(tl.load(DEST_PTRS + c).to(tl.pointer_type(OUT.dtype.element_ty)), 16)
             tl.store(dest + RANK * slot + offs, acc.to(OUT.dtype.element_ty), mask=mask)
 
 
@@ -187,7 +192,8 @@ def _launch(x4: torch.Tensor, w: torch.Tensor, dest_ptrs: torch.Tensor, out: tor
 def scatter_partials(x4: torch.Tensor, w: torch.Tensor, dest_ptrs: torch.Tensor, rank: int, dtype: torch.dtype, *,
                      config: Config | None = None, tma: bool | None = None) -> None:
     """Launch 1 (see the module doc): x4 (P, n, L, K) @ w^T for every chunk but ``rank``'s, each into slot ``rank`` of
-    its owner's buffer (``dest_ptrs[c]``: the address of rank c's slots, (n, P * L, N) in ``dtype``)."""
+    its owner's buffer (``dest_ptrs[c]``: the address of rank c's slots, (n, P * L, N) in ``dtype``, 16-byte
+    aligned)."""
     marker = torch.empty(0, dtype=dtype, device=x4.device)  # the stores' element type
     _launch(x4, w, dest_ptrs, marker, rank, False, config, tma)
 

@@ -147,9 +147,11 @@ class SymmetricWorkspace:
             slot[0] = self._symm.empty(size, dtype=torch.uint8, device=self.device)
             slot[1] = self._symm.rendezvous(slot[0], self.group)
             # made here, outside any capture: a host-to-device copy cannot be captured
-            self._addresses[id(slot[1])] = torch.tensor(
-                [slot[1].get_buffer(peer, [1], torch.uint8, 0).data_ptr() for peer in range(self.size)],
-                dtype=torch.int64, device=self.device)
+            addresses = [slot[1].get_buffer(peer, [1], torch.uint8, 0).data_ptr() for peer in range(self.size)]
+            if any(a % 16 for a in addresses):  # the kernels store into them in 16-byte vectors
+                raise RuntimeError(f"SymmetricWorkspace: the {role!r} buffer is mapped at "
+                                   f"{[hex(a) for a in addresses]}, not all 16-byte aligned")
+            self._addresses[id(slot[1])] = torch.tensor(addresses, dtype=torch.int64, device=self.device)
             self.grown += 1
         return slot[1]
 

@@ -105,8 +105,9 @@ def test_refusals():
 
 
 def compile_for_sm90() -> list:
-    """(launch, shared memory bytes, uses wgmma, moves tiles by TMA) for both launches at the bf16 tile, w as stored
-    and transposed, and with sizes and rank of 1 as constants, compiled for sm_90 (TRITON_INTERPRET=0)."""
+    """(launch, shared memory bytes, uses wgmma, moves tiles by TMA, element-wise 16-bit global loads and stores) for
+    both launches at the bf16 tile, w as stored and transposed, and with sizes and rank of 1 as constants, compiled
+    for sm_90 (TRITON_INTERPRET=0), the sizes and strides divisible by 16 as the launcher specializes them."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -123,15 +124,18 @@ def compile_for_sm90() -> list:
         if ones:  # sizes and rank of 1 as a specializing launcher would pass them, made constants
             constexprs.update(P=1, RANK=1, CHUNKS=1)
         pointers = {"X": "*bf16", "W": "*bf16", "DEST_PTRS": "*i64", "OUT": "*bf16"}
-        signature = {a: "constexpr" if a in constexprs else pointers.get(a, "i32")
-                     for a in gs._gemm_scatter_kernel.arg_names}
+        names = gs._gemm_scatter_kernel.arg_names
+        signature = {a: "constexpr" if a in constexprs else pointers.get(a, "i32") for a in names}
+        divisible = [*pointers, "L", "N", "K", "stride_xp", "stride_xc", "stride_xl", "stride_wn"]
+        attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in divisible if a not in constexprs}
         compiled = triton.compile(ASTSource(fn=gs._gemm_scatter_kernel, signature=signature,
-                                            constexprs=constexprs),
+                                            constexprs=constexprs, attrs=attrs),
                                   target=GPUTarget("cuda", 90, 64),
                                   options=dict(num_warps=cfg.warps, num_stages=cfg.stages))
         ptx = compiled.asm["ptx"]
         results.append((f"{'reduce' if reduce else 'scatter'}{' w^T' if w_kn else ''}{' ones' if ones else ''}",
-                        compiled.metadata.shared, "wgmma" in ptx, "cp.async.bulk.tensor" in ptx))
+                        compiled.metadata.shared, "wgmma" in ptx, "cp.async.bulk.tensor" in ptx,
+                        ptx.count("st.global.b16") + ptx.count("ld.global.b16")))
     return results
 
 
@@ -141,6 +145,9 @@ def test_kernel_compiles_for_sm90():
 
     results = sm90_lowering("test_gemm_scatter", "compile_for_sm90()")
     assert [name for name, *_ in results] == ["scatter", "scatter w^T", "reduce", "reduce w^T", "reduce ones"]
-    for name, shared, wgmma, tma in results:
+    for name, shared, wgmma, tma, scalar in results:
         assert shared <= 227 * 1024, f"{name}: {shared} bytes of shared memory"
         assert wgmma and tma, f"{name}: wgmma {wgmma}, TMA {tma} in the sm_90 PTX"
+        # the tiles' stores to the peers and the loads of their partial sums through the table's addresses move in
+        # 16-byte vectors, not element by element
+        assert scalar == 0, f"{name}: {scalar} element-wise 16-bit global loads and stores"
