@@ -22,8 +22,8 @@ way), then dk and dv per key block, which recomputes q k^T and dO v^T (7 matmuls
 so it is bitwise reproducible; on the H200 it is also the faster one (Triton kernels, hs 128, T 4096: 321 against
 291 TFLOP/s causal, 349 against 304 full; see docs/tuning.md). On Hopper both passes run Gluon kernels for what the
 Gluon forward takes (GLUON_DQ, GLUON_BWD). ``deterministic=False`` computes dq in the
-dk/dv pass by fp32 atomic adds (a TMA reduce on Hopper): fewer FLOPs, results that vary in the last bits from run to
-run.
+dk/dv pass by fp32 atomic adds: fewer FLOPs, results that vary in the last bits from run to run, and on the H200
+slower than the default at every shape measured (docs/tuning.md).
 
 Packed q, k, v: when q, k and v are views of one fused qkv projection's output, either the three views ``[..., 0,
 :]``, ``[..., 1, :]``, ``[..., 2, :]`` of a (..., heads, 3, hs) tensor or, with grouped queries, its first nh, next nkv
