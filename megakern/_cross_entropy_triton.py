@@ -2,7 +2,9 @@
 
 A program reads its row of logits twice in blocks of BLOCK_V: first for the running max and the running sum of
 exp (online softmax, fp32; with label smoothing also the running sum of the logits), which give the row's
-log-sum-exp and loss; then again to write the gradient, softmax - target distribution, times the row's scale,
+log-sum-exp and loss; then again, last block first (those are the likeliest to be still in L2: a 128k-vocabulary
+bf16 row is 256 KB, and the rows in flight outgrow the L2), to write the gradient, softmax - target distribution,
+times the row's scale,
 into GRAD (which may be LOGITS itself: the fused linear cross-entropy overwrites each chunk's logits with their
 gradient). Ignored rows (target == ignore_index) get loss 0 and a zero gradient.
 
@@ -80,10 +82,13 @@ def _cross_entropy_kernel(
             loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - z_sum / V)
         tl.store(LOSS + row, loss)
         tl.store(LSE + row, lse)
-        # pass 2: grad = (softmax(z) - (1 - eps) onehot(target) - eps / V) * scale [* (1 - tanh^2)]
+        # pass 2: grad = (softmax(z) - (1 - eps) onehot(target) - eps / V) * scale [* (1 - tanh^2)], the row's
+        # blocks in reverse: the last ones pass 1 read are the likeliest to be still in L2
         if HAS_GRAD:
             scale = tl.load(SCALE).to(tl.float32)
-            for start in range(0, V, BLOCK_V):
+            blocks = tl.cdiv(V, BLOCK_V)
+            for i in range(0, blocks):
+                start = (blocks - 1 - i) * BLOCK_V
                 mask = start + cols < V
                 z = tl.load(logits + start + cols, mask=mask, other=0.0).to(tl.float32)
                 z = _softcapped(z, softcap, HAS_SOFTCAP)
