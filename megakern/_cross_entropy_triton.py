@@ -4,9 +4,8 @@ A program reads its row of logits twice in blocks of BLOCK_V: first for the runn
 exp (online softmax, fp32; with label smoothing also the running sum of the logits), which give the row's
 log-sum-exp and loss; then again, last block first (those are the likeliest to be still in L2: a 128k-vocabulary
 bf16 row is 256 KB, and the rows in flight outgrow the L2), to write the gradient, softmax - target distribution,
-times the row's scale,
-into GRAD (which may be LOGITS itself: the fused linear cross-entropy overwrites each chunk's logits with their
-gradient). Ignored rows (target == ignore_index) get loss 0 and a zero gradient.
+times the row's scale, into GRAD (which may be LOGITS itself: the fused linear cross-entropy overwrites each chunk's
+logits with their gradient). Ignored rows (target == ignore_index) get loss 0 and a zero gradient.
 
 With ``softcap`` s the logits are first squashed, z = s * tanh(logit / s) (Gemma 2), and the gradient carries the
 extra factor 1 - tanh^2.
