@@ -180,6 +180,18 @@ if AVAILABLE:
         return slot + 1
 
     @gluon.jit
+    def _store_rows(base, stride_t, tile, first_row, T, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+                    WARPS: gl.constexpr):
+        """A (ROWS, HEAD_DIM) tile of rows first_row.. (those below T) stored at base + row * stride_t: moved first
+        into a layout of 8 consecutive elements a thread, so that a row goes out in 16-byte stores (the wgmma
+        accumulator's layout gives a thread 2 consecutive elements, 4-byte stores that fill half of each sector)."""
+        st: gl.constexpr = gl.BlockedLayout([1, 8], [256 // HEAD_DIM, HEAD_DIM // 8], [WARPS, 1], [1, 0])
+        rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, st))
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, st))
+        gl.store(base + rows.to(gl.int64)[:, None] * stride_t + cols[None, :], gl.convert_layout(tile, st),
+                 mask=(rows < T)[:, None])
+
+    @gluon.jit
     def _turn_pass(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
         if PINGPONG:
             mbarrier.arrive(turn.index(1 - WG), count=1)
@@ -275,12 +287,9 @@ if AVAILABLE:
             l_use = gl.where(seen, l_i, 1.0)
             out = acc / gl.convert_layout(l_use, row_o)[:, None]
             lse = gl.where(seen, (m_i + gl.log2(l_use)) * 0.6931471805599453, float("-inf"))
-            rows_o = my_m + gl.arange(0, ROWS, layout=row_o)
-            cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
             bb = b.to(gl.int64)
-            o_ptrs = (O + bb * stride_ob + h.to(gl.int64) * stride_oh + rows_o.to(gl.int64)[:, None] * stride_ot
-                      + cols_o[None, :])
-            gl.store(o_ptrs, out.to(dtype), mask=(rows_o < TQ)[:, None])
+            _store_rows(O + bb * stride_ob + h.to(gl.int64) * stride_oh, stride_ot, out.to(dtype), my_m, TQ,
+                        ROWS, HEAD_DIM, WARPS)
             rows_l = my_m + gl.arange(0, ROWS, layout=row_s)
             gl.store(LSE + bb * stride_lb + h.to(gl.int64) * stride_lh + rows_l, lse, mask=rows_l < TQ)
 
@@ -486,15 +495,11 @@ if AVAILABLE:
                     cnt += 1
             mbarrier.arrive(kv_empty.index(kvs), count=1)
             i += 1
-            rows_o = my_n + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
-            cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-            mask = (rows_o < TK)[:, None]
             hh = hk.to(gl.int64)
-            r64 = rows_o.to(gl.int64)[:, None]
-            gl.store(DK + bb * stride_dkb + hh * stride_dkh + r64 * stride_dkt + cols_o[None, :],
-                     (dk * scale).to(dtype), mask=mask)
-            gl.store(DV + bb * stride_dvb + hh * stride_dvh + r64 * stride_dvt + cols_o[None, :],
-                     dv.to(dtype), mask=mask)
+            _store_rows(DK + bb * stride_dkb + hh * stride_dkh, stride_dkt, (dk * scale).to(dtype), my_n, TK, ROWS,
+                        HEAD_DIM, WARPS)
+            _store_rows(DV + bb * stride_dvb + hh * stride_dvh, stride_dvt, dv.to(dtype), my_n, TK, ROWS, HEAD_DIM,
+                        WARPS)
 
     @gluon.jit
     def _attn_bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, DQ, stride_lb, stride_lh,
@@ -657,6 +662,8 @@ if AVAILABLE:
                 _delta(o, do, DELTA + stats, rows_o, TQ, o_layout, row_s)
             mbarrier.arrive(q_empty.index(qs), count=1)
             i += 1
+            # in the accumulator's layout: the 16-byte store's layout conversion needs 16 KiB of shared memory more,
+            # which head dim 128 lacks here
             gl.store(DQ + bb * stride_dqb + hh * stride_dqh + r64 * stride_dqt + cols_o[None, :],
                      (dq * scale).to(dtype), mask=(rows_o < TQ)[:, None])
 

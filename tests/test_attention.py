@@ -401,9 +401,10 @@ def test_kernels_compile_for_sm90_with_wgmma(hs, tma):
 
 # ---- the Gluon forward (Hopper) ---------------------------------------------------------------------------------
 def _compile_gluon(fn, constexprs: dict, tiles: dict, pointers: dict, hs: int):
-    """(shared memory bytes, uses wgmma, warp-specialized (setmaxnreg), waits on mbarriers) of Gluon kernel ``fn``
-    compiled for sm_90: ``tiles`` {argument: rows} are bf16 (B, T, heads, hs) descriptors of (1, rows, 1, hs)
-    tiles, ``pointers`` {argument: type}, fp32 for the scales, i32 for the other scalars."""
+    """(shared memory bytes, uses wgmma, warp-specialized (setmaxnreg), waits on mbarriers, 16-byte global stores)
+    of Gluon kernel ``fn`` compiled for sm_90: ``tiles`` {argument: rows} are bf16 (B, T, heads, hs) descriptors of
+    (1, rows, 1, hs) tiles, ``pointers`` {argument: type}, fp32 for the scales, i32 for the other scalars (the
+    pointers and strides divisible by 16, as the launcher specializes them)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -417,10 +418,14 @@ def _compile_gluon(fn, constexprs: dict, tiles: dict, pointers: dict, hs: int):
     types = {name: desc(rows) for name, rows in tiles.items()} | pointers
     signature = {name: "constexpr" if name in constexprs else types.get(
         name, "fp32" if name.startswith("scale") else "i32") for name in fn.arg_names}
-    compiled = triton.compile(GluonASTSource(fn=fn, signature=signature, constexprs=constexprs),
+    names = list(fn.arg_names)
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name, t in signature.items()
+             if t.startswith("*") or (t == "i32" and name.startswith("stride"))}
+    compiled = triton.compile(GluonASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                               target=GPUTarget("cuda", 90, 64), options=dict(num_warps=constexprs["num_warps"]))
     ptx = compiled.asm["ptx"]
-    return compiled.metadata.shared, "wgmma.mma_async" in ptx, "setmaxnreg" in ptx, "mbarrier.try_wait" in ptx
+    return (compiled.metadata.shared, "wgmma.mma_async" in ptx, "setmaxnreg" in ptx, "mbarrier.try_wait" in ptx,
+            "st.global.v4" in ptx)
 
 
 def compile_gluon_for_sm90(hs: int, causal: bool, pingpong: bool):
@@ -478,9 +483,13 @@ def test_gluon_kernels_compile_for_sm90(hs, causal, kernel):
     result = sm90_lowering("test_attention", call)
     if result is None:
         pytest.skip("this Triton has no Gluon (Triton >= 3.5)")
-    shared, wgmma, specialized, mbarriers = result
+    shared, wgmma, specialized, mbarriers, vector_stores = result
     assert wgmma and specialized and mbarriers, result
     assert shared <= 227 * 1024, f"{shared} bytes of shared memory"
+    # the output tiles (o; dk and dv) leave in 16-byte stores; the dq pass at head dim 128 lacks the shared memory for
+    # the layout conversion and stores from the accumulator's layout
+    if kernel in ("forward", "forward-one-consumer", "dkdv", "dkdv-atomic"):
+        assert vector_stores, f"{kernel}: no 16-byte global stores"
 
 
 def test_gluon_dispatch():
