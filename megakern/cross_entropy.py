@@ -169,9 +169,20 @@ def _fp32_accumulating_mm(device: torch.device) -> bool:
         a = torch.ones(16, 16, dtype=torch.bfloat16, device=device)
         c = torch.ones(16, 16, dtype=torch.float32, device=device)
         torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
-        return bool((c == 17).all())
+        first = torch.mm(a, a, out_dtype=torch.float32)
+        return bool((c == 17).all()) and first.dtype == torch.float32 and bool((first == 16).all())
     except Exception:  # an older torch without out_dtype, or no such kernel for this device
         return False
+
+
+def first_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b as a new fp32 tensor, accumulated in fp32 where the GEMM can: the first term of accumulate_mm's sums
+    (no zero-filled accumulator to write and read back first)."""
+    if a.dtype == torch.float32:
+        return a @ b
+    if _fp32_accumulating_mm(a.device):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return (a @ b).float()
 
 
 def accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -213,10 +224,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         losses = torch.empty(n, dtype=torch.float32, device=x.device)
         grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_dx else None
         one_chunk = chunk >= n
-        grad_w = None
-        if need_dw:
-            grad_w = torch.empty_like(weight) if one_chunk else torch.zeros(weight.shape, dtype=torch.float32,
-                                                                           device=x.device)
+        # the weight's gradient: one chunk's GEMM written in the weight's dtype, or chunks' products summed in fp32
+        # (the first one makes the accumulator)
+        # (no rows: a zero gradient, which no GEMM writes)
+        grad_w = (torch.zeros_like(weight) if n == 0 else torch.empty_like(weight)) if need_dw and one_chunk else None
         grad_b = torch.zeros(vocab, dtype=torch.float32, device=x.device) if need_db else None
         bias_c = None if bias is None else bias.to(x.dtype)
         for start in range(0, n, chunk):
@@ -232,6 +243,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             if need_dw:
                 if one_chunk:
                     torch.mm(logits.t(), x_c, out=grad_w)
+                elif grad_w is None:
+                    grad_w = first_mm(logits.t(), x_c)
                 else:
                     accumulate_mm(grad_w, logits.t(), x_c)
             if need_db:

@@ -317,3 +317,20 @@ def test_backward_scale_kernel_rounds_as_torch(dtype, n):
         assert torch.equal(out, want), (out - want).abs().max()
         assert torch.equal(x, before)
     assert kern.scale(x[:0], torch.ones(1, device=DEVICE)).numel() == 0
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_linear_cross_entropy_without_rows_gives_zero_gradients(reduction):
+    """No rows at all: the loss of an empty batch (0, or NaN for "mean" as torch), and exactly zero weight and bias
+    gradients (no GEMM runs to write them)."""
+    require_triton()
+    x = torch.randn(0, 16, device=DEVICE, requires_grad=True)
+    w = torch.randn(37, 16, device=DEVICE, requires_grad=True)
+    b = torch.randn(37, device=DEVICE, requires_grad=True)
+    loss = linear_cross_entropy(x, w, torch.zeros(0, dtype=torch.long, device=DEVICE), bias=b, reduction=reduction,
+                                backend="triton")
+    assert (loss.item() == 0) if reduction == "sum" else torch.isnan(loss)
+    loss.backward()
+    assert torch.equal(w.grad, torch.zeros_like(w)) and torch.equal(b.grad, torch.zeros_like(b))
+    assert x.grad.shape == (0, 16)
+
