@@ -152,54 +152,51 @@ def _rank(rank: int, tp: int, port: int, args, queue) -> None:
             pass
     calls, warmup = (30, 8) if device.type == "cuda" else (5, 1)
     figures = []  # (case, mode, provider, timing, tflops)
-    try:
-        for m, k, n in shapes(device, args.quick):
-            for op in OPS:
-                case = f"{op} M={m} K={k} N={n} tp={tp} {'bf16' if dtype == torch.bfloat16 else 'fp32'}"
-                x, w = _operands(op, m, k, n, tp, rank, device, dtype)
-                ref = _provider("unfused", op, group, ws, tp)(x, w)
-                flops = 2 * m * k * n / tp
-                for name in PROVIDERS:
-                    if args.providers and name not in args.providers:
-                        continue
-                    fn = _provider(name, op, group, ws, tp)
-                    if fn is None:
-                        continue
-                    if name == "gemm" and op == "ag+gemm":  # the GEMM over the gathered rows, already in place
-                        x_full = x.repeat(tp, 1)
-                        fn = (lambda f, xf: lambda x_, w_: f(xf, w_))(fn, x_full)
-                    try:
-                        if name != "gemm":
-                            check_outputs(("out",), (fn(x, w),), (ref,), 2e-2 if dtype == torch.bfloat16 else 1e-4,
-                                          1e-2)
-                        timing = timed_on_ranks(lambda: fn(x, w), device, calls, warmup, align=True)
-                        figures.append((case, "fwd", name, timing, flops / (timing["median"] * 1e-3) / 1e12))
-                        if device.type == "cuda":
-                            replay = _graphed(lambda: fn(x, w), ws)
-                            timing = {key: v / 2 for key, v in
-                                      timed_on_ranks(replay, device, calls, warmup, align=True).items()}
-                            figures.append((case, "fwd-graph", name, timing,
-                                            flops / (timing["median"] * 1e-3) / 1e12))
-                        if name in ("unfused", "megakern", "megakern-kernel"):
-                            xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
-                            dy = torch.randn_like(fn(xg, wg))
+    for m, k, n in shapes(device, args.quick):
+        for op in OPS:
+            case = f"{op} M={m} K={k} N={n} tp={tp} {'bf16' if dtype == torch.bfloat16 else 'fp32'}"
+            x, w = _operands(op, m, k, n, tp, rank, device, dtype)
+            ref = _provider("unfused", op, group, ws, tp)(x, w)
+            flops = 2 * m * k * n / tp
+            for name in PROVIDERS:
+                if args.providers and name not in args.providers:
+                    continue
+                fn = _provider(name, op, group, ws, tp)
+                if fn is None:
+                    continue
+                if name == "gemm" and op == "ag+gemm":  # the GEMM over the gathered rows, already in place
+                    x_full = x.repeat(tp, 1)
+                    fn = (lambda f, xf: lambda x_, w_: f(xf, w_))(fn, x_full)
+                try:
+                    if name != "gemm":
+                        check_outputs(("out",), (fn(x, w),), (ref,), 2e-2 if dtype == torch.bfloat16 else 1e-4,
+                                      1e-2)
+                    timing = timed_on_ranks(lambda: fn(x, w), device, calls, warmup, align=True)
+                    figures.append((case, "fwd", name, timing, flops / (timing["median"] * 1e-3) / 1e12))
+                    if device.type == "cuda":
+                        replay = _graphed(lambda: fn(x, w), ws)
+                        timing = {key: v / 2 for key, v in
+                                  timed_on_ranks(replay, device, calls, warmup, align=True).items()}
+                        figures.append((case, "fwd-graph", name, timing,
+                                        flops / (timing["median"] * 1e-3) / 1e12))
+                    if name in ("unfused", "megakern", "megakern-kernel"):
+                        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+                        dy = torch.randn_like(fn(xg, wg))
 
-                            def step():
-                                return torch.autograd.grad(fn(xg, wg), (xg, wg), dy)
+                        def step():
+                            return torch.autograd.grad(fn(xg, wg), (xg, wg), dy)
 
-                            timing = timed_on_ranks(step, device, calls, warmup, align=True)
-                            figures.append((case, "fwd+bwd", name, timing,
-                                            3 * flops / (timing["median"] * 1e-3) / 1e12))
-                    except Exception as e:  # every rank fails the same check, or the run is broken anyway
-                        if rank == 0:
-                            report_failure(name, case, e)
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-        roofline = measure_matmul_tflops(device) if rank == 0 and device.type == "cuda" else None
-        if rank == 0:
-            queue.put((figures, roofline))
-    finally:
-        dist.destroy_process_group()
+                        timing = timed_on_ranks(step, device, calls, warmup, align=True)
+                        figures.append((case, "fwd+bwd", name, timing,
+                                        3 * flops / (timing["median"] * 1e-3) / 1e12))
+                except Exception as e:  # every rank fails the same check, or the run is broken anyway
+                    if rank == 0:
+                        report_failure(name, case, e)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    roofline = measure_matmul_tflops(device) if rank == 0 and device.type == "cuda" else None
+    if rank == 0:
+        queue.put((figures, roofline))
 
 
 def hidden_shares(figures) -> dict[tuple[str, str, str], float]:

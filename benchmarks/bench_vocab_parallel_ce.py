@@ -64,51 +64,48 @@ def _rank(rank: int, tp: int, port: int, args, chunks, queue) -> None:
     tol = 1e-3 if dtype == torch.float32 else 0.05
     calls, warmup = (20, 5) if device.type == "cuda" else (10, 2)
     figures = []  # (case, mode, provider, timing, tflops, gib)
-    try:
-        for n, c, v in shapes(device, args.quick):
-            case = f"N={n} C={c} V={v} tp={tp} {DTYPE_NAMES[dtype]}"
-            torch.manual_seed(0)  # the same inputs on every rank
-            x = torch.randn(n, c, device=device, dtype=dtype, requires_grad=True)
-            w_full = (torch.randn(v, c, device=device) / c ** 0.5).to(dtype)
-            w = w_full[rank * v // tp:(rank + 1) * v // tp].clone().requires_grad_()
-            del w_full
-            t = torch.randint(0, v, (n,), device=device)
-            t[torch.rand(n, device=device) < IGNORED] = -100
-            from megakern.parallel.cross_entropy import vocab_parallel_cross_entropy
+    for n, c, v in shapes(device, args.quick):
+        case = f"N={n} C={c} V={v} tp={tp} {DTYPE_NAMES[dtype]}"
+        torch.manual_seed(0)  # the same inputs on every rank
+        x = torch.randn(n, c, device=device, dtype=dtype, requires_grad=True)
+        w_full = (torch.randn(v, c, device=device) / c ** 0.5).to(dtype)
+        w = w_full[rank * v // tp:(rank + 1) * v // tp].clone().requires_grad_()
+        del w_full
+        t = torch.randint(0, v, (n,), device=device)
+        t[torch.rand(n, device=device) < IGNORED] = -100
+        from megakern.parallel.cross_entropy import vocab_parallel_cross_entropy
 
-            x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
-            ref = vocab_parallel_cross_entropy(x32 @ w32.t(), t, group)
-            ref = [r.detach() for r in (ref, *torch.autograd.grad(ref, (x32, w32)))]
-            del x32, w32
-            for name in PROVIDERS:
-                if args.providers and name not in args.providers:
-                    continue
-                for chunk in [None] + (chunks if name == "megakern" else []):
-                    mode = "fwd+bwd" + (f" chunk={chunk}" if chunk else "")
-                    fn = _fn(name, group, chunk)
+        x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+        ref = vocab_parallel_cross_entropy(x32 @ w32.t(), t, group)
+        ref = [r.detach() for r in (ref, *torch.autograd.grad(ref, (x32, w32)))]
+        del x32, w32
+        for name in PROVIDERS:
+            if args.providers and name not in args.providers:
+                continue
+            for chunk in [None] + (chunks if name == "megakern" else []):
+                mode = "fwd+bwd" + (f" chunk={chunk}" if chunk else "")
+                fn = _fn(name, group, chunk)
 
-                    def step():
-                        return torch.autograd.grad(fn(x, w, t), (x, w))
+                def step():
+                    return torch.autograd.grad(fn(x, w, t), (x, w))
 
-                    try:
-                        loss = fn(x, w, t)
-                        check_outputs(("loss", "dx (partial)", "dweight"), (loss, *torch.autograd.grad(loss, (x, w))),
-                                      ref, tol, 1e-3)
-                        timing = timed_on_ranks(step, device, calls, warmup)
-                        tflops = 6 * n * c * (v // tp) / (timing["median"] * 1e-3) / 1e12
-                        figures.append((case, mode, name, timing, tflops, peak_gib(step, device)))
-                    except Exception as e:  # every rank fails the same check, or the run is broken anyway
-                        if rank == 0:
-                            report_failure(name, case, e)
-                    finally:
-                        if device.type == "cuda":
-                            torch.cuda.empty_cache()
-            del ref
-        roofline = measure_matmul_tflops(device) if rank == 0 else None
-        if rank == 0:
-            queue.put((figures, roofline))
-    finally:
-        dist.destroy_process_group()
+                try:
+                    loss = fn(x, w, t)
+                    check_outputs(("loss", "dx (partial)", "dweight"), (loss, *torch.autograd.grad(loss, (x, w))),
+                                  ref, tol, 1e-3)
+                    timing = timed_on_ranks(step, device, calls, warmup)
+                    tflops = 6 * n * c * (v // tp) / (timing["median"] * 1e-3) / 1e12
+                    figures.append((case, mode, name, timing, tflops, peak_gib(step, device)))
+                except Exception as e:  # every rank fails the same check, or the run is broken anyway
+                    if rank == 0:
+                        report_failure(name, case, e)
+                finally:
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+        del ref
+    roofline = measure_matmul_tflops(device) if rank == 0 else None
+    if rank == 0:
+        queue.put((figures, roofline))
 
 
 def main(argv: list[str] | None = None) -> Results:

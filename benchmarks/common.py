@@ -136,7 +136,7 @@ def tp_sizes(requested: list[int] | None, device, defaults: tuple[int, ...], ben
 
 def run_ranks(fn: Callable, world: int, *args):
     """``fn(rank, world, port, *args, queue)`` in ``world`` spawned processes on a free local port (each calls
-    init_rank); returns what rank 0 put on the queue."""
+    init_rank; the process group is ended for it, see ``_rank_main``); returns what rank 0 put on the queue."""
     import socket
 
     import torch.multiprocessing as mp
@@ -145,8 +145,31 @@ def run_ranks(fn: Callable, world: int, *args):
     with socket.socket() as sock:  # a free port for the run's rendezvous
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    mp.start_processes(fn, args=(world, port, *args, queue), nprocs=world, join=True, start_method="spawn")
+    mp.start_processes(_rank_main, args=(fn, world, port, *args, queue), nprocs=world, join=True,
+                       start_method="spawn")
     return queue.get()
+
+
+def _rank_main(rank: int, fn: Callable, *args) -> None:
+    """A spawned rank: ``fn(rank, *args)``, then the end of its process group, whether fn returned or raised. After
+    a normal return every rank waits for the others (a barrier) before destroying it, and the objects that still
+    hold the group (often in reference cycles of fn's closures) are collected at once: gloo's threads then end here,
+    not in the interpreter's teardown, where a thread left running aborted the process ("terminate called without an
+    active exception", a rank killed by SIGABRT now and then)."""
+    import gc
+
+    import torch.distributed as dist
+
+    finished = False
+    try:
+        fn(rank, *args)
+        finished = True
+    finally:
+        if dist.is_initialized():
+            if finished:
+                dist.barrier()
+            dist.destroy_process_group()
+        gc.collect()
 
 
 def timed_on_ranks(fn: Callable[[], object], device, calls: int, warmup: int, align: bool = False) -> dict[str, float]:
