@@ -175,24 +175,41 @@ def _fp32_accumulating_mm(device: torch.device) -> bool:
         return False
 
 
-def first_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b as a new fp32 tensor, accumulated in fp32 where the GEMM can: the first term of accumulate_mm's sums
-    (no zero-filled accumulator to write and read back first)."""
-    if a.dtype == torch.float32:
-        return a @ b
-    if _fp32_accumulating_mm(a.device):
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return (a @ b).float()
-
-
-def accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc (fp32) += a @ b, a and b possibly in a lower precision (accumulated in fp32 where the GEMM can)."""
+def accumulate_mm(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """acc (fp32, or fp64) + a @ b, a and b possibly in a lower precision (accumulated in fp32 where the GEMM can),
+    in place; ``acc`` None: a @ b as a new tensor of at least fp32 (the first term of a sum over chunks: no zero-filled accumulator to
+    write and read back first). Returns the accumulator."""
+    if acc is None:
+        if a.dtype in (torch.float32, torch.float64):
+            return a @ b
+        if _fp32_accumulating_mm(a.device):
+            return torch.mm(a, b, out_dtype=torch.float32)
+        return (a @ b).float()
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)
     elif _fp32_accumulating_mm(acc.device):
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     else:
         acc.add_(a @ b)
+    return acc
+
+
+def scale_gradients(grads, factor: torch.Tensor) -> list:
+    """Each of ``grads`` (None stays None) times the one-element ``factor`` (a loss's incoming gradient), computed in
+    at least fp32 and returned in the gradient's dtype: the backward of a loss whose gradients were made in its forward.
+    Contiguous fp32 / fp16 / bf16 tensors where Triton runs take megakern's kernel (the factor read on the device,
+    vectorized); torch's ``t * factor`` with a 0-d CUDA factor takes its broadcasting kernel, at about a quarter of
+    copy bandwidth on a 128k-vocabulary weight gradient."""
+    g = factor.to(torch.promote_types(factor.dtype, torch.float32))
+    out = []
+    for t in grads:
+        if t is None:
+            out.append(None)
+        elif t.is_contiguous() and t.dtype in FLOAT_DTYPES and not _backend.triton_problem(t.device):
+            out.append(_kernels().scale(t, g))
+        else:
+            out.append((t * g).to(t.dtype))
+    return out
 
 
 def _scale(targets, ignore_index, reduction, device) -> torch.Tensor:
@@ -225,7 +242,6 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_dx else None
         one_chunk = chunk >= n
         # the weight's gradient: one chunk's GEMM written in the weight's dtype, or chunks' products summed in fp32
-        # (the first one makes the accumulator)
         # (no rows: a zero gradient, which no GEMM writes)
         grad_w = (torch.zeros_like(weight) if n == 0 else torch.empty_like(weight)) if need_dw and one_chunk else None
         grad_b = torch.zeros(vocab, dtype=torch.float32, device=x.device) if need_db else None
@@ -243,10 +259,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             if need_dw:
                 if one_chunk:
                     torch.mm(logits.t(), x_c, out=grad_w)
-                elif grad_w is None:
-                    grad_w = first_mm(logits.t(), x_c)
                 else:
-                    accumulate_mm(grad_w, logits.t(), x_c)
+                    grad_w = accumulate_mm(grad_w, logits.t(), x_c)
             if need_db:
                 grad_b += logits.sum(0, dtype=torch.float32)
             del logits  # before the next chunk's logits are allocated
@@ -256,12 +270,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_x, grad_w, grad_b = ctx.saved_tensors
-        g = grad_loss.to(torch.float32)
-        scale = _kernels().scale
-        grads = [None if t is None else scale(t, g) if t.is_contiguous() and t.dtype in FLOAT_DTYPES
-                 else (t * g).to(t.dtype) for t in (grad_x, grad_w, grad_b)]
-        return (*grads, None, None, None, None, None, None)
+        return (*scale_gradients(ctx.saved_tensors, grad_loss), None, None, None, None, None, None)
 
 
 class CrossEntropyFunction(torch.autograd.Function):

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from megakern import op_backends
 from megakern.cross_entropy import (accumulate_mm, autocast_inputs, check_inputs, default_chunk,
-                                    linear_cross_entropy)
+                                    linear_cross_entropy, scale_gradients)
 from megakern.parallel.mappings import all_gather, group_rank, group_size
 
 
@@ -149,17 +149,24 @@ class _Shard:
         return counted, mine, local.masked_fill(~mine, 0).long()[:, None]
 
 
-def _chunk_grads(dz, x_c, weight, grad_x_c, grad_w, grad_b) -> None:
-    """From the chunk's fp32 d(loss)/d(logits) dz: this rank's partial dx rows, dW and db accumulated."""
+def _chunk_grads(dz, x_c, weight, grad_x_c, need_w: bool, grad_w, grad_b):
+    """From the chunk's fp32 d(loss)/d(logits) dz: this rank's partial dx rows and db, and dW accumulated (made by
+    the first chunk: ``grad_w`` None); returns dW (None without ``need_w``)."""
     if grad_b is not None:
         grad_b += dz.sum(0)
-    if grad_x_c is None and grad_w is None:
-        return
+    if grad_x_c is None and not need_w:
+        return grad_w
     g = dz.to(x_c.dtype)
     if grad_x_c is not None:
         torch.mm(g, weight, out=grad_x_c)
-    if grad_w is not None:
-        accumulate_mm(grad_w, g.t(), x_c)
+    return accumulate_mm(grad_w, g.t(), x_c) if need_w else None
+
+
+def _weight_grad(grad_w, need_w: bool, weight):
+    """dW in the weight's dtype; zeros where no chunk made one (no rows)."""
+    if not need_w:
+        return None
+    return torch.zeros_like(weight) if grad_w is None else grad_w.to(weight.dtype)
 
 
 class _VocabParallelLinearCE(torch.autograd.Function):
@@ -177,7 +184,7 @@ class _VocabParallelLinearCE(torch.autograd.Function):
         losses = torch.empty(n, dtype=shard.compute, device=x.device)
         lse_all = None if now or not any(need) else torch.empty(n, dtype=shard.compute, device=x.device)
         grad_x = torch.empty_like(x, memory_format=torch.contiguous_format) if now and need[0] else None
-        grad_w = torch.zeros(weight.shape, dtype=shard.compute, device=x.device) if now and need[1] else None
+        grad_w = None  # the chunks' sum, made by the first
         grad_b = torch.zeros(shard.rows, dtype=shard.compute, device=x.device) if now and need[2] else None
         bias_c = None if bias is None else bias.to(x.dtype)
         for start in range(0, n, chunk):
@@ -203,11 +210,12 @@ class _VocabParallelLinearCE(torch.autograd.Function):
                 row = torch.where(counted, scale.to(z.dtype), 0.0)
                 z.mul_((torch.exp(shift - lse) * row)[:, None])
                 z.scatter_add_(1, index, (-row * mine)[:, None])
-                _chunk_grads(z, x_c, weight, None if grad_x is None else grad_x[start:end], grad_w, grad_b)
+                grad_w = _chunk_grads(z, x_c, weight, None if grad_x is None else grad_x[start:end], need[1],
+                                      grad_w, grad_b)
             del z  # before the next chunk's logits are allocated
         ctx.now = now
         if now:
-            ctx.save_for_backward(grad_x, None if grad_w is None else grad_w.to(weight.dtype),
+            ctx.save_for_backward(grad_x, _weight_grad(grad_w, need[1], weight),
                                   None if grad_b is None else grad_b.to(bias.dtype))
         elif any(need):
             ctx.save_for_backward(x, weight, bias, targets, lse_all)
@@ -220,13 +228,11 @@ class _VocabParallelLinearCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_losses):
         if ctx.now:  # the gradients of the loss were made in the forward: scaled by the incoming scalar
-            g = grad_losses.to(torch.promote_types(grad_losses.dtype, torch.float32))
-            grads = [None if t is None else (t * g).to(t.dtype) for t in ctx.saved_tensors]
-            return (*grads, None, None, None, None, None, None, None)
+            return (*scale_gradients(ctx.saved_tensors, grad_losses), None, None, None, None, None, None, None)
         x, weight, bias, targets, lse_all = ctx.saved_tensors
         shard, need = ctx.shard, ctx.needs_input_grad[:3]
         grad_x = torch.empty_like(x, memory_format=torch.contiguous_format) if need[0] else None
-        grad_w = torch.zeros(weight.shape, dtype=shard.compute, device=x.device) if need[1] else None
+        grad_w = None  # the chunks' sum, made by the first
         grad_b = torch.zeros(shard.rows, dtype=shard.compute, device=x.device) if need[2] else None
         bias_c = None if bias is None else bias.to(x.dtype)
         for start in range(0, x.shape[0], ctx.chunk):  # recomputed from the global lse: no collective
@@ -237,9 +243,10 @@ class _VocabParallelLinearCE(torch.autograd.Function):
             row = grad_losses[start:end].to(z.dtype).masked_fill(~counted, 0.0)
             z.sub_(lse_all[start:end, None]).exp_().mul_(row[:, None])
             z.scatter_add_(1, index, (-row * mine)[:, None])
-            _chunk_grads(z, x_c, weight, None if grad_x is None else grad_x[start:end], grad_w, grad_b)
+            grad_w = _chunk_grads(z, x_c, weight, None if grad_x is None else grad_x[start:end], need[1], grad_w,
+                                  grad_b)
             del z
-        return (grad_x, None if grad_w is None else grad_w.to(weight.dtype),
+        return (grad_x, _weight_grad(grad_w, need[1], weight),
                 None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None, None, None)
 
 
