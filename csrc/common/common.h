@@ -34,18 +34,27 @@ template <typename T> __device__ __forceinline__ float round_to(float v) { retur
 // ---- N consecutive elements of S <-> float[N] --------------------------------------------------------
 // VECTORIZED: p is 16-byte aligned and all N elements exist; moved as 16-byte transactions.
 // Otherwise element by element, the first `valid` only (loads give 0 beyond).
+// N elements of S held as raw 16-byte chunks (loaded earlier, e.g. all of a thread's loads at once) as floats.
+template <typename S, int N>
+__device__ __forceinline__ void unpack16(const uint4* raw, float (&out)[N]) {
+  static_assert((N * sizeof(S)) % 16 == 0, "whole 16-byte chunks");
+  constexpr int PER = 16 / sizeof(S);
+#pragma unroll
+  for (int c = 0; c < N / PER; ++c) {
+    const S* e = reinterpret_cast<const S*>(&raw[c]);
+#pragma unroll
+    for (int i = 0; i < PER; ++i) out[c * PER + i] = to_float(e[i]);
+  }
+}
+
 template <typename S, int N>
 __device__ __forceinline__ void load_n(const S* __restrict__ p, float (&out)[N], int valid, bool vectorized) {
   static_assert((N * sizeof(S)) % 16 == 0, "a group must be a whole number of 16-byte chunks");
   if (vectorized) {
-    constexpr int PER = 16 / sizeof(S);
+    uint4 raw[N * sizeof(S) / 16];
 #pragma unroll
-    for (int c = 0; c < N / PER; ++c) {
-      const uint4 raw = reinterpret_cast<const uint4*>(p)[c];
-      const S* e = reinterpret_cast<const S*>(&raw);
-#pragma unroll
-      for (int i = 0; i < PER; ++i) out[c * PER + i] = to_float(e[i]);
-    }
+    for (int c = 0; c < N * (int)sizeof(S) / 16; ++c) raw[c] = reinterpret_cast<const uint4*>(p)[c];
+    unpack16<S, N>(raw, out);
   } else {
 #pragma unroll
     for (int i = 0; i < N; ++i) out[i] = i < valid ? to_float(p[i]) : 0.f;
@@ -78,7 +87,7 @@ __device__ __forceinline__ void store_n(S* __restrict__ p, const float (&in)[N],
 template <typename S, int NV, int VEC, bool VECIO>
 __device__ __forceinline__ void load_groups(const S* __restrict__ row, int cols, float (&v)[NV][VEC]) {
   if constexpr (VECIO) {
-    constexpr int CH = VEC * sizeof(S) / 16, PER = 16 / sizeof(S);
+    constexpr int CH = VEC * sizeof(S) / 16;
     static_assert((VEC * sizeof(S)) % 16 == 0, "a group must be a whole number of 16-byte chunks");
     uint4 raw[NV][CH];
 #pragma unroll
@@ -89,13 +98,7 @@ __device__ __forceinline__ void load_groups(const S* __restrict__ row, int cols,
         raw[g][k] = c < cols ? reinterpret_cast<const uint4*>(row + c)[k] : make_uint4(0u, 0u, 0u, 0u);
     }
 #pragma unroll
-    for (int g = 0; g < NV; ++g)
-#pragma unroll
-      for (int k = 0; k < CH; ++k) {
-        const S* e = reinterpret_cast<const S*>(&raw[g][k]);
-#pragma unroll
-        for (int i = 0; i < PER; ++i) v[g][k * PER + i] = to_float(e[i]);
-      }
+    for (int g = 0; g < NV; ++g) unpack16<S, VEC>(raw[g], v[g]);
   } else {
 #pragma unroll
     for (int g = 0; g < NV; ++g) {
@@ -115,7 +118,7 @@ __device__ __forceinline__ void load_groups(const S* __restrict__ row, int cols,
 template <typename S, int ROWS, int NV, int VEC>
 __device__ __forceinline__ void load_rows_vec(const S* __restrict__ row0, i64 stride, int cols, int live,
                                               float (&v)[ROWS][NV][VEC]) {
-  constexpr int CH = VEC * sizeof(S) / 16, PER = 16 / sizeof(S);
+  constexpr int CH = VEC * sizeof(S) / 16;
   static_assert((VEC * sizeof(S)) % 16 == 0, "a group must be a whole number of 16-byte chunks");
   uint4 raw[ROWS][NV][CH];
 #pragma unroll
@@ -132,26 +135,7 @@ __device__ __forceinline__ void load_rows_vec(const S* __restrict__ row0, i64 st
 #pragma unroll
   for (int r = 0; r < ROWS; ++r)
 #pragma unroll
-    for (int g = 0; g < NV; ++g)
-#pragma unroll
-      for (int k = 0; k < CH; ++k) {
-        const S* e = reinterpret_cast<const S*>(&raw[r][g][k]);
-#pragma unroll
-        for (int i = 0; i < PER; ++i) v[r][g][k * PER + i] = to_float(e[i]);
-      }
-}
-
-// N elements of S held as raw 16-byte chunks (loaded earlier, e.g. all of a thread's loads at once) as floats.
-template <typename S, int N>
-__device__ __forceinline__ void unpack16(const uint4* raw, float (&out)[N]) {
-  static_assert((N * sizeof(S)) % 16 == 0, "whole 16-byte chunks");
-  constexpr int PER = 16 / sizeof(S);
-#pragma unroll
-  for (int c = 0; c < N / PER; ++c) {
-    const S* e = reinterpret_cast<const S*>(&raw[c]);
-#pragma unroll
-    for (int i = 0; i < PER; ++i) out[c * PER + i] = to_float(e[i]);
-  }
+    for (int g = 0; g < NV; ++g) unpack16<S, VEC>(raw[r][g], v[r][g]);
 }
 
 // Tensors whose dtype is either the kernel's T or fp32, chosen at run time (a uniform branch).
@@ -199,9 +183,7 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 template <typename S>
 __device__ __forceinline__ void load16(const S* p, float (&out)[16 / sizeof(S)]) {
   const uint4 raw = *reinterpret_cast<const uint4*>(p);
-  const S* e = reinterpret_cast<const S*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 16 / (int)sizeof(S); ++i) out[i] = to_float(e[i]);
+  unpack16<S, 16 / sizeof(S)>(&raw, out);
 }
 
 // ---- reductions --------------------------------------------------------------------------------------
