@@ -408,12 +408,19 @@ def test_cuda_staged_backward(op, case, setup, variant):
     without a row and others with several, against the fp64 reference (2x rule)."""
     from megakern import _norm_cuda
 
-    fwd, bwd = launchers_for(variant)
     shape, nv, threads = case
-    seed(op, shape, nv, setup, variant)
+    check_launch_override(op, shape, setup, variant, bwd_config=_norm_cuda.LaunchConfig(nv, threads, 1, staged=True))
+
+
+def check_launch_override(op, shape, setup, variant, fwd_config=None, bwd_config=None):
+    """The CUDA kernels of ``variant`` with a launch geometry forced on the forward and / or the backward, on bf16
+    inputs of ``shape``, against the fp64 reference (2x rule)."""
+    fwd, bwd = launchers_for(variant)
+    seed(op, shape, fwd_config, bwd_config, setup, variant)
     x, w, b, r = bf16_inputs(op, shape, setup)
-    config = _norm_cuda.LaunchConfig(nv, threads, 1, staged=True)
-    check_fwd_bwd(variant, op, torch.bfloat16, x, w, b, r, launchers=(fwd, functools.partial(bwd, config=config)))
+    launchers = (fwd if fwd_config is None else functools.partial(fwd, config=fwd_config),
+                 bwd if bwd_config is None else functools.partial(bwd, config=bwd_config))
+    check_fwd_bwd(variant, op, torch.bfloat16, x, w, b, r, launchers=launchers)
 
 
 # (shape, nv, threads, rows_per_block, row_batch): row counts that end in a partial batch; 1001 columns take the
@@ -433,12 +440,9 @@ def test_cuda_forward_row_batches(op, case, setup, variant):
     through both CUDA paths, against the fp64 reference (2x rule); the backward is the table's."""
     from megakern import _norm_cuda
 
-    fwd, bwd = launchers_for(variant)
     shape, nv, threads, rows_per_block, batch = case
-    seed(op, shape, nv, threads, batch, setup, variant)
-    x, w, b, r = bf16_inputs(op, shape, setup)
-    config = _norm_cuda.LaunchConfig(nv, threads, rows_per_block, row_batch=batch)
-    check_fwd_bwd(variant, op, torch.bfloat16, x, w, b, r, launchers=(functools.partial(fwd, config=config), bwd))
+    check_launch_override(op, shape, setup, variant,
+                          fwd_config=_norm_cuda.LaunchConfig(nv, threads, rows_per_block, row_batch=batch))
 
 
 def test_cuda_forward_refuses_a_launch_it_cannot_take():
