@@ -1,7 +1,7 @@
 """The language-model loss, forward + backward: logits = x @ W^T, cross-entropy against targets, gradients of x and W.
 
-Shapes: x (N, C), W (V, C), targets (N,) with N = B * T = 16384 tokens (--tokens), C in (1024, 4096), V in (50304,
-128256, 151936) (GPT-2's padded vocabulary, Llama 3's, Qwen 2's);
+Shapes: x (N, C), W (V, C), targets (N,) with N = B * T = 16384 tokens (--tokens), C in (1024, 2048, 4096)
+(--hidden), V in (50304, 128256, 151936) (GPT-2's padded vocabulary, Llama 3's, Qwen 2's);
 bf16 on CUDA, fp32 on CPU (smoke runs only).
 
 FLOPs: the three GEMMs, forward logits and the two gradients, 2 * N * C * V each:
@@ -21,7 +21,7 @@ Before timing, each provider's loss and gradients are checked against the fp32 r
 reported and skipped.
 
     python -m benchmarks.bench_cross_entropy [--quick] [--providers torch,megakern-triton] [--chunks 1024,4096]
-                                             [--tokens 8192]
+                                             [--tokens 8192] [--hidden 2048,4096]
 """
 
 import argparse
@@ -41,11 +41,14 @@ DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 IGNORED = 0.05  # fraction of targets set to ignore_index (-100), as padding would
 
 
-def shapes(device: torch.device, quick: bool, tokens: int = 16384) -> list[tuple[int, int, int]]:
-    """(N, C, V) cases; ``tokens`` (--tokens): N on CUDA."""
+HIDDEN = (1024, 2048, 4096)
+
+
+def shapes(device: torch.device, quick: bool, tokens: int = 16384, hidden=HIDDEN) -> list[tuple[int, int, int]]:
+    """(N, C, V) cases; ``tokens`` (--tokens): N on CUDA; ``hidden`` (--hidden): the values of C."""
     if device.type != "cuda":
         return [(13, 16, 67)]
-    cases = [(tokens, c, v) for c in (1024, 4096) for v in (50304, 128256, 151936)]
+    cases = [(tokens, c, v) for c in hidden for v in (50304, 128256, 151936)]
     return cases[:1] + cases[-1:] if quick else cases
 
 
@@ -120,10 +123,14 @@ def main(argv: list[str] | None = None) -> Results:
                             help="megakern chunk sizes to time besides the default (tokens per chunk)")
         parser.add_argument("--tokens", type=int, default=16384,
                             help="N, the tokens of every CUDA case (default 16384)")
+        parser.add_argument("--hidden", type=int_list, default=list(HIDDEN),
+                            help="C, the hidden sizes of the CUDA cases (default 1024,2048,4096)")
 
     args = parse_args(__doc__.splitlines()[0], argv, extra)
     if args.tokens < 1:
         raise SystemExit(f"bench_cross_entropy: --tokens must be >= 1, got {args.tokens}")
+    if not args.hidden or min(args.hidden) < 1:
+        raise SystemExit(f"bench_cross_entropy: --hidden must list sizes >= 1, got {args.hidden}")
     device = args.device
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tol = 1e-3 if dtype == torch.float32 else 0.05
@@ -131,7 +138,7 @@ def main(argv: list[str] | None = None) -> Results:
     results = Results(device)
     results.add_roofline("TFLOP/s", measure_matmul_tflops(device))
     torch.manual_seed(0)
-    for n, c, v in shapes(device, args.quick, args.tokens):
+    for n, c, v in shapes(device, args.quick, args.tokens, args.hidden):
         case = f"N={n} C={c} V={v} {DTYPE_NAMES[dtype]}"
         x = torch.randn(n, c, device=device, dtype=dtype, requires_grad=True)
         w = (torch.randn(v, c, device=device) / c ** 0.5).to(dtype).requires_grad_()
