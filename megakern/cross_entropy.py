@@ -11,8 +11,8 @@ rows that count (NaN when none does, as torch). With ``softcap`` s the logits ar
 
 ``linear_cross_entropy(x, weight, targets)``: the loss of logits = x @ weight^T (+ bias), x (N, C) (or (..., C)
 with targets (...)), weight (V, C), without the (N, V) fp32 logits (Liger's fused linear cross-entropy). Tokens go
-in chunks of ``chunk_size`` (default ``default_chunk``: one chunk where the logits in x's dtype take no more memory
-than the fp32 weight gradient chunks would accumulate, else chunks of logits under 256 MiB); per chunk:
+in chunks of ``chunk_size`` (default ``default_chunk``: the fewest chunks whose memory stays within twice the fp32
+weight gradient that chunking accumulates, 8 V C bytes; larger chunks are faster); per chunk:
 
     logits_c  = x_c @ W^T                  in x's dtype (tensor cores), (chunk, V)
     kernel:     loss_c, and d(loss)/d(logits_c) written over logits_c      fp32 math, online over V in blocks
@@ -142,15 +142,23 @@ def check_inputs(x, weight, targets, bias, ignore_index, reduction, label_smooth
 
 
 def default_chunk(rows: int, vocab: int, itemsize: int, hidden: int | None = None) -> int:
-    """Tokens per chunk: the largest power of two whose logits fit CHUNK_BYTES, between 256 and 8192, at most
-    ``rows``. ``hidden`` (C, given when the weight takes a gradient): all ``rows`` in one chunk where their logits
-    take no more memory than the fp32 weight gradient that chunks would accumulate (rows * itemsize <= 4 * C): one
-    chunk's weight gradient is one GEMM written in the weight's dtype, with no accumulator to read and write back
-    for every chunk."""
-    if hidden is not None and rows * itemsize <= 4 * hidden:
-        return max(1, rows)
+    """Tokens per chunk of logits in ``itemsize``-byte elements.
+
+    ``hidden`` (C, given when the weight takes a gradient): the fewest chunks within a budget of 8 * V * C bytes,
+    twice the fp32 weight gradient that chunks accumulate: all ``rows`` in one chunk where their logits fit it (the
+    weight gradient is then one GEMM written in the weight's dtype, with no accumulator), else chunks of
+    4 * C / itemsize rows (a power of two), whose logits take as much as the fp32 accumulator beside them. Fewer,
+    larger chunks are faster: each chunk reads and writes the whole accumulator, and larger GEMMs run closer to the
+    roofline (docs/tuning.md). Without ``hidden`` (no accumulator): the largest power of two whose logits fit
+    CHUNK_BYTES, between 256 and 8192. Every chunk is at most ``rows``."""
     fit = max(1, CHUNK_BYTES // max(1, vocab * itemsize))
-    return max(1, min(rows, max(256, min(8192, 1 << (fit.bit_length() - 1)))))
+    chunk = max(256, min(8192, 1 << (fit.bit_length() - 1)))
+    if hidden is not None:
+        if rows * itemsize <= 8 * hidden:
+            return max(1, rows)
+        rows_of_budget = max(1, 4 * hidden // itemsize)
+        chunk = max(chunk, 1 << (rows_of_budget.bit_length() - 1))
+    return max(1, min(rows, chunk))
 
 
 # ---- the kernels' path ---------------------------------------------------------------------------------------------

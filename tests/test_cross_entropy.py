@@ -185,11 +185,16 @@ def test_default_chunk():
     assert default_chunk(100, 50304, 2) == 100
     assert default_chunk(16384, 1000, 4) == 8192
     assert default_chunk(16384, 10_000_000, 4) == 256
-    # with the weight's gradient: one chunk while the bf16 logits are no larger than the fp32 accumulator (N <= 2 C)
-    assert default_chunk(8192, 128256, 2, hidden=4096) == 8192
-    assert default_chunk(8193, 128256, 2, hidden=4096) == 1024
-    assert default_chunk(16384, 128256, 2, hidden=4096) == 1024
-    assert default_chunk(4096, 50304, 4, hidden=4096) == 4096 and default_chunk(4097, 50304, 4, hidden=4096) == 1024
+    # with the weight's gradient: one chunk while the logits fit 8 V C bytes (bf16: N <= 4 C), else chunks of
+    # 4 C / itemsize rows (their logits as large as the fp32 accumulator), never fewer rows than without it
+    assert default_chunk(8192, 128256, 2, hidden=2048) == 8192  # Llama-1B, micro-batch 4 x 2048: one chunk
+    assert default_chunk(8193, 128256, 2, hidden=2048) == 4096
+    assert default_chunk(16384, 128256, 2, hidden=4096) == 16384
+    assert default_chunk(16385, 128256, 2, hidden=4096) == 8192
+    assert default_chunk(16384, 50304, 2, hidden=1024) == 2048
+    assert default_chunk(16384, 50304, 2, hidden=64) == 2048  # a small C keeps the CHUNK_BYTES chunk
+    assert default_chunk(8192, 50304, 4, hidden=4096) == 8192 and default_chunk(8193, 50304, 4, hidden=4096) == 4096
+    assert default_chunk(3000, 128256, 2, hidden=16) == 1024
 
 
 @pytest.mark.parametrize("call, message", [
