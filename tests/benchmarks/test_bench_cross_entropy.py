@@ -40,9 +40,14 @@ def test_bench_cross_entropy_cpu_smoke(tmp_path, capsys, monkeypatch):
 
 
 def test_bench_cross_entropy_tokens():
-    """--tokens sets N of every CUDA case; a count below 1 is refused by name."""
+    """--tokens sets N of every CUDA case, --hidden its C values; a count below 1 is refused by name."""
     cases = bench_cross_entropy.shapes(torch.device("cuda"), False, 8192)
-    assert len(cases) == 6 and {n for n, _, _ in cases} == {8192}
+    assert len(cases) == 9 and {n for n, _, _ in cases} == {8192}
+    assert {c for _, c, _ in cases} == {1024, 2048, 4096}
     assert {n for n, _, _ in bench_cross_entropy.shapes(torch.device("cuda"), False)} == {16384}
+    cases = bench_cross_entropy.shapes(torch.device("cuda"), False, 8192, [2048])
+    assert [(n, c) for n, c, _ in cases] == [(8192, 2048)] * 3
     with pytest.raises(SystemExit, match="--tokens must be >= 1, got 0"):
         bench_cross_entropy.main(["--device", "cpu", "--tokens", "0"])
+    with pytest.raises(SystemExit, match="--hidden must list sizes >= 1"):
+        bench_cross_entropy.main(["--device", "cpu", "--hidden", "0,2048"])
