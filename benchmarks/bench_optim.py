@@ -11,6 +11,11 @@ GB/s counts the 28 bytes a parameter a single pass must move (read master, momen
 moments, bf16 weight) for every provider, so the figures compare times; the fraction is of the copy bandwidth.
 Both providers start from the same state and must agree on the masters after one step before they are timed.
 
+The clipping norm's sum of squares over the same bf16 gradients (case 'grad norm ...', mode 'sum of squares'; 2
+bytes a parameter read): torch-fused takes torch._foreach_norm, as megakern.parallel.clip does by default,
+megakern megakern.optim.SumOfSquares (one Triton launch per dtype), as the trainer does; they must agree within
+1e-5 before they are timed.
+
     python -m benchmarks.bench_optim [--quick] [--model gpt-350m|gpt-1.3b|llama-1b] [--providers ...] [--graph]
                                      [--no-save]
 """
@@ -77,7 +82,10 @@ def _load_torch_fused(device):
 
         return step
 
-    return build
+    def norm(grads):
+        return lambda: torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
+
+    return {"step": build, "norm": norm}
 
 
 def _load_megakern(device):
@@ -85,17 +93,40 @@ def _load_megakern(device):
 
     if reason := megakern.available_backends(device)["triton"]:
         raise Unavailable(reason)
-    from megakern.optim import MasterAdamW
+    from megakern.optim import MasterAdamW, SumOfSquares
 
     def build(state: State):
         step = MasterAdamW(state.optimizer, dict(zip(state.masters, state.models)),
                            **({} if device.type == "cuda" else {"block": 1024}))
         return lambda: step.step(grad_scale=state.grad_scale, found_inf=state.found_inf)
 
-    return build
+    def norm(grads):
+        sumsq = SumOfSquares(**({} if device.type == "cuda" else {"block": 1024}))
+        return lambda: sumsq(grads)
+
+    return {"step": build, "norm": norm}
 
 
 PROVIDERS = {"torch-fused": _load_torch_fused, "megakern": _load_megakern}
+
+
+def norm_case(results: Results, providers: dict, params, model: str, numel: int, device, graph: bool) -> None:
+    """The sum of squares of the model's bf16 gradients by each provider (see the module docstring)."""
+    case = f"grad norm {model} {numel / 1e6:.1f}M"
+    grads = State(params, device).models
+    grads = [w.grad for w in grads]
+    truth = sum(float(g.double().square().sum()) for g in grads)
+    for name, ops in providers.items():
+        try:
+            fn = ops["norm"](grads)
+            err = abs(float(fn()) - truth) / truth
+            if not err <= 1e-5:
+                raise AssertionError(f"sum of squares off the fp64 one by {err:.3g}")
+            t = bench(fn, device=device, graph=graph)
+            record(results, case, "sum of squares" + (" graph" if graph else ""), name, t, "GB/s",
+                   2 * numel / (t["median"] * 1e-3) / 1e9)
+        except Exception as e:
+            report_failure(name, case, e)
 
 
 def main(argv: list[str] | None = None) -> Results:
@@ -112,10 +143,10 @@ def main(argv: list[str] | None = None) -> Results:
         numel = sum(torch.Size(s).numel() for s in params)
         case = f"adamw masters {model} {numel / 1e6:.1f}M"
         reference = None
-        for name, build in providers.items():
+        for name, ops in providers.items():
             try:
                 state = State(params, device)
-                step = build(state)
+                step = ops["step"](state)
                 step()  # one step from the shared initial state: the providers must agree
                 masters = torch.cat([m.reshape(-1) for m in state.masters])
                 if reference is None:
@@ -130,6 +161,7 @@ def main(argv: list[str] | None = None) -> Results:
                 del state, step
             except Exception as e:
                 report_failure(name, case, e)
+        norm_case(results, providers, params, model, numel, device, args.graph)
     file_rows(results, 'optim', args.out, args.no_save)
     print(results.markdown("GB/s"))
     return results

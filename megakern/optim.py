@@ -16,9 +16,12 @@ clipping as a divisor) and ``found_inf`` (nonzero: the step is skipped, state un
 for torch's fused optimizers, so a step needs no host sync and can be captured in a CUDA graph.
 
 The kernel finds each tensor through an int64 table of addresses (a row per tensor), rewritten on the host when an
-address changes and cached otherwise, and a work list of blocks built once per set of sizes. Inside CUDA-graph
-capture the graph takes over the tables of the eager step before it (a capture needs one) and their new addresses
-are written when ``flush()`` is called after the capture, before the first replay.
+address changes and cached otherwise, and a work list of blocks built once per set of sizes (megakern._tables).
+Inside CUDA-graph capture the graph takes over the tables of the eager step before it (a capture needs one) and
+their new addresses are written when ``flush()`` is called after the capture, before the first replay.
+
+``SumOfSquares()(tensors)``: the fp32 sum of squares of many tensors (the clipping norm's, squared) through the same
+tables, one launch per dtype.
 """
 from __future__ import annotations
 
@@ -28,9 +31,12 @@ from collections.abc import Mapping
 import torch
 
 from megakern import _backend
+from megakern._tables import AddressTables
 
 # H100, GPT-350M's 292 tensors (profiles/tune_optim.py): 1024 x 4 warps 0.96 of copy, 2048 x 8 0.94, 4096 x 8 0.84
 BLOCK, WARPS = 1024, 4
+# SumOfSquares: a read-only pass of 16-byte loads (profiles/tune_optim.py --sumsq)
+SUMSQ_BLOCK, SUMSQ_WARPS = 4096, 4
 
 
 def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -39,6 +45,73 @@ def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
         return torch.zeros((), dtype=torch.float32)
     norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
     return torch.linalg.vector_norm(torch.stack(norms))
+
+
+class SumOfSquares:
+    """The sum of squares of many tensors, in fp32 (a 0-d tensor on their device): the squared 2-norm of a model's
+    gradients for clipping, one Triton launch per dtype (megakern._sumsq_triton) where torch._foreach_norm makes
+    dozens. ``SumOfSquares()(tensors)``: tensors of any float dtype and shape on one device (none: 0 on the CPU);
+    contiguous fp32 / bf16 / fp16 ones on a device where Triton runs go through the kernel, the rest through torch
+    (fp32 math too, fp64 for fp64 tensors).
+
+    Launches find their tensors through address tables (megakern._tables): in a CUDA-graph capture the graph takes
+    over the tables of the eager call before it (a capture needs one) and ``flush()`` writes their new addresses after
+    the capture, before the first replay, as for ``MasterAdamW``. The partial sums are added in a fixed order: the
+    same bits every run."""
+
+    def __init__(self, *, block: int = SUMSQ_BLOCK, warps: int = SUMSQ_WARPS):
+        if block < 16 or block & (block - 1):
+            raise ValueError(f"SumOfSquares: block must be a power of two >= 16, got {block}")
+        if warps < 1 or warps & (warps - 1):
+            raise ValueError(f"SumOfSquares: warps must be a power of two >= 1, got {warps}")
+        self.block, self.warps = block, warps
+        self._tables = None
+
+    def __call__(self, tensors) -> torch.Tensor:
+        tensors = list(tensors)
+        device = tensors[0].device if tensors and isinstance(tensors[0], torch.Tensor) else None
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"SumOfSquares: expected tensors, got a {type(t).__name__}")
+            if not t.is_floating_point() or t.device != device:
+                raise TypeError(f"SumOfSquares: every tensor must be a floating-point tensor on {device}, got "
+                                f"{t.dtype} on {t.device}")
+        tensors = [t for t in tensors if t.numel()]
+        if not tensors:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        by_kind: dict[tuple, list[torch.Tensor]] = {}
+        rest = []
+        fast = not _backend.triton_problem(device)
+        for t in tensors:
+            if fast and t.dtype in (torch.float32, torch.bfloat16, torch.float16) and t.is_contiguous():
+                by_kind.setdefault((t.dtype, t.data_ptr() % 16 == 0), []).append(t)
+            else:
+                rest.append(t)
+        parts = []
+        if by_kind:
+            from megakern import _sumsq_triton as kern
+
+            if self._tables is None:
+                self._tables = AddressTables(kern.ROW, self.block, "SumOfSquares")
+            for (dtype, aligned), members in by_kind.items():
+                rows = tuple((t.numel(), t.data_ptr()) for t in members)
+                work, table, programs = self._tables.get((dtype, aligned), rows, device)
+                partials = torch.empty(programs, dtype=torch.float32, device=device)
+                kern.launch(work, table, partials, programs=programs, dtype=dtype, block=self.block,
+                            warps=self.warps, aligned=aligned)
+                parts.append(partials.sum())
+        by_acc: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in rest:  # torch's path: fp32 math, fp64 for fp64 tensors
+            by_acc.setdefault(torch.promote_types(t.dtype, torch.float32), []).append(t)
+        for acc, members in by_acc.items():
+            norms = torch._foreach_norm(members, 2, dtype=acc)
+            parts.append(torch.stack(norms).square().sum().float())
+        return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
+
+    def flush(self) -> None:
+        """Writes the tables built during a CUDA-graph capture; call it after the capture, before the replay."""
+        if self._tables is not None:
+            self._tables.flush()
 
 
 class MasterAdamW:
@@ -64,13 +137,10 @@ class MasterAdamW:
                     raise ValueError(f"MasterAdamW: param group {i} sets {key}=True, which it does not implement")
             for p in group["params"]:
                 self._check_master(p, i)
-        # launch key = (group, dtypes). (launch key, sizes) -> (work list, programs); launch key -> (addresses, its
-        # table) for eager steps; (launch key, addresses) -> a captured graph's table
-        self._works: dict[tuple, tuple[torch.Tensor, int]] = {}
-        self._eager: dict[tuple, tuple[tuple, torch.Tensor]] = {}
-        self._graph: dict[tuple, torch.Tensor] = {}
-        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._staging: list[list] = []  # [pinned buffer, event of its last copy]
+        from megakern._optim_triton import ROW  # (Triton: after the checks, which say where it cannot run)
+
+        # launch key = (group, dtypes): its work list and address table (megakern._tables)
+        self._tables = AddressTables(ROW, block, "MasterAdamW.step")
 
     def _check_master(self, p: torch.Tensor, group: int) -> None:
         where = f"MasterAdamW: a parameter of group {group} (shape {tuple(p.shape)})"
@@ -161,83 +231,13 @@ class MasterAdamW:
                         block=self.block, warps=self.warps, aligned=kind[2])
 
     def _tables_for(self, key, members) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """(work list, table, programs) for one launch. The work list, a (row, first element) pair per block, depends
-        on the sizes only; the table holds each tensor's numel and addresses. Eager steps share one table per launch,
-        rewritten when an address changes (autograd may put the gradients elsewhere).
-
-        A CUDA-graph capture takes the eager table over (the graph owns it from then on and it is never rewritten;
-        later eager steps build their own), with its new addresses written by ``flush()`` after the capture. Nothing
-        is allocated during a capture: memory taken from the graph's pool there may hold other tensors earlier in
-        the graph, which every replay would write over the table. So a capture needs an eager step first."""
-        from megakern._optim_triton import ROW
-
-        device = members[0][0].device
+        """(work list, table, programs) for one launch: a row per tensor, (numel, master, gradient, exp_avg,
+        exp_avg_sq, step, model copy, 0) (megakern._optim_triton's table)."""
         rows = tuple((p.numel(), p.data_ptr(), grad.data_ptr(), state["exp_avg"].data_ptr(),
                       state["exp_avg_sq"].data_ptr(), state["step"].data_ptr(),
                       model.data_ptr() if model is not None else 0, 0) for p, grad, state, model in members)
-        assert len(rows[0]) == ROW
-        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        sizes = tuple(r[0] for r in rows)
-        owned = self._graph.get((key, rows))  # a graph's table (never rewritten) serves every step alike
-        cached = self._eager.get(key)
-        if capturing and owned is None and (cached is None or tuple(r[0] for r in cached[0]) != sizes):
-            raise RuntimeError("MasterAdamW.step: captured in a CUDA graph before an eager step with the same "
-                               "parameters; run one step eagerly first (its tables must live outside the graph's "
-                               "memory pool)")
-        if (key, sizes) not in self._works:
-            work = [(i, start) for i, n in enumerate(sizes) for start in range(0, n, self.block)]
-            self._works[(key, sizes)] = (self._device(torch.tensor(work, dtype=torch.int64).reshape(-1), device),
-                                         len(work))
-        work, programs = self._works[(key, sizes)]
-        if owned is not None:
-            return work, owned, programs
-        if capturing:  # the graph takes the eager table over: the new addresses, if any, are written by flush()
-            table = self._eager.pop(key)[1]
-            if cached[0] != rows:
-                self._pending.append((table, torch.tensor(rows, dtype=torch.int64).reshape(-1)))
-            self._graph[(key, rows)] = table
-            return work, table, programs
-        if cached is not None and cached[0] == rows:
-            return work, cached[1], programs
-        host = torch.tensor(rows, dtype=torch.int64).reshape(-1)
-        if cached is not None and cached[1].shape == host.shape:
-            table = cached[1]
-            self._write(table, host)
-        else:
-            table = self._device(host, device)
-        self._eager[key] = (rows, table)
-        return work, table, programs
-
-    def _device(self, host: torch.Tensor, device) -> torch.Tensor:
-        out = torch.empty(host.shape, dtype=host.dtype, device=device)
-        self._write(out, host)
-        return out
-
-    def _write(self, device_tensor: torch.Tensor, host: torch.Tensor) -> None:
-        if device_tensor.is_cuda:
-            self._upload(device_tensor, host)
-        else:
-            device_tensor.copy_(host)
-
-    def _upload(self, device_tensor: torch.Tensor, host: torch.Tensor) -> None:
-        """An asynchronous copy through a pinned staging buffer of this object's, reused once its last copy has
-        finished (an event query, no wait). A pageable copy may wait for the stream: an unseen sync every step the
-        gradients move. The buffers live as long as the object: a pinned block freed during a later CUDA-graph
-        capture would record an event on the capturing thread's streams and break the capture."""
-        for entry in self._staging:
-            buf, done = entry
-            if buf.numel() == host.numel() and (done is None or done.query()):
-                break
-        else:
-            entry = [torch.empty(host.shape, dtype=host.dtype, pin_memory=True), None]
-            self._staging.append(entry)
-        entry[0].copy_(host)
-        device_tensor.copy_(entry[0], non_blocking=True)
-        entry[1] = torch.cuda.Event()
-        entry[1].record()
+        return self._tables.get(key, rows, members[0][0].device)
 
     def flush(self) -> None:
         """Writes the tables built during a CUDA-graph capture; call it after the capture, before the replay."""
-        for device_tensor, host in self._pending:
-            device_tensor.copy_(host)
-        self._pending.clear()
+        self._tables.flush()

@@ -39,11 +39,13 @@ def _norms(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
 
 
 def grad_norm(grad_sets: Sequence[tuple[Iterable[torch.Tensor | None], Sequence]], norm_type: float = 2.0,
-              device=None) -> torch.Tensor:
+              device=None, sum_of_squares=None) -> torch.Tensor:
     """The total norm (fp32 0-d tensor, equal on every rank) of gradients given in sets: [(gradients, groups)], each
     set's gradients disjoint shards across each group in ``groups`` (None gradients, None groups and groups of one
     rank are skipped). Every rank passes the same structure (the collectives match by position). ``device``: where
-    the norm is reduced (needed when this rank holds no gradient)."""
+    the norm is reduced (needed when this rank holds no gradient). ``sum_of_squares``: for the 2-norm, what sums a
+    list of local gradients' squares (a ``megakern.optim.SumOfSquares``: one launch per dtype; default: torch's
+    per-tensor norms)."""
     norm_type = float(norm_type)
     if not (norm_type == math.inf or norm_type > 0):
         raise ValueError(f"grad_norm: norm_type must be > 0 or inf, got {norm_type}")
@@ -53,7 +55,9 @@ def grad_norm(grad_sets: Sequence[tuple[Iterable[torch.Tensor | None], Sequence]
     for grads, groups in grad_sets:
         grads = [_local(g) for g in grads if g is not None]
         device = device if device is not None else (grads[0].device if grads else None)
-        if grads:
+        if grads and sum_of_squares is not None and norm_type == 2.0:
+            part = sum_of_squares(grads).to(device)
+        elif grads:
             norms = _norms(grads, norm_type)
             part = norms.max() if inf else norms.pow(norm_type).sum()
         else:

@@ -691,9 +691,10 @@ class ParallelModel:
             if group is not None and grads:
                 allreduce_tensors(grads, group)
 
-    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+    def grad_norm(self, norm_type: float = 2.0, sum_of_squares=None) -> torch.Tensor:
         """The total norm of the step's gradients (``grad``) over every group: the single model's gradient norm,
-        equal on all ranks (fp32 0-d tensor on this rank's device)."""
+        equal on all ranks (fp32 0-d tensor on this rank's device). ``sum_of_squares``: see
+        ``megakern.parallel.clip.grad_norm``."""
         pm = self.mesh
         sharded, replicated, experts = [], [], []
         for _, p, tp_dim, _, tied_copy in self._param_table():
@@ -709,7 +710,7 @@ class ParallelModel:
         sets = [(sharded, [tp, dp, pp]), (replicated, [dp, pp])]
         if self.ep > 1:  # FSDP2 shards them over edp (None: one rank)
             sets.append((experts, [pm.edp_group if self.fsdp else None, pm.ep_group, pp]))
-        return grad_norm(sets, norm_type, device=pm.device)
+        return grad_norm(sets, norm_type, device=pm.device, sum_of_squares=sum_of_squares)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
         """Clip all gradients by their total norm over every group; returns the norm (equal on all ranks)."""

@@ -1,4 +1,5 @@
-"""megakern.optim.MasterAdamW against torch.optim.AdamW on fp32 copies of the same weights and gradients.
+"""megakern.optim.MasterAdamW against torch.optim.AdamW on fp32 copies of the same weights and gradients, and
+megakern.optim.SumOfSquares against an fp64 sum.
 
 The reference runs torch's for-loop AdamW in fp64 on the masters with the same (bf16-rounded) gradients divided by
 the same divisor; MasterAdamW must follow it within fp32 rounding over several steps, write the bf16 model weights as
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from conftest import DEVICE, require_triton, seed
-from megakern.optim import MasterAdamW, total_norm
+from megakern.optim import MasterAdamW, SumOfSquares, total_norm
 
 SHAPES = [(37, 19), (5,), (3, 130), (1,), (2100,)]  # odd sizes; 2100 spans several blocks
 BLOCK = 512
@@ -179,6 +180,90 @@ def test_total_norm_sums_in_fp32():
     torch.testing.assert_close(got.double(), truth, rtol=1e-6, atol=0)
 
 
+def _sumsq_truth(tensors) -> torch.Tensor:
+    return sum((t.double().square().sum() for t in tensors), torch.zeros((), dtype=torch.float64, device=DEVICE))
+
+
+def _sumsq_inputs():
+    """Odd sizes in every kernel dtype (whole blocks, a partial block, one element), a bf16 view from element 1 on
+    (a 2-byte aligned address: the unaligned launch), a transposed and an fp64 tensor (torch's path), an empty one."""
+    flat = torch.randn(1 + 3000, device=DEVICE).to(torch.bfloat16)
+    return [torch.randn(37, 19, device=DEVICE).to(torch.bfloat16), torch.randn(2100, device=DEVICE),
+            torch.randn(1, device=DEVICE).to(torch.float16), torch.randn(3, 513, device=DEVICE).to(torch.bfloat16),
+            flat[1:].view(30, 100), torch.randn(40, 9, device=DEVICE).t(), torch.randn(5, device=DEVICE).double(),
+            torch.empty(0, 4, device=DEVICE)]
+
+
+@pytest.mark.parametrize("block, warps", [(512, 4), (16, 1)])
+def test_sum_of_squares_matches_fp64(block, warps):
+    require_triton()
+    seed("sumsq", block)
+    tensors = _sumsq_inputs()
+    assert tensors[4].data_ptr() % 16 and tensors[4].is_contiguous() and not tensors[5].is_contiguous()
+    sumsq = SumOfSquares(block=block, warps=warps)
+    got = sumsq(tensors)
+    assert got.dtype == torch.float32 and got.shape == () and got.device == DEVICE
+    torch.testing.assert_close(got.double(), _sumsq_truth(tensors), rtol=2e-6, atol=0)
+    assert torch.equal(sumsq(tensors), got)  # a fixed order of additions: the same bits again
+    # new tensors of the same sizes (other addresses: the table is rewritten), then other sizes
+    fresh = [torch.randn_like(t) if t.numel() else t for t in tensors]
+    torch.testing.assert_close(sumsq(fresh).double(), _sumsq_truth(fresh), rtol=2e-6, atol=0)
+    fewer = fresh[1:4]
+    torch.testing.assert_close(sumsq(fewer).double(), _sumsq_truth(fewer), rtol=2e-6, atol=0)
+
+
+def test_sum_of_squares_propagates_nonfinite_and_takes_empty_input():
+    require_triton()
+    seed("sumsq nonfinite")
+    sumsq = SumOfSquares(block=64)
+    a, b = torch.randn(300, device=DEVICE).to(torch.bfloat16), torch.randn(70, device=DEVICE)
+    b[69] = float("nan")
+    assert torch.isnan(sumsq([a, b]))
+    b[69] = float("inf")
+    assert torch.isinf(sumsq([a, b]))
+    zero = sumsq([])
+    assert zero.item() == 0.0 and zero.dtype == torch.float32
+    assert sumsq([torch.empty(0, device=DEVICE)]).item() == 0.0
+
+
+def test_sum_of_squares_rejects_bad_input():
+    with pytest.raises(TypeError, match="expected tensors, got a list"):
+        SumOfSquares()([[1.0, 2.0]])
+    with pytest.raises(TypeError, match="floating-point tensor on .*got torch.int64"):
+        SumOfSquares()([torch.ones(3), torch.ones(3, dtype=torch.int64)])
+    with pytest.raises(ValueError, match="block must be a power of two >= 16, got 100"):
+        SumOfSquares(block=100)
+    with pytest.raises(ValueError, match="warps must be a power of two >= 1, got 3"):
+        SumOfSquares(warps=3)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a CUDA device (none here)")
+def test_sum_of_squares_in_a_cuda_graph():
+    """An eager call first, then a capture over tensors at other addresses: flush() writes their table; every replay
+    reads the tensors' current values."""
+    require_triton()
+    seed("sumsq graph")
+    sumsq = SumOfSquares()
+    eager = [torch.randn(5000, device=DEVICE).to(torch.bfloat16), torch.randn(3, 333, device=DEVICE)]
+    sumsq(eager)
+    captured = [torch.randn_like(t) for t in eager]
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        out = sumsq(captured)
+    torch.cuda.current_stream().wait_stream(stream)
+    sumsq.flush()
+    for _ in range(2):
+        for t in captured:
+            t.copy_(torch.randn_like(t))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.double(), _sumsq_truth(captured), rtol=2e-6, atol=0)
+    torch.testing.assert_close(sumsq(eager).double(), _sumsq_truth(eager), rtol=2e-6, atol=0)
+
+
 def compile_for_sm90():
     """The kernel lowered for sm_90 in each variant the trainer launches (bf16 or fp32 gradients)."""
     import triton
@@ -211,3 +296,32 @@ def test_kernel_compiles_for_sm90():
     from conftest import sm90_lowering
 
     assert sm90_lowering("test_optim", "compile_for_sm90()") == ["bf16", "fp32"]
+
+
+def compile_sumsq_for_sm90():
+    """The sum-of-squares kernel lowered for sm_90: aligned launches read whole blocks in 16-byte vectors."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from megakern import _sumsq_triton as kern
+
+    out = []
+    for dtype in (tl.bfloat16, tl.float32):
+        for aligned in (False, True):
+            constexprs = {"DTYPE": dtype, "ALIGNED": aligned, "BLOCK": 4096}
+            types = {"WORK": "*i64", "TABLE": "*i64", "PARTIALS": "*fp32"}
+            signature = {a: "constexpr" if a in constexprs else types[a] for a in kern._sumsq_kernel.arg_names}
+            src = ASTSource(fn=kern._sumsq_kernel, signature=signature, constexprs=constexprs)
+            ptx = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=4)).asm["ptx"]
+            vectors = ptx.count("ld.global.v4")
+            assert (vectors >= 4) if aligned else vectors == 0, (str(dtype), aligned, vectors)
+        out.append(str(dtype))
+    return out
+
+
+def test_sum_of_squares_kernel_compiles_for_sm90():
+    from conftest import sm90_lowering
+
+    assert sm90_lowering("test_optim", "compile_sumsq_for_sm90()") == ["bf16", "fp32"]

@@ -131,6 +131,12 @@ class TrainStep:
             from megakern.optim import MasterAdamW
 
             self.master_step = MasterAdamW(self.optimizer, {m: param for param, m in self.masters.items()})
+        # the clipping norm's sum of squares in one Triton launch per dtype, beside megakern's optimizer
+        self.sum_of_squares = None
+        if self.optim_impl == "megakern":
+            from megakern.optim import SumOfSquares
+
+            self.sum_of_squares = SumOfSquares()
         self.clip_divisor = None  # the fused optimizer's grad_scale when it does the clipping (figures)
 
     def flops_per_token(self, seq_length: int) -> float:
@@ -183,7 +189,7 @@ class TrainStep:
         if self.moe is not None:
             self.moe.reduce()
         with self.range("optimizer"):
-            norm = self.pmodel.grad_norm()
+            norm = self.pmodel.grad_norm(sum_of_squares=self.sum_of_squares)
             self.clip_divisor = None
             if clip > 0:
                 if self.device_skip:
@@ -257,10 +263,12 @@ class TrainStep:
         return values
 
     def after_capture(self) -> None:
-        """After a CUDA graph captured ``device_step``: megakern's master step writes the pointer tables it built
-        during the capture, before the first replay."""
+        """After a CUDA graph captured ``device_step``: megakern's master step and sum of squares write the pointer
+        tables they built during the capture, before the first replay."""
         if self.master_step is not None:
             self.master_step.flush()
+        if self.sum_of_squares is not None:
+            self.sum_of_squares.flush()
 
     def _optimizer_step(self) -> None:
         """optimizer.step(); over FSDP2's DTensor shards it runs on their local tensors (the same update, without

@@ -16,6 +16,9 @@ launches (kernel start - launch call; near zero when the GPU keeps up with the h
 host's synchronizations with the device (each one drains the GPU's queue: the GPU then waits for the host).
 
 Steps are the ``ProfilerStep#N`` ranges of the host; a kernel belongs to the step during which it was launched.
+GPU work launched outside them is not counted: the GPU runs behind the host, so the first profiled step's trace
+also holds the end of the step before it (the tail of its backward, its optimizer), whose launches the profiler did
+not record; ``sources`` says how much it left out.
 """
 from __future__ import annotations
 
@@ -103,6 +106,14 @@ def _steps(events: list[dict]) -> list[tuple[float, float]]:
     return sorted(steps)
 
 
+def _step_of(t: float | None, steps: list[tuple[float, float]], starts: list[float]) -> int | None:
+    """The index of the step whose range holds time ``t`` (a launch), or None (no launch record, or outside)."""
+    if t is None:
+        return None
+    k = bisect.bisect_right(starts, t) - 1
+    return k if k >= 0 and t < steps[k][1] else None
+
+
 def host_summary(trace: dict) -> str:
     """'# per step: host X ms (mean of N ProfilerStep ranges)': the host's wall time per profiled step, on any
     device (the GPU's side is ``report``)."""
@@ -166,16 +177,18 @@ def analyze(trace: dict) -> list[StepTimeline]:
     steps = _steps(events)
     if not ops:
         return []
-    if not steps:
+    per_step: list[list[GpuOp]]
+    if not steps:  # no step ranges: the whole trace is one step
         steps = [(min(o.start for o in ops), max(o.end for o in ops))]
+        per_step = [ops]
+    else:  # each op in the step that launched it; ops launched outside every step are left out
+        starts = [s for s, _ in steps]
+        per_step = [[] for _ in steps]
+        for o in ops:
+            k = _step_of(o.launch, steps, starts)
+            if k is not None:
+                per_step[k].append(o)
     bounds = [s for s, _ in steps[1:]]
-    per_step: list[list[GpuOp]] = [[] for _ in steps]
-    for o in ops:
-        t = o.launch if o.launch is not None else o.start
-        if t < steps[0][0]:
-            continue
-        k = bisect.bisect_right(bounds, t)
-        per_step[k].append(o)
     waits: list[list[tuple[str, float, float]]] = [[] for _ in steps]
     for e in events:
         if e.get("ph") == "X" and e.get("cat") in LAUNCH_CATS and _is_wait(str(e.get("name", ""))):
@@ -264,20 +277,36 @@ def sources(trace: dict, top: int = 25) -> str:
             context = next((n.removeprefix("autograd::engine::evaluate_function: ") for _, n, c in reversed(stack)
                             if n.startswith("autograd::engine::evaluate_function") or c == "user_annotation"), "")
             origin[e["args"]["correlation"]] = (ops[-1] if ops else "", context)
-    n_steps = max(1, len(_steps(events)))
+    steps = _steps(events)
+    starts = [s for s, _ in steps]
+    launches = {(e.get("args") or {}).get("correlation"): float(e["ts"]) for e in events
+                if e.get("ph") == "X" and e.get("cat") in LAUNCH_CATS}
+    n_steps = max(1, len(steps))
     totals: dict = defaultdict(lambda: [0.0, 0])
+    left_out: dict = defaultdict(lambda: [0.0, 0])  # name -> [us, count] launched outside every step
     for e in events:
         if e.get("ph") == "X" and e.get("cat") in GPU_CATS:
-            op, context = origin.get((e.get("args") or {}).get("correlation"), ("", ""))
-            rec = totals[(str(e.get("name", "?")), op, context)]
+            corr = (e.get("args") or {}).get("correlation")
+            name = str(e.get("name", "?"))
+            if steps and _step_of(launches.get(corr), steps, starts) is None:
+                rec = left_out[name]
+            else:
+                op, context = origin.get(corr, ("", ""))
+                rec = totals[(name, op, context)]
             rec[0] += float(e.get("dur", 0.0))
             rec[1] += 1
-    if not totals:
+    if not totals and not left_out:
         return "# GPU time by source: no GPU work in the trace"
     lines = [f"# GPU time by source, per step (mean of {n_steps}): ms, count, GPU op <- host op [context]"]
     for (name, op, context), (us, c) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
         where = f"{op} [{context}]" if context else op
         lines.append(f"#   {us / n_steps / 1e3:8.2f} ms {c / n_steps:7.1f}x  {_short(name, 48)} <- {_short(where, 60)}")
+    if left_out:
+        us, count = sum(v[0] for v in left_out.values()), sum(v[1] for v in left_out.values())
+        biggest = ", ".join(f"{_short(n, 40)} {v[0] / 1e3:.2f} ms" for n, v in
+                            sorted(left_out.items(), key=lambda kv: -kv[1][0])[:3])
+        lines.append(f"# not counted: {count} GPU ops, {us / 1e3:.2f} ms in all, launched outside the profiled steps "
+                     f"(the step before the first one, still running on the GPU): {biggest}")
     return "\n".join(lines)
 
 

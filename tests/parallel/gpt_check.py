@@ -8,7 +8,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+import megakern
 from megakern.models.gpt import GPT, GPTConfig
+from megakern.optim import SumOfSquares
 from megakern.parallel import ParallelDims, parallelize
 
 # fp32 throughout; sums over ranks reorder the arithmetic
@@ -79,8 +81,15 @@ def check_step(pmodel, ref: GPT, opt, ref_opt, loss, ref_loss, step: int, max_no
     compare_to_reference(pmodel, ref, f"step {step} gradients")
     if max_norm is not None:
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        # the trainer's sum of squares (one Triton launch per dtype) over the same sets of shards
+        fast = None
+        if not megakern.available_backends(loss.device)["triton"]:
+            fast = pmodel.grad_norm(sum_of_squares=SumOfSquares())
         norm = pmodel.clip_grad_norm_(max_norm)
         torch.testing.assert_close(norm, ref_norm, rtol=RTOL, atol=ATOL, msg=lambda m: f"step {step} norm: {m}")
+        if fast is not None:
+            torch.testing.assert_close(fast, norm, rtol=RTOL, atol=ATOL,
+                                       msg=lambda m: f"step {step} norm by SumOfSquares: {m}")
         if clip_must_act:
             assert ref_norm > max_norm, "the clip must act for the check to mean something"
             compare_to_reference(pmodel, ref, f"step {step} clipped gradients")
