@@ -55,6 +55,23 @@ def test_kernels_go_to_the_step_that_launched_them():
     assert steps[1].wall == pytest.approx(60.0) and steps[1].idle_host == 0 and steps[1].idle_other == 0
 
 
+def test_work_launched_outside_the_steps_is_left_out():
+    # "tail" ran in the first step's time but was launched before the trace began (no launch record: the step
+    # before, which the GPU was still running); "late" was launched after the last step ended
+    kernels = [("tail", 5.0, 60.0, 7, 9), ("a", 60.0, 100.0, 7, 1), ("b", 120.0, 150.0, 7, 2),
+               ("late", 400.0, 450.0, 7, 3)]
+    launches = [(1, 10.0), (2, 110.0), (3, 350.0)]
+    trace = _trace(kernels, [(0.0, 100.0), (100.0, 200.0)], launches)
+    steps = _timeline.analyze(trace)
+    assert [s.kernels for s in steps] == [1, 1]
+    assert steps[0].wall == pytest.approx(40.0) and steps[1].wall == pytest.approx(30.0)
+    lines = _timeline.sources(trace).splitlines()
+    assert lines[0].startswith("# GPU time by source, per step (mean of 2)") and len(lines) == 4
+    assert "0.02 ms     0.5x  a <- " in lines[1] and "0.01 ms     0.5x  b <- " in lines[2]
+    assert lines[3].startswith("# not counted: 2 GPU ops, 0.10 ms in all, launched outside the profiled steps")
+    assert "tail 0.06 ms, late 0.05 ms" in lines[3]
+
+
 def test_host_summary():
     trace = _trace([("k", 0.0, 10.0, 7, 1)], [(0.0, 2000.0), (2000.0, 4000.0)], [(1, 0.0)])
     assert _timeline.host_summary(trace) == "# per step: host 3.0 ms (mean of 2 ProfilerStep ranges)"
