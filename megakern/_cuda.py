@@ -136,14 +136,16 @@ def _cuda_include_dirs() -> list[str]:
 
 
 @functools.lru_cache(maxsize=None)
-def nvrtc_kernel(source: str, name: str):
-    """The kernel ``name`` (a C++ name expression, e.g. 'megakern::norm_fwd_kernel<float, 2, 1, true>') of csrc/``source``."""
+def nvrtc_kernel(source: str, name: str, defines: tuple[str, ...] = ()):
+    """The kernel ``name`` (a C++ name expression, e.g. 'megakern::norm_fwd_kernel<float, 2, 1, true>') of
+    csrc/``source``; ``defines``: preprocessor definitions ('NAME=value') for the compile (tuning switches a source
+    reads, such as csrc/norm/norm.cu's MEGAKERN_NORM_FWD_MAXNREG)."""
     cupy, problem = _cupy()
     if cupy is None:
         raise RuntimeError(problem)
     root = csrc_root()
     code = _inline_includes(root / source, root, set())
-    options = ("-std=c++17", *_cuda_include_dirs())
+    options = ("-std=c++17", *_cuda_include_dirs(), *(f"-D{d}" for d in defines))
     module = cupy.RawModule(code=code, options=options, name_expressions=(name,))
     return module.get_function(name)
 

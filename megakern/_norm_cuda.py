@@ -40,6 +40,7 @@ class LaunchConfig:
     rows_per_block: int  # block.y
     staged: bool = False  # backward: the staged kernel (the next row copied into shared memory; 16-bit rows)
     row_batch: int = 1  # forward: rows each row's threads take at once, every row's loads in flight (ROW_BATCHES)
+    max_registers: int = 0  # forward, tuning: a register cap a thread (NVRTC, MEGAKERN_NORM_FWD_MAXNREG; 0: none)
 
 
 def staged_smem_bytes(cols: int, itemsize: int, nv: int, has_db: bool) -> int:
@@ -81,6 +82,9 @@ def check_fwd_config(cfg: LaunchConfig) -> None:
     if cfg.threads * cfg.rows_per_block * cfg.row_batch > FWD_MAX_THREADS:
         raise ValueError(f"{cfg}: threads x rows_per_block x row_batch is above {FWD_MAX_THREADS} (the kernel's "
                          "launch bounds)")
+    if cfg.max_registers and not 24 <= cfg.max_registers <= 64:
+        raise ValueError(f"{cfg}: max_registers must be 0 or in [24, 64] (a cap above 64 would not bound 1024-thread "
+                         "blocks)")
 
 
 def _b(flag: bool) -> str:
@@ -192,8 +196,8 @@ def _staged_problem(cfg: LaunchConfig, dy: torch.Tensor, x: torch.Tensor, vecio:
 def fwd(x, residual, weight, bias, eps: float, is_rms: bool, path: Optional[str] = None,
         config: Optional[LaunchConfig] = None):
     """(y, residual_out | None, mean | None, rstd) for 2-D ``x``; see csrc/norm/norm.cu.
-    ``config`` overrides ``launch_config`` (for tuning)."""
-    path = _cuda.choose_path(path)
+    ``config`` overrides ``launch_config`` (for tuning; one with ``max_registers`` is compiled by NVRTC)."""
+    path = "nvrtc" if config is not None and config.max_registers else _cuda.choose_path(path)
     rows, cols = x.shape
     dtype_code, ctype = _CTYPES[x.dtype]
     y = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
@@ -217,7 +221,9 @@ def fwd(x, residual, weight, bias, eps: float, is_rms: bool, path: Optional[str]
         _cuda.extension()[0].norm_fwd_rows(x, residual, weight, bias, y, res_out, mean, rstd, eps, flags, dtype_code,
                                            cfg.nv, cfg.row_batch, cfg.threads, cfg.rows_per_block, grid)
     else:
-        kernel = _cuda.nvrtc_kernel("norm/norm.cu", _fwd_name(ctype, cfg.nv, bool(flags & VECTORIZED), cfg.row_batch))
+        defines = (f"MEGAKERN_NORM_FWD_MAXNREG={cfg.max_registers}",) if cfg.max_registers else ()
+        kernel = _cuda.nvrtc_kernel("norm/norm.cu", _fwd_name(ctype, cfg.nv, bool(flags & VECTORIZED), cfg.row_batch),
+                                    defines)
         args = _nvrtc_args(("p", _ptr(x)), ("p", _ptr(residual)), ("p", _ptr(weight)), ("p", _ptr(bias)),
                            ("p", _ptr(y)), ("p", _ptr(res_out)), ("p", _ptr(mean)), ("p", _ptr(rstd)),
                            ("i64", rows), ("i32", cols), ("i64", _stride(x)), ("i64", _stride(residual)),

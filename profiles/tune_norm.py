@@ -14,6 +14,7 @@ caches the timing process then reads (most of a sweep's time is compilation); 1 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import multiprocessing
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -26,6 +27,7 @@ from megakern import _norm_cuda, _norm_triton
 ROWS_TOTAL = 2**27  # elements of each (M, N) tensor
 OPS = {"rms": True, "ln": False}  # op -> is_rms
 LAUNCHERS = ("triton fwd", "triton bwd", "cuda fwd", "cuda bwd")
+REGISTER_CAPS = (48, 40, 32)  # the CUDA forward's default geometry also compiled under these caps
 
 
 def cuda_geometries(n: int, backward: bool) -> list:
@@ -67,8 +69,14 @@ def specs(n: int, is_rms: bool, residual: bool) -> list[tuple[str, str, dict]]:
         for warps, chunk, stages in ((4, 2048, 2), (8, 4096, 2), (8, 2048, 3), (16, 8192, 2), (4, 4096, 3)):
             out.append((f"triton fwd wide warps={warps} chunk={chunk} stages={stages}", "triton fwd",
                         dict(num_warps=warps, wide=True, chunk=chunk, stages=stages)))
-    out.append((f"cuda fwd default {_norm_cuda.launch_config(n, torch.bfloat16, False)}", "cuda fwd", {}))
+    default = _norm_cuda.launch_config(n, torch.bfloat16, False)
+    out.append((f"cuda fwd default {default}", "cuda fwd", {}))
     for config in cuda_geometries(n, backward=False):
+        out.append((f"cuda fwd {config}", "cuda fwd", dict(config=config)))
+    # the default geometry under register caps (NVRTC --maxrregcount): more blocks an SM, so more bytes in flight
+    # (sm_90: 65536 registers, 2048 threads an SM), against spills
+    for cap in REGISTER_CAPS:
+        config = dataclasses.replace(default, max_registers=cap)
         out.append((f"cuda fwd {config}", "cuda fwd", dict(config=config)))
     # the backward in registers: (rows a step, warps, programs per SM, prefetch), warps from the elements each thread
     # holds of a step's rows (8, 16 or 32) and programs per SM filling 16 or 32 warps an SM; several rows a step only

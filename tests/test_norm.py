@@ -6,6 +6,7 @@ kernels run under the interpreter on small shapes; on a GPU, also both CUDA path
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -445,6 +446,34 @@ def test_cuda_forward_row_batches(op, case, setup, variant):
                           fwd_config=_norm_cuda.LaunchConfig(nv, threads, rows_per_block, row_batch=batch))
 
 
+# (shape, nv, threads, rows_per_block, row_batch, register cap): the forward compiled by NVRTC under a cap in place of
+# its launch bounds (a tuning switch); 40 makes the 2-group instance spill
+REGISTER_CAPS = [((3, 41, 4096), 2, 256, 1, 1, 40), ((45, 1001), 1, 128, 1, 1, 32), ((130, 2048), 1, 256, 1, 2, 48)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("setup", BF16_SETUPS)
+@pytest.mark.parametrize("case", REGISTER_CAPS, ids=lambda c: f"{'x'.join(map(str, c[0]))}-nv{c[1]}-r{c[5]}")
+@pytest.mark.parametrize("op", OPS)
+def test_cuda_forward_under_a_register_cap(op, case, setup):
+    """The forward with MEGAKERN_NORM_FWD_MAXNREG (NVRTC) against the fp64 reference (2x rule); its outputs equal
+    the uncapped kernel's bit for bit (the same arithmetic, other registers)."""
+    from megakern import _norm_cuda
+
+    if problem := cuda_path_problem("nvrtc"):
+        pytest.skip(f"the NVRTC path is unavailable: {problem}")
+    shape, nv, threads, rows_per_block, batch, cap = case
+    config = _norm_cuda.LaunchConfig(nv, threads, rows_per_block, row_batch=batch, max_registers=cap)
+    check_launch_override(op, shape, setup, "cuda-nvrtc", fwd_config=config)
+    x, w, b, r = bf16_inputs(op, shape, setup)
+    x2, r2 = x.reshape(-1, x.shape[-1]), None if r is None else r.reshape(-1, r.shape[-1])
+    capped = _norm_cuda.fwd(x2, r2, w, b, 1e-5, op == "rms_norm", config=config)
+    plain = _norm_cuda.fwd(x2, r2, w, b, 1e-5, op == "rms_norm", path="nvrtc",
+                           config=dataclasses.replace(config, max_registers=0))
+    for got, want in zip(capped, plain):
+        assert (got is None) == (want is None) and (got is None or torch.equal(got, want))
+
+
 def test_cuda_forward_refuses_a_launch_it_cannot_take():
     """A forward launch override the kernels were not built for is refused by name before any launch."""
     from megakern import _norm_cuda
@@ -453,7 +482,9 @@ def test_cuda_forward_refuses_a_launch_it_cannot_take():
     for config, message in ((LC(1, 128, 1, row_batch=3), "row_batch must be one of"),
                             (LC(0, 256, 1, row_batch=2), "streaming"),
                             (LC(1, 512, 1, row_batch=4), "launch bounds"),
-                            (LC(1, 128, 1, staged=True), "staged kernel is a backward")):
+                            (LC(1, 128, 1, staged=True), "staged kernel is a backward"),
+                            (LC(2, 256, 1, max_registers=80), "max_registers must be 0 or in \\[24, 64\\]"),
+                            (LC(2, 256, 1, max_registers=8), "max_registers must be 0 or in")):
         with pytest.raises(ValueError, match=message):
             _norm_cuda.check_fwd_config(config)
     _norm_cuda.check_fwd_config(_norm_cuda.launch_config(1024, torch.bfloat16, False))

@@ -16,8 +16,18 @@
 
 namespace megakern {
 
+// MEGAKERN_NORM_FWD_MAXNREG (tuning, NVRTC only: profiles/tune_norm.py): a cap on the forward's registers a thread
+// in place of its launch bounds (nvcc and NVRTC ignore --maxrregcount for a kernel with launch bounds); at most 64,
+// so that a block of 1024 threads still fits an SM.
+#ifdef MEGAKERN_NORM_FWD_MAXNREG
+static_assert(MEGAKERN_NORM_FWD_MAXNREG <= 64, "MEGAKERN_NORM_FWD_MAXNREG above 64 does not bound 1024-thread blocks");
+#define MEGAKERN_NORM_FWD_BOUNDS __maxnreg__(MEGAKERN_NORM_FWD_MAXNREG)
+#else
+#define MEGAKERN_NORM_FWD_BOUNDS __launch_bounds__(1024 / ROWS)
+#endif
+
 template <typename T, int NV, int ROWS, bool VECIO>
-__global__ void __launch_bounds__(1024 / ROWS)
+__global__ void MEGAKERN_NORM_FWD_BOUNDS
 norm_fwd_kernel(const T* __restrict__ x, const void* __restrict__ residual, const void* __restrict__ weight,
                 const void* __restrict__ bias, T* __restrict__ y, void* __restrict__ residual_out,
                 float* __restrict__ mean_out, float* __restrict__ rstd_out, i64 rows, int cols, i64 stride_x,
