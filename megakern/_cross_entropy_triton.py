@@ -126,17 +126,24 @@ def block_v(vocab: int, device: torch.device) -> tuple[int, int]:
 
 
 def fwd(logits: torch.Tensor, targets: torch.Tensor, grad: torch.Tensor | None, scale: torch.Tensor | None,
-        ignore_index: int, label_smoothing: float, softcap: float | None, block: int | None = None):
+        ignore_index: int, label_smoothing: float, softcap: float | None, block: int | None = None,
+        warps: int | None = None):
     """(loss, lse), each (rows,) fp32; writes the gradient (times ``scale``, a 1-element tensor) into ``grad`` (which
-    may be ``logits``) when given. ``logits`` (rows, V), ``grad`` the same shape, unit stride along V."""
+    may be ``logits``) when given. ``logits`` (rows, V), ``grad`` the same shape, unit stride along V. ``block`` and
+    ``warps`` override ``block_v`` (tuning: profiles/tune_cross_entropy.py)."""
     rows, vocab = logits.shape
     loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
     lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
     if rows == 0:
         return loss, lse
-    block_size, warps = block_v(vocab, logits.device)
+    block_size, default_warps = block_v(vocab, logits.device)
     if block is not None:
+        if block < 16 or block & (block - 1):
+            raise ValueError(f"cross-entropy kernel: block must be a power of two >= 16, got {block}")
         block_size = block
+    if warps is not None and (warps < 1 or warps > 32 or warps & (warps - 1)):
+        raise ValueError(f"cross-entropy kernel: warps must be a power of two in [1, 32], got {warps}")
+    warps = warps or default_warps
     has_grad = grad is not None
     _cross_entropy_kernel[(rows,)](
         logits, grad if has_grad else logits, targets, loss, lse, scale if has_grad else loss,

@@ -235,6 +235,30 @@ def test_kernel_makes_out_of_range_targets_nan():
     assert torch.isfinite(loss[0]) and torch.isnan(loss[1]) and loss[2] == 0 and torch.isnan(loss[3])
 
 
+@pytest.mark.parametrize("block, warps", [(16, 1), (32, 2), (64, None)])
+def test_kernel_block_and_warps_overrides(block, warps):
+    """The tuning overrides (profiles/tune_cross_entropy.py): any block and warps give the default's loss, lse and
+    in-place gradient (blocks smaller than the row: several per row, both passes); bad values are refused by name."""
+    require_triton()
+    from megakern import _cross_entropy_triton as kern
+
+    seed("ce-block", block, warps)
+    logits = torch.randn(5, 70, device=DEVICE)
+    targets = torch.tensor([3, 69, -100, 0, 12], device=DEVICE)
+    scale = torch.full((1,), 0.25, device=DEVICE)
+    ref_grad = logits.clone()
+    ref = kern.fwd(logits, targets, ref_grad, scale, -100, 0.0, None)
+    grad = logits.clone()
+    got = kern.fwd(grad, targets, grad, scale, -100, 0.0, None, block=block, warps=warps)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="block must be a power of two >= 16, got 48"):
+        kern.fwd(logits, targets, None, None, -100, 0.0, None, block=48)
+    with pytest.raises(ValueError, match="warps must be a power of two in \\[1, 32\\], got 64"):
+        kern.fwd(logits, targets, None, None, -100, 0.0, None, warps=64)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("vocab", [50304, 128256])
 def test_gpu_bf16_large_vocab_and_memory(vocab):
