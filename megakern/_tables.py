@@ -34,6 +34,16 @@ class AddressTables:
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._staging: list[list] = []  # [pinned buffer, event of its last copy]
 
+    def ready(self, key, rows: tuple[tuple[int, ...], ...], device: torch.device) -> bool:
+        """Whether ``get`` can serve these rows now: always outside a CUDA-graph capture; inside one, only where a
+        graph already owns their table or an eager call with the same sizes came first."""
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            return True
+        if (key, rows) in self._graph:
+            return True
+        cached = self._eager.get(key)
+        return cached is not None and tuple(r[0] for r in cached[0]) == tuple(r[0] for r in rows)
+
     @torch.no_grad()
     def get(self, key, rows: tuple[tuple[int, ...], ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor,
                                                                                           int]:

@@ -55,9 +55,9 @@ class SumOfSquares:
     (fp32 math too, fp64 for fp64 tensors).
 
     Launches find their tensors through address tables (megakern._tables): in a CUDA-graph capture the graph takes
-    over the tables of the eager call before it (a capture needs one) and ``flush()`` writes their new addresses after
-    the capture, before the first replay, as for ``MasterAdamW``. The partial sums are added in a fixed order: the
-    same bits every run."""
+    over the tables of the eager call before it and ``flush()`` writes their new addresses after the capture, before
+    the first replay, as for ``MasterAdamW`` (tensors a capture meets without such an eager call go through torch).
+    The partial sums are added in a fixed order: the same bits every run."""
 
     def __init__(self, *, block: int = SUMSQ_BLOCK, warps: int = SUMSQ_WARPS):
         if block < 16 or block & (block - 1):
@@ -95,6 +95,9 @@ class SumOfSquares:
                 self._tables = AddressTables(kern.ROW, self.block, "SumOfSquares")
             for (dtype, aligned), members in by_kind.items():
                 rows = tuple((t.numel(), t.data_ptr()) for t in members)
+                if not self._tables.ready((dtype, aligned), rows, device):  # a capture with no eager call first
+                    rest += members
+                    continue
                 work, table, programs = self._tables.get((dtype, aligned), rows, device)
                 partials = torch.empty(programs, dtype=torch.float32, device=device)
                 kern.launch(work, table, partials, programs=programs, dtype=dtype, block=self.block,

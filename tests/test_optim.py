@@ -240,10 +240,10 @@ def test_sum_of_squares_rejects_bad_input():
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a CUDA device (none here)")
 def test_sum_of_squares_in_a_cuda_graph():
     """An eager call first, then a capture over tensors at other addresses: flush() writes their table; every replay
-    reads the tensors' current values."""
+    reads the tensors' current values. A capture with no eager call first takes torch's path instead."""
     require_triton()
     seed("sumsq graph")
-    sumsq = SumOfSquares()
+    sumsq, cold = SumOfSquares(), SumOfSquares()
     eager = [torch.randn(5000, device=DEVICE).to(torch.bfloat16), torch.randn(3, 333, device=DEVICE)]
     sumsq(eager)
     captured = [torch.randn_like(t) for t in eager]
@@ -253,14 +253,17 @@ def test_sum_of_squares_in_a_cuda_graph():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
         out = sumsq(captured)
+        out_cold = cold(captured)
     torch.cuda.current_stream().wait_stream(stream)
     sumsq.flush()
+    cold.flush()
     for _ in range(2):
         for t in captured:
             t.copy_(torch.randn_like(t))
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out.double(), _sumsq_truth(captured), rtol=2e-6, atol=0)
+        torch.testing.assert_close(out_cold.double(), _sumsq_truth(captured), rtol=2e-6, atol=0)
     torch.testing.assert_close(sumsq(eager).double(), _sumsq_truth(eager), rtol=2e-6, atol=0)
 
 
@@ -325,3 +328,25 @@ def test_sum_of_squares_kernel_compiles_for_sm90():
     from conftest import sm90_lowering
 
     assert sm90_lowering("test_optim", "compile_sumsq_for_sm90()") == ["bf16", "fp32"]
+
+
+def test_address_tables_work_lists_and_rewrites():
+    """megakern._tables on the CPU: a work list of (row, first element) blocks per set of sizes, one table per key
+    rewritten in place when an address moves, a new one for other sizes; malformed rows refused by name."""
+    from megakern._tables import AddressTables
+
+    tables = AddressTables(2, 16, "test")
+    cpu = torch.device("cpu")
+    work, table, programs = tables.get("k", ((40, 1000), (16, 2000)), cpu)
+    assert programs == 4 and work.tolist() == [0, 0, 0, 16, 0, 32, 1, 0] and table.tolist() == [40, 1000, 16, 2000]
+    same = tables.get("k", ((40, 1000), (16, 2000)), cpu)
+    assert same[1] is table and same[0] is work
+    moved = tables.get("k", ((40, 3000), (16, 2000)), cpu)
+    assert moved[1] is table and table.tolist() == [40, 3000, 16, 2000]  # rewritten in place
+    other = tables.get("k", ((8, 3000),), cpu)
+    assert other[2] == 1 and other[1].tolist() == [8, 3000]
+    assert tables.ready("k", ((8, 1),), cpu)  # outside a capture, always
+    with pytest.raises(ValueError, match="every row must hold 2 entries"):
+        tables.get("k", ((8, 1, 2),), cpu)
+    with pytest.raises(ValueError, match="row must be >= 1"):
+        AddressTables(0, 16)
