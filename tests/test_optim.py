@@ -267,12 +267,20 @@ def test_sum_of_squares_in_a_cuda_graph():
     torch.testing.assert_close(sumsq(eager).double(), _sumsq_truth(eager), rtol=2e-6, atol=0)
 
 
-def compile_for_sm90():
-    """The kernel lowered for sm_90 in each variant the trainer launches (bf16 or fp32 gradients)."""
+def _sm90_ptx(kernel, constexprs: dict, types: dict, warps: int) -> str:
+    """``kernel``'s PTX for sm_90: ``constexprs`` fixed, pointer arguments typed by ``types``, the rest fp32."""
     import triton
-    import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
+    signature = {a: "constexpr" if a in constexprs else types.get(a, "fp32") for a in kernel.arg_names}
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=warps)).asm["ptx"]
+
+
+def compile_for_sm90():
+    """The kernel lowered for sm_90 in each variant the trainer launches (bf16 or fp32 gradients)."""
+    import triton.language as tl
 
     from megakern import _optim_triton as kern
 
@@ -283,10 +291,7 @@ def compile_for_sm90():
                           "MODEL_DTYPE": tl.bfloat16, "WRITE_MODEL": True, "ROUND_BY_BITS": False,
                           "ALIGNED": aligned, "BLOCK": 4096}
             types = {"WORK": "*i64", "TABLE": "*i64", "LR": "*fp32", "SCALE": "*fp32", "FOUND_INF": "*fp32"}
-            signature = {a: "constexpr" if a in constexprs else types.get(a, "fp32")
-                         for a in kern._adamw_kernel.arg_names}
-            src = ASTSource(fn=kern._adamw_kernel, signature=signature, constexprs=constexprs)
-            ptx = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=8)).asm["ptx"]
+            ptx = _sm90_ptx(kern._adamw_kernel, constexprs, types, 8)
             assert "st.global" in ptx
             # aligned launches move whole blocks in 16-byte vectors (the masters, moments and gradients)
             vectors = ptx.count("ld.global.v4") + ptx.count("st.global.v4")
@@ -295,38 +300,28 @@ def compile_for_sm90():
     return out
 
 
-def test_kernel_compiles_for_sm90():
-    from conftest import sm90_lowering
-
-    assert sm90_lowering("test_optim", "compile_for_sm90()") == ["bf16", "fp32"]
-
-
 def compile_sumsq_for_sm90():
     """The sum-of-squares kernel lowered for sm_90: aligned launches read whole blocks in 16-byte vectors."""
-    import triton
     import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from megakern import _sumsq_triton as kern
 
     out = []
     for dtype in (tl.bfloat16, tl.float32):
         for aligned in (False, True):
-            constexprs = {"DTYPE": dtype, "ALIGNED": aligned, "BLOCK": 4096}
-            types = {"WORK": "*i64", "TABLE": "*i64", "PARTIALS": "*fp32"}
-            signature = {a: "constexpr" if a in constexprs else types[a] for a in kern._sumsq_kernel.arg_names}
-            src = ASTSource(fn=kern._sumsq_kernel, signature=signature, constexprs=constexprs)
-            ptx = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=4)).asm["ptx"]
+            ptx = _sm90_ptx(kern._sumsq_kernel, {"DTYPE": dtype, "ALIGNED": aligned, "BLOCK": 4096},
+                            {"WORK": "*i64", "TABLE": "*i64", "PARTIALS": "*fp32"}, 4)
             vectors = ptx.count("ld.global.v4")
             assert (vectors >= 4) if aligned else vectors == 0, (str(dtype), aligned, vectors)
         out.append(str(dtype))
     return out
 
 
-def test_sum_of_squares_kernel_compiles_for_sm90():
+def test_kernels_compile_for_sm90():
+    """MasterAdamW's and SumOfSquares' kernels, lowered for sm_90 in a subprocess (see the two functions above)."""
     from conftest import sm90_lowering
 
+    assert sm90_lowering("test_optim", "compile_for_sm90()") == ["bf16", "fp32"]
     assert sm90_lowering("test_optim", "compile_sumsq_for_sm90()") == ["bf16", "fp32"]
 
 
