@@ -12,7 +12,8 @@ rows that count (NaN when none does, as torch). With ``softcap`` s the logits ar
 ``linear_cross_entropy(x, weight, targets)``: the loss of logits = x @ weight^T (+ bias), x (N, C) (or (..., C)
 with targets (...)), weight (V, C), without the (N, V) fp32 logits (Liger's fused linear cross-entropy). Tokens go
 in chunks of ``chunk_size`` (default ``default_chunk``: the fewest chunks whose memory stays within twice the fp32
-weight gradient that chunking accumulates, 8 V C bytes; larger chunks are faster); per chunk:
+weight gradient that chunking accumulates, 8 V C bytes, and a sixteenth of the device's memory; larger chunks are
+faster); per chunk:
 
     logits_c  = x_c @ W^T                  in x's dtype (tensor cores), (chunk, V)
     kernel:     loss_c, and d(loss)/d(logits_c) written over logits_c      fp32 math, online over V in blocks
@@ -141,24 +142,36 @@ def check_inputs(x, weight, targets, bias, ignore_index, reduction, label_smooth
                   softcap, check_targets)
 
 
-def default_chunk(rows: int, vocab: int, itemsize: int, hidden: int | None = None) -> int:
+def default_chunk(rows: int, vocab: int, itemsize: int, hidden: int | None = None,
+                  device_memory: int | None = None) -> int:
     """Tokens per chunk of logits in ``itemsize``-byte elements.
 
     ``hidden`` (C, given when the weight takes a gradient): the fewest chunks within a budget of 8 * V * C bytes,
-    twice the fp32 weight gradient that chunks accumulate: all ``rows`` in one chunk where their logits fit it (the
-    weight gradient is then one GEMM written in the weight's dtype, with no accumulator), else chunks of
-    4 * C / itemsize rows (a power of two), whose logits take as much as the fp32 accumulator beside them. Fewer,
-    larger chunks are faster: each chunk reads and writes the whole accumulator, and larger GEMMs run closer to the
-    roofline (docs/tuning.md). Without ``hidden`` (no accumulator): the largest power of two whose logits fit
-    CHUNK_BYTES, between 256 and 8192. Every chunk is at most ``rows``."""
-    fit = max(1, CHUNK_BYTES // max(1, vocab * itemsize))
+    twice the fp32 weight gradient that chunks accumulate, and within a sixteenth of ``device_memory`` (the device's
+    bytes, when known): all ``rows`` in one chunk where their logits fit the budget (the weight gradient is then one
+    GEMM written in the weight's dtype, with no accumulator), else chunks (a power of two of rows) whose logits take
+    what the budget leaves beside the 4 * V * C bytes of the accumulator (4 * C / itemsize rows without the device
+    cap), at least CHUNK_BYTES' worth. Fewer, larger chunks are faster: each chunk reads and writes the whole
+    accumulator, and larger GEMMs run closer to the roofline (docs/tuning.md). Without ``hidden`` (no accumulator):
+    the largest power of two whose logits fit CHUNK_BYTES, between 256 and 8192. Every chunk is at most ``rows``."""
+    row_bytes = max(1, vocab * itemsize)
+    fit = max(1, CHUNK_BYTES // row_bytes)
     chunk = max(256, min(8192, 1 << (fit.bit_length() - 1)))
     if hidden is not None:
-        if rows * itemsize <= 8 * hidden:
+        budget = 8 * vocab * hidden
+        if device_memory:
+            budget = min(budget, device_memory // 16)
+        if rows * row_bytes <= budget:
             return max(1, rows)
-        rows_of_budget = max(1, 4 * hidden // itemsize)
+        rows_of_budget = max(1, (budget - 4 * vocab * hidden) // row_bytes)
         chunk = max(chunk, 1 << (rows_of_budget.bit_length() - 1))
     return max(1, min(rows, chunk))
+
+
+@functools.lru_cache(maxsize=None)
+def _device_memory(device: torch.device) -> int | None:
+    """The bytes of a CUDA device's memory (None elsewhere): default_chunk's cap."""
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
 
 
 # ---- the kernels' path ---------------------------------------------------------------------------------------------
@@ -349,7 +362,8 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
                              "'mean' or 'sum'")
         weight_grad = torch.is_grad_enabled() and weight.requires_grad
         chunk = chunk_size or default_chunk(x2.shape[0], weight.shape[0], x.element_size(),
-                                            hidden=weight.shape[1] if weight_grad else None)
+                                            hidden=weight.shape[1] if weight_grad else None,
+                                            device_memory=_device_memory(x.device))
         loss = LinearCrossEntropyFunction.apply(x2, weight, bias, t2, ignore_index, reduction,
                                                 float(label_smoothing), softcap, chunk)
         return loss.reshape(targets.shape) if reduction == "none" else loss

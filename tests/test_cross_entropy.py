@@ -195,6 +195,13 @@ def test_default_chunk():
     assert default_chunk(16384, 50304, 2, hidden=64) == 2048  # a small C keeps the CHUNK_BYTES chunk
     assert default_chunk(8192, 50304, 4, hidden=4096) == 8192 and default_chunk(8193, 50304, 4, hidden=4096) == 4096
     assert default_chunk(3000, 128256, 2, hidden=16) == 1024
+    # a sixteenth of the device's memory caps the budget: 24 GiB -> 1.5 GiB, under Llama-1B's 2 GiB of logits: chunks
+    # of what the cap leaves beside the 1 GiB accumulator (0.52 GiB: 2182 rows of 128256 bf16 logits, 2048 as a power
+    # of two); 8 GiB leaves nothing beside it: CHUNK_BYTES' chunks
+    assert default_chunk(8192, 128256, 2, hidden=2048, device_memory=141 << 30) == 8192
+    assert default_chunk(8192, 128256, 2, hidden=2048, device_memory=24 << 30) == 2048
+    assert default_chunk(8192, 128256, 2, hidden=2048, device_memory=8 << 30) == 1024
+    assert default_chunk(4096, 50304, 2, hidden=1024, device_memory=24 << 30) == 4096
 
 
 @pytest.mark.parametrize("call, message", [
