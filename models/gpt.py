@@ -426,15 +426,16 @@ def _split_heads_major(qkv: torch.Tensor, nkv: int):
 
 def _reorder_rows(w: torch.Tensor, nkv: int, g: int, hs: int, to_heads_major: bool) -> torch.Tensor:
     """``w``'s rows (the leading dim of a qkv weight, bias or their gradient) from the grouped order [g query heads,
-    k, v] per kv head to the heads-major order [every query head, every k head, every v head], or back: one copy."""
+    k, v] per kv head to the heads-major order [every query head, every k head, every v head], or back: one pass of
+    two copies."""
     w = w.contiguous()
     out = torch.empty_like(w)
     grouped = (w if to_heads_major else out).view(nkv, g + 2, hs, -1)
     major = (out if to_heads_major else w).view(nkv * (g + 2) * hs, -1)
-    nq, nk = nkv * g * hs, nkv * hs
+    nq = nkv * g * hs
+    # two copies: the query heads, then k and v together (every k head, then every v head)
     for part, block in ((major[:nq].view(nkv, g, hs, -1), grouped[:, :g]),
-                        (major[nq:nq + nk].view(nkv, 1, hs, -1), grouped[:, g:g + 1]),
-                        (major[nq + nk:].view(nkv, 1, hs, -1), grouped[:, g + 1:])):
+                        (major[nq:].view(2, nkv, hs, -1), grouped[:, g:].transpose(0, 1))):
         if to_heads_major:
             part.copy_(block)
         else:
