@@ -16,6 +16,12 @@ from megakern import _cuda
 # Flag bits, mirrored from csrc/norm/norm.h.
 RMS, VECTORIZED, HAS_WEIGHT, HAS_BIAS, W_F32 = 1, 2, 4, 8, 16
 HAS_RESIDUAL, RES_F32, HAS_DRES_OUT, HAS_DRES, HAS_DW, STAGED = 32, 64, 128, 256, 512, 1024
+GENERIC = 2048
+# The forward's specialized instances (csrc/norm/norm.h, NORM_FWD_SPECS): 16-bit rows with 16-byte I/O whose flags
+# are one of these take a kernel with them as compile-time constants (fewer registers: more blocks an SM)
+SPEC_MASK = RMS | HAS_WEIGHT | HAS_BIAS | W_F32 | HAS_RESIDUAL | RES_F32
+FWD_SPECS = (RMS | HAS_WEIGHT, RMS | HAS_WEIGHT | HAS_RESIDUAL, HAS_WEIGHT | HAS_BIAS,
+             HAS_WEIGHT | HAS_BIAS | HAS_RESIDUAL)
 
 _CTYPES = {torch.float32: (0, "float"), torch.float16: (1, "__half"), torch.bfloat16: (2, "__nv_bfloat16")}
 _VEC = {torch.float32: 4, torch.float16: 8, torch.bfloat16: 8}  # elements in 16 bytes
@@ -41,6 +47,7 @@ class LaunchConfig:
     staged: bool = False  # backward: the staged kernel (the next row copied into shared memory; 16-bit rows)
     row_batch: int = 1  # forward: rows each row's threads take at once, every row's loads in flight (ROW_BATCHES)
     max_registers: int = 0  # forward, tuning: a register cap a thread (NVRTC, MEGAKERN_NORM_FWD_MAXNREG; 0: none)
+    specialize: bool = True  # forward: a specialized instance where the flags have one (FWD_SPECS); False: GENERIC
 
 
 def staged_smem_bytes(cols: int, itemsize: int, nv: int, has_db: bool) -> int:
@@ -103,8 +110,15 @@ def staged_config(cols: int, dtype: torch.dtype, has_db: bool) -> Optional[Launc
     return LaunchConfig(nv, threads, 1, staged=True) if threads <= BWD_MAX_THREADS else None
 
 
-def _fwd_name(ctype: str, nv: int, vecio: bool, row_batch: int = 1) -> str:
-    return f"megakern::norm_fwd_kernel<{ctype}, {nv}, {row_batch}, {_b(vecio)}>"
+def fwd_spec(flags: int, dtype: torch.dtype) -> int:
+    """The forward's SPEC for ``flags`` on ``dtype`` rows (csrc/norm/norm.h, norm_fwd_spec; 0: flags at run time)."""
+    if dtype == torch.float32 or not flags & VECTORIZED or flags & GENERIC:
+        return 0
+    return flags & SPEC_MASK if flags & SPEC_MASK in FWD_SPECS else 0
+
+
+def _fwd_name(ctype: str, nv: int, vecio: bool, row_batch: int = 1, spec: int = 0) -> str:
+    return f"megakern::norm_fwd_kernel<{ctype}, {nv}, {row_batch}, {_b(vecio)}, {spec}>"
 
 
 def _bwd_name(ctype: str, nv: int, has_db: bool, vecio: bool) -> str:
@@ -122,8 +136,9 @@ def kernel_names() -> list[str]:
     for dtype, (_, ctype) in _CTYPES.items():
         vec = _VEC[dtype]
         for io in (False, True):
-            names += [_fwd_name(ctype, nv, io, batch) for nv in (0, 1, 2, 4, 8) if nv * vec <= FWD_CAP
-                      for batch in (ROW_BATCHES if nv else (1,))]
+            specs = (0, *FWD_SPECS) if io and dtype != torch.float32 else (0,)
+            names += [_fwd_name(ctype, nv, io, batch, spec) for nv in (0, 1, 2, 4, 8) if nv * vec <= FWD_CAP
+                      for batch in (ROW_BATCHES if nv else (1,)) for spec in specs]
             names += [_bwd_name(ctype, nv, db, io) for nv in (0, 1, 2, 4, 8) if nv * vec <= BWD_CAP
                       for db in (False, True)]
         if dtype != torch.float32:
@@ -211,6 +226,8 @@ def fwd(x, residual, weight, bias, eps: float, is_rms: bool, path: Optional[str]
         flags |= HAS_RESIDUAL | (RES_F32 if residual.dtype == torch.float32 else 0)
     if cols % _VEC[x.dtype] == 0 and _aligned(x, residual, weight, bias, y, res_out):
         flags |= VECTORIZED
+    if config is not None and not config.specialize:
+        flags |= GENERIC
     cfg = config or launch_config(cols, x.dtype, backward=False)
     if config is not None:
         check_fwd_config(config)
@@ -222,8 +239,8 @@ def fwd(x, residual, weight, bias, eps: float, is_rms: bool, path: Optional[str]
                                            cfg.nv, cfg.row_batch, cfg.threads, cfg.rows_per_block, grid)
     else:
         defines = (f"MEGAKERN_NORM_FWD_MAXNREG={cfg.max_registers}",) if cfg.max_registers else ()
-        kernel = _cuda.nvrtc_kernel("norm/norm.cu", _fwd_name(ctype, cfg.nv, bool(flags & VECTORIZED), cfg.row_batch),
-                                    defines)
+        name = _fwd_name(ctype, cfg.nv, bool(flags & VECTORIZED), cfg.row_batch, fwd_spec(flags, x.dtype))
+        kernel = _cuda.nvrtc_kernel("norm/norm.cu", name, defines)
         args = _nvrtc_args(("p", _ptr(x)), ("p", _ptr(residual)), ("p", _ptr(weight)), ("p", _ptr(bias)),
                            ("p", _ptr(y)), ("p", _ptr(res_out)), ("p", _ptr(mean)), ("p", _ptr(rstd)),
                            ("i64", rows), ("i32", cols), ("i64", _stride(x)), ("i64", _stride(residual)),

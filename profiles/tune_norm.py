@@ -78,6 +78,9 @@ def specs(n: int, is_rms: bool, residual: bool) -> list[tuple[str, str, dict]]:
     for cap in REGISTER_CAPS:
         config = dataclasses.replace(default, max_registers=cap)
         out.append((f"cuda fwd {config}", "cuda fwd", dict(config=config)))
+    # the kernel that reads its flags at run time, where the default takes a specialized instance (csrc/norm/norm.h)
+    generic = dataclasses.replace(default, specialize=False)
+    out.append((f"cuda fwd {generic}", "cuda fwd", dict(config=generic)))
     # the backward in registers: (rows a step, warps, programs per SM, prefetch), warps from the elements each thread
     # holds of a step's rows (8, 16 or 32) and programs per SM filling 16 or 32 warps an SM; several rows a step only
     # up to 8192 elements a step

@@ -474,6 +474,31 @@ def test_cuda_forward_under_a_register_cap(op, case, setup):
         assert (got is None) == (want is None) and (got is None or torch.equal(got, want))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", CUDA_VARIANTS)
+@pytest.mark.parametrize("setup", BF16_SETUPS)
+@pytest.mark.parametrize("shape", [(3, 41, 4096), (130, 1024), (7, 16384), (5, 20000)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("op", OPS)
+def test_cuda_forward_specializations_equal_the_generic_kernel(op, shape, setup, variant):
+    """The forward's specialized instances (flags as compile-time constants, csrc/norm/norm.h NORM_FWD_SPECS) give
+    the run-time-flags kernel's outputs bit for bit, through both CUDA paths; setups without a specialization take
+    the generic kernel either way."""
+    from megakern import _norm_cuda
+
+    path = variant.removeprefix("cuda-")
+    if problem := cuda_path_problem(path):
+        pytest.skip(f"the {path} path is unavailable: {problem}")
+    seed("spec", op, shape, setup, variant)
+    x, w, b, r = bf16_inputs(op, shape, setup)
+    x2, r2 = x.reshape(-1, x.shape[-1]), None if r is None else r.reshape(-1, r.shape[-1])
+    generic = dataclasses.replace(_norm_cuda.launch_config(shape[-1], x.dtype, False), specialize=False)
+    fast = _norm_cuda.fwd(x2, r2, w, b, 1e-5, op == "rms_norm", path=path)
+    slow = _norm_cuda.fwd(x2, r2, w, b, 1e-5, op == "rms_norm", path=path, config=generic)
+    for got, want in zip(fast, slow):
+        assert (got is None) == (want is None) and (got is None or torch.equal(got, want))
+
+
 def test_cuda_forward_refuses_a_launch_it_cannot_take():
     """A forward launch override the kernels were not built for is refused by name before any launch."""
     from megakern import _norm_cuda

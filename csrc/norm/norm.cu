@@ -10,7 +10,7 @@
 // registers and writes one line of dw_partial; the caller sums the lines.
 //
 // All math in fp32. Geometry and flags: see norm.h. Kernel names are referenced by megakern/_norm_cuda.py
-// for the NVRTC path ("megakern::norm_fwd_kernel<__nv_bfloat16, 4>").
+// for the NVRTC path ("megakern::norm_fwd_kernel<__nv_bfloat16, 2, 1, true, 5>").
 #include "common/common.h"
 #include "norm/norm.h"
 
@@ -26,7 +26,8 @@ static_assert(MEGAKERN_NORM_FWD_MAXNREG <= 64, "MEGAKERN_NORM_FWD_MAXNREG above 
 #define MEGAKERN_NORM_FWD_BOUNDS __launch_bounds__(1024 / ROWS)
 #endif
 
-template <typename T, int NV, int ROWS, bool VECIO>
+// SPEC: 0, the flags read at run time, or one of NORM_FWD_SPECS (csrc/norm/norm.h), the same flags as constants
+template <typename T, int NV, int ROWS, bool VECIO, int SPEC>
 __global__ void MEGAKERN_NORM_FWD_BOUNDS
 norm_fwd_kernel(const T* __restrict__ x, const void* __restrict__ residual, const void* __restrict__ weight,
                 const void* __restrict__ bias, T* __restrict__ y, void* __restrict__ residual_out,
@@ -36,9 +37,10 @@ norm_fwd_kernel(const T* __restrict__ x, const void* __restrict__ residual, cons
   constexpr int VEC = 16 / sizeof(T);
   __shared__ float smem[32 * ROWS];
   constexpr bool vec = VECIO;
-  const bool rms = flags & NORM_RMS;
-  const bool has_w = flags & NORM_HAS_WEIGHT, has_b = flags & NORM_HAS_BIAS, w_f32 = flags & NORM_W_F32;
-  const bool has_res = flags & NORM_HAS_RESIDUAL, res_f32 = flags & NORM_RES_F32;
+  const int f = SPEC ? SPEC : flags;  // a constant in the specialized instances: their unused paths fold away
+  const bool rms = f & NORM_RMS;
+  const bool has_w = f & NORM_HAS_WEIGHT, has_b = f & NORM_HAS_BIAS, w_f32 = f & NORM_W_F32;
+  const bool has_res = f & NORM_HAS_RESIDUAL, res_f32 = f & NORM_RES_F32;
   // This row group's first row; it takes ROWS consecutive rows (those past the end are neither read nor written)
   const i64 row = ((i64)blockIdx.x * blockDim.y + threadIdx.y) * ROWS;
   if (row >= rows) return;  // only with a warp per row, where no barrier follows
@@ -536,26 +538,26 @@ namespace megakern {
     default: return cudaErrorInvalidValue;                                                       \
   }
 
-template <typename T, int ROWS, bool VECIO>
+template <typename T, int ROWS, bool VECIO, int SPEC>
 static cudaError_t norm_fwd_r(int nv, dim3 grid, dim3 block, const NormFwdArgs& a, cudaStream_t stream) {
   if constexpr (ROWS > 1) {
     if (nv == 0) return cudaErrorInvalidValue;  // streaming takes one row at a time
   }
   MEGAKERN_NV_SWITCH(nv, 16, if constexpr (ROWS == 1 || NV > 0) {
-    norm_fwd_kernel<T, NV, ROWS, VECIO><<<grid, block, 0, stream>>>(
+    norm_fwd_kernel<T, NV, ROWS, VECIO, SPEC><<<grid, block, 0, stream>>>(
         static_cast<const T*>(a.x), a.residual, a.weight, a.bias, static_cast<T*>(a.y), a.residual_out, a.mean,
         a.rstd, a.rows, a.cols, a.stride_x, a.stride_res, a.stride_y, a.stride_res_out, a.eps, a.flags);
   });
   return cudaGetLastError();
 }
 
-template <typename T, bool VECIO>
+template <typename T, bool VECIO, int SPEC>
 static cudaError_t norm_fwd_v(int nv, int row_batch, dim3 grid, dim3 block, const NormFwdArgs& a,
                               cudaStream_t stream) {
   switch (row_batch) {
-    case 1: return norm_fwd_r<T, 1, VECIO>(nv, grid, block, a, stream);
-    case 2: return norm_fwd_r<T, 2, VECIO>(nv, grid, block, a, stream);
-    case 4: return norm_fwd_r<T, 4, VECIO>(nv, grid, block, a, stream);
+    case 1: return norm_fwd_r<T, 1, VECIO, SPEC>(nv, grid, block, a, stream);
+    case 2: return norm_fwd_r<T, 2, VECIO, SPEC>(nv, grid, block, a, stream);
+    case 4: return norm_fwd_r<T, 4, VECIO, SPEC>(nv, grid, block, a, stream);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -563,8 +565,18 @@ static cudaError_t norm_fwd_v(int nv, int row_batch, dim3 grid, dim3 block, cons
 template <typename T>
 static cudaError_t norm_fwd_t(int nv, int row_batch, dim3 grid, dim3 block, const NormFwdArgs& a,
                               cudaStream_t stream) {
-  return (a.flags & NORM_VECTORIZED) ? norm_fwd_v<T, true>(nv, row_batch, grid, block, a, stream)
-                                     : norm_fwd_v<T, false>(nv, row_batch, grid, block, a, stream);
+  if (!(a.flags & NORM_VECTORIZED)) return norm_fwd_v<T, false, 0>(nv, row_batch, grid, block, a, stream);
+  if constexpr (sizeof(T) == 2) {  // 16-bit rows: the specialized instances (NORM_FWD_SPECS)
+    constexpr int RMS_W = NORM_RMS | NORM_HAS_WEIGHT, W_B = NORM_HAS_WEIGHT | NORM_HAS_BIAS, RES = NORM_HAS_RESIDUAL;
+    switch (norm_fwd_spec(a.flags)) {
+      case RMS_W: return norm_fwd_v<T, true, RMS_W>(nv, row_batch, grid, block, a, stream);
+      case RMS_W | RES: return norm_fwd_v<T, true, RMS_W | RES>(nv, row_batch, grid, block, a, stream);
+      case W_B: return norm_fwd_v<T, true, W_B>(nv, row_batch, grid, block, a, stream);
+      case W_B | RES: return norm_fwd_v<T, true, W_B | RES>(nv, row_batch, grid, block, a, stream);
+      default: break;
+    }
+  }
+  return norm_fwd_v<T, true, 0>(nv, row_batch, grid, block, a, stream);
 }
 
 template <typename T, bool HAS_DB, bool VECIO>

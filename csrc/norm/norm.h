@@ -23,8 +23,8 @@ enum NormFlags {
   NORM_HAS_DRES = 1 << 8,     // bwd: dx also written as fp32 to dres (fp32 residual)
   NORM_HAS_DW = 1 << 9,       // bwd: weight gradient partials wanted
   NORM_STAGED = 1 << 10,      // bwd: the staged kernel (needs NORM_VECTORIZED and x of the kernel's dtype)
+  NORM_GENERIC = 1 << 11,     // fwd: the kernel that reads its flags at run time, where a specialized one exists
 };
-
 
 }  // namespace megakern
 
@@ -32,6 +32,23 @@ enum NormFlags {
 #include <cuda_runtime.h>
 
 namespace megakern {
+
+// The forward's specializations: 16-bit rows with 16-byte I/O whose flags (the bits of NORM_SPEC_MASK) are one of
+// these have a kernel instance with them as compile-time constants (SPEC), which keeps the pointers and branches of
+// unused features out of its registers; any other call takes SPEC 0, its flags read at run time. The list is
+// mirrored in megakern/_norm_cuda.py (FWD_SPECS).
+constexpr int NORM_SPEC_MASK =
+    NORM_RMS | NORM_HAS_WEIGHT | NORM_HAS_BIAS | NORM_W_F32 | NORM_HAS_RESIDUAL | NORM_RES_F32;
+constexpr int NORM_FWD_SPECS[] = {NORM_RMS | NORM_HAS_WEIGHT, NORM_RMS | NORM_HAS_WEIGHT | NORM_HAS_RESIDUAL,
+                                  NORM_HAS_WEIGHT | NORM_HAS_BIAS, NORM_HAS_WEIGHT | NORM_HAS_BIAS | NORM_HAS_RESIDUAL};
+
+// SPEC for a forward with ``flags`` on 16-bit rows (0: the run-time flags kernel)
+constexpr int norm_fwd_spec(int flags) {
+  if (!(flags & NORM_VECTORIZED) || (flags & NORM_GENERIC)) return 0;
+  for (int spec : NORM_FWD_SPECS)
+    if ((flags & NORM_SPEC_MASK) == spec) return spec;
+  return 0;
+}
 
 enum NormDType { NORM_F32 = 0, NORM_F16 = 1, NORM_BF16 = 2 };
 

@@ -98,3 +98,29 @@ def test_staged_backward_default_geometry():
                 assert _norm_cuda._bwd_staged_name(ctype, cfg.nv, has_db) in names
     assert _norm_cuda.staged_config(4096, torch.float32, False) is None
     assert _norm_cuda.staged_config(512, torch.bfloat16, False) is None
+
+
+def test_forward_specializations_mirror_the_header():
+    """megakern/_norm_cuda.py's flag bits and FWD_SPECS are csrc/norm/norm.h's, and fwd_spec picks as
+    norm_fwd_spec does: a specialization only for 16-bit rows with 16-byte I/O and exactly its flags; every
+    specialized instance is among the NVRTC names."""
+    import re
+
+    header = (CSRC / "norm" / "norm.h").read_text()
+    bits = {name: 1 << int(shift) for name, shift in re.findall(r"NORM_(\w+) = 1 << (\d+)", header)}
+    for name in ("RMS", "VECTORIZED", "HAS_WEIGHT", "HAS_BIAS", "W_F32", "HAS_RESIDUAL", "RES_F32", "GENERIC"):
+        assert getattr(_norm_cuda, name) == bits[name], name
+    body = re.search(r"NORM_FWD_SPECS\[\] = \{(.*?)\};", header, re.S).group(1)
+    specs = tuple(sum(bits[b] for b in re.findall(r"NORM_(\w+)", item)) for item in body.split(","))
+    assert specs == _norm_cuda.FWD_SPECS
+    v, rms_w = _norm_cuda.VECTORIZED, _norm_cuda.RMS | _norm_cuda.HAS_WEIGHT
+    assert _norm_cuda.fwd_spec(rms_w | v, torch.bfloat16) == rms_w
+    assert _norm_cuda.fwd_spec(rms_w, torch.bfloat16) == 0  # element-wise I/O
+    assert _norm_cuda.fwd_spec(rms_w | v, torch.float32) == 0
+    assert _norm_cuda.fwd_spec(rms_w | v | _norm_cuda.GENERIC, torch.float16) == 0
+    assert _norm_cuda.fwd_spec(rms_w | v | _norm_cuda.W_F32, torch.bfloat16) == 0  # fp32 weights: not specialized
+    names = set(_norm_cuda.kernel_names())
+    for spec in specs:
+        for ctype in ("__half", "__nv_bfloat16"):
+            assert _norm_cuda._fwd_name(ctype, 2, True, 1, spec) in names
+            assert _norm_cuda._fwd_name(ctype, 1, True, 4, spec) in names
