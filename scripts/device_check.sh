@@ -6,8 +6,10 @@
 #   MEGAKERN_GIT_SHA=$(git rev-parse --short HEAD) bash scripts/device_check.sh [build] [test] [bench] [profile] [train]
 #
 # With no stage named, the first four run; "train" (the training steps of Llama shapes and a small model, and a
-# profile of one step: several minutes) and "peers" (attention, norms and cross-entropy beside FlashAttention-4,
-# quack and cut-cross-entropy, carried in .peers2/, with liger from .whl/) run when named. TESTS="tests/test_attention.py tests/models" picks test paths (the whole suite
+# profile of one step: several minutes), "peers" (attention, norms and cross-entropy beside FlashAttention-4,
+# quack and cut-cross-entropy, carried in .peers2/, with liger from .whl/) and "tune" (the launch-table sweeps,
+# TUNES) run when named. PACK=1 returns everything under $OUT as one archive, out.tgz.
+# TESTS="tests/test_attention.py tests/models" picks test paths (the whole suite
 # takes about 7 minutes with WORKERS=8 pytest workers on one GPU; on a host with several, the workers spread over
 # them (MEGAKERN_TEST_GPUS, default every GPU): split it across calls
 # that have a time limit, or give TEST_BUDGET_S so that the summary naming the failures is still printed).
@@ -19,6 +21,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
+fresh_out=; [ -z "$(ls -A "$OUT")" ] && fresh_out=1  # PACK empties only a folder this run filled
 STAGES=${*:-build test bench profile}  # train only when named
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 status=0
@@ -148,5 +151,27 @@ if want train; then
   cp benchmarks/results/"$gpu"/train.csv "$OUT/train_$gpu.csv" 2>/dev/null
 fi
 
+if want tune; then
+  # the launch-table sweeps (named only): TUNES picks among: optim sumsq cross_entropy norm_fwd; their tables go to
+  # $OUT/tune_<name>.txt (docs/tuning.md takes the winners)
+  step "tuning sweeps"
+  for name in ${TUNES:-optim sumsq cross_entropy norm_fwd}; do
+    case $name in
+      optim) cmd=(python3 profiles/tune_optim.py --model llama-1b) ;;
+      sumsq) cmd=(python3 profiles/tune_optim.py --model llama-1b --sumsq) ;;
+      cross_entropy) cmd=(python3 profiles/tune_cross_entropy.py) ;;
+      norm_fwd) cmd=(python3 profiles/tune_norm.py --launchers "cuda fwd" --hidden "${TUNE_HIDDEN:-1024,4096,16384}") ;;
+      *) echo "TUNES: unknown $name"; status=1; continue ;;
+    esac
+    timeout "${TUNE_TIMEOUT_S:-240}" "${cmd[@]}" > "$OUT/tune_$name.txt" 2>&1 || { status=1; tail -20 "$OUT/tune_$name.txt"; }
+    tail -40 "$OUT/tune_$name.txt"
+  done
+fi
+
 step "done (status $status)"
+# PACK=1: everything under $OUT in one archive (a device call returns only a few files)
+if [ -n "${PACK:-}" ]; then
+  tar czf /tmp/device-out.tgz -C "$OUT" . && mv /tmp/device-out.tgz "$OUT/out.tgz" \
+    && { [ -z "$fresh_out" ] || find "$OUT" -mindepth 1 ! -name out.tgz -delete; }
+fi
 exit $status
