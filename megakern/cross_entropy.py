@@ -198,8 +198,8 @@ def _fp32_accumulating_mm(device: torch.device) -> bool:
 
 def accumulate_mm(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """acc (fp32, or fp64) + a @ b, a and b possibly in a lower precision (accumulated in fp32 where the GEMM can),
-    in place; ``acc`` None: a @ b as a new tensor of at least fp32 (the first term of a sum over chunks: no zero-filled accumulator to
-    write and read back first). Returns the accumulator."""
+    in place; ``acc`` None: a @ b as a new tensor of at least fp32 (the first term of a sum over chunks: no
+    zero-filled accumulator to write and read back first). Returns the accumulator."""
     if acc is None:
         if a.dtype in (torch.float32, torch.float64):
             return a @ b

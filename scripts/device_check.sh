@@ -163,7 +163,8 @@ if want tune; then
       norm_fwd) cmd=(python3 profiles/tune_norm.py --launchers "cuda fwd" --hidden "${TUNE_HIDDEN:-1024,4096,16384}") ;;
       *) echo "TUNES: unknown $name"; status=1; continue ;;
     esac
-    timeout "${TUNE_TIMEOUT_S:-240}" "${cmd[@]}" > "$OUT/tune_$name.txt" 2>&1 || { status=1; tail -20 "$OUT/tune_$name.txt"; }
+    timeout "${TUNE_TIMEOUT_S:-240}" "${cmd[@]}" > "$OUT/tune_$name.txt" 2>&1 \
+      || { status=1; tail -20 "$OUT/tune_$name.txt"; }
     tail -40 "$OUT/tune_$name.txt"
   done
 fi
