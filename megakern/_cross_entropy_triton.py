@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from megakern._intmath import next_power_of_2
+from megakern._round_triton import rounded
 
 MAX_BLOCK_V = 32768
 SCALE_BLOCK, SCALE_WARPS = 4096, 8
@@ -108,12 +109,7 @@ def _scale_kernel(X, OUT, FACTOR, n, BLOCK: tl.constexpr, ROUND_BY_BITS: tl.cons
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     y = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) * tl.load(FACTOR).to(tl.float32)
-    if ROUND_BY_BITS:  # fp32 -> bf16 to nearest even by integer arithmetic (the interpreter's cast truncates)
-        bits = y.to(tl.int32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        tl.store(OUT + offs, (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
-    else:
-        tl.store(OUT + offs, y.to(OUT.dtype.element_ty), mask=mask)
+    tl.store(OUT + offs, rounded(y, OUT.dtype.element_ty, ROUND_BY_BITS), mask=mask)
 
 
 def block_v(vocab: int, device: torch.device) -> tuple[int, int]:

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from megakern._round_triton import rounded
+
 ROW = 8  # int64 entries per tensor in the table
 
 
@@ -54,12 +56,7 @@ def _adamw_block(param, grad, exp_avg, exp_avg_sq, model, offs, numel, rate, wei
     tl.store(exp_avg + offs, m, mask=mask)
     tl.store(exp_avg_sq + offs, v, mask=mask)
     if WRITE_MODEL:
-        if ROUND_BY_BITS:  # fp32 -> bf16 to nearest even by integer arithmetic (the interpreter's cast truncates)
-            bits = p.to(tl.int32, bitcast=True)
-            bits = bits + 0x7FFF + ((bits >> 16) & 1)
-            tl.store(model + offs, (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
-        else:
-            tl.store(model + offs, p.to(MODEL_DTYPE), mask=mask)
+        tl.store(model + offs, rounded(p, MODEL_DTYPE, ROUND_BY_BITS), mask=mask)
 
 
 @triton.jit

@@ -39,12 +39,6 @@ BLOCK, WARPS = 1024, 4
 SUMSQ_BLOCK, SUMSQ_WARPS = 4096, 4
 
 
-def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The 2-norm of a list of tensors, summed in fp32 whatever their dtype (a 0-d fp32 tensor)."""
-    if not tensors:
-        return torch.zeros((), dtype=torch.float32)
-    norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
-    return torch.linalg.vector_norm(torch.stack(norms))
 
 
 class SumOfSquares:
@@ -115,6 +109,12 @@ class SumOfSquares:
         """Writes the tables built during a CUDA-graph capture; call it after the capture, before the replay."""
         if self._tables is not None:
             self._tables.flush()
+
+
+def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of a list of tensors, summed in fp32 whatever their dtype (a 0-d fp32 tensor): a one-off
+    ``SumOfSquares``' square root."""
+    return SumOfSquares()(tensors).sqrt()
 
 
 class MasterAdamW:
