@@ -22,9 +22,10 @@ OPS = ("rotary", "fp8", "attention", "layernorm", "rmsnorm", "linear", "activati
 OP_MODULES = {f"megakern.{op}" for op in OPS}
 # private modules models/ and parallel/ may import: megakern/_checks.py says so in its docstring
 SHARED_HELPERS = {"megakern._checks"}
-# what a kernel module may import of megakern's private modules: kernel-free helpers, the shared row reduction, and
-# the Triton GEMMs' shared MMA step and launch helpers
-KERNEL_HELPERS = {"megakern._intmath", "megakern._cuda", "megakern._reduce_triton", "megakern._gemm_shared_triton"}
+# what a kernel module may import of megakern's private modules: kernel-free helpers, the shared row reduction, the
+# shared rounding to a lower-precision dtype, and the Triton GEMMs' shared MMA step and launch helpers
+KERNEL_HELPERS = {"megakern._intmath", "megakern._cuda", "megakern._reduce_triton", "megakern._round_triton",
+                  "megakern._gemm_shared_triton"}
 
 
 def _module_name(path: Path) -> str:
