@@ -202,7 +202,7 @@ def test_sum_of_squares_matches_fp64(block, warps):
     assert tensors[4].data_ptr() % 16 and tensors[4].is_contiguous() and not tensors[5].is_contiguous()
     sumsq = SumOfSquares(block=block, warps=warps)
     got = sumsq(tensors)
-    assert got.dtype == torch.float32 and got.shape == () and got.device == DEVICE
+    assert got.dtype == torch.float32 and got.shape == () and got.device.type == torch.device(DEVICE).type
     torch.testing.assert_close(got.double(), _sumsq_truth(tensors), rtol=2e-6, atol=0)
     assert torch.equal(sumsq(tensors), got)  # a fixed order of additions: the same bits again
     # new tensors of the same sizes (other addresses: the table is rewritten), then other sizes

@@ -65,9 +65,9 @@ norm_fwd_kernel(const T* __restrict__ x, const void* __restrict__ residual, cons
     if (has_b) load_t_or_f32<T, VEC>(bias, w_f32, c, b, valid, vec);
 #pragma unroll
     for (int i = 0; i < VEC; ++i) {
-      o[i] = (v[i] - mean) * rstd;
-      if (has_w) o[i] *= w[i];
-      if (has_b) o[i] += b[i];
+      // the multiply-add written out, so that every instance rounds alike (no contraction left to the compiler)
+      const float t = (v[i] - mean) * rstd;
+      o[i] = has_w ? (has_b ? fmaf(t, w[i], b[i]) : t * w[i]) : (has_b ? t + b[i] : t);
     }
     store_n<T, VEC>(y + rw * stride_y + c, o, valid, vec);
   };
