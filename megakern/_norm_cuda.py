@@ -30,8 +30,9 @@ _VEC = {torch.float32: 4, torch.float16: 8, torch.bfloat16: 8}  # elements in 16
 # the budgets that compile without spills for sm_90a and ran fastest on the H200 (profiles/tune_norm.py; registers in
 # docs/tuning.md, norms). Longer rows stream (NV = 0).
 FWD_CAP, FWD_MAX_THREADS = 16, 1024
-# The forward takes several rows at once while a block's threads x rows stay within this many (profiles/tune_norm.py)
-FWD_BATCH_THREADS = 256
+# The forward takes several rows at once while a block's threads x rows stay within this many (profiles/tune_norm.py;
+# with the specialized instances' fewer registers, as many as the launch bounds allow)
+FWD_BATCH_THREADS = FWD_MAX_THREADS
 BWD_CAP, BWD_MAX_THREADS = 16, 512
 
 

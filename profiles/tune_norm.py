@@ -22,6 +22,7 @@ from concurrent.futures import ProcessPoolExecutor
 import torch
 
 from benchmarks.common import bench, host_us, measure_copy_gbps
+import megakern
 from megakern import _norm_cuda, _norm_triton
 
 ROWS_TOTAL = 2**27  # elements of each (M, N) tensor
@@ -39,11 +40,14 @@ def cuda_geometries(n: int, backward: bool) -> list:
     default = _norm_cuda.launch_config(n, torch.bfloat16, backward)
     max_threads = _norm_cuda.BWD_MAX_THREADS if backward else _norm_cuda.FWD_MAX_THREADS
     groups = -(-n // 8)
+    nvrtc = megakern.cuda_runtime()[0] == "nvrtc"
     out = []
     for nv in (1, 2, 4, 8):
         threads = 32 * -(-groups // (32 * nv))
         if threads > max_threads or 2 * groups <= threads * nv:  # too many threads, or half of them idle
             continue
+        if nv * 8 > (_norm_cuda.BWD_CAP if backward else _norm_cuda.FWD_CAP) and not nvrtc:
+            continue  # the extension builds only the groups counts within its caps
         rows_per_block = 4 if threads == 32 else 1
         for batch in (1,) if backward else _norm_cuda.ROW_BATCHES:  # the forward: 1, 2 or 4 rows at once
             config = _norm_cuda.LaunchConfig(nv, threads, rows_per_block, row_batch=batch)
