@@ -120,8 +120,8 @@ if want train; then
   # the training steps of the shapes people train (not part of the default stages): a small model against the plain
   # PyTorch GPT compiled, Llama-3.2-1B and Llama-3-8B's layer shape and GPT-350M against Hugging Face + compile, each
   # with megakern's defaults; then one eager Llama-1B step profiled (GPU time by source) into $OUT.
-  # TRAIN_MODELS picks among: gpt-char llama-1b llama-8b-4l gpt-350m profile-llama-1b, and llama-8b-8l (the 8B
-  # layer shape with 8 layers, named only)
+  # TRAIN_MODELS picks among: gpt-char llama-1b llama-8b-4l gpt-350m profile-llama-1b, and llama-8b-8l /
+  # llama-8b-12l (the 8B layer shape with 8 or 12 layers, named only)
   step "training steps"
   for model in ${TRAIN_MODELS:-gpt-char llama-1b llama-8b-4l gpt-350m profile-llama-1b}; do
     case $model in
@@ -129,6 +129,7 @@ if want train; then
       llama-1b) args=(--model llama-1b --quick --providers megakern-default,hf-compile) ;;
       llama-8b-4l) args=(--model llama-8b --n-layer 4 --quick --providers megakern-default,hf-compile) ;;
       llama-8b-8l) args=(--model llama-8b --n-layer 8 --quick --providers megakern-default,hf-compile) ;;
+      llama-8b-12l) args=(--model llama-8b --n-layer 12 --quick --providers megakern-default,hf-compile) ;;
       gpt-350m) args=(--quick --providers megakern-default,hf-compile) ;;
       profile-llama-1b)
         timeout 300 python3 -m megakern.train --profile model.preset=llama-1b model.max_seqlen=2048 \
