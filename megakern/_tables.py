@@ -52,13 +52,13 @@ class AddressTables:
         if not rows or any(len(r) != self.row for r in rows):
             raise ValueError(f"AddressTables.get: every row must hold {self.row} entries, got "
                              f"{sorted({len(r) for r in rows})}")
+        if not self.ready(key, rows, device):
+            raise RuntimeError(f"{self.name}: captured in a CUDA graph before an eager call with the same tensors; "
+                               "run one step eagerly first (its tables must live outside the graph's memory pool)")
         capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         sizes = tuple(r[0] for r in rows)
         owned = self._graph.get((key, rows))  # a graph's table (never rewritten) serves every call alike
         cached = self._eager.get(key)
-        if capturing and owned is None and (cached is None or tuple(r[0] for r in cached[0]) != sizes):
-            raise RuntimeError(f"{self.name}: captured in a CUDA graph before an eager call with the same tensors; "
-                               "run one step eagerly first (its tables must live outside the graph's memory pool)")
         if (key, sizes) not in self._works:
             work = [(i, start) for i, n in enumerate(sizes) for start in range(0, n, self.block)]
             self._works[(key, sizes)] = (self._device(torch.tensor(work, dtype=torch.int64).reshape(-1), device),

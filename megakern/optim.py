@@ -39,8 +39,6 @@ BLOCK, WARPS = 1024, 4
 SUMSQ_BLOCK, SUMSQ_WARPS = 4096, 4
 
 
-
-
 class SumOfSquares:
     """The sum of squares of many tensors, in fp32 (a 0-d tensor on their device): the squared 2-norm of a model's
     gradients for clipping, one Triton launch per dtype (megakern._sumsq_triton) where torch._foreach_norm makes
