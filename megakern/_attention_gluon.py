@@ -47,9 +47,24 @@ try:  # Gluon (Triton >= 3.5); its Hopper API as of Triton 3.6
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
     # the TMA load's name: async_copy_global_to_shared up to Triton 3.6, async_load from 3.7 on
     _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+    from triton._C.libtriton import gluon_ir as _gluon_ir
+
+    # the TMA reduce (cp.reduce.async.bulk.tensor, add) that the single-pass backward adds dq with
+    TMA_REDUCE = hasattr(tma, "async_atomic_add") or hasattr(_gluon_ir.GluonOpBuilder, "create_async_tma_reduce")
+    if hasattr(tma, "async_atomic_add"):
+        _tma_reduce_add = tma.async_atomic_add
+    else:  # Triton 3.6: the builder's op, which async_atomic_add wraps from 3.7 on
+        from triton._C.libtriton import ir as _ir
+        from triton.experimental.gluon.language._core import builtin as _builtin
+
+        @_builtin
+        def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+            coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+            _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                      src.handle)
     AVAILABLE = True
 except ImportError:  # pragma: no cover - older Triton
-    AVAILABLE = False
+    AVAILABLE = TMA_REDUCE = False
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
@@ -374,7 +389,10 @@ if AVAILABLE:
     @gluon.jit
     def _bwd_producer(q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, q_bufs, do_bufs, kv_ready, kv_empty,
                       q_ready, q_empty, B, NKV, GROUP, TQ, TK, SCHED,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr):
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr,
+                      KV_BUF: gl.constexpr = 2):
+        """Per key tile: k and v into one of KV_BUF slots (2: the next tile's load runs under this one's work), then
+        the tile's q / dO blocks, every head of the GQA group, through the ring of NUM_BUF slots."""
         num_n = gl.cdiv(TK, BLOCK_N)
         cnt = 0
         i = 0
@@ -383,8 +401,8 @@ if AVAILABLE:
         for idx in range(lo, hi, step):
             b, hk, start_n = _tile(t, NKV, num_n, BLOCK_N)
             t = _tile_at(SCHED, gl.minimum(idx + step, hi - 1))  # the next tile, read ahead
-            kvs = i % 2
-            mbarrier.wait(kv_empty.index(kvs), ((i // 2) & 1) ^ 1)
+            kvs = i % KV_BUF
+            mbarrier.wait(kv_empty.index(kvs), ((i // KV_BUF) & 1) ^ 1)
             mbarrier.expect(kv_ready.index(kvs), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
             _tma_load(k_desc, [b, start_n, hk, 0], kv_ready.index(kvs), k_bufs.index(kvs))
             _tma_load(v_desc, [b, start_n, hk, 0], kv_ready.index(kvs), v_bufs.index(kvs))
@@ -541,6 +559,160 @@ if AVAILABLE:
                              ATOMIC_DQ)),
             (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, q_bufs, do_bufs, kv_ready, kv_empty,
                              q_ready, q_empty, B, NKV, GROUP, TQ, TK, SCHED, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL)),
+        ], [num_warps, 1], [240, 24])
+
+
+    # ---- backward: the single pass, dq summed in shared memory and added by TMA ------------------------------------
+    @gluon.jit
+    def _single_consumer(WG: gl.constexpr, k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, dq_bufs, kv_ready, kv_empty,
+                         q_ready, q_empty, ds_ready, ds_empty, dq_desc, LSE, DELTA, DK, DV, stride_lb, stride_lh,
+                         stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh, B, NKV, GROUP, TQ, TK,
+                         SCHED, scale_log2, scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                         BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, KV_BUF: gl.constexpr, DS_BUF: gl.constexpr,
+                         CAUSAL: gl.constexpr, WARPS: gl.constexpr):
+        """dk and dv of the key rows WG * BLOCK_N / 2 .. of each tile, as ``_bwd_consumer``, and a share of dq: per
+        query block this warpgroup's dS^T rows go into the tile's shared dS^T (DS_BUF slots), and once both
+        warpgroups' are there, dQ[:, WG * HEAD_DIM / 2 ..] = dS K over the whole key block (one (BLOCK_M,
+        HEAD_DIM / 2) wgmma), scaled, into this warpgroup's fp32 slot of shared memory and added into DQ by a TMA
+        reduce, which runs under the next query block's work."""
+        ROWS: gl.constexpr = BLOCK_N // 2
+        DQ_N: gl.constexpr = HEAD_DIM // 2
+        layouts: gl.constexpr = _wgmma_layouts(WARPS, BLOCK_M, HEAD_DIM)
+        s_layout: gl.constexpr = layouts[0]
+        o_layout: gl.constexpr = layouts[1]
+        a_layout: gl.constexpr = layouts[2]
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                            instr_shape=[16, DQ_N, 16])
+        col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+        dtype: gl.constexpr = q_bufs.dtype
+        num_n = gl.cdiv(TK, BLOCK_N)
+        cnt = 0
+        i = 0
+        s_zero = gl.zeros([ROWS, BLOCK_M], gl.float32, layout=s_layout)
+        dq_zero = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
+        dq_slot = dq_bufs.index(WG)
+        lo, hi, step = _span(SCHED, num_n * B * NKV)
+        t = _tile_at(SCHED, lo)
+        for idx in range(lo, hi, step):
+            b, hk, start_n = _tile(t, NKV, num_n, BLOCK_N)
+            t = _tile_at(SCHED, gl.minimum(idx + step, hi - 1))  # the next tile, read ahead
+            my_n = start_n + WG * ROWS
+            kvs = i % KV_BUF
+            mbarrier.wait(kv_ready.index(kvs), (i // KV_BUF) & 1)
+            k_all = k_bufs.index(kvs).reshape([BLOCK_N, HEAD_DIM])
+            k = k_all.slice(WG * ROWS, ROWS, dim=0)
+            k_dq = k_all.slice(WG * DQ_N, DQ_N, dim=1)
+            v = v_bufs.index(kvs).reshape([BLOCK_N, HEAD_DIM]).slice(WG * ROWS, ROWS, dim=0)
+            dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+            dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+            lo_m, n, full = _query_range(start_n, TQ, TK, BLOCK_M, BLOCK_N, CAUSAL)
+            rows_n = my_n + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+            bb = b.to(gl.int64)
+            for g in range(GROUP):
+                h = hk * GROUP + g
+                stats = bb * stride_lb + h.to(gl.int64) * stride_lh
+                for mi in range(n):
+                    start_m = lo_m + mi * BLOCK_M
+                    cols_m = start_m + gl.arange(0, BLOCK_M, layout=col_s)
+                    m_ok = cols_m < TQ
+                    lse = gl.load(LSE + stats + cols_m, mask=m_ok, other=float("-inf"))
+                    lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+                    delta = gl.load(DELTA + stats + cols_m, mask=m_ok, other=0.0)
+                    s = cnt % NUM_BUF
+                    mbarrier.wait(q_ready.index(s), (cnt // NUM_BUF) & 1)
+                    q = q_bufs.index(s).reshape([BLOCK_M, HEAD_DIM])
+                    do = do_bufs.index(s).reshape([BLOCK_M, HEAD_DIM])
+                    st = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                    dpt = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                    st, dpt = warpgroup_mma_wait(0, deps=[st, dpt])
+                    pt = gl.exp2(st * scale_log2 - lse2[None, :])
+                    if CAUSAL:
+                        if start_m < full:
+                            pt = gl.where(rows_n[:, None] <= cols_m[None, :] + (TK - TQ), pt, 0.0)
+                    dst = (pt * (dpt - delta[None, :])).to(dtype)
+                    pt_op = gl.convert_layout(pt.to(dtype), a_layout)
+                    dst_op = gl.convert_layout(dst, a_layout)
+                    dv = warpgroup_mma(pt_op, do, dv, is_async=True)
+                    dk = warpgroup_mma(dst_op, q, dk, is_async=True)
+                    # this warpgroup's rows of dS^T into the shared tile while dv's and dk's products run; dq's
+                    # product waits for the other warpgroup's rows
+                    ds_s = cnt % DS_BUF
+                    ds_ph = (cnt // DS_BUF) & 1
+                    mbarrier.wait(ds_empty.index(ds_s), ds_ph ^ 1)
+                    ds_tile = ds_bufs.index(ds_s)
+                    ds_tile.slice(WG * ROWS, ROWS, dim=0).store(dst)
+                    fence_async_shared()
+                    mbarrier.arrive(ds_ready.index(ds_s), count=1)
+                    mbarrier.wait(ds_ready.index(ds_s), ds_ph)
+                    dq = warpgroup_mma(ds_tile.permute((1, 0)), k_dq, dq_zero, use_acc=False, is_async=True)
+                    dv, dk, dq, pt_op, dst_op = warpgroup_mma_wait(0, deps=[dv, dk, dq, pt_op, dst_op])
+                    mbarrier.arrive(q_empty.index(s), count=1)
+                    mbarrier.arrive(ds_empty.index(ds_s), count=1)
+                    tma.store_wait(0)  # the previous block's reduce has read the slot
+                    dq_slot.reshape([BLOCK_M, DQ_N]).store(dq * scale)
+                    fence_async_shared()
+                    _tma_reduce_add(dq_desc, [b, start_m, h, WG * DQ_N], dq_slot)
+                    cnt += 1
+            mbarrier.arrive(kv_empty.index(kvs), count=1)
+            i += 1
+            hh = hk.to(gl.int64)
+            _store_rows(DK + bb * stride_dkb + hh * stride_dkh, stride_dkt, (dk * scale).to(dtype), my_n, TK, ROWS,
+                        HEAD_DIM, WARPS)
+            _store_rows(DV + bb * stride_dvb + hh * stride_dvh, stride_dvt, dv.to(dtype), my_n, TK, ROWS, HEAD_DIM,
+                        WARPS)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _attn_bwd_single_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, DK, DV, stride_lb,
+                                   stride_lh, stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
+                                   B, NKV, GROUP, TQ, TK, SCHED, scale_log2, scale,
+                                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                   NUM_BUF: gl.constexpr, KV_BUF: gl.constexpr, DS_BUF: gl.constexpr,
+                                   CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+        """The single-pass backward: dk and dv as the dk/dv pass makes them, and dq added into the fp32 DQ (zeros
+        beforehand; delta made beforehand) by TMA reduces of (BLOCK_M, HEAD_DIM / 2) tiles, one a warpgroup and
+        query block: FlashAttention-3's structure. Two consumer warpgroups of num_warps warps, half the key block
+        each, share each query block's dS^T through shared memory; a producer warp moves k and v (KV_BUF slots) and
+        a ring of NUM_BUF q / dO slots."""
+        gl.static_assert(BLOCK_M == 64, "a query block is one wgmma's 64 rows")
+        dtype: gl.constexpr = q_desc.dtype
+        k_bufs = gl.allocate_shared_memory(dtype, [KV_BUF] + k_desc.block_type.shape, k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(dtype, [KV_BUF] + v_desc.block_type.shape, v_desc.layout)
+        q_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF] + q_desc.block_type.shape, q_desc.layout)
+        do_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF] + do_desc.block_type.shape, do_desc.layout)
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+        ds_bufs = gl.allocate_shared_memory(dtype, [DS_BUF, BLOCK_N, BLOCK_M], ds_layout)
+        dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+        kv_ready = gl.allocate_shared_memory(gl.int64, [KV_BUF, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [KV_BUF, 1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        ds_ready = gl.allocate_shared_memory(gl.int64, [DS_BUF, 1], mbarrier.MBarrierLayout())
+        ds_empty = gl.allocate_shared_memory(gl.int64, [DS_BUF, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(KV_BUF):
+            mbarrier.init(kv_ready.index(s), count=1)
+            mbarrier.init(kv_empty.index(s), count=2)
+        for s in gl.static_range(NUM_BUF):
+            mbarrier.init(q_ready.index(s), count=1)
+            mbarrier.init(q_empty.index(s), count=2)
+        for s in gl.static_range(DS_BUF):
+            mbarrier.init(ds_ready.index(s), count=2)
+            mbarrier.init(ds_empty.index(s), count=2)
+        fence_async_shared()
+        gl.warp_specialize([
+            (_single_consumer, (0, k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, dq_bufs, kv_ready, kv_empty, q_ready,
+                                q_empty, ds_ready, ds_empty, dq_desc, LSE, DELTA, DK, DV, stride_lb, stride_lh,
+                                stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh, B, NKV, GROUP,
+                                TQ, TK, SCHED, scale_log2, scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, KV_BUF, DS_BUF,
+                                CAUSAL, num_warps)),
+            (_single_consumer, (1, k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, dq_bufs, kv_ready, kv_empty, q_ready,
+                                q_empty, ds_ready, ds_empty, dq_desc, LSE, DELTA, DK, DV, stride_lb, stride_lh,
+                                stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh, B, NKV, GROUP,
+                                TQ, TK, SCHED, scale_log2, scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, KV_BUF, DS_BUF,
+                                CAUSAL, num_warps)),
+            (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, q_bufs, do_bufs, kv_ready, kv_empty,
+                             q_ready, q_empty, B, NKV, GROUP, TQ, TK, SCHED, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL,
+                             KV_BUF)),
         ], [num_warps, 1], [240, 24])
 
 
@@ -819,17 +991,61 @@ def supported(q, k, v, causal, window, cu_seqlens, others=()) -> bool:
 
 # (BLOCK_M query rows per step, BLOCK_N key rows per tile, warps per consumer, q / dO ring slots) per head dim
 BWD_CONFIGS = {64: (64, 128, 4, 3), 128: (64, 128, 4, 2)}
-# The single-pass backward (dq by atomics in the dk/dv pass): the head dims it takes; hs 128 computes dq in two
-# 64-column pieces after dk's and dv's matmuls, so that its accumulator fits the registers beside theirs
+# The single-pass backward (dq added in the dk/dv pass): the head dims it takes. By TMA reduces where this Triton has
+# them (bwd_single), else by pointer atomics (hs 128 computing dq in two 64-column pieces after dk's and dv's
+# matmuls, so that its accumulator fits the registers beside theirs)
 ATOMIC_HEAD_DIMS = (64, 128)
+# bwd_single's (BLOCK_M query rows per step, BLOCK_N key rows per tile, warps per consumer, q / dO ring slots, k / v
+# slots, dS^T slots) per head dim: hs 128 has the shared memory for one k / v slot only (213 KiB)
+SINGLE_CONFIGS = {64: (64, 128, 4, 3, 2, 2), 128: (64, 128, 4, 2, 1, 2)}
+
+
+def _fp32_descriptor(t: torch.Tensor, rows: int, cols: int):
+    """The 4-D TMA descriptor of an fp32 (B, T, heads, hs) tensor in (1, rows, 1, cols) tiles."""
+    block = [1, rows, 1, cols]
+    return GluonDescriptor(t, list(t.shape), list(t.stride()), block,
+                           gl.NVMMASharedLayout.get_default_for(block, gl.float32))
+
+
+def bwd_single(dout, q, k, v, lse, delta, dk, dv, dq_acc, causal: bool, scale: float, config=None, heads=None,
+               programs=None):
+    """The single-pass backward: dk and dv into ``dk`` / ``dv`` as ``bwd_dkdv`` writes them, and dq * scale added
+    into ``dq_acc`` (fp32, shaped like q, zeros beforehand, 16-byte aligned strides) by TMA reduces, given lse and
+    delta = rowsum(dO * O). ``config``: a SINGLE_CONFIGS entry; ``heads``, ``programs``: as for ``fwd``."""
+    batch, tq, nh, hs = q.shape
+    tk, nkv = k.shape[1], k.shape[2]
+    block_m, block_n, warps, bufs, kv_bufs, ds_bufs = config or SINGLE_CONFIGS[hs]
+    if not TMA_REDUCE:
+        raise ValueError("attention: the Gluon single-pass backward adds dq by TMA reduces, which this Triton lacks")
+    if block_m != 64 or block_n != 128:
+        raise ValueError(f"attention: the Gluon single-pass backward takes (64, 128) tiles, not {(block_m, block_n)}")
+    if (dq_acc.shape != q.shape or dq_acc.dtype != torch.float32 or dq_acc.stride(-1) != 1
+            or not tma_aligned((dq_acc,))):
+        raise ValueError("attention: dq_acc must be an fp32 tensor shaped like q with unit stride along hs and "
+                         "16-byte aligned strides")
+    lengths = tile_lengths(True, tq, tk, block_m, block_n, causal)
+    grid = min(batch * nkv * len(lengths), programs or _num_sms(q.device.index))
+    sched = _schedule(q.device, batch * nkv, lengths, grid, 2 * tq * hs * q.element_size() * (nh // nkv), heads)
+    _attn_bwd_single_ws_kernel[(grid,)](
+        _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(dout, block_m),
+        _fp32_descriptor(dq_acc, block_m, hs // 2), lse, delta, dk, dv, lse.stride(0), lse.stride(1),
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+        batch, nkv, nh // nkv, tq, tk, sched, scale * LOG2E, scale,
+        HEAD_DIM=hs, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, KV_BUF=kv_bufs, DS_BUF=ds_bufs, CAUSAL=causal,
+        num_warps=warps,
+    )
+    return dk, dv
 
 
 def bwd_dkdv(dout, q, k, v, lse, delta, dk, dv, causal: bool, scale: float, config=None, heads=None, programs=None,
              dq_acc=None):
     """dk and dv into ``dk`` / ``dv`` (shaped like k / v, unit stride along hs) for what ``supported`` accepts,
     given the saved lse and delta = rowsum(dO * O) (B, nh, Tq) fp32 (the dq pass makes delta). ``dq_acc``: the
-    single-pass backward, dq added into this fp32 tensor shaped like q (zeros beforehand) by atomics, for the head
-    dims of ATOMIC_HEAD_DIMS. ``heads``, ``programs``: as for ``fwd``."""
+    single-pass backward, dq added into this fp32 tensor shaped like q (zeros beforehand), for the head dims of
+    ATOMIC_HEAD_DIMS: by ``bwd_single`` (TMA reduces) where this Triton has them or ``config`` is a SINGLE_CONFIGS
+    entry, else (or with a BWD_CONFIGS entry) by pointer atomics. ``heads``, ``programs``: as for ``fwd``."""
+    if dq_acc is not None and (len(config or ()) == 6 or (config is None and TMA_REDUCE)):
+        return bwd_single(dout, q, k, v, lse, delta, dk, dv, dq_acc, causal, scale, config, heads, programs)
     batch, tq, nh, hs = q.shape
     tk, nkv = k.shape[1], k.shape[2]
     block_m, block_n, warps, bufs = config or BWD_CONFIGS[hs]

@@ -145,6 +145,14 @@ def _gluon_bwd(do, q, k, v, out, lse, causal, heads):
     return dq, dk, dv
 
 
+def _single_passes(hs):
+    """(name, the ``gluon`` argument) of the Gluon single-pass backwards for head dim hs: dq added by TMA reduces
+    (where this Triton has them), by pointer atomics."""
+    if hs not in glu.ATOMIC_HEAD_DIMS:
+        return []
+    return ([("tma", glu.SINGLE_CONFIGS[hs])] if glu.TMA_REDUCE else []) + [("atomics", glu.BWD_CONFIGS[hs])]
+
+
 def bwd_probe(configs, dq_configs, heads=(None,)) -> None:
     """The Gluon backward passes: dq, dk, dv against fp64 truth next to the Triton passes' errors, then the
     deterministic backward's TFLOP/s (backward = 2.5x forward FLOPs) with the Triton passes, the Gluon dk/dv pass and
@@ -179,12 +187,12 @@ def bwd_probe(configs, dq_configs, heads=(None,)) -> None:
             print(f"bwd check B{b} Tq{tq} Tk{tk} nh{nh}/{nkv} hs{hs} causal={causal} dkdv {cfg} dq {dcfg}: dq, dk, dv "
                   "gluon / triton " + ", ".join(f"{e:.2e} / {te:.2e}" for e, te in errs) + (" ok" if good else " WRONG"),
                   flush=True)
-        if hs in glu.ATOMIC_HEAD_DIMS:  # the single-pass backward (dq by atomics in the dk/dv pass)
-            single = _bwd_kernels(do, q, k, v, out, lse, causal, hs ** -0.5, win, None, None, False, gluon=True)
+        for how, cfg in _single_passes(hs):  # the single-pass backward (dq added in the dk/dv pass)
+            single = _bwd_kernels(do, q, k, v, out, lse, causal, hs ** -0.5, win, None, None, False, gluon=cfg)
             errs = [(_err(a, t), _err(c, t)) for a, c, t in zip(single, tri, truth)]
             good = all(e <= 2 * te + 1e-3 for e, te in errs) and all(torch.isfinite(x).all() for x in single)
             ok &= good
-            print(f"bwd check B{b} Tq{tq} Tk{tk} nh{nh}/{nkv} hs{hs} causal={causal} single pass: dq, dk, dv "
+            print(f"bwd check B{b} Tq{tq} Tk{tk} nh{nh}/{nkv} hs{hs} causal={causal} single pass ({how}): dq, dk, dv "
                   "gluon / triton " + ", ".join(f"{e:.2e} / {te:.2e}" for e, te in errs) + (" ok" if good else " WRONG"),
                   flush=True)
     if not ok:
@@ -203,9 +211,9 @@ def bwd_probe(configs, dq_configs, heads=(None,)) -> None:
                                             gluon=dkdv, gluon_dq=dq), device=dev)["median"]
             return flops / ms / 1e9
         row = [f"triton {rate(False, False):6.1f}"]
-        if hs in glu.ATOMIC_HEAD_DIMS:  # the single-pass backward: Triton's atomic kernel, the Gluon one
-            row += [f"single pass triton {rate(False, False, False):6.1f}",
-                    f"single pass gluon {rate(True, False, False):6.1f}"]
+        if hs in glu.ATOMIC_HEAD_DIMS:  # the single-pass backward: Triton's atomic kernel, the Gluon ones
+            row += [f"single pass triton {rate(False, False, False):6.1f}"]
+            row += [f"single pass gluon {how} {rate(cfg, False, False):6.1f}" for how, cfg in _single_passes(hs)]
         dkdv = [c[1:] for c in configs if c[0] == hs] or [True]
         for cfg in dkdv:
             row.append(f"gluon dkdv {cfg} {rate(cfg, False):6.1f}")

@@ -403,7 +403,7 @@ def test_kernels_compile_for_sm90_with_wgmma(hs, tma):
 def _compile_gluon(fn, constexprs: dict, tiles: dict, pointers: dict, hs: int):
     """(shared memory bytes, uses wgmma, warp-specialized (setmaxnreg), waits on mbarriers, 16-byte global stores)
     of Gluon kernel ``fn`` compiled for sm_90: ``tiles`` {argument: rows} are bf16 (B, T, heads, hs) descriptors of
-    (1, rows, 1, hs) tiles, ``pointers`` {argument: type}, fp32 for the scales, i32 for the other scalars (the
+    (1, rows, 1, hs) tiles ({argument: (rows, cols, "fp32")}: fp32 ones of (1, rows, 1, cols)), ``pointers`` {argument: type}, fp32 for the scales, i32 for the other scalars (the
     pointers and strides divisible by 16, as the launcher specializes them)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -411,9 +411,11 @@ def _compile_gluon(fn, constexprs: dict, tiles: dict, pointers: dict, hs: int):
 
     from megakern._attention_gluon import gl
 
-    def desc(rows):
-        block = [1, rows, 1, hs]
-        return f"tensordesc<bf16[{','.join(map(str, block))}],{gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)!r}>"
+    def desc(tile):  # rows of hs bf16, or (rows, columns, "fp32")
+        rows, cols, dtype = tile if isinstance(tile, tuple) else (tile, hs, "bf16")
+        block = [1, rows, 1, cols]
+        layout = gl.NVMMASharedLayout.get_default_for(block, gl.float32 if dtype == "fp32" else gl.bfloat16)
+        return f"tensordesc<{dtype}[{','.join(map(str, block))}],{layout!r}>"
 
     types = {name: desc(rows) for name, rows in tiles.items()} | pointers
     signature = {name: "constexpr" if name in constexprs else types.get(
@@ -447,15 +449,22 @@ def _sched(causal: bool) -> dict:
 
 
 def compile_gluon_bwd_for_sm90(kernel: str, hs: int, causal: bool):
-    """The same for a Gluon backward pass, ``kernel`` 'dq' (DQ_CONFIGS tiles), 'dkdv' (BWD_CONFIGS tiles) or
-    'dkdv-atomic' (the single-pass backward: the dk/dv pass adding dq by atomics)."""
+    """The same for a Gluon backward pass, ``kernel`` 'dq' (DQ_CONFIGS tiles), 'dkdv' (BWD_CONFIGS tiles),
+    'dkdv-atomic' (the single-pass backward by the dk/dv pass adding dq by pointer atomics) or 'single' (the
+    single-pass backward adding dq by TMA reduces, SINGLE_CONFIGS tiles)."""
     from megakern import _attention_gluon as g
 
     if not g.AVAILABLE:
         return None
+    tiles = {}
     if kernel == "dq":
         block_m, block_n, warps, bufs, pingpong = g.DQ_CONFIGS[hs]
         fn, extra, outputs = g._attn_bwd_dq_ws_kernel, {"PINGPONG": pingpong}, {"O": "*bf16", "DQ": "*bf16"}
+    elif kernel == "single":
+        block_m, block_n, warps, bufs, kv_bufs, ds_bufs = g.SINGLE_CONFIGS[hs]
+        fn, extra = g._attn_bwd_single_ws_kernel, {"KV_BUF": kv_bufs, "DS_BUF": ds_bufs}
+        outputs = {"DK": "*bf16", "DV": "*bf16"}
+        tiles = {"dq_desc": (block_m, hs // 2, "fp32")}
     else:
         block_m, block_n, warps, bufs = g.BWD_CONFIGS[hs]
         atomic = kernel == "dkdv-atomic"
@@ -463,11 +472,11 @@ def compile_gluon_bwd_for_sm90(kernel: str, hs: int, causal: bool):
         outputs = {"DK": "*bf16", "DV": "*bf16"} | ({"DQ": "*fp32"} if atomic else {})
     constexprs = dict(HEAD_DIM=hs, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal, num_warps=warps,
                       **extra, **_sched(causal))
-    return _compile_gluon(fn, constexprs, {"q_desc": block_m, "do_desc": block_m, "k_desc": block_n, "v_desc": block_n},
-                          {**outputs, "LSE": "*fp32", "DELTA": "*fp32", "SCHED": "*i32"}, hs)
+    return _compile_gluon(fn, constexprs, {"q_desc": block_m, "do_desc": block_m, "k_desc": block_n, "v_desc": block_n,
+                                           **tiles}, {**outputs, "LSE": "*fp32", "DELTA": "*fp32", "SCHED": "*i32"}, hs)
 
 
-@pytest.mark.parametrize("kernel", ("forward", "forward-one-consumer", "dkdv", "dq", "dkdv-atomic"))
+@pytest.mark.parametrize("kernel", ("forward", "forward-one-consumer", "dkdv", "dq", "dkdv-atomic", "single"))
 @pytest.mark.parametrize("causal", (True, False), ids=("causal", "full"))
 @pytest.mark.parametrize("hs", (64, 128))
 def test_gluon_kernels_compile_for_sm90(hs, causal, kernel):
@@ -476,9 +485,12 @@ def test_gluon_kernels_compile_for_sm90(hs, causal, kernel):
     within the 227 KiB of shared memory."""
     from megakern import _attention_gluon as g
 
-    if kernel == "dkdv-atomic" and hs not in g.ATOMIC_HEAD_DIMS:
+    if kernel in ("dkdv-atomic", "single") and hs not in g.ATOMIC_HEAD_DIMS:
         pytest.skip(f"the single-pass backward takes head dims {g.ATOMIC_HEAD_DIMS}")
-    call = (f"compile_gluon_bwd_for_sm90({kernel!r}, {hs}, {causal})" if kernel in ("dq", "dkdv", "dkdv-atomic")
+    if kernel == "single" and not g.TMA_REDUCE:
+        pytest.skip("this Triton's Gluon has no TMA reduce")
+    call = (f"compile_gluon_bwd_for_sm90({kernel!r}, {hs}, {causal})"
+            if kernel in ("dq", "dkdv", "dkdv-atomic", "single")
             else f"compile_gluon_for_sm90({hs}, {causal}, {kernel == 'forward'})")
     result = sm90_lowering("test_attention", call)
     if result is None:
@@ -488,7 +500,7 @@ def test_gluon_kernels_compile_for_sm90(hs, causal, kernel):
     assert shared <= 227 * 1024, f"{shared} bytes of shared memory"
     # the output tiles (o; dk and dv) leave in 16-byte stores; the dq pass at head dim 128 lacks the shared memory for
     # the layout conversion and stores from the accumulator's layout
-    if kernel in ("forward", "forward-one-consumer", "dkdv", "dkdv-atomic"):
+    if kernel in ("forward", "forward-one-consumer", "dkdv", "dkdv-atomic", "single"):
         assert vector_stores, f"{kernel}: no 16-byte global stores"
 
 
@@ -569,19 +581,20 @@ def _assert_grads(grads, q, k, v, dout, causal, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ("deterministic", "single-pass"))
+@pytest.mark.parametrize("mode", ("deterministic", "single-pass", "single-pass-atomics"))
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: "x".join(map(str, c)))
 def test_gluon_backward(case, dtype, mode):
     """The Gluon backward kernels, forced on, against fp64 truth under the 2x rule, on the forward's cases with a
     non-contiguous q and dout: the deterministic backward's dq and dk/dv passes (delta from the dq pass), and the
-    single-pass backward of head dim 64 (``deterministic=False``: the dk/dv kernel adding dq by fp32 atomics), whose
-    dq, dk and dv also go whole into given tensors."""
+    single-pass backward (``deterministic=False``: the dk/dv kernel adding dq into fp32, by TMA reduces where this
+    Triton has them, and by pointer atomics with a BWD_CONFIGS entry), whose dq, dk and dv also go whole into given
+    tensors."""
     from megakern import _attention_gluon as g
     from megakern.attention import _bwd_kernels, _fwd_kernels
 
     b, tq, tk, nh, nkv, hs, causal = case
-    single = mode == "single-pass"
+    single = mode.startswith("single-pass")
     if single and hs not in g.ATOMIC_HEAD_DIMS:
         pytest.skip(f"the single-pass backward takes head dims {g.ATOMIC_HEAD_DIMS}")
     seed("gluon-bwd", case, dtype, mode)
@@ -592,7 +605,11 @@ def test_gluon_backward(case, dtype, mode):
     q = torch.randn(b, nh, tq, hs, device=DEVICE, dtype=dtype).transpose(1, 2)
     dout = torch.randn(b, nh, tq, hs, device=DEVICE, dtype=dtype).transpose(1, 2)
     out, lse = _fwd_kernels(q, k, v, causal, hs ** -0.5, window, None, None)
-    passes = dict(gluon=True) if single else dict(gluon=True, gluon_dq=True)
+    if mode == "single-pass" and not g.TMA_REDUCE:
+        pytest.skip("this Triton's Gluon has no TMA reduce")
+    passes = dict(gluon=True, gluon_dq=True)
+    if single:
+        passes = dict(gluon=g.BWD_CONFIGS[hs] if mode == "single-pass-atomics" else True)
     grads = _bwd_kernels(dout, q, k, v, out, lse, causal, hs ** -0.5, window, None, None, not single, **passes)
     _assert_grads(grads, q, k, v, dout, causal, dtype)
     if single:
