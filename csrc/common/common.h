@@ -195,15 +195,14 @@ __device__ __forceinline__ float warp_sum(float v) {
 
 // Sums K values over the blockDim.x threads that share one row; every one of them gets the totals.
 // blockDim.x is 32 (a warp per row, several rows per block) or a multiple of 32 with blockDim.y == 1.
-// smem holds 32 * K floats. The leading barrier lets a block call this repeatedly on the same smem; FRESH drops it
-// where no thread of the block can still be reading smem (its first use in the kernel, or a region of its own).
-template <int K, bool FRESH = false>
+// smem holds 32 * K floats. The leading barrier lets a block call this repeatedly on the same smem.
+template <int K>
 __device__ __forceinline__ void row_sum(float (&v)[K], float* smem) {
 #pragma unroll
   for (int k = 0; k < K; ++k) v[k] = warp_sum(v[k]);
   if (blockDim.x == 32) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-  if constexpr (!FRESH) __syncthreads();
+  __syncthreads();
   if (lane == 0) {
 #pragma unroll
     for (int k = 0; k < K; ++k) smem[k * 32 + warp] = v[k];

@@ -35,7 +35,7 @@ norm_fwd_kernel(const T* __restrict__ x, const void* __restrict__ residual, cons
                 i64 stride_res, i64 stride_y, i64 stride_res_out, float eps, int flags) {
   static_assert(ROWS >= 1 && (ROWS == 1 || NV > 0), "streaming (NV = 0) takes one row at a time");
   constexpr int VEC = 16 / sizeof(T);
-  __shared__ float smem[2 * 32 * ROWS];  // the two reductions' regions (the second is the only one of RMSNorm)
+  __shared__ float smem[32 * ROWS];
   constexpr bool vec = VECIO;
   const int f = SPEC ? SPEC : flags;  // a constant in the specialized instances: their unused paths fold away
   const bool rms = f & NORM_RMS;
@@ -139,7 +139,7 @@ norm_fwd_kernel(const T* __restrict__ x, const void* __restrict__ residual, cons
 #pragma unroll
           for (int i = 0; i < VEC; ++i) mean[r] += v[r][g][i];
       }
-      row_sum<ROWS, true>(mean, smem);
+      row_sum<ROWS>(mean, smem);
 #pragma unroll
       for (int r = 0; r < ROWS; ++r) mean[r] *= inv_cols;
     } else {
@@ -152,7 +152,7 @@ norm_fwd_kernel(const T* __restrict__ x, const void* __restrict__ residual, cons
 #pragma unroll
       for (int g = 0; g < NV; ++g) rstd[r] += sq_dev((g * blockDim.x + threadIdx.x) * VEC, v[r][g], mean[r]);
     }
-    row_sum<ROWS, true>(rstd, smem + 32 * ROWS);
+    row_sum<ROWS>(rstd, smem);
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
       rstd[r] = rsqrtf(rstd[r] * inv_cols + eps);
@@ -180,7 +180,7 @@ norm_fwd_kernel(const T* __restrict__ x, const void* __restrict__ residual, cons
 #pragma unroll
         for (int i = 0; i < VEC; ++i) s[0] += v[i];
       }
-      row_sum<1, true>(s, smem);
+      row_sum<1>(s, smem);
       mean = s[0] * inv_cols;
       first = false;
     }
@@ -190,7 +190,7 @@ norm_fwd_kernel(const T* __restrict__ x, const void* __restrict__ residual, cons
       input(c, v, cols - c, first);
       ss[0] += sq_dev(c, v, mean);
     }
-    row_sum<1, true>(ss, smem + 32);
+    row_sum<1>(ss, smem);
     rstd = rsqrtf(ss[0] * inv_cols + eps);
     for (int c = threadIdx.x * VEC; c < cols; c += step) {
       float v[VEC];
