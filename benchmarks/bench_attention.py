@@ -169,6 +169,15 @@ def _load_megakern_triton(device):
     return Provider("bthd", lambda q, k, v, causal: megakern.attention(q, k, v, causal=causal, backend="triton"))
 
 
+def _load_megakern_nondet(device):
+    """megakern's attention with ``deterministic=False`` (the single-pass backward where it is the faster one)."""
+    import megakern
+
+    _load_megakern_triton(device)
+    return Provider("bthd", lambda q, k, v, causal: megakern.attention(q, k, v, causal=causal, backend="triton",
+                                                                       deterministic=False))
+
+
 def _load_fa4(device):
     """FlashAttention-4 (flash-attn-4, CuTe DSL; sm90 forward and backward). On the GPU machines it comes as
     ../shared/peers/README.md says."""
@@ -185,6 +194,7 @@ PROVIDERS = {
     "flash-attn": _load_flash_attn,
     "fa4": _load_fa4,
     "megakern-triton": _load_megakern_triton,
+    "megakern-nondet": _load_megakern_nondet,
 }
 
 

@@ -420,15 +420,12 @@ if AVAILABLE:
 
     @gluon.jit
     def _bwd_consumer(WG: gl.constexpr, k_bufs, v_bufs, q_bufs, do_bufs, kv_ready, kv_empty, q_ready, q_empty,
-                      LSE, DELTA, DK, DV, DQ, stride_lb, stride_lh, stride_dkb, stride_dkt, stride_dkh, stride_dvb,
-                      stride_dvt, stride_dvh, stride_dqb, stride_dqt, stride_dqh, B, NKV, GROUP, TQ, TK, SCHED,
-                      scale_log2, scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr,
-                      ATOMIC_DQ: gl.constexpr):
+                      LSE, DELTA, DK, DV, stride_lb, stride_lh, stride_dkb, stride_dkt, stride_dkh, stride_dvb,
+                      stride_dvt, stride_dvh, B, NKV, GROUP, TQ, TK, SCHED, scale_log2, scale,
+                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
+                      CAUSAL: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr):
         """dk and dv of the key rows WG * ROWS .. + ROWS - 1 of each tile: per query block, S^T = K Q^T and
-        dP^T = V dO^T, P^T from the saved lse, dS^T = P^T (dP^T - delta), then dV += P^T dO and dK += dS^T Q.
-        ATOMIC_DQ: also dQ += dS K for the query block, added by fp32 atomics into DQ (B, Tq, nh, hs), the single-pass
-        backward's dq (its query block and key rows are both ROWS = BLOCK_M long)."""
+        dP^T = V dO^T, P^T from the saved lse, dS^T = P^T (dP^T - delta), then dV += P^T dO and dK += dS^T Q."""
         layouts: gl.constexpr = _wgmma_layouts(WARPS, BLOCK_M, HEAD_DIM)
         s_layout: gl.constexpr = layouts[0]
         o_layout: gl.constexpr = layouts[1]
@@ -439,14 +436,6 @@ if AVAILABLE:
         cnt = 0
         i = 0
         s_zero = gl.zeros([ROWS, BLOCK_M], gl.float32, layout=s_layout)
-        if ATOMIC_DQ:
-            # dq in 64-column pieces, one at a time: beside dk and dv its accumulator then takes 32 registers a thread
-            gl.static_assert(ROWS == BLOCK_M, "the atomic dq takes query blocks as long as a consumer's key rows")
-            gl.static_assert(BLOCK_M == 64, "the atomic dq's pieces are (64, 64) wgmma tiles")
-            ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
-            dq_zero = gl.zeros([BLOCK_M, 64], gl.float32, layout=s_layout)
-            dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-            dq_cols = gl.arange(0, 64, layout=gl.SliceLayout(0, s_layout))
         lo, hi, step = _span(SCHED, num_n * B * NKV)
         t = _tile_at(SCHED, lo)
         for idx in range(lo, hi, step):
@@ -488,28 +477,8 @@ if AVAILABLE:
                     dst_op = gl.convert_layout(dst.to(dtype), a_layout)
                     dv = warpgroup_mma(pt_op, do, dv, is_async=True)
                     dk = warpgroup_mma(dst_op, q, dk, is_async=True)
-                    if ATOMIC_DQ:
-                        ds_op = gl.convert_layout(gl.permute(dst.to(dtype), (1, 0)), ds_layout)
-                        qrow = start_m + dq_rows
-                        dq_at = (DQ + bb * stride_dqb + h.to(gl.int64) * stride_dqh
-                                 + qrow.to(gl.int64)[:, None] * stride_dqt + dq_cols[None, :])
-                        if HEAD_DIM == 64:  # dq's one piece on the tensor cores beside dv's and dk's
-                            dq = warpgroup_mma(ds_op, k, dq_zero, use_acc=False, is_async=True)
-                            dv, dk, dq, pt_op, dst_op, ds_op = warpgroup_mma_wait(
-                                0, deps=[dv, dk, dq, pt_op, dst_op, ds_op])
-                            mbarrier.arrive(q_empty.index(s), count=1)
-                            gl.atomic_add(dq_at, dq * scale, mask=(qrow < TQ)[:, None], sem="relaxed")
-                        else:  # after them, a piece at a time (registers)
-                            dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=[dv, dk, pt_op, dst_op])
-                            mbarrier.arrive(q_empty.index(s), count=1)
-                            for c in gl.static_range(HEAD_DIM // 64):
-                                dq = warpgroup_mma(ds_op, k.slice(c * 64, 64, dim=1), dq_zero, use_acc=False,
-                                                   is_async=True)
-                                dq, ds_op = warpgroup_mma_wait(0, deps=[dq, ds_op])
-                                gl.atomic_add(dq_at + c * 64, dq * scale, mask=(qrow < TQ)[:, None], sem="relaxed")
-                    else:
-                        dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=[dv, dk, pt_op, dst_op])
-                        mbarrier.arrive(q_empty.index(s), count=1)
+                    dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=[dv, dk, pt_op, dst_op])
+                    mbarrier.arrive(q_empty.index(s), count=1)
                     cnt += 1
             mbarrier.arrive(kv_empty.index(kvs), count=1)
             i += 1
@@ -520,16 +489,14 @@ if AVAILABLE:
                         WARPS)
 
     @gluon.jit
-    def _attn_bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, DQ, stride_lb, stride_lh,
+    def _attn_bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, stride_lb, stride_lh,
                                  stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
-                                 stride_dqb, stride_dqt, stride_dqh, B, NKV, GROUP, TQ, TK, SCHED, scale_log2, scale,
+                                 B, NKV, GROUP, TQ, TK, SCHED, scale_log2, scale,
                                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                                 NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr,
-                                 num_warps: gl.constexpr):
+                                 NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr, num_warps: gl.constexpr):
         """dk and dv (the deterministic backward's second pass: delta comes from the dq pass): two consumer
         warpgroups of num_warps warps, half the key block each, and a producer warp moving k and v (double
-        buffered across tiles) and a ring of NUM_BUF q / dO slots. ATOMIC_DQ: the single-pass backward, dq added
-        into the fp32 DQ by atomics as well (delta made beforehand)."""
+        buffered across tiles) and a ring of NUM_BUF q / dO slots."""
         dtype: gl.constexpr = q_desc.dtype
         k_bufs = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
         v_bufs = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
@@ -548,15 +515,13 @@ if AVAILABLE:
         fence_async_shared()
         gl.warp_specialize([
             (_bwd_consumer, (0, k_bufs, v_bufs, q_bufs, do_bufs, kv_ready, kv_empty, q_ready, q_empty, LSE, DELTA,
-                             DK, DV, DQ, stride_lb, stride_lh, stride_dkb, stride_dkt, stride_dkh, stride_dvb,
-                             stride_dvt, stride_dvh, stride_dqb, stride_dqt, stride_dqh, B, NKV, GROUP, TQ, TK, SCHED,
-                             scale_log2, scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, BLOCK_N // 2, num_warps,
-                             ATOMIC_DQ)),
+                             DK, DV, stride_lb, stride_lh, stride_dkb, stride_dkt, stride_dkh, stride_dvb,
+                             stride_dvt, stride_dvh, B, NKV, GROUP, TQ, TK, SCHED, scale_log2, scale, HEAD_DIM,
+                             BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, BLOCK_N // 2, num_warps)),
             (_bwd_consumer, (1, k_bufs, v_bufs, q_bufs, do_bufs, kv_ready, kv_empty, q_ready, q_empty, LSE, DELTA,
-                             DK, DV, DQ, stride_lb, stride_lh, stride_dkb, stride_dkt, stride_dkh, stride_dvb,
-                             stride_dvt, stride_dvh, stride_dqb, stride_dqt, stride_dqh, B, NKV, GROUP, TQ, TK, SCHED,
-                             scale_log2, scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, BLOCK_N // 2, num_warps,
-                             ATOMIC_DQ)),
+                             DK, DV, stride_lb, stride_lh, stride_dkb, stride_dkt, stride_dkh, stride_dvb,
+                             stride_dvt, stride_dvh, B, NKV, GROUP, TQ, TK, SCHED, scale_log2, scale, HEAD_DIM,
+                             BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, BLOCK_N // 2, num_warps)),
             (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, q_bufs, do_bufs, kv_ready, kv_empty,
                              q_ready, q_empty, B, NKV, GROUP, TQ, TK, SCHED, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL)),
         ], [num_warps, 1], [240, 24])
@@ -991,9 +956,7 @@ def supported(q, k, v, causal, window, cu_seqlens, others=()) -> bool:
 
 # (BLOCK_M query rows per step, BLOCK_N key rows per tile, warps per consumer, q / dO ring slots) per head dim
 BWD_CONFIGS = {64: (64, 128, 4, 3), 128: (64, 128, 4, 2)}
-# The single-pass backward (dq added in the dk/dv pass): the head dims it takes. By TMA reduces where this Triton has
-# them (bwd_single), else by pointer atomics (hs 128 computing dq in two 64-column pieces after dk's and dv's
-# matmuls, so that its accumulator fits the registers beside theirs)
+# The single-pass backward (bwd_single: dq added by TMA reduces in the dk/dv pass): the head dims it takes
 ATOMIC_HEAD_DIMS = (64, 128)
 # bwd_single's (BLOCK_M query rows per step, BLOCK_N key rows per tile, warps per consumer, q / dO ring slots, k / v
 # slots, dS^T slots) per head dim: hs 128 has the shared memory for one k / v slot only (213 KiB)
@@ -1041,31 +1004,22 @@ def bwd_dkdv(dout, q, k, v, lse, delta, dk, dv, causal: bool, scale: float, conf
              dq_acc=None):
     """dk and dv into ``dk`` / ``dv`` (shaped like k / v, unit stride along hs) for what ``supported`` accepts,
     given the saved lse and delta = rowsum(dO * O) (B, nh, Tq) fp32 (the dq pass makes delta). ``dq_acc``: the
-    single-pass backward, dq added into this fp32 tensor shaped like q (zeros beforehand), for the head dims of
-    ATOMIC_HEAD_DIMS: by ``bwd_single`` (TMA reduces) where this Triton has them or ``config`` is a SINGLE_CONFIGS
-    entry, else (or with a BWD_CONFIGS entry) by pointer atomics. ``heads``, ``programs``: as for ``fwd``."""
-    if dq_acc is not None and (len(config or ()) == 6 or (config is None and TMA_REDUCE)):
+    single-pass backward (``bwd_single``, ``config`` then a SINGLE_CONFIGS entry), dq added into this fp32 tensor
+    shaped like q (zeros beforehand). ``heads``, ``programs``: as for ``fwd``."""
+    if dq_acc is not None:
         return bwd_single(dout, q, k, v, lse, delta, dk, dv, dq_acc, causal, scale, config, heads, programs)
     batch, tq, nh, hs = q.shape
     tk, nkv = k.shape[1], k.shape[2]
     block_m, block_n, warps, bufs = config or BWD_CONFIGS[hs]
-    if dq_acc is not None:
-        if hs not in ATOMIC_HEAD_DIMS or block_m != block_n // 2:
-            raise ValueError(f"attention: the Gluon single-pass backward takes head dims {ATOMIC_HEAD_DIMS} with query "
-                             f"blocks half the key block, not hs {hs} with {(block_m, block_n)}")
-        if dq_acc.shape != q.shape or dq_acc.dtype != torch.float32 or dq_acc.stride(-1) != 1:
-            raise ValueError("attention: dq_acc must be an fp32 tensor shaped like q with unit stride along hs")
     lengths = tile_lengths(True, tq, tk, block_m, block_n, causal)
     grid = min(batch * nkv * len(lengths), programs or _num_sms(q.device.index))
     sched = _schedule(q.device, batch * nkv, lengths, grid, 2 * tq * hs * q.element_size() * (nh // nkv), heads)
-    dq_strides = (0, 0, 0) if dq_acc is None else dq_acc.stride()[:3]
     _attn_bwd_dkdv_ws_kernel[(grid,)](
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(dout, block_m),
-        lse, delta, dk, dv, dq_acc, lse.stride(0), lse.stride(1), dk.stride(0), dk.stride(1), dk.stride(2),
-        dv.stride(0), dv.stride(1), dv.stride(2), *dq_strides, batch, nkv, nh // nkv, tq, tk, sched,
+        lse, delta, dk, dv, lse.stride(0), lse.stride(1), dk.stride(0), dk.stride(1), dk.stride(2),
+        dv.stride(0), dv.stride(1), dv.stride(2), batch, nkv, nh // nkv, tq, tk, sched,
         scale * LOG2E, scale,
-        HEAD_DIM=hs, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal, ATOMIC_DQ=dq_acc is not None,
-        num_warps=warps,
+        HEAD_DIM=hs, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal, num_warps=warps,
     )
     return dk, dv
 

@@ -22,8 +22,10 @@ way), then dk and dv per key block, which recomputes q k^T and dO v^T (7 matmuls
 so it is bitwise reproducible; on the H200 it is also the faster one (Triton kernels, hs 128, T 4096: 321 against
 291 TFLOP/s causal, 349 against 304 full; see docs/tuning.md). On Hopper both passes run Gluon kernels for what the
 Gluon forward takes (GLUON_DQ, GLUON_BWD). ``deterministic=False`` computes dq in the
-dk/dv pass by fp32 atomic adds: fewer FLOPs, results that vary in the last bits from run to run, and on the H200
-slower than the default at every shape measured (docs/tuning.md).
+dk/dv pass, added into fp32 (fewer FLOPs, results that vary in the last bits from run to run): on Hopper at head dim
+64 by the Gluon single pass, which adds each query block's dq by TMA reduces (GLUON_BWD_ATOMIC: 1.01-1.10x the
+deterministic pair on the H200); where the deterministic Gluon pair is the faster one (head dim 128) it runs instead;
+elsewhere by the Triton kernel's atomic adds (docs/tuning.md).
 
 Packed q, k, v: when q, k and v are views of one fused qkv projection's output, either the three views ``[..., 0,
 :]``, ``[..., 1, :]``, ``[..., 2, :]`` of a (..., heads, 3, hs) tensor or, with grouped queries, its first nh, next nkv
@@ -262,10 +264,10 @@ GLUON_FWD = {128: {True: _LONG, False: _LONG}, 64: {True: _LONG, False: _LONG}}
 # faster one; dq (GLUON_DQ, which also makes delta) runs first, then dk/dv (GLUON_BWD).
 GLUON_BWD = {128: (True, False), 64: (True, False)}
 GLUON_DQ = {128: (True, False), 64: (True, False)}
-# The single-pass backward (``deterministic=False``) by the Gluon dk/dv kernel adding dq by atomics: the masks per head
-# dim where it is the default (none: slower than the deterministic pair everywhere, and than Triton's atomic kernel at
-# hs 128; docs/tuning.md; ``gluon=True`` forces it)
-GLUON_BWD_ATOMIC: dict[int, tuple[bool, ...]] = {}
+# The single-pass backward (``deterministic=False``) by the Gluon kernel adding dq by TMA reduces (bwd_single): the
+# masks per head dim where it is the default (hs 64; at hs 128 it is slower than the deterministic pair, which
+# ``deterministic=False`` then runs; docs/tuning.md; ``gluon=True`` forces it)
+GLUON_BWD_ATOMIC: dict[int, tuple[bool, ...]] = {64: (True, False)}
 
 
 def _use_gluon(hs: int, causal: bool, seqlen: int) -> bool:
@@ -301,14 +303,16 @@ def _gluon_pass(choice, table, name, pass_name, dout, q, k, v, others, causal, w
     ``configs`` or ``tma`` are given; False never; True / a config tuple always, an error where it cannot run.
     ``others``: the pass's other tensors, which it reads or writes beside dout, q, k, v (the gradients the Triton
     launcher allocates itself are fresh contiguous tensors, which TMA can address). ``atomic`` (the single-pass
-    backward): only the dk/dv pass, which then adds dq by atomics, for the head dims the Gluon kernel takes so."""
+    backward): only the dk/dv pass, which then adds dq by TMA reduces, for the head dims the Gluon kernel takes so
+    (where this Triton has the TMA reduce)."""
     if choice is False:
         return None
     if choice is None and (configs or tma is not None or not q.is_cuda or causal not in table.get(q.shape[-1], ())):
         return None
     from megakern import _attention_gluon
 
-    single_pass = pass_name == "bwd_dkdv" and q.shape[-1] in _attention_gluon.ATOMIC_HEAD_DIMS
+    single_pass = (pass_name == "bwd_dkdv" and q.shape[-1] in _attention_gluon.ATOMIC_HEAD_DIMS
+                   and _attention_gluon.TMA_REDUCE)
     can = (not atomic or single_pass) and _attention_gluon.supported(q, k, v, causal, window, cu_seqlens,
                                                                      others=(dout, *others))
     if choice and not can:
@@ -325,19 +329,24 @@ def _bwd_kernels(dout, q, k, v, out, lse, causal: bool, scale: float, window, cu
     """(dq, dk, dv) by the kernels, no autograd; arguments as megakern/_attention_triton.py's ``bwd`` takes them.
     ``gluon`` / ``gluon_dq``: the deterministic backward's dk/dv / dq pass by the Gluon kernel
     (megakern/_attention_gluon.py's bwd_dkdv / bwd_dq; without ``deterministic``, ``gluon`` is the single-pass
-    backward's dk/dv kernel adding dq by atomics, GLUON_BWD_ATOMIC): None where it applies (the tables) and neither
+    backward's kernel adding dq by TMA reduces, GLUON_BWD_ATOMIC): None where it applies (the tables) and neither
     ``configs`` nor ``tma`` is given; False never; True or a config tuple always (an error where it cannot run).
-    Which passes run as the Gluon kernels is decided (and a forced one that cannot run refused) before any work."""
+    Without ``deterministic``, where no single pass is the table's choice but the deterministic Gluon pair is, the
+    pair runs (the faster one there). Which passes run as the Gluon kernels is decided (and a forced one that cannot
+    run refused) before any work."""
     from megakern import _attention_triton
 
     atomic = not deterministic
+    if (atomic and gluon is None and gluon_dq is None and not configs and tma is None and q.is_cuda
+            and causal not in GLUON_BWD_ATOMIC.get(q.shape[-1], ()) and causal in GLUON_BWD.get(q.shape[-1], ())):
+        atomic = False  # no single pass by the table here: the deterministic Gluon pair is the faster one
     dq, dk, dv = out_grads if out_grads is not None else (None, None, None)
     dq_pass = _gluon_pass(gluon_dq, GLUON_DQ, "dq", "bwd_dq", dout, q, k, v,
                           (out,) if dq is None else (out, dq), causal, window, cu_seqlens, configs, tma, atomic)
     dkdv_pass = _gluon_pass(gluon, GLUON_BWD_ATOMIC if atomic else GLUON_BWD, "dk/dv", "bwd_dkdv", dout, q, k, v,
                             () if dk is None else (dk, dv), causal, window, cu_seqlens, configs, tma, atomic)
     return _attention_triton.bwd(dout, q, k, v, out, lse, causal, scale, window, cu_seqlens, max_seqlen,
-                                 deterministic, configs, tma, out_grads, dq_pass, dkdv_pass)
+                                 not atomic, configs, tma, out_grads, dq_pass, dkdv_pass)
 
 
 class AttentionFunction(torch.autograd.Function):

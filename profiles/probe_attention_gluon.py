@@ -146,11 +146,11 @@ def _gluon_bwd(do, q, k, v, out, lse, causal, heads):
 
 
 def _single_passes(hs):
-    """(name, the ``gluon`` argument) of the Gluon single-pass backwards for head dim hs: dq added by TMA reduces
-    (where this Triton has them), by pointer atomics."""
-    if hs not in glu.ATOMIC_HEAD_DIMS:
+    """(name, the ``gluon`` argument) of the Gluon single-pass backward for head dim hs (dq added by TMA reduces),
+    where this Triton has it."""
+    if hs not in glu.ATOMIC_HEAD_DIMS or not glu.TMA_REDUCE:
         return []
-    return ([("tma", glu.SINGLE_CONFIGS[hs])] if glu.TMA_REDUCE else []) + [("atomics", glu.BWD_CONFIGS[hs])]
+    return [("tma", glu.SINGLE_CONFIGS[hs])]
 
 
 def bwd_probe(configs, dq_configs, heads=(None,)) -> None:

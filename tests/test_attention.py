@@ -449,9 +449,8 @@ def _sched(causal: bool) -> dict:
 
 
 def compile_gluon_bwd_for_sm90(kernel: str, hs: int, causal: bool):
-    """The same for a Gluon backward pass, ``kernel`` 'dq' (DQ_CONFIGS tiles), 'dkdv' (BWD_CONFIGS tiles),
-    'dkdv-atomic' (the single-pass backward by the dk/dv pass adding dq by pointer atomics) or 'single' (the
-    single-pass backward adding dq by TMA reduces, SINGLE_CONFIGS tiles)."""
+    """The same for a Gluon backward pass, ``kernel`` 'dq' (DQ_CONFIGS tiles), 'dkdv' (BWD_CONFIGS tiles) or
+    'single' (the single-pass backward adding dq by TMA reduces, SINGLE_CONFIGS tiles)."""
     from megakern import _attention_gluon as g
 
     if not g.AVAILABLE:
@@ -467,16 +466,14 @@ def compile_gluon_bwd_for_sm90(kernel: str, hs: int, causal: bool):
         tiles = {"dq_desc": (block_m, hs // 2, "fp32")}
     else:
         block_m, block_n, warps, bufs = g.BWD_CONFIGS[hs]
-        atomic = kernel == "dkdv-atomic"
-        fn, extra = g._attn_bwd_dkdv_ws_kernel, {"ATOMIC_DQ": atomic} | ({} if atomic else {"DQ": None})
-        outputs = {"DK": "*bf16", "DV": "*bf16"} | ({"DQ": "*fp32"} if atomic else {})
+        fn, extra, outputs = g._attn_bwd_dkdv_ws_kernel, {}, {"DK": "*bf16", "DV": "*bf16"}
     constexprs = dict(HEAD_DIM=hs, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal, num_warps=warps,
                       **extra, **_sched(causal))
     return _compile_gluon(fn, constexprs, {"q_desc": block_m, "do_desc": block_m, "k_desc": block_n, "v_desc": block_n,
                                            **tiles}, {**outputs, "LSE": "*fp32", "DELTA": "*fp32", "SCHED": "*i32"}, hs)
 
 
-@pytest.mark.parametrize("kernel", ("forward", "forward-one-consumer", "dkdv", "dq", "dkdv-atomic", "single"))
+@pytest.mark.parametrize("kernel", ("forward", "forward-one-consumer", "dkdv", "dq", "single"))
 @pytest.mark.parametrize("causal", (True, False), ids=("causal", "full"))
 @pytest.mark.parametrize("hs", (64, 128))
 def test_gluon_kernels_compile_for_sm90(hs, causal, kernel):
@@ -485,12 +482,12 @@ def test_gluon_kernels_compile_for_sm90(hs, causal, kernel):
     within the 227 KiB of shared memory."""
     from megakern import _attention_gluon as g
 
-    if kernel in ("dkdv-atomic", "single") and hs not in g.ATOMIC_HEAD_DIMS:
+    if kernel == "single" and hs not in g.ATOMIC_HEAD_DIMS:
         pytest.skip(f"the single-pass backward takes head dims {g.ATOMIC_HEAD_DIMS}")
     if kernel == "single" and not g.TMA_REDUCE:
         pytest.skip("this Triton's Gluon has no TMA reduce")
     call = (f"compile_gluon_bwd_for_sm90({kernel!r}, {hs}, {causal})"
-            if kernel in ("dq", "dkdv", "dkdv-atomic", "single")
+            if kernel in ("dq", "dkdv", "single")
             else f"compile_gluon_for_sm90({hs}, {causal}, {kernel == 'forward'})")
     result = sm90_lowering("test_attention", call)
     if result is None:
@@ -500,7 +497,7 @@ def test_gluon_kernels_compile_for_sm90(hs, causal, kernel):
     assert shared <= 227 * 1024, f"{shared} bytes of shared memory"
     # the output tiles (o; dk and dv) leave in 16-byte stores; the dq pass at head dim 128 lacks the shared memory for
     # the layout conversion and stores from the accumulator's layout
-    if kernel in ("forward", "forward-one-consumer", "dkdv", "dkdv-atomic", "single"):
+    if kernel in ("forward", "forward-one-consumer", "dkdv", "single"):
         assert vector_stores, f"{kernel}: no 16-byte global stores"
 
 
@@ -581,20 +578,19 @@ def _assert_grads(grads, q, k, v, dout, causal, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ("deterministic", "single-pass", "single-pass-atomics"))
+@pytest.mark.parametrize("mode", ("deterministic", "single-pass"))
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: "x".join(map(str, c)))
 def test_gluon_backward(case, dtype, mode):
     """The Gluon backward kernels, forced on, against fp64 truth under the 2x rule, on the forward's cases with a
     non-contiguous q and dout: the deterministic backward's dq and dk/dv passes (delta from the dq pass), and the
-    single-pass backward (``deterministic=False``: the dk/dv kernel adding dq into fp32, by TMA reduces where this
-    Triton has them, and by pointer atomics with a BWD_CONFIGS entry), whose dq, dk and dv also go whole into given
-    tensors."""
+    single-pass backward (``deterministic=False``: the dk/dv kernel adding dq into fp32 by TMA reduces), whose dq, dk
+    and dv also go whole into given tensors."""
     from megakern import _attention_gluon as g
     from megakern.attention import _bwd_kernels, _fwd_kernels
 
     b, tq, tk, nh, nkv, hs, causal = case
-    single = mode.startswith("single-pass")
+    single = mode == "single-pass"
     if single and hs not in g.ATOMIC_HEAD_DIMS:
         pytest.skip(f"the single-pass backward takes head dims {g.ATOMIC_HEAD_DIMS}")
     seed("gluon-bwd", case, dtype, mode)
@@ -605,11 +601,9 @@ def test_gluon_backward(case, dtype, mode):
     q = torch.randn(b, nh, tq, hs, device=DEVICE, dtype=dtype).transpose(1, 2)
     dout = torch.randn(b, nh, tq, hs, device=DEVICE, dtype=dtype).transpose(1, 2)
     out, lse = _fwd_kernels(q, k, v, causal, hs ** -0.5, window, None, None)
-    if mode == "single-pass" and not g.TMA_REDUCE:
+    if single and not g.TMA_REDUCE:
         pytest.skip("this Triton's Gluon has no TMA reduce")
-    passes = dict(gluon=True, gluon_dq=True)
-    if single:
-        passes = dict(gluon=g.BWD_CONFIGS[hs] if mode == "single-pass-atomics" else True)
+    passes = dict(gluon=True) if single else dict(gluon=True, gluon_dq=True)
     grads = _bwd_kernels(dout, q, k, v, out, lse, causal, hs ** -0.5, window, None, None, not single, **passes)
     _assert_grads(grads, q, k, v, dout, causal, dtype)
     if single:
@@ -619,6 +613,34 @@ def test_gluon_backward(case, dtype, mode):
         for name, got, want in zip(("dq", "dk", "dv"), out_grads, grads):
             assert torch.isfinite(got).all(), name
             assert (got.float() - want.float()).abs().max().item() <= 1e-2 * max(1.0, want.abs().max().item()), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", (True, False), ids=("causal", "full"))
+@pytest.mark.parametrize("hs", (64, 128))
+def test_gluon_backward_without_determinism(hs, causal):
+    """``deterministic=False`` by the tables on Hopper: where GLUON_BWD_ATOMIC names the mask, the Gluon single pass
+    (within the 2x rule of fp64 truth); where it does not but GLUON_BWD does, the deterministic Gluon pair, the same
+    bits as ``deterministic=True``."""
+    from megakern import _attention_gluon as g
+    from megakern.attention import GLUON_BWD, GLUON_BWD_ATOMIC, _bwd_kernels, _fwd_kernels
+
+    seed("gluon-nondet", hs, causal)
+    b, t, nh, nkv = 2, 1000, 4, 2
+    q, k, v = _qkv(b, t, t, nh, nkv, hs, torch.bfloat16)
+    window = (-1, 0 if causal else -1)
+    if not g.supported(q, k, v, causal, window, None):
+        pytest.skip("the Gluon kernels need an sm_90 GPU and Triton with Gluon")
+    dout = torch.randn_like(q)
+    out, lse = _fwd_kernels(q, k, v, causal, hs ** -0.5, window, None, None)
+    fast = _bwd_kernels(dout, q, k, v, out, lse, causal, hs ** -0.5, window, None, None, False)
+    if causal in GLUON_BWD_ATOMIC.get(hs, ()) and g.TMA_REDUCE:
+        _assert_grads(fast, q, k, v, dout, causal, torch.bfloat16)
+    elif causal in GLUON_BWD.get(hs, ()):
+        exact = _bwd_kernels(dout, q, k, v, out, lse, causal, hs ** -0.5, window, None, None, True)
+        assert all(torch.equal(a, c) for a, c in zip(fast, exact))
+    else:
+        pytest.skip(f"neither table names hs {hs}, causal={causal}")
 
 
 @pytest.mark.parametrize("keys", (False, True), ids=("query-tiles", "key-tiles"))
