@@ -25,11 +25,11 @@ import torch
 import torch.nn.functional as F
 
 if __package__:
-    from .common import (Results, Unavailable, bench, check_outputs, file_rows, load_providers, measure_copy_gbps,
-                         parse_args, record, report_failure)
+    from .common import (Results, Unavailable, bench, check_outputs, file_rows, keep_rows_on_exit, load_providers,
+                         measure_copy_gbps, parse_args, record, report_failure)
 else:  # python benchmarks/bench_activation.py
-    from common import (Results, Unavailable, bench, check_outputs, file_rows, load_providers, measure_copy_gbps,
-                        parse_args, record, report_failure)
+    from common import (Results, Unavailable, bench, check_outputs, file_rows, keep_rows_on_exit, load_providers,
+                        measure_copy_gbps, parse_args, record, report_failure)
 
 MODES = ("fwd", "fwd+bwd")
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> Results:
     tol = 1e-3 if dtype == torch.float32 else 0.03
     providers = load_providers(PROVIDERS, device, args.providers)
     results = Results(device)
+    keep_rows_on_exit(results, 'activation', args.out, args.no_save)
     results.add_roofline("GB/s", measure_copy_gbps(device))
     torch.manual_seed(0)
     for rows, cols in shapes(device, args.quick):

@@ -43,11 +43,11 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 if __package__:
-    from .common import (Results, Unavailable, bench, check_outputs, file_rows, import_peer, int_list, load_providers,
-                         measure_matmul_tflops, parse_args, record, report_failure)
+    from .common import (Results, Unavailable, bench, check_outputs, file_rows, keep_rows_on_exit, import_peer,
+                         int_list, load_providers, measure_matmul_tflops, parse_args, record, report_failure)
 else:  # python benchmarks/bench_attention.py
-    from common import (Results, Unavailable, bench, check_outputs, file_rows, import_peer, int_list, load_providers,
-                        measure_matmul_tflops, parse_args, record, report_failure)
+    from common import (Results, Unavailable, bench, check_outputs, file_rows, keep_rows_on_exit, import_peer, int_list,
+                        load_providers, measure_matmul_tflops, parse_args, record, report_failure)
 
 MODES = ("fwd", "fwd+bwd")
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -263,6 +263,7 @@ def main(argv: list[str] | None = None) -> Results:
     dtype = _dtype(device)
     providers = load_providers(PROVIDERS, device, args.providers)
     results = Results(device)
+    keep_rows_on_exit(results, 'attention', args.out, args.no_save)
     results.add_roofline("TFLOP/s", measure_matmul_tflops(device))
     torch.manual_seed(0)
     for shape in cases(device, args.quick, args.head_dims, args.seqlens, args.gqa):

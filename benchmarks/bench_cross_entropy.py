@@ -31,11 +31,11 @@ import torch
 import torch.nn.functional as F
 
 if __package__:
-    from .common import (Results, Unavailable, bench, check_outputs, file_rows, import_peer, int_list, load_providers,
-                         measure_matmul_tflops, parse_args, peak_gib, record, report_failure)
+    from .common import (Results, Unavailable, bench, check_outputs, file_rows, keep_rows_on_exit, import_peer,
+                         int_list, load_providers, measure_matmul_tflops, parse_args, peak_gib, record, report_failure)
 else:  # python benchmarks/bench_cross_entropy.py
-    from common import (Results, Unavailable, bench, check_outputs, file_rows, import_peer, int_list, load_providers,
-                        measure_matmul_tflops, parse_args, peak_gib, record, report_failure)
+    from common import (Results, Unavailable, bench, check_outputs, file_rows, keep_rows_on_exit, import_peer, int_list,
+                        load_providers, measure_matmul_tflops, parse_args, peak_gib, record, report_failure)
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 IGNORED = 0.05  # fraction of targets set to ignore_index (-100), as padding would
@@ -136,6 +136,7 @@ def main(argv: list[str] | None = None) -> Results:
     tol = 1e-3 if dtype == torch.float32 else 0.05
     providers = load_providers(PROVIDERS, device, args.providers)
     results = Results(device)
+    keep_rows_on_exit(results, 'cross_entropy', args.out, args.no_save)
     results.add_roofline("TFLOP/s", measure_matmul_tflops(device))
     torch.manual_seed(0)
     for n, c, v in shapes(device, args.quick, args.tokens, args.hidden):

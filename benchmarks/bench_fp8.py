@@ -34,10 +34,10 @@ from typing import Callable
 import torch
 
 if __package__:
-    from .common import (Results, Unavailable, bench, file_rows, load_providers, measure_copy_gbps,
+    from .common import (Results, Unavailable, bench, file_rows, keep_rows_on_exit, load_providers, measure_copy_gbps,
                          measure_matmul_tflops, parse_args, record, report_failure)
 else:  # python benchmarks/bench_fp8.py
-    from common import (Results, Unavailable, bench, file_rows, load_providers, measure_copy_gbps,
+    from common import (Results, Unavailable, bench, file_rows, keep_rows_on_exit, load_providers, measure_copy_gbps,
                         measure_matmul_tflops, parse_args, record, report_failure)
 
 MODES = ("delayed", "delayed+T", "current", "row", "block", "tile")
@@ -224,6 +224,7 @@ def main(argv: list[str] | None = None) -> Results:
     device = args.device
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     results = Results(device)
+    keep_rows_on_exit(results, 'fp8', args.out, args.no_save)
     results.add_roofline("GB/s", measure_copy_gbps(device))
     results.add_roofline("TFLOP/s", measure_matmul_tflops(device))
     wanted = args.providers

@@ -33,10 +33,12 @@ import torch
 
 if __package__:
     from .bench_train import HFStep, need_transformers, run_provider
-    from .common import Results, Unavailable, file_rows, load_providers, measure_matmul_tflops, report_failure
+    from .common import (Results, Unavailable, file_rows, keep_rows_on_exit, load_providers, measure_matmul_tflops,
+                         report_failure)
 else:  # python benchmarks/bench_hf_patch.py
     from bench_train import HFStep, need_transformers, run_provider
-    from common import Results, Unavailable, file_rows, load_providers, measure_matmul_tflops, report_failure
+    from common import (Results, Unavailable, file_rows, keep_rows_on_exit, load_providers, measure_matmul_tflops,
+                        report_failure)
 
 BENCH = "hf_patch"
 
@@ -200,6 +202,7 @@ def main(argv=None) -> Results:
 
     peak, _ = peak_flops(device)
     results = Results(device)
+    keep_rows_on_exit(results, BENCH, args.out, args.no_save)
     results.add_roofline("TFLOP/s", measure_matmul_tflops(device))
     providers = load_providers(PROVIDERS, device, args.providers or set(PROVIDERS))
     for shape in shapes:

@@ -61,11 +61,11 @@ import torch
 import torch.nn.functional as F
 
 if __package__:
-    from .common import (Results, Unavailable, bench, check_outputs, file_rows, load_providers, measure_copy_gbps,
-                         measure_matmul_tflops, parse_args, peak_gib, record, report_failure)
+    from .common import (Results, Unavailable, bench, check_outputs, file_rows, keep_rows_on_exit, load_providers,
+                         measure_copy_gbps, measure_matmul_tflops, parse_args, peak_gib, record, report_failure)
 else:  # python benchmarks/bench_moe.py
-    from common import (Results, Unavailable, bench, check_outputs, file_rows, load_providers, measure_copy_gbps,
-                        measure_matmul_tflops, parse_args, peak_gib, record, report_failure)
+    from common import (Results, Unavailable, bench, check_outputs, file_rows, keep_rows_on_exit, load_providers,
+                        measure_copy_gbps, measure_matmul_tflops, parse_args, peak_gib, record, report_failure)
 
 from megakern import moe
 
@@ -609,6 +609,7 @@ def main(argv: list[str] | None = None) -> Results:
         raise SystemExit(f"unknown providers {sorted(unknown)}; choose from {sorted(offered)}")
     device = args.device
     results = Results(device)
+    keep_rows_on_exit(results, BENCH, args.out, args.no_save)
     metrics = [SECTIONS[s][1] for s in args.sections]
     if "TFLOP/s" in metrics:
         results.add_roofline("TFLOP/s", measure_matmul_tflops(device))

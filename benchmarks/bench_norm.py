@@ -39,11 +39,11 @@ import torch
 import torch.nn.functional as F
 
 if __package__:
-    from .common import (Results, Unavailable, bench, check_outputs, file_rows, import_peer, int_list, load_providers,
-                         measure_copy_gbps, parse_args, record, report_failure)
+    from .common import (Results, Unavailable, bench, check_outputs, file_rows, keep_rows_on_exit, import_peer,
+                         int_list, load_providers, measure_copy_gbps, parse_args, record, report_failure)
 else:  # python benchmarks/bench_norm.py
-    from common import (Results, Unavailable, bench, check_outputs, file_rows, import_peer, int_list, load_providers,
-                        measure_copy_gbps, parse_args, record, report_failure)
+    from common import (Results, Unavailable, bench, check_outputs, file_rows, keep_rows_on_exit, import_peer,
+                        int_list, load_providers, measure_copy_gbps, parse_args, record, report_failure)
 
 OPS = ("rmsnorm", "layernorm")
 MODES = ("fwd", "fwd+bwd")
@@ -177,6 +177,7 @@ def main(argv: list[str] | None = None) -> Results:
     tol = 1e-3 if dtype == torch.float32 else 0.1
     providers = load_providers(PROVIDERS, device, args.providers)
     results = Results(device)
+    keep_rows_on_exit(results, 'norm', args.out, args.no_save)
     results.add_roofline("GB/s", measure_copy_gbps(device))
     torch.manual_seed(0)
     for op in args.ops:

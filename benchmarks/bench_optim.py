@@ -23,11 +23,11 @@ megakern megakern.optim.SumOfSquares (one Triton launch per dtype), as the train
 import torch
 
 if __package__:
-    from .common import (Results, Unavailable, bench, file_rows, load_providers, measure_copy_gbps, parse_args, record,
-                         report_failure)
+    from .common import (Results, Unavailable, bench, file_rows, keep_rows_on_exit, load_providers, measure_copy_gbps,
+                         parse_args, record, report_failure)
 else:  # python benchmarks/bench_optim.py
-    from common import (Results, Unavailable, bench, file_rows, load_providers, measure_copy_gbps, parse_args, record,
-                        report_failure)
+    from common import (Results, Unavailable, bench, file_rows, keep_rows_on_exit, load_providers, measure_copy_gbps,
+                        parse_args, record, report_failure)
 
 BYTES_PER_PARAM = 28
 GPT2_MODELS = {"gpt-350m": (24, 1024), "gpt-1.3b": (24, 2048)}
@@ -136,6 +136,7 @@ def main(argv: list[str] | None = None) -> Results:
     device = args.device
     providers = load_providers(PROVIDERS, device, args.providers)
     results = Results(device)
+    keep_rows_on_exit(results, 'optim', args.out, args.no_save)
     results.add_roofline("GB/s", measure_copy_gbps(device))
     models = args.model or (["gpt-350m"] if args.quick else ["gpt-350m", "gpt-1.3b", "llama-1b"])
     for model in models:

@@ -42,11 +42,11 @@ from typing import Callable, NamedTuple
 import torch
 
 if __package__:
-    from .common import (Results, Unavailable, bench, file_rows, load_providers, measure_copy_gbps, parse_args, record,
-                         report_failure)
+    from .common import (Results, Unavailable, bench, file_rows, keep_rows_on_exit, load_providers, measure_copy_gbps,
+                         parse_args, record, report_failure)
 else:  # python benchmarks/bench_rotary.py
-    from common import (Results, Unavailable, bench, file_rows, load_providers, measure_copy_gbps, parse_args, record,
-                        report_failure)
+    from common import (Results, Unavailable, bench, file_rows, keep_rows_on_exit, load_providers, measure_copy_gbps,
+                        parse_args, record, report_failure)
 
 MODES = ("fwd", "fwd+bwd")
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -307,6 +307,7 @@ def main(argv: list[str] | None = None) -> Results:
     device = args.device
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     results = Results(device)
+    keep_rows_on_exit(results, 'rotary', args.out, args.no_save)
     results.add_roofline("GB/s", measure_copy_gbps(device))
     if tuning:
         tune(device, results.rooflines["GB/s"], args.providers)

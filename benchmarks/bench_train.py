@@ -78,11 +78,11 @@ from pathlib import Path
 import torch
 
 if __package__:
-    from .common import (RESULTS_DIR, Results, Unavailable, file_rows, load_providers, measure_matmul_tflops,
-                         report_failure)
+    from .common import (RESULTS_DIR, Results, Unavailable, file_rows, keep_rows_on_exit, load_providers,
+                         measure_matmul_tflops, report_failure)
 else:  # python benchmarks/bench_train.py
-    from common import (RESULTS_DIR, Results, Unavailable, file_rows, load_providers, measure_matmul_tflops,
-                        report_failure)
+    from common import (RESULTS_DIR, Results, Unavailable, file_rows, keep_rows_on_exit, load_providers,
+                        measure_matmul_tflops, report_failure)
 
 BENCH = "train"
 
@@ -508,6 +508,7 @@ def main(argv=None) -> Results:
           f"{', '.join(names)}{f' x {len(shapes)} models' if len(shapes) > 1 else ''} (cold compile caches)")
     began = time.perf_counter()
     results = Results(device)
+    keep_rows_on_exit(results, BENCH, args.out, args.no_save)
     results.add_roofline("TFLOP/s", measure_matmul_tflops(device))
     providers = load_providers(PROVIDERS, device, wanted)
     mfus = {}

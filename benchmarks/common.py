@@ -12,10 +12,12 @@ fractions of a roofline (figures of a device, meaningless for a few KiB on a sha
 """
 
 import argparse
+import atexit
 import csv
 import datetime
 import os
 import re
+import signal
 import statistics
 import subprocess
 import time
@@ -303,6 +305,8 @@ class Results:
         self.smoke = torch.device(device).type != "cuda"
         self.figures: list[tuple[str, str, str, str, float]] = []
         self.rooflines: dict[str, float] = {}  # figure metric ('GB/s') -> roofline value
+        self.filed = False  # file_rows has been called (see keep_rows_on_exit)
+        self.on_exit = None  # keep_rows_on_exit's atexit handler, dropped once file_rows runs
 
     def add(self, case: str, mode: str, provider: str, metric: str, value: float) -> None:
         self.figures.append((case, mode, provider, metric, float(value)))
@@ -396,6 +400,10 @@ def record(results: "Results", case: str, mode: str, provider: str, timing: dict
 def file_rows(results: "Results", bench_name: str, out: Path | None, no_save: bool = False) -> Path | None:
     """Append the run's rows under ``out`` (default: benchmarks/results/ for a GPU run) and say where; a smoke run
     files none unless ``out`` is given. Returns the CSV written, if any."""
+    results.filed = True
+    if results.on_exit is not None:
+        atexit.unregister(results.on_exit)
+        results.on_exit = None
     if no_save:
         return None
     if out is None and results.smoke:
@@ -405,6 +413,25 @@ def file_rows(results: "Results", bench_name: str, out: Path | None, no_save: bo
     path = results.save(bench_name, RESULTS_DIR if out is None else out)
     print(f"saved {path}")
     return path
+
+
+def _exit_on_sigterm(signum, _frame):
+    raise SystemExit(128 + signum)
+
+
+def keep_rows_on_exit(results: "Results", bench_name: str, out: Path | None, no_save: bool = False) -> None:
+    """File the run's rows (``file_rows``, same arguments) even when the run ends before its own call: stopped by
+    SIGTERM (``timeout``, a scheduler) or by an exception, the figures measured so far are appended, after a line
+    saying so. For benchmarks of one process: under torchrun every rank would file its own."""
+    def on_exit():
+        measured = len(results.figures) - len(results.rooflines)
+        if not results.filed and measured > 0:
+            print(f"the run ended early: filing the {measured} figures it measured")
+            file_rows(results, bench_name, out, no_save)
+    results.on_exit = on_exit
+    atexit.register(on_exit)
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # SIGTERM then unwinds, so atexit handlers run
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
 
 def int_list(text: str) -> list[int]:

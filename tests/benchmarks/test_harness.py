@@ -377,3 +377,32 @@ def test_import_peer_says_why():
                                                  r"\.\./shared/peers/README.md brings it\)"):
         common.import_peer("cuda", "quack-kernels", missing)
     assert common.import_peer("cuda", "math", lambda: __import__("math")).sqrt(4.0) == 2.0
+
+
+def test_killed_run_keeps_its_rows(tmp_path):
+    """A benchmark stopped by SIGTERM (``timeout``) or by an exception files the figures it measured so far
+    (keep_rows_on_exit), saying so; one that reaches file_rows files them once."""
+    script = f"""
+import os, signal, sys
+sys.path.insert(0, {str(REPO)!r})
+from benchmarks.common import Results, file_rows, keep_rows_on_exit, record
+results = Results("cpu")
+keep_rows_on_exit(results, "norm", {str(tmp_path)!r})
+record(results, "rmsnorm 4x8 fp32", "fwd", "torch", {{"median": 0.5, "p20": 0.4, "p80": 0.6}}, "GB/s", 1.0)
+how = sys.argv[1]
+if how == "sigterm":
+    os.kill(os.getpid(), signal.SIGTERM)
+    signal.pause()
+elif how == "error":
+    raise RuntimeError("a provider failed hard")
+else:
+    file_rows(results, "norm", {str(tmp_path)!r})
+"""
+    csv_path = tmp_path / "cpu" / "norm.csv"
+    for how, code in (("sigterm", 143), ("error", 1), ("done", 0)):
+        run = subprocess.run([sys.executable, "-c", script, how], capture_output=True, text=True, timeout=120)
+        assert run.returncode == code, run.stderr
+        assert ("the run ended early: filing the 2 figures it measured" in run.stdout) == (how != "done")
+    rows = _read_csv(csv_path)
+    assert rows[0] == list(CSV_HEADER)
+    assert [r[-4:-1] for r in rows[1:]] == [["fwd", "torch", "ms"], ["fwd", "torch", "GB/s"]] * 3
