@@ -25,6 +25,10 @@ The deterministic backward's two passes have the same frame:
 
 Both are persistent, with the forward's tile schedules (the dk / dv pass's keep a head's q and dO in L2).
 
+The single-pass backward (``bwd_single``, ``deterministic=False``) is the dk / dv kernel with SUM_DQ: per query block
+the two consumers put their dS^T rows into a shared (128, 64) tile, each then computes half of dq's columns over the
+whole key tile and adds them into an fp32 dq by a TMA reduce (FlashAttention-3's structure; delta made beforehand).
+
 Fixed-length batches (B, T, heads, hs) with 16-byte aligned strides, head dims 64 and 128, fp16 / bf16, causal or
 full, GQA; everything else (packed documents, windows, other head dims) takes the Triton kernels. Same outputs as
 _attention_triton's: out like q, lse (B, nh, Tq) fp32 in natural log, -inf (and out 0) for a row that sees no key;
@@ -419,13 +423,48 @@ if AVAILABLE:
             i += 1
 
     @gluon.jit
+    def _key_rows_probs(k, v, q_bufs, do_bufs, q_ready, cnt, LSE, DELTA, stats, start_m, full, rows_n, s_zero, TQ, TK,
+                        scale_log2, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, NUM_BUF: gl.constexpr,
+                        CAUSAL: gl.constexpr, col_s: gl.constexpr):
+        """The dk/dv passes' step for a consumer's key rows (k, v) and the cnt-th query block it takes (at start_m),
+        once its q and dO have landed in their ring slot: (slot, q, dO, P^T, dS^T = P^T (dP^T - delta)) from
+        S^T = K Q^T and dP^T = V dO^T on the tensor cores and the rows' saved lse and delta (``stats``: the head's
+        offset into them), P^T 0 above the causal diagonal (the queries before ``full``)."""
+        cols_m = start_m + gl.arange(0, BLOCK_M, layout=col_s)
+        m_ok = cols_m < TQ
+        lse = gl.load(LSE + stats + cols_m, mask=m_ok, other=float("-inf"))
+        lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        delta = gl.load(DELTA + stats + cols_m, mask=m_ok, other=0.0)
+        s = cnt % NUM_BUF
+        mbarrier.wait(q_ready.index(s), (cnt // NUM_BUF) & 1)
+        q = q_bufs.index(s).reshape([BLOCK_M, HEAD_DIM])
+        do = do_bufs.index(s).reshape([BLOCK_M, HEAD_DIM])
+        st = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        st, dpt = warpgroup_mma_wait(0, deps=[st, dpt])
+        pt = gl.exp2(st * scale_log2 - lse2[None, :])
+        if CAUSAL:
+            if start_m < full:
+                pt = gl.where(rows_n[:, None] <= cols_m[None, :] + (TK - TQ), pt, 0.0)
+        return s, q, do, pt, pt * (dpt - delta[None, :])
+
+    @gluon.jit
     def _bwd_consumer(WG: gl.constexpr, k_bufs, v_bufs, q_bufs, do_bufs, kv_ready, kv_empty, q_ready, q_empty,
                       LSE, DELTA, DK, DV, stride_lb, stride_lh, stride_dkb, stride_dkt, stride_dkh, stride_dvb,
                       stride_dvt, stride_dvh, B, NKV, GROUP, TQ, TK, SCHED, scale_log2, scale,
                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
-                      CAUSAL: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr):
-        """dk and dv of the key rows WG * ROWS .. + ROWS - 1 of each tile: per query block, S^T = K Q^T and
-        dP^T = V dO^T, P^T from the saved lse, dS^T = P^T (dP^T - delta), then dV += P^T dO and dK += dS^T Q."""
+                      CAUSAL: gl.constexpr, WARPS: gl.constexpr, KV_BUF: gl.constexpr, SUM_DQ: gl.constexpr,
+                      DS_BUF: gl.constexpr, ds_bufs, dq_bufs, ds_ready, ds_empty, dq_desc):
+        """dk and dv of the key rows WG * BLOCK_N / 2 .. of each tile: per query block, S^T = K Q^T and dP^T = V dO^T,
+        P^T from the saved lse, dS^T = P^T (dP^T - delta), then dV += P^T dO and dK += dS^T Q.
+
+        SUM_DQ (the single pass): also a share of dq. This warpgroup's dS^T rows go into the tile's shared dS^T
+        (DS_BUF slots of ``ds_bufs``, handed over by ``ds_ready`` / ``ds_empty``), and once both warpgroups' are there,
+        dQ[:, WG * HEAD_DIM / 2 ..] = dS K over the whole key block (one (BLOCK_M, HEAD_DIM / 2) wgmma), scaled, goes
+        into this warpgroup's fp32 slot of ``dq_bufs`` and is added into ``dq_desc``'s tensor by a TMA reduce, which
+        runs under the next query block's work."""
+        ROWS: gl.constexpr = BLOCK_N // 2
+        DQ_N: gl.constexpr = HEAD_DIM // 2
         layouts: gl.constexpr = _wgmma_layouts(WARPS, BLOCK_M, HEAD_DIM)
         s_layout: gl.constexpr = layouts[0]
         o_layout: gl.constexpr = layouts[1]
@@ -436,16 +475,23 @@ if AVAILABLE:
         cnt = 0
         i = 0
         s_zero = gl.zeros([ROWS, BLOCK_M], gl.float32, layout=s_layout)
+        if SUM_DQ:
+            dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                                instr_shape=[16, DQ_N, 16])
+            dq_zero = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
+            dq_slot = dq_bufs.index(WG)
         lo, hi, step = _span(SCHED, num_n * B * NKV)
         t = _tile_at(SCHED, lo)
         for idx in range(lo, hi, step):
             b, hk, start_n = _tile(t, NKV, num_n, BLOCK_N)
             t = _tile_at(SCHED, gl.minimum(idx + step, hi - 1))  # the next tile, read ahead
             my_n = start_n + WG * ROWS
-            kvs = i % 2
-            mbarrier.wait(kv_ready.index(kvs), (i // 2) & 1)
+            kvs = i % KV_BUF
+            mbarrier.wait(kv_ready.index(kvs), (i // KV_BUF) & 1)
             k = k_bufs.index(kvs).reshape([BLOCK_N, HEAD_DIM]).slice(WG * ROWS, ROWS, dim=0)
             v = v_bufs.index(kvs).reshape([BLOCK_N, HEAD_DIM]).slice(WG * ROWS, ROWS, dim=0)
+            if SUM_DQ:
+                k_dq = k_bufs.index(kvs).reshape([BLOCK_N, HEAD_DIM]).slice(WG * DQ_N, DQ_N, dim=1)
             dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
             dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
             lo, n, full = _query_range(start_n, TQ, TK, BLOCK_M, BLOCK_N, CAUSAL)
@@ -456,167 +502,40 @@ if AVAILABLE:
                 stats = bb * stride_lb + h.to(gl.int64) * stride_lh
                 for mi in range(n):
                     start_m = lo + mi * BLOCK_M
-                    cols_m = start_m + gl.arange(0, BLOCK_M, layout=col_s)
-                    m_ok = cols_m < TQ
-                    lse = gl.load(LSE + stats + cols_m, mask=m_ok, other=float("-inf"))
-                    lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-                    delta = gl.load(DELTA + stats + cols_m, mask=m_ok, other=0.0)
-                    s = cnt % NUM_BUF
-                    mbarrier.wait(q_ready.index(s), (cnt // NUM_BUF) & 1)
-                    q = q_bufs.index(s).reshape([BLOCK_M, HEAD_DIM])
-                    do = do_bufs.index(s).reshape([BLOCK_M, HEAD_DIM])
-                    st = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                    dpt = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                    st, dpt = warpgroup_mma_wait(0, deps=[st, dpt])
-                    pt = gl.exp2(st * scale_log2 - lse2[None, :])
-                    if CAUSAL:
-                        if start_m < full:
-                            pt = gl.where(rows_n[:, None] <= cols_m[None, :] + (TK - TQ), pt, 0.0)
-                    dst = pt * (dpt - delta[None, :])
-                    pt_op = gl.convert_layout(pt.to(dtype), a_layout)
-                    dst_op = gl.convert_layout(dst.to(dtype), a_layout)
-                    dv = warpgroup_mma(pt_op, do, dv, is_async=True)
-                    dk = warpgroup_mma(dst_op, q, dk, is_async=True)
-                    dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=[dv, dk, pt_op, dst_op])
-                    mbarrier.arrive(q_empty.index(s), count=1)
-                    cnt += 1
-            mbarrier.arrive(kv_empty.index(kvs), count=1)
-            i += 1
-            hh = hk.to(gl.int64)
-            _store_rows(DK + bb * stride_dkb + hh * stride_dkh, stride_dkt, (dk * scale).to(dtype), my_n, TK, ROWS,
-                        HEAD_DIM, WARPS)
-            _store_rows(DV + bb * stride_dvb + hh * stride_dvh, stride_dvt, dv.to(dtype), my_n, TK, ROWS, HEAD_DIM,
-                        WARPS)
-
-    @gluon.jit
-    def _attn_bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, stride_lb, stride_lh,
-                                 stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
-                                 B, NKV, GROUP, TQ, TK, SCHED, scale_log2, scale,
-                                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                                 NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr, num_warps: gl.constexpr):
-        """dk and dv (the deterministic backward's second pass: delta comes from the dq pass): two consumer
-        warpgroups of num_warps warps, half the key block each, and a producer warp moving k and v (double
-        buffered across tiles) and a ring of NUM_BUF q / dO slots."""
-        dtype: gl.constexpr = q_desc.dtype
-        k_bufs = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
-        v_bufs = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
-        q_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF] + q_desc.block_type.shape, q_desc.layout)
-        do_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF] + do_desc.block_type.shape, do_desc.layout)
-        kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        kv_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        q_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(2):
-            mbarrier.init(kv_ready.index(s), count=1)
-            mbarrier.init(kv_empty.index(s), count=2)
-        for s in gl.static_range(NUM_BUF):
-            mbarrier.init(q_ready.index(s), count=1)
-            mbarrier.init(q_empty.index(s), count=2)
-        fence_async_shared()
-        gl.warp_specialize([
-            (_bwd_consumer, (0, k_bufs, v_bufs, q_bufs, do_bufs, kv_ready, kv_empty, q_ready, q_empty, LSE, DELTA,
-                             DK, DV, stride_lb, stride_lh, stride_dkb, stride_dkt, stride_dkh, stride_dvb,
-                             stride_dvt, stride_dvh, B, NKV, GROUP, TQ, TK, SCHED, scale_log2, scale, HEAD_DIM,
-                             BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, BLOCK_N // 2, num_warps)),
-            (_bwd_consumer, (1, k_bufs, v_bufs, q_bufs, do_bufs, kv_ready, kv_empty, q_ready, q_empty, LSE, DELTA,
-                             DK, DV, stride_lb, stride_lh, stride_dkb, stride_dkt, stride_dkh, stride_dvb,
-                             stride_dvt, stride_dvh, B, NKV, GROUP, TQ, TK, SCHED, scale_log2, scale, HEAD_DIM,
-                             BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, BLOCK_N // 2, num_warps)),
-            (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, q_bufs, do_bufs, kv_ready, kv_empty,
-                             q_ready, q_empty, B, NKV, GROUP, TQ, TK, SCHED, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL)),
-        ], [num_warps, 1], [240, 24])
-
-
-    # ---- backward: the single pass, dq summed in shared memory and added by TMA ------------------------------------
-    @gluon.jit
-    def _single_consumer(WG: gl.constexpr, k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, dq_bufs, kv_ready, kv_empty,
-                         q_ready, q_empty, ds_ready, ds_empty, dq_desc, LSE, DELTA, DK, DV, stride_lb, stride_lh,
-                         stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh, B, NKV, GROUP, TQ, TK,
-                         SCHED, scale_log2, scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                         BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, KV_BUF: gl.constexpr, DS_BUF: gl.constexpr,
-                         CAUSAL: gl.constexpr, WARPS: gl.constexpr):
-        """dk and dv of the key rows WG * BLOCK_N / 2 .. of each tile, as ``_bwd_consumer``, and a share of dq: per
-        query block this warpgroup's dS^T rows go into the tile's shared dS^T (DS_BUF slots), and once both
-        warpgroups' are there, dQ[:, WG * HEAD_DIM / 2 ..] = dS K over the whole key block (one (BLOCK_M,
-        HEAD_DIM / 2) wgmma), scaled, into this warpgroup's fp32 slot of shared memory and added into DQ by a TMA
-        reduce, which runs under the next query block's work."""
-        ROWS: gl.constexpr = BLOCK_N // 2
-        DQ_N: gl.constexpr = HEAD_DIM // 2
-        layouts: gl.constexpr = _wgmma_layouts(WARPS, BLOCK_M, HEAD_DIM)
-        s_layout: gl.constexpr = layouts[0]
-        o_layout: gl.constexpr = layouts[1]
-        a_layout: gl.constexpr = layouts[2]
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                            instr_shape=[16, DQ_N, 16])
-        col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-        dtype: gl.constexpr = q_bufs.dtype
-        num_n = gl.cdiv(TK, BLOCK_N)
-        cnt = 0
-        i = 0
-        s_zero = gl.zeros([ROWS, BLOCK_M], gl.float32, layout=s_layout)
-        dq_zero = gl.zeros([BLOCK_M, DQ_N], gl.float32, layout=dq_layout)
-        dq_slot = dq_bufs.index(WG)
-        lo, hi, step = _span(SCHED, num_n * B * NKV)
-        t = _tile_at(SCHED, lo)
-        for idx in range(lo, hi, step):
-            b, hk, start_n = _tile(t, NKV, num_n, BLOCK_N)
-            t = _tile_at(SCHED, gl.minimum(idx + step, hi - 1))  # the next tile, read ahead
-            my_n = start_n + WG * ROWS
-            kvs = i % KV_BUF
-            mbarrier.wait(kv_ready.index(kvs), (i // KV_BUF) & 1)
-            k_all = k_bufs.index(kvs).reshape([BLOCK_N, HEAD_DIM])
-            k = k_all.slice(WG * ROWS, ROWS, dim=0)
-            k_dq = k_all.slice(WG * DQ_N, DQ_N, dim=1)
-            v = v_bufs.index(kvs).reshape([BLOCK_N, HEAD_DIM]).slice(WG * ROWS, ROWS, dim=0)
-            dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-            dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-            lo_m, n, full = _query_range(start_n, TQ, TK, BLOCK_M, BLOCK_N, CAUSAL)
-            rows_n = my_n + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-            bb = b.to(gl.int64)
-            for g in range(GROUP):
-                h = hk * GROUP + g
-                stats = bb * stride_lb + h.to(gl.int64) * stride_lh
-                for mi in range(n):
-                    start_m = lo_m + mi * BLOCK_M
-                    cols_m = start_m + gl.arange(0, BLOCK_M, layout=col_s)
-                    m_ok = cols_m < TQ
-                    lse = gl.load(LSE + stats + cols_m, mask=m_ok, other=float("-inf"))
-                    lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-                    delta = gl.load(DELTA + stats + cols_m, mask=m_ok, other=0.0)
-                    s = cnt % NUM_BUF
-                    mbarrier.wait(q_ready.index(s), (cnt // NUM_BUF) & 1)
-                    q = q_bufs.index(s).reshape([BLOCK_M, HEAD_DIM])
-                    do = do_bufs.index(s).reshape([BLOCK_M, HEAD_DIM])
-                    st = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                    dpt = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                    st, dpt = warpgroup_mma_wait(0, deps=[st, dpt])
-                    pt = gl.exp2(st * scale_log2 - lse2[None, :])
-                    if CAUSAL:
-                        if start_m < full:
-                            pt = gl.where(rows_n[:, None] <= cols_m[None, :] + (TK - TQ), pt, 0.0)
-                    dst = (pt * (dpt - delta[None, :])).to(dtype)
-                    pt_op = gl.convert_layout(pt.to(dtype), a_layout)
+                    s, q, do, pt, dst = _key_rows_probs(k, v, q_bufs, do_bufs, q_ready, cnt, LSE, DELTA, stats,
+                                                        start_m, full, rows_n, s_zero, TQ, TK, scale_log2, HEAD_DIM,
+                                                        BLOCK_M, NUM_BUF, CAUSAL, col_s)
+                    if SUM_DQ:  # each pass keeps the order of the casts it was measured with
+                        dst = dst.to(dtype)
+                        pt_op = gl.convert_layout(pt.to(dtype), a_layout)
+                    else:
+                        pt_op = gl.convert_layout(pt.to(dtype), a_layout)
+                        dst = dst.to(dtype)
                     dst_op = gl.convert_layout(dst, a_layout)
                     dv = warpgroup_mma(pt_op, do, dv, is_async=True)
                     dk = warpgroup_mma(dst_op, q, dk, is_async=True)
-                    # this warpgroup's rows of dS^T into the shared tile while dv's and dk's products run; dq's
-                    # product waits for the other warpgroup's rows
-                    ds_s = cnt % DS_BUF
-                    ds_ph = (cnt // DS_BUF) & 1
-                    mbarrier.wait(ds_empty.index(ds_s), ds_ph ^ 1)
-                    ds_tile = ds_bufs.index(ds_s)
-                    ds_tile.slice(WG * ROWS, ROWS, dim=0).store(dst)
-                    fence_async_shared()
-                    mbarrier.arrive(ds_ready.index(ds_s), count=1)
-                    mbarrier.wait(ds_ready.index(ds_s), ds_ph)
-                    dq = warpgroup_mma(ds_tile.permute((1, 0)), k_dq, dq_zero, use_acc=False, is_async=True)
-                    dv, dk, dq, pt_op, dst_op = warpgroup_mma_wait(0, deps=[dv, dk, dq, pt_op, dst_op])
-                    mbarrier.arrive(q_empty.index(s), count=1)
-                    mbarrier.arrive(ds_empty.index(ds_s), count=1)
-                    tma.store_wait(0)  # the previous block's reduce has read the slot
-                    dq_slot.reshape([BLOCK_M, DQ_N]).store(dq * scale)
-                    fence_async_shared()
-                    _tma_reduce_add(dq_desc, [b, start_m, h, WG * DQ_N], dq_slot)
+                    if SUM_DQ:
+                        # this warpgroup's rows of dS^T into the shared tile while dv's and dk's products run; dq's
+                        # product waits for the other warpgroup's rows
+                        ds_s = cnt % DS_BUF
+                        ds_ph = (cnt // DS_BUF) & 1
+                        mbarrier.wait(ds_empty.index(ds_s), ds_ph ^ 1)
+                        ds_tile = ds_bufs.index(ds_s)
+                        ds_tile.slice(WG * ROWS, ROWS, dim=0).store(dst)
+                        fence_async_shared()
+                        mbarrier.arrive(ds_ready.index(ds_s), count=1)
+                        mbarrier.wait(ds_ready.index(ds_s), ds_ph)
+                        dq = warpgroup_mma(ds_tile.permute((1, 0)), k_dq, dq_zero, use_acc=False, is_async=True)
+                        dv, dk, dq, pt_op, dst_op = warpgroup_mma_wait(0, deps=[dv, dk, dq, pt_op, dst_op])
+                        mbarrier.arrive(q_empty.index(s), count=1)
+                        mbarrier.arrive(ds_empty.index(ds_s), count=1)
+                        tma.store_wait(0)  # the previous block's reduce has read the slot
+                        dq_slot.reshape([BLOCK_M, DQ_N]).store(dq * scale)
+                        fence_async_shared()
+                        _tma_reduce_add(dq_desc, [b, start_m, h, WG * DQ_N], dq_slot)
+                    else:
+                        dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=[dv, dk, pt_op, dst_op])
+                        mbarrier.arrive(q_empty.index(s), count=1)
                     cnt += 1
             mbarrier.arrive(kv_empty.index(kvs), count=1)
             i += 1
@@ -625,61 +544,68 @@ if AVAILABLE:
                         HEAD_DIM, WARPS)
             _store_rows(DV + bb * stride_dvb + hh * stride_dvh, stride_dvt, dv.to(dtype), my_n, TK, ROWS, HEAD_DIM,
                         WARPS)
-        tma.store_wait(0)
+        if SUM_DQ:
+            tma.store_wait(0)
 
     @gluon.jit
-    def _attn_bwd_single_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, DK, DV, stride_lb,
-                                   stride_lh, stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
-                                   B, NKV, GROUP, TQ, TK, SCHED, scale_log2, scale,
-                                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                                   NUM_BUF: gl.constexpr, KV_BUF: gl.constexpr, DS_BUF: gl.constexpr,
-                                   CAUSAL: gl.constexpr, num_warps: gl.constexpr):
-        """The single-pass backward: dk and dv as the dk/dv pass makes them, and dq added into the fp32 DQ (zeros
-        beforehand; delta made beforehand) by TMA reduces of (BLOCK_M, HEAD_DIM / 2) tiles, one a warpgroup and
-        query block: FlashAttention-3's structure. Two consumer warpgroups of num_warps warps, half the key block
-        each, share each query block's dS^T through shared memory; a producer warp moves k and v (KV_BUF slots) and
-        a ring of NUM_BUF q / dO slots."""
-        gl.static_assert(BLOCK_M == 64, "a query block is one wgmma's 64 rows")
+    def _attn_bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, DELTA, DK, DV, stride_lb, stride_lh,
+                                 stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
+                                 B, NKV, GROUP, TQ, TK, SCHED, scale_log2, scale,
+                                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                 NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr, KV_BUF: gl.constexpr,
+                                 SUM_DQ: gl.constexpr, DS_BUF: gl.constexpr, num_warps: gl.constexpr):
+        """dk and dv: two consumer warpgroups of num_warps warps, half the key block each, and a producer warp moving
+        k and v (KV_BUF slots: 2, the next tile's load under this one's work) and a ring of NUM_BUF q / dO slots.
+        Without SUM_DQ, the deterministic backward's second pass (delta comes from the dq pass). SUM_DQ: the
+        single-pass backward, FlashAttention-3's structure: dq also added into the fp32 tensor of ``dq_desc``
+        (zeros beforehand; delta made beforehand) by TMA reduces of (BLOCK_M, HEAD_DIM / 2) tiles, one a warpgroup and
+        query block, the two warpgroups sharing each query block's dS^T through DS_BUF slots of shared memory."""
         dtype: gl.constexpr = q_desc.dtype
         k_bufs = gl.allocate_shared_memory(dtype, [KV_BUF] + k_desc.block_type.shape, k_desc.layout)
         v_bufs = gl.allocate_shared_memory(dtype, [KV_BUF] + v_desc.block_type.shape, v_desc.layout)
         q_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF] + q_desc.block_type.shape, q_desc.layout)
         do_bufs = gl.allocate_shared_memory(dtype, [NUM_BUF] + do_desc.block_type.shape, do_desc.layout)
-        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
-        ds_bufs = gl.allocate_shared_memory(dtype, [DS_BUF, BLOCK_N, BLOCK_M], ds_layout)
-        dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
         kv_ready = gl.allocate_shared_memory(gl.int64, [KV_BUF, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [KV_BUF, 1], mbarrier.MBarrierLayout())
         q_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-        ds_ready = gl.allocate_shared_memory(gl.int64, [DS_BUF, 1], mbarrier.MBarrierLayout())
-        ds_empty = gl.allocate_shared_memory(gl.int64, [DS_BUF, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(KV_BUF):
             mbarrier.init(kv_ready.index(s), count=1)
             mbarrier.init(kv_empty.index(s), count=2)
         for s in gl.static_range(NUM_BUF):
             mbarrier.init(q_ready.index(s), count=1)
             mbarrier.init(q_empty.index(s), count=2)
-        for s in gl.static_range(DS_BUF):
-            mbarrier.init(ds_ready.index(s), count=2)
-            mbarrier.init(ds_empty.index(s), count=2)
+        # without SUM_DQ the consumers never touch these: stand-ins, as warp_specialize takes values only
+        ds_bufs = q_bufs
+        dq_bufs = q_bufs
+        ds_ready = q_ready
+        ds_empty = q_empty
+        if SUM_DQ:
+            gl.static_assert(BLOCK_M == 64, "a query block is one wgmma's 64 rows")
+            ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+            ds_bufs = gl.allocate_shared_memory(dtype, [DS_BUF, BLOCK_N, BLOCK_M], ds_layout)
+            dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+            ds_ready = gl.allocate_shared_memory(gl.int64, [DS_BUF, 1], mbarrier.MBarrierLayout())
+            ds_empty = gl.allocate_shared_memory(gl.int64, [DS_BUF, 1], mbarrier.MBarrierLayout())
+            for s in gl.static_range(DS_BUF):
+                mbarrier.init(ds_ready.index(s), count=2)
+                mbarrier.init(ds_empty.index(s), count=2)
         fence_async_shared()
         gl.warp_specialize([
-            (_single_consumer, (0, k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, dq_bufs, kv_ready, kv_empty, q_ready,
-                                q_empty, ds_ready, ds_empty, dq_desc, LSE, DELTA, DK, DV, stride_lb, stride_lh,
-                                stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh, B, NKV, GROUP,
-                                TQ, TK, SCHED, scale_log2, scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, KV_BUF, DS_BUF,
-                                CAUSAL, num_warps)),
-            (_single_consumer, (1, k_bufs, v_bufs, q_bufs, do_bufs, ds_bufs, dq_bufs, kv_ready, kv_empty, q_ready,
-                                q_empty, ds_ready, ds_empty, dq_desc, LSE, DELTA, DK, DV, stride_lb, stride_lh,
-                                stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh, B, NKV, GROUP,
-                                TQ, TK, SCHED, scale_log2, scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, KV_BUF, DS_BUF,
-                                CAUSAL, num_warps)),
+            (_bwd_consumer, (0, k_bufs, v_bufs, q_bufs, do_bufs, kv_ready, kv_empty, q_ready, q_empty, LSE, DELTA,
+                             DK, DV, stride_lb, stride_lh, stride_dkb, stride_dkt, stride_dkh, stride_dvb,
+                             stride_dvt, stride_dvh, B, NKV, GROUP, TQ, TK, SCHED, scale_log2, scale, HEAD_DIM,
+                             BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, num_warps, KV_BUF, SUM_DQ, DS_BUF, ds_bufs, dq_bufs,
+                             ds_ready, ds_empty, dq_desc)),
+            (_bwd_consumer, (1, k_bufs, v_bufs, q_bufs, do_bufs, kv_ready, kv_empty, q_ready, q_empty, LSE, DELTA,
+                             DK, DV, stride_lb, stride_lh, stride_dkb, stride_dkt, stride_dkh, stride_dvb,
+                             stride_dvt, stride_dvh, B, NKV, GROUP, TQ, TK, SCHED, scale_log2, scale, HEAD_DIM,
+                             BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, num_warps, KV_BUF, SUM_DQ, DS_BUF, ds_bufs, dq_bufs,
+                             ds_ready, ds_empty, dq_desc)),
             (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, q_bufs, do_bufs, kv_ready, kv_empty,
                              q_ready, q_empty, B, NKV, GROUP, TQ, TK, SCHED, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL,
                              KV_BUF)),
         ], [num_warps, 1], [240, 24])
-
 
     # ---- backward: dq (and delta) -------------------------------------------------------------------------------
     @gluon.jit
@@ -986,18 +912,8 @@ def bwd_single(dout, q, k, v, lse, delta, dk, dv, dq_acc, causal: bool, scale: f
             or not tma_aligned((dq_acc,))):
         raise ValueError("attention: dq_acc must be an fp32 tensor shaped like q with unit stride along hs and "
                          "16-byte aligned strides")
-    lengths = tile_lengths(True, tq, tk, block_m, block_n, causal)
-    grid = min(batch * nkv * len(lengths), programs or _num_sms(q.device.index))
-    sched = _schedule(q.device, batch * nkv, lengths, grid, 2 * tq * hs * q.element_size() * (nh // nkv), heads)
-    _attn_bwd_single_ws_kernel[(grid,)](
-        _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(dout, block_m),
-        _fp32_descriptor(dq_acc, block_m, hs // 2), lse, delta, dk, dv, lse.stride(0), lse.stride(1),
-        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        batch, nkv, nh // nkv, tq, tk, sched, scale * LOG2E, scale,
-        HEAD_DIM=hs, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, KV_BUF=kv_bufs, DS_BUF=ds_bufs, CAUSAL=causal,
-        num_warps=warps,
-    )
-    return dk, dv
+    return _launch_dkdv(dout, q, k, v, lse, delta, dk, dv, causal, scale, (block_m, block_n, warps, bufs), heads,
+                        programs, kv_bufs, ds_bufs, dq_acc)
 
 
 def bwd_dkdv(dout, q, k, v, lse, delta, dk, dv, causal: bool, scale: float, config=None, heads=None, programs=None,
@@ -1008,18 +924,27 @@ def bwd_dkdv(dout, q, k, v, lse, delta, dk, dv, causal: bool, scale: float, conf
     shaped like q (zeros beforehand). ``heads``, ``programs``: as for ``fwd``."""
     if dq_acc is not None:
         return bwd_single(dout, q, k, v, lse, delta, dk, dv, dq_acc, causal, scale, config, heads, programs)
+    return _launch_dkdv(dout, q, k, v, lse, delta, dk, dv, causal, scale, config or BWD_CONFIGS[q.shape[-1]], heads,
+                        programs)
+
+
+def _launch_dkdv(dout, q, k, v, lse, delta, dk, dv, causal, scale, tiles, heads, programs, kv_bufs=2, ds_bufs=1,
+                 dq_acc=None):
+    """The dk/dv kernel over q's batch: ``tiles`` (BLOCK_M, BLOCK_N, warps per consumer, q / dO slots); with
+    ``dq_acc`` the single pass (SUM_DQ)."""
     batch, tq, nh, hs = q.shape
     tk, nkv = k.shape[1], k.shape[2]
-    block_m, block_n, warps, bufs = config or BWD_CONFIGS[hs]
+    block_m, block_n, warps, bufs = tiles
     lengths = tile_lengths(True, tq, tk, block_m, block_n, causal)
     grid = min(batch * nkv * len(lengths), programs or _num_sms(q.device.index))
     sched = _schedule(q.device, batch * nkv, lengths, grid, 2 * tq * hs * q.element_size() * (nh // nkv), heads)
     _attn_bwd_dkdv_ws_kernel[(grid,)](
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(dout, block_m),
-        lse, delta, dk, dv, lse.stride(0), lse.stride(1), dk.stride(0), dk.stride(1), dk.stride(2),
-        dv.stride(0), dv.stride(1), dv.stride(2), batch, nkv, nh // nkv, tq, tk, sched,
-        scale * LOG2E, scale,
-        HEAD_DIM=hs, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal, num_warps=warps,
+        None if dq_acc is None else _fp32_descriptor(dq_acc, block_m, hs // 2), lse, delta, dk, dv,
+        lse.stride(0), lse.stride(1), dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1),
+        dv.stride(2), batch, nkv, nh // nkv, tq, tk, sched, scale * LOG2E, scale,
+        HEAD_DIM=hs, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal, KV_BUF=kv_bufs,
+        SUM_DQ=dq_acc is not None, DS_BUF=ds_bufs, num_warps=warps,
     )
     return dk, dv
 

@@ -461,12 +461,13 @@ def compile_gluon_bwd_for_sm90(kernel: str, hs: int, causal: bool):
         fn, extra, outputs = g._attn_bwd_dq_ws_kernel, {"PINGPONG": pingpong}, {"O": "*bf16", "DQ": "*bf16"}
     elif kernel == "single":
         block_m, block_n, warps, bufs, kv_bufs, ds_bufs = g.SINGLE_CONFIGS[hs]
-        fn, extra = g._attn_bwd_single_ws_kernel, {"KV_BUF": kv_bufs, "DS_BUF": ds_bufs}
+        fn, extra = g._attn_bwd_dkdv_ws_kernel, {"KV_BUF": kv_bufs, "DS_BUF": ds_bufs, "SUM_DQ": True}
         outputs = {"DK": "*bf16", "DV": "*bf16"}
         tiles = {"dq_desc": (block_m, hs // 2, "fp32")}
     else:
         block_m, block_n, warps, bufs = g.BWD_CONFIGS[hs]
-        fn, extra, outputs = g._attn_bwd_dkdv_ws_kernel, {}, {"DK": "*bf16", "DV": "*bf16"}
+        fn, extra = g._attn_bwd_dkdv_ws_kernel, {"KV_BUF": 2, "SUM_DQ": False, "DS_BUF": 1, "dq_desc": None}
+        outputs = {"DK": "*bf16", "DV": "*bf16"}
     constexprs = dict(HEAD_DIM=hs, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal, num_warps=warps,
                       **extra, **_sched(causal))
     return _compile_gluon(fn, constexprs, {"q_desc": block_m, "do_desc": block_m, "k_desc": block_n, "v_desc": block_n,
