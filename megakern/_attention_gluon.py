@@ -758,15 +758,19 @@ if AVAILABLE:
         ], [num_warps, 1], [240, 24])
 
 
+_GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
 @functools.lru_cache(maxsize=None)
-def _smem_layout(rows: int, hs: int, dtype: torch.dtype):
-    block = [1, rows, 1, hs]
-    return block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+def _smem_layout(rows: int, cols: int, dtype: torch.dtype):
+    block = [1, rows, 1, cols]
+    return block, gl.NVMMASharedLayout.get_default_for(block, getattr(gl, _GL_DTYPES[dtype]))
 
 
-def _descriptor(t: torch.Tensor, rows: int):
-    """The 4-D (B, T, heads, hs) TMA descriptor of (1, rows, 1, hs) tiles (rows past T read as zeros)."""
-    block, layout = _smem_layout(rows, t.shape[-1], t.dtype)
+def _descriptor(t: torch.Tensor, rows: int, cols: int | None = None):
+    """The 4-D (B, T, heads, hs) TMA descriptor of (1, rows, 1, cols) tiles, cols = hs by default (rows past T read
+    as zeros; a reduce into them is dropped)."""
+    block, layout = _smem_layout(rows, cols or t.shape[-1], t.dtype)
     return GluonDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
@@ -889,20 +893,14 @@ ATOMIC_HEAD_DIMS = (64, 128)
 SINGLE_CONFIGS = {64: (64, 128, 4, 3, 2, 2), 128: (64, 128, 4, 2, 1, 2)}
 
 
-def _fp32_descriptor(t: torch.Tensor, rows: int, cols: int):
-    """The 4-D TMA descriptor of an fp32 (B, T, heads, hs) tensor in (1, rows, 1, cols) tiles."""
-    block = [1, rows, 1, cols]
-    return GluonDescriptor(t, list(t.shape), list(t.stride()), block,
-                           gl.NVMMASharedLayout.get_default_for(block, gl.float32))
-
-
 def bwd_single(dout, q, k, v, lse, delta, dk, dv, dq_acc, causal: bool, scale: float, config=None, heads=None,
                programs=None):
     """The single-pass backward: dk and dv into ``dk`` / ``dv`` as ``bwd_dkdv`` writes them, and dq * scale added
     into ``dq_acc`` (fp32, shaped like q, zeros beforehand, 16-byte aligned strides) by TMA reduces, given lse and
     delta = rowsum(dO * O). ``config``: a SINGLE_CONFIGS entry; ``heads``, ``programs``: as for ``fwd``."""
-    batch, tq, nh, hs = q.shape
-    tk, nkv = k.shape[1], k.shape[2]
+    hs = q.shape[-1]
+    if hs not in SINGLE_CONFIGS:
+        raise ValueError(f"attention: the Gluon single-pass backward takes head dims {tuple(SINGLE_CONFIGS)}, not {hs}")
     block_m, block_n, warps, bufs, kv_bufs, ds_bufs = config or SINGLE_CONFIGS[hs]
     if not TMA_REDUCE:
         raise ValueError("attention: the Gluon single-pass backward adds dq by TMA reduces, which this Triton lacks")
@@ -940,7 +938,7 @@ def _launch_dkdv(dout, q, k, v, lse, delta, dk, dv, causal, scale, tiles, heads,
     sched = _schedule(q.device, batch * nkv, lengths, grid, 2 * tq * hs * q.element_size() * (nh // nkv), heads)
     _attn_bwd_dkdv_ws_kernel[(grid,)](
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(dout, block_m),
-        None if dq_acc is None else _fp32_descriptor(dq_acc, block_m, hs // 2), lse, delta, dk, dv,
+        None if dq_acc is None else _descriptor(dq_acc, block_m, hs // 2), lse, delta, dk, dv,
         lse.stride(0), lse.stride(1), dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1),
         dv.stride(2), batch, nkv, nh // nkv, tq, tk, sched, scale * LOG2E, scale,
         HEAD_DIM=hs, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal, KV_BUF=kv_bufs,

@@ -337,14 +337,18 @@ def _bwd_kernels(dout, q, k, v, out, lse, causal: bool, scale: float, window, cu
     from megakern import _attention_triton
 
     atomic = not deterministic
-    if (atomic and gluon is None and gluon_dq is None and not configs and tma is None and q.is_cuda
-            and causal not in GLUON_BWD_ATOMIC.get(q.shape[-1], ()) and causal in GLUON_BWD.get(q.shape[-1], ())):
-        atomic = False  # no single pass by the table here: the deterministic Gluon pair is the faster one
     dq, dk, dv = out_grads if out_grads is not None else (None, None, None)
+    dkdv_grads = () if dk is None else (dk, dv)
+    dkdv_pass = _gluon_pass(gluon, GLUON_BWD_ATOMIC if atomic else GLUON_BWD, "dk/dv", "bwd_dkdv", dout, q, k, v,
+                            dkdv_grads, causal, window, cu_seqlens, configs, tma, atomic)
+    if atomic and dkdv_pass is None and gluon is None and gluon_dq is None:
+        # no Gluon single pass by the table here: where the deterministic Gluon pair runs, it is the faster one
+        pair = _gluon_pass(None, GLUON_BWD, "dk/dv", "bwd_dkdv", dout, q, k, v, dkdv_grads, causal, window,
+                           cu_seqlens, configs, tma, False)
+        if pair is not None:
+            atomic, dkdv_pass = False, pair
     dq_pass = _gluon_pass(gluon_dq, GLUON_DQ, "dq", "bwd_dq", dout, q, k, v,
                           (out,) if dq is None else (out, dq), causal, window, cu_seqlens, configs, tma, atomic)
-    dkdv_pass = _gluon_pass(gluon, GLUON_BWD_ATOMIC if atomic else GLUON_BWD, "dk/dv", "bwd_dkdv", dout, q, k, v,
-                            () if dk is None else (dk, dv), causal, window, cu_seqlens, configs, tma, atomic)
     return _attention_triton.bwd(dout, q, k, v, out, lse, causal, scale, window, cu_seqlens, max_seqlen,
                                  not atomic, configs, tma, out_grads, dq_pass, dkdv_pass)
 
