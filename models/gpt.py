@@ -66,6 +66,7 @@ from megakern.activation import bias_gelu_backend
 from megakern.attention import packed_qkv
 from megakern.cross_entropy import linear_cross_entropy
 from megakern.linear import linear_backend
+from megakern.qkv_order import qkv_rows
 from megakern.models.moe import MoEMLP, stat_width
 
 NORMS = ("layernorm", "rmsnorm")
@@ -149,8 +150,8 @@ class GPTConfig:
     kernels: dict = field(default_factory=dict)
     """Backend per op, {op: "torch" | "triton" | "cuda"}, ops: rms_norm, layer_norm, rotary, attention,
     cross_entropy, bias_gelu (the MLP's fc bias + GELU), linear (the other biased projections' bias gradient), moe
-    (the experts' permute / unpermute), grouped_mm (the experts' GEMMs); ops not named take the fastest available
-    backend."""
+    (the experts' permute / unpermute), grouped_mm (the experts' GEMMs), qkv_order (the fused qkv weight's rows in
+    the heads-major order, grouped queries); ops not named take the fastest available backend."""
     ce_chunk: Optional[int] = None
     """Tokens per chunk of the fused linear cross-entropy (None: chosen from the vocabulary size)."""
     n_experts: int = 0
@@ -425,40 +426,23 @@ def _split_heads_major(qkv: torch.Tensor, nkv: int):
     return qkv[..., :nh, :], qkv[..., nh:nh + nkv, :], qkv[..., nh + nkv:, :]
 
 
-def _reorder_rows(w: torch.Tensor, nkv: int, g: int, hs: int, to_heads_major: bool) -> torch.Tensor:
-    """``w``'s rows (the leading dim of a qkv weight, bias or their gradient) from the grouped order [g query heads,
-    k, v] per kv head to the heads-major order [every query head, every k head, every v head], or back: one pass of
-    two copies."""
-    w = w.contiguous()
-    out = torch.empty_like(w)
-    grouped = (w if to_heads_major else out).view(nkv, g + 2, hs, -1)
-    major = (out if to_heads_major else w).view(nkv * (g + 2) * hs, -1)
-    nq = nkv * g * hs
-    # two copies: the query heads, then k and v together (every k head, then every v head)
-    for part, block in ((major[:nq].view(nkv, g, hs, -1), grouped[:, :g]),
-                        (major[nq:].view(2, nkv, hs, -1), grouped[:, g:].transpose(0, 1))):
-        if to_heads_major:
-            part.copy_(block)
-        else:
-            block.copy_(part)
-    return out
-
-
 class _HeadsMajor(torch.autograd.Function):
     """The fused qkv projection's weight (or bias), rows grouped per kv head as [g query heads, k, v] (the layout a
     tensor-parallel shard and the checkpoints keep), reordered for one product into [every query head, every k
     head, every v head]: q, k and v of that product are then views with one head stride each, so grouped-query
     attention needs no copy of q, and its backward writes the three gradients into one tensor (no concatenation).
-    One copy of the weight each way (the product's output is the same numbers, its columns reordered)."""
+    One pass over the weight each way (``megakern.qkv_rows``; the product's output is the same numbers, its columns
+    reordered)."""
 
     @staticmethod
-    def forward(ctx, w, nkv: int, g: int, hs: int):
+    def forward(ctx, w, nkv: int, g: int, hs: int, kernels):
         ctx.args = (nkv, g, hs)
-        return _reorder_rows(w, nkv, g, hs, to_heads_major=True)
+        ctx.kernels = kernels
+        return qkv_rows(w, nkv, g, hs, True, backend=kernels)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reorder_rows(grad, *ctx.args, to_heads_major=False), None, None, None
+        return qkv_rows(grad, *ctx.args, False, backend=ctx.kernels), None, None, None, None
 
 
 class SplitRotate(torch.autograd.Function):
@@ -549,8 +533,8 @@ class CausalSelfAttention(nn.Module):
         # tensor-parallel or FP8 projection keeps its own forward and its output's grouped order
         heads_major = g > 1 and nkv > 1 and type(self.qkv) is nn.Linear
         if heads_major:
-            w = _HeadsMajor.apply(self.qkv.weight, nkv, g, hs)
-            b = None if self.qkv.bias is None else _HeadsMajor.apply(self.qkv.bias, nkv, g, hs)
+            w = _HeadsMajor.apply(self.qkv.weight, nkv, g, hs, self.kernels)
+            b = None if self.qkv.bias is None else _HeadsMajor.apply(self.qkv.bias, nkv, g, hs, self.kernels)
             qkv = _project_weights(x, w, b, self.kernels)
         else:
             qkv = _project(self.qkv, x, self.kernels)

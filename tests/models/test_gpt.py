@@ -95,8 +95,8 @@ def test_heads_major_projection_is_the_grouped_one_reordered(bias):
     x = torch.randn(B, T, C, dtype=torch.float64)
     ref = torch.nn.functional.linear(x, w, b).view(B, T, nkv, g + 2, hs)
     want = gpt._split_qkv(ref, nkv, hs)
-    wh = gpt._HeadsMajor.apply(w, nkv, g, hs)
-    bh = gpt._HeadsMajor.apply(b, nkv, g, hs) if bias else None
+    wh = gpt._HeadsMajor.apply(w, nkv, g, hs, None)
+    bh = gpt._HeadsMajor.apply(b, nkv, g, hs, None) if bias else None
     got = gpt._split_heads_major(torch.nn.functional.linear(x, wh, bh).view(B, T, nkv * (g + 2), hs), nkv)
     weights = [torch.randn_like(t) for t in want]
     for name, a, e in zip("qkv", got, want):
