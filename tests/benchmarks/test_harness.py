@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from benchmarks import bench_activation, bench_attention, bench_fp8, bench_norm, bench_optim, common
+from benchmarks import bench_activation, bench_attention, bench_fp8, bench_norm, bench_optim, bench_qkv_order, common
 from benchmarks.common import (CSV_HEADER, Results, Unavailable, bench, file_rows, gpu_slug, git_sha, load_providers,
                                measure_copy_gbps, measure_matmul_tflops, record)
 
@@ -406,3 +406,18 @@ else:
     rows = _read_csv(csv_path)
     assert rows[0] == list(CSV_HEADER)
     assert [r[-4:-1] for r in rows[1:]] == [["fwd", "torch", "ms"], ["fwd", "torch", "GB/s"]] * 3
+
+
+def test_bench_qkv_order_cpu_smoke(tmp_path, capsys):
+    """Both providers on tiny grouped-query shapes, both directions: the same rows (else the row is missing), filed."""
+    import megakern
+
+    bench_qkv_order.main(["--device", "cpu", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert " on qkv " not in out, out  # no provider failed at run time
+    records = [dict(zip(CSV_HEADER, row)) for row in _read_csv(tmp_path / "cpu" / "qkv_order.csv")[1:]]
+    providers = {"torch"} | ({"megakern-triton"} if not megakern.available_backends("cpu")["triton"] else set())
+    assert {(r["provider"], r["mode"], r["case"]) for r in records if r["provider"] != "roofline"} == {
+        (p, m, c) for p in providers for m in ("to heads-major", "to grouped")
+        for c in ("qkv tiny 80x40 bf16", "qkv tiny-mha 144x24 bf16")}
+    assert all(float(r["value"]) > 0 for r in records)
