@@ -432,10 +432,8 @@ if AVAILABLE:
         offset into them), P^T 0 above the causal diagonal (the queries before ``full``)."""
         cols_m = start_m + gl.arange(0, BLOCK_M, layout=col_s)
         m_ok = cols_m < TQ
-        # base-2 lse, +inf past the queries' end (P^T 0 there). A query that sees no key (lse -inf, only under the
-        # causal mask with more queries than keys) lies in a block masked below, where P^T is set to 0 whatever
-        # exp2 gave: no test for -inf is needed
-        lse2 = gl.load(LSE + stats + cols_m, mask=m_ok, other=float("inf")) * 1.4426950408889634
+        lse = gl.load(LSE + stats + cols_m, mask=m_ok, other=float("-inf"))
+        lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
         delta = gl.load(DELTA + stats + cols_m, mask=m_ok, other=0.0)
         s = cnt % NUM_BUF
         mbarrier.wait(q_ready.index(s), (cnt // NUM_BUF) & 1)
