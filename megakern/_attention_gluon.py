@@ -72,6 +72,8 @@ except ImportError:  # pragma: no cover - older Triton
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
+if AVAILABLE:  # a barrier across a partition's warps: gl.thread_barrier up to Triton 3.8, gl.barrier after
+    _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 # (BLOCK_M, BLOCK_N, warps per consumer, k/v ring slots, ping-pong) per head dim
 CONFIGS = {64: (128, 128, 4, 3, True), 128: (128, 128, 4, 2, True)}
 
@@ -392,11 +394,16 @@ if AVAILABLE:
 
     @gluon.jit
     def _bwd_producer(q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, q_bufs, do_bufs, kv_ready, kv_empty,
-                      q_ready, q_empty, B, NKV, GROUP, TQ, TK, SCHED,
+                      q_ready, q_empty, B, NKV, GROUP, TQ, TK, SCHED, LSE, DELTA, stride_lb, stride_lh, stat_bufs,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr,
                       KV_BUF: gl.constexpr = 2):
         """Per key tile: k and v into one of KV_BUF slots (2: the next tile's load runs under this one's work), then
-        the tile's q / dO blocks, every head of the GQA group, through the ring of NUM_BUF slots."""
+        the tile's q / dO blocks, every head of the GQA group, through the ring of NUM_BUF slots, each slot with its
+        rows' base-2 lse (+inf where a row sees no key or lies past the end) and delta in ``stat_bufs`` (rows 2 s and
+        2 s + 1): loaded before the slot is free, so that the consumers read them from shared memory, never waiting
+        on a global load. The slot's ready barrier completes with the TMA bytes and this warp's arrival."""
+        stat_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
+        offs = gl.arange(0, BLOCK_M, layout=stat_layout)
         num_n = gl.cdiv(TK, BLOCK_N)
         cnt = 0
         i = 0
@@ -413,30 +420,37 @@ if AVAILABLE:
             lo, n, _full = _query_range(start_n, TQ, TK, BLOCK_M, BLOCK_N, CAUSAL)
             for g in range(GROUP):
                 h = hk * GROUP + g
+                stats = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
                 for mi in range(n):
                     s = cnt % NUM_BUF
+                    rows = lo + mi * BLOCK_M + offs
+                    ok = rows < TQ
+                    lse = gl.load(LSE + stats + rows, mask=ok, other=float("-inf"))
+                    delta = gl.load(DELTA + stats + rows, mask=ok, other=0.0)
                     mbarrier.wait(q_empty.index(s), ((cnt // NUM_BUF) & 1) ^ 1)
                     mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
                     _tma_load(q_desc, [b, lo + mi * BLOCK_M, h, 0], q_ready.index(s), q_bufs.index(s))
                     _tma_load(do_desc, [b, lo + mi * BLOCK_M, h, 0], q_ready.index(s), do_bufs.index(s))
+                    stat_bufs.index(2 * s).store(gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634))
+                    stat_bufs.index(2 * s + 1).store(delta)
+                    _thread_barrier()  # every lane's stores before the arrival
+                    mbarrier.arrive(q_ready.index(s), count=1)
                     cnt += 1
             i += 1
 
     @gluon.jit
-    def _key_rows_probs(k, v, q_bufs, do_bufs, q_ready, cnt, LSE, DELTA, stats, start_m, full, rows_n, s_zero, TQ, TK,
+    def _key_rows_probs(k, v, q_bufs, do_bufs, q_ready, stat_bufs, cnt, start_m, full, rows_n, s_zero, TQ, TK,
                         scale_log2, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, NUM_BUF: gl.constexpr,
                         CAUSAL: gl.constexpr, col_s: gl.constexpr):
         """The dk/dv passes' step for a consumer's key rows (k, v) and the cnt-th query block it takes (at start_m),
         once its q and dO have landed in their ring slot: (slot, q, dO, P^T, dS^T = P^T (dP^T - delta)) from
-        S^T = K Q^T and dP^T = V dO^T on the tensor cores and the rows' saved lse and delta (``stats``: the head's
-        offset into them), P^T 0 above the causal diagonal (the queries before ``full``)."""
+        S^T = K Q^T and dP^T = V dO^T on the tensor cores and the rows' base-2 lse and delta, which the producer put
+        beside them (``stat_bufs``), P^T 0 above the causal diagonal (the queries before ``full``)."""
         cols_m = start_m + gl.arange(0, BLOCK_M, layout=col_s)
-        m_ok = cols_m < TQ
-        lse = gl.load(LSE + stats + cols_m, mask=m_ok, other=float("-inf"))
-        lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-        delta = gl.load(DELTA + stats + cols_m, mask=m_ok, other=0.0)
         s = cnt % NUM_BUF
         mbarrier.wait(q_ready.index(s), (cnt // NUM_BUF) & 1)
+        lse2 = stat_bufs.index(2 * s).load(col_s)
+        delta = stat_bufs.index(2 * s + 1).load(col_s)
         q = q_bufs.index(s).reshape([BLOCK_M, HEAD_DIM])
         do = do_bufs.index(s).reshape([BLOCK_M, HEAD_DIM])
         st = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -450,7 +464,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _bwd_consumer(WG: gl.constexpr, k_bufs, v_bufs, q_bufs, do_bufs, kv_ready, kv_empty, q_ready, q_empty,
-                      LSE, DELTA, DK, DV, stride_lb, stride_lh, stride_dkb, stride_dkt, stride_dkh, stride_dvb,
+                      stat_bufs, DK, DV, stride_dkb, stride_dkt, stride_dkh, stride_dvb,
                       stride_dvt, stride_dvh, B, NKV, GROUP, TQ, TK, SCHED, scale_log2, scale,
                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
                       CAUSAL: gl.constexpr, WARPS: gl.constexpr, KV_BUF: gl.constexpr, SUM_DQ: gl.constexpr,
@@ -499,12 +513,11 @@ if AVAILABLE:
             bb = b.to(gl.int64)
             for g in range(GROUP):
                 h = hk * GROUP + g
-                stats = bb * stride_lb + h.to(gl.int64) * stride_lh
                 for mi in range(n):
                     start_m = lo + mi * BLOCK_M
-                    s, q, do, pt, dst = _key_rows_probs(k, v, q_bufs, do_bufs, q_ready, cnt, LSE, DELTA, stats,
-                                                        start_m, full, rows_n, s_zero, TQ, TK, scale_log2, HEAD_DIM,
-                                                        BLOCK_M, NUM_BUF, CAUSAL, col_s)
+                    s, q, do, pt, dst = _key_rows_probs(k, v, q_bufs, do_bufs, q_ready, stat_bufs, cnt, start_m,
+                                                        full, rows_n, s_zero, TQ, TK, scale_log2, HEAD_DIM, BLOCK_M,
+                                                        NUM_BUF, CAUSAL, col_s)
                     if SUM_DQ:  # each pass keeps the order of the casts it was measured with
                         dst = dst.to(dtype)
                         pt_op = gl.convert_layout(pt.to(dtype), a_layout)
@@ -573,8 +586,11 @@ if AVAILABLE:
             mbarrier.init(kv_ready.index(s), count=1)
             mbarrier.init(kv_empty.index(s), count=2)
         for s in gl.static_range(NUM_BUF):
-            mbarrier.init(q_ready.index(s), count=1)
+            mbarrier.init(q_ready.index(s), count=2)  # the TMA bytes' expect and the producer's stats
             mbarrier.init(q_empty.index(s), count=2)
+        # each q / dO slot's rows' base-2 lse (row 2 s) and delta (row 2 s + 1), put there by the producer
+        stat_bufs = gl.allocate_shared_memory(gl.float32, [2 * NUM_BUF, BLOCK_M],
+                                              gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         # without SUM_DQ the consumers never touch these: stand-ins, as warp_specialize takes values only
         ds_bufs = q_bufs
         dq_bufs = q_bufs
@@ -592,19 +608,19 @@ if AVAILABLE:
                 mbarrier.init(ds_empty.index(s), count=2)
         fence_async_shared()
         gl.warp_specialize([
-            (_bwd_consumer, (0, k_bufs, v_bufs, q_bufs, do_bufs, kv_ready, kv_empty, q_ready, q_empty, LSE, DELTA,
-                             DK, DV, stride_lb, stride_lh, stride_dkb, stride_dkt, stride_dkh, stride_dvb,
+            (_bwd_consumer, (0, k_bufs, v_bufs, q_bufs, do_bufs, kv_ready, kv_empty, q_ready, q_empty, stat_bufs,
+                             DK, DV, stride_dkb, stride_dkt, stride_dkh, stride_dvb,
                              stride_dvt, stride_dvh, B, NKV, GROUP, TQ, TK, SCHED, scale_log2, scale, HEAD_DIM,
                              BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, num_warps, KV_BUF, SUM_DQ, DS_BUF, ds_bufs, dq_bufs,
                              ds_ready, ds_empty, dq_desc)),
-            (_bwd_consumer, (1, k_bufs, v_bufs, q_bufs, do_bufs, kv_ready, kv_empty, q_ready, q_empty, LSE, DELTA,
-                             DK, DV, stride_lb, stride_lh, stride_dkb, stride_dkt, stride_dkh, stride_dvb,
+            (_bwd_consumer, (1, k_bufs, v_bufs, q_bufs, do_bufs, kv_ready, kv_empty, q_ready, q_empty, stat_bufs,
+                             DK, DV, stride_dkb, stride_dkt, stride_dkh, stride_dvb,
                              stride_dvt, stride_dvh, B, NKV, GROUP, TQ, TK, SCHED, scale_log2, scale, HEAD_DIM,
                              BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, num_warps, KV_BUF, SUM_DQ, DS_BUF, ds_bufs, dq_bufs,
                              ds_ready, ds_empty, dq_desc)),
             (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, q_bufs, do_bufs, kv_ready, kv_empty,
-                             q_ready, q_empty, B, NKV, GROUP, TQ, TK, SCHED, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL,
-                             KV_BUF)),
+                             q_ready, q_empty, B, NKV, GROUP, TQ, TK, SCHED, LSE, DELTA, stride_lb, stride_lh,
+                             stat_bufs, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, KV_BUF)),
         ], [num_warps, 1], [240, 24])
 
     # ---- backward: dq (and delta) -------------------------------------------------------------------------------
