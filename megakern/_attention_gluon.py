@@ -20,8 +20,10 @@ The deterministic backward's two passes have the same frame:
   key block S = Q K^T and dP = dO V^T, P from the saved lse, dS = P (dP - delta), dQ += dS K. Block j's S, block
   j-1's dS K and block j's dP are issued together; P is computed while the latter two run.
 - dk / dv (``bwd_dkdv``, second): a producer warp moving k and v (double buffered across tiles) and a ring of q / dO
-  slots, two consumer warpgroups with 64 key rows each (S^T = K Q^T, dP^T = V dO^T, P^T from the saved lse,
-  dS^T = P^T (dP^T - delta), dV += P^T dO, dK += dS^T Q, dk and dv in registers, summed over the GQA group).
+  slots, each with its rows' base-2 lse and delta (loaded by the producer ahead of use, so the consumers read them
+  from shared memory), two consumer warpgroups with 64 key rows each (S^T = K Q^T, dP^T = V dO^T, P^T from the
+  saved lse, dS^T = P^T (dP^T - delta), dV += P^T dO, dK += dS^T Q, dk and dv in registers, summed over the GQA
+  group).
 
 Both are persistent, with the forward's tile schedules (the dk / dv pass's keep a head's q and dO in L2).
 
