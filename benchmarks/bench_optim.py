@@ -1,5 +1,7 @@
 """The optimizer step of bf16 training with fp32 master weights, over GPT-350M's parameters (or GPT-1.3B's, or those
-of megakern's llama-1b preset: 1.50B in 99 tensors, the largest 262M), against the same-run copy roofline.
+of megakern's llama-1b preset: 1.50B in 99 tensors, the largest 262M; or of the llama-8b preset cut to 4 layers, as
+bench_train's 8B layer shape: 1.92B in 27 tensors, the embedding and output layer 525M each), against the same-run
+copy roofline.
 
 Each provider does the whole step after the backward: bf16 gradients in, fp32 masters, both moments and the bf16
 weights updated, with a clipping divisor (grad_scale) and a skip flag (found_inf) on the device, as the trainer runs
@@ -16,7 +18,8 @@ bytes a parameter read): torch-fused takes torch._foreach_norm, as megakern.para
 megakern megakern.optim.SumOfSquares (one Triton launch per dtype), as the trainer does; they must agree within
 1e-5 before they are timed.
 
-    python -m benchmarks.bench_optim [--quick] [--model gpt-350m|gpt-1.3b|llama-1b] [--providers ...] [--graph]
+    python -m benchmarks.bench_optim [--quick] [--model gpt-350m|gpt-1.3b|llama-1b|llama-8b-4l] [--providers ...]
+                                     [--graph]
                                      [--no-save]
 """
 
@@ -31,7 +34,8 @@ else:  # python benchmarks/bench_optim.py
 
 BYTES_PER_PARAM = 28
 GPT2_MODELS = {"gpt-350m": (24, 1024), "gpt-1.3b": (24, 2048)}
-PRESET_MODELS = ("llama-1b",)  # megakern.models.gpt presets, their parameters' shapes as the model holds them
+# megakern.models.gpt presets (name, overrides), their parameters' shapes as the model holds them
+PRESET_MODELS = {"llama-1b": ("llama-1b", {}), "llama-8b-4l": ("llama-8b", {"n_layer": 4})}
 MODELS = (*GPT2_MODELS, *PRESET_MODELS)
 
 
@@ -42,7 +46,8 @@ def shapes(model: str, device: torch.device) -> list[tuple[int, ...]]:
         from megakern.models.gpt import GPT, GPTConfig
 
         tiny = dict(n_layer=2, n_embd=64, n_head=4, n_kv_head=2, ffn_hidden=128, vocab_size=512)
-        config = GPTConfig.preset(model, **({} if device.type == "cuda" else tiny))
+        name, overrides = PRESET_MODELS[model]
+        config = GPTConfig.preset(name, **(overrides if device.type == "cuda" else tiny))
         with torch.device("meta"):
             return [tuple(p.shape) for p in GPT(config).parameters()]
     layers, d = GPT2_MODELS[model] if device.type == "cuda" else (2, 64)

@@ -349,17 +349,19 @@ def test_bench_activation_cpu_smoke(tmp_path, capsys):
 
 
 def test_bench_optim_cpu_smoke(tmp_path, capsys):
-    """Both providers on tiny parameter sets (GPT-2's layout and the llama-1b preset's, its model on the meta device):
+    """Both providers on tiny parameter sets (GPT-2's layout and the llama presets', their models on the meta device):
     they agree after one step and on the gradients' sum of squares (else the row is missing) and are filed."""
     import megakern
 
-    bench_optim.main(["--device", "cpu", "--model", "gpt-350m", "--model", "llama-1b", "--out", str(tmp_path)])
+    bench_optim.main(["--device", "cpu", "--model", "gpt-350m", "--model", "llama-1b", "--model", "llama-8b-4l",
+                      "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert " on adamw masters" not in out and " on grad norm" not in out, out  # no provider failed at run time
     records = [dict(zip(CSV_HEADER, row)) for row in _read_csv(tmp_path / "cpu" / "optim.csv")[1:]]
     providers = {"torch-fused"} | ({"megakern"} if not megakern.available_backends("cpu")["triton"] else set())
     assert {r["provider"] for r in records if r["provider"] != "roofline"} == providers
-    assert {r["case"].split()[2] for r in records if r["provider"] != "roofline"} == {"gpt-350m", "llama-1b"}
+    assert {r["case"].split()[2] for r in records if r["provider"] != "roofline"} == {"gpt-350m", "llama-1b",
+                                                                                       "llama-8b-4l"}
     assert {(r["provider"], r["mode"]) for r in records if r["provider"] != "roofline"} == {
         (p, m) for p in providers for m in ("step", "sum of squares")}
     assert all(float(r["value"]) > 0 for r in records)
