@@ -56,7 +56,8 @@ DEFAULTS: dict[str, tuple[tuple[int, tuple[str, ...]], ...]] = {
     "moe": ((1 << 30, ("triton", "torch")),),
     # the Triton grouped GEMM (the reference reads the offsets on the host and multiplies in fp32 per expert)
     "grouped_mm": ((1 << 30, ("triton", "torch")),),
-    # the fused qkv rows' order: one Triton pass (the reference: two strided copies); not yet measured
+    # the fused qkv rows' order: one Triton pass, ahead of the reference's two strided copies
+    # (benchmarks/results/h200/qkv_order.csv)
     "qkv_order": ((1 << 30, ("triton", "torch")),),
 }
 
