@@ -74,7 +74,7 @@ except ImportError:  # pragma: no cover - older Triton
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
-if AVAILABLE:  # a barrier across a partition's warps: gl.thread_barrier up to Triton 3.8, gl.barrier after
+if AVAILABLE:  # a barrier across a partition's warps: gl.thread_barrier in Triton 3.6, gl.barrier in later releases
     _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 # (BLOCK_M, BLOCK_N, warps per consumer, k/v ring slots, ping-pong) per head dim
 CONFIGS = {64: (128, 128, 4, 3, True), 128: (128, 128, 4, 2, True)}
