@@ -121,7 +121,9 @@ if want train; then
   # PyTorch GPT compiled, Llama-3.2-1B and Llama-3-8B's layer shape and GPT-350M against Hugging Face + compile, each
   # with megakern's defaults; then one eager Llama-1B step profiled (GPU time by source) into $OUT.
   # TRAIN_MODELS picks among: gpt-char llama-1b llama-8b-4l gpt-350m profile-llama-1b, and llama-8b-8l /
-  # llama-8b-12l (the 8B layer shape with 8 or 12 layers, named only)
+  # llama-8b-12l (the 8B layer shape with 8 or 12 layers, named only). TRAIN_ARGS are added to each bench_train
+  # call (e.g. "--warmup 8 --steps 20": more timed steps than --quick's 3 + 8, whose ratios move by about 1% from
+  # run to run; the compiled model's warm-up, not the steps, is most of a run's time)
   step "training steps"
   for model in ${TRAIN_MODELS:-gpt-char llama-1b llama-8b-4l gpt-350m profile-llama-1b}; do
     case $model in
@@ -144,7 +146,7 @@ if want train; then
         continue ;;
       *) echo "TRAIN_MODELS: unknown $model"; status=1; continue ;;
     esac
-    python3 -m benchmarks.bench_train "${args[@]}" > "$OUT/bench_train_$model.log" 2>&1 \
+    python3 -m benchmarks.bench_train "${args[@]}" ${TRAIN_ARGS:-} > "$OUT/bench_train_$model.log" 2>&1 \
       || { status=1; tail -30 "$OUT/bench_train_$model.log"; }
     sed -n '/^|/,$p' "$OUT/bench_train_$model.log" | head -8
   done
