@@ -18,8 +18,8 @@ Letters: B batch, T sequence, C = n_embd, nh / nkv query / key-value heads, hs h
 
 Kernels: every op takes its backend from ``config.kernels`` (``{op: backend}``, passed as ``backend=`` to the
 megakern ops: "rms_norm" | "layer_norm" | "rotary" | "attention" | "cross_entropy" | "bias_gelu" | "linear" |
-"moe" | "grouped_mm"); an op not named takes the fastest backend available for the tensors' device (the torch
-references on CPU).
+"moe" | "grouped_mm" | "qkv_order"); an op not named takes the fastest backend available for the tensors' device
+(the torch references on CPU).
 
 Loss: ``forward(idx, targets)`` returns the cross-entropy of the next tokens through
 ``megakern.linear_cross_entropy``, which never holds fp32 logits for the whole vocabulary (chunked over tokens).
