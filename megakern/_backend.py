@@ -59,9 +59,6 @@ DEFAULTS: dict[str, tuple[tuple[int, tuple[str, ...]], ...]] = {
     # the fused qkv rows' order: one Triton pass, ahead of the reference's two strided copies
     # (benchmarks/results/h200/qkv_order.csv)
     "qkv_order": ((1 << 30, ("triton", "torch")),),
-    # the embedding's weight gradient in one Triton pass over the table (torch: a fill, a sort and a sum per run);
-    # not yet measured
-    "embedding": ((1 << 30, ("triton", "torch")),),
 }
 
 

@@ -18,8 +18,8 @@ Letters: B batch, T sequence, C = n_embd, nh / nkv query / key-value heads, hs h
 
 Kernels: every op takes its backend from ``config.kernels`` (``{op: backend}``, passed as ``backend=`` to the
 megakern ops: "rms_norm" | "layer_norm" | "rotary" | "attention" | "cross_entropy" | "bias_gelu" | "linear" |
-"moe" | "grouped_mm" | "qkv_order" | "embedding"); an op not named takes the fastest backend available for the
-tensors' device (the torch references on CPU).
+"moe" | "grouped_mm" | "qkv_order"); an op not named takes the fastest backend available for the tensors' device
+(the torch references on CPU).
 
 Loss: ``forward(idx, targets)`` returns the cross-entropy of the next tokens through
 ``megakern.linear_cross_entropy``, which never holds fp32 logits for the whole vocabulary (chunked over tokens).
@@ -151,8 +151,7 @@ class GPTConfig:
     """Backend per op, {op: "torch" | "triton" | "cuda"}, ops: rms_norm, layer_norm, rotary, attention,
     cross_entropy, bias_gelu (the MLP's fc bias + GELU), linear (the other biased projections' bias gradient), moe
     (the experts' permute / unpermute), grouped_mm (the experts' GEMMs), qkv_order (the fused qkv weight's rows in
-    the heads-major order, grouped queries), embedding (wte's weight gradient); ops not named take the fastest
-    available backend."""
+    the heads-major order, grouped queries); ops not named take the fastest available backend."""
     ce_chunk: Optional[int] = None
     """Tokens per chunk of the fused linear cross-entropy (None: chosen from the vocabulary size)."""
     n_experts: int = 0
@@ -641,7 +640,7 @@ class GPT(nn.Module):
         config.validate()
         self.config = config
         with torch.device("meta"):  # built without memory; materialized and initialized once, below
-            self.wte = megakern.Embedding(config.padded_vocab, config.n_embd, backend=config.kernels)
+            self.wte = nn.Embedding(config.padded_vocab, config.n_embd)
             self.wpe = nn.Embedding(config.max_seqlen, config.n_embd) if config.position == "learned" else None
             self.blocks = nn.ModuleDict({str(i): Block(config, i) for i in range(config.n_layer)})
             self.norm_f = _norm(config)
