@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from benchmarks import bench_activation, bench_attention, bench_fp8, bench_norm, bench_optim, bench_qkv_order, common
+from benchmarks import (bench_activation, bench_attention, bench_fp8, bench_gemm, bench_norm, bench_optim,
+                        bench_qkv_order, common)
 from benchmarks.common import (CSV_HEADER, Results, Unavailable, bench, file_rows, gpu_slug, git_sha, load_providers,
                                measure_copy_gbps, measure_matmul_tflops, record)
 
@@ -423,3 +424,34 @@ def test_bench_qkv_order_cpu_smoke(tmp_path, capsys):
         (p, m, c) for p in providers for m in ("to heads-major", "to grouped")
         for c in ("qkv tiny 80x40 bf16", "qkv tiny-mha 144x24 bf16")}
     assert all(float(r["value"]) > 0 for r in records)
+
+
+def test_bench_gemm_linears():
+    """The products come from the model as built: Llama's untied output layer, GPT-2's tied one (the embedding's
+    padded shape), each block's four projections with their (out, in) features."""
+    dev = torch.device("cpu")
+    llama = bench_gemm.linears(bench_gemm.model_shape("llama-1b", dev))
+    assert [name for name, *_ in llama] == ["attn.qkv", "attn.proj", "mlp.fc", "mlp.proj", "lm_head"]
+    shape = bench_gemm.model_shape("gpt-350m", dev)
+    gpt = dict((name, (n, k)) for name, n, k in bench_gemm.linears(shape))
+    assert gpt["attn.qkv"] == (3 * shape.n_embd, shape.n_embd)
+    assert gpt["mlp.proj"] == (shape.n_embd, 4 * shape.n_embd)
+    assert gpt["lm_head"][1] == shape.n_embd and gpt["lm_head"][0] >= shape.vocab
+    for product in bench_gemm.PRODUCTS:  # (m, k) x (k, n) shapes of each product of a (n, k) weight over m tokens
+        a, b = bench_gemm.operands(product, 12, 5, 7, dev, torch.float32, torch.Generator().manual_seed(0))
+        assert a.shape[1] == b.shape[0]
+        assert (a.shape[0], b.shape[1]) == {"forward": (12, 5), "input grad": (12, 7), "weight grad": (5, 7)}[product]
+
+
+def test_bench_gemm_cpu_smoke(tmp_path, capsys):
+    """Every product of every model for both providers, filed; an unknown model is refused by name."""
+    bench_gemm.main(["--device", "cpu", "--out", str(tmp_path), "--models", "llama-1b,gpt-350m"])
+    out = capsys.readouterr().out
+    assert " on llama-1b " not in out and " on gpt-350m " not in out, out  # no provider failed
+    records = [dict(zip(CSV_HEADER, row)) for row in _read_csv(tmp_path / "cpu" / "gemm.csv")[1:]]
+    cases = {r["case"] for r in records if r["provider"] != "roofline"}
+    assert len(cases) == 2 * 5 * 3
+    assert {r["provider"] for r in records if r["provider"] != "roofline"} == {"cublas", "cublaslt"}
+    assert "the step's products" in out
+    with pytest.raises(SystemExit, match="unknown 'gpt-9'"):
+        bench_gemm.main(["--device", "cpu", "--no-save", "--models", "gpt-9"])
