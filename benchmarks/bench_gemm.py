@@ -19,11 +19,11 @@ import contextlib
 import torch
 
 if __package__:
-    from .bench_train import GPT_350M, TINY, Shape, preset_shape
+    from .bench_train import GPT_350M, TINY, Shape, meta_model, preset_shape
     from .common import (Results, bench, file_rows, keep_rows_on_exit, load_providers, measure_matmul_tflops,
                          parse_args, record, report_failure)
 else:  # python benchmarks/bench_gemm.py
-    from bench_train import GPT_350M, TINY, Shape, preset_shape
+    from bench_train import GPT_350M, TINY, Shape, meta_model, preset_shape
     from common import (Results, bench, file_rows, keep_rows_on_exit, load_providers, measure_matmul_tflops,
                         parse_args, record, report_failure)
 
@@ -39,19 +39,13 @@ def model_shape(name: str, device: torch.device) -> Shape:
 
 
 def linears(shape: Shape) -> list[tuple[str, int, int]]:
-    """(name, out features, in features) of one block's linear weights and the output layer, as the model holds
-    them (the GPT built on the meta device)."""
-    from megakern.models.gpt import GPT, GPTConfig
-
-    config = GPTConfig.preset(shape.preset, n_layer=1, n_embd=shape.n_embd, n_head=shape.n_head,
-                              max_seqlen=shape.seq, vocab_size=shape.vocab, dropout=0.0, **dict(shape.overrides))
-    with torch.device("meta"):
-        model = GPT(config)
+    """(name, out features, in features) of the first block's linear weights and the output layer, as the model
+    holds them (bench_train's model of ``shape``, built on the meta device)."""
     found, embedding = [], None
-    for name, p in model.named_parameters():
+    for name, p in meta_model(shape).named_parameters():
         if name == "wte.weight":
             embedding = tuple(p.shape)
-        if p.dim() == 2 and not name.startswith(("wte.", "wpe.")):
+        if p.dim() == 2 and (name.startswith("blocks.0.") or name == "lm_head.weight"):
             found.append((name.removeprefix("blocks.0.").removesuffix(".weight"), *p.shape))
     if not any(name == "lm_head" for name, *_ in found):  # tied: the output layer is the embedding's weight
         found.append(("lm_head", *embedding))
@@ -70,7 +64,7 @@ def operands(product: str, m: int, n: int, k: int, device, dtype, gen):
     return randn(m, n).t(), randn(m, k)  # dy^T (n, m) @ x (m, k)
 
 
-def _backend(name: str):
+def _blas(name: str):
     def load(device):
         @contextlib.contextmanager
         def chosen():
@@ -88,7 +82,7 @@ def _backend(name: str):
     return load
 
 
-PROVIDERS = {"cublas": _backend("cublas"), "cublaslt": _backend("cublaslt")}
+PROVIDERS = {"cublas": _blas("cublas"), "cublaslt": _blas("cublaslt")}
 
 
 def main(argv: list[str] | None = None) -> Results:

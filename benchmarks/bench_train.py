@@ -157,7 +157,8 @@ def _config_cls():
     return GPTConfig
 
 
-def _meta_model(shape: Shape):
+def meta_model(shape: Shape):
+    """megakern's GPT of ``shape`` on the meta device (shapes and counts, no memory)."""
     from megakern.models.gpt import GPT
 
     with torch.device("meta"):
@@ -166,7 +167,7 @@ def _meta_model(shape: Shape):
 
 def flops_per_token(shape: Shape) -> float:
     """megakern GPT's count for this shape (built on the meta device: no memory); MoE: active parameters."""
-    return _meta_model(shape).flops_per_token(shape.seq)
+    return meta_model(shape).flops_per_token(shape.seq)
 
 
 def _gpt_config(shape: Shape, cls):
@@ -487,7 +488,7 @@ def main(argv=None) -> Results:
     dtype = "bf16" if device.type == "cuda" else "fp32"
     cases = []
     for sh in shapes:
-        model = _meta_model(sh)
+        model = meta_model(sh)
         fpt = model.flops_per_token(sh.seq)
         case = f"{sh.name} {dtype}"
         cases.append((sh, case, fpt))

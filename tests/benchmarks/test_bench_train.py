@@ -105,7 +105,7 @@ def test_hf_provider_builds_the_same_model(preset):
         shape = bench_train.Shape(**{**shape.__dict__, "n_layer": 2})
     with torch.device("meta"):
         theirs = transformers.AutoModelForCausalLM.from_config(bench_train.hf_config(shape))
-    ours = bench_train._meta_model(shape)
+    ours = bench_train.meta_model(shape)
     assert sum(p.numel() for p in theirs.parameters()) == ours.num_params()
 
 
@@ -135,7 +135,7 @@ def test_plain_provider_builds_the_same_model(name):
     c = bench_train._gpt_config(shape, bench_train._config_cls())
     with torch.device("meta"):
         theirs = PlainGPT(c.n_layer, c.n_embd, c.n_head, c.padded_vocab, shape.seq, c.bias)
-    assert sum(p.numel() for p in theirs.parameters()) == bench_train._meta_model(shape).num_params()
+    assert sum(p.numel() for p in theirs.parameters()) == bench_train.meta_model(shape).num_params()
     assert (name == "gpt-char") == (not c.bias)
 
 
