@@ -30,8 +30,8 @@ made before timing, because it rotates its inputs (and, in the backward, its inc
 
 With --graph every provider is timed by CUDA-graph replay instead (modes 'fwd graph', 'fwd+bwd graph'). --tune
 instead sweeps the launch parameters of megakern's kernels (forward kernel alone) on the headline, head dim 64 and
-partial rotary cases (the CUDA kernel's on the headline, unless --providers leaves megakern-cuda out) and prints them
-best first per case, saving nothing.
+partial rotary cases (the CUDA kernel's too, unless --providers leaves megakern-cuda out) and prints them best
+first per case, saving nothing.
 
 (`python benchmarks/bench_rotary.py` works too, but finds megakern only where it is installed.)
 """
@@ -251,8 +251,8 @@ TUNE_CASES = [HEADLINE, Case(16, 4096, 16, 4, 64, 64, False), Case(8, 2048, 64, 
 def tune(device: torch.device, copy_gbps: float, providers: set[str] | None) -> None:
     """Forward kernel alone, for each launch configuration, on the headline, head dim 64 and partial rotary (GPU)
     cases: Triton tiles, warps and whole-row tiles (both layouts on the headline), and, when megakern-cuda is among
-    the providers (or none are named), the CUDA kernel's launch configurations on the headline. Printed best first
-    per case, the launcher's default marked."""
+    the providers (or none are named), the CUDA kernel's launch configurations (threads, heads a step, head runs)
+    on each case. Printed best first per case, the launcher's default marked."""
     import megakern
     from megakern import _cuda, _rotary_cuda, _rotary_triton
 
@@ -283,16 +283,20 @@ def tune(device: torch.device, copy_gbps: float, providers: set[str] | None) -> 
                             rows.append((gb / (t["median"] * 1e-3), f"triton full_row={full_row} tile={tile} "
                                          f"(BLOCK_T, BLOCK_HQ, BLOCK_HK, warps)={(*tiles, cfg[1])}"
                                          f"{' (default)' if cfg == default else ''}"))
-            if not status["cuda"] and case == tune_cases[0] and (not providers or "megakern-cuda" in providers):
+            if not status["cuda"] and (not providers or "megakern-cuda" in providers):
                 path = _cuda.choose_path()
                 _, groups = _rotary_cuda.groups_per_row(case.hs, case.rd, dtype, False)
-                auto = _rotary_cuda.launch_config(case.nh + case.nkv, groups).tokens_per_block
+                heads, tokens = case.nh + case.nkv, case.b * case.t
+                default = _rotary_cuda.launch_config(heads, groups, tokens=tokens)
                 for threads in (128, 256):
                     for items in _rotary_cuda.ITEMS:
-                        for tokens in sorted({1, max(1, auto // 2), auto, auto * 2, auto * 4}):
-                            cfg = _rotary_cuda.launch_config(case.nh + case.nkv, groups, threads, items, tokens)
+                        auto = _rotary_cuda.launch_config(heads, groups, threads, items, tokens=tokens).head_runs
+                        for runs in sorted({1, max(1, auto // 2), auto, min(heads, auto * 2)}):
+                            cfg = _rotary_cuda.launch_config(heads, groups, threads, items, tokens=tokens,
+                                                             head_runs=runs)
                             t = bench(lambda: _rotary_cuda.fwd(*args, path=path, config=cfg), device=device)
-                            rows.append((gb / (t["median"] * 1e-3), f"cuda-{path} {cfg}"))
+                            rows.append((gb / (t["median"] * 1e-3), f"cuda-{path} {cfg}"
+                                         f"{' (default)' if cfg == default else ''}"))
             print(f"{case._replace(interleaved=interleaved).name(dtype)} fwd; copy roofline {copy_gbps:.0f} GB/s")
             for gbps, what in sorted(rows, reverse=True):
                 print(f"{gbps:9.1f} GB/s ({gbps / copy_gbps:.3f})  {what}")

@@ -95,7 +95,7 @@ void check_heads(const at::Tensor& t, const at::Tensor& q, const char* name) {
 void rotary(const at::Tensor& q, const OptTensor& k, at::Tensor& q_out, const OptTensor& k_out, const at::Tensor& cos,
             const at::Tensor& sin, const OptTensor& position_ids, const OptTensor& cu_seqlens, const OptTensor& offsets,
             int64_t offset, int64_t rot_half, int64_t flags, int64_t dtype, bool table_f32, bool interleaved,
-            int64_t items, int64_t threads, int64_t tokens_per_block, int64_t grid) {
+            int64_t items, int64_t threads, int64_t tokens_per_block, int64_t grid, int64_t head_runs) {
   check_heads(q, q, "q");
   check_heads(q_out, q, "q_out");
   TORCH_CHECK(k.has_value() == k_out.has_value(), "megakern._C: k and k_out must be given together");
@@ -113,6 +113,9 @@ void rotary(const at::Tensor& q, const OptTensor& k, at::Tensor& q_out, const Op
   TORCH_CHECK(!position_ids || position_ids->dim() == 2, "megakern._C: position_ids must be (1 or B, T)");
   TORCH_CHECK(!cu_seqlens || (cu_seqlens->scalar_type() == at::kInt && cu_seqlens->is_contiguous()),
               "megakern._C: cu_seqlens must be contiguous int32");
+  TORCH_CHECK(grid >= 1 && head_runs >= 1 && head_runs <= 65535 && head_runs <= q.size(2) + (k ? k->size(2) : 0),
+              "megakern._C: rotary launch needs grid >= 1 and 1 <= head_runs <= min(65535, heads), got ", grid, ", ",
+              head_runs);
   const c10::cuda::CUDAGuard guard(q.device());
   megakern::RotaryArgs a{};
   a.q = q.data_ptr();
@@ -144,7 +147,8 @@ void rotary(const at::Tensor& q, const OptTensor& k, at::Tensor& q_out, const Op
   a.ndocs = cu_seqlens ? static_cast<int>(cu_seqlens->numel() - 1) : 1;
   a.offset = offset;
   a.flags = static_cast<int>(flags);
-  check_launch(megakern::rotary(static_cast<int>(dtype), table_f32, interleaved, static_cast<int>(items), dim3(grid),
+  check_launch(megakern::rotary(static_cast<int>(dtype), table_f32, interleaved, static_cast<int>(items),
+                                dim3(static_cast<unsigned>(grid), static_cast<unsigned>(head_runs)),
                                 dim3(threads), a, at::cuda::getCurrentCUDAStream()),
                "rotary launch");
 }

@@ -14,9 +14,10 @@ import torch
 from megakern import _cuda
 
 # Flag bits, mirrored from csrc/rotary/rotary.h.
-VECTORIZED, CONJ, COPY_REST, POS_IDS, POS_I64, CU_SEQLENS, OFFSETS, OFFSETS_I64 = 1, 2, 4, 8, 16, 32, 64, 128
+VECTORIZED, CONJ, COPY_REST, POS_IDS, POS_I64, CU_SEQLENS, OFFSETS, OFFSETS_I64, WHOLE_CHUNKS = \
+    1, 2, 4, 8, 16, 32, 64, 128, 256
 MAX_TOKENS, MAX_THREADS = 256, 256  # ROTARY_MAX_TOKENS, ROTARY_MAX_THREADS
-ITEMS = (1, 2)  # the instances compiled
+ITEMS = (1, 2, 4)  # the instances compiled
 
 _CTYPES = {torch.float32: (0, "float"), torch.float16: (1, "__half"), torch.bfloat16: (2, "__nv_bfloat16")}
 _VEC = {torch.float32: 4, torch.float16: 8, torch.bfloat16: 8}  # elements in 16 bytes
@@ -25,42 +26,62 @@ _VEC = {torch.float32: 4, torch.float16: 8, torch.bfloat16: 8}  # elements in 16
 @dataclass(frozen=True)
 class LaunchConfig:
     threads: int  # block.x
-    items: int  # groups each thread loads before any math (template ITEMS)
+    items: int  # heads each thread loads before any math (template ITEMS)
     tokens_per_block: int
+    head_runs: int = 1  # grid.y: the heads cut into this many runs
 
 
-# Defaults, not yet tuned (benchmarks/bench_rotary.py --tune sweeps them; registers in docs/tuning.md, rotary).
-DEFAULT_THREADS, DEFAULT_ITEMS, ITEMS_PER_BLOCK = 256, 1, 2048
+# Defaults (benchmarks/bench_rotary.py --tune sweeps them; registers in docs/tuning.md, rotary): a block of
+# DEFAULT_THREADS threads, one (token, group) item each, and enough head runs that the grid has MIN_BLOCKS blocks.
+DEFAULT_THREADS, DEFAULT_ITEMS, MIN_BLOCKS = 256, 2, 4096
+MAX_HEAD_RUNS = 65535  # grid.y
 
 
 def launch_config(heads: int, groups: int, threads: Optional[int] = None, items: Optional[int] = None,
-                  tokens_per_block: Optional[int] = None) -> LaunchConfig:
-    """Geometry for ``heads`` (q's + k's) rows of ``groups`` groups a token: about ITEMS_PER_BLOCK groups a block,
-    whole tokens, at most MAX_TOKENS. Arguments override the defaults (tuning)."""
+                  tokens_per_block: Optional[int] = None, tokens: Optional[int] = None,
+                  head_runs: Optional[int] = None) -> LaunchConfig:
+    """Geometry for ``heads`` (q's + k's) rows of ``groups`` groups a token: a thread per (token, group) of a block
+    (whole tokens, at most MAX_TOKENS), walking the heads of its run; with ``tokens`` (B * T) given, the heads cut
+    into runs until the grid has MIN_BLOCKS blocks (each thread then walks fewer heads; a short sequence still
+    fills the GPU). Arguments override the defaults (tuning)."""
     threads = threads or DEFAULT_THREADS
     items = items or DEFAULT_ITEMS
     if threads % 32 or not 32 <= threads <= MAX_THREADS or items not in ITEMS:
         raise ValueError(f"rotary launch: threads must be a multiple of 32 up to {MAX_THREADS} and items in {ITEMS}, "
                          f"got {threads}, {items}")
-    per_token = max(1, heads * groups)
-    tokens = tokens_per_block or max(1, round(ITEMS_PER_BLOCK / per_token))
-    return LaunchConfig(threads, items, max(1, min(MAX_TOKENS, tokens)))
+    per_block = max(1, min(MAX_TOKENS, tokens_per_block or threads // max(1, groups)))
+    heads = max(1, heads)
+    if head_runs is None:
+        blocks = math.ceil(tokens / per_block) if tokens else MIN_BLOCKS
+        head_runs = min(heads, max(1, MIN_BLOCKS // blocks))
+    if not 1 <= head_runs <= min(heads, MAX_HEAD_RUNS):
+        raise ValueError(f"rotary launch: head_runs must be in [1, {min(heads, MAX_HEAD_RUNS)}], got {head_runs}")
+    # runs of equal length (the kernel's ceil(heads / runs)), none of them empty
+    per_run = math.ceil(heads / head_runs)
+    return LaunchConfig(threads, items, per_block, math.ceil(heads / per_run))
 
 
-def kernel_name(dtype: torch.dtype, table_f32: bool, interleaved: bool, vecio: bool, items: int) -> str:
+IO_MODES = (0, 1, 2)  # element by element; aligned rows, each chunk as wide as its column allows; whole 16-byte chunks
+
+
+def io_mode(flags: int) -> int:
+    """The kernel instance's IO template argument for a launch's flags."""
+    return (2 if flags & WHOLE_CHUNKS else 1) if flags & VECTORIZED else 0
+
+
+def kernel_name(dtype: torch.dtype, table_f32: bool, interleaved: bool, io: int, items: int) -> str:
     ctype = _CTYPES[dtype][1]
     table = "float" if table_f32 else ctype
-    b = lambda flag: "true" if flag else "false"  # noqa: E731
-    return f"megakern::rotary_kernel<{ctype}, {table}, {b(interleaved)}, {b(vecio)}, {items}>"
+    return f"megakern::rotary_kernel<{ctype}, {table}, {'true' if interleaved else 'false'}, {io}, {items}>"
 
 
 def kernel_names() -> list[str]:
     """Every kernel instance the launcher can ask for: NVRTC name expressions, one per
-    (dtype, table dtype, layout, vectorized, items)."""
+    (dtype, table dtype, layout, I/O mode, items)."""
     names = []
     for dtype in _CTYPES:
         for table_f32 in ((True,) if dtype == torch.float32 else (True, False)):
-            names += [kernel_name(dtype, table_f32, il, io, it) for il in (False, True) for io in (False, True)
+            names += [kernel_name(dtype, table_f32, il, io, it) for il in (False, True) for io in IO_MODES
                       for it in ITEMS]
     return names
 
@@ -73,9 +94,9 @@ def groups_per_row(head_dim: int, rotary_dim: int, dtype: torch.dtype, copy_rest
 
 
 def _vectorizable(tensors, vec: int, cos, sin, rot_half: int, head_dim: int, copy_rest: bool) -> bool:
-    """16-byte I/O is safe: every row of q / k / outputs and of the table starts 16-byte aligned. The kernel then
-    moves each whole chunk at a column that is a multiple of the vector width in 16 bytes, and the rest (partial
-    chunks, a second NeoX half or a pass-through part that starts mid-chunk) element by element."""
+    """Wide I/O is safe: every row of q / k / outputs and of the table starts 16-byte aligned. The kernel then
+    moves each whole chunk at a column that is a multiple of the vector width in 16 bytes, 8-byte aligned pieces
+    (a second NeoX half or a pass-through part that starts mid-chunk) in 8 bytes, and the rest element by element."""
     for t in tensors:
         if t is not None and (t.data_ptr() % 16 or any(s % vec for s in t.stride()[:3])):
             return False
@@ -118,18 +139,21 @@ def fwd(q, k, q_out, k_out, cos, sin, position_ids, cu_seqlens, offsets, offset:
         flags |= CU_SEQLENS
     if offsets is not None:
         flags |= OFFSETS | (OFFSETS_I64 if offsets.dtype == torch.int64 else 0)
-    if _vectorizable((q, k, q_out, k_out), _VEC[q.dtype], cos, sin, rot_half, hs, copy_rest):
+    vec = _VEC[q.dtype]
+    if _vectorizable((q, k, q_out, k_out), vec, cos, sin, rot_half, hs, copy_rest):
         flags |= VECTORIZED
+        if rot_half % vec == 0 and (not copy_rest or (hs - rotary_dim) % (2 * vec) == 0):
+            flags |= WHOLE_CHUNKS  # every chunk whole and 16-byte aligned: the instance with the 16-byte path alone
     _, groups = groups_per_row(hs, rotary_dim, q.dtype, copy_rest)
-    cfg = config or launch_config(nh + nkv, groups)
+    cfg = config or launch_config(nh + nkv, groups, tokens=tokens)
     grid = math.ceil(tokens / cfg.tokens_per_block)
     if path == "extension":
         _cuda.extension()[0].rotary(q, k, q_out, k_out, cos, sin, position_ids, cu_seqlens, offsets, offset, rot_half,
                                     flags, dtype_code, table_f32, interleaved, cfg.items, cfg.threads,
-                                    cfg.tokens_per_block, grid)
+                                    cfg.tokens_per_block, grid, cfg.head_runs)
         return q_out, k_out
     kernel = _cuda.nvrtc_kernel("rotary/rotary.cu",
-                                kernel_name(q.dtype, table_f32, interleaved, bool(flags & VECTORIZED), cfg.items))
+                                kernel_name(q.dtype, table_f32, interleaved, io_mode(flags), cfg.items))
     ks = k.stride()[:3] if k is not None else (0, 0, 0)
     kos = k_out.stride()[:3] if k is not None else (0, 0, 0)
     stride_pb = position_ids.stride(0) if position_ids is not None and position_ids.shape[0] > 1 else 0
@@ -142,7 +166,7 @@ def fwd(q, k, q_out, k_out, cos, sin, position_ids, cu_seqlens, offsets, offset:
         *(("i64", s) for s in (*q.stride()[:3], *ks, *q_out.stride()[:3], *kos)),
         ("i64", cos.stride(0)), ("i64", sin.stride(0)), ("i64", stride_pb), ("i64", stride_pt), ("i32", ndocs),
         ("i64", offset), ("i32", flags))
-    _cuda.nvrtc_launch(kernel, (grid,), (cfg.threads,), args, q.device)
+    _cuda.nvrtc_launch(kernel, (grid, cfg.head_runs), (cfg.threads,), args, q.device)
     return q_out, k_out
 
 

@@ -6,24 +6,177 @@
 // the inverse rotation (ROTARY_CONJ: s -> -s). Features rotary_dim .. head_dim are copied (ROTARY_COPY_REST, out
 // of place) or left alone (in place).
 //
-// Work split. A block takes `tokens_per_block` consecutive tokens of the flattened (B, T). Its threads first
-// resolve each token's (b, t, position) into shared memory: the token index, an explicit position id, or the
-// offset inside its document (a binary search of cu_seqlens), plus any offset. Then they stride over the block's
-// items (token, head, group), group fastest, q's heads before k's, so a warp covers contiguous runs of rows.
+// Work split. grid.x cuts the flattened (B, T) into blocks of `tokens_per_block` consecutive tokens; grid.y cuts the
+// heads (q's, then k's) into gridDim.y equal runs. A block's threads first resolve each token's (b, t, position)
+// into shared memory: the token index, an explicit position id, or the offset inside its document (a binary search
+// of cu_seqlens), plus any offset. Then each thread takes items (token, group), group fastest, so a warp covers
+// contiguous runs of a row: it loads the group's (cos, sin) chunk once and walks the block's heads with it, ITEMS
+// heads at a time (all their loads issued before any math, so several 16-byte loads are in flight), the row's
+// address advanced by the head stride: no division or table load per head.
 // A group is two chunks of VEC = 16 / sizeof(T) elements:
 //   rotary group g (pairs g*VEC .. g*VEC + VEC - 1): NeoX chunk a from the first half, chunk b from the second;
 //   GPT-J the 2 VEC consecutive elements holding those pairs; the (cos, sin) chunk is VEC entries of row m;
 //   pass-through group: 2 VEC elements past rotary_dim, copied.
-// Each thread issues the loads of ITEMS groups before any math, so several 16-byte loads are in flight.
+// I/O: 16-byte transactions where a chunk is whole and 16-byte aligned; 8-byte ones where it starts 8-byte aligned
+// (a NeoX second half that starts mid-chunk, as with rotary_dim 24 in bf16, or half a chunk); element by element
+// otherwise.
 //
 // All math in fp32. Kernel names are referenced by megakern/_rotary_cuda.py for the NVRTC path
-// ("megakern::rotary_kernel<__nv_bfloat16, float, false, true, 2>").
+// ("megakern::rotary_kernel<__nv_bfloat16, float, false, 2, 2>").
 #include "common/common.h"
 #include "rotary/rotary.h"
 
 namespace megakern {
 
-template <typename T, typename TC, bool INTERLEAVED, bool VECIO, int ITEMS>
+// N elements of S at p as floats, the first `valid` only (0 beyond): MODE 16, whole 16-byte transactions (all N
+// exist, p 16-byte aligned); MODE 8, 8-byte ones for every whole 8-byte piece that exists (p 8-byte aligned), the
+// rest element by element; MODE 0, element by element.
+template <typename S, int N>
+__device__ __forceinline__ void rotary_load(const S* p, float (&v)[N], int valid, int mode) {
+  constexpr int PER8 = 8 / sizeof(S);
+  if (mode == 16) {
+    uint4 raw[N * sizeof(S) / 16];
+#pragma unroll
+    for (int c = 0; c < N * (int)sizeof(S) / 16; ++c) raw[c] = reinterpret_cast<const uint4*>(p)[c];
+    unpack16<S, N>(raw, v);
+  } else if (mode == 8) {
+#pragma unroll
+    for (int c = 0; c < N / PER8; ++c) {
+      if ((c + 1) * PER8 <= valid) {
+        const uint2 raw = reinterpret_cast<const uint2*>(p)[c];
+        const S* e = reinterpret_cast<const S*>(&raw);
+#pragma unroll
+        for (int i = 0; i < PER8; ++i) v[c * PER8 + i] = to_float(e[i]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < PER8; ++i) v[c * PER8 + i] = c * PER8 + i < valid ? to_float(p[c * PER8 + i]) : 0.f;
+      }
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] = i < valid ? to_float(p[i]) : 0.f;
+  }
+}
+
+// The first `valid` of N floats to S at p, in the transactions of rotary_load's MODE.
+template <typename S, int N>
+__device__ __forceinline__ void rotary_store(S* p, const float (&v)[N], int valid, int mode) {
+  constexpr int PER8 = 8 / sizeof(S), PER16 = 16 / sizeof(S);
+  if (mode == 16) {
+#pragma unroll
+    for (int c = 0; c < N / PER16; ++c) {
+      uint4 raw;
+      S* e = reinterpret_cast<S*>(&raw);
+#pragma unroll
+      for (int i = 0; i < PER16; ++i) e[i] = from_float<S>(v[c * PER16 + i]);
+      reinterpret_cast<uint4*>(p)[c] = raw;
+    }
+  } else if (mode == 8) {
+#pragma unroll
+    for (int c = 0; c < N / PER8; ++c) {
+      if ((c + 1) * PER8 <= valid) {
+        uint2 raw;
+        S* e = reinterpret_cast<S*>(&raw);
+#pragma unroll
+        for (int i = 0; i < PER8; ++i) e[i] = from_float<S>(v[c * PER8 + i]);
+        reinterpret_cast<uint2*>(p)[c] = raw;
+      } else {
+#pragma unroll
+        for (int i = 0; i < PER8; ++i)
+          if (c * PER8 + i < valid) p[c * PER8 + i] = from_float<S>(v[c * PER8 + i]);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+      if (i < valid) p[i] = from_float<S>(v[i]);
+  }
+}
+
+// The transactions a chunk of `valid` elements of S at column `col` of a row takes (rotary_load's MODE); VECIO:
+// every row starts 16-byte aligned.
+template <typename S, int N, bool VECIO>
+__device__ __forceinline__ int rotary_io(int col, int valid) {
+  const int at = col * (int)sizeof(S);
+  if (!VECIO || valid <= 0) return 0;
+  if (valid == N && at % 16 == 0) return 16;
+  return (at % 8 == 0 && valid * (int)sizeof(S) >= 8) ? 8 : 0;
+}
+
+// Rotate one group (chunks a, b of VEC elements) by the table chunk (c, s), s already negated for the backward.
+template <int VEC, bool INTERLEAVED>
+__device__ __forceinline__ void rotate_group(float (&xa)[VEC], float (&xb)[VEC], const float (&c)[VEC],
+                                             const float (&s)[VEC]) {
+  if (INTERLEAVED) {
+    // chunk a holds pairs 0 .. VEC/2 - 1 of the group, chunk b pairs VEC/2 .. VEC - 1
+#pragma unroll
+    for (int e = 0; e < VEC / 2; ++e) {
+      const float ca = c[e], sa = s[e], cb = c[VEC / 2 + e], sb = s[VEC / 2 + e];
+      const float a0 = xa[2 * e], a1 = xa[2 * e + 1], b0 = xb[2 * e], b1 = xb[2 * e + 1];
+      xa[2 * e] = a0 * ca - a1 * sa;
+      xa[2 * e + 1] = a1 * ca + a0 * sa;
+      xb[2 * e] = b0 * cb - b1 * sb;
+      xb[2 * e + 1] = b1 * cb + b0 * sb;
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      const float x1 = xa[e], x2 = xb[e];
+      xa[e] = x1 * c[e] - x2 * s[e];
+      xb[e] = x2 * c[e] + x1 * s[e];
+    }
+  }
+}
+
+// One group of heads lo .. hi - 1 of a token (rows at src + h * sh, written to dst + h * dh), ITEMS heads at a time:
+// every load of the ITEMS heads issued before any is converted. A step past hi reads head hi - 1 again (through its
+// address, not a branch) and stores nothing. V16: both chunks whole 16-byte transactions (ma = mb = 16).
+template <typename T, int VEC, bool INTERLEAVED, int ITEMS, bool V16>
+__device__ __forceinline__ void rotary_heads(const T* src, T* dst, i64 sh, i64 dh, int lo, int hi, int ca, int cb,
+                                             int va, int vb, int ma, int mb, bool rot, const float (&c)[VEC],
+                                             const float (&s)[VEC]) {
+  for (int h = lo; h < hi; h += ITEMS) {
+    float xa[ITEMS][VEC], xb[ITEMS][VEC];
+    if (V16) {
+      uint4 ra[ITEMS], rb[ITEMS];
+#pragma unroll
+      for (int u = 0; u < ITEMS; ++u) {
+        const T* p = src + (i64)min(h + u, hi - 1) * sh;
+        ra[u] = *reinterpret_cast<const uint4*>(p + ca);
+        rb[u] = *reinterpret_cast<const uint4*>(p + cb);
+      }
+#pragma unroll
+      for (int u = 0; u < ITEMS; ++u) {
+        unpack16<T, VEC>(&ra[u], xa[u]);
+        unpack16<T, VEC>(&rb[u], xb[u]);
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < ITEMS; ++u) {
+        const T* p = src + (i64)min(h + u, hi - 1) * sh;
+        rotary_load<T, VEC>(p + ca, xa[u], va, ma);
+        rotary_load<T, VEC>(p + cb, xb[u], vb, mb);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < ITEMS; ++u) {
+      if (h + u >= hi) break;
+      if (rot) rotate_group<VEC, INTERLEAVED>(xa[u], xb[u], c, s);
+      T* p = dst + (i64)(h + u) * dh;
+      if (V16) {
+        rotary_store<T, VEC>(p + ca, xa[u], VEC, 16);
+        rotary_store<T, VEC>(p + cb, xb[u], VEC, 16);
+      } else {
+        rotary_store<T, VEC>(p + ca, xa[u], va, ma);
+        rotary_store<T, VEC>(p + cb, xb[u], vb, mb);
+      }
+    }
+  }
+}
+
+// IO: 0, element by element; 1, rows 16-byte aligned, each chunk in the widest transactions its column allows;
+// 2, every chunk of every group (and of the table) whole and 16-byte aligned (only the 16-byte path is compiled).
+template <typename T, typename TC, bool INTERLEAVED, int IO, int ITEMS>
 __global__ void __launch_bounds__(ROTARY_MAX_THREADS)
 rotary_kernel(const T* q, const T* k, T* q_out, T* k_out, const TC* __restrict__ cos, const TC* __restrict__ sin,
               const void* __restrict__ pos_ids, const int* __restrict__ cu_seqlens, const void* __restrict__ offsets,
@@ -32,6 +185,7 @@ rotary_kernel(const T* q, const T* k, T* q_out, T* k_out, const TC* __restrict__
               i64 stride_qob, i64 stride_qot, i64 stride_qoh, i64 stride_kob, i64 stride_kot, i64 stride_koh,
               i64 stride_cos, i64 stride_sin, i64 stride_pb, i64 stride_pt, int ndocs, i64 offset, int flags) {
   constexpr int VEC = 16 / sizeof(T);
+  constexpr bool VECIO = IO >= 1;
   __shared__ int s_b[ROTARY_MAX_TOKENS], s_t[ROTARY_MAX_TOKENS], s_pos[ROTARY_MAX_TOKENS];
   const i64 first = (i64)blockIdx.x * tokens_per_block;
   const int ntok = (int)min((i64)tokens_per_block, tokens - first);
@@ -62,30 +216,22 @@ rotary_kernel(const T* q, const T* k, T* q_out, T* k_out, const TC* __restrict__
   }
   __syncthreads();
 
-  const int heads = nh + nkv;
+  // This block's heads: run blockIdx.y of gridDim.y, q's heads first.
+  const int heads = nh + nkv, per_run = (heads + gridDim.y - 1) / gridDim.y;
+  const int h0 = blockIdx.y * per_run, h1 = min(heads, h0 + per_run);
   const int groups_rot = (rot_half + VEC - 1) / VEC;
   const int groups = groups_rot + ((flags & ROTARY_COPY_REST) ? (head_dim - 2 * rot_half + 2 * VEC - 1) / (2 * VEC) : 0);
-  const int items = ntok * heads * groups;
+  const int items = ntok * groups;
   const bool conj = flags & ROTARY_CONJ;
 
-  // Where item i lives: source and destination rows, its group, and its token slot.
-  auto locate = [&](int i, const T*& src, T*& dst, int& g, int& slot) {
-    g = i % groups;
-    const int r = i / groups, h = r % heads;
-    slot = r / heads;
+  for (int i = threadIdx.x; i < items; i += blockDim.x) {
+    const int slot = i / groups, g = i - slot * groups;
     const i64 b = s_b[slot], t = s_t[slot];
-    if (h < nh) {
-      src = q + b * stride_qb + t * stride_qt + h * stride_qh;
-      dst = q_out + b * stride_qob + t * stride_qot + h * stride_qoh;
-    } else {
-      src = k + b * stride_kb + t * stride_kt + (h - nh) * stride_kh;
-      dst = k_out + b * stride_kob + t * stride_kot + (h - nh) * stride_koh;
-    }
-  };
-  // The columns of a group's two chunks and how many of their elements exist (<= 0: none).
-  auto columns = [&](int g, int& ca, int& cb, int& va, int& vb) {
-    if (g < groups_rot) {
-      const int j = g * VEC;  // first pair
+    // the columns of the group's two chunks and how many of their elements exist (<= 0: none)
+    int ca, cb, va, vb;
+    const bool rot = g < groups_rot;
+    const int j = g * VEC;  // first pair of a rotary group
+    if (rot) {
       if (INTERLEAVED) {
         ca = 2 * j;
         cb = 2 * j + VEC;
@@ -102,99 +248,35 @@ rotary_kernel(const T* q, const T* k, T* q_out, T* k_out, const TC* __restrict__
       va = min(VEC, head_dim - ca);
       vb = min(VEC, head_dim - cb);
     }
-  };
-  // 16-byte I/O for a whole chunk at a column that is a multiple of VEC (VECIO: rows start 16-byte aligned);
-  // element by element otherwise (a partial chunk, or a NeoX second half / pass-through part that starts
-  // mid-chunk, as with rotary_dim 24 in bf16), so a partial rotary dim never drops the whole row to scalar I/O.
-  auto vec_ok = [&](int col, int valid) { return VECIO && valid == VEC && col % VEC == 0; };
-  auto load_chunk = [&](const T* p, float(&v)[VEC], int valid, int col) {
-    if (valid > 0) {
-      load_n<T, VEC>(p, v, valid, vec_ok(col, valid));
-    } else {
+    // the table chunk, once for all the heads
+    float c[VEC], s[VEC];
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) v[e] = 0.f;
-    }
-  };
-  auto store_chunk = [&](T* p, const float(&v)[VEC], int valid, int col) {
-    if (valid > 0) store_n<T, VEC>(p, v, valid, vec_ok(col, valid));
-  };
-
-  for (int base = 0; base < items; base += blockDim.x * ITEMS) {
-    float xa[ITEMS][VEC], xb[ITEMS][VEC], c[ITEMS][VEC], s[ITEMS][VEC];
-    // Loads of all ITEMS groups first: x (independent of the position), then the table rows.
+    for (int e = 0; e < VEC; ++e) c[e] = s[e] = 0.f;
+    if (rot) {
+      const i64 m = s_pos[slot];
+      const int valid = min(VEC, rot_half - j), mode = IO == 2 ? 16 : rotary_io<TC, VEC, VECIO>(j, valid);
+      rotary_load<TC, VEC>(cos + m * stride_cos + j, c, valid, mode);
+      rotary_load<TC, VEC>(sin + m * stride_sin + j, s, valid, mode);
+      if (conj) {
 #pragma unroll
-    for (int u = 0; u < ITEMS; ++u) {
-      const int i = base + u * blockDim.x + threadIdx.x;
-      if (i >= items) continue;
-      const T* src;
-      T* dst;
-      int g, slot, ca, cb, va, vb;
-      locate(i, src, dst, g, slot);
-      columns(g, ca, cb, va, vb);
-      const bool rot = g < groups_rot;
-      const int j = g * VEC;
-      const i64 m = rot ? s_pos[slot] : 0;
-      if (vec_ok(ca, va) && vec_ok(cb, vb)) {
-        // Whole 16-byte chunks (with a rotary group, whole table chunks too: rot_half - j >= VEC): the x chunks'
-        // and the table rows' loads issued together, predicated, before any is converted, so they are in flight
-        // at once (separate branches would each wait for their load before the next one is issued).
-        constexpr int CT = VEC * sizeof(TC) / 16;
-        const uint4 ra = *reinterpret_cast<const uint4*>(src + ca), rb = *reinterpret_cast<const uint4*>(src + cb);
-        uint4 rc[CT], rs[CT];
-#pragma unroll
-        for (int k = 0; k < CT; ++k) {
-          rc[k] = rot ? reinterpret_cast<const uint4*>(cos + m * stride_cos + j)[k] : make_uint4(0u, 0u, 0u, 0u);
-          rs[k] = rot ? reinterpret_cast<const uint4*>(sin + m * stride_sin + j)[k] : make_uint4(0u, 0u, 0u, 0u);
-        }
-        unpack16<T, VEC>(&ra, xa[u]);
-        unpack16<T, VEC>(&rb, xb[u]);
-        unpack16<TC, VEC>(rc, c[u]);
-        unpack16<TC, VEC>(rs, s[u]);
-        continue;
-      }
-      load_chunk(src + ca, xa[u], va, ca);
-      load_chunk(src + cb, xb[u], vb, cb);
-      if (rot) {
-        const int valid = min(VEC, rot_half - j);
-        load_n<TC, VEC>(cos + m * stride_cos + j, c[u], valid, VECIO && valid == VEC);
-        load_n<TC, VEC>(sin + m * stride_sin + j, s[u], valid, VECIO && valid == VEC);
+        for (int e = 0; e < VEC; ++e) s[e] = -s[e];
       }
     }
-    // Rotate and store.
-#pragma unroll
-    for (int u = 0; u < ITEMS; ++u) {
-      const int i = base + u * blockDim.x + threadIdx.x;
-      if (i >= items) continue;
-      const T* src;
-      T* dst;
-      int g, slot, ca, cb, va, vb;
-      locate(i, src, dst, g, slot);
-      columns(g, ca, cb, va, vb);
-      if (g < groups_rot) {
-        if (INTERLEAVED) {
-          // chunk a holds pairs 0 .. VEC/2 - 1 of the group, chunk b pairs VEC/2 .. VEC - 1
-#pragma unroll
-          for (int e = 0; e < VEC / 2; ++e) {
-            const float ca_ = c[u][e], sa_ = conj ? -s[u][e] : s[u][e];
-            const float cb_ = c[u][VEC / 2 + e], sb_ = conj ? -s[u][VEC / 2 + e] : s[u][VEC / 2 + e];
-            const float a0 = xa[u][2 * e], a1 = xa[u][2 * e + 1], b0 = xb[u][2 * e], b1 = xb[u][2 * e + 1];
-            xa[u][2 * e] = a0 * ca_ - a1 * sa_;
-            xa[u][2 * e + 1] = a1 * ca_ + a0 * sa_;
-            xb[u][2 * e] = b0 * cb_ - b1 * sb_;
-            xb[u][2 * e + 1] = b1 * cb_ + b0 * sb_;
-          }
-        } else {
-#pragma unroll
-          for (int e = 0; e < VEC; ++e) {
-            const float ce = c[u][e], se = conj ? -s[u][e] : s[u][e];
-            const float x1 = xa[u][e], x2 = xb[u][e];
-            xa[u][e] = x1 * ce - x2 * se;
-            xb[u][e] = x2 * ce + x1 * se;
-          }
-        }
+    const int ma = IO == 2 ? 16 : rotary_io<T, VEC, VECIO>(ca, va), mb = IO == 2 ? 16 : rotary_io<T, VEC, VECIO>(cb, vb);
+    for (int part = 0; part < 2; ++part) {  // q's heads, then k's
+      const int lo = part ? max(h0, nh) - nh : h0, hi = part ? h1 - nh : min(h1, nh);
+      if (lo >= hi) continue;
+      const T* src = part ? k + b * stride_kb + t * stride_kt : q + b * stride_qb + t * stride_qt;
+      T* dst = part ? k_out + b * stride_kob + t * stride_kot : q_out + b * stride_qob + t * stride_qot;
+      const i64 sh = part ? stride_kh : stride_qh, dh = part ? stride_koh : stride_qoh;
+      if constexpr (IO == 2) {
+        rotary_heads<T, VEC, INTERLEAVED, ITEMS, true>(src, dst, sh, dh, lo, hi, ca, cb, va, vb, ma, mb, rot, c, s);
+      } else {
+        if (ma == 16 && mb == 16)
+          rotary_heads<T, VEC, INTERLEAVED, ITEMS, true>(src, dst, sh, dh, lo, hi, ca, cb, va, vb, ma, mb, rot, c, s);
+        else
+          rotary_heads<T, VEC, INTERLEAVED, ITEMS, false>(src, dst, sh, dh, lo, hi, ca, cb, va, vb, ma, mb, rot, c, s);
       }
-      store_chunk(dst + ca, xa[u], va, ca);
-      store_chunk(dst + cb, xb[u], vb, cb);
     }
   }
 }
@@ -204,9 +286,9 @@ rotary_kernel(const T* q, const T* k, T* q_out, T* k_out, const TC* __restrict__
 #ifndef __CUDACC_RTC__
 namespace megakern {
 
-template <typename T, typename TC, bool IL, bool VECIO, int ITEMS>
+template <typename T, typename TC, bool IL, int IO, int ITEMS>
 static cudaError_t rotary_launch(dim3 grid, dim3 block, const RotaryArgs& a, cudaStream_t stream) {
-  rotary_kernel<T, TC, IL, VECIO, ITEMS><<<grid, block, 0, stream>>>(
+  rotary_kernel<T, TC, IL, IO, ITEMS><<<grid, block, 0, stream>>>(
       static_cast<const T*>(a.q), static_cast<const T*>(a.k), static_cast<T*>(a.q_out), static_cast<T*>(a.k_out),
       static_cast<const TC*>(a.cos), static_cast<const TC*>(a.sin), a.pos_ids, a.cu_seqlens, a.offsets, a.tokens,
       a.seqlen, a.nh, a.nkv, a.head_dim, a.rot_half, a.tokens_per_block, a.stride_qb, a.stride_qt, a.stride_qh,
@@ -215,11 +297,12 @@ static cudaError_t rotary_launch(dim3 grid, dim3 block, const RotaryArgs& a, cud
   return cudaGetLastError();
 }
 
-template <typename T, typename TC, bool IL, bool VECIO>
+template <typename T, typename TC, bool IL, int IO>
 static cudaError_t rotary_items(int items, dim3 grid, dim3 block, const RotaryArgs& a, cudaStream_t stream) {
   switch (items) {
-    case 1: return rotary_launch<T, TC, IL, VECIO, 1>(grid, block, a, stream);
-    case 2: return rotary_launch<T, TC, IL, VECIO, 2>(grid, block, a, stream);
+    case 1: return rotary_launch<T, TC, IL, IO, 1>(grid, block, a, stream);
+    case 2: return rotary_launch<T, TC, IL, IO, 2>(grid, block, a, stream);
+    case 4: return rotary_launch<T, TC, IL, IO, 4>(grid, block, a, stream);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -227,13 +310,15 @@ static cudaError_t rotary_items(int items, dim3 grid, dim3 block, const RotaryAr
 template <typename T, typename TC>
 static cudaError_t rotary_t(bool interleaved, int items, dim3 grid, dim3 block, const RotaryArgs& a,
                             cudaStream_t stream) {
-  const bool vec = a.flags & ROTARY_VECTORIZED;
+  const int io = (a.flags & ROTARY_VECTORIZED) ? ((a.flags & ROTARY_WHOLE_CHUNKS) ? 2 : 1) : 0;
   if (interleaved) {
-    return vec ? rotary_items<T, TC, true, true>(items, grid, block, a, stream)
-               : rotary_items<T, TC, true, false>(items, grid, block, a, stream);
+    return io == 2 ? rotary_items<T, TC, true, 2>(items, grid, block, a, stream)
+         : io == 1 ? rotary_items<T, TC, true, 1>(items, grid, block, a, stream)
+                   : rotary_items<T, TC, true, 0>(items, grid, block, a, stream);
   }
-  return vec ? rotary_items<T, TC, false, true>(items, grid, block, a, stream)
-             : rotary_items<T, TC, false, false>(items, grid, block, a, stream);
+  return io == 2 ? rotary_items<T, TC, false, 2>(items, grid, block, a, stream)
+       : io == 1 ? rotary_items<T, TC, false, 1>(items, grid, block, a, stream)
+                 : rotary_items<T, TC, false, 0>(items, grid, block, a, stream);
 }
 
 cudaError_t rotary(int dtype, bool table_f32, bool interleaved, int items, dim3 grid, dim3 block,

@@ -2,15 +2,15 @@
 //
 // Launch geometry is decided in one place, megakern/_rotary_cuda.py (`launch_config`), and handed to the
 // launcher here, so the extension and the NVRTC path run the very same kernels with the same shapes:
-//   grid.x = ceil(B * T / tokens_per_block), block.x = threads (<= ROTARY_MAX_THREADS);
-//   ITEMS (template, 1 or 2): groups of 2 x 16 bytes each thread loads before any math.
+//   grid.x = ceil(B * T / tokens_per_block), grid.y = runs of heads, block.x = threads (<= ROTARY_MAX_THREADS);
+//   ITEMS (template, 1, 2 or 4): heads whose group of 2 x 16 bytes each thread loads before any math.
 #pragma once
 
 namespace megakern {
 
 // Bit values are mirrored in megakern/_rotary_cuda.py.
 enum RotaryFlags {
-  ROTARY_VECTORIZED = 1 << 0,   // 16-byte I/O: every row and pair chunk 16-byte aligned (the launcher checks)
+  ROTARY_VECTORIZED = 1 << 0,   // wide I/O: every row and table row starts 16-byte aligned (the launcher checks)
   ROTARY_CONJ = 1 << 1,         // rotate by -theta (the backward)
   ROTARY_COPY_REST = 1 << 2,    // copy features rotary_dim .. head_dim to the output (out of place)
   ROTARY_POS_IDS = 1 << 3,      // positions from position_ids (else the token index t)
@@ -18,6 +18,8 @@ enum RotaryFlags {
   ROTARY_CU_SEQLENS = 1 << 5,   // packed documents: positions restart at each cu_seqlens entry
   ROTARY_OFFSETS = 1 << 6,      // a per-sequence (or per-document) offset tensor is added
   ROTARY_OFFSETS_I64 = 1 << 7,  // offsets are int64 (else int32)
+  ROTARY_WHOLE_CHUNKS = 1 << 8, // with ROTARY_VECTORIZED: every chunk of every group and of the table is whole and
+                                // 16-byte aligned (the launcher checks), so only the 16-byte path is compiled in
 };
 
 // Shared-memory capacity for per-token (b, t, position): the most tokens a block may take.
@@ -53,8 +55,8 @@ struct RotaryArgs {
   int flags;
 };
 
-// dtype: RotaryDType of q / k; table_f32: cos / sin are fp32 (else q's dtype); items in {1, 2} (4 spills for
-// fp32 on sm_90a); args.flags & ROTARY_VECTORIZED picks the 16-byte instance. Returns the launch's error, if any.
+// dtype: RotaryDType of q / k; table_f32: cos / sin are fp32 (else q's dtype); items in {1, 2, 4};
+// args.flags & (ROTARY_VECTORIZED | ROTARY_WHOLE_CHUNKS) picks the I/O instance. Returns the launch's error, if any.
 cudaError_t rotary(int dtype, bool table_f32, bool interleaved, int items, dim3 grid, dim3 block,
                    const RotaryArgs& args, cudaStream_t stream);
 

@@ -51,8 +51,8 @@ def test_rotary_launch_config_covers_shapes(dtype):
             assert 1 <= cfg.tokens_per_block <= _rotary_cuda.MAX_TOKENS, (heads, hs, cfg)
             for table_f32 in ((True,) if dtype == torch.float32 else (True, False)):
                 for interleaved in (False, True):
-                    for vecio in (False, True):
-                        assert _rotary_cuda.kernel_name(dtype, table_f32, interleaved, vecio, cfg.items) in names
+                    for io in _rotary_cuda.IO_MODES:
+                        assert _rotary_cuda.kernel_name(dtype, table_f32, interleaved, io, cfg.items) in names
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=str)
