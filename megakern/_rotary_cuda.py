@@ -31,9 +31,10 @@ class LaunchConfig:
     head_runs: int = 1  # grid.y: the heads cut into this many runs
 
 
-# Defaults (benchmarks/bench_rotary.py --tune sweeps them; registers in docs/tuning.md, rotary): a block of
-# DEFAULT_THREADS threads, one (token, group) item each, and enough head runs that the grid has MIN_BLOCKS blocks.
-DEFAULT_THREADS, DEFAULT_ITEMS, MIN_BLOCKS = 256, 2, 4096
+# Defaults (benchmarks/bench_rotary.py --tune sweeps them; docs/tuning.md, rotary): a block of DEFAULT_THREADS
+# threads, one (token, group) item each, DEFAULT_ITEMS heads a step, and enough head runs that the grid has about
+# MIN_BLOCKS blocks.
+DEFAULT_THREADS, DEFAULT_ITEMS, MIN_BLOCKS = 128, 4, 4096
 MAX_HEAD_RUNS = 65535  # grid.y
 
 

@@ -9,8 +9,8 @@
 // Work split. grid.x cuts the flattened (B, T) into blocks of `tokens_per_block` consecutive tokens; grid.y cuts the
 // heads (q's, then k's) into gridDim.y equal runs. A block's threads first resolve each token's (b, t, position)
 // into shared memory: the token index, an explicit position id, or the offset inside its document (a binary search
-// of cu_seqlens), plus any offset. Then each thread takes items (token, group), group fastest, so a warp covers
-// contiguous runs of a row: it loads the group's (cos, sin) chunk once and walks the block's heads with it, ITEMS
+// of cu_seqlens), plus any offset. Then each thread takes items (token, group), group fastest (the rotary groups
+// of the block's tokens, then their pass-through groups), so a warp covers contiguous runs of rows: it loads the group's (cos, sin) chunk once and walks the block's heads with it, ITEMS
 // heads at a time (all their loads issued before any math, so several 16-byte loads are in flight), the row's
 // address advanced by the head stride: no division or table load per head.
 // A group is two chunks of VEC = 16 / sizeof(T) elements:
@@ -224,8 +224,18 @@ rotary_kernel(const T* q, const T* k, T* q_out, T* k_out, const TC* __restrict__
   const int items = ntok * groups;
   const bool conj = flags & ROTARY_CONJ;
 
+  // Items: the block's rotary groups first (token major), then its pass-through groups, so that a warp's threads take
+  // the same path (rotating, perhaps in narrower transactions; or copying) rather than both one after the other.
+  const int items_rot = ntok * groups_rot, groups_copy = groups - groups_rot;
   for (int i = threadIdx.x; i < items; i += blockDim.x) {
-    const int slot = i / groups, g = i - slot * groups;
+    int slot, g;
+    if (i < items_rot) {
+      slot = i / groups_rot;
+      g = i - slot * groups_rot;
+    } else {
+      slot = (i - items_rot) / groups_copy;
+      g = groups_rot + (i - items_rot) - slot * groups_copy;
+    }
     const i64 b = s_b[slot], t = s_t[slot];
     // the columns of the group's two chunks and how many of their elements exist (<= 0: none)
     int ca, cb, va, vb;
