@@ -1,5 +1,6 @@
 """csrc/: every .cu compiles with nvcc for sm_90a, and every kernel instance the launchers can ask for compiles
 with NVRTC (the extension-free path), on machines with no GPU. Skips with the reason where a compiler is missing."""
+import math
 import shutil
 import subprocess
 
@@ -49,6 +50,12 @@ def test_rotary_launch_config_covers_shapes(dtype):
             cfg = _rotary_cuda.launch_config(heads, groups)
             assert cfg.threads % 32 == 0 and cfg.threads <= _rotary_cuda.MAX_THREADS, (heads, hs, cfg)
             assert 1 <= cfg.tokens_per_block <= _rotary_cuda.MAX_TOKENS, (heads, hs, cfg)
+            for tokens in (1, 7, 4096, 1 << 20):
+                for narrow in (False, True):
+                    runs = _rotary_cuda.launch_config(heads, groups, tokens=tokens, narrow=narrow).head_runs
+                    # the kernel cuts the heads into runs of ceil(heads / runs): every run of the grid has heads
+                    assert 1 <= runs <= heads and math.ceil(heads / math.ceil(heads / runs)) == runs, (heads, runs)
+                    assert not narrow or runs == heads, (heads, runs)
             for table_f32 in ((True,) if dtype == torch.float32 else (True, False)):
                 for interleaved in (False, True):
                     for io in _rotary_cuda.IO_MODES:
