@@ -42,8 +42,7 @@ def test_nvrtc_compiles_every_kernel_instance(source, host):
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=str)
 def test_rotary_launch_config_covers_shapes(dtype):
-    """Every head count and head dim gets a geometry within the kernel's limits and an instantiated kernel, and head
-    runs the kernel cuts into non-empty runs."""
+    """Every head count and head dim gets a geometry within the kernel's limits and an instantiated kernel."""
     names = set(_rotary_cuda.kernel_names())
     for heads, hs, rd in [(1, 2, 2), (3, 26, 10), (40, 128, 128), (40, 128, 32), (128, 256, 256), (2, 64, 48)]:
         for copy_rest in (False, True):
@@ -56,6 +55,7 @@ def test_rotary_launch_config_covers_shapes(dtype):
                     runs = _rotary_cuda.launch_config(heads, groups, tokens=tokens, narrow=narrow).head_runs
                     # the kernel cuts the heads into runs of ceil(heads / runs): every run of the grid has heads
                     assert 1 <= runs <= heads and math.ceil(heads / math.ceil(heads / runs)) == runs, (heads, runs)
+                    assert not narrow or runs == heads, (heads, runs)
             for table_f32 in ((True,) if dtype == torch.float32 else (True, False)):
                 for interleaved in (False, True):
                     for io in _rotary_cuda.IO_MODES:
