@@ -36,7 +36,6 @@ class LaunchConfig:
 # MIN_BLOCKS blocks.
 DEFAULT_THREADS, DEFAULT_ITEMS, MIN_BLOCKS = 128, 4, 4096
 MAX_HEAD_RUNS = 65535  # grid.y
-STAGE_BYTES = 16384  # ROTARY_STAGE_BYTES: the staged path's shared memory, at least one row
 
 
 def launch_config(heads: int, groups: int, threads: Optional[int] = None, items: Optional[int] = None,
@@ -45,9 +44,9 @@ def launch_config(heads: int, groups: int, threads: Optional[int] = None, items:
     """Geometry for ``heads`` (q's + k's) rows of ``groups`` groups a token: a thread per (token, group) of a block
     (whole tokens, at most MAX_TOKENS), walking the heads of its run; with ``tokens`` (B * T) given, the heads cut
     into runs until the grid has MIN_BLOCKS blocks (each thread then walks fewer heads; a short sequence still
-    fills the GPU). ``narrow``: the launch takes the kernel's staged path (rows that are not whole 16-byte chunks,
-    e.g. a partial rotary dim whose second half starts mid-chunk, or unaligned views), where ``items`` plays no part.
-    Arguments override the defaults (tuning)."""
+    fills the GPU). ``narrow``: some chunk moves in narrower transactions than 16 bytes (a partial rotary dim
+    whose second half starts mid-chunk): then a run per head and one head a step by default, each thread a single
+    row's group, as many threads in flight as there are groups. Arguments override the defaults (tuning)."""
     threads = threads or DEFAULT_THREADS
     items = items or (1 if narrow else DEFAULT_ITEMS)
     if threads % 32 or not 32 <= threads <= MAX_THREADS or items not in ITEMS:
@@ -55,6 +54,8 @@ def launch_config(heads: int, groups: int, threads: Optional[int] = None, items:
                          f"got {threads}, {items}")
     per_block = max(1, min(MAX_TOKENS, tokens_per_block or threads // max(1, groups)))
     heads = max(1, heads)
+    if head_runs is None and narrow:
+        head_runs = min(heads, MAX_HEAD_RUNS)
     if head_runs is None:
         blocks = math.ceil(tokens / per_block) if tokens else MIN_BLOCKS
         head_runs = min(heads, max(1, MIN_BLOCKS // blocks))
@@ -148,10 +149,6 @@ def fwd(q, k, q_out, k_out, cos, sin, position_ids, cu_seqlens, offsets, offset:
         flags |= VECTORIZED
         if rot_half % vec == 0 and (not copy_rest or (hs - rotary_dim) % (2 * vec) == 0):
             flags |= WHOLE_CHUNKS  # every chunk whole and 16-byte aligned: the instance with the 16-byte path alone
-    if not flags & WHOLE_CHUNKS and hs * q.element_size() > STAGE_BYTES:
-        raise ValueError(f"rotary (cuda backend): rows that are not whole 16-byte chunks go through {STAGE_BYTES} "
-                         f"bytes of shared memory, and a head of {hs} {q.dtype} elements does not fit; use "
-                         f"backend='triton'")
     _, groups = groups_per_row(hs, rotary_dim, q.dtype, copy_rest)
     cfg = config or launch_config(nh + nkv, groups, tokens=tokens, narrow=not flags & WHOLE_CHUNKS)
     grid = math.ceil(tokens / cfg.tokens_per_block)

@@ -9,21 +9,17 @@
 // Work split. grid.x cuts the flattened (B, T) into blocks of `tokens_per_block` consecutive tokens; grid.y cuts the
 // heads (q's, then k's) into gridDim.y equal runs. A block's threads first resolve each token's (b, t, position)
 // into shared memory: the token index, an explicit position id, or the offset inside its document (a binary search
-// of cu_seqlens), plus any offset. Then two paths:
-//
-// Whole chunks (IO 2: rows 16-byte aligned, every chunk below whole). Each thread takes items (token, group), group
-// fastest, so a warp covers contiguous runs of a row; it loads the group's (cos, sin) chunk once and walks the
-// block's heads with it, ITEMS heads at a time (all their 16-byte loads issued before any math), the row's address
-// advanced by the head stride: no division or table load per head. A group is two chunks of VEC = 16 / sizeof(T)
-// elements:
+// of cu_seqlens), plus any offset. Then each thread takes items (token, group), group fastest (the rotary groups
+// of the block's tokens, then their pass-through groups), so a warp covers contiguous runs of rows: it loads the group's (cos, sin) chunk once and walks the block's heads with it, ITEMS
+// heads at a time (all their loads issued before any math, so several 16-byte loads are in flight), the row's
+// address advanced by the head stride: no division or table load per head.
+// A group is two chunks of VEC = 16 / sizeof(T) elements:
 //   rotary group g (pairs g*VEC .. g*VEC + VEC - 1): NeoX chunk a from the first half, chunk b from the second;
 //   GPT-J the 2 VEC consecutive elements holding those pairs; the (cos, sin) chunk is VEC entries of row m;
 //   pass-through group: 2 VEC elements past rotary_dim, copied.
-//
-// Staged (IO 0 and 1: a partial rotary dim whose second half starts mid-chunk, as rotary_dim 24 in bf16; a head dim
-// that is not whole chunks; rows not 16-byte aligned). The block copies whole rows of its tokens and head run into
-// shared memory, a batch at a time, then each thread writes an output chunk of VEC features, each feature's pair
-// partner and table entry read where they lie (rotary_staged).
+// I/O: 16-byte transactions where a chunk is whole and 16-byte aligned; 8-byte ones where it starts 8-byte aligned
+// (a NeoX second half that starts mid-chunk, as with rotary_dim 24 in bf16, or half a chunk); element by element
+// otherwise.
 //
 // All math in fp32. Kernel names are referenced by megakern/_rotary_cuda.py for the NVRTC path
 // ("megakern::rotary_kernel<__nv_bfloat16, float, false, 2, 2>").
@@ -31,6 +27,81 @@
 #include "rotary/rotary.h"
 
 namespace megakern {
+
+// N elements of S at p as floats, the first `valid` only (0 beyond): MODE 16, whole 16-byte transactions (all N
+// exist, p 16-byte aligned); MODE 8, 8-byte ones for every whole 8-byte piece that exists (p 8-byte aligned), the
+// rest element by element; MODE 0, element by element.
+template <typename S, int N>
+__device__ __forceinline__ void rotary_load(const S* p, float (&v)[N], int valid, int mode) {
+  constexpr int PER8 = 8 / sizeof(S);
+  if (mode == 16) {
+    uint4 raw[N * sizeof(S) / 16];
+#pragma unroll
+    for (int c = 0; c < N * (int)sizeof(S) / 16; ++c) raw[c] = reinterpret_cast<const uint4*>(p)[c];
+    unpack16<S, N>(raw, v);
+  } else if (mode == 8) {
+#pragma unroll
+    for (int c = 0; c < N / PER8; ++c) {
+      if ((c + 1) * PER8 <= valid) {
+        const uint2 raw = reinterpret_cast<const uint2*>(p)[c];
+        const S* e = reinterpret_cast<const S*>(&raw);
+#pragma unroll
+        for (int i = 0; i < PER8; ++i) v[c * PER8 + i] = to_float(e[i]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < PER8; ++i) v[c * PER8 + i] = c * PER8 + i < valid ? to_float(p[c * PER8 + i]) : 0.f;
+      }
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] = i < valid ? to_float(p[i]) : 0.f;
+  }
+}
+
+// The first `valid` of N floats to S at p, in the transactions of rotary_load's MODE.
+template <typename S, int N>
+__device__ __forceinline__ void rotary_store(S* p, const float (&v)[N], int valid, int mode) {
+  constexpr int PER8 = 8 / sizeof(S), PER16 = 16 / sizeof(S);
+  if (mode == 16) {
+#pragma unroll
+    for (int c = 0; c < N / PER16; ++c) {
+      uint4 raw;
+      S* e = reinterpret_cast<S*>(&raw);
+#pragma unroll
+      for (int i = 0; i < PER16; ++i) e[i] = from_float<S>(v[c * PER16 + i]);
+      reinterpret_cast<uint4*>(p)[c] = raw;
+    }
+  } else if (mode == 8) {
+#pragma unroll
+    for (int c = 0; c < N / PER8; ++c) {
+      if ((c + 1) * PER8 <= valid) {
+        uint2 raw;
+        S* e = reinterpret_cast<S*>(&raw);
+#pragma unroll
+        for (int i = 0; i < PER8; ++i) e[i] = from_float<S>(v[c * PER8 + i]);
+        reinterpret_cast<uint2*>(p)[c] = raw;
+      } else {
+#pragma unroll
+        for (int i = 0; i < PER8; ++i)
+          if (c * PER8 + i < valid) p[c * PER8 + i] = from_float<S>(v[c * PER8 + i]);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+      if (i < valid) p[i] = from_float<S>(v[i]);
+  }
+}
+
+// The transactions a chunk of `valid` elements of S at column `col` of a row takes (rotary_load's MODE); VECIO:
+// every row starts 16-byte aligned.
+template <typename S, int N, bool VECIO>
+__device__ __forceinline__ int rotary_io(int col, int valid) {
+  const int at = col * (int)sizeof(S);
+  if (!VECIO || valid <= 0) return 0;
+  if (valid == N && at % 16 == 0) return 16;
+  return (at % 8 == 0 && valid * (int)sizeof(S) >= 8) ? 8 : 0;
+}
 
 // Rotate one group (chunks a, b of VEC elements) by the table chunk (c, s), s already negated for the backward.
 template <int VEC, bool INTERLEAVED>
@@ -57,161 +128,54 @@ __device__ __forceinline__ void rotate_group(float (&xa)[VEC], float (&xb)[VEC],
   }
 }
 
-// VEC floats as one 16-byte chunk of T.
-template <typename T, int VEC>
-__device__ __forceinline__ uint4 pack16(const float (&v)[VEC]) {
-  uint4 raw;
-  T* e = reinterpret_cast<T*>(&raw);
-#pragma unroll
-  for (int i = 0; i < VEC; ++i) e[i] = from_float<T>(v[i]);
-  return raw;
-}
-
-// One group of heads lo .. hi - 1 of a token (rows at src + h * sh, written to dst + h * dh), ITEMS heads at a time,
-// both chunks whole 16-byte transactions: every load of the ITEMS heads issued first, each head's chunks then
-// unpacked, rotated and stored in turn (the others stay packed, 4 registers a chunk). A step past hi reads head
-// hi - 1 again (through its address, not a branch) and stores nothing.
-template <typename T, int VEC, bool INTERLEAVED, int ITEMS>
+// One group of heads lo .. hi - 1 of a token (rows at src + h * sh, written to dst + h * dh), ITEMS heads at a time:
+// every load of the ITEMS heads issued before any is converted. A step past hi reads head hi - 1 again (through its
+// address, not a branch) and stores nothing. V16: both chunks whole 16-byte transactions (ma = mb = 16).
+template <typename T, int VEC, bool INTERLEAVED, int ITEMS, bool V16>
 __device__ __forceinline__ void rotary_heads(const T* src, T* dst, i64 sh, i64 dh, int lo, int hi, int ca, int cb,
-                                             bool rot, const float (&c)[VEC], const float (&s)[VEC]) {
+                                             int va, int vb, int ma, int mb, bool rot, const float (&c)[VEC],
+                                             const float (&s)[VEC]) {
   for (int h = lo; h < hi; h += ITEMS) {
-    uint4 ra[ITEMS], rb[ITEMS];
+    float xa[ITEMS][VEC], xb[ITEMS][VEC];
+    if (V16) {
+      uint4 ra[ITEMS], rb[ITEMS];
 #pragma unroll
-    for (int u = 0; u < ITEMS; ++u) {
-      const T* p = src + (i64)min(h + u, hi - 1) * sh;
-      ra[u] = *reinterpret_cast<const uint4*>(p + ca);
-      rb[u] = *reinterpret_cast<const uint4*>(p + cb);
+      for (int u = 0; u < ITEMS; ++u) {
+        const T* p = src + (i64)min(h + u, hi - 1) * sh;
+        ra[u] = *reinterpret_cast<const uint4*>(p + ca);
+        rb[u] = *reinterpret_cast<const uint4*>(p + cb);
+      }
+#pragma unroll
+      for (int u = 0; u < ITEMS; ++u) {
+        unpack16<T, VEC>(&ra[u], xa[u]);
+        unpack16<T, VEC>(&rb[u], xb[u]);
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < ITEMS; ++u) {
+        const T* p = src + (i64)min(h + u, hi - 1) * sh;
+        rotary_load<T, VEC>(p + ca, xa[u], va, ma);
+        rotary_load<T, VEC>(p + cb, xb[u], vb, mb);
+      }
     }
 #pragma unroll
     for (int u = 0; u < ITEMS; ++u) {
       if (h + u >= hi) break;
+      if (rot) rotate_group<VEC, INTERLEAVED>(xa[u], xb[u], c, s);
       T* p = dst + (i64)(h + u) * dh;
-      if (rot) {
-        float xa[VEC], xb[VEC];
-        unpack16<T, VEC>(&ra[u], xa);
-        unpack16<T, VEC>(&rb[u], xb);
-        rotate_group<VEC, INTERLEAVED>(xa, xb, c, s);
-        ra[u] = pack16<T, VEC>(xa);
-        rb[u] = pack16<T, VEC>(xb);
-      }
-      *reinterpret_cast<uint4*>(p + ca) = ra[u];
-      *reinterpret_cast<uint4*>(p + cb) = rb[u];
-    }
-  }
-}
-
-// Bytes of shared memory a block stages rows through (the path for rows that are not whole 16-byte chunks).
-constexpr int ROTARY_STAGE_BYTES = 16384;
-
-// The staged path: rows (token, head) of the block's tokens and head run, a batch at a time, copied whole into shared
-// memory (16-byte transactions where every row is whole 16-byte chunks, else element by element), then each thread
-// writes an output chunk of VEC features, reading each feature's pair partner and table entry where it lies, so a
-// second NeoX half that starts mid-chunk (rotary_dim 24 in bf16) costs no narrow global transaction. Writes the
-// first `span` features of each row: all of them out of place with the pass-through copy, else the rotary ones.
-template <typename T, typename TC, bool INTERLEAVED, bool VECIO>
-__device__ __forceinline__ void rotary_staged(
-    T* stage, const T* q, const T* k, T* q_out, T* k_out, const TC* __restrict__ cos, const TC* __restrict__ sin,
-    const int* s_b, const int* s_t, const int* s_pos, int ntok, int h0, int h1, int nh, int head_dim, int rot_half,
-    int span, bool conj, i64 stride_qb, i64 stride_qt, i64 stride_qh, i64 stride_kb, i64 stride_kt, i64 stride_kh,
-    i64 stride_qob, i64 stride_qot, i64 stride_qoh, i64 stride_kob, i64 stride_kot, i64 stride_koh, i64 stride_cos,
-    i64 stride_sin) {
-  constexpr int VEC = 16 / sizeof(T);
-  const int run = h1 - h0;
-  if (run <= 0) return;
-  const int rows = ntok * run, batch = max(1, ROTARY_STAGE_BYTES / (head_dim * (int)sizeof(T)));
-  const bool wide = VECIO && head_dim % VEC == 0;
-  const int chunks = (head_dim + VEC - 1) / VEC, out_chunks = (span + VEC - 1) / VEC;
-  // row r of the block: its token slot, and its source and destination
-  auto locate = [&](int r, int& slot, const T*& src, T*& dst) {
-    slot = r / run;
-    const int h = h0 + r - slot * run;
-    const i64 b = s_b[slot], t = s_t[slot];
-    if (h < nh) {
-      src = q + b * stride_qb + t * stride_qt + h * stride_qh;
-      dst = q_out + b * stride_qob + t * stride_qot + h * stride_qoh;
-    } else {
-      src = k + b * stride_kb + t * stride_kt + (h - nh) * stride_kh;
-      dst = k_out + b * stride_kob + t * stride_kot + (h - nh) * stride_koh;
-    }
-  };
-  for (int r0 = 0; r0 < rows; r0 += batch) {
-    const int nr = min(batch, rows - r0);
-    if (wide) {
-      constexpr int U = 4;  // chunks a thread loads before it stores any (their loads in flight together)
-      for (int base = threadIdx.x; base < nr * chunks; base += U * blockDim.x) {
-        uint4 raw[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          const int i = min(base + u * (int)blockDim.x, nr * chunks - 1), r = i / chunks;
-          int slot;
-          const T* src;
-          T* dst;
-          locate(r0 + r, slot, src, dst);
-          raw[u] = reinterpret_cast<const uint4*>(src)[i - r * chunks];
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          const int i = base + u * (int)blockDim.x;
-          if (i < nr * chunks) reinterpret_cast<uint4*>(stage)[i] = raw[u];  // row r at stage + r * head_dim
-        }
-      }
-    } else {
-      for (int i = threadIdx.x; i < nr * head_dim; i += blockDim.x) {
-        const int r = i / head_dim;
-        int slot;
-        const T* src;
-        T* dst;
-        locate(r0 + r, slot, src, dst);
-        stage[i] = src[i - r * head_dim];
-      }
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < nr * out_chunks; i += blockDim.x) {
-      const int r = i / out_chunks, c0 = (i - r * out_chunks) * VEC;
-      int slot;
-      const T* src;
-      T* dst;
-      locate(r0 + r, slot, src, dst);
-      const T* x = stage + r * head_dim;
-      const i64 m = s_pos[slot];
-      float y[VEC];
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) {
-        const int col = c0 + e;
-        y[e] = 0.f;
-        if (col >= span) continue;
-        float v = to_float(x[col]);
-        if (col < 2 * rot_half) {
-          int j, partner;
-          float sign;
-          if (INTERLEAVED) {
-            j = col >> 1, partner = col ^ 1, sign = (col & 1) ? 1.f : -1.f;
-          } else if (col < rot_half) {
-            j = col, partner = col + rot_half, sign = -1.f;
-          } else {
-            j = col - rot_half, partner = j, sign = 1.f;
-          }
-          const float cs = to_float(cos[m * stride_cos + j]), sn = to_float(sin[m * stride_sin + j]);
-          const float xp = to_float(x[partner]);
-          v = v * cs + sign * (xp * (conj ? -sn : sn));
-        }
-        y[e] = v;
-      }
-      const int valid = min(VEC, span - c0);
-      if (VECIO && valid == VEC) {
-        *reinterpret_cast<uint4*>(dst + c0) = pack16<T, VEC>(y);
+      if (V16) {
+        rotary_store<T, VEC>(p + ca, xa[u], VEC, 16);
+        rotary_store<T, VEC>(p + cb, xb[u], VEC, 16);
       } else {
-#pragma unroll
-        for (int e = 0; e < VEC; ++e)
-          if (e < valid) dst[c0 + e] = from_float<T>(y[e]);
+        rotary_store<T, VEC>(p + ca, xa[u], va, ma);
+        rotary_store<T, VEC>(p + cb, xb[u], vb, mb);
       }
     }
-    __syncthreads();  // the batch is written before the next one is staged over it
   }
 }
 
-// IO: 0, element by element; 1, rows and table rows start 16-byte aligned; 2, besides, every chunk of every group (and
-// of the table) is whole, so the 16-byte head-walking path runs. 0 and 1 take the staged path.
+// IO: 0, element by element; 1, rows 16-byte aligned, each chunk in the widest transactions its column allows;
+// 2, every chunk of every group (and of the table) whole and 16-byte aligned (only the 16-byte path is compiled).
 template <typename T, typename TC, bool INTERLEAVED, int IO, int ITEMS>
 __global__ void __launch_bounds__(ROTARY_MAX_THREADS)
 rotary_kernel(const T* q, const T* k, T* q_out, T* k_out, const TC* __restrict__ cos, const TC* __restrict__ sin,
@@ -221,6 +185,7 @@ rotary_kernel(const T* q, const T* k, T* q_out, T* k_out, const TC* __restrict__
               i64 stride_qob, i64 stride_qot, i64 stride_qoh, i64 stride_kob, i64 stride_kot, i64 stride_koh,
               i64 stride_cos, i64 stride_sin, i64 stride_pb, i64 stride_pt, int ndocs, i64 offset, int flags) {
   constexpr int VEC = 16 / sizeof(T);
+  constexpr bool VECIO = IO >= 1;
   __shared__ int s_b[ROTARY_MAX_TOKENS], s_t[ROTARY_MAX_TOKENS], s_pos[ROTARY_MAX_TOKENS];
   const i64 first = (i64)blockIdx.x * tokens_per_block;
   const int ntok = (int)min((i64)tokens_per_block, tokens - first);
@@ -254,54 +219,73 @@ rotary_kernel(const T* q, const T* k, T* q_out, T* k_out, const TC* __restrict__
   // This block's heads: run blockIdx.y of gridDim.y, q's heads first.
   const int heads = nh + nkv, per_run = (heads + gridDim.y - 1) / gridDim.y;
   const int h0 = blockIdx.y * per_run, h1 = min(heads, h0 + per_run);
+  const int groups_rot = (rot_half + VEC - 1) / VEC;
+  const int groups = groups_rot + ((flags & ROTARY_COPY_REST) ? (head_dim - 2 * rot_half + 2 * VEC - 1) / (2 * VEC) : 0);
+  const int items = ntok * groups;
   const bool conj = flags & ROTARY_CONJ;
 
-  if constexpr (IO < 2) {
-    __shared__ __align__(16) T stage[ROTARY_STAGE_BYTES / sizeof(T)];
-    const int span = (flags & ROTARY_COPY_REST) ? head_dim : 2 * rot_half;
-    rotary_staged<T, TC, INTERLEAVED, IO == 1>(
-        stage, q, k, q_out, k_out, cos, sin, s_b, s_t, s_pos, ntok, h0, h1, nh, head_dim, rot_half, span, conj,
-        stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_qob, stride_qot, stride_qoh,
-        stride_kob, stride_kot, stride_koh, stride_cos, stride_sin);
-  } else {
-    const int groups_rot = rot_half / VEC;
-    const int groups = groups_rot + ((flags & ROTARY_COPY_REST) ? (head_dim - 2 * rot_half) / (2 * VEC) : 0);
-    for (int i = threadIdx.x; i < ntok * groups; i += blockDim.x) {
-      const int slot = i / groups, g = i - slot * groups;
-      const i64 b = s_b[slot], t = s_t[slot];
-      // the columns of the group's two chunks (every chunk whole here)
-      const bool rot = g < groups_rot;
-      const int j = g * VEC;  // first pair of a rotary group
-      const int ca = rot ? (INTERLEAVED ? 2 * j : j) : 2 * rot_half + (g - groups_rot) * 2 * VEC;
-      const int cb = rot ? (INTERLEAVED ? 2 * j + VEC : rot_half + j) : ca + VEC;
-      // the table chunk, once for all the heads
-      float c[VEC], s[VEC];
-      if (rot) {
-        const i64 m = s_pos[slot];
-        constexpr int CT = VEC * sizeof(TC) / 16;
-        uint4 rc[CT], rs[CT];
-#pragma unroll
-        for (int u = 0; u < CT; ++u) {
-          rc[u] = reinterpret_cast<const uint4*>(cos + m * stride_cos + j)[u];
-          rs[u] = reinterpret_cast<const uint4*>(sin + m * stride_sin + j)[u];
-        }
-        unpack16<TC, VEC>(rc, c);
-        unpack16<TC, VEC>(rs, s);
-        if (conj) {
-#pragma unroll
-          for (int e = 0; e < VEC; ++e) s[e] = -s[e];
-        }
+  // Items: the block's rotary groups first (token major), then its pass-through groups, so that a warp's threads take
+  // the same path (rotating, perhaps in narrower transactions; or copying) rather than both one after the other.
+  const int items_rot = ntok * groups_rot, groups_copy = groups - groups_rot;
+  for (int i = threadIdx.x; i < items; i += blockDim.x) {
+    int slot, g;
+    if (i < items_rot) {
+      slot = i / groups_rot;
+      g = i - slot * groups_rot;
+    } else {
+      slot = (i - items_rot) / groups_copy;
+      g = groups_rot + (i - items_rot) - slot * groups_copy;
+    }
+    const i64 b = s_b[slot], t = s_t[slot];
+    // the columns of the group's two chunks and how many of their elements exist (<= 0: none)
+    int ca, cb, va, vb;
+    const bool rot = g < groups_rot;
+    const int j = g * VEC;  // first pair of a rotary group
+    if (rot) {
+      if (INTERLEAVED) {
+        ca = 2 * j;
+        cb = 2 * j + VEC;
+        va = min(VEC, 2 * (rot_half - j));
+        vb = min(VEC, 2 * (rot_half - j) - VEC);
       } else {
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) c[e] = s[e] = 0.f;
+        ca = j;
+        cb = rot_half + j;
+        va = vb = min(VEC, rot_half - j);
       }
-      for (int part = 0; part < 2; ++part) {  // q's heads, then k's
-        const int lo = part ? max(h0, nh) - nh : h0, hi = part ? h1 - nh : min(h1, nh);
-        if (lo >= hi) continue;
-        const T* src = part ? k + b * stride_kb + t * stride_kt : q + b * stride_qb + t * stride_qt;
-        T* dst = part ? k_out + b * stride_kob + t * stride_kot : q_out + b * stride_qob + t * stride_qot;
-        rotary_heads<T, VEC, INTERLEAVED, ITEMS>(src, dst, part ? stride_kh : stride_qh, part ? stride_koh : stride_qoh,
-                                                 lo, hi, ca, cb, rot, c, s);
+    } else {
+      ca = 2 * rot_half + (g - groups_rot) * 2 * VEC;
+      cb = ca + VEC;
+      va = min(VEC, head_dim - ca);
+      vb = min(VEC, head_dim - cb);
+    }
+    // the table chunk, once for all the heads
+    float c[VEC], s[VEC];
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) c[e] = s[e] = 0.f;
+    if (rot) {
+      const i64 m = s_pos[slot];
+      const int valid = min(VEC, rot_half - j), mode = IO == 2 ? 16 : rotary_io<TC, VEC, VECIO>(j, valid);
+      rotary_load<TC, VEC>(cos + m * stride_cos + j, c, valid, mode);
+      rotary_load<TC, VEC>(sin + m * stride_sin + j, s, valid, mode);
+      if (conj) {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) s[e] = -s[e];
+      }
+    }
+    const int ma = IO == 2 ? 16 : rotary_io<T, VEC, VECIO>(ca, va), mb = IO == 2 ? 16 : rotary_io<T, VEC, VECIO>(cb, vb);
+    for (int part = 0; part < 2; ++part) {  // q's heads, then k's
+      const int lo = part ? max(h0, nh) - nh : h0, hi = part ? h1 - nh : min(h1, nh);
+      if (lo >= hi) continue;
+      const T* src = part ? k + b * stride_kb + t * stride_kt : q + b * stride_qb + t * stride_qt;
+      T* dst = part ? k_out + b * stride_kob + t * stride_kot : q_out + b * stride_qob + t * stride_qot;
+      const i64 sh = part ? stride_kh : stride_qh, dh = part ? stride_koh : stride_qoh;
+      if constexpr (IO == 2) {
+        rotary_heads<T, VEC, INTERLEAVED, ITEMS, true>(src, dst, sh, dh, lo, hi, ca, cb, va, vb, ma, mb, rot, c, s);
+      } else {
+        if (ma == 16 && mb == 16)
+          rotary_heads<T, VEC, INTERLEAVED, ITEMS, true>(src, dst, sh, dh, lo, hi, ca, cb, va, vb, ma, mb, rot, c, s);
+        else
+          rotary_heads<T, VEC, INTERLEAVED, ITEMS, false>(src, dst, sh, dh, lo, hi, ca, cb, va, vb, ma, mb, rot, c, s);
       }
     }
   }

@@ -3,8 +3,7 @@
 // Launch geometry is decided in one place, megakern/_rotary_cuda.py (`launch_config`), and handed to the
 // launcher here, so the extension and the NVRTC path run the very same kernels with the same shapes:
 //   grid.x = ceil(B * T / tokens_per_block), grid.y = runs of heads, block.x = threads (<= ROTARY_MAX_THREADS);
-//   ITEMS (template, 1, 2 or 4): heads whose group of 2 x 16 bytes each thread loads before any math (the
-//   whole-chunk path; the staged path ignores it).
+//   ITEMS (template, 1, 2 or 4): heads whose group of 2 x 16 bytes each thread loads before any math.
 #pragma once
 
 namespace megakern {
