@@ -285,15 +285,18 @@ def tune(device: torch.device, copy_gbps: float, providers: set[str] | None) -> 
                                          f"{' (default)' if cfg == default else ''}"))
             if not status["cuda"] and (not providers or "megakern-cuda" in providers):
                 path = _cuda.choose_path()
-                _, groups = _rotary_cuda.groups_per_row(case.hs, case.rd, dtype, False)
+                copy_rest = case.rd < case.hs  # out of place, as args run it
+                _, groups = _rotary_cuda.groups_per_row(case.hs, case.rd, dtype, copy_rest)
                 heads, tokens = case.nh + case.nkv, case.b * case.t
-                default = _rotary_cuda.launch_config(heads, groups, tokens=tokens)
+                narrow = not _rotary_cuda.whole_chunks(case.hs, case.rd, dtype, copy_rest)
+                default = _rotary_cuda.launch_config(heads, groups, tokens=tokens, narrow=narrow)
                 for threads in (128, 256):
                     for items in _rotary_cuda.ITEMS:
-                        auto = _rotary_cuda.launch_config(heads, groups, threads, items, tokens=tokens).head_runs
+                        auto = _rotary_cuda.launch_config(heads, groups, threads, items, tokens=tokens,
+                                                          narrow=narrow).head_runs
                         for runs in sorted({1, max(1, auto // 2), auto, min(heads, auto * 2)}):
                             cfg = _rotary_cuda.launch_config(heads, groups, threads, items, tokens=tokens,
-                                                             head_runs=runs)
+                                                             head_runs=runs, narrow=narrow)
                             t = bench(lambda: _rotary_cuda.fwd(*args, path=path, config=cfg), device=device)
                             rows.append((gb / (t["median"] * 1e-3), f"cuda-{path} {cfg}"
                                          f"{' (default)' if cfg == default else ''}"))

@@ -91,6 +91,13 @@ def kernel_names() -> list[str]:
     return names
 
 
+def whole_chunks(head_dim: int, rotary_dim: int, dtype: torch.dtype, copy_rest: bool) -> bool:
+    """Every chunk of every group of a row is whole (on 16-byte aligned rows: the instance with the 16-byte path
+    alone; otherwise the launch is ``narrow``)."""
+    vec = _VEC[dtype]
+    return rotary_dim // 2 % vec == 0 and (not copy_rest or (head_dim - rotary_dim) % (2 * vec) == 0)
+
+
 def groups_per_row(head_dim: int, rotary_dim: int, dtype: torch.dtype, copy_rest: bool) -> tuple[int, int]:
     """(rotary groups, all groups) of one head row: a group is two chunks of 16 bytes (see rotary.cu)."""
     vec = _VEC[dtype]
@@ -144,10 +151,9 @@ def fwd(q, k, q_out, k_out, cos, sin, position_ids, cu_seqlens, offsets, offset:
         flags |= CU_SEQLENS
     if offsets is not None:
         flags |= OFFSETS | (OFFSETS_I64 if offsets.dtype == torch.int64 else 0)
-    vec = _VEC[q.dtype]
-    if _vectorizable((q, k, q_out, k_out), vec, cos, sin, rot_half, hs, copy_rest):
+    if _vectorizable((q, k, q_out, k_out), _VEC[q.dtype], cos, sin, rot_half, hs, copy_rest):
         flags |= VECTORIZED
-        if rot_half % vec == 0 and (not copy_rest or (hs - rotary_dim) % (2 * vec) == 0):
+        if whole_chunks(hs, rotary_dim, q.dtype, copy_rest):
             flags |= WHOLE_CHUNKS  # every chunk whole and 16-byte aligned: the instance with the 16-byte path alone
     _, groups = groups_per_row(hs, rotary_dim, q.dtype, copy_rest)
     cfg = config or launch_config(nh + nkv, groups, tokens=tokens, narrow=not flags & WHOLE_CHUNKS)

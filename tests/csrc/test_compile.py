@@ -62,6 +62,16 @@ def test_rotary_launch_config_covers_shapes(dtype):
                         assert _rotary_cuda.kernel_name(dtype, table_f32, interleaved, io, cfg.items) in names
 
 
+def test_rotary_whole_chunks():
+    """Which rows take the CUDA kernel's 16-byte path alone (and which launches are narrow): the rotary half a
+    whole number of 16-byte chunks, and a copied pass-through part too when out of place."""
+    bf16, f32 = torch.bfloat16, torch.float32
+    assert _rotary_cuda.whole_chunks(128, 128, bf16, False) and _rotary_cuda.whole_chunks(64, 64, bf16, True)
+    assert not _rotary_cuda.whole_chunks(96, 24, bf16, True)  # GPT-NeoX-20B: the second half starts mid-chunk
+    assert _rotary_cuda.whole_chunks(96, 24, f32, True) and not _rotary_cuda.whole_chunks(92, 24, f32, True)
+    assert _rotary_cuda.whole_chunks(96, 32, bf16, True) and not _rotary_cuda.whole_chunks(88, 32, bf16, True)
+
+
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=str)
 @pytest.mark.parametrize("backward", (False, True), ids=("fwd", "bwd"))
 def test_launch_config_covers_rows(dtype, backward):
