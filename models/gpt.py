@@ -652,6 +652,9 @@ class GPT(nn.Module):
         # the loss of a head whose vocabulary is split over ranks: loss(x (N, C), weight shard, targets (N,), **kw),
         # as megakern.linear_cross_entropy's keywords (tensor parallelism sets it; None: the whole vocabulary here)
         self.vocab_parallel_loss = None
+        # learned positions as one table row per token, (B, T, C), instead of a (T, C) table broadcast over the batch
+        # (a sequence-parallel plan that splits the tokens over ranks needs each token's own row)
+        self.positions_per_token = False
         device = torch.get_default_device()
         if device.type != "meta":
             self.to_empty(device=device)
@@ -803,7 +806,8 @@ class GPT(nn.Module):
         if self.wte is not None:
             x = self.wte(idx)  # (B, T, C)
             if self.wpe is not None:
-                x = x + self.wpe(self._learned_positions(B, T, cu_seqlens, position_ids, device))
+                positions = self._learned_positions(B, T, cu_seqlens, position_ids, device)
+                x = x + self.wpe(positions.expand(B, T) if self.positions_per_token else positions)
             if config.dropout:
                 x = F.dropout(x, config.dropout, self.training)
         else:

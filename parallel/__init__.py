@@ -28,7 +28,7 @@ from megakern.parallel.tensor_parallel import TPInfo, apply_tensor_parallel
 from megakern.parallel.watchdog import EXIT_CODE as WATCHDOG_EXIT_CODE
 from megakern.parallel.watchdog import StepWatchdog, WatchdogError
 from megakern.parallel.mappings import (copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp,
-                                        reduce_scatter_to_sp, scatter_to_sp, scatter_to_tp)
+                                        reduce_scatter_to_sp, scatter_to_sp, scatter_to_tp, token_shard)
 
 __all__ = [
     "MESH_DIMS", "ColumnParallelLinear", "DisagreementError", "ExpertDispatcher", "ParallelDims", "ParallelMesh",
@@ -39,6 +39,6 @@ __all__ = [
     "clip_grad_norm_", "config_hash", "cut_stage", "gemm_reduce_scatter", "parallelize", "stage_layout",
     "copy_to_tp", "cp_positions", "cp_shard", "cp_unshard", "gather_from_sp", "gather_from_tp", "init_distributed",
     "linear_reduce", "reduce_from_tp", "reduce_scatter_to_sp", "region_seed", "ring_attention", "scatter_to_sp",
-    "scatter_to_tp",
+    "scatter_to_tp", "token_shard",
     "versions", "vocab_parallel_cross_entropy",
 ]

@@ -6,7 +6,7 @@ With tp ranks, a Linear y = x W^T + b, W (N, K):
 - row parallel: W split by columns (input features), rank r holds W[:, r*K/tp : (r+1)*K/tp]; input x's feature
   shard, partial products summed over ranks (``reduce_from_tp``), then + b (whole on every rank).
 A column layer followed by a row layer (attention qkv -> proj, MLP fc -> proj) needs one all-reduce forward and
-one backward. Under sequence parallel the column layer all-gathers the sequence shards of its input
+one backward. Under sequence parallel the column layer all-gathers the token shards of its input
 (``gather_from_sp``) and the row layer reduce-scatters its output back to them (``reduce_scatter_to_sp``).
 
 The row layer's matmul + reduction go through ``self.gemm_reduce(x, weight, group, sequence_parallel, seq_dim)``
@@ -14,7 +14,7 @@ The row layer's matmul + reduction go through ``self.gemm_reduce(x, weight, grou
 reduce-scatter (``overlap.gemm_reduce_scatter``) plugs in without touching the layer.
 
 Each layer lists its sharded parameters in ``tp_shard_dims`` ({name: dim of the full tensor that is split}) and
-its parameters whose gradients are partial over the tp group (``sp_partial``: a bias added to sequence shards):
+its parameters whose gradients are partial over the tp group (``sp_partial``: a bias added to token shards):
 the parallel plan reads both (gradient reduction, checkpoints, clipping). ``from_linear`` / ``from_embedding``
 build the layer from a full module, keeping this rank's slice of its parameters.
 """
@@ -37,7 +37,7 @@ def _local(size: int, group, what: str) -> int:
 
 def linear_reduce(x: torch.Tensor, weight: torch.Tensor, group, sequence_parallel: bool, seq_dim: int):
     """The row-parallel layer's default GEMM + reduction: x @ weight^T summed over ``group`` (all-reduce), or its
-    sequence shard under sequence parallel (reduce-scatter along ``seq_dim``). A fused, overlapped kernel replaces
+    token shard under sequence parallel (reduce-scatter along ``seq_dim``). A fused, overlapped kernel replaces
     this with the same signature and semantics."""
     y = F.linear(x, weight)
     if sequence_parallel:
@@ -62,7 +62,7 @@ class ColumnParallelLinear(nn.Module):
     """y[..., shard] = x W_shard^T + b_shard: weight (out_features / tp, in_features).
 
     ``gather_output``: all-gather y's features (the full output on every rank; rarely wanted).
-    ``sequence_parallel``: x is this rank's sequence shard (dim ``seq_dim``); it is all-gathered first.
+    ``sequence_parallel``: x is this rank's token shard (sequence dim ``seq_dim``); it is all-gathered first.
     ``input_is_gathered``: x already entered the tensor-parallel region (the caller applied copy_to_tp /
     gather_from_sp itself, e.g. once for several layers reading the same input).
     ``gather_gemm``: under sequence parallel, the all-gather + GEMM ``gather_gemm(x, weight, group, seq_dim)``
@@ -128,7 +128,7 @@ class RowParallelLinear(nn.Module):
     """y = sum_ranks x_shard W_shard^T + b: weight (out_features, in_features / tp), bias whole.
 
     ``input_is_parallel``: x holds this rank's feature shard (the output of a column-parallel layer); else x is
-    whole and is split first. ``sequence_parallel``: y is reduce-scattered to this rank's sequence shard.
+    whole and is split first. ``sequence_parallel``: y is reduce-scattered to this rank's token shard.
     ``gemm_reduce``: the GEMM + reduction (``linear_reduce`` unless a fused kernel is given).
     """
 

@@ -9,16 +9,27 @@ transpose of its pair in backward:
 | ``reduce_from_tp(x, g)`` | all-reduce | identity |
 | ``scatter_to_tp(x, g, dim)`` | keep this rank's chunk of dim | all-gather along dim |
 | ``gather_from_tp(x, g, dim)`` | all-gather along dim | keep this rank's chunk |
-| ``gather_from_sp(x, g, dim)`` | all-gather along dim (the sequence) | reduce-scatter along dim |
-| ``reduce_scatter_to_sp(x, g, dim)`` | reduce-scatter along dim | all-gather along dim |
+| ``gather_from_sp(x, g, dim)`` | all-gather of the token shards (dim: the sequence) | reduce-scatter to them |
+| ``reduce_scatter_to_sp(x, g, dim)`` | reduce-scatter to the token shards | all-gather of them |
+| ``scatter_to_sp(x, g, dim)`` | keep this rank's token shard | all-gather of them |
 
-Sequence parallel (SP) keeps activations between blocks sharded along the sequence (dim 1 of (B, T, C)): a
-column-parallel layer all-gathers its input (``gather_from_sp``) instead of ``copy_to_tp``, a row-parallel layer
-reduce-scatters its output (``reduce_scatter_to_sp``) instead of all-reducing. An all-reduce is a reduce-scatter
-plus an all-gather, so SP moves the same bytes and divides the norm/dropout activations by tp.
+Sequence parallel (SP) keeps activations between blocks sharded over the tokens: a column-parallel layer
+all-gathers its input (``gather_from_sp``) instead of ``copy_to_tp``, a row-parallel layer reduce-scatters its
+output (``reduce_scatter_to_sp``) instead of all-reducing. An all-reduce is a reduce-scatter plus an all-gather, so
+SP moves the same bytes and divides the norm/dropout activations by tp.
 
-Collectives run on contiguous buffers, one rank's chunk after another: an all-gather or reduce-scatter along dim d
-makes one permuting copy when the dims before d hold more than one element (none along dim 0). Chunks are equal:
+The token shards: a tensor (*lead, T, *rest) whose sequence is dim ``d`` (``lead`` the dims before it, e.g. the
+batch of (B, T, C)) has L x T tokens in memory order; rank r keeps the r-th of tp equal runs of them, viewed as
+(*lead, T / tp, *rest). With the sequence first (d = 0) or a batch of one this is the r-th chunk of the sequence;
+for (B, T, C) with B > 1 the runs cross batch rows (rank 0 of 2 holds rows 0 .. B/2 - 1 whole when B is even). The
+ops between the layers (norms, dropout, residual adds, a MoE router) act token by token, so any equal split serves;
+this one makes every shard a contiguous run of the whole tensor: the collectives move it with no permuting copy,
+and a fused GEMM + collective reads and writes plain row blocks. Where a whole-sequence tensor must be split like
+the activations (a learned position table), it must have every token's row: (*lead, T, *rest), not broadcast.
+
+Collectives run on contiguous buffers, one rank's chunk after another: ``all_gather`` / ``reduce_scatter`` along dim
+d (the tensor-parallel mappings' features, dim -1) make one permuting copy when the dims before d hold more than one
+element (none along dim 0); the sequence-parallel mappings never do (token shards, above). Chunks are equal:
 the split dim must be divisible by the group size (checked, with the numbers in the error). On gloo builds that
 lack the single-tensor collectives (gloo in torch 2.11 and 2.13 has both, for fp32 and bf16), all-gather falls
 back to the list form and reduce-scatter to an all-reduce of the whole tensor keeping this rank's chunk (twice the
@@ -193,18 +204,62 @@ def gather_from_tp(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
     return x if group_size(group) == 1 else _GatherFromTP.apply(x, group, dim)
 
 
+def token_rows(x: torch.Tensor, n: int, dim: int, what: str) -> torch.Tensor:
+    """A whole-sequence tensor (*lead, T, *rest) (sequence: dim ``dim``) as (n * L, T / n, *rest), L = prod(lead):
+    dim 0's runs of L hold the n token shards in rank order (a view of a contiguous x). T must be divisible by n."""
+    dim = dim % x.dim()
+    m = _check_split(x, dim, n, what)
+    return x.reshape(n * math.prod(x.shape[:dim]), m, *x.shape[dim + 1:])
+
+
+def token_shard_shape(whole: torch.Size | tuple, n: int, dim: int) -> tuple[int, ...]:
+    """The shape of a token shard of a whole-sequence tensor of shape ``whole`` over n ranks."""
+    dim = dim % len(whole)
+    return (*whole[:dim], whole[dim] // n, *whole[dim + 1:])
+
+
+def token_whole_shape(shard: torch.Size | tuple, n: int, dim: int) -> tuple[int, ...]:
+    """The shape of the whole-sequence tensor of which ``shard`` is one of n token shards."""
+    dim = dim % len(shard)
+    return (*shard[:dim], shard[dim] * n, *shard[dim + 1:])
+
+
+def token_shard(x: torch.Tensor, n: int, r: int, dim: int = 1) -> torch.Tensor:
+    """Rank r's token shard (of n) of the whole-sequence tensor ``x`` (sequence along ``dim``), as
+    ``scatter_to_sp`` keeps it: for preparing a shard or checking one against a whole reference."""
+    if not 0 <= r < n:
+        raise ValueError(f"token_shard: rank {r} is not in [0, {n})")
+    rows = token_rows(x, n, dim, "token_shard")
+    lead = rows.shape[0] // n
+    return rows[r * lead:(r + 1) * lead].reshape(token_shard_shape(x.shape, n, dim))
+
+
 def gather_from_sp(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
-    """Sequence-parallel shard -> the whole sequence (before a column-parallel layer); the gradient, a partial sum
-    on each rank, is reduce-scattered back to the shards."""
-    return x if group_size(group) == 1 else _GatherFromSP.apply(x, group, dim)
+    """This rank's token shard (sequence along ``dim``) -> the whole sequence (before a column-parallel layer):
+    the shards concatenated in rank order, one all-gather with no permuting copy; the gradient, a partial sum on
+    each rank, is reduce-scattered back to the shards."""
+    n = group_size(group)
+    if n == 1:
+        return x
+    dim = dim % x.dim()
+    rows = x.reshape(math.prod(x.shape[:dim]), *x.shape[dim:])  # the shard's tokens along dim 0
+    return _GatherFromSP.apply(rows, group, 0).view(token_whole_shape(x.shape, n, dim))
 
 
 def reduce_scatter_to_sp(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
-    """Partial sums over the whole sequence (after a row-parallel layer) -> this rank's shard of their sum; the
-    gradient is all-gathered."""
-    return x if group_size(group) == 1 else _ReduceScatterToSP.apply(x, group, dim)
+    """Partial sums over the whole sequence (after a row-parallel layer) -> this rank's token shard of their sum
+    (one reduce-scatter, no permuting copy); the gradient is all-gathered."""
+    n = group_size(group)
+    if n == 1:
+        return x
+    rows = token_rows(x, n, dim, "reduce_scatter_to_sp")
+    return _ReduceScatterToSP.apply(rows, group, 0).view(token_shard_shape(x.shape, n, dim))
 
 
 def scatter_to_sp(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
-    """The whole sequence (equal on every rank) -> this rank's shard; the gradient is all-gathered."""
-    return scatter_to_tp(x, group, dim)
+    """The whole sequence (equal on every rank) -> this rank's token shard; the gradient is all-gathered."""
+    n = group_size(group)
+    if n == 1:
+        return x
+    rows = token_rows(x, n, dim, "scatter_to_sp")
+    return _ScatterToTP.apply(rows, group, 0).view(token_shard_shape(x.shape, n, dim))

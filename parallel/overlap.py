@@ -7,7 +7,7 @@ Two implementations behind one signature each:
 ``symmetric.SymmetricWorkspace``; data moves peer to peer over NVLink while the GEMMs run, and ranks tell each other
 that data is in place by signals (no barrier per op):
 
-- GEMM + reduce-scatter, y = x W^T summed over the ranks, rank r keeping sequence chunk r. By default (the
+- GEMM + reduce-scatter, y = x W^T summed over the ranks, rank r keeping token shard r. By default (the
   workspace's ``rs_impl="copy"``) cuBLAS GEMMs compute the chunks in the order r+1, ..., r into the rank's own
   buffer, signalling each chunk's owner, which pulls it by copy engine while the next chunk's GEMM runs; then a
   summing pass (the last pull and the sum stay exposed). With ``rs_impl="kernel"`` a Triton GEMM
@@ -30,7 +30,7 @@ stream, so the ops can be captured in CUDA graphs.
 transfers around chunked matmuls (Megatron-LM's ring exchange); all-gather + GEMM is the unfused
 ``gather_from_sp`` + matmul. Both are tested against the unfused layers on gloo ranks.
 
-Ring details: the sequence is cut into one chunk per rank and the chunks' partial sums travel around the ring:
+Ring details: the tokens are cut into one chunk per rank and the chunks' partial sums travel around the ring:
 
     step s = 0 .. n-1 on rank r: chunk c = (r - 1 - s) mod n
         acc = x_c W^T  (+ the accumulator received from rank r-1 for chunk c, when s > 0)
@@ -39,6 +39,10 @@ Ring details: the sequence is cut into one chunk per rank and the chunks' partia
 
 Its backward is the dual ring (the output gradient's chunks all-gathered around the ring, each chunk's input-gradient
 rows computed while the next chunk travels; the weight gradient one matmul over the gathered gradient).
+
+Both implementations work on row matrices: the token shards of mappings (a contiguous run of the tensor's tokens
+per rank) make every chunk a block of rows, read and written in place by plain GEMMs (a chunk of the sequence dim
+of a (B, T, C) tensor would be a strided view, copied or batched).
 
 Sums follow their own order (the slots' order, the ring's) instead of NCCL's: equal within rounding to the unfused
 ``layers.linear_reduce``. The sequence dim must be divisible by the group size (checked, the numbers in the error).
@@ -58,7 +62,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megakern.gemm_scatter import reduce_own, scatter_partials
-from megakern.parallel.mappings import gather_from_sp, group_rank, group_size
+from megakern.parallel.mappings import (gather_from_sp, group_rank, group_size, token_rows, token_shard_shape,
+                                        token_whole_shape)
 
 
 def _peers(group) -> tuple[int, int, int, int]:
@@ -78,30 +83,10 @@ def _exchange(send: torch.Tensor | None, recv: torch.Tensor | None, nxt: int, pr
     return dist.batch_isend_irecv(ops) if ops else []
 
 
-def _chunks(t: torch.Tensor, n: int, dim: int, what: str = "gemm_reduce_scatter") -> tuple[torch.Tensor, ...]:
-    if t.shape[dim] % n:
-        raise ValueError(f"{what}: the sequence dim {dim} of a tensor of shape {tuple(t.shape)} is not "
-                         f"divisible by the tensor-parallel size {n}")
-    return t.chunk(n, dim)
-
-
-def _chunk_linear(xc: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """xc @ weight^T. A chunk of the sequence of a (B, T, K) tensor is a strided view (B, T / n, K), which F.linear
-    would copy to fold it into a matrix: a batched GEMM reads it in place (cuBLAS takes the batch stride)."""
-    if xc.dim() == 3 and not xc.is_contiguous() and xc.stride(-1) == 1:
-        return torch.bmm(xc, weight.t().unsqueeze(0).expand(xc.shape[0], -1, -1))
-    return F.linear(xc, weight)
-
-
 def _mm_into(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
-    """out = a @ w^T in place: a (..., K), w (N, K) (any strides), out (..., N) (a view: its rows may be strided).
-    A strided 3-D chunk is one batched GEMM reading and writing in place."""
-    if (a.dim() == 2 or a.is_contiguous()) and (out.dim() == 2 or out.is_contiguous()):
-        torch.mm(a.reshape(-1, a.shape[-1]), w.t(), out=out.view(-1, out.shape[-1]))
-    elif a.dim() == 3 and a.stride(-1) == 1 and out.stride(-1) == 1:
-        torch.bmm(a, w.t().unsqueeze(0).expand(a.shape[0], -1, -1), out=out)
-    else:
-        out.copy_(F.linear(a, w))
+    """out = a @ w^T in place: a (M, K), w (N, K) (any strides), out (M, N) with unit column stride (a row block of
+    a contiguous matrix)."""
+    torch.mm(a, w.t(), out=out)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -110,53 +95,50 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 # ---- symmetric memory ------------------------------------------------------------------------------------------
-def _rs_symm(x: torch.Tensor, w: torch.Tensor, ws, seq_dim: int) -> torch.Tensor:
-    """This rank's sequence chunk of sum over ranks (x @ w^T), by the workspace's ``rs_impl``: "kernel" (the GEMM
-    stores the peers' chunks straight into their buffers, then the own chunk's GEMM adds what the peers left here) or
-    "copy" (cuBLAS GEMMs, copy-engine pulls, a summing pass)."""
+# The ops below take row matrices: a token shard's rows (S, K), or the whole sequence's (n * S, K) with rank c's
+# shard in rows [c * S, (c + 1) * S) (mappings' token shards of a contiguous tensor, flattened).
+def _rs_symm(x: torch.Tensor, w: torch.Tensor, ws) -> torch.Tensor:
+    """This rank's row block of sum over ranks (x @ w^T), by the workspace's ``rs_impl``: "kernel" (the GEMM
+    stores the peers' blocks straight into their buffers, then the own block's GEMM adds what the peers left here)
+    or "copy" (cuBLAS GEMMs, copy-engine pulls, a summing pass)."""
     if ws.rs_impl == "kernel":
-        return _rs_kernel(x, w, ws, seq_dim)
-    return _rs_copy(x, w, ws, seq_dim)
+        return _rs_kernel(x, w, ws)
+    return _rs_copy(x, w, ws)
 
 
-def _rs_kernel(x: torch.Tensor, w: torch.Tensor, ws, seq_dim: int) -> torch.Tensor:
-    """GEMM + reduce-scatter by megakern.gemm_scatter: launch 1 computes chunks r+1, r+2, ... and stores each
+def _rs_kernel(x: torch.Tensor, w: torch.Tensor, ws) -> torch.Tensor:
+    """GEMM + reduce-scatter by megakern.gemm_scatter: launch 1 computes blocks r+1, r+2, ... and stores each
     output tile into slot r of its owner's buffer as it is done (the transfer runs inside the GEMM); this rank then
-    signals every peer and waits for every peer's signal; launch 2 computes chunk r and adds the peers' n - 1 partial
+    signals every peer and waits for every peer's signal; launch 2 computes block r and adds the peers' n - 1 partial
     sums in its epilogue (fp32, one rounding). All on the current stream."""
     n, r = ws.size, ws.rank
-    shape = list(x.shape)
-    s_len = shape[seq_dim]
-    p, q = math.prod(shape[:seq_dim]), math.prod(shape[seq_dim + 1:-1])
-    x4 = x.contiguous().view(p, n, s_len // n * q, shape[-1])
-    out_shape = [*shape[:-1], w.shape[0]]
-    out_shape[seq_dim] = s_len // n
-    numel = math.prod(out_shape)
-    handle = ws.buffer("rs", n * numel * x.element_size())
+    m = x.shape[0] // n
+    x4 = x.contiguous().view(1, n, m, x.shape[-1])
+    handle = ws.buffer("rs", n * m * w.shape[0] * x.element_size())
     addresses = ws.addresses(handle)
     scatter_partials(x4, w, addresses, r)
     for step in range(1, n):
         ws.signal(handle, "rs", (r + step) % n)
     for step in range(1, n):
         ws.wait(handle, "rs", (r - step) % n)
-    out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
-    reduce_own(x4, w, addresses, r, out.view(-1, out_shape[-1]))
+    out = torch.empty(m, w.shape[0], dtype=x.dtype, device=x.device)
+    reduce_own(x4, w, addresses, r, out)
     return out
 
 
-def _rs_copy(x: torch.Tensor, w: torch.Tensor, ws, seq_dim: int) -> torch.Tensor:
-    """This rank's sequence chunk of sum over ranks (x @ w^T): each peer's chunk computed into this rank's buffer and
-    signalled, the peer pulling it while the next chunk's GEMM runs; the own chunk last, then the n-way sum.
+def _rs_copy(x: torch.Tensor, w: torch.Tensor, ws) -> torch.Tensor:
+    """This rank's row block of sum over ranks (x @ w^T): each peer's block computed into this rank's buffer and
+    signalled, the peer pulling it while the next block's GEMM runs; the own block last, then the n-way sum.
 
     Every GEMM is launched before the pulls' waiting kernels are: a kernel launched for the first time may have to
     wait for the device's running kernels (lazy module loading), and a kernel that waits for a peer must not be
     among them while the peer waits for this rank's GEMMs."""
     n, r = ws.size, ws.rank
-    xs = _chunks(x, n, seq_dim)
-    shape = [*xs[0].shape[:-1], w.shape[0]]
+    xs = x.chunk(n)
+    shape = [xs[0].shape[0], w.shape[0]]
     numel = math.prod(shape)
     handle = ws.buffer("rs", n * numel * x.element_size())
-    parts = torch.empty([n, *shape], dtype=x.dtype, device=x.device)  # slot s: rank s's partial sum of chunk r
+    parts = torch.empty([n, *shape], dtype=x.dtype, device=x.device)  # slot s: rank s's partial sum of block r
     start = torch.cuda.Event()
     start.record()
     for step in range(1, n):
@@ -164,7 +146,7 @@ def _rs_copy(x: torch.Tensor, w: torch.Tensor, ws, seq_dim: int) -> torch.Tensor
         _mm_into(xs[c], w, handle.get_buffer(r, shape, x.dtype, c * numel))
         ws.signal(handle, "rs", c)
     _mm_into(xs[r], w, parts[r])
-    # peer r - s computes chunk r at its step s: pulled in that order, each as soon as the peer signals it, on streams
+    # peer r - s computes block r at its step s: pulled in that order, each as soon as the peer signals it, on streams
     # forked at the op's start (they run beside the GEMMs above)
     events = ws.pull(handle, "rs", [(r - step) % n for step in range(1, n)],
                      lambda p: parts[p].copy_(handle.get_buffer(p, shape, x.dtype, r * numel)), signal_first=False,
@@ -176,18 +158,17 @@ def _rs_copy(x: torch.Tensor, w: torch.Tensor, ws, seq_dim: int) -> torch.Tensor
 
 
 class _Gather:
-    """All-gather of ``shard`` along ``seq_dim`` into this rank's symmetric buffer, laid out shard by shard ((n,
-    *shard.shape), rank c's shard in slot c): the own shard copied into slot r, then each peer's shard pulled on that
-    peer's stream once the peer signals it in place (one contiguous copy-engine transfer a peer, all peers at once,
-    forked where the gather began); ``chunk(c)`` makes the current stream wait for shard c and returns it, ``rows()``
-    every shard as one (n * shard rows, C) matrix, in slot order (a view of the buffer, valid until the role's buffer
-    is used again two ops later; ``chunk_major`` puts another tensor's rows in the same order). The pulls are queued at
-    the first ``chunk`` of a peer's shard or ``rows()``, after the GEMMs launched before (see _rs_copy on launch
-    order)."""
+    """All-gather of the row matrix ``shard`` (S, C) into this rank's symmetric buffer, laid out shard by shard ((n,
+    S, C), rank c's shard in slot c): the own shard copied into slot r, then each peer's shard pulled on that peer's
+    stream once the peer signals it in place (one contiguous copy-engine transfer a peer, all peers at once, forked
+    where the gather began); ``chunk(c)`` makes the current stream wait for shard c and returns it, ``rows()`` the
+    whole (n * S, C) matrix (a view of the buffer, valid until the role's buffer is used again two ops later). The
+    pulls are queued at the first ``chunk`` of a peer's shard or ``rows()``, after the GEMMs launched before (see
+    _rs_copy on launch order)."""
 
-    def __init__(self, shard: torch.Tensor, ws, seq_dim: int):
+    def __init__(self, shard: torch.Tensor, ws):
         n, r = ws.size, ws.rank
-        self.n, self.r, self.dim, self.shard, self.len, self.ws = n, r, seq_dim, shard, shard.shape[seq_dim], ws
+        self.n, self.r, self.shard, self.len, self.ws = n, r, shard, shard.shape[0], ws
         self.slot_shape = list(shard.shape)
         self.handle = ws.buffer("ag", n * shard.numel() * shard.element_size())
         self.slots = self.handle.get_buffer(r, [n, *self.slot_shape], shard.dtype, 0)
@@ -219,71 +200,58 @@ class _Gather:
 
     def rows(self) -> torch.Tensor:
         self.ws.join(self._pulls())  # every pull done (and their streams joined, for graph capture)
-        return self.slots.reshape(-1, self.slot_shape[-1])
-
-    def chunk_major(self, t: torch.Tensor) -> torch.Tensor:
-        """The rows of ``t`` (the whole sequence along ``seq_dim``) in rows()'s order, as a matrix: a view where the
-        sequence dim leads its layout, else a copy."""
-        grouped = t.unflatten(self.dim, (self.n, self.len)).movedim(self.dim, 0)
-        return grouped.reshape(-1, t.shape[-1])
+        return self.slots.view(-1, self.slot_shape[-1])
 
 
 def _gathered_gemm(gather: _Gather, w: torch.Tensor, out: torch.Tensor) -> None:
-    """out (the whole sequence) = gather(x) @ w^T, each shard's rows as soon as the shard is here."""
+    """out (the whole sequence's rows) = gather(x) @ w^T, each shard's rows as soon as the shard is here."""
     for c in gather.order():
-        _mm_into(gather.chunk(c), w, out.narrow(gather.dim, c * gather.len, gather.len))
+        _mm_into(gather.chunk(c), w, out.narrow(0, c * gather.len, gather.len))
 
 
-def _out_like(x: torch.Tensor, seq_dim: int, n: int, cols: int, dtype) -> torch.Tensor:
-    shape = list(x.shape)
-    shape[seq_dim] *= n
-    shape[-1] = cols
-    return torch.empty(shape, dtype=dtype, device=x.device)
-
-
-def _save(ctx, x, weight, ws, seq_dim) -> torch.dtype:
+def _save(ctx, x, weight, ws) -> torch.dtype:
     """Keeps what a symmetric op's backward needs; returns the dtype its GEMMs run in (autocast's, or x's)."""
     dtype = _compute_dtype(x)
     ctx.save_for_backward(x, weight)
-    ctx.ws, ctx.seq_dim, ctx.dtype = ws, seq_dim, dtype
+    ctx.ws, ctx.dtype = ws, dtype
     return dtype
 
 
 class _SymmGemmReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, ws, seq_dim):
-        dtype = _save(ctx, x, weight, ws, seq_dim)
+    def forward(ctx, x, weight, ws):
+        dtype = _save(ctx, x, weight, ws)
         with torch.autocast(x.device.type, enabled=False):
-            return _rs_symm(x.to(dtype), weight.to(dtype), ws, seq_dim)
+            return _rs_symm(x.to(dtype), weight.to(dtype), ws)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        ws, seq_dim, dtype = ctx.ws, ctx.seq_dim, ctx.dtype
+        ws, dtype = ctx.ws, ctx.dtype
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad = grad.to(dtype).contiguous()
         w = weight.to(dtype)
-        gather = _Gather(grad, ws, seq_dim)
+        gather = _Gather(grad, ws)
         dx = None
         if need_x:  # dX = gather(dY) @ W, a shard's rows as soon as it arrives
-            dx = _out_like(grad, seq_dim, ws.size, w.shape[1], dtype)
+            dx = torch.empty(ws.size * grad.shape[0], w.shape[1], dtype=dtype, device=grad.device)
             _gathered_gemm(gather, w.t(), dx)
             dx = dx.to(x.dtype)
         full = gather.rows()
         dw = None
         if need_w:  # one GEMM over the gathered gradient, summed in its fp32 accumulator
-            dw = (full.t() @ gather.chunk_major(x.to(dtype))).to(weight.dtype)
-        return dx, dw, None, None
+            dw = (full.t() @ x.to(dtype)).to(weight.dtype)
+        return dx, dw, None
 
 
 class _SymmAllGatherGemm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, ws, seq_dim):
-        dtype = _save(ctx, x, weight, ws, seq_dim)
+    def forward(ctx, x, weight, ws):
+        dtype = _save(ctx, x, weight, ws)
         with torch.autocast(x.device.type, enabled=False):
             xc, w = x.to(dtype).contiguous(), weight.to(dtype)
-            gather = _Gather(xc, ws, seq_dim)
-            out = _out_like(xc, seq_dim, ws.size, w.shape[0], dtype)
+            gather = _Gather(xc, ws)
+            out = torch.empty(ws.size * xc.shape[0], w.shape[0], dtype=dtype, device=xc.device)
             _gathered_gemm(gather, w, out)
             gather.rows()
         return out
@@ -291,37 +259,37 @@ class _SymmAllGatherGemm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        ws, seq_dim, dtype = ctx.ws, ctx.seq_dim, ctx.dtype
+        ws, dtype = ctx.ws, ctx.dtype
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad = grad.to(dtype)
+        grad = grad.to(dtype).contiguous()
         w = weight.to(dtype)
         # the input gathered again for dW (pulled on the side stream under dX's GEMMs)
-        gather = _Gather(x.to(dtype).contiguous(), ws, seq_dim) if need_w else None
-        dx = _rs_symm(grad, w.t(), ws, seq_dim).to(x.dtype) if need_x else None
+        gather = _Gather(x.to(dtype).contiguous(), ws) if need_w else None
+        dx = _rs_symm(grad, w.t(), ws).to(x.dtype) if need_x else None
         dw = None
         if need_w:
-            full = gather.rows()
-            dw = (gather.chunk_major(grad).t() @ full).to(weight.dtype)
-        return dx, dw, None, None
+            dw = (grad.t() @ gather.rows()).to(weight.dtype)
+        return dx, dw, None
 
 
 # ---- the ring (any backend) ------------------------------------------------------------------------------------
 class _RingGemmReduceScatter(torch.autograd.Function):
+    """On row matrices, as the symmetric ops: x (n * S, K) -> this rank's row block (S, N) of the sum."""
+
     @staticmethod
-    def forward(ctx, x, weight, group, seq_dim):
+    def forward(ctx, x, weight, group):
         n, r, nxt, prev = _peers(group)
-        seq_dim = seq_dim % x.dim()
-        xs = _chunks(x, n, seq_dim)
+        xs = x.chunk(n)
         ctx.save_for_backward(x, weight)
-        ctx.group, ctx.seq_dim = group, seq_dim
+        ctx.group = group
         kind = x.device.type
-        if torch.is_autocast_enabled(kind):  # cast once here, not per chunk (and not as an expanded batch)
+        if torch.is_autocast_enabled(kind):  # cast once here, not per chunk
             weight = weight.to(torch.get_autocast_dtype(kind))
-        acc = _chunk_linear(xs[(r - 1) % n], weight).contiguous()
+        acc = F.linear(xs[(r - 1) % n], weight)
         for s in range(1, n):
             incoming = torch.empty_like(acc)
             requests = _exchange(acc, incoming, nxt, prev, group)
-            part = _chunk_linear(xs[(r - 1 - s) % n], weight)  # overlaps the transfer
+            part = F.linear(xs[(r - 1 - s) % n], weight)  # overlaps the transfer
             for req in requests:
                 req.wait()
             acc = incoming.add_(part)
@@ -330,7 +298,7 @@ class _RingGemmReduceScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        group, seq_dim = ctx.group, ctx.seq_dim
+        group = ctx.group
         n, r, nxt, prev = _peers(group)
         # under autocast the forward's matmuls ran in the autocast dtype, which is the gradient's: the backward's
         # run in it too (autograd runs this outside autocast)
@@ -338,8 +306,8 @@ class _RingGemmReduceScatter(torch.autograd.Function):
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         chunks, dxs = [None] * n, [None] * n
         current = grad.contiguous()
-        # step s holds chunk (r - s) mod n of the output gradient: rank r starts with its own, then passes on what
-        # it holds while computing that chunk's rows of the input gradient
+        # step s holds block (r - s) mod n of the output gradient: rank r starts with its own, then passes on what
+        # it holds while computing that block's rows of the input gradient
         for s in range(n):
             c = (r - s) % n
             chunks[c] = current
@@ -350,12 +318,11 @@ class _RingGemmReduceScatter(torch.autograd.Function):
             for req in requests:
                 req.wait()
             current = incoming
-        dx = torch.cat(dxs, seq_dim) if need_x else None
+        dx = torch.cat(dxs) if need_x else None
         dw = None
         if need_w:  # one matmul over the gathered gradient: summed in the GEMM's own fp32 accumulator, as unfused
-            full = torch.cat(chunks, seq_dim)
-            dw = (full.reshape(-1, full.shape[-1]).t() @ x.to(grad.dtype).reshape(-1, x.shape[-1])).to(weight.dtype)
-        return dx, dw, None, None
+            dw = (torch.cat(chunks).t() @ x.to(grad.dtype)).to(weight.dtype)
+        return dx, dw, None
 
 
 def _check_operands(what: str, x: torch.Tensor, weight: torch.Tensor, seq_dim: int) -> int:
@@ -377,30 +344,34 @@ def _check_workspace(what: str, ws, group, x: torch.Tensor) -> None:
 
 def gemm_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group, sequence_parallel: bool,
                         seq_dim: int, workspace=None) -> torch.Tensor:
-    """x @ weight^T reduce-scattered along ``seq_dim`` over ``group``, the transfers overlapped with the matmuls
-    (see the module doc): through ``workspace`` (a symmetric.SymmetricWorkspace of ``group``) on CUDA, else the
-    ring; ``layers.linear_reduce`` where there is no reduce-scatter to hide."""
+    """x @ weight^T reduce-scattered to this rank's token shard (mappings.reduce_scatter_to_sp along ``seq_dim``)
+    over ``group``, the transfers overlapped with the matmuls (see the module doc): through ``workspace`` (a
+    symmetric.SymmetricWorkspace of ``group``) on CUDA, else the ring; ``layers.linear_reduce`` where there is no
+    reduce-scatter to hide."""
     from megakern.parallel.layers import linear_reduce
 
     if not sequence_parallel or group_size(group) == 1:
         return linear_reduce(x, weight, group, sequence_parallel, seq_dim)
     seq_dim = _check_operands("gemm_reduce_scatter", x, weight, seq_dim)
-    _chunks(x, group_size(group), seq_dim)
+    n = group_size(group)
+    rows = token_rows(x, n, seq_dim, "gemm_reduce_scatter").reshape(-1, x.shape[-1])
+    shape = token_shard_shape((*x.shape[:-1], weight.shape[0]), n, seq_dim)
     if workspace is not None and x.is_cuda:
         _check_workspace("gemm_reduce_scatter", workspace, group, x)
-        return _SymmGemmReduceScatter.apply(x, weight, workspace, seq_dim)
-    return _RingGemmReduceScatter.apply(x, weight, group, seq_dim)
+        return _SymmGemmReduceScatter.apply(rows, weight, workspace).view(shape)
+    return _RingGemmReduceScatter.apply(rows, weight, group).view(shape)
 
 
 def all_gather_gemm(x: torch.Tensor, weight: torch.Tensor, group, seq_dim: int, workspace=None) -> torch.Tensor:
-    """gather(x) @ weight^T: x is this rank's shard of the sequence (dim ``seq_dim``), the result covers the whole
-    sequence (this rank's columns of a column-parallel layer); the gradient of x is reduce-scattered back. Through
-    ``workspace`` on CUDA the shards travel under the GEMMs (see the module doc); else gather_from_sp, then the
-    matmul."""
+    """gather(x) @ weight^T: x is this rank's token shard (mappings.gather_from_sp along ``seq_dim``), the result
+    covers the whole sequence (this rank's columns of a column-parallel layer); the gradient of x is
+    reduce-scattered back. Through ``workspace`` on CUDA the shards travel under the GEMMs (see the module doc);
+    else gather_from_sp, then the matmul."""
     if group_size(group) == 1:
         return F.linear(x, weight)
     seq_dim = _check_operands("all_gather_gemm", x, weight, seq_dim)
     if workspace is not None and x.is_cuda:
         _check_workspace("all_gather_gemm", workspace, group, x)
-        return _SymmAllGatherGemm.apply(x, weight, workspace, seq_dim)
+        shape = token_whole_shape((*x.shape[:-1], weight.shape[0]), group_size(group), seq_dim)
+        return _SymmAllGatherGemm.apply(x.reshape(-1, x.shape[-1]), weight, workspace).view(shape)
     return F.linear(gather_from_sp(x, group, seq_dim), weight)

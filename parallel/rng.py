@@ -12,7 +12,7 @@ Regions (seeds derived from one common ``seed`` and the rank's coordinates, hash
 | region | seed depends on | use |
 |---|---|---|
 | ``"replicated"`` | seed, pipeline stage, dp rank, cp rank | activations that are whole and equal on the tp ranks |
-| ``"tensor_parallel"`` | the same and the tp rank | activations split over tp (heads, or sequence shards) |
+| ``"tensor_parallel"`` | the same and the tp rank | activations split over tp (heads, or token shards) |
 
 - Replicated activations (the residual stream without sequence parallelism) must get the *same* mask on every
   tp rank, or the ranks' copies drift apart: the common seed.

@@ -7,15 +7,16 @@ Per block (tp ranks, group g):
 - MLP: fc -> ColumnParallelLinear (swiglu's interleaved gate/up rows stay paired), proj -> RowParallelLinear.
 - MoE MLP (models/moe.py): whole on every tp rank (its experts, router and shared experts: expert parallelism is
   what shards experts). Without sequence parallel every tp rank computes it on the same tokens (replicated, like
-  the norms); under sequence parallel it routes this rank's sequence shard, its statistics and aux loss count the
+  the norms); under sequence parallel it routes this rank's token shard, its statistics and aux loss count the
   shards' sum (``shard_tokens``), and its gradients are partial sums over tp (``sp_partial``).
 - The input of attn and of mlp enters the tensor-parallel region once, by a forward pre-hook: ``copy_to_tp``, or
-  under sequence parallel ``gather_from_sp`` (the sequence shards all-gathered); the row layers leave it by an
-  all-reduce, or a reduce-scatter back to the sequence shards. Under autocast the input is cast to the autocast
+  under sequence parallel ``gather_from_sp`` (the token shards all-gathered); the row layers leave it by an
+  all-reduce, or a reduce-scatter back to the token shards. Under autocast the input is cast to the autocast
   dtype before it enters (the Linear would cast it first thing): the all-gather and its backward reduce-scatter
   (or copy_to_tp's backward all-reduce) move bf16, not fp32.
 Embedding and head: wte -> VocabParallelEmbedding (under SP its reduce-scatter lands the embeddings on the
-sequence shards; a learned position table's output is split to the same shard by a forward hook); norm_f's output
+token shards, mappings' split of the (B, T) tokens; a learned position table's output, one row per token
+(``GPT.positions_per_token``), is split to the same shard by a forward hook); norm_f's output
 enters the region by a forward hook (copy / gather) and the head (lm_head, or the tied wte) gives this rank's
 vocabulary columns of the logits. The loss is the GPT's own (its ``vocab_parallel_loss``, set here):
 ``vocab_parallel_linear_cross_entropy``, chunked over the tokens, never this rank's (tokens x vocab/tp) logits in
@@ -77,8 +78,11 @@ def _norm_out_hook(group, sequence_parallel: bool):
 
 
 def _split_positions_hook(group):
-    def hook(module, args, out):  # (T, C) or (B, T, C): the sequence is dim -2
-        return scatter_to_sp(out, group, out.dim() - 2)
+    def hook(module, args, out):  # (B, T, C): one row per token (GPT.positions_per_token)
+        if out.dim() != 3:
+            raise RuntimeError(f"tensor parallel: the learned positions came as {tuple(out.shape)}, not one row per "
+                               "token (B, T, C): the token shards cannot split a table broadcast over the batch")
+        return scatter_to_sp(out, group, 1)
 
     return hook
 
@@ -88,7 +92,7 @@ def apply_tensor_parallel(gpt: nn.Module, group, sequence_parallel: bool, gemm_r
     """Shard ``gpt`` (a GPT or a pipeline stage of one) over ``group`` in place; returns its TPInfo.
     ``gemm_reduce``: the row-parallel layers' GEMM + reduction (layers.linear_reduce when None; e.g.
     overlap.gemm_reduce_scatter). ``gather_gemm``: under sequence parallel, the column layers of attention and the
-    MLP (qkv, fc) take their input's sequence shard and gather it under their GEMM (e.g. overlap.all_gather_gemm;
+    MLP (qkv, fc) take their input's token shard and gather it under their GEMM (e.g. overlap.all_gather_gemm;
     the attention and MLP modules then receive the shard and read the whole sequence's shape off their projection)."""
     info = TPInfo()
     tp = group_size(group)
@@ -131,6 +135,7 @@ def apply_tensor_parallel(gpt: nn.Module, group, sequence_parallel: bool, gemm_r
         gpt.wte = VocabParallelEmbedding.from_embedding(gpt.wte, group, sequence_parallel=sequence_parallel)
         info.shard_dims["wte.weight"] = 0
         if sequence_parallel and getattr(gpt, "wpe", None) is not None:
+            gpt.positions_per_token = True
             gpt.wpe.register_forward_hook(_split_positions_hook(group))
     if getattr(gpt, "norm_f", None) is not None:
         gpt.norm_f.register_forward_hook(_norm_out_hook(group, sequence_parallel))

@@ -4,7 +4,7 @@ ranks, the sigmoid routers' bias update, and what the log shows.
 Each MoE layer adds, in each training micro-batch's backward, to its row of one (L, E + 6) fp32 device tensor
 (models/moe.py: tokens routed per expert, kept and routed assignments, its aux and z losses, non-finite router
 logits, the micro-batch's share). After the step's forward and backward the rows are summed over the ranks that saw
-other tokens of the step (data and context parallel, tensor parallel's sequence shards) and over the pipeline stages
+other tokens of the step (data and context parallel, tensor parallel's token shards) and over the pipeline stages
 (each holds its own layers' rows): every rank then has the step's whole statistics, on the device. From them:
 
     per layer: tokens per expert min / max / mean, dropped fraction, aux loss, z loss  (appended to the step's values,
@@ -36,7 +36,7 @@ class MoEStats:
         self.groups = []
         if pmodel.dp * pmodel.cp > 1:
             self.groups.append(mesh.dp_cp_group)
-        if pmodel.sequence_parallel:  # each tp rank routed its own sequence shard (without it: the same tokens)
+        if pmodel.sequence_parallel:  # each tp rank routed its own token shard (without it: the same tokens)
             self.groups.append(mesh.tp_group)
         if pmodel.pp > 1:
             self.groups.append(mesh.pp_group)

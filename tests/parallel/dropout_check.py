@@ -68,7 +68,9 @@ def assemble(gathered, pp: int, dp: int, tp: int, sequence_parallel: bool) -> li
             if sequence_parallel:  # shards of different tokens: tp streams, distinct masks
                 for t in range(1, tp):
                     assert not torch.equal(parts[t], parts[0]), f"call {i}: tp ranks 0 and {t} drew the same mask"
-                rows.append(torch.cat(parts, dim=1))
+                # token shards (B, T / tp, C): runs of the (B, T) tokens in rank order
+                shape = (*parts[0].shape[:1], parts[0].shape[1] * tp, *parts[0].shape[2:])
+                rows.append(torch.cat([p.reshape(-1) for p in parts]).view(shape))
             else:  # a replicated activation: one mask on every tp rank
                 for t in range(1, tp):
                     assert torch.equal(parts[t], parts[0]), f"call {i}: tp ranks 0 and {t} drew different masks"

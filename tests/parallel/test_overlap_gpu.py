@@ -42,6 +42,7 @@ def _err(got, want):
 def _row_case(group, ws, n, r, dtype, seq_dim, B, T, K, N, seed):
     """GEMM + reduce-scatter of the row-parallel layer: errors (fused, unfused) of y, dx, dw against fp64."""
     from megakern.parallel.layers import linear_reduce
+    from megakern.parallel.mappings import token_shard
     from megakern.parallel.overlap import gemm_reduce_scatter
 
     shape = [B, T, K * n] if seq_dim == 1 else [T, B, K * n]
@@ -49,11 +50,10 @@ def _row_case(group, ws, n, r, dtype, seq_dim, B, T, K, N, seed):
     x64, w64 = X[..., r * K:(r + 1) * K], W[:, r * K:(r + 1) * K]
     out_shape = list(shape[:-1]) + [N]
     dY = _global(out_shape, seed + 2)
-    L = T // n
-    y_true = (X @ W.t()).narrow(seq_dim, r * L, L)
+    y_true = token_shard(X @ W.t(), n, r, seq_dim)
     dx_true = dY @ w64  # the gathered gradient times this rank's weight columns
     dw_true = dY.reshape(-1, N).t() @ x64.reshape(-1, K)
-    dy_shard = dY.narrow(seq_dim, r * L, L)
+    dy_shard = token_shard(dY, n, r, seq_dim)
     errs = []
     for fused in (True, False):
         x = x64.to(dtype).requires_grad_()
@@ -70,17 +70,16 @@ def _column_case(group, ws, n, r, dtype, seq_dim, B, T, K, N, seed):
     """All-gather + GEMM of the column-parallel layer: errors (fused, unfused) of y, dx, dw against fp64."""
     import torch.nn.functional as F
 
-    from megakern.parallel.mappings import gather_from_sp
+    from megakern.parallel.mappings import gather_from_sp, token_shard
     from megakern.parallel.overlap import all_gather_gemm
 
     shape = [B, T, K] if seq_dim == 1 else [T, B, K]
     X, W = _global(shape, seed), _global([N * n, K], seed + 1) / K ** 0.5
-    L = T // n
-    x64, w64 = X.narrow(seq_dim, r * L, L), W[r * N:(r + 1) * N]
+    x64, w64 = token_shard(X, n, r, seq_dim), W[r * N:(r + 1) * N]
     dY = _global(list(shape[:-1]) + [N * n], seed + 2)
     dy64 = dY[..., r * N:(r + 1) * N]
     y_true = X @ w64.t()
-    dx_true = (dY @ W).narrow(seq_dim, r * L, L)
+    dx_true = token_shard(dY @ W, n, r, seq_dim)
     dw_true = dy64.reshape(-1, N).t() @ X.reshape(-1, K)
     errs = []
     for fused in (True, False):

@@ -1,5 +1,7 @@
 """Tensor-parallel mappings and layers, the vocab-parallel cross-entropy and ring attention, on spawned gloo ranks,
 against the same computation on one process (every rank computes the reference from the same seed)."""
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -22,7 +24,7 @@ def check_mappings(n):
 
     g, r = _group(n), dist.get_rank()
     torch.manual_seed(0)
-    full = torch.randn(3, 4 * n, 5, dtype=torch.float64)
+    full = torch.randn(5, 4 * n, 3, dtype=torch.float64)
     w = torch.randn_like(full)  # an arbitrary downstream weight: loss = sum(out * w_out)
     # scatter / gather along dim 1 are each other's transpose
     x = full.clone().requires_grad_()
@@ -45,28 +47,49 @@ def check_mappings(n):
     out = m.copy_to_tp(y, g)
     (out * w * (r + 1)).sum().backward()
     torch.testing.assert_close(y.grad, w * sum(range(1, n + 1)))
-    # sequence parallel: gather (reduce-scatter back) and reduce-scatter (gather back), dim 1 non-contiguous input
+    # sequence parallel: gather (reduce-scatter back) and reduce-scatter (gather back), dim 1 non-contiguous input;
+    # the token shards are runs of the (B, T) tokens in memory order: with B = 5 they cross batch rows
+    def by_hand(t, k, dim=1):  # rank k's token shard of t, built by hand: t's tokens flattened, the k-th of n runs
+        lead = math.prod(t.shape[:dim % t.dim()])
+        rows = t.reshape(lead * t.shape[dim], -1)
+        per = rows.shape[0] // n
+        shape = list(t.shape)
+        shape[dim] //= n
+        return rows[k * per:(k + 1) * per].reshape(shape)
+
+    assert full.shape[0] % n, "the check wants token shards that cross the batch rows"
     z = (full * (r + 1)).transpose(0, 1).contiguous().transpose(0, 1).requires_grad_()  # strides of a transpose
     rs = m.reduce_scatter_to_sp(z, g, dim=1)
-    torch.testing.assert_close(rs, (full * sum(range(1, n + 1)))[:, 4 * r:4 * r + 4])
-    (rs * w[:, 4 * r:4 * r + 4]).sum().backward()
+    torch.testing.assert_close(rs, by_hand(full * sum(range(1, n + 1)), r))
+    torch.testing.assert_close(rs, m.token_shard(full * sum(range(1, n + 1)), n, r, 1))
+    (rs * by_hand(w, r)).sum().backward()
     torch.testing.assert_close(z.grad, w)
-    s = full[:, 4 * r:4 * r + 4].clone().requires_grad_()
+    s = by_hand(full, r).clone().requires_grad_()
     ag = m.gather_from_sp(s, g, dim=1)
     torch.testing.assert_close(ag, full)
     (ag * w * (r + 1)).sum().backward()
-    torch.testing.assert_close(s.grad, (w * sum(range(1, n + 1)))[:, 4 * r:4 * r + 4])
-    # a batch of one (no permuting copy) and the gathered dim first or last
-    for shape, dim in (((1, 4 * n, 5), 1), ((4 * n, 3, 2), 0), ((2, 3, 4 * n), 2), ((1, 1, 4 * n, 3), 2)):
+    torch.testing.assert_close(s.grad, by_hand(w * sum(range(1, n + 1)), r))
+    sc = m.scatter_to_sp(full.clone().requires_grad_(), g, dim=1)
+    torch.testing.assert_close(sc, by_hand(full, r))
+    # a batch of one and the sequence first: chunks of the sequence dim; the sequence last or inner
+    for shape, dim in (((1, 4 * n, 5), 1), ((4 * n, 3, 2), 0), ((2, 3, 4 * n), 2), ((1, 1, 4 * n, 3), 2),
+                       ((3, 4 * n, 2, 5), 1)):
         whole = torch.randn(shape, dtype=torch.float64)
-        mine = whole.narrow(dim, 4 * r, 4) * (r + 1)
+        if math.prod(shape[:dim]) == 1:  # a plain chunk of the sequence dim
+            torch.testing.assert_close(by_hand(whole, r, dim), whole.narrow(dim, 4 * r, 4))
+        mine = by_hand(whole, r, dim) * (r + 1)
         piece = mine.clone().requires_grad_()
         ag = m.gather_from_sp(piece, g, dim=dim)
-        torch.testing.assert_close(ag, torch.cat([whole.narrow(dim, 4 * k, 4) * (k + 1) for k in range(n)], dim))
+        expected = torch.cat([by_hand(whole, k, dim).reshape(-1) * (k + 1) for k in range(n)]).view(shape)
+        torch.testing.assert_close(ag, expected)
         ag.backward(whole * (r + 1))
-        torch.testing.assert_close(piece.grad, (whole * sum(range(1, n + 1))).narrow(dim, 4 * r, 4))
+        torch.testing.assert_close(piece.grad, by_hand(whole * sum(range(1, n + 1)), r, dim))
         rs = m.reduce_scatter_to_sp(whole * (r + 1), g, dim=dim)
-        torch.testing.assert_close(rs, (whole * sum(range(1, n + 1))).narrow(dim, 4 * r, 4))
+        torch.testing.assert_close(rs, by_hand(whole * sum(range(1, n + 1)), r, dim))
+    with pytest.raises(ValueError, match="not divisible by the group size"):
+        m.reduce_scatter_to_sp(torch.randn(3, 4 * n + 1, 2), g, dim=1)
+    with pytest.raises(ValueError, match="rank 5 is not in"):
+        m.token_shard(full, 2, 5)
     with pytest.raises(ValueError, match="not divisible by the group size"):
         m.scatter_to_tp(torch.randn(3, 4 * n + 1), g, dim=1)
     # in-place reduce refuses a tensor autograd saved
@@ -80,7 +103,7 @@ def check_mappings(n):
 
 
 def check_linear_layers(n, sequence_parallel):
-    from megakern.parallel import ColumnParallelLinear, RowParallelLinear, gather_from_sp, scatter_to_sp
+    from megakern.parallel import ColumnParallelLinear, RowParallelLinear, gather_from_sp, scatter_to_sp, token_shard
 
     g, r = _group(n), dist.get_rank()
     torch.manual_seed(1)
@@ -98,7 +121,7 @@ def check_linear_layers(n, sequence_parallel):
     out = row(F.gelu(col(inp)))
     if sequence_parallel:
         assert out.shape == (B, T // n, C)
-        torch.testing.assert_close(out, ref[:, r * T // n:(r + 1) * T // n], **TOL)
+        torch.testing.assert_close(out, token_shard(ref, n, r, 1), **TOL)
         loss = ((gather_from_sp(out, g, 1) - target) ** 2).sum() / n  # each rank counts the whole loss once
     else:
         torch.testing.assert_close(out, ref, **TOL)
@@ -118,7 +141,7 @@ def check_linear_layers(n, sequence_parallel):
 
 
 def check_embedding_and_loss(n, sequence_parallel):
-    from megakern.parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
+    from megakern.parallel import VocabParallelEmbedding, token_shard, vocab_parallel_cross_entropy
 
     g, r = _group(n), dist.get_rank()
     torch.manual_seed(2)
@@ -135,7 +158,7 @@ def check_embedding_and_loss(n, sequence_parallel):
     pe = VocabParallelEmbedding.from_embedding(emb, g, sequence_parallel=sequence_parallel)
     h = pe(idx)
     if sequence_parallel:
-        torch.testing.assert_close(h, ref_h[:, r * T // n:(r + 1) * T // n], **TOL)
+        torch.testing.assert_close(h, token_shard(ref_h, n, r, 1), **TOL)
         from megakern.parallel import gather_from_sp
 
         h = gather_from_sp(h, g, 1)
@@ -233,6 +256,7 @@ def check_enter_hook_under_autocast(n, sequence_parallel):
     """A block's input enters the tensor-parallel region in the autocast dtype: the collectives (forward gather,
     backward reduce-scatter / all-reduce) move bf16, and the values are those of the fp32 path cast to bf16."""
     from megakern.parallel import mappings as m
+    from megakern.parallel import token_shard
     from megakern.parallel.tensor_parallel import _enter_hook
 
     g, r = _group(n), dist.get_rank()
@@ -253,7 +277,7 @@ def check_enter_hook_under_autocast(n, sequence_parallel):
     m._ALL_GATHER, m.dist.all_reduce = spy_ag, spy_ar
     try:
         hook = _enter_hook(g, sequence_parallel)
-        mine = full[:, 4 * r:4 * r + 4] if sequence_parallel else full
+        mine = token_shard(full, n, r, 1) if sequence_parallel else full
         grads = {}
         for cast in (False, True):
             x = mine.clone().requires_grad_()
