@@ -586,10 +586,12 @@ class MLP(nn.Module):
             h = megakern.swiglu(self.fc(x), backend=self.kernels)
         elif self.gelu_exact:  # (megakern.bias_gelu is the tanh approximation)
             h = F.gelu(self.fc(x))
-        elif type(self.fc) is nn.Linear and self.fc.bias is not None and \
+        elif (type(self.fc) is nn.Linear or hasattr(self.fc, "product")) and self.fc.bias is not None and \
                 bias_gelu_backend(x, self.kernels) != "torch":
-            # the bias rides in the activation's pass; its gradient comes out of the GELU backward's pass
-            h = megakern.bias_gelu(F.linear(x, self.fc.weight), self.fc.bias, backend=self.kernels)
+            # the bias rides in the activation's pass; its gradient comes out of the GELU backward's pass (a
+            # tensor-parallel fc gives its product without the bias: ColumnParallelLinear.product)
+            product = F.linear(x, self.fc.weight) if type(self.fc) is nn.Linear else self.fc.product(x)
+            h = megakern.bias_gelu(product, self.fc.bias, backend=self.kernels)
         else:
             h = F.gelu(self.fc(x), approximate="tanh")
         out = _project(self.proj, h, self.kernels)

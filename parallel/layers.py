@@ -97,23 +97,33 @@ class ColumnParallelLinear(nn.Module):
                 layer.bias.copy_(linear.bias[r * n:(r + 1) * n])
         return layer
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _columns(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """This rank's columns x W_shard^T (+ ``bias``), the input entered / gathered first."""
         fused = (self.gather_gemm is not None and self.sequence_parallel and not self.input_is_gathered
                  and self.fp8_gemm is None)
         if fused:  # the all-gather under the GEMM
             y = self.gather_gemm(x, self.weight, self.group, self.seq_dim)
             # the bias in the product's dtype, as F.linear adds it (under autocast an fp32 bias would turn a bf16
             # product fp32, and every consumer after it, attention included, would run in fp32)
-            y = y if self.bias is None else y + self.bias.to(y.dtype)
-            return gather_from_tp(y, self.group, -1) if self.gather_output else y
+            return y if bias is None else y + bias.to(y.dtype)
         if not self.input_is_gathered:
             x = gather_from_sp(x, self.group, self.seq_dim) if self.sequence_parallel else copy_to_tp(x, self.group)
         if self.fp8_gemm is not None:
             y = self.fp8_gemm(x)
-            y = y if self.bias is None else y + self.bias
-        else:
-            y = F.linear(x, self.weight, self.bias)
+            return y if bias is None else y + bias
+        return F.linear(x, self.weight, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._columns(x, self.bias)
         return gather_from_tp(y, self.group, -1) if self.gather_output else y
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """The forward without the bias (this rank's columns of x W^T), for a caller that adds ``self.bias`` in a
+        fused pass of its own (the MLP's megakern.bias_gelu, whose backward also makes the bias gradient)."""
+        if self.gather_output:
+            raise ValueError("ColumnParallelLinear.product: the layer gathers its output (gather_output=True); the "
+                             "bias must be added before the gather, so call the layer itself")
+        return self._columns(x, None)
 
     def use_fp8(self, recipe) -> None:
         """Compute the local product in FP8 with ``recipe`` (a megakern.fp8 recipe)."""

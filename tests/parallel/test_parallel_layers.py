@@ -137,6 +137,12 @@ def check_linear_layers(n, sequence_parallel):
         dist.all_reduce(bias_grad, group=g)
     torch.testing.assert_close(bias_grad, proj.bias.grad, **TOL)
     torch.testing.assert_close(xl.grad, x.grad, **TOL)
+    # product: the forward without the bias (a caller fusing the bias into its activation), same input handling
+    with torch.no_grad():
+        torch.testing.assert_close(col.product(inp) + col.bias, col(inp), rtol=0, atol=1e-12)
+    gathering = ColumnParallelLinear.from_linear(fc, g, gather_output=True)
+    with pytest.raises(ValueError, match="gathers its output"):
+        gathering.product(x.detach())
     return True
 
 
