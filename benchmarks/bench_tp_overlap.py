@@ -1,7 +1,7 @@
 """Sequence-parallel tensor-parallel GEMMs with their collectives, on tp ranks: all-gather + GEMM (a column-parallel
 layer's input) and GEMM + reduce-scatter (a row-parallel layer's output), fused and unfused.
 
-Shapes: M tokens (the whole sequence over the group) in (8192, 16384, 32768), K = N in (4096, 8192), tp in --tp
+Shapes: M tokens (the whole sequence over the group) in (8192, 16384, 32768), K = N in (4096, 8192) (or --shapes), tp in --tp
 (default: 2 and 4 up to the GPUs here); bf16 on CUDA (NCCL), fp32 on CPU (gloo; smoke runs only).
     ag+gemm   x shard (M/tp, K) on each rank -> gather(x) (M, K) @ W_r^T, W_r (N/tp, K)      -> (M, N/tp)
     gemm+rs   x (M, K/tp) @ W_r^T, W_r (N, K/tp), summed over the ranks, rank r keeping rows r  -> (M/tp, N)
@@ -19,8 +19,8 @@ Providers:
 - megakern-kernel (gemm+rs): the workspace's other GEMM + reduce-scatter, the Triton GEMM storing its tiles into
   the owners' buffers (megakern.gemm_scatter).
 Modes: fwd (the op), fwd-graph (the op captured in a CUDA graph, two calls a replay, as a CUDA-graph training step
-runs it: no host launch overhead), and fwd+bwd for unfused and the megakern providers (the op and its gradients: dX
-by the transposed op, dW).
+runs it: no host launch overhead), and fwd+bwd / fwd+bwd-graph for unfused and the megakern providers (the op and
+its gradients: dX by the transposed op, dW; eager and graphed).
 Besides the times, each fused provider's share of the collective it hides, (unfused - fused) / (unfused - gemm),
 is printed and filed as metric "hidden" (modes fwd and fwd-graph).
 
@@ -51,8 +51,10 @@ OPS = ("ag+gemm", "gemm+rs")
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def shapes(device: torch.device, quick: bool) -> list[tuple[int, int, int]]:
-    """(M, K, N) cases."""
+def shapes(device: torch.device, quick: bool, given=None) -> list[tuple[int, int, int]]:
+    """(M, K, N) cases (``given``: the --shapes list)."""
+    if given:
+        return given
     if device.type != "cuda":
         return [(24, 16, 8)]
     cases = [(m, k, k) for k in (4096, 8192) for m in (8192, 16384, 32768)]
@@ -152,7 +154,7 @@ def _rank(rank: int, tp: int, port: int, args, queue) -> None:
             pass
     calls, warmup = (30, 8) if device.type == "cuda" else (5, 1)
     figures = []  # (case, mode, provider, timing, tflops)
-    for m, k, n in shapes(device, args.quick):
+    for m, k, n in shapes(device, args.quick, args.shapes):
         for op in OPS:
             case = f"{op} M={m} K={k} N={n} tp={tp} {'bf16' if dtype == torch.bfloat16 else 'fp32'}"
             x, w = _operands(op, m, k, n, tp, rank, device, dtype)
@@ -189,6 +191,12 @@ def _rank(rank: int, tp: int, port: int, args, queue) -> None:
                         timing = timed_on_ranks(step, device, calls, warmup, align=True)
                         figures.append((case, "fwd+bwd", name, timing,
                                         3 * flops / (timing["median"] * 1e-3) / 1e12))
+                        if device.type == "cuda":
+                            replay = _graphed(step, ws)
+                            timing = {key: v / 2 for key, v in
+                                      timed_on_ranks(replay, device, calls, warmup, align=True).items()}
+                            figures.append((case, "fwd+bwd-graph", name, timing,
+                                            3 * flops / (timing["median"] * 1e-3) / 1e12))
                 except Exception as e:  # every rank fails the same check, or the run is broken anyway
                     if rank == 0:
                         report_failure(name, case, e)
@@ -214,10 +222,24 @@ def hidden_shares(figures) -> dict[tuple[str, str, str], float]:
     return out
 
 
+def _shape_list(text: str) -> list[tuple[int, int, int]]:
+    out = []
+    for item in text.split(":"):
+        parts = item.split(",")
+        if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+            raise argparse.ArgumentTypeError(f"--shapes: {item!r} is not M,K,N (three positive integers)")
+        out.append(tuple(int(p) for p in parts))
+    return out
+
+
 def main(argv: list[str] | None = None) -> Results:
     def extra(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--tp", type=int_list, default=None,
                             help="tensor-parallel sizes (default: 2 and 4 up to the GPUs here; 2 on CPU)")
+        parser.add_argument("--shapes", type=_shape_list, default=None, metavar="M,K,N[:M,K,N...]",
+                            help="the (M, K, N) cases instead of the default sweep, e.g. a model's layers: "
+                                 "GPT-1.3B at 4 x 2048 tokens 8192,2048,6144:8192,2048,8192:8192,8192,2048:"
+                                 "8192,2048,2048 (qkv, fc, mlp proj, attention proj)")
 
     args = parse_args(__doc__.splitlines()[0], argv, extra)
     if args.providers and (unknown := args.providers - set(PROVIDERS)):

@@ -97,13 +97,17 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 # ---- symmetric memory ------------------------------------------------------------------------------------------
 # The ops below take row matrices: a token shard's rows (S, K), or the whole sequence's (n * S, K) with rank c's
 # shard in rows [c * S, (c + 1) * S) (mappings' token shards of a contiguous tensor, flattened).
-def _rs_symm(x: torch.Tensor, w: torch.Tensor, ws) -> torch.Tensor:
+def _rs_symm(x: torch.Tensor, w: torch.Tensor, ws, under=None) -> torch.Tensor:
     """This rank's row block of sum over ranks (x @ w^T), by the workspace's ``rs_impl``: "kernel" (the GEMM
     stores the peers' blocks straight into their buffers, then the own block's GEMM adds what the peers left here)
-    or "copy" (cuBLAS GEMMs, copy-engine pulls, a summing pass)."""
+    or "copy" (cuBLAS GEMMs, copy-engine pulls, a summing pass). ``under()``: more work for the current stream,
+    queued while the peers' blocks are in flight (after this rank's GEMMs, before waiting for the pulls)."""
     if ws.rs_impl == "kernel":
-        return _rs_kernel(x, w, ws)
-    return _rs_copy(x, w, ws)
+        out = _rs_kernel(x, w, ws)
+        if under is not None:
+            under()
+        return out
+    return _rs_copy(x, w, ws, under)
 
 
 def _rs_kernel(x: torch.Tensor, w: torch.Tensor, ws) -> torch.Tensor:
@@ -126,7 +130,7 @@ def _rs_kernel(x: torch.Tensor, w: torch.Tensor, ws) -> torch.Tensor:
     return out
 
 
-def _rs_copy(x: torch.Tensor, w: torch.Tensor, ws) -> torch.Tensor:
+def _rs_copy(x: torch.Tensor, w: torch.Tensor, ws, under=None) -> torch.Tensor:
     """This rank's row block of sum over ranks (x @ w^T): each peer's block computed into this rank's buffer and
     signalled, the peer pulling it while the next block's GEMM runs; the own block last, then the n-way sum.
 
@@ -151,6 +155,8 @@ def _rs_copy(x: torch.Tensor, w: torch.Tensor, ws) -> torch.Tensor:
     events = ws.pull(handle, "rs", [(r - step) % n for step in range(1, n)],
                      lambda p: parts[p].copy_(handle.get_buffer(p, shape, x.dtype, r * numel)), signal_first=False,
                      after=start)
+    if under is not None:
+        under()
     ws.join(events)
     if n == 2:  # one elementwise add: cheaper than a reduction over the slots' dim
         return torch.add(parts[r], parts[1 - r])
@@ -209,6 +215,23 @@ def _gathered_gemm(gather: _Gather, w: torch.Tensor, out: torch.Tensor) -> None:
         _mm_into(gather.chunk(c), w, out.narrow(0, c * gather.len, gather.len))
 
 
+class _WeightGrad:
+    """dW = sum over the shards c of a_c^T b_c, a shard's product as soon as its operands are here (the own shard's
+    while the peers' are in flight), summed in fp32 for 16-bit operands (one rounding at the end, as one GEMM over
+    the gathered rows would)."""
+
+    def __init__(self):
+        self.acc = None
+
+    def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        wide = {"out_dtype": torch.float32} if a.dtype in (torch.float16, torch.bfloat16) else {}
+        a = a.t()
+        self.acc = torch.mm(a, b, **wide) if self.acc is None else torch.addmm(self.acc, a, b, **wide)
+
+    def result(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.acc.to(dtype)
+
+
 def _save(ctx, x, weight, ws) -> torch.dtype:
     """Keeps what a symmetric op's backward needs; returns the dtype its GEMMs run in (autocast's, or x's)."""
     dtype = _compute_dtype(x)
@@ -232,16 +255,20 @@ class _SymmGemmReduceScatter(torch.autograd.Function):
         grad = grad.to(dtype).contiguous()
         w = weight.to(dtype)
         gather = _Gather(grad, ws)
-        dx = None
-        if need_x:  # dX = gather(dY) @ W, a shard's rows as soon as it arrives
-            dx = torch.empty(ws.size * grad.shape[0], w.shape[1], dtype=dtype, device=grad.device)
-            _gathered_gemm(gather, w.t(), dx)
-            dx = dx.to(x.dtype)
-        full = gather.rows()
-        dw = None
-        if need_w:  # one GEMM over the gathered gradient, summed in its fp32 accumulator
-            dw = (full.t() @ x.to(dtype)).to(weight.dtype)
-        return dx, dw, None
+        # per shard, as soon as it arrives: its rows of dX = gather(dY) @ W and its part of dW = gather(dY)^T X
+        # (the own shard's two GEMMs run while the peers' shards are in flight)
+        dx = torch.empty(ws.size * grad.shape[0], w.shape[1], dtype=dtype, device=grad.device) if need_x else None
+        dw = _WeightGrad() if need_w else None
+        xc = x.to(dtype) if need_w else None
+        rows = gather.len
+        for c in gather.order():
+            dy_c = gather.chunk(c)
+            if need_x:
+                _mm_into(dy_c, w.t(), dx.narrow(0, c * rows, rows))
+            if need_w:
+                dw.add(dy_c, xc.narrow(0, c * rows, rows))
+        gather.rows()  # every pull joined into this stream (for graph capture)
+        return (dx.to(x.dtype) if need_x else None), (dw.result(weight.dtype) if need_w else None), None
 
 
 class _SymmAllGatherGemm(torch.autograd.Function):
@@ -263,13 +290,26 @@ class _SymmAllGatherGemm(torch.autograd.Function):
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad = grad.to(dtype).contiguous()
         w = weight.to(dtype)
-        # the input gathered again for dW (pulled on the side stream under dX's GEMMs)
+        # the input gathered again for dW (pulled on the peers' streams under dX's GEMMs); dW = dY^T gather(X) by
+        # shards: the own shard's part while the peers' shards and dX's blocks are in flight
         gather = _Gather(x.to(dtype).contiguous(), ws) if need_w else None
-        dx = _rs_symm(grad, w.t(), ws).to(x.dtype) if need_x else None
-        dw = None
+        dw = _WeightGrad() if need_w else None
+        rows = x.shape[0]
+
+        def own_part():
+            if need_w:
+                dw.add(grad.narrow(0, ws.rank * rows, rows), gather.chunk(ws.rank))
+
+        if need_x:
+            dx = _rs_symm(grad, w.t(), ws, under=own_part).to(x.dtype)
+        else:
+            dx = None
+            own_part()
         if need_w:
-            dw = (grad.t() @ gather.rows()).to(weight.dtype)
-        return dx, dw, None
+            for c in gather.order()[1:]:
+                dw.add(grad.narrow(0, c * rows, rows), gather.chunk(c))
+            gather.rows()  # every pull joined into this stream (for graph capture)
+        return dx, (dw.result(weight.dtype) if need_w else None), None
 
 
 # ---- the ring (any backend) ------------------------------------------------------------------------------------
