@@ -9,9 +9,10 @@ A column layer followed by a row layer (attention qkv -> proj, MLP fc -> proj) n
 one backward. Under sequence parallel the column layer all-gathers the token shards of its input
 (``gather_from_sp``) and the row layer reduce-scatters its output back to them (``reduce_scatter_to_sp``).
 
-The row layer's matmul + reduction go through ``self.gemm_reduce(x, weight, group, sequence_parallel, seq_dim)``
-(default ``linear_reduce``: F.linear, then all-reduce or reduce-scatter): the seam where the overlapped GEMM +
-reduce-scatter (``overlap.gemm_reduce_scatter``) plugs in without touching the layer.
+The row layer's matmul + reduction go through ``self.gemm_reduce(x, weight, group, sequence_parallel, seq_dim,
+bias=...)`` (default ``linear_reduce``: F.linear, then all-reduce or reduce-scatter, then the bias): the seam where
+the overlapped GEMM + reduce-scatter (``overlap.gemm_reduce_scatter``) plugs in without touching the layer. Both
+layers add their bias in the product's dtype, as F.linear does under autocast (a bf16 output, not bf16 + fp32).
 
 Each layer lists its sharded parameters in ``tp_shard_dims`` ({name: dim of the full tensor that is split}) and
 its parameters whose gradients are partial over the tp group (``sp_partial``: a bias added to token shards):
@@ -35,14 +36,14 @@ def _local(size: int, group, what: str) -> int:
     return size // n
 
 
-def linear_reduce(x: torch.Tensor, weight: torch.Tensor, group, sequence_parallel: bool, seq_dim: int):
+def linear_reduce(x: torch.Tensor, weight: torch.Tensor, group, sequence_parallel: bool, seq_dim: int,
+                  bias: torch.Tensor | None = None):
     """The row-parallel layer's default GEMM + reduction: x @ weight^T summed over ``group`` (all-reduce), or its
-    token shard under sequence parallel (reduce-scatter along ``seq_dim``). A fused, overlapped kernel replaces
-    this with the same signature and semantics."""
+    token shard under sequence parallel (reduce-scatter along ``seq_dim``); then + ``bias`` (whole on every rank) in
+    the product's dtype. A fused, overlapped kernel replaces this with the same signature and semantics."""
     y = F.linear(x, weight)
-    if sequence_parallel:
-        return reduce_scatter_to_sp(y, group, seq_dim)
-    return reduce_from_tp(y, group, inplace=True)
+    y = reduce_scatter_to_sp(y, group, seq_dim) if sequence_parallel else reduce_from_tp(y, group, inplace=True)
+    return y if bias is None else y + bias.to(y.dtype)
 
 
 def _fp8_gemm(layer: nn.Module, recipe) -> nn.Module:
@@ -65,8 +66,8 @@ class ColumnParallelLinear(nn.Module):
     ``sequence_parallel``: x is this rank's token shard (sequence dim ``seq_dim``); it is all-gathered first.
     ``input_is_gathered``: x already entered the tensor-parallel region (the caller applied copy_to_tp /
     gather_from_sp itself, e.g. once for several layers reading the same input).
-    ``gather_gemm``: under sequence parallel, the all-gather + GEMM ``gather_gemm(x, weight, group, seq_dim)``
-    (e.g. overlap.all_gather_gemm) in place of gather_from_sp, then the matmul.
+    ``gather_gemm``: under sequence parallel, the all-gather + GEMM ``gather_gemm(x, weight, group, seq_dim,
+    bias=...)`` (e.g. overlap.all_gather_gemm) in place of gather_from_sp, then the matmul.
     """
 
     tp_shard_dims = {"weight": 0, "bias": 0}
@@ -101,11 +102,9 @@ class ColumnParallelLinear(nn.Module):
         """This rank's columns x W_shard^T (+ ``bias``), the input entered / gathered first."""
         fused = (self.gather_gemm is not None and self.sequence_parallel and not self.input_is_gathered
                  and self.fp8_gemm is None)
-        if fused:  # the all-gather under the GEMM
-            y = self.gather_gemm(x, self.weight, self.group, self.seq_dim)
-            # the bias in the product's dtype, as F.linear adds it (under autocast an fp32 bias would turn a bf16
-            # product fp32, and every consumer after it, attention included, would run in fp32)
-            return y if bias is None else y + bias.to(y.dtype)
+        if fused:  # the all-gather under the GEMM, the bias in its epilogue (in the product's dtype, as F.linear:
+            # under autocast an fp32 bias added after would turn the bf16 product, and attention after it, fp32)
+            return self.gather_gemm(x, self.weight, self.group, self.seq_dim, bias=bias)
         if not self.input_is_gathered:
             x = gather_from_sp(x, self.group, self.seq_dim) if self.sequence_parallel else copy_to_tp(x, self.group)
         if self.fp8_gemm is not None:
@@ -139,7 +138,7 @@ class RowParallelLinear(nn.Module):
 
     ``input_is_parallel``: x holds this rank's feature shard (the output of a column-parallel layer); else x is
     whole and is split first. ``sequence_parallel``: y is reduce-scattered to this rank's token shard.
-    ``gemm_reduce``: the GEMM + reduction (``linear_reduce`` unless a fused kernel is given).
+    ``gemm_reduce``: the GEMM + reduction + bias (``linear_reduce`` unless a fused kernel is given).
     """
 
     tp_shard_dims = {"weight": 1}
@@ -180,9 +179,8 @@ class RowParallelLinear(nn.Module):
             y = self.fp8_gemm(x)
             y = (reduce_scatter_to_sp(y, self.group, self.seq_dim) if self.sequence_parallel
                  else reduce_from_tp(y, self.group, inplace=True))
-        else:
-            y = self.gemm_reduce(x, self.weight, self.group, self.sequence_parallel, self.seq_dim)
-        return y if self.bias is None else y + self.bias
+            return y if self.bias is None else y + self.bias
+        return self.gemm_reduce(x, self.weight, self.group, self.sequence_parallel, self.seq_dim, bias=self.bias)
 
     def use_fp8(self, recipe) -> None:
         """Compute the local product in FP8 with ``recipe`` (a megakern.fp8 recipe), then reduce it (a fused

@@ -83,10 +83,21 @@ def _exchange(send: torch.Tensor | None, recv: torch.Tensor | None, nxt: int, pr
     return dist.batch_isend_irecv(ops) if ops else []
 
 
-def _mm_into(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
-    """out = a @ w^T in place: a (M, K), w (N, K) (any strides), out (M, N) with unit column stride (a row block of
-    a contiguous matrix)."""
-    torch.mm(a, w.t(), out=out)
+def _mm_into(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    """out = a @ w^T (+ bias, in the GEMM's epilogue) in place: a (M, K), w (N, K) (any strides), out (M, N) with
+    unit column stride (a row block of a contiguous matrix)."""
+    if bias is None:
+        torch.mm(a, w.t(), out=out)
+    else:
+        torch.addmm(bias, a, w.t(), out=out)
+
+
+def _bias_grad(grad: torch.Tensor, dtype: torch.dtype | None, needed: bool) -> torch.Tensor | None:
+    """The column sums of ``grad`` (rows, N) in the bias's ``dtype`` (None: no bias), 16-bit grads summed in fp32."""
+    if dtype is None or not needed:
+        return None
+    wide = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
+    return grad.sum(0, dtype=wide).to(dtype)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -97,17 +108,18 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 # ---- symmetric memory ------------------------------------------------------------------------------------------
 # The ops below take row matrices: a token shard's rows (S, K), or the whole sequence's (n * S, K) with rank c's
 # shard in rows [c * S, (c + 1) * S) (mappings' token shards of a contiguous tensor, flattened).
-def _rs_symm(x: torch.Tensor, w: torch.Tensor, ws, under=None) -> torch.Tensor:
+def _rs_symm(x: torch.Tensor, w: torch.Tensor, ws, under=None, bias=None) -> torch.Tensor:
     """This rank's row block of sum over ranks (x @ w^T), by the workspace's ``rs_impl``: "kernel" (the GEMM
     stores the peers' blocks straight into their buffers, then the own block's GEMM adds what the peers left here)
     or "copy" (cuBLAS GEMMs, copy-engine pulls, a summing pass). ``under()``: more work for the current stream,
-    queued while the peers' blocks are in flight (after this rank's GEMMs, before waiting for the pulls)."""
+    queued while the peers' blocks are in flight (after this rank's GEMMs, before waiting for the pulls). ``bias``
+    (N,): added once, to this rank's block."""
     if ws.rs_impl == "kernel":
         out = _rs_kernel(x, w, ws)
         if under is not None:
             under()
-        return out
-    return _rs_copy(x, w, ws, under)
+        return out if bias is None else out.add_(bias)
+    return _rs_copy(x, w, ws, under, bias)
 
 
 def _rs_kernel(x: torch.Tensor, w: torch.Tensor, ws) -> torch.Tensor:
@@ -130,7 +142,7 @@ def _rs_kernel(x: torch.Tensor, w: torch.Tensor, ws) -> torch.Tensor:
     return out
 
 
-def _rs_copy(x: torch.Tensor, w: torch.Tensor, ws, under=None) -> torch.Tensor:
+def _rs_copy(x: torch.Tensor, w: torch.Tensor, ws, under=None, bias=None) -> torch.Tensor:
     """This rank's row block of sum over ranks (x @ w^T): each peer's block computed into this rank's buffer and
     signalled, the peer pulling it while the next block's GEMM runs; the own block last, then the n-way sum.
 
@@ -149,7 +161,7 @@ def _rs_copy(x: torch.Tensor, w: torch.Tensor, ws, under=None) -> torch.Tensor:
         c = (r + step) % n
         _mm_into(xs[c], w, handle.get_buffer(r, shape, x.dtype, c * numel))
         ws.signal(handle, "rs", c)
-    _mm_into(xs[r], w, parts[r])
+    _mm_into(xs[r], w, parts[r], bias)  # the bias in the own block's epilogue: once in the sum
     # peer r - s computes block r at its step s: pulled in that order, each as soon as the peer signals it, on streams
     # forked at the op's start (they run beside the GEMMs above)
     events = ws.pull(handle, "rs", [(r - step) % n for step in range(1, n)],
@@ -209,10 +221,10 @@ class _Gather:
         return self.slots.view(-1, self.slot_shape[-1])
 
 
-def _gathered_gemm(gather: _Gather, w: torch.Tensor, out: torch.Tensor) -> None:
-    """out (the whole sequence's rows) = gather(x) @ w^T, each shard's rows as soon as the shard is here."""
+def _gathered_gemm(gather: _Gather, w: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    """out (the whole sequence's rows) = gather(x) @ w^T (+ bias), each shard's rows as soon as the shard is here."""
     for c in gather.order():
-        _mm_into(gather.chunk(c), w, out.narrow(0, c * gather.len, gather.len))
+        _mm_into(gather.chunk(c), w, out.narrow(0, c * gather.len, gather.len), bias)
 
 
 class _WeightGrad:
@@ -232,20 +244,20 @@ class _WeightGrad:
         return self.acc.to(dtype)
 
 
-def _save(ctx, x, weight, ws) -> torch.dtype:
+def _save(ctx, x, weight, bias, ws) -> torch.dtype:
     """Keeps what a symmetric op's backward needs; returns the dtype its GEMMs run in (autocast's, or x's)."""
     dtype = _compute_dtype(x)
     ctx.save_for_backward(x, weight)
-    ctx.ws, ctx.dtype = ws, dtype
+    ctx.ws, ctx.dtype, ctx.bias_dtype = ws, dtype, None if bias is None else bias.dtype
     return dtype
 
 
 class _SymmGemmReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, ws):
-        dtype = _save(ctx, x, weight, ws)
+    def forward(ctx, x, weight, bias, ws):
+        dtype = _save(ctx, x, weight, bias, ws)
         with torch.autocast(x.device.type, enabled=False):
-            return _rs_symm(x.to(dtype), weight.to(dtype), ws)
+            return _rs_symm(x.to(dtype), weight.to(dtype), ws, bias=None if bias is None else bias.to(dtype))
 
     @staticmethod
     def backward(ctx, grad):
@@ -254,6 +266,7 @@ class _SymmGemmReduceScatter(torch.autograd.Function):
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad = grad.to(dtype).contiguous()
         w = weight.to(dtype)
+        db = _bias_grad(grad, ctx.bias_dtype, ctx.needs_input_grad[2])  # this rank's rows: a partial sum over tp
         gather = _Gather(grad, ws)
         # per shard, as soon as it arrives: its rows of dX = gather(dY) @ W and its part of dW = gather(dY)^T X
         # (the own shard's two GEMMs run while the peers' shards are in flight)
@@ -268,18 +281,18 @@ class _SymmGemmReduceScatter(torch.autograd.Function):
             if need_w:
                 dw.add(dy_c, xc.narrow(0, c * rows, rows))
         gather.rows()  # every pull joined into this stream (for graph capture)
-        return (dx.to(x.dtype) if need_x else None), (dw.result(weight.dtype) if need_w else None), None
+        return (dx.to(x.dtype) if need_x else None), (dw.result(weight.dtype) if need_w else None), db, None
 
 
 class _SymmAllGatherGemm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, ws):
-        dtype = _save(ctx, x, weight, ws)
+    def forward(ctx, x, weight, bias, ws):
+        dtype = _save(ctx, x, weight, bias, ws)
         with torch.autocast(x.device.type, enabled=False):
             xc, w = x.to(dtype).contiguous(), weight.to(dtype)
             gather = _Gather(xc, ws)
             out = torch.empty(ws.size * xc.shape[0], w.shape[0], dtype=dtype, device=xc.device)
-            _gathered_gemm(gather, w, out)
+            _gathered_gemm(gather, w, out, None if bias is None else bias.to(dtype))
             gather.rows()
         return out
 
@@ -290,6 +303,7 @@ class _SymmAllGatherGemm(torch.autograd.Function):
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad = grad.to(dtype).contiguous()
         w = weight.to(dtype)
+        db = _bias_grad(grad, ctx.bias_dtype, ctx.needs_input_grad[2])
         # the input gathered again for dW (pulled on the peers' streams under dX's GEMMs); dW = dY^T gather(X) by
         # shards: the own shard's part while the peers' shards and dX's blocks are in flight
         gather = _Gather(x.to(dtype).contiguous(), ws) if need_w else None
@@ -309,7 +323,7 @@ class _SymmAllGatherGemm(torch.autograd.Function):
             for c in gather.order()[1:]:
                 dw.add(grad.narrow(0, c * rows, rows), gather.chunk(c))
             gather.rows()  # every pull joined into this stream (for graph capture)
-        return dx, (dw.result(weight.dtype) if need_w else None), None
+        return dx, (dw.result(weight.dtype) if need_w else None), db, None
 
 
 # ---- the ring (any backend) ------------------------------------------------------------------------------------
@@ -317,11 +331,11 @@ class _RingGemmReduceScatter(torch.autograd.Function):
     """On row matrices, as the symmetric ops: x (n * S, K) -> this rank's row block (S, N) of the sum."""
 
     @staticmethod
-    def forward(ctx, x, weight, group):
+    def forward(ctx, x, weight, bias, group):
         n, r, nxt, prev = _peers(group)
         xs = x.chunk(n)
         ctx.save_for_backward(x, weight)
-        ctx.group = group
+        ctx.group, ctx.bias_dtype = group, None if bias is None else bias.dtype
         kind = x.device.type
         if torch.is_autocast_enabled(kind):  # cast once here, not per chunk
             weight = weight.to(torch.get_autocast_dtype(kind))
@@ -333,7 +347,7 @@ class _RingGemmReduceScatter(torch.autograd.Function):
             for req in requests:
                 req.wait()
             acc = incoming.add_(part)
-        return acc
+        return acc if bias is None else acc.add_(bias.to(acc.dtype))
 
     @staticmethod
     def backward(ctx, grad):
@@ -344,6 +358,7 @@ class _RingGemmReduceScatter(torch.autograd.Function):
         # run in it too (autograd runs this outside autocast)
         w = weight.to(grad.dtype)
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        db = _bias_grad(grad, ctx.bias_dtype, ctx.needs_input_grad[2])
         chunks, dxs = [None] * n, [None] * n
         current = grad.contiguous()
         # step s holds block (r - s) mod n of the output gradient: rank r starts with its own, then passes on what
@@ -362,7 +377,7 @@ class _RingGemmReduceScatter(torch.autograd.Function):
         dw = None
         if need_w:  # one matmul over the gathered gradient: summed in the GEMM's own fp32 accumulator, as unfused
             dw = (torch.cat(chunks).t() @ x.to(grad.dtype)).to(weight.dtype)
-        return dx, dw, None
+        return dx, dw, db, None
 
 
 def _check_operands(what: str, x: torch.Tensor, weight: torch.Tensor, seq_dim: int) -> int:
@@ -383,35 +398,37 @@ def _check_workspace(what: str, ws, group, x: torch.Tensor) -> None:
 
 
 def gemm_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group, sequence_parallel: bool,
-                        seq_dim: int, workspace=None) -> torch.Tensor:
+                        seq_dim: int, workspace=None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight^T reduce-scattered to this rank's token shard (mappings.reduce_scatter_to_sp along ``seq_dim``)
-    over ``group``, the transfers overlapped with the matmuls (see the module doc): through ``workspace`` (a
-    symmetric.SymmetricWorkspace of ``group``) on CUDA, else the ring; ``layers.linear_reduce`` where there is no
-    reduce-scatter to hide."""
+    over ``group``, + ``bias`` (whole on every rank; added once, in the product's dtype), the transfers overlapped
+    with the matmuls (see the module doc): through ``workspace`` (a symmetric.SymmetricWorkspace of ``group``) on
+    CUDA, else the ring; ``layers.linear_reduce`` where there is no reduce-scatter to hide."""
     from megakern.parallel.layers import linear_reduce
 
     if not sequence_parallel or group_size(group) == 1:
-        return linear_reduce(x, weight, group, sequence_parallel, seq_dim)
+        return linear_reduce(x, weight, group, sequence_parallel, seq_dim, bias=bias)
     seq_dim = _check_operands("gemm_reduce_scatter", x, weight, seq_dim)
     n = group_size(group)
     rows = token_rows(x, n, seq_dim, "gemm_reduce_scatter").reshape(-1, x.shape[-1])
     shape = token_shard_shape((*x.shape[:-1], weight.shape[0]), n, seq_dim)
     if workspace is not None and x.is_cuda:
         _check_workspace("gemm_reduce_scatter", workspace, group, x)
-        return _SymmGemmReduceScatter.apply(rows, weight, workspace).view(shape)
-    return _RingGemmReduceScatter.apply(rows, weight, group).view(shape)
+        return _SymmGemmReduceScatter.apply(rows, weight, bias, workspace).view(shape)
+    return _RingGemmReduceScatter.apply(rows, weight, bias, group).view(shape)
 
 
-def all_gather_gemm(x: torch.Tensor, weight: torch.Tensor, group, seq_dim: int, workspace=None) -> torch.Tensor:
-    """gather(x) @ weight^T: x is this rank's token shard (mappings.gather_from_sp along ``seq_dim``), the result
+def all_gather_gemm(x: torch.Tensor, weight: torch.Tensor, group, seq_dim: int, workspace=None,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """gather(x) @ weight^T (+ ``bias``, in the GEMMs' epilogue, in the product's dtype as F.linear adds it): x is
+    this rank's token shard (mappings.gather_from_sp along ``seq_dim``), the result
     covers the whole sequence (this rank's columns of a column-parallel layer); the gradient of x is
     reduce-scattered back. Through ``workspace`` on CUDA the shards travel under the GEMMs (see the module doc);
     else gather_from_sp, then the matmul."""
     if group_size(group) == 1:
-        return F.linear(x, weight)
+        return F.linear(x, weight, bias)
     seq_dim = _check_operands("all_gather_gemm", x, weight, seq_dim)
     if workspace is not None and x.is_cuda:
         _check_workspace("all_gather_gemm", workspace, group, x)
         shape = token_whole_shape((*x.shape[:-1], weight.shape[0]), group_size(group), seq_dim)
-        return _SymmAllGatherGemm.apply(x.reshape(-1, x.shape[-1]), weight, workspace).view(shape)
-    return F.linear(gather_from_sp(x, group, seq_dim), weight)
+        return _SymmAllGatherGemm.apply(x.reshape(-1, x.shape[-1]), weight, bias, workspace).view(shape)
+    return F.linear(gather_from_sp(x, group, seq_dim), weight, bias)

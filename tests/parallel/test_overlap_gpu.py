@@ -1,8 +1,8 @@
 """The fused GEMM + collective ops of parallel.overlap through symmetric memory (NCCL ranks, one GPU each), against
 the fp64 truth with the 2x rule next to the unfused pair (layers.linear_reduce; gather_from_sp then the matmul):
-output, dX and dW of GEMM + reduce-scatter and of all-gather + GEMM, at tp 2 and 4, fp32 and bf16, the sequence
-first or second, shards of odd length, calls repeated with growing shapes (both buffers of each role used, grown),
-and the ops captured in a CUDA graph and replayed on new inputs; GEMM + reduce-scatter by both of the workspace's
+output, dX, dW and the bias gradient of GEMM + reduce-scatter and of all-gather + GEMM (each with a bias), at tp 2
+and 4, fp32 and bf16, the sequence first or second, shards of odd length, calls repeated with growing shapes (both
+buffers of each role used, grown), and the ops captured in a CUDA graph and replayed on new inputs; GEMM + reduce-scatter by both of the workspace's
 implementations (the Triton kernel storing tiles into the owners' buffers, and cuBLAS + copy-engine pulls)."""
 import pytest
 import torch
@@ -47,22 +47,25 @@ def _row_case(group, ws, n, r, dtype, seq_dim, B, T, K, N, seed):
 
     shape = [B, T, K * n] if seq_dim == 1 else [T, B, K * n]
     X, W = _global(shape, seed), _global([N, K * n], seed + 1) / (K * n) ** 0.5
+    bias = _global([N], seed + 3)
     x64, w64 = X[..., r * K:(r + 1) * K], W[:, r * K:(r + 1) * K]
     out_shape = list(shape[:-1]) + [N]
     dY = _global(out_shape, seed + 2)
-    y_true = token_shard(X @ W.t(), n, r, seq_dim)
+    y_true = token_shard(X @ W.t() + bias, n, r, seq_dim)
     dx_true = dY @ w64  # the gathered gradient times this rank's weight columns
     dw_true = dY.reshape(-1, N).t() @ x64.reshape(-1, K)
     dy_shard = token_shard(dY, n, r, seq_dim)
+    db_true = dy_shard.reshape(-1, N).sum(0)  # this rank's rows: the bias gradient's partial sum
     errs = []
     for fused in (True, False):
         x = x64.to(dtype).requires_grad_()
         w = w64.to(dtype).requires_grad_()
-        y = (gemm_reduce_scatter(x, w, group, True, seq_dim, workspace=ws) if fused
-             else linear_reduce(x, w, group, True, seq_dim))
+        b = bias.to(dtype).requires_grad_()
+        y = (gemm_reduce_scatter(x, w, group, True, seq_dim, workspace=ws, bias=b) if fused
+             else linear_reduce(x, w, group, True, seq_dim, bias=b))
         y.backward(dy_shard.to(dtype))
         assert y.dtype == dtype and tuple(y.shape) == tuple(y_true.shape), (y.dtype, y.shape)
-        errs.append((_err(y, y_true), _err(x.grad, dx_true), _err(w.grad, dw_true)))
+        errs.append((_err(y, y_true), _err(x.grad, dx_true), _err(w.grad, dw_true), _err(b.grad, db_true)))
     return errs
 
 
@@ -75,21 +78,24 @@ def _column_case(group, ws, n, r, dtype, seq_dim, B, T, K, N, seed):
 
     shape = [B, T, K] if seq_dim == 1 else [T, B, K]
     X, W = _global(shape, seed), _global([N * n, K], seed + 1) / K ** 0.5
+    bias = _global([N], seed + 3 + r)  # this rank's columns' bias
     x64, w64 = token_shard(X, n, r, seq_dim), W[r * N:(r + 1) * N]
     dY = _global(list(shape[:-1]) + [N * n], seed + 2)
     dy64 = dY[..., r * N:(r + 1) * N]
-    y_true = X @ w64.t()
+    y_true = X @ w64.t() + bias
+    db_true = dy64.reshape(-1, N).sum(0)
     dx_true = token_shard(dY @ W, n, r, seq_dim)
     dw_true = dy64.reshape(-1, N).t() @ X.reshape(-1, K)
     errs = []
     for fused in (True, False):
         x = x64.to(dtype).contiguous().requires_grad_()
         w = w64.to(dtype).requires_grad_()
-        y = (all_gather_gemm(x, w, group, seq_dim, workspace=ws) if fused
-             else F.linear(gather_from_sp(x, group, seq_dim), w))
+        b = bias.to(dtype).requires_grad_()
+        y = (all_gather_gemm(x, w, group, seq_dim, workspace=ws, bias=b) if fused
+             else F.linear(gather_from_sp(x, group, seq_dim), w, b))
         y.backward(dy64.to(dtype))
         assert y.dtype == dtype and tuple(y.shape) == tuple(y_true.shape), (y.dtype, y.shape)
-        errs.append((_err(y, y_true), _err(x.grad, dx_true), _err(w.grad, dw_true)))
+        errs.append((_err(y, y_true), _err(x.grad, dx_true), _err(w.grad, dw_true), _err(b.grad, db_true)))
     return errs
 
 
@@ -183,9 +189,9 @@ def test_fused_ops_match_fp64(world, rs_impl):
     for rank, out in results.items():
         *cases, (_, grown) = out
         assert grown >= 4, f"rank {rank}: {grown} allocations (both buffers of both roles, and the growth)"
-        for name, dtype, seq_dim, ((fy, fdx, fdw), (uy, udx, udw)) in cases:
+        for name, dtype, seq_dim, ((fy, fdx, fdw, fdb), (uy, udx, udw, udb)) in cases:
             floor = 1e-6 if dtype == "float32" else 2e-3
-            for what, f, u in (("y", fy, uy), ("dx", fdx, udx), ("dw", fdw, udw)):
+            for what, f, u in (("y", fy, uy), ("dx", fdx, udx), ("dw", fdw, udw), ("db", fdb, udb)):
                 assert f <= 2 * u + floor, (f"rank {rank} {name} {dtype} seq_dim {seq_dim} {what}: fused error {f:.3g}"
                                             f" vs unfused {u:.3g}")
 

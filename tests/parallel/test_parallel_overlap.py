@@ -21,6 +21,7 @@ def check_against_linear_reduce(n, seq_dim, autocast):
     x0 = torch.randn(shape, dtype=dtype)
     w0 = torch.randn(11, 7, dtype=dtype)
     torch.manual_seed(99)
+    b0 = torch.randn(11, dtype=dtype)  # the bias: whole, the same on every rank
     out_shape = list(shape[:-1]) + [11]
     out_shape[seq_dim] //= n
     dy = torch.randn(out_shape, dtype=dtype)  # the same downstream gradient on every rank's shard
@@ -36,22 +37,26 @@ def check_against_linear_reduce(n, seq_dim, autocast):
     overlap._exchange = counted
     results = []
     for fn in (linear_reduce, gemm_reduce_scatter):
-        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        x, w, b = x0.clone().requires_grad_(), w0.clone().requires_grad_(), b0.clone().requires_grad_()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            y = fn(x, w, g, True, seq_dim)
+            y = fn(x, w, g, True, seq_dim, bias=b)
         y.backward(dy.to(y.dtype))
-        results.append((y.detach().double(), x.grad.double(), w.grad.double(), y.dtype, w.grad.dtype))
+        results.append((y.detach().double(), x.grad.double(), w.grad.double(), b.grad.double(), y.dtype,
+                        w.grad.dtype, b.grad.dtype))
     overlap._exchange = original
     # the ring ran: n - 1 transfers in the forward, n - 1 in the backward
     assert exchanges.count(True) == 2 * (n - 1), exchanges
-    (y_ref, dx_ref, dw_ref, ty_ref, tw_ref), (y, dx, dw, ty, tw) = results
-    assert (ty, tw) == (ty_ref, tw_ref)
+    (y_ref, dx_ref, dw_ref, db_ref, *types_ref), (y, dx, dw, db, *types) = results
+    assert types == types_ref, (types, types_ref)
+    # the bias: added once (the output's dtype, as F.linear), its gradient this rank's rows' sum (partial over tp)
+    torch.testing.assert_close(db, dy.double().reshape(-1, 11).sum(0),
+                               **(dict(rtol=2e-2, atol=2e-1) if autocast else dict(rtol=1e-12, atol=1e-12)))
     assert y.shape == y_ref.shape and tuple(y.shape) == tuple(out_shape)
     tol = dict(rtol=2e-2, atol=2e-1) if autocast else dict(rtol=1e-12, atol=1e-12)
-    for name, got, want in (("y", y, y_ref), ("dx", dx, dx_ref), ("dw", dw, dw_ref)):
+    for name, got, want in (("y", y, y_ref), ("dx", dx, dx_ref), ("dw", dw, dw_ref), ("db", db, db_ref)):
         torch.testing.assert_close(got, want, msg=f"{name} (rank {r})", **tol)
     if not autocast:  # the reduction is real: the output is not this rank's partial product
-        assert not torch.allclose(y, token_shard(torch.nn.functional.linear(x0, w0), n, r, seq_dim).double())
+        assert not torch.allclose(y, token_shard(torch.nn.functional.linear(x0, w0, b0), n, r, seq_dim).double())
     return True
 
 
