@@ -1,8 +1,8 @@
 """Sequence-parallel tensor-parallel GEMMs with their collectives, on tp ranks: all-gather + GEMM (a column-parallel
 layer's input) and GEMM + reduce-scatter (a row-parallel layer's output), fused and unfused.
 
-Shapes: M tokens (the whole sequence over the group) in (8192, 16384, 32768), K = N in (4096, 8192) (or --shapes), tp in --tp
-(default: 2 and 4 up to the GPUs here); bf16 on CUDA (NCCL), fp32 on CPU (gloo; smoke runs only).
+Shapes: M tokens (the whole sequence over the group) in (8192, 16384, 32768), K = N in (4096, 8192) (or --shapes),
+tp in --tp (default: 2 and 4 up to the GPUs here); bf16 on CUDA (NCCL), fp32 on CPU (gloo; smoke runs only).
     ag+gemm   x shard (M/tp, K) on each rank -> gather(x) (M, K) @ W_r^T, W_r (N/tp, K)      -> (M, N/tp)
     gemm+rs   x (M, K/tp) @ W_r^T, W_r (N, K/tp), summed over the ranks, rank r keeping rows r  -> (M/tp, N)
 FLOPs per rank = 2 M K N / tp for either; TFLOP/s per GPU = FLOPs / median time (the slowest rank's), also as a

@@ -2,8 +2,9 @@
 the fp64 truth with the 2x rule next to the unfused pair (layers.linear_reduce; gather_from_sp then the matmul):
 output, dX, dW and the bias gradient of GEMM + reduce-scatter and of all-gather + GEMM (each with a bias), at tp 2
 and 4, fp32 and bf16, the sequence first or second, shards of odd length, calls repeated with growing shapes (both
-buffers of each role used, grown), and the ops captured in a CUDA graph and replayed on new inputs; GEMM + reduce-scatter by both of the workspace's
-implementations (the Triton kernel storing tiles into the owners' buffers, and cuBLAS + copy-engine pulls)."""
+buffers of each role used, grown), and the ops captured in a CUDA graph and replayed on new inputs; GEMM +
+reduce-scatter by both of the workspace's implementations (the Triton kernel storing tiles into the owners' buffers,
+and cuBLAS + copy-engine pulls)."""
 import pytest
 import torch
 from conftest import HAS_CUDA
