@@ -45,6 +45,22 @@ def test_split_of_one_step():
     assert "cudaStreamSynchronize 1.0x 0.07 ms" in text and "host 1.0 ms" in text
 
 
+def test_what_counts_as_communication():
+    """NCCL kernels, copies between GPUs and symmetric memory's signal kernels; local copies and GEMMs do not."""
+    comm = ["ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "ncclKernel_SendRecv",
+            "Memcpy PtoP (Device -> Device)",
+            "c10d::symmetric_memory::wait_signal_kernel(unsigned int**, int, int, int, int)",
+            "c10d::symmetric_memory::put_signal_kernel(unsigned int**, int, int, int, int)"]
+    local = ["Memcpy DtoD (Device -> Device)", "Memcpy DtoH (Device -> Pinned)", "nvjet_sm90_tst_256x128_64x4",
+             "memcpy128", "_norm_fwd_kernel"]
+    assert all(_timeline.is_comm(n) for n in comm)
+    assert not any(_timeline.is_comm(n) for n in local)
+    # a pull on a side stream under a GEMM is hidden communication, its tail beyond the GEMM exposed
+    kernels = [("nvjet_gemm", 0.0, 100.0, 7, 1), ("Memcpy PtoP (Device -> Device)", 40.0, 130.0, 21, 2)]
+    (st,) = _timeline.analyze(_trace(kernels, [(0.0, 1000.0)], [(1, 0.0), (2, 0.0)]))
+    assert st.overlapped == pytest.approx(60.0) and st.comm_exposed == pytest.approx(30.0)
+
+
 def test_kernels_go_to_the_step_that_launched_them():
     # step 0 [0, 100) launches a kernel that runs late (150..250); step 1 [100, 300) launches one at 260
     kernels = [("a", 150.0, 250.0, 7, 1), ("b", 260.0, 300.0, 7, 2), ("c", 300.0, 320.0, 7, 3)]

@@ -5,9 +5,10 @@ A kernel table sums kernel durations, which says little once streams overlap or 
 waits for its peer looks long, a GPU starved by its host looks idle nowhere. This reads the trace's intervals
 instead and splits each profiled step's GPU wall time (its first kernel's start to its last kernel's end) into
 
-    compute alone      only non-communication kernels (and copies) running
+    compute alone      only non-communication kernels (and local copies) running
     overlapped         communication and compute kernels running together (communication hidden)
-    comm exposed       only communication kernels running (NCCL): the step waits for the network, or a peer
+    comm exposed       only communication running (NCCL kernels, peer-to-peer copies, symmetric memory's signal
+                       kernels): the step waits for the network, or a peer
     idle               nothing running: waiting for the host's launches (``host``: the next kernel was launched
                        after the gap began) or for something else (``other``: a synchronization, an event)
 
@@ -37,9 +38,12 @@ GAP_US = 2.0  # idle stretches shorter than this (launch latency between back-to
 
 
 def is_comm(name: str) -> bool:
-    """NCCL kernels (every collective and send/recv)."""
+    """Communication: NCCL kernels (every collective and send/recv), copies between GPUs (``Memcpy PtoP``: the
+    copy-engine pulls of parallel.overlap's symmetric ops) and symmetric memory's signal kernels (a wait spins
+    until a peer's signal: time the step waits for the peer)."""
     n = name.lower()
-    return n.startswith("nccl") or "nccldevkernel" in n
+    return (n.startswith("nccl") or "nccldevkernel" in n or n.startswith("memcpy ptop")
+            or ("symmetric_memory" in n and ("wait_signal" in n or "put_signal" in n)))
 
 
 @dataclass
