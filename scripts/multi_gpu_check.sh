@@ -9,7 +9,9 @@
 #   3. (stage "profile") bench_parallel --profile: rank 0's kernel and host tables and every rank's timeline of
 #      each GPT-350M layout, in one file $OUT/profiles.txt.
 #   4. (stage "ops") benchmarks/bench_tp_overlap.py: the sequence-parallel GEMMs with their collectives, fused and
-#      unfused, eager and in CUDA graphs, at tp 2 and 4 up to the GPUs here (rows to tp_overlap.csv).
+#      unfused, eager and in CUDA graphs, at tp 2 and 4 up to the GPUs here (rows to tp_overlap.csv); OPS_TP picks
+#      the sizes, OPS_SHAPES the (M,K,N) cases, e.g. GPT-1.3B's layers:
+#      OPS_SHAPES=8192,2048,6144:8192,2048,8192:8192,8192,2048:8192,2048,2048
 #
 #   MEGAKERN_GIT_SHA=$(git rev-parse --short HEAD) BUDGET_S=520 bash scripts/multi_gpu_check.sh [test] [bench] [profile] [ops]
 #
@@ -94,7 +96,8 @@ fi
 fi
 if want ops; then
 step "bench_tp_overlap"
-timeout $(( $(left) - 5 )) python3 -m benchmarks.bench_tp_overlap ${OPS_TP:+--tp $OPS_TP} > "$OUT/bench_tp_overlap.log" 2>&1 \
+timeout $(( $(left) - 5 )) python3 -m benchmarks.bench_tp_overlap ${OPS_TP:+--tp $OPS_TP} ${OPS_SHAPES:+--shapes $OPS_SHAPES} \
+  > "$OUT/bench_tp_overlap.log" 2>&1 \
   || status=1
 grep -E "hides|^\| case|fwd-graph" "$OUT/bench_tp_overlap.log" | tail -40
 fi
