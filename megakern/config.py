@@ -319,6 +319,10 @@ class ParallelConfig:
     Triton GEMM that stores its output tiles into the owners' buffers (megakern.gemm_scatter; slower than
     'symmetric' where measured); 'auto': 'symmetric' in a CUDA-graph step where symmetric memory can be used, else
     'ring'."""
+    tp_overlap_pieces: int = 4
+    """With tp_overlap_impl='symmetric': runs of rows (1 to 8) each block of a GEMM + reduce-scatter is computed,
+    signalled and pulled in; a peer starts pulling after the first run's GEMM, and the own block's GEMMs add each
+    pulled run as it lands (docs/parallelism.md). 1: whole blocks."""
     fsdp_param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """With dp_shard='fsdp': the dtype the blocks' parameters are all-gathered and computed in (their fp32 shards
     are what the optimizer updates; gradients are reduced in fp32); auto: bfloat16 under bf16-autocast, else

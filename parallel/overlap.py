@@ -9,8 +9,9 @@ that data is in place by signals (no barrier per op):
 
 - GEMM + reduce-scatter, y = x W^T summed over the ranks, rank r keeping token shard r. By default (the
   workspace's ``rs_impl="copy"``) cuBLAS GEMMs compute the chunks in the order r+1, ..., r into the rank's own
-  buffer, signalling each chunk's owner, which pulls it by copy engine while the next chunk's GEMM runs; then a
-  summing pass (the last pull and the sum stay exposed). With ``rs_impl="kernel"`` a Triton GEMM
+  buffer, in runs of rows (``rs_pieces``), signalling each run to its chunk's owner, which pulls it by copy engine
+  while the next runs' GEMMs go on; the own chunk's GEMMs, run by run, add the pulled partial sums (beta 1) as
+  they land (what stays exposed: the pulls of the last runs beyond the own chunk's GEMMs). With ``rs_impl="kernel"`` a Triton GEMM
   (megakern.gemm_scatter) computes chunks r+1, r+2, ... and stores each output tile into slot r of its owner's
   buffer over NVLink as soon as the tile is done, so the transfer runs inside the GEMM; the rank signals every peer
   and waits for every peer's signal; a second launch computes chunk r and adds the n - 1 partial sums found in its
@@ -111,9 +112,9 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 def _rs_symm(x: torch.Tensor, w: torch.Tensor, ws, under=None, bias=None) -> torch.Tensor:
     """This rank's row block of sum over ranks (x @ w^T), by the workspace's ``rs_impl``: "kernel" (the GEMM
     stores the peers' blocks straight into their buffers, then the own block's GEMM adds what the peers left here)
-    or "copy" (cuBLAS GEMMs, copy-engine pulls, a summing pass). ``under()``: more work for the current stream,
-    queued while the peers' blocks are in flight (after this rank's GEMMs, before waiting for the pulls). ``bias``
-    (N,): added once, to this rank's block."""
+    or "copy" (cuBLAS GEMMs, copy-engine pulls, the own block's GEMMs adding what was pulled). ``under()``: more
+    work for the current stream, queued while the peers' blocks are in flight (after the peers' blocks' GEMMs,
+    before waiting for the pulls). ``bias`` (N,): added once, to this rank's block."""
     if ws.rs_impl == "kernel":
         out = _rs_kernel(x, w, ws)
         if under is not None:
@@ -142,47 +143,72 @@ def _rs_kernel(x: torch.Tensor, w: torch.Tensor, ws) -> torch.Tensor:
     return out
 
 
-def _rs_copy(x: torch.Tensor, w: torch.Tensor, ws, under=None, bias=None) -> torch.Tensor:
-    """This rank's row block of sum over ranks (x @ w^T): each peer's block computed into this rank's buffer and
-    signalled, the peer pulling it while the next block's GEMM runs; the own block last, then the n-way sum.
+def _row_runs(rows: int, pieces: int) -> list[tuple[int, int]]:
+    """(start, length) of ``pieces`` runs of ``rows`` rows, as equal as they come (fewer when rows are fewer)."""
+    pieces = max(1, min(pieces, rows))
+    bounds = [rows * j // pieces for j in range(pieces + 1)]
+    return [(lo, hi - lo) for lo, hi in zip(bounds, bounds[1:])]
 
-    Every GEMM is launched before the pulls' waiting kernels are: a kernel launched for the first time may have to
-    wait for the device's running kernels (lazy module loading), and a kernel that waits for a peer must not be
-    among them while the peer waits for this rank's GEMMs."""
+
+def _rs_copy(x: torch.Tensor, w: torch.Tensor, ws, under=None, bias=None) -> torch.Tensor:
+    """This rank's row block of sum over ranks (x @ w^T). Each peer's block is computed into this rank's buffer in
+    ``ws.rs_pieces`` runs of rows, each run signalled to the block's owner as soon as its GEMM is done; the owner
+    pulls it by copy engine while the next runs' GEMMs go on. The own block comes last, run by run: each run's GEMM
+    adds (beta 1, in its fp32 accumulator) the peers' partial sums of that run, as soon as they have landed; so no
+    summing pass rereads the block, and the pulls have every GEMM of the op but the own block's last runs to hide
+    under. ``bias`` is added once: rank r puts it into block r + 1, its first GEMM.
+
+    Every GEMM but the own block's is launched before the pulls' waiting kernels are: a kernel launched for the
+    first time may have to wait for the device's running kernels (lazy module loading), and a kernel that waits for a
+    peer must not be among them while the peer waits for this rank's GEMMs. The own block's GEMMs come after them,
+    but by then every signal of the op is queued: the waits they follow need nothing more of this rank."""
     n, r = ws.size, ws.rank
     xs = x.chunk(n)
     shape = [xs[0].shape[0], w.shape[0]]
     numel = math.prod(shape)
+    runs = _row_runs(shape[0], ws.rs_pieces)
     handle = ws.buffer("rs", n * numel * x.element_size())
-    parts = torch.empty([n, *shape], dtype=x.dtype, device=x.device)  # slot s: rank s's partial sum of block r
+    peers = [(r - step) % n for step in range(1, n)]  # peer r - s computes block r at its step s: pulled in that order
+    parts = torch.empty([n - 1, *shape], dtype=x.dtype, device=x.device)  # parts[i]: peers[i]'s partial sum
     start = torch.cuda.Event()
     start.record()
     for step in range(1, n):
         c = (r + step) % n
-        _mm_into(xs[c], w, handle.get_buffer(r, shape, x.dtype, c * numel))
-        ws.signal(handle, "rs", c)
-    _mm_into(xs[r], w, parts[r], bias)  # the bias in the own block's epilogue: once in the sum
-    # peer r - s computes block r at its step s: pulled in that order, each as soon as the peer signals it, on streams
-    # forked at the op's start (they run beside the GEMMs above)
-    events = ws.pull(handle, "rs", [(r - step) % n for step in range(1, n)],
-                     lambda p: parts[p].copy_(handle.get_buffer(p, shape, x.dtype, r * numel)), signal_first=False,
-                     after=start)
+        block = handle.get_buffer(r, shape, x.dtype, c * numel)
+        for j, (lo, m) in enumerate(runs):
+            _mm_into(xs[c].narrow(0, lo, m), w, block.narrow(0, lo, m), bias if step == 1 else None)
+            ws.signal(handle, "rs", c, piece=j)
     if under is not None:
         under()
-    ws.join(events)
-    if n == 2:  # one elementwise add: cheaper than a reduction over the slots' dim
-        return torch.add(parts[r], parts[1 - r])
-    return parts.sum(0)
+
+    def copy(p, j):
+        lo, m = runs[j]
+        parts[peers.index(p)].narrow(0, lo, m).copy_(handle.get_buffer(p, shape, x.dtype, r * numel).narrow(0, lo, m))
+
+    # on streams forked at the op's start: the pulls run beside the GEMMs above
+    events = ws.pull(handle, "rs", peers, copy, signal_first=False, after=start, pieces=len(runs))
+    out = parts[0] if n == 2 else torch.empty(shape, dtype=x.dtype, device=x.device)
+    current = torch.cuda.current_stream()
+    for j, (lo, m) in enumerate(runs):
+        for p in peers:
+            current.wait_event(events[p][j])
+        acc = out.narrow(0, lo, m)
+        if n > 2:
+            torch.sum(parts.narrow(1, lo, m), 0, out=acc)
+        acc.addmm_(xs[r].narrow(0, lo, m), w.t())
+    ws.join(events)  # (every pull has been waited for; for graph capture's stream joins)
+    return out
 
 
 class _Gather:
     """All-gather of the row matrix ``shard`` (S, C) into this rank's symmetric buffer, laid out shard by shard ((n,
-    S, C), rank c's shard in slot c): the own shard copied into slot r, then each peer's shard pulled on that peer's
-    stream once the peer signals it in place (one contiguous copy-engine transfer a peer, all peers at once, forked
-    where the gather began); ``chunk(c)`` makes the current stream wait for shard c and returns it, ``rows()`` the
-    whole (n * S, C) matrix (a view of the buffer, valid until the role's buffer is used again two ops later). The
-    pulls are queued at the first ``chunk`` of a peer's shard or ``rows()``, after the GEMMs launched before (see
-    _rs_copy on launch order)."""
+    S, C), rank c's shard in slot c): the own shard copied into slot r on a peer's stream (beside the own shard's
+    GEMM, which reads ``shard`` itself), then each peer's shard pulled on that peer's stream once the peer signals it
+    in place (one contiguous copy-engine transfer a peer, all peers at once, forked where the gather began);
+    ``chunk(c)`` makes the current stream wait for shard c and returns it, ``rows()`` the whole (n * S, C) matrix (a
+    view of the buffer, valid until the role's buffer is used again two ops later). The copy and the pulls are
+    queued at the first ``chunk`` of a peer's shard or ``rows()``, after the GEMMs launched before (see _rs_copy on
+    launch order); every op joins them before it returns, so ``shard`` outlives the copy."""
 
     def __init__(self, shard: torch.Tensor, ws):
         n, r = ws.size, ws.rank
@@ -190,7 +216,6 @@ class _Gather:
         self.slot_shape = list(shard.shape)
         self.handle = ws.buffer("ag", n * shard.numel() * shard.element_size())
         self.slots = self.handle.get_buffer(r, [n, *self.slot_shape], shard.dtype, 0)
-        self.slots[r].copy_(shard)
         self.start = torch.cuda.Event()
         self.start.record()
         self.events = None
@@ -199,11 +224,18 @@ class _Gather:
         if self.events is None:
             handle, shape, dtype = self.handle, [self.n, *self.slot_shape], self.shard.dtype
 
-            def copy(p):
+            def copy(p, _piece):
                 self.slots[p].copy_(handle.get_buffer(p, shape, dtype, 0)[p])
 
-            self.events = self.ws.pull(handle, "ag", [(self.r - step) % self.n for step in range(1, self.n)], copy,
-                                       signal_first=True, after=self.start)
+            peers = [(self.r - step) % self.n for step in range(1, self.n)]
+            # the own shard into its slot off the current stream; every peer is signalled after it
+            first = self.ws.peer_stream(peers[0], "ag")
+            first.wait_event(self.start)
+            with torch.cuda.stream(first):
+                self.slots[self.r].copy_(self.shard)
+                placed = torch.cuda.Event()
+                placed.record(first)
+            self.events = self.ws.pull(handle, "ag", peers, copy, signal_first=True, after=placed)
         return self.events
 
     def order(self) -> list[int]:
@@ -213,7 +245,7 @@ class _Gather:
     def chunk(self, c: int) -> torch.Tensor:
         if c == self.r:
             return self.shard
-        torch.cuda.current_stream().wait_event(self._pulls()[c])
+        torch.cuda.current_stream().wait_event(self._pulls()[c][0])
         return self.slots[c]
 
     def rows(self) -> torch.Tensor:

@@ -55,6 +55,7 @@ from megakern.parallel.pipeline import PipelineChunk, build_schedule, check_sche
 from megakern.parallel.rng import RNGTracker
 from megakern.parallel.state_dict import as_global, checkpoint_mesh, group_hparams, init_optimizer_state
 from megakern.parallel.overlap import all_gather_gemm, gemm_reduce_scatter
+from megakern.parallel.symmetric import PIECES as SYMMETRIC_PIECES
 from megakern.parallel.symmetric import SymmetricWorkspace, symmetric_memory_usable
 from megakern.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -159,6 +160,9 @@ class ParallelModel:
         if options.tp_overlap_impl not in ("auto", "ring", "symmetric", "symmetric-kernel"):
             raise ValueError(f"parallelize: tp_overlap_impl must be 'auto', 'ring', 'symmetric' or "
                              f"'symmetric-kernel', got {options.tp_overlap_impl!r}")
+        if not isinstance(options.tp_overlap_pieces, int) or not 1 <= options.tp_overlap_pieces <= SYMMETRIC_PIECES:
+            raise ValueError(f"parallelize: tp_overlap_pieces must be an integer from 1 to {SYMMETRIC_PIECES}, got "
+                             f"{options.tp_overlap_pieces!r}")
         if options.tp_comm_overlap not in ("auto", True, False):
             raise ValueError(f"parallelize: tp_comm_overlap must be true, false or 'auto', got "
                              f"{options.tp_comm_overlap!r}")
@@ -235,6 +239,7 @@ class ParallelModel:
                                      f"{symmetric_problem}; use tp_overlap_impl='ring'")
                 self.tp_workspace = SymmetricWorkspace(pm.tp_group, pm.device)
                 self.tp_workspace.rs_impl = "kernel" if overlap_impl == "symmetric-kernel" else "copy"
+                self.tp_workspace.rs_pieces = options.tp_overlap_pieces
                 gather_gemm = functools.partial(all_gather_gemm, workspace=self.tp_workspace)
             gemm_reduce = functools.partial(gemm_reduce_scatter, workspace=self.tp_workspace)
         self.tp_info = [apply_tensor_parallel(g, pm.tp_group if d.tp > 1 else None, sp, gemm_reduce=gemm_reduce,

@@ -3,7 +3,7 @@
 
 ``SymmetricWorkspace(group, device)`` holds, per named role, two symmetric allocations used in turn (``buffer(role,
 nbytes)`` returns the next one's handle), every rank's buffer address on the device (``addresses``, for kernels that
-store into a peer's buffer), one stream per peer for the copy-engine pulls (``pull``), and the signals
+store into a peer's buffer), one stream per peer and role for the copy-engine pulls (``pull``), and the signals
 that order them (``signal``, ``pull``: a rank tells a peer that data is in place; the peer waits for it on its
 stream). An op of a role signals every peer and waits for every peer's signal; a rank writes the buffer used two ops
 ago only after the op in between, whose signals every peer sent after finishing the op before it: so no rank
@@ -12,7 +12,8 @@ replays of a captured step. Buffers grow, collectively, when an op needs more by
 group calls the ops in the same order with the same shapes (sequence parallel requires it), so every rank grows at
 the same call. Growing needs the host (a rendezvous over the group's
 store): it is refused with a clear error inside a CUDA-graph capture (run one eager step first, as the trainer's
-warm-up steps do).
+warm-up steps do). ``rs_pieces`` cuts each block of a GEMM + reduce-scatter into that many runs of rows, each
+signalled and pulled on its own (overlap.py).
 
 Peer-to-peer only: NVLink multicast (NVLS) stays off (``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` is set here unless the
 environment says otherwise, before the first allocation), and the CUDA backend of torch's symmetric memory is
@@ -28,7 +29,11 @@ import torch.distributed as dist
 
 from megakern.parallel.mappings import group_rank, group_size
 
-CHANNELS = {"rs": 0, "ag": 1}  # signal-pad channels: each role's barriers on its own
+# signal-pad channels: each role on its own, a role's op signalling up to PIECES pieces of its data, piece j on
+# channel CHANNELS[role] + j (a signal is a flag a peer's wait clears: one channel per piece lets a rank signal every
+# piece without waiting for the peer to take the one before; torch's pad holds 32 channels at any group size)
+PIECES = 8
+CHANNELS = {"rs": 0, "ag": PIECES}
 
 
 def symmetric_memory_usable(group, device: torch.device) -> str:
@@ -52,6 +57,11 @@ def symmetric_memory_usable(group, device: torch.device) -> str:
         return (f"the group spans hosts {sorted(set(hosts))}; symmetric memory maps peers of one host (NVLink), so "
                 "the tensor-parallel group must be on one host")
     return ""
+
+
+def _check_pieces(pieces: int) -> None:
+    if not 1 <= pieces <= PIECES:
+        raise ValueError(f"SymmetricWorkspace: {pieces} pieces of an op's data; 1 to {PIECES} have signal channels")
 
 
 class SymmetricWorkspace:
@@ -79,38 +89,48 @@ class SymmetricWorkspace:
         self._streams: dict = {}
         self._addresses: dict[int, torch.Tensor] = {}  # id(handle) -> every rank's buffer address, on the device
         self.grown = 0  # allocations made (tests, logs)
-        # GEMM + reduce-scatter: "copy" (cuBLAS GEMMs, copy-engine pulls, then a summing pass) or "kernel" (a Triton
+        # GEMM + reduce-scatter: "copy" (cuBLAS GEMMs, copy-engine pulls added by the own block's GEMMs) or "kernel" (a Triton
         # GEMM storing its tiles into the owners' buffers); docs/parallelism.md compares them
         self.rs_impl = "copy"
+        # runs of rows a GEMM + reduce-scatter block is computed, signalled and pulled in (1 to PIECES): a peer starts
+        # pulling after the first run's GEMM, not the whole block's, and the own block adds each pulled run as it lands
+        self.rs_pieces = 4
 
-    def peer_stream(self, peer: int):
-        """The stream that moves data from ``peer`` while the current stream computes (one per peer)."""
-        if peer not in self._streams:
-            self._streams[peer] = torch.cuda.Stream(device=self.device)
-        return self._streams[peer]
+    def peer_stream(self, peer: int, role: str):
+        """The stream that moves ``role``'s data from ``peer`` while the current stream computes (one per peer and
+        role: a column layer's backward gathers its input while its reduce-scatter's pulls are in flight)."""
+        if (peer, role) not in self._streams:
+            self._streams[peer, role] = torch.cuda.Stream(device=self.device)
+        return self._streams[peer, role]
 
-    def pull(self, handle, role: str, peers: list[int], copy, signal_first: bool, after) -> dict:
+    def pull(self, handle, role: str, peers: list[int], copy, signal_first: bool, after, pieces: int = 1) -> dict:
         """For each of ``peers``, on its own stream forked from the current one at event ``after``: (``signal_first``:
-        tell the peer this rank's data is in place,) wait for the peer's signal, then ``copy(peer)`` (copy-engine
-        transfers out of the peer's buffer). {peer: event after its copy}; ``join`` them into the current stream."""
+        tell the peer this rank's data is in place,) then for each piece j < ``pieces``: wait for the peer's signal of
+        piece j and ``copy(peer, j)`` (copy-engine transfers out of the peer's buffer). {peer: [event after the copy
+        of piece j, for each j]}; ``join`` them into the current stream."""
+        _check_pieces(pieces)
         channel = CHANNELS[role]
         events = {}
         for peer in peers:
-            stream = self.peer_stream(peer)
+            stream = self.peer_stream(peer, role)
             stream.wait_event(after)
+            events[peer] = []
             with torch.cuda.stream(stream):
                 if signal_first:
                     handle.put_signal(peer, channel=channel)
-                handle.wait_signal(peer, channel=channel)
-                copy(peer)
-                event = torch.cuda.Event()
-                event.record(stream)
-            events[peer] = event
+                for j in range(pieces):
+                    handle.wait_signal(peer, channel=channel + j)
+                    copy(peer, j)
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                    events[peer].append(event)
         return events
 
-    def signal(self, handle, role: str, peer: int) -> None:
-        """Tell ``peer`` (on the current stream, after the work queued on it) that its data is in this buffer."""
-        handle.put_signal(peer, channel=CHANNELS[role])
+    def signal(self, handle, role: str, peer: int, piece: int = 0) -> None:
+        """Tell ``peer`` (on the current stream, after the work queued on it) that its data (its ``piece``) is in this
+        buffer."""
+        _check_pieces(piece + 1)
+        handle.put_signal(peer, channel=CHANNELS[role] + piece)
 
     def wait(self, handle, role: str, peer: int) -> None:
         """The current stream waits for ``peer``'s signal (its data is in this rank's buffer)."""
@@ -120,8 +140,9 @@ class SymmetricWorkspace:
     def join(events: dict) -> None:
         """The current stream waits for every pull of ``events`` (and so joins their streams, for graph capture)."""
         current = torch.cuda.current_stream()
-        for event in events.values():
-            current.wait_event(event)
+        for per_peer in events.values():
+            for event in per_peer:
+                current.wait_event(event)
 
     def buffer(self, role: str, nbytes: int):
         """The handle of ``role``'s next buffer (alternating between two), at least ``nbytes`` long."""

@@ -4,7 +4,7 @@ output, dX, dW and the bias gradient of GEMM + reduce-scatter and of all-gather 
 and 4, fp32 and bf16, the sequence first or second, shards of odd length, calls repeated with growing shapes (both
 buffers of each role used, grown), and the ops captured in a CUDA graph and replayed on new inputs; GEMM +
 reduce-scatter by both of the workspace's implementations (the Triton kernel storing tiles into the owners' buffers,
-and cuBLAS + copy-engine pulls)."""
+and cuBLAS + copy-engine pulls, its blocks whole or in 3 or 4 runs of rows: 37-row shards cut unequally)."""
 import pytest
 import torch
 from conftest import HAS_CUDA
@@ -27,7 +27,9 @@ def _setup(rank, world, port, rs_impl="kernel"):
     from megakern.parallel.symmetric import SymmetricWorkspace
 
     ws = SymmetricWorkspace(dist.group.WORLD, torch.device("cuda", rank))
-    ws.rs_impl = rs_impl
+    ws.rs_impl, _, pieces = rs_impl.partition("-p")  # "copy-p3": cuBLAS + pulls, each block in 3 runs of rows
+    if pieces:
+        ws.rs_pieces = int(pieces)
     return dist.group.WORLD, ws
 
 
@@ -181,7 +183,7 @@ def _worlds():
 
 
 @pytest.mark.skipif(DEVICES < 2, reason=f"needs 2 CUDA devices, this machine has {DEVICES}")
-@pytest.mark.parametrize("rs_impl", ["kernel", "copy"])
+@pytest.mark.parametrize("rs_impl", ["kernel", "copy", "copy-p1", "copy-p3"])  # copy: the default 4 runs
 @pytest.mark.parametrize("world", [2, 4])
 def test_fused_ops_match_fp64(world, rs_impl):
     if world > DEVICES:
