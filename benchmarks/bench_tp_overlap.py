@@ -16,7 +16,8 @@ Providers:
   fused_matmul_reduce_scatter (symmetric memory, multicast off);
 - megakern: megakern.parallel.overlap.all_gather_gemm / gemm_reduce_scatter with a SymmetricWorkspace (GEMM +
   reduce-scatter by its default: cuBLAS GEMMs, copy-engine pulls, each block in the workspace's rs_pieces runs);
-- megakern-p1 (gemm+rs, and the backward of ag+gemm): the same with whole blocks (rs_pieces = 1);
+- megakern-p1, -p2, -p8: the same with each reduce-scatter block in K runs of rows (rs_pieces = K; forward and
+  backward), 1: whole blocks;
 - megakern-kernel (gemm+rs): the workspace's other GEMM + reduce-scatter, the Triton GEMM storing its tiles into
   the owners' buffers (megakern.gemm_scatter).
 Modes: fwd (the op), fwd-graph (the op captured in a CUDA graph, two calls a replay, as a CUDA-graph training step
@@ -47,7 +48,8 @@ else:  # python benchmarks/bench_tp_overlap.py
     from common import (Results, check_outputs, file_rows, init_rank, int_list, measure_matmul_tflops, parse_args,
                         record, report_failure, run_ranks, timed_on_ranks, tp_sizes)
 
-PROVIDERS = ("gemm", "unfused", "torch-symm", "megakern", "megakern-p1", "megakern-kernel")
+PIECES = ("megakern-p1", "megakern-p2", "megakern-p8")  # the workspace's rs_pieces set to K (default 4)
+PROVIDERS = ("gemm", "unfused", "torch-symm", "megakern", *PIECES, "megakern-kernel")
 OPS = ("ag+gemm", "gemm+rs")
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -91,12 +93,13 @@ def _provider(name: str, op: str, group, ws, tp: int):
         if op == "ag+gemm":
             return lambda x, w: all_gather_gemm(x, w, group, 0, workspace=ws)
         return lambda x, w: gemm_reduce_scatter(x, w, group, True, 0, workspace=ws)
-    if name == "megakern-p1":
+    if name in PIECES:
         if ws is None:
             return None
+        pieces = int(name.rsplit("-p", 1)[1])
         if op == "ag+gemm":
-            return _whole_blocks(lambda x, w: all_gather_gemm(x, w, group, 0, workspace=ws), ws)
-        return _whole_blocks(lambda x, w: gemm_reduce_scatter(x, w, group, True, 0, workspace=ws), ws)
+            return _in_pieces(lambda x, w: all_gather_gemm(x, w, group, 0, workspace=ws), ws, pieces)
+        return _in_pieces(lambda x, w: gemm_reduce_scatter(x, w, group, True, 0, workspace=ws), ws, pieces)
     if name == "megakern-kernel":
         if ws is None or op == "ag+gemm":
             return None
@@ -118,15 +121,15 @@ def _provider(name: str, op: str, group, ws, tp: int):
     raise ValueError(name)
 
 
-def _whole_blocks(fn, ws):
-    """``fn`` run with the workspace's reduce-scatter blocks whole (rs_pieces = 1; read as the ops are queued, so a
-    step of forward and backward wraps both)."""
+def _in_pieces(fn, ws, pieces: int):
+    """``fn`` run with the workspace's reduce-scatter blocks in ``pieces`` runs of rows (rs_pieces, read as the ops
+    are queued, so a step of forward and backward wraps both)."""
     def run(*args):
-        pieces, ws.rs_pieces = ws.rs_pieces, 1
+        default, ws.rs_pieces = ws.rs_pieces, pieces
         try:
             return fn(*args)
         finally:
-            ws.rs_pieces = pieces
+            ws.rs_pieces = default
     return run
 
 
@@ -200,15 +203,15 @@ def _rank(rank: int, tp: int, port: int, args, queue) -> None:
                                   timed_on_ranks(replay, device, calls, warmup, align=True).items()}
                         figures.append((case, "fwd-graph", name, timing,
                                         flops / (timing["median"] * 1e-3) / 1e12))
-                    if name in ("unfused", "megakern", "megakern-p1", "megakern-kernel"):
+                    if name in ("unfused", "megakern", *PIECES, "megakern-kernel"):
                         xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
                         dy = torch.randn_like(fn(xg, wg))
 
                         def step():
                             return torch.autograd.grad(fn(xg, wg), (xg, wg), dy)
 
-                        if name == "megakern-p1":
-                            step = _whole_blocks(step, ws)
+                        if name in PIECES:
+                            step = _in_pieces(step, ws, int(name.rsplit("-p", 1)[1]))
 
                         timing = timed_on_ranks(step, device, calls, warmup, align=True)
                         figures.append((case, "fwd+bwd", name, timing,

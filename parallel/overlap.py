@@ -153,7 +153,8 @@ def _row_runs(rows: int, pieces: int) -> list[tuple[int, int]]:
 def _rs_copy(x: torch.Tensor, w: torch.Tensor, ws, under=None, bias=None) -> torch.Tensor:
     """This rank's row block of sum over ranks (x @ w^T). Each peer's block is computed into this rank's buffer in
     ``ws.rs_pieces`` runs of rows, each run signalled to the block's owner as soon as its GEMM is done; the owner
-    pulls it by copy engine while the next runs' GEMMs go on. The own block comes last, run by run: each run's GEMM
+    pulls it by copy engine while the next runs' GEMMs go on (the signals go out from a side stream: a signal
+    kernel between two GEMMs on this stream would hold the second back). The own block comes last, run by run: each run's GEMM
     adds (beta 1, in its fp32 accumulator) the peers' partial sums of that run, as soon as they have landed; so no
     summing pass rereads the block, and the pulls have every GEMM of the op but the own block's last runs to hide
     under. ``bias`` is added once: rank r puts it into block r + 1, its first GEMM.
@@ -177,7 +178,7 @@ def _rs_copy(x: torch.Tensor, w: torch.Tensor, ws, under=None, bias=None) -> tor
         block = handle.get_buffer(r, shape, x.dtype, c * numel)
         for j, (lo, m) in enumerate(runs):
             _mm_into(xs[c].narrow(0, lo, m), w, block.narrow(0, lo, m), bias if step == 1 else None)
-            ws.signal(handle, "rs", c, piece=j)
+            ws.signal_aside(handle, "rs", c, piece=j)
     if under is not None:
         under()
 
@@ -197,18 +198,18 @@ def _rs_copy(x: torch.Tensor, w: torch.Tensor, ws, under=None, bias=None) -> tor
             torch.sum(parts.narrow(1, lo, m), 0, out=acc)
         acc.addmm_(xs[r].narrow(0, lo, m), w.t())
     ws.join(events)  # (every pull has been waited for; for graph capture's stream joins)
+    ws.settle("rs")
     return out
 
 
 class _Gather:
     """All-gather of the row matrix ``shard`` (S, C) into this rank's symmetric buffer, laid out shard by shard ((n,
-    S, C), rank c's shard in slot c): the own shard copied into slot r on a peer's stream (beside the own shard's
-    GEMM, which reads ``shard`` itself), then each peer's shard pulled on that peer's stream once the peer signals it
-    in place (one contiguous copy-engine transfer a peer, all peers at once, forked where the gather began);
-    ``chunk(c)`` makes the current stream wait for shard c and returns it, ``rows()`` the whole (n * S, C) matrix (a
-    view of the buffer, valid until the role's buffer is used again two ops later). The copy and the pulls are
-    queued at the first ``chunk`` of a peer's shard or ``rows()``, after the GEMMs launched before (see _rs_copy on
-    launch order); every op joins them before it returns, so ``shard`` outlives the copy."""
+    S, C), rank c's shard in slot c): the own shard copied into slot r, then each peer's shard pulled on that peer's
+    stream once the peer signals it in place (one contiguous copy-engine transfer a peer, all peers at once, forked
+    where the gather began); ``chunk(c)`` makes the current stream wait for shard c and returns it, ``rows()`` the
+    whole (n * S, C) matrix (a view of the buffer, valid until the role's buffer is used again two ops later). The
+    pulls are queued at the first ``chunk`` of a peer's shard or ``rows()``, after the GEMMs launched before (see
+    _rs_copy on launch order)."""
 
     def __init__(self, shard: torch.Tensor, ws):
         n, r = ws.size, ws.rank
@@ -216,6 +217,7 @@ class _Gather:
         self.slot_shape = list(shard.shape)
         self.handle = ws.buffer("ag", n * shard.numel() * shard.element_size())
         self.slots = self.handle.get_buffer(r, [n, *self.slot_shape], shard.dtype, 0)
+        self.slots[r].copy_(shard)  # (a copy beside the own shard's GEMM takes SMs from it: slower where measured)
         self.start = torch.cuda.Event()
         self.start.record()
         self.events = None
@@ -227,15 +229,8 @@ class _Gather:
             def copy(p, _piece):
                 self.slots[p].copy_(handle.get_buffer(p, shape, dtype, 0)[p])
 
-            peers = [(self.r - step) % self.n for step in range(1, self.n)]
-            # the own shard into its slot off the current stream; every peer is signalled after it
-            first = self.ws.peer_stream(peers[0], "ag")
-            first.wait_event(self.start)
-            with torch.cuda.stream(first):
-                self.slots[self.r].copy_(self.shard)
-                placed = torch.cuda.Event()
-                placed.record(first)
-            self.events = self.ws.pull(handle, "ag", peers, copy, signal_first=True, after=placed)
+            self.events = self.ws.pull(handle, "ag", [(self.r - step) % self.n for step in range(1, self.n)], copy,
+                                       signal_first=True, after=self.start)
         return self.events
 
     def order(self) -> list[int]:

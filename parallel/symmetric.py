@@ -132,6 +132,27 @@ class SymmetricWorkspace:
         _check_pieces(piece + 1)
         handle.put_signal(peer, channel=CHANNELS[role] + piece)
 
+    def signal_aside(self, handle, role: str, peer: int, piece: int = 0) -> None:
+        """``signal``, sent from the role's signal stream once the work queued so far on the current stream is done:
+        the current stream goes on at once (a signal kernel takes a round trip over NVLink, and the next GEMM on the
+        stream would wait for it). ``settle(role)`` joins the signal stream back before the op returns."""
+        _check_pieces(piece + 1)
+        stream = self._signal_stream(role)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            handle.put_signal(peer, channel=CHANNELS[role] + piece)
+
+    def settle(self, role: str) -> None:
+        """The current stream waits for every signal ``signal_aside`` sent for ``role`` (for graph capture: every
+        stream forked from the captured one joins it again)."""
+        torch.cuda.current_stream().wait_stream(self._signal_stream(role))
+
+    def _signal_stream(self, role: str):
+        key = ("signals", role)
+        if key not in self._streams:
+            self._streams[key] = torch.cuda.Stream(device=self.device)
+        return self._streams[key]
+
     def wait(self, handle, role: str, peer: int) -> None:
         """The current stream waits for ``peer``'s signal (its data is in this rank's buffer)."""
         handle.wait_signal(peer, channel=CHANNELS[role])
