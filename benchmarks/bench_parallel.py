@@ -43,7 +43,7 @@ Layouts are written as factors: "1", "dp2", "dp2-ddp", "tp2", "pp2", "cp2", "tp2
 (dp defaults to FSDP; "-ovl" overlaps the row-parallel layers' reduce-scatter with their matmuls, e.g. "tp2-ovl",
 "-ovl-symm" both layers' collectives through symmetric memory (parallel.tp_overlap_impl=symmetric), "-ovl-symm-kern"
 with the GEMM + reduce-scatter by the Triton tile-storing kernel (tp_overlap_impl=symmetric-kernel), "-pK" with
-symm's reduce-scatter blocks in K runs of rows (parallel.tp_overlap_pieces, default 4); a
+symm's reduce-scatter blocks in K runs of rows (parallel.tp_overlap_pieces, default 2); a
 last "-graph" captures the step in a CUDA graph (train.cuda_graph) after the warm-up: "1-graph", "tp2-ovl-graph",
 "dp2-ddp-graph" (DDP: 11 eager steps first), compared with "1-graph" and "1xK-graph"). The GPUs needed are the
 product of the factors; layouts needing more than this machine has are skipped with a line saying so. "1xK" runs K
@@ -106,7 +106,7 @@ class Layout:
     zero1: bool = False
     tp_comm_overlap: bool = False  # "-ovl": the row-parallel reduce-scatter overlapped with the matmul (tp > 1)
     tp_overlap_impl: str = "ring"  # "-symm" (with -ovl): the row and column layers' ops through symmetric memory
-    tp_overlap_pieces: int = 4  # "-pK" (with -symm): parallel.tp_overlap_pieces, each reduce-scatter block in K runs
+    tp_overlap_pieces: int = 2  # "-pK" (with -symm): parallel.tp_overlap_pieces, each reduce-scatter block in K runs
     copies: int = 1  # "1xK": K independent one-GPU runs at once (the host's own scaling, no communication)
     cuda_graph: bool = False  # "-graph": the step captured in a CUDA graph after the warm-up and replayed
 
@@ -180,7 +180,7 @@ class Layout:
             raise ValueError(f"bench_parallel: layout {spec!r}: zero1 shards the optimizer of DDP; add '-ddp'")
         return cls(spec, dp_shard=shard, zero1="zero1" in flags, tp_comm_overlap="ovl" in flags,
                    tp_overlap_impl=("symmetric-kernel" if "kern" in flags else "symmetric") if "symm" in flags
-                   else "ring", tp_overlap_pieces=int(pieces[0][1:]) if pieces else 4, cuda_graph=graph, **sizes)
+                   else "ring", tp_overlap_pieces=int(pieces[0][1:]) if pieces else 2, cuda_graph=graph, **sizes)
 
 
 def free_port() -> int:

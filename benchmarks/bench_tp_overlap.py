@@ -16,7 +16,7 @@ Providers:
   fused_matmul_reduce_scatter (symmetric memory, multicast off);
 - megakern: megakern.parallel.overlap.all_gather_gemm / gemm_reduce_scatter with a SymmetricWorkspace (GEMM +
   reduce-scatter by its default: cuBLAS GEMMs, copy-engine pulls, each block in the workspace's rs_pieces runs);
-- megakern-p1, -p2, -p8: the same with each reduce-scatter block in K runs of rows (rs_pieces = K; forward and
+- megakern-p1, -p4, -p8: the same with each reduce-scatter block in K runs of rows (rs_pieces = K; forward and
   backward), 1: whole blocks;
 - megakern-kernel (gemm+rs): the workspace's other GEMM + reduce-scatter, the Triton GEMM storing its tiles into
   the owners' buffers (megakern.gemm_scatter).
@@ -48,7 +48,7 @@ else:  # python benchmarks/bench_tp_overlap.py
     from common import (Results, check_outputs, file_rows, init_rank, int_list, measure_matmul_tflops, parse_args,
                         record, report_failure, run_ranks, timed_on_ranks, tp_sizes)
 
-PIECES = ("megakern-p1", "megakern-p2", "megakern-p8")  # the workspace's rs_pieces set to K (default 4)
+PIECES = ("megakern-p1", "megakern-p4", "megakern-p8")  # the workspace's rs_pieces set to K (default 2)
 PROVIDERS = ("gemm", "unfused", "torch-symm", "megakern", *PIECES, "megakern-kernel")
 OPS = ("ag+gemm", "gemm+rs")
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}

@@ -18,11 +18,12 @@ that data is in place by signals (no barrier per op):
   slots in the epilogue (fp32, one rounding): nothing is copied after the GEMMs and no summing pass rereads the
   partial sums, but the Triton GEMM trails cuBLAS at these shapes (docs/parallelism.md has the figures).
 - all-gather + GEMM, y = gather(x) W^T: each rank copies its shard into its own buffer and signals its peers, which
-  pull it, all peers at once, while the GEMM of the shard at hand runs: the own shard first, each next one as soon as
-  its pull has landed.
-- The backwards are the same two ops transposed: the row layer's dX is all-gather(dY) + GEMM, its dW one GEMM over
-  the gathered dY; the column layer's dX is GEMM + reduce-scatter, while its input is gathered again for dW
-  (sequence parallel keeps only the shard between forward and backward).
+  pull it (into ordinary memory), all peers at once, while the GEMM of the shard at hand runs: the own shard first,
+  each next one as soon as its pull has landed.
+- The backwards are the same two ops transposed: the row layer's dX is all-gather(dY) + GEMM, its dW by shards over
+  the gathered dY; the column layer's dX is GEMM + reduce-scatter, its dW by shards over the input's shards pulled
+  in the forward and kept (the unfused layer under sequence parallelism gathers its input again instead: a fifth of
+  a layer's transfers, for (n - 1) / n of the gathered input in memory), computed while dX's pulls are in flight.
 Buffers alternate between two per role, and a rank starts an op only after every peer's signal of the op before it:
 so no rank writes a buffer a peer still reads (symmetric.py). The peers' streams fork from and join the current
 stream, so the ops can be captured in CUDA graphs.
@@ -203,49 +204,48 @@ def _rs_copy(x: torch.Tensor, w: torch.Tensor, ws, under=None, bias=None) -> tor
 
 
 class _Gather:
-    """All-gather of the row matrix ``shard`` (S, C) into this rank's symmetric buffer, laid out shard by shard ((n,
-    S, C), rank c's shard in slot c): the own shard copied into slot r, then each peer's shard pulled on that peer's
-    stream once the peer signals it in place (one contiguous copy-engine transfer a peer, all peers at once, forked
-    where the gather began); ``chunk(c)`` makes the current stream wait for shard c and returns it, ``rows()`` the
-    whole (n * S, C) matrix (a view of the buffer, valid until the role's buffer is used again two ops later). The
-    pulls are queued at the first ``chunk`` of a peer's shard or ``rows()``, after the GEMMs launched before (see
-    _rs_copy on launch order)."""
+    """All-gather of the row matrix ``shard`` (S, C): the own shard copied into slot r of this rank's symmetric buffer
+    (where the peers pull it from), then each peer's shard pulled into ``peer_rows`` (ordinary memory, (n - 1, S,
+    C), the peers in ``peers`` order: r-1, r-2, ...) on that peer's stream once the peer signals it in place (one
+    contiguous copy-engine transfer a peer, all peers at once, forked where the gather began). ``chunk(c)`` makes the
+    current stream wait for shard c and returns it; ``join()`` waits for every pull. The pulls are queued at the first
+    ``chunk`` of a peer's shard or ``join()``, after the GEMMs launched before (see _rs_copy on launch order)."""
 
     def __init__(self, shard: torch.Tensor, ws):
         n, r = ws.size, ws.rank
         self.n, self.r, self.shard, self.len, self.ws = n, r, shard, shard.shape[0], ws
         self.slot_shape = list(shard.shape)
         self.handle = ws.buffer("ag", n * shard.numel() * shard.element_size())
-        self.slots = self.handle.get_buffer(r, [n, *self.slot_shape], shard.dtype, 0)
-        self.slots[r].copy_(shard)  # (a copy beside the own shard's GEMM takes SMs from it: slower where measured)
+        self.handle.get_buffer(r, self.slot_shape, shard.dtype, r * shard.numel()).copy_(shard)
+        # (a copy beside the own shard's GEMM, off this stream, takes SMs from it: slower where measured)
+        self.peers = [(r - step) % n for step in range(1, n)]
+        self.peer_rows = torch.empty([n - 1, *self.slot_shape], dtype=shard.dtype, device=shard.device)
         self.start = torch.cuda.Event()
         self.start.record()
         self.events = None
 
     def _pulls(self) -> dict:
         if self.events is None:
-            handle, shape, dtype = self.handle, [self.n, *self.slot_shape], self.shard.dtype
+            handle, shape, dtype, numel = self.handle, self.slot_shape, self.shard.dtype, self.shard.numel()
 
             def copy(p, _piece):
-                self.slots[p].copy_(handle.get_buffer(p, shape, dtype, 0)[p])
+                self.peer_rows[self.peers.index(p)].copy_(handle.get_buffer(p, shape, dtype, p * numel))
 
-            self.events = self.ws.pull(handle, "ag", [(self.r - step) % self.n for step in range(1, self.n)], copy,
-                                       signal_first=True, after=self.start)
+            self.events = self.ws.pull(handle, "ag", self.peers, copy, signal_first=True, after=self.start)
         return self.events
 
     def order(self) -> list[int]:
         """The shards in the order they are used: this rank's, then r-1, r-2, ..."""
-        return [(self.r - step) % self.n for step in range(self.n)]
+        return [self.r, *self.peers]
 
     def chunk(self, c: int) -> torch.Tensor:
         if c == self.r:
             return self.shard
         torch.cuda.current_stream().wait_event(self._pulls()[c][0])
-        return self.slots[c]
+        return self.peer_rows[self.peers.index(c)]
 
-    def rows(self) -> torch.Tensor:
+    def join(self) -> None:
         self.ws.join(self._pulls())  # every pull done (and their streams joined, for graph capture)
-        return self.slots.view(-1, self.slot_shape[-1])
 
 
 def _gathered_gemm(gather: _Gather, w: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -307,49 +307,51 @@ class _SymmGemmReduceScatter(torch.autograd.Function):
                 _mm_into(dy_c, w.t(), dx.narrow(0, c * rows, rows))
             if need_w:
                 dw.add(dy_c, xc.narrow(0, c * rows, rows))
-        gather.rows()  # every pull joined into this stream (for graph capture)
+        gather.join()  # every pull joined into this stream (for graph capture)
         return (dx.to(x.dtype) if need_x else None), (dw.result(weight.dtype) if need_w else None), db, None
 
 
 class _SymmAllGatherGemm(torch.autograd.Function):
+    """The peers' shards pulled in the forward are kept for the weight gradient (when the weight needs one): the
+    backward moves no input again, and its dW GEMMs all run while dX's reduce-scatter is in flight. The cost:
+    (n - 1) / n of the gathered input in memory from the forward to the backward, as the unfused layer without
+    sequence parallelism keeps it whole."""
+
     @staticmethod
     def forward(ctx, x, weight, bias, ws):
-        dtype = _save(ctx, x, weight, bias, ws)
+        dtype = _compute_dtype(x)
+        ctx.ws, ctx.dtype, ctx.bias_dtype = ws, dtype, None if bias is None else bias.dtype
         with torch.autocast(x.device.type, enabled=False):
             xc, w = x.to(dtype).contiguous(), weight.to(dtype)
             gather = _Gather(xc, ws)
             out = torch.empty(ws.size * xc.shape[0], w.shape[0], dtype=dtype, device=xc.device)
             _gathered_gemm(gather, w, out, None if bias is None else bias.to(dtype))
-            gather.rows()
+            gather.join()
+        keep = ctx.needs_input_grad[1]
+        ctx.save_for_backward(xc if keep else None, weight, gather.peer_rows if keep else None)
+        ctx.peers, ctx.x_dtype = gather.peers, x.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
+        xc, weight, peer_rows = ctx.saved_tensors
         ws, dtype = ctx.ws, ctx.dtype
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad = grad.to(dtype).contiguous()
         w = weight.to(dtype)
         db = _bias_grad(grad, ctx.bias_dtype, ctx.needs_input_grad[2])
-        # the input gathered again for dW (pulled on the peers' streams under dX's GEMMs); dW = dY^T gather(X) by
-        # shards: the own shard's part while the peers' shards and dX's blocks are in flight
-        gather = _Gather(x.to(dtype).contiguous(), ws) if need_w else None
         dw = _WeightGrad() if need_w else None
-        rows = x.shape[0]
 
-        def own_part():
-            if need_w:
-                dw.add(grad.narrow(0, ws.rank * rows, rows), gather.chunk(ws.rank))
+        def weight_grad():  # dW = dY^T gather(X), by shards, the inputs all here since the forward
+            rows = xc.shape[0]
+            for c, x_c in [(ws.rank, xc), *zip(ctx.peers, peer_rows)]:
+                dw.add(grad.narrow(0, c * rows, rows), x_c)
 
         if need_x:
-            dx = _rs_symm(grad, w.t(), ws, under=own_part).to(x.dtype)
+            dx = _rs_symm(grad, w.t(), ws, under=weight_grad if need_w else None).to(ctx.x_dtype)
         else:
             dx = None
-            own_part()
-        if need_w:
-            for c in gather.order()[1:]:
-                dw.add(grad.narrow(0, c * rows, rows), gather.chunk(c))
-            gather.rows()  # every pull joined into this stream (for graph capture)
+            weight_grad()
         return dx, (dw.result(weight.dtype) if need_w else None), db, None
 
 

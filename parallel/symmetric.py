@@ -94,7 +94,7 @@ class SymmetricWorkspace:
         self.rs_impl = "copy"
         # runs of rows a GEMM + reduce-scatter block is computed, signalled and pulled in (1 to PIECES): a peer starts
         # pulling after the first run's GEMM, not the whole block's, and the own block adds each pulled run as it lands
-        self.rs_pieces = 4
+        self.rs_pieces = 2
 
     def peer_stream(self, peer: int, role: str):
         """The stream that moves ``role``'s data from ``peer`` while the current stream computes (one per peer and
