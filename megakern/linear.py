@@ -71,3 +71,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
     with _nvtx.annotate("megakern.linear[triton]"):
         return LinearFunction.apply(x, weight, bias, dtype)
+
+
+def bias_grad(dy: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The bias gradient of y = x W^T + b from dy (..., N): its column sums (N,), summed in fp32 for 16-bit dy, in
+    ``dtype`` (default dy's). On a GPU the Triton reduction of ``linear``'s backward (reads dy once), else torch."""
+    if not isinstance(dy, torch.Tensor) or dy.dim() < 1:
+        raise ValueError(f"bias_grad: dy must be a tensor of at least one dim, got {type(dy).__name__}"
+                         + (f" of shape {tuple(dy.shape)}" if isinstance(dy, torch.Tensor) else ""))
+    dtype = dtype or dy.dtype
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    if dy2.is_cuda and dy2.dtype in (torch.float16, torch.bfloat16, torch.float32):
+        from megakern import _linear_triton as kern
+
+        return kern.colsum(dy2 if dy2.stride(-1) == 1 else dy2.contiguous(), dtype)
+    wide = torch.float32 if dy2.dtype in (torch.float16, torch.bfloat16) else dy2.dtype
+    return dy2.sum(0, dtype=wide).to(dtype)

@@ -64,6 +64,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megakern.gemm_scatter import reduce_own, scatter_partials
+from megakern.linear import bias_grad
 from megakern.parallel.mappings import (gather_from_sp, group_rank, group_size, token_rows, token_shard_shape,
                                         token_whole_shape)
 
@@ -98,8 +99,7 @@ def _bias_grad(grad: torch.Tensor, dtype: torch.dtype | None, needed: bool) -> t
     """The column sums of ``grad`` (rows, N) in the bias's ``dtype`` (None: no bias), 16-bit grads summed in fp32."""
     if dtype is None or not needed:
         return None
-    wide = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
-    return grad.sum(0, dtype=wide).to(dtype)
+    return bias_grad(grad, dtype)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:

@@ -127,3 +127,19 @@ def test_no_bias_torch_backend_and_bad_input():
         megakern.linear(x, w, torch.randn(4, device=DEVICE))
     with pytest.raises(ValueError, match="unknown backend 'cuda'"):
         megakern.linear(x, w, b, backend="cuda")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_bias_grad_matches_fp64(dtype):
+    from megakern.linear import bias_grad
+
+    seed("bias_grad", dtype)
+    dy = torch.randn(3, 37, 50, device=DEVICE, dtype=dtype)[:, :, 1:]  # rows of unit column stride, strided rows
+    truth = dy.double().sum((0, 1))
+    lowp = dy.sum((0, 1))
+    got = bias_grad(dy)
+    assert got.dtype == dtype and got.shape == (49,)
+    assert_close_to_ref("db", got, truth, lowp, ATOL[dtype])
+    assert bias_grad(dy, torch.float32).dtype == torch.float32
+    with pytest.raises(ValueError, match="bias_grad: dy must be a tensor of at least one dim"):
+        bias_grad(torch.tensor(1.0))
