@@ -265,7 +265,10 @@ class _WeightGrad:
     def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
         wide = {"out_dtype": torch.float32} if a.dtype in (torch.float16, torch.bfloat16) else {}
         a = a.t()
-        self.acc = torch.mm(a, b, **wide) if self.acc is None else torch.addmm(self.acc, a, b, **wide)
+        if self.acc is None:
+            self.acc = torch.mm(a, b, **wide)
+        else:  # in place (out= the accumulator): a new output would first get a copy of it
+            torch.addmm(self.acc, a, b, **wide, out=self.acc)
 
     def result(self, dtype: torch.dtype) -> torch.Tensor:
         return self.acc.to(dtype)
