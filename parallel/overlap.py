@@ -274,28 +274,30 @@ class _WeightGrad:
         return self.acc.to(dtype)
 
 
-def _save(ctx, x, weight, bias, ws) -> torch.dtype:
-    """Keeps what a symmetric op's backward needs; returns the dtype its GEMMs run in (autocast's, or x's)."""
+def _save(ctx, x, weight, bias, ws) -> tuple[torch.dtype, torch.Tensor]:
+    """Keeps what a symmetric GEMM + reduce-scatter's backward needs; returns the dtype its GEMMs run in (autocast's,
+    or x's) and the weight cast to it once, kept for the backward as autocast keeps F.linear's (casting it again
+    there took a pass over every weight a step)."""
     dtype = _compute_dtype(x)
-    ctx.save_for_backward(x, weight)
-    ctx.ws, ctx.dtype, ctx.bias_dtype = ws, dtype, None if bias is None else bias.dtype
-    return dtype
+    w = weight.to(dtype)
+    ctx.save_for_backward(x, w)
+    ctx.ws, ctx.dtype, ctx.w_dtype, ctx.bias_dtype = ws, dtype, weight.dtype, None if bias is None else bias.dtype
+    return dtype, w
 
 
 class _SymmGemmReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, ws):
-        dtype = _save(ctx, x, weight, bias, ws)
+        dtype, w = _save(ctx, x, weight, bias, ws)
         with torch.autocast(x.device.type, enabled=False):
-            return _rs_symm(x.to(dtype), weight.to(dtype), ws, bias=None if bias is None else bias.to(dtype))
+            return _rs_symm(x.to(dtype), w, ws, bias=None if bias is None else bias.to(dtype))
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
+        x, w = ctx.saved_tensors
         ws, dtype = ctx.ws, ctx.dtype
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad = grad.to(dtype).contiguous()
-        w = weight.to(dtype)
         db = _bias_grad(grad, ctx.bias_dtype, ctx.needs_input_grad[2])  # this rank's rows: a partial sum over tp
         gather = _Gather(grad, ws)
         # per shard, as soon as it arrives: its rows of dX = gather(dY) @ W and its part of dW = gather(dY)^T X
@@ -311,7 +313,7 @@ class _SymmGemmReduceScatter(torch.autograd.Function):
             if need_w:
                 dw.add(dy_c, xc.narrow(0, c * rows, rows))
         gather.join()  # every pull joined into this stream (for graph capture)
-        return (dx.to(x.dtype) if need_x else None), (dw.result(weight.dtype) if need_w else None), db, None
+        return (dx.to(x.dtype) if need_x else None), (dw.result(ctx.w_dtype) if need_w else None), db, None
 
 
 class _SymmAllGatherGemm(torch.autograd.Function):
@@ -323,25 +325,24 @@ class _SymmAllGatherGemm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, ws):
         dtype = _compute_dtype(x)
-        ctx.ws, ctx.dtype, ctx.bias_dtype = ws, dtype, None if bias is None else bias.dtype
+        ctx.ws, ctx.dtype, ctx.w_dtype, ctx.bias_dtype = ws, dtype, weight.dtype, None if bias is None else bias.dtype
         with torch.autocast(x.device.type, enabled=False):
-            xc, w = x.to(dtype).contiguous(), weight.to(dtype)
+            xc, w = x.to(dtype).contiguous(), weight.to(dtype)  # w kept for the backward (see _save)
             gather = _Gather(xc, ws)
             out = torch.empty(ws.size * xc.shape[0], w.shape[0], dtype=dtype, device=xc.device)
             _gathered_gemm(gather, w, out, None if bias is None else bias.to(dtype))
             gather.join()
         keep = ctx.needs_input_grad[1]
-        ctx.save_for_backward(xc if keep else None, weight, gather.peer_rows if keep else None)
+        ctx.save_for_backward(xc if keep else None, w, gather.peer_rows if keep else None)
         ctx.peers, ctx.x_dtype = gather.peers, x.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        xc, weight, peer_rows = ctx.saved_tensors
+        xc, w, peer_rows = ctx.saved_tensors
         ws, dtype = ctx.ws, ctx.dtype
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad = grad.to(dtype).contiguous()
-        w = weight.to(dtype)
         db = _bias_grad(grad, ctx.bias_dtype, ctx.needs_input_grad[2])
         dw = _WeightGrad() if need_w else None
 
@@ -355,7 +356,7 @@ class _SymmAllGatherGemm(torch.autograd.Function):
         else:
             dx = None
             weight_grad()
-        return dx, (dw.result(weight.dtype) if need_w else None), db, None
+        return dx, (dw.result(ctx.w_dtype) if need_w else None), db, None
 
 
 # ---- the ring (any backend) ------------------------------------------------------------------------------------
