@@ -89,19 +89,22 @@ class SymmetricWorkspace:
         self._streams: dict = {}
         self._addresses: dict[int, torch.Tensor] = {}  # id(handle) -> every rank's buffer address, on the device
         self.grown = 0  # allocations made (tests, logs)
-        # GEMM + reduce-scatter: "copy" (cuBLAS GEMMs, copy-engine pulls added by the own block's GEMMs) or "kernel" (a Triton
-        # GEMM storing its tiles into the owners' buffers); docs/parallelism.md compares them
+        # GEMM + reduce-scatter: "copy" (cuBLAS GEMMs, copy-engine pulls added by the own block's GEMMs) or "kernel"
+        # (a Triton GEMM storing its tiles into the owners' buffers); docs/parallelism.md compares them
         self.rs_impl = "copy"
         # runs of rows a GEMM + reduce-scatter block is computed, signalled and pulled in (1 to PIECES): a peer starts
         # pulling after the first run's GEMM, not the whole block's, and the own block adds each pulled run as it lands
         self.rs_pieces = 2
 
+    def _stream(self, key):
+        if key not in self._streams:
+            self._streams[key] = torch.cuda.Stream(device=self.device)
+        return self._streams[key]
+
     def peer_stream(self, peer: int, role: str):
         """The stream that moves ``role``'s data from ``peer`` while the current stream computes (one per peer and
         role: a column layer's backward gathers its input while its reduce-scatter's pulls are in flight)."""
-        if (peer, role) not in self._streams:
-            self._streams[peer, role] = torch.cuda.Stream(device=self.device)
-        return self._streams[peer, role]
+        return self._stream((peer, role))
 
     def pull(self, handle, role: str, peers: list[int], copy, signal_first: bool, after, pieces: int = 1) -> dict:
         """For each of ``peers``, on its own stream forked from the current one at event ``after``: (``signal_first``:
@@ -126,18 +129,16 @@ class SymmetricWorkspace:
                     events[peer].append(event)
         return events
 
-    def signal(self, handle, role: str, peer: int, piece: int = 0) -> None:
-        """Tell ``peer`` (on the current stream, after the work queued on it) that its data (its ``piece``) is in this
-        buffer."""
-        _check_pieces(piece + 1)
-        handle.put_signal(peer, channel=CHANNELS[role] + piece)
+    def signal(self, handle, role: str, peer: int) -> None:
+        """Tell ``peer`` (on the current stream, after the work queued on it) that its data is in this buffer."""
+        handle.put_signal(peer, channel=CHANNELS[role])
 
     def signal_aside(self, handle, role: str, peer: int, piece: int = 0) -> None:
         """``signal``, sent from the role's signal stream once the work queued so far on the current stream is done:
         the current stream goes on at once (a signal kernel takes a round trip over NVLink, and the next GEMM on the
         stream would wait for it). ``settle(role)`` joins the signal stream back before the op returns."""
         _check_pieces(piece + 1)
-        stream = self._signal_stream(role)
+        stream = self._stream(("signals", role))
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             handle.put_signal(peer, channel=CHANNELS[role] + piece)
@@ -145,13 +146,7 @@ class SymmetricWorkspace:
     def settle(self, role: str) -> None:
         """The current stream waits for every signal ``signal_aside`` sent for ``role`` (for graph capture: every
         stream forked from the captured one joins it again)."""
-        torch.cuda.current_stream().wait_stream(self._signal_stream(role))
-
-    def _signal_stream(self, role: str):
-        key = ("signals", role)
-        if key not in self._streams:
-            self._streams[key] = torch.cuda.Stream(device=self.device)
-        return self._streams[key]
+        torch.cuda.current_stream().wait_stream(self._stream(("signals", role)))
 
     def wait(self, handle, role: str, peer: int) -> None:
         """The current stream waits for ``peer``'s signal (its data is in this rank's buffer)."""
