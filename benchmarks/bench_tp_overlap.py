@@ -15,9 +15,11 @@ Providers:
 - torch-symm: PyTorch's async tensor parallelism, torch.ops.symm_mem.fused_all_gather_matmul /
   fused_matmul_reduce_scatter (symmetric memory, multicast off);
 - megakern: megakern.parallel.overlap.all_gather_gemm / gemm_reduce_scatter with a SymmetricWorkspace (GEMM +
-  reduce-scatter by its default: cuBLAS GEMMs, copy-engine pulls, each block in the workspace's rs_pieces runs);
+  reduce-scatter by its default: cuBLAS GEMMs, copy-engine pulls, each block in the workspace's rs_pieces runs, the
+  partial sums or the inputs pulled, whichever moves fewer bytes: rs_route "auto");
 - megakern-p1, -p4, -p8: the same with each reduce-scatter block in K runs of rows (rs_pieces = K; forward and
   backward), 1: whole blocks;
+- megakern-partials, megakern-inputs (gemm+rs): the same with the route named (rs_route), whatever it moves;
 - megakern-kernel (gemm+rs): the workspace's other GEMM + reduce-scatter, the Triton GEMM storing its tiles into
   the owners' buffers (megakern.gemm_scatter).
 Modes: fwd (the op), fwd-graph (the op captured in a CUDA graph, two calls a replay, as a CUDA-graph training step
@@ -48,8 +50,10 @@ else:  # python benchmarks/bench_tp_overlap.py
     from common import (Results, check_outputs, file_rows, init_rank, int_list, measure_matmul_tflops, parse_args,
                         record, report_failure, run_ranks, timed_on_ranks, tp_sizes)
 
-PIECES = ("megakern-p1", "megakern-p4", "megakern-p8")  # the workspace's rs_pieces set to K (default 2)
-PROVIDERS = ("gemm", "unfused", "torch-symm", "megakern", *PIECES, "megakern-kernel")
+# megakern with workspace settings other than the defaults (rs_pieces 2, rs_route "auto")
+VARIANTS = {"megakern-p1": {"rs_pieces": 1}, "megakern-p4": {"rs_pieces": 4}, "megakern-p8": {"rs_pieces": 8},
+            "megakern-partials": {"rs_route": "partials"}, "megakern-inputs": {"rs_route": "inputs"}}
+PROVIDERS = ("gemm", "unfused", "torch-symm", "megakern", *VARIANTS, "megakern-kernel")
 OPS = ("ag+gemm", "gemm+rs")
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -93,13 +97,12 @@ def _provider(name: str, op: str, group, ws, tp: int):
         if op == "ag+gemm":
             return lambda x, w: all_gather_gemm(x, w, group, 0, workspace=ws)
         return lambda x, w: gemm_reduce_scatter(x, w, group, True, 0, workspace=ws)
-    if name in PIECES:
-        if ws is None:
+    if name in VARIANTS:
+        if ws is None or ("rs_route" in VARIANTS[name] and op == "ag+gemm"):
             return None
-        pieces = int(name.rsplit("-p", 1)[1])
         if op == "ag+gemm":
-            return _in_pieces(lambda x, w: all_gather_gemm(x, w, group, 0, workspace=ws), ws, pieces)
-        return _in_pieces(lambda x, w: gemm_reduce_scatter(x, w, group, True, 0, workspace=ws), ws, pieces)
+            return _with(lambda x, w: all_gather_gemm(x, w, group, 0, workspace=ws), ws, VARIANTS[name])
+        return _with(lambda x, w: gemm_reduce_scatter(x, w, group, True, 0, workspace=ws), ws, VARIANTS[name])
     if name == "megakern-kernel":
         if ws is None or op == "ag+gemm":
             return None
@@ -121,15 +124,18 @@ def _provider(name: str, op: str, group, ws, tp: int):
     raise ValueError(name)
 
 
-def _in_pieces(fn, ws, pieces: int):
-    """``fn`` run with the workspace's reduce-scatter blocks in ``pieces`` runs of rows (rs_pieces, read as the ops
-    are queued, so a step of forward and backward wraps both)."""
+def _with(fn, ws, settings: dict):
+    """``fn`` run with the workspace's attributes set to ``settings`` (read as the ops are queued, so a step of forward
+    and backward wraps both), then set back."""
     def run(*args):
-        default, ws.rs_pieces = ws.rs_pieces, pieces
+        defaults = {key: getattr(ws, key) for key in settings}
+        for key, value in settings.items():
+            setattr(ws, key, value)
         try:
             return fn(*args)
         finally:
-            ws.rs_pieces = default
+            for key, value in defaults.items():
+                setattr(ws, key, value)
     return run
 
 
@@ -203,15 +209,15 @@ def _rank(rank: int, tp: int, port: int, args, queue) -> None:
                                   timed_on_ranks(replay, device, calls, warmup, align=True).items()}
                         figures.append((case, "fwd-graph", name, timing,
                                         flops / (timing["median"] * 1e-3) / 1e12))
-                    if name in ("unfused", "megakern", *PIECES, "megakern-kernel"):
+                    if name in ("unfused", "megakern", *VARIANTS, "megakern-kernel"):
                         xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
                         dy = torch.randn_like(fn(xg, wg))
 
                         def step():
                             return torch.autograd.grad(fn(xg, wg), (xg, wg), dy)
 
-                        if name in PIECES:
-                            step = _in_pieces(step, ws, int(name.rsplit("-p", 1)[1]))
+                        if name in VARIANTS:
+                            step = _with(step, ws, VARIANTS[name])
 
                         timing = timed_on_ranks(step, device, calls, warmup, align=True)
                         figures.append((case, "fwd+bwd", name, timing,

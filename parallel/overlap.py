@@ -17,6 +17,11 @@ that data is in place by signals (no barrier per op):
   and waits for every peer's signal; a second launch computes chunk r and adds the n - 1 partial sums found in its
   slots in the epilogue (fp32, one rounding): nothing is copied after the GEMMs and no summing pass rereads the
   partial sums, but the Triton GEMM trails cuBLAS at these shapes (docs/parallelism.md has the figures).
+- GEMM + reduce-scatter by the inputs (the copy implementation's other route, taken by ``rs_route`` where it moves
+  fewer bytes: a layer whose input is much narrower than its output, as attention's output projection is): rank r
+  pulls each peer's input rows of block r and the peer's weight, k (rows + n) elements instead of the peer's rows x
+  n partial sum, and computes block r alone: its own part first, while the pulls are in flight, then each peer's
+  part (beta 1) as it lands.
 - all-gather + GEMM, y = gather(x) W^T: each rank copies its shard into its own buffer and signals its peers, which
   pull it (into ordinary memory), all peers at once, while the GEMM of the shard at hand runs: the own shard first,
   each next one as soon as its pull has landed.
@@ -67,6 +72,7 @@ from megakern.gemm_scatter import reduce_own, scatter_partials
 from megakern.linear import bias_grad
 from megakern.parallel.mappings import (gather_from_sp, group_rank, group_size, token_rows, token_shard_shape,
                                         token_whole_shape)
+from megakern.parallel.symmetric import ROUTES
 
 
 def _peers(group) -> tuple[int, int, int, int]:
@@ -121,7 +127,62 @@ def _rs_symm(x: torch.Tensor, w: torch.Tensor, ws, under=None, bias=None) -> tor
         if under is not None:
             under()
         return out if bias is None else out.add_(bias)
+    if rs_route(x.shape[0] // ws.size, x.shape[1], w.shape[0], ws.rs_route) == "inputs":
+        return _rs_inputs(x, w, ws, under, bias)
     return _rs_copy(x, w, ws, under, bias)
+
+
+def rs_route(rows: int, k: int, n: int, route: str = "auto") -> str:
+    """What a GEMM + reduce-scatter of blocks of ``rows`` rows, (rows, k) @ (k, n) a block and rank, moves from each
+    peer: "partials" (the peer's partial sum of this rank's block, rows x n elements) or "inputs" (the peer's input
+    rows of the block and its weight, k x (rows + n)). "auto": the one moving fewer elements (the inputs where the
+    layer's input is much narrower than its output, as attention's output projection is at tp >= 2); a named route
+    is taken as it is."""
+    if route not in ROUTES:
+        raise ValueError(f"rs_route: unknown route {route!r} (known: {', '.join(ROUTES)})")
+    if route != "auto":
+        return route
+    return "inputs" if k * (rows + n) < rows * n else "partials"
+
+
+def _rs_inputs(x: torch.Tensor, w: torch.Tensor, ws, under=None, bias=None) -> torch.Tensor:
+    """This rank's row block of sum over ranks (x @ w^T), computed here from the peers' inputs: every rank copies its
+    input rows of each other rank's block, and its weight, into its own buffer and signals its peers; meanwhile this
+    rank's own part of its block, x_r[block r] w_r^T (+ bias), runs; each peer's input rows of this block and its
+    weight are pulled (copy engine, one stream a peer, all at once) and added, x_p[block r] w_p^T (beta 1), as soon as
+    they land. Each peer sends k (rows + n) elements instead of its rows x n partial sum, and the own GEMM waits for
+    nothing. The backward is the partials route's (the op's inputs and weight are the same)."""
+    n, r = ws.size, ws.rank
+    xs = x.chunk(n)
+    rows, k = xs[0].shape
+    shape_w = list(w.shape)
+    x_numel, w_numel = rows * k, math.prod(shape_w)
+    handle = ws.buffer("rs_in", (n * x_numel + w_numel) * x.element_size())
+    for step in range(1, n):
+        c = (r + step) % n
+        handle.get_buffer(r, [rows, k], x.dtype, c * x_numel).copy_(xs[c])
+    handle.get_buffer(r, shape_w, x.dtype, n * x_numel).copy_(w)
+    peers = [(r - step) % n for step in range(1, n)]
+    peer_x = torch.empty([n - 1, rows, k], dtype=x.dtype, device=x.device)
+    peer_w = torch.empty([n - 1, *shape_w], dtype=x.dtype, device=x.device)
+    start = torch.cuda.Event()
+    start.record()
+    out = torch.empty(rows, shape_w[0], dtype=x.dtype, device=x.device)
+    _mm_into(xs[r], w, out, bias)  # launched before the pulls' waiting kernels (see _rs_copy)
+    if under is not None:
+        under()
+
+    def copy(p, _piece):
+        i = peers.index(p)
+        peer_w[i].copy_(handle.get_buffer(p, shape_w, x.dtype, n * x_numel))
+        peer_x[i].copy_(handle.get_buffer(p, [rows, k], x.dtype, r * x_numel))
+
+    events = ws.pull(handle, "rs_in", peers, copy, signal_first=True, after=start)
+    current = torch.cuda.current_stream()
+    for i, p in enumerate(peers):
+        current.wait_event(events[p][0])
+        out.addmm_(peer_x[i], peer_w[i].t())
+    return out
 
 
 def _rs_kernel(x: torch.Tensor, w: torch.Tensor, ws) -> torch.Tensor:

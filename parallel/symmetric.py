@@ -13,7 +13,8 @@ group calls the ops in the same order with the same shapes (sequence parallel re
 the same call. Growing needs the host (a rendezvous over the group's
 store): it is refused with a clear error inside a CUDA-graph capture (run one eager step first, as the trainer's
 warm-up steps do). ``rs_pieces`` cuts each block of a GEMM + reduce-scatter into that many runs of rows, each
-signalled and pulled on its own (overlap.py).
+signalled and pulled on its own, and ``rs_route`` picks what such an op moves, the partial sums or the inputs
+(overlap.py).
 
 Peer-to-peer only: NVLink multicast (NVLS) stays off (``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` is set here unless the
 environment says otherwise, before the first allocation), and the CUDA backend of torch's symmetric memory is
@@ -31,9 +32,12 @@ from megakern.parallel.mappings import group_rank, group_size
 
 # signal-pad channels: each role on its own, a role's op signalling up to PIECES pieces of its data, piece j on
 # channel CHANNELS[role] + j (a signal is a flag a peer's wait clears: one channel per piece lets a rank signal every
-# piece without waiting for the peer to take the one before; torch's pad holds 32 channels at any group size)
+# piece without waiting for the peer to take the one before; torch's pad holds 32 channels at any group size).
+# Roles: "rs" a GEMM + reduce-scatter's partial sums, "ag" an all-gather's shards, "rs_in" the inputs and weight of a
+# GEMM + reduce-scatter computed by the owner of each block (overlap.py, the "inputs" route; one piece)
 PIECES = 8
-CHANNELS = {"rs": 0, "ag": PIECES}
+CHANNELS = {"rs": 0, "ag": PIECES, "rs_in": 2 * PIECES}
+ROUTES = ("auto", "partials", "inputs")
 
 
 def symmetric_memory_usable(group, device: torch.device) -> str:
@@ -95,6 +99,10 @@ class SymmetricWorkspace:
         # runs of rows a GEMM + reduce-scatter block is computed, signalled and pulled in (1 to PIECES): a peer starts
         # pulling after the first run's GEMM, not the whole block's, and the own block adds each pulled run as it lands
         self.rs_pieces = 2
+        # how a GEMM + reduce-scatter ("copy") moves its data: "partials" (each rank computes every block's partial sum,
+        # the owner pulls them), "inputs" (the owner pulls each peer's input rows of its block and the peer's weight and
+        # computes the block alone), "auto" (whichever moves fewer bytes at the op's shape: overlap.py)
+        self.rs_route = "auto"
 
     def _stream(self, key):
         if key not in self._streams:

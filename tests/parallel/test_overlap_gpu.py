@@ -4,7 +4,8 @@ output, dX, dW and the bias gradient of GEMM + reduce-scatter and of all-gather 
 and 4, fp32 and bf16, the sequence first or second, shards of odd length, calls repeated with growing shapes (both
 buffers of each role used, grown), and the ops captured in a CUDA graph and replayed on new inputs; GEMM +
 reduce-scatter by both of the workspace's implementations (the Triton kernel storing tiles into the owners' buffers,
-and cuBLAS + copy-engine pulls, its blocks whole or in 3 or 4 runs of rows: 37-row shards cut unequally)."""
+and cuBLAS + copy-engine pulls, its blocks whole or in 3 or 4 runs of rows: 37-row shards cut unequally; or by the
+peers' inputs and weights pulled, forced, and where the "auto" route takes it)."""
 import pytest
 import torch
 from conftest import HAS_CUDA
@@ -27,6 +28,8 @@ def _setup(rank, world, port, rs_impl="kernel"):
     from megakern.parallel.symmetric import SymmetricWorkspace
 
     ws = SymmetricWorkspace(dist.group.WORLD, torch.device("cuda", rank))
+    if rs_impl == "inputs":  # cuBLAS + pulls of the peers' inputs and weights, every GEMM + reduce-scatter
+        rs_impl, ws.rs_route = "copy", "inputs"
     ws.rs_impl, _, pieces = rs_impl.partition("-p")  # "copy-p3": cuBLAS + pulls, each block in 3 runs of rows
     if pieces:
         ws.rs_pieces = int(pieces)
@@ -104,8 +107,8 @@ def _column_case(group, ws, n, r, dtype, seq_dim, B, T, K, N, seed):
 
 CASES = [  # dtype, seq_dim, B, T (a multiple of n; T / n odd where possible), K, N
     ("float32", 1, 3, 0, 96, 80), ("bfloat16", 1, 2, 0, 256, 192), ("bfloat16", 0, 3, 0, 128, 64),
-    ("float32", 0, 1, 0, 64, 48), ("bfloat16", 1, 4, 1, 512, 384),
-]
+    ("float32", 0, 1, 0, 64, 48), ("bfloat16", 0, 2, 0, 16, 160), ("bfloat16", 1, 4, 1, 512, 384),
+]  # (K 16, N 160: the row op's "auto" route pulls the inputs)
 
 
 def _ops_check(rank, world, port, rs_impl):
@@ -183,7 +186,7 @@ def _worlds():
 
 
 @pytest.mark.skipif(DEVICES < 2, reason=f"needs 2 CUDA devices, this machine has {DEVICES}")
-@pytest.mark.parametrize("rs_impl", ["kernel", "copy", "copy-p1", "copy-p3"])  # copy: the default 4 runs
+@pytest.mark.parametrize("rs_impl", ["kernel", "copy", "copy-p1", "copy-p3", "inputs"])  # copy: the default runs
 @pytest.mark.parametrize("world", [2, 4])
 def test_fused_ops_match_fp64(world, rs_impl):
     if world > DEVICES:
@@ -200,7 +203,7 @@ def test_fused_ops_match_fp64(world, rs_impl):
 
 
 @pytest.mark.skipif(DEVICES < 2, reason=f"needs 2 CUDA devices, this machine has {DEVICES}")
-@pytest.mark.parametrize("rs_impl", ["kernel", "copy"])
+@pytest.mark.parametrize("rs_impl", ["kernel", "copy", "inputs"])
 def test_fused_ops_in_a_cuda_graph(rs_impl):
     results = spawn(_graph_check, [0, 1], 2, free_port(), rs_impl, timeout=600)
     for rank, diffs in results.items():

@@ -242,3 +242,19 @@ def test_symmetric_impl_refused_on_gloo():
     for message in pool(2).run(parallelize_error, sequence_parallel=True, tp_comm_overlap=True,
                                tp_overlap_impl="symmetric"):
         assert "tp_overlap_impl='symmetric' cannot run here: the device is cpu" in message, message
+
+
+@pytest.mark.parametrize("rows, k, n, want", [
+    (4096, 1024, 2048, "inputs"),  # GPT-1.3B's attention projection at tp 2: k (rows + n) = 6.3M < 8.4M elements
+    (4096, 4096, 2048, "partials"),  # its MLP projection: the input rows outweigh the partial sum
+    (4096, 3072, 2048, "partials"),  # the qkv layer's dX (its backward) at tp 2
+    (16, 64, 256, "partials"),  # few rows: the weight outweighs the partial sum (64 x 272 > 16 x 256)
+    (2048, 512, 4096, "inputs"),
+])
+def test_rs_route_moves_fewer_bytes(rows, k, n, want):
+    from megakern.parallel.overlap import rs_route
+
+    assert rs_route(rows, k, n) == want
+    assert rs_route(rows, k, n, "partials") == "partials" and rs_route(rows, k, n, "inputs") == "inputs"
+    with pytest.raises(ValueError, match="unknown route 'output'.*auto, partials, inputs"):
+        rs_route(rows, k, n, "output")
