@@ -150,8 +150,9 @@ def _rs_inputs(x: torch.Tensor, w: torch.Tensor, ws, under=None, bias=None) -> t
     input rows of each other rank's block, and its weight, into its own buffer and signals its peers; meanwhile this
     rank's own part of its block, x_r[block r] w_r^T (+ bias), runs; each peer's input rows of this block and its
     weight are pulled (copy engine, one stream a peer, all at once) and added, x_p[block r] w_p^T (beta 1), as soon as
-    they land. Each peer sends k (rows + n) elements instead of its rows x n partial sum, and the own GEMM waits for
-    nothing. The backward is the partials route's (the op's inputs and weight are the same)."""
+    they land, in ``ws.rs_pieces`` runs of rows (a run's GEMM while the next run is pulled). Each peer sends k (rows +
+    n) elements instead of its rows x n partial sum, and the own GEMM waits for nothing. The backward is the partials
+    route's (the op's inputs and weight are the same)."""
     n, r = ws.size, ws.rank
     xs = x.chunk(n)
     rows, k = xs[0].shape
@@ -171,17 +172,20 @@ def _rs_inputs(x: torch.Tensor, w: torch.Tensor, ws, under=None, bias=None) -> t
     _mm_into(xs[r], w, out, bias)  # launched before the pulls' waiting kernels (see _rs_copy)
     if under is not None:
         under()
+    runs = _row_runs(rows, ws.rs_pieces)
 
-    def copy(p, _piece):
-        i = peers.index(p)
-        peer_w[i].copy_(handle.get_buffer(p, shape_w, x.dtype, n * x_numel))
-        peer_x[i].copy_(handle.get_buffer(p, [rows, k], x.dtype, r * x_numel))
+    def copy(p, j):  # the weight with the first run of rows, then the next runs
+        i, (lo, m) = peers.index(p), runs[j]
+        if j == 0:
+            peer_w[i].copy_(handle.get_buffer(p, shape_w, x.dtype, n * x_numel))
+        peer_x[i].narrow(0, lo, m).copy_(handle.get_buffer(p, [rows, k], x.dtype, r * x_numel).narrow(0, lo, m))
 
-    events = ws.pull(handle, "rs_in", peers, copy, signal_first=True, after=start)
+    events = ws.pull(handle, "rs_in", peers, copy, signal_first=True, after=start, pieces=len(runs))
     current = torch.cuda.current_stream()
-    for i, p in enumerate(peers):
-        current.wait_event(events[p][0])
-        out.addmm_(peer_x[i], peer_w[i].t())
+    for j, (lo, m) in enumerate(runs):  # each run of rows as soon as every peer's has landed
+        for i, p in enumerate(peers):
+            current.wait_event(events[p][j])
+            out.narrow(0, lo, m).addmm_(peer_x[i].narrow(0, lo, m), peer_w[i].t())
     return out
 
 

@@ -115,10 +115,11 @@ class SymmetricWorkspace:
         return self._stream((peer, role))
 
     def pull(self, handle, role: str, peers: list[int], copy, signal_first: bool, after, pieces: int = 1) -> dict:
-        """For each of ``peers``, on its own stream forked from the current one at event ``after``: (``signal_first``:
-        tell the peer this rank's data is in place,) then for each piece j < ``pieces``: wait for the peer's signal of
-        piece j and ``copy(peer, j)`` (copy-engine transfers out of the peer's buffer). {peer: [event after the copy
-        of piece j, for each j]}; ``join`` them into the current stream."""
+        """For each of ``peers``, on its own stream forked from the current one at event ``after``: for each piece j <
+        ``pieces``, wait for the peer's signal of piece j and ``copy(peer, j)`` (copy-engine transfers out of the peer's
+        buffer). With ``signal_first``, the rank first tells the peer that all of its own data is in place, and the
+        peer's one signal (piece 0's) says the same of all the peer's pieces. {peer: [event after the copy of piece j,
+        for each j]}; ``join`` them into the current stream."""
         _check_pieces(pieces)
         channel = CHANNELS[role]
         events = {}
@@ -130,7 +131,8 @@ class SymmetricWorkspace:
                 if signal_first:
                     handle.put_signal(peer, channel=channel)
                 for j in range(pieces):
-                    handle.wait_signal(peer, channel=channel + j)
+                    if j == 0 or not signal_first:
+                        handle.wait_signal(peer, channel=channel + j)
                     copy(peer, j)
                     event = torch.cuda.Event()
                     event.record(stream)

@@ -28,9 +28,10 @@ def _setup(rank, world, port, rs_impl="kernel"):
     from megakern.parallel.symmetric import SymmetricWorkspace
 
     ws = SymmetricWorkspace(dist.group.WORLD, torch.device("cuda", rank))
-    if rs_impl == "inputs":  # cuBLAS + pulls of the peers' inputs and weights, every GEMM + reduce-scatter
-        rs_impl, ws.rs_route = "copy", "inputs"
-    ws.rs_impl, _, pieces = rs_impl.partition("-p")  # "copy-p3": cuBLAS + pulls, each block in 3 runs of rows
+    impl, _, pieces = rs_impl.partition("-p")  # "copy-p3": cuBLAS + pulls, each block in 3 runs of rows
+    if impl == "inputs":  # cuBLAS + pulls of the peers' inputs and weights, every GEMM + reduce-scatter
+        impl, ws.rs_route = "copy", "inputs"
+    ws.rs_impl = impl
     if pieces:
         ws.rs_pieces = int(pieces)
     return dist.group.WORLD, ws
@@ -186,7 +187,7 @@ def _worlds():
 
 
 @pytest.mark.skipif(DEVICES < 2, reason=f"needs 2 CUDA devices, this machine has {DEVICES}")
-@pytest.mark.parametrize("rs_impl", ["kernel", "copy", "copy-p1", "copy-p3", "inputs"])  # copy: the default runs
+@pytest.mark.parametrize("rs_impl", ["kernel", "copy", "copy-p1", "copy-p3", "inputs", "inputs-p3"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_fused_ops_match_fp64(world, rs_impl):
     if world > DEVICES:
