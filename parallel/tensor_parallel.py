@@ -70,8 +70,13 @@ def _enter_hook(group, sequence_parallel: bool, fused: bool = False):
 
 
 def _norm_out_hook(group, sequence_parallel: bool):
+    """The final norm's output into the tensor-parallel region, in the autocast dtype first (the head casts it so
+    anyway: the gather and its backward's reduce-scatter move half the bytes)."""
     def hook(module, args, out):
-        enter = (lambda y: gather_from_sp(y, group, 1)) if sequence_parallel else (lambda y: copy_to_tp(y, group))
+        def enter(y):
+            y = _to_autocast_dtype(y)
+            return gather_from_sp(y, group, 1) if sequence_parallel else copy_to_tp(y, group)
+
         return (enter(out[0]), *out[1:]) if isinstance(out, tuple) else enter(out)
 
     return hook
