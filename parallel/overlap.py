@@ -26,7 +26,8 @@ that data is in place by signals (no barrier per op):
   pull it (into ordinary memory), all peers at once, while the GEMM of the shard at hand runs: the own shard first,
   each next one as soon as its pull has landed.
 - The backwards are the same two ops transposed: the row layer's dX is all-gather(dY) + GEMM, its dW by shards over
-  the gathered dY; the column layer's dX is GEMM + reduce-scatter, its dW by shards over the input's shards pulled
+  the gathered dY (a gather whose shards die with the op: each rank pushes its shard straight into the peers'
+  buffers, no copy into its own first); the column layer's dX is GEMM + reduce-scatter, its dW by shards over the input's shards pulled
   in the forward and kept (the unfused layer under sequence parallelism gathers its input again instead: a fifth of
   a layer's transfers, for (n - 1) / n of the gathered input in memory), computed while dX's pulls are in flight.
 Buffers alternate between two per role, and a rank starts an op only after every peer's signal of the op before it:
@@ -269,34 +270,63 @@ def _rs_copy(x: torch.Tensor, w: torch.Tensor, ws, under=None, bias=None) -> tor
 
 
 class _Gather:
-    """All-gather of the row matrix ``shard`` (S, C): the own shard copied into slot r of this rank's symmetric buffer
-    (where the peers pull it from), then each peer's shard pulled into ``peer_rows`` (ordinary memory, (n - 1, S,
-    C), the peers in ``peers`` order: r-1, r-2, ...) on that peer's stream once the peer signals it in place (one
-    contiguous copy-engine transfer a peer, all peers at once, forked where the gather began). ``chunk(c)`` makes the
-    current stream wait for shard c and returns it; ``join()`` waits for every pull. The pulls are queued at the first
-    ``chunk`` of a peer's shard or ``join()``, after the GEMMs launched before (see _rs_copy on launch order)."""
+    """All-gather of the row matrix ``shard`` (S, C) over the workspace's group, in one of two ways:
 
-    def __init__(self, shard: torch.Tensor, ws):
+    - ``keep`` (the shards outlive the op, as a column layer keeps its input for dW): the own shard is copied into
+      slot r of this rank's symmetric buffer (where the peers pull it from), then each peer's shard pulled into
+      ``peer_rows`` (ordinary memory, (n - 1, S, C), the peers in ``peers`` order: r-1, r-2, ...) on that peer's
+      stream once the peer signals it in place (one contiguous copy-engine transfer a peer, all at once);
+    - otherwise each rank pushes its shard, straight from where it is, into slot r of every peer's buffer (copy
+      engine, one stream a peer) and signals it there; a peer's shard is read in this rank's own buffer, slot p, as
+      soon as the peer's signal has come (no copy into the symmetric buffer first: the transfers start at once).
+    A rank writes a peer's buffer only after the signal of the op in between, which the peer sent once it was done
+    with the op before (symmetric.py), the same rule as the pulls'. Every rank gathers the same way (``keep`` the
+    same on every rank: the weight needs a gradient on all of them or on none).
+
+    ``chunk(c)`` makes the current stream wait for shard c and returns it; ``join()`` waits for every transfer. The
+    pulls are queued at the first ``chunk`` of a peer's shard or ``join()``, after the GEMMs launched before (see
+    _rs_copy on launch order); the pushes at once (their waits need nothing but the peers' pushes)."""
+
+    def __init__(self, shard: torch.Tensor, ws, keep: bool = True):
         n, r = ws.size, ws.rank
-        self.n, self.r, self.shard, self.len, self.ws = n, r, shard, shard.shape[0], ws
+        self.n, self.r, self.shard, self.len, self.ws, self.keep = n, r, shard, shard.shape[0], ws, keep
         self.slot_shape = list(shard.shape)
         self.handle = ws.buffer("ag", n * shard.numel() * shard.element_size())
-        self.handle.get_buffer(r, self.slot_shape, shard.dtype, r * shard.numel()).copy_(shard)
-        # (a copy beside the own shard's GEMM, off this stream, takes SMs from it: slower where measured)
         self.peers = [(r - step) % n for step in range(1, n)]
-        self.peer_rows = torch.empty([n - 1, *self.slot_shape], dtype=shard.dtype, device=shard.device)
+        self.events = None
+        if keep:
+            self.handle.get_buffer(r, self.slot_shape, shard.dtype, r * shard.numel()).copy_(shard)
+            # (a copy beside the own shard's GEMM, off this stream, takes SMs from it: slower where measured)
+            self.peer_rows = torch.empty([n - 1, *self.slot_shape], dtype=shard.dtype, device=shard.device)
         self.start = torch.cuda.Event()
         self.start.record()
-        self.events = None
+        if not keep:
+            self.events = self._pushes()
+
+    def _slot(self, owner: int, c: int) -> torch.Tensor:
+        """Slot c (shard c's place) of ``owner``'s buffer."""
+        return self.handle.get_buffer(owner, self.slot_shape, self.shard.dtype, c * self.shard.numel())
+
+    def _pushes(self) -> dict:
+        events = {}
+        for p in self.peers:
+            stream = self.ws.peer_stream(p, "ag")
+            stream.wait_event(self.start)
+            with torch.cuda.stream(stream):
+                self._slot(p, self.r).copy_(self.shard)
+                self.ws.signal(self.handle, "ag", p)  # after the copy: the shard is in p's buffer
+                self.ws.wait(self.handle, "ag", p)  # p's shard is in this rank's
+                event = torch.cuda.Event()
+                event.record(stream)
+            events[p] = [event]
+        return events
 
     def _pulls(self) -> dict:
         if self.events is None:
-            handle, shape, dtype, numel = self.handle, self.slot_shape, self.shard.dtype, self.shard.numel()
-
             def copy(p, _piece):
-                self.peer_rows[self.peers.index(p)].copy_(handle.get_buffer(p, shape, dtype, p * numel))
+                self.peer_rows[self.peers.index(p)].copy_(self._slot(p, p))
 
-            self.events = self.ws.pull(handle, "ag", self.peers, copy, signal_first=True, after=self.start)
+            self.events = self.ws.pull(self.handle, "ag", self.peers, copy, signal_first=True, after=self.start)
         return self.events
 
     def order(self) -> list[int]:
@@ -307,10 +337,10 @@ class _Gather:
         if c == self.r:
             return self.shard
         torch.cuda.current_stream().wait_event(self._pulls()[c][0])
-        return self.peer_rows[self.peers.index(c)]
+        return self.peer_rows[self.peers.index(c)] if self.keep else self._slot(self.r, c)
 
     def join(self) -> None:
-        self.ws.join(self._pulls())  # every pull done (and their streams joined, for graph capture)
+        self.ws.join(self._pulls())  # every transfer done (and their streams joined, for graph capture)
 
 
 def _gathered_gemm(gather: _Gather, w: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -364,7 +394,7 @@ class _SymmGemmReduceScatter(torch.autograd.Function):
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad = grad.to(dtype).contiguous()
         db = _bias_grad(grad, ctx.bias_dtype, ctx.needs_input_grad[2])  # this rank's rows: a partial sum over tp
-        gather = _Gather(grad, ws)
+        gather = _Gather(grad, ws, keep=False)
         # per shard, as soon as it arrives: its rows of dX = gather(dY) @ W and its part of dW = gather(dY)^T X
         # (the own shard's two GEMMs run while the peers' shards are in flight)
         dx = torch.empty(ws.size * grad.shape[0], w.shape[1], dtype=dtype, device=grad.device) if need_x else None
@@ -393,11 +423,11 @@ class _SymmAllGatherGemm(torch.autograd.Function):
         ctx.ws, ctx.dtype, ctx.w_dtype, ctx.bias_dtype = ws, dtype, weight.dtype, None if bias is None else bias.dtype
         with torch.autocast(x.device.type, enabled=False):
             xc, w = x.to(dtype).contiguous(), weight.to(dtype)  # w kept for the backward (see _save)
-            gather = _Gather(xc, ws)
+            keep = ctx.needs_input_grad[1]
+            gather = _Gather(xc, ws, keep=keep)
             out = torch.empty(ws.size * xc.shape[0], w.shape[0], dtype=dtype, device=xc.device)
             _gathered_gemm(gather, w, out, None if bias is None else bias.to(dtype))
             gather.join()
-        keep = ctx.needs_input_grad[1]
         ctx.save_for_backward(xc if keep else None, w, gather.peer_rows if keep else None)
         ctx.peers, ctx.x_dtype = gather.peers, x.dtype
         return out
