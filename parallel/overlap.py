@@ -18,10 +18,10 @@ that data is in place by signals (no barrier per op):
   slots in the epilogue (fp32, one rounding): nothing is copied after the GEMMs and no summing pass rereads the
   partial sums, but the Triton GEMM trails cuBLAS at these shapes (docs/parallelism.md has the figures).
 - GEMM + reduce-scatter by the inputs (the copy implementation's other route, taken by ``rs_route`` where it moves
-  fewer bytes: a layer whose input is much narrower than its output, as attention's output projection is): rank r
-  pulls each peer's input rows of block r and the peer's weight, k (rows + n) elements instead of the peer's rows x
-  n partial sum, and computes block r alone: its own part first, while the pulls are in flight, then each peer's
-  part (beta 1) as it lands.
+  fewer bytes: a layer whose input is much narrower than its output, as attention's output projection is): each
+  peer pushes its input rows of block r and its weight into rank r's buffer, k (rows + n) elements instead of its
+  rows x n partial sum, and rank r computes block r alone: its own part first, while the transfers are in flight,
+  then each peer's part (beta 1) as it lands.
 - all-gather + GEMM, y = gather(x) W^T: each rank copies its shard into its own buffer and signals its peers, which
   pull it (into ordinary memory), all peers at once, while the GEMM of the shard at hand runs: the own shard first,
   each next one as soon as its pull has landed.
@@ -147,46 +147,46 @@ def rs_route(rows: int, k: int, n: int, route: str = "auto") -> str:
 
 
 def _rs_inputs(x: torch.Tensor, w: torch.Tensor, ws, under=None, bias=None) -> torch.Tensor:
-    """This rank's row block of sum over ranks (x @ w^T), computed here from the peers' inputs: every rank copies its
-    input rows of each other rank's block, and its weight, into its own buffer and signals its peers; meanwhile this
-    rank's own part of its block, x_r[block r] w_r^T (+ bias), runs; each peer's input rows of this block and its
-    weight are pulled (copy engine, one stream a peer, all at once) and added, x_p[block r] w_p^T (beta 1), as soon as
-    they land, in ``ws.rs_pieces`` runs of rows (a run's GEMM while the next run is pulled). Each peer sends k (rows +
-    n) elements instead of its rows x n partial sum, and the own GEMM waits for nothing. The backward is the partials
-    route's (the op's inputs and weight are the same)."""
+    """This rank's row block of sum over ranks (x @ w^T), computed here from the peers' inputs: every rank pushes its
+    input rows of each other rank's block, and its weight, straight into that rank's buffer (copy engine, one
+    stream a peer, all at once; slot r of the rows and of the weights), signalling each run of rows
+    (``ws.rs_pieces``); meanwhile this rank's own part of its block, x_r[block r] w_r^T (+ bias), runs; each peer's
+    part, x_p[block r] w_p^T, is added (beta 1) run by run as soon as the peer's run has landed. Each peer sends k
+    (rows + n) elements instead of its rows x n partial sum, nothing is copied before the transfers start, and the own
+    GEMM waits for nothing. The backward is the partials route's (the op's inputs and weight are the same)."""
     n, r = ws.size, ws.rank
     xs = x.chunk(n)
     rows, k = xs[0].shape
     shape_w = list(w.shape)
     x_numel, w_numel = rows * k, math.prod(shape_w)
-    handle = ws.buffer("rs_in", (n * x_numel + w_numel) * x.element_size())
-    for step in range(1, n):
-        c = (r + step) % n
-        handle.get_buffer(r, [rows, k], x.dtype, c * x_numel).copy_(xs[c])
-    handle.get_buffer(r, shape_w, x.dtype, n * x_numel).copy_(w)
+    handle = ws.buffer("rs_in", n * (x_numel + w_numel) * x.element_size())
+    runs = _row_runs(rows, ws.rs_pieces)
     peers = [(r - step) % n for step in range(1, n)]
-    peer_x = torch.empty([n - 1, rows, k], dtype=x.dtype, device=x.device)
-    peer_w = torch.empty([n - 1, *shape_w], dtype=x.dtype, device=x.device)
+
+    def rows_from(owner: int, c: int) -> torch.Tensor:  # rank c's input rows of ``owner``'s block, in its buffer
+        return handle.get_buffer(owner, [rows, k], x.dtype, c * x_numel)
+
+    def weight_from(owner: int, c: int) -> torch.Tensor:  # rank c's weight, in ``owner``'s buffer
+        return handle.get_buffer(owner, shape_w, x.dtype, n * x_numel + c * w_numel)
+
+    def put(q, j):  # into q's buffer: this rank's weight with the first run, then run j of its rows of q's block
+        lo, m = runs[j]
+        if j == 0:
+            weight_from(q, r).copy_(w)
+        rows_from(q, r).narrow(0, lo, m).copy_(xs[q].narrow(0, lo, m))
+
     start = torch.cuda.Event()
     start.record()
     out = torch.empty(rows, shape_w[0], dtype=x.dtype, device=x.device)
-    _mm_into(xs[r], w, out, bias)  # launched before the pulls' waiting kernels (see _rs_copy)
+    _mm_into(xs[r], w, out, bias)  # launched before the transfers' waiting kernels (see _rs_copy)
     if under is not None:
         under()
-    runs = _row_runs(rows, ws.rs_pieces)
-
-    def copy(p, j):  # the weight with the first run of rows, then the next runs
-        i, (lo, m) = peers.index(p), runs[j]
-        if j == 0:
-            peer_w[i].copy_(handle.get_buffer(p, shape_w, x.dtype, n * x_numel))
-        peer_x[i].narrow(0, lo, m).copy_(handle.get_buffer(p, [rows, k], x.dtype, r * x_numel).narrow(0, lo, m))
-
-    events = ws.pull(handle, "rs_in", peers, copy, signal_first=True, after=start, pieces=len(runs))
+    events = ws.push(handle, "rs_in", peers, put, after=start, pieces=len(runs))
     current = torch.cuda.current_stream()
     for j, (lo, m) in enumerate(runs):  # each run of rows as soon as every peer's has landed
-        for i, p in enumerate(peers):
+        for p in peers:
             current.wait_event(events[p][j])
-            out.narrow(0, lo, m).addmm_(peer_x[i].narrow(0, lo, m), peer_w[i].t())
+            out.narrow(0, lo, m).addmm_(rows_from(r, p).narrow(0, lo, m), weight_from(r, p).t())
     return out
 
 
@@ -308,18 +308,10 @@ class _Gather:
         return self.handle.get_buffer(owner, self.slot_shape, self.shard.dtype, c * self.shard.numel())
 
     def _pushes(self) -> dict:
-        events = {}
-        for p in self.peers:
-            stream = self.ws.peer_stream(p, "ag")
-            stream.wait_event(self.start)
-            with torch.cuda.stream(stream):
-                self._slot(p, self.r).copy_(self.shard)
-                self.ws.signal(self.handle, "ag", p)  # after the copy: the shard is in p's buffer
-                self.ws.wait(self.handle, "ag", p)  # p's shard is in this rank's
-                event = torch.cuda.Event()
-                event.record(stream)
-            events[p] = [event]
-        return events
+        def put(p, _piece):
+            self._slot(p, self.r).copy_(self.shard)
+
+        return self.ws.push(self.handle, "ag", self.peers, put, after=self.start)
 
     def _pulls(self) -> dict:
         if self.events is None:

@@ -3,11 +3,11 @@
 
 ``SymmetricWorkspace(group, device)`` holds, per named role, two symmetric allocations used in turn (``buffer(role,
 nbytes)`` returns the next one's handle), every rank's buffer address on the device (``addresses``, for kernels that
-store into a peer's buffer), one stream per peer and role for the copy-engine pulls (``pull``), and the signals
-that order them (``signal``, ``pull``: a rank tells a peer that data is in place; the peer waits for it on its
-stream). An op of a role signals every peer and waits for every peer's signal; a rank writes the buffer used two ops
-ago only after the op in between, whose signals every peer sent after finishing the op before it: so no rank
-overwrites data a peer still reads, without a barrier. ``end_step()`` keeps the turns alternating across the
+store into a peer's buffer), one stream per peer and role for the copy-engine transfers (``pull`` out of a peer's
+buffer, ``push`` into it), and the signals that order them (a rank tells a peer that data is in place; the peer
+waits for it on its stream). An op of a role signals every peer and waits for every peer's signal; a rank writes a
+buffer (its own, or a peer's) of the turn used two ops ago only after the op in between, whose signals every peer
+sent after finishing the op before it: so no rank overwrites data a peer still reads, without a barrier. ``end_step()`` keeps the turns alternating across the
 replays of a captured step. Buffers grow, collectively, when an op needs more bytes than they hold; every rank of the
 group calls the ops in the same order with the same shapes (sequence parallel requires it), so every rank grows at
 the same call. Growing needs the host (a rendezvous over the group's
@@ -33,8 +33,8 @@ from megakern.parallel.mappings import group_rank, group_size
 # signal-pad channels: each role on its own, a role's op signalling up to PIECES pieces of its data, piece j on
 # channel CHANNELS[role] + j (a signal is a flag a peer's wait clears: one channel per piece lets a rank signal every
 # piece without waiting for the peer to take the one before; torch's pad holds 32 channels at any group size).
-# Roles: "rs" a GEMM + reduce-scatter's partial sums, "ag" an all-gather's shards, "rs_in" the inputs and weight of a
-# GEMM + reduce-scatter computed by the owner of each block (overlap.py, the "inputs" route; one piece)
+# Roles: "rs" a GEMM + reduce-scatter's partial sums, "ag" an all-gather's shards, "rs_in" the inputs and weights of
+# a GEMM + reduce-scatter computed by the owner of each block (overlap.py, the "inputs" route)
 PIECES = 8
 CHANNELS = {"rs": 0, "ag": PIECES, "rs_in": 2 * PIECES}
 ROUTES = ("auto", "partials", "inputs")
@@ -134,6 +134,29 @@ class SymmetricWorkspace:
                     if j == 0 or not signal_first:
                         handle.wait_signal(peer, channel=channel + j)
                     copy(peer, j)
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                    events[peer].append(event)
+        return events
+
+    def push(self, handle, role: str, peers: list[int], put, after, pieces: int = 1) -> dict:
+        """For each of ``peers``, on its own stream forked from the current one at event ``after``: for each piece j <
+        ``pieces``, ``put(peer, j)`` (copy-engine transfers into the peer's buffer), tell the peer that piece j is in
+        place, and wait for the peer's piece j in this rank's buffer. {peer: [event after the wait for piece j, for
+        each j]}; ``join`` them into the current stream. A rank puts into a peer's buffer only what the peer's op of
+        two turns ago no longer reads (see the module doc: the same rule as the pulls')."""
+        _check_pieces(pieces)
+        channel = CHANNELS[role]
+        events = {}
+        for peer in peers:
+            stream = self.peer_stream(peer, role)
+            stream.wait_event(after)
+            events[peer] = []
+            with torch.cuda.stream(stream):
+                for j in range(pieces):
+                    put(peer, j)
+                    handle.put_signal(peer, channel=channel + j)
+                    handle.wait_signal(peer, channel=channel + j)
                     event = torch.cuda.Event()
                     event.record(stream)
                     events[peer].append(event)
