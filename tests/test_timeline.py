@@ -39,10 +39,15 @@ def test_split_of_one_step():
     parts = st.compute_alone + st.overlapped + st.comm_exposed + st.idle_host + st.idle_other
     assert parts == pytest.approx(st.wall)
     assert st.gaps["norm_fwd"][2] == "host" and st.gaps["norm_bwd"][2] == "other"
+    # each gap by what ended last before it: the all-reduce (stream 20) before norm_fwd (stream 7), then norm_fwd
+    assert dict(st.gap_pairs) == {("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "norm_fwd", "across"): [100.0, 1],
+                                  ("norm_fwd", "norm_bwd", "same"): [100.0, 1]}
     assert st.exposed["ncclDevKernel_AllReduce_Sum_f32_RING_LL"][0] == pytest.approx(100.0)
     text = _timeline.report([st])
     assert "comm exposed" in text and "norm_fwd" in text and "ncclDevKernel_AllReduce" in text
     assert "cudaStreamSynchronize 1.0x 0.07 ms" in text and "host 1.0 ms" in text
+    assert "across ncclDevKernel_AllReduce_Sum_f32_RING_LL -> norm_fwd" in text
+    assert "same   norm_fwd -> norm_bwd" in text
 
 
 def test_what_counts_as_communication():
@@ -121,3 +126,13 @@ def test_sources_name_the_launching_op_and_its_context():
     assert "0.06 ms     1.0x  reduce_kernel <- aten::sum [AddmmBackward0]" in lines[2]
     assert lines[3].endswith("reduce_kernel <- aten::sum") and lines[4].endswith("Memset (Device) <- ")
     assert _timeline.sources({"traceEvents": []}).endswith("no GPU work in the trace")
+
+
+def test_a_gap_is_paired_with_what_it_waited_for():
+    """The op that ended last before a gap, not the one that started last: a pull on a side stream outlasting the
+    GEMM beside it, then the next GEMM on the GEMM's stream (a wait on the pull's event)."""
+    kernels = [("nvjet_gemm", 0.0, 100.0, 7, 1), ("Memcpy PtoP (Device -> Device)", 40.0, 130.0, 21, 2),
+               ("nvjet_gemm_badd", 135.0, 200.0, 7, 3), ("memset", 200.5, 201.0, 7, 4)]  # 0.5 us: not listed
+    (st,) = _timeline.analyze(_trace(kernels, [(0.0, 1000.0)], [(1, 0.0), (2, 0.0), (3, 0.0), (4, 0.0)]))
+    assert dict(st.gap_pairs) == {("Memcpy PtoP (Device -> Device)", "nvjet_gemm_badd", "across"): [5.0, 1]}
+    assert st.idle_other == pytest.approx(5.5)

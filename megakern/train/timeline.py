@@ -12,9 +12,11 @@ instead and splits each profiled step's GPU wall time (its first kernel's start 
     idle               nothing running: waiting for the host's launches (``host``: the next kernel was launched
                        after the gap began) or for something else (``other``: a synchronization, an event)
 
-and lists the longest idle gaps and exposed communication, grouped by kernel name, the median lead of the
-launches (kernel start - launch call; near zero when the GPU keeps up with the host and waits for it), and the
-host's synchronizations with the device (each one drains the GPU's queue: the GPU then waits for the host).
+and lists the longest idle gaps and exposed communication, grouped by kernel name (the gaps also by the pair of the
+op that ended last before the gap and the kernel that ended it, on the same stream or across streams: which wait a
+gap is), the median lead of the launches (kernel start - launch call; near zero when the GPU keeps up with the host
+and waits for it), and the host's synchronizations with the device (each one drains the GPU's queue: the GPU then
+waits for the host).
 
 Steps are the ``ProfilerStep#N`` ranges of the host; a kernel belongs to the step during which it was launched.
 GPU work launched outside them is not counted: the GPU runs behind the host, so the first profiled step's trace
@@ -68,6 +70,8 @@ class StepTimeline:
     compute_busy: float = 0.0
     kernels: int = 0
     gaps: dict = field(default_factory=lambda: defaultdict(lambda: [0.0, 0, ""]))  # next kernel -> [us, n, cause]
+    # (the op that ended last before the gap, the kernel that ended it, "same" / "across" streams) -> [us, n]
+    gap_pairs: dict = field(default_factory=lambda: defaultdict(lambda: [0.0, 0]))
     exposed: dict = field(default_factory=lambda: defaultdict(lambda: [0.0, 0]))  # comm kernel -> [us, n]
     leads: list = field(default_factory=list)
     host: float = 0.0  # the host's ProfilerStep range, us
@@ -228,14 +232,18 @@ def analyze(trace: dict) -> list[StepTimeline]:
                     rec = st.exposed[o.name]
                     rec[0] += cut
                     rec[1] += 1
-        # idle gaps between busy stretches, and what ended them
+        # idle gaps between busy stretches, what ended them, and what ended last before them
         starts = sorted(group, key=lambda o: o.start)
-        j = 0
+        ends = sorted(group, key=lambda o: o.end)
+        j = k = 0
         for (_, prev_end), (nxt_start, _) in zip(busy, busy[1:]):
             gap = nxt_start - prev_end
             while j < len(starts) and starts[j].start < nxt_start:
                 j += 1
+            while k < len(ends) and ends[k].end <= prev_end:
+                k += 1
             nxt = starts[j] if j < len(starts) else None
+            prev = ends[k - 1] if k else None
             host = nxt is not None and nxt.launch is not None and nxt.launch > prev_end
             if host:
                 st.idle_host += gap
@@ -247,6 +255,10 @@ def analyze(trace: dict) -> list[StepTimeline]:
             rec[0] += gap
             rec[1] += 1
             rec[2] = "host" if host else "other"
+            if prev is not None and nxt is not None:
+                pair = st.gap_pairs[prev.name, nxt.name, "same" if prev.stream == nxt.stream else "across"]
+                pair[0] += gap
+                pair[1] += 1
         st.leads = [o.start - o.launch for o in group if o.launch is not None and not o.comm]
         out.append(st)
     return out
@@ -362,6 +374,17 @@ def report(steps: list[StepTimeline], top: int = 8) -> str:
         lines.append("# idle gaps, by the kernel that ended them (ms per step, count per step, cause)")
         for k, (us, c, cause) in sorted(gaps.items(), key=lambda kv: -kv[1][0])[:top]:
             lines.append(f"#   {us / n / 1e3:8.2f} ms {c / n:6.1f}x  {cause:<5} {_short(k)}")
+    pairs: dict = defaultdict(lambda: [0.0, 0])
+    for s in steps:
+        for key, (us, c) in s.gap_pairs.items():
+            pairs[key][0] += us
+            pairs[key][1] += c
+    if pairs:
+        lines.append("# idle gaps, by the op that ended last before them -> the kernel that ended them (ms per step, "
+                     "count per step; across: the two on different streams, a wait on an event or a signal)")
+        for (before, after, streams), (us, c) in sorted(pairs.items(), key=lambda kv: -kv[1][0])[:top]:
+            lines.append(f"#   {us / n / 1e3:8.2f} ms {c / n:6.1f}x  {streams:<6} {_short(before, 44)} -> "
+                         f"{_short(after, 44)}")
     if exposed:
         lines.append("# exposed communication, by kernel (ms per step, pieces per step)")
         for k, (us, c) in sorted(exposed.items(), key=lambda kv: -kv[1][0])[:top]:
