@@ -7,16 +7,16 @@ Two implementations behind one signature each:
 ``symmetric.SymmetricWorkspace``; data moves peer to peer over NVLink while the GEMMs run, and ranks tell each other
 that data is in place by signals (no barrier per op):
 
-- GEMM + reduce-scatter, y = x W^T summed over the ranks, rank r keeping token shard r. By default (the
-  workspace's ``rs_impl="copy"``) cuBLAS GEMMs compute the chunks in the order r+1, ..., r into the rank's own
-  buffer, in runs of rows (``rs_pieces``), signalling each run to its chunk's owner, which pulls it by copy engine
-  while the next runs' GEMMs go on; the own chunk's GEMMs, run by run, add the pulled partial sums (beta 1) as
-  they land (what stays exposed: the pulls of the last runs beyond the own chunk's GEMMs). With ``rs_impl="kernel"`` a Triton GEMM
-  (megakern.gemm_scatter) computes chunks r+1, r+2, ... and stores each output tile into slot r of its owner's
-  buffer over NVLink as soon as the tile is done, so the transfer runs inside the GEMM; the rank signals every peer
-  and waits for every peer's signal; a second launch computes chunk r and adds the n - 1 partial sums found in its
-  slots in the epilogue (fp32, one rounding): nothing is copied after the GEMMs and no summing pass rereads the
-  partial sums, but the Triton GEMM trails cuBLAS at these shapes (docs/parallelism.md has the figures).
+- GEMM + reduce-scatter, y = x W^T summed over the ranks, rank r keeping token shard r. By default (the workspace's
+  ``rs_impl="copy"``) cuBLAS GEMMs compute the chunks in the order r+1, ..., r into the rank's own buffer, in runs of
+  rows (``rs_pieces``), signalling each run to its chunk's owner, which pulls it by copy engine while the next runs'
+  GEMMs go on; the own chunk's GEMMs, run by run, add the pulled partial sums (beta 1) as they land (what stays
+  exposed: the pulls of the last runs beyond the own chunk's GEMMs). With ``rs_impl="kernel"`` a Triton GEMM
+  (megakern.gemm_scatter) computes chunks r+1, r+2, ... and stores each output tile into slot r of its owner's buffer
+  over NVLink as soon as the tile is done, so the transfer runs inside the GEMM; the rank signals every peer and waits
+  for every peer's signal; a second launch computes chunk r and adds the n - 1 partial sums found in its slots in the
+  epilogue (fp32, one rounding): nothing is copied after the GEMMs and no summing pass rereads the partial sums, but
+  the Triton GEMM trails cuBLAS at these shapes (docs/parallelism.md has the figures).
 - GEMM + reduce-scatter by the inputs (the copy implementation's other route, taken by ``rs_route`` where it moves
   fewer bytes: a layer whose input is much narrower than its output, as attention's output projection is): each
   peer pushes its input rows of block r and its weight into rank r's buffer, k (rows + n) elements instead of its
@@ -26,10 +26,11 @@ that data is in place by signals (no barrier per op):
   pull it (into ordinary memory), all peers at once, while the GEMM of the shard at hand runs: the own shard first,
   each next one as soon as its pull has landed.
 - The backwards are the same two ops transposed: the row layer's dX is all-gather(dY) + GEMM, its dW by shards over
-  the gathered dY (a gather whose shards die with the op: each rank pushes its shard straight into the peers'
-  buffers, no copy into its own first); the column layer's dX is GEMM + reduce-scatter, its dW by shards over the input's shards pulled
-  in the forward and kept (the unfused layer under sequence parallelism gathers its input again instead: a fifth of
-  a layer's transfers, for (n - 1) / n of the gathered input in memory), computed while dX's pulls are in flight.
+  the gathered dY (a gather whose shards die with the op: each rank pushes its shard straight into the peers' buffers,
+  no copy into its own first); the column layer's dX is GEMM + reduce-scatter, its dW by shards over the input's
+  shards pulled in the forward and kept (the unfused layer under sequence parallelism gathers its input again instead:
+  a fifth of a layer's transfers, for (n - 1) / n of the gathered input in memory), computed while dX's pulls are in
+  flight.
 Buffers alternate between two per role, and a rank starts an op only after every peer's signal of the op before it:
 so no rank writes a buffer a peer still reads (symmetric.py). The peers' streams fork from and join the current
 stream, so the ops can be captured in CUDA graphs.
@@ -220,10 +221,10 @@ def _row_runs(rows: int, pieces: int) -> list[tuple[int, int]]:
 def _rs_copy(x: torch.Tensor, w: torch.Tensor, ws, under=None, bias=None) -> torch.Tensor:
     """This rank's row block of sum over ranks (x @ w^T). Each peer's block is computed into this rank's buffer in
     ``ws.rs_pieces`` runs of rows, each run signalled to the block's owner as soon as its GEMM is done; the owner
-    pulls it by copy engine while the next runs' GEMMs go on (the signals go out from a side stream: a signal
-    kernel between two GEMMs on this stream would hold the second back). The own block comes last, run by run: each run's GEMM
-    adds (beta 1, in its fp32 accumulator) the peers' partial sums of that run, as soon as they have landed; so no
-    summing pass rereads the block, and the pulls have every GEMM of the op but the own block's last runs to hide
+    pulls it by copy engine while the next runs' GEMMs go on (the signals go out from a side stream: a signal kernel
+    between two GEMMs on this stream would hold the second back). The own block comes last, run by run: each run's
+    GEMM adds (beta 1, in its fp32 accumulator) the peers' partial sums of that run, as soon as they have landed; so
+    no summing pass rereads the block, and the pulls have every GEMM of the op but the own block's last runs to hide
     under. ``bias`` is added once: rank r puts it into block r + 1, its first GEMM.
 
     Every GEMM but the own block's is launched before the pulls' waiting kernels are: a kernel launched for the

@@ -7,11 +7,11 @@ store into a peer's buffer), one stream per peer and role for the copy-engine tr
 buffer, ``push`` into it), and the signals that order them (a rank tells a peer that data is in place; the peer
 waits for it on its stream). An op of a role signals every peer and waits for every peer's signal; a rank writes a
 buffer (its own, or a peer's) of the turn used two ops ago only after the op in between, whose signals every peer
-sent after finishing the op before it: so no rank overwrites data a peer still reads, without a barrier. ``end_step()`` keeps the turns alternating across the
-replays of a captured step. Buffers grow, collectively, when an op needs more bytes than they hold; every rank of the
-group calls the ops in the same order with the same shapes (sequence parallel requires it), so every rank grows at
-the same call. Growing needs the host (a rendezvous over the group's
-store): it is refused with a clear error inside a CUDA-graph capture (run one eager step first, as the trainer's
+sent after finishing the op before it: so no rank overwrites data a peer still reads, without a barrier.
+``end_step()`` keeps the turns alternating across the replays of a captured step. Buffers grow, collectively, when an
+op needs more bytes than they hold; every rank of the group calls the ops in the same order with the same shapes
+(sequence parallel requires it), so every rank grows at the same call. Growing needs the host (a rendezvous over the
+group's store): it is refused with a clear error inside a CUDA-graph capture (run one eager step first, as the trainer's
 warm-up steps do). ``rs_pieces`` cuts each block of a GEMM + reduce-scatter into that many runs of rows, each
 signalled and pulled on its own, and ``rs_route`` picks what such an op moves, the partial sums or the inputs
 (overlap.py).
@@ -100,8 +100,8 @@ class SymmetricWorkspace:
         # pulling after the first run's GEMM, not the whole block's, and the own block adds each pulled run as it lands
         self.rs_pieces = 2
         # how a GEMM + reduce-scatter ("copy") moves its data: "partials" (each rank computes every block's partial sum,
-        # the owner pulls them), "inputs" (the owner pulls each peer's input rows of its block and the peer's weight and
-        # computes the block alone), "auto" (whichever moves fewer bytes at the op's shape: overlap.py)
+        # the owner pulls them), "inputs" (each peer pushes its input rows of the owner's block and its weight, and the
+        # owner computes the block alone), "auto" (whichever moves fewer bytes at the op's shape: overlap.py)
         self.rs_route = "auto"
 
     def _stream(self, key):
