@@ -20,6 +20,8 @@ Providers:
 - megakern-p1, -p4, -p8: the same with each reduce-scatter block in K runs of rows (rs_pieces = K; forward and
   backward), 1: whole blocks;
 - megakern-partials, megakern-inputs (gemm+rs): the same with the route named (rs_route), whatever it moves;
+- megakern-ksig: the same with the ranks signalling each other by torch's signal kernels (signals "kernel")
+  instead of stream memory operations;
 - megakern-kernel (gemm+rs): the workspace's other GEMM + reduce-scatter, the Triton GEMM storing its tiles into
   the owners' buffers (megakern.gemm_scatter).
 Modes: fwd (the op), fwd-graph (the op captured in a CUDA graph, two calls a replay, as a CUDA-graph training step
@@ -52,7 +54,8 @@ else:  # python benchmarks/bench_tp_overlap.py
 
 # megakern with workspace settings other than the defaults (rs_pieces 2, rs_route "auto")
 VARIANTS = {"megakern-p1": {"rs_pieces": 1}, "megakern-p4": {"rs_pieces": 4}, "megakern-p8": {"rs_pieces": 8},
-            "megakern-partials": {"rs_route": "partials"}, "megakern-inputs": {"rs_route": "inputs"}}
+            "megakern-partials": {"rs_route": "partials"}, "megakern-inputs": {"rs_route": "inputs"},
+            "megakern-ksig": {"signals": "kernel"}}
 PROVIDERS = ("gemm", "unfused", "torch-symm", "megakern", *VARIANTS, "megakern-kernel")
 OPS = ("ag+gemm", "gemm+rs")
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}

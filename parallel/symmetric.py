@@ -14,7 +14,12 @@ op needs more bytes than they hold; every rank of the group calls the ops in the
 group's store): it is refused with a clear error inside a CUDA-graph capture (run one eager step first, as the trainer's
 warm-up steps do). ``rs_pieces`` cuts each block of a GEMM + reduce-scatter into that many runs of rows, each
 signalled and pulled on its own, and ``rs_route`` picks what such an op moves, the partial sums or the inputs
-(overlap.py).
+(overlap.py). ``signals`` says how ranks signal each other (SIGNALS): by default with stream memory operations,
+which run in the streams' front ends (stream_memops.py): a signal kernel queued behind a GEMM that fills every SM
+starts only at the GEMM's tail, and the transfer it gates with it. A stream signal's word (one per role, turn,
+piece and sender, in a small symmetric allocation of its own) is set by the sender and cleared by the receiver's
+wait; a word is set again only two turns later, after the receiver's signal of the op in between: it is clear by
+then.
 
 Peer-to-peer only: NVLink multicast (NVLS) stays off (``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` is set here unless the
 environment says otherwise, before the first allocation), and the CUDA backend of torch's symmetric memory is
@@ -28,6 +33,7 @@ import socket
 import torch
 import torch.distributed as dist
 
+from megakern.parallel import stream_memops
 from megakern.parallel.mappings import group_rank, group_size
 
 # signal-pad channels: each role on its own, a role's op signalling up to PIECES pieces of its data, piece j on
@@ -38,6 +44,10 @@ from megakern.parallel.mappings import group_rank, group_size
 PIECES = 8
 CHANNELS = {"rs": 0, "ag": PIECES, "rs_in": 2 * PIECES}
 ROUTES = ("auto", "partials", "inputs")
+# how a rank signals a peer and waits for one: "stream" (stream memory operations on words of the workspace's own
+# symmetric flags, no SM taken: a signal goes out, and a wait ends, while a GEMM fills every SM) or "kernel" (torch's
+# put_signal / wait_signal kernels on its signal pad, which start only once an SM is free)
+SIGNALS = ("stream", "kernel")
 
 
 def symmetric_memory_usable(group, device: torch.device) -> str:
@@ -103,6 +113,56 @@ class SymmetricWorkspace:
         # the owner pulls them), "inputs" (each peer pushes its input rows of the owner's block and its weight, and the
         # owner computes the block alone), "auto" (whichever moves fewer bytes at the op's shape: overlap.py)
         self.rs_route = "auto"
+        # how ranks signal each other (SIGNALS; the module doc): stream memory operations where the driver has them
+        self.signals = "stream" if not stream_memops.unavailable() else "kernel"
+        self._handle_turn: dict[int, int] = {}  # id(handle) -> the turn it belongs to (the stream signals' words)
+        self._aside: set[str] = set()  # roles with signals sent from their signal stream since the last settle
+        self._flags, self._flag_base = self._make_flags()
+
+    def _make_flags(self):
+        """The stream signals' words, every rank's allocation mapped here: (handle, {rank: address}). Zeroed on every
+        rank before any rank may write a peer's (collective: every rank builds its workspace together)."""
+        words = len(CHANNELS) * 2 * PIECES * self.size
+        flags = self._symm.empty(words, dtype=torch.int32, device=self.device)
+        handle = self._symm.rendezvous(flags, self.group)
+        flags.zero_()
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group, device_ids=[self.device.index])
+        torch.cuda.synchronize(self.device)
+        base = {peer: handle.get_buffer(peer, [words], torch.int32, 0).data_ptr() for peer in range(self.size)}
+        return flags, base
+
+    def _word(self, owner: int, handle, role: str, piece: int, sender: int) -> int:
+        """The address of ``owner``'s word for ``sender``'s signal of ``piece`` of ``role``'s op on ``handle``."""
+        turn = self._handle_turn[id(handle)]
+        index = ((list(CHANNELS).index(role) * 2 + turn) * PIECES + piece) * self.size + sender
+        return self._flag_base[owner] + 4 * index
+
+    def put_signal(self, handle, role: str, peer: int, piece: int = 0) -> None:
+        """On the current stream, after its earlier work: tell ``peer`` that piece ``piece`` of this rank's data for
+        the op on ``handle`` is in place."""
+        if self._signals() == "stream":
+            stream_memops.write_value32(torch.cuda.current_stream(), self._word(peer, handle, role, piece, self.rank),
+                                        1)
+        else:
+            handle.put_signal(peer, channel=CHANNELS[role] + piece)
+
+    def wait_signal(self, handle, role: str, peer: int, piece: int = 0) -> None:
+        """The current stream's later work waits for ``peer``'s signal of piece ``piece`` (and clears it)."""
+        if self._signals() == "stream":
+            word = self._word(self.rank, handle, role, piece, peer)
+            stream = torch.cuda.current_stream()
+            stream_memops.wait_value32(stream, word, 1)
+            stream_memops.write_value32(stream, word, 0)
+        else:
+            handle.wait_signal(peer, channel=CHANNELS[role] + piece)
+
+    def _signals(self) -> str:
+        if self.signals not in SIGNALS:
+            raise ValueError(f"SymmetricWorkspace: unknown signals {self.signals!r} (known: {', '.join(SIGNALS)})")
+        if self.signals == "stream" and (why := stream_memops.unavailable()):
+            raise RuntimeError(f"SymmetricWorkspace: signals 'stream' cannot be used: {why}")
+        return self.signals
 
     def _stream(self, key):
         if key not in self._streams:
@@ -121,7 +181,6 @@ class SymmetricWorkspace:
         peer's one signal (piece 0's) says the same of all the peer's pieces. {peer: [event after the copy of piece j,
         for each j]}; ``join`` them into the current stream."""
         _check_pieces(pieces)
-        channel = CHANNELS[role]
         events = {}
         for peer in peers:
             stream = self.peer_stream(peer, role)
@@ -129,10 +188,10 @@ class SymmetricWorkspace:
             events[peer] = []
             with torch.cuda.stream(stream):
                 if signal_first:
-                    handle.put_signal(peer, channel=channel)
+                    self.put_signal(handle, role, peer)
                 for j in range(pieces):
                     if j == 0 or not signal_first:
-                        handle.wait_signal(peer, channel=channel + j)
+                        self.wait_signal(handle, role, peer, j)
                     copy(peer, j)
                     event = torch.cuda.Event()
                     event.record(stream)
@@ -146,7 +205,6 @@ class SymmetricWorkspace:
         each j]}; ``join`` them into the current stream. A rank puts into a peer's buffer only what the peer's op of
         two turns ago no longer reads (see the module doc: the same rule as the pulls')."""
         _check_pieces(pieces)
-        channel = CHANNELS[role]
         events = {}
         for peer in peers:
             stream = self.peer_stream(peer, role)
@@ -155,8 +213,8 @@ class SymmetricWorkspace:
             with torch.cuda.stream(stream):
                 for j in range(pieces):
                     put(peer, j)
-                    handle.put_signal(peer, channel=channel + j)
-                    handle.wait_signal(peer, channel=channel + j)
+                    self.put_signal(handle, role, peer, j)
+                    self.wait_signal(handle, role, peer, j)
                     event = torch.cuda.Event()
                     event.record(stream)
                     events[peer].append(event)
@@ -164,26 +222,33 @@ class SymmetricWorkspace:
 
     def signal(self, handle, role: str, peer: int) -> None:
         """Tell ``peer`` (on the current stream, after the work queued on it) that its data is in this buffer."""
-        handle.put_signal(peer, channel=CHANNELS[role])
+        self.put_signal(handle, role, peer)
 
     def signal_aside(self, handle, role: str, peer: int, piece: int = 0) -> None:
         """``signal``, sent from the role's signal stream once the work queued so far on the current stream is done:
         the current stream goes on at once (a signal kernel takes a round trip over NVLink, and the next GEMM on the
-        stream would wait for it). ``settle(role)`` joins the signal stream back before the op returns."""
+        stream would wait for it). ``settle(role)`` joins the signal stream back before the op returns. A stream signal
+        holds nothing back: it goes out on the current stream itself."""
         _check_pieces(piece + 1)
+        if self._signals() == "stream":
+            self.put_signal(handle, role, peer, piece)
+            return
         stream = self._stream(("signals", role))
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            handle.put_signal(peer, channel=CHANNELS[role] + piece)
+            self.put_signal(handle, role, peer, piece)
+        self._aside.add(role)
 
     def settle(self, role: str) -> None:
         """The current stream waits for every signal ``signal_aside`` sent for ``role`` (for graph capture: every
         stream forked from the captured one joins it again)."""
-        torch.cuda.current_stream().wait_stream(self._stream(("signals", role)))
+        if role in self._aside:
+            torch.cuda.current_stream().wait_stream(self._stream(("signals", role)))
+            self._aside.discard(role)
 
     def wait(self, handle, role: str, peer: int) -> None:
         """The current stream waits for ``peer``'s signal (its data is in this rank's buffer)."""
-        handle.wait_signal(peer, channel=CHANNELS[role])
+        self.wait_signal(handle, role, peer)
 
     @staticmethod
     def join(events: dict) -> None:
@@ -202,6 +267,8 @@ class SymmetricWorkspace:
         self._turn[role] = 1 - turn
         self._uses[role] = self._uses.get(role, 0) + 1
         slot = pair[turn]
+        if slot[1] is not None:
+            self._handle_turn[id(slot[1])] = turn
         if slot[0] is None or slot[0].numel() < nbytes:
             if torch.cuda.is_current_stream_capturing():
                 have = 0 if slot[0] is None else slot[0].numel()
@@ -213,6 +280,7 @@ class SymmetricWorkspace:
                 torch.cuda.synchronize(self.device)
             if slot[1] is not None:
                 self._addresses.pop(id(slot[1]), None)
+                self._handle_turn.pop(id(slot[1]), None)
             slot[1] = None
             slot[0] = self._symm.empty(size, dtype=torch.uint8, device=self.device)
             slot[1] = self._symm.rendezvous(slot[0], self.group)
@@ -222,6 +290,7 @@ class SymmetricWorkspace:
                 raise RuntimeError(f"SymmetricWorkspace: the {role!r} buffer is mapped at "
                                    f"{[hex(a) for a in addresses]}, not all 16-byte aligned")
             self._addresses[id(slot[1])] = torch.tensor(addresses, dtype=torch.int64, device=self.device)
+            self._handle_turn[id(slot[1])] = turn
             self.grown += 1
         return slot[1]
 
@@ -247,3 +316,4 @@ class SymmetricWorkspace:
         """Drops the buffers (collective in effect: every rank should close together)."""
         self._buffers.clear()
         self._addresses.clear()
+        self._handle_turn.clear()

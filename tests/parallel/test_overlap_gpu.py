@@ -5,7 +5,8 @@ and 4, fp32 and bf16, the sequence first or second, shards of odd length, calls 
 buffers of each role used, grown), and the ops captured in a CUDA graph and replayed on new inputs; GEMM +
 reduce-scatter by both of the workspace's implementations (the Triton kernel storing tiles into the owners' buffers,
 and cuBLAS + copy-engine pulls, its blocks whole or in 3 or 4 runs of rows: 37-row shards cut unequally; or by the
-peers' inputs and weights pulled, forced, and where the "auto" route takes it)."""
+peers' inputs and weights pushed, forced, and where the "auto" route takes it); ranks signalling each other by
+stream memory operations (the default) and by torch's signal kernels."""
 import pytest
 import torch
 from conftest import HAS_CUDA
@@ -28,6 +29,9 @@ def _setup(rank, world, port, rs_impl="kernel"):
     from megakern.parallel.symmetric import SymmetricWorkspace
 
     ws = SymmetricWorkspace(dist.group.WORLD, torch.device("cuda", rank))
+    rs_impl, _, signals = rs_impl.partition(":")  # "copy:kernel": torch's signal kernels instead of stream signals
+    if signals:
+        ws.signals = signals
     impl, _, pieces = rs_impl.partition("-p")  # "copy-p3": cuBLAS + pulls, each block in 3 runs of rows
     if impl == "inputs":  # cuBLAS + pulls of the peers' inputs and weights, every GEMM + reduce-scatter
         impl, ws.rs_route = "copy", "inputs"
@@ -187,7 +191,8 @@ def _worlds():
 
 
 @pytest.mark.skipif(DEVICES < 2, reason=f"needs 2 CUDA devices, this machine has {DEVICES}")
-@pytest.mark.parametrize("rs_impl", ["kernel", "copy", "copy-p1", "copy-p3", "inputs", "inputs-p3"])
+@pytest.mark.parametrize("rs_impl", ["kernel", "copy", "copy-p1", "copy-p3", "inputs", "inputs-p3", "copy-p3:kernel",
+                                     "inputs:kernel"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_fused_ops_match_fp64(world, rs_impl):
     if world > DEVICES:
@@ -204,7 +209,7 @@ def test_fused_ops_match_fp64(world, rs_impl):
 
 
 @pytest.mark.skipif(DEVICES < 2, reason=f"needs 2 CUDA devices, this machine has {DEVICES}")
-@pytest.mark.parametrize("rs_impl", ["kernel", "copy", "inputs"])
+@pytest.mark.parametrize("rs_impl", ["kernel", "copy", "inputs", "copy:kernel"])
 def test_fused_ops_in_a_cuda_graph(rs_impl):
     results = spawn(_graph_check, [0, 1], 2, free_port(), rs_impl, timeout=600)
     for rank, diffs in results.items():
