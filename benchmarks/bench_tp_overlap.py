@@ -17,7 +17,7 @@ Providers:
 - megakern: megakern.parallel.overlap.all_gather_gemm / gemm_reduce_scatter with a SymmetricWorkspace (GEMM +
   reduce-scatter by its default: cuBLAS GEMMs, copy-engine pulls, each block in the workspace's rs_pieces runs, the
   partial sums or the inputs pulled, whichever moves fewer bytes: rs_route "auto");
-- megakern-p1, -p4, -p8: the same with each reduce-scatter block in K runs of rows (rs_pieces = K; forward and
+- megakern-p1, -p4: the same with each reduce-scatter block in K runs of rows (rs_pieces = K; forward and
   backward), 1: whole blocks;
 - megakern-partials, megakern-inputs (gemm+rs): the same with the route named (rs_route), whatever it moves;
 - megakern-ksig: the same with the ranks signalling each other by torch's signal kernels (signals "kernel")
@@ -53,7 +53,7 @@ else:  # python benchmarks/bench_tp_overlap.py
                         record, report_failure, run_ranks, timed_on_ranks, tp_sizes)
 
 # megakern with workspace settings other than the defaults (rs_pieces 2, rs_route "auto")
-VARIANTS = {"megakern-p1": {"rs_pieces": 1}, "megakern-p4": {"rs_pieces": 4}, "megakern-p8": {"rs_pieces": 8},
+VARIANTS = {"megakern-p1": {"rs_pieces": 1}, "megakern-p4": {"rs_pieces": 4},
             "megakern-partials": {"rs_route": "partials"}, "megakern-inputs": {"rs_route": "inputs"},
             "megakern-ksig": {"signals": "kernel"}}
 PROVIDERS = ("gemm", "unfused", "torch-symm", "megakern", *VARIANTS, "megakern-kernel")

@@ -14,12 +14,16 @@ op needs more bytes than they hold; every rank of the group calls the ops in the
 group's store): it is refused with a clear error inside a CUDA-graph capture (run one eager step first, as the trainer's
 warm-up steps do). ``rs_pieces`` cuts each block of a GEMM + reduce-scatter into that many runs of rows, each
 signalled and pulled on its own, and ``rs_route`` picks what such an op moves, the partial sums or the inputs
-(overlap.py). ``signals`` says how ranks signal each other (SIGNALS): by default with stream memory operations,
-which run in the streams' front ends (stream_memops.py): a signal kernel queued behind a GEMM that fills every SM
-starts only at the GEMM's tail, and the transfer it gates with it. A stream signal's word (one per role, turn,
-piece and sender, in a small symmetric allocation of its own) is set by the sender and cleared by the receiver's
-wait; a word is set again only two turns later, after the receiver's signal of the op in between: it is clear by
-then.
+(overlap.py).
+
+``signals`` says how a rank signals a peer (SIGNALS): by default a stream memory operation sets the peer's flag
+(torch's ``stream_write_value32_``, the driver's cuStreamWriteValue32 after a fence over the stream's earlier work),
+in the stream's front end: a signal kernel queued behind a GEMM that fills every SM starts only at the GEMM's tail,
+and the transfer it gates with it. (The driver's matching wait is not used: on an H200 it ended 15-30 microseconds
+after the flag was set, where torch's waiting kernel sees it at once.) Such a write does not wait for the flag to
+be clear, as torch's signal kernel does: each turn of a role has its own channels, and a rank signals on a turn's
+channel again only two ops later, after the peer's signal of the op in between, which the peer sent after clearing
+the flag.
 
 Peer-to-peer only: NVLink multicast (NVLS) stays off (``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` is set here unless the
 environment says otherwise, before the first allocation), and the CUDA backend of torch's symmetric memory is
@@ -33,20 +37,22 @@ import socket
 import torch
 import torch.distributed as dist
 
-from megakern.parallel import stream_memops
 from megakern.parallel.mappings import group_rank, group_size
 
-# signal-pad channels: each role on its own, a role's op signalling up to PIECES pieces of its data, piece j on
-# channel CHANNELS[role] + j (a signal is a flag a peer's wait clears: one channel per piece lets a rank signal every
-# piece without waiting for the peer to take the one before; torch's pad holds 32 channels at any group size).
+# signal-pad channels: each role on its own, a role's op signalling up to PIECES pieces of its data, piece j of an op
+# on a buffer of turn t on channel CHANNELS[role] + t * PIECES + j (a signal is a flag a peer's wait clears: one
+# channel per piece lets a rank signal every piece without waiting for the peer to take the one before, and one set
+# per turn lets a stream signal set its flag without checking that it is clear: see the module doc; torch's pad holds
+# 32 channels at any group size).
 # Roles: "rs" a GEMM + reduce-scatter's partial sums, "ag" an all-gather's shards, "rs_in" the inputs and weights of
 # a GEMM + reduce-scatter computed by the owner of each block (overlap.py, the "inputs" route)
-PIECES = 8
-CHANNELS = {"rs": 0, "ag": PIECES, "rs_in": 2 * PIECES}
+PIECES = 4
+CHANNELS = {"rs": 0, "ag": 2 * PIECES, "rs_in": 4 * PIECES}
 ROUTES = ("auto", "partials", "inputs")
-# how a rank signals a peer and waits for one: "stream" (stream memory operations on words of the workspace's own
-# symmetric flags, no SM taken: a signal goes out, and a wait ends, while a GEMM fills every SM) or "kernel" (torch's
-# put_signal / wait_signal kernels on its signal pad, which start only once an SM is free)
+# how a rank signals a peer: "stream" (a stream memory operation sets the peer's flag: no SM taken, so the signal
+# goes out while a GEMM fills every SM) or "kernel" (torch's put_signal kernel, which starts only once an SM is
+# free). Waits are torch's wait_signal kernels either way (a stream's wait on memory ends tens of microseconds after
+# the flag is set; a waiting kernel sees it at once).
 SIGNALS = ("stream", "kernel")
 
 
@@ -71,6 +77,15 @@ def symmetric_memory_usable(group, device: torch.device) -> str:
         return (f"the group spans hosts {sorted(set(hosts))}; symmetric memory maps peers of one host (NVLink), so "
                 "the tensor-parallel group must be on one host")
     return ""
+
+
+def _stream_signals() -> bool:
+    """Whether torch has the stream write the "stream" signals are made of."""
+    try:
+        torch.ops.symm_mem.stream_write_value32_
+    except (AttributeError, RuntimeError):
+        return False
+    return True
 
 
 def _check_pieces(pieces: int) -> None:
@@ -113,55 +128,37 @@ class SymmetricWorkspace:
         # the owner pulls them), "inputs" (each peer pushes its input rows of the owner's block and its weight, and the
         # owner computes the block alone), "auto" (whichever moves fewer bytes at the op's shape: overlap.py)
         self.rs_route = "auto"
-        # how ranks signal each other (SIGNALS; the module doc): stream memory operations where the driver has them
-        self.signals = "stream" if not stream_memops.unavailable() else "kernel"
-        self._handle_turn: dict[int, int] = {}  # id(handle) -> the turn it belongs to (the stream signals' words)
-        self._aside: set[str] = set()  # roles with signals sent from their signal stream since the last settle
-        self._flags, self._flag_base = self._make_flags()
+        # how a rank signals a peer (SIGNALS; the module doc): a stream memory operation where torch has it
+        self.signals = "stream" if _stream_signals() else "kernel"
+        self._handle_turn: dict[int, int] = {}  # id(handle) -> the turn of the role's buffers it is
+        self._pads: dict[tuple[int, int], torch.Tensor] = {}  # (id(handle), rank) -> that rank's signal pad, here
 
-    def _make_flags(self):
-        """The stream signals' words, every rank's allocation mapped here: (handle, {rank: address}). Zeroed on every
-        rank before any rank may write a peer's (collective: every rank builds its workspace together)."""
-        words = len(CHANNELS) * 2 * PIECES * self.size
-        flags = self._symm.empty(words, dtype=torch.int32, device=self.device)
-        handle = self._symm.rendezvous(flags, self.group)
-        flags.zero_()
-        torch.cuda.synchronize(self.device)
-        dist.barrier(group=self.group, device_ids=[self.device.index])
-        torch.cuda.synchronize(self.device)
-        base = {peer: handle.get_buffer(peer, [words], torch.int32, 0).data_ptr() for peer in range(self.size)}
-        return flags, base
-
-    def _word(self, owner: int, handle, role: str, piece: int, sender: int) -> int:
-        """The address of ``owner``'s word for ``sender``'s signal of ``piece`` of ``role``'s op on ``handle``."""
-        turn = self._handle_turn[id(handle)]
-        index = ((list(CHANNELS).index(role) * 2 + turn) * PIECES + piece) * self.size + sender
-        return self._flag_base[owner] + 4 * index
+    def _channel(self, handle, role: str, piece: int) -> int:
+        """The signal-pad channel of ``piece`` of ``role``'s op on ``handle`` (CHANNELS)."""
+        return CHANNELS[role] + self._handle_turn[id(handle)] * PIECES + piece
 
     def put_signal(self, handle, role: str, peer: int, piece: int = 0) -> None:
         """On the current stream, after its earlier work: tell ``peer`` that piece ``piece`` of this rank's data for
         the op on ``handle`` is in place."""
-        if self._signals() == "stream":
-            stream_memops.write_value32(torch.cuda.current_stream(), self._word(peer, handle, role, piece, self.rank),
-                                        1)
+        channel = self._channel(handle, role, piece)
+        if self._signals() == "stream":  # torch's pad layout: pads[peer][size * channel + sender], uint32
+            key = (id(handle), peer)
+            if key not in self._pads:
+                self._pads[key] = handle.get_signal_pad(peer)
+            torch.ops.symm_mem.stream_write_value32_(self._pads[key], self.size * channel + self.rank, 1)
         else:
-            handle.put_signal(peer, channel=CHANNELS[role] + piece)
+            handle.put_signal(peer, channel=channel)
 
     def wait_signal(self, handle, role: str, peer: int, piece: int = 0) -> None:
         """The current stream's later work waits for ``peer``'s signal of piece ``piece`` (and clears it)."""
-        if self._signals() == "stream":
-            word = self._word(self.rank, handle, role, piece, peer)
-            stream = torch.cuda.current_stream()
-            stream_memops.wait_value32(stream, word, 1)
-            stream_memops.write_value32(stream, word, 0)
-        else:
-            handle.wait_signal(peer, channel=CHANNELS[role] + piece)
+        handle.wait_signal(peer, channel=self._channel(handle, role, piece))
 
     def _signals(self) -> str:
         if self.signals not in SIGNALS:
             raise ValueError(f"SymmetricWorkspace: unknown signals {self.signals!r} (known: {', '.join(SIGNALS)})")
-        if self.signals == "stream" and (why := stream_memops.unavailable()):
-            raise RuntimeError(f"SymmetricWorkspace: signals 'stream' cannot be used: {why}")
+        if self.signals == "stream" and not _stream_signals():
+            raise RuntimeError(f"SymmetricWorkspace: signals 'stream' need torch.ops.symm_mem.stream_write_value32_, "
+                               f"which torch {torch.__version__} does not have; use signals 'kernel'")
         return self.signals
 
     def _stream(self, key):
@@ -226,25 +223,19 @@ class SymmetricWorkspace:
 
     def signal_aside(self, handle, role: str, peer: int, piece: int = 0) -> None:
         """``signal``, sent from the role's signal stream once the work queued so far on the current stream is done:
-        the current stream goes on at once (a signal kernel takes a round trip over NVLink, and the next GEMM on the
-        stream would wait for it). ``settle(role)`` joins the signal stream back before the op returns. A stream signal
-        holds nothing back: it goes out on the current stream itself."""
+        the current stream goes on at once (a signal kernel takes a round trip over NVLink, and a stream signal's
+        fence held the next GEMM on the stream back by some 8 microseconds). ``settle(role)`` joins the signal stream
+        back before the op returns."""
         _check_pieces(piece + 1)
-        if self._signals() == "stream":
-            self.put_signal(handle, role, peer, piece)
-            return
         stream = self._stream(("signals", role))
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             self.put_signal(handle, role, peer, piece)
-        self._aside.add(role)
 
     def settle(self, role: str) -> None:
         """The current stream waits for every signal ``signal_aside`` sent for ``role`` (for graph capture: every
         stream forked from the captured one joins it again)."""
-        if role in self._aside:
-            torch.cuda.current_stream().wait_stream(self._stream(("signals", role)))
-            self._aside.discard(role)
+        torch.cuda.current_stream().wait_stream(self._stream(("signals", role)))
 
     def wait(self, handle, role: str, peer: int) -> None:
         """The current stream waits for ``peer``'s signal (its data is in this rank's buffer)."""
@@ -281,6 +272,7 @@ class SymmetricWorkspace:
             if slot[1] is not None:
                 self._addresses.pop(id(slot[1]), None)
                 self._handle_turn.pop(id(slot[1]), None)
+                self._pads = {k: v for k, v in self._pads.items() if k[0] != id(slot[1])}
             slot[1] = None
             slot[0] = self._symm.empty(size, dtype=torch.uint8, device=self.device)
             slot[1] = self._symm.rendezvous(slot[0], self.group)
@@ -317,3 +309,4 @@ class SymmetricWorkspace:
         self._buffers.clear()
         self._addresses.clear()
         self._handle_turn.clear()
+        self._pads.clear()
