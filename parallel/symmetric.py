@@ -17,8 +17,8 @@ signalled and pulled on its own, and ``rs_route`` picks what such an op moves, t
 (overlap.py).
 
 ``signals`` says how a rank signals a peer (SIGNALS): by default a stream memory operation sets the peer's flag
-(torch's ``stream_write_value32_``, the driver's cuStreamWriteValue32 after a fence over the stream's earlier work),
-in the stream's front end: a signal kernel queued behind a GEMM that fills every SM starts only at the GEMM's tail,
+(stream_memops.py: the driver's cuStreamWriteValue32 after a fence over the stream's earlier work), in the stream's
+front end: a signal kernel queued behind a GEMM that fills every SM starts only at the GEMM's tail,
 and the transfer it gates with it. (The driver's matching wait is not used: on an H200 it ended 15-30 microseconds
 after the flag was set, where torch's waiting kernel sees it at once.) Such a write does not wait for the flag to
 be clear, as torch's signal kernel does: each turn of a role has its own channels, and a rank signals on a turn's
@@ -37,6 +37,7 @@ import socket
 import torch
 import torch.distributed as dist
 
+from megakern.parallel import stream_memops
 from megakern.parallel.mappings import group_rank, group_size
 
 # signal-pad channels: each role on its own, a role's op signalling up to PIECES pieces of its data, piece j of an op
@@ -79,15 +80,6 @@ def symmetric_memory_usable(group, device: torch.device) -> str:
     return ""
 
 
-def _stream_signals() -> bool:
-    """Whether torch has the stream write the "stream" signals are made of."""
-    try:
-        torch.ops.symm_mem.stream_write_value32_
-    except (AttributeError, RuntimeError):
-        return False
-    return True
-
-
 def _check_pieces(pieces: int) -> None:
     if not 1 <= pieces <= PIECES:
         raise ValueError(f"SymmetricWorkspace: {pieces} pieces of an op's data; 1 to {PIECES} have signal channels")
@@ -128,10 +120,10 @@ class SymmetricWorkspace:
         # the owner pulls them), "inputs" (each peer pushes its input rows of the owner's block and its weight, and the
         # owner computes the block alone), "auto" (whichever moves fewer bytes at the op's shape: overlap.py)
         self.rs_route = "auto"
-        # how a rank signals a peer (SIGNALS; the module doc): a stream memory operation where torch has it
-        self.signals = "stream" if _stream_signals() else "kernel"
+        # how a rank signals a peer (SIGNALS; the module doc): a stream memory operation where the driver has it
+        self.signals = "stream" if not stream_memops.unavailable() else "kernel"
         self._handle_turn: dict[int, int] = {}  # id(handle) -> the turn of the role's buffers it is
-        self._pads: dict[tuple[int, int], torch.Tensor] = {}  # (id(handle), rank) -> that rank's signal pad, here
+        self._pads: dict[tuple[int, int], int] = {}  # (id(handle), rank) -> where that rank's signal pad is mapped
 
     def _channel(self, handle, role: str, piece: int) -> int:
         """The signal-pad channel of ``piece`` of ``role``'s op on ``handle`` (CHANNELS)."""
@@ -144,8 +136,9 @@ class SymmetricWorkspace:
         if self._signals() == "stream":  # torch's pad layout: pads[peer][size * channel + sender], uint32
             key = (id(handle), peer)
             if key not in self._pads:
-                self._pads[key] = handle.get_signal_pad(peer)
-            torch.ops.symm_mem.stream_write_value32_(self._pads[key], self.size * channel + self.rank, 1)
+                self._pads[key] = handle.signal_pad_ptrs[peer]
+            stream_memops.write_value32(torch.cuda.current_stream(),
+                                        self._pads[key] + 4 * (self.size * channel + self.rank), 1)
         else:
             handle.put_signal(peer, channel=channel)
 
@@ -156,9 +149,8 @@ class SymmetricWorkspace:
     def _signals(self) -> str:
         if self.signals not in SIGNALS:
             raise ValueError(f"SymmetricWorkspace: unknown signals {self.signals!r} (known: {', '.join(SIGNALS)})")
-        if self.signals == "stream" and not _stream_signals():
-            raise RuntimeError(f"SymmetricWorkspace: signals 'stream' need torch.ops.symm_mem.stream_write_value32_, "
-                               f"which torch {torch.__version__} does not have; use signals 'kernel'")
+        if self.signals == "stream" and (why := stream_memops.unavailable()):
+            raise RuntimeError(f"SymmetricWorkspace: signals 'stream' cannot be used ({why}); use signals 'kernel'")
         return self.signals
 
     def _stream(self, key):

@@ -32,6 +32,10 @@ def _setup(rank, world, port, rs_impl="kernel"):
     rs_impl, _, signals = rs_impl.partition(":")  # "copy:kernel": torch's signal kernels instead of stream signals
     if signals:
         ws.signals = signals
+    else:  # the default where the driver has stream writes (every CUDA machine this runs on)
+        from megakern.parallel import stream_memops
+
+        assert ws.signals == "stream", f"signals {ws.signals!r}: {stream_memops.unavailable()}"
     impl, _, pieces = rs_impl.partition("-p")  # "copy-p3": cuBLAS + pulls, each block in 3 runs of rows
     if impl == "inputs":  # cuBLAS + pulls of the peers' inputs and weights, every GEMM + reduce-scatter
         impl, ws.rs_route = "copy", "inputs"

@@ -259,3 +259,15 @@ def test_rs_route_moves_fewer_bytes(rows, k, n, want):
     with pytest.raises(ValueError, match="unknown route 'output'.*auto, partials, inputs"):
         rs_route(rows, k, n, "output")
 
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="checks the CPU build's answer")
+def test_stream_signals_say_why_they_cannot_run_on_a_cpu_build():
+    import re
+
+    from megakern.parallel import stream_memops
+
+    why = stream_memops.unavailable()
+    assert "not a CUDA build" in why
+    with pytest.raises(RuntimeError, match=re.escape(f"write_value32: {why}")):
+        stream_memops.write_value32(None, 0, 1)
