@@ -1,5 +1,6 @@
 """A CUDA stream memory operation: a stream writes a 32-bit value to device memory (the driver's
-``cuStreamWriteValue32``, through ctypes; torch 2.11 has no binding of it).
+``cuStreamWriteValue32``, through ctypes, at a raw device address: torch's ``symm_mem.stream_write_value32_`` op
+makes the same call, but on a tensor's element).
 
 It runs in the stream's front end, not on the SMs: a rank can tell a peer that data is in place while a GEMM fills
 every SM (a signal kernel cannot start until the GEMM's blocks leave an SM free). It is captured into CUDA graphs
