@@ -320,7 +320,7 @@ class ParallelConfig:
     'symmetric' where measured); 'auto': 'symmetric' in a CUDA-graph step where symmetric memory can be used, else
     'ring'."""
     tp_overlap_pieces: int = 2
-    """With tp_overlap_impl='symmetric': runs of rows (1 to 8) each block of a GEMM + reduce-scatter is computed,
+    """With tp_overlap_impl='symmetric': runs of rows (1 to 4) each block of a GEMM + reduce-scatter is computed,
     signalled and pulled in; a peer starts pulling after the first run's GEMM, and the own block's GEMMs add each
     pulled run as it lands (docs/parallelism.md). 1: whole blocks."""
     fsdp_param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
