@@ -67,6 +67,7 @@ multicast stays off), OMP_NUM_THREADS=4 unless set.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import os
@@ -250,6 +251,11 @@ def run_layout(layout: Layout, args, run_dir: Path, data_cache: Path) -> tuple[d
             if (t.parent / "timeline.txt").exists():
                 text += f"\n\n# {t.parent.name}\n" + (t.parent / "timeline.txt").read_text()
         dest.write_text(text)
+        trace = tables[0].parent / "trace.json"
+        if trace.exists():  # rank 0's trace, compressed (chrome://tracing and ui.perfetto.dev read it as it is)
+            with trace.open("rb") as src, gzip.open(args.profile / f"{args.model}_{layout.spec}_trace.json.gz",
+                                                    "wb") as out:
+                shutil.copyfileobj(src, out)
         return {"profile": dest}, tail
     return _figures(run_dir, layout.untimed(args.warmup), args.micro_batch * layout.dp * accum * args.seq, wall,
                     accum), tail
@@ -427,7 +433,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--override", action="append", default=[], help="extra megakern-train override (repeatable)")
     p.add_argument("--profile", type=Path, metavar="DIR",
                    help="profile each layout instead (megakern-train --profile: 3 steps under torch.profiler) and "
-                        "copy rank 0's kernel and host tables to DIR/<model>_<layout>_kernels.txt; no figures")
+                        "copy rank 0's kernel and host tables to DIR/<model>_<layout>_kernels.txt and its trace to "
+                        "DIR/<model>_<layout>_trace.json.gz; no figures")
     p.add_argument("--out", type=Path, default=None,
                    help=f"results root (default: {RESULTS_DIR} for GPU runs and --from-log; a CPU run files no rows "
                         "without it)")

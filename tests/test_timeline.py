@@ -136,3 +136,32 @@ def test_a_gap_is_paired_with_what_it_waited_for():
     (st,) = _timeline.analyze(_trace(kernels, [(0.0, 1000.0)], [(1, 0.0), (2, 0.0), (3, 0.0), (4, 0.0)]))
     assert dict(st.gap_pairs) == {("Memcpy PtoP (Device -> Device)", "nvjet_gemm_badd", "across"): [5.0, 1]}
     assert st.idle_other == pytest.approx(5.5)
+
+
+def test_window_lists_every_stream_around_a_kernel(tmp_path, capsys):
+    import gzip
+
+    kernels = [("gemm", 0.0, 100.0, 7, 1), ("attn_fwd", 200.0, 300.0, 7, 2), ("gemm", 310.0, 400.0, 7, 3),
+               ("attn_fwd", 1000.0, 1100.0, 7, 4)]
+    trace = _trace(kernels, [(0.0, 2000.0)])
+    trace["traceEvents"].append({"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy PtoP (Device -> Device)",
+                                 "ts": 320.0, "dur": 50.0, "args": {"stream": 9, "bytes": 16777216}})
+    text = _timeline.window(trace, "attn_fwd", at=0.0, before_us=150.0, after_us=200.0)
+    lines = text.splitlines()
+    assert "attn_fwd at 0.200 ms" in lines[0]
+    rows = [line.split() for line in lines[1:]]
+    # the gemm 200 us before the anchor is outside; the copy on another stream is in
+    assert [(r[0], r[2], r[3]) for r in rows] == [("0.0", "s7", "attn_fwd"), ("110.0", "s7", "gemm"),
+                                                   ("120.0", "s9", "Memcpy")]
+    assert rows[-1][-1] == "16777216"
+    # past the middle of the trace the later occurrence is the anchor; nothing matches past its start
+    assert "at 1.000 ms" in _timeline.window(trace, "attn_fwd", at=0.9).splitlines()[0]
+    assert "no GPU op named like 'attn_bwd'" in _timeline.window(trace, "attn_bwd")
+    assert "no GPU ops" in _timeline.window({"traceEvents": []}, "k")
+    with pytest.raises(ValueError, match="at must be a share"):
+        _timeline.window(trace, "gemm", at=1.5)
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump(trace, f)
+    assert _timeline.main([str(path), "--around", "attn_fwd", "--at", "0", "--us", "200"]) == 0
+    assert "Memcpy PtoP" in capsys.readouterr().out

@@ -18,6 +18,11 @@ gap is), the median lead of the launches (kernel start - launch call; near zero 
 and waits for it), and the host's synchronizations with the device (each one drains the GPU's queue: the GPU then
 waits for the host).
 
+``window`` lists every GPU op, on every stream, in a stretch of the trace around one kernel (``python -m
+megakern.train.timeline trace.json --around attn_fwd [--at 0.4] [--us 1400]``): when a transfer started against the
+GEMM meant to hide it, which op a kernel waited for. A CUDA-graph replay's ops carry no launch, so their order and
+streams are what places them in the model.
+
 Steps are the ``ProfilerStep#N`` ranges of the host; a kernel belongs to the step during which it was launched.
 GPU work launched outside them is not counted: the GPU runs behind the host, so the first profiled step's trace
 also holds the end of the step before it (the tail of its backward, its optimizer), whose launches the profiler did
@@ -26,6 +31,7 @@ not record; ``sources`` says how much it left out.
 from __future__ import annotations
 
 import bisect
+import gzip
 import json
 import statistics
 import sys
@@ -79,7 +85,9 @@ class StepTimeline:
 
 
 def load(path: str | Path) -> dict:
-    with open(path) as f:
+    """A chrome trace, as written (``.json``) or compressed (``.json.gz``)."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
         return json.load(f)
 
 
@@ -392,12 +400,52 @@ def report(steps: list[StepTimeline], top: int = 8) -> str:
     return "\n".join(lines)
 
 
+def window(trace: dict, pattern: str, at: float = 0.5, before_us: float = 150.0, after_us: float = 1400.0) -> str:
+    """Every GPU op from ``before_us`` before to ``after_us`` after the first kernel whose name holds ``pattern``
+    that starts at or after the share ``at`` (0 to 1) of the trace's GPU span: a line each, its start relative to
+    that kernel's, its duration (us), its stream, its name and the bytes a copy or a fill moved."""
+    if not 0.0 <= at <= 1.0:
+        raise ValueError(f"window: at must be a share of the trace's GPU span, 0 to 1, got {at}")
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") in GPU_CATS]
+    if not events:
+        return "# window: no GPU ops in the trace"
+    events.sort(key=lambda e: float(e["ts"]))
+    first, last = float(events[0]["ts"]), max(float(e["ts"]) + float(e.get("dur", 0.0)) for e in events)
+    after = first + at * (last - first)
+    anchor = next((e for e in events if float(e["ts"]) >= after and pattern in e.get("name", "")), None)
+    if anchor is None:
+        return f"# window: no GPU op named like {pattern!r} starts past {100 * at:.0f}% of the trace"
+    t0 = float(anchor["ts"])
+    lines = [f"# window: the GPU ops from {before_us:.0f} us before to {after_us:.0f} us after {_short(anchor['name'])}"
+             f" at {(t0 - first) / 1e3:.3f} ms into the trace (start us, duration us, stream, op, bytes)"]
+    for e in events:
+        start = float(e["ts"]) - t0
+        if -before_us <= start <= after_us:
+            args = e.get("args") or {}
+            moved = f" {args['bytes']}" if "bytes" in args else ""
+            lines.append(f"{start:9.1f} {float(e.get('dur', 0.0)):8.1f}  s{args.get('stream', '?'):<5} "
+                         f"{_short(e.get('name', '?'), 60)}{moved}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m megakern.train.timeline TRACE.json", file=sys.stderr)
-        return 2
-    trace = load(argv[0])
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m megakern.train.timeline",
+                                description="Where a profiled step's GPU time goes (a torch.profiler chrome trace).")
+    p.add_argument("trace", help="trace.json or trace.json.gz")
+    p.add_argument("--around", metavar="KERNEL", help="list the GPU ops around the first kernel named like KERNEL "
+                                                      "instead (window)")
+    p.add_argument("--at", type=float, default=0.5, help="with --around: where to look from, a share of the trace")
+    p.add_argument("--us", type=float, default=1400.0, help="with --around: microseconds after the kernel")
+    try:
+        a = p.parse_args(sys.argv[1:] if argv is None else argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    trace = load(a.trace)
+    if a.around:
+        print(window(trace, a.around, at=a.at, after_us=a.us))
+        return 0
     print(report(analyze(trace)))
     print(sources(trace))
     return 0

@@ -106,3 +106,16 @@ def test_expert_all_to_all_rows_count_the_capacity_slots():
     assert capped == (2, 16, 1.25, 8)
     assert routed_rows(4097, capped) == 8 * 1281  # ceil(1.25 x 4097 x 2 / 8) = ceil(1280.3)
     assert moe_facts("gpt-tiny") == (0, 0, None, 0)
+
+
+def test_bench_parallel_profile_keeps_the_tables_and_the_trace(tmp_path, capsys):
+    """--profile: rank 0's tables and its chrome trace (compressed) land in DIR, named by model and layout."""
+    import gzip
+    import json
+
+    bench_parallel.main(["--tiny", "--device", "cpu", "--layouts", "1", "--profile", str(tmp_path / "prof")])
+    tables = tmp_path / "prof" / "gpt-tiny_1_kernels.txt"
+    assert tables.read_text().startswith("# megakern-train --profile"), tables.read_text()[:200]
+    with gzip.open(tmp_path / "prof" / "gpt-tiny_1_trace.json.gz", "rt") as f:
+        trace = json.load(f)
+    assert any(e.get("name", "").startswith("ProfilerStep") for e in trace["traceEvents"])
