@@ -183,11 +183,11 @@ def _rs_inputs(x: torch.Tensor, w: torch.Tensor, ws, under=None, bias=None) -> t
     if under is not None:
         under()
     events = ws.push(handle, "rs_in", peers, put, after=start, pieces=len(runs))
-    current = torch.cuda.current_stream()
     for j, (lo, m) in enumerate(runs):  # each run of rows as soon as every peer's has landed
         for p in peers:
-            current.wait_event(events[p][j])
+            ws.arrived(handle, "rs_in", p, j)
             out.narrow(0, lo, m).addmm_(rows_from(r, p).narrow(0, lo, m), weight_from(r, p).t())
+    ws.join(events)  # the push streams joined (graph capture)
     return out
 
 
@@ -279,7 +279,8 @@ class _Gather:
       stream once the peer signals it in place (one contiguous copy-engine transfer a peer, all at once);
     - otherwise each rank pushes its shard, straight from where it is, into slot r of every peer's buffer (copy
       engine, one stream a peer) and signals it there; a peer's shard is read in this rank's own buffer, slot p, as
-      soon as the peer's signal has come (no copy into the symmetric buffer first: the transfers start at once).
+      soon as the peer's signal has come, waited for on the current stream right before the GEMM that reads it (no
+      copy into the symmetric buffer first: the transfers start at once).
     A rank writes a peer's buffer only after the signal of the op in between, which the peer sent once it was done
     with the op before (symmetric.py), the same rule as the pulls'. Every rank gathers the same way (``keep`` the
     same on every rank: the weight needs a gradient on all of them or on none).
@@ -295,6 +296,7 @@ class _Gather:
         self.handle = ws.buffer("ag", n * shard.numel() * shard.element_size())
         self.peers = [(r - step) % n for step in range(1, n)]
         self.events = None
+        self.arrived: set[int] = set()  # the peers whose pushed shards the current stream has waited for
         if keep:
             self.handle.get_buffer(r, self.slot_shape, shard.dtype, r * shard.numel()).copy_(shard)
             # (a copy beside the own shard's GEMM, off this stream, takes SMs from it: slower where measured)
@@ -329,10 +331,18 @@ class _Gather:
     def chunk(self, c: int) -> torch.Tensor:
         if c == self.r:
             return self.shard
-        torch.cuda.current_stream().wait_event(self._pulls()[c][0])
-        return self.peer_rows[self.peers.index(c)] if self.keep else self._slot(self.r, c)
+        if self.keep:
+            torch.cuda.current_stream().wait_event(self._pulls()[c][0])
+            return self.peer_rows[self.peers.index(c)]
+        if c not in self.arrived:  # the peer's push, waited for here (symmetric.push)
+            self.ws.arrived(self.handle, "ag", c)
+            self.arrived.add(c)
+        return self._slot(self.r, c)
 
     def join(self) -> None:
+        if not self.keep:  # every pushed shard waited for once, as the peers' signals each expect
+            for c in self.peers:
+                self.chunk(c)
         self.ws.join(self._pulls())  # every transfer done (and their streams joined, for graph capture)
 
 
