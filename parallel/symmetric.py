@@ -136,6 +136,10 @@ class SymmetricWorkspace:
         if self._signals() == "stream":  # torch's pad layout: pads[peer][size * channel + sender], uint32
             key = (id(handle), peer)
             if key not in self._pads:
+                words = self.size * (max(CHANNELS.values()) + 2 * PIECES)  # the highest word any signal sets, + 1
+                if 4 * words > handle.signal_pad_size:  # torch's kernels check their channel; a stream write cannot
+                    raise RuntimeError(f"SymmetricWorkspace: torch's signal pad holds {handle.signal_pad_size} bytes, "
+                                       f"the signals of {self.size} ranks need {4 * words}; use signals 'kernel'")
                 self._pads[key] = handle.signal_pad_ptrs[peer]
             stream_memops.write_value32(torch.cuda.current_stream(),
                                         self._pads[key] + 4 * (self.size * channel + self.rank), 1)
