@@ -174,22 +174,15 @@ class SymmetricWorkspace:
         peer's one signal (piece 0's) says the same of all the peer's pieces. {peer: [event after the copy of piece j,
         for each j]}; ``join`` them into the current stream."""
         _check_pieces(pieces)
-        events = {}
-        for peer in peers:
-            stream = self.peer_stream(peer, role)
-            stream.wait_event(after)
-            events[peer] = []
-            with torch.cuda.stream(stream):
-                if signal_first:
-                    self.put_signal(handle, role, peer)
-                for j in range(pieces):
-                    if j == 0 or not signal_first:
-                        self.wait_signal(handle, role, peer, j)
-                    copy(peer, j)
-                    event = torch.cuda.Event()
-                    event.record(stream)
-                    events[peer].append(event)
-        return events
+
+        def piece(peer, j):
+            if signal_first and j == 0:
+                self.put_signal(handle, role, peer)
+            if j == 0 or not signal_first:
+                self.wait_signal(handle, role, peer, j)
+            copy(peer, j)
+
+        return self._per_peer(role, peers, after, pieces, piece)
 
     def push(self, handle, role: str, peers: list[int], put, after, pieces: int = 1) -> dict:
         """For each of ``peers``, on its own stream forked from the current one at event ``after``: for each piece j <
@@ -201,6 +194,16 @@ class SymmetricWorkspace:
         in a CUDA graph). A rank puts into a peer's buffer only what the peer's op of two turns ago no longer reads
         (see the module doc: the same rule as the pulls')."""
         _check_pieces(pieces)
+
+        def piece(peer, j):
+            put(peer, j)
+            self.put_signal(handle, role, peer, j)
+
+        return self._per_peer(role, peers, after, pieces, piece)
+
+    def _per_peer(self, role: str, peers: list[int], after, pieces: int, piece) -> dict:
+        """For each of ``peers``, on its own stream (``peer_stream``) forked from the current one at event ``after``:
+        ``piece(peer, j)`` for each j < ``pieces``, an event recorded after each. {peer: [those events]}."""
         events = {}
         for peer in peers:
             stream = self.peer_stream(peer, role)
@@ -208,8 +211,7 @@ class SymmetricWorkspace:
             events[peer] = []
             with torch.cuda.stream(stream):
                 for j in range(pieces):
-                    put(peer, j)
-                    self.put_signal(handle, role, peer, j)
+                    piece(peer, j)
                     event = torch.cuda.Event()
                     event.record(stream)
                     events[peer].append(event)
@@ -261,8 +263,6 @@ class SymmetricWorkspace:
         self._turn[role] = 1 - turn
         self._uses[role] = self._uses.get(role, 0) + 1
         slot = pair[turn]
-        if slot[1] is not None:
-            self._handle_turn[id(slot[1])] = turn
         if slot[0] is None or slot[0].numel() < nbytes:
             if torch.cuda.is_current_stream_capturing():
                 have = 0 if slot[0] is None else slot[0].numel()
@@ -285,7 +285,7 @@ class SymmetricWorkspace:
                 raise RuntimeError(f"SymmetricWorkspace: the {role!r} buffer is mapped at "
                                    f"{[hex(a) for a in addresses]}, not all 16-byte aligned")
             self._addresses[id(slot[1])] = torch.tensor(addresses, dtype=torch.int64, device=self.device)
-            self._handle_turn[id(slot[1])] = turn
+            self._handle_turn[id(slot[1])] = turn  # a slot's turn is its place in the pair, fixed
             self.grown += 1
         return slot[1]
 
