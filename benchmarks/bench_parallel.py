@@ -43,8 +43,8 @@ Layouts are written as factors: "1", "dp2", "dp2-ddp", "tp2", "pp2", "cp2", "tp2
 (dp defaults to FSDP; "-ovl" overlaps the row-parallel layers' reduce-scatter with their matmuls, e.g. "tp2-ovl",
 "-ovl-symm" both layers' collectives through symmetric memory (parallel.tp_overlap_impl=symmetric), "-ovl-symm-kern"
 with the GEMM + reduce-scatter by the Triton tile-storing kernel (tp_overlap_impl=symmetric-kernel), "-pK" with
-symm's reduce-scatter blocks in K runs of rows (parallel.tp_overlap_pieces, default 2); a
-last "-graph" captures the step in a CUDA graph (train.cuda_graph) after the warm-up: "1-graph", "tp2-ovl-graph",
+symm's reduce-scatter blocks in K runs of rows (parallel.tp_overlap_pieces, default 2), "-ksig" with symm's signals
+by torch's kernels (parallel.tp_overlap_signals=kernel; default: stream writes); a last "-graph" captures the step in a CUDA graph (train.cuda_graph) after the warm-up: "1-graph", "tp2-ovl-graph",
 "dp2-ddp-graph" (DDP: 11 eager steps first), compared with "1-graph" and "1xK-graph"). The GPUs needed are the
 product of the factors; layouts needing more than this machine has are skipped with a line saying so. "1xK" runs K
 independent one-GPU trainings at once, one per GPU (ms: the slowest's step; tok/s: all K at that pace, as ranks in
@@ -108,6 +108,7 @@ class Layout:
     tp_comm_overlap: bool = False  # "-ovl": the row-parallel reduce-scatter overlapped with the matmul (tp > 1)
     tp_overlap_impl: str = "ring"  # "-symm" (with -ovl): the row and column layers' ops through symmetric memory
     tp_overlap_pieces: int = 2  # "-pK" (with -symm): parallel.tp_overlap_pieces, each reduce-scatter block in K runs
+    tp_overlap_signals: str = "stream"  # "-ksig" (with -symm): parallel.tp_overlap_signals=kernel
     copies: int = 1  # "1xK": K independent one-GPU runs at once (the host's own scaling, no communication)
     cuda_graph: bool = False  # "-graph": the step captured in a CUDA graph after the warm-up and replayed
 
@@ -162,15 +163,17 @@ class Layout:
             raise ValueError(f"bench_parallel: layout {spec!r}: ep={ep} is carved out of dp x cp = {dp_cp} ranks and "
                              f"must divide it")
         pieces = [f for f in flags if re.fullmatch(r"p\d+", f)]
-        unknown = set(flags) - {"ddp", "fsdp", "zero1", "ovl", "symm", "kern"} - set(pieces)
+        unknown = set(flags) - {"ddp", "fsdp", "zero1", "ovl", "symm", "kern", "ksig"} - set(pieces)
         if unknown:
             raise ValueError(f"bench_parallel: layout {spec!r}: unknown flag(s) {sorted(unknown)} (ddp, fsdp, zero1, "
-                             f"ovl, symm, kern, pK; and graph, last)")
+                             f"ovl, symm, kern, ksig, pK; and graph, last)")
         if pieces and ("symm" not in flags or len(pieces) > 1):
             raise ValueError(f"bench_parallel: layout {spec!r}: pK (once) cuts symm's reduce-scatter blocks in K runs; "
                              f"add '-symm'")
         if "symm" in flags and "ovl" not in flags:
             raise ValueError(f"bench_parallel: layout {spec!r}: symm picks the overlap's implementation; add '-ovl'")
+        if "ksig" in flags and "symm" not in flags:
+            raise ValueError(f"bench_parallel: layout {spec!r}: ksig picks symm's signals; add '-symm'")
         if "kern" in flags and "symm" not in flags:
             raise ValueError(f"bench_parallel: layout {spec!r}: kern picks symm's GEMM + reduce-scatter; add '-symm'")
         if "ovl" in flags and sizes.get("tp", 1) < 2:
@@ -181,7 +184,8 @@ class Layout:
             raise ValueError(f"bench_parallel: layout {spec!r}: zero1 shards the optimizer of DDP; add '-ddp'")
         return cls(spec, dp_shard=shard, zero1="zero1" in flags, tp_comm_overlap="ovl" in flags,
                    tp_overlap_impl=("symmetric-kernel" if "kern" in flags else "symmetric") if "symm" in flags
-                   else "ring", tp_overlap_pieces=int(pieces[0][1:]) if pieces else 2, cuda_graph=graph, **sizes)
+                   else "ring", tp_overlap_pieces=int(pieces[0][1:]) if pieces else 2,
+                   tp_overlap_signals="kernel" if "ksig" in flags else "stream", cuda_graph=graph, **sizes)
 
 
 def free_port() -> int:
@@ -214,6 +218,7 @@ def run_layout(layout: Layout, args, run_dir: Path, data_cache: Path) -> tuple[d
         f"parallel.zero1={str(layout.zero1).lower()}",
         f"parallel.tp_comm_overlap={str(layout.tp_comm_overlap).lower()}",
         f"parallel.tp_overlap_impl={layout.tp_overlap_impl}", f"parallel.tp_overlap_pieces={layout.tp_overlap_pieces}",
+        f"parallel.tp_overlap_signals={layout.tp_overlap_signals}",
         *args.override,
     ]
     if layout.cuda_graph:
@@ -632,7 +637,8 @@ def _communication(layout: Layout, args, device, f: dict, figures: dict, results
             exposed, hidden = _hidden_share(f["ms"], figures[ref_spec]["ms"], comm)
             measured.append((comm, hidden, f"expert all-to-alls alone (ep {layout.ep}) {comm:.1f} ms; step adds "
                                            f"{exposed:.1f} ms over {ref_spec}"))
-    plain = re.sub(r"-p\d+(?=-|$)", "", layout.spec.replace("-ovl", "").replace("-symm", "").replace("-kern", ""))
+    plain = re.sub(r"-p\d+(?=-|$)", "", layout.spec.replace("-ovl", "").replace("-symm", "").replace("-kern", "")
+                   .replace("-ksig", ""))
     if layout.tp_comm_overlap and plain in figures:
         # what the ring hides: each layer's two reduce-scatters (attention and MLP output) forward and the two
         # all-gathers of their gradients backward, (micro-batch, T / cp, C) in the compute dtype; the symmetric

@@ -323,6 +323,10 @@ class ParallelConfig:
     """With tp_overlap_impl='symmetric': runs of rows (1 to 4) each block of a GEMM + reduce-scatter is computed,
     signalled and pulled in; a peer starts pulling after the first run's GEMM, and the own block's GEMMs add each
     pulled run as it lands (docs/parallelism.md). 1: whole blocks."""
+    tp_overlap_signals: Literal["stream", "kernel"] = "stream"
+    """With tp_overlap_impl='symmetric': how a rank tells a peer that data is in place: 'stream', a stream memory
+    operation (no SM taken: it goes out while a GEMM fills every SM), or 'kernel', torch's put_signal kernel, which
+    starts only once an SM is free (docs/parallelism.md)."""
     fsdp_param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """With dp_shard='fsdp': the dtype the blocks' parameters are all-gathered and computed in (their fp32 shards
     are what the optimizer updates; gradients are reduced in fp32); auto: bfloat16 under bf16-autocast, else

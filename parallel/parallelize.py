@@ -56,6 +56,7 @@ from megakern.parallel.rng import RNGTracker
 from megakern.parallel.state_dict import as_global, checkpoint_mesh, group_hparams, init_optimizer_state
 from megakern.parallel.overlap import all_gather_gemm, gemm_reduce_scatter
 from megakern.parallel.symmetric import PIECES as SYMMETRIC_PIECES
+from megakern.parallel.symmetric import SIGNALS as SYMMETRIC_SIGNALS
 from megakern.parallel.symmetric import SymmetricWorkspace, symmetric_memory_usable
 from megakern.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -163,6 +164,9 @@ class ParallelModel:
         if not isinstance(options.tp_overlap_pieces, int) or not 1 <= options.tp_overlap_pieces <= SYMMETRIC_PIECES:
             raise ValueError(f"parallelize: tp_overlap_pieces must be an integer from 1 to {SYMMETRIC_PIECES}, got "
                              f"{options.tp_overlap_pieces!r}")
+        if options.tp_overlap_signals not in SYMMETRIC_SIGNALS:
+            raise ValueError(f"parallelize: tp_overlap_signals must be one of {', '.join(SYMMETRIC_SIGNALS)}, got "
+                             f"{options.tp_overlap_signals!r}")
         if options.tp_comm_overlap not in ("auto", True, False):
             raise ValueError(f"parallelize: tp_comm_overlap must be true, false or 'auto', got "
                              f"{options.tp_comm_overlap!r}")
@@ -240,6 +244,7 @@ class ParallelModel:
                 self.tp_workspace = SymmetricWorkspace(pm.tp_group, pm.device)
                 self.tp_workspace.rs_impl = "kernel" if overlap_impl == "symmetric-kernel" else "copy"
                 self.tp_workspace.rs_pieces = options.tp_overlap_pieces
+                self.tp_workspace.signals = options.tp_overlap_signals
                 gather_gemm = functools.partial(all_gather_gemm, workspace=self.tp_workspace)
             gemm_reduce = functools.partial(gemm_reduce_scatter, workspace=self.tp_workspace)
         self.tp_info = [apply_tensor_parallel(g, pm.tp_group if d.tp > 1 else None, sp, gemm_reduce=gemm_reduce,

@@ -21,6 +21,10 @@ def test_layout_specs():
     assert Layout.parse("tp2-ovl-symm-kern-graph").tp_overlap_impl == "symmetric-kernel"
     with pytest.raises(ValueError, match="symm picks the overlap's implementation; add '-ovl'"):
         Layout.parse("tp2-symm")
+    assert Layout.parse("tp2-ovl-symm-ksig-graph").tp_overlap_signals == "kernel"
+    assert Layout.parse("tp2-ovl-symm-graph").tp_overlap_signals == "stream"
+    with pytest.raises(ValueError, match="ksig picks symm's signals; add '-symm'"):
+        Layout.parse("tp2-ovl-ksig")
     copies = Layout.parse("1x4")
     assert (copies.world, copies.copies, copies.gpus) == (1, 4, 4)
     # "-graph": the captured step; its one-GPU base is "1-graph"; DDP's reducer needs 11 eager steps first

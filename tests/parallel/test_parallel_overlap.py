@@ -242,6 +242,8 @@ def test_symmetric_impl_refused_on_gloo():
     for message in pool(2).run(parallelize_error, sequence_parallel=True, tp_comm_overlap=True,
                                tp_overlap_impl="symmetric"):
         assert "tp_overlap_impl='symmetric' cannot run here: the device is cpu" in message, message
+    for message in pool(2).run(parallelize_error, sequence_parallel=True, tp_overlap_signals="flag"):
+        assert "tp_overlap_signals must be one of stream, kernel, got 'flag'" in message, message
 
 
 @pytest.mark.parametrize("rows, k, n, want", [
