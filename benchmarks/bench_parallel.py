@@ -256,11 +256,14 @@ def run_layout(layout: Layout, args, run_dir: Path, data_cache: Path) -> tuple[d
             if (t.parent / "timeline.txt").exists():
                 text += f"\n\n# {t.parent.name}\n" + (t.parent / "timeline.txt").read_text()
         dest.write_text(text)
-        trace = tables[0].parent / "trace.json"
-        if trace.exists():  # rank 0's trace, compressed (chrome://tracing and ui.perfetto.dev read it as it is)
-            with trace.open("rb") as src, gzip.open(args.profile / f"{args.model}_{layout.spec}_trace.json.gz",
-                                                    "wb") as out:
-                shutil.copyfileobj(src, out)
+        for t in tables:  # every rank's trace, compressed (chrome://tracing and ui.perfetto.dev read them as they are)
+            trace = t.parent / "trace.json"
+            rank = re.search(r"-rank(\d+)$", t.parent.name)
+            suffix = "" if rank is None or rank[1] == "0" else f"_rank{rank[1]}"
+            if trace.exists():
+                with trace.open("rb") as src, gzip.open(
+                        args.profile / f"{args.model}_{layout.spec}_trace{suffix}.json.gz", "wb") as out:
+                    shutil.copyfileobj(src, out)
         return {"profile": dest}, tail
     return _figures(run_dir, layout.untimed(args.warmup), args.micro_batch * layout.dp * accum * args.seq, wall,
                     accum), tail
@@ -438,8 +441,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--override", action="append", default=[], help="extra megakern-train override (repeatable)")
     p.add_argument("--profile", type=Path, metavar="DIR",
                    help="profile each layout instead (megakern-train --profile: 3 steps under torch.profiler) and "
-                        "copy rank 0's kernel and host tables to DIR/<model>_<layout>_kernels.txt and its trace to "
-                        "DIR/<model>_<layout>_trace.json.gz; no figures")
+                        "copy rank 0's kernel and host tables to DIR/<model>_<layout>_kernels.txt, its trace to "
+                        "DIR/<model>_<layout>_trace.json.gz and rank r's to ..._trace_rank<r>.json.gz; no figures")
     p.add_argument("--out", type=Path, default=None,
                    help=f"results root (default: {RESULTS_DIR} for GPU runs and --from-log; a CPU run files no rows "
                         "without it)")

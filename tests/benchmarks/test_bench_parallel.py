@@ -112,14 +112,18 @@ def test_expert_all_to_all_rows_count_the_capacity_slots():
     assert moe_facts("gpt-tiny") == (0, 0, None, 0)
 
 
-def test_bench_parallel_profile_keeps_the_tables_and_the_trace(tmp_path, capsys):
-    """--profile: rank 0's tables and its chrome trace (compressed) land in DIR, named by model and layout."""
+def test_bench_parallel_profile_keeps_the_tables_and_every_ranks_trace(tmp_path, capsys):
+    """--profile: rank 0's tables and every rank's chrome trace (compressed) land in DIR, named by model and layout
+    (rank 0's trace without a rank suffix)."""
     import gzip
     import json
 
-    bench_parallel.main(["--tiny", "--device", "cpu", "--layouts", "1", "--profile", str(tmp_path / "prof")])
-    tables = tmp_path / "prof" / "gpt-tiny_1_kernels.txt"
+    bench_parallel.main(["--tiny", "--device", "cpu", "--layouts", "dp2", "--profile", str(tmp_path / "prof")])
+    tables = tmp_path / "prof" / "gpt-tiny_dp2_kernels.txt"
     assert tables.read_text().startswith("# megakern-train --profile"), tables.read_text()[:200]
-    with gzip.open(tmp_path / "prof" / "gpt-tiny_1_trace.json.gz", "rt") as f:
-        trace = json.load(f)
-    assert any(e.get("name", "").startswith("ProfilerStep") for e in trace["traceEvents"])
+    assert sorted(p.name for p in (tmp_path / "prof").glob("*trace*")) == [
+        "gpt-tiny_dp2_trace.json.gz", "gpt-tiny_dp2_trace_rank1.json.gz"]
+    for name in ("gpt-tiny_dp2_trace.json.gz", "gpt-tiny_dp2_trace_rank1.json.gz"):
+        with gzip.open(tmp_path / "prof" / name, "rt") as f:
+            trace = json.load(f)
+        assert any(e.get("name", "").startswith("ProfilerStep") for e in trace["traceEvents"]), name
