@@ -55,8 +55,6 @@ ROUTES = ("auto", "partials", "inputs")
 # free). Waits are torch's wait_signal kernels either way (a stream's wait on memory ends tens of microseconds after
 # the flag is set; a waiting kernel sees it at once).
 SIGNALS = ("stream", "kernel")
-# the priority of the workspace's streams (transfers and signals): the highest (CUDA clamps it into the device's range)
-STREAM_PRIORITY = -100
 
 
 def symmetric_memory_usable(group, device: torch.device) -> str:
@@ -161,11 +159,7 @@ class SymmetricWorkspace:
 
     def _stream(self, key):
         if key not in self._streams:
-            # the highest priority the device has (torch clamps the number into the device's range): the block
-            # scheduler then places a waiting or signalling kernel of these streams as soon as an SM has room for it,
-            # not after every block of the GEMM running beside it (which held a pull back by most of the GEMM);
-            # captured steps keep the priority (torch instantiates graphs with the nodes' own priorities)
-            self._streams[key] = torch.cuda.Stream(device=self.device, priority=STREAM_PRIORITY)
+            self._streams[key] = torch.cuda.Stream(device=self.device)
         return self._streams[key]
 
     def peer_stream(self, peer: int, role: str):
