@@ -44,8 +44,9 @@ Layouts are written as factors: "1", "dp2", "dp2-ddp", "tp2", "pp2", "cp2", "tp2
 "-ovl-symm" both layers' collectives through symmetric memory (parallel.tp_overlap_impl=symmetric), "-ovl-symm-kern"
 with the GEMM + reduce-scatter by the Triton tile-storing kernel (tp_overlap_impl=symmetric-kernel), "-pK" with
 symm's reduce-scatter blocks in K runs of rows (parallel.tp_overlap_pieces, default 2), "-ksig" with symm's signals
-by torch's kernels (parallel.tp_overlap_signals=kernel; default: stream writes); a last "-graph" captures the step in a CUDA graph (train.cuda_graph) after the warm-up: "1-graph", "tp2-ovl-graph",
-"dp2-ddp-graph" (DDP: 11 eager steps first), compared with "1-graph" and "1xK-graph"). The GPUs needed are the
+by torch's kernels (parallel.tp_overlap_signals=kernel; default: stream writes); a last "-graph" captures the step
+in a CUDA graph (train.cuda_graph) after the warm-up: "1-graph", "tp2-ovl-graph", "dp2-ddp-graph" (DDP: 11 eager
+steps first), compared with "1-graph" and "1xK-graph"). The GPUs needed are the
 product of the factors; layouts needing more than this machine has are skipped with a line saying so. "1xK" runs K
 independent one-GPU trainings at once, one per GPU (ms: the slowest's step; tok/s: all K at that pace, as ranks in
 lock step would go): no communication at all, so its scaling against "1" is what sharing the host costs (CPU, memory

@@ -185,7 +185,7 @@ def _rs_inputs(x: torch.Tensor, w: torch.Tensor, ws, under=None, bias=None) -> t
     events = ws.push(handle, "rs_in", peers, put, after=start, pieces=len(runs))
     for j, (lo, m) in enumerate(runs):  # each run of rows as soon as every peer's has landed
         for p in peers:
-            ws.arrived(handle, "rs_in", p, j)
+            ws.wait(handle, "rs_in", p, j)
             out.narrow(0, lo, m).addmm_(rows_from(r, p).narrow(0, lo, m), weight_from(r, p).t())
     ws.join(events)  # the push streams joined (graph capture)
     return out
@@ -335,7 +335,7 @@ class _Gather:
             torch.cuda.current_stream().wait_event(self._pulls()[c][0])
             return self.peer_rows[self.peers.index(c)]
         if c not in self.arrived:  # the peer's push, waited for here (symmetric.push)
-            self.ws.arrived(self.handle, "ag", c)
+            self.ws.wait(self.handle, "ag", c)
             self.arrived.add(c)
         return self._slot(self.r, c)
 

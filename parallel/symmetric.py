@@ -129,7 +129,7 @@ class SymmetricWorkspace:
         """The signal-pad channel of ``piece`` of ``role``'s op on ``handle`` (CHANNELS)."""
         return CHANNELS[role] + self._handle_turn[id(handle)] * PIECES + piece
 
-    def put_signal(self, handle, role: str, peer: int, piece: int = 0) -> None:
+    def signal(self, handle, role: str, peer: int, piece: int = 0) -> None:
         """On the current stream, after its earlier work: tell ``peer`` that piece ``piece`` of this rank's data for
         the op on ``handle`` is in place."""
         channel = self._channel(handle, role, piece)
@@ -146,8 +146,10 @@ class SymmetricWorkspace:
         else:
             handle.put_signal(peer, channel=channel)
 
-    def wait_signal(self, handle, role: str, peer: int, piece: int = 0) -> None:
-        """The current stream's later work waits for ``peer``'s signal of piece ``piece`` (and clears it)."""
+    def wait(self, handle, role: str, peer: int, piece: int = 0) -> None:
+        """The current stream's later work waits for ``peer``'s signal of piece ``piece`` (and clears it): that the
+        peer's data for the op on ``handle`` is in place (in its buffer, or pushed into this rank's). Every rank
+        waits, once, for every piece a peer signals it."""
         handle.wait_signal(peer, channel=self._channel(handle, role, piece))
 
     def _signals(self) -> str:
@@ -177,9 +179,9 @@ class SymmetricWorkspace:
 
         def piece(peer, j):
             if signal_first and j == 0:
-                self.put_signal(handle, role, peer)
+                self.signal(handle, role, peer)
             if j == 0 or not signal_first:
-                self.wait_signal(handle, role, peer, j)
+                self.wait(handle, role, peer, j)
             copy(peer, j)
 
         return self._per_peer(role, peers, after, pieces, piece)
@@ -189,7 +191,7 @@ class SymmetricWorkspace:
         ``pieces``, ``put(peer, j)`` (copy-engine transfers into the peer's buffer) and tell the peer that piece j is
         in place. {peer: [event after the signal of piece j, for each j]}: ``join`` them into the current stream
         before the op returns. The peers' pieces in this rank's buffer are waited for where they are used, on the
-        current stream (``arrived``): the waiting kernel follows the GEMM before it on its stream at once, where a
+        current stream (``wait``): the waiting kernel follows the GEMM before it on its stream at once, where a
         wait queued on the transfer stream after its copy started only after the copy engine's handover (some 14 us
         in a CUDA graph). A rank puts into a peer's buffer only what the peer's op of two turns ago no longer reads
         (see the module doc: the same rule as the pulls')."""
@@ -197,7 +199,7 @@ class SymmetricWorkspace:
 
         def piece(peer, j):
             put(peer, j)
-            self.put_signal(handle, role, peer, j)
+            self.signal(handle, role, peer, j)
 
         return self._per_peer(role, peers, after, pieces, piece)
 
@@ -217,15 +219,6 @@ class SymmetricWorkspace:
                     events[peer].append(event)
         return events
 
-    def arrived(self, handle, role: str, peer: int, piece: int = 0) -> None:
-        """The current stream waits until ``peer``'s piece ``piece`` of the op on ``handle`` (``push``) is in this
-        rank's buffer. Every rank waits, once, for every piece its peers push it."""
-        self.wait_signal(handle, role, peer, piece)
-
-    def signal(self, handle, role: str, peer: int) -> None:
-        """Tell ``peer`` (on the current stream, after the work queued on it) that its data is in this buffer."""
-        self.put_signal(handle, role, peer)
-
     def signal_aside(self, handle, role: str, peer: int, piece: int = 0) -> None:
         """``signal``, sent from the role's signal stream once the work queued so far on the current stream is done:
         the current stream goes on at once (a signal kernel takes a round trip over NVLink, and a stream signal's
@@ -235,16 +228,12 @@ class SymmetricWorkspace:
         stream = self._stream(("signals", role))
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self.put_signal(handle, role, peer, piece)
+            self.signal(handle, role, peer, piece)
 
     def settle(self, role: str) -> None:
         """The current stream waits for every signal ``signal_aside`` sent for ``role`` (for graph capture: every
         stream forked from the captured one joins it again)."""
         torch.cuda.current_stream().wait_stream(self._stream(("signals", role)))
-
-    def wait(self, handle, role: str, peer: int) -> None:
-        """The current stream waits for ``peer``'s signal (its data is in this rank's buffer)."""
-        self.wait_signal(handle, role, peer)
 
     @staticmethod
     def join(events: dict) -> None:
