@@ -22,8 +22,15 @@ Providers:
 - megakern-partials, megakern-inputs (gemm+rs): the same with the route named (rs_route), whatever it moves;
 - megakern-ksig: the same with the ranks signalling each other by torch's signal kernels (signals "kernel")
   instead of stream memory operations;
+- megakern-direct (gemm+rs; fwd+bwd for ag+gemm, whose backward is one): the GEMM + reduce-scatter by cuBLAS GEMMs
+  storing the peers' blocks straight into their buffers (rs_impl "direct");
+- megakern-push (fwd+bwd): the all-gathers that keep their shards for dW (the forward's, when the weight needs a
+  gradient) pushing them into the peers' buffers instead of staging them to be pulled (gather "push"); its fwd
+  rows time the same ops as megakern's (no gradient, nothing kept);
 - megakern-kernel (gemm+rs): the workspace's other GEMM + reduce-scatter, the Triton GEMM storing its tiles into
   the owners' buffers (megakern.gemm_scatter).
+The workspace defers the joins of transfers whose sources outlive the op, as a ParallelModel's does; each graph
+flushes them.
 Modes: fwd (the op), fwd-graph (the op captured in a CUDA graph, two calls a replay, as a CUDA-graph training step
 runs it: no host launch overhead), and fwd+bwd / fwd+bwd-graph for unfused and the megakern providers (the op and
 its gradients: dX by the transposed op, dW; eager and graphed).
@@ -55,7 +62,8 @@ else:  # python benchmarks/bench_tp_overlap.py
 # megakern with workspace settings other than the defaults (rs_pieces 2, rs_route "auto")
 VARIANTS = {"megakern-p1": {"rs_pieces": 1}, "megakern-p4": {"rs_pieces": 4},
             "megakern-partials": {"rs_route": "partials"}, "megakern-inputs": {"rs_route": "inputs"},
-            "megakern-ksig": {"signals": "kernel"}}
+            "megakern-ksig": {"signals": "kernel"}, "megakern-direct": {"rs_impl": "direct"},
+            "megakern-push": {"gather": "push"}}
 PROVIDERS = ("gemm", "unfused", "torch-symm", "megakern", *VARIANTS, "megakern-kernel")
 OPS = ("ag+gemm", "gemm+rs")
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -159,6 +167,8 @@ def _graphed(fn, ws):
     with torch.cuda.graph(graph):
         fn()
         fn()
+        if ws is not None:  # the transfers whose joins the workspace deferred (defer_joins), as end_step would
+            ws.flush()
     return graph.replay
 
 
@@ -172,6 +182,7 @@ def _rank(rank: int, tp: int, port: int, args, queue) -> None:
         from megakern.parallel.symmetric import SymmetricWorkspace
 
         ws = SymmetricWorkspace(group, device)
+        ws.defer_joins = True  # as a ParallelModel's workspace; the graphs flush
         try:
             from torch.distributed import _symmetric_memory as symm_mem
 

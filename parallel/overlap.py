@@ -74,7 +74,7 @@ from megakern.gemm_scatter import reduce_own, scatter_partials
 from megakern.linear import bias_grad
 from megakern.parallel.mappings import (gather_from_sp, group_rank, group_size, token_rows, token_shard_shape,
                                         token_whole_shape)
-from megakern.parallel.symmetric import ROUTES
+from megakern.parallel.symmetric import GATHERS, ROUTES, RS_IMPLS
 
 
 def _peers(group) -> tuple[int, int, int, int]:
@@ -118,19 +118,24 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 # ---- symmetric memory ------------------------------------------------------------------------------------------
 # The ops below take row matrices: a token shard's rows (S, K), or the whole sequence's (n * S, K) with rank c's
 # shard in rows [c * S, (c + 1) * S) (mappings' token shards of a contiguous tensor, flattened).
-def _rs_symm(x: torch.Tensor, w: torch.Tensor, ws, under=None, bias=None) -> torch.Tensor:
+def _rs_symm(x: torch.Tensor, w: torch.Tensor, ws, under=None, bias=None, sources_kept: bool = False) -> torch.Tensor:
     """This rank's row block of sum over ranks (x @ w^T), by the workspace's ``rs_impl``: "kernel" (the GEMM
     stores the peers' blocks straight into their buffers, then the own block's GEMM adds what the peers left here)
     or "copy" (cuBLAS GEMMs, copy-engine pulls, the own block's GEMMs adding what was pulled). ``under()``: more
     work for the current stream, queued while the peers' blocks are in flight (after the peers' blocks' GEMMs,
-    before waiting for the pulls). ``bias`` (N,): added once, to this rank's block."""
+    before waiting for the pulls). ``bias`` (N,): added once, to this rank's block. ``sources_kept``: ``x`` and ``w``
+    outlive the op (saved for the backward), so transfers reading them may be joined later (``ws.join_later``)."""
+    if ws.rs_impl not in RS_IMPLS:
+        raise ValueError(f"gemm_reduce_scatter: unknown rs_impl {ws.rs_impl!r} (known: {', '.join(RS_IMPLS)})")
     if ws.rs_impl == "kernel":
         out = _rs_kernel(x, w, ws)
         if under is not None:
             under()
         return out if bias is None else out.add_(bias)
     if rs_route(x.shape[0] // ws.size, x.shape[1], w.shape[0], ws.rs_route) == "inputs":
-        return _rs_inputs(x, w, ws, under, bias)
+        return _rs_inputs(x, w, ws, under, bias, sources_kept)
+    if ws.rs_impl == "direct":
+        return _rs_direct(x, w, ws, under, bias)
     return _rs_copy(x, w, ws, under, bias)
 
 
@@ -147,7 +152,7 @@ def rs_route(rows: int, k: int, n: int, route: str = "auto") -> str:
     return "inputs" if k * (rows + n) < rows * n else "partials"
 
 
-def _rs_inputs(x: torch.Tensor, w: torch.Tensor, ws, under=None, bias=None) -> torch.Tensor:
+def _rs_inputs(x: torch.Tensor, w: torch.Tensor, ws, under=None, bias=None, sources_kept: bool = False) -> torch.Tensor:
     """This rank's row block of sum over ranks (x @ w^T), computed here from the peers' inputs: every rank pushes its
     input rows of each other rank's block, and its weight, straight into that rank's buffer (copy engine, one
     stream a peer, all at once; slot r of the rows and of the weights), signalling each run of rows
@@ -187,7 +192,10 @@ def _rs_inputs(x: torch.Tensor, w: torch.Tensor, ws, under=None, bias=None) -> t
         for p in peers:
             ws.wait(handle, "rs_in", p, j)
             out.narrow(0, lo, m).addmm_(rows_from(r, p).narrow(0, lo, m), weight_from(r, p).t())
-    ws.join(events)  # the push streams joined (graph capture)
+    if sources_kept:  # the push streams joined (graph capture), now or at the workspace's next flush
+        ws.join_later(events, "rs_in")
+    else:  # x or w may be freed once the op returns: the pushes reading them joined now
+        ws.join(events)
     return out
 
 
@@ -216,6 +224,50 @@ def _row_runs(rows: int, pieces: int) -> list[tuple[int, int]]:
     pieces = max(1, min(pieces, rows))
     bounds = [rows * j // pieces for j in range(pieces + 1)]
     return [(lo, hi - lo) for lo, hi in zip(bounds, bounds[1:])]
+
+
+def _rs_direct(x: torch.Tensor, w: torch.Tensor, ws, under=None, bias=None) -> torch.Tensor:
+    """This rank's row block of sum over ranks (x @ w^T). Each peer's block is computed by cuBLAS straight into slot
+    r of that peer's buffer (the GEMM's stores go over NVLink), in ``ws.rs_pieces`` runs of rows, each run signalled
+    to the peer as soon as its GEMM is done (from a side stream, as ``_rs_copy``'s); the own block comes last, run by
+    run: each run's GEMM adds (beta 1) the peers' partial sums found in this rank's slots, as soon as they are
+    signalled (waited for on the current stream). No copy engine, no transfer stream, no pull to wait for: what
+    stays exposed is the own block's last run waiting for the peers' last. ``bias`` is added once: rank r puts it
+    into block r + 1, its first GEMM.
+
+    A rank stores into a peer's slot of the turn used two ops ago only after the op in between, whose signals the
+    peer sent after finishing its own block of the op before (the same rule as the pulls', symmetric.py). The own
+    block's waits are queued after every peer block's GEMM (see _rs_copy on launch order)."""
+    n, r = ws.size, ws.rank
+    xs = x.chunk(n)
+    shape = [xs[0].shape[0], w.shape[0]]
+    numel = math.prod(shape)
+    runs = _row_runs(shape[0], ws.rs_pieces)
+    handle = ws.buffer("rs", n * numel * x.element_size())  # slot p of rank q's buffer: p's partial sum of block q
+    for step in range(1, n):
+        c = (r + step) % n
+        slot = handle.get_buffer(c, shape, x.dtype, r * numel)
+        for j, (lo, m) in enumerate(runs):
+            _mm_into(xs[c].narrow(0, lo, m), w, slot.narrow(0, lo, m), bias if step == 1 else None)
+            ws.signal_aside(handle, "rs", c, piece=j)
+    if under is not None:
+        under()
+    peers = [(r - step) % n for step in range(1, n)]
+    slots = [handle.get_buffer(r, shape, x.dtype, p * numel) for p in peers]
+    out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    for j, (lo, m) in enumerate(runs):
+        for p in peers:
+            ws.wait(handle, "rs", p, j)
+        acc = out.narrow(0, lo, m)
+        if n == 2:  # the peer's partial sum is the GEMM's addend (beta 1): read once, no summing pass
+            torch.addmm(slots[0].narrow(0, lo, m), xs[r].narrow(0, lo, m), w.t(), out=acc)
+            continue
+        torch.add(slots[0].narrow(0, lo, m), slots[1].narrow(0, lo, m), out=acc)
+        for slot in slots[2:]:
+            acc.add_(slot.narrow(0, lo, m))
+        acc.addmm_(xs[r].narrow(0, lo, m), w.t())
+    ws.settle("rs")
+    return out
 
 
 def _rs_copy(x: torch.Tensor, w: torch.Tensor, ws, under=None, bias=None) -> torch.Tensor:
@@ -292,18 +344,22 @@ class _Gather:
     def __init__(self, shard: torch.Tensor, ws, keep: bool = True):
         n, r = ws.size, ws.rank
         self.n, self.r, self.shard, self.len, self.ws, self.keep = n, r, shard, shard.shape[0], ws, keep
+        if ws.gather not in GATHERS:
+            raise ValueError(f"all_gather_gemm: unknown gather {ws.gather!r} (known: {', '.join(GATHERS)})")
+        self.pushed = not keep or ws.gather == "push"  # else pulled
         self.slot_shape = list(shard.shape)
         self.handle = ws.buffer("ag", n * shard.numel() * shard.element_size())
         self.peers = [(r - step) % n for step in range(1, n)]
         self.events = None
         self.arrived: set[int] = set()  # the peers whose pushed shards the current stream has waited for
         if keep:
-            self.handle.get_buffer(r, self.slot_shape, shard.dtype, r * shard.numel()).copy_(shard)
-            # (a copy beside the own shard's GEMM, off this stream, takes SMs from it: slower where measured)
+            if not self.pushed:
+                self.handle.get_buffer(r, self.slot_shape, shard.dtype, r * shard.numel()).copy_(shard)
+                # (a copy beside the own shard's GEMM, off this stream, takes SMs from it: slower where measured)
             self.peer_rows = torch.empty([n - 1, *self.slot_shape], dtype=shard.dtype, device=shard.device)
         self.start = torch.cuda.Event()
         self.start.record()
-        if not keep:
+        if self.pushed:
             self.events = self._pushes()
 
     def _slot(self, owner: int, c: int) -> torch.Tensor:
@@ -331,19 +387,26 @@ class _Gather:
     def chunk(self, c: int) -> torch.Tensor:
         if c == self.r:
             return self.shard
-        if self.keep:
+        if not self.pushed:
             torch.cuda.current_stream().wait_event(self._pulls()[c][0])
             return self.peer_rows[self.peers.index(c)]
         if c not in self.arrived:  # the peer's push, waited for here (symmetric.push)
             self.ws.wait(self.handle, "ag", c)
             self.arrived.add(c)
-        return self._slot(self.r, c)
+            if self.keep:  # out of the buffer, which a later op reuses, into the rows kept for the backward
+                self.peer_rows[self.peers.index(c)].copy_(self._slot(self.r, c))
+        return self.peer_rows[self.peers.index(c)] if self.keep else self._slot(self.r, c)
 
     def join(self) -> None:
-        if not self.keep:  # every pushed shard waited for once, as the peers' signals each expect
-            for c in self.peers:
-                self.chunk(c)
-        self.ws.join(self._pulls())  # every transfer done (and their streams joined, for graph capture)
+        if not self.pushed:
+            self.ws.join(self._pulls())  # every transfer done (and their streams joined, for graph capture)
+            return
+        for c in self.peers:  # every pushed shard waited for once, as the peers' signals each expect
+            self.chunk(c)
+        if self.keep:  # the shard pushed is kept for the backward: its pushes may be joined later
+            self.ws.join_later(self.events, "ag")
+        else:
+            self.ws.join(self.events)
 
 
 def _gathered_gemm(gather: _Gather, w: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -387,8 +450,9 @@ class _SymmGemmReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, ws):
         dtype, w = _save(ctx, x, weight, bias, ws)
-        with torch.autocast(x.device.type, enabled=False):
-            return _rs_symm(x.to(dtype), w, ws, bias=None if bias is None else bias.to(dtype))
+        with torch.autocast(x.device.type, enabled=False):  # x and w saved: transfers reading them joined later
+            return _rs_symm(x.to(dtype), w, ws, bias=None if bias is None else bias.to(dtype),
+                            sources_kept=x.dtype == dtype)
 
     @staticmethod
     def backward(ctx, grad):

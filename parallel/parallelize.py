@@ -55,10 +55,14 @@ from megakern.parallel.pipeline import PipelineChunk, build_schedule, check_sche
 from megakern.parallel.rng import RNGTracker
 from megakern.parallel.state_dict import as_global, checkpoint_mesh, group_hparams, init_optimizer_state
 from megakern.parallel.overlap import all_gather_gemm, gemm_reduce_scatter
+from megakern.parallel.symmetric import GATHERS as SYMMETRIC_GATHERS
 from megakern.parallel.symmetric import PIECES as SYMMETRIC_PIECES
 from megakern.parallel.symmetric import SIGNALS as SYMMETRIC_SIGNALS
 from megakern.parallel.symmetric import SymmetricWorkspace, symmetric_memory_usable
 from megakern.parallel.tensor_parallel import apply_tensor_parallel
+
+# tp_overlap_impl -> the SymmetricWorkspace's rs_impl (overlap.py: how a GEMM + reduce-scatter moves its partial sums)
+SYMMETRIC_IMPLS = {"symmetric": "copy", "symmetric-direct": "direct", "symmetric-kernel": "kernel"}
 
 IGNORE_INDEX = -100
 
@@ -158,9 +162,12 @@ class ParallelModel:
         self.tp, self.pp, self.cp, self.dp, self.ep = d.tp, d.pp, d.cp, d.dp, d.ep
         sp = options.sequence_parallel and d.tp > 1
         self.sequence_parallel = sp
-        if options.tp_overlap_impl not in ("auto", "ring", "symmetric", "symmetric-kernel"):
-            raise ValueError(f"parallelize: tp_overlap_impl must be 'auto', 'ring', 'symmetric' or "
-                             f"'symmetric-kernel', got {options.tp_overlap_impl!r}")
+        if options.tp_overlap_impl not in ("auto", "ring", *SYMMETRIC_IMPLS):
+            raise ValueError(f"parallelize: tp_overlap_impl must be 'auto', 'ring', "
+                             f"{', '.join(repr(i) for i in SYMMETRIC_IMPLS)}, got {options.tp_overlap_impl!r}")
+        if options.tp_overlap_gather not in SYMMETRIC_GATHERS:
+            raise ValueError(f"parallelize: tp_overlap_gather must be one of {', '.join(SYMMETRIC_GATHERS)}, got "
+                             f"{options.tp_overlap_gather!r}")
         if not isinstance(options.tp_overlap_pieces, int) or not 1 <= options.tp_overlap_pieces <= SYMMETRIC_PIECES:
             raise ValueError(f"parallelize: tp_overlap_pieces must be an integer from 1 to {SYMMETRIC_PIECES}, got "
                              f"{options.tp_overlap_pieces!r}")
@@ -237,12 +244,14 @@ class ParallelModel:
         self.tp_workspace = None
         gemm_reduce = gather_gemm = None
         if overlap:
-            if overlap_impl in ("symmetric", "symmetric-kernel"):
+            if overlap_impl in SYMMETRIC_IMPLS:
                 if symmetric_problem:
                     raise ValueError(f"parallelize: tp_overlap_impl={overlap_impl!r} cannot run here: "
                                      f"{symmetric_problem}; use tp_overlap_impl='ring'")
                 self.tp_workspace = SymmetricWorkspace(pm.tp_group, pm.device)
-                self.tp_workspace.rs_impl = "kernel" if overlap_impl == "symmetric-kernel" else "copy"
+                self.tp_workspace.rs_impl = SYMMETRIC_IMPLS[overlap_impl]
+                self.tp_workspace.gather = options.tp_overlap_gather
+                self.tp_workspace.defer_joins = True  # every step ends in end_step, which joins them (flush)
                 self.tp_workspace.rs_pieces = options.tp_overlap_pieces
                 self.tp_workspace.signals = options.tp_overlap_signals
                 gather_gemm = functools.partial(all_gather_gemm, workspace=self.tp_workspace)

@@ -50,6 +50,16 @@ from megakern.parallel.mappings import group_rank, group_size
 PIECES = 4
 CHANNELS = {"rs": 0, "ag": 2 * PIECES, "rs_in": 4 * PIECES}
 ROUTES = ("auto", "partials", "inputs")
+# how a GEMM + reduce-scatter computes and moves the partial sums: "copy" (cuBLAS GEMMs into the own buffer, the
+# owners pull them by copy engine), "direct" (cuBLAS GEMMs storing each peer's block straight into that peer's
+# buffer over NVLink: no copy, no transfer stream), "kernel" (a Triton GEMM storing its tiles into the owners'
+# buffers); overlap.py
+RS_IMPLS = ("copy", "direct", "kernel")
+# how an all-gather whose shards outlive the op (a column layer's input, kept for dW) moves them: "pull" (each rank
+# copies its shard into its own buffer and signals; each peer pulls it by copy engine once signalled) or "push" (each
+# rank pushes its shard straight from where it is into every peer's buffer by copy engine and signals it there; the
+# peer waits for it right before the GEMM that reads it and copies it out to keep it)
+GATHERS = ("pull", "push")
 # how a rank signals a peer: "stream" (a stream memory operation sets the peer's flag: no SM taken, so the signal
 # goes out while a GEMM fills every SM) or "kernel" (torch's put_signal kernel, which starts only once an SM is
 # free). Waits are torch's wait_signal kernels either way (a stream's wait on memory ends tens of microseconds after
@@ -113,6 +123,14 @@ class SymmetricWorkspace:
         # GEMM + reduce-scatter: "copy" (cuBLAS GEMMs, copy-engine pulls added by the own block's GEMMs) or "kernel"
         # (a Triton GEMM storing its tiles into the owners' buffers); docs/parallelism.md compares them
         self.rs_impl = "copy"
+        # how an all-gather whose shards outlive the op moves them (GATHERS)
+        self.gather = "pull"
+        # the transfer and signal streams of an op whose sources outlive it joined into the current stream at the
+        # next ``flush()`` (``end_step`` calls it) instead of at the op's end: a join that waits costs the compute
+        # stream some 10 us in a CUDA graph's replay, even when the work joined is done (the consumers wait for the
+        # data by signals, not by the joins); for callers that flush before a capture ends
+        self.defer_joins = False
+        self._deferred: list = []  # streams to join at the next flush
         # runs of rows a GEMM + reduce-scatter block is computed, signalled and pulled in (1 to PIECES): a peer starts
         # pulling after the first run's GEMM, not the whole block's, and the own block adds each pulled run as it lands
         self.rs_pieces = 2
@@ -232,8 +250,33 @@ class SymmetricWorkspace:
 
     def settle(self, role: str) -> None:
         """The current stream waits for every signal ``signal_aside`` sent for ``role`` (for graph capture: every
-        stream forked from the captured one joins it again)."""
-        torch.cuda.current_stream().wait_stream(self._stream(("signals", role)))
+        stream forked from the captured one joins it again); with ``defer_joins``, at the next ``flush``."""
+        stream = self._stream(("signals", role))
+        if self.defer_joins:
+            self._defer(stream)
+        else:
+            torch.cuda.current_stream().wait_stream(stream)
+
+    def _defer(self, stream) -> None:
+        if all(stream is not s for s in self._deferred):
+            self._deferred.append(stream)
+
+    def join_later(self, events: dict, role: str) -> None:
+        """``join(events)`` of ``role``'s transfers, at the next ``flush`` with ``defer_joins`` (for transfers whose
+        sources outlive the op, and whose consumers wait for them by signals)."""
+        if not self.defer_joins:
+            self.join(events)
+            return
+        for peer in events:
+            self._defer(self.peer_stream(peer, role))
+
+    def flush(self) -> None:
+        """The current stream joins every stream whose join was deferred (``defer_joins``) since the last flush: call
+        it before a CUDA-graph capture ends (``end_step`` does)."""
+        current = torch.cuda.current_stream()
+        for stream in self._deferred:
+            current.wait_stream(stream)
+        self._deferred.clear()
 
     @staticmethod
     def join(events: dict) -> None:
@@ -290,7 +333,9 @@ class SymmetricWorkspace:
     def end_step(self) -> None:
         """Ends a training (or evaluation) step: a role used an odd number of times since the last call takes one more
         turn, a barrier alone. A step captured in a CUDA graph and replayed then still alternates the two buffers
-        across replays (its last op and the next replay's first never share one)."""
+        across replays (its last op and the next replay's first never share one). Joins the deferred streams first
+        (``flush``)."""
+        self.flush()
         for role, uses in sorted(self._uses.items()):
             if uses % 2:
                 self.barrier(self.buffer(role, 1), role)
@@ -302,3 +347,4 @@ class SymmetricWorkspace:
         self._addresses.clear()
         self._handle_turn.clear()
         self._pads.clear()
+        self._deferred.clear()
