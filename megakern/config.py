@@ -312,12 +312,10 @@ class ParallelConfig:
     memory, where it measured faster: a CUDA-graph step (train.cuda_graph) of tensor parallelism alone over NCCL
     ranks of one host; off elsewhere (eager, the fused ops' host work outweighs what they hide; beside other
     parallel dims, not yet measured). The log says which and why."""
-    tp_overlap_impl: Literal["auto", "ring", "symmetric", "symmetric-direct", "symmetric-kernel"] = "auto"
+    tp_overlap_impl: Literal["auto", "ring", "symmetric", "symmetric-kernel"] = "auto"
     """With tp_comm_overlap: 'ring', a ring of NCCL transfers behind chunked matmuls (any backend); 'symmetric',
     peer-to-peer copies through symmetric memory under the GEMMs, signalled between the ranks, for the row and the
-    column layers (NCCL ranks of one host); 'symmetric-direct', the same with each GEMM + reduce-scatter's cuBLAS
-    GEMMs storing the peers' blocks straight into their buffers over NVLink (no copy-engine pulls); 'symmetric-kernel',
-    the same with every GEMM + reduce-scatter done by a
+    column layers (NCCL ranks of one host); 'symmetric-kernel', the same with every GEMM + reduce-scatter done by a
     Triton GEMM that stores its output tiles into the owners' buffers (megakern.gemm_scatter; slower than
     'symmetric' where measured); 'auto': 'symmetric' in a CUDA-graph step where symmetric memory can be used, else
     'ring'."""
@@ -334,6 +332,10 @@ class ParallelConfig:
     'pull', each rank stages its shard in its symmetric buffer and signals, each peer pulls it by copy engine; 'push',
     each rank pushes its shard straight into every peer's buffer by copy engine, the peer waits for it right before
     the GEMM that reads it and copies it out to keep it (docs/parallelism.md)."""
+    tp_overlap_lanes: int = 1
+    """With tp_overlap_impl='symmetric*': streams (1 to 4) each transfer to or from a peer is spread over, its pieces
+    (the runs of rows of tp_overlap_pieces; a pushed all-gather cut into as many runs) copied side by side, so that
+    copy engines may move them at once (docs/parallelism.md)."""
     fsdp_param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """With dp_shard='fsdp': the dtype the blocks' parameters are all-gathered and computed in (their fp32 shards
     are what the optimizer updates; gradients are reduced in fp32); auto: bfloat16 under bf16-autocast, else

@@ -134,8 +134,6 @@ def _rs_symm(x: torch.Tensor, w: torch.Tensor, ws, under=None, bias=None, source
         return out if bias is None else out.add_(bias)
     if rs_route(x.shape[0] // ws.size, x.shape[1], w.shape[0], ws.rs_route) == "inputs":
         return _rs_inputs(x, w, ws, under, bias, sources_kept)
-    if ws.rs_impl == "direct":
-        return _rs_direct(x, w, ws, under, bias)
     return _rs_copy(x, w, ws, under, bias)
 
 
@@ -226,50 +224,6 @@ def _row_runs(rows: int, pieces: int) -> list[tuple[int, int]]:
     return [(lo, hi - lo) for lo, hi in zip(bounds, bounds[1:])]
 
 
-def _rs_direct(x: torch.Tensor, w: torch.Tensor, ws, under=None, bias=None) -> torch.Tensor:
-    """This rank's row block of sum over ranks (x @ w^T). Each peer's block is computed by cuBLAS straight into slot
-    r of that peer's buffer (the GEMM's stores go over NVLink), in ``ws.rs_pieces`` runs of rows, each run signalled
-    to the peer as soon as its GEMM is done (from a side stream, as ``_rs_copy``'s); the own block comes last, run by
-    run: each run's GEMM adds (beta 1) the peers' partial sums found in this rank's slots, as soon as they are
-    signalled (waited for on the current stream). No copy engine, no transfer stream, no pull to wait for: what
-    stays exposed is the own block's last run waiting for the peers' last. ``bias`` is added once: rank r puts it
-    into block r + 1, its first GEMM.
-
-    A rank stores into a peer's slot of the turn used two ops ago only after the op in between, whose signals the
-    peer sent after finishing its own block of the op before (the same rule as the pulls', symmetric.py). The own
-    block's waits are queued after every peer block's GEMM (see _rs_copy on launch order)."""
-    n, r = ws.size, ws.rank
-    xs = x.chunk(n)
-    shape = [xs[0].shape[0], w.shape[0]]
-    numel = math.prod(shape)
-    runs = _row_runs(shape[0], ws.rs_pieces)
-    handle = ws.buffer("rs", n * numel * x.element_size())  # slot p of rank q's buffer: p's partial sum of block q
-    for step in range(1, n):
-        c = (r + step) % n
-        slot = handle.get_buffer(c, shape, x.dtype, r * numel)
-        for j, (lo, m) in enumerate(runs):
-            _mm_into(xs[c].narrow(0, lo, m), w, slot.narrow(0, lo, m), bias if step == 1 else None)
-            ws.signal_aside(handle, "rs", c, piece=j)
-    if under is not None:
-        under()
-    peers = [(r - step) % n for step in range(1, n)]
-    slots = [handle.get_buffer(r, shape, x.dtype, p * numel) for p in peers]
-    out = torch.empty(shape, dtype=x.dtype, device=x.device)
-    for j, (lo, m) in enumerate(runs):
-        for p in peers:
-            ws.wait(handle, "rs", p, j)
-        acc = out.narrow(0, lo, m)
-        if n == 2:  # the peer's partial sum is the GEMM's addend (beta 1): read once, no summing pass
-            torch.addmm(slots[0].narrow(0, lo, m), xs[r].narrow(0, lo, m), w.t(), out=acc)
-            continue
-        torch.add(slots[0].narrow(0, lo, m), slots[1].narrow(0, lo, m), out=acc)
-        for slot in slots[2:]:
-            acc.add_(slot.narrow(0, lo, m))
-        acc.addmm_(xs[r].narrow(0, lo, m), w.t())
-    ws.settle("rs")
-    return out
-
-
 def _rs_copy(x: torch.Tensor, w: torch.Tensor, ws, under=None, bias=None) -> torch.Tensor:
     """This rank's row block of sum over ranks (x @ w^T). Each peer's block is computed into this rank's buffer in
     ``ws.rs_pieces`` runs of rows, each run signalled to the block's owner as soon as its GEMM is done; the owner
@@ -347,6 +301,7 @@ class _Gather:
         if ws.gather not in GATHERS:
             raise ValueError(f"all_gather_gemm: unknown gather {ws.gather!r} (known: {', '.join(GATHERS)})")
         self.pushed = not keep or ws.gather == "push"  # else pulled
+        self.runs = _row_runs(self.len, ws.lanes) if self.pushed else [(0, self.len)]
         self.slot_shape = list(shard.shape)
         self.handle = ws.buffer("ag", n * shard.numel() * shard.element_size())
         self.peers = [(r - step) % n for step in range(1, n)]
@@ -367,10 +322,11 @@ class _Gather:
         return self.handle.get_buffer(owner, self.slot_shape, self.shard.dtype, c * self.shard.numel())
 
     def _pushes(self) -> dict:
-        def put(p, _piece):
-            self._slot(p, self.r).copy_(self.shard)
+        def put(p, j):  # run j of the shard's rows (one run a lane of the workspace: symmetric.py)
+            lo, m = self.runs[j]
+            self._slot(p, self.r).narrow(0, lo, m).copy_(self.shard.narrow(0, lo, m))
 
-        return self.ws.push(self.handle, "ag", self.peers, put, after=self.start)
+        return self.ws.push(self.handle, "ag", self.peers, put, after=self.start, pieces=len(self.runs))
 
     def _pulls(self) -> dict:
         if self.events is None:
@@ -390,8 +346,9 @@ class _Gather:
         if not self.pushed:
             torch.cuda.current_stream().wait_event(self._pulls()[c][0])
             return self.peer_rows[self.peers.index(c)]
-        if c not in self.arrived:  # the peer's push, waited for here (symmetric.push)
-            self.ws.wait(self.handle, "ag", c)
+        if c not in self.arrived:  # the peer's push, each of its runs, waited for here (symmetric.push)
+            for j in range(len(self.runs)):
+                self.ws.wait(self.handle, "ag", c, j)
             self.arrived.add(c)
             if self.keep:  # out of the buffer, which a later op reuses, into the rows kept for the backward
                 self.peer_rows[self.peers.index(c)].copy_(self._slot(self.r, c))

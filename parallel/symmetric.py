@@ -51,10 +51,8 @@ PIECES = 4
 CHANNELS = {"rs": 0, "ag": 2 * PIECES, "rs_in": 4 * PIECES}
 ROUTES = ("auto", "partials", "inputs")
 # how a GEMM + reduce-scatter computes and moves the partial sums: "copy" (cuBLAS GEMMs into the own buffer, the
-# owners pull them by copy engine), "direct" (cuBLAS GEMMs storing each peer's block straight into that peer's
-# buffer over NVLink: no copy, no transfer stream), "kernel" (a Triton GEMM storing its tiles into the owners'
-# buffers); overlap.py
-RS_IMPLS = ("copy", "direct", "kernel")
+# owners pull them by copy engine), "kernel" (a Triton GEMM storing its tiles into the owners' buffers); overlap.py
+RS_IMPLS = ("copy", "kernel")
 # how an all-gather whose shards outlive the op (a column layer's input, kept for dW) moves them: "pull" (each rank
 # copies its shard into its own buffer and signals; each peer pulls it by copy engine once signalled) or "push" (each
 # rank pushes its shard straight from where it is into every peer's buffer by copy engine and signals it there; the
@@ -130,6 +128,10 @@ class SymmetricWorkspace:
         # stream some 10 us in a CUDA graph's replay, even when the work joined is done (the consumers wait for the
         # data by signals, not by the joins); for callers that flush before a capture ends
         self.defer_joins = False
+        # streams a transfer to or from one peer is spread over: piece j of it on lane j % lanes, each lane forked
+        # from the current stream (concurrent copies may run on separate copy engines); a pushed all-gather is cut
+        # into that many pieces (1 to PIECES)
+        self.lanes = 1
         self._deferred: list = []  # streams to join at the next flush
         # runs of rows a GEMM + reduce-scatter block is computed, signalled and pulled in (1 to PIECES): a peer starts
         # pulling after the first run's GEMM, not the whole block's, and the own block adds each pulled run as it lands
@@ -182,10 +184,15 @@ class SymmetricWorkspace:
             self._streams[key] = torch.cuda.Stream(device=self.device)
         return self._streams[key]
 
-    def peer_stream(self, peer: int, role: str):
-        """The stream that moves ``role``'s data from ``peer`` while the current stream computes (one per peer and
-        role: a column layer's backward gathers its input while its reduce-scatter's pulls are in flight)."""
-        return self._stream((peer, role))
+    def peer_stream(self, peer: int, role: str, lane: int = 0):
+        """The stream that moves ``role``'s data from ``peer`` while the current stream computes (one per peer, role
+        and lane: a column layer's backward gathers its input while its reduce-scatter's pulls are in flight)."""
+        return self._stream((peer, role) if lane == 0 else (peer, role, lane))
+
+    def _lanes(self, pieces: int) -> int:
+        if not isinstance(self.lanes, int) or not 1 <= self.lanes <= PIECES:
+            raise ValueError(f"SymmetricWorkspace: lanes must be an integer from 1 to {PIECES}, got {self.lanes!r}")
+        return min(self.lanes, pieces)
 
     def pull(self, handle, role: str, peers: list[int], copy, signal_first: bool, after, pieces: int = 1) -> dict:
         """For each of ``peers``, on its own stream forked from the current one at event ``after``: for each piece j <
@@ -202,7 +209,8 @@ class SymmetricWorkspace:
                 self.wait(handle, role, peer, j)
             copy(peer, j)
 
-        return self._per_peer(role, peers, after, pieces, piece)
+        # with signal_first, the pieces after the first follow its wait on one stream
+        return self._per_peer(role, peers, after, pieces, piece, lanes=1 if signal_first else None)
 
     def push(self, handle, role: str, peers: list[int], put, after, pieces: int = 1) -> dict:
         """For each of ``peers``, on its own stream forked from the current one at event ``after``: for each piece j <
@@ -221,16 +229,19 @@ class SymmetricWorkspace:
 
         return self._per_peer(role, peers, after, pieces, piece)
 
-    def _per_peer(self, role: str, peers: list[int], after, pieces: int, piece) -> dict:
-        """For each of ``peers``, on its own stream (``peer_stream``) forked from the current one at event ``after``:
-        ``piece(peer, j)`` for each j < ``pieces``, an event recorded after each. {peer: [those events]}."""
-        events = {}
+    def _per_peer(self, role: str, peers: list[int], after, pieces: int, piece, lanes: int | None = None) -> dict:
+        """For each of ``peers``, on its own streams (``peer_stream``, piece j on lane j % ``lanes``) forked from the
+        current one at event ``after``: ``piece(peer, j)`` for each j < ``pieces``, an event recorded after each.
+        {peer: [those events]}. ``lanes``: instead of the workspace's."""
+        events, lanes = {}, self._lanes(pieces) if lanes is None else lanes
         for peer in peers:
-            stream = self.peer_stream(peer, role)
-            stream.wait_event(after)
+            streams = [self.peer_stream(peer, role, lane) for lane in range(lanes)]
+            for stream in streams:
+                stream.wait_event(after)
             events[peer] = []
-            with torch.cuda.stream(stream):
-                for j in range(pieces):
+            for j in range(pieces):
+                stream = streams[j % lanes]
+                with torch.cuda.stream(stream):
                     piece(peer, j)
                     event = torch.cuda.Event()
                     event.record(stream)
@@ -267,8 +278,9 @@ class SymmetricWorkspace:
         if not self.defer_joins:
             self.join(events)
             return
-        for peer in events:
-            self._defer(self.peer_stream(peer, role))
+        for peer, per_piece in events.items():
+            for lane in range(self._lanes(len(per_piece))):
+                self._defer(self.peer_stream(peer, role, lane))
 
     def flush(self) -> None:
         """The current stream joins every stream whose join was deferred (``defer_joins``) since the last flush: call

@@ -5,9 +5,8 @@ and 4, fp32 and bf16, the sequence first or second, shards of odd length, calls 
 buffers of each role used, grown), and the ops captured in a CUDA graph and replayed on new inputs; GEMM +
 reduce-scatter by both of the workspace's implementations (the Triton kernel storing tiles into the owners' buffers,
 and cuBLAS + copy-engine pulls, its blocks whole or in 3 or 4 runs of rows: 37-row shards cut unequally; or by the
-peers' inputs and weights pushed, forced, and where the "auto" route takes it; or by cuBLAS GEMMs storing the peers'
-blocks straight into their buffers, "direct"); the kept all-gathers pulled (the default) and pushed; the joins at
-each op's end and deferred to end_step's flush; ranks signalling each other by stream memory operations (the
+peers' inputs and weights pushed, forced, and where the "auto" route takes it); the kept all-gathers pulled (the default) and pushed; the joins at
+each op's end and deferred to end_step's flush; transfers over 1 to 3 streams a peer (lanes); ranks signalling each other by stream memory operations (the
 default) and by torch's signal kernels."""
 import pytest
 import torch
@@ -34,7 +33,8 @@ def _setup(rank, world, port, rs_impl="kernel"):
 
     ws = SymmetricWorkspace(dist.group.WORLD, torch.device("cuda", rank))
     # options after ":", comma-separated: a signal method ("copy:kernel": torch's signal kernels instead of stream
-    # signals), a gather ("push": the kept all-gathers pushed), "defer" (the joins deferred to end_step's flush)
+    # signals), a gather ("push": the kept all-gathers pushed), "defer" (the joins deferred to end_step's flush),
+    # "lK" (lanes)
     rs_impl, _, options = rs_impl.partition(":")
     options = [o for o in options.split(",") if o]
     for option in options:
@@ -44,6 +44,8 @@ def _setup(rank, world, port, rs_impl="kernel"):
             ws.gather = option
         elif option == "defer":
             ws.defer_joins = True
+        elif option.startswith("l"):  # "l3": each transfer's pieces over 3 streams a peer (a push gathered in 3 runs)
+            ws.lanes = int(option[1:])
         else:
             raise ValueError(option)
     if not set(options) & set(SIGNALS):  # the default where the driver has stream writes (every CUDA machine here)
@@ -51,7 +53,6 @@ def _setup(rank, world, port, rs_impl="kernel"):
 
         assert ws.signals == "stream", f"signals {ws.signals!r}: {stream_memops.unavailable()}"
     impl, _, pieces = rs_impl.partition("-p")  # "copy-p3": cuBLAS + pulls, each block in 3 runs of rows
-    # ("direct-p3": cuBLAS storing each peer's block into its buffer, in 3 runs)
     if impl == "inputs":  # cuBLAS + pulls of the peers' inputs and weights, every GEMM + reduce-scatter
         impl, ws.rs_route = "copy", "inputs"
     ws.rs_impl = impl
@@ -211,8 +212,8 @@ def _worlds():
 
 @pytest.mark.skipif(DEVICES < 2, reason=f"needs 2 CUDA devices, this machine has {DEVICES}")
 @pytest.mark.parametrize("rs_impl", ["kernel", "copy", "copy-p1", "copy-p3", "inputs", "inputs-p3", "copy-p3:kernel",
-                                     "inputs:kernel", "direct", "direct-p3", "direct-p1:push", "copy:push,defer",
-                                     "direct-p3:push,defer,kernel", "inputs:defer"])
+                                     "inputs:kernel", "copy-p1:push", "copy:push,defer", "copy-p3:push,defer,kernel",
+                                     "inputs:defer", "copy-p3:push,l3", "inputs-p3:l2,defer", "copy:l2"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_fused_ops_match_fp64(world, rs_impl):
     if world > DEVICES:
@@ -229,8 +230,8 @@ def test_fused_ops_match_fp64(world, rs_impl):
 
 
 @pytest.mark.skipif(DEVICES < 2, reason=f"needs 2 CUDA devices, this machine has {DEVICES}")
-@pytest.mark.parametrize("rs_impl", ["kernel", "copy", "inputs", "copy:kernel", "direct:push,defer",
-                                     "copy:push,defer", "inputs:defer", "direct-p3:kernel"])
+@pytest.mark.parametrize("rs_impl", ["kernel", "copy", "inputs", "copy:kernel", "copy:push,defer", "inputs:defer",
+                                     "copy:push,defer,l2", "inputs-p3:l3"])
 def test_fused_ops_in_a_cuda_graph(rs_impl):
     results = spawn(_graph_check, [0, 1], 2, free_port(), rs_impl, timeout=600)
     for rank, diffs in results.items():
