@@ -42,9 +42,8 @@ hidden = (step(layout) - step(layout-ovl)) / those collectives, clipped to [0, 1
 Layouts are written as factors: "1", "dp2", "dp2-ddp", "tp2", "pp2", "cp2", "tp2.dp2", "tp2.pp2", "dp4-ddp-zero1", ...
 (dp defaults to FSDP; "-ovl" overlaps the row-parallel layers' reduce-scatter with their matmuls, e.g. "tp2-ovl",
 "-ovl-symm" both layers' collectives through symmetric memory (parallel.tp_overlap_impl=symmetric), "-ovl-symm-kern"
-with the GEMM + reduce-scatter by the Triton tile-storing kernel (tp_overlap_impl=symmetric-kernel), "-agp" with the
-kept all-gathers pushed (parallel.tp_overlap_gather=push), "-lK" with symm's transfers spread over K streams a peer
-(parallel.tp_overlap_lanes), "-pK" with
+with the GEMM + reduce-scatter by the Triton tile-storing kernel (tp_overlap_impl=symmetric-kernel), "-pull" with the
+kept all-gathers pulled (parallel.tp_overlap_gather=pull; default: pushed), "-pK" with
 symm's reduce-scatter blocks in K runs of rows (parallel.tp_overlap_pieces, default 2), "-ksig" with symm's signals
 by torch's kernels (parallel.tp_overlap_signals=kernel; default: stream writes); a last "-graph" captures the step
 in a CUDA graph (train.cuda_graph) after the warm-up: "1-graph", "tp2-ovl-graph", "dp2-ddp-graph" (DDP: 11 eager
@@ -112,8 +111,7 @@ class Layout:
     tp_overlap_impl: str = "ring"  # "-symm" (with -ovl): the row and column layers' ops through symmetric memory
     tp_overlap_pieces: int = 2  # "-pK" (with -symm): parallel.tp_overlap_pieces, each reduce-scatter block in K runs
     tp_overlap_signals: str = "stream"  # "-ksig" (with -symm): parallel.tp_overlap_signals=kernel
-    tp_overlap_gather: str = "pull"  # "-agp" (with -symm): parallel.tp_overlap_gather=push
-    tp_overlap_lanes: int = 1  # "-lK" (with -symm): parallel.tp_overlap_lanes=K
+    tp_overlap_gather: str = "push"  # "-pull" (with -symm): parallel.tp_overlap_gather=pull
     copies: int = 1  # "1xK": K independent one-GPU runs at once (the host's own scaling, no communication)
     cuda_graph: bool = False  # "-graph": the step captured in a CUDA graph after the warm-up and replayed
 
@@ -168,14 +166,10 @@ class Layout:
             raise ValueError(f"bench_parallel: layout {spec!r}: ep={ep} is carved out of dp x cp = {dp_cp} ranks and "
                              f"must divide it")
         pieces = [f for f in flags if re.fullmatch(r"p\d+", f)]
-        lanes = [f for f in flags if re.fullmatch(r"l\d+", f)]
-        unknown = set(flags) - {"ddp", "fsdp", "zero1", "ovl", "symm", "kern", "ksig", "agp"} - set(pieces) - set(lanes)
+        unknown = set(flags) - {"ddp", "fsdp", "zero1", "ovl", "symm", "kern", "ksig", "pull"} - set(pieces)
         if unknown:
             raise ValueError(f"bench_parallel: layout {spec!r}: unknown flag(s) {sorted(unknown)} (ddp, fsdp, zero1, "
-                             f"ovl, symm, kern, ksig, agp, pK, lK; and graph, last)")
-        if lanes and ("symm" not in flags or len(lanes) > 1):
-            raise ValueError(f"bench_parallel: layout {spec!r}: lK (once) spreads symm's transfers over K streams; "
-                             f"add '-symm'")
+                             f"ovl, symm, kern, ksig, pull, pK; and graph, last)")
         if pieces and ("symm" not in flags or len(pieces) > 1):
             raise ValueError(f"bench_parallel: layout {spec!r}: pK (once) cuts symm's reduce-scatter blocks in K runs; "
                              f"add '-symm'")
@@ -183,7 +177,7 @@ class Layout:
             raise ValueError(f"bench_parallel: layout {spec!r}: symm picks the overlap's implementation; add '-ovl'")
         if "ksig" in flags and "symm" not in flags:
             raise ValueError(f"bench_parallel: layout {spec!r}: ksig picks symm's signals; add '-symm'")
-        for flag, what in (("kern", "GEMM + reduce-scatter"), ("agp", "all-gather of the kept inputs")):
+        for flag, what in (("kern", "GEMM + reduce-scatter"), ("pull", "all-gather of the kept inputs")):
             if flag in flags and "symm" not in flags:
                 raise ValueError(f"bench_parallel: layout {spec!r}: {flag} picks symm's {what}; add '-symm'")
         if "ovl" in flags and sizes.get("tp", 1) < 2:
@@ -197,8 +191,7 @@ class Layout:
                    else "ring",
                    tp_overlap_pieces=int(pieces[0][1:]) if pieces else 2,
                    tp_overlap_signals="kernel" if "ksig" in flags else "stream",
-                   tp_overlap_gather="push" if "agp" in flags else "pull",
-                   tp_overlap_lanes=int(lanes[0][1:]) if lanes else 1, cuda_graph=graph, **sizes)
+                   tp_overlap_gather="pull" if "pull" in flags else "push", cuda_graph=graph, **sizes)
 
 
 def free_port() -> int:
@@ -231,8 +224,8 @@ def run_layout(layout: Layout, args, run_dir: Path, data_cache: Path) -> tuple[d
         f"parallel.zero1={str(layout.zero1).lower()}",
         f"parallel.tp_comm_overlap={str(layout.tp_comm_overlap).lower()}",
         f"parallel.tp_overlap_impl={layout.tp_overlap_impl}", f"parallel.tp_overlap_pieces={layout.tp_overlap_pieces}",
-        f"parallel.tp_overlap_signals={layout.tp_overlap_signals}", f"parallel.tp_overlap_gather={layout.tp_overlap_gather}",
-        f"parallel.tp_overlap_lanes={layout.tp_overlap_lanes}",
+        f"parallel.tp_overlap_signals={layout.tp_overlap_signals}",
+        f"parallel.tp_overlap_gather={layout.tp_overlap_gather}",
         *args.override,
     ]
     if layout.cuda_graph:
@@ -654,8 +647,8 @@ def _communication(layout: Layout, args, device, f: dict, figures: dict, results
             exposed, hidden = _hidden_share(f["ms"], figures[ref_spec]["ms"], comm)
             measured.append((comm, hidden, f"expert all-to-alls alone (ep {layout.ep}) {comm:.1f} ms; step adds "
                                            f"{exposed:.1f} ms over {ref_spec}"))
-    plain = re.sub(r"-[pl]\d+(?=-|$)", "", layout.spec.replace("-ovl", "").replace("-symm", "").replace("-kern", "")
-                   .replace("-ksig", "").replace("-agp", ""))
+    plain = re.sub(r"-p\d+(?=-|$)", "", layout.spec.replace("-ovl", "").replace("-symm", "").replace("-kern", "")
+                   .replace("-ksig", "").replace("-pull", ""))
     if layout.tp_comm_overlap and plain in figures:
         # what the ring hides: each layer's two reduce-scatters (attention and MLP output) forward and the two
         # all-gathers of their gradients backward, (micro-batch, T / cp, C) in the compute dtype; the symmetric

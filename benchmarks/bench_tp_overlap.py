@@ -22,11 +22,9 @@ Providers:
 - megakern-partials, megakern-inputs (gemm+rs): the same with the route named (rs_route), whatever it moves;
 - megakern-ksig: the same with the ranks signalling each other by torch's signal kernels (signals "kernel")
   instead of stream memory operations;
-- megakern-push (fwd+bwd): the all-gathers that keep their shards for dW (the forward's, when the weight needs a
-  gradient) pushing them into the peers' buffers instead of staging them to be pulled (gather "push"); its fwd
+- megakern-pull (fwd+bwd): the all-gathers that keep their shards for dW (the forward's, when the weight needs a
+  gradient) staging them in the own buffer for the peers to pull, instead of pushing them (gather "pull"); its fwd
   rows time the same ops as megakern's (no gradient, nothing kept);
-- megakern-l2, megakern-push-l2, -l4: the same (and the kept all-gathers pushed) with each transfer's pieces spread
-  over 2 (4) streams a peer (lanes; a pushed all-gather cut into as many runs of rows);
 - megakern-kernel (gemm+rs): the workspace's other GEMM + reduce-scatter, the Triton GEMM storing its tiles into
   the owners' buffers (megakern.gemm_scatter).
 The workspace defers the joins of transfers whose sources outlive the op, as a ParallelModel's does; each graph
@@ -62,9 +60,7 @@ else:  # python benchmarks/bench_tp_overlap.py
 # megakern with workspace settings other than the defaults (rs_pieces 2, rs_route "auto")
 VARIANTS = {"megakern-p1": {"rs_pieces": 1}, "megakern-p4": {"rs_pieces": 4},
             "megakern-partials": {"rs_route": "partials"}, "megakern-inputs": {"rs_route": "inputs"},
-            "megakern-ksig": {"signals": "kernel"}, "megakern-push": {"gather": "push"},
-            "megakern-l2": {"lanes": 2}, "megakern-push-l2": {"gather": "push", "lanes": 2},
-            "megakern-push-l4": {"gather": "push", "lanes": 4}}
+            "megakern-ksig": {"signals": "kernel"}, "megakern-pull": {"gather": "pull"}}
 PROVIDERS = ("gemm", "unfused", "torch-symm", "megakern", *VARIANTS, "megakern-kernel")
 OPS = ("ag+gemm", "gemm+rs")
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}

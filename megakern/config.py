@@ -327,15 +327,11 @@ class ParallelConfig:
     """With tp_overlap_impl='symmetric': how a rank tells a peer that data is in place: 'stream', a stream memory
     operation (no SM taken: it goes out while a GEMM fills every SM), or 'kernel', torch's put_signal kernel, which
     starts only once an SM is free (docs/parallelism.md)."""
-    tp_overlap_gather: Literal["pull", "push"] = "pull"
+    tp_overlap_gather: Literal["pull", "push"] = "push"
     """With tp_overlap_impl='symmetric*': how a column layer's all-gather moves the input shards it keeps for dW:
     'pull', each rank stages its shard in its symmetric buffer and signals, each peer pulls it by copy engine; 'push',
     each rank pushes its shard straight into every peer's buffer by copy engine, the peer waits for it right before
     the GEMM that reads it and copies it out to keep it (docs/parallelism.md)."""
-    tp_overlap_lanes: int = 1
-    """With tp_overlap_impl='symmetric*': streams (1 to 4) each transfer to or from a peer is spread over, its pieces
-    (the runs of rows of tp_overlap_pieces; a pushed all-gather cut into as many runs) copied side by side, so that
-    copy engines may move them at once (docs/parallelism.md)."""
     fsdp_param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """With dp_shard='fsdp': the dtype the blocks' parameters are all-gathered and computed in (their fp32 shards
     are what the optimizer updates; gradients are reduced in fp32); auto: bfloat16 under bf16-autocast, else

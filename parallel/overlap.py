@@ -22,18 +22,22 @@ that data is in place by signals (no barrier per op):
   peer pushes its input rows of block r and its weight into rank r's buffer, k (rows + n) elements instead of its
   rows x n partial sum, and rank r computes block r alone: its own part first, while the transfers are in flight,
   then each peer's part (beta 1) as it lands.
-- all-gather + GEMM, y = gather(x) W^T: each rank copies its shard into its own buffer and signals its peers, which
-  pull it (into ordinary memory), all peers at once, while the GEMM of the shard at hand runs: the own shard first,
-  each next one as soon as its pull has landed.
+- all-gather + GEMM, y = gather(x) W^T: each rank pushes its shard, straight from where it is, into every peer's
+  buffer by copy engine and signals it there, all peers at once, while the GEMM of the shard at hand runs: the own
+  shard first, each next one as soon as its signal has come (waited for on the current stream right before its
+  GEMM); a shard kept for dW is copied out of the buffer after its wait. (With the workspace's ``gather="pull"``
+  each rank stages its shard in its own buffer and signals, and its peers pull it into ordinary memory instead: a
+  staging copy and a signal before each transfer.)
 - The backwards are the same two ops transposed: the row layer's dX is all-gather(dY) + GEMM, its dW by shards over
-  the gathered dY (a gather whose shards die with the op: each rank pushes its shard straight into the peers' buffers,
-  no copy into its own first); the column layer's dX is GEMM + reduce-scatter, its dW by shards over the input's
-  shards pulled in the forward and kept (the unfused layer under sequence parallelism gathers its input again instead:
-  a fifth of a layer's transfers, for (n - 1) / n of the gathered input in memory), computed while dX's pulls are in
-  flight.
+  the gathered dY; the column layer's dX is GEMM + reduce-scatter, its dW by shards over the input's shards gathered
+  in the forward and kept (the unfused layer under sequence parallelism gathers its input again instead: a fifth of
+  a layer's transfers, for (n - 1) / n of the gathered input in memory), computed while dX's pulls are in flight.
 Buffers alternate between two per role, and a rank starts an op only after every peer's signal of the op before it:
 so no rank writes a buffer a peer still reads (symmetric.py). The peers' streams fork from and join the current
-stream, so the ops can be captured in CUDA graphs.
+stream, so the ops can be captured in CUDA graphs: at the op's end, or, for transfers whose sources outlive the op
+(the forward's: the input and the weight are kept for the backward) with the workspace's ``defer_joins``, at its next
+``flush`` (a ParallelModel's ``end_step``): consumers wait for data by signals, so those joins only close the graph,
+and a join on the compute stream costs some 10 us in a replay even when the work joined is done.
 
 **Everywhere else (gloo ranks on CPU, or no workspace).** GEMM + reduce-scatter is a ring of ``batch_isend_irecv``
 transfers around chunked matmuls (Megatron-LM's ring exchange); all-gather + GEMM is the unfused
@@ -279,14 +283,16 @@ def _rs_copy(x: torch.Tensor, w: torch.Tensor, ws, under=None, bias=None) -> tor
 class _Gather:
     """All-gather of the row matrix ``shard`` (S, C) over the workspace's group, in one of two ways:
 
-    - ``keep`` (the shards outlive the op, as a column layer keeps its input for dW): the own shard is copied into
-      slot r of this rank's symmetric buffer (where the peers pull it from), then each peer's shard pulled into
-      ``peer_rows`` (ordinary memory, (n - 1, S, C), the peers in ``peers`` order: r-1, r-2, ...) on that peer's
-      stream once the peer signals it in place (one contiguous copy-engine transfer a peer, all at once);
-    - otherwise each rank pushes its shard, straight from where it is, into slot r of every peer's buffer (copy
-      engine, one stream a peer) and signals it there; a peer's shard is read in this rank's own buffer, slot p, as
-      soon as the peer's signal has come, waited for on the current stream right before the GEMM that reads it (no
-      copy into the symmetric buffer first: the transfers start at once).
+    - pushed (by default): each rank pushes its shard, straight from where it is, into slot r of every peer's buffer
+      (copy engine, one stream a peer) and signals it there; a peer's shard is read in this rank's own buffer, slot
+      p, as soon as the peer's signal has come, waited for on the current stream right before the GEMM that reads it
+      (no copy into the symmetric buffer first: the transfers start at once). With ``keep`` (the shards outlive the
+      op, as a column layer keeps its input for dW) each peer's shard is copied out of the buffer, which a later op
+      reuses, into ``peer_rows`` (ordinary memory, (n - 1, S, C), the peers in ``peers`` order: r-1, r-2, ...) once
+      it has come, and read there;
+    - pulled (``keep`` with the workspace's ``gather="pull"``): the own shard is copied into slot r of this rank's
+      symmetric buffer (where the peers pull it from), then each peer's shard pulled into ``peer_rows`` on that
+      peer's stream once the peer signals it in place (one contiguous copy-engine transfer a peer, all at once).
     A rank writes a peer's buffer only after the signal of the op in between, which the peer sent once it was done
     with the op before (symmetric.py), the same rule as the pulls'. Every rank gathers the same way (``keep`` the
     same on every rank: the weight needs a gradient on all of them or on none).
@@ -301,7 +307,6 @@ class _Gather:
         if ws.gather not in GATHERS:
             raise ValueError(f"all_gather_gemm: unknown gather {ws.gather!r} (known: {', '.join(GATHERS)})")
         self.pushed = not keep or ws.gather == "push"  # else pulled
-        self.runs = _row_runs(self.len, ws.lanes) if self.pushed else [(0, self.len)]
         self.slot_shape = list(shard.shape)
         self.handle = ws.buffer("ag", n * shard.numel() * shard.element_size())
         self.peers = [(r - step) % n for step in range(1, n)]
@@ -322,11 +327,10 @@ class _Gather:
         return self.handle.get_buffer(owner, self.slot_shape, self.shard.dtype, c * self.shard.numel())
 
     def _pushes(self) -> dict:
-        def put(p, j):  # run j of the shard's rows (one run a lane of the workspace: symmetric.py)
-            lo, m = self.runs[j]
-            self._slot(p, self.r).narrow(0, lo, m).copy_(self.shard.narrow(0, lo, m))
+        def put(p, _piece):
+            self._slot(p, self.r).copy_(self.shard)
 
-        return self.ws.push(self.handle, "ag", self.peers, put, after=self.start, pieces=len(self.runs))
+        return self.ws.push(self.handle, "ag", self.peers, put, after=self.start)
 
     def _pulls(self) -> dict:
         if self.events is None:
@@ -346,9 +350,8 @@ class _Gather:
         if not self.pushed:
             torch.cuda.current_stream().wait_event(self._pulls()[c][0])
             return self.peer_rows[self.peers.index(c)]
-        if c not in self.arrived:  # the peer's push, each of its runs, waited for here (symmetric.push)
-            for j in range(len(self.runs)):
-                self.ws.wait(self.handle, "ag", c, j)
+        if c not in self.arrived:  # the peer's push, waited for here (symmetric.push)
+            self.ws.wait(self.handle, "ag", c)
             self.arrived.add(c)
             if self.keep:  # out of the buffer, which a later op reuses, into the rows kept for the backward
                 self.peer_rows[self.peers.index(c)].copy_(self._slot(self.r, c))

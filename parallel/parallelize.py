@@ -165,9 +165,6 @@ class ParallelModel:
         if options.tp_overlap_impl not in ("auto", "ring", *SYMMETRIC_IMPLS):
             raise ValueError(f"parallelize: tp_overlap_impl must be 'auto', 'ring', "
                              f"{', '.join(repr(i) for i in SYMMETRIC_IMPLS)}, got {options.tp_overlap_impl!r}")
-        if not isinstance(options.tp_overlap_lanes, int) or not 1 <= options.tp_overlap_lanes <= SYMMETRIC_PIECES:
-            raise ValueError(f"parallelize: tp_overlap_lanes must be an integer from 1 to {SYMMETRIC_PIECES}, got "
-                             f"{options.tp_overlap_lanes!r}")
         if options.tp_overlap_gather not in SYMMETRIC_GATHERS:
             raise ValueError(f"parallelize: tp_overlap_gather must be one of {', '.join(SYMMETRIC_GATHERS)}, got "
                              f"{options.tp_overlap_gather!r}")
@@ -254,7 +251,6 @@ class ParallelModel:
                 self.tp_workspace = SymmetricWorkspace(pm.tp_group, pm.device)
                 self.tp_workspace.rs_impl = SYMMETRIC_IMPLS[overlap_impl]
                 self.tp_workspace.gather = options.tp_overlap_gather
-                self.tp_workspace.lanes = options.tp_overlap_lanes
                 self.tp_workspace.defer_joins = True  # every step ends in end_step, which joins them (flush)
                 self.tp_workspace.rs_pieces = options.tp_overlap_pieces
                 self.tp_workspace.signals = options.tp_overlap_signals

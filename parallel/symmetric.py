@@ -8,7 +8,8 @@ buffer, ``push`` into it), and the signals that order them (a rank tells a peer 
 waits for it on its stream). An op of a role signals every peer and waits for every peer's signal; a rank writes a
 buffer (its own, or a peer's) of the turn used two ops ago only after the op in between, whose signals every peer
 sent after finishing the op before it: so no rank overwrites data a peer still reads, without a barrier.
-``end_step()`` keeps the turns alternating across the replays of a captured step. Buffers grow, collectively, when an
+``end_step()`` keeps the turns alternating across the replays of a captured step, and joins the transfer streams
+whose joins an op deferred (``defer_joins``: ``join_later``, ``flush``). Buffers grow, collectively, when an
 op needs more bytes than they hold; every rank of the group calls the ops in the same order with the same shapes
 (sequence parallel requires it), so every rank grows at the same call. Growing needs the host (a rendezvous over the
 group's store): it is refused with a clear error inside a CUDA-graph capture (run one eager step first, as the trainer's
@@ -121,17 +122,14 @@ class SymmetricWorkspace:
         # GEMM + reduce-scatter: "copy" (cuBLAS GEMMs, copy-engine pulls added by the own block's GEMMs) or "kernel"
         # (a Triton GEMM storing its tiles into the owners' buffers); docs/parallelism.md compares them
         self.rs_impl = "copy"
-        # how an all-gather whose shards outlive the op moves them (GATHERS)
-        self.gather = "pull"
+        # how an all-gather whose shards outlive the op moves them (GATHERS): pushed (no staging copy, no signal
+        # before the transfer; docs/results.md)
+        self.gather = "push"
         # the transfer and signal streams of an op whose sources outlive it joined into the current stream at the
         # next ``flush()`` (``end_step`` calls it) instead of at the op's end: a join that waits costs the compute
         # stream some 10 us in a CUDA graph's replay, even when the work joined is done (the consumers wait for the
         # data by signals, not by the joins); for callers that flush before a capture ends
         self.defer_joins = False
-        # streams a transfer to or from one peer is spread over: piece j of it on lane j % lanes, each lane forked
-        # from the current stream (concurrent copies may run on separate copy engines); a pushed all-gather is cut
-        # into that many pieces (1 to PIECES)
-        self.lanes = 1
         self._deferred: list = []  # streams to join at the next flush
         # runs of rows a GEMM + reduce-scatter block is computed, signalled and pulled in (1 to PIECES): a peer starts
         # pulling after the first run's GEMM, not the whole block's, and the own block adds each pulled run as it lands
@@ -184,15 +182,10 @@ class SymmetricWorkspace:
             self._streams[key] = torch.cuda.Stream(device=self.device)
         return self._streams[key]
 
-    def peer_stream(self, peer: int, role: str, lane: int = 0):
-        """The stream that moves ``role``'s data from ``peer`` while the current stream computes (one per peer, role
-        and lane: a column layer's backward gathers its input while its reduce-scatter's pulls are in flight)."""
-        return self._stream((peer, role) if lane == 0 else (peer, role, lane))
-
-    def _lanes(self, pieces: int) -> int:
-        if not isinstance(self.lanes, int) or not 1 <= self.lanes <= PIECES:
-            raise ValueError(f"SymmetricWorkspace: lanes must be an integer from 1 to {PIECES}, got {self.lanes!r}")
-        return min(self.lanes, pieces)
+    def peer_stream(self, peer: int, role: str):
+        """The stream that moves ``role``'s data from ``peer`` while the current stream computes (one per peer and
+        role: a column layer's backward gathers its input while its reduce-scatter's pulls are in flight)."""
+        return self._stream((peer, role))
 
     def pull(self, handle, role: str, peers: list[int], copy, signal_first: bool, after, pieces: int = 1) -> dict:
         """For each of ``peers``, on its own stream forked from the current one at event ``after``: for each piece j <
@@ -209,8 +202,7 @@ class SymmetricWorkspace:
                 self.wait(handle, role, peer, j)
             copy(peer, j)
 
-        # with signal_first, the pieces after the first follow its wait on one stream
-        return self._per_peer(role, peers, after, pieces, piece, lanes=1 if signal_first else None)
+        return self._per_peer(role, peers, after, pieces, piece)
 
     def push(self, handle, role: str, peers: list[int], put, after, pieces: int = 1) -> dict:
         """For each of ``peers``, on its own stream forked from the current one at event ``after``: for each piece j <
@@ -229,19 +221,16 @@ class SymmetricWorkspace:
 
         return self._per_peer(role, peers, after, pieces, piece)
 
-    def _per_peer(self, role: str, peers: list[int], after, pieces: int, piece, lanes: int | None = None) -> dict:
-        """For each of ``peers``, on its own streams (``peer_stream``, piece j on lane j % ``lanes``) forked from the
-        current one at event ``after``: ``piece(peer, j)`` for each j < ``pieces``, an event recorded after each.
-        {peer: [those events]}. ``lanes``: instead of the workspace's."""
-        events, lanes = {}, self._lanes(pieces) if lanes is None else lanes
+    def _per_peer(self, role: str, peers: list[int], after, pieces: int, piece) -> dict:
+        """For each of ``peers``, on its own stream (``peer_stream``) forked from the current one at event ``after``:
+        ``piece(peer, j)`` for each j < ``pieces``, an event recorded after each. {peer: [those events]}."""
+        events = {}
         for peer in peers:
-            streams = [self.peer_stream(peer, role, lane) for lane in range(lanes)]
-            for stream in streams:
-                stream.wait_event(after)
+            stream = self.peer_stream(peer, role)
+            stream.wait_event(after)
             events[peer] = []
-            for j in range(pieces):
-                stream = streams[j % lanes]
-                with torch.cuda.stream(stream):
+            with torch.cuda.stream(stream):
+                for j in range(pieces):
                     piece(peer, j)
                     event = torch.cuda.Event()
                     event.record(stream)
@@ -278,9 +267,8 @@ class SymmetricWorkspace:
         if not self.defer_joins:
             self.join(events)
             return
-        for peer, per_piece in events.items():
-            for lane in range(self._lanes(len(per_piece))):
-                self._defer(self.peer_stream(peer, role, lane))
+        for peer in events:
+            self._defer(self.peer_stream(peer, role))
 
     def flush(self) -> None:
         """The current stream joins every stream whose join was deferred (``defer_joins``) since the last flush: call

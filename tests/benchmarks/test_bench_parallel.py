@@ -25,14 +25,10 @@ def test_layout_specs():
     assert Layout.parse("tp2-ovl-symm-graph").tp_overlap_signals == "stream"
     with pytest.raises(ValueError, match="ksig picks symm's signals; add '-symm'"):
         Layout.parse("tp2-ovl-ksig")
-    both = Layout.parse("tp2-ovl-symm-agp-l2-graph")
-    assert (both.tp_overlap_gather, both.tp_overlap_lanes, both.cuda_graph) == ("push", 2, True)
-    plain = Layout.parse("tp2-ovl-symm-graph")
-    assert (plain.tp_overlap_gather, plain.tp_overlap_lanes) == ("pull", 1)
-    with pytest.raises(ValueError, match="agp picks symm's all-gather of the kept inputs; add '-symm'"):
-        Layout.parse("tp2-ovl-agp")
-    with pytest.raises(ValueError, match=r"lK \(once\) spreads symm's transfers over K streams"):
-        Layout.parse("tp2-ovl-l2")
+    assert Layout.parse("tp2-ovl-symm-pull-graph").tp_overlap_gather == "pull"
+    assert Layout.parse("tp2-ovl-symm-graph").tp_overlap_gather == "push"
+    with pytest.raises(ValueError, match="pull picks symm's all-gather of the kept inputs; add '-symm'"):
+        Layout.parse("tp2-ovl-pull")
     copies = Layout.parse("1x4")
     assert (copies.world, copies.copies, copies.gpus) == (1, 4, 4)
     # "-graph": the captured step; its one-GPU base is "1-graph"; DDP's reducer needs 11 eager steps first

@@ -5,9 +5,9 @@ and 4, fp32 and bf16, the sequence first or second, shards of odd length, calls 
 buffers of each role used, grown), and the ops captured in a CUDA graph and replayed on new inputs; GEMM +
 reduce-scatter by both of the workspace's implementations (the Triton kernel storing tiles into the owners' buffers,
 and cuBLAS + copy-engine pulls, its blocks whole or in 3 or 4 runs of rows: 37-row shards cut unequally; or by the
-peers' inputs and weights pushed, forced, and where the "auto" route takes it); the kept all-gathers pulled (the default) and pushed; the joins at
-each op's end and deferred to end_step's flush; transfers over 1 to 3 streams a peer (lanes); ranks signalling each other by stream memory operations (the
-default) and by torch's signal kernels."""
+peers' inputs and weights pushed, forced, and where the "auto" route takes it); the kept all-gathers pushed (the
+default) and pulled; the joins at each op's end and deferred to end_step's flush; ranks signalling each other by
+stream memory operations (the default) and by torch's signal kernels."""
 import pytest
 import torch
 from conftest import HAS_CUDA
@@ -33,8 +33,8 @@ def _setup(rank, world, port, rs_impl="kernel"):
 
     ws = SymmetricWorkspace(dist.group.WORLD, torch.device("cuda", rank))
     # options after ":", comma-separated: a signal method ("copy:kernel": torch's signal kernels instead of stream
-    # signals), a gather ("push": the kept all-gathers pushed), "defer" (the joins deferred to end_step's flush),
-    # "lK" (lanes)
+    # signals), a gather ("pull": the kept all-gathers pulled, not pushed), "defer" (the joins deferred to end_step's
+    # flush)
     rs_impl, _, options = rs_impl.partition(":")
     options = [o for o in options.split(",") if o]
     for option in options:
@@ -44,8 +44,6 @@ def _setup(rank, world, port, rs_impl="kernel"):
             ws.gather = option
         elif option == "defer":
             ws.defer_joins = True
-        elif option.startswith("l"):  # "l3": each transfer's pieces over 3 streams a peer (a push gathered in 3 runs)
-            ws.lanes = int(option[1:])
         else:
             raise ValueError(option)
     if not set(options) & set(SIGNALS):  # the default where the driver has stream writes (every CUDA machine here)
@@ -212,8 +210,8 @@ def _worlds():
 
 @pytest.mark.skipif(DEVICES < 2, reason=f"needs 2 CUDA devices, this machine has {DEVICES}")
 @pytest.mark.parametrize("rs_impl", ["kernel", "copy", "copy-p1", "copy-p3", "inputs", "inputs-p3", "copy-p3:kernel",
-                                     "inputs:kernel", "copy-p1:push", "copy:push,defer", "copy-p3:push,defer,kernel",
-                                     "inputs:defer", "copy-p3:push,l3", "inputs-p3:l2,defer", "copy:l2"])
+                                     "inputs:kernel", "copy-p1:pull", "copy:pull,defer", "copy-p3:pull,kernel",
+                                     "copy-p3:defer,kernel", "inputs:defer"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_fused_ops_match_fp64(world, rs_impl):
     if world > DEVICES:
@@ -230,8 +228,8 @@ def test_fused_ops_match_fp64(world, rs_impl):
 
 
 @pytest.mark.skipif(DEVICES < 2, reason=f"needs 2 CUDA devices, this machine has {DEVICES}")
-@pytest.mark.parametrize("rs_impl", ["kernel", "copy", "inputs", "copy:kernel", "copy:push,defer", "inputs:defer",
-                                     "copy:push,defer,l2", "inputs-p3:l3"])
+@pytest.mark.parametrize("rs_impl", ["kernel", "copy", "inputs", "copy:kernel", "copy:pull", "copy:defer",
+                                     "inputs:pull,defer"])
 def test_fused_ops_in_a_cuda_graph(rs_impl):
     results = spawn(_graph_check, [0, 1], 2, free_port(), rs_impl, timeout=600)
     for rank, diffs in results.items():

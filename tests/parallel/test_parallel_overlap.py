@@ -246,8 +246,6 @@ def test_symmetric_impl_refused_on_gloo():
         assert "tp_overlap_signals must be one of stream, kernel, got 'flag'" in message, message
     for message in pool(2).run(parallelize_error, sequence_parallel=True, tp_overlap_gather="fetch"):
         assert "tp_overlap_gather must be one of pull, push, got 'fetch'" in message, message
-    for message in pool(2).run(parallelize_error, sequence_parallel=True, tp_overlap_lanes=5):
-        assert "tp_overlap_lanes must be an integer from 1 to 4, got 5" in message, message
 
 
 @pytest.mark.parametrize("rows, k, n, want", [
