@@ -412,14 +412,8 @@ norm_bwd_staged_kernel(const T* __restrict__ x, const T* __restrict__ dy, const 
   const bool has_dw = flags & NORM_HAS_DW, has_dres_out = flags & NORM_HAS_DRES_OUT;
   const bool has_dres = flags & NORM_HAS_DRES, res_f32 = flags & NORM_RES_F32;
   const float inv_cols = 1.f / cols;
-  // [cols] dweight sums, then [cols] dbias sums (ACC_SMEM), each laid out element-major: element i of the group at
-  // column c at [i * groups + c / VEC], so that a warp's threads, which hold consecutive groups, touch consecutive
-  // banks (by column, a thread's VEC sums would sit VEC words apart from its neighbour's: VEC-way bank conflicts on
-  // every row's read-modify-write of them)
-  float* sw = reinterpret_cast<float*>(staged_smem);
+  float* sw = reinterpret_cast<float*>(staged_smem);  // [cols] dweight sums, then [cols] dbias sums (ACC_SMEM)
   float* sb = sw + cols;
-  const int groups = cols / VEC;  // (16-byte rows: cols % VEC == 0)
-  auto sum_at = [&](int c, int i) { return i * groups + c / VEC; };
   T* xs = reinterpret_cast<T*>(staged_smem + (ACC_SMEM ? (HAS_DB ? 8 : 4) * (i64)cols : 0));
   T* ds = xs + cols;
   const i64 row_step = gridDim.x;
@@ -432,8 +426,8 @@ norm_bwd_staged_kernel(const T* __restrict__ x, const T* __restrict__ dy, const 
     for (int i = 0; i < VEC; ++i) {
       if constexpr (ACC_SMEM) {
         if (c < cols) {
-          sw[sum_at(c, i)] = 0.f;
-          if constexpr (HAS_DB) sb[sum_at(c, i)] = 0.f;
+          sw[c + i] = 0.f;
+          if constexpr (HAS_DB) sb[c + i] = 0.f;
         }
       } else {
         acc_w[g][i] = 0.f;
@@ -500,8 +494,8 @@ norm_bwd_staged_kernel(const T* __restrict__ x, const T* __restrict__ dy, const 
         o[i] = rs * (gw - xh[g][i] * a - b);
         if (has_dres_out) o[i] += r[i];
         if constexpr (ACC_SMEM) {
-          sw[sum_at(c, i)] += d[g][i] * xh[g][i];
-          if constexpr (HAS_DB) sb[sum_at(c, i)] += d[g][i];
+          sw[c + i] += d[g][i] * xh[g][i];
+          if constexpr (HAS_DB) sb[c + i] += d[g][i];
         } else {
           acc_w[g][i] += d[g][i] * xh[g][i];
           if constexpr (HAS_DB) acc_b[g][i] += d[g][i];
@@ -518,14 +512,8 @@ norm_bwd_staged_kernel(const T* __restrict__ x, const T* __restrict__ dy, const 
     const int c = (g * blockDim.x + threadIdx.x) * VEC;
     if (c >= cols) continue;
     if constexpr (ACC_SMEM) {
-      float sums_w[VEC], sums_b[VEC];
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) {
-        sums_w[i] = sw[sum_at(c, i)];
-        if constexpr (HAS_DB) sums_b[i] = sb[sum_at(c, i)];
-      }
-      if (has_dw) store_n<float, VEC>(pw + c, sums_w, VEC, true);
-      if constexpr (HAS_DB) store_n<float, VEC>(pb + c, sums_b, VEC, true);
+      if (has_dw) store_n<float, VEC>(pw + c, *reinterpret_cast<const float(*)[VEC]>(sw + c), VEC, true);
+      if constexpr (HAS_DB) store_n<float, VEC>(pb + c, *reinterpret_cast<const float(*)[VEC]>(sb + c), VEC, true);
     } else {
       if (has_dw) store_n<float, VEC>(pw + c, acc_w[g], VEC, true);
       if constexpr (HAS_DB) store_n<float, VEC>(pb + c, acc_b[g], VEC, true);
