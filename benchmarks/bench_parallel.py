@@ -175,9 +175,8 @@ class Layout:
                              f"add '-symm'")
         if "symm" in flags and "ovl" not in flags:
             raise ValueError(f"bench_parallel: layout {spec!r}: symm picks the overlap's implementation; add '-ovl'")
-        if "ksig" in flags and "symm" not in flags:
-            raise ValueError(f"bench_parallel: layout {spec!r}: ksig picks symm's signals; add '-symm'")
-        for flag, what in (("kern", "GEMM + reduce-scatter"), ("pull", "all-gather of the kept inputs")):
+        for flag, what in (("kern", "GEMM + reduce-scatter"), ("ksig", "signals"),
+                           ("pull", "all-gather of the kept inputs")):
             if flag in flags and "symm" not in flags:
                 raise ValueError(f"bench_parallel: layout {spec!r}: {flag} picks symm's {what}; add '-symm'")
         if "ovl" in flags and sizes.get("tp", 1) < 2:
