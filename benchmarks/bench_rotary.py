@@ -286,11 +286,13 @@ def tune(device: torch.device, copy_gbps: float, providers: set[str] | None) -> 
             if not status["cuda"] and (not providers or "megakern-cuda" in providers):
                 path = _cuda.choose_path()
                 copy_rest = case.rd < case.hs  # out of place, as args run it
-                _, groups = _rotary_cuda.groups_per_row(case.hs, case.rd, dtype, copy_rest)
                 heads, tokens = case.nh + case.nkv, case.b * case.t
-                narrow = not _rotary_cuda.whole_chunks(case.hs, case.rd, dtype, copy_rest)
+                rows = _rotary_cuda.staged_rows(case.hs, case.rd, dtype, copy_rest)
+                groups, narrow = _rotary_cuda.work_units(case.hs, case.rd, dtype, copy_rest, rows)
                 default = _rotary_cuda.launch_config(heads, groups, tokens=tokens, narrow=narrow)
                 for threads in (128, 256):
+                    if rows and not _rotary_cuda.staged_rows(case.hs, case.rd, dtype, copy_rest, threads):
+                        continue
                     for items in _rotary_cuda.ITEMS:
                         auto = _rotary_cuda.launch_config(heads, groups, threads, items, tokens=tokens,
                                                           narrow=narrow).head_runs

@@ -14,8 +14,8 @@ import torch
 from megakern import _cuda
 
 # Flag bits, mirrored from csrc/rotary/rotary.h.
-VECTORIZED, CONJ, COPY_REST, POS_IDS, POS_I64, CU_SEQLENS, OFFSETS, OFFSETS_I64, WHOLE_CHUNKS = \
-    1, 2, 4, 8, 16, 32, 64, 128, 256
+VECTORIZED, CONJ, COPY_REST, POS_IDS, POS_I64, CU_SEQLENS, OFFSETS, OFFSETS_I64, WHOLE_CHUNKS, ROWS = \
+    1, 2, 4, 8, 16, 32, 64, 128, 256, 512
 MAX_TOKENS, MAX_THREADS = 256, 256  # ROTARY_MAX_TOKENS, ROTARY_MAX_THREADS
 ITEMS = (1, 2, 4)  # the instances compiled
 
@@ -66,12 +66,16 @@ def launch_config(heads: int, groups: int, threads: Optional[int] = None, items:
     return LaunchConfig(threads, items, per_block, math.ceil(heads / per_run))
 
 
-IO_MODES = (0, 1, 2)  # element by element; aligned rows, each chunk as wide as its column allows; whole 16-byte chunks
+# element by element; aligned rows, each chunk as wide as its column allows; whole 16-byte chunks; rows of whole
+# chunks staged in shared memory
+IO_MODES = (0, 1, 2, 3)
 
 
 def io_mode(flags: int) -> int:
     """The kernel instance's IO template argument for a launch's flags."""
-    return (2 if flags & WHOLE_CHUNKS else 1) if flags & VECTORIZED else 0
+    if not flags & VECTORIZED:
+        return 0
+    return 2 if flags & WHOLE_CHUNKS else 3 if flags & ROWS else 1
 
 
 def kernel_name(dtype: torch.dtype, table_f32: bool, interleaved: bool, io: int, items: int) -> str:
@@ -96,6 +100,30 @@ def whole_chunks(head_dim: int, rotary_dim: int, dtype: torch.dtype, copy_rest: 
     alone; otherwise the launch is ``narrow``)."""
     vec = _VEC[dtype]
     return rotary_dim // 2 % vec == 0 and (not copy_rest or (head_dim - rotary_dim) % (2 * vec) == 0)
+
+
+def row_chunks(head_dim: int, rotary_dim: int, dtype: torch.dtype, copy_rest: bool) -> int:
+    """16-byte chunks of a row that the staged-rows instance (IO 3) gives a thread each: the whole row when the
+    features past rotary_dim are copied, else those holding the rotary part."""
+    vec = _VEC[dtype]
+    return head_dim // vec if copy_rest else math.ceil(rotary_dim / vec)
+
+
+def staged_rows(head_dim: int, rotary_dim: int, dtype: torch.dtype, copy_rest: bool,
+                threads: int = DEFAULT_THREADS) -> bool:
+    """On 16-byte aligned rows that are not whole groups: rows of whole chunks, few enough for a block to hold a
+    row's chunks (the staged-rows instance), rather than the narrow per-chunk transactions."""
+    return (head_dim % _VEC[dtype] == 0 and not whole_chunks(head_dim, rotary_dim, dtype, copy_rest)
+            and row_chunks(head_dim, rotary_dim, dtype, copy_rest) <= threads)
+
+
+def work_units(head_dim: int, rotary_dim: int, dtype: torch.dtype, copy_rest: bool, rows: bool) -> tuple[int, bool]:
+    """(a token's items per head, narrow) for ``launch_config``: the staged-rows instance takes a thread per chunk
+    of a row; the others a thread per group, narrow where some group is not whole chunks."""
+    if rows:
+        return row_chunks(head_dim, rotary_dim, dtype, copy_rest), False
+    return groups_per_row(head_dim, rotary_dim, dtype, copy_rest)[1], not whole_chunks(head_dim, rotary_dim, dtype,
+                                                                                          copy_rest)
 
 
 def groups_per_row(head_dim: int, rotary_dim: int, dtype: torch.dtype, copy_rest: bool) -> tuple[int, int]:
@@ -155,8 +183,14 @@ def fwd(q, k, q_out, k_out, cos, sin, position_ids, cu_seqlens, offsets, offset:
         flags |= VECTORIZED
         if whole_chunks(hs, rotary_dim, q.dtype, copy_rest):
             flags |= WHOLE_CHUNKS  # every chunk whole and 16-byte aligned: the instance with the 16-byte path alone
-    _, groups = groups_per_row(hs, rotary_dim, q.dtype, copy_rest)
-    cfg = config or launch_config(nh + nkv, groups, tokens=tokens, narrow=not flags & WHOLE_CHUNKS)
+        elif staged_rows(hs, rotary_dim, q.dtype, copy_rest, config.threads if config else DEFAULT_THREADS):
+            flags |= ROWS  # a thread per chunk of whole rows, partners through shared memory
+    units, _ = work_units(hs, rotary_dim, q.dtype, copy_rest, bool(flags & ROWS))
+    # narrow: any instance but the 16-byte-only and the staged-rows ones
+    cfg = config or launch_config(nh + nkv, units, tokens=tokens, narrow=not flags & (WHOLE_CHUNKS | ROWS))
+    if flags & ROWS and cfg.tokens_per_block * units > cfg.threads:
+        raise ValueError(f"rotary launch: the staged-rows kernel needs a thread per chunk: {cfg.tokens_per_block} "
+                         f"tokens of {units} chunks a block exceed its {cfg.threads} threads")
     grid = math.ceil(tokens / cfg.tokens_per_block)
     if path == "extension":
         _cuda.extension()[0].rotary(q, k, q_out, k_out, cos, sin, position_ids, cu_seqlens, offsets, offset, rot_half,

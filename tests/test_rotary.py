@@ -738,27 +738,43 @@ def test_long_tables_and_unaligned_views(variant):
     assert torch.equal(off[0], got[0]) and torch.equal(off[1], got[1])
 
 
+# (dtype, head dim, rotary dim): rotary halves that start or end mid-chunk on 16-byte aligned rows (the CUDA
+# kernel's staged rows, IO 3): GPT-NeoX-20B (hs 96, rd 24), rotary halves of 20 and 6 features, fp32's 10
+MID_CHUNK = [(torch.bfloat16, 96, 24), (torch.bfloat16, 128, 40), (torch.float16, 64, 12), (torch.float32, 64, 20),
+             (torch.bfloat16, 64, 60)]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["triton", "cuda-extension", "cuda-nvrtc"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_partial_rotary_mid_chunk(variant, layout):
-    """GPT-NeoX-20B's partial rotary (hs 96, rotary_dim 24) on 16-byte aligned rows: the CUDA kernel moves whole
-    chunks 16 bytes at a time and the rotary part's partial / mid-chunk pieces element by element (the second NeoX
-    half starts at column 12); forward and backward against the reference."""
-    seed(variant, layout, "partial")
+@pytest.mark.parametrize("inplace", (False, True), ids=("out", "inplace"))
+@pytest.mark.parametrize("dtype, hs, rd", MID_CHUNK, ids=lambda v: str(v).removeprefix("torch."))
+def test_partial_rotary_mid_chunk(variant, layout, inplace, dtype, hs, rd):
+    """Partial rotary dims whose halves start or end mid-chunk on 16-byte aligned rows, in 8 q heads and 5 k heads
+    (a head run that ends in k's), out of place and in place, forward and backward against the reference; the
+    features past rotary_dim keep their bits (infinities and NaN included)."""
+    seed(variant, layout, inplace, dtype, hs, rd)
     interleaved = layout == "interleaved"
-    cos, sin = rotary_table(512, 24, device=DEVICE)
-    q = torch.randn(2, 256, 8, 96, dtype=torch.bfloat16, device=DEVICE, requires_grad=True)
-    k = torch.randn(2, 256, 4, 96, dtype=torch.bfloat16, device=DEVICE, requires_grad=True)
+    cos, sin = rotary_table(512, rd, device=DEVICE)
+    q = torch.randn(2, 131, 8, hs, dtype=dtype, device=DEVICE)
+    k = torch.randn(2, 131, 5, hs, dtype=dtype, device=DEVICE)
+    q[0, 3, 1, rd:] = float("inf")
+    k[1, 7, 4, -1] = float("nan")
+    q.requires_grad_(True), k.requires_grad_(True)
     dq, dk = torch.randn_like(q), torch.randn_like(k)
-    got = run(variant, q, k, cos, sin, interleaved=interleaved, offset=100)
-    got = (*got, *torch.autograd.grad(got, (q, k), (dq, dk)))
-    qf, kf = (x.detach().float().requires_grad_() for x in (q, k))
-    want = rotary_ref(qf, kf, cos, sin, interleaved=interleaved, offset=100)
-    want = (*want, *torch.autograd.grad(want, (qf, kf), (dq.float(), dk.float())))
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g.float(), w, rtol=0, atol=2 ** -7 * w.abs().max().item())
-        assert torch.equal(g[..., 24:].float(), w[..., 24:]), "the features past rotary_dim must pass through"
+    qi, ki = (x.detach().clone() for x in (q, k)) if inplace else (q, k)
+    got = run(variant, qi, ki, cos, sin, interleaved=interleaved, offset=100, inplace=inplace)
+    grads = torch.autograd.grad(run(variant, q, k, cos, sin, interleaved=interleaved, offset=100), (q, k), (dq, dk))
+    qf, kf = (x.detach().double().requires_grad_() for x in (q, k))
+    want = rotary_ref(qf, kf, cos.double(), sin.double(), interleaved=interleaved, offset=100)
+    want = (*want, *torch.autograd.grad(want, (qf, kf), (dq.double(), dk.double())))
+    for name, g, w, x in zip(("q", "k", "dq", "dk"), (*got, *grads), want, (q, k, dq, dk)):
+        assert g.dtype == dtype and g.shape == w.shape, name
+        fin = torch.isfinite(w)
+        torch.testing.assert_close(g.double()[fin], w[fin], rtol=0, atol=2 ** -7 * w[fin].abs().max().item(),
+                                   msg=lambda m: f"{name}: {m}")
+        bits = [t.detach()[..., rd:].contiguous().view(torch.uint8) for t in (g, x)]
+        assert torch.equal(*bits), f"{name}: the features past rotary_dim must pass through, bit for bit"
 
 
 @pytest.mark.gpu

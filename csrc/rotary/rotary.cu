@@ -136,8 +136,8 @@ __device__ __forceinline__ void rotary_heads(const T* src, T* dst, i64 sh, i64 d
                                              int va, int vb, int ma, int mb, bool rot, const float (&c)[VEC],
                                              const float (&s)[VEC]) {
   for (int h = lo; h < hi; h += ITEMS) {
-    float xa[ITEMS][VEC], xb[ITEMS][VEC];
     if (V16) {
+      // the chunks stay packed (4 registers each, not VEC floats) until their head's math
       uint4 ra[ITEMS], rb[ITEMS];
 #pragma unroll
       for (int u = 0; u < ITEMS; ++u) {
@@ -147,26 +147,28 @@ __device__ __forceinline__ void rotary_heads(const T* src, T* dst, i64 sh, i64 d
       }
 #pragma unroll
       for (int u = 0; u < ITEMS; ++u) {
-        unpack16<T, VEC>(&ra[u], xa[u]);
-        unpack16<T, VEC>(&rb[u], xb[u]);
+        if (h + u >= hi) break;
+        float xa[VEC], xb[VEC];
+        unpack16<T, VEC>(&ra[u], xa);
+        unpack16<T, VEC>(&rb[u], xb);
+        if (rot) rotate_group<VEC, INTERLEAVED>(xa, xb, c, s);
+        T* p = dst + (i64)(h + u) * dh;
+        rotary_store<T, VEC>(p + ca, xa, VEC, 16);
+        rotary_store<T, VEC>(p + cb, xb, VEC, 16);
       }
     } else {
+      float xa[ITEMS][VEC], xb[ITEMS][VEC];
 #pragma unroll
       for (int u = 0; u < ITEMS; ++u) {
         const T* p = src + (i64)min(h + u, hi - 1) * sh;
         rotary_load<T, VEC>(p + ca, xa[u], va, ma);
         rotary_load<T, VEC>(p + cb, xb[u], vb, mb);
       }
-    }
 #pragma unroll
-    for (int u = 0; u < ITEMS; ++u) {
-      if (h + u >= hi) break;
-      if (rot) rotate_group<VEC, INTERLEAVED>(xa[u], xb[u], c, s);
-      T* p = dst + (i64)(h + u) * dh;
-      if (V16) {
-        rotary_store<T, VEC>(p + ca, xa[u], VEC, 16);
-        rotary_store<T, VEC>(p + cb, xb[u], VEC, 16);
-      } else {
+      for (int u = 0; u < ITEMS; ++u) {
+        if (h + u >= hi) break;
+        if (rot) rotate_group<VEC, INTERLEAVED>(xa[u], xb[u], c, s);
+        T* p = dst + (i64)(h + u) * dh;
         rotary_store<T, VEC>(p + ca, xa[u], va, ma);
         rotary_store<T, VEC>(p + cb, xb[u], vb, mb);
       }
@@ -174,8 +176,96 @@ __device__ __forceinline__ void rotary_heads(const T* src, T* dst, i64 sh, i64 d
   }
 }
 
+// IO 3: rows of whole, 16-byte aligned chunks whose rotary pairs do not fall into whole groups (a partial rotary
+// dim whose NeoX second half starts mid-chunk, as rotary_dim 24 in bf16). A thread per (token, chunk) of the
+// block's rows, `row_chunks` chunks a row (the rotary part, or the whole row when the rest is copied); the block
+// walks its run of heads, ITEMS at a time: every thread loads its chunks (16 bytes each), puts them in shared
+// memory, and after a barrier reads each feature's pair partner from there, at whatever column it lies. Each
+// feature's table entry and partner column are resolved once, before the walk. Features past rotary_dim keep
+// their bits. Needs ntok * row_chunks <= blockDim.x (the launcher's tokens_per_block).
+template <typename T, typename TC, bool INTERLEAVED, int ITEMS>
+__device__ __forceinline__ void rotary_rows(const T* q, const T* k, T* q_out, T* k_out, const TC* __restrict__ cos,
+                                            const TC* __restrict__ sin, const int* s_b, const int* s_t,
+                                            const int* s_pos, int ntok, int nh, int h0, int h1, int rot_half,
+                                            int row_chunks, bool conj, i64 stride_qb, i64 stride_qt, i64 stride_qh,
+                                            i64 stride_kb, i64 stride_kt, i64 stride_kh, i64 stride_qob,
+                                            i64 stride_qot, i64 stride_qoh, i64 stride_kob, i64 stride_kot,
+                                            i64 stride_koh, i64 stride_cos, i64 stride_sin) {
+  constexpr int VEC = 16 / sizeof(T);
+  __shared__ uint4 stage[ITEMS][ROTARY_MAX_THREADS];
+  const bool active = (int)threadIdx.x < ntok * row_chunks;
+  const int slot = active ? threadIdx.x / row_chunks : 0;
+  const int col = (threadIdx.x - slot * row_chunks) * VEC;
+  const i64 b = s_b[slot], t = s_t[slot], m = s_pos[slot];
+  // y_e = x_e c_e + x_partner(e) s_e, the sign of s_e folded in; features past rotary_dim are not rotated
+  float c[VEC], s[VEC];
+  int partner[VEC];
+  unsigned rotated = 0;
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) {
+    const int f = col + e;
+    c[e] = 1.f;
+    s[e] = 0.f;
+    partner[e] = f;
+    if (active && f < 2 * rot_half) {
+      int i;
+      float sign;
+      if (INTERLEAVED) {
+        i = f >> 1;
+        partner[e] = f ^ 1;
+        sign = (f & 1) ? 1.f : -1.f;
+      } else {
+        const bool first = f < rot_half;
+        i = first ? f : f - rot_half;
+        partner[e] = first ? f + rot_half : f - rot_half;
+        sign = first ? -1.f : 1.f;
+      }
+      c[e] = to_float(cos[m * stride_cos + i]);
+      s[e] = (conj ? -sign : sign) * to_float(sin[m * stride_sin + i]);
+      rotated |= 1u << e;
+    }
+  }
+  const T* qs = q + b * stride_qb + t * stride_qt + col;
+  const T* ks = k + b * stride_kb + t * stride_kt + col;
+  T* qd = q_out + b * stride_qob + t * stride_qot + col;
+  T* kd = k_out + b * stride_kob + t * stride_kot + col;
+  const int row0 = slot * row_chunks;  // this token's row in the stage, in chunks
+  for (int h = h0; h < h1; h += ITEMS) {  // the same steps for every thread of the block (barriers inside)
+    uint4 raw[ITEMS];
+#pragma unroll
+    for (int u = 0; u < ITEMS; ++u) {
+      const int hh = min(h + u, h1 - 1);
+      const T* p = hh < nh ? qs + (i64)hh * stride_qh : ks + (i64)(hh - nh) * stride_kh;
+      if (active) raw[u] = *reinterpret_cast<const uint4*>(p);
+    }
+    if (active) {
+#pragma unroll
+      for (int u = 0; u < ITEMS; ++u) stage[u][threadIdx.x] = raw[u];
+    }
+    __syncthreads();
+    if (active) {
+#pragma unroll
+      for (int u = 0; u < ITEMS; ++u) {
+        if (h + u >= h1) break;
+        const T* row = reinterpret_cast<const T*>(&stage[u][row0]);
+        const T* x = reinterpret_cast<const T*>(&raw[u]);
+        uint4 out;
+        T* y = reinterpret_cast<T*>(&out);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e)
+          y[e] = (rotated >> e & 1u) ? from_float<T>(to_float(x[e]) * c[e] + to_float(row[partner[e]]) * s[e]) : x[e];
+        const int hh = h + u;
+        T* p = hh < nh ? qd + (i64)hh * stride_qoh : kd + (i64)(hh - nh) * stride_koh;
+        *reinterpret_cast<uint4*>(p) = out;
+      }
+    }
+    __syncthreads();  // the stage is rewritten by the next step
+  }
+}
+
 // IO: 0, element by element; 1, rows 16-byte aligned, each chunk in the widest transactions its column allows;
-// 2, every chunk of every group (and of the table) whole and 16-byte aligned (only the 16-byte path is compiled).
+// 2, every chunk of every group (and of the table) whole and 16-byte aligned (only the 16-byte path is compiled);
+// 3, rows of whole 16-byte chunks staged in shared memory (rotary_rows).
 template <typename T, typename TC, bool INTERLEAVED, int IO, int ITEMS>
 __global__ void __launch_bounds__(ROTARY_MAX_THREADS)
 rotary_kernel(const T* q, const T* k, T* q_out, T* k_out, const TC* __restrict__ cos, const TC* __restrict__ sin,
@@ -219,6 +309,14 @@ rotary_kernel(const T* q, const T* k, T* q_out, T* k_out, const TC* __restrict__
   // This block's heads: run blockIdx.y of gridDim.y, q's heads first.
   const int heads = nh + nkv, per_run = (heads + gridDim.y - 1) / gridDim.y;
   const int h0 = blockIdx.y * per_run, h1 = min(heads, h0 + per_run);
+  if constexpr (IO == 3) {
+    const int row_chunks = (flags & ROTARY_COPY_REST) ? head_dim / VEC : (2 * rot_half + VEC - 1) / VEC;
+    rotary_rows<T, TC, INTERLEAVED, ITEMS>(q, k, q_out, k_out, cos, sin, s_b, s_t, s_pos, ntok, nh, h0, h1, rot_half,
+                                           row_chunks, flags & ROTARY_CONJ, stride_qb, stride_qt, stride_qh, stride_kb,
+                                           stride_kt, stride_kh, stride_qob, stride_qot, stride_qoh, stride_kob,
+                                           stride_kot, stride_koh, stride_cos, stride_sin);
+    return;
+  }
   const int groups_rot = (rot_half + VEC - 1) / VEC;
   const int groups = groups_rot + ((flags & ROTARY_COPY_REST) ? (head_dim - 2 * rot_half + 2 * VEC - 1) / (2 * VEC) : 0);
   const int items = ntok * groups;
@@ -320,13 +418,22 @@ static cudaError_t rotary_items(int items, dim3 grid, dim3 block, const RotaryAr
 template <typename T, typename TC>
 static cudaError_t rotary_t(bool interleaved, int items, dim3 grid, dim3 block, const RotaryArgs& a,
                             cudaStream_t stream) {
-  const int io = (a.flags & ROTARY_VECTORIZED) ? ((a.flags & ROTARY_WHOLE_CHUNKS) ? 2 : 1) : 0;
+  constexpr int VEC = 16 / sizeof(T);
+  const int io = (a.flags & ROTARY_VECTORIZED)
+                     ? ((a.flags & ROTARY_WHOLE_CHUNKS) ? 2 : (a.flags & ROTARY_ROWS) ? 3 : 1) : 0;
+  if (io == 3) {  // a thread per chunk of the block's rows: they must all have one
+    const int row_chunks = (a.flags & ROTARY_COPY_REST) ? a.head_dim / VEC : (2 * a.rot_half + VEC - 1) / VEC;
+    if (a.head_dim % VEC || (long long)a.tokens_per_block * row_chunks > (long long)block.x)
+      return cudaErrorInvalidValue;
+  }
   if (interleaved) {
-    return io == 2 ? rotary_items<T, TC, true, 2>(items, grid, block, a, stream)
+    return io == 3 ? rotary_items<T, TC, true, 3>(items, grid, block, a, stream)
+         : io == 2 ? rotary_items<T, TC, true, 2>(items, grid, block, a, stream)
          : io == 1 ? rotary_items<T, TC, true, 1>(items, grid, block, a, stream)
                    : rotary_items<T, TC, true, 0>(items, grid, block, a, stream);
   }
-  return io == 2 ? rotary_items<T, TC, false, 2>(items, grid, block, a, stream)
+  return io == 3 ? rotary_items<T, TC, false, 3>(items, grid, block, a, stream)
+       : io == 2 ? rotary_items<T, TC, false, 2>(items, grid, block, a, stream)
        : io == 1 ? rotary_items<T, TC, false, 1>(items, grid, block, a, stream)
                  : rotary_items<T, TC, false, 0>(items, grid, block, a, stream);
 }

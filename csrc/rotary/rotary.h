@@ -20,6 +20,9 @@ enum RotaryFlags {
   ROTARY_OFFSETS_I64 = 1 << 7,  // offsets are int64 (else int32)
   ROTARY_WHOLE_CHUNKS = 1 << 8, // with ROTARY_VECTORIZED: every chunk of every group and of the table is whole and
                                 // 16-byte aligned (the launcher checks), so only the 16-byte path is compiled in
+  ROTARY_ROWS = 1 << 9,         // with ROTARY_VECTORIZED, without ROTARY_WHOLE_CHUNKS: rows of whole 16-byte chunks,
+                                // a thread per chunk, pair partners through shared memory (tokens_per_block times
+                                // the chunks a row takes <= block.x; the launcher checks)
 };
 
 // Shared-memory capacity for per-token (b, t, position): the most tokens a block may take.
@@ -56,7 +59,8 @@ struct RotaryArgs {
 };
 
 // dtype: RotaryDType of q / k; table_f32: cos / sin are fp32 (else q's dtype); items in {1, 2, 4};
-// args.flags & (ROTARY_VECTORIZED | ROTARY_WHOLE_CHUNKS) picks the I/O instance. Returns the launch's error, if any.
+// args.flags & (ROTARY_VECTORIZED | ROTARY_WHOLE_CHUNKS | ROTARY_ROWS) picks the I/O instance. Returns the launch's
+// error, if any (cudaErrorInvalidValue for a ROTARY_ROWS launch whose block lacks a thread per chunk).
 cudaError_t rotary(int dtype, bool table_f32, bool interleaved, int items, dim3 grid, dim3 block,
                    const RotaryArgs& args, cudaStream_t stream);
 

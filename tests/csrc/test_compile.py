@@ -72,6 +72,29 @@ def test_rotary_whole_chunks():
     assert _rotary_cuda.whole_chunks(96, 32, bf16, True) and not _rotary_cuda.whole_chunks(88, 32, bf16, True)
 
 
+def test_rotary_staged_rows():
+    """Which rows take the staged-rows instance (IO 3): whole 16-byte chunks a row, groups that are not, and no
+    more chunks than the block has threads; its geometry gives every chunk of a block's tokens a thread."""
+    bf16, f32 = torch.bfloat16, torch.float32
+    assert _rotary_cuda.staged_rows(96, 24, bf16, True) and _rotary_cuda.row_chunks(96, 24, bf16, True) == 12
+    assert _rotary_cuda.staged_rows(96, 24, bf16, False) and _rotary_cuda.row_chunks(96, 24, bf16, False) == 3
+    assert not _rotary_cuda.staged_rows(128, 128, bf16, False)  # whole groups: the 16-byte instance
+    assert not _rotary_cuda.staged_rows(92, 24, bf16, True)  # a row's last chunk is partial
+    assert _rotary_cuda.staged_rows(64, 20, f32, True) and not _rotary_cuda.staged_rows(64, 24, f32, True)
+    assert not _rotary_cuda.staged_rows(4096, 24, bf16, True)  # 512 chunks: more than a block's threads
+    flags = _rotary_cuda.VECTORIZED | _rotary_cuda.ROWS
+    assert _rotary_cuda.io_mode(flags) == 3 and _rotary_cuda.io_mode(flags | _rotary_cuda.WHOLE_CHUNKS) == 2
+    assert _rotary_cuda.io_mode(_rotary_cuda.ROWS) == 0
+    for hs, rd in [(96, 24), (128, 40), (64, 60), (1024, 24)]:
+        for copy_rest in (False, True):
+            units, narrow = _rotary_cuda.work_units(hs, rd, bf16, copy_rest, True)
+            assert not narrow
+            for heads in (1, 13, 80):
+                for tokens in (1, 131, 1 << 20):
+                    cfg = _rotary_cuda.launch_config(heads, units, tokens=tokens)
+                    assert cfg.tokens_per_block * units <= cfg.threads, (hs, rd, copy_rest, cfg)
+
+
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=str)
 @pytest.mark.parametrize("backward", (False, True), ids=("fwd", "bwd"))
 def test_launch_config_covers_rows(dtype, backward):
