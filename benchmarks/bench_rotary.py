@@ -287,11 +287,11 @@ def tune(device: torch.device, copy_gbps: float, providers: set[str] | None) -> 
                 path = _cuda.choose_path()
                 copy_rest = case.rd < case.hs  # out of place, as args run it
                 heads, tokens = case.nh + case.nkv, case.b * case.t
-                rows = _rotary_cuda.staged_rows(case.hs, case.rd, dtype, copy_rest)
-                groups, narrow = _rotary_cuda.work_units(case.hs, case.rd, dtype, copy_rest, rows)
+                staged = _rotary_cuda.staged_rows(case.hs, case.rd, dtype, copy_rest)
+                groups, narrow = _rotary_cuda.work_units(case.hs, case.rd, dtype, copy_rest, staged)
                 default = _rotary_cuda.launch_config(heads, groups, tokens=tokens, narrow=narrow)
                 for threads in (128, 256):
-                    if rows and not _rotary_cuda.staged_rows(case.hs, case.rd, dtype, copy_rest, threads):
+                    if staged and not _rotary_cuda.staged_rows(case.hs, case.rd, dtype, copy_rest, threads):
                         continue
                     for items in _rotary_cuda.ITEMS:
                         auto = _rotary_cuda.launch_config(heads, groups, threads, items, tokens=tokens,

@@ -109,12 +109,19 @@ def row_chunks(head_dim: int, rotary_dim: int, dtype: torch.dtype, copy_rest: bo
     return head_dim // vec if copy_rest else math.ceil(rotary_dim / vec)
 
 
+def rows_fit(head_dim: int, rotary_dim: int, dtype: torch.dtype, copy_rest: bool,
+             threads: int = DEFAULT_THREADS) -> bool:
+    """Rows of whole chunks, few enough for a block of ``threads`` to give each chunk of a row a thread: what the
+    staged-rows instance can take (on 16-byte aligned rows)."""
+    return head_dim % _VEC[dtype] == 0 and row_chunks(head_dim, rotary_dim, dtype, copy_rest) <= threads
+
+
 def staged_rows(head_dim: int, rotary_dim: int, dtype: torch.dtype, copy_rest: bool,
                 threads: int = DEFAULT_THREADS) -> bool:
-    """On 16-byte aligned rows that are not whole groups: rows of whole chunks, few enough for a block to hold a
-    row's chunks (the staged-rows instance), rather than the narrow per-chunk transactions."""
-    return (head_dim % _VEC[dtype] == 0 and not whole_chunks(head_dim, rotary_dim, dtype, copy_rest)
-            and row_chunks(head_dim, rotary_dim, dtype, copy_rest) <= threads)
+    """On 16-byte aligned rows (and table) whose groups are not whole chunks: the staged-rows instance, rather than
+    the narrow per-chunk transactions. (With whole groups it runs only where the table is not aligned.)"""
+    return rows_fit(head_dim, rotary_dim, dtype, copy_rest, threads) and not whole_chunks(head_dim, rotary_dim, dtype,
+                                                                                          copy_rest)
 
 
 def work_units(head_dim: int, rotary_dim: int, dtype: torch.dtype, copy_rest: bool, rows: bool) -> tuple[int, bool]:
@@ -133,13 +140,13 @@ def groups_per_row(head_dim: int, rotary_dim: int, dtype: torch.dtype, copy_rest
     return rot, rot + (math.ceil((head_dim - rotary_dim) / (2 * vec)) if copy_rest else 0)
 
 
-def _vectorizable(tensors, vec: int, cos, sin, rot_half: int, head_dim: int, copy_rest: bool) -> bool:
-    """Wide I/O is safe: every row of q / k / outputs and of the table starts 16-byte aligned. The kernel then
-    moves each whole chunk at a column that is a multiple of the vector width in 16 bytes, 8-byte aligned pieces
-    (a second NeoX half or a pass-through part that starts mid-chunk) in 8 bytes, and the rest element by element."""
-    for t in tensors:
-        if t is not None and (t.data_ptr() % 16 or any(s % vec for s in t.stride()[:3])):
-            return False
+def _aligned_rows(tensors, vec: int) -> bool:
+    """Every row of q / k / outputs starts 16-byte aligned: the staged-rows instance moves whole 16-byte chunks."""
+    return all(t is None or (t.data_ptr() % 16 == 0 and not any(s % vec for s in t.stride()[:3])) for t in tensors)
+
+
+def _aligned_table(cos, sin) -> bool:
+    """Every row of the (cos, sin) table starts 16-byte aligned: the group instances load its chunks whole."""
     table_vec = 16 // cos.element_size()
     return all(t.data_ptr() % 16 == 0 and t.stride(0) % table_vec == 0 for t in (cos, sin))
 
@@ -179,12 +186,18 @@ def fwd(q, k, q_out, k_out, cos, sin, position_ids, cu_seqlens, offsets, offset:
         flags |= CU_SEQLENS
     if offsets is not None:
         flags |= OFFSETS | (OFFSETS_I64 if offsets.dtype == torch.int64 else 0)
-    if _vectorizable((q, k, q_out, k_out), _VEC[q.dtype], cos, sin, rot_half, hs, copy_rest):
-        flags |= VECTORIZED
-        if whole_chunks(hs, rotary_dim, q.dtype, copy_rest):
-            flags |= WHOLE_CHUNKS  # every chunk whole and 16-byte aligned: the instance with the 16-byte path alone
-        elif staged_rows(hs, rotary_dim, q.dtype, copy_rest, config.threads if config else DEFAULT_THREADS):
-            flags |= ROWS  # a thread per chunk of whole rows, partners through shared memory
+    # Wide I/O: the group instances need every row of q / k / outputs and of the table 16-byte aligned; they move
+    # each whole chunk in 16 bytes, 8-byte aligned pieces (a second NeoX half or a pass-through part that starts
+    # mid-chunk) in 8 bytes, the rest element by element. The staged-rows instance needs the rows alone (it loads
+    # each feature's table entry by itself).
+    if _aligned_rows((q, k, q_out, k_out), _VEC[q.dtype]):
+        table = _aligned_table(cos, sin)
+        if table and whole_chunks(hs, rotary_dim, q.dtype, copy_rest):
+            flags |= VECTORIZED | WHOLE_CHUNKS  # every chunk whole and 16-byte aligned: the 16-byte path alone
+        elif rows_fit(hs, rotary_dim, q.dtype, copy_rest, config.threads if config else DEFAULT_THREADS):
+            flags |= VECTORIZED | ROWS  # a thread per chunk of whole rows, partners through shared memory
+        elif table:
+            flags |= VECTORIZED
     units, _ = work_units(hs, rotary_dim, q.dtype, copy_rest, bool(flags & ROWS))
     # narrow: any instance but the 16-byte-only and the staged-rows ones
     cfg = config or launch_config(nh + nkv, units, tokens=tokens, narrow=not flags & (WHOLE_CHUNKS | ROWS))

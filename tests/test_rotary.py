@@ -738,24 +738,26 @@ def test_long_tables_and_unaligned_views(variant):
     assert torch.equal(off[0], got[0]) and torch.equal(off[1], got[1])
 
 
-# (dtype, head dim, rotary dim): rotary halves that start or end mid-chunk on 16-byte aligned rows (the CUDA
-# kernel's staged rows, IO 3): GPT-NeoX-20B (hs 96, rd 24), rotary halves of 20 and 6 features, fp32's 10
-MID_CHUNK = [(torch.bfloat16, 96, 24), (torch.bfloat16, 128, 40), (torch.float16, 64, 12), (torch.float32, 64, 20),
-             (torch.bfloat16, 64, 60)]
+# (dtype, head dim, rotary dim, table pad): rotary halves that start or end mid-chunk on 16-byte aligned rows (the
+# CUDA kernel's staged rows, IO 3): GPT-NeoX-20B (hs 96, rd 24), rotary halves of 20 and 6 features, fp32's 10, a
+# chunk both rotated and passed through (rd 60 of 64); and full rotary whose table rows are not 16-byte aligned
+# (a column slice of a wider table, ``pad`` columns more: the staged rows too)
+MID_CHUNK = [(torch.bfloat16, 96, 24, 0), (torch.bfloat16, 128, 40, 0), (torch.float16, 64, 12, 0),
+             (torch.float32, 64, 20, 0), (torch.bfloat16, 64, 60, 0), (torch.bfloat16, 128, 128, 2)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["triton", "cuda-extension", "cuda-nvrtc"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("inplace", (False, True), ids=("out", "inplace"))
-@pytest.mark.parametrize("dtype, hs, rd", MID_CHUNK, ids=lambda v: str(v).removeprefix("torch."))
-def test_partial_rotary_mid_chunk(variant, layout, inplace, dtype, hs, rd):
+@pytest.mark.parametrize("dtype, hs, rd, pad", MID_CHUNK, ids=lambda v: str(v).removeprefix("torch."))
+def test_partial_rotary_mid_chunk(variant, layout, inplace, dtype, hs, rd, pad):
     """Partial rotary dims whose halves start or end mid-chunk on 16-byte aligned rows, in 8 q heads and 5 k heads
     (a head run that ends in k's), out of place and in place, forward and backward against the reference; the
     features past rotary_dim keep their bits (infinities and NaN included)."""
-    seed(variant, layout, inplace, dtype, hs, rd)
+    seed(variant, layout, inplace, dtype, hs, rd, pad)
     interleaved = layout == "interleaved"
-    cos, sin = rotary_table(512, rd, device=DEVICE)
+    cos, sin = (t[:, :rd // 2] for t in rotary_table(512, rd + 2 * pad, device=DEVICE))
     q = torch.randn(2, 131, 8, hs, dtype=dtype, device=DEVICE)
     k = torch.randn(2, 131, 5, hs, dtype=dtype, device=DEVICE)
     q[0, 3, 1, rd:] = float("inf")

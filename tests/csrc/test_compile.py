@@ -82,6 +82,9 @@ def test_rotary_staged_rows():
     assert not _rotary_cuda.staged_rows(92, 24, bf16, True)  # a row's last chunk is partial
     assert _rotary_cuda.staged_rows(64, 20, f32, True) and not _rotary_cuda.staged_rows(64, 24, f32, True)
     assert not _rotary_cuda.staged_rows(4096, 24, bf16, True)  # 512 chunks: more than a block's threads
+    # whole groups take it only where the table's rows are not aligned (the launcher's choice): they fit
+    assert _rotary_cuda.rows_fit(128, 128, bf16, False) and not _rotary_cuda.rows_fit(4096, 24, bf16, True)
+    assert _rotary_cuda.rows_fit(4096, 24, bf16, True, threads=256) is False
     flags = _rotary_cuda.VECTORIZED | _rotary_cuda.ROWS
     assert _rotary_cuda.io_mode(flags) == 3 and _rotary_cuda.io_mode(flags | _rotary_cuda.WHOLE_CHUNKS) == 2
     assert _rotary_cuda.io_mode(_rotary_cuda.ROWS) == 0
