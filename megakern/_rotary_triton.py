@@ -69,12 +69,10 @@ def _rotate_heads(X, O, t, t_mask, c, s, nheads, stride_xt, stride_xh, stride_ot
                 partner = p ^ 1
             else:
                 partner = tl.where(p < ROT_HALF, p + ROT_HALF, p - ROT_HALF)
-            x = tl.load(x_rows + p[None, None, :], mask=mask, other=0.0)
+            x = tl.load(x_rows + p[None, None, :], mask=mask, other=0.0).to(tl.float32)
             xp = tl.load(x_rows + partner[None, None, :], mask=mask & (p < 2 * ROT_HALF)[None, None, :],
                          other=0.0).to(tl.float32)
-            y = (x.to(tl.float32) * c3 + xp * s3).to(O.dtype.element_ty)
-            # features past rotary_dim keep their bits (a NaN's payload too, which arithmetic would not)
-            tl.store(o_rows + p[None, None, :], tl.where((p < 2 * ROT_HALF)[None, None, :], y, x), mask=mask)
+            tl.store(o_rows + p[None, None, :], (x * c3 + xp * s3).to(O.dtype.element_ty), mask=mask)
         elif INTERLEAVED:
             # one contiguous row of 2 * BLOCK_P features, split into its (even, odd) pairs and joined back
             d = tl.arange(0, 2 * BLOCK_P)
