@@ -75,10 +75,10 @@ void norm_bwd(const at::Tensor& x, const at::Tensor& dy, const OptTensor& dres_o
                "norm_bwd launch");
 }
 
-int64_t norm_bwd_kernel_regs(int64_t dtype, int64_t nv, bool has_db, bool vectorized, bool staged) {
+int64_t norm_bwd_kernel_regs(int64_t dtype, int64_t nv, bool has_db, int64_t flags) {
   int regs = 0;
-  check_launch(megakern::norm_bwd_num_regs(static_cast<int>(dtype), static_cast<int>(nv), has_db, vectorized, staged,
-                                           &regs),
+  check_launch(megakern::norm_bwd_num_regs(static_cast<int>(dtype), static_cast<int>(nv), has_db,
+                                           static_cast<int>(flags), &regs),
                "norm_bwd_num_regs");
   return regs;
 }
@@ -177,7 +177,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("norm_fwd_rows", &norm_fwd, "LayerNorm / RMSNorm forward, several rows a row group (see csrc/norm/norm.cu)");
   m.def("norm_bwd", &norm_bwd, "LayerNorm / RMSNorm backward (see csrc/norm/norm.cu)");
   m.def("norm_bwd_kernel_regs", &norm_bwd_kernel_regs,
-        "registers per thread of a norm_bwd kernel instance (the register or the staged kernel)");
+        "registers per thread of the norm_bwd kernel instance a launch's flags select (register or staged kernel)");
   m.def("fp8_cast", &fp8_cast, "per-tensor FP8 cast with the amax in the same pass (see csrc/fp8/fp8.cu)");
   m.def("rotary", &rotary, "rotary position embeddings of q and k, either direction (see csrc/rotary/rotary.cu)");
 }

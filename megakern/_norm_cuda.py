@@ -22,6 +22,10 @@ GENERIC = 2048
 SPEC_MASK = RMS | HAS_WEIGHT | HAS_BIAS | W_F32 | HAS_RESIDUAL | RES_F32
 FWD_SPECS = (RMS | HAS_WEIGHT, RMS | HAS_WEIGHT | HAS_RESIDUAL, HAS_WEIGHT | HAS_BIAS,
              HAS_WEIGHT | HAS_BIAS | HAS_RESIDUAL)
+# The staged backward's (NORM_BWD_SPECS): its flags as constants, a 16-bit weight loaded once for all of a block's rows
+BWD_SPEC_MASK = RMS | HAS_WEIGHT | W_F32 | HAS_DW | HAS_DRES_OUT | HAS_DRES
+BWD_SPECS = (RMS | HAS_WEIGHT | HAS_DW, RMS | HAS_WEIGHT | HAS_DW | HAS_DRES_OUT, HAS_WEIGHT | HAS_DW,
+             HAS_WEIGHT | HAS_DW | HAS_DRES_OUT)
 
 _CTYPES = {torch.float32: (0, "float"), torch.float16: (1, "__half"), torch.bfloat16: (2, "__nv_bfloat16")}
 _VEC = {torch.float32: 4, torch.float16: 8, torch.bfloat16: 8}  # elements in 16 bytes
@@ -48,7 +52,8 @@ class LaunchConfig:
     staged: bool = False  # backward: the staged kernel (the next row copied into shared memory; 16-bit rows)
     row_batch: int = 1  # forward: rows each row's threads take at once, every row's loads in flight (ROW_BATCHES)
     max_registers: int = 0  # forward, tuning: a register cap a thread (NVRTC, MEGAKERN_NORM_FWD_MAXNREG; 0: none)
-    specialize: bool = True  # forward: a specialized instance where the flags have one (FWD_SPECS); False: GENERIC
+    # a specialized instance where the flags have one (FWD_SPECS; the staged backward: BWD_SPECS); False: GENERIC
+    specialize: bool = True
 
 
 def staged_smem_bytes(cols: int, itemsize: int, nv: int, has_db: bool) -> int:
@@ -118,6 +123,13 @@ def fwd_spec(flags: int, dtype: torch.dtype) -> int:
     return flags & SPEC_MASK if flags & SPEC_MASK in FWD_SPECS else 0
 
 
+def bwd_spec(flags: int, has_db: bool) -> int:
+    """The staged backward's SPEC for a launch's ``flags`` (csrc/norm/norm.h, norm_bwd_spec; 0: flags at run time)."""
+    if not flags & STAGED or flags & GENERIC or (has_db and flags & RMS):
+        return 0
+    return flags & BWD_SPEC_MASK if flags & BWD_SPEC_MASK in BWD_SPECS else 0
+
+
 def _fwd_name(ctype: str, nv: int, vecio: bool, row_batch: int = 1, spec: int = 0) -> str:
     return f"megakern::norm_fwd_kernel<{ctype}, {nv}, {row_batch}, {_b(vecio)}, {spec}>"
 
@@ -126,8 +138,8 @@ def _bwd_name(ctype: str, nv: int, has_db: bool, vecio: bool) -> str:
     return f"megakern::norm_bwd_kernel<{ctype}, {nv}, {_b(has_db)}, {_b(vecio)}>"
 
 
-def _bwd_staged_name(ctype: str, nv: int, has_db: bool) -> str:
-    return f"megakern::norm_bwd_staged_kernel<{ctype}, {nv}, {_b(has_db)}>"
+def _bwd_staged_name(ctype: str, nv: int, has_db: bool, spec: int = 0) -> str:
+    return f"megakern::norm_bwd_staged_kernel<{ctype}, {nv}, {_b(has_db)}, {spec}>"
 
 
 def kernel_names() -> list[str]:
@@ -143,7 +155,8 @@ def kernel_names() -> list[str]:
             names += [_bwd_name(ctype, nv, db, io) for nv in (0, 1, 2, 4, 8) if nv * vec <= BWD_CAP
                       for db in (False, True)]
         if dtype != torch.float32:
-            names += [_bwd_staged_name(ctype, nv, db) for nv in STAGED_NV for db in (False, True)]
+            names += [_bwd_staged_name(ctype, nv, db, spec) for nv in STAGED_NV for db in (False, True)
+                      for spec in (0, *(sp for sp in BWD_SPECS if not (db and sp & RMS)))]
     return names
 
 
@@ -286,11 +299,14 @@ def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype: Optio
         if problem:
             raise ValueError(f"norm backward: the staged kernel {cfg} does not apply: {problem}")
         flags |= STAGED
+        if not cfg.specialize:
+            flags |= GENERIC
     if path == "extension":
         ext = _cuda.extension()[0]
-        regs = ext.norm_bwd_kernel_regs(dtype_code, cfg.nv, has_db, vecio, cfg.staged)
+        regs = ext.norm_bwd_kernel_regs(dtype_code, cfg.nv, has_db, flags)
     else:
-        name = _bwd_staged_name(ctype, cfg.nv, has_db) if cfg.staged else _bwd_name(ctype, cfg.nv, has_db, vecio)
+        name = (_bwd_staged_name(ctype, cfg.nv, has_db, bwd_spec(flags, has_db)) if cfg.staged
+                else _bwd_name(ctype, cfg.nv, has_db, vecio))
         kernel = _cuda.nvrtc_kernel("norm/norm.cu", name)
         regs = kernel.num_regs
     grid = _bwd_grid(max(rows, 1), cfg, regs, dy.device, smem)

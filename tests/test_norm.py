@@ -499,6 +499,38 @@ def test_cuda_forward_specializations_equal_the_generic_kernel(op, shape, setup,
         assert (got is None) == (want is None) and (got is None or torch.equal(got, want))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", CUDA_VARIANTS)
+@pytest.mark.parametrize("setup", BF16_SETUPS)
+@pytest.mark.parametrize("case", STAGED, ids=lambda c: f"{'x'.join(map(str, c[0]))}-nv{c[1]}-t{c[2]}")
+@pytest.mark.parametrize("op", OPS)
+def test_cuda_staged_backward_specializations_equal_the_generic_kernel(op, case, setup, variant):
+    """The staged backward's specialized instances (csrc/norm/norm.h NORM_BWD_SPECS: flags as constants, a 16-bit
+    weight kept in registers) give the run-time-flags kernel's dx, dresidual, dweight and dbias bit for bit,
+    through both CUDA paths; setups without a specialization take the generic kernel either way."""
+    from megakern import _norm_cuda
+
+    path = variant.removeprefix("cuda-")
+    if problem := cuda_path_problem(path):
+        pytest.skip(f"the {path} path is unavailable: {problem}")
+    seed("bwd-spec", op, case, setup, variant)
+    shape, nv, threads = case
+    is_rms = op == "rms_norm"
+    x, w, b, r = bf16_inputs(op, shape, setup)
+    x2, r2 = x.reshape(-1, x.shape[-1]), None if r is None else r.reshape(-1, r.shape[-1])
+    y, res_out, mean, rstd = _norm_cuda.fwd(x2, r2, w, b, 1e-5, is_rms, path=path)
+    dy = torch.randn_like(y)
+    dres_out = None if res_out is None else torch.randn_like(res_out)
+    args = (dy, x2 if res_out is None else res_out, dres_out, w, mean, rstd, is_rms, None if r2 is None else r2.dtype,
+            w is not None, b is not None)
+    config = _norm_cuda.LaunchConfig(nv, threads, 1, staged=True)
+    fast = _norm_cuda.bwd(*args, path=path, config=config)
+    slow = _norm_cuda.bwd(*args, path=path, config=dataclasses.replace(config, specialize=False))
+    for name, got, want in zip(("dx", "dresidual", "dweight", "dbias"), fast, slow):
+        assert (got is None) == (want is None), name
+        assert got is None or torch.equal(got, want), f"{name}: the specialized instance differs from the generic one"
+
+
 def test_cuda_forward_refuses_a_launch_it_cannot_take():
     """A forward launch override the kernels were not built for is refused by name before any launch."""
     from megakern import _norm_cuda

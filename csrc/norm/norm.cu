@@ -396,7 +396,9 @@ norm_bwd_kernel(const void* __restrict__ x, const T* __restrict__ dy, const void
 // (cp.async, each thread its own groups) while this row is reduced and written, so the prefetch takes no registers;
 // the dweight (dbias) sums stay in registers for NV <= 2 and in shared memory above (again each thread its own
 // columns: no barrier guards them). Dynamic shared memory: norm_staged_smem_bytes (norm.h).
-template <typename T, int NV, bool HAS_DB>
+// SPEC: 0, the flags read at run time, or one of NORM_BWD_SPECS (norm.h), the same flags as constants; a 16-bit
+// weight is then loaded once, kept packed in registers for every row of the block (NV <= 2; at 4 it would spill).
+template <typename T, int NV, bool HAS_DB, int SPEC>
 __global__ void __launch_bounds__(512)
 norm_bwd_staged_kernel(const T* __restrict__ x, const T* __restrict__ dy, const void* __restrict__ dres_out,
                        const void* __restrict__ weight, const float* __restrict__ mean,
@@ -408,9 +410,24 @@ norm_bwd_staged_kernel(const T* __restrict__ x, const T* __restrict__ dy, const 
   static_assert(sizeof(T) == 2, "the staged backward takes 16-bit rows");
   extern __shared__ __align__(16) unsigned char staged_smem[];
   __shared__ float smem[64];
-  const bool rms = flags & NORM_RMS, has_w = flags & NORM_HAS_WEIGHT, w_f32 = flags & NORM_W_F32;
-  const bool has_dw = flags & NORM_HAS_DW, has_dres_out = flags & NORM_HAS_DRES_OUT;
-  const bool has_dres = flags & NORM_HAS_DRES, res_f32 = flags & NORM_RES_F32;
+  const int f = SPEC ? SPEC : flags;  // a constant in the specialized instances: their unused paths fold away
+  const bool rms = f & NORM_RMS, has_w = f & NORM_HAS_WEIGHT, w_f32 = f & NORM_W_F32;
+  const bool has_dw = f & NORM_HAS_DW, has_dres_out = f & NORM_HAS_DRES_OUT, has_dres = f & NORM_HAS_DRES;
+  const bool res_f32 = flags & NORM_RES_F32;
+  // a specialized instance's 16-bit weight: this thread's groups, loaded once, packed (NV <= 2)
+  constexpr bool W_KEPT = SPEC != 0 && NV <= 2 && (SPEC & NORM_HAS_WEIGHT) && !(SPEC & NORM_W_F32);
+  uint4 w_kept[W_KEPT ? NV : 1];
+  if constexpr (W_KEPT) {
+#pragma unroll
+    for (int g = 0; g < NV; ++g) {
+      const int c = (g * blockDim.x + threadIdx.x) * VEC;
+      w_kept[g] = c < cols ? *reinterpret_cast<const uint4*>(static_cast<const T*>(weight) + c) : make_uint4(0, 0, 0, 0);
+    }
+  }
+  auto load_w = [&](int g, int c, float(&w)[VEC]) {
+    if constexpr (W_KEPT) unpack16<T, VEC>(&w_kept[g], w);
+    else load_t_or_f32<T, VEC>(weight, w_f32, c, w, VEC, true);
+  };
   const float inv_cols = 1.f / cols;
   float* sw = reinterpret_cast<float*>(staged_smem);  // [cols] dweight sums, then [cols] dbias sums (ACC_SMEM)
   float* sb = sw + cols;
@@ -470,7 +487,7 @@ norm_bwd_staged_kernel(const T* __restrict__ x, const T* __restrict__ dy, const 
     for (int g = 0; g < NV; ++g) {
       const int c = (g * blockDim.x + threadIdx.x) * VEC;
       float w[VEC];
-      if (has_w && c < cols) load_t_or_f32<T, VEC>(weight, w_f32, c, w, VEC, true);
+      if (has_w && c < cols) load_w(g, c, w);
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
         xh[g][i] = c < cols ? (xh[g][i] - mu) * rs : 0.f;
@@ -486,7 +503,7 @@ norm_bwd_staged_kernel(const T* __restrict__ x, const T* __restrict__ dy, const 
       const int c = (g * blockDim.x + threadIdx.x) * VEC;
       if (c >= cols) continue;
       float w[VEC], r[VEC], o[VEC];
-      if (has_w) load_t_or_f32<T, VEC>(weight, w_f32, c, w, VEC, true);
+      if (has_w) load_w(g, c, w);
       if (has_dres_out) load_t_or_f32<T, VEC>(dres_out, res_f32, row * stride_dres_out + c, r, VEC, true);
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
@@ -612,9 +629,9 @@ cudaError_t norm_fwd(int dtype, int nv, int row_batch, dim3 grid, dim3 block, co
 }
 
 // The staged backward (16-bit T): a launch with its dynamic shared memory, or (regs non-null) a registers query.
-template <typename T, int NV, bool HAS_DB>
+template <typename T, int NV, bool HAS_DB, int SPEC>
 static cudaError_t norm_bwd_staged_run(dim3 grid, dim3 block, const NormBwdArgs& a, cudaStream_t stream, int* regs) {
-  auto kernel = norm_bwd_staged_kernel<T, NV, HAS_DB>;
+  auto kernel = norm_bwd_staged_kernel<T, NV, HAS_DB, SPEC>;
   if (regs != nullptr) {
     cudaFuncAttributes attr;
     MEGAKERN_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
@@ -634,14 +651,28 @@ static cudaError_t norm_bwd_staged_run(dim3 grid, dim3 block, const NormBwdArgs&
   return cudaGetLastError();
 }
 
+template <typename T, bool HAS_DB, int SPEC>
+static cudaError_t norm_bwd_staged_s(int nv, dim3 grid, dim3 block, const NormBwdArgs& a, cudaStream_t stream,
+                                     int* regs) {
+  switch (nv) {
+    case 1: return norm_bwd_staged_run<T, 1, HAS_DB, SPEC>(grid, block, a, stream, regs);
+    case 2: return norm_bwd_staged_run<T, 2, HAS_DB, SPEC>(grid, block, a, stream, regs);
+    case 4: return norm_bwd_staged_run<T, 4, HAS_DB, SPEC>(grid, block, a, stream, regs);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
 template <typename T, bool HAS_DB>
 static cudaError_t norm_bwd_staged_t(int nv, dim3 grid, dim3 block, const NormBwdArgs& a, cudaStream_t stream,
                                      int* regs) {
-  switch (nv) {
-    case 1: return norm_bwd_staged_run<T, 1, HAS_DB>(grid, block, a, stream, regs);
-    case 2: return norm_bwd_staged_run<T, 2, HAS_DB>(grid, block, a, stream, regs);
-    case 4: return norm_bwd_staged_run<T, 4, HAS_DB>(grid, block, a, stream, regs);
-    default: return cudaErrorInvalidValue;
+  constexpr int RMS_W = NORM_RMS | NORM_HAS_WEIGHT | NORM_HAS_DW, W = NORM_HAS_WEIGHT | NORM_HAS_DW;
+  constexpr int DRO = NORM_HAS_DRES_OUT;
+  switch (norm_bwd_spec(a.flags, HAS_DB)) {
+    case RMS_W: return norm_bwd_staged_s<T, HAS_DB, RMS_W>(nv, grid, block, a, stream, regs);
+    case RMS_W | DRO: return norm_bwd_staged_s<T, HAS_DB, RMS_W | DRO>(nv, grid, block, a, stream, regs);
+    case W: return norm_bwd_staged_s<T, HAS_DB, W>(nv, grid, block, a, stream, regs);
+    case W | DRO: return norm_bwd_staged_s<T, HAS_DB, W | DRO>(nv, grid, block, a, stream, regs);
+    default: return norm_bwd_staged_s<T, HAS_DB, 0>(nv, grid, block, a, stream, regs);
   }
 }
 
@@ -672,9 +703,9 @@ cudaError_t norm_bwd(int dtype, int nv, bool has_db, dim3 grid, dim3 block, cons
   return norm_bwd_dispatch(dtype, nv, has_db, grid, block, args, stream, nullptr);
 }
 
-cudaError_t norm_bwd_num_regs(int dtype, int nv, bool has_db, bool vectorized, bool staged, int* regs) {
+cudaError_t norm_bwd_num_regs(int dtype, int nv, bool has_db, int flags, int* regs) {
   NormBwdArgs args{};
-  args.flags = (vectorized ? NORM_VECTORIZED : 0) | (staged ? NORM_STAGED : 0);
+  args.flags = flags;
   return norm_bwd_dispatch(dtype, nv, has_db, dim3(), dim3(), args, nullptr, regs);
 }
 

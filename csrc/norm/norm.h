@@ -23,7 +23,7 @@ enum NormFlags {
   NORM_HAS_DRES = 1 << 8,     // bwd: dx also written as fp32 to dres (fp32 residual)
   NORM_HAS_DW = 1 << 9,       // bwd: weight gradient partials wanted
   NORM_STAGED = 1 << 10,      // bwd: the staged kernel (needs NORM_VECTORIZED and x of the kernel's dtype)
-  NORM_GENERIC = 1 << 11,     // fwd: the kernel that reads its flags at run time, where a specialized one exists
+  NORM_GENERIC = 1 << 11,     // the kernel that reads its flags at run time, where a specialized one exists
 };
 
 }  // namespace megakern
@@ -47,6 +47,23 @@ constexpr int norm_fwd_spec(int flags) {
   if (!(flags & NORM_VECTORIZED) || (flags & NORM_GENERIC)) return 0;
   for (int spec : NORM_FWD_SPECS)
     if ((flags & NORM_SPEC_MASK) == spec) return spec;
+  return 0;
+}
+
+// The staged backward's specializations, the same way: the flags of NORM_BWD_SPEC_MASK as compile-time constants
+// where they are one of these (with or without the dbias sums, a template argument of their own). Mirrored in
+// megakern/_norm_cuda.py (BWD_SPECS).
+constexpr int NORM_BWD_SPEC_MASK =
+    NORM_RMS | NORM_HAS_WEIGHT | NORM_W_F32 | NORM_HAS_DW | NORM_HAS_DRES_OUT | NORM_HAS_DRES;
+constexpr int NORM_BWD_SPECS[] = {NORM_RMS | NORM_HAS_WEIGHT | NORM_HAS_DW,
+                                  NORM_RMS | NORM_HAS_WEIGHT | NORM_HAS_DW | NORM_HAS_DRES_OUT,
+                                  NORM_HAS_WEIGHT | NORM_HAS_DW, NORM_HAS_WEIGHT | NORM_HAS_DW | NORM_HAS_DRES_OUT};
+
+// SPEC for a staged backward with ``flags`` (0: the run-time flags kernel); RMSNorm takes no dbias sums
+constexpr int norm_bwd_spec(int flags, bool has_db) {
+  if (!(flags & NORM_STAGED) || (flags & NORM_GENERIC) || (has_db && (flags & NORM_RMS))) return 0;
+  for (int spec : NORM_BWD_SPECS)
+    if ((flags & NORM_BWD_SPEC_MASK) == spec) return spec;
   return 0;
 }
 
@@ -100,8 +117,9 @@ cudaError_t norm_bwd(int dtype, int nv, bool has_db, dim3 grid, dim3 block, cons
 inline long long norm_staged_smem_bytes(int cols, int elem_bytes, int nv, bool has_db) {
   return (long long)cols * (2 * elem_bytes + (nv > 2 ? 4 * (has_db ? 2 : 1) : 0));
 }
-// Registers per thread of the backward kernel the same arguments select (sizes its persistent grid).
-cudaError_t norm_bwd_num_regs(int dtype, int nv, bool has_db, bool vectorized, bool staged, int* regs);
+// Registers per thread of the backward kernel the same arguments (and the launch's flags) select (sizes its
+// persistent grid).
+cudaError_t norm_bwd_num_regs(int dtype, int nv, bool has_db, int flags, int* regs);
 
 }  // namespace megakern
 #endif

@@ -139,6 +139,8 @@ def test_staged_backward_default_geometry():
                 assert cfg.staged and cfg.nv in _norm_cuda.STAGED_NV and cfg.rows_per_block == 1, cfg
                 assert cfg.nv * cfg.threads * 8 >= cols and cfg.threads <= _norm_cuda.BWD_MAX_THREADS, (cols, cfg)
                 assert _norm_cuda._bwd_staged_name(ctype, cfg.nv, has_db) in names
+                spec = _norm_cuda.HAS_WEIGHT | _norm_cuda.HAS_DW | (0 if has_db else _norm_cuda.RMS)
+                assert _norm_cuda._bwd_staged_name(ctype, cfg.nv, has_db, spec) in names
     assert _norm_cuda.staged_config(4096, torch.float32, False) is None
     assert _norm_cuda.staged_config(512, torch.bfloat16, False) is None
 
@@ -167,3 +169,35 @@ def test_forward_specializations_mirror_the_header():
         for ctype in ("__half", "__nv_bfloat16"):
             assert _norm_cuda._fwd_name(ctype, 2, True, 1, spec) in names
             assert _norm_cuda._fwd_name(ctype, 1, True, 4, spec) in names
+
+
+def test_backward_specializations_mirror_the_header():
+    """BWD_SPECS are csrc/norm/norm.h's NORM_BWD_SPECS, and bwd_spec picks as norm_bwd_spec does: staged launches
+    with exactly a specialization's flags (the other bits ignored), never RMSNorm with dbias sums, never GENERIC;
+    every specialized instance is among the NVRTC names."""
+    import re
+
+    header = (CSRC / "norm" / "norm.h").read_text()
+    bits = {name: 1 << int(shift) for name, shift in re.findall(r"NORM_(\w+) = 1 << (\d+)", header)}
+    for name in ("HAS_DRES_OUT", "HAS_DRES", "HAS_DW", "STAGED"):
+        assert getattr(_norm_cuda, name) == bits[name], name
+    body = re.search(r"NORM_BWD_SPECS\[\] = \{(.*?)\};", header, re.S).group(1)
+    specs = tuple(sum(bits[b] for b in re.findall(r"NORM_(\w+)", item)) for item in body.split(","))
+    assert specs == _norm_cuda.BWD_SPECS
+    mask = re.search(r"NORM_BWD_SPEC_MASK =(.*?);", header, re.S).group(1)
+    assert sum(bits[b] for b in re.findall(r"NORM_(\w+)", mask)) == _norm_cuda.BWD_SPEC_MASK
+    staged, v = _norm_cuda.STAGED, _norm_cuda.VECTORIZED
+    rms_w = _norm_cuda.RMS | _norm_cuda.HAS_WEIGHT | _norm_cuda.HAS_DW
+    assert _norm_cuda.bwd_spec(rms_w | v | staged, False) == rms_w
+    assert _norm_cuda.bwd_spec(rms_w | v, False) == 0  # the register kernel
+    assert _norm_cuda.bwd_spec(rms_w | v | staged, True) == 0  # RMSNorm has no bias
+    assert _norm_cuda.bwd_spec(rms_w | v | staged | _norm_cuda.GENERIC, False) == 0
+    assert _norm_cuda.bwd_spec(rms_w | v | staged | _norm_cuda.W_F32, False) == 0  # fp32 weights: not specialized
+    ln = _norm_cuda.HAS_WEIGHT | _norm_cuda.HAS_DW | _norm_cuda.HAS_DRES_OUT
+    assert _norm_cuda.bwd_spec(ln | v | staged, True) == ln
+    names = set(_norm_cuda.kernel_names())
+    for spec in specs:
+        for ctype in ("__half", "__nv_bfloat16"):
+            for nv in _norm_cuda.STAGED_NV:
+                assert _norm_cuda._bwd_staged_name(ctype, nv, False, spec) in names
+                assert (_norm_cuda._bwd_staged_name(ctype, nv, True, spec) in names) == (not spec & _norm_cuda.RMS)
