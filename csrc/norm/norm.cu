@@ -490,9 +490,9 @@ norm_bwd_staged_kernel(const T* __restrict__ x, const T* __restrict__ dy, const 
       if (has_w && c < cols) load_w(g, c, w);
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
-        xh[g][i] = c < cols ? __fmul_rn(__fsub_rn(xh[g][i], mu), rs) : 0.f;
-        const float gw = has_w && c < cols ? __fmul_rn(d[g][i], w[i]) : d[g][i];
-        sums[0] = fmaf(gw, xh[g][i], sums[0]);
+        xh[g][i] = c < cols ? (xh[g][i] - mu) * rs : 0.f;
+        const float gw = has_w && c < cols ? d[g][i] * w[i] : d[g][i];
+        sums[0] += gw * xh[g][i];
         sums[1] += gw;
       }
     }
@@ -507,11 +507,11 @@ norm_bwd_staged_kernel(const T* __restrict__ x, const T* __restrict__ dy, const 
       if (has_dres_out) load_t_or_f32<T, VEC>(dres_out, res_f32, row * stride_dres_out + c, r, VEC, true);
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
-        // every rounding written out (no contraction left to the compiler), so that the specialized and the
-        // generic instances give the same bits
-        const float gw = has_w ? __fmul_rn(d[g][i], w[i]) : d[g][i];
-        const float t = __fsub_rn(fmaf(-xh[g][i], a, gw), b);
-        o[i] = has_dres_out ? fmaf(rs, t, r[i]) : __fmul_rn(rs, t);
+        const float gw = has_w ? d[g][i] * w[i] : d[g][i];
+        const float t = gw - xh[g][i] * a - b;
+        // the residual gradient's multiply-add written out: the compiler contracted it only where the residual was
+        // a compile-time constant, so the specialized instances and the generic one rounded differently
+        o[i] = has_dres_out ? fmaf(rs, t, r[i]) : rs * t;
         if constexpr (ACC_SMEM) {
           sw[c + i] += d[g][i] * xh[g][i];
           if constexpr (HAS_DB) sb[c + i] += d[g][i];
