@@ -398,11 +398,17 @@ STAGED = [((3, 77, 1024), 1, 128), ((3, 77, 1024), 4, 32), ((2, 61, 4096), 2, 25
           ((67, 16384), 4, 512), ((5, 37, 4096), 4, 128)]  # the last: LayerNorm's 48 KiB of shared memory exactly
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant", CUDA_VARIANTS)
-@pytest.mark.parametrize("setup", BF16_SETUPS)
-@pytest.mark.parametrize("case", STAGED, ids=lambda c: f"{'x'.join(map(str, c[0]))}-nv{c[1]}-t{c[2]}")
-@pytest.mark.parametrize("op", OPS)
+def staged_cases(test):
+    """A GPU test over every staged-backward geometry (STAGED), bf16 setup, norm and CUDA path."""
+    for mark in (pytest.mark.parametrize("op", OPS),
+                 pytest.mark.parametrize("case", STAGED, ids=lambda c: f"{'x'.join(map(str, c[0]))}-nv{c[1]}-t{c[2]}"),
+                 pytest.mark.parametrize("setup", BF16_SETUPS), pytest.mark.parametrize("variant", CUDA_VARIANTS),
+                 pytest.mark.gpu):
+        test = mark(test)
+    return test
+
+
+@staged_cases
 def test_cuda_staged_backward(op, case, setup, variant):
     """The staged CUDA backward (the next row copied into shared memory; dweight / dbias sums in registers up to 2
     groups a thread, in shared memory above), through both CUDA paths, on row counts that leave some blocks
@@ -499,11 +505,7 @@ def test_cuda_forward_specializations_equal_the_generic_kernel(op, shape, setup,
         assert (got is None) == (want is None) and (got is None or torch.equal(got, want))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant", CUDA_VARIANTS)
-@pytest.mark.parametrize("setup", BF16_SETUPS)
-@pytest.mark.parametrize("case", STAGED, ids=lambda c: f"{'x'.join(map(str, c[0]))}-nv{c[1]}-t{c[2]}")
-@pytest.mark.parametrize("op", OPS)
+@staged_cases
 def test_cuda_staged_backward_specializations_equal_the_generic_kernel(op, case, setup, variant):
     """The staged backward's specialized instances (csrc/norm/norm.h NORM_BWD_SPECS: flags as constants, a 16-bit
     weight kept in registers) give the run-time-flags kernel's dx, dresidual, dweight and dbias bit for bit,
