@@ -310,9 +310,8 @@ rotary_kernel(const T* q, const T* k, T* q_out, T* k_out, const TC* __restrict__
   const int heads = nh + nkv, per_run = (heads + gridDim.y - 1) / gridDim.y;
   const int h0 = blockIdx.y * per_run, h1 = min(heads, h0 + per_run);
   if constexpr (IO == 3) {
-    const int row_chunks = (flags & ROTARY_COPY_REST) ? head_dim / VEC : (2 * rot_half + VEC - 1) / VEC;
     rotary_rows<T, TC, INTERLEAVED, ITEMS>(q, k, q_out, k_out, cos, sin, s_b, s_t, s_pos, ntok, nh, h0, h1, rot_half,
-                                           row_chunks, flags & ROTARY_CONJ, stride_qb, stride_qt, stride_qh, stride_kb,
+                                           rotary_row_chunks(head_dim, rot_half, VEC, flags), flags & ROTARY_CONJ, stride_qb, stride_qt, stride_qh, stride_kb,
                                            stride_kt, stride_kh, stride_qob, stride_qot, stride_qoh, stride_kob,
                                            stride_kot, stride_koh, stride_cos, stride_sin);
     return;
@@ -422,7 +421,7 @@ static cudaError_t rotary_t(bool interleaved, int items, dim3 grid, dim3 block, 
   const int io = (a.flags & ROTARY_VECTORIZED)
                      ? ((a.flags & ROTARY_WHOLE_CHUNKS) ? 2 : (a.flags & ROTARY_ROWS) ? 3 : 1) : 0;
   if (io == 3) {  // a thread per chunk of the block's rows: they must all have one
-    const int row_chunks = (a.flags & ROTARY_COPY_REST) ? a.head_dim / VEC : (2 * a.rot_half + VEC - 1) / VEC;
+    const int row_chunks = rotary_row_chunks(a.head_dim, a.rot_half, VEC, a.flags);
     if (a.head_dim % VEC || (long long)a.tokens_per_block * row_chunks > (long long)block.x)
       return cudaErrorInvalidValue;
   }

@@ -6,6 +6,10 @@
 //   ITEMS (template, 1, 2 or 4): heads whose group of 2 x 16 bytes each thread loads before any math.
 #pragma once
 
+#ifndef __CUDACC_RTC__
+#include <cuda_runtime.h>  // __host__ / __device__ (rotary_row_chunks) in translation units not compiled by nvcc
+#endif
+
 namespace megakern {
 
 // Bit values are mirrored in megakern/_rotary_cuda.py.
@@ -28,6 +32,13 @@ enum RotaryFlags {
 // Shared-memory capacity for per-token (b, t, position): the most tokens a block may take.
 constexpr int ROTARY_MAX_TOKENS = 256;
 constexpr int ROTARY_MAX_THREADS = 256;
+
+// The 16-byte chunks of a row (of `vec` elements each) that the staged-rows instance gives a thread each: the whole
+// row when the features past rotary_dim are copied (ROTARY_COPY_REST), else those holding the rotary part. Mirrored
+// in megakern/_rotary_cuda.py (row_chunks).
+__host__ __device__ inline int rotary_row_chunks(int head_dim, int rot_half, int vec, int flags) {
+  return (flags & ROTARY_COPY_REST) ? head_dim / vec : (2 * rot_half + vec - 1) / vec;
+}
 
 }  // namespace megakern
 
