@@ -67,51 +67,6 @@ def _norm_fwd_kernel(
 
 
 @triton.jit
-def _norm_fwd_persistent_kernel(
-    X, RES, W, B, Y, RES_OUT, MEAN, RSTD,
-    stride_xm, stride_resm, stride_ym, stride_resoutm,
-    M, N, eps,
-    IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """The forward on a persistent grid: each program walks every num_programs-th step of BLOCK_M rows, the next
-    step's rows loaded (and kept in their dtype) before this step's math and stores."""
-    cols = tl.arange(0, BLOCK_N)
-    col_mask = cols < N
-    step_rows = tl.num_programs(0) * BLOCK_M
-    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    x_ahead = tl.load(X + rows[:, None] * stride_xm + cols[None, :], mask=(rows < M)[:, None] & col_mask[None, :],
-                      other=0.0)
-    for row0 in range(tl.program_id(0) * BLOCK_M, M, step_rows):
-        rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
-        row_mask = rows < M
-        mask = row_mask[:, None] & col_mask[None, :]
-        x = x_ahead.to(tl.float32)
-        next_rows = rows + step_rows
-        x_ahead = tl.load(X + next_rows[:, None] * stride_xm + cols[None, :],
-                          mask=(next_rows < M)[:, None] & col_mask[None, :], other=0.0)
-        if HAS_RES:
-            r = tl.load(RES + rows[:, None] * stride_resm + cols[None, :], mask=mask, other=0.0)
-            h = (x + r.to(tl.float32)).to(RES_OUT.dtype.element_ty)
-            tl.store(RES_OUT + rows[:, None] * stride_resoutm + cols[None, :], h, mask=mask)
-            x = h.to(tl.float32)
-        if IS_RMS:
-            xc = x
-        else:
-            mean = tl.sum(x, axis=1) / N
-            xc = tl.where(mask, x - mean[:, None], 0.0)
-            tl.store(MEAN + rows, mean, mask=row_mask)
-        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
-        tl.store(RSTD + rows, rstd, mask=row_mask)
-        y = xc * rstd[:, None]
-        if HAS_W:
-            y = y * tl.load(W + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)[None, :]
-        if HAS_B:
-            y = y + tl.load(B + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)[None, :]
-        tl.store(Y + rows[:, None] * stride_ym + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _norm_fwd_wide_kernel(
     X, RES, W, B, Y, RES_OUT, MEAN, RSTD,
     stride_xm, stride_resm, stride_ym, stride_resoutm,
@@ -449,13 +404,11 @@ def _programs(rows: int, device: torch.device, per_sm: int = 1) -> int:
 
 
 def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | None = None,
-        rows_per_program: int | None = None, wide: bool = False, chunk: int = 4096, stages: int = 2,
-        per_sm: int = 0):
+        rows_per_program: int | None = None, wide: bool = False, chunk: int = 4096, stages: int = 2):
     """(y, residual_out | None, mean | None, rstd) for 2-D ``x``; ``num_warps`` and ``rows_per_program`` override
     the defaults (tuning). ``wide``: the two-pass kernel for rows too wide for registers, a row a program, ``chunk``
     columns at a time with ``stages`` of them in flight (measured slower than rows in registers up to hidden 32768:
-    docs/tuning.md). ``per_sm``: a persistent grid of that many programs an SM, each walking steps of
-    ``rows_per_program`` rows with the next step's rows loaded ahead (0: a program a step)."""
+    docs/tuning.md)."""
     rows, n = x.shape
     block = _block(n)
     default_rows, warps = _fwd_config(block)
@@ -473,10 +426,6 @@ def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | No
                  num_warps=warps)
     if wide:
         _norm_fwd_wide_kernel[(rows,)](*args, CHUNK=min(next_power_of_2(chunk), block), STAGES=stages, **flags)
-    elif per_sm:
-        steps = cdiv(rows, rows_per_program)
-        _norm_fwd_persistent_kernel[(_programs(steps, x.device, per_sm),)](
-            *args, BLOCK_M=rows_per_program, BLOCK_N=block, **flags)
     else:
         _norm_fwd_kernel[(cdiv(rows, rows_per_program),)](*args, BLOCK_M=rows_per_program, BLOCK_N=block, **flags)
     return y, res_out, mean, rstd

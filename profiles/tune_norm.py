@@ -69,11 +69,6 @@ def specs(n: int, is_rms: bool, residual: bool) -> list[tuple[str, str, dict]]:
     for warps, rows_pp in ((4, 1), (8, 1), (16, 1), (4, 2), (8, 2), (16, 2), (16, 4), (4, 4), (8, 8)):
         out.append((f"triton fwd warps={warps} rows/program={rows_pp}", "triton fwd",
                     dict(num_warps=warps, rows_per_program=rows_pp)))
-    # the persistent forward, the next step's rows loaded ahead: (warps, rows a step, programs per SM)
-    for warps, rows_pp, per_sm in ((8, 1, 1), (8, 1, 2), (16, 1, 1), (16, 1, 2), (32, 1, 1), (8, 2, 1), (16, 2, 1)):
-        if n >= 4096 and rows_pp * n <= 32768:
-            out.append((f"triton fwd persistent warps={warps} rows/step={rows_pp} per_sm={per_sm}", "triton fwd",
-                        dict(num_warps=warps, rows_per_program=rows_pp, per_sm=per_sm)))
     if n >= 8192:  # the two-pass forward for wide rows: (warps, chunk, stages)
         for warps, chunk, stages in ((4, 2048, 2), (8, 4096, 2), (8, 2048, 3), (16, 8192, 2), (4, 4096, 3)):
             out.append((f"triton fwd wide warps={warps} chunk={chunk} stages={stages}", "triton fwd",

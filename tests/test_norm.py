@@ -133,8 +133,7 @@ GEOMETRIES = {"1-row": dict(rows=1), "2-rows": dict(rows=2), "1-row-prefetch": d
               "wide-4-rows": dict(wide=True, rows=4, chunk=32),
               "split": dict(split=True), "split-2-rows-prefetch": dict(split=True, rows=2, prefetch=True),
               "split-wide": dict(split=True, wide=True, rows=2, chunk=32),
-              "split-narrow-strips": dict(split=True, split_geometry=(32, 4, 2, 2)),
-              "persistent-fwd": dict()}
+              "split-narrow-strips": dict(split=True, split_geometry=(32, 4, 2, 2))}
 
 
 @pytest.mark.parametrize("geometry", GEOMETRIES)
@@ -142,14 +141,12 @@ GEOMETRIES = {"1-row": dict(rows=1), "2-rows": dict(rows=2), "1-row-prefetch": d
 @pytest.mark.parametrize("op", OPS)
 def test_triton_geometries(op, setup, geometry):
     """Each backward geometry the launch table picks from (rows a step, the next step's rows loaded ahead or not, the
-    two-pass kernels for wide rows, forward and backward, the split backward's dx kernels and its column kernel; the
-    persistent forward), on row counts that leave programs a partial last step, one row, or none, and on a hidden size
-    that leaves the last chunk of a wide row partial."""
+    two-pass kernels for wide rows, forward and backward, the split backward's dx kernels and its column kernel), on
+    row counts that leave programs a partial last step, one row, or none, and on a hidden size that leaves the last
+    chunk of a wide row partial."""
     fwd, bwd = launchers_for("triton")
     if geometry.startswith("wide"):  # the wide forward with it
         fwd = functools.partial(fwd, wide=True, chunk=GEOMETRIES[geometry]["chunk"])
-    if geometry == "persistent-fwd":  # 2 rows a step: a partial last step, programs with one step more than others
-        fwd = functools.partial(fwd, per_sm=1, rows_per_program=2)
     dtype = torch.bfloat16 if HAS_CUDA else torch.float32
     shape = (5, 333, 1000) if HAS_CUDA else (3, 5, 100)
     for rows, per_sm in ((shape[1], 3), (2, 1)):
@@ -179,8 +176,6 @@ def compile_for_sm90() -> list:
         flags = dict(IS_RMS=is_rms, HAS_W=True)
         cases = [("fwd", nt._norm_fwd_kernel, dict(flags, HAS_RES=residual, HAS_B=not is_rms, BLOCK_M=1,
                                                    BLOCK_N=8192), 8),
-                 ("fwd persistent", nt._norm_fwd_persistent_kernel, dict(flags, HAS_RES=residual, HAS_B=not is_rms,
-                                                                         BLOCK_M=1, BLOCK_N=8192), 8),
                  ("bwd", nt._norm_bwd_kernel, dict(flags, HAS_DW=True, HAS_DB=not is_rms, HAS_DRES_OUT=residual,
                                                    HAS_DRES=False, BLOCK_M=1, BLOCK_N=8192, PREFETCH=True),
                  16),
@@ -207,7 +202,7 @@ def test_kernels_compile_for_sm90():
     from conftest import sm90_lowering
 
     results = sm90_lowering("test_norm", "compile_for_sm90()")
-    assert len(results) == 12, results
+    assert len(results) == 10, results
 
 
 LAYOUTS = ("padded-rows", "strided-leading", "transposed", "misaligned")
