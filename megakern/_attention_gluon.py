@@ -76,7 +76,8 @@ LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
 if AVAILABLE:  # a barrier across a partition's warps: gl.thread_barrier in Triton 3.6, gl.barrier in later releases
     _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-# (BLOCK_M, BLOCK_N, warps per consumer, k/v ring slots, ping-pong) per head dim
+# (BLOCK_M, BLOCK_N, warps per consumer, k/v ring slots, ping-pong) per head dim; with ping-pong a consumer
+# warpgroup for each 64 rows of BLOCK_M (128: two, 192: three; registers a thread 240 and 160 by setmaxnreg)
 CONFIGS = {64: (128, 128, 4, 3, True), 128: (128, 128, 4, 2, True)}
 
 
@@ -134,9 +135,10 @@ if AVAILABLE:
     def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
                   v_empty, B, NH, GROUP, TQ, TK, SCHED,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr,
-                  do_desc=None, do_bufs=None, WITH_DO: gl.constexpr = False):
+                  do_desc=None, do_bufs=None, WITH_DO: gl.constexpr = False, QPARTS: gl.constexpr = 1):
         """Per query tile: q (and dO beside it for the dq pass, WITH_DO) into one of two slots, then the tile's k and
-        v blocks through the ring of NUM_BUF slots."""
+        v blocks through the ring of NUM_BUF slots. QPARTS > 1: q's tile is QPARTS tiles of q_desc's rows, slot qs
+        being q_bufs' slots qs * QPARTS ...."""
         num_m = gl.cdiv(TQ, BLOCK_M)
         cnt = 0
         i = 0
@@ -150,9 +152,15 @@ if AVAILABLE:
             if WITH_DO:
                 mbarrier.expect(q_ready.index(qs), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
                 _tma_load(do_desc, [b, start_m, h, 0], q_ready.index(qs), do_bufs.index(qs))
-            else:
+                _tma_load(q_desc, [b, start_m, h, 0], q_ready.index(qs), q_bufs.index(qs))
+            elif QPARTS == 1:
                 mbarrier.expect(q_ready.index(qs), q_desc.block_type.nbytes)
-            _tma_load(q_desc, [b, start_m, h, 0], q_ready.index(qs), q_bufs.index(qs))
+                _tma_load(q_desc, [b, start_m, h, 0], q_ready.index(qs), q_bufs.index(qs))
+            else:
+                mbarrier.expect(q_ready.index(qs), QPARTS * q_desc.block_type.nbytes)
+                for part in gl.static_range(QPARTS):
+                    _tma_load(q_desc, [b, start_m + part * (BLOCK_M // QPARTS), h, 0], q_ready.index(qs),
+                              q_bufs.index(qs * QPARTS + part))
             n, _first_masked = _key_range(start_m, TQ, TK, BLOCK_M, BLOCK_N, CAUSAL)
             hk = h // GROUP
             for j in range(n):
@@ -193,13 +201,13 @@ if AVAILABLE:
 
     @gluon.jit
     def _turn_wait(turn, slot, WG: gl.constexpr, PINGPONG: gl.constexpr):
-        """Ping-pong: wait until the other consumer warpgroup has issued its matmuls of the previous slot (the first
-        warpgroup goes first)."""
+        """Ping-pong: wait until the consumer warpgroup before this one (round robin) has issued its matmuls of the
+        slot (the first warpgroup goes first, and then after the last one's matmuls of the previous slot)."""
         if PINGPONG:
             if WG == 0:
                 mbarrier.wait(turn.index(0), (slot & 1) ^ 1)
             else:
-                mbarrier.wait(turn.index(1), slot & 1)
+                mbarrier.wait(turn.index(WG), slot & 1)
         return slot + 1
 
     @gluon.jit
@@ -215,17 +223,19 @@ if AVAILABLE:
                  mask=(rows < T)[:, None])
 
     @gluon.jit
-    def _turn_pass(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    def _turn_pass(turn, WG: gl.constexpr, PINGPONG: gl.constexpr, WGS: gl.constexpr = 2):
+        """Ping-pong: hand the tensor cores to the next of the WGS consumer warpgroups."""
         if PINGPONG:
-            mbarrier.arrive(turn.index(1 - WG), count=1)
+            mbarrier.arrive(turn.index((WG + 1) % WGS), count=1)
 
     @gluon.jit
     def _consumer(WG: gl.constexpr, PINGPONG: gl.constexpr, turn, q_bufs, k_bufs, v_bufs, q_ready, q_empty,
                   k_ready, k_empty, v_ready, v_empty, O, LSE,
                   stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK, SCHED, scale_log2,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
-                  CAUSAL: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr):
-        """The rows WG * ROWS .. + ROWS - 1 of each tile (all of them without ping-pong), on WARPS warps."""
+                  CAUSAL: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr, WGS: gl.constexpr = 2):
+        """The rows WG * ROWS .. + ROWS - 1 of each tile (all of them without ping-pong), on WARPS warps; with
+        ping-pong one of WGS consumer warpgroups taking turns."""
         layouts: gl.constexpr = _wgmma_layouts(WARPS, BLOCK_N, HEAD_DIM)
         s_layout: gl.constexpr = layouts[0]
         o_layout: gl.constexpr = layouts[1]
@@ -246,9 +256,12 @@ if AVAILABLE:
             n, first_masked = _key_range(start_m, TQ, TK, BLOCK_M, BLOCK_N, CAUSAL)
             qs = i % 2
             mbarrier.wait(q_ready.index(qs), (i // 2) & 1)
-            q = q_bufs.index(qs).reshape([BLOCK_M, HEAD_DIM])
-            if PINGPONG:
-                q = q.slice(WG * ROWS, ROWS, dim=0)
+            if WGS == 3:  # q in a 64-row part a warpgroup (_producer's QPARTS)
+                q = q_bufs.index(qs * 3 + WG).reshape([ROWS, HEAD_DIM])
+            else:
+                q = q_bufs.index(qs).reshape([BLOCK_M, HEAD_DIM])
+                if PINGPONG:
+                    q = q.slice(WG * ROWS, ROWS, dim=0)
             m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)
             l_i = gl.zeros([ROWS], gl.float32, layout=row_s)
             acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
@@ -260,7 +273,7 @@ if AVAILABLE:
                 k = k_bufs.index(s).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
                 slot = _turn_wait(turn, slot, WG, PINGPONG)
                 sc = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
-                _turn_pass(turn, WG, PINGPONG)
+                _turn_pass(turn, WG, PINGPONG, WGS)
                 sc = warpgroup_mma_wait(0, deps=[sc])
                 mbarrier.arrive(k_empty.index(s), count=1)
                 p, m_i, l_i, alpha = _scores(sc, 0, first_masked, my_m, m_i, l_i, TQ, TK, scale_log2,
@@ -281,7 +294,7 @@ if AVAILABLE:
                     mbarrier.wait(v_ready.index(prev), prev_ph)
                     v = v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM])
                     acc = warpgroup_mma(p_op, v, acc, is_async=True)
-                    _turn_pass(turn, WG, PINGPONG)
+                    _turn_pass(turn, WG, PINGPONG, WGS)
                     sc = warpgroup_mma_wait(1, deps=[sc])
                     mbarrier.arrive(k_empty.index(s), count=1)
                     p, m_i, l_i, alpha = _scores(sc, j, first_masked, my_m, m_i, l_i, TQ, TK, scale_log2,
@@ -299,7 +312,7 @@ if AVAILABLE:
                 slot = _turn_wait(turn, slot, WG, PINGPONG)
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                 acc = warpgroup_mma(p_op, v, acc, is_async=True)
-                _turn_pass(turn, WG, PINGPONG)
+                _turn_pass(turn, WG, PINGPONG, WGS)
                 acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
                 mbarrier.arrive(v_empty.index(prev), count=1)
             else:
@@ -318,13 +331,14 @@ if AVAILABLE:
 
     @gluon.jit
     def _query_tile_rings(q_desc, k_desc, v_desc, NUM_BUF: gl.constexpr, CONSUMERS: gl.constexpr, do_desc=None,
-                          WITH_DO: gl.constexpr = False):
+                          WITH_DO: gl.constexpr = False, Q_SLOTS: gl.constexpr = 2):
         """Shared memory and mbarriers of the kernels that walk query tiles (the forward, the dq pass), initialized:
         two q slots (and dO slots beside them, WITH_DO), a ring of NUM_BUF k / v slots, ready / empty barriers for
-        each (an empty one completes when all CONSUMERS warpgroups have arrived), and the two ping-pong turns.
+        each (an empty one completes when all CONSUMERS warpgroups have arrived), and the ping-pong turns (three,
+        one a consumer warpgroup). Q_SLOTS: q's slots (two, or two of QPARTS parts each).
         Returns (q, k, v slots, q ready / empty, k ready / empty, v ready / empty, turns, dO slots or q's)."""
         dtype: gl.constexpr = q_desc.dtype
-        q_bufs = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+        q_bufs = gl.allocate_shared_memory(dtype, [Q_SLOTS] + q_desc.block_type.shape, q_desc.layout)
         do_bufs = q_bufs
         if WITH_DO:
             do_bufs = gl.allocate_shared_memory(dtype, [2] + do_desc.block_type.shape, do_desc.layout)
@@ -336,10 +350,11 @@ if AVAILABLE:
         k_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(2):
             mbarrier.init(q_ready.index(s), count=1)
             mbarrier.init(q_empty.index(s), count=CONSUMERS)
+        for s in gl.static_range(3):
             mbarrier.init(turn.index(s), count=1)
         for s in gl.static_range(NUM_BUF):
             mbarrier.init(k_ready.index(s), count=1)
@@ -355,11 +370,29 @@ if AVAILABLE:
                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                             NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
                             num_warps: gl.constexpr):
-        """PINGPONG: two consumer warpgroups (num_warps 4 each), half the tile's rows each, taking turns on the
-        tensor cores; else one consumer of num_warps warps for the whole tile."""
-        rings = _query_tile_rings(q_desc, k_desc, v_desc, NUM_BUF, 2 if PINGPONG else 1)
+        """PINGPONG: consumer warpgroups (num_warps 4 each) of 64 rows of the tile each, two (BLOCK_M 128) or three
+        (BLOCK_M 192), taking turns on the tensor cores; else one consumer of num_warps warps for the whole tile."""
+        if PINGPONG and BLOCK_M == 192:  # q_desc's tiles are a warpgroup's 64 rows, two slots of three
+            rings = _query_tile_rings(q_desc, k_desc, v_desc, NUM_BUF, 3, Q_SLOTS=8)
+        else:
+            rings = _query_tile_rings(q_desc, k_desc, v_desc, NUM_BUF, 2 if PINGPONG else 1)
         q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, _do = rings
-        if PINGPONG:
+        if PINGPONG and BLOCK_M == 192:
+            gl.warp_specialize([
+                (_consumer, (0, True, turn, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
+                             v_empty, O, LSE, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK,
+                             SCHED, scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, 64, num_warps, 3)),
+                (_consumer, (1, True, turn, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
+                             v_empty, O, LSE, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK,
+                             SCHED, scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, 64, num_warps, 3)),
+                (_consumer, (2, True, turn, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
+                             v_empty, O, LSE, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK,
+                             SCHED, scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, 64, num_warps, 3)),
+                (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
+                             v_ready, v_empty, B, NH, GROUP, TQ, TK, SCHED, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL,
+                             None, None, False, 3)),
+            ], [num_warps, num_warps, 1], [160, 160, 24])
+        elif PINGPONG:
             gl.warp_specialize([
                 (_consumer, (0, True, turn, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
                              v_empty, O, LSE, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK,
@@ -998,6 +1031,10 @@ def fwd(q, k, v, causal: bool, scale: float, config=None, heads=None, programs=N
     batch, tq, nh, hs = q.shape
     tk, nkv = k.shape[1], k.shape[2]
     block_m, block_n, warps, bufs, pingpong = config or CONFIGS[hs]
+    if pingpong and (block_m not in (128, 192) or warps != 4 or (block_m == 192 and hs != 64)):
+        raise ValueError(f"attention: the Gluon forward's ping-pong takes 4-warp consumers of 64 rows, two (BLOCK_M "
+                         f"128) or, at head dim 64, three (192); not BLOCK_M {block_m} with {warps} warps at head dim "
+                         f"{hs}")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, nh, tq), dtype=torch.float32, device=q.device)
     if batch == 0 or tq == 0:
@@ -1008,7 +1045,7 @@ def fwd(q, k, v, causal: bool, scale: float, config=None, heads=None, programs=N
     grid = min(batch * nh * len(lengths), programs or _num_sms(q.device.index))
     sched = _schedule(q.device, batch * nh, lengths, grid, 2 * tk * hs * k.element_size(), heads)
     _attn_fwd_ws_kernel[(grid,)](
-        _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), out, lse,
+        _descriptor(q, 64 if block_m == 192 else block_m), _descriptor(k, block_n), _descriptor(v, block_n), out, lse,
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         batch, nh, nh // nkv, tq, tk, sched, scale * LOG2E,
         HEAD_DIM=hs, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal, PINGPONG=pingpong,

@@ -439,7 +439,8 @@ def compile_gluon_for_sm90(hs: int, causal: bool, pingpong: bool):
     block_m, block_n, warps, bufs, _ = g.CONFIGS[hs]
     constexprs = dict(HEAD_DIM=hs, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal, PINGPONG=pingpong,
                       num_warps=warps if pingpong else 2 * warps, **_sched(causal))
-    return _compile_gluon(g._attn_fwd_ws_kernel, constexprs, {"q_desc": block_m, "k_desc": block_n, "v_desc": block_n},
+    return _compile_gluon(g._attn_fwd_ws_kernel, constexprs,
+                          {"q_desc": 64 if block_m == 192 else block_m, "k_desc": block_n, "v_desc": block_n},
                           {"O": "*bf16", "LSE": "*fp32", "SCHED": "*i32"}, hs)
 
 
