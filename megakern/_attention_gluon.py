@@ -79,6 +79,17 @@ if AVAILABLE:  # a barrier across a partition's warps: gl.thread_barrier in Trit
 # (BLOCK_M, BLOCK_N, warps per consumer, k/v ring slots, ping-pong) per head dim; with ping-pong a consumer
 # warpgroup for each 64 rows of BLOCK_M (128: two, 192: three; registers a thread 240 and 160 by setmaxnreg)
 CONFIGS = {64: (128, 128, 4, 3, True), 128: (128, 128, 4, 2, True)}
+# Head dim 64: three consumer warpgroups (192-row tiles) where they measured faster on the H200 (docs/tuning.md,
+# attention): full attention at every length, causal from this many query rows.
+CONFIGS_THREE = {64: ((192, 128, 4, 3, True), 8192)}
+
+
+def default_config(hs: int, causal: bool, tq: int) -> tuple:
+    """The forward's tiles for head dim ``hs`` (CONFIGS, or CONFIGS_THREE where it applies)."""
+    three = CONFIGS_THREE.get(hs)
+    if three is not None and (not causal or tq >= three[1]):
+        return three[0]
+    return CONFIGS[hs]
 
 
 if AVAILABLE:
@@ -1030,7 +1041,7 @@ def fwd(q, k, v, causal: bool, scale: float, config=None, heads=None, programs=N
     SM) are for tests and tuning; any value gives the same results."""
     batch, tq, nh, hs = q.shape
     tk, nkv = k.shape[1], k.shape[2]
-    block_m, block_n, warps, bufs, pingpong = config or CONFIGS[hs]
+    block_m, block_n, warps, bufs, pingpong = config or default_config(hs, causal, tq)
     if pingpong and (block_m not in (128, 192) or warps != 4 or (block_m == 192 and hs != 64)):
         raise ValueError(f"attention: the Gluon forward's ping-pong takes 4-warp consumers of 64 rows, two (BLOCK_M "
                          f"128) or, at head dim 64, three (192); not BLOCK_M {block_m} with {warps} warps at head dim "

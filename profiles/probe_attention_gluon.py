@@ -79,7 +79,7 @@ def run_bench(hss, seqs, masks, configs, heads=(None,)) -> None:
                 causal = mask == "causal"
                 flops = 4 * b * nh * t * t * hs / (2 if causal else 1)
                 runs = [("triton", lambda: kern.fwd(q, k, v, causal, hs ** -0.5, (-1, -1), None, None))]
-                for cfg in [c[1:] for c in configs if c[0] == hs] or [glu.CONFIGS[hs]]:
+                for cfg in [c[1:] for c in configs if c[0] == hs] or [glu.default_config(hs, causal, t)]:
                     for hg in heads:
                         runs.append((f"gluon {cfg} heads {hg}",
                                      lambda c=cfg, hg=hg: glu.fwd(q, k, v, causal, hs ** -0.5, c, heads=hg)))

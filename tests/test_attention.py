@@ -430,13 +430,14 @@ def _compile_gluon(fn, constexprs: dict, tiles: dict, pointers: dict, hs: int):
             "st.global.v4" in ptx)
 
 
-def compile_gluon_for_sm90(hs: int, causal: bool, pingpong: bool):
-    """_compile_gluon's facts for the Gluon forward with the CONFIGS tiles of head dim hs (None without Gluon)."""
+def compile_gluon_for_sm90(hs: int, causal: bool, pingpong: bool, three: bool = False):
+    """_compile_gluon's facts for the Gluon forward with the CONFIGS tiles of head dim hs (``three``: its
+    CONFIGS_THREE tiles; None without Gluon)."""
     from megakern import _attention_gluon as g
 
     if not g.AVAILABLE:
         return None
-    block_m, block_n, warps, bufs, _ = g.CONFIGS[hs]
+    block_m, block_n, warps, bufs, _ = g.CONFIGS_THREE[hs][0] if three else g.CONFIGS[hs]
     constexprs = dict(HEAD_DIM=hs, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal, PINGPONG=pingpong,
                       num_warps=warps if pingpong else 2 * warps, **_sched(causal))
     return _compile_gluon(g._attn_fwd_ws_kernel, constexprs,
@@ -475,7 +476,8 @@ def compile_gluon_bwd_for_sm90(kernel: str, hs: int, causal: bool):
                                            **tiles}, {**outputs, "LSE": "*fp32", "DELTA": "*fp32", "SCHED": "*i32"}, hs)
 
 
-@pytest.mark.parametrize("kernel", ("forward", "forward-one-consumer", "dkdv", "dq", "single"))
+@pytest.mark.parametrize("kernel", ("forward", "forward-one-consumer", "forward-three-consumers", "dkdv", "dq",
+                                    "single"))
 @pytest.mark.parametrize("causal", (True, False), ids=("causal", "full"))
 @pytest.mark.parametrize("hs", (64, 128))
 def test_gluon_kernels_compile_for_sm90(hs, causal, kernel):
@@ -488,9 +490,12 @@ def test_gluon_kernels_compile_for_sm90(hs, causal, kernel):
         pytest.skip(f"the single-pass backward takes head dims {g.ATOMIC_HEAD_DIMS}")
     if kernel == "single" and not g.TMA_REDUCE:
         pytest.skip("this Triton's Gluon has no TMA reduce")
+    if kernel == "forward-three-consumers" and hs not in g.CONFIGS_THREE:
+        pytest.skip(f"three consumer warpgroups take head dims {tuple(g.CONFIGS_THREE)}")
     call = (f"compile_gluon_bwd_for_sm90({kernel!r}, {hs}, {causal})"
             if kernel in ("dq", "dkdv", "single")
-            else f"compile_gluon_for_sm90({hs}, {causal}, {kernel == 'forward'})")
+            else f"compile_gluon_for_sm90({hs}, {causal}, {kernel != 'forward-one-consumer'}, "
+                 f"{kernel == 'forward-three-consumers'})")
     result = sm90_lowering("test_attention", call)
     if result is None:
         pytest.skip("this Triton has no Gluon (Triton >= 3.5)")
@@ -499,8 +504,26 @@ def test_gluon_kernels_compile_for_sm90(hs, causal, kernel):
     assert shared <= 227 * 1024, f"{shared} bytes of shared memory"
     # the output tiles (o; dk and dv) leave in 16-byte stores; the dq pass at head dim 128 lacks the shared memory for
     # the layout conversion and stores from the accumulator's layout
-    if kernel in ("forward", "forward-one-consumer", "dkdv", "single"):
+    if kernel in ("forward", "forward-one-consumer", "forward-three-consumers", "dkdv", "single"):
         assert vector_stores, f"{kernel}: no 16-byte global stores"
+
+
+def test_gluon_forward_tiles():
+    """The forward's default tiles: at head dim 64 three consumer warpgroups for full attention and for causal from
+    CONFIGS_THREE's length, two elsewhere; tiles the kernel cannot take are refused before anything is allocated."""
+    from megakern import _attention_gluon as g
+
+    if not g.AVAILABLE:
+        pytest.skip("this Triton has no Gluon (Triton >= 3.5)")
+    three, causal_from = g.CONFIGS_THREE[64]
+    assert three[0] == 192 and g.default_config(64, False, 128) == three
+    assert g.default_config(64, True, causal_from) == three
+    assert g.default_config(64, True, causal_from - 1) == g.CONFIGS[64]
+    assert g.default_config(128, False, 1 << 16) == g.CONFIGS[128] and g.CONFIGS[128][0] == 128
+    q = torch.randn(1, 8, 2, 128, dtype=torch.bfloat16)
+    for config in ((192, 128, 4, 2, True), (256, 128, 4, 2, True), (128, 128, 8, 2, True)):
+        with pytest.raises(ValueError, match="ping-pong takes 4-warp consumers of 64 rows"):
+            g.fwd(q, q, q, True, 0.125, config)
 
 
 def test_gluon_dispatch():
@@ -537,24 +560,29 @@ GLUON_CASES = [  # (B, Tq, Tk, nh, nkv, hs, causal)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pingpong", (True, False), ids=("pingpong", "one-consumer"))
+@pytest.mark.parametrize("layout", ("pingpong", "one-consumer", "three-consumers"))
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: "x".join(map(str, c)))
-def test_gluon_forward(case, dtype, pingpong):
-    """The Gluon forward (both consumer layouts) against fp64 truth under the 2x rule: odd lengths (a ragged last
-    tile, past which TMA reads zeros), Tq != Tk both ways (rows that see no key: out 0, lse -inf), GQA / MQA, a
-    non-contiguous q; and the backward from its lse."""
+def test_gluon_forward(case, dtype, layout):
+    """The Gluon forward (its consumer layouts: two warpgroups taking turns, one consumer, three warpgroups of
+    192-row tiles at head dim 64) against fp64 truth under the 2x rule: odd lengths (a ragged last tile, past which
+    TMA reads zeros), Tq != Tk both ways (rows that see no key: out 0, lse -inf), GQA / MQA, a non-contiguous q; and
+    the backward from its lse."""
     from megakern import _attention_gluon as g
     from megakern.attention import _bwd_kernels
 
     b, tq, tk, nh, nkv, hs, causal = case
-    seed("gluon", case, dtype, pingpong)
+    if layout == "three-consumers" and hs not in g.CONFIGS_THREE:
+        pytest.skip(f"three consumer warpgroups take head dims {tuple(g.CONFIGS_THREE)}")
+    seed("gluon", case, dtype, layout)
     q, k, v = _qkv(b, tq, tk, nh, nkv, hs, dtype)
     if not g.supported(q, k, v, causal, (-1, 0 if causal else -1), None):
         pytest.skip("the Gluon forward needs an sm_90 GPU and Triton with Gluon")
     q = torch.randn(b, nh, tq, hs, device=DEVICE, dtype=dtype).transpose(1, 2)  # (B, T, nh, hs), strided
     block_m, block_n, warps, bufs, _ = g.CONFIGS[hs]
-    config = (block_m, block_n, warps if pingpong else 2 * warps, bufs, pingpong)
+    config = {"pingpong": (block_m, block_n, warps, bufs, True),
+              "one-consumer": (block_m, block_n, 2 * warps, bufs, False),
+              "three-consumers": g.CONFIGS_THREE.get(hs, (None,))[0]}[layout]
     out, lse = g.fwd(q, k, v, causal, hs ** -0.5, config)
     t64 = [t.double() for t in (q, k, v)]
     truth, truth_lse = attention_ref(*t64, causal=causal)
