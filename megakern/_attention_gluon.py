@@ -80,14 +80,14 @@ if AVAILABLE:  # a barrier across a partition's warps: gl.thread_barrier in Trit
 # warpgroup for each 64 rows of BLOCK_M (128: two, 192: three; registers a thread 240 and 160 by setmaxnreg)
 CONFIGS = {64: (128, 128, 4, 3, True), 128: (128, 128, 4, 2, True)}
 # Head dim 64: three consumer warpgroups (192-row tiles) where they measured faster on the H200 (docs/tuning.md,
-# attention): full attention at every length, causal from this many query rows.
-CONFIGS_THREE = {64: ((192, 128, 4, 3, True), 8192)}
+# attention): (tiles, full attention from this many query rows, causal from this many).
+CONFIGS_THREE = {64: ((192, 128, 4, 3, True), 2048, 8192)}
 
 
 def default_config(hs: int, causal: bool, tq: int) -> tuple:
     """The forward's tiles for head dim ``hs`` (CONFIGS, or CONFIGS_THREE where it applies)."""
     three = CONFIGS_THREE.get(hs)
-    if three is not None and (not causal or tq >= three[1]):
+    if three is not None and tq >= three[2 if causal else 1]:
         return three[0]
     return CONFIGS[hs]
 

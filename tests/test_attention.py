@@ -509,16 +509,18 @@ def test_gluon_kernels_compile_for_sm90(hs, causal, kernel):
 
 
 def test_gluon_forward_tiles():
-    """The forward's default tiles: at head dim 64 three consumer warpgroups for full attention and for causal from
-    CONFIGS_THREE's length, two elsewhere; tiles the kernel cannot take are refused before anything is allocated."""
+    """The forward's default tiles: at head dim 64 three consumer warpgroups from CONFIGS_THREE's lengths (full
+    attention, causal), two below them and at head dim 128; tiles the kernel cannot take are refused before anything
+    is allocated."""
     from megakern import _attention_gluon as g
 
     if not g.AVAILABLE:
         pytest.skip("this Triton has no Gluon (Triton >= 3.5)")
-    three, causal_from = g.CONFIGS_THREE[64]
-    assert three[0] == 192 and g.default_config(64, False, 128) == three
-    assert g.default_config(64, True, causal_from) == three
-    assert g.default_config(64, True, causal_from - 1) == g.CONFIGS[64]
+    three, full_from, causal_from = g.CONFIGS_THREE[64]
+    assert three[0] == 192 and full_from < causal_from
+    for causal, start in ((False, full_from), (True, causal_from)):
+        assert g.default_config(64, causal, start) == three and g.default_config(64, causal, 1 << 20) == three
+        assert g.default_config(64, causal, start - 1) == g.CONFIGS[64]
     assert g.default_config(128, False, 1 << 16) == g.CONFIGS[128] and g.CONFIGS[128][0] == 128
     q = torch.randn(1, 8, 2, 128, dtype=torch.bfloat16)
     for config in ((192, 128, 4, 2, True), (256, 128, 4, 2, True), (128, 128, 8, 2, True)):
