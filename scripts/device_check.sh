@@ -92,6 +92,11 @@ if want peers; then
   # PEER_BENCHES picks among: attention norm cross_entropy. Attention over both head dims takes more than one call
   # of ten minutes (FlashAttention-4 compiles each shape): PEER_HEAD_DIMS=64, then 128, in two calls
   step "peers"
+  # FlashAttention-4's compiled kernels in its own disk cache (keyed by its sources, Python and DSL versions), kept in
+  # .peers-cache/fa4 of this tree: a tree that carries .peers-cache/ from an earlier call skips those compilations,
+  # and $OUT/fa4-cache.tgz returns the cache for the next call to carry
+  export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=${FLASH_ATTENTION_CUTE_DSL_CACHE_DIR:-$PWD/.peers-cache/fa4}
+  mkdir -p "$FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"
   if [ ! -f .peers2/install.sh ]; then
     echo "peers: .peers2/ is not in this tree (carry it)"; status=1
   elif ! source .peers2/install.sh; then
@@ -113,6 +118,9 @@ if want peers; then
     for name in ${PEER_BENCHES:-attention norm cross_entropy}; do
       cp benchmarks/results/"$gpu"/"$name".csv "$OUT/peers_${name}_$gpu.csv" 2>/dev/null
     done
+    tar czf "$OUT/fa4-cache.tgz" -C "$FLASH_ATTENTION_CUTE_DSL_CACHE_DIR" . && \
+      echo "peers: FlashAttention-4's kernel cache, $(du -sh "$OUT/fa4-cache.tgz" | cut -f1): $OUT/fa4-cache.tgz" \
+           "(here: mkdir -p .peers-cache/fa4 && tar xzf fa4-cache.tgz -C .peers-cache/fa4; carry .peers-cache)"
   fi
 fi
 
