@@ -244,9 +244,12 @@ if AVAILABLE:
                   k_ready, k_empty, v_ready, v_empty, O, LSE,
                   stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK, SCHED, scale_log2,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
-                  CAUSAL: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr, WGS: gl.constexpr = 2):
+                  CAUSAL: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr, WGS: gl.constexpr = 2,
+                  OWN: gl.constexpr = False):
         """The rows WG * ROWS .. + ROWS - 1 of each tile (all of them without ping-pong), on WARPS warps; with
-        ping-pong one of WGS consumer warpgroups taking turns."""
+        ping-pong one of WGS consumer warpgroups taking turns. OWN: the warpgroup computes only the key blocks its
+        own rows see (causal: fewer than the tile's), and for the tile's others frees their slots and keeps its
+        turns, so that every warpgroup takes the same number of turns a tile."""
         layouts: gl.constexpr = _wgmma_layouts(WARPS, BLOCK_N, HEAD_DIM)
         s_layout: gl.constexpr = layouts[0]
         o_layout: gl.constexpr = layouts[1]
@@ -265,6 +268,9 @@ if AVAILABLE:
             t = _tile_at(SCHED, gl.minimum(idx + step, hi - 1))  # the next tile, read ahead
             my_m = start_m + WG * ROWS
             n, first_masked = _key_range(start_m, TQ, TK, BLOCK_M, BLOCK_N, CAUSAL)
+            n_tile = n
+            if OWN:
+                n, first_masked = _key_range(my_m, TQ, TK, ROWS, BLOCK_N, CAUSAL)
             qs = i % 2
             mbarrier.wait(q_ready.index(qs), (i // 2) & 1)
             if WGS == 3:  # q in a 64-row part a warpgroup (_producer's QPARTS)
@@ -328,6 +334,22 @@ if AVAILABLE:
                 mbarrier.arrive(v_empty.index(prev), count=1)
             else:
                 mbarrier.arrive(q_empty.index(qs), count=1)
+            if OWN:
+                # the tile's blocks past this warpgroup's rows: their slots freed, their turns kept (n + 1 turns a
+                # tile for every warpgroup: one more when this one had no block of its own)
+                for _j in range(n, n_tile):
+                    s = cnt % NUM_BUF
+                    ph = (cnt // NUM_BUF) & 1
+                    mbarrier.wait(k_ready.index(s), ph)
+                    mbarrier.arrive(k_empty.index(s), count=1)
+                    mbarrier.wait(v_ready.index(s), ph)
+                    mbarrier.arrive(v_empty.index(s), count=1)
+                    slot = _turn_wait(turn, slot, WG, PINGPONG)
+                    _turn_pass(turn, WG, PINGPONG, WGS)
+                    cnt += 1
+                if n == 0 and n_tile > 0:
+                    slot = _turn_wait(turn, slot, WG, PINGPONG)
+                    _turn_pass(turn, WG, PINGPONG, WGS)
             i += 1
             # normalize and store; a row that saw no key gets 0 and lse -inf
             seen = l_i > 0.0
@@ -380,9 +402,10 @@ if AVAILABLE:
                             B, NH, GROUP, TQ, TK, SCHED, scale_log2,
                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                             NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                            num_warps: gl.constexpr):
+                            num_warps: gl.constexpr, OWN_RANGES: gl.constexpr = False):
         """PINGPONG: consumer warpgroups (num_warps 4 each) of 64 rows of the tile each, two (BLOCK_M 128) or three
-        (BLOCK_M 192), taking turns on the tensor cores; else one consumer of num_warps warps for the whole tile."""
+        (BLOCK_M 192), taking turns on the tensor cores; else one consumer of num_warps warps for the whole tile.
+        OWN_RANGES (three warpgroups): each computes only the key blocks its own rows see (_consumer's OWN)."""
         if PINGPONG and BLOCK_M == 192:  # q_desc's tiles are a warpgroup's 64 rows, two slots of three
             rings = _query_tile_rings(q_desc, k_desc, v_desc, NUM_BUF, 3, Q_SLOTS=8)
         else:
@@ -392,13 +415,16 @@ if AVAILABLE:
             gl.warp_specialize([
                 (_consumer, (0, True, turn, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
                              v_empty, O, LSE, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK,
-                             SCHED, scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, 64, num_warps, 3)),
+                             SCHED, scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, 64, num_warps, 3,
+                             OWN_RANGES)),
                 (_consumer, (1, True, turn, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
                              v_empty, O, LSE, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK,
-                             SCHED, scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, 64, num_warps, 3)),
+                             SCHED, scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, 64, num_warps, 3,
+                             OWN_RANGES)),
                 (_consumer, (2, True, turn, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
                              v_empty, O, LSE, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK,
-                             SCHED, scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, 64, num_warps, 3)),
+                             SCHED, scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, 64, num_warps, 3,
+                             OWN_RANGES)),
                 (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
                              v_ready, v_empty, B, NH, GROUP, TQ, TK, SCHED, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL,
                              None, None, False, 3)),
@@ -1035,10 +1061,11 @@ def bwd_dq(dout, q, k, v, out, lse, delta, dq, causal: bool, scale: float, confi
     return dq, delta
 
 
-def fwd(q, k, v, causal: bool, scale: float, config=None, heads=None, programs=None):
+def fwd(q, k, v, causal: bool, scale: float, config=None, heads=None, programs=None, own_ranges: bool = False):
     """(out, lse) for fixed-length (B, T, heads, hs) q, k, v that ``supported`` accepts. ``heads`` (heads per group
     of the tile schedule, see _schedule) and ``programs`` (at most this many persistent programs instead of one per
-    SM) are for tests and tuning; any value gives the same results."""
+    SM) are for tests and tuning; any value gives the same results. ``own_ranges`` (tiles of three consumer
+    warpgroups, for tuning): each warpgroup computes only the key blocks its own rows see."""
     batch, tq, nh, hs = q.shape
     tk, nkv = k.shape[1], k.shape[2]
     block_m, block_n, warps, bufs, pingpong = config or default_config(hs, causal, tq)
@@ -1046,6 +1073,8 @@ def fwd(q, k, v, causal: bool, scale: float, config=None, heads=None, programs=N
         raise ValueError(f"attention: the Gluon forward's ping-pong takes 4-warp consumers of 64 rows, two (BLOCK_M "
                          f"128) or, at head dim 64, three (192); not BLOCK_M {block_m} with {warps} warps at head dim "
                          f"{hs}")
+    if own_ranges and not (pingpong and block_m == 192):
+        raise ValueError("attention: own_ranges takes the Gluon forward's three consumer warpgroups (BLOCK_M 192)")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, nh, tq), dtype=torch.float32, device=q.device)
     if batch == 0 or tq == 0:
@@ -1060,6 +1089,6 @@ def fwd(q, k, v, causal: bool, scale: float, config=None, heads=None, programs=N
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         batch, nh, nh // nkv, tq, tk, sched, scale * LOG2E,
         HEAD_DIM=hs, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal, PINGPONG=pingpong,
-        num_warps=warps,
+        num_warps=warps, OWN_RANGES=own_ranges,
     )
     return out, lse

@@ -3,7 +3,10 @@ Triton forward's error, then TFLOP/s beside the Triton forward and SDPA's flash 
 16384, nh * hs = 2048, as benchmarks/bench_attention.py), and the same-run bf16 matmul rate.
 
     python profiles/probe_attention_gluon.py [--check] [--bench] [--hs 64,128] [--seq 1024,2048,4096]
-                                             [--configs "128x128x8x2,..."] [--masks causal,full]
+                                             [--configs "128x128x8x2,..."] [--masks causal,full] [--own-ranges]
+
+``--own-ranges``: each 192-row (three-warpgroup) configuration also with ``own_ranges`` (each warpgroup computes
+only the key blocks its own rows see).
     python profiles/probe_attention_gluon.py --bwd [--configs "128x64x128x4x2,..."] [--dq-configs "128x128x64x4x3x1"]
 """
 from __future__ import annotations
@@ -24,7 +27,12 @@ def _err(got, want) -> float:
     return (got.float() - want.float()).abs().max().item()
 
 
-def check(configs) -> bool:
+def _variants(cfg, own_ranges: bool) -> list[bool]:
+    """The own_ranges values to run ``cfg`` (hs, BLOCK_M, ...) with."""
+    return [False, True] if own_ranges and cfg is not None and cfg[1] == 192 else [False]
+
+
+def check(configs, own_ranges: bool = False) -> bool:
     ok = True
     dev = torch.device("cuda")
     cases = [  # (B, Tq, Tk, nh, nkv, hs, causal, dtype)
@@ -48,24 +56,26 @@ def check(configs) -> bool:
         for cfg in configs or [None]:
             if cfg is not None and cfg[0] != hs:
                 continue
-            out, lse = glu.fwd(q, k, v, causal, scale, cfg[1:] if cfg else None)
-            out3, lse3 = glu.fwd(q, k, v, causal, scale, cfg[1:] if cfg else None, heads=3)
-            same = torch.equal(out3, out) and torch.equal(lse3, lse)  # tiles in groups of 3 heads: same results
-            e = _err(out, ref)
-            finite = torch.isfinite(ref_lse)
-            lse_e = (lse - ref_lse)[finite].abs().max().item() if finite.any() else 0.0
-            lse_inf = bool((lse[~finite] == float("-inf")).all())
-            good = (e <= 2 * max(le, te) + 1e-5 and lse_e < 1e-3 and lse_inf and torch.isfinite(out).all().item()
-                    and same)
-            ok &= good
-            print(f"check B{b} Tq{tq} Tk{tk} nh{nh}/{nkv} hs{hs} causal={causal} {dtype} {cfg}: gluon {e:.2e} "
-                  f"triton {te:.2e} low-precision torch {le:.2e} lse {lse_e:.1e} grouped same {same} -> "
-                  f"{'ok' if good else 'WRONG'}",
-                  flush=True)
+            for own in _variants(cfg, own_ranges):
+                out, lse = glu.fwd(q, k, v, causal, scale, cfg[1:] if cfg else None, own_ranges=own)
+                out3, lse3 = glu.fwd(q, k, v, causal, scale, cfg[1:] if cfg else None, heads=3, own_ranges=own)
+                same = torch.equal(out3, out) and torch.equal(lse3, lse)  # tiles in groups of 3 heads: same results
+                e = _err(out, ref)
+                finite = torch.isfinite(ref_lse)
+                lse_e = (lse - ref_lse)[finite].abs().max().item() if finite.any() else 0.0
+                lse_inf = bool((lse[~finite] == float("-inf")).all())
+                good = (e <= 2 * max(le, te) + 1e-5 and lse_e < 1e-3 and lse_inf
+                        and torch.isfinite(out).all().item() and same)
+                ok &= good
+                label = f"{cfg}{' own ranges' if own else ''}"
+                print(f"check B{b} Tq{tq} Tk{tk} nh{nh}/{nkv} hs{hs} causal={causal} {dtype} {label}: gluon {e:.2e} "
+                      f"triton {te:.2e} low-precision torch {le:.2e} lse {lse_e:.1e} grouped same {same} -> "
+                      f"{'ok' if good else 'WRONG'}",
+                      flush=True)
     return ok
 
 
-def run_bench(hss, seqs, masks, configs, heads=(None,)) -> None:
+def run_bench(hss, seqs, masks, configs, heads=(None,), own_ranges: bool = False) -> None:
     dev = torch.device("cuda")
     peak = measure_matmul_tflops(dev)
     print(f"bf16 matmul {peak:.1f} TFLOP/s")
@@ -81,8 +91,10 @@ def run_bench(hss, seqs, masks, configs, heads=(None,)) -> None:
                 runs = [("triton", lambda: kern.fwd(q, k, v, causal, hs ** -0.5, (-1, -1), None, None))]
                 for cfg in [c[1:] for c in configs if c[0] == hs] or [glu.default_config(hs, causal, t)]:
                     for hg in heads:
-                        runs.append((f"gluon {cfg} heads {hg}",
-                                     lambda c=cfg, hg=hg: glu.fwd(q, k, v, causal, hs ** -0.5, c, heads=hg)))
+                        for own in _variants((hs, *cfg), own_ranges):
+                            runs.append((f"gluon {cfg}{' own ranges' if own else ''} heads {hg}",
+                                         lambda c=cfg, hg=hg, own=own: glu.fwd(q, k, v, causal, hs ** -0.5, c,
+                                                                               heads=hg, own_ranges=own)))
                 for name, backend in (("sdpa-flash", SDPBackend.FLASH_ATTENTION),
                                       ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
                     def fn(backend=backend):
@@ -237,6 +249,8 @@ def main() -> None:
     p.add_argument("--configs", default="")
     p.add_argument("--dq-configs", default="", help="hs x BLOCK_M x BLOCK_N x warps x slots x pingpong (0 / 1), comma "
                    "separated")
+    p.add_argument("--own-ranges", action="store_true",
+                   help="192-row configurations also with each warpgroup's own key ranges")
     p.add_argument("--heads", default="", help="tile orders to time: (batch, head) pairs per group, comma "
                    "separated, 0 for all in one group")
     a = p.parse_args()
@@ -244,7 +258,7 @@ def main() -> None:
     # configs: hs x BLOCK_M x BLOCK_N x warps x slots x pingpong (0 / 1)
     configs = [tuple(int(x) for x in c.split("x")) for c in a.configs.split(",") if c]
     configs = [(*c[:5], bool(c[5])) if len(c) == 6 else c for c in configs]  # backward configs: 5 numbers
-    if a.check and not check(configs):
+    if a.check and not check(configs, a.own_ranges):
         print("GLUON CHECK FAILED")
     if a.bwd:
         dq_configs = [tuple(int(x) for x in c.split("x")) for c in a.dq_configs.split(",") if c]
@@ -253,7 +267,7 @@ def main() -> None:
         host()
     if a.bench:
         run_bench([int(h) for h in a.hs.split(",")], [int(s) for s in a.seq.split(",")], a.masks.split(","),
-                  configs, heads)
+                  configs, heads, a.own_ranges)
 
 
 if __name__ == "__main__":

@@ -430,16 +430,16 @@ def _compile_gluon(fn, constexprs: dict, tiles: dict, pointers: dict, hs: int):
             "st.global.v4" in ptx)
 
 
-def compile_gluon_for_sm90(hs: int, causal: bool, pingpong: bool, three: bool = False):
+def compile_gluon_for_sm90(hs: int, causal: bool, pingpong: bool, three: bool = False, own: bool = False):
     """_compile_gluon's facts for the Gluon forward with the CONFIGS tiles of head dim hs (``three``: its
-    CONFIGS_THREE tiles; None without Gluon)."""
+    CONFIGS_THREE tiles, ``own`` with each warpgroup's own key ranges; None without Gluon)."""
     from megakern import _attention_gluon as g
 
     if not g.AVAILABLE:
         return None
     block_m, block_n, warps, bufs, _ = g.CONFIGS_THREE[hs][0] if three else g.CONFIGS[hs]
     constexprs = dict(HEAD_DIM=hs, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal, PINGPONG=pingpong,
-                      num_warps=warps if pingpong else 2 * warps, **_sched(causal))
+                      num_warps=warps if pingpong else 2 * warps, OWN_RANGES=own, **_sched(causal))
     return _compile_gluon(g._attn_fwd_ws_kernel, constexprs,
                           {"q_desc": 64 if block_m == 192 else block_m, "k_desc": block_n, "v_desc": block_n},
                           {"O": "*bf16", "LSE": "*fp32", "SCHED": "*i32"}, hs)
@@ -476,8 +476,8 @@ def compile_gluon_bwd_for_sm90(kernel: str, hs: int, causal: bool):
                                            **tiles}, {**outputs, "LSE": "*fp32", "DELTA": "*fp32", "SCHED": "*i32"}, hs)
 
 
-@pytest.mark.parametrize("kernel", ("forward", "forward-one-consumer", "forward-three-consumers", "dkdv", "dq",
-                                    "single"))
+@pytest.mark.parametrize("kernel", ("forward", "forward-one-consumer", "forward-three-consumers",
+                                    "forward-three-consumers-own-ranges", "dkdv", "dq", "single"))
 @pytest.mark.parametrize("causal", (True, False), ids=("causal", "full"))
 @pytest.mark.parametrize("hs", (64, 128))
 def test_gluon_kernels_compile_for_sm90(hs, causal, kernel):
@@ -490,12 +490,12 @@ def test_gluon_kernels_compile_for_sm90(hs, causal, kernel):
         pytest.skip(f"the single-pass backward takes head dims {g.ATOMIC_HEAD_DIMS}")
     if kernel == "single" and not g.TMA_REDUCE:
         pytest.skip("this Triton's Gluon has no TMA reduce")
-    if kernel == "forward-three-consumers" and hs not in g.CONFIGS_THREE:
+    if kernel.startswith("forward-three-consumers") and hs not in g.CONFIGS_THREE:
         pytest.skip(f"three consumer warpgroups take head dims {tuple(g.CONFIGS_THREE)}")
     call = (f"compile_gluon_bwd_for_sm90({kernel!r}, {hs}, {causal})"
             if kernel in ("dq", "dkdv", "single")
             else f"compile_gluon_for_sm90({hs}, {causal}, {kernel != 'forward-one-consumer'}, "
-                 f"{kernel == 'forward-three-consumers'})")
+                 f"{kernel.startswith('forward-three-consumers')}, {kernel.endswith('own-ranges')})")
     result = sm90_lowering("test_attention", call)
     if result is None:
         pytest.skip("this Triton has no Gluon (Triton >= 3.5)")
@@ -504,7 +504,7 @@ def test_gluon_kernels_compile_for_sm90(hs, causal, kernel):
     assert shared <= 227 * 1024, f"{shared} bytes of shared memory"
     # the output tiles (o; dk and dv) leave in 16-byte stores; the dq pass at head dim 128 lacks the shared memory for
     # the layout conversion and stores from the accumulator's layout
-    if kernel in ("forward", "forward-one-consumer", "forward-three-consumers", "dkdv", "single"):
+    if kernel.startswith("forward") or kernel in ("dkdv", "single"):
         assert vector_stores, f"{kernel}: no 16-byte global stores"
 
 
@@ -526,6 +526,8 @@ def test_gluon_forward_tiles():
     for config in ((192, 128, 4, 2, True), (256, 128, 4, 2, True), (128, 128, 8, 2, True)):
         with pytest.raises(ValueError, match="ping-pong takes 4-warp consumers of 64 rows"):
             g.fwd(q, q, q, True, 0.125, config)
+    with pytest.raises(ValueError, match="own_ranges takes the Gluon forward's three consumer warpgroups"):
+        g.fwd(q, q, q, True, 0.125, g.CONFIGS[128], own_ranges=True)
 
 
 def test_gluon_dispatch():
@@ -558,23 +560,26 @@ GLUON_CASES = [  # (B, Tq, Tk, nh, nkv, hs, causal)
     (3, 17, 17, 4, 2, 64, True), (2, 1, 1, 2, 2, 64, True), (2, 300, 700, 4, 2, 64, True),
     (2, 700, 300, 4, 4, 128, True), (2, 513, 513, 8, 1, 64, False), (1, 2048, 2048, 3, 3, 128, True),
     (2, 2048, 2048, 8, 2, 64, True),
+    # Tq - Tk = 450: the 192-row tile of rows 384-575 sees keys, its first 64 rows none (a warpgroup without a block)
+    (2, 750, 300, 4, 2, 64, True),
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", ("pingpong", "one-consumer", "three-consumers"))
+@pytest.mark.parametrize("layout", ("pingpong", "one-consumer", "three-consumers", "three-consumers-own-ranges"))
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: "x".join(map(str, c)))
 def test_gluon_forward(case, dtype, layout):
     """The Gluon forward (its consumer layouts: two warpgroups taking turns, one consumer, three warpgroups of
-    192-row tiles at head dim 64) against fp64 truth under the 2x rule: odd lengths (a ragged last tile, past which
-    TMA reads zeros), Tq != Tk both ways (rows that see no key: out 0, lse -inf), GQA / MQA, a non-contiguous q; and
-    the backward from its lse."""
+    192-row tiles at head dim 64, also with each warpgroup's own key ranges) against fp64 truth under the 2x rule:
+    odd lengths (a ragged last tile, past which TMA reads zeros), Tq != Tk both ways (rows that see no key: out 0,
+    lse -inf, a warpgroup without a key block of its own), GQA / MQA, a non-contiguous q; and the backward from its
+    lse."""
     from megakern import _attention_gluon as g
     from megakern.attention import _bwd_kernels
 
     b, tq, tk, nh, nkv, hs, causal = case
-    if layout == "three-consumers" and hs not in g.CONFIGS_THREE:
+    if layout.startswith("three-consumers") and hs not in g.CONFIGS_THREE:
         pytest.skip(f"three consumer warpgroups take head dims {tuple(g.CONFIGS_THREE)}")
     seed("gluon", case, dtype, layout)
     q, k, v = _qkv(b, tq, tk, nh, nkv, hs, dtype)
@@ -584,8 +589,9 @@ def test_gluon_forward(case, dtype, layout):
     block_m, block_n, warps, bufs, _ = g.CONFIGS[hs]
     config = {"pingpong": (block_m, block_n, warps, bufs, True),
               "one-consumer": (block_m, block_n, 2 * warps, bufs, False),
-              "three-consumers": g.CONFIGS_THREE.get(hs, (None,))[0]}[layout]
-    out, lse = g.fwd(q, k, v, causal, hs ** -0.5, config)
+              "three-consumers": g.CONFIGS_THREE.get(hs, (None,))[0],
+              "three-consumers-own-ranges": g.CONFIGS_THREE.get(hs, (None,))[0]}[layout]
+    out, lse = g.fwd(q, k, v, causal, hs ** -0.5, config, own_ranges=layout.endswith("own-ranges"))
     t64 = [t.double() for t in (q, k, v)]
     truth, truth_lse = attention_ref(*t64, causal=causal)
     lowp, _ = attention_ref(q, k, v, causal=causal, upcast=False)
