@@ -131,3 +131,13 @@ def test_bench_parallel_profile_keeps_the_tables_and_every_ranks_trace(tmp_path,
         with gzip.open(tmp_path / "prof" / name, "rt") as f:
             trace = json.load(f)
         assert any(e.get("name", "").startswith("ProfilerStep") for e in trace["traceEvents"]), name
+
+
+def test_bench_parallel_reports_where_a_stopped_run_was(tmp_path, capsys):
+    """A run still going at --timeout is stopped and reported with the output it had printed (where it hung),
+    and the other layouts still run."""
+    results = bench_parallel.main(["--tiny", "--device", "cpu", "--layouts", "1", "--timeout", "0.5",
+                                   "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "1                FAILED: no exit within 0.5 s (--timeout); the run's last output:" in out, out[-2000:]
+    assert not [f for f in results.figures if f[1] == "1"]
