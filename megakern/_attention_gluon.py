@@ -80,8 +80,9 @@ if AVAILABLE:  # a barrier across a partition's warps: gl.thread_barrier in Trit
 # warpgroup for each 64 rows of BLOCK_M (128: two, 192: three; registers a thread 240 and 160 by setmaxnreg)
 CONFIGS = {64: (128, 128, 4, 3, True), 128: (128, 128, 4, 2, True)}
 # Head dim 64: three consumer warpgroups (192-row tiles) where they measured faster on the H200 (docs/tuning.md,
-# attention): (tiles, full attention from this many query rows, causal from this many).
-CONFIGS_THREE = {64: ((192, 128, 4, 3, True), 2048, 8192)}
+# attention): (tiles, full attention from this many query rows, causal from this many; causal tiles of three
+# warpgroups compute each warpgroup's own key ranges, see ``fwd``).
+CONFIGS_THREE = {64: ((192, 128, 4, 3, True), 2048, 2048)}
 
 
 def default_config(hs: int, causal: bool, tq: int) -> tuple:
@@ -1061,14 +1062,17 @@ def bwd_dq(dout, q, k, v, out, lse, delta, dq, causal: bool, scale: float, confi
     return dq, delta
 
 
-def fwd(q, k, v, causal: bool, scale: float, config=None, heads=None, programs=None, own_ranges: bool = False):
+def fwd(q, k, v, causal: bool, scale: float, config=None, heads=None, programs=None, own_ranges: bool | None = None):
     """(out, lse) for fixed-length (B, T, heads, hs) q, k, v that ``supported`` accepts. ``heads`` (heads per group
     of the tile schedule, see _schedule) and ``programs`` (at most this many persistent programs instead of one per
     SM) are for tests and tuning; any value gives the same results. ``own_ranges`` (tiles of three consumer
-    warpgroups, for tuning): each warpgroup computes only the key blocks its own rows see."""
+    warpgroups): each warpgroup computes only the key blocks its own rows see; None: with causal masks (the faster
+    one there; without one every warpgroup sees every block)."""
     batch, tq, nh, hs = q.shape
     tk, nkv = k.shape[1], k.shape[2]
     block_m, block_n, warps, bufs, pingpong = config or default_config(hs, causal, tq)
+    if own_ranges is None:
+        own_ranges = causal and pingpong and block_m == 192
     if pingpong and (block_m not in (128, 192) or warps != 4 or (block_m == 192 and hs != 64)):
         raise ValueError(f"attention: the Gluon forward's ping-pong takes 4-warp consumers of 64 rows, two (BLOCK_M "
                          f"128) or, at head dim 64, three (192); not BLOCK_M {block_m} with {warps} warps at head dim "

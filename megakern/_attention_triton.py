@@ -497,25 +497,25 @@ CONFIGS = {
     "fwd": {32: ((_LONG, (128, 64, 4, 3, "host")),),
             64: ((1024, (128, 32, 4, 4, "device")), (_LONG, (128, 64, 4, 3, "host"))),
             128: ((1024, (128, 32, 4, 4, "device")), (_LONG, (128, 128, 8, 3, "host"))),
-            256: ((_LONG, (64, 32, 4, 2, "device")),)},
+            256: ((_LONG, (128, 64, 8, 2, "device")),)},
     # while a CUDA graph is captured launch cost is paid once: the launcher's descriptors at every length
     "fwd_graph": {32: ((_LONG, (128, 64, 4, 3, "host")),),
                   64: ((_LONG, (128, 64, 4, 3, "host")),),
                   128: ((1024, (128, 32, 4, 4, "host")), (_LONG, (128, 128, 8, 3, "host"))),
-                  256: ((_LONG, (64, 32, 4, 2, "device")),)},
+                  256: ((_LONG, (128, 64, 8, 2, "device")),)},
     # "hybrid": the loaded-once k and v tiles in registers, the loop's through the launcher's descriptors
     "dkdv": {32: ((_LONG, (32, 64, 4, 3, "device")),),
              64: ((1024, (32, 128, 4, 3, False)), (_LONG, (32, 64, 4, 3, "hybrid"))),
              128: ((1024, (64, 64, 4, 2, "device")), (_LONG, (64, 64, 4, 2, "hybrid"))),
-             256: ((_LONG, (32, 64, 4, 2, "device")),)},
+             256: ((_LONG, (64, 64, 8, 2, "device")),)},
     # the single pass with atomic dq (deterministic=False), at its best tiles
     "dkdv_atomic": {32: ((_LONG, (64, 64, 4, 2, "device")),), 64: ((_LONG, (64, 64, 4, 2, "device")),), 128: ((_LONG, (32, 128, 8, 3, "device")),),
-                    256: ((_LONG, (32, 64, 4, 2, "device")),)},
+                    256: ((_LONG, (32, 64, 8, 2, "device")),)},
     # "hybrid" as for dk/dv, with the loaded-once q and dO tiles in registers
     "dq": {32: ((_LONG, (64, 64, 4, 3, "device")),),
            64: ((1024, (128, 32, 4, 4, False)), (_LONG, (64, 64, 4, 3, "hybrid"))),
            128: ((1024, (128, 32, 4, 3, "device")), (_LONG, (128, 64, 8, 3, "hybrid"))),
-           256: ((_LONG, (64, 32, 4, 2, "device")),)},
+           256: ((_LONG, (128, 32, 8, 2, "device")),)},
 }
 
 
