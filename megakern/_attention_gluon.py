@@ -600,10 +600,10 @@ if AVAILABLE:
                         dst = dst.to(dtype)
                     dst_op = gl.convert_layout(dst, a_layout)
                     dv = warpgroup_mma(pt_op, do, dv, is_async=True)
+                    dk = warpgroup_mma(dst_op, q, dk, is_async=True)
                     if SUM_DQ:
-                        # this warpgroup's rows of dS^T into the shared tile while dv's product runs; dq's product
-                        # waits for the other warpgroup's rows and goes before dk's, so that dq leaves (its store
-                        # into the slot, the TMA reduce) while dk's product runs
+                        # this warpgroup's rows of dS^T into the shared tile while dv's and dk's products run; dq's
+                        # product waits for the other warpgroup's rows
                         ds_s = cnt % DS_BUF
                         ds_ph = (cnt // DS_BUF) & 1
                         mbarrier.wait(ds_empty.index(ds_s), ds_ph ^ 1)
@@ -613,17 +613,14 @@ if AVAILABLE:
                         mbarrier.arrive(ds_ready.index(ds_s), count=1)
                         mbarrier.wait(ds_ready.index(ds_s), ds_ph)
                         dq = warpgroup_mma(ds_tile.permute((1, 0)), k_dq, dq_zero, use_acc=False, is_async=True)
-                        dk = warpgroup_mma(dst_op, q, dk, is_async=True)
-                        dv, dq, pt_op = warpgroup_mma_wait(1, deps=[dv, dq, pt_op])
+                        dv, dk, dq, pt_op, dst_op = warpgroup_mma_wait(0, deps=[dv, dk, dq, pt_op, dst_op])
+                        mbarrier.arrive(q_empty.index(s), count=1)
                         mbarrier.arrive(ds_empty.index(ds_s), count=1)
                         tma.store_wait(0)  # the previous block's reduce has read the slot
                         dq_slot.reshape([BLOCK_M, DQ_N]).store(dq * scale)
                         fence_async_shared()
                         _tma_reduce_add(dq_desc, [b, start_m, h, WG * DQ_N], dq_slot)
-                        dk, dst_op = warpgroup_mma_wait(0, deps=[dk, dst_op])
-                        mbarrier.arrive(q_empty.index(s), count=1)
                     else:
-                        dk = warpgroup_mma(dst_op, q, dk, is_async=True)
                         dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=[dv, dk, pt_op, dst_op])
                         mbarrier.arrive(q_empty.index(s), count=1)
                     cnt += 1
