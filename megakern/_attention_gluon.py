@@ -519,22 +519,21 @@ if AVAILABLE:
         once its q and dO have landed in their ring slot: (slot, q, dO, P^T, dS^T = P^T (dP^T - delta)) from
         S^T = K Q^T and dP^T = V dO^T on the tensor cores and the rows' base-2 lse and delta, which the producer put
         beside them (``stat_bufs``), P^T 0 above the causal diagonal (the queries before ``full``)."""
-        cols_m = start_m + gl.arange(0, BLOCK_M, layout=col_s)
         s = cnt % NUM_BUF
         mbarrier.wait(q_ready.index(s), (cnt // NUM_BUF) & 1)
-        lse2 = stat_bufs.index(2 * s).load(col_s)
-        delta = stat_bufs.index(2 * s + 1).load(col_s)
         q = q_bufs.index(s).reshape([BLOCK_M, HEAD_DIM])
         do = do_bufs.index(s).reshape([BLOCK_M, HEAD_DIM])
         st = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dpt = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         st = warpgroup_mma_wait(1, deps=[st])  # P^T's exponentials run under dP^T's product
-        pt = gl.exp2(st * scale_log2 - lse2[None, :])
+        # lse and delta read from shared memory where they are used, not held in registers across the products
+        pt = gl.exp2(st * scale_log2 - stat_bufs.index(2 * s).load(col_s)[None, :])
         if CAUSAL:
             if start_m < full:
+                cols_m = start_m + gl.arange(0, BLOCK_M, layout=col_s)
                 pt = gl.where(rows_n[:, None] <= cols_m[None, :] + (TK - TQ), pt, 0.0)
         dpt = warpgroup_mma_wait(0, deps=[dpt])
-        return s, q, do, pt, pt * (dpt - delta[None, :])
+        return s, q, do, pt, pt * (dpt - stat_bufs.index(2 * s + 1).load(col_s)[None, :])
 
     @gluon.jit
     def _bwd_consumer(WG: gl.constexpr, k_bufs, v_bufs, q_bufs, do_bufs, kv_ready, kv_empty, q_ready, q_empty,
@@ -671,7 +670,7 @@ if AVAILABLE:
         ds_ready = q_ready
         ds_empty = q_empty
         if SUM_DQ:
-            gl.static_assert(BLOCK_M == 64, "a query block is one wgmma's 64 rows")
+            gl.static_assert(BLOCK_M == 64 or BLOCK_M == 128, "a query block is one or two wgmma rows of 64")
             ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
             ds_bufs = gl.allocate_shared_memory(dtype, [DS_BUF, BLOCK_N, BLOCK_M], ds_layout)
             dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
@@ -994,8 +993,9 @@ def bwd_single(dout, q, k, v, lse, delta, dk, dv, dq_acc, causal: bool, scale: f
     block_m, block_n, warps, bufs, kv_bufs, ds_bufs = config or SINGLE_CONFIGS[hs]
     if not TMA_REDUCE:
         raise ValueError("attention: the Gluon single-pass backward adds dq by TMA reduces, which this Triton lacks")
-    if block_m != 64 or block_n != 128:
-        raise ValueError(f"attention: the Gluon single-pass backward takes (64, 128) tiles, not {(block_m, block_n)}")
+    if block_m not in (64, 128) or block_n != 128:
+        raise ValueError(f"attention: the Gluon single-pass backward takes (64, 128) or (128, 128) tiles, not "
+                         f"{(block_m, block_n)}")
     if (dq_acc.shape != q.shape or dq_acc.dtype != torch.float32 or dq_acc.stride(-1) != 1
             or not tma_aligned((dq_acc,))):
         raise ValueError("attention: dq_acc must be an fp32 tensor shaped like q with unit stride along hs and "

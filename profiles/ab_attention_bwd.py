@@ -6,6 +6,10 @@ version's whole backward, deterministic (the Gluon dq and dk/dv passes) against 
 
     git show REV:megakern/_attention_gluon.py > /tmp/base_attention_gluon.py
     python profiles/ab_attention_bwd.py --base /tmp/base_attention_gluon.py [--pair]
+        [--single-config 64=128,128,4,2,2,1] [--dkdv-config 64=128,128,4,2]
+
+``--single-config`` / ``--dkdv-config`` (head dim = tiles, a SINGLE_CONFIGS / BWD_CONFIGS entry): this version
+runs those tiles at that head dim (``--base megakern/_attention_gluon.py`` then times tiles against tiles).
 
 TFLOP/s: the dk/dv pass's four products (2x the forward's FLOPs), the backward's 2.5x the forward's; bf16.
 """
@@ -40,7 +44,17 @@ def _case(b, t, nh, nkv, hs, causal, dev):
     return q, k, v, do, out, lse
 
 
-def ab(base, dev) -> None:
+def _tiles(text: str | None) -> dict:
+    """{head dim: tiles} from 'hs=a,b,c,...' items separated by spaces."""
+    out = {}
+    for item in (text or "").split():
+        hs, _, tiles = item.partition("=")
+        out[int(hs)] = tuple(int(x) for x in tiles.split(","))
+    return out
+
+
+def ab(base, dev, single_tiles=None, dkdv_tiles=None) -> None:
+    single_tiles, dkdv_tiles = single_tiles or {}, dkdv_tiles or {}
     for b, t, nh, nkv, hs, causal in SHAPES:
         q, k, v, do, out, lse = _case(b, t, nh, nkv, hs, causal, dev)
         delta = torch.empty_like(lse)
@@ -54,11 +68,13 @@ def ab(base, dev) -> None:
             for label, mod in (("base", base), ("this", new), ("base ", base), ("this ", new)):
                 dk, dv = torch.empty_like(k), torch.empty_like(v)
                 dq = torch.zeros(q.shape, device=dev, dtype=torch.float32)
+                tiles = (single_tiles if single else dkdv_tiles).get(hs) if mod is new else None
                 if single:
                     fn = lambda: mod.bwd_single(do, q, k, v, lse, delta, dk, dv, dq.zero_(), causal,  # noqa: E731
-                                                hs ** -0.5)
+                                                hs ** -0.5, tiles)
                 else:
-                    fn = lambda: mod.bwd_dkdv(do, q, k, v, lse, delta, dk, dv, causal, hs ** -0.5)  # noqa: E731
+                    fn = lambda: mod.bwd_dkdv(do, q, k, v, lse, delta, dk, dv, causal, hs ** -0.5,  # noqa: E731
+                                              tiles)
                 fn()
                 grads[label.strip()] = (dk.clone(), dv.clone(), dq.clone())
                 rates[label] = (2.5 if single else 2) * fwd_flops / bench(fn, device=dev)["median"] / 1e9
@@ -89,10 +105,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", help="another version of megakern/_attention_gluon.py to time against")
     p.add_argument("--pair", action="store_true", help="this version's deterministic backward against its single pass")
+    p.add_argument("--single-config", help="'hs=tiles ...': this version's single-pass tiles at those head dims")
+    p.add_argument("--dkdv-config", help="'hs=tiles ...': this version's dk/dv pass tiles at those head dims")
     a = p.parse_args()
     dev = torch.device("cuda")
     if a.base:
-        ab(_load(a.base), dev)
+        ab(_load(a.base), dev, _tiles(a.single_config), _tiles(a.dkdv_config))
     if a.pair:
         pair_against_single(dev)
 

@@ -5,6 +5,8 @@ Under the CPU interpreter in fp16 at tiny sizes (bf16 dot is broken there); the 
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -450,9 +452,13 @@ def _sched(causal: bool) -> dict:
     return {} if causal else {"SCHED": None}
 
 
-def compile_gluon_bwd_for_sm90(kernel: str, hs: int, causal: bool):
+# the single pass with 128-row query blocks at head dim 64 (FlashAttention-3's tile there), beside SINGLE_CONFIGS
+SINGLE_128_ROWS = (128, 128, 4, 2, 2, 1)
+
+
+def compile_gluon_bwd_for_sm90(kernel: str, hs: int, causal: bool, config=None):
     """The same for a Gluon backward pass, ``kernel`` 'dq' (DQ_CONFIGS tiles), 'dkdv' (BWD_CONFIGS tiles) or
-    'single' (the single-pass backward adding dq by TMA reduces, SINGLE_CONFIGS tiles)."""
+    'single' (the single-pass backward adding dq by TMA reduces, SINGLE_CONFIGS tiles or ``config``)."""
     from megakern import _attention_gluon as g
 
     if not g.AVAILABLE:
@@ -462,7 +468,7 @@ def compile_gluon_bwd_for_sm90(kernel: str, hs: int, causal: bool):
         block_m, block_n, warps, bufs, pingpong = g.DQ_CONFIGS[hs]
         fn, extra, outputs = g._attn_bwd_dq_ws_kernel, {"PINGPONG": pingpong}, {"O": "*bf16", "DQ": "*bf16"}
     elif kernel == "single":
-        block_m, block_n, warps, bufs, kv_bufs, ds_bufs = g.SINGLE_CONFIGS[hs]
+        block_m, block_n, warps, bufs, kv_bufs, ds_bufs = config or g.SINGLE_CONFIGS[hs]
         fn, extra = g._attn_bwd_dkdv_ws_kernel, {"KV_BUF": kv_bufs, "DS_BUF": ds_bufs, "SUM_DQ": True}
         outputs = {"DK": "*bf16", "DV": "*bf16"}
         tiles = {"dq_desc": (block_m, hs // 2, "fp32")}
@@ -477,22 +483,26 @@ def compile_gluon_bwd_for_sm90(kernel: str, hs: int, causal: bool):
 
 
 @pytest.mark.parametrize("kernel", ("forward", "forward-one-consumer", "forward-three-consumers",
-                                    "forward-three-consumers-own-ranges", "dkdv", "dq", "single"))
+                                    "forward-three-consumers-own-ranges", "dkdv", "dq", "single",
+                                    "single-128-rows"))
 @pytest.mark.parametrize("causal", (True, False), ids=("causal", "full"))
 @pytest.mark.parametrize("hs", (64, 128))
 def test_gluon_kernels_compile_for_sm90(hs, causal, kernel):
     """The Gluon kernels (the forward with its two consumer layouts, the dq and dk/dv passes, the single-pass
-    backward) lower for Hopper without a GPU: wgmma, warp-specialized partitions (setmaxnreg), mbarrier hand-offs,
-    within the 227 KiB of shared memory."""
+    backward, also with 128-row query blocks at head dim 64) lower for Hopper without a GPU: wgmma, warp-specialized
+    partitions (setmaxnreg), mbarrier hand-offs, within the 227 KiB of shared memory."""
     from megakern import _attention_gluon as g
 
-    if kernel == "single" and hs not in g.ATOMIC_HEAD_DIMS:
+    if kernel.startswith("single") and hs not in g.ATOMIC_HEAD_DIMS:
         pytest.skip(f"the single-pass backward takes head dims {g.ATOMIC_HEAD_DIMS}")
-    if kernel == "single" and not g.TMA_REDUCE:
+    if kernel.startswith("single") and not g.TMA_REDUCE:
         pytest.skip("this Triton's Gluon has no TMA reduce")
+    if kernel == "single-128-rows" and hs != 64:
+        pytest.skip("128-row query blocks in the single pass: head dim 64")
     if kernel.startswith("forward-three-consumers") and hs not in g.CONFIGS_THREE:
         pytest.skip(f"three consumer warpgroups take head dims {tuple(g.CONFIGS_THREE)}")
-    call = (f"compile_gluon_bwd_for_sm90({kernel!r}, {hs}, {causal})"
+    call = (f"compile_gluon_bwd_for_sm90('single', {hs}, {causal}, {SINGLE_128_ROWS})" if kernel == "single-128-rows"
+            else f"compile_gluon_bwd_for_sm90({kernel!r}, {hs}, {causal})"
             if kernel in ("dq", "dkdv", "single")
             else f"compile_gluon_for_sm90({hs}, {causal}, {kernel != 'forward-one-consumer'}, "
                  f"{kernel.startswith('forward-three-consumers')}, {kernel.endswith('own-ranges')})")
@@ -504,8 +514,22 @@ def test_gluon_kernels_compile_for_sm90(hs, causal, kernel):
     assert shared <= 227 * 1024, f"{shared} bytes of shared memory"
     # the output tiles (o; dk and dv) leave in 16-byte stores; the dq pass at head dim 128 lacks the shared memory for
     # the layout conversion and stores from the accumulator's layout
-    if kernel.startswith("forward") or kernel in ("dkdv", "single"):
+    if kernel.startswith("forward") or kernel.startswith("single") or kernel == "dkdv":
         assert vector_stores, f"{kernel}: no 16-byte global stores"
+
+
+def test_gluon_single_pass_tiles():
+    """The single pass takes 64- or 128-row query blocks of 128 keys; other tiles are refused, naming them, before
+    anything is allocated."""
+    from megakern import _attention_gluon as g
+
+    if not (g.AVAILABLE and g.TMA_REDUCE):
+        pytest.skip("this Triton has no Gluon TMA reduce")
+    q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
+    for config in ((96, 128, 4, 2, 1, 2), (128, 64, 4, 2, 1, 2), (256, 128, 4, 2, 1, 1)):
+        refusal = r"takes \(64, 128\) or \(128, 128\) tiles, not " + re.escape(str(config[:2]))
+        with pytest.raises(ValueError, match=refusal):
+            g.bwd_single(q, q, q, q, None, None, None, None, torch.zeros(q.shape), True, 0.125, config)
 
 
 def test_gluon_forward_tiles():
@@ -616,21 +640,23 @@ def _assert_grads(grads, q, k, v, dout, causal, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ("deterministic", "single-pass"))
+@pytest.mark.parametrize("mode", ("deterministic", "single-pass", "single-pass-128-rows"))
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: "x".join(map(str, c)))
 def test_gluon_backward(case, dtype, mode):
     """The Gluon backward kernels, forced on, against fp64 truth under the 2x rule, on the forward's cases with a
     non-contiguous q and dout: the deterministic backward's dq and dk/dv passes (delta from the dq pass), and the
-    single-pass backward (``deterministic=False``: the dk/dv kernel adding dq into fp32 by TMA reduces), whose dq, dk
-    and dv also go whole into given tensors."""
+    single-pass backward (``deterministic=False``: the dk/dv kernel adding dq into fp32 by TMA reduces; also with
+    128-row query blocks at head dim 64), whose dq, dk and dv also go whole into given tensors."""
     from megakern import _attention_gluon as g
     from megakern.attention import _bwd_kernels, _fwd_kernels
 
     b, tq, tk, nh, nkv, hs, causal = case
-    single = mode == "single-pass"
+    single = mode.startswith("single-pass")
     if single and hs not in g.ATOMIC_HEAD_DIMS:
         pytest.skip(f"the single-pass backward takes head dims {g.ATOMIC_HEAD_DIMS}")
+    if mode == "single-pass-128-rows" and hs != 64:
+        pytest.skip("128-row query blocks in the single pass: head dim 64")
     seed("gluon-bwd", case, dtype, mode)
     q, k, v = _qkv(b, tq, tk, nh, nkv, hs, dtype)
     window = (-1, 0 if causal else -1)
@@ -642,6 +668,8 @@ def test_gluon_backward(case, dtype, mode):
     if single and not g.TMA_REDUCE:
         pytest.skip("this Triton's Gluon has no TMA reduce")
     passes = dict(gluon=True) if single else dict(gluon=True, gluon_dq=True)
+    if mode == "single-pass-128-rows":
+        passes = dict(gluon=SINGLE_128_ROWS)
     grads = _bwd_kernels(dout, q, k, v, out, lse, causal, hs ** -0.5, window, None, None, not single, **passes)
     _assert_grads(grads, q, k, v, dout, causal, dtype)
     if single:
