@@ -73,7 +73,14 @@ except ImportError:  # pragma: no cover - older Triton
     AVAILABLE = TMA_REDUCE = False
 
 LOG2E = 1.4426950408889634
-HEAD_DIMS = (64, 128)
+# head dims the kernels take; 96 runs on 128-column tiles (TMA reads the columns past it as zeros, the stores and
+# reduces leave them out)
+HEAD_DIMS = (64, 96, 128)
+
+
+def block_d(hs: int) -> int:
+    """The kernels' tile width for head dim ``hs`` (the key of the config tables)."""
+    return 64 if hs <= 64 else 128
 if AVAILABLE:  # a barrier across a partition's warps: gl.thread_barrier in Triton 3.6, gl.barrier in later releases
     _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 # (BLOCK_M, BLOCK_N, warps per consumer, k/v ring slots, ping-pong) per head dim; with ping-pong a consumer
@@ -90,7 +97,7 @@ def default_config(hs: int, causal: bool, tq: int) -> tuple:
     three = CONFIGS_THREE.get(hs)
     if three is not None and tq >= three[2 if causal else 1]:
         return three[0]
-    return CONFIGS[hs]
+    return CONFIGS[block_d(hs)]
 
 
 if AVAILABLE:
@@ -224,15 +231,19 @@ if AVAILABLE:
 
     @gluon.jit
     def _store_rows(base, stride_t, tile, first_row, T, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                    WARPS: gl.constexpr):
+                    WARPS: gl.constexpr, D: gl.constexpr = 0):
         """A (ROWS, HEAD_DIM) tile of rows first_row.. (those below T) stored at base + row * stride_t: moved first
         into a layout of 8 consecutive elements a thread, so that a row goes out in 16-byte stores (the wgmma
-        accumulator's layout gives a thread 2 consecutive elements, 4-byte stores that fill half of each sector)."""
+        accumulator's layout gives a thread 2 consecutive elements, 4-byte stores that fill half of each sector).
+        D > 0: the head dim when the tile is wider (its first D columns only)."""
         st: gl.constexpr = gl.BlockedLayout([1, 8], [256 // HEAD_DIM, HEAD_DIM // 8], [WARPS, 1], [1, 0])
         rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, st))
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, st))
+        mask = (rows < T)[:, None]
+        if D > 0:
+            mask = mask & (cols < D)[None, :]
         gl.store(base + rows.to(gl.int64)[:, None] * stride_t + cols[None, :], gl.convert_layout(tile, st),
-                 mask=(rows < T)[:, None])
+                 mask=mask)
 
     @gluon.jit
     def _turn_pass(turn, WG: gl.constexpr, PINGPONG: gl.constexpr, WGS: gl.constexpr = 2):
@@ -246,7 +257,7 @@ if AVAILABLE:
                   stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK, SCHED, scale_log2,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
                   CAUSAL: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr, WGS: gl.constexpr = 2,
-                  OWN: gl.constexpr = False):
+                  OWN: gl.constexpr = False, D: gl.constexpr = 0):
         """The rows WG * ROWS .. + ROWS - 1 of each tile (all of them without ping-pong), on WARPS warps; with
         ping-pong one of WGS consumer warpgroups taking turns. OWN: the warpgroup computes only the key blocks its
         own rows see (causal: fewer than the tile's), and for the tile's others frees their slots and keeps its
@@ -359,7 +370,7 @@ if AVAILABLE:
             lse = gl.where(seen, (m_i + gl.log2(l_use)) * 0.6931471805599453, float("-inf"))
             bb = b.to(gl.int64)
             _store_rows(O + bb * stride_ob + h.to(gl.int64) * stride_oh, stride_ot, out.to(dtype), my_m, TQ,
-                        ROWS, HEAD_DIM, WARPS)
+                        ROWS, HEAD_DIM, WARPS, D)
             rows_l = my_m + gl.arange(0, ROWS, layout=row_s)
             gl.store(LSE + bb * stride_lb + h.to(gl.int64) * stride_lh + rows_l, lse, mask=rows_l < TQ)
 
@@ -403,10 +414,11 @@ if AVAILABLE:
                             B, NH, GROUP, TQ, TK, SCHED, scale_log2,
                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                             NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                            num_warps: gl.constexpr, OWN_RANGES: gl.constexpr = False):
+                            num_warps: gl.constexpr, OWN_RANGES: gl.constexpr = False, D: gl.constexpr = 0):
         """PINGPONG: consumer warpgroups (num_warps 4 each) of 64 rows of the tile each, two (BLOCK_M 128) or three
         (BLOCK_M 192), taking turns on the tensor cores; else one consumer of num_warps warps for the whole tile.
-        OWN_RANGES (three warpgroups): each computes only the key blocks its own rows see (_consumer's OWN)."""
+        OWN_RANGES (three warpgroups): each computes only the key blocks its own rows see (_consumer's OWN). D > 0:
+        the head dim, narrower than the HEAD_DIM columns of the tiles."""
         if PINGPONG and BLOCK_M == 192:  # q_desc's tiles are a warpgroup's 64 rows, two slots of three
             rings = _query_tile_rings(q_desc, k_desc, v_desc, NUM_BUF, 3, Q_SLOTS=8)
         else:
@@ -417,15 +429,15 @@ if AVAILABLE:
                 (_consumer, (0, True, turn, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
                              v_empty, O, LSE, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK,
                              SCHED, scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, 64, num_warps, 3,
-                             OWN_RANGES)),
+                             OWN_RANGES, D)),
                 (_consumer, (1, True, turn, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
                              v_empty, O, LSE, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK,
                              SCHED, scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, 64, num_warps, 3,
-                             OWN_RANGES)),
+                             OWN_RANGES, D)),
                 (_consumer, (2, True, turn, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
                              v_empty, O, LSE, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK,
                              SCHED, scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, 64, num_warps, 3,
-                             OWN_RANGES)),
+                             OWN_RANGES, D)),
                 (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
                              v_ready, v_empty, B, NH, GROUP, TQ, TK, SCHED, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL,
                              None, None, False, 3)),
@@ -434,10 +446,12 @@ if AVAILABLE:
             gl.warp_specialize([
                 (_consumer, (0, True, turn, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
                              v_empty, O, LSE, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK,
-                             SCHED, scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, BLOCK_M // 2, num_warps)),
+                             SCHED, scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, BLOCK_M // 2, num_warps,
+                             2, False, D)),
                 (_consumer, (1, True, turn, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
                              v_empty, O, LSE, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK,
-                             SCHED, scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, BLOCK_M // 2, num_warps)),
+                             SCHED, scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, BLOCK_M // 2, num_warps,
+                             2, False, D)),
                 (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
                              v_ready, v_empty, B, NH, GROUP, TQ, TK, SCHED, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL)),
             ], [num_warps, 1], [240, 24])
@@ -445,7 +459,8 @@ if AVAILABLE:
             gl.warp_specialize([
                 (_consumer, (0, False, turn, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
                              v_empty, O, LSE, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK,
-                             SCHED, scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, BLOCK_M, num_warps)),
+                             SCHED, scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, BLOCK_M, num_warps,
+                             2, False, D)),
                 (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
                              v_ready, v_empty, B, NH, GROUP, TQ, TK, SCHED, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL)),
             ], [1], [24])
@@ -541,7 +556,7 @@ if AVAILABLE:
                       stride_dvt, stride_dvh, B, NKV, GROUP, TQ, TK, SCHED, scale_log2, scale,
                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
                       CAUSAL: gl.constexpr, WARPS: gl.constexpr, KV_BUF: gl.constexpr, SUM_DQ: gl.constexpr,
-                      DS_BUF: gl.constexpr, ds_bufs, dq_bufs, ds_ready, ds_empty, dq_desc):
+                      DS_BUF: gl.constexpr, ds_bufs, dq_bufs, ds_ready, ds_empty, dq_desc, D: gl.constexpr = 0):
         """dk and dv of the key rows WG * BLOCK_N / 2 .. of each tile: per query block, S^T = K Q^T and dP^T = V dO^T,
         P^T from the saved lse, dS^T = P^T (dP^T - delta), then dV += P^T dO and dK += dS^T Q.
 
@@ -627,9 +642,9 @@ if AVAILABLE:
             i += 1
             hh = hk.to(gl.int64)
             _store_rows(DK + bb * stride_dkb + hh * stride_dkh, stride_dkt, (dk * scale).to(dtype), my_n, TK, ROWS,
-                        HEAD_DIM, WARPS)
+                        HEAD_DIM, WARPS, D)
             _store_rows(DV + bb * stride_dvb + hh * stride_dvh, stride_dvt, dv.to(dtype), my_n, TK, ROWS, HEAD_DIM,
-                        WARPS)
+                        WARPS, D)
         if SUM_DQ:
             tma.store_wait(0)
 
@@ -639,7 +654,8 @@ if AVAILABLE:
                                  B, NKV, GROUP, TQ, TK, SCHED, scale_log2, scale,
                                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                  NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr, KV_BUF: gl.constexpr,
-                                 SUM_DQ: gl.constexpr, DS_BUF: gl.constexpr, num_warps: gl.constexpr):
+                                 SUM_DQ: gl.constexpr, DS_BUF: gl.constexpr, num_warps: gl.constexpr,
+                                 D: gl.constexpr = 0):
         """dk and dv: two consumer warpgroups of num_warps warps, half the key block each, and a producer warp moving
         k and v (KV_BUF slots: 2, the next tile's load under this one's work) and a ring of NUM_BUF q / dO slots.
         Without SUM_DQ, the deterministic backward's second pass (delta comes from the dq pass). SUM_DQ: the
@@ -685,12 +701,12 @@ if AVAILABLE:
                              DK, DV, stride_dkb, stride_dkt, stride_dkh, stride_dvb,
                              stride_dvt, stride_dvh, B, NKV, GROUP, TQ, TK, SCHED, scale_log2, scale, HEAD_DIM,
                              BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, num_warps, KV_BUF, SUM_DQ, DS_BUF, ds_bufs, dq_bufs,
-                             ds_ready, ds_empty, dq_desc)),
+                             ds_ready, ds_empty, dq_desc, D)),
             (_bwd_consumer, (1, k_bufs, v_bufs, q_bufs, do_bufs, kv_ready, kv_empty, q_ready, q_empty, stat_bufs,
                              DK, DV, stride_dkb, stride_dkt, stride_dkh, stride_dvb,
                              stride_dvt, stride_dvh, B, NKV, GROUP, TQ, TK, SCHED, scale_log2, scale, HEAD_DIM,
                              BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, num_warps, KV_BUF, SUM_DQ, DS_BUF, ds_bufs, dq_bufs,
-                             ds_ready, ds_empty, dq_desc)),
+                             ds_ready, ds_empty, dq_desc, D)),
             (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, q_bufs, do_bufs, kv_ready, kv_empty,
                              q_ready, q_empty, B, NKV, GROUP, TQ, TK, SCHED, LSE, DELTA, stride_lb, stride_lh,
                              stat_bufs, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, KV_BUF)),
@@ -731,7 +747,7 @@ if AVAILABLE:
                      q_empty, k_ready, k_empty, v_ready, v_empty, O, LSE, DELTA, DQ, stride_ob, stride_ot, stride_oh,
                      stride_lb, stride_lh, stride_dqb, stride_dqt, stride_dqh, B, NH, TQ, TK, SCHED, scale_log2, scale,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
-                     CAUSAL: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr):
+                     CAUSAL: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr, D: gl.constexpr = 0):
         """dq of the query rows WG * ROWS .. + ROWS - 1 of each tile, and their delta = rowsum(dO * O) (stored for
         the dk/dv pass): per key block, S = Q K^T and dP = dO V^T, P from the saved lse, dS = P (dP - delta),
         dQ += dS K. Block j's P is computed while its dP is still on the tensor cores; its dS K runs while the next
@@ -762,8 +778,11 @@ if AVAILABLE:
             rows_o = my_m + gl.arange(0, ROWS, layout=row_o)
             r64 = rows_o.to(gl.int64)[:, None]
             # this tile's O rows and lse: loads issued first, used once the first block's matmuls run
-            o = gl.load(O + bb * stride_ob + hh * stride_oh + r64 * stride_ot + cols_o[None, :],
-                        mask=(rows_o < TQ)[:, None], other=0.0)
+            o_mask = (rows_o < TQ)[:, None]
+            if D > 0:  # the tile's columns past the head dim: 0, as TMA fills dO's
+                o_mask = o_mask & (cols_o < D)[None, :]
+            o = gl.load(O + bb * stride_ob + hh * stride_oh + r64 * stride_ot + cols_o[None, :], mask=o_mask,
+                        other=0.0)
             rows = my_m + gl.arange(0, ROWS, layout=row_s)
             lse = gl.load(LSE + bb * stride_lb + hh * stride_lh + rows, mask=rows < TQ, other=float("-inf"))
             qs = i % 2
@@ -817,7 +836,7 @@ if AVAILABLE:
             # in the accumulator's layout: the 16-byte store's layout conversion needs 16 KiB of shared memory more,
             # which head dim 128 lacks here
             gl.store(DQ + bb * stride_dqb + hh * stride_dqh + r64 * stride_dqt + cols_o[None, :],
-                     (dq * scale).to(dtype), mask=(rows_o < TQ)[:, None])
+                     (dq * scale).to(dtype), mask=o_mask)
 
     # TQ not specialized: with TQ = TK = 1 both constants, Triton 3.6 fails to lower the kernel (an LLVM assertion)
     @gluon.jit(do_not_specialize=["TQ"])
@@ -826,7 +845,7 @@ if AVAILABLE:
                                B, NH, GROUP, TQ, TK, SCHED, scale_log2, scale,
                                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                               num_warps: gl.constexpr):
+                               num_warps: gl.constexpr, D: gl.constexpr = 0):
         """dq and delta (the deterministic backward's first pass): two consumer warpgroups of num_warps warps, half
         the query tile each (taking turns on the tensor cores with PINGPONG), and the forward's producer warp, which
         loads dO beside q."""
@@ -836,11 +855,11 @@ if AVAILABLE:
             (_dq_consumer, (0, PINGPONG, turn, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
                             k_empty, v_ready, v_empty, O, LSE, DELTA, DQ, stride_ob, stride_ot, stride_oh, stride_lb,
                             stride_lh, stride_dqb, stride_dqt, stride_dqh, B, NH, TQ, TK, SCHED, scale_log2, scale,
-                            HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, BLOCK_M // 2, num_warps)),
+                            HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, BLOCK_M // 2, num_warps, D)),
             (_dq_consumer, (1, PINGPONG, turn, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
                             k_empty, v_ready, v_empty, O, LSE, DELTA, DQ, stride_ob, stride_ot, stride_oh, stride_lb,
                             stride_lh, stride_dqb, stride_dqt, stride_dqh, B, NH, TQ, TK, SCHED, scale_log2, scale,
-                            HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, BLOCK_M // 2, num_warps)),
+                            HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, BLOCK_M // 2, num_warps, D)),
             (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
                          v_ready, v_empty, B, NH, GROUP, TQ, TK, SCHED, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, do_desc,
                          do_bufs, True)),
@@ -961,7 +980,7 @@ def _schedule(device: torch.device, n_heads: int, lengths: tuple[int, ...], grid
 
 def supported(q, k, v, causal, window, cu_seqlens, others=()) -> bool:
     """These kernels can take the call: Gluon present, an sm_90 GPU, fixed-length fp16 / bf16 batches with head dim
-    64 or 128, no window (``window`` as megakern.attention._window gives it: (-1, -1), or (-1, 0) under causal); q, k,
+    in HEAD_DIMS, no window (``window`` as megakern.attention._window gives it: (-1, -1), or (-1, 0) under causal); q, k,
     v and ``others`` (the backward's dout, out and gradients) tensors TMA can address (16-byte aligned base and
     strides, unit stride along hs)."""
     left, right = window
@@ -988,8 +1007,8 @@ def bwd_single(dout, q, k, v, lse, delta, dk, dv, dq_acc, causal: bool, scale: f
     into ``dq_acc`` (fp32, shaped like q, zeros beforehand, 16-byte aligned strides) by TMA reduces, given lse and
     delta = rowsum(dO * O). ``config``: a SINGLE_CONFIGS entry; ``heads``, ``programs``: as for ``fwd``."""
     hs = q.shape[-1]
-    if hs not in SINGLE_CONFIGS:
-        raise ValueError(f"attention: the Gluon single-pass backward takes head dims {tuple(SINGLE_CONFIGS)}, not {hs}")
+    if hs not in ATOMIC_HEAD_DIMS:
+        raise ValueError(f"attention: the Gluon single-pass backward takes head dims {ATOMIC_HEAD_DIMS}, not {hs}")
     block_m, block_n, warps, bufs, kv_bufs, ds_bufs = config or SINGLE_CONFIGS[hs]
     if not TMA_REDUCE:
         raise ValueError("attention: the Gluon single-pass backward adds dq by TMA reduces, which this Triton lacks")
@@ -1012,8 +1031,8 @@ def bwd_dkdv(dout, q, k, v, lse, delta, dk, dv, causal: bool, scale: float, conf
     shaped like q (zeros beforehand). ``heads``, ``programs``: as for ``fwd``."""
     if dq_acc is not None:
         return bwd_single(dout, q, k, v, lse, delta, dk, dv, dq_acc, causal, scale, config, heads, programs)
-    return _launch_dkdv(dout, q, k, v, lse, delta, dk, dv, causal, scale, config or BWD_CONFIGS[q.shape[-1]], heads,
-                        programs)
+    return _launch_dkdv(dout, q, k, v, lse, delta, dk, dv, causal, scale, config or BWD_CONFIGS[block_d(q.shape[-1])],
+                        heads, programs)
 
 
 def _launch_dkdv(dout, q, k, v, lse, delta, dk, dv, causal, scale, tiles, heads, programs, kv_bufs=2, ds_bufs=1,
@@ -1023,16 +1042,18 @@ def _launch_dkdv(dout, q, k, v, lse, delta, dk, dv, causal, scale, tiles, heads,
     batch, tq, nh, hs = q.shape
     tk, nkv = k.shape[1], k.shape[2]
     block_m, block_n, warps, bufs = tiles
+    width = block_d(hs)
     lengths = tile_lengths(True, tq, tk, block_m, block_n, causal)
     grid = min(batch * nkv * len(lengths), programs or _num_sms(q.device.index))
     sched = _schedule(q.device, batch * nkv, lengths, grid, 2 * tq * hs * q.element_size() * (nh // nkv), heads)
     _attn_bwd_dkdv_ws_kernel[(grid,)](
-        _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(dout, block_m),
-        None if dq_acc is None else _descriptor(dq_acc, block_m, hs // 2), lse, delta, dk, dv,
+        _descriptor(q, block_m, width), _descriptor(k, block_n, width), _descriptor(v, block_n, width),
+        _descriptor(dout, block_m, width), None if dq_acc is None else _descriptor(dq_acc, block_m, width // 2),
+        lse, delta, dk, dv,
         lse.stride(0), lse.stride(1), dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1),
         dv.stride(2), batch, nkv, nh // nkv, tq, tk, sched, scale * LOG2E, scale,
-        HEAD_DIM=hs, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal, KV_BUF=kv_bufs,
-        SUM_DQ=dq_acc is not None, DS_BUF=ds_bufs, num_warps=warps,
+        HEAD_DIM=width, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal, KV_BUF=kv_bufs,
+        SUM_DQ=dq_acc is not None, DS_BUF=ds_bufs, num_warps=warps, D=0 if hs == width else hs,
     )
     return dk, dv
 
@@ -1048,17 +1069,19 @@ def bwd_dq(dout, q, k, v, out, lse, delta, dq, causal: bool, scale: float, confi
     ``fwd``."""
     batch, tq, nh, hs = q.shape
     tk, nkv = k.shape[1], k.shape[2]
-    block_m, block_n, warps, bufs, pingpong = config or DQ_CONFIGS[hs]
+    width = block_d(hs)
+    block_m, block_n, warps, bufs, pingpong = config or DQ_CONFIGS[width]
     lengths = tile_lengths(False, tq, tk, block_m, block_n, causal)
     grid = min(batch * nh * len(lengths), programs or _num_sms(q.device.index))
     sched = _schedule(q.device, batch * nh, lengths, grid, 2 * tk * hs * k.element_size(), heads)
     _attn_bwd_dq_ws_kernel[(grid,)](
-        _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(dout, block_m),
+        _descriptor(q, block_m, width), _descriptor(k, block_n, width), _descriptor(v, block_n, width),
+        _descriptor(dout, block_m, width),
         out, lse, delta, dq, out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         dq.stride(0), dq.stride(1), dq.stride(2), batch, nh, nh // nkv, tq, tk, sched,
         scale * LOG2E, scale,
-        HEAD_DIM=hs, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal, PINGPONG=pingpong,
-        num_warps=warps,
+        HEAD_DIM=width, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal, PINGPONG=pingpong,
+        num_warps=warps, D=0 if hs == width else hs,
     )
     return dq, delta
 
@@ -1089,11 +1112,13 @@ def fwd(q, k, v, causal: bool, scale: float, config=None, heads=None, programs=N
     lengths = tile_lengths(False, tq, tk, block_m, block_n, causal)
     grid = min(batch * nh * len(lengths), programs or _num_sms(q.device.index))
     sched = _schedule(q.device, batch * nh, lengths, grid, 2 * tk * hs * k.element_size(), heads)
+    width = block_d(hs)
     _attn_fwd_ws_kernel[(grid,)](
-        _descriptor(q, 64 if block_m == 192 else block_m), _descriptor(k, block_n), _descriptor(v, block_n), out, lse,
+        _descriptor(q, 64 if block_m == 192 else block_m, width), _descriptor(k, block_n, width),
+        _descriptor(v, block_n, width), out, lse,
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         batch, nh, nh // nkv, tq, tk, sched, scale * LOG2E,
-        HEAD_DIM=hs, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal, PINGPONG=pingpong,
-        num_warps=warps, OWN_RANGES=own_ranges,
+        HEAD_DIM=width, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal, PINGPONG=pingpong,
+        num_warps=warps, OWN_RANGES=own_ranges, D=0 if hs == width else hs,
     )
     return out, lse

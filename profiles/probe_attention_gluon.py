@@ -2,7 +2,7 @@
 Triton forward's error, then TFLOP/s beside the Triton forward and SDPA's flash and cuDNN backends (bf16, B * T =
 16384, nh * hs = 2048, as benchmarks/bench_attention.py), and the same-run bf16 matmul rate.
 
-    python profiles/probe_attention_gluon.py [--check] [--bench] [--hs 64,128] [--seq 1024,2048,4096]
+    python profiles/probe_attention_gluon.py [--check] [--bench] [--hs 64,96,128] [--seq 1024,2048,4096]
                                              [--configs "128x128x8x2,..."] [--masks causal,full] [--own-ranges]
 
 ``--own-ranges``: each 192-row (three-warpgroup) configuration also with ``own_ranges`` (each warpgroup computes
@@ -40,7 +40,8 @@ def check(configs, own_ranges: bool = False) -> bool:
         (1, 4097, 4097, 2, 1, 128, True, torch.float16), (3, 17, 17, 4, 2, 64, True, torch.bfloat16),
         (2, 1, 1, 2, 2, 64, True, torch.bfloat16), (2, 300, 700, 4, 2, 64, True, torch.float16),
         (2, 700, 300, 4, 4, 128, True, torch.bfloat16), (2, 513, 513, 8, 1, 64, False, torch.float16),
-        (1, 2048, 2048, 3, 3, 128, True, torch.bfloat16),
+        (1, 2048, 2048, 3, 3, 128, True, torch.bfloat16), (2, 1000, 1000, 4, 2, 96, True, torch.bfloat16),
+        (2, 513, 700, 4, 4, 96, False, torch.float16),
     ]
     for b, tq, tk, nh, nkv, hs, causal, dtype in cases:
         g = torch.Generator(device=dev).manual_seed(tq * 7 + hs)
@@ -173,7 +174,8 @@ def bwd_probe(configs, dq_configs, heads=(None,)) -> None:
     dev = torch.device("cuda")
     cases = [(2, 1000, 1000, 4, 4, 128, True), (2, 1000, 1000, 4, 2, 128, False), (1, 777, 777, 2, 1, 64, True),
              (2, 300, 700, 4, 2, 64, True), (2, 700, 300, 4, 4, 128, True), (3, 17, 17, 4, 2, 128, True),
-             (2, 1, 1, 2, 2, 64, True), (1, 2048, 2048, 3, 3, 128, True), (2, 513, 513, 8, 1, 64, False)]
+             (2, 1, 1, 2, 2, 64, True), (1, 2048, 2048, 3, 3, 128, True), (2, 513, 513, 8, 1, 64, False),
+             (2, 1000, 1000, 4, 2, 96, True), (2, 513, 700, 4, 4, 96, False)]
     ok = True
     for b, tq, tk, nh, nkv, hs, causal in cases:
         g = torch.Generator(device=dev).manual_seed(tq + hs)
@@ -211,7 +213,8 @@ def bwd_probe(configs, dq_configs, heads=(None,)) -> None:
         print("GLUON BWD CHECK FAILED")
         return
     for hs, t, causal in ((128, 1024, True), (128, 2048, True), (128, 4096, True), (128, 16384, True),
-                          (128, 4096, False), (64, 2048, True), (64, 4096, True), (64, 4096, False)):
+                          (128, 4096, False), (64, 2048, True), (64, 4096, True), (64, 4096, False),
+                          (96, 2048, True), (96, 8192, True), (96, 4096, False)):
         b, nh = max(1, 16384 // t), 2048 // hs
         q, k, v, do = (torch.randn(b, t, nh, hs, device=dev, dtype=torch.bfloat16) for _ in range(4))
         win = (-1, 0 if causal else -1)

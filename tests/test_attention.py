@@ -439,12 +439,14 @@ def compile_gluon_for_sm90(hs: int, causal: bool, pingpong: bool, three: bool = 
 
     if not g.AVAILABLE:
         return None
-    block_m, block_n, warps, bufs, _ = g.CONFIGS_THREE[hs][0] if three else g.CONFIGS[hs]
-    constexprs = dict(HEAD_DIM=hs, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal, PINGPONG=pingpong,
-                      num_warps=warps if pingpong else 2 * warps, OWN_RANGES=own, **_sched(causal))
+    width = g.block_d(hs)
+    block_m, block_n, warps, bufs, _ = g.CONFIGS_THREE[hs][0] if three else g.CONFIGS[width]
+    constexprs = dict(HEAD_DIM=width, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal,
+                      PINGPONG=pingpong, num_warps=warps if pingpong else 2 * warps, OWN_RANGES=own,
+                      D=0 if hs == width else hs, **_sched(causal))
     return _compile_gluon(g._attn_fwd_ws_kernel, constexprs,
                           {"q_desc": 64 if block_m == 192 else block_m, "k_desc": block_n, "v_desc": block_n},
-                          {"O": "*bf16", "LSE": "*fp32", "SCHED": "*i32"}, hs)
+                          {"O": "*bf16", "LSE": "*fp32", "SCHED": "*i32"}, width)
 
 
 def _sched(causal: bool) -> dict:
@@ -464,29 +466,31 @@ def compile_gluon_bwd_for_sm90(kernel: str, hs: int, causal: bool, config=None):
     if not g.AVAILABLE:
         return None
     tiles = {}
+    width = g.block_d(hs)
     if kernel == "dq":
-        block_m, block_n, warps, bufs, pingpong = g.DQ_CONFIGS[hs]
+        block_m, block_n, warps, bufs, pingpong = g.DQ_CONFIGS[width]
         fn, extra, outputs = g._attn_bwd_dq_ws_kernel, {"PINGPONG": pingpong}, {"O": "*bf16", "DQ": "*bf16"}
     elif kernel == "single":
         block_m, block_n, warps, bufs, kv_bufs, ds_bufs = config or g.SINGLE_CONFIGS[hs]
         fn, extra = g._attn_bwd_dkdv_ws_kernel, {"KV_BUF": kv_bufs, "DS_BUF": ds_bufs, "SUM_DQ": True}
         outputs = {"DK": "*bf16", "DV": "*bf16"}
-        tiles = {"dq_desc": (block_m, hs // 2, "fp32")}
+        tiles = {"dq_desc": (block_m, width // 2, "fp32")}
     else:
-        block_m, block_n, warps, bufs = g.BWD_CONFIGS[hs]
+        block_m, block_n, warps, bufs = g.BWD_CONFIGS[width]
         fn, extra = g._attn_bwd_dkdv_ws_kernel, {"KV_BUF": 2, "SUM_DQ": False, "DS_BUF": 1, "dq_desc": None}
         outputs = {"DK": "*bf16", "DV": "*bf16"}
-    constexprs = dict(HEAD_DIM=hs, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal, num_warps=warps,
-                      **extra, **_sched(causal))
+    constexprs = dict(HEAD_DIM=width, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal,
+                      num_warps=warps, D=0 if hs == width else hs, **extra, **_sched(causal))
     return _compile_gluon(fn, constexprs, {"q_desc": block_m, "do_desc": block_m, "k_desc": block_n, "v_desc": block_n,
-                                           **tiles}, {**outputs, "LSE": "*fp32", "DELTA": "*fp32", "SCHED": "*i32"}, hs)
+                                           **tiles}, {**outputs, "LSE": "*fp32", "DELTA": "*fp32", "SCHED": "*i32"},
+                          width)
 
 
 @pytest.mark.parametrize("kernel", ("forward", "forward-one-consumer", "forward-three-consumers",
                                     "forward-three-consumers-own-ranges", "dkdv", "dq", "single",
                                     "single-128-rows"))
 @pytest.mark.parametrize("causal", (True, False), ids=("causal", "full"))
-@pytest.mark.parametrize("hs", (64, 128))
+@pytest.mark.parametrize("hs", (64, 96, 128))
 def test_gluon_kernels_compile_for_sm90(hs, causal, kernel):
     """The Gluon kernels (the forward with its two consumer layouts, the dq and dk/dv passes, the single-pass
     backward, also with 128-row query blocks at head dim 64) lower for Hopper without a GPU: wgmma, warp-specialized
@@ -586,6 +590,8 @@ GLUON_CASES = [  # (B, Tq, Tk, nh, nkv, hs, causal)
     (2, 2048, 2048, 8, 2, 64, True),
     # Tq - Tk = 450: the 192-row tile of rows 384-575 sees keys, its first 64 rows none (a warpgroup without a block)
     (2, 750, 300, 4, 2, 64, True),
+    # head dim 96 on 128-column tiles (the columns past 96 read as zeros, never written)
+    (2, 1000, 1000, 4, 2, 96, True), (2, 513, 700, 4, 4, 96, False), (1, 300, 1000, 2, 1, 96, True),
 ]
 
 
@@ -610,7 +616,7 @@ def test_gluon_forward(case, dtype, layout):
     if not g.supported(q, k, v, causal, (-1, 0 if causal else -1), None):
         pytest.skip("the Gluon forward needs an sm_90 GPU and Triton with Gluon")
     q = torch.randn(b, nh, tq, hs, device=DEVICE, dtype=dtype).transpose(1, 2)  # (B, T, nh, hs), strided
-    block_m, block_n, warps, bufs, _ = g.CONFIGS[hs]
+    block_m, block_n, warps, bufs, _ = g.CONFIGS[g.block_d(hs)]
     config = {"pingpong": (block_m, block_n, warps, bufs, True),
               "one-consumer": (block_m, block_n, 2 * warps, bufs, False),
               "three-consumers": g.CONFIGS_THREE.get(hs, (None,))[0],
