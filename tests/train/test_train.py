@@ -64,16 +64,30 @@ def start(cmd: list[str]) -> subprocess.Popen:
     return proc
 
 
+def stop(proc: subprocess.Popen, grace: float = 30.0) -> None:
+    """Stop a launch of ``start`` with its ranks: SIGTERM to torchrun first (it stops its ranks, which run in sessions
+    of their own, so that a kill of torchrun's session alone leaves them running as orphans), then SIGKILL to that
+    session after ``grace`` seconds or once torchrun has gone."""
+    try:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=grace)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
 def finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
-    """The exit code and output of ``proc`` (from ``start``). Past ``timeout`` the whole session is killed, its ranks
-    too (subprocess.run's timeout kills torchrun alone, and its ranks ran on as orphans), and the test fails with
-    what it printed."""
+    """The exit code and output of ``proc`` (from ``start``). Past ``timeout`` the launch is stopped with its ranks
+    (``stop``), and the test fails with what it printed."""
     try:
         proc.wait(timeout=timeout)
         timed_out = False
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        stop(proc)
         timed_out = True
     for f in proc.files:
         f.seek(0)

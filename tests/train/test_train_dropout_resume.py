@@ -6,7 +6,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ import torch
 
 from megakern.checkpoint import CheckpointError, CheckpointManager
 from megakern.train import restore_dropout_rng
-from test_train import TINY, _logged_losses, finish, start
+from test_train import TINY, _logged_losses, finish, start, stop
 
 RESEEDED = "note: dropout RNG tracker re-seeded"
 
@@ -148,7 +147,7 @@ def test_two_rank_tp_dropout_run_resumes_bit_for_bit(tmp_path):
     finally:  # (the other launch too, where one fails)
         for _, proc in (resuming, from_older):
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+                stop(proc)
     assert sorted(resumed) == [4, 5]
     assert [resumed[s] for s in (4, 5)] == [full[s] for s in (4, 5)]  # bit for bit
     assert RESEEDED not in log
