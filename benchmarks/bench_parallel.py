@@ -88,9 +88,9 @@ from pathlib import Path
 import torch
 
 if __package__:
-    from .common import RESULTS_DIR, Results, file_rows
+    from .common import RESULTS_DIR, Results, file_rows, run_launch
 else:  # python benchmarks/bench_parallel.py
-    from common import RESULTS_DIR, Results, file_rows
+    from common import RESULTS_DIR, Results, file_rows, run_launch
 
 BENCH = "parallel"
 REPO = Path(__file__).resolve().parents[1]
@@ -199,42 +199,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_group(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
-    """subprocess.run(cmd, capture_output=True, text=True) that leaves no process behind: the run gets a process
-    group of its own, and at ``timeout`` (or an interrupt) it is stopped by ``_stop_group``; subprocess.TimeoutExpired
-    then carries the output so far. (subprocess.run's SIGKILL would leave torchrun's workers running: each has a
-    session of its own, holding the launcher's port, the CPUs and, on a GPU, its memory.)"""
-    with subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                          start_new_session=True) as proc:
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired as exc:
-            _stop_group(proc)
-            try:
-                out, err = proc.communicate(timeout=5)
-            except subprocess.TimeoutExpired:  # something of another session still holds the pipes
-                out, err = exc.stdout, exc.stderr
-            raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
-        except BaseException:
-            _stop_group(proc)
-            raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
-def _stop_group(proc: subprocess.Popen, grace: float = 30.0) -> None:
-    """SIGTERM first (torchrun then stops its workers, each in a session of its own), SIGKILL to the run's process
-    group after ``grace`` seconds or once the launcher has gone."""
-    try:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=grace)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def _run_env() -> dict:
     """A training run's environment: NVLink multicast off, OMP_NUM_THREADS=4 unless set."""
     env = {**os.environ, **NO_MULTICAST}
@@ -281,7 +245,7 @@ def run_layout(layout: Layout, args, run_dir: Path, data_cache: Path) -> tuple[d
     env = _run_env()
     start = time.perf_counter()
     try:
-        proc = run_group(cmd, env, args.timeout)
+        proc = run_launch(cmd, timeout=args.timeout, cwd=REPO, env=env)
     except subprocess.TimeoutExpired as exc:  # what the run printed before it was stopped: where it hung
         raise RuntimeError(f"no exit within {args.timeout:g} s (--timeout); the run's last output:\n"
                            f"{_captured(exc.stdout)[-2000:]}{_captured(exc.stderr)[-4000:]}".strip()) from None
@@ -469,7 +433,7 @@ def collective_ms(world: int, numel: int, kind: str, timeout: float, device_type
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port",
                str(free_port()), "-m", "benchmarks.bench_parallel", "--collective-worker", kind, "--numel",
                str(numel), "--count", str(count), "--dtype", dtype, "--device", device_type]
-        proc = run_group(cmd, env, timeout)
+        proc = run_launch(cmd, timeout=timeout, cwd=REPO, env=env)
         if proc.returncode == 0:
             return json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])["ms"]
     raise RuntimeError(f"collective {kind} x{world}: exit {proc.returncode} ({tries} tries)\n{proc.stderr[-3000:]}")

@@ -20,6 +20,7 @@ import re
 import signal
 import statistics
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -456,3 +457,41 @@ def parse_args(description: str, argv: list[str] | None = None,
     parser.add_argument("--graph", action="store_true",
                         help="time CUDA-graph replays (GPU time without launch overhead); modes get a ' graph' suffix")
     return parser.parse_args(argv)
+
+
+# ---- launches of several processes (torchrun) ----------------------------------------------------------------
+def stop_launch(proc: subprocess.Popen, grace: float = 30.0) -> None:
+    """Stop a launch started in a session of its own, with its ranks: SIGTERM to torchrun first (it stops its ranks,
+    which run in sessions of their own, so that killing torchrun or its session alone leaves them running as
+    orphans), then SIGKILL to its session after ``grace`` seconds or once torchrun has gone."""
+    try:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=grace)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
+def run_launch(cmd: list[str], *, timeout: float, cwd=None, env=None) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True, timeout=timeout) for a launch such as torchrun: in a
+    session of its own, its output through temporary files (a rank left running cannot hold a pipe open); past
+    ``timeout`` it is stopped with its ranks (``stop_launch``) and subprocess.TimeoutExpired raised with its output."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=err, text=True, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            stop_launch(proc)
+            out.seek(0)
+            err.seek(0)
+            raise subprocess.TimeoutExpired(cmd, timeout, out.read(), err.read()) from None
+        except BaseException:  # interrupted: nothing of the launch left behind
+            stop_launch(proc)
+            raise
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())

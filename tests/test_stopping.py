@@ -11,6 +11,7 @@ import time
 import pytest
 
 from megakern.train.stopping import Interrupted, StopSignals, StopVote
+from benchmarks.common import run_launch
 
 
 def test_first_signal_is_a_request_and_a_second_stops_at_once():
@@ -99,8 +100,7 @@ def test_three_ranks_see_one_vote(tmp_path):
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port", str(port),
            str(tmp_path / "voters.py")]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = run_launch(cmd, cwd=tmp_path, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     seen = [json.loads((tmp_path / f"vote{r}.json").read_text()) for r in range(3)]
     assert seen[0] == seen[1] == seen[2]

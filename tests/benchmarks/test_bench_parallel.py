@@ -6,7 +6,7 @@ import pytest
 
 from benchmarks import bench_parallel
 from benchmarks.bench_parallel import Layout
-from benchmarks.common import CSV_HEADER
+from benchmarks.common import CSV_HEADER, run_launch
 
 
 def test_layout_specs():
@@ -134,7 +134,7 @@ def test_bench_parallel_profile_keeps_the_tables_and_every_ranks_trace(tmp_path,
         assert any(e.get("name", "").startswith("ProfilerStep") for e in trace["traceEvents"]), name
 
 
-def test_run_group_leaves_no_process_behind(tmp_path):
+def test_run_launch_leaves_no_process_behind(tmp_path):
     """A run stopped at its timeout: subprocess.TimeoutExpired with what it printed, and no process of it left,
     neither one in its process group nor a worker in a session of its own whose launcher stops it on SIGTERM (as
     torchrun does)."""
@@ -158,7 +158,7 @@ time.sleep(120)
 """
     start = time.perf_counter()
     with pytest.raises(subprocess.TimeoutExpired) as info:
-        bench_parallel.run_group([sys.executable, "-c", launcher], dict(os.environ), timeout=3.0)
+        run_launch([sys.executable, "-c", launcher], timeout=3.0, env=dict(os.environ))
     assert time.perf_counter() - start < 30
     out = info.value.stdout
     assert "launched" in (out.decode() if isinstance(out, bytes) else out)

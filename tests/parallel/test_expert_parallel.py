@@ -9,7 +9,6 @@ under torchrun with parallel.ep=2 (DDP and FSDP2) against one process, and its b
 is written."""
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from rankpool import pool
 
 from megakern.config import ConfigError, load_config
 from megakern.parallel import ParallelDims
+from benchmarks.common import run_launch
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -216,7 +216,7 @@ def test_training_program_ep2_under_torchrun(tmp_path):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
                "-m", "megakern.train", *common, "train.steps=3", "parallel.dp=2", "parallel.ep=2",
                *(["parallel.dp_shard=ddp"] if dp_shard == "ddp" else []), f"log.run_dir={tmp_path / dp_shard}"]
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+        proc = run_launch(cmd, cwd=REPO, timeout=600, env=env)
         assert proc.returncode == 0, dp_shard + proc.stdout[-3000:] + proc.stderr[-3000:]
         assert "2 ranks (tp 1, pp 1, cp 1, dp 2, ep 2)" in proc.stdout
     single = Trainer(load_config(None, [*common, "train.steps=4", f"log.run_dir={tmp_path / 'single'}"]),
@@ -243,8 +243,7 @@ def test_training_program_refuses_bad_ep_layouts_before_writing(tmp_path, overri
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
            "-m", "megakern.train", *MOE, "train.steps=1", *overrides, f"data.cache_dir={tmp_path / 'data'}",
            f"log.run_dir={tmp_path / 'run'}"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = run_launch(cmd, cwd=REPO, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode != 0
     assert message in proc.stdout + proc.stderr, proc.stderr[-3000:]
     assert not (tmp_path / "run").exists() and not (tmp_path / "data").exists()

@@ -13,7 +13,6 @@ developing the test itself).
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +23,7 @@ import torch
 from rankpool import free_port
 
 from megakern.train.log import read_records
+from benchmarks.common import run_launch
 
 REPO = Path(__file__).resolve().parents[2]
 ON_CPU = os.environ.get("MEGAKERN_TEST_MULTI_CPU", "0") != "0"
@@ -156,7 +156,7 @@ def _run(run_dir: Path, data_cache: Path, world: int, overrides: list[str], devi
         env = {**os.environ, **ENV}
         if devices is not None and not ON_CPU:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
+        proc = run_launch(cmd, cwd=REPO, timeout=900, env=env)
         if proc.returncode == 0:
             return _losses(where), proc.stdout
         error = f"exit {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"

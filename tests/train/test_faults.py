@@ -26,6 +26,7 @@ from megakern.train.run_dir import RunDirError, RunLock
 from megakern.train.schedule import lr_at
 from megakern.train.stopping import EXIT_INTERRUPTED
 from test_train import REPO, TINY, _free_port, _small_dataset, data_cache, trainer  # noqa: F401 (fixture)
+from benchmarks.common import run_launch
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
@@ -183,7 +184,7 @@ def test_ranks_share_the_run_directory_rank_zero_names(tmp_path):
     (tmp_path / "harness.py").write_text(RANK_HARNESS)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
            str(tmp_path / "harness.py")]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120, env=ENV)
+    proc = run_launch(cmd, cwd=tmp_path, timeout=120, env=ENV)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["fresh"] == r1["fresh"] and r0["fresh"][0].startswith("runs/")

@@ -13,7 +13,6 @@ import json
 import math
 import os
 import random
-import signal
 import socket
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from megakern.data.corpus import default_corpus_id
 from megakern.train.run_dir import RunDirError
 from megakern.data import document_offsets
 from megakern.train import Trainer
+from benchmarks.common import stop_launch
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).with_name("golden_gpt_tiny.json")
@@ -64,30 +64,14 @@ def start(cmd: list[str]) -> subprocess.Popen:
     return proc
 
 
-def stop(proc: subprocess.Popen, grace: float = 30.0) -> None:
-    """Stop a launch of ``start`` with its ranks: SIGTERM to torchrun first (it stops its ranks, which run in sessions
-    of their own, so that a kill of torchrun's session alone leaves them running as orphans), then SIGKILL to that
-    session after ``grace`` seconds or once torchrun has gone."""
-    try:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=grace)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.wait()
-
-
 def finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
     """The exit code and output of ``proc`` (from ``start``). Past ``timeout`` the launch is stopped with its ranks
-    (``stop``), and the test fails with what it printed."""
+    (conftest's ``stop_launch``), and the test fails with what it printed."""
     try:
         proc.wait(timeout=timeout)
         timed_out = False
     except subprocess.TimeoutExpired:
-        stop(proc)
+        stop_launch(proc)
         timed_out = True
     for f in proc.files:
         f.seek(0)

@@ -15,7 +15,8 @@ import torch
 
 from megakern.checkpoint import CheckpointError, CheckpointManager
 from megakern.train import restore_dropout_rng
-from test_train import TINY, _logged_losses, finish, start, stop
+from benchmarks.common import stop_launch
+from test_train import TINY, _logged_losses, finish, start
 
 RESEEDED = "note: dropout RNG tracker re-seeded"
 
@@ -147,7 +148,7 @@ def test_two_rank_tp_dropout_run_resumes_bit_for_bit(tmp_path):
     finally:  # (the other launch too, where one fails)
         for _, proc in (resuming, from_older):
             if proc.poll() is None:
-                stop(proc)
+                stop_launch(proc)
     assert sorted(resumed) == [4, 5]
     assert [resumed[s] for s in (4, 5)] == [full[s] for s in (4, 5)]  # bit for bit
     assert RESEEDED not in log
