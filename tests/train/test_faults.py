@@ -26,7 +26,7 @@ from megakern.train.run_dir import RunDirError, RunLock
 from megakern.train.schedule import lr_at
 from megakern.train.stopping import EXIT_INTERRUPTED
 from test_train import REPO, TINY, _free_port, _small_dataset, data_cache, trainer  # noqa: F401 (fixture)
-from benchmarks.common import run_launch
+from benchmarks.common import run_launch, stop_launch
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
@@ -199,9 +199,23 @@ def test_ranks_share_the_run_directory_rank_zero_names(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 # Signals: finish the step, save, exit with EXIT_INTERRUPTED; a second signal exits at once.
 
+_STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left_running():
+    """A run ``_start`` started that is still going when its test ends (a failed assertion, a timeout) is stopped
+    with its ranks."""
+    yield
+    while _STARTED:
+        proc = _STARTED.pop()
+        if proc.poll() is None:
+            stop_launch(proc, grace=10.0)
+
+
 def _start(tmp_path: Path, data_cache: Path, *overrides, ranks: int = 1, patch: str = ""):
-    """megakern-train in a process of its own (or ``ranks`` under torchrun), each rank writing its pid to
-    pid<rank>; ``patch``: Python run in the process first (to slow something down)."""
+    """megakern-train in a process of its own (or ``ranks`` under torchrun), in a session of its own, each rank
+    writing its pid to pid<rank>; ``patch``: Python run in the process first (to slow something down)."""
     args = [*TINY, "schedule.decay=constant", "train.steps=3000", "eval.every=0", "log.every=1",
             f"data.cache_dir={data_cache}", f"log.run_dir={tmp_path / 'run'}", *overrides]
     (tmp_path / "main.py").write_text(f"import os, sys\nfrom megakern import train\n{patch}\n"
@@ -210,7 +224,10 @@ def _start(tmp_path: Path, data_cache: Path, *overrides, ranks: int = 1, patch: 
     launch = ([] if ranks == 1 else
               ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--standalone"])
     cmd = [sys.executable, *launch, str(tmp_path / "main.py"), *args]
-    return subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+                            start_new_session=True)
+    _STARTED.append(proc)
+    return proc
 
 
 def _wait_for_step(tmp_path: Path, step: int, proc, timeout: float = 120.0) -> None:
@@ -221,7 +238,7 @@ def _wait_for_step(tmp_path: Path, step: int, proc, timeout: float = 120.0) -> N
             return
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.05)
-    proc.kill()
+    stop_launch(proc, grace=10.0)
     pytest.fail(f"no step {step} within {timeout} s")
 
 
