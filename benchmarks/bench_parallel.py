@@ -248,7 +248,7 @@ def run_layout(layout: Layout, args, run_dir: Path, data_cache: Path) -> tuple[d
         proc = run_launch(cmd, timeout=args.timeout, cwd=REPO, env=env)
     except subprocess.TimeoutExpired as exc:  # what the run printed before it was stopped: where it hung
         raise RuntimeError(f"no exit within {args.timeout:g} s (--timeout); the run's last output:\n"
-                           f"{_captured(exc.stdout)[-2000:]}{_captured(exc.stderr)[-4000:]}".strip()) from None
+                           f"{exc.stdout[-2000:]}{exc.stderr[-4000:]}".strip()) from None
     wall = time.perf_counter() - start
     tail = (proc.stdout[-2000:] + proc.stderr[-4000:]).strip()
     if proc.returncode != 0:
@@ -297,13 +297,6 @@ def _figures(run_dir: Path, untimed: int, tokens: int, wall: float, accum: int) 
         if values:
             out[name] = statistics.mean(values)
     return out
-
-
-def _captured(output) -> str:
-    """A stopped subprocess's captured output as text (subprocess.TimeoutExpired holds bytes, or None)."""
-    if output is None:
-        return ""
-    return output.decode(errors="replace") if isinstance(output, bytes) else output
 
 
 def _run_copies(layout: Layout, args, run_dir: Path, overrides: list[str]) -> tuple[dict, str]:

@@ -253,4 +253,3 @@ def assert_close_to_ref(name: str, out: torch.Tensor, truth: torch.Tensor, lowp:
                         f"low-precision torch {lowp64[at].item():.6g}")
         raise AssertionError(f"{name}: max error {worst:.3g} > bound {bound:.3g} (2 x torch's {base:.3g} + atol "
                              f"{atol:g}); {(err > bound).sum().item()} of {err.numel()} elements over\n" + "\n".join(rows))
-

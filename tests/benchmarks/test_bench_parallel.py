@@ -6,7 +6,7 @@ import pytest
 
 from benchmarks import bench_parallel
 from benchmarks.bench_parallel import Layout
-from benchmarks.common import CSV_HEADER, run_launch
+from benchmarks.common import CSV_HEADER
 
 
 def test_layout_specs():
@@ -132,59 +132,6 @@ def test_bench_parallel_profile_keeps_the_tables_and_every_ranks_trace(tmp_path,
         with gzip.open(tmp_path / "prof" / name, "rt") as f:
             trace = json.load(f)
         assert any(e.get("name", "").startswith("ProfilerStep") for e in trace["traceEvents"]), name
-
-
-def test_run_launch_leaves_no_process_behind(tmp_path):
-    """A run stopped at its timeout: subprocess.TimeoutExpired with what it printed, and no process of it left,
-    neither one in its process group nor a worker in a session of its own whose launcher stops it on SIGTERM (as
-    torchrun does)."""
-    import os
-    import subprocess
-    import sys
-    import time
-
-    pids = tmp_path / "pids"
-    launcher = f"""
-import os, signal, subprocess, sys, time
-same = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-own = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
-open({str(pids)!r}, "w").write(f"{{same.pid}} {{own.pid}}")
-def stop(*_):
-    os.killpg(own.pid, signal.SIGTERM)
-    sys.exit(1)
-signal.signal(signal.SIGTERM, stop)
-print("launched", flush=True)
-time.sleep(120)
-"""
-    start = time.perf_counter()
-    with pytest.raises(subprocess.TimeoutExpired) as info:
-        run_launch([sys.executable, "-c", launcher], timeout=3.0, env=dict(os.environ))
-    assert time.perf_counter() - start < 30
-    out = info.value.stdout
-    assert "launched" in (out.decode() if isinstance(out, bytes) else out)
-    deadline = time.time() + 10
-    for pid in map(int, pids.read_text().split()):
-        while _running(pid):
-            if time.time() > deadline:
-                pytest.fail(f"process {pid} of the stopped run is still running")
-            time.sleep(0.05)
-
-
-def _running(pid: int) -> bool:
-    """Process ``pid`` exists and is not a zombie (a killed process waits in that state for its reaper)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc: whether the pid exists at all
-        import os
-
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
 
 
 def test_bench_parallel_reports_where_a_stopped_run_was(tmp_path, capsys):

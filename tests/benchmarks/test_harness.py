@@ -1,9 +1,11 @@
 """The benchmark harness on CPU: timing, rooflines, provider lookup, CSV rows and the markdown table."""
 
 import csv
+import os
 import re
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import torch.nn.functional as F
 from benchmarks import (bench_activation, bench_attention, bench_fp8, bench_gemm, bench_norm, bench_optim,
                         bench_qkv_order, common)
 from benchmarks.common import (CSV_HEADER, Results, Unavailable, bench, file_rows, gpu_slug, git_sha, load_providers,
-                               measure_copy_gbps, measure_matmul_tflops, record)
+                               measure_copy_gbps, measure_matmul_tflops, record, run_launch)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -455,3 +457,48 @@ def test_bench_gemm_cpu_smoke(tmp_path, capsys):
     assert "the step's products" in out
     with pytest.raises(SystemExit, match="unknown 'gpt-9'"):
         bench_gemm.main(["--device", "cpu", "--no-save", "--models", "gpt-9"])
+
+
+def test_run_launch_leaves_no_process_behind(tmp_path):
+    """A run stopped at its timeout: subprocess.TimeoutExpired with what it printed, and no process of it left,
+    neither one in its process group nor a worker in a session of its own whose launcher stops it on SIGTERM (as
+    torchrun does)."""
+    pids = tmp_path / "pids"
+    launcher = f"""
+import os, signal, subprocess, sys, time
+same = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+own = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+open({str(pids)!r}, "w").write(f"{{same.pid}} {{own.pid}}")
+def stop(*_):
+    os.killpg(own.pid, signal.SIGTERM)
+    sys.exit(1)
+signal.signal(signal.SIGTERM, stop)
+print("launched", flush=True)
+time.sleep(120)
+"""
+    start = time.perf_counter()
+    with pytest.raises(subprocess.TimeoutExpired) as info:
+        run_launch([sys.executable, "-c", launcher], timeout=3.0, env=dict(os.environ))
+    assert time.perf_counter() - start < 30
+    assert "launched" in info.value.stdout
+    deadline = time.time() + 10
+    for pid in map(int, pids.read_text().split()):
+        while _running(pid):
+            if time.time() > deadline:
+                pytest.fail(f"process {pid} of the stopped run is still running")
+            time.sleep(0.05)
+
+
+def _running(pid: int) -> bool:
+    """Process ``pid`` exists and is not a zombie (a killed process waits in that state for its reaper)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: whether the pid exists at all
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True

@@ -66,7 +66,7 @@ def start(cmd: list[str]) -> subprocess.Popen:
 
 def finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
     """The exit code and output of ``proc`` (from ``start``). Past ``timeout`` the launch is stopped with its ranks
-    (conftest's ``stop_launch``), and the test fails with what it printed."""
+    (benchmarks.common's ``stop_launch``), and the test fails with what it printed."""
     try:
         proc.wait(timeout=timeout)
         timed_out = False
