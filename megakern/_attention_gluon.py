@@ -529,26 +529,35 @@ if AVAILABLE:
     @gluon.jit
     def _key_rows_probs(k, v, q_bufs, do_bufs, q_ready, stat_bufs, cnt, start_m, full, rows_n, s_zero, TQ, TK,
                         scale_log2, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, NUM_BUF: gl.constexpr,
-                        CAUSAL: gl.constexpr, col_s: gl.constexpr):
+                        CAUSAL: gl.constexpr, col_s: gl.constexpr, LATE_STATS: gl.constexpr):
         """The dk/dv passes' step for a consumer's key rows (k, v) and the cnt-th query block it takes (at start_m),
         once its q and dO have landed in their ring slot: (slot, q, dO, P^T, dS^T = P^T (dP^T - delta)) from
         S^T = K Q^T and dP^T = V dO^T on the tensor cores and the rows' base-2 lse and delta, which the producer put
-        beside them (``stat_bufs``), P^T 0 above the causal diagonal (the queries before ``full``)."""
+        beside them (``stat_bufs``), P^T 0 above the causal diagonal (the queries before ``full``).
+
+        LATE_STATS: lse and delta read from shared memory where they are used rather than held in registers across
+        the two products (fewer live registers, a shared-memory read on the critical path)."""
         s = cnt % NUM_BUF
         mbarrier.wait(q_ready.index(s), (cnt // NUM_BUF) & 1)
+        if not LATE_STATS:
+            lse2 = stat_bufs.index(2 * s).load(col_s)
+            delta = stat_bufs.index(2 * s + 1).load(col_s)
         q = q_bufs.index(s).reshape([BLOCK_M, HEAD_DIM])
         do = do_bufs.index(s).reshape([BLOCK_M, HEAD_DIM])
         st = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dpt = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         st = warpgroup_mma_wait(1, deps=[st])  # P^T's exponentials run under dP^T's product
-        # lse and delta read from shared memory where they are used, not held in registers across the products
-        pt = gl.exp2(st * scale_log2 - stat_bufs.index(2 * s).load(col_s)[None, :])
+        if LATE_STATS:
+            lse2 = stat_bufs.index(2 * s).load(col_s)
+        pt = gl.exp2(st * scale_log2 - lse2[None, :])
         if CAUSAL:
             if start_m < full:
                 cols_m = start_m + gl.arange(0, BLOCK_M, layout=col_s)
                 pt = gl.where(rows_n[:, None] <= cols_m[None, :] + (TK - TQ), pt, 0.0)
         dpt = warpgroup_mma_wait(0, deps=[dpt])
-        return s, q, do, pt, pt * (dpt - stat_bufs.index(2 * s + 1).load(col_s)[None, :])
+        if LATE_STATS:
+            delta = stat_bufs.index(2 * s + 1).load(col_s)
+        return s, q, do, pt, pt * (dpt - delta[None, :])
 
     @gluon.jit
     def _bwd_consumer(WG: gl.constexpr, k_bufs, v_bufs, q_bufs, do_bufs, kv_ready, kv_empty, q_ready, q_empty,
@@ -573,6 +582,9 @@ if AVAILABLE:
         a_layout: gl.constexpr = layouts[2]
         col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
         dtype: gl.constexpr = q_bufs.dtype
+        # lse and delta out of registers where registers are tightest: 128-row query blocks and the single pass at
+        # 128-column tiles (in registers these spill; timed faster, docs/tuning.md); elsewhere in registers (faster)
+        LATE_STATS: gl.constexpr = BLOCK_M == 128 or (SUM_DQ and HEAD_DIM == 128)
         num_n = gl.cdiv(TK, BLOCK_N)
         cnt = 0
         i = 0
@@ -605,7 +617,7 @@ if AVAILABLE:
                     start_m = lo + mi * BLOCK_M
                     s, q, do, pt, dst = _key_rows_probs(k, v, q_bufs, do_bufs, q_ready, stat_bufs, cnt, start_m,
                                                         full, rows_n, s_zero, TQ, TK, scale_log2, HEAD_DIM, BLOCK_M,
-                                                        NUM_BUF, CAUSAL, col_s)
+                                                        NUM_BUF, CAUSAL, col_s, LATE_STATS)
                     if SUM_DQ:  # each pass keeps the order of the casts it was measured with
                         dst = dst.to(dtype)
                         pt_op = gl.convert_layout(pt.to(dtype), a_layout)
@@ -993,7 +1005,7 @@ def supported(q, k, v, causal, window, cu_seqlens, others=()) -> bool:
 
 
 # (BLOCK_M query rows per step, BLOCK_N key rows per tile, warps per consumer, q / dO ring slots) per head dim
-BWD_CONFIGS = {64: (64, 128, 4, 3), 128: (64, 128, 4, 2)}
+BWD_CONFIGS = {64: (128, 128, 4, 2), 128: (64, 128, 4, 2)}
 # The single-pass backward (bwd_single: dq added by TMA reduces in the dk/dv pass): the head dims it takes
 ATOMIC_HEAD_DIMS = (64, 128)
 # bwd_single's (BLOCK_M query rows per step, BLOCK_N key rows per tile, warps per consumer, q / dO ring slots, k / v

@@ -259,7 +259,7 @@ def packed_qkv(q, k, v):
 _LONG = 1 << 62
 # The Gluon forward takes fixed-length batches on sm_90 up to these sequence lengths, per head dim and causal (H200,
 # profiles/probe_attention_gluon.py: faster at every length measured; docs/tuning.md, attention, Gluon).
-GLUON_FWD = {128: {True: _LONG, False: _LONG}, 64: {True: _LONG, False: _LONG}}
+GLUON_FWD = {128: {True: _LONG, False: _LONG}, 96: {True: _LONG, False: _LONG}, 64: {True: _LONG, False: _LONG}}
 # The deterministic backward's passes by the Gluon kernels: the masks (causal, full) per head dim where each is the
 # faster one; dq (GLUON_DQ, which also makes delta) runs first, then dk/dv (GLUON_BWD).
 GLUON_BWD = {128: (True, False), 64: (True, False)}

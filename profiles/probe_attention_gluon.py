@@ -7,7 +7,8 @@ Triton forward's error, then TFLOP/s beside the Triton forward and SDPA's flash 
 
 ``--own-ranges``: each 192-row (three-warpgroup) configuration also with ``own_ranges`` (each warpgroup computes
 only the key blocks its own rows see).
-    python profiles/probe_attention_gluon.py --bwd [--configs "128x64x128x4x2,..."] [--dq-configs "128x128x64x4x3x1"]
+    python profiles/probe_attention_gluon.py --bwd [--hs 64,96,128] [--configs "128x64x128x4x2,..."]
+                                             [--dq-configs "128x128x64x4x3x1"]
 """
 from __future__ import annotations
 
@@ -166,18 +167,19 @@ def _single_passes(hs):
     return [("tma", glu.SINGLE_CONFIGS[hs])]
 
 
-def bwd_probe(configs, dq_configs, heads=(None,)) -> None:
+def bwd_probe(configs, dq_configs, heads=(None,), head_dims=(64, 96, 128)) -> None:
     """The Gluon backward passes: dq, dk, dv against fp64 truth next to the Triton passes' errors, then the
     deterministic backward's TFLOP/s (backward = 2.5x forward FLOPs) with the Triton passes, the Gluon dk/dv pass and
     both Gluon passes (``configs``: dk/dv tiles, ``dq_configs``: dq tiles, (hs, ...) each); for the head dims of
-    ATOMIC_HEAD_DIMS also the single-pass backward (``deterministic=False``), by the Triton and the Gluon kernels."""
+    ATOMIC_HEAD_DIMS also the single-pass backward (``deterministic=False``), by the Triton and the Gluon kernels; the
+    cases and shapes of ``head_dims`` only."""
     dev = torch.device("cuda")
     cases = [(2, 1000, 1000, 4, 4, 128, True), (2, 1000, 1000, 4, 2, 128, False), (1, 777, 777, 2, 1, 64, True),
              (2, 300, 700, 4, 2, 64, True), (2, 700, 300, 4, 4, 128, True), (3, 17, 17, 4, 2, 128, True),
              (2, 1, 1, 2, 2, 64, True), (1, 2048, 2048, 3, 3, 128, True), (2, 513, 513, 8, 1, 64, False),
              (2, 1000, 1000, 4, 2, 96, True), (2, 513, 700, 4, 4, 96, False)]
     ok = True
-    for b, tq, tk, nh, nkv, hs, causal in cases:
+    for b, tq, tk, nh, nkv, hs, causal in (c for c in cases if c[5] in head_dims):
         g = torch.Generator(device=dev).manual_seed(tq + hs)
         q = torch.randn(b, tq, nh, hs, device=dev, dtype=torch.bfloat16, generator=g)
         k, v = (torch.randn(b, tk, nkv, hs, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(2))
@@ -215,6 +217,8 @@ def bwd_probe(configs, dq_configs, heads=(None,)) -> None:
     for hs, t, causal in ((128, 1024, True), (128, 2048, True), (128, 4096, True), (128, 16384, True),
                           (128, 4096, False), (64, 2048, True), (64, 4096, True), (64, 4096, False),
                           (96, 2048, True), (96, 8192, True), (96, 4096, False)):
+        if hs not in head_dims:
+            continue
         b, nh = max(1, 16384 // t), 2048 // hs
         q, k, v, do = (torch.randn(b, t, nh, hs, device=dev, dtype=torch.bfloat16) for _ in range(4))
         win = (-1, 0 if causal else -1)
@@ -265,7 +269,8 @@ def main() -> None:
         print("GLUON CHECK FAILED")
     if a.bwd:
         dq_configs = [tuple(int(x) for x in c.split("x")) for c in a.dq_configs.split(",") if c]
-        bwd_probe(configs, [(*c[:5], bool(c[5])) if len(c) == 6 else c for c in dq_configs], heads)
+        bwd_probe(configs, [(*c[:5], bool(c[5])) if len(c) == 6 else c for c in dq_configs], heads,
+                  tuple(int(h) for h in a.hs.split(",")))
     if a.host:
         host()
     if a.bench:

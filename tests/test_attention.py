@@ -570,7 +570,8 @@ def test_gluon_dispatch():
         _fwd_kernels(q, q, q, True, 0.125, (-1, 0), None, None, gluon=True)
     assert _use_gluon(128, True, 1 << 20) and _use_gluon(128, False, 16384)
     assert _use_gluon(64, True, 16384) and _use_gluon(64, False, 1 << 20)
-    assert not _use_gluon(96, True, 1024) and not _use_gluon(256, False, 1024)
+    assert _use_gluon(96, True, 1024) and _use_gluon(96, False, 1 << 20)
+    assert not _use_gluon(256, True, 1024) and not _use_gluon(256, False, 1024)
     out, lse = attention_ref(q, q, q, causal=True)  # the backward refuses before it launches anything
     with pytest.raises(ValueError, match="Gluon dk/dv pass needs what the Gluon forward needs"):
         _bwd_kernels(q, q, q, q, out, lse, True, 0.125, (-1, 0), None, None, True, gluon=True)
