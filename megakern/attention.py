@@ -262,8 +262,8 @@ _LONG = 1 << 62
 GLUON_FWD = {128: {True: _LONG, False: _LONG}, 96: {True: _LONG, False: _LONG}, 64: {True: _LONG, False: _LONG}}
 # The deterministic backward's passes by the Gluon kernels: the masks (causal, full) per head dim where each is the
 # faster one; dq (GLUON_DQ, which also makes delta) runs first, then dk/dv (GLUON_BWD).
-GLUON_BWD = {128: (True, False), 64: (True, False)}
-GLUON_DQ = {128: (True, False), 64: (True, False)}
+GLUON_BWD = {128: (True, False), 96: (True, False), 64: (True, False)}
+GLUON_DQ = {128: (True, False), 96: (True, False), 64: (True, False)}
 # The single-pass backward (``deterministic=False``) by the Gluon kernel adding dq by TMA reduces (bwd_single): the
 # masks per head dim where it is the default (hs 64; at hs 128 it is slower than the deterministic pair, which
 # ``deterministic=False`` then runs; docs/tuning.md; ``gluon=True`` forces it)
