@@ -1,5 +1,5 @@
 """Fused attention: softmax(q k^T * scale + mask) v, forward and backward, in Triton (FlashAttention-2 algorithm);
-on Hopper the forward and the deterministic backward of fixed-length batches with head dim 64 / 128 run Gluon kernels
+on Hopper the forward and the backward of fixed-length batches with head dim 64 / 96 / 128 run Gluon kernels
 with FlashAttention-3's structure (megakern/_attention_gluon.py; GLUON_FWD, GLUON_DQ and GLUON_BWD below say where).
 
 Shapes (flash-attn's layout): q (B, Tq, nh, hs), k and v (B, Tk, nkv, hs), out like q. Grouped-query / multi-query
@@ -22,9 +22,9 @@ way), then dk and dv per key block, which recomputes q k^T and dO v^T (7 matmuls
 so it is bitwise reproducible; on the H200 it is also the faster one (Triton kernels, hs 128, T 4096: 321 against
 291 TFLOP/s causal, 349 against 304 full; see docs/tuning.md). On Hopper both passes run Gluon kernels for what the
 Gluon forward takes (GLUON_DQ, GLUON_BWD). ``deterministic=False`` computes dq in the
-dk/dv pass, added into fp32 (fewer FLOPs, results that vary in the last bits from run to run): on Hopper at head dim
-64 by the Gluon single pass, which adds each query block's dq by TMA reduces (GLUON_BWD_ATOMIC: 1.01-1.10x the
-deterministic pair on the H200); where the deterministic Gluon pair is the faster one (head dim 128) it runs instead;
+dk/dv pass, added into fp32 (fewer FLOPs, results that vary in the last bits from run to run): on Hopper at head dims
+64 and 128 by the Gluon single pass, which adds each query block's dq by TMA reduces (GLUON_BWD_ATOMIC: faster than
+the deterministic pair on the H200); where the Gluon pair runs but no single pass (head dim 96) the pair runs instead;
 elsewhere by the Triton kernel's atomic adds (docs/tuning.md).
 
 Packed q, k, v: when q, k and v are views of one fused qkv projection's output, either the three views ``[..., 0,
@@ -265,9 +265,9 @@ GLUON_FWD = {128: {True: _LONG, False: _LONG}, 96: {True: _LONG, False: _LONG}, 
 GLUON_BWD = {128: (True, False), 96: (True, False), 64: (True, False)}
 GLUON_DQ = {128: (True, False), 96: (True, False), 64: (True, False)}
 # The single-pass backward (``deterministic=False``) by the Gluon kernel adding dq by TMA reduces (bwd_single): the
-# masks per head dim where it is the default (hs 64; at hs 128 it is slower than the deterministic pair, which
-# ``deterministic=False`` then runs; docs/tuning.md; ``gluon=True`` forces it)
-GLUON_BWD_ATOMIC: dict[int, tuple[bool, ...]] = {64: (True, False)}
+# masks per head dim where it is the default (faster than the deterministic pair there, docs/tuning.md; elsewhere
+# ``deterministic=False`` runs the pair where GLUON_BWD names it; ``gluon=True`` forces the single pass)
+GLUON_BWD_ATOMIC: dict[int, tuple[bool, ...]] = {64: (True, False), 128: (True, False)}
 
 
 def _use_gluon(hs: int, causal: bool, seqlen: int) -> bool:
