@@ -690,7 +690,7 @@ def test_gluon_backward(case, dtype, mode):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", (True, False), ids=("causal", "full"))
-@pytest.mark.parametrize("hs", (64, 128))
+@pytest.mark.parametrize("hs", (64, 96, 128))
 def test_gluon_backward_without_determinism(hs, causal):
     """``deterministic=False`` by the tables on Hopper: where GLUON_BWD_ATOMIC names the mask, the Gluon single pass
     (within the 2x rule of fp64 truth); where it does not but GLUON_BWD does, the deterministic Gluon pair, the same
