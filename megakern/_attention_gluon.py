@@ -34,8 +34,8 @@ whole key tile and adds them into an fp32 dq by a TMA reduce (FlashAttention-3's
 Fixed-length batches (B, T, heads, hs) with 16-byte aligned strides, head dims 64, 96 (on 128-column tiles) and 128,
 fp16 / bf16, causal or full, GQA; everything else (packed documents, windows, other head dims) takes the Triton
 kernels. Same outputs as _attention_triton's: out like q, lse (B, nh, Tq) fp32 in natural log, -inf (and out 0) for a
-row that sees no key; dq, dk, dv like q, k, v. GLUON_FWD / GLUON_DQ / GLUON_BWD in megakern/attention.py say where these kernels are
-the default.
+row that sees no key; dq, dk, dv like q, k, v. GLUON_FWD / GLUON_DQ / GLUON_BWD in megakern/attention.py say where
+these kernels are the default.
 """
 from __future__ import annotations
 
@@ -81,6 +81,8 @@ HEAD_DIMS = (64, 96, 128)
 def block_d(hs: int) -> int:
     """The kernels' tile width for head dim ``hs`` (the key of the config tables)."""
     return 64 if hs <= 64 else 128
+
+
 if AVAILABLE:  # a barrier across a partition's warps: gl.thread_barrier in Triton 3.6, gl.barrier in later releases
     _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 # (BLOCK_M, BLOCK_N, warps per consumer, k/v ring slots, ping-pong) per head dim; with ping-pong a consumer
@@ -1011,8 +1013,8 @@ BWD_CONFIGS = {64: (128, 128, 4, 2), 128: (64, 128, 4, 2)}
 # tensor's end)
 ATOMIC_HEAD_DIMS = (64, 96, 128)
 # bwd_single's (BLOCK_M query rows per step, BLOCK_N key rows per tile, warps per consumer, q / dO ring slots, k / v
-# slots, dS^T slots) per head dim: hs 128 (and 96 on its tiles) has the shared memory for one k / v slot only (213 KiB)
-SINGLE_CONFIGS = {64: (64, 128, 4, 3, 2, 2), 96: (64, 128, 4, 2, 1, 2), 128: (64, 128, 4, 2, 1, 2)}
+# slots, dS^T slots) per tile width (``block_d``): 128 columns have the shared memory for one k / v slot only (213 KiB)
+SINGLE_CONFIGS = {64: (64, 128, 4, 3, 2, 2), 128: (64, 128, 4, 2, 1, 2)}
 
 
 def bwd_single(dout, q, k, v, lse, delta, dk, dv, dq_acc, causal: bool, scale: float, config=None, heads=None,
@@ -1023,7 +1025,7 @@ def bwd_single(dout, q, k, v, lse, delta, dk, dv, dq_acc, causal: bool, scale: f
     hs = q.shape[-1]
     if hs not in ATOMIC_HEAD_DIMS:
         raise ValueError(f"attention: the Gluon single-pass backward takes head dims {ATOMIC_HEAD_DIMS}, not {hs}")
-    block_m, block_n, warps, bufs, kv_bufs, ds_bufs = config or SINGLE_CONFIGS[hs]
+    block_m, block_n, warps, bufs, kv_bufs, ds_bufs = config or SINGLE_CONFIGS[block_d(hs)]
     if not TMA_REDUCE:
         raise ValueError("attention: the Gluon single-pass backward adds dq by TMA reduces, which this Triton lacks")
     if block_m not in (64, 128) or block_n != 128:

@@ -164,7 +164,7 @@ def _single_passes(hs):
     where this Triton has it."""
     if hs not in glu.ATOMIC_HEAD_DIMS or not glu.TMA_REDUCE:
         return []
-    return [("tma", glu.SINGLE_CONFIGS[hs])]
+    return [("tma", glu.SINGLE_CONFIGS[glu.block_d(hs)])]
 
 
 def bwd_probe(configs, dq_configs, heads=(None,), head_dims=(64, 96, 128)) -> None:

@@ -471,7 +471,7 @@ def compile_gluon_bwd_for_sm90(kernel: str, hs: int, causal: bool, config=None):
         block_m, block_n, warps, bufs, pingpong = g.DQ_CONFIGS[width]
         fn, extra, outputs = g._attn_bwd_dq_ws_kernel, {"PINGPONG": pingpong}, {"O": "*bf16", "DQ": "*bf16"}
     elif kernel == "single":
-        block_m, block_n, warps, bufs, kv_bufs, ds_bufs = config or g.SINGLE_CONFIGS[hs]
+        block_m, block_n, warps, bufs, kv_bufs, ds_bufs = config or g.SINGLE_CONFIGS[width]
         fn, extra = g._attn_bwd_dkdv_ws_kernel, {"KV_BUF": kv_bufs, "DS_BUF": ds_bufs, "SUM_DQ": True}
         outputs = {"DK": "*bf16", "DV": "*bf16"}
         tiles = {"dq_desc": (block_m, width // 2, "fp32")}
