@@ -15,6 +15,10 @@ process group the check left (a pipeline's tied-embedding groups, a checkpoint's
 made itself). Gloo runs threads for every group (its I/O loop and workers), so groups kept across hundreds of checks
 pile up hundreds of idle threads per rank that cost the machine system time; ``pool(n).run(threads)`` gives each
 rank's count.
+
+A rank that dies of a signal (a native crash inside torch or gloo: glibc's abort on a corrupted heap, a segfault) is
+not a check's answer: the pool restarts its ranks and runs the check once more on fresh processes, with a warning
+that names the signal; a second crash fails the check. A Python error or a wrong result is never run again.
 """
 from __future__ import annotations
 
@@ -22,15 +26,19 @@ import atexit
 import gc
 import os
 import queue
+import signal
 import socket
 import time
 import traceback
+import warnings
 
 import torch.multiprocessing as mp
 
 PG_TIMEOUT_S = 45.0  # every collective in a worker; a mismatched collective raises after this
 RUN_TIMEOUT_S = 120.0  # a whole check, all ranks
-GRACE_S = 3.0  # after the first rank's error, how long to wait for the others' reports
+GRACE_S = 3.0  # after the first rank's error or death, how long to wait for the others' reports
+CRASH_RETRIES = 1  # a check whose rank died of a signal runs again this many times, on fresh ranks
+POLL_S = 1.0  # how often a wait for results looks for dead ranks
 
 
 def _context():
@@ -125,49 +133,89 @@ def threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
+class RankCrashed(AssertionError):
+    """A check failed because a rank's process died of a signal."""
+
+
 class RankPool:
     """``world`` ranks with a gloo process group, answering ``run`` calls."""
 
     def __init__(self, world: int, pg_timeout: float = PG_TIMEOUT_S):
+        self.world, self.pg_timeout = world, pg_timeout
+        self._start()
+
+    def _start(self) -> None:
+        """Spawn the ranks and wait until each has joined the process group."""
         ctx = _context()
-        self.world, self.broken = world, False
+        self.broken = False
         self.results = ctx.Queue()
-        self.tasks = [ctx.Queue() for _ in range(world)]
+        self.tasks = [ctx.Queue() for _ in range(self.world)]
         port = free_port()
-        self.procs = [ctx.Process(target=_worker, args=(r, world, port, self.tasks[r], self.results, pg_timeout),
-                                  daemon=True) for r in range(world)]
+        self.procs = [ctx.Process(target=_worker,
+                                  args=(r, self.world, port, self.tasks[r], self.results, self.pg_timeout),
+                                  daemon=True) for r in range(self.world)]
         for p in self.procs:
             p.start()
         self._collect("init", RUN_TIMEOUT_S, expect="ready")
+
+    def _signalled(self) -> dict[int, str]:
+        """The ranks whose process died of a signal, with the signal's name."""
+        out = {}
+        for rank, p in enumerate(self.procs):
+            code = p.exitcode
+            if code is not None and code < 0:
+                try:
+                    out[rank] = signal.Signals(-code).name
+                except ValueError:
+                    out[rank] = f"signal {-code}"
+        return out
 
     def _collect(self, what: str, timeout: float, expect: str = "ok") -> list:
         outs, errors = {}, {}
         deadline = time.monotonic() + timeout
         while len(outs) + len(errors) < self.world:
-            left = deadline - time.monotonic()
-            if errors:
-                left = min(left, GRACE_S)
-            try:
-                rank, kind, payload = self.results.get(timeout=max(left, 0.01))
-            except queue.Empty:
+            now = time.monotonic()
+            if errors or any(not p.is_alive() for r, p in enumerate(self.procs) if r not in outs):
+                deadline = min(deadline, now + GRACE_S)  # a rank that is gone will not answer
+            left = deadline - now
+            if left <= 0:
                 break
+            try:
+                rank, kind, payload = self.results.get(timeout=min(left, POLL_S))
+            except queue.Empty:
+                continue
             (outs if kind == expect else errors)[rank] = payload
         if errors or len(outs) < self.world:
+            crashed = {r: sig for r, sig in self._signalled().items() if r not in outs}
             self.close(kill=True)
             silent = [r for r in range(self.world) if r not in outs and r not in errors]
             report = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+            if crashed:
+                report += "".join(f"\n--- rank {r} died of {sig} ---" for r, sig in sorted(crashed.items()))
+            silent = [r for r in silent if r not in crashed]
             if silent:
                 report += f"\n--- ranks {silent} gave no answer within {timeout:g} s ---"
-            raise AssertionError(f"{what} failed on {self.world} ranks:{report}")
+            raise (RankCrashed if crashed else AssertionError)(f"{what} failed on {self.world} ranks:{report}")
         return [outs[r] for r in range(self.world)]
 
     def run(self, fn, *args, timeout: float = RUN_TIMEOUT_S, **kwargs) -> list:
-        """fn(*args, **kwargs) on every rank; the results by rank."""
+        """fn(*args, **kwargs) on every rank; the results by rank. A check that a rank's crash ended runs again on
+        fresh ranks (CRASH_RETRIES times, with a warning)."""
         if self.broken:
             raise RuntimeError("this RankPool was retired after a failure; get a new one from pool(n)")
-        for q in self.tasks:
-            q.put((fn, args, kwargs))
-        return self._collect(getattr(fn, "__name__", repr(fn)), timeout)
+        what, attempt = getattr(fn, "__name__", repr(fn)), 0
+        while True:
+            for q in self.tasks:
+                q.put((fn, args, kwargs))
+            try:
+                return self._collect(what, timeout)
+            except RankCrashed as crash:
+                if attempt == CRASH_RETRIES:
+                    raise
+                attempt += 1
+                warnings.warn(f"{crash}\n{what} runs again on {self.world} fresh ranks", RuntimeWarning,
+                              stacklevel=2)
+                self._start()
 
     def close(self, kill: bool = False) -> None:
         self.broken = True
