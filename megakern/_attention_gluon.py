@@ -31,11 +31,11 @@ The single-pass backward (``bwd_single``, ``deterministic=False``) is the dk / d
 the two consumers put their dS^T rows into a shared (128, 64) tile, each then computes half of dq's columns over the
 whole key tile and adds them into an fp32 dq by a TMA reduce (FlashAttention-3's structure; delta made beforehand).
 
-Fixed-length batches (B, T, heads, hs) with 16-byte aligned strides, head dims 64, 96 (on 128-column tiles) and 128,
-fp16 / bf16, causal or full, GQA; everything else (packed documents, windows, other head dims) takes the Triton
-kernels. Same outputs as _attention_triton's: out like q, lse (B, nh, Tq) fp32 in natural log, -inf (and out 0) for a
-row that sees no key; dq, dk, dv like q, k, v. GLUON_FWD / GLUON_DQ / GLUON_BWD in megakern/attention.py say where
-these kernels are the default.
+Fixed-length batches (B, T, heads, hs) with 16-byte aligned strides, head dims 64, 96 (on 128-column tiles) and 128 (the
+single pass: 64 and 128), fp16 / bf16, causal or full, GQA; everything else (packed documents, windows, other head dims)
+takes the Triton kernels. Same outputs as _attention_triton's: out like q, lse (B, nh, Tq) fp32 in natural log, -inf
+(and out 0) for a row that sees no key; dq, dk, dv like q, k, v. GLUON_FWD / GLUON_DQ / GLUON_BWD in
+megakern/attention.py say where these kernels are the default.
 """
 from __future__ import annotations
 
@@ -1008,10 +1008,8 @@ def supported(q, k, v, causal, window, cu_seqlens, others=()) -> bool:
 
 # (BLOCK_M query rows per step, BLOCK_N key rows per tile, warps per consumer, q / dO ring slots) per head dim
 BWD_CONFIGS = {64: (128, 128, 4, 2), 128: (64, 128, 4, 2)}
-# The single-pass backward (bwd_single: dq added by TMA reduces in the dk/dv pass): the head dims it takes (96 on
-# 128-column tiles: the second warpgroup's reduce of columns 64-127 writes 64-95, TMA leaving out the columns past the
-# tensor's end)
-ATOMIC_HEAD_DIMS = (64, 96, 128)
+# The single-pass backward (bwd_single: dq added by TMA reduces in the dk/dv pass): the head dims it takes
+ATOMIC_HEAD_DIMS = (64, 128)
 # bwd_single's (BLOCK_M query rows per step, BLOCK_N key rows per tile, warps per consumer, q / dO ring slots, k / v
 # slots, dS^T slots) per tile width (``block_d``): 128 columns have the shared memory for one k / v slot only (213 KiB)
 SINGLE_CONFIGS = {64: (64, 128, 4, 3, 2, 2), 128: (64, 128, 4, 2, 1, 2)}

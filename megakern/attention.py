@@ -24,8 +24,8 @@ so it is bitwise reproducible; on the H200 it is also the faster one (Triton ker
 Gluon forward takes (GLUON_DQ, GLUON_BWD). ``deterministic=False`` computes dq in the
 dk/dv pass, added into fp32 (fewer FLOPs, results that vary in the last bits from run to run): on Hopper at head dims
 64 and 128 by the Gluon single pass, which adds each query block's dq by TMA reduces (GLUON_BWD_ATOMIC: faster than
-the deterministic pair on the H200); where the table names no single pass but the Gluon pair runs (head dim 96), the
-pair runs instead; elsewhere by the Triton kernel's atomic adds (docs/tuning.md).
+the deterministic pair on the H200); where the Gluon pair runs but no single pass (head dim 96) the pair runs instead;
+elsewhere by the Triton kernel's atomic adds (docs/tuning.md).
 
 Packed q, k, v: when q, k and v are views of one fused qkv projection's output, either the three views ``[..., 0,
 :]``, ``[..., 1, :]``, ``[..., 2, :]`` of a (..., heads, 3, hs) tensor or, with grouped queries, its first nh, next nkv
