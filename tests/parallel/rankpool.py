@@ -188,11 +188,9 @@ class RankPool:
         if errors or len(outs) < self.world:
             crashed = {r: sig for r, sig in self._signalled().items() if r not in outs}
             self.close(kill=True)
-            silent = [r for r in range(self.world) if r not in outs and r not in errors]
+            silent = [r for r in range(self.world) if r not in outs and r not in errors and r not in crashed]
             report = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
-            if crashed:
-                report += "".join(f"\n--- rank {r} died of {sig} ---" for r, sig in sorted(crashed.items()))
-            silent = [r for r in silent if r not in crashed]
+            report += "".join(f"\n--- rank {r} died of {sig} ---" for r, sig in sorted(crashed.items()))
             if silent:
                 report += f"\n--- ranks {silent} gave no answer within {timeout:g} s ---"
             raise (RankCrashed if crashed else AssertionError)(f"{what} failed on {self.world} ranks:{report}")

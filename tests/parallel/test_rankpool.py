@@ -48,10 +48,12 @@ def raise_error(log: str) -> None:
 def test_a_crash_runs_the_check_again_on_fresh_ranks(tmp_path):
     log = str(tmp_path / "attempts")
     ranks = pool(2)
+    before = ranks.run(os.getpid)
     with pytest.warns(RuntimeWarning, match=r"rank 1 died of SIGABRT[\s\S]*abort_once runs again"):
         assert ranks.run(abort_once, log) == [2, 2]
     assert not ranks.broken and pool(2) is ranks
-    assert ranks.run(os.getpid) != []  # the fresh ranks answer the next check
+    after = ranks.run(os.getpid)  # the fresh ranks answer the next check
+    assert len(set(after)) == 2 and not set(after) & set(before), (before, after)
 
 
 def test_a_second_crash_fails_the_check(tmp_path):
