@@ -1009,7 +1009,7 @@ def supported(q, k, v, causal, window, cu_seqlens, others=()) -> bool:
 # (BLOCK_M query rows per step, BLOCK_N key rows per tile, warps per consumer, q / dO ring slots) per head dim
 BWD_CONFIGS = {64: (128, 128, 4, 2), 128: (64, 128, 4, 2)}
 # The single-pass backward (bwd_single: dq added by TMA reduces in the dk/dv pass): the head dims it takes
-ATOMIC_HEAD_DIMS = (64, 128)
+ATOMIC_HEAD_DIMS = (64, 96, 128)
 # bwd_single's (BLOCK_M query rows per step, BLOCK_N key rows per tile, warps per consumer, q / dO ring slots, k / v
 # slots, dS^T slots) per tile width (``block_d``): 128 columns have the shared memory for one k / v slot only (213 KiB)
 SINGLE_CONFIGS = {64: (64, 128, 4, 3, 2, 2), 128: (64, 128, 4, 2, 1, 2)}

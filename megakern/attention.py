@@ -23,9 +23,8 @@ so it is bitwise reproducible; on the H200 it is also the faster one (Triton ker
 291 TFLOP/s causal, 349 against 304 full; see docs/tuning.md). On Hopper both passes run Gluon kernels for what the
 Gluon forward takes (GLUON_DQ, GLUON_BWD). ``deterministic=False`` computes dq in the
 dk/dv pass, added into fp32 (fewer FLOPs, results that vary in the last bits from run to run): on Hopper at head dims
-64 and 128 by the Gluon single pass, which adds each query block's dq by TMA reduces (GLUON_BWD_ATOMIC: faster than
-the deterministic pair on the H200); where the Gluon pair runs but no single pass (head dim 96) the pair runs instead;
-elsewhere by the Triton kernel's atomic adds (docs/tuning.md).
+64, 96 and 128 by the Gluon single pass, which adds each query block's dq by TMA reduces (GLUON_BWD_ATOMIC: faster
+than the deterministic pair on the H200); elsewhere by the Triton kernel's atomic adds (docs/tuning.md).
 
 Packed q, k, v: when q, k and v are views of one fused qkv projection's output, either the three views ``[..., 0,
 :]``, ``[..., 1, :]``, ``[..., 2, :]`` of a (..., heads, 3, hs) tensor or, with grouped queries, its first nh, next nkv
@@ -267,7 +266,7 @@ GLUON_DQ = {128: (True, False), 96: (True, False), 64: (True, False)}
 # The single-pass backward (``deterministic=False``) by the Gluon kernel adding dq by TMA reduces (bwd_single): the
 # masks per head dim where it is the default (faster than the deterministic pair there, docs/tuning.md; elsewhere
 # ``deterministic=False`` runs the pair where GLUON_BWD names it; ``gluon=True`` forces the single pass)
-GLUON_BWD_ATOMIC: dict[int, tuple[bool, ...]] = {64: (True, False), 128: (True, False)}
+GLUON_BWD_ATOMIC: dict[int, tuple[bool, ...]] = {64: (True, False), 96: (True, False), 128: (True, False)}
 
 
 def _use_gluon(hs: int, causal: bool, seqlen: int) -> bool:
