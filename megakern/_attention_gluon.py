@@ -31,9 +31,9 @@ The single-pass backward (``bwd_single``, ``deterministic=False``) is the dk / d
 the two consumers put their dS^T rows into a shared (128, 64) tile, each then computes half of dq's columns over the
 whole key tile and adds them into an fp32 dq by a TMA reduce (FlashAttention-3's structure; delta made beforehand).
 
-Fixed-length batches (B, T, heads, hs) with 16-byte aligned strides, head dims 64, 96 (on 128-column tiles) and 128 (the
-single pass: 64 and 128), fp16 / bf16, causal or full, GQA; everything else (packed documents, windows, other head dims)
-takes the Triton kernels. Same outputs as _attention_triton's: out like q, lse (B, nh, Tq) fp32 in natural log, -inf
+Fixed-length batches (B, T, heads, hs) with 16-byte aligned strides, head dims 64, 96 (on 128-column tiles) and 128,
+fp16 / bf16, causal or full, GQA; everything else (packed documents, windows, other head dims) takes the Triton
+kernels. Same outputs as _attention_triton's: out like q, lse (B, nh, Tq) fp32 in natural log, -inf
 (and out 0) for a row that sees no key; dq, dk, dv like q, k, v. GLUON_FWD / GLUON_DQ / GLUON_BWD in
 megakern/attention.py say where these kernels are the default.
 """
