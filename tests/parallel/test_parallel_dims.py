@@ -98,6 +98,8 @@ def _kept(rank, port):
     out = (rendezvous.address, rendezvous.host, rendezvous.attempt, type(mesh.store).__name__, mesh.store is
            rendezvous.store, bare.store, mesh.store_prefix("watchdog"), mesh.store_prefix("watchdog"), other, error,
            f"{socket.gethostname()}:{os.getpid()}")
+    # rank 0 hosts the store: it must not end before rank 1's get above is answered (a reset connection otherwise)
+    dist.barrier()
     dist.destroy_process_group()
     return out
 
