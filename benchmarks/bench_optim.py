@@ -19,7 +19,7 @@ megakern megakern.optim.SumOfSquares (one Triton launch per dtype), as the train
 1e-5 before they are timed.
 
     python -m benchmarks.bench_optim [--quick] [--model gpt-350m|gpt-1.3b|llama-1b|llama-8b-4l] [--providers ...]
-                                     [--graph]
+                                     [--graph] [--untouched 0.97]
                                      [--no-save]
 """
 
@@ -60,12 +60,15 @@ class State:
     """Masters, bf16 weights with bf16 gradients, an AdamW over the masters (two groups: matrices decayed), and
     the step's device scalars; a fresh copy of the same values per provider."""
 
-    def __init__(self, shapes, device, seed: int = 0):
+    def __init__(self, shapes, device, seed: int = 0, untouched: float = 0.0):
         gen = torch.Generator(device=device).manual_seed(seed)
         self.masters = [torch.randn(s, device=device, generator=gen) * 0.02 for s in shapes]
         self.models = [m.to(torch.bfloat16) for m in self.masters]
         for w in self.models:
             w.grad = torch.randn(w.shape, device=device, generator=gen).to(torch.bfloat16)
+        if untouched:  # the token embedding (the first tensor): rows no token of the step touched have zero gradients
+            rows = self.models[0].grad
+            rows[torch.rand(rows.shape[0], device=device, generator=gen) < untouched] = 0
         groups = [{"params": [m for m in self.masters if m.dim() > 1], "weight_decay": 0.1},
                   {"params": [m for m in self.masters if m.dim() == 1], "weight_decay": 0.0}]
         self.lr = torch.tensor(3e-4, device=device)
@@ -135,9 +138,15 @@ def norm_case(results: Results, providers: dict, params, model: str, numel: int,
 
 
 def main(argv: list[str] | None = None) -> Results:
-    args = parse_args(__doc__.splitlines()[0], argv, extra=lambda p: p.add_argument(
-        "--model", choices=sorted(MODELS), action="append", help="parameter shapes (default: gpt-350m, and gpt-1.3b "
-        "and llama-1b without --quick)"))
+    def extra(p):
+        p.add_argument("--model", choices=sorted(MODELS), action="append", help="parameter shapes (default: "
+                       "gpt-350m, and gpt-1.3b and llama-1b without --quick)")
+        p.add_argument("--untouched", type=float, default=0.0, help="the fraction of the token embedding's rows with a "
+                       "zero gradient, as in a step whose tokens touch only some rows (default 0: random gradients "
+                       "everywhere); their moments stay 0 from the first step on")
+    args = parse_args(__doc__.splitlines()[0], argv, extra=extra)
+    if not 0.0 <= args.untouched < 1.0:
+        raise SystemExit(f"bench_optim: --untouched must be in [0, 1), got {args.untouched}")
     device = args.device
     providers = load_providers(PROVIDERS, device, args.providers)
     results = Results(device)
@@ -148,10 +157,11 @@ def main(argv: list[str] | None = None) -> Results:
         params = shapes(model, device)
         numel = sum(torch.Size(s).numel() for s in params)
         case = f"adamw masters {model} {numel / 1e6:.1f}M"
+        case += f" untouched {args.untouched:g}" if args.untouched else ""
         reference = None
         for name, ops in providers.items():
             try:
-                state = State(params, device)
+                state = State(params, device, untouched=args.untouched)
                 step = ops["step"](state)
                 step()  # one step from the shared initial state: the providers must agree
                 masters = torch.cat([m.reshape(-1) for m in state.masters])

@@ -370,6 +370,21 @@ def test_bench_optim_cpu_smoke(tmp_path, capsys):
     assert all(float(r["value"]) > 0 for r in records)
 
 
+def test_bench_optim_untouched_embedding_rows(tmp_path):
+    """--untouched: that fraction of the embedding's gradient rows is zero (the others random), named in the case;
+    out of [0, 1) it is refused."""
+    state = bench_optim.State([(400, 8), (8,)], torch.device("cpu"), untouched=0.75)
+    zero_rows = (state.models[0].grad == 0).all(1)
+    assert 0.6 < zero_rows.float().mean() < 0.9 and (state.models[1].grad != 0).all()
+    assert (state.models[0].grad[~zero_rows] != 0).all()
+    bench_optim.main(["--device", "cpu", "--quick", "--untouched", "0.5", "--providers", "torch-fused", "--out",
+                      str(tmp_path)])
+    cases = {r[6] for r in _read_csv(tmp_path / "cpu" / "optim.csv")[1:]}
+    assert any(c.startswith("adamw masters gpt-350m") and c.endswith(" untouched 0.5") for c in cases), cases
+    with pytest.raises(SystemExit, match="--untouched must be in"):
+        bench_optim.main(["--device", "cpu", "--untouched", "1", "--no-save"])
+
+
 def test_import_peer_says_why():
     """A frontier peer that cannot run here is Unavailable with the reason: no CUDA, or not installed (and where
     it comes from); one that imports is returned."""
