@@ -145,8 +145,8 @@ class GPTConfig:
     """Activation recomputation: "none" | "selective" (the attention core) | "full" (each block)."""
     deterministic_attention: bool = True
     """The attention backward without atomics, bitwise reproducible (two passes, megakern.attention's default); False:
-    the single-pass backward where it is the faster one (dq added into fp32 by TMA reduces: head dims 64 and 128 on
-    Hopper, docs/tuning.md), run-to-run differences in the last bits allowed."""
+    the single-pass backward where it is the faster one (dq added into fp32 by TMA reduces: head dims 64, 96 and 128
+    on Hopper, docs/tuning.md), run-to-run differences in the last bits allowed."""
     kernels: dict = field(default_factory=dict)
     """Backend per op, {op: "torch" | "triton" | "cuda"}, ops: rms_norm, layer_norm, rotary, attention,
     cross_entropy, bias_gelu (the MLP's fc bias + GELU), linear (the other biased projections' bias gradient), moe
