@@ -111,9 +111,10 @@ def test_master_adamw_matches_torch(model_dtype, grad_on, grad_dtype, lr_tensor,
 
 def test_master_adamw_untouched_rows_keep_their_bits():
     """An embedding whose rows no token touched (zero gradients, zero moments, no weight decay): those rows' masters
-    and moments keep their exact bits step after step (the kernel skips the blocks the update cannot change; a row
-    of -0 becomes +0 and is written) while the touched rows follow torch's AdamW, and the same rows under weight
-    decay are updated; the model copy is rewritten everywhere as the rounded master."""
+    and moments keep their exact bits step after step (the kernel skips the moments' update of such blocks and writes
+    back only what changed: a row of -0 becomes +0 and is written) while the touched rows follow torch's AdamW; under
+    weight decay the same rows decay, their moments staying +0; the model copy is rewritten everywhere as the rounded
+    master."""
     require_triton()
     seed("untouched rows")
     rows, width = 64, 48  # 3072 elements: blocks of 512 cover 10.7 rows, so blocks mix touched and untouched rows
@@ -144,6 +145,8 @@ def test_master_adamw_untouched_rows_keep_their_bits():
         state = opt.state[master]
         assert torch.equal(state["exp_avg"][~touched].view(torch.int32), torch.zeros_like(untouched_bits))
         assert torch.equal(state["exp_avg_sq"][~touched].view(torch.int32), torch.zeros_like(untouched_bits))
+        for key in ("exp_avg", "exp_avg_sq"):  # under weight decay the moments of untouched rows stay +0 too
+            assert torch.equal(opt.state[decayed][key][~touched].view(torch.int32), torch.zeros_like(untouched_bits))
         torch.testing.assert_close(master.double(), ref.detach(), rtol=1e-5, atol=1e-6, msg=f"step {i}")
         torch.testing.assert_close(decayed.double(), ref_decayed.detach(), rtol=1e-5, atol=1e-6, msg=f"step {i}")
         assert_rounded(model, master, f"step {i}")
