@@ -29,6 +29,18 @@ ROW = 8  # int64 entries per tensor in the table
 
 
 @triton.jit
+def _untouched(g, m, v, eps, step_size, inv_correction2_sqrt):
+    """Where the update leaves both moments +0 and subtracts a quotient of +0 from the decayed master: a zero gradient
+    (after the clipping divisor), both moments +0, and step scalars with eps > 0, a positive finite step size and a
+    finite bias correction. Then m = beta1 * 0 + (1 - beta1) * (+-0) = +0, v = +0, and (step_size * 0) / (0 * c + eps)
+    = +0, contracted into fused multiply-adds or not."""
+    zero_bits = (m.to(tl.int32, bitcast=True) == 0) & (v.to(tl.int32, bitcast=True) == 0)
+    scalars = ((eps > 0.0) & (step_size > 0.0) & (step_size < float("inf"))
+               & (tl.abs(inv_correction2_sqrt) < float("inf")))
+    return (g == 0.0) & zero_bits & scalars
+
+
+@triton.jit
 def _adamw_block(param, grad, exp_avg, exp_avg_sq, model, offs, numel, rate, weight_decay, beta1, beta2, eps,
                  step_size, inv_correction2_sqrt, inv_scale, HAS_SCALE: tl.constexpr, WRITE_MODEL: tl.constexpr,
                  MODEL_DTYPE: tl.constexpr, ROUND_BY_BITS: tl.constexpr, MASKED: tl.constexpr):
@@ -47,14 +59,24 @@ def _adamw_block(param, grad, exp_avg, exp_avg_sq, model, offs, numel, rate, wei
         v = tl.load(exp_avg_sq + offs)
     if HAS_SCALE:
         g = g * inv_scale
+    # p - 0 * p is p for a finite p other than -0 (which turns +0)
+    kept = ((weight_decay == 0.0) & (tl.abs(rate) < float("inf")) & (p.to(tl.int32, bitcast=True) != -2147483648)
+            & (tl.abs(p) < float("inf")))
     p = p - rate * weight_decay * p
-    m = beta1 * m + (1.0 - beta1) * g
-    v = beta2 * v + (1.0 - beta2) * g * g
-    denom = tl.sqrt_rn(v) * inv_correction2_sqrt + eps
-    p = p - tl.div_rn(step_size * m, denom)
-    tl.store(param + offs, p, mask=mask)
-    tl.store(exp_avg + offs, m, mask=mask)
-    tl.store(exp_avg_sq + offs, v, mask=mask)
+    if tl.min(_untouched(g, m, v, eps, step_size, inv_correction2_sqrt).to(tl.int32)) == 1:
+        # a block no token touched yet (an embedding's rows: zero gradients, both moments +0): the moments stay +0 and
+        # the master is the decayed one, so the moments are not written, nor the master where it kept its bits (no
+        # weight decay), and no square root or division runs (their slow paths for zeros)
+        if tl.min(kept.to(tl.int32)) == 0:
+            tl.store(param + offs, p, mask=mask)
+    else:
+        m = beta1 * m + (1.0 - beta1) * g
+        v = beta2 * v + (1.0 - beta2) * g * g
+        denom = tl.sqrt_rn(v) * inv_correction2_sqrt + eps
+        p = p - tl.div_rn(step_size * m, denom)
+        tl.store(param + offs, p, mask=mask)
+        tl.store(exp_avg + offs, m, mask=mask)
+        tl.store(exp_avg_sq + offs, v, mask=mask)
     if WRITE_MODEL:
         tl.store(model + offs, rounded(p, MODEL_DTYPE, ROUND_BY_BITS), mask=mask)
 

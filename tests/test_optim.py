@@ -109,6 +109,49 @@ def test_master_adamw_matches_torch(model_dtype, grad_on, grad_dtype, lr_tensor,
     assert (False in launched) if unaligned else set(launched) == {True}, launched
 
 
+def test_master_adamw_untouched_rows_keep_their_bits():
+    """An embedding whose rows no token touched (zero gradients, zero moments, no weight decay): those rows' masters
+    and moments keep their exact bits step after step (the kernel skips the moments' update of such blocks and writes
+    back only what changed: a row of -0 becomes +0 and is written) while the touched rows follow torch's AdamW; under
+    weight decay the same rows decay, their moments staying +0; the model copy is rewritten everywhere as the rounded
+    master."""
+    require_triton()
+    seed("untouched rows")
+    rows, width = 64, 48  # 3072 elements: blocks of 512 cover 10.7 rows, so blocks mix touched and untouched rows
+    master = torch.randn(rows, width, device=DEVICE)
+    master[45] = -0.0  # p - lr * wd * p turns -0 into +0 (as torch's fused AdamW computes it): a change, written
+    model = master.to(torch.bfloat16)
+    decayed = torch.randn(rows, width, device=DEVICE)  # the same zero rows under weight decay: they change
+    decayed_model = decayed.to(torch.bfloat16)
+    ref, ref_decayed = (t.detach().double().clone().requires_grad_() for t in (master, decayed))
+    hyper = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    opt = torch.optim.AdamW([{"params": [master], "weight_decay": 0.0}, {"params": [decayed], "weight_decay": 0.1}],
+                            **hyper)
+    ref_opt = torch.optim.AdamW([{"params": [ref], "weight_decay": 0.0},
+                                 {"params": [ref_decayed], "weight_decay": 0.1}], **hyper, foreach=False)
+    step = MasterAdamW(opt, {master: model, decayed: decayed_model}, block=BLOCK)
+    touched = torch.zeros(rows, dtype=torch.bool, device=DEVICE)
+    touched[[1, 2, 30, 31, 32, 63]] = True
+    untouched_bits = master[~touched].view(torch.int32).clone()
+    untouched_bits[(~touched).cumsum(0)[45] - 1] = 0  # row 45 (a block of untouched rows): +0 after the first step
+    for i in range(3):
+        g = torch.randn(rows, width, device=DEVICE).to(torch.bfloat16) * touched[:, None]
+        model.grad = decayed_model.grad = g
+        ref.grad = ref_decayed.grad = g.double()
+        model.fill_(7.0)  # not the rounded master: the step writes every element of the copy
+        step.step()
+        ref_opt.step()
+        assert torch.equal(master[~touched].view(torch.int32), untouched_bits), f"step {i}"
+        state = opt.state[master]
+        assert torch.equal(state["exp_avg"][~touched].view(torch.int32), torch.zeros_like(untouched_bits))
+        assert torch.equal(state["exp_avg_sq"][~touched].view(torch.int32), torch.zeros_like(untouched_bits))
+        for key in ("exp_avg", "exp_avg_sq"):  # under weight decay the moments of untouched rows stay +0 too
+            assert torch.equal(opt.state[decayed][key][~touched].view(torch.int32), torch.zeros_like(untouched_bits))
+        torch.testing.assert_close(master.double(), ref.detach(), rtol=1e-5, atol=1e-6, msg=f"step {i}")
+        torch.testing.assert_close(decayed.double(), ref_decayed.detach(), rtol=1e-5, atol=1e-6, msg=f"step {i}")
+        assert_rounded(model, master, f"step {i}")
+        assert_rounded(decayed_model, decayed, f"step {i}: decayed")
+
 def test_master_adamw_found_inf_skips_everything():
     require_triton()
     seed("master_adamw_skip")
