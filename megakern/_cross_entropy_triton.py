@@ -105,10 +105,13 @@ def _cross_entropy_kernel(
 
 
 @triton.jit
-def _scale_kernel(X, OUT, FACTOR, n, BLOCK: tl.constexpr, ROUND_BY_BITS: tl.constexpr):
+def _scale_kernel(X, OUT, FACTOR, n, BLOCK: tl.constexpr, ROUND_BY_BITS: tl.constexpr, IN_PLACE: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    factor = tl.load(FACTOR).to(tl.float32)
+    if IN_PLACE:  # x * 1 rounds to x: nothing to read or write
+        n = tl.where(factor != 1.0, n, 0)
     mask = offs < n
-    y = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) * tl.load(FACTOR).to(tl.float32)
+    y = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) * factor
     tl.store(OUT + offs, rounded(y, OUT.dtype.element_ty, ROUND_BY_BITS), mask=mask)
 
 
@@ -151,13 +154,15 @@ def fwd(logits: torch.Tensor, targets: torch.Tensor, grad: torch.Tensor | None, 
     return loss, lse
 
 
-def scale(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-    """x * factor in x's dtype, a new tensor: ``x`` contiguous, ``factor`` a one-element tensor on x's device (any
-    float dtype, read as fp32)."""
-    out = torch.empty_like(x)
+def scale(x: torch.Tensor, factor: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """x * factor in x's dtype, a new tensor, or with ``inplace`` x itself (each element read before it is written by
+    the same program, and where the factor is 1 nothing read or written): ``x`` contiguous, ``factor`` a one-element
+    tensor on x's device (any float dtype, read as fp32)."""
+    out = x if inplace else torch.empty_like(x)
     n = x.numel()
     if n:
         block = SCALE_BLOCK if x.is_cuda else 64
         _scale_kernel[(triton.cdiv(n, block),)](x, out, factor, n, BLOCK=block, num_warps=SCALE_WARPS,
+                                                 IN_PLACE=inplace,
                                                  ROUND_BY_BITS=x.dtype == torch.bfloat16 and not x.is_cuda)
     return out

@@ -215,22 +215,39 @@ def accumulate_mm(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) ->
     return acc
 
 
-def scale_gradients(grads, factor: torch.Tensor) -> list:
+def scale_gradients(grads, factor: torch.Tensor, *, inplace: bool = False) -> list:
     """Each of ``grads`` (None stays None) times the one-element ``factor`` (a loss's incoming gradient), computed in
     at least fp32 and returned in the gradient's dtype: the backward of a loss whose gradients were made in its forward.
-    Contiguous fp32 / fp16 / bf16 tensors where Triton runs take megakern's kernel (the factor read on the device,
-    vectorized); torch's ``t * factor`` with a 0-d CUDA factor takes its broadcasting kernel, at about a quarter of
-    copy bandwidth on a 128k-vocabulary weight gradient."""
+    ``inplace``: into the given tensors, which are returned (no second copy of a weight-sized gradient while the first
+    is alive). Contiguous fp32 / fp16 / bf16 tensors where Triton runs take megakern's kernel (the factor read on the
+    device, vectorized); torch's ``t * factor`` with a 0-d CUDA factor takes its broadcasting kernel, at about a quarter
+    of copy bandwidth on a 128k-vocabulary weight gradient."""
     g = factor.to(torch.promote_types(factor.dtype, torch.float32))
     out = []
     for t in grads:
         if t is None:
             out.append(None)
         elif t.is_contiguous() and t.dtype in FLOAT_DTYPES and not _backend.triton_problem(t.device):
-            out.append(_kernels().scale(t, g))
+            out.append(_kernels().scale(t, g, inplace))
+        elif inplace:
+            out.append(t.copy_(t * g))
         else:
             out.append((t * g).to(t.dtype))
     return out
+
+
+def take_gradients(ctx, name: str) -> tuple:
+    """The gradients a loss's forward left on ``ctx`` for its one backward (``ctx.grads``), taken off it, so that the
+    backward can scale them in place and hand them on as the only reference (autograd then keeps them as the
+    parameters' ``.grad`` without a copy). A second backward through the same graph (retain_graph=True) finds none
+    and raises."""
+    grads = ctx.grads
+    if grads is None:
+        raise RuntimeError(f"{name}: backward ran twice through the same graph (retain_graph=True); its gradients are "
+                           "made in the forward and handed on, scaled in place, by the first backward: run the "
+                           "forward again for another backward")
+    ctx.grads = None
+    return grads
 
 
 def _scale(targets, ignore_index, reduction, device) -> torch.Tensor:
@@ -285,13 +302,15 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             if need_db:
                 grad_b += logits.sum(0, dtype=torch.float32)
             del logits  # before the next chunk's logits are allocated
-        ctx.save_for_backward(grad_x, None if grad_w is None else grad_w.to(weight.dtype),
-                              None if grad_b is None else grad_b.to(bias.dtype))
+        # on ctx, not saved: the backward scales them in place and hands them on (take_gradients)
+        ctx.grads = (grad_x, None if grad_w is None else grad_w.to(weight.dtype),
+                     None if grad_b is None else grad_b.to(bias.dtype))
         return _reduce(losses, scale, reduction)
 
     @staticmethod
     def backward(ctx, grad_loss):
-        return (*scale_gradients(ctx.saved_tensors, grad_loss), None, None, None, None, None, None)
+        grads = take_gradients(ctx, "linear_cross_entropy")
+        return (*scale_gradients(grads, grad_loss, inplace=True), None, None, None, None, None, None)
 
 
 class CrossEntropyFunction(torch.autograd.Function):

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from megakern import op_backends
 from megakern.cross_entropy import (accumulate_mm, autocast_inputs, check_inputs, default_chunk,
-                                    linear_cross_entropy, scale_gradients)
+                                    linear_cross_entropy, scale_gradients, take_gradients)
 from megakern.parallel.mappings import all_gather, group_rank, group_size
 
 
@@ -214,9 +214,10 @@ class _VocabParallelLinearCE(torch.autograd.Function):
                                       grad_w, grad_b)
             del z  # before the next chunk's logits are allocated
         ctx.now = now
-        if now:
-            ctx.save_for_backward(grad_x, _weight_grad(grad_w, need[1], weight),
-                                  None if grad_b is None else grad_b.to(bias.dtype))
+        ctx.grads = None
+        if now:  # on ctx, not saved: the backward scales them in place and hands them on (take_gradients)
+            ctx.grads = (grad_x, _weight_grad(grad_w, need[1], weight),
+                         None if grad_b is None else grad_b.to(bias.dtype))
         elif any(need):
             ctx.save_for_backward(x, weight, bias, targets, lse_all)
             ctx.shard, ctx.ignore_index, ctx.chunk = shard, ignore_index, chunk
@@ -228,7 +229,8 @@ class _VocabParallelLinearCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_losses):
         if ctx.now:  # the gradients of the loss were made in the forward: scaled by the incoming scalar
-            return (*scale_gradients(ctx.saved_tensors, grad_losses), None, None, None, None, None, None, None)
+            grads = take_gradients(ctx, "vocab_parallel_linear_cross_entropy")
+            return (*scale_gradients(grads, grad_losses, inplace=True), None, None, None, None, None, None, None)
         x, weight, bias, targets, lse_all = ctx.saved_tensors
         shard, need = ctx.shard, ctx.needs_input_grad[:3]
         grad_x = torch.empty_like(x, memory_format=torch.contiguous_format) if need[0] else None

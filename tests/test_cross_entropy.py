@@ -17,7 +17,7 @@ from conftest import ATOL, DEVICE, HAS_CUDA, assert_close_to_ref, require_triton
 
 ce = importlib.import_module("megakern.cross_entropy")  # the module (megakern.cross_entropy is also the function)
 from megakern.cross_entropy import (cross_entropy, cross_entropy_ref, default_chunk, linear_cross_entropy,
-                                    linear_cross_entropy_ref)
+                                    linear_cross_entropy_ref, scale_gradients)
 
 LOW_DTYPES = (torch.float32, torch.float16) + ((torch.bfloat16,) if HAS_CUDA else ())
 
@@ -338,7 +338,8 @@ def test_gpu_check_targets_false_does_not_sync():
 @pytest.mark.parametrize("n", [1, 67, 4099])
 def test_backward_scale_kernel_rounds_as_torch(dtype, n):
     """The backward's multiplication by the loss's gradient (a device factor, fp32 arithmetic, rounded to nearest):
-    bit for bit torch's fp32 product cast to the gradient's dtype, a new tensor, the input left as it was."""
+    bit for bit torch's fp32 product cast to the gradient's dtype, a new tensor, the input left as it was; in place
+    the same bits (a factor of 1: the input as it was)."""
     require_triton()
     from megakern import _cross_entropy_triton as kern
 
@@ -352,7 +353,41 @@ def test_backward_scale_kernel_rounds_as_torch(dtype, n):
         assert out.dtype == dtype and out.shape == x.shape and out.data_ptr() != x.data_ptr()
         assert torch.equal(out, want), (out - want).abs().max()
         assert torch.equal(x, before)
+        inplace = x.clone()
+        assert kern.scale(inplace, factor, inplace=True) is inplace  # in place: the same bits
+        assert torch.equal(inplace, want)
+    one = x.clone()
+    assert kern.scale(one, torch.ones((), device=DEVICE), inplace=True) is one and torch.equal(one, x)
     assert kern.scale(x[:0], torch.ones(1, device=DEVICE)).numel() == 0
+
+
+def test_linear_cross_entropy_hands_on_its_gradients_without_a_copy():
+    """The gradients made in the forward are scaled in place by the backward and become the parameters' .grad
+    themselves (no second weight-sized tensor while the first is alive); the values are those of a fresh forward
+    with the incoming gradient applied out of place (torch's product, rounded once). A second backward through the
+    same graph (retain_graph=True) raises, naming the cause, instead of scaling them twice. scale_gradients' torch
+    path (fp64, a non-contiguous tensor) scales in place too."""
+    require_triton()
+    seed("lce-handoff")
+    x, w, b = _inputs(33, 24, 101, torch.bfloat16, bias=True)
+    targets = _targets(33, 101)
+    factor = torch.tensor(0.37, device=DEVICE)
+    loss = linear_cross_entropy(x, w, targets, bias=b, backend="triton")
+    made = loss.grad_fn.grads
+    ptrs = [t.data_ptr() for t in made]
+    want = [(t * factor).to(t.dtype) for t in made]
+    del made  # a reference held here would make autograd copy them
+    loss.backward(factor, retain_graph=True)
+    assert w.grad.data_ptr() == ptrs[1] and b.grad.data_ptr() == ptrs[2] and x.grad.data_ptr() == ptrs[0]
+    for got, expected in zip((x.grad, w.grad, b.grad), want):
+        assert torch.equal(got, expected)
+    assert loss.grad_fn.grads is None
+    with pytest.raises(RuntimeError, match="backward ran twice through the same graph"):
+        loss.backward(factor)
+    for t in (torch.randn(7, 5, device=DEVICE, dtype=torch.float64), torch.randn(5, 14, device=DEVICE).t()[::2]):
+        want = (t * factor).to(t.dtype)
+        (got,) = scale_gradients([t], factor, inplace=True)
+        assert got is t and torch.equal(got, want)
 
 
 @pytest.mark.parametrize("reduction", ["sum", "mean"])

@@ -280,3 +280,33 @@ def check_errors(n):
 
 def test_bad_arguments_raise():
     assert all(pool(2).run(check_errors, 2))
+
+
+
+def check_gradients_handed_on_once(n):
+    """"mean" / "sum" make the gradients in the forward; the backward scales them in place and hands them on as the
+    parameters' .grad (no copy), equal to the full-vocabulary loss's; a second backward through the same graph
+    (retain_graph=True) raises."""
+    g, r = _group(n), _rank(n)
+    rows = 11
+    for reduction in ("mean", "sum"):
+        seed("handed-on", reduction)
+        x, w, _, t = _full_inputs(13, 8, n * rows, n * rows, torch.float64)
+        xs, ws = _leaves((x, w[r * rows:(r + 1) * rows].clone()))
+        loss = vocab_parallel_linear_cross_entropy(xs, ws, t, g, reduction=reduction)
+        ptr = loss.grad_fn.grads[1].data_ptr()
+        loss.backward(torch.tensor(0.5, dtype=torch.float64), retain_graph=True)
+        assert ws.grad.data_ptr() == ptr
+        xr, wr = _leaves((x, w))
+        (_reference(xr, wr, None, t, n * rows, reduction, -100, torch.float64) * 0.5).backward()
+        torch.testing.assert_close(ws.grad, wr.grad[r * rows:(r + 1) * rows])
+        if n > 1:
+            dist.all_reduce(xs.grad, group=g)  # each rank's partial dx
+        torch.testing.assert_close(xs.grad, xr.grad)
+        with pytest.raises(RuntimeError, match="backward ran twice through the same graph"):
+            loss.backward(torch.tensor(0.5, dtype=torch.float64))
+    return True
+
+
+def test_gradients_handed_on_once():
+    assert all(pool(2).run(check_gradients_handed_on_once, 2))
