@@ -361,12 +361,18 @@ def test_backward_scale_kernel_rounds_as_torch(dtype, n):
     assert kern.scale(x[:0], torch.ones(1, device=DEVICE)).numel() == 0
 
 
+def _upcast(t):
+    """t in at least fp32: torch's CUDA ``bf16 * 0-d fp32 tensor`` rounds the factor to bf16 first (the CPU's does
+    not), so a reference product is taken in fp32 explicitly."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def test_linear_cross_entropy_hands_on_its_gradients_without_a_copy():
     """The gradients made in the forward are scaled in place by the backward and become the parameters' .grad
     themselves (no second weight-sized tensor while the first is alive); the values are those of a fresh forward
-    with the incoming gradient applied out of place (torch's product, rounded once). A second backward through the
-    same graph (retain_graph=True) raises, naming the cause, instead of scaling them twice. scale_gradients' torch
-    path (fp64, a non-contiguous tensor) scales in place too."""
+    with the incoming gradient applied out of place (the product in at least fp32, rounded once). A second backward
+    through the same graph (retain_graph=True) raises, naming the cause, instead of scaling them twice.
+    scale_gradients' torch path (fp64, non-contiguous fp32 and bf16 tensors) scales in place too, in fp32 at least."""
     require_triton()
     seed("lce-handoff")
     x, w, b = _inputs(33, 24, 101, torch.bfloat16, bias=True)
@@ -375,7 +381,7 @@ def test_linear_cross_entropy_hands_on_its_gradients_without_a_copy():
     loss = linear_cross_entropy(x, w, targets, bias=b, backend="triton")
     made = loss.grad_fn.grads
     ptrs = [t.data_ptr() for t in made]
-    want = [(t * factor).to(t.dtype) for t in made]
+    want = [(_upcast(t) * factor).to(t.dtype) for t in made]
     del made  # a reference held here would make autograd copy them
     loss.backward(factor, retain_graph=True)
     assert w.grad.data_ptr() == ptrs[1] and b.grad.data_ptr() == ptrs[2] and x.grad.data_ptr() == ptrs[0]
@@ -384,8 +390,9 @@ def test_linear_cross_entropy_hands_on_its_gradients_without_a_copy():
     assert loss.grad_fn.grads is None
     with pytest.raises(RuntimeError, match="backward ran twice through the same graph"):
         loss.backward(factor)
-    for t in (torch.randn(7, 5, device=DEVICE, dtype=torch.float64), torch.randn(5, 14, device=DEVICE).t()[::2]):
-        want = (t * factor).to(t.dtype)
+    for t in (torch.randn(7, 5, device=DEVICE, dtype=torch.float64), torch.randn(5, 14, device=DEVICE).t()[::2],
+              torch.randn(5, 14, device=DEVICE, dtype=torch.bfloat16).t()[::2]):
+        want = (_upcast(t) * factor).to(t.dtype)
         (got,) = scale_gradients([t], factor, inplace=True)
         assert got is t and torch.equal(got, want)
 
