@@ -20,7 +20,9 @@ import re
 import signal
 import statistics
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -402,6 +404,7 @@ def file_rows(results: "Results", bench_name: str, out: Path | None, no_save: bo
     """Append the run's rows under ``out`` (default: benchmarks/results/ for a GPU run) and say where; a smoke run
     files none unless ``out`` is given. Returns the CSV written, if any."""
     results.filed = True
+    _KEPT[:] = [kept for kept in _KEPT if kept is not results]
     if results.on_exit is not None:
         atexit.unregister(results.on_exit)
         results.on_exit = None
@@ -416,7 +419,27 @@ def file_rows(results: "Results", bench_name: str, out: Path | None, no_save: bo
     return path
 
 
+SIGTERM_GRACE_S = 20.0
+"""Seconds a benchmark stopped by SIGTERM may take to unwind before it ends at once (os._exit)."""
+_KEPT: list = []  # the Results of keep_rows_on_exit, filed first by a SIGTERM
+
+
+def _end_now(status: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 def _exit_on_sigterm(signum, _frame):
+    """File the measured rows before anything else runs (another library's exit handlers, such as torch.compile's
+    worker pools, can hang and run before keep_rows_on_exit's), then unwind; past SIGTERM_GRACE_S the process ends
+    without waiting further, with the same status."""
+    for results in _KEPT:
+        if results.on_exit is not None:
+            results.on_exit()
+    stop = threading.Timer(SIGTERM_GRACE_S, _end_now, (128 + signum,))
+    stop.daemon = True
+    stop.start()
     raise SystemExit(128 + signum)
 
 
@@ -431,6 +454,7 @@ def keep_rows_on_exit(results: "Results", bench_name: str, out: Path | None, no_
             file_rows(results, bench_name, out, no_save)
     results.on_exit = on_exit
     atexit.register(on_exit)
+    _KEPT.append(results)
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # SIGTERM then unwinds, so atexit handlers run
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
 

@@ -82,7 +82,7 @@ fi
 
 if want profile; then
   step "profile (ncu, one pass per kernel)"
-  timeout 240 python3 profiles/profile_norm.py --ncu "$OUT/ncu_norm.csv" > "$OUT/profile.log" 2>&1 || { status=1; tail -20 "$OUT/profile.log"; }
+  timeout -k 20 240 python3 profiles/profile_norm.py --ncu "$OUT/ncu_norm.csv" > "$OUT/profile.log" 2>&1 || { status=1; tail -20 "$OUT/profile.log"; }
   tail -25 "$OUT/profile.log"
 fi
 
@@ -133,6 +133,7 @@ if want train; then
   # call (e.g. "--warmup 8 --steps 20": more timed steps than --quick's 3 + 8, whose ratios move by about 1% from
   # run to run; the compiled model's warm-up, not the steps, is most of a run's time)
   step "training steps"
+  gpu=$(gpu_dir)
   for model in ${TRAIN_MODELS:-gpt-char llama-1b llama-8b-4l gpt-350m profile-llama-1b}; do
     case $model in
       gpt-char) args=(--model gpt-char --providers megakern,megakern-default,plain-compile --warmup 5 --steps 30) ;;
@@ -142,7 +143,7 @@ if want train; then
       llama-8b-12l) args=(--model llama-8b --n-layer 12 --quick --providers megakern-default,hf-compile) ;;
       gpt-350m) args=(--quick --providers megakern-default,hf-compile) ;;
       profile-llama-1b)
-        timeout 300 python3 -m megakern.train --profile model.preset=llama-1b model.max_seqlen=2048 \
+        timeout -k 20 300 python3 -m megakern.train --profile model.preset=llama-1b model.max_seqlen=2048 \
           train.micro_batch_size=4 train.precision=bf16 train.cuda_graph=false eval.every=0 checkpoint.final=false \
           train.sample_tokens=0 log.tensorboard=false log.progress=false log.run_dir=/tmp/run-llama-1b \
           log.profile_dir=/tmp/profile-llama-1b > "$OUT/profile_llama_1b.log" 2>&1 \
@@ -157,9 +158,9 @@ if want train; then
     python3 -m benchmarks.bench_train "${args[@]}" ${TRAIN_ARGS:-} > "$OUT/bench_train_$model.log" 2>&1 \
       || { status=1; tail -30 "$OUT/bench_train_$model.log"; }
     sed -n '/^|/,$p' "$OUT/bench_train_$model.log" | head -8
+    # after each model: a call cut short by its time limit still returns the rows filed so far
+    cp benchmarks/results/"$gpu"/train.csv "$OUT/train_$gpu.csv" 2>/dev/null
   done
-  gpu=$(gpu_dir)
-  cp benchmarks/results/"$gpu"/train.csv "$OUT/train_$gpu.csv" 2>/dev/null
 fi
 
 if want tune; then

@@ -52,11 +52,11 @@ MEGAKERN_PURE_PYTHON=1 python3 -m pip install -q --no-build-isolation --no-deps 
 if want test; then
 step "multi-GPU layouts against one GPU (NCCL)"
 reserve=10; want bench && reserve=300; want profile && reserve=$(( reserve + 120 ))
-timeout $(( $(left) - reserve )) python3 -m pytest tests/parallel/test_multi_gpu.py -q -s -p no:cacheprovider -rfEs \
+timeout -k 20 $(( $(left) - reserve )) python3 -m pytest tests/parallel/test_multi_gpu.py -q -s -p no:cacheprovider -rfEs \
   --tb=short ${TESTS_K:+-k "$TESTS_K"} > "$OUT/multi_gpu_tests.log" 2>&1 || status=1
 grep -E "^(FAILED|ERROR|SKIPPED)|multi-gpu" "$OUT/multi_gpu_tests.log" | head -60; tail -3 "$OUT/multi_gpu_tests.log"
 if [ -z "${TESTS_K:-}" ]; then  # the fault tests' two-GPU cases (the single-GPU suite spreads one GPU per worker)
-  timeout $(( $(left) - reserve )) python3 -m pytest tests/train/test_faults.py -q -p no:cacheprovider -rfEs \
+  timeout -k 20 $(( $(left) - reserve )) python3 -m pytest tests/train/test_faults.py -q -p no:cacheprovider -rfEs \
     --tb=short -k cuda > "$OUT/fault_tests.log" 2>&1 || status=1
   grep -E "^(FAILED|ERROR)" "$OUT/fault_tests.log" | head; tail -2 "$OUT/fault_tests.log"
 fi
@@ -64,8 +64,8 @@ fi
 
 if want profile; then
 step "profiles gpt-350m"
-timeout $(( $(left) - 30 )) python3 -m benchmarks.bench_parallel --model gpt-350m --micro-batch 8 --warmup 3 \
-  --layouts ${LAYOUTS_PROFILE:-1-graph,tp2-graph,tp2-ovl-graph,dp2-ddp-graph,1,tp2} --profile "$OUT/prof" --timeout 200 > "$OUT/profile.log" 2>&1 || status=1
+timeout -k 20 $(( $(left) - 30 )) python3 -m benchmarks.bench_parallel --model gpt-350m --micro-batch 8 --warmup 3 \
+  --layouts ${LAYOUTS_PROFILE:-1-graph,tp2-graph,tp2-ovl-graph,dp2-ddp-graph,1,tp2} --profile "$OUT/prof" --timeout -k 20 200 > "$OUT/profile.log" 2>&1 || status=1
 grep -E "FAILED|profile \(|^#" "$OUT/profile.log"
 cat "$OUT"/prof/*.txt > "$OUT/profiles.txt" 2>/dev/null; rm -rf "$OUT/prof"
 fi
@@ -82,21 +82,21 @@ else
   default_13b=1-graph,tp2-graph,tp2-ovl-symm-graph,tp4-graph,tp4-ovl-symm-graph,tp2-ovl-graph,dp4
 fi
 step "bench_parallel gpt-350m"
-timeout $(( $(left) - 60 )) python3 -m benchmarks.bench_parallel --model gpt-350m --micro-batch 8 --warmup 3 --steps 8 \
-  --layouts ${LAYOUTS_350M:-$default_350m} --overlap --timeout 200 \
+timeout -k 20 $(( $(left) - 60 )) python3 -m benchmarks.bench_parallel --model gpt-350m --micro-batch 8 --warmup 3 --steps 8 \
+  --layouts ${LAYOUTS_350M:-$default_350m} --overlap --timeout -k 20 200 \
   > "$OUT/bench_parallel_350m.log" 2>&1 || status=1
 grep -v "^|" "$OUT/bench_parallel_350m.log" | tail -25
 
 if [ "$(left)" -gt 90 ]; then
   step "bench_parallel gpt-1.3b"
-  timeout $(( $(left) - 5 )) python3 -m benchmarks.bench_parallel --model gpt-1.3b --micro-batch 4 --warmup 3 --steps 6 \
-    --layouts ${LAYOUTS_13B:-$default_13b} --overlap --timeout 150 > "$OUT/bench_parallel_1.3b.log" 2>&1 || status=1
+  timeout -k 20 $(( $(left) - 5 )) python3 -m benchmarks.bench_parallel --model gpt-1.3b --micro-batch 4 --warmup 3 --steps 6 \
+    --layouts ${LAYOUTS_13B:-$default_13b} --overlap --timeout -k 20 150 > "$OUT/bench_parallel_1.3b.log" 2>&1 || status=1
   grep -v "^|" "$OUT/bench_parallel_1.3b.log" | tail -12
 fi
 fi
 if want ops; then
 step "bench_tp_overlap"
-timeout $(( $(left) - 5 )) python3 -m benchmarks.bench_tp_overlap ${OPS_TP:+--tp $OPS_TP} ${OPS_SHAPES:+--shapes $OPS_SHAPES} \
+timeout -k 20 $(( $(left) - 5 )) python3 -m benchmarks.bench_tp_overlap ${OPS_TP:+--tp $OPS_TP} ${OPS_SHAPES:+--shapes $OPS_SHAPES} \
   > "$OUT/bench_tp_overlap.log" 2>&1 \
   || status=1
 grep -E "hides|^\| case|fwd-graph" "$OUT/bench_tp_overlap.log" | tail -40
