@@ -129,9 +129,10 @@ if want train; then
   # PyTorch GPT compiled, Llama-3.2-1B and Llama-3-8B's layer shape and GPT-350M against Hugging Face + compile, each
   # with megakern's defaults; then one eager Llama-1B step profiled (GPU time by source) into $OUT.
   # TRAIN_MODELS picks among: gpt-char llama-1b llama-8b-4l gpt-350m profile-llama-1b, and llama-8b-8l /
-  # llama-8b-12l (the 8B layer shape with 8 or 12 layers, named only). TRAIN_ARGS are added to each bench_train
-  # call (e.g. "--warmup 8 --steps 20": more timed steps than --quick's 3 + 8, whose ratios move by about 1% from
-  # run to run; the compiled model's warm-up, not the steps, is most of a run's time)
+  # llama-8b-12l (the 8B layer shape with 8 or 12 layers), profile-llama-8b-4l and profile-gpt-char (named only).
+  # TRAIN_ARGS are added to each bench_train call (e.g. "--warmup 8 --steps 20": more timed steps than --quick's
+  # 3 + 8, whose ratios move by about 1% from run to run; the compiled model's warm-up, not the steps, is most of a
+  # run's time)
   step "training steps"
   gpu=$(gpu_dir)
   for model in ${TRAIN_MODELS:-gpt-char llama-1b llama-8b-4l gpt-350m profile-llama-1b}; do
@@ -142,15 +143,24 @@ if want train; then
       llama-8b-8l) args=(--model llama-8b --n-layer 8 --quick --providers megakern-default,hf-compile) ;;
       llama-8b-12l) args=(--model llama-8b --n-layer 12 --quick --providers megakern-default,hf-compile) ;;
       gpt-350m) args=(--quick --providers megakern-default,hf-compile) ;;
-      profile-llama-1b)
-        timeout -k 20 300 python3 -m megakern.train --profile model.preset=llama-1b model.max_seqlen=2048 \
-          train.micro_batch_size=4 train.precision=bf16 train.cuda_graph=false eval.every=0 checkpoint.final=false \
-          train.sample_tokens=0 log.tensorboard=false log.progress=false log.run_dir=/tmp/run-llama-1b \
-          log.profile_dir=/tmp/profile-llama-1b > "$OUT/profile_llama_1b.log" 2>&1 \
-          || { status=1; tail -20 "$OUT/profile_llama_1b.log"; }
+      profile-llama-1b|profile-llama-8b-4l|profile-gpt-char)
+        # one eager step's GPU time by source (the profiled steps only: train.steps keeps the data check small)
+        case $model in
+          profile-llama-1b) shape=(model.preset=llama-1b model.max_seqlen=2048 train.micro_batch_size=4) ;;
+          profile-llama-8b-4l) shape=(model.preset=llama-8b model.n_layer=4 model.max_seqlen=4096
+                                      train.micro_batch_size=2) ;;
+          profile-gpt-char) shape=(model.preset=gpt-tiny model.n_layer=6 model.n_embd=384 model.n_head=6
+                                   model.max_seqlen=256 model.vocab_size=257 model.dropout=0.0 model.bias=false
+                                   train.micro_batch_size=64) ;;
+        esac
+        name=${model#profile-}; name=${name//-/_}
+        timeout -k 20 300 python3 -m megakern.train --profile "${shape[@]}" train.steps=20 train.precision=bf16 \
+          train.cuda_graph=false eval.every=0 checkpoint.final=false train.sample_tokens=0 log.tensorboard=false \
+          log.progress=false log.run_dir=/tmp/run-$name log.profile_dir=/tmp/profile-$name > "$OUT/profile_$name.log" 2>&1 \
+          || { status=1; tail -20 "$OUT/profile_$name.log"; }
         # the tables only, flat in $OUT (the device tool returns few files; the trace is tens of MB)
-        for table in /tmp/profile-llama-1b/*/{kernels,timeline}.txt; do
-          [ -f "$table" ] && cp "$table" "$OUT/profile_llama_1b_$(basename "$table")"
+        for table in /tmp/profile-$name/*/{kernels,timeline}.txt; do
+          [ -f "$table" ] && cp "$table" "$OUT/profile_${name}_$(basename "$table")"
         done
         continue ;;
       *) echo "TRAIN_MODELS: unknown $model"; status=1; continue ;;
