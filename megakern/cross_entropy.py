@@ -229,10 +229,9 @@ def scale_gradients(grads, factor: torch.Tensor, *, inplace: bool = False) -> li
             out.append(None)
         elif t.is_contiguous() and t.dtype in FLOAT_DTYPES and not _backend.triton_problem(t.device):
             out.append(_kernels().scale(t, g, inplace))
-        elif inplace:  # upcast: torch's CUDA bf16 * 0-d fp32 tensor would round the factor to bf16 first
-            out.append(t.copy_(t.to(torch.promote_types(t.dtype, g.dtype)) * g))
-        else:
-            out.append((t.to(torch.promote_types(t.dtype, g.dtype)) * g).to(t.dtype))
+        else:  # upcast first: torch's CUDA bf16 * 0-d fp32 tensor would round the factor to bf16
+            product = t.to(torch.promote_types(t.dtype, g.dtype)) * g
+            out.append(t.copy_(product) if inplace else product.to(t.dtype))
     return out
 
 
