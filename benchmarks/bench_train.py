@@ -38,6 +38,8 @@ token for this shape. TFLOP/s rows also get a fraction of the same-run bf16 matm
 ``--model gpt-char``: a small model, nanoGPT's shakespeare_char shape (6 layers, hidden 384, 6 heads, sequence 256,
 micro-batch 64, no biases), with the byte vocabulary (257) of megakern's default corpus on every side: where a
 step is a few milliseconds and host overhead decides (``--providers megakern,megakern-default,plain-compile``).
+``--gpu-busy`` adds each provider's GPU busy time a step (5 more steps under torch.profiler, the union of the GPU
+ops' intervals): how much of a host-bound step the GPU works, so that the same step is comparable across hosts.
 
 Other models (``--model PRESET``, e.g. moe-mixtral): the megakern providers at the preset's shape (moe-mixtral: 16
 layers, C 1024, 8 experts of F 3584, top-2; sequence 2048, micro-batch 8 on a GPU: 16k tokens a step), F = the
@@ -61,6 +63,7 @@ is printed first (setup times from cold compile caches; a second run is faster).
     python -m benchmarks.bench_train --model moe-mixtral --dense-equivalent --quick   # MoE MFU and its dense twin
     python -m benchmarks.bench_train --model moe-mixtral --micro-batch 4 --seq 4096 --providers megakern,megakern-graph
     python -m benchmarks.bench_train --model gpt-char --providers megakern,megakern-default,plain-compile
+    python -m benchmarks.bench_train --model gpt-char --providers megakern-default,plain-compile --gpu-busy
     python -m benchmarks.bench_train --tiny --device cpu   # smoke test of the machinery (fp32, a tiny shape)
     python -m benchmarks.bench_train --device cpu --model moe-mixtral --dense-equivalent   # the same, tiny MoE
 """
@@ -393,9 +396,35 @@ def time_steps(step: Step, device: torch.device, warmup: int, steps: int) -> lis
     return times
 
 
-def run_provider(name: str, build, shape: Shape, device: torch.device, warmup: int, steps: int) -> dict:
+def gpu_busy_ms(step: Step, device: torch.device, steps: int) -> float | None:
+    """The GPU's busy time a step, in ms: ``steps`` more steps under torch.profiler, between two synchronizations, and
+    the length of the union of their GPU ops' intervals (megakern.train.timeline) over ``steps``. The timed steps'
+    median less this is the time a step the GPU waits (for its host, mostly); None without CUDA."""
+    if device.type != "cuda":
+        return None
+    from megakern.train import timeline
+
+    torch.cuda.synchronize(device)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            step.step()
+        torch.cuda.synchronize(device)
+    with tempfile.TemporaryDirectory(prefix="bench_train-") as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        found = timeline.analyze(timeline.load(path))  # no step ranges: the whole window as one
+    if not found:
+        return None
+    window = found[0]
+    return (window.compute_busy + window.comm_busy - window.overlapped) / 1e3 / steps
+
+
+def run_provider(name: str, build, shape: Shape, device: torch.device, warmup: int, steps: int,
+                 busy: bool = False) -> dict:
     """{'ms': median step, 'p20', 'p80', 'GiB': peak memory, 'setup_s', 'run_s': wall seconds to build it and to
-    run its warm-up and timed steps} of one provider, its model freed afterwards."""
+    run its warm-up and timed steps, 'busy_ms': the GPU's busy time a step where ``busy`` (gpu_busy_ms, else None)}
+    of one provider, its model freed afterwards."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -405,6 +434,7 @@ def run_provider(name: str, build, shape: Shape, device: torch.device, warmup: i
     built = time.perf_counter()
     try:
         times = time_steps(step, device, warmup, steps)
+        busy_ms = gpu_busy_ms(step, device, min(steps, 5)) if busy else None
     finally:
         step.close()
         del step
@@ -412,7 +442,7 @@ def run_provider(name: str, build, shape: Shape, device: torch.device, warmup: i
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     deciles = statistics.quantiles(times, n=10, method="inclusive") if len(times) > 1 else times * 9
     return {"ms": statistics.median(times), "p20": deciles[1], "p80": deciles[7], "GiB": peak,
-            "setup_s": built - start, "run_s": done - built}
+            "setup_s": built - start, "run_s": done - built, "busy_ms": busy_ms}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -444,6 +474,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dense-equivalent", action="store_true",
                         help="also the dense model with the same active parameters (MLP hidden = (top_k + shared) x "
                              "moe_ffn_hidden, no experts)")
+    parser.add_argument("--gpu-busy", action="store_true",
+                        help="also each provider's GPU busy time a step (5 more steps under torch.profiler): what the "
+                             "step costs the GPU, apart from the time it waits for its host")
     parser.add_argument("--out", type=Path, default=None,
                         help=f"results root (default: {RESULTS_DIR} for a GPU run; a CPU run files no rows without it)")
     parser.add_argument("--no-save", action="store_true", help="print the table, write no CSV rows")
@@ -517,7 +550,7 @@ def main(argv=None) -> Results:
         tokens = sh.micro_batch * sh.seq
         for name, build in providers.items():
             try:
-                figures = run_provider(name, build, sh, device, warmup, steps)
+                figures = run_provider(name, build, sh, device, warmup, steps, busy=args.gpu_busy)
             except Exception as exc:  # one provider failing (OOM, a compile error) does not stop the others
                 report_failure(name, case, exc)
                 continue
@@ -535,6 +568,12 @@ def main(argv=None) -> Results:
             print(f"{name:<18} {figures['ms']:9.2f} ms [p20 {figures['p20']:.2f}, p80 {figures['p80']:.2f}] "
                   f"{tok_s:12.0f} tok/s {tflops:8.1f} TFLOP/s MFU {mfu} peak {figures['GiB']:.2f} GiB "
                   f"(setup {figures['setup_s']:.0f} s, steps {figures['run_s']:.1f} s)")
+            if figures["busy_ms"] is not None:
+                results.add(case, "train step", name, "GPU busy ms", figures["busy_ms"])
+                print(f"{'':<18} GPU busy {figures['busy_ms']:.2f} ms a step ({figures['busy_ms'] / figures['ms']:.2f} "
+                      "of it; the rest waits, mostly for the host)")
+            elif args.gpu_busy:
+                print(f"{'':<18} GPU busy: n/a (no CUDA device)")
     if len(cases) > 1:
         for name in providers:
             moe_mfu, dense_mfu = mfus.get((cases[0][1], name)), mfus.get((cases[1][1], name))

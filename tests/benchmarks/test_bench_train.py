@@ -32,6 +32,29 @@ def test_bench_train_cpu_smoke(tmp_path, capsys):
     assert "| gpt 2x64 h2 T64 V257 B2 fp32 | train step |" in out
 
 
+def test_bench_train_gpu_busy_without_cuda(capsys):
+    """--gpu-busy on a CPU says it has no figure and files none (gpu_busy_ms needs CUDA's kernel records)."""
+    results = bench_train.main(["--device", "cpu", "--providers", "megakern", "--warmup", "0", "--steps", "1",
+                                "--gpu-busy", "--no-save"])
+    assert "GPU busy: n/a (no CUDA device)" in capsys.readouterr().out
+    assert not [f for f in results.figures if f[3] == "GPU busy ms"]
+
+
+@pytest.mark.gpu
+def test_bench_train_gpu_busy_on_a_gpu(capsys):
+    """--gpu-busy on a GPU: a busy time a step above 0 and below the 5 profiled steps' wall time, filed and printed
+    beside the step's median."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    results = bench_train.main(["--device", "cuda", "--tiny", "--providers", "megakern", "--warmup", "1", "--steps",
+                                "3", "--gpu-busy", "--no-save"])
+    figures = {f[3]: f[4] for f in results.figures if f[2] == "megakern"}
+    assert 0 < figures["GPU busy ms"] < 5 * figures["ms"] + 50
+    assert "GPU busy" in capsys.readouterr().out
+
+
 def test_flops_per_token_of_the_350m_shape():
     """6 N + 12 L C T, N: every block's weights, biases and norms (12 C^2 + 13 C), the final norm and the tied
     50304 x C output projection; 2.42 GFLOP per token (the 36.5% MFU of HF + torch.compile at 148k tok/s)."""
