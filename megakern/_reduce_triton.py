@@ -37,16 +37,18 @@ def sum_rows_geometry(g: int, n: int, lead: int, sm_count: int) -> tuple[int, in
     """(BLOCK_G, BLOCK_N, warps) of the sum of ``lead`` (g, n) fp32 partial tensors on a GPU of ``sm_count`` SMs.
 
     The sum is small (a few MB at most) and bound by latency, not bandwidth: each program's rows are read in
-    dependent steps of BLOCK_G rows. So the columns a program go down (to one 32-byte sector a row, 8 columns) until
-    there are about two programs an SM, and BLOCK_G grows until a program takes its rows in one or two steps, within
-    64 fp32 values a thread (profiles/tune_sum_rows.py)."""
-    block_n = 32
-    while block_n > 8 and cdiv(n, block_n) * lead < 2 * sm_count:
-        block_n //= 2
-    warps = 8 if g * block_n >= 8192 else 4
-    block_g = 16
-    while block_g < g and 2 * block_g * block_n <= 64 * 32 * warps:
-        block_g *= 2
+    dependent steps of BLOCK_G rows. 16 columns a program, the rows in steps of up to 512; where that leaves fewer
+    than half a program an SM, 8 columns (one 32-byte sector a row) in steps of up to 1024 rows; where 32 columns
+    still give three programs an SM, 32 columns in steps of 32 rows (the fastest on the H200,
+    profiles/tune_sum_rows.py; docs/tuning.md)."""
+    if cdiv(n, 16) * lead < sm_count // 2:
+        block_n, most = 8, 1024
+    elif cdiv(n, 32) * lead >= 3 * sm_count:
+        block_n, most = 32, 32
+    else:
+        block_n, most = 16, 512
+    block_g = min(most, max(16, 1 << (g - 1).bit_length()))
+    warps = 8 if block_g * block_n >= 2048 and block_n < 32 else 4
     return block_g, block_n, warps
 
 
