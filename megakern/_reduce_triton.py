@@ -9,6 +9,8 @@ Deterministic: the same partial rows give the same bits.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -31,8 +33,29 @@ def _sum_rows_kernel(PART, OUT, G, N, BLOCK_G: tl.constexpr, BLOCK_N: tl.constex
     tl.store(OUT + lead.to(tl.int64) * N + cols, total.to(OUT.dtype.element_ty), mask=col_ok)
 
 
-def sum_rows(part: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``part.sum(-2).to(dtype)`` for a contiguous fp32 (G, N) or (L, G, N) tensor, in one launch: (N,) or (L, N)."""
+def sum_rows_geometry(g: int, n: int, lead: int, sm_count: int) -> tuple[int, int, int]:
+    """(BLOCK_G, BLOCK_N, warps) of the sum of ``lead`` (g, n) fp32 partial tensors on a GPU of ``sm_count`` SMs.
+
+    The sum is small (a few MB at most) and bound by latency, not bandwidth: each program's rows are read in
+    dependent steps of BLOCK_G rows. 16 columns a program, the rows in steps of up to 512; where that leaves fewer
+    than half a program an SM, 8 columns (one 32-byte sector a row) in steps of up to 1024 rows; where 32 columns
+    still give three programs an SM, 32 columns in steps of 32 rows (the fastest on the H200,
+    profiles/tune_sum_rows.py; docs/tuning.md)."""
+    if cdiv(n, 16) * lead < sm_count // 2:
+        block_n, most = 8, 1024
+    elif cdiv(n, 32) * lead >= 3 * sm_count:
+        block_n, most = 32, 32
+    else:
+        block_n, most = 16, 512
+    block_g = min(most, max(16, 1 << (g - 1).bit_length()))
+    warps = 8 if block_g * block_n >= 2048 and block_n < 32 else 4
+    return block_g, block_n, warps
+
+
+def sum_rows(part: torch.Tensor, dtype: torch.dtype = torch.float32, *, block_g: int | None = None,
+             block_n: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """``part.sum(-2).to(dtype)`` for a contiguous fp32 (G, N) or (L, G, N) tensor, in one launch: (N,) or (L, N).
+    ``block_g``, ``block_n``, ``num_warps`` override the launch geometry (tuning; powers of two)."""
     if part.dtype != torch.float32 or part.dim() not in (2, 3) or not part.is_contiguous():
         raise ValueError(f"sum_rows: expected a contiguous float32 (G, N) or (L, G, N) tensor, got {part.dtype} of "
                          f"shape {tuple(part.shape)}{'' if part.is_contiguous() else ' (not contiguous)'}")
@@ -42,7 +65,18 @@ def sum_rows(part: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Te
         return out
     if g == 0:
         return out.zero_()
-    # H100: 32 columns a program keeps enough programs in flight for N = 1024 (64 with dweight and dbias)
-    block_g, block_n = (64, 32) if part.is_cuda else (16, 32)
-    _sum_rows_kernel[(cdiv(n, block_n), lead)](part, out, g, n, BLOCK_G=block_g, BLOCK_N=block_n, num_warps=4)
+    if part.is_cuda:
+        auto = sum_rows_geometry(g, n, lead, _sm_count(part.device))
+    else:  # the CPU interpreter: small blocks
+        auto = (16, 32, 4)
+    block_g, block_n, warps = (given or default for given, default in zip((block_g, block_n, num_warps), auto))
+    for name, value in (("block_g", block_g), ("block_n", block_n), ("num_warps", warps)):
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"sum_rows: {name} must be a power of two, got {value}")
+    _sum_rows_kernel[(cdiv(n, block_n), lead)](part, out, g, n, BLOCK_G=block_g, BLOCK_N=block_n, num_warps=warps)
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -96,6 +96,39 @@ def test_sum_rows_matches_fp64_and_is_deterministic(shape, dtype):
         sum_rows(torch.randn(9, 4, device=DEVICE).t())
 
 
+@pytest.mark.parametrize("shape", [(1056, 384), (2, 528, 1024), (132, 4100), (3, 1000, 24)])
+def test_sum_rows_at_the_backward_kernels_shapes_and_overrides(shape):
+    """sum_rows at the partial-sum shapes of the norms' and biases' backward (hundreds of rows), with its default
+    geometry and with overrides: every geometry sums to the fp64 sum; an override that is not a power of two is
+    refused."""
+    from megakern._reduce_triton import sum_rows
+
+    require_triton()
+    seed("sum_rows_big", shape)
+    part = torch.randn(shape, device=DEVICE)
+    want = part.double().sum(-2)
+    for geometry in ({}, dict(block_g=64, block_n=8), dict(block_g=16, block_n=64, num_warps=2)):
+        torch.testing.assert_close(sum_rows(part, **geometry).double(), want, rtol=1e-5, atol=1e-3,
+                                   msg=str(geometry))
+    with pytest.raises(ValueError, match="block_n must be a power of two"):
+        sum_rows(part, block_n=24)
+
+
+@pytest.mark.parametrize("g,n,lead", [(1, 1, 1), (1056, 384, 1), (528, 1024, 2), (132, 8192, 2), (128, 65536, 1),
+                                      (100000, 7, 1)])
+@pytest.mark.parametrize("sms", [1, 132])
+def test_sum_rows_geometry_bounds(g, n, lead, sms):
+    """The default geometry: powers of two, 8 to 32 columns a program (a 32-byte sector a row at least), BLOCK_G no
+    larger than the rows call for, at most 64 values a thread."""
+    from megakern._reduce_triton import sum_rows_geometry
+
+    block_g, block_n, warps = sum_rows_geometry(g, n, lead, sms)
+    assert all(v & (v - 1) == 0 for v in (block_g, block_n, warps))
+    assert 8 <= block_n <= 32 and warps in (4, 8)
+    assert 16 <= block_g <= max(16, 1 << (g - 1).bit_length())
+    assert block_g * block_n <= 64 * 32 * warps
+
+
 def compile_for_sm90():
     """sum_rows' kernel lowered for sm_90 (bf16 output: the norms' and biases' gradients)."""
     import triton
