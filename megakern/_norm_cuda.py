@@ -34,6 +34,10 @@ _VEC = {torch.float32: 4, torch.float16: 8, torch.bfloat16: 8}  # elements in 16
 # the budgets that compile without spills for sm_90a and ran fastest on the H200 (profiles/tune_norm.py; registers in
 # docs/tuning.md, norms). Longer rows stream (NV = 0).
 FWD_CAP, FWD_MAX_THREADS = 16, 1024
+# 16-bit rows too wide for FWD_CAP elements a thread in FWD_WIDE_THREADS threads take up to FWD_WIDE_CAP where that
+# fits the row in FWD_WIDE_THREADS threads, so that two rows run at once (csrc/norm/norm.cu, norm_fwd_cap): hidden
+# 8192-16384. Wider rows stream: with 1024 threads a row the run-time-flags instance spills.
+FWD_WIDE_CAP, FWD_WIDE_THREADS = 32, 512
 # The forward takes several rows at once while a block's threads x rows stay within this many (profiles/tune_norm.py;
 # with the specialized instances' fewer registers, as many as the launch bounds allow)
 FWD_BATCH_THREADS = FWD_MAX_THREADS
@@ -63,11 +67,18 @@ def staged_smem_bytes(cols: int, itemsize: int, nv: int, has_db: bool) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def fwd_cap(dtype: torch.dtype) -> int:
+    """Elements of a row a forward thread may keep in registers for ``dtype`` rows (the instances built)."""
+    return FWD_WIDE_CAP if _VEC[dtype] == 8 else FWD_CAP
+
+
 def launch_config(cols: int, dtype: torch.dtype, backward: bool) -> LaunchConfig:
     """Geometry for a row of ``cols`` elements: a few 16-byte groups per thread (at most the register
     budget) and about 256 threads a row; a warp per row (4 rows a block) for short rows. The forward holds as many
     groups a thread as the budget allows while a warp stays full, and takes several rows at once while a block's
-    threads x rows stay within FWD_BATCH_THREADS (the fastest on the H200, profiles/tune_norm.py)."""
+    threads x rows stay within FWD_BATCH_THREADS; 16-bit rows that would take more than FWD_WIDE_THREADS threads
+    hold twice the groups a thread where the row then fits FWD_WIDE_THREADS (the fastest on the H200,
+    profiles/tune_norm.py)."""
     vec = _VEC[dtype]
     cap, max_threads = (BWD_CAP, BWD_MAX_THREADS) if backward else (FWD_CAP, FWD_MAX_THREADS)
     groups = math.ceil(cols / vec)
@@ -75,6 +86,10 @@ def launch_config(cols: int, dtype: torch.dtype, backward: bool) -> LaunchConfig
     while nv * vec < cap and (math.ceil(groups / nv) > 256 or not backward and math.ceil(groups / (2 * nv)) >= 32):
         nv *= 2
     threads = 32 * math.ceil(math.ceil(groups / nv) / 32)
+    if (not backward and threads > FWD_WIDE_THREADS and 2 * nv * vec <= fwd_cap(dtype)
+            and math.ceil(groups / (2 * nv)) <= FWD_WIDE_THREADS):
+        nv *= 2
+        threads = 32 * math.ceil(math.ceil(groups / nv) / 32)
     if threads > max_threads:
         return LaunchConfig(0, max_threads, 1)
     rows_per_block = 4 if threads == 32 else 1
@@ -150,7 +165,7 @@ def kernel_names() -> list[str]:
         vec = _VEC[dtype]
         for io in (False, True):
             specs = (0, *FWD_SPECS) if io and dtype != torch.float32 else (0,)
-            names += [_fwd_name(ctype, nv, io, batch, spec) for nv in (0, 1, 2, 4, 8) if nv * vec <= FWD_CAP
+            names += [_fwd_name(ctype, nv, io, batch, spec) for nv in (0, 1, 2, 4, 8) if nv * vec <= fwd_cap(dtype)
                       for batch in (ROW_BATCHES if nv else (1,)) for spec in specs]
             names += [_bwd_name(ctype, nv, db, io) for nv in (0, 1, 2, 4, 8) if nv * vec <= BWD_CAP
                       for db in (False, True)]

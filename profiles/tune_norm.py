@@ -36,7 +36,7 @@ def cuda_geometries(n: int, backward: bool) -> list:
     a block) holding the whole row, and a block per row at 1, 2 or 4 groups a thread, the forward taking 1, 2 or 4
     rows at once; within the kernels' thread
     bounds (1024 forward, 512 backward), the table's own left out; for the backward also the staged kernel's. Through NVRTC any groups count compiles (the
-    extension's switch builds those within FWD_CAP / BWD_CAP)."""
+    extension's switch builds those within fwd_cap / BWD_CAP)."""
     default = _norm_cuda.launch_config(n, torch.bfloat16, backward)
     max_threads = _norm_cuda.BWD_MAX_THREADS if backward else _norm_cuda.FWD_MAX_THREADS
     groups = -(-n // 8)
@@ -46,7 +46,7 @@ def cuda_geometries(n: int, backward: bool) -> list:
         threads = 32 * -(-groups // (32 * nv))
         if threads > max_threads or 2 * groups <= threads * nv:  # too many threads, or half of them idle
             continue
-        if nv * 8 > (_norm_cuda.BWD_CAP if backward else _norm_cuda.FWD_CAP) and not nvrtc:
+        if nv * 8 > (_norm_cuda.BWD_CAP if backward else _norm_cuda.fwd_cap(torch.bfloat16)) and not nvrtc:
             continue  # the extension builds only the groups counts within its caps
         rows_per_block = 4 if threads == 32 else 1
         for batch in (1,) if backward else _norm_cuda.ROW_BATCHES:  # the forward: 1, 2 or 4 rows at once

@@ -547,6 +547,11 @@ namespace megakern {
 
 // Instantiates the kernel for each NV the launch rule can pick: NV groups of 16 bytes per thread, at most
 // CAP elements (the register budget, in megakern/_norm_cuda.py too), or 0 for streaming.
+// The forward's budget: 16 elements a thread, 32 for 16-bit rows (those wider than 512 threads x 16 elements take
+// twice the elements a thread, so that half the threads hold the row and two rows run at once: FWD_WIDE_CAP).
+template <typename T>
+constexpr int norm_fwd_cap() { return sizeof(T) == 2 ? 32 : 16; }
+
 #define MEGAKERN_NV_SWITCH(nv, CAP, ...)                                                          \
   switch (nv) {                                                                                  \
     case 0: { constexpr int NV = 0; __VA_ARGS__; break; }                                        \
@@ -562,7 +567,7 @@ static cudaError_t norm_fwd_r(int nv, dim3 grid, dim3 block, const NormFwdArgs& 
   if constexpr (ROWS > 1) {
     if (nv == 0) return cudaErrorInvalidValue;  // streaming takes one row at a time
   }
-  MEGAKERN_NV_SWITCH(nv, 16, if constexpr (ROWS == 1 || NV > 0) {
+  MEGAKERN_NV_SWITCH(nv, norm_fwd_cap<T>(), if constexpr (ROWS == 1 || NV > 0) {
     norm_fwd_kernel<T, NV, ROWS, VECIO, SPEC><<<grid, block, 0, stream>>>(
         static_cast<const T*>(a.x), a.residual, a.weight, a.bias, static_cast<T*>(a.y), a.residual_out, a.mean,
         a.rstd, a.rows, a.cols, a.stride_x, a.stride_res, a.stride_y, a.stride_res_out, a.eps, a.flags);

@@ -104,7 +104,7 @@ def test_launch_config_covers_rows(dtype, backward):
     """Every row length gets a geometry the kernels were instantiated and budgeted for."""
     vec = 16 // torch.empty((), dtype=dtype).element_size()
     cap, max_threads = (_norm_cuda.BWD_CAP, _norm_cuda.BWD_MAX_THREADS) if backward else \
-        (_norm_cuda.FWD_CAP, _norm_cuda.FWD_MAX_THREADS)
+        (_norm_cuda.fwd_cap(dtype), _norm_cuda.FWD_MAX_THREADS)
     names = set(_norm_cuda.kernel_names())
     for cols in [1, 7, 31, 123, 256, 1000, 1024, 4097, 8192, 12288, 16384, 32768, 50000, 65536]:
         cfg = _norm_cuda.launch_config(cols, dtype, backward)
