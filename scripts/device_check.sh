@@ -5,6 +5,8 @@
 #
 #   MEGAKERN_GIT_SHA=$(git rev-parse --short HEAD) bash scripts/device_check.sh [build] [test] [bench] [profile] [train]
 #
+# Take the sha where the commit is: a copy of the tree on another machine may carry an older .git.
+#
 # With no stage named, the first four run; "train" (the training steps of Llama shapes and a small model, and a
 # profile of one step: several minutes), "peers" (attention, norms and cross-entropy beside FlashAttention-4,
 # quack and cut-cross-entropy, carried in .peers2/, with liger from .whl/) and "tune" (the launch-table sweeps,
