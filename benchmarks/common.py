@@ -422,6 +422,7 @@ def file_rows(results: "Results", bench_name: str, out: Path | None, no_save: bo
 SIGTERM_GRACE_S = 20.0
 """Seconds a benchmark stopped by SIGTERM may take to unwind before it ends at once (os._exit)."""
 _KEPT: list = []  # the Results of keep_rows_on_exit, filed first by a SIGTERM
+_PREVIOUS_SIGTERM: list = []  # the Python SIGTERM handler that keep_rows_on_exit's replaced, called after the filing
 
 
 def _end_now(status: int) -> None:
@@ -440,6 +441,8 @@ def _exit_on_sigterm(signum, _frame):
     stop = threading.Timer(SIGTERM_GRACE_S, _end_now, (128 + signum,))
     stop.daemon = True
     stop.start()
+    for previous in _PREVIOUS_SIGTERM:  # a library's own handler (its clean-up), once the rows are safe
+        previous(signum, _frame)
     raise SystemExit(128 + signum)
 
 
@@ -455,7 +458,12 @@ def keep_rows_on_exit(results: "Results", bench_name: str, out: Path | None, no_
     results.on_exit = on_exit
     atexit.register(on_exit)
     _KEPT.append(results)
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # SIGTERM then unwinds, so atexit handlers run
+    # SIGTERM then files the rows and unwinds, so atexit handlers run; a Python handler installed before (by a library
+    # the benchmark imported) is called after the filing. One that ignores SIGTERM, or one installed outside Python,
+    # is left in place.
+    current = signal.getsignal(signal.SIGTERM)
+    if current is not _exit_on_sigterm and (current is signal.SIG_DFL or callable(current)):
+        _PREVIOUS_SIGTERM[:] = [current] if callable(current) else []
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
 

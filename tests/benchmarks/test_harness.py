@@ -403,16 +403,18 @@ def test_killed_run_keeps_its_rows(tmp_path):
     """A benchmark stopped by SIGTERM (``timeout``) or by an exception files the figures it measured so far
     (keep_rows_on_exit), saying so; one that reaches file_rows files them once. Under SIGTERM the rows are filed
     before other exit handlers run, and a handler that hangs (as torch.compile's worker pools can) does not keep the
-    process alive past SIGTERM_GRACE_S."""
+    process alive past SIGTERM_GRACE_S. A SIGTERM handler a library installed before is called after the filing."""
     script = f"""
 import atexit, os, signal, sys, time
 sys.path.insert(0, {str(REPO)!r})
 from benchmarks import common
 from benchmarks.common import Results, file_rows, keep_rows_on_exit, record
+how = sys.argv[1]
+if how == "sigterm-chained":
+    signal.signal(signal.SIGTERM, lambda signum, frame: print("the library's handler ran", flush=True))
 results = Results("cpu")
 keep_rows_on_exit(results, "norm", {str(tmp_path)!r})
 record(results, "rmsnorm 4x8 fp32", "fwd", "torch", {{"median": 0.5, "p20": 0.4, "p80": 0.6}}, "GB/s", 1.0)
-how = sys.argv[1]
 if how == "sigterm-hang":
     common.SIGTERM_GRACE_S = 1.0
     atexit.register(time.sleep, 3600)  # registered later, so it runs before keep_rows_on_exit's handler
@@ -425,14 +427,18 @@ else:
     file_rows(results, "norm", {str(tmp_path)!r})
 """
     csv_path = tmp_path / "cpu" / "norm.csv"
-    for how, code in (("sigterm", 143), ("sigterm-hang", 143), ("error", 1), ("done", 0)):
+    cases = (("sigterm", 143), ("sigterm-hang", 143), ("sigterm-chained", 143), ("error", 1), ("done", 0))
+    for how, code in cases:
         run = subprocess.run([sys.executable, "-c", script, how], capture_output=True, text=True, timeout=120)
         assert run.returncode == code, run.stderr
         assert ("the run ended early: filing the 2 figures it measured" in run.stdout) == (how != "done")
         assert run.stdout.count("saved ") == 1, run.stdout
+        chained = "the library's handler ran" in run.stdout
+        assert chained == (how == "sigterm-chained"), run.stdout
+        assert not chained or run.stdout.index("saved ") < run.stdout.index("the library's handler ran")
     rows = _read_csv(csv_path)
     assert rows[0] == list(CSV_HEADER)
-    assert [r[-4:-1] for r in rows[1:]] == [["fwd", "torch", "ms"], ["fwd", "torch", "GB/s"]] * 4
+    assert [r[-4:-1] for r in rows[1:]] == [["fwd", "torch", "ms"], ["fwd", "torch", "GB/s"]] * len(cases)
 
 
 def test_bench_qkv_order_cpu_smoke(tmp_path, capsys):
