@@ -11,7 +11,6 @@ Launchers take validated 2-D views (rows, N) with unit stride along N; tensors i
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
@@ -19,9 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from megakern._reduce_triton import sum_rows
-
+from megakern._cuda import sm_count
 from megakern._intmath import cdiv, next_power_of_2
+from megakern._reduce_triton import sum_rows
 
 MAX_BLOCK = 65536
 
@@ -392,14 +391,9 @@ def _wide_pipeline(config: BwdConfig, block: int, loaded: list[torch.Tensor]) ->
     return chunk, stages
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _programs(rows: int, device: torch.device, per_sm: int = 1) -> int:
     """Persistent backward grid: ``per_sm`` programs per SM on a GPU; few under the CPU interpreter."""
-    target = per_sm * _sm_count(device) if device.type == "cuda" else 4
+    target = per_sm * sm_count(device.index) if device.type == "cuda" else 4
     return max(1, min(rows, target))
 
 

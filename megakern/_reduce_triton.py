@@ -9,12 +9,11 @@ Deterministic: the same partial rows give the same bits.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from megakern._cuda import sm_count
 from megakern._intmath import cdiv
 
 
@@ -33,17 +32,17 @@ def _sum_rows_kernel(PART, OUT, G, N, BLOCK_G: tl.constexpr, BLOCK_N: tl.constex
     tl.store(OUT + lead.to(tl.int64) * N + cols, total.to(OUT.dtype.element_ty), mask=col_ok)
 
 
-def sum_rows_geometry(g: int, n: int, lead: int, sm_count: int) -> tuple[int, int, int]:
-    """(BLOCK_G, BLOCK_N, warps) of the sum of ``lead`` (g, n) fp32 partial tensors on a GPU of ``sm_count`` SMs.
+def sum_rows_geometry(g: int, n: int, lead: int, sms: int) -> tuple[int, int, int]:
+    """(BLOCK_G, BLOCK_N, warps) of the sum of ``lead`` (g, n) fp32 partial tensors on a GPU of ``sms`` SMs.
 
     The sum is small (a few MB at most) and bound by latency, not bandwidth: each program's rows are read in
     dependent steps of BLOCK_G rows. 16 columns a program, the rows in steps of up to 512; where that leaves fewer
     than half a program an SM, 8 columns (one 32-byte sector a row) in steps of up to 1024 rows; where 32 columns
     still give three programs an SM, 32 columns in steps of 32 rows (the fastest on the H200,
     profiles/tune_sum_rows.py; docs/tuning.md)."""
-    if cdiv(n, 16) * lead < sm_count // 2:
+    if cdiv(n, 16) * lead < sms // 2:
         block_n, most = 8, 1024
-    elif cdiv(n, 32) * lead >= 3 * sm_count:
+    elif cdiv(n, 32) * lead >= 3 * sms:
         block_n, most = 32, 32
     else:
         block_n, most = 16, 512
@@ -66,7 +65,7 @@ def sum_rows(part: torch.Tensor, dtype: torch.dtype = torch.float32, *, block_g:
     if g == 0:
         return out.zero_()
     if part.is_cuda:
-        auto = sum_rows_geometry(g, n, lead, _sm_count(part.device))
+        auto = sum_rows_geometry(g, n, lead, sm_count(part.device.index))
     else:  # the CPU interpreter: small blocks
         auto = (16, 32, 4)
     block_g, block_n, warps = (given or default for given, default in zip((block_g, block_n, num_warps), auto))
@@ -75,8 +74,3 @@ def sum_rows(part: torch.Tensor, dtype: torch.dtype = torch.float32, *, block_g:
             raise ValueError(f"sum_rows: {name} must be a power of two, got {value}")
     _sum_rows_kernel[(cdiv(n, block_n), lead)](part, out, g, n, BLOCK_G=block_g, BLOCK_N=block_n, num_warps=warps)
     return out
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
