@@ -2,7 +2,7 @@
 Triton forward's error, then TFLOP/s beside the Triton forward and SDPA's flash and cuDNN backends (bf16, B * T =
 16384, nh * hs = 2048, as benchmarks/bench_attention.py), and the same-run bf16 matmul rate.
 
-    python profiles/probe_attention_gluon.py [--check] [--bench] [--hs 64,96,128] [--seq 1024,2048,4096]
+    python profiles/probe_attention_gluon.py [--check] [--bench [--graph]] [--hs 64,96,128] [--seq 1024,2048]
                                              [--configs "128x128x8x2,..."] [--masks causal,full] [--own-ranges]
 
 ``--own-ranges``: each 192-row (three-warpgroup) configuration also with ``own_ranges`` (each warpgroup computes
@@ -77,7 +77,7 @@ def check(configs, own_ranges: bool = False) -> bool:
     return ok
 
 
-def run_bench(hss, seqs, masks, configs, heads=(None,), own_ranges: bool = False) -> None:
+def run_bench(hss, seqs, masks, configs, heads=(None,), own_ranges: bool = False, graph: bool = False) -> None:
     dev = torch.device("cuda")
     peak = measure_matmul_tflops(dev)
     print(f"bf16 matmul {peak:.1f} TFLOP/s")
@@ -106,7 +106,7 @@ def run_bench(hss, seqs, masks, configs, heads=(None,), own_ranges: bool = False
                 row = []
                 for name, fn in runs:
                     try:
-                        ms = bench(fn, device=dev)["median"]
+                        ms = bench(fn, device=dev, graph=graph)["median"]
                         row.append(f"{name} {flops / ms / 1e9:6.1f}")
                     except Exception as exc:
                         row.append(f"{name} failed: {' '.join(str(exc).split())[:80]}")
@@ -249,6 +249,8 @@ def main() -> None:
     p.add_argument("--check", action="store_true")
     p.add_argument("--bench", action="store_true")
     p.add_argument("--host", action="store_true")
+    p.add_argument("--graph", action="store_true", help="--bench by CUDA-graph replay: the GPU time alone (short "
+                   "sequences' eager launches take longer on the host than on the GPU)")
     p.add_argument("--bwd", action="store_true")
     p.add_argument("--hs", default="64,128")
     p.add_argument("--seq", default="1024,2048,4096,8192,16384")
@@ -275,7 +277,7 @@ def main() -> None:
         host()
     if a.bench:
         run_bench([int(h) for h in a.hs.split(",")], [int(s) for s in a.seq.split(",")], a.masks.split(","),
-                  configs, heads, a.own_ranges)
+                  configs, heads, a.own_ranges, a.graph)
 
 
 if __name__ == "__main__":
