@@ -36,7 +36,9 @@ _VEC = {torch.float32: 4, torch.float16: 8, torch.bfloat16: 8}  # elements in 16
 FWD_CAP, FWD_MAX_THREADS = 16, 1024
 # 16-bit rows too wide for FWD_CAP elements a thread in FWD_WIDE_THREADS threads take up to FWD_WIDE_CAP where that
 # fits the row in FWD_WIDE_THREADS threads, so that two rows run at once (csrc/norm/norm.cu, norm_fwd_cap): hidden
-# 8192-16384. Wider rows stream: with 1024 threads a row the run-time-flags instance spills.
+# 8192-16384. Wider rows stream: with 1024 threads a row the run-time-flags instance spills. Such a row takes two rows
+# at once only where it fills FWD_WIDE_THREADS threads (hidden 16384); with fewer threads one row at a time ran faster
+# (hidden 9216-14336, docs/tuning.md, norms).
 FWD_WIDE_CAP, FWD_WIDE_THREADS = 32, 512
 # The forward takes several rows at once while a block's threads x rows stay within this many (profiles/tune_norm.py;
 # with the specialized instances' fewer registers, as many as the launch bounds allow)
@@ -77,11 +79,12 @@ def launch_config(cols: int, dtype: torch.dtype, backward: bool) -> LaunchConfig
     budget) and about 256 threads a row; a warp per row (4 rows a block) for short rows. The forward holds as many
     groups a thread as the budget allows while a warp stays full, and takes several rows at once while a block's
     threads x rows stay within FWD_BATCH_THREADS; 16-bit rows that would take more than FWD_WIDE_THREADS threads
-    hold twice the groups a thread where the row then fits FWD_WIDE_THREADS (the fastest on the H200,
-    profiles/tune_norm.py)."""
+    hold twice the groups a thread where the row then fits FWD_WIDE_THREADS, and one row at a time unless the row
+    fills FWD_WIDE_THREADS (the fastest on the H200, profiles/tune_norm.py)."""
     vec = _VEC[dtype]
     cap, max_threads = (BWD_CAP, BWD_MAX_THREADS) if backward else (FWD_CAP, FWD_MAX_THREADS)
     groups = math.ceil(cols / vec)
+    wide = False
     nv = 1
     while nv * vec < cap and (math.ceil(groups / nv) > 256 or not backward and math.ceil(groups / (2 * nv)) >= 32):
         nv *= 2
@@ -90,12 +93,13 @@ def launch_config(cols: int, dtype: torch.dtype, backward: bool) -> LaunchConfig
             and math.ceil(groups / (2 * nv)) <= FWD_WIDE_THREADS):
         nv *= 2
         threads = 32 * math.ceil(math.ceil(groups / nv) / 32)
+        wide = True
     if threads > max_threads:
         return LaunchConfig(0, max_threads, 1)
     rows_per_block = 4 if threads == 32 else 1
     # the forward of short rows: several rows at once, so that enough bytes are in flight on each SM
-    batch = 1 if backward else max((b for b in ROW_BATCHES if b * threads * rows_per_block <= FWD_BATCH_THREADS),
-                                   default=1)
+    batch = 1 if backward or wide and threads < FWD_WIDE_THREADS else max(
+        (b for b in ROW_BATCHES if b * threads * rows_per_block <= FWD_BATCH_THREADS), default=1)
     return LaunchConfig(nv, threads, rows_per_block, row_batch=batch)
 
 
