@@ -52,13 +52,14 @@ DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
 def shapes(device: torch.device, quick: bool, hidden=None) -> list[tuple[int, int]]:
-    """(N, C) cases: the headline 16384x8192, then the C sweep at 2**27 elements per tensor; ``hidden`` (--hidden):
-    only those C, at 2**27 elements."""
+    """(N, C) cases: the headline 16384x8192, then the C sweep at 2**27 elements per tensor (powers of two and the
+    model widths between them that are not: 3072, 5120, 12288); ``hidden`` (--hidden): only those C, at 2**27
+    elements."""
     if device.type != "cuda":
         return [(64, 256), (16, 1024)]
     if hidden:
         return [(2**27 // c, c) for c in hidden]
-    sweep = (1024, 32768) if quick else (1024, 2048, 4096, 8192, 16384, 32768)
+    sweep = (1024, 32768) if quick else (1024, 2048, 3072, 4096, 5120, 8192, 12288, 16384, 32768)
     return list(dict.fromkeys([(16384, 8192), *((2**27 // c, c) for c in sweep)]))
 
 

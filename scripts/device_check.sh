@@ -108,7 +108,8 @@ if want peers; then
       case $name in
         attention) args=(--graph --providers megakern-triton,fa4,sdpa-cudnn --head-dims "${PEER_HEAD_DIMS:-64,128}"
                          --seqlens 1024,2048,4096,8192 --gqa 1,4) ;;
-        norm) args=(--graph --hidden 1024,2048,4096,8192,16384 --providers megakern-triton,quack,liger,compile) ;;
+        norm) args=(--graph --hidden 1024,2048,3072,4096,5120,8192,12288,16384
+                    --providers megakern-triton,quack,liger,compile) ;;
         cross_entropy) args=(--providers megakern-triton,compile,cce,quack,liger --tokens 8192) ;;
         *) echo "PEER_BENCHES: unknown $name"; status=1; continue ;;
       esac
