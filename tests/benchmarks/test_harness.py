@@ -139,7 +139,9 @@ def _raises(device):
 def test_bench_norm_hidden_and_ops(capsys):
     """--hidden replaces the GPU sweep (2**27 elements a tensor); --ops picks the ops, an unknown one is named."""
     assert bench_norm.shapes(torch.device("cuda"), False, (16384, 32768)) == [(8192, 16384), (4096, 32768)]
-    assert len(bench_norm.shapes(torch.device("cuda"), False)) == 6  # 16384 x 8192 is also the sweep's 8192
+    sweep = bench_norm.shapes(torch.device("cuda"), False)
+    assert len(sweep) == 9  # 16384 x 8192 is also the sweep's 8192
+    assert {3072, 5120, 12288} <= {c for _, c in sweep}  # widths that are not powers of two
     results = bench_norm.main(["--device", "cpu", "--providers", "torch", "--ops", "rmsnorm", "--no-save"])
     assert {f[0].split()[0] for f in results.figures if f[0] != "roofline"} == {"rmsnorm"}
     with pytest.raises(SystemExit, match=r"unknown op\(s\) \['groupnorm'\]"):
