@@ -85,9 +85,10 @@ def specs(n: int, is_rms: bool, residual: bool) -> list[tuple[str, str, dict]]:
     # the kernel that reads its flags at run time, where the default takes a specialized instance (csrc/norm/norm.h)
     generic = dataclasses.replace(default, specialize=False)
     out.append((f"cuda fwd {generic}", "cuda fwd", dict(config=generic)))
-    # the backward in registers: (rows a step, warps, programs per SM, prefetch), warps from the elements each thread
-    # holds of a step's rows (8, 16 or 32) and programs per SM filling 16 or 32 warps an SM; several rows a step only
-    # up to 8192 elements a step
+    # the backward in registers, named as such (where the table takes the two-pass kernel, LayerNorm from 16384,
+    # these time the register kernel, not that one): (rows a step, warps, programs per SM, prefetch), warps from the
+    # elements each thread holds of a step's rows (8, 16 or 32) and programs per SM filling 16 or 32 warps an SM;
+    # several rows a step only up to 8192 elements a step
     geometries = set()
     for rows in (r for r in (1, 2, 4) if r == 1 or r * n <= 8192):
         for per_thread in (8, 16, 32):
@@ -102,7 +103,7 @@ def specs(n: int, is_rms: bool, residual: bool) -> list[tuple[str, str, dict]]:
                        (4, 8, 2, False), (8, 4, 4, False), (4, 2, 8, False), (2, 4, 16, False)}
     for rows, warps, per_sm, prefetch in sorted(geometries):
         out.append((f"triton bwd warps={warps} per_sm={per_sm} rows/step={rows} prefetch={int(prefetch)}",
-                    "triton bwd", dict(warps=warps, per_sm=per_sm, rows=rows, prefetch=prefetch)))
+                    "triton bwd", dict(warps=warps, per_sm=per_sm, rows=rows, prefetch=prefetch, wide=False)))
     out.append(("triton bwd default", "triton bwd", {}))
     if n >= 8192:  # the two-pass backward for wide rows: (rows a step, warps, programs per SM, chunk, stages)
         for rows, warps, per_sm, chunk, stages in ((1, 16, 1, 8192, 2), (1, 8, 2, 4096, 2), (2, 8, 2, 2048, 2),
