@@ -68,12 +68,12 @@ def staged_smem_bytes(cols: int, itemsize: int, nv: int, has_db: bool) -> int:
     return cols * (2 * itemsize + (4 * (2 if has_db else 1) if nv > 2 else 0))
 
 
-@functools.lru_cache(maxsize=None)
 def fwd_cap(dtype: torch.dtype) -> int:
     """Elements of a row a forward thread may keep in registers for ``dtype`` rows (the instances built)."""
     return FWD_WIDE_CAP if _VEC[dtype] == 8 else FWD_CAP
 
 
+@functools.lru_cache(maxsize=None)
 def launch_config(cols: int, dtype: torch.dtype, backward: bool) -> LaunchConfig:
     """Geometry for a row of ``cols`` elements: a few 16-byte groups per thread (at most the register
     budget) and about 256 threads a row; a warp per row (4 rows a block) for short rows. The forward holds as many

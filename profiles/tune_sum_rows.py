@@ -17,6 +17,7 @@ import torch
 
 from benchmarks.common import bench
 from megakern import _reduce_triton as kern
+from megakern._cuda import sm_count
 
 # the norms' backward at 132 SMs (programs: 8, 4, 2, 1 an SM at hidden 384, 768-1024, 2048, 4096+), the linear's
 # bias (128 rows a tile at 16384 tokens), bias + GELU's (32 rows a tile)
@@ -47,7 +48,7 @@ def main() -> None:
     parser.add_argument("--rep-ms", type=int, default=100)
     args = parser.parse_args()
     dev = torch.device("cuda")
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    sms = sm_count(dev.index)
     print(f"{torch.cuda.get_device_name(dev)}, {sms} SMs, torch {torch.__version__}")
     for shape in args.shapes.split(","):
         dims = [int(d) for d in shape.split("x")]
