@@ -26,43 +26,73 @@ MAX_BLOCK = 65536
 
 
 @triton.jit
-def _norm_fwd_kernel(
-    X, RES, W, B, Y, RES_OUT, MEAN, RSTD,
-    stride_xm, stride_resm, stride_ym, stride_resoutm,
-    M, N, eps,
-    IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    # BLOCK_M rows per program, as a (BLOCK_M, BLOCK_N) tile
-    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = tl.arange(0, BLOCK_N)
-    row_mask = rows < M
-    col_mask = cols < N
-    mask = row_mask[:, None] & col_mask[None, :]
-    # the rows, plus the residual rounded to the residual's dtype and stored: what is normalized is what is kept
+def _fwd_part(X, RES, RES_OUT, rows, cols, mask, stride_xm, stride_resm, stride_resoutm, HAS_RES: tl.constexpr):
+    """The rows' columns ``cols`` in fp32, plus the residual rounded to the residual's dtype and stored: what is
+    normalized is what is kept."""
     x = tl.load(X + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         r = tl.load(RES + rows[:, None] * stride_resm + cols[None, :], mask=mask, other=0.0)
         h = (x + r.to(tl.float32)).to(RES_OUT.dtype.element_ty)
         tl.store(RES_OUT + rows[:, None] * stride_resoutm + cols[None, :], h, mask=mask)
         x = h.to(tl.float32)
-    # statistics in fp32
-    if IS_RMS:
-        xc = x
-        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
-    else:
-        mean = tl.sum(x, axis=1) / N
-        xc = tl.where(mask, x - mean[:, None], 0.0)
-        tl.store(MEAN + rows, mean, mask=row_mask)
-        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
-    tl.store(RSTD + rows, rstd, mask=row_mask)
-    # scale, shift, store
+    return x
+
+
+@triton.jit
+def _fwd_out(Y, W, B, xc, rstd, rows, cols, col_mask, mask, stride_ym, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
+    """y = xc * rstd (* w) (+ b) of the rows' columns ``cols``, stored."""
     y = xc * rstd[:, None]
     if HAS_W:
         y = y * tl.load(W + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)[None, :]
     if HAS_B:
         y = y + tl.load(B + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)[None, :]
     tl.store(Y + rows[:, None] * stride_ym + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_fwd_kernel(
+    X, RES, W, B, Y, RES_OUT, MEAN, RSTD,
+    stride_xm, stride_resm, stride_ym, stride_resoutm,
+    M, N, eps,
+    IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr = 0,
+):
+    """BLOCK_M rows per program, as a (BLOCK_M, BLOCK_N) tile; BLOCK_T > 0: the columns past BLOCK_N as a second
+    (BLOCK_M, BLOCK_T) tile (a row of 12288 as 8192 + 4096 columns, where one power-of-two tile would hold 16384)."""
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    col_mask = cols < N
+    mask = row_mask[:, None] & col_mask[None, :]
+    x = _fwd_part(X, RES, RES_OUT, rows, cols, mask, stride_xm, stride_resm, stride_resoutm, HAS_RES)
+    if BLOCK_T > 0:
+        cols_t = BLOCK_N + tl.arange(0, BLOCK_T)
+        col_mask_t = cols_t < N
+        mask_t = row_mask[:, None] & col_mask_t[None, :]
+        x_t = _fwd_part(X, RES, RES_OUT, rows, cols_t, mask_t, stride_xm, stride_resm, stride_resoutm, HAS_RES)
+    # statistics in fp32
+    if IS_RMS:
+        xc = x
+        ss = tl.sum(xc * xc, axis=1)
+        if BLOCK_T > 0:
+            xc_t = x_t
+            ss += tl.sum(xc_t * xc_t, axis=1)
+    else:
+        total = tl.sum(x, axis=1)
+        if BLOCK_T > 0:
+            total += tl.sum(x_t, axis=1)
+        mean = total / N
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+        ss = tl.sum(xc * xc, axis=1)
+        if BLOCK_T > 0:
+            xc_t = tl.where(mask_t, x_t - mean[:, None], 0.0)
+            ss += tl.sum(xc_t * xc_t, axis=1)
+        tl.store(MEAN + rows, mean, mask=row_mask)
+    rstd = 1.0 / tl.sqrt(ss / N + eps)
+    tl.store(RSTD + rows, rstd, mask=row_mask)
+    _fwd_out(Y, W, B, xc, rstd, rows, cols, col_mask, mask, stride_ym, HAS_W, HAS_B)
+    if BLOCK_T > 0:
+        _fwd_out(Y, W, B, xc_t, rstd, rows, cols_t, col_mask_t, mask_t, stride_ym, HAS_W, HAS_B)
 
 
 @triton.jit
@@ -315,6 +345,18 @@ def _block(n: int) -> int:
     return block
 
 
+def tail_split(n: int) -> tuple[int, int] | None:
+    """(head, tail) columns of the forward's two tiles for a row of ``n``: the largest power of two below n and the
+    power of two that holds the rest, where the two hold fewer columns than one power-of-two tile (12288: 8192 +
+    4096 in place of 16384; 9216: 8192 + 1024); None where they would not (powers of two, 14336)."""
+    block = _block(n)
+    head = block // 2
+    if n <= head or n == block:
+        return None
+    tail = next_power_of_2(n - head)
+    return (head, tail) if head + tail < block else None
+
+
 # Launch geometry, measured on the H200 with profiles/tune_norm.py (figures in docs/tuning.md, norms).
 def _fwd_config(block: int) -> tuple[int, int]:
     """(rows per program, warps): below hidden 2048, rows enough for 2048 elements a program at 4 warps (8192 at 8
@@ -398,11 +440,13 @@ def _programs(rows: int, device: torch.device, per_sm: int = 1) -> int:
 
 
 def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | None = None,
-        rows_per_program: int | None = None, wide: bool = False, chunk: int = 4096, stages: int = 2):
+        rows_per_program: int | None = None, wide: bool = False, chunk: int = 4096, stages: int = 2,
+        tail: bool = False):
     """(y, residual_out | None, mean | None, rstd) for 2-D ``x``; ``num_warps`` and ``rows_per_program`` override
     the defaults (tuning). ``wide``: the two-pass kernel for rows too wide for registers, a row a program, ``chunk``
     columns at a time with ``stages`` of them in flight (measured slower than rows in registers up to hidden 32768:
-    docs/tuning.md)."""
+    docs/tuning.md). ``tail``: a row as two power-of-two tiles where ``tail_split`` has them (no effect elsewhere).
+    """
     rows, n = x.shape
     block = _block(n)
     default_rows, warps = _fwd_config(block)
@@ -421,7 +465,10 @@ def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | No
     if wide:
         _norm_fwd_wide_kernel[(rows,)](*args, CHUNK=min(next_power_of_2(chunk), block), STAGES=stages, **flags)
     else:
-        _norm_fwd_kernel[(cdiv(rows, rows_per_program),)](*args, BLOCK_M=rows_per_program, BLOCK_N=block, **flags)
+        split = tail_split(n) if tail else None
+        head, tail_cols = split or (block, 0)
+        _norm_fwd_kernel[(cdiv(rows, rows_per_program),)](*args, BLOCK_M=rows_per_program, BLOCK_N=head,
+                                                          BLOCK_T=tail_cols, **flags)
     return y, res_out, mean, rstd
 
 

@@ -69,6 +69,10 @@ def specs(n: int, is_rms: bool, residual: bool) -> list[tuple[str, str, dict]]:
     for warps, rows_pp in ((4, 1), (8, 1), (16, 1), (4, 2), (8, 2), (16, 2), (16, 4), (4, 4), (8, 8)):
         out.append((f"triton fwd warps={warps} rows/program={rows_pp}", "triton fwd",
                     dict(num_warps=warps, rows_per_program=rows_pp)))
+    if _norm_triton.tail_split(n):  # the row as two power-of-two tiles (fwd's tail), where they hold fewer columns
+        for warps, rows_pp in ((4, 1), (8, 1), (16, 1), (8, 2), (4, 4)):
+            out.append((f"triton fwd tail {_norm_triton.tail_split(n)} warps={warps} rows/program={rows_pp}",
+                        "triton fwd", dict(num_warps=warps, rows_per_program=rows_pp, tail=True)))
     if n >= 8192:  # the two-pass forward for wide rows: (warps, chunk, stages)
         for warps, chunk, stages in ((4, 2048, 2), (8, 4096, 2), (8, 2048, 3), (16, 8192, 2), (4, 4096, 3)):
             out.append((f"triton fwd wide warps={warps} chunk={chunk} stages={stages}", "triton fwd",

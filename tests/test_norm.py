@@ -136,6 +136,32 @@ GEOMETRIES = {"1-row": dict(rows=1), "2-rows": dict(rows=2), "1-row-prefetch": d
               "split-narrow-strips": dict(split=True, split_geometry=(32, 4, 2, 2))}
 
 
+@pytest.mark.parametrize("rows", (1, 2))
+@pytest.mark.parametrize("setup", ("affine", "residual", "fp32-residual-fp32-weight", "no-affine"))
+@pytest.mark.parametrize("op", OPS)
+def test_triton_forward_tail(op, setup, rows):
+    """The forward with a row as two power-of-two tiles (``tail``): hidden sizes whose tail tile is partly masked or
+    full, one and several rows a program, against the references, and its statistics and output equal to the one-tile
+    forward's to rounding."""
+    from megakern import _norm_triton as nt
+
+    fwd, bwd = launchers_for("triton")
+    dtype = torch.bfloat16 if HAS_CUDA else torch.float32
+    for n in ((1536, 5120, 12288) if HAS_CUDA else (20, 24)):
+        assert nt.tail_split(n) is not None
+        seed(op, setup, rows, n)
+        x, w, b, r = make_inputs(op, dtype, (2, 5, n), setup)
+        if op == "layer_norm":  # rows far from zero mean: the mean must come from both tiles
+            x.add_(torch.linspace(-8, 8, n, dtype=dtype, device=x.device))
+        tail = functools.partial(fwd, tail=True, rows_per_program=rows)
+        check_fwd_bwd("triton", op, dtype, x, w, b, r, launchers=(tail, bwd))
+        args = (x.reshape(-1, n), None if r is None else r.reshape(-1, n), w, b, 1e-5, op == "rms_norm")
+        one, two = nt.fwd(*args, rows_per_program=rows), nt.fwd(*args, rows_per_program=rows, tail=True)
+        for a, c in zip(one, two):
+            if a is not None:
+                torch.testing.assert_close(c, a, rtol=1e-5 if a.dtype == torch.float32 else 1e-2, atol=1e-5)
+
+
 @pytest.mark.parametrize("geometry", GEOMETRIES)
 @pytest.mark.parametrize("setup", ("affine", "residual", "fp32-residual-fp32-weight", "no-affine"))
 @pytest.mark.parametrize("op", OPS)
@@ -160,7 +186,7 @@ def test_triton_geometries(op, setup, geometry):
 
 def compile_for_sm90() -> list:
     """(kernel, shared memory bytes) for the forward and backward kernels of both ops, for rows in registers (the
-    backward with prefetch) and for wide rows, with and without the fused residual, compiled for sm_90
+    backward with prefetch; the forward also as two tiles) and for wide rows, with and without the fused residual, compiled for sm_90
     (TRITON_INTERPRET=0)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -175,7 +201,9 @@ def compile_for_sm90() -> list:
     for is_rms, residual in ((True, False), (False, True)):
         flags = dict(IS_RMS=is_rms, HAS_W=True)
         cases = [("fwd", nt._norm_fwd_kernel, dict(flags, HAS_RES=residual, HAS_B=not is_rms, BLOCK_M=1,
-                                                   BLOCK_N=8192), 8),
+                                                   BLOCK_N=8192, BLOCK_T=0), 8),
+                 ("fwd tail", nt._norm_fwd_kernel, dict(flags, HAS_RES=residual, HAS_B=not is_rms, BLOCK_M=1,
+                                                        BLOCK_N=8192, BLOCK_T=4096), 8),
                  ("bwd", nt._norm_bwd_kernel, dict(flags, HAS_DW=True, HAS_DB=not is_rms, HAS_DRES_OUT=residual,
                                                    HAS_DRES=False, BLOCK_M=1, BLOCK_N=8192, PREFETCH=True),
                  16),
@@ -202,7 +230,7 @@ def test_kernels_compile_for_sm90():
     from conftest import sm90_lowering
 
     results = sm90_lowering("test_norm", "compile_for_sm90()")
-    assert len(results) == 10, results
+    assert len(results) == 12, results
 
 
 LAYOUTS = ("padded-rows", "strided-leading", "transposed", "misaligned")
