@@ -168,69 +168,136 @@ def _load_bwd_rows(X, DY, MEAN, RSTD, rows, row_end, cols, col_mask, stride_xm, 
 
 
 @triton.jit
+def _load_bwd_tile(X, DY, rows, row_end, cols, col_mask, stride_xm, stride_dym):
+    """One step's rows of x and dy (as stored) in the columns ``cols``; rows past ``row_end`` read as zeros."""
+    rows64 = rows.to(tl.int64)
+    mask = (rows < row_end)[:, None] & col_mask[None, :]
+    x = tl.load(X + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+    dy = tl.load(DY + rows64[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0)
+    return x, dy
+
+
+@triton.jit
+def _bwd_xhat_g(x, dy, w, mean, rstd, mask, IS_RMS: tl.constexpr, HAS_W: tl.constexpr):
+    """(dy, xhat, g = dy * w) in fp32 of one tile of a step's rows."""
+    x = x.to(tl.float32)
+    dy = dy.to(tl.float32)
+    if IS_RMS:
+        xhat = x * rstd[:, None]
+    else:
+        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+    g = dy * w[None, :] if HAS_W else dy
+    return dy, xhat, g
+
+
+@triton.jit
+def _bwd_dx_out(DRES_OUT, DX, DRES, g, xhat, mean_gx, mean_g, rstd, rows64, cols, mask,
+                stride_dresoutm, stride_dxm, stride_dresm, IS_RMS: tl.constexpr, HAS_DRES_OUT: tl.constexpr,
+                HAS_DRES: tl.constexpr):
+    """dx = rstd * (g - xhat * mean(g * xhat) - mean(g)) (RMSNorm: no mean(g)) of one tile, plus the residual's
+    gradient, stored (and in fp32 to DRES)."""
+    dx = g - xhat * mean_gx[:, None]
+    if not IS_RMS:
+        dx = dx - mean_g[:, None]
+    dx = dx * rstd[:, None]
+    if HAS_DRES_OUT:
+        dx = dx + tl.load(DRES_OUT + rows64[:, None] * stride_dresoutm + cols[None, :], mask=mask,
+                          other=0.0).to(tl.float32)
+    tl.store(DX + rows64[:, None] * stride_dxm + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+    if HAS_DRES:
+        tl.store(DRES + rows64[:, None] * stride_dresm + cols[None, :], dx, mask=mask)
+
+
+@triton.jit
 def _norm_bwd_kernel(
     X, DY, DRES_OUT, W, MEAN, RSTD, DX, DRES, DW_PARTIAL, DB_PARTIAL,
     stride_xm, stride_dym, stride_dresoutm, stride_dxm, stride_dresm,
     M, N, rows_per_program,
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_DW: tl.constexpr, HAS_DB: tl.constexpr,
     HAS_DRES_OUT: tl.constexpr, HAS_DRES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, BLOCK_T: tl.constexpr = 0,
 ):
+    """A program's rows, BLOCK_M a step as a (BLOCK_M, BLOCK_N) tile (more loads in flight per program); BLOCK_T >
+    0: the columns past BLOCK_N as a second (BLOCK_M, BLOCK_T) tile, as the forward's."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
     if HAS_W:
         w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    else:
+        w = None
     dw = tl.zeros([BLOCK_N], dtype=tl.float32)
     db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if BLOCK_T > 0:
+        cols_t = BLOCK_N + tl.arange(0, BLOCK_T)
+        col_mask_t = cols_t < N
+        if HAS_W:
+            w_t = tl.load(W + cols_t, mask=col_mask_t, other=0.0).to(tl.float32)
+        else:
+            w_t = None
+        dw_t = tl.zeros([BLOCK_T], dtype=tl.float32)
+        db_t = tl.zeros([BLOCK_T], dtype=tl.float32)
     row_start = pid * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, M)
     if PREFETCH:  # the next step's rows are loaded before this step's math: their latency hides under it
         x_next, dy_next, mean_next, rstd_next = _load_bwd_rows(
             X, DY, MEAN, RSTD, row_start + tl.arange(0, BLOCK_M), row_end, cols, col_mask, stride_xm, stride_dym,
             IS_RMS)
-    # BLOCK_M rows per step: a (BLOCK_M, BLOCK_N) tile keeps more loads in flight per program
+        if BLOCK_T > 0:
+            x_next_t, dy_next_t = _load_bwd_tile(X, DY, row_start + tl.arange(0, BLOCK_M), row_end, cols_t,
+                                                 col_mask_t, stride_xm, stride_dym)
     for row0 in range(row_start, row_end, BLOCK_M):
         rows = row0 + tl.arange(0, BLOCK_M)
         if PREFETCH:
             x, dy, mean, rstd = x_next, dy_next, mean_next, rstd_next
             x_next, dy_next, mean_next, rstd_next = _load_bwd_rows(
                 X, DY, MEAN, RSTD, rows + BLOCK_M, row_end, cols, col_mask, stride_xm, stride_dym, IS_RMS)
+            if BLOCK_T > 0:
+                x_t, dy_t = x_next_t, dy_next_t
+                x_next_t, dy_next_t = _load_bwd_tile(X, DY, rows + BLOCK_M, row_end, cols_t, col_mask_t, stride_xm,
+                                                     stride_dym)
         else:
             x, dy, mean, rstd = _load_bwd_rows(X, DY, MEAN, RSTD, rows, row_end, cols, col_mask, stride_xm,
                                                stride_dym, IS_RMS)
+            if BLOCK_T > 0:
+                x_t, dy_t = _load_bwd_tile(X, DY, rows, row_end, cols_t, col_mask_t, stride_xm, stride_dym)
         row_mask = rows < row_end
         rows64 = rows.to(tl.int64)
         mask = row_mask[:, None] & col_mask[None, :]
-        x = x.to(tl.float32)
-        dy = dy.to(tl.float32)
-        rstd = rstd[:, None]
-        # xhat, and g = dy * w
-        if IS_RMS:
-            xhat = x * rstd
-        else:
-            xhat = tl.where(mask, (x - mean[:, None]) * rstd, 0.0)
-        g = dy * w[None, :] if HAS_W else dy
-        # dx = rstd * (g - xhat * mean(g * xhat) - mean(g))   (RMSNorm: no mean(g))
-        dx = g - xhat * (tl.sum(g * xhat, axis=1) / N)[:, None]
+        dy, xhat, g = _bwd_xhat_g(x, dy, w, mean, rstd, mask, IS_RMS, HAS_W)
+        sum_gx = tl.sum(g * xhat, axis=1)
+        sum_g = sum_gx  # RMSNorm: unused
         if not IS_RMS:
-            dx = dx - (tl.sum(g, axis=1) / N)[:, None]
-        dx = dx * rstd
-        if HAS_DRES_OUT:
-            dx = dx + tl.load(DRES_OUT + rows64[:, None] * stride_dresoutm + cols[None, :], mask=mask,
-                              other=0.0).to(tl.float32)
-        tl.store(DX + rows64[:, None] * stride_dxm + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-        if HAS_DRES:
-            tl.store(DRES + rows64[:, None] * stride_dresm + cols[None, :], dx, mask=mask)
+            sum_g = tl.sum(g, axis=1)
+        if BLOCK_T > 0:
+            mask_t = row_mask[:, None] & col_mask_t[None, :]
+            dy_t, xhat_t, g_t = _bwd_xhat_g(x_t, dy_t, w_t, mean, rstd, mask_t, IS_RMS, HAS_W)
+            sum_gx += tl.sum(g_t * xhat_t, axis=1)
+            if not IS_RMS:
+                sum_g += tl.sum(g_t, axis=1)
+        # dx = rstd * (g - xhat * mean(g * xhat) - mean(g))   (RMSNorm: no mean(g))
+        _bwd_dx_out(DRES_OUT, DX, DRES, g, xhat, sum_gx / N, sum_g / N, rstd, rows64, cols, mask, stride_dresoutm,
+                    stride_dxm, stride_dresm, IS_RMS, HAS_DRES_OUT, HAS_DRES)
+        if BLOCK_T > 0:
+            _bwd_dx_out(DRES_OUT, DX, DRES, g_t, xhat_t, sum_gx / N, sum_g / N, rstd, rows64, cols_t, mask_t,
+                        stride_dresoutm, stride_dxm, stride_dresm, IS_RMS, HAS_DRES_OUT, HAS_DRES)
         # partial dweight / dbias stay in registers across this program's rows
         if HAS_DW:
             dw += tl.sum(dy * xhat, axis=0)
+            if BLOCK_T > 0:
+                dw_t += tl.sum(dy_t * xhat_t, axis=0)
         if HAS_DB:
             db += tl.sum(dy, axis=0)
+            if BLOCK_T > 0:
+                db_t += tl.sum(dy_t, axis=0)
     if HAS_DW:
         tl.store(DW_PARTIAL + pid * N + cols, dw, mask=col_mask)
+        if BLOCK_T > 0:
+            tl.store(DW_PARTIAL + pid * N + cols_t, dw_t, mask=col_mask_t)
     if HAS_DB:
         tl.store(DB_PARTIAL + pid * N + cols, db, mask=col_mask)
+        if BLOCK_T > 0:
+            tl.store(DB_PARTIAL + pid * N + cols_t, db_t, mask=col_mask_t)
 
 
 @triton.jit
@@ -376,7 +443,8 @@ class BwdConfig(NamedTuple):
     columns at a time and ``stages`` of them in flight. ``split``: dx by that kernel alone, without the dweight /
     dbias sums that crowd its registers or its L2, and those sums by a second kernel over strips of columns
     (``_norm_bwd_dwdb_kernel``, ``split_geometry``: columns a strip, rows a step, warps, programs per SM), which
-    reads x and dy once more."""
+    reads x and dy once more. ``tail``: the register kernel's rows as two power-of-two tiles where ``tail_split`` has
+    them, as the forward's."""
     rows: int
     warps: int
     per_sm: int
@@ -386,6 +454,7 @@ class BwdConfig(NamedTuple):
     stages: int = 2
     split: bool = False
     split_geometry: tuple = (256, 16, 4, 4)
+    tail: bool = False
 
 
 def _bwd_config(block: int, is_rms: bool) -> BwdConfig:
@@ -515,7 +584,9 @@ def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype, need_
         chunk, stages = _wide_pipeline(config, block, [t for t in (x, dy, dres_out) if t is not None])
         _norm_bwd_wide_kernel[(programs,)](*args, BLOCK_M=config.rows, CHUNK=chunk, STAGES=stages, **flags)
     else:
-        _norm_bwd_kernel[(programs,)](*args, BLOCK_M=config.rows, BLOCK_N=block, PREFETCH=config.prefetch, **flags)
+        head, tail_cols = (tail_split(n) if config.tail else None) or (block, 0)
+        _norm_bwd_kernel[(programs,)](*args, BLOCK_M=config.rows, BLOCK_N=head, PREFETCH=config.prefetch,
+                                      BLOCK_T=tail_cols, **flags)
     sums = sum_rows(parts, weight.dtype) if parts is not None else None  # summed and cast in one launch
     dw = sums[0] if need_dw else None
     db = sums[-1] if has_db else None

@@ -24,6 +24,7 @@ import torch
 from benchmarks.common import bench, host_us, measure_copy_gbps
 import megakern
 from megakern import _norm_cuda, _norm_triton
+from megakern._intmath import next_power_of_2
 
 ROWS_TOTAL = 2**27  # elements of each (M, N) tensor
 OPS = {"rms": True, "ln": False}  # op -> is_rms
@@ -96,7 +97,7 @@ def specs(n: int, is_rms: bool, residual: bool) -> list[tuple[str, str, dict]]:
     geometries = set()
     for rows in (r for r in (1, 2, 4) if r == 1 or r * n <= 8192):
         for per_thread in (8, 16, 32):
-            warps = rows * n // (32 * per_thread)
+            warps = rows * next_power_of_2(n) // (32 * per_thread)  # Triton's warps: a power of 2
             if not 2 <= warps <= 32:
                 continue
             for warps_per_sm in (16, 32):
@@ -109,6 +110,11 @@ def specs(n: int, is_rms: bool, residual: bool) -> list[tuple[str, str, dict]]:
         out.append((f"triton bwd warps={warps} per_sm={per_sm} rows/step={rows} prefetch={int(prefetch)}",
                     "triton bwd", dict(warps=warps, per_sm=per_sm, rows=rows, prefetch=prefetch, wide=False)))
     out.append(("triton bwd default", "triton bwd", {}))
+    if _norm_triton.tail_split(n):  # the register backward's rows as two power-of-two tiles
+        for rows, warps, per_sm, prefetch in sorted(g for g in geometries if g[0] == 1):
+            out.append((f"triton bwd tail {_norm_triton.tail_split(n)} warps={warps} per_sm={per_sm} rows/step={rows} "
+                        f"prefetch={int(prefetch)}", "triton bwd",
+                        dict(warps=warps, per_sm=per_sm, rows=rows, prefetch=prefetch, tail=True)))
     if n >= 8192:  # the two-pass backward for wide rows: (rows a step, warps, programs per SM, chunk, stages)
         for rows, warps, per_sm, chunk, stages in ((1, 16, 1, 8192, 2), (1, 8, 2, 4096, 2), (2, 8, 2, 2048, 2),
                                                    (2, 8, 2, 4096, 2), (4, 8, 2, 1024, 2), (4, 8, 1, 2048, 2),

@@ -139,10 +139,11 @@ GEOMETRIES = {"1-row": dict(rows=1), "2-rows": dict(rows=2), "1-row-prefetch": d
 @pytest.mark.parametrize("rows", (1, 2))
 @pytest.mark.parametrize("setup", ("affine", "residual", "fp32-residual-fp32-weight", "no-affine"))
 @pytest.mark.parametrize("op", OPS)
-def test_triton_forward_tail(op, setup, rows):
-    """The forward with a row as two power-of-two tiles (``tail``): hidden sizes whose tail tile is partly masked or
-    full, one and several rows a program, against the references, and its statistics and output equal to the one-tile
-    forward's to rounding."""
+def test_triton_tail(op, setup, rows):
+    """The forward and the backward with a row as two power-of-two tiles (``tail``): hidden sizes whose tail tile is
+    partly masked or full, one and several rows a program or step (the backward with and without the next step
+    loaded ahead), against the references; the forward's statistics and output equal to the one-tile forward's to
+    rounding."""
     from megakern import _norm_triton as nt
 
     fwd, bwd = launchers_for("triton")
@@ -154,7 +155,9 @@ def test_triton_forward_tail(op, setup, rows):
         if op == "layer_norm":  # rows far from zero mean: the mean must come from both tiles
             x.add_(torch.linspace(-8, 8, n, dtype=dtype, device=x.device))
         tail = functools.partial(fwd, tail=True, rows_per_program=rows)
-        check_fwd_bwd("triton", op, dtype, x, w, b, r, launchers=(tail, bwd))
+        for prefetch in (False, True):  # the backward as two tiles as well
+            tail_bwd = functools.partial(bwd, tail=True, rows=rows, prefetch=prefetch, per_sm=3)
+            check_fwd_bwd("triton", op, dtype, x, w, b, r, launchers=(tail, tail_bwd))
         args = (x.reshape(-1, n), None if r is None else r.reshape(-1, n), w, b, 1e-5, op == "rms_norm")
         one, two = nt.fwd(*args, rows_per_program=rows), nt.fwd(*args, rows_per_program=rows, tail=True)
         for a, c in zip(one, two):
@@ -186,8 +189,8 @@ def test_triton_geometries(op, setup, geometry):
 
 def compile_for_sm90() -> list:
     """(kernel, shared memory bytes) for the forward and backward kernels of both ops, for rows in registers (the
-    backward with prefetch; the forward also as two tiles) and for wide rows, with and without the fused residual, compiled for sm_90
-    (TRITON_INTERPRET=0)."""
+    backward with prefetch; both also as two tiles) and for wide rows, with and without the fused residual, compiled
+    for sm_90 (TRITON_INTERPRET=0)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -205,8 +208,11 @@ def compile_for_sm90() -> list:
                  ("fwd tail", nt._norm_fwd_kernel, dict(flags, HAS_RES=residual, HAS_B=not is_rms, BLOCK_M=1,
                                                         BLOCK_N=8192, BLOCK_T=4096), 8),
                  ("bwd", nt._norm_bwd_kernel, dict(flags, HAS_DW=True, HAS_DB=not is_rms, HAS_DRES_OUT=residual,
-                                                   HAS_DRES=False, BLOCK_M=1, BLOCK_N=8192, PREFETCH=True),
-                 16),
+                                                   HAS_DRES=False, BLOCK_M=1, BLOCK_N=8192, PREFETCH=True,
+                                                   BLOCK_T=0), 16),
+                 ("bwd tail", nt._norm_bwd_kernel, dict(flags, HAS_DW=True, HAS_DB=not is_rms,
+                                                        HAS_DRES_OUT=residual, HAS_DRES=False, BLOCK_M=1,
+                                                        BLOCK_N=8192, PREFETCH=True, BLOCK_T=4096), 16),
                  ("fwd wide", nt._norm_fwd_wide_kernel, dict(flags, HAS_RES=residual, HAS_B=not is_rms, CHUNK=4096,
                                                              STAGES=2), 8),
                  ("bwd wide", nt._norm_bwd_wide_kernel, dict(flags, HAS_DW=True, HAS_DB=not is_rms,
@@ -230,7 +236,7 @@ def test_kernels_compile_for_sm90():
     from conftest import sm90_lowering
 
     results = sm90_lowering("test_norm", "compile_for_sm90()")
-    assert len(results) == 12, results
+    assert len(results) == 14, results
 
 
 LAYOUTS = ("padded-rows", "strided-leading", "transposed", "misaligned")
