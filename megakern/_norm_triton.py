@@ -178,6 +178,20 @@ def _load_bwd_tile(X, DY, rows, row_end, cols, col_mask, stride_xm, stride_dym):
 
 
 @triton.jit
+def _bwd_columns(W, first, N, BLOCK: tl.constexpr, HAS_W: tl.constexpr):
+    """(columns first .. + BLOCK - 1, their mask, the weight there in fp32, zeroed dweight and dbias sums) of one
+    tile of the backward's rows. Without a weight, zeros in its place (unused: a returned tuple cannot hold None
+    once compiled)."""
+    cols = first + tl.arange(0, BLOCK)
+    col_mask = cols < N
+    zeros = tl.zeros([BLOCK], dtype=tl.float32)
+    w = zeros
+    if HAS_W:
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    return cols, col_mask, w, zeros, zeros
+
+
+@triton.jit
 def _bwd_xhat_g(x, dy, w, mean, rstd, mask, IS_RMS: tl.constexpr, HAS_W: tl.constexpr):
     """(dy, xhat, g = dy * w) in fp32 of one tile of a step's rows."""
     x = x.to(tl.float32)
@@ -220,23 +234,9 @@ def _norm_bwd_kernel(
     """A program's rows, BLOCK_M a step as a (BLOCK_M, BLOCK_N) tile (more loads in flight per program); BLOCK_T >
     0: the columns past BLOCK_N as a second (BLOCK_M, BLOCK_T) tile, as the forward's."""
     pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_N)
-    col_mask = cols < N
-    if HAS_W:
-        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-    else:
-        w = None
-    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
-    db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    cols, col_mask, w, dw, db = _bwd_columns(W, 0, N, BLOCK_N, HAS_W)
     if BLOCK_T > 0:
-        cols_t = BLOCK_N + tl.arange(0, BLOCK_T)
-        col_mask_t = cols_t < N
-        if HAS_W:
-            w_t = tl.load(W + cols_t, mask=col_mask_t, other=0.0).to(tl.float32)
-        else:
-            w_t = None
-        dw_t = tl.zeros([BLOCK_T], dtype=tl.float32)
-        db_t = tl.zeros([BLOCK_T], dtype=tl.float32)
+        cols_t, col_mask_t, w_t, dw_t, db_t = _bwd_columns(W, BLOCK_N, N, BLOCK_T, HAS_W)
     row_start = pid * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, M)
     if PREFETCH:  # the next step's rows are loaded before this step's math: their latency hides under it

@@ -213,6 +213,9 @@ def compile_for_sm90() -> list:
                  ("bwd tail", nt._norm_bwd_kernel, dict(flags, HAS_DW=True, HAS_DB=not is_rms,
                                                         HAS_DRES_OUT=residual, HAS_DRES=False, BLOCK_M=1,
                                                         BLOCK_N=8192, PREFETCH=True, BLOCK_T=4096), 16),
+                 ("bwd tail no weight", nt._norm_bwd_kernel, dict(flags, HAS_W=False, HAS_DW=False, HAS_DB=False,
+                                                                  HAS_DRES_OUT=residual, HAS_DRES=False, BLOCK_M=1,
+                                                                  BLOCK_N=8192, PREFETCH=True, BLOCK_T=4096), 16),
                  ("fwd wide", nt._norm_fwd_wide_kernel, dict(flags, HAS_RES=residual, HAS_B=not is_rms, CHUNK=4096,
                                                              STAGES=2), 8),
                  ("bwd wide", nt._norm_bwd_wide_kernel, dict(flags, HAS_DW=True, HAS_DB=not is_rms,
@@ -236,7 +239,7 @@ def test_kernels_compile_for_sm90():
     from conftest import sm90_lowering
 
     results = sm90_lowering("test_norm", "compile_for_sm90()")
-    assert len(results) == 14, results
+    assert len(results) == 16, results
 
 
 LAYOUTS = ("padded-rows", "strided-leading", "transposed", "misaligned")
