@@ -114,7 +114,7 @@ def specs(n: int, is_rms: bool, residual: bool) -> list[tuple[str, str, dict]]:
         for rows, warps, per_sm, prefetch in sorted(g for g in geometries if g[0] == 1):
             out.append((f"triton bwd tail {_norm_triton.tail_split(n)} warps={warps} per_sm={per_sm} rows/step={rows} "
                         f"prefetch={int(prefetch)}", "triton bwd",
-                        dict(warps=warps, per_sm=per_sm, rows=rows, prefetch=prefetch, tail=True)))
+                        dict(warps=warps, per_sm=per_sm, rows=rows, prefetch=prefetch, tail=True, wide=False)))
     if n >= 8192:  # the two-pass backward for wide rows: (rows a step, warps, programs per SM, chunk, stages)
         for rows, warps, per_sm, chunk, stages in ((1, 16, 1, 8192, 2), (1, 8, 2, 4096, 2), (2, 8, 2, 2048, 2),
                                                    (2, 8, 2, 4096, 2), (4, 8, 2, 1024, 2), (4, 8, 1, 2048, 2),
