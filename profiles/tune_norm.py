@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import multiprocessing
+import re
 import time
 from concurrent.futures import ProcessPoolExecutor
 
@@ -66,12 +67,12 @@ def cuda_geometries(n: int, backward: bool) -> list:
 def specs(n: int, is_rms: bool, residual: bool) -> list[tuple[str, str, dict]]:
     """(label, launcher, keyword overrides) of every configuration swept at hidden size ``n``; launcher is one of
     'triton fwd', 'triton bwd', 'cuda fwd', 'cuda bwd'."""
-    out = []
+    out = [("triton fwd default", "triton fwd", {})]
     for warps, rows_pp in ((4, 1), (8, 1), (16, 1), (4, 2), (8, 2), (16, 2), (16, 4), (4, 4), (8, 8)):
         out.append((f"triton fwd warps={warps} rows/program={rows_pp}", "triton fwd",
                     dict(num_warps=warps, rows_per_program=rows_pp)))
     if _norm_triton.tail_split(n):  # the row as two power-of-two tiles (fwd's tail), where they hold fewer columns
-        for warps, rows_pp in ((4, 1), (8, 1), (16, 1), (8, 2), (4, 4)):
+        for warps, rows_pp in ((4, 1), (8, 1), (16, 1), (8, 2), (4, 4)) + (((8, 8), (4, 2)) if n < 2048 else ()):
             out.append((f"triton fwd tail {_norm_triton.tail_split(n)} warps={warps} rows/program={rows_pp}",
                         "triton fwd", dict(num_warps=warps, rows_per_program=rows_pp, tail=True)))
     if n >= 8192:  # the two-pass forward for wide rows: (warps, chunk, stages)
@@ -111,7 +112,7 @@ def specs(n: int, is_rms: bool, residual: bool) -> list[tuple[str, str, dict]]:
                     "triton bwd", dict(warps=warps, per_sm=per_sm, rows=rows, prefetch=prefetch, wide=False)))
     out.append(("triton bwd default", "triton bwd", {}))
     if _norm_triton.tail_split(n):  # the register backward's rows as two power-of-two tiles
-        for rows, warps, per_sm, prefetch in sorted(g for g in geometries if g[0] == 1):
+        for rows, warps, per_sm, prefetch in sorted(geometries):
             out.append((f"triton bwd tail {_norm_triton.tail_split(n)} warps={warps} per_sm={per_sm} rows/step={rows} "
                         f"prefetch={int(prefetch)}", "triton bwd",
                         dict(warps=warps, per_sm=per_sm, rows=rows, prefetch=prefetch, tail=True, wide=False)))
@@ -168,13 +169,14 @@ class Inputs:
                           **kwargs)
 
 
-def _warm(job: tuple[int, bool, list[str], set[str], int, int]) -> int:
+def _warm(job: tuple[int, bool, list[str], set[str], str, int, int]) -> int:
     """A worker of --jobs: calls every ``parts``-th configuration of hidden size ``n`` from the ``part``-th on once
     (compiling its kernels into the caches); returns how many ran."""
-    n, residual, ops, launchers, part, parts = job
+    n, residual, ops, launchers, pattern, part, parts = job
     inputs, done = Inputs(n, residual, torch.device("cuda")), 0
     for op in ops:
-        for _, launcher, kwargs in [spec for spec in specs(n, OPS[op], residual) if spec[1] in launchers][part::parts]:
+        chosen = [spec for spec in specs(n, OPS[op], residual) if spec[1] in launchers and re.search(pattern, spec[0])]
+        for _, launcher, kwargs in chosen[part::parts]:
             try:
                 inputs.call(launcher, OPS[op], kwargs)
                 done += 1
@@ -193,7 +195,13 @@ def main() -> None:
     parser.add_argument("--rep-ms", type=int, default=500, help="timing window of each configuration")
     parser.add_argument("--launchers", default=",".join(LAUNCHERS),
                         help=f"comma-separated, of: {', '.join(LAUNCHERS)}")
+    parser.add_argument("--match", default=None,
+                        help="regular expression: only the configurations whose label it matches (e.g. 'default|tail')")
     args = parser.parse_args()
+    try:
+        match = re.compile(args.match or "")
+    except re.error as exc:
+        raise SystemExit(f"tune_norm: --match {args.match!r} is not a regular expression: {exc}")
     ops = [op.strip() for op in args.ops.split(",") if op.strip()]
     if unknown := set(ops) - set(OPS):
         raise SystemExit(f"tune_norm: unknown op(s) {sorted(unknown)}; known: {', '.join(OPS)}")
@@ -205,7 +213,7 @@ def main() -> None:
     if args.jobs > 1:
         start = time.perf_counter()
         parts = max(1, args.jobs // len(hidden))  # processes per hidden size, each with its own tensors
-        jobs = [(n, args.residual, ops, launchers, part, parts) for n in hidden for part in range(parts)]
+        jobs = [(n, args.residual, ops, launchers, match.pattern, part, parts) for n in hidden for part in range(parts)]
         with ProcessPoolExecutor(len(jobs), mp_context=multiprocessing.get_context("spawn")) as pool:
             done = sum(pool.map(_warm, jobs))
         print(f"compiled: {done} configurations called once by {len(jobs)} processes in "
@@ -218,7 +226,7 @@ def main() -> None:
         act = inputs.x.numel() * inputs.x.element_size()
         for op in ops:
             for name, launcher, kwargs in specs(n, OPS[op], args.residual):
-                if launcher not in launchers:
+                if launcher not in launchers or not match.search(name):
                     continue
                 nbytes = 2 * act if launcher.endswith("fwd") else (4 if args.residual else 3) * act
                 try:
