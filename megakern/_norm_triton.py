@@ -425,16 +425,18 @@ def tail_split(n: int) -> tuple[int, int] | None:
 
 
 # Launch geometry, measured on the H200 with profiles/tune_norm.py (figures in docs/tuning.md, norms).
-def _fwd_config(block: int) -> tuple[int, int]:
-    """(rows per program, warps): below hidden 2048, rows enough for 2048 elements a program at 4 warps (8192 at 8
-    below 1024); from 2048 one row a program, 4 warps to 2048, 8 to 16384, 32 above."""
+def _fwd_config(n: int) -> tuple[int, int, bool]:
+    """(rows per program, warps, tail) for rows of ``n``: below hidden 2048, rows enough for 2048 elements a program
+    at 4 warps (8192 at 8 below 1024); from 2048 one row a program, 4 warps to 2048, 8 to 16384, 32 above; between
+    2048 and 16384 a row that ``tail_split`` takes as two power-of-two tiles as those tiles, at 4 warps."""
+    block = _block(n)
     if block < 1024:
-        return 8192 // block, 8
+        return 8192 // block, 8, False
     if block <= 2048:
-        return 2048 // block, 4
+        return 2048 // block, 4, False
     if block <= 16384:
-        return 1, 8
-    return 1, 32
+        return (1, 4, True) if tail_split(n) else (1, 8, False)
+    return 1, 32, False
 
 
 class BwdConfig(NamedTuple):
@@ -457,21 +459,26 @@ class BwdConfig(NamedTuple):
     tail: bool = False
 
 
-def _bwd_config(block: int, is_rms: bool) -> BwdConfig:
+def _bwd_config(n: int, is_rms: bool) -> BwdConfig:
     """Rows in registers up to hidden 8192 (RMSNorm 16384): 16 elements of a step's rows a thread, 16 warps an SM,
-    the next step's rows loaded before this step's math. Wider rows (LayerNorm from 16384, whose dweight and dbias
-    sums overflow the registers), the two-pass kernel, 4 rows a step."""
+    the next step's rows loaded before this step's math. Between 8192 and 16384 a row that ``tail_split`` takes as
+    two power-of-two tiles, as those tiles in registers (LayerNorm too, without loading ahead). Wider rows
+    (LayerNorm from 16384, whose dweight and dbias sums overflow the registers), the two-pass kernel, 4 rows a
+    step."""
+    block = _block(n)
     if block <= 4096:
         warps = max(2, min(16, block // 256))
         return BwdConfig(2, warps, 16 // warps, True)
     if block <= 8192:
         return BwdConfig(1, 16, 1, True)
+    if block <= 16384 and tail_split(n):
+        return BwdConfig(1, 16, 1, is_rms, tail=True)
     if block <= 16384 and is_rms:
         return BwdConfig(1, 16, 1)
     return BwdConfig(4, 8, 2, wide=True, chunk=2048, stages=3)
 
 
-def resolve_bwd_config(block: int, is_rms: bool, overrides: dict) -> BwdConfig:
+def resolve_bwd_config(n: int, is_rms: bool, overrides: dict) -> BwdConfig:
     """The launch table's BwdConfig with ``overrides`` (fields of BwdConfig; None keeps the table's) in its place;
     naming ``wide`` against the table's kernel starts from that kernel's own defaults (one row a step, chunk 4096,
     2 stages) before the other overrides apply."""
@@ -479,7 +486,7 @@ def resolve_bwd_config(block: int, is_rms: bool, overrides: dict) -> BwdConfig:
     if unknown:
         raise TypeError(f"unknown backward launch options {sorted(unknown)}; known: {BwdConfig._fields}")
     overrides = {k: v for k, v in overrides.items() if v is not None}
-    table = _bwd_config(block, is_rms)
+    table = _bwd_config(n, is_rms)
     if "wide" in overrides and bool(overrides["wide"]) != table.wide:
         table = BwdConfig(1, table.warps, table.per_sm, wide=bool(overrides["wide"]))
     return table._replace(**overrides)
@@ -510,16 +517,18 @@ def _programs(rows: int, device: torch.device, per_sm: int = 1) -> int:
 
 def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | None = None,
         rows_per_program: int | None = None, wide: bool = False, chunk: int = 4096, stages: int = 2,
-        tail: bool = False):
+        tail: bool | None = None):
     """(y, residual_out | None, mean | None, rstd) for 2-D ``x``; ``num_warps`` and ``rows_per_program`` override
     the defaults (tuning). ``wide``: the two-pass kernel for rows too wide for registers, a row a program, ``chunk``
     columns at a time with ``stages`` of them in flight (measured slower than rows in registers up to hidden 32768:
-    docs/tuning.md). ``tail``: a row as two power-of-two tiles where ``tail_split`` has them (no effect elsewhere).
+    docs/tuning.md). ``tail``: a row as two power-of-two tiles where ``tail_split`` has them (no effect elsewhere);
+    None: as the launch table says.
     """
     rows, n = x.shape
     block = _block(n)
-    default_rows, warps = _fwd_config(block)
+    default_rows, warps, default_tail = _fwd_config(n)
     rows_per_program, warps = rows_per_program or default_rows, num_warps or warps
+    tail = default_tail if tail is None else tail
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     res_out = None if residual is None else torch.empty((rows, n), dtype=residual.dtype, device=x.device)
     mean = None if is_rms else torch.empty(rows, dtype=torch.float32, device=x.device)
@@ -548,7 +557,7 @@ def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype, need_
     fields as named or at their defaults)."""
     rows, n = dy.shape
     block = _block(n)
-    config = resolve_bwd_config(block, is_rms, overrides)
+    config = resolve_bwd_config(n, is_rms, overrides)
     programs = _programs(rows, dy.device, config.per_sm)
     rows_per_program = math.ceil(rows / programs) if rows else 0
     split_cols, split_rows, split_warps, split_per_sm = config.split_geometry

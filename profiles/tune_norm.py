@@ -70,7 +70,7 @@ def specs(n: int, is_rms: bool, residual: bool) -> list[tuple[str, str, dict]]:
     out = [("triton fwd default", "triton fwd", {})]
     for warps, rows_pp in ((4, 1), (8, 1), (16, 1), (4, 2), (8, 2), (16, 2), (16, 4), (4, 4), (8, 8)):
         out.append((f"triton fwd warps={warps} rows/program={rows_pp}", "triton fwd",
-                    dict(num_warps=warps, rows_per_program=rows_pp)))
+                    dict(num_warps=warps, rows_per_program=rows_pp, tail=False)))
     if _norm_triton.tail_split(n):  # the row as two power-of-two tiles (fwd's tail), where they hold fewer columns
         for warps, rows_pp in ((4, 1), (8, 1), (16, 1), (8, 2), (4, 4)) + (((8, 8), (4, 2)) if n < 2048 else ()):
             out.append((f"triton fwd tail {_norm_triton.tail_split(n)} warps={warps} rows/program={rows_pp}",
@@ -109,7 +109,8 @@ def specs(n: int, is_rms: bool, residual: bool) -> list[tuple[str, str, dict]]:
                        (4, 8, 2, False), (8, 4, 4, False), (4, 2, 8, False), (2, 4, 16, False)}
     for rows, warps, per_sm, prefetch in sorted(geometries):
         out.append((f"triton bwd warps={warps} per_sm={per_sm} rows/step={rows} prefetch={int(prefetch)}",
-                    "triton bwd", dict(warps=warps, per_sm=per_sm, rows=rows, prefetch=prefetch, wide=False)))
+                    "triton bwd", dict(warps=warps, per_sm=per_sm, rows=rows, prefetch=prefetch, wide=False,
+                                                tail=False)))
     out.append(("triton bwd default", "triton bwd", {}))
     if _norm_triton.tail_split(n):  # the register backward's rows as two power-of-two tiles
         for rows, warps, per_sm, prefetch in sorted(geometries):
@@ -125,8 +126,9 @@ def specs(n: int, is_rms: bool, residual: bool) -> list[tuple[str, str, dict]]:
                         f"stages={stages}", "triton bwd",
                         dict(rows=rows, warps=warps, per_sm=per_sm, wide=True, chunk=chunk, stages=stages)))
     if n >= 8192:  # the split backward: dx alone (rows in registers to 16384, else two-pass), then the column sums
-        dx_kernels = [dict(rows=1, warps=16, per_sm=1), dict(rows=1, warps=8, per_sm=2),
-                      dict(rows=1, warps=16, per_sm=1, prefetch=True)] if n <= 16384 else []
+        dx_kernels = [dict(rows=1, warps=16, per_sm=1, wide=False, tail=False),
+                      dict(rows=1, warps=8, per_sm=2, wide=False, tail=False),
+                      dict(rows=1, warps=16, per_sm=1, prefetch=True, wide=False, tail=False)] if n <= 16384 else []
         dx_kernels += [dict(rows=4, warps=8, per_sm=2, wide=True, chunk=2048, stages=3),
                        dict(rows=2, warps=8, per_sm=2, wide=True, chunk=4096, stages=2),
                        dict(rows=1, warps=16, per_sm=1, wide=True, chunk=8192, stages=2)]

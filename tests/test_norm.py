@@ -23,7 +23,8 @@ from megakern.rmsnorm import rms_norm_ref
 OPS = ("rms_norm", "layer_norm")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # odd sizes (scalar path), 16-byte multiples (vector path), short rows (a warp per row), long rows (streaming)
-SHAPES = [(5, 123, 123), (4, 333, 1024), (2, 300, 8192), (64, 16384), (3, 4097), (2, 3, 65536), (7, 33)] if HAS_CUDA \
+SHAPES = [(5, 123, 123), (4, 333, 1024), (2, 300, 8192), (64, 16384), (3, 4097), (2, 3, 65536), (7, 33), (6, 3072),
+          (3, 5, 9216)] if HAS_CUDA \
     else [(5, 7, 123), (3, 64), (2, 1)]
 SETUPS = ("affine", "residual", "fp32-residual-fp32-weight", "no-affine")
 
@@ -159,7 +160,7 @@ def test_triton_tail(op, setup, rows):
             tail_bwd = functools.partial(bwd, tail=True, rows=rows, prefetch=prefetch, per_sm=3)
             check_fwd_bwd("triton", op, dtype, x, w, b, r, launchers=(tail, tail_bwd))
         args = (x.reshape(-1, n), None if r is None else r.reshape(-1, n), w, b, 1e-5, op == "rms_norm")
-        one, two = nt.fwd(*args, rows_per_program=rows), nt.fwd(*args, rows_per_program=rows, tail=True)
+        one, two = nt.fwd(*args, rows_per_program=rows, tail=False), nt.fwd(*args, rows_per_program=rows, tail=True)
         for a, c in zip(one, two):
             if a is not None:
                 torch.testing.assert_close(c, a, rtol=1e-5 if a.dtype == torch.float32 else 1e-2, atol=1e-5)
@@ -605,6 +606,26 @@ def test_cuda_staged_backward_refuses_what_it_cannot_take():
     with pytest.raises(ValueError, match="do not cover a row"):
         _norm_cuda.bwd(x, x, None, None, None, stats, True, None, False, False,
                        config=_norm_cuda.LaunchConfig(1, 64, 1, staged=True))
+
+
+def test_launch_table_tail():
+    """The launch table takes a row as two power-of-two tiles between hidden 2048 and 16384 where ``tail_split`` has
+    them, forward and backward (LayerNorm's backward in registers then, not the two-pass kernel), and one tile for
+    powers of two, below 2048 and at 14336, whose two tiles would hold no fewer columns; an explicit ``tail`` wins."""
+    from megakern import _norm_triton as nt
+
+    for n in (2560, 3072, 5120, 6144, 9216, 10240, 12288):
+        assert nt.tail_split(n) and nt._fwd_config(n) == (1, 4, True)
+        for is_rms in (True, False):
+            config = nt._bwd_config(n, is_rms)
+            assert config.tail == (n > 8192) and not config.wide
+            if n > 8192:
+                assert nt.resolve_bwd_config(n, is_rms, dict(tail=False)).tail is False
+    assert not nt._bwd_config(9216, False).prefetch and nt._bwd_config(9216, True).prefetch
+    for n in (768, 1536, 2048, 4096, 8192, 14336, 16384, 32768):
+        assert not nt._fwd_config(n)[2]
+        assert not nt._bwd_config(n, True).tail and not nt._bwd_config(n, False).tail
+    assert nt._bwd_config(16384, False).wide and nt._bwd_config(14336, False).wide
 
 
 def test_backward_launch_overrides():
