@@ -26,43 +26,73 @@ MAX_BLOCK = 65536
 
 
 @triton.jit
-def _norm_fwd_kernel(
-    X, RES, W, B, Y, RES_OUT, MEAN, RSTD,
-    stride_xm, stride_resm, stride_ym, stride_resoutm,
-    M, N, eps,
-    IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    # BLOCK_M rows per program, as a (BLOCK_M, BLOCK_N) tile
-    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = tl.arange(0, BLOCK_N)
-    row_mask = rows < M
-    col_mask = cols < N
-    mask = row_mask[:, None] & col_mask[None, :]
-    # the rows, plus the residual rounded to the residual's dtype and stored: what is normalized is what is kept
+def _fwd_part(X, RES, RES_OUT, rows, cols, mask, stride_xm, stride_resm, stride_resoutm, HAS_RES: tl.constexpr):
+    """The rows' columns ``cols`` in fp32, plus the residual rounded to the residual's dtype and stored: what is
+    normalized is what is kept."""
     x = tl.load(X + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         r = tl.load(RES + rows[:, None] * stride_resm + cols[None, :], mask=mask, other=0.0)
         h = (x + r.to(tl.float32)).to(RES_OUT.dtype.element_ty)
         tl.store(RES_OUT + rows[:, None] * stride_resoutm + cols[None, :], h, mask=mask)
         x = h.to(tl.float32)
-    # statistics in fp32
-    if IS_RMS:
-        xc = x
-        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
-    else:
-        mean = tl.sum(x, axis=1) / N
-        xc = tl.where(mask, x - mean[:, None], 0.0)
-        tl.store(MEAN + rows, mean, mask=row_mask)
-        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
-    tl.store(RSTD + rows, rstd, mask=row_mask)
-    # scale, shift, store
+    return x
+
+
+@triton.jit
+def _fwd_out(Y, W, B, xc, rstd, rows, cols, col_mask, mask, stride_ym, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
+    """y = xc * rstd (* w) (+ b) of the rows' columns ``cols``, stored."""
     y = xc * rstd[:, None]
     if HAS_W:
         y = y * tl.load(W + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)[None, :]
     if HAS_B:
         y = y + tl.load(B + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)[None, :]
     tl.store(Y + rows[:, None] * stride_ym + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_fwd_kernel(
+    X, RES, W, B, Y, RES_OUT, MEAN, RSTD,
+    stride_xm, stride_resm, stride_ym, stride_resoutm,
+    M, N, eps,
+    IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr = 0,
+):
+    """BLOCK_M rows per program, as a (BLOCK_M, BLOCK_N) tile; BLOCK_T > 0: the columns past BLOCK_N as a second
+    (BLOCK_M, BLOCK_T) tile (a row of 12288 as 8192 + 4096 columns, where one power-of-two tile would hold 16384)."""
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    col_mask = cols < N
+    mask = row_mask[:, None] & col_mask[None, :]
+    x = _fwd_part(X, RES, RES_OUT, rows, cols, mask, stride_xm, stride_resm, stride_resoutm, HAS_RES)
+    if BLOCK_T > 0:
+        cols_t = BLOCK_N + tl.arange(0, BLOCK_T)
+        col_mask_t = cols_t < N
+        mask_t = row_mask[:, None] & col_mask_t[None, :]
+        x_t = _fwd_part(X, RES, RES_OUT, rows, cols_t, mask_t, stride_xm, stride_resm, stride_resoutm, HAS_RES)
+    # statistics in fp32
+    if IS_RMS:
+        xc = x
+        ss = tl.sum(xc * xc, axis=1)
+        if BLOCK_T > 0:
+            xc_t = x_t
+            ss += tl.sum(xc_t * xc_t, axis=1)
+    else:
+        total = tl.sum(x, axis=1)
+        if BLOCK_T > 0:
+            total += tl.sum(x_t, axis=1)
+        mean = total / N
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+        ss = tl.sum(xc * xc, axis=1)
+        if BLOCK_T > 0:
+            xc_t = tl.where(mask_t, x_t - mean[:, None], 0.0)
+            ss += tl.sum(xc_t * xc_t, axis=1)
+        tl.store(MEAN + rows, mean, mask=row_mask)
+    rstd = 1.0 / tl.sqrt(ss / N + eps)
+    tl.store(RSTD + rows, rstd, mask=row_mask)
+    _fwd_out(Y, W, B, xc, rstd, rows, cols, col_mask, mask, stride_ym, HAS_W, HAS_B)
+    if BLOCK_T > 0:
+        _fwd_out(Y, W, B, xc_t, rstd, rows, cols_t, col_mask_t, mask_t, stride_ym, HAS_W, HAS_B)
 
 
 @triton.jit
@@ -138,69 +168,136 @@ def _load_bwd_rows(X, DY, MEAN, RSTD, rows, row_end, cols, col_mask, stride_xm, 
 
 
 @triton.jit
+def _load_bwd_tile(X, DY, rows, row_end, cols, col_mask, stride_xm, stride_dym):
+    """One step's rows of x and dy (as stored) in the columns ``cols``; rows past ``row_end`` read as zeros."""
+    rows64 = rows.to(tl.int64)
+    mask = (rows < row_end)[:, None] & col_mask[None, :]
+    x = tl.load(X + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+    dy = tl.load(DY + rows64[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0)
+    return x, dy
+
+
+@triton.jit
+def _bwd_columns(W, first, N, BLOCK: tl.constexpr, HAS_W: tl.constexpr):
+    """(columns first .. + BLOCK - 1, their mask, the weight there in fp32, zeroed dweight and dbias sums) of one
+    tile of the backward's rows. Without a weight, zeros in its place (unused: a returned tuple cannot hold None
+    once compiled)."""
+    cols = first + tl.arange(0, BLOCK)
+    col_mask = cols < N
+    zeros = tl.zeros([BLOCK], dtype=tl.float32)
+    w = zeros
+    if HAS_W:
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    return cols, col_mask, w, zeros, zeros
+
+
+@triton.jit
+def _bwd_xhat_g(x, dy, w, mean, rstd, mask, IS_RMS: tl.constexpr, HAS_W: tl.constexpr):
+    """(dy, xhat, g = dy * w) in fp32 of one tile of a step's rows."""
+    x = x.to(tl.float32)
+    dy = dy.to(tl.float32)
+    if IS_RMS:
+        xhat = x * rstd[:, None]
+    else:
+        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+    g = dy * w[None, :] if HAS_W else dy
+    return dy, xhat, g
+
+
+@triton.jit
+def _bwd_dx_out(DRES_OUT, DX, DRES, g, xhat, mean_gx, mean_g, rstd, rows64, cols, mask,
+                stride_dresoutm, stride_dxm, stride_dresm, IS_RMS: tl.constexpr, HAS_DRES_OUT: tl.constexpr,
+                HAS_DRES: tl.constexpr):
+    """dx = rstd * (g - xhat * mean(g * xhat) - mean(g)) (RMSNorm: no mean(g)) of one tile, plus the residual's
+    gradient, stored (and in fp32 to DRES)."""
+    dx = g - xhat * mean_gx[:, None]
+    if not IS_RMS:
+        dx = dx - mean_g[:, None]
+    dx = dx * rstd[:, None]
+    if HAS_DRES_OUT:
+        dx = dx + tl.load(DRES_OUT + rows64[:, None] * stride_dresoutm + cols[None, :], mask=mask,
+                          other=0.0).to(tl.float32)
+    tl.store(DX + rows64[:, None] * stride_dxm + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+    if HAS_DRES:
+        tl.store(DRES + rows64[:, None] * stride_dresm + cols[None, :], dx, mask=mask)
+
+
+@triton.jit
 def _norm_bwd_kernel(
     X, DY, DRES_OUT, W, MEAN, RSTD, DX, DRES, DW_PARTIAL, DB_PARTIAL,
     stride_xm, stride_dym, stride_dresoutm, stride_dxm, stride_dresm,
     M, N, rows_per_program,
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_DW: tl.constexpr, HAS_DB: tl.constexpr,
     HAS_DRES_OUT: tl.constexpr, HAS_DRES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, BLOCK_T: tl.constexpr = 0,
 ):
+    """A program's rows, BLOCK_M a step as a (BLOCK_M, BLOCK_N) tile (more loads in flight per program); BLOCK_T >
+    0: the columns past BLOCK_N as a second (BLOCK_M, BLOCK_T) tile, as the forward's."""
     pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_N)
-    col_mask = cols < N
-    if HAS_W:
-        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
-    db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    cols, col_mask, w, dw, db = _bwd_columns(W, 0, N, BLOCK_N, HAS_W)
+    if BLOCK_T > 0:
+        cols_t, col_mask_t, w_t, dw_t, db_t = _bwd_columns(W, BLOCK_N, N, BLOCK_T, HAS_W)
     row_start = pid * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, M)
     if PREFETCH:  # the next step's rows are loaded before this step's math: their latency hides under it
         x_next, dy_next, mean_next, rstd_next = _load_bwd_rows(
             X, DY, MEAN, RSTD, row_start + tl.arange(0, BLOCK_M), row_end, cols, col_mask, stride_xm, stride_dym,
             IS_RMS)
-    # BLOCK_M rows per step: a (BLOCK_M, BLOCK_N) tile keeps more loads in flight per program
+        if BLOCK_T > 0:
+            x_next_t, dy_next_t = _load_bwd_tile(X, DY, row_start + tl.arange(0, BLOCK_M), row_end, cols_t,
+                                                 col_mask_t, stride_xm, stride_dym)
     for row0 in range(row_start, row_end, BLOCK_M):
         rows = row0 + tl.arange(0, BLOCK_M)
         if PREFETCH:
             x, dy, mean, rstd = x_next, dy_next, mean_next, rstd_next
             x_next, dy_next, mean_next, rstd_next = _load_bwd_rows(
                 X, DY, MEAN, RSTD, rows + BLOCK_M, row_end, cols, col_mask, stride_xm, stride_dym, IS_RMS)
+            if BLOCK_T > 0:
+                x_t, dy_t = x_next_t, dy_next_t
+                x_next_t, dy_next_t = _load_bwd_tile(X, DY, rows + BLOCK_M, row_end, cols_t, col_mask_t, stride_xm,
+                                                     stride_dym)
         else:
             x, dy, mean, rstd = _load_bwd_rows(X, DY, MEAN, RSTD, rows, row_end, cols, col_mask, stride_xm,
                                                stride_dym, IS_RMS)
+            if BLOCK_T > 0:
+                x_t, dy_t = _load_bwd_tile(X, DY, rows, row_end, cols_t, col_mask_t, stride_xm, stride_dym)
         row_mask = rows < row_end
         rows64 = rows.to(tl.int64)
         mask = row_mask[:, None] & col_mask[None, :]
-        x = x.to(tl.float32)
-        dy = dy.to(tl.float32)
-        rstd = rstd[:, None]
-        # xhat, and g = dy * w
-        if IS_RMS:
-            xhat = x * rstd
-        else:
-            xhat = tl.where(mask, (x - mean[:, None]) * rstd, 0.0)
-        g = dy * w[None, :] if HAS_W else dy
-        # dx = rstd * (g - xhat * mean(g * xhat) - mean(g))   (RMSNorm: no mean(g))
-        dx = g - xhat * (tl.sum(g * xhat, axis=1) / N)[:, None]
+        dy, xhat, g = _bwd_xhat_g(x, dy, w, mean, rstd, mask, IS_RMS, HAS_W)
+        sum_gx = tl.sum(g * xhat, axis=1)
+        sum_g = sum_gx  # RMSNorm: unused
         if not IS_RMS:
-            dx = dx - (tl.sum(g, axis=1) / N)[:, None]
-        dx = dx * rstd
-        if HAS_DRES_OUT:
-            dx = dx + tl.load(DRES_OUT + rows64[:, None] * stride_dresoutm + cols[None, :], mask=mask,
-                              other=0.0).to(tl.float32)
-        tl.store(DX + rows64[:, None] * stride_dxm + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-        if HAS_DRES:
-            tl.store(DRES + rows64[:, None] * stride_dresm + cols[None, :], dx, mask=mask)
+            sum_g = tl.sum(g, axis=1)
+        if BLOCK_T > 0:
+            mask_t = row_mask[:, None] & col_mask_t[None, :]
+            dy_t, xhat_t, g_t = _bwd_xhat_g(x_t, dy_t, w_t, mean, rstd, mask_t, IS_RMS, HAS_W)
+            sum_gx += tl.sum(g_t * xhat_t, axis=1)
+            if not IS_RMS:
+                sum_g += tl.sum(g_t, axis=1)
+        # dx = rstd * (g - xhat * mean(g * xhat) - mean(g))   (RMSNorm: no mean(g))
+        _bwd_dx_out(DRES_OUT, DX, DRES, g, xhat, sum_gx / N, sum_g / N, rstd, rows64, cols, mask, stride_dresoutm,
+                    stride_dxm, stride_dresm, IS_RMS, HAS_DRES_OUT, HAS_DRES)
+        if BLOCK_T > 0:
+            _bwd_dx_out(DRES_OUT, DX, DRES, g_t, xhat_t, sum_gx / N, sum_g / N, rstd, rows64, cols_t, mask_t,
+                        stride_dresoutm, stride_dxm, stride_dresm, IS_RMS, HAS_DRES_OUT, HAS_DRES)
         # partial dweight / dbias stay in registers across this program's rows
         if HAS_DW:
             dw += tl.sum(dy * xhat, axis=0)
+            if BLOCK_T > 0:
+                dw_t += tl.sum(dy_t * xhat_t, axis=0)
         if HAS_DB:
             db += tl.sum(dy, axis=0)
+            if BLOCK_T > 0:
+                db_t += tl.sum(dy_t, axis=0)
     if HAS_DW:
         tl.store(DW_PARTIAL + pid * N + cols, dw, mask=col_mask)
+        if BLOCK_T > 0:
+            tl.store(DW_PARTIAL + pid * N + cols_t, dw_t, mask=col_mask_t)
     if HAS_DB:
         tl.store(DB_PARTIAL + pid * N + cols, db, mask=col_mask)
+        if BLOCK_T > 0:
+            tl.store(DB_PARTIAL + pid * N + cols_t, db_t, mask=col_mask_t)
 
 
 @triton.jit
@@ -315,17 +412,31 @@ def _block(n: int) -> int:
     return block
 
 
+def tail_split(n: int) -> tuple[int, int] | None:
+    """(head, tail) columns of the forward's two tiles for a row of ``n``: the largest power of two below n and the
+    power of two that holds the rest, where the two hold fewer columns than one power-of-two tile (12288: 8192 +
+    4096 in place of 16384; 9216: 8192 + 1024); None where they would not (powers of two, 14336)."""
+    block = _block(n)
+    head = block // 2
+    if n <= head or n == block:
+        return None
+    tail = next_power_of_2(n - head)
+    return (head, tail) if head + tail < block else None
+
+
 # Launch geometry, measured on the H200 with profiles/tune_norm.py (figures in docs/tuning.md, norms).
-def _fwd_config(block: int) -> tuple[int, int]:
-    """(rows per program, warps): below hidden 2048, rows enough for 2048 elements a program at 4 warps (8192 at 8
-    below 1024); from 2048 one row a program, 4 warps to 2048, 8 to 16384, 32 above."""
+def _fwd_config(n: int) -> tuple[int, int, bool]:
+    """(rows per program, warps, tail) for rows of ``n``: below hidden 2048, rows enough for 2048 elements a program
+    at 4 warps (8192 at 8 below 1024); from 2048 one row a program, 4 warps to 2048, 8 to 16384, 32 above; between
+    2048 and 16384 a row that ``tail_split`` takes as two power-of-two tiles as those tiles, at 4 warps."""
+    block = _block(n)
     if block < 1024:
-        return 8192 // block, 8
+        return 8192 // block, 8, False
     if block <= 2048:
-        return 2048 // block, 4
+        return 2048 // block, 4, False
     if block <= 16384:
-        return 1, 8
-    return 1, 32
+        return (1, 4, True) if tail_split(n) else (1, 8, False)
+    return 1, 32, False
 
 
 class BwdConfig(NamedTuple):
@@ -334,7 +445,8 @@ class BwdConfig(NamedTuple):
     columns at a time and ``stages`` of them in flight. ``split``: dx by that kernel alone, without the dweight /
     dbias sums that crowd its registers or its L2, and those sums by a second kernel over strips of columns
     (``_norm_bwd_dwdb_kernel``, ``split_geometry``: columns a strip, rows a step, warps, programs per SM), which
-    reads x and dy once more."""
+    reads x and dy once more. ``tail``: the register kernel's rows as two power-of-two tiles where ``tail_split`` has
+    them, as the forward's."""
     rows: int
     warps: int
     per_sm: int
@@ -344,23 +456,29 @@ class BwdConfig(NamedTuple):
     stages: int = 2
     split: bool = False
     split_geometry: tuple = (256, 16, 4, 4)
+    tail: bool = False
 
 
-def _bwd_config(block: int, is_rms: bool) -> BwdConfig:
+def _bwd_config(n: int, is_rms: bool) -> BwdConfig:
     """Rows in registers up to hidden 8192 (RMSNorm 16384): 16 elements of a step's rows a thread, 16 warps an SM,
-    the next step's rows loaded before this step's math. Wider rows (LayerNorm from 16384, whose dweight and dbias
-    sums overflow the registers), the two-pass kernel, 4 rows a step."""
+    the next step's rows loaded before this step's math. Between 8192 and 16384 a row that ``tail_split`` takes as
+    two power-of-two tiles, as those tiles in registers (LayerNorm too, without loading ahead). Wider rows
+    (LayerNorm from 16384, whose dweight and dbias sums overflow the registers), the two-pass kernel, 4 rows a
+    step."""
+    block = _block(n)
     if block <= 4096:
         warps = max(2, min(16, block // 256))
         return BwdConfig(2, warps, 16 // warps, True)
     if block <= 8192:
         return BwdConfig(1, 16, 1, True)
+    if block <= 16384 and tail_split(n):
+        return BwdConfig(1, 16, 1, is_rms, tail=True)
     if block <= 16384 and is_rms:
         return BwdConfig(1, 16, 1)
     return BwdConfig(4, 8, 2, wide=True, chunk=2048, stages=3)
 
 
-def resolve_bwd_config(block: int, is_rms: bool, overrides: dict) -> BwdConfig:
+def resolve_bwd_config(n: int, is_rms: bool, overrides: dict) -> BwdConfig:
     """The launch table's BwdConfig with ``overrides`` (fields of BwdConfig; None keeps the table's) in its place;
     naming ``wide`` against the table's kernel starts from that kernel's own defaults (one row a step, chunk 4096,
     2 stages) before the other overrides apply."""
@@ -368,7 +486,7 @@ def resolve_bwd_config(block: int, is_rms: bool, overrides: dict) -> BwdConfig:
     if unknown:
         raise TypeError(f"unknown backward launch options {sorted(unknown)}; known: {BwdConfig._fields}")
     overrides = {k: v for k, v in overrides.items() if v is not None}
-    table = _bwd_config(block, is_rms)
+    table = _bwd_config(n, is_rms)
     if "wide" in overrides and bool(overrides["wide"]) != table.wide:
         table = BwdConfig(1, table.warps, table.per_sm, wide=bool(overrides["wide"]))
     return table._replace(**overrides)
@@ -398,15 +516,19 @@ def _programs(rows: int, device: torch.device, per_sm: int = 1) -> int:
 
 
 def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | None = None,
-        rows_per_program: int | None = None, wide: bool = False, chunk: int = 4096, stages: int = 2):
+        rows_per_program: int | None = None, wide: bool = False, chunk: int = 4096, stages: int = 2,
+        tail: bool | None = None):
     """(y, residual_out | None, mean | None, rstd) for 2-D ``x``; ``num_warps`` and ``rows_per_program`` override
     the defaults (tuning). ``wide``: the two-pass kernel for rows too wide for registers, a row a program, ``chunk``
     columns at a time with ``stages`` of them in flight (measured slower than rows in registers up to hidden 32768:
-    docs/tuning.md)."""
+    docs/tuning.md). ``tail``: a row as two power-of-two tiles where ``tail_split`` has them (no effect elsewhere);
+    None: as the launch table says.
+    """
     rows, n = x.shape
     block = _block(n)
-    default_rows, warps = _fwd_config(block)
+    default_rows, warps, default_tail = _fwd_config(n)
     rows_per_program, warps = rows_per_program or default_rows, num_warps or warps
+    tail = default_tail if tail is None else tail
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     res_out = None if residual is None else torch.empty((rows, n), dtype=residual.dtype, device=x.device)
     mean = None if is_rms else torch.empty(rows, dtype=torch.float32, device=x.device)
@@ -421,7 +543,10 @@ def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | No
     if wide:
         _norm_fwd_wide_kernel[(rows,)](*args, CHUNK=min(next_power_of_2(chunk), block), STAGES=stages, **flags)
     else:
-        _norm_fwd_kernel[(cdiv(rows, rows_per_program),)](*args, BLOCK_M=rows_per_program, BLOCK_N=block, **flags)
+        split = tail_split(n) if tail else None
+        head, tail_cols = split or (block, 0)
+        _norm_fwd_kernel[(cdiv(rows, rows_per_program),)](*args, BLOCK_M=rows_per_program, BLOCK_N=head,
+                                                          BLOCK_T=tail_cols, **flags)
     return y, res_out, mean, rstd
 
 
@@ -432,7 +557,7 @@ def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype, need_
     fields as named or at their defaults)."""
     rows, n = dy.shape
     block = _block(n)
-    config = resolve_bwd_config(block, is_rms, overrides)
+    config = resolve_bwd_config(n, is_rms, overrides)
     programs = _programs(rows, dy.device, config.per_sm)
     rows_per_program = math.ceil(rows / programs) if rows else 0
     split_cols, split_rows, split_warps, split_per_sm = config.split_geometry
@@ -468,7 +593,9 @@ def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype, need_
         chunk, stages = _wide_pipeline(config, block, [t for t in (x, dy, dres_out) if t is not None])
         _norm_bwd_wide_kernel[(programs,)](*args, BLOCK_M=config.rows, CHUNK=chunk, STAGES=stages, **flags)
     else:
-        _norm_bwd_kernel[(programs,)](*args, BLOCK_M=config.rows, BLOCK_N=block, PREFETCH=config.prefetch, **flags)
+        head, tail_cols = (tail_split(n) if config.tail else None) or (block, 0)
+        _norm_bwd_kernel[(programs,)](*args, BLOCK_M=config.rows, BLOCK_N=head, PREFETCH=config.prefetch,
+                                      BLOCK_T=tail_cols, **flags)
     sums = sum_rows(parts, weight.dtype) if parts is not None else None  # summed and cast in one launch
     dw = sums[0] if need_dw else None
     db = sums[-1] if has_db else None

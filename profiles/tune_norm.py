@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import multiprocessing
+import re
 import time
 from concurrent.futures import ProcessPoolExecutor
 
@@ -24,6 +25,7 @@ import torch
 from benchmarks.common import bench, host_us, measure_copy_gbps
 import megakern
 from megakern import _norm_cuda, _norm_triton
+from megakern._intmath import next_power_of_2
 
 ROWS_TOTAL = 2**27  # elements of each (M, N) tensor
 OPS = {"rms": True, "ln": False}  # op -> is_rms
@@ -65,10 +67,14 @@ def cuda_geometries(n: int, backward: bool) -> list:
 def specs(n: int, is_rms: bool, residual: bool) -> list[tuple[str, str, dict]]:
     """(label, launcher, keyword overrides) of every configuration swept at hidden size ``n``; launcher is one of
     'triton fwd', 'triton bwd', 'cuda fwd', 'cuda bwd'."""
-    out = []
+    out = [("triton fwd default", "triton fwd", {})]
     for warps, rows_pp in ((4, 1), (8, 1), (16, 1), (4, 2), (8, 2), (16, 2), (16, 4), (4, 4), (8, 8)):
         out.append((f"triton fwd warps={warps} rows/program={rows_pp}", "triton fwd",
-                    dict(num_warps=warps, rows_per_program=rows_pp)))
+                    dict(num_warps=warps, rows_per_program=rows_pp, tail=False)))
+    if _norm_triton.tail_split(n):  # the row as two power-of-two tiles (fwd's tail), where they hold fewer columns
+        for warps, rows_pp in ((4, 1), (8, 1), (16, 1), (8, 2), (4, 4)) + (((8, 8), (4, 2)) if n < 2048 else ()):
+            out.append((f"triton fwd tail {_norm_triton.tail_split(n)} warps={warps} rows/program={rows_pp}",
+                        "triton fwd", dict(num_warps=warps, rows_per_program=rows_pp, tail=True)))
     if n >= 8192:  # the two-pass forward for wide rows: (warps, chunk, stages)
         for warps, chunk, stages in ((4, 2048, 2), (8, 4096, 2), (8, 2048, 3), (16, 8192, 2), (4, 4096, 3)):
             out.append((f"triton fwd wide warps={warps} chunk={chunk} stages={stages}", "triton fwd",
@@ -92,7 +98,7 @@ def specs(n: int, is_rms: bool, residual: bool) -> list[tuple[str, str, dict]]:
     geometries = set()
     for rows in (r for r in (1, 2, 4) if r == 1 or r * n <= 8192):
         for per_thread in (8, 16, 32):
-            warps = rows * n // (32 * per_thread)
+            warps = rows * next_power_of_2(n) // (32 * per_thread)  # Triton's warps: a power of 2
             if not 2 <= warps <= 32:
                 continue
             for warps_per_sm in (16, 32):
@@ -103,8 +109,14 @@ def specs(n: int, is_rms: bool, residual: bool) -> list[tuple[str, str, dict]]:
                        (4, 8, 2, False), (8, 4, 4, False), (4, 2, 8, False), (2, 4, 16, False)}
     for rows, warps, per_sm, prefetch in sorted(geometries):
         out.append((f"triton bwd warps={warps} per_sm={per_sm} rows/step={rows} prefetch={int(prefetch)}",
-                    "triton bwd", dict(warps=warps, per_sm=per_sm, rows=rows, prefetch=prefetch, wide=False)))
+                    "triton bwd", dict(warps=warps, per_sm=per_sm, rows=rows, prefetch=prefetch, wide=False,
+                                                tail=False)))
     out.append(("triton bwd default", "triton bwd", {}))
+    if _norm_triton.tail_split(n):  # the register backward's rows as two power-of-two tiles
+        for rows, warps, per_sm, prefetch in sorted(geometries):
+            out.append((f"triton bwd tail {_norm_triton.tail_split(n)} warps={warps} per_sm={per_sm} rows/step={rows} "
+                        f"prefetch={int(prefetch)}", "triton bwd",
+                        dict(warps=warps, per_sm=per_sm, rows=rows, prefetch=prefetch, tail=True, wide=False)))
     if n >= 8192:  # the two-pass backward for wide rows: (rows a step, warps, programs per SM, chunk, stages)
         for rows, warps, per_sm, chunk, stages in ((1, 16, 1, 8192, 2), (1, 8, 2, 4096, 2), (2, 8, 2, 2048, 2),
                                                    (2, 8, 2, 4096, 2), (4, 8, 2, 1024, 2), (4, 8, 1, 2048, 2),
@@ -114,8 +126,9 @@ def specs(n: int, is_rms: bool, residual: bool) -> list[tuple[str, str, dict]]:
                         f"stages={stages}", "triton bwd",
                         dict(rows=rows, warps=warps, per_sm=per_sm, wide=True, chunk=chunk, stages=stages)))
     if n >= 8192:  # the split backward: dx alone (rows in registers to 16384, else two-pass), then the column sums
-        dx_kernels = [dict(rows=1, warps=16, per_sm=1), dict(rows=1, warps=8, per_sm=2),
-                      dict(rows=1, warps=16, per_sm=1, prefetch=True)] if n <= 16384 else []
+        dx_kernels = [dict(rows=1, warps=16, per_sm=1, wide=False, tail=False),
+                      dict(rows=1, warps=8, per_sm=2, wide=False, tail=False),
+                      dict(rows=1, warps=16, per_sm=1, prefetch=True, wide=False, tail=False)] if n <= 16384 else []
         dx_kernels += [dict(rows=4, warps=8, per_sm=2, wide=True, chunk=2048, stages=3),
                        dict(rows=2, warps=8, per_sm=2, wide=True, chunk=4096, stages=2),
                        dict(rows=1, warps=16, per_sm=1, wide=True, chunk=8192, stages=2)]
@@ -158,13 +171,14 @@ class Inputs:
                           **kwargs)
 
 
-def _warm(job: tuple[int, bool, list[str], set[str], int, int]) -> int:
+def _warm(job: tuple[int, bool, list[str], set[str], str, int, int]) -> int:
     """A worker of --jobs: calls every ``parts``-th configuration of hidden size ``n`` from the ``part``-th on once
     (compiling its kernels into the caches); returns how many ran."""
-    n, residual, ops, launchers, part, parts = job
+    n, residual, ops, launchers, pattern, part, parts = job
     inputs, done = Inputs(n, residual, torch.device("cuda")), 0
     for op in ops:
-        for _, launcher, kwargs in [spec for spec in specs(n, OPS[op], residual) if spec[1] in launchers][part::parts]:
+        chosen = [spec for spec in specs(n, OPS[op], residual) if spec[1] in launchers and re.search(pattern, spec[0])]
+        for _, launcher, kwargs in chosen[part::parts]:
             try:
                 inputs.call(launcher, OPS[op], kwargs)
                 done += 1
@@ -183,7 +197,13 @@ def main() -> None:
     parser.add_argument("--rep-ms", type=int, default=500, help="timing window of each configuration")
     parser.add_argument("--launchers", default=",".join(LAUNCHERS),
                         help=f"comma-separated, of: {', '.join(LAUNCHERS)}")
+    parser.add_argument("--match", default=None,
+                        help="regular expression: only the configurations whose label it matches (e.g. 'default|tail')")
     args = parser.parse_args()
+    try:
+        match = re.compile(args.match or "")
+    except re.error as exc:
+        raise SystemExit(f"tune_norm: --match {args.match!r} is not a regular expression: {exc}")
     ops = [op.strip() for op in args.ops.split(",") if op.strip()]
     if unknown := set(ops) - set(OPS):
         raise SystemExit(f"tune_norm: unknown op(s) {sorted(unknown)}; known: {', '.join(OPS)}")
@@ -195,7 +215,7 @@ def main() -> None:
     if args.jobs > 1:
         start = time.perf_counter()
         parts = max(1, args.jobs // len(hidden))  # processes per hidden size, each with its own tensors
-        jobs = [(n, args.residual, ops, launchers, part, parts) for n in hidden for part in range(parts)]
+        jobs = [(n, args.residual, ops, launchers, match.pattern, part, parts) for n in hidden for part in range(parts)]
         with ProcessPoolExecutor(len(jobs), mp_context=multiprocessing.get_context("spawn")) as pool:
             done = sum(pool.map(_warm, jobs))
         print(f"compiled: {done} configurations called once by {len(jobs)} processes in "
@@ -208,7 +228,7 @@ def main() -> None:
         act = inputs.x.numel() * inputs.x.element_size()
         for op in ops:
             for name, launcher, kwargs in specs(n, OPS[op], args.residual):
-                if launcher not in launchers:
+                if launcher not in launchers or not match.search(name):
                     continue
                 nbytes = 2 * act if launcher.endswith("fwd") else (4 if args.residual else 3) * act
                 try:

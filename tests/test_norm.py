@@ -23,7 +23,8 @@ from megakern.rmsnorm import rms_norm_ref
 OPS = ("rms_norm", "layer_norm")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # odd sizes (scalar path), 16-byte multiples (vector path), short rows (a warp per row), long rows (streaming)
-SHAPES = [(5, 123, 123), (4, 333, 1024), (2, 300, 8192), (64, 16384), (3, 4097), (2, 3, 65536), (7, 33)] if HAS_CUDA \
+SHAPES = [(5, 123, 123), (4, 333, 1024), (2, 300, 8192), (64, 16384), (3, 4097), (2, 3, 65536), (7, 33), (6, 3072),
+          (3, 5, 9216)] if HAS_CUDA \
     else [(5, 7, 123), (3, 64), (2, 1)]
 SETUPS = ("affine", "residual", "fp32-residual-fp32-weight", "no-affine")
 
@@ -136,6 +137,35 @@ GEOMETRIES = {"1-row": dict(rows=1), "2-rows": dict(rows=2), "1-row-prefetch": d
               "split-narrow-strips": dict(split=True, split_geometry=(32, 4, 2, 2))}
 
 
+@pytest.mark.parametrize("rows", (1, 2))
+@pytest.mark.parametrize("setup", ("affine", "residual", "fp32-residual-fp32-weight", "no-affine"))
+@pytest.mark.parametrize("op", OPS)
+def test_triton_tail(op, setup, rows):
+    """The forward and the backward with a row as two power-of-two tiles (``tail``): hidden sizes whose tail tile is
+    partly masked or full, one and several rows a program or step (the backward with and without the next step
+    loaded ahead), against the references; the forward's statistics and output equal to the one-tile forward's to
+    rounding."""
+    from megakern import _norm_triton as nt
+
+    fwd, bwd = launchers_for("triton")
+    dtype = torch.bfloat16 if HAS_CUDA else torch.float32
+    for n in ((1536, 5120, 12288) if HAS_CUDA else (20, 24)):
+        assert nt.tail_split(n) is not None
+        seed(op, setup, rows, n)
+        x, w, b, r = make_inputs(op, dtype, (2, 5, n), setup)
+        if op == "layer_norm":  # rows far from zero mean: the mean must come from both tiles
+            x.add_(torch.linspace(-8, 8, n, dtype=dtype, device=x.device))
+        tail = functools.partial(fwd, tail=True, rows_per_program=rows)
+        for prefetch in (False, True):  # the backward as two tiles as well
+            tail_bwd = functools.partial(bwd, tail=True, rows=rows, prefetch=prefetch, per_sm=3)
+            check_fwd_bwd("triton", op, dtype, x, w, b, r, launchers=(tail, tail_bwd))
+        args = (x.reshape(-1, n), None if r is None else r.reshape(-1, n), w, b, 1e-5, op == "rms_norm")
+        one, two = nt.fwd(*args, rows_per_program=rows, tail=False), nt.fwd(*args, rows_per_program=rows, tail=True)
+        for a, c in zip(one, two):
+            if a is not None:
+                torch.testing.assert_close(c, a, rtol=1e-5 if a.dtype == torch.float32 else 1e-2, atol=1e-5)
+
+
 @pytest.mark.parametrize("geometry", GEOMETRIES)
 @pytest.mark.parametrize("setup", ("affine", "residual", "fp32-residual-fp32-weight", "no-affine"))
 @pytest.mark.parametrize("op", OPS)
@@ -160,8 +190,8 @@ def test_triton_geometries(op, setup, geometry):
 
 def compile_for_sm90() -> list:
     """(kernel, shared memory bytes) for the forward and backward kernels of both ops, for rows in registers (the
-    backward with prefetch) and for wide rows, with and without the fused residual, compiled for sm_90
-    (TRITON_INTERPRET=0)."""
+    backward with prefetch; both also as two tiles) and for wide rows, with and without the fused residual, compiled
+    for sm_90 (TRITON_INTERPRET=0)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -175,10 +205,18 @@ def compile_for_sm90() -> list:
     for is_rms, residual in ((True, False), (False, True)):
         flags = dict(IS_RMS=is_rms, HAS_W=True)
         cases = [("fwd", nt._norm_fwd_kernel, dict(flags, HAS_RES=residual, HAS_B=not is_rms, BLOCK_M=1,
-                                                   BLOCK_N=8192), 8),
+                                                   BLOCK_N=8192, BLOCK_T=0), 8),
+                 ("fwd tail", nt._norm_fwd_kernel, dict(flags, HAS_RES=residual, HAS_B=not is_rms, BLOCK_M=1,
+                                                        BLOCK_N=8192, BLOCK_T=4096), 8),
                  ("bwd", nt._norm_bwd_kernel, dict(flags, HAS_DW=True, HAS_DB=not is_rms, HAS_DRES_OUT=residual,
-                                                   HAS_DRES=False, BLOCK_M=1, BLOCK_N=8192, PREFETCH=True),
-                 16),
+                                                   HAS_DRES=False, BLOCK_M=1, BLOCK_N=8192, PREFETCH=True,
+                                                   BLOCK_T=0), 16),
+                 ("bwd tail", nt._norm_bwd_kernel, dict(flags, HAS_DW=True, HAS_DB=not is_rms,
+                                                        HAS_DRES_OUT=residual, HAS_DRES=False, BLOCK_M=1,
+                                                        BLOCK_N=8192, PREFETCH=True, BLOCK_T=4096), 16),
+                 ("bwd tail no weight", nt._norm_bwd_kernel, dict(flags, HAS_W=False, HAS_DW=False, HAS_DB=False,
+                                                                  HAS_DRES_OUT=residual, HAS_DRES=False, BLOCK_M=1,
+                                                                  BLOCK_N=8192, PREFETCH=True, BLOCK_T=4096), 16),
                  ("fwd wide", nt._norm_fwd_wide_kernel, dict(flags, HAS_RES=residual, HAS_B=not is_rms, CHUNK=4096,
                                                              STAGES=2), 8),
                  ("bwd wide", nt._norm_bwd_wide_kernel, dict(flags, HAS_DW=True, HAS_DB=not is_rms,
@@ -202,7 +240,7 @@ def test_kernels_compile_for_sm90():
     from conftest import sm90_lowering
 
     results = sm90_lowering("test_norm", "compile_for_sm90()")
-    assert len(results) == 10, results
+    assert len(results) == 16, results
 
 
 LAYOUTS = ("padded-rows", "strided-leading", "transposed", "misaligned")
@@ -568,6 +606,26 @@ def test_cuda_staged_backward_refuses_what_it_cannot_take():
     with pytest.raises(ValueError, match="do not cover a row"):
         _norm_cuda.bwd(x, x, None, None, None, stats, True, None, False, False,
                        config=_norm_cuda.LaunchConfig(1, 64, 1, staged=True))
+
+
+def test_launch_table_tail():
+    """The launch table takes a row as two power-of-two tiles between hidden 2048 and 16384 where ``tail_split`` has
+    them, forward and backward (LayerNorm's backward in registers then, not the two-pass kernel), and one tile for
+    powers of two, below 2048 and at 14336, whose two tiles would hold no fewer columns; an explicit ``tail`` wins."""
+    from megakern import _norm_triton as nt
+
+    for n in (2560, 3072, 5120, 6144, 9216, 10240, 12288):
+        assert nt.tail_split(n) and nt._fwd_config(n) == (1, 4, True)
+        for is_rms in (True, False):
+            config = nt._bwd_config(n, is_rms)
+            assert config.tail == (n > 8192) and not config.wide
+            if n > 8192:
+                assert nt.resolve_bwd_config(n, is_rms, dict(tail=False)).tail is False
+    assert not nt._bwd_config(9216, False).prefetch and nt._bwd_config(9216, True).prefetch
+    for n in (768, 1536, 2048, 4096, 8192, 14336, 16384, 32768):
+        assert not nt._fwd_config(n)[2]
+        assert not nt._bwd_config(n, True).tail and not nt._bwd_config(n, False).tail
+    assert nt._bwd_config(16384, False).wide and nt._bwd_config(14336, False).wide
 
 
 def test_backward_launch_overrides():
