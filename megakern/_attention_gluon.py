@@ -444,8 +444,8 @@ if AVAILABLE:
         q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, _do = rings
         o_bufs = q_bufs  # without O_TMA the consumers never touch it: a stand-in, as warp_specialize takes values only
         if O_TMA:
-            o_bufs = gl.allocate_shared_memory(o_desc.dtype, [3 if BLOCK_M == 192 else 2] + o_desc.block_type.shape,
-                                               o_desc.layout)
+            slots: gl.constexpr = (3 if BLOCK_M == 192 else 2) if PINGPONG else 1  # one a consumer warpgroup
+            o_bufs = gl.allocate_shared_memory(o_desc.dtype, [slots] + o_desc.block_type.shape, o_desc.layout)
         if PINGPONG and BLOCK_M == 192:
             gl.warp_specialize([
                 (_consumer, (0, True, turn, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
