@@ -1121,13 +1121,13 @@ def bwd_dq(dout, q, k, v, out, lse, delta, dq, causal: bool, scale: float, confi
 
 
 def fwd(q, k, v, causal: bool, scale: float, config=None, heads=None, programs=None, own_ranges: bool | None = None,
-        o_tma: bool = False):
+        o_tma: bool = True):
     """(out, lse) for fixed-length (B, T, heads, hs) q, k, v that ``supported`` accepts. ``heads`` (heads per group
     of the tile schedule, see _schedule) and ``programs`` (at most this many persistent programs instead of one per
     SM) are for tests and tuning; any value gives the same results. ``own_ranges`` (tiles of three consumer
     warpgroups): each warpgroup computes only the key blocks its own rows see; None: with causal masks (the faster
     one there; without one every warpgroup sees every block). ``o_tma``: the output by TMA stores (_consumer's
-    O_TMA)."""
+    O_TMA), measured level or ahead of the 16-byte stores at every length (docs/tuning.md); False: those stores."""
     batch, tq, nh, hs = q.shape
     tk, nkv = k.shape[1], k.shape[2]
     block_m, block_n, warps, bufs, pingpong = config or default_config(hs, causal, tq)

@@ -493,14 +493,15 @@ def compile_gluon_bwd_for_sm90(kernel: str, hs: int, causal: bool, config=None):
 
 
 @pytest.mark.parametrize("kernel", ("forward", "forward-one-consumer", "forward-three-consumers",
-                                    "forward-three-consumers-own-ranges", "forward-o-tma", "dkdv", "dq", "single",
-                                    "single-128-rows"))
+                                    "forward-three-consumers-own-ranges", "forward-vector-stores", "dkdv", "dq",
+                                    "single", "single-128-rows"))
 @pytest.mark.parametrize("causal", (True, False), ids=("causal", "full"))
 @pytest.mark.parametrize("hs", (64, 96, 128))
 def test_gluon_kernels_compile_for_sm90(hs, causal, kernel):
-    """The Gluon kernels (the forward with its two consumer layouts, the dq and dk/dv passes, the single-pass
-    backward, also with 128-row query blocks at head dim 64) lower for Hopper without a GPU: wgmma, warp-specialized
-    partitions (setmaxnreg), mbarrier hand-offs, within the 227 KiB of shared memory."""
+    """The Gluon kernels (the forward with its consumer layouts, its output by TMA stores or, ``o_tma=False``, by
+    16-byte stores, the dq and dk/dv passes, the single-pass backward, also with 128-row query blocks at head dim 64)
+    lower for Hopper without a GPU: wgmma, warp-specialized partitions (setmaxnreg), mbarrier hand-offs, within the
+    227 KiB of shared memory."""
     from megakern import _attention_gluon as g
 
     if kernel.startswith("single") and hs not in g.ATOMIC_HEAD_DIMS:
@@ -516,16 +517,16 @@ def test_gluon_kernels_compile_for_sm90(hs, causal, kernel):
             if kernel in ("dq", "dkdv", "single")
             else f"compile_gluon_for_sm90({hs}, {causal}, {kernel != 'forward-one-consumer'}, "
                  f"{kernel.startswith('forward-three-consumers')}, {kernel.endswith('own-ranges')}, "
-                 f"{kernel == 'forward-o-tma'})")
+                 f"{kernel != 'forward-vector-stores'})")
     result = sm90_lowering("test_attention", call)
     if result is None:
         pytest.skip("this Triton has no Gluon (Triton >= 3.5)")
     shared, wgmma, specialized, mbarriers, vector_stores, tma_stores = result
     assert wgmma and specialized and mbarriers, result
     assert shared <= 227 * 1024, f"{shared} bytes of shared memory"
-    # the output tiles (o; dk and dv) leave in 16-byte stores; the dq pass at head dim 128 lacks the shared memory for
-    # the layout conversion and stores from the accumulator's layout
-    if kernel == "forward-o-tma":
+    # the forward's output leaves by TMA stores (16-byte stores with o_tma=False), dk and dv in 16-byte stores; the dq
+    # pass at head dim 128 lacks the shared memory for the layout conversion and stores from the accumulator's layout
+    if kernel.startswith("forward") and kernel != "forward-vector-stores":
         assert tma_stores, f"{kernel}: no TMA store"
     elif kernel.startswith("forward") or kernel.startswith("single") or kernel == "dkdv":
         assert vector_stores, f"{kernel}: no 16-byte global stores"
@@ -664,7 +665,7 @@ def test_gluon_forward_o_tma(case, layout):
     config = {"pingpong": (block_m, block_n, warps, bufs, True),
               "one-consumer": (block_m, block_n, 2 * warps, bufs, False),
               "three-consumers": g.CONFIGS_THREE.get(hs, (None,))[0]}[layout]
-    want = g.fwd(q, k, v, causal, hs ** -0.5, config)
+    want = g.fwd(q, k, v, causal, hs ** -0.5, config, o_tma=False)
     got = g.fwd(q, k, v, causal, hs ** -0.5, config, o_tma=True)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
