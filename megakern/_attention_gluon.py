@@ -53,6 +53,8 @@ try:  # Gluon (Triton >= 3.5); its Hopper API as of Triton 3.6
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
     # the TMA load's name: async_copy_global_to_shared up to Triton 3.6, async_load from 3.7 on
     _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+    # the TMA store's name: async_copy_shared_to_global up to Triton 3.6, async_store from 3.7 on
+    _tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
     from triton._C.libtriton import gluon_ir as _gluon_ir
 
     # the TMA reduce (cp.reduce.async.bulk.tensor, add) that the single-pass backward adds dq with
@@ -259,9 +261,12 @@ if AVAILABLE:
                   stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK, SCHED, scale_log2,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
                   CAUSAL: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr, WGS: gl.constexpr = 2,
-                  OWN: gl.constexpr = False, D: gl.constexpr = 0):
+                  OWN: gl.constexpr = False, D: gl.constexpr = 0, O_TMA: gl.constexpr = False, o_desc=None,
+                  o_bufs=None):
         """The rows WG * ROWS .. + ROWS - 1 of each tile (all of them without ping-pong), on WARPS warps; with
-        ping-pong one of WGS consumer warpgroups taking turns. OWN: the warpgroup computes only the key blocks its
+        ping-pong one of WGS consumer warpgroups taking turns. O_TMA: the output rows go out through this
+        warpgroup's slot of o_bufs by a TMA store (o_desc's tiles: ROWS rows), in place of 16-byte stores after a
+        layout conversion through shared memory. OWN: the warpgroup computes only the key blocks its
         own rows see (causal: fewer than the tile's), and for the tile's others frees their slots and keeps its
         turns, so that every warpgroup takes the same number of turns a tile."""
         layouts: gl.constexpr = _wgmma_layouts(WARPS, BLOCK_N, HEAD_DIM)
@@ -371,10 +376,19 @@ if AVAILABLE:
             out = acc / gl.convert_layout(l_use, row_o)[:, None]
             lse = gl.where(seen, (m_i + gl.log2(l_use)) * 0.6931471805599453, float("-inf"))
             bb = b.to(gl.int64)
-            _store_rows(O + bb * stride_ob + h.to(gl.int64) * stride_oh, stride_ot, out.to(dtype), my_m, TQ,
-                        ROWS, HEAD_DIM, WARPS, D)
+            if O_TMA:  # rows past TQ (and columns past the head dim) are clipped by the store
+                o_slot = o_bufs.index(WG)
+                tma.store_wait(0)  # the previous tile's store has read the slot
+                o_slot.reshape([ROWS, HEAD_DIM]).store(out.to(dtype))
+                fence_async_shared()
+                _tma_store(o_desc, [b, my_m, h, 0], o_slot)
+            else:
+                _store_rows(O + bb * stride_ob + h.to(gl.int64) * stride_oh, stride_ot, out.to(dtype), my_m, TQ,
+                            ROWS, HEAD_DIM, WARPS, D)
             rows_l = my_m + gl.arange(0, ROWS, layout=row_s)
             gl.store(LSE + bb * stride_lb + h.to(gl.int64) * stride_lh + rows_l, lse, mask=rows_l < TQ)
+        if O_TMA:
+            tma.store_wait(0)  # the shared memory stays in use until the last store has read it
 
     @gluon.jit
     def _query_tile_rings(q_desc, k_desc, v_desc, NUM_BUF: gl.constexpr, CONSUMERS: gl.constexpr, do_desc=None,
@@ -416,30 +430,36 @@ if AVAILABLE:
                             B, NH, GROUP, TQ, TK, SCHED, scale_log2,
                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                             NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                            num_warps: gl.constexpr, OWN_RANGES: gl.constexpr = False, D: gl.constexpr = 0):
+                            num_warps: gl.constexpr, OWN_RANGES: gl.constexpr = False, D: gl.constexpr = 0,
+                            o_desc=None, O_TMA: gl.constexpr = False):
         """PINGPONG: consumer warpgroups (num_warps 4 each) of 64 rows of the tile each, two (BLOCK_M 128) or three
         (BLOCK_M 192), taking turns on the tensor cores; else one consumer of num_warps warps for the whole tile.
         OWN_RANGES (three warpgroups): each computes only the key blocks its own rows see (_consumer's OWN). D > 0:
-        the head dim, narrower than the HEAD_DIM columns of the tiles."""
+        the head dim, narrower than the HEAD_DIM columns of the tiles. O_TMA: the output by TMA stores of o_desc's
+        tiles (a consumer warpgroup's rows each), through a slot a consumer warpgroup."""
         if PINGPONG and BLOCK_M == 192:  # q_desc's tiles are a warpgroup's 64 rows, two slots of three
             rings = _query_tile_rings(q_desc, k_desc, v_desc, NUM_BUF, 3, Q_SLOTS=8)
         else:
             rings = _query_tile_rings(q_desc, k_desc, v_desc, NUM_BUF, 2 if PINGPONG else 1)
         q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, _do = rings
+        o_bufs = q_bufs  # without O_TMA the consumers never touch it: a stand-in, as warp_specialize takes values only
+        if O_TMA:
+            slots: gl.constexpr = (3 if BLOCK_M == 192 else 2) if PINGPONG else 1  # one a consumer warpgroup
+            o_bufs = gl.allocate_shared_memory(o_desc.dtype, [slots] + o_desc.block_type.shape, o_desc.layout)
         if PINGPONG and BLOCK_M == 192:
             gl.warp_specialize([
                 (_consumer, (0, True, turn, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
                              v_empty, O, LSE, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK,
                              SCHED, scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, 64, num_warps, 3,
-                             OWN_RANGES, D)),
+                             OWN_RANGES, D, O_TMA, o_desc, o_bufs)),
                 (_consumer, (1, True, turn, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
                              v_empty, O, LSE, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK,
                              SCHED, scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, 64, num_warps, 3,
-                             OWN_RANGES, D)),
+                             OWN_RANGES, D, O_TMA, o_desc, o_bufs)),
                 (_consumer, (2, True, turn, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
                              v_empty, O, LSE, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK,
                              SCHED, scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, 64, num_warps, 3,
-                             OWN_RANGES, D)),
+                             OWN_RANGES, D, O_TMA, o_desc, o_bufs)),
                 (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
                              v_ready, v_empty, B, NH, GROUP, TQ, TK, SCHED, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL,
                              None, None, False, 3)),
@@ -449,11 +469,11 @@ if AVAILABLE:
                 (_consumer, (0, True, turn, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
                              v_empty, O, LSE, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK,
                              SCHED, scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, BLOCK_M // 2, num_warps,
-                             2, False, D)),
+                             2, False, D, O_TMA, o_desc, o_bufs)),
                 (_consumer, (1, True, turn, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
                              v_empty, O, LSE, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK,
                              SCHED, scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, BLOCK_M // 2, num_warps,
-                             2, False, D)),
+                             2, False, D, O_TMA, o_desc, o_bufs)),
                 (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
                              v_ready, v_empty, B, NH, GROUP, TQ, TK, SCHED, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL)),
             ], [num_warps, 1], [240, 24])
@@ -462,7 +482,7 @@ if AVAILABLE:
                 (_consumer, (0, False, turn, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
                              v_empty, O, LSE, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK,
                              SCHED, scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, BLOCK_M, num_warps,
-                             2, False, D)),
+                             2, False, D, O_TMA, o_desc, o_bufs)),
                 (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
                              v_ready, v_empty, B, NH, GROUP, TQ, TK, SCHED, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL)),
             ], [1], [24])
@@ -1100,12 +1120,14 @@ def bwd_dq(dout, q, k, v, out, lse, delta, dq, causal: bool, scale: float, confi
     return dq, delta
 
 
-def fwd(q, k, v, causal: bool, scale: float, config=None, heads=None, programs=None, own_ranges: bool | None = None):
+def fwd(q, k, v, causal: bool, scale: float, config=None, heads=None, programs=None, own_ranges: bool | None = None,
+        o_tma: bool = True):
     """(out, lse) for fixed-length (B, T, heads, hs) q, k, v that ``supported`` accepts. ``heads`` (heads per group
     of the tile schedule, see _schedule) and ``programs`` (at most this many persistent programs instead of one per
     SM) are for tests and tuning; any value gives the same results. ``own_ranges`` (tiles of three consumer
     warpgroups): each warpgroup computes only the key blocks its own rows see; None: with causal masks (the faster
-    one there; without one every warpgroup sees every block)."""
+    one there; without one every warpgroup sees every block). ``o_tma``: the output by TMA stores (_consumer's
+    O_TMA), measured level or ahead of the 16-byte stores at every length (docs/tuning.md); False: those stores."""
     batch, tq, nh, hs = q.shape
     tk, nkv = k.shape[1], k.shape[2]
     block_m, block_n, warps, bufs, pingpong = config or default_config(hs, causal, tq)
@@ -1134,5 +1156,6 @@ def fwd(q, k, v, causal: bool, scale: float, config=None, heads=None, programs=N
         batch, nh, nh // nkv, tq, tk, sched, scale * LOG2E,
         HEAD_DIM=width, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal, PINGPONG=pingpong,
         num_warps=warps, OWN_RANGES=own_ranges, D=0 if hs == width else hs,
+        o_desc=_descriptor(out, 64 if pingpong else block_m, width) if o_tma else None, O_TMA=o_tma,
     )
     return out, lse

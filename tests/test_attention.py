@@ -403,8 +403,8 @@ def test_kernels_compile_for_sm90_with_wgmma(hs, tma):
 
 # ---- the Gluon forward (Hopper) ---------------------------------------------------------------------------------
 def _compile_gluon(fn, constexprs: dict, tiles: dict, pointers: dict, hs: int):
-    """(shared memory bytes, uses wgmma, warp-specialized (setmaxnreg), waits on mbarriers, 16-byte global stores)
-    of Gluon kernel ``fn`` compiled for sm_90: ``tiles`` {argument: rows} are bf16 (B, T, heads, hs) descriptors of
+    """(shared memory bytes, uses wgmma, warp-specialized (setmaxnreg), waits on mbarriers, 16-byte global stores,
+    TMA stores) of Gluon kernel ``fn`` compiled for sm_90: ``tiles`` {argument: rows} are bf16 (B, T, heads, hs) descriptors of
     (1, rows, 1, hs) tiles ({argument: (rows, cols, "fp32")}: fp32 ones of (1, rows, 1, cols)), ``pointers`` {argument: type}, fp32 for the scales, i32 for the other scalars (the
     pointers and strides divisible by 16, as the launcher specializes them)."""
     import triton
@@ -429,12 +429,14 @@ def _compile_gluon(fn, constexprs: dict, tiles: dict, pointers: dict, hs: int):
                               target=GPUTarget("cuda", 90, 64), options=dict(num_warps=constexprs["num_warps"]))
     ptx = compiled.asm["ptx"]
     return (compiled.metadata.shared, "wgmma.mma_async" in ptx, "setmaxnreg" in ptx, "mbarrier.try_wait" in ptx,
-            "st.global.v4" in ptx)
+            "st.global.v4" in ptx, "cp.async.bulk.tensor.4d.global.shared" in ptx)
 
 
-def compile_gluon_for_sm90(hs: int, causal: bool, pingpong: bool, three: bool = False, own: bool = False):
+def compile_gluon_for_sm90(hs: int, causal: bool, pingpong: bool, three: bool = False, own: bool = False,
+                           o_tma: bool = False):
     """_compile_gluon's facts for the Gluon forward with the CONFIGS tiles of head dim hs (``three``: its
-    CONFIGS_THREE tiles, ``own`` with each warpgroup's own key ranges; None without Gluon)."""
+    CONFIGS_THREE tiles, ``own`` with each warpgroup's own key ranges, ``o_tma`` the output by TMA stores; None
+    without Gluon)."""
     from megakern import _attention_gluon as g
 
     if not g.AVAILABLE:
@@ -443,10 +445,14 @@ def compile_gluon_for_sm90(hs: int, causal: bool, pingpong: bool, three: bool = 
     block_m, block_n, warps, bufs, _ = g.CONFIGS_THREE[hs][0] if three else g.CONFIGS[width]
     constexprs = dict(HEAD_DIM=width, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal,
                       PINGPONG=pingpong, num_warps=warps if pingpong else 2 * warps, OWN_RANGES=own,
-                      D=0 if hs == width else hs, **_sched(causal))
-    return _compile_gluon(g._attn_fwd_ws_kernel, constexprs,
-                          {"q_desc": 64 if block_m == 192 else block_m, "k_desc": block_n, "v_desc": block_n},
-                          {"O": "*bf16", "LSE": "*fp32", "SCHED": "*i32"}, width)
+                      D=0 if hs == width else hs, O_TMA=o_tma, **_sched(causal))
+    tiles = {"q_desc": 64 if block_m == 192 else block_m, "k_desc": block_n, "v_desc": block_n}
+    if o_tma:
+        tiles["o_desc"] = 64 if pingpong else block_m
+    else:
+        constexprs["o_desc"] = None
+    return _compile_gluon(g._attn_fwd_ws_kernel, constexprs, tiles, {"O": "*bf16", "LSE": "*fp32", "SCHED": "*i32"},
+                          width)
 
 
 def _sched(causal: bool) -> dict:
@@ -487,14 +493,15 @@ def compile_gluon_bwd_for_sm90(kernel: str, hs: int, causal: bool, config=None):
 
 
 @pytest.mark.parametrize("kernel", ("forward", "forward-one-consumer", "forward-three-consumers",
-                                    "forward-three-consumers-own-ranges", "dkdv", "dq", "single",
-                                    "single-128-rows"))
+                                    "forward-three-consumers-own-ranges", "forward-vector-stores", "dkdv", "dq",
+                                    "single", "single-128-rows"))
 @pytest.mark.parametrize("causal", (True, False), ids=("causal", "full"))
 @pytest.mark.parametrize("hs", (64, 96, 128))
 def test_gluon_kernels_compile_for_sm90(hs, causal, kernel):
-    """The Gluon kernels (the forward with its two consumer layouts, the dq and dk/dv passes, the single-pass
-    backward, also with 128-row query blocks at head dim 64) lower for Hopper without a GPU: wgmma, warp-specialized
-    partitions (setmaxnreg), mbarrier hand-offs, within the 227 KiB of shared memory."""
+    """The Gluon kernels (the forward with its consumer layouts, its output by TMA stores or, ``o_tma=False``, by
+    16-byte stores, the dq and dk/dv passes, the single-pass backward, also with 128-row query blocks at head dim 64)
+    lower for Hopper without a GPU: wgmma, warp-specialized partitions (setmaxnreg), mbarrier hand-offs, within the
+    227 KiB of shared memory."""
     from megakern import _attention_gluon as g
 
     if kernel.startswith("single") and hs not in g.ATOMIC_HEAD_DIMS:
@@ -509,16 +516,19 @@ def test_gluon_kernels_compile_for_sm90(hs, causal, kernel):
             else f"compile_gluon_bwd_for_sm90({kernel!r}, {hs}, {causal})"
             if kernel in ("dq", "dkdv", "single")
             else f"compile_gluon_for_sm90({hs}, {causal}, {kernel != 'forward-one-consumer'}, "
-                 f"{kernel.startswith('forward-three-consumers')}, {kernel.endswith('own-ranges')})")
+                 f"{kernel.startswith('forward-three-consumers')}, {kernel.endswith('own-ranges')}, "
+                 f"{kernel != 'forward-vector-stores'})")
     result = sm90_lowering("test_attention", call)
     if result is None:
         pytest.skip("this Triton has no Gluon (Triton >= 3.5)")
-    shared, wgmma, specialized, mbarriers, vector_stores = result
+    shared, wgmma, specialized, mbarriers, vector_stores, tma_stores = result
     assert wgmma and specialized and mbarriers, result
     assert shared <= 227 * 1024, f"{shared} bytes of shared memory"
-    # the output tiles (o; dk and dv) leave in 16-byte stores; the dq pass at head dim 128 lacks the shared memory for
-    # the layout conversion and stores from the accumulator's layout
-    if kernel.startswith("forward") or kernel.startswith("single") or kernel == "dkdv":
+    # the forward's output leaves by TMA stores (16-byte stores with o_tma=False), dk and dv in 16-byte stores; the dq
+    # pass at head dim 128 lacks the shared memory for the layout conversion and stores from the accumulator's layout
+    if kernel.startswith("forward") and kernel != "forward-vector-stores":
+        assert tma_stores, f"{kernel}: no TMA store"
+    elif kernel.startswith("forward") or kernel.startswith("single") or kernel == "dkdv":
         assert vector_stores, f"{kernel}: no 16-byte global stores"
 
 
@@ -634,6 +644,30 @@ def test_gluon_forward(case, dtype, layout):
     dout = torch.randn_like(out)
     grads = _bwd_kernels(dout, q, k, v, out, lse, causal, hs ** -0.5, (-1, 0 if causal else -1), None, None, True)
     _assert_grads(grads, q, k, v, dout, causal, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ("pingpong", "one-consumer", "three-consumers"))
+@pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: "x".join(map(str, c)))
+def test_gluon_forward_o_tma(case, layout):
+    """The forward's output by TMA stores (``o_tma``): the same out and lse bit for bit as the 16-byte stores, ragged
+    last tiles (rows past T clipped) and head dim 96 (columns past it clipped) included."""
+    from megakern import _attention_gluon as g
+
+    b, tq, tk, nh, nkv, hs, causal = case
+    if layout == "three-consumers" and hs not in g.CONFIGS_THREE:
+        pytest.skip(f"three consumer warpgroups take head dims {tuple(g.CONFIGS_THREE)}")
+    seed("gluon-o-tma", case, layout)
+    q, k, v = _qkv(b, tq, tk, nh, nkv, hs, torch.bfloat16)
+    if not g.supported(q, k, v, causal, (-1, 0 if causal else -1), None):
+        pytest.skip("the Gluon forward needs an sm_90 GPU and Triton with Gluon")
+    block_m, block_n, warps, bufs, _ = g.CONFIGS[g.block_d(hs)]
+    config = {"pingpong": (block_m, block_n, warps, bufs, True),
+              "one-consumer": (block_m, block_n, 2 * warps, bufs, False),
+              "three-consumers": g.CONFIGS_THREE.get(hs, (None,))[0]}[layout]
+    want = g.fwd(q, k, v, causal, hs ** -0.5, config, o_tma=False)
+    got = g.fwd(q, k, v, causal, hs ** -0.5, config, o_tma=True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def _assert_grads(grads, q, k, v, dout, causal, dtype):
