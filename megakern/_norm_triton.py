@@ -413,7 +413,7 @@ def _block(n: int) -> int:
 
 
 def tail_split(n: int) -> tuple[int, int] | None:
-    """(head, tail) columns of the forward's two tiles for a row of ``n``: the largest power of two below n and the
+    """(head, tail) columns of the kernels' two tiles for a row of ``n``: the largest power of two below n and the
     power of two that holds the rest, where the two hold fewer columns than one power-of-two tile (12288: 8192 +
     4096 in place of 16384; 9216: 8192 + 1024); None where they would not (powers of two, 14336)."""
     block = _block(n)
@@ -472,7 +472,7 @@ def _bwd_config(n: int, is_rms: bool) -> BwdConfig:
     if block <= 8192:
         return BwdConfig(1, 16, 1, True)
     if block <= 16384 and tail_split(n):
-        return BwdConfig(1, 16, 1, is_rms, tail=True)
+        return BwdConfig(1, 16, 1, prefetch=is_rms, tail=True)
     if block <= 16384 and is_rms:
         return BwdConfig(1, 16, 1)
     return BwdConfig(4, 8, 2, wide=True, chunk=2048, stages=3)

@@ -109,8 +109,8 @@ def specs(n: int, is_rms: bool, residual: bool) -> list[tuple[str, str, dict]]:
                        (4, 8, 2, False), (8, 4, 4, False), (4, 2, 8, False), (2, 4, 16, False)}
     for rows, warps, per_sm, prefetch in sorted(geometries):
         out.append((f"triton bwd warps={warps} per_sm={per_sm} rows/step={rows} prefetch={int(prefetch)}",
-                    "triton bwd", dict(warps=warps, per_sm=per_sm, rows=rows, prefetch=prefetch, wide=False,
-                                                tail=False)))
+                    "triton bwd",
+                    dict(warps=warps, per_sm=per_sm, rows=rows, prefetch=prefetch, wide=False, tail=False)))
     out.append(("triton bwd default", "triton bwd", {}))
     if _norm_triton.tail_split(n):  # the register backward's rows as two power-of-two tiles
         for rows, warps, per_sm, prefetch in sorted(geometries):
