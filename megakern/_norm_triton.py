@@ -104,34 +104,41 @@ def _norm_fwd_wide_kernel(
     CHUNK: tl.constexpr, STAGES: tl.constexpr,
 ):
     """The forward for rows too wide for registers: a row a program, in CHUNK-column pieces, twice. The first pass
-    reads the row (and the residual, storing their sum) from memory for its statistics, LayerNorm's as per-chunk
-    mean and squared deviations merged chunk by chunk (Chan et al.); the second reads it again from L2 and writes y."""
+    reads the row (and the residual, storing their sum) from memory for its statistics, kept per lane of the chunk
+    (RMSNorm: the sum of squares; LayerNorm: Welford's mean and squared deviations, the lanes' counts one more for
+    the lanes of a partial last chunk) and combined across the lanes once, after the loop, so that no chunk waits
+    on a reduction; the second reads the row again from L2 (loaded to stay there the first time, to leave it the
+    second) and writes y."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, CHUNK)
     x_row = X + row * stride_xm
-    count = 0.0
-    mean = 0.0
-    m2 = 0.0
-    for c0 in tl.range(0, N, CHUNK, num_stages=STAGES):
-        cols = c0 + offs
+    lane_mean = tl.zeros([CHUNK], dtype=tl.float32)
+    lane_m2 = tl.zeros([CHUNK], dtype=tl.float32)
+    lane_n = tl.zeros([CHUNK], dtype=tl.float32)
+    for i in tl.range(0, tl.cdiv(N, CHUNK), num_stages=STAGES):
+        cols = i * CHUNK + offs
         m = cols < N
-        x = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32)
+        x = tl.load(x_row + cols, mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
         if HAS_RES:
-            h = (x + tl.load(RES + row * stride_resm + cols, mask=m, other=0.0).to(tl.float32))
+            h = x + tl.load(RES + row * stride_resm + cols, mask=m, other=0.0,
+                            eviction_policy="evict_first").to(tl.float32)
             h = h.to(RES_OUT.dtype.element_ty)
             tl.store(RES_OUT + row * stride_resoutm + cols, h, mask=m)
             x = h.to(tl.float32)
         if IS_RMS:
-            m2 += tl.sum(x * x, axis=0)
-        else:
-            k = tl.minimum(N - c0, CHUNK).to(tl.float32)
-            c_mean = tl.sum(x, axis=0) / k
-            c_m2 = tl.sum(tl.where(m, (x - c_mean) * (x - c_mean), 0.0), axis=0)
-            total = count + k
-            delta = c_mean - mean
-            mean += delta * (k / total)
-            m2 += c_m2 + delta * delta * (count * k / total)
-            count = total
+            lane_m2 += x * x
+        else:  # a lane that holds a column in this chunk held one in each chunk before: its count is i + 1
+            delta = x - lane_mean
+            lane_mean += tl.where(m, delta / (i + 1.0), 0.0)
+            lane_m2 += tl.where(m, delta * (x - lane_mean), 0.0)
+            lane_n += m.to(tl.float32)
+    if IS_RMS:
+        mean = 0.0
+        m2 = tl.sum(lane_m2, axis=0)
+    else:  # the lanes' statistics combined: M2 = sum of the lanes' M2 + n_lane (mean_lane - mean)^2
+        mean = tl.sum(lane_mean * lane_n, axis=0) / N
+        spread = lane_mean - mean
+        m2 = tl.sum(lane_m2 + lane_n * spread * spread, axis=0)
     rstd = 1.0 / tl.sqrt(m2 / N + eps)
     tl.store(RSTD + row, rstd)
     if not IS_RMS:
@@ -140,14 +147,15 @@ def _norm_fwd_wide_kernel(
         cols = c0 + offs
         m = cols < N
         if HAS_RES:
-            x = tl.load(RES_OUT + row * stride_resoutm + cols, mask=m, other=0.0).to(tl.float32)
+            x = tl.load(RES_OUT + row * stride_resoutm + cols, mask=m, other=0.0,
+                        eviction_policy="evict_first").to(tl.float32)
         else:
-            x = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32)
+            x = tl.load(x_row + cols, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
         y = (x - mean) * rstd
         if HAS_W:
-            y = y * tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
+            y = y * tl.load(W + cols, mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
         if HAS_B:
-            y = y + tl.load(B + cols, mask=m, other=0.0).to(tl.float32)
+            y = y + tl.load(B + cols, mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
         tl.store(Y + row * stride_ym + cols, y.to(Y.dtype.element_ty), mask=m)
 
 
