@@ -318,7 +318,8 @@ def _norm_bwd_wide_kernel(
     STAGES: tl.constexpr,
 ):
     """The backward for rows too wide for registers: BLOCK_M rows a step, in CHUNK-column pieces, twice. The first
-    pass reads x and dy from memory for each row's two sums; the second reads them again (from L2, where the first
+    pass reads x and dy from memory for each row's two sums (kept per lane of the chunk, summed across the lanes once
+    after the loop, so that no chunk waits on a reduction); the second reads them again (from L2, where the first
     pass left them), writes dx and adds the step's column sums of dy * xhat (and dy) into this program's partial rows
     of dweight (and dbias), zeroed by the launcher, which stay in L2 across the program's rows: one read-modify-write
     of them a step, so more rows a step means less L2 traffic per row."""
@@ -338,28 +339,29 @@ def _norm_bwd_wide_kernel(
         else:
             mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)[:, None]
         # pass 1: sum(g * xhat) and sum(g) over each row (g = dy * w; zero where masked, so no masking of the sums)
-        s_gx = tl.zeros([BLOCK_M], dtype=tl.float32)
-        s_g = tl.zeros([BLOCK_M], dtype=tl.float32)
+        lane_gx = tl.zeros([BLOCK_M, CHUNK], dtype=tl.float32)
+        lane_g = tl.zeros([BLOCK_M, CHUNK], dtype=tl.float32)
         for c0 in tl.range(0, N, CHUNK, num_stages=STAGES):
             cols = c0 + offs
             col_mask = cols < N
             m = row_mask[:, None] & col_mask[None, :]
-            x = tl.load(x_rows + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            g = tl.load(dy_rows + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            x = tl.load(x_rows + cols[None, :], mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            g = tl.load(dy_rows + cols[None, :], mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
             if HAS_W:
-                g = g * tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-            s_gx += tl.sum(g * ((x - mean) * rstd), axis=1)
+                w = tl.load(W + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                g = g * w[None, :]
+            lane_gx += g * ((x - mean) * rstd)
             if not IS_RMS:
-                s_g += tl.sum(g, axis=1)
-        c_gx = (s_gx / N)[:, None]
-        c_g = (s_g / N)[:, None]
+                lane_g += g
+        c_gx = (tl.sum(lane_gx, axis=1) / N)[:, None]
+        c_g = (tl.sum(lane_g, axis=1) / N)[:, None]
         # pass 2: dx, and the step's column sums added to this program's partial rows (zeroed by the launcher)
         for c0 in tl.range(0, N, CHUNK, num_stages=STAGES):
             cols = c0 + offs
             col_mask = cols < N
             m = row_mask[:, None] & col_mask[None, :]
-            x = tl.load(x_rows + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            dy = tl.load(dy_rows + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            x = tl.load(x_rows + cols[None, :], mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            dy = tl.load(dy_rows + cols[None, :], mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
             xhat = (x - mean) * rstd
             if HAS_W:
                 g = dy * tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
