@@ -333,11 +333,11 @@ def _norm_bwd_wide_kernel(
         row_mask = rows < row_end
         x_rows = X + rows[:, None] * stride_xm
         dy_rows = DY + rows[:, None] * stride_dym
-        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)[:, None]
-        if IS_RMS:
-            mean = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
-        else:
-            mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)[:, None]
+        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+        mean = rstd  # RMSNorm: unused
+        if not IS_RMS:
+            mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+        w = tl.zeros([CHUNK], dtype=tl.float32)  # without a weight: unused
         # pass 1: sum(g * xhat) and sum(g) over each row (g = dy * w; zero where masked, so no masking of the sums)
         lane_gx = tl.zeros([BLOCK_M, CHUNK], dtype=tl.float32)
         lane_g = tl.zeros([BLOCK_M, CHUNK], dtype=tl.float32)
@@ -345,35 +345,28 @@ def _norm_bwd_wide_kernel(
             cols = c0 + offs
             col_mask = cols < N
             m = row_mask[:, None] & col_mask[None, :]
-            x = tl.load(x_rows + cols[None, :], mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
-            g = tl.load(dy_rows + cols[None, :], mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            x = tl.load(x_rows + cols[None, :], mask=m, other=0.0, eviction_policy="evict_last")
+            dy = tl.load(dy_rows + cols[None, :], mask=m, other=0.0, eviction_policy="evict_last")
             if HAS_W:
                 w = tl.load(W + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-                g = g * w[None, :]
-            lane_gx += g * ((x - mean) * rstd)
+            dy, xhat, g = _bwd_xhat_g(x, dy, w, mean, rstd, m, IS_RMS, HAS_W)
+            lane_gx += g * xhat
             if not IS_RMS:
                 lane_g += g
-        c_gx = (tl.sum(lane_gx, axis=1) / N)[:, None]
-        c_g = (tl.sum(lane_g, axis=1) / N)[:, None]
+        mean_gx = tl.sum(lane_gx, axis=1) / N
+        mean_g = tl.sum(lane_g, axis=1) / N
         # pass 2: dx, and the step's column sums added to this program's partial rows (zeroed by the launcher)
         for c0 in tl.range(0, N, CHUNK, num_stages=STAGES):
             cols = c0 + offs
             col_mask = cols < N
             m = row_mask[:, None] & col_mask[None, :]
-            x = tl.load(x_rows + cols[None, :], mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            dy = tl.load(dy_rows + cols[None, :], mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            xhat = (x - mean) * rstd
+            x = tl.load(x_rows + cols[None, :], mask=m, other=0.0, eviction_policy="evict_first")
+            dy = tl.load(dy_rows + cols[None, :], mask=m, other=0.0, eviction_policy="evict_first")
             if HAS_W:
-                g = dy * tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-            else:
-                g = dy
-            dx = (g - xhat * c_gx - c_g) * rstd
-            if HAS_DRES_OUT:
-                dx = dx + tl.load(DRES_OUT + rows[:, None] * stride_dresoutm + cols[None, :], mask=m,
-                                  other=0.0).to(tl.float32)
-            tl.store(DX + rows[:, None] * stride_dxm + cols[None, :], dx.to(DX.dtype.element_ty), mask=m)
-            if HAS_DRES:
-                tl.store(DRES + rows[:, None] * stride_dresm + cols[None, :], dx, mask=m)
+                w = tl.load(W + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            dy, xhat, g = _bwd_xhat_g(x, dy, w, mean, rstd, m, IS_RMS, HAS_W)
+            _bwd_dx_out(DRES_OUT, DX, DRES, g, xhat, mean_gx, mean_g, rstd, rows, cols, m, stride_dresoutm,
+                        stride_dxm, stride_dresm, IS_RMS, HAS_DRES_OUT, HAS_DRES)
             if HAS_DW:
                 dw_at = DW_PARTIAL + part_row + cols
                 tl.store(dw_at, tl.load(dw_at, mask=col_mask, other=0.0) + tl.sum(dy * xhat, axis=0), mask=col_mask)
