@@ -160,22 +160,6 @@ def _norm_fwd_wide_kernel(
 
 
 @triton.jit
-def _load_bwd_rows(X, DY, MEAN, RSTD, rows, row_end, cols, col_mask, stride_xm, stride_dym, IS_RMS: tl.constexpr):
-    """One step's rows of x and dy (as stored), and their statistics; rows past ``row_end`` read as zeros."""
-    row_mask = rows < row_end
-    rows64 = rows.to(tl.int64)
-    mask = row_mask[:, None] & col_mask[None, :]
-    x = tl.load(X + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
-    dy = tl.load(DY + rows64[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0)
-    rstd = tl.load(RSTD + rows64, mask=row_mask, other=0.0)
-    if IS_RMS:
-        mean = rstd
-    else:
-        mean = tl.load(MEAN + rows64, mask=row_mask, other=0.0)
-    return x, dy, mean, rstd
-
-
-@triton.jit
 def _load_bwd_tile(X, DY, rows, row_end, cols, col_mask, stride_xm, stride_dym):
     """One step's rows of x and dy (as stored) in the columns ``cols``; rows past ``row_end`` read as zeros."""
     rows64 = rows.to(tl.int64)
@@ -183,6 +167,20 @@ def _load_bwd_tile(X, DY, rows, row_end, cols, col_mask, stride_xm, stride_dym):
     x = tl.load(X + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
     dy = tl.load(DY + rows64[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0)
     return x, dy
+
+
+@triton.jit
+def _load_bwd_rows(X, DY, MEAN, RSTD, rows, row_end, cols, col_mask, stride_xm, stride_dym, IS_RMS: tl.constexpr):
+    """One step's rows of x and dy (as stored), and their statistics; rows past ``row_end`` read as zeros."""
+    row_mask = rows < row_end
+    rows64 = rows.to(tl.int64)
+    x, dy = _load_bwd_tile(X, DY, rows, row_end, cols, col_mask, stride_xm, stride_dym)
+    rstd = tl.load(RSTD + rows64, mask=row_mask, other=0.0)
+    if IS_RMS:
+        mean = rstd
+    else:
+        mean = tl.load(MEAN + rows64, mask=row_mask, other=0.0)
+    return x, dy, mean, rstd
 
 
 @triton.jit
