@@ -114,7 +114,6 @@ def _norm_fwd_wide_kernel(
     x_row = X + row * stride_xm
     lane_mean = tl.zeros([CHUNK], dtype=tl.float32)
     lane_m2 = tl.zeros([CHUNK], dtype=tl.float32)
-    lane_n = tl.zeros([CHUNK], dtype=tl.float32)
     for i in tl.range(0, tl.cdiv(N, CHUNK), num_stages=STAGES):
         cols = i * CHUNK + offs
         m = cols < N
@@ -128,14 +127,15 @@ def _norm_fwd_wide_kernel(
         if IS_RMS:
             lane_m2 += x * x
         else:  # a lane that holds a column in this chunk held one in each chunk before: its count is i + 1
-            delta = x - lane_mean
-            lane_mean += tl.where(m, delta / (i + 1.0), 0.0)
-            lane_m2 += tl.where(m, delta * (x - lane_mean), 0.0)
-            lane_n += m.to(tl.float32)
+            delta = tl.where(m, x - lane_mean, 0.0)
+            lane_mean += delta * (1.0 / (i + 1.0))  # one reciprocal a chunk, not a division a column
+            lane_m2 += delta * (x - lane_mean)
     if IS_RMS:
         mean = 0.0
         m2 = tl.sum(lane_m2, axis=0)
     else:  # the lanes' statistics combined: M2 = sum of the lanes' M2 + n_lane (mean_lane - mean)^2
+        lane_n = tl.maximum(N - offs + CHUNK - 1, 0) // CHUNK  # chunks in which the lane held a column
+        lane_n = lane_n.to(tl.float32)
         mean = tl.sum(lane_mean * lane_n, axis=0) / N
         spread = lane_mean - mean
         m2 = tl.sum(lane_m2 + lane_n * spread * spread, axis=0)
