@@ -96,6 +96,14 @@ CONFIGS = {64: (128, 128, 4, 3, True), 128: (128, 128, 4, 2, True)}
 CONFIGS_THREE = {64: ((192, 128, 4, 3, True), 2048, 2048)}
 
 
+def default_turns(hs: int, config: tuple) -> bool:
+    """Whether the forward's ping-pong warpgroups take turns on the tensor cores by default: yes, except two of them
+    (BLOCK_M 128) at head dim 64, measured 1-4% faster without turns at T 256-1024 and never slower there
+    (docs/tuning.md); three at head dim 64 (T from 2048) and every tile at head dim 96-128 keep them."""
+    block_m, pingpong = config[0], config[4]
+    return not (pingpong and block_m == 128 and block_d(hs) == 64)
+
+
 def default_config(hs: int, causal: bool, tq: int) -> tuple:
     """The forward's tiles for head dim ``hs`` (CONFIGS, or CONFIGS_THREE where it applies)."""
     three = CONFIGS_THREE.get(hs)
@@ -1124,17 +1132,21 @@ def bwd_dq(dout, q, k, v, out, lse, delta, dq, causal: bool, scale: float, confi
 
 
 def fwd(q, k, v, causal: bool, scale: float, config=None, heads=None, programs=None, own_ranges: bool | None = None,
-        o_tma: bool = True, turns: bool = True):
+        o_tma: bool = True, turns: bool | None = None):
     """(out, lse) for fixed-length (B, T, heads, hs) q, k, v that ``supported`` accepts. ``heads`` (heads per group
     of the tile schedule, see _schedule) and ``programs`` (at most this many persistent programs instead of one per
     SM) are for tests and tuning; any value gives the same results. ``own_ranges`` (tiles of three consumer
     warpgroups): each warpgroup computes only the key blocks its own rows see; None: with causal masks (the faster
     one there; without one every warpgroup sees every block). ``o_tma``: the output by TMA stores (_consumer's
     O_TMA), measured level or ahead of the 16-byte stores at every length (docs/tuning.md); False: those stores.
-    ``turns``: the ping-pong warpgroups take turns on the tensor cores (_consumer's TURNS)."""
+    ``turns``: the ping-pong warpgroups take turns on the tensor cores (_consumer's TURNS); None: as
+    ``default_turns`` says."""
     batch, tq, nh, hs = q.shape
     tk, nkv = k.shape[1], k.shape[2]
-    block_m, block_n, warps, bufs, pingpong = config or default_config(hs, causal, tq)
+    config = config or default_config(hs, causal, tq)
+    block_m, block_n, warps, bufs, pingpong = config
+    if turns is None:
+        turns = default_turns(hs, config)
     if own_ranges is None:
         own_ranges = causal and pingpong and block_m == 192
     if pingpong and (block_m not in (128, 192) or warps != 4 or (block_m == 192 and hs != 64)):

@@ -560,6 +560,10 @@ def test_gluon_forward_tiles():
         assert g.default_config(64, causal, start) == three and g.default_config(64, causal, 1 << 20) == three
         assert g.default_config(64, causal, start - 1) == g.CONFIGS[64]
     assert g.default_config(128, False, 1 << 16) == g.CONFIGS[128] and g.CONFIGS[128][0] == 128
+    # turns: all but the two warpgroups of head dim 64 (docs/tuning.md)
+    assert not g.default_turns(64, g.default_config(64, True, 1024)) and not g.default_turns(48, g.CONFIGS[64])
+    assert g.default_turns(64, g.default_config(64, True, 4096)) and g.default_turns(128, g.CONFIGS[128])
+    assert g.default_turns(96, g.default_config(96, False, 256))
     q = torch.randn(1, 8, 2, 128, dtype=torch.bfloat16)
     for config in ((192, 128, 4, 2, True), (256, 128, 4, 2, True), (128, 128, 8, 2, True)):
         with pytest.raises(ValueError, match="ping-pong takes 4-warp consumers of 64 rows"):
@@ -689,7 +693,7 @@ def test_gluon_forward_without_turns(case, layout):
     block_m, block_n, warps, bufs, _ = g.CONFIGS[g.block_d(hs)]
     config = {"pingpong": (block_m, block_n, warps, bufs, True),
               "three-consumers": g.CONFIGS_THREE.get(hs, (None,))[0]}[layout]
-    want = g.fwd(q, k, v, causal, hs ** -0.5, config)
+    want = g.fwd(q, k, v, causal, hs ** -0.5, config, turns=True)
     got = g.fwd(q, k, v, causal, hs ** -0.5, config, turns=False)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
