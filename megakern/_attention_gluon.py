@@ -96,6 +96,14 @@ CONFIGS = {64: (128, 128, 4, 3, True), 128: (128, 128, 4, 2, True)}
 CONFIGS_THREE = {64: ((192, 128, 4, 3, True), 2048, 2048)}
 
 
+def default_turns(hs: int, config: tuple) -> bool:
+    """Whether the forward's ping-pong warpgroups take turns on the tensor cores by default: yes, except two of them
+    (BLOCK_M 128) at head dim 64, measured 1-4% faster without turns at T 256-1024 and never slower there
+    (docs/tuning.md); three at head dim 64 (T from 2048) and every tile at head dim 96-128 keep them."""
+    block_m, pingpong = config[0], config[4]
+    return not (pingpong and block_m == 128 and block_d(hs) == 64)
+
+
 def default_config(hs: int, causal: bool, tq: int) -> tuple:
     """The forward's tiles for head dim ``hs`` (CONFIGS, or CONFIGS_THREE where it applies)."""
     three = CONFIGS_THREE.get(hs)
@@ -262,13 +270,15 @@ if AVAILABLE:
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
                   CAUSAL: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr, WGS: gl.constexpr = 2,
                   OWN: gl.constexpr = False, D: gl.constexpr = 0, O_TMA: gl.constexpr = False, o_desc=None,
-                  o_bufs=None):
+                  o_bufs=None, TURNS: gl.constexpr = True):
         """The rows WG * ROWS .. + ROWS - 1 of each tile (all of them without ping-pong), on WARPS warps; with
         ping-pong one of WGS consumer warpgroups taking turns. O_TMA: the output rows go out through this
         warpgroup's slot of o_bufs by a TMA store (o_desc's tiles: ROWS rows), in place of 16-byte stores after a
-        layout conversion through shared memory. OWN: the warpgroup computes only the key blocks its
-        own rows see (causal: fewer than the tile's), and for the tile's others frees their slots and keeps its
-        turns, so that every warpgroup takes the same number of turns a tile."""
+        layout conversion through shared memory. TURNS (ping-pong): the warpgroups take turns issuing their
+        matmuls; without, each issues as soon as its operands are ready (the k / v slots still wait for every
+        warpgroup to free them). OWN: the warpgroup computes only the key blocks its own rows see (causal: fewer
+        than the tile's), and for the tile's others frees their slots and keeps its turns, so that every warpgroup
+        takes the same number of turns a tile."""
         layouts: gl.constexpr = _wgmma_layouts(WARPS, BLOCK_N, HEAD_DIM)
         s_layout: gl.constexpr = layouts[0]
         o_layout: gl.constexpr = layouts[1]
@@ -307,9 +317,9 @@ if AVAILABLE:
                 s = cnt % NUM_BUF
                 mbarrier.wait(k_ready.index(s), (cnt // NUM_BUF) & 1)
                 k = k_bufs.index(s).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
-                slot = _turn_wait(turn, slot, WG, PINGPONG)
+                slot = _turn_wait(turn, slot, WG, PINGPONG and TURNS)
                 sc = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
-                _turn_pass(turn, WG, PINGPONG, WGS)
+                _turn_pass(turn, WG, PINGPONG and TURNS, WGS)
                 sc = warpgroup_mma_wait(0, deps=[sc])
                 mbarrier.arrive(k_empty.index(s), count=1)
                 p, m_i, l_i, alpha = _scores(sc, 0, first_masked, my_m, m_i, l_i, TQ, TK, scale_log2,
@@ -324,13 +334,13 @@ if AVAILABLE:
                     ph = (cnt // NUM_BUF) & 1
                     mbarrier.wait(k_ready.index(s), ph)
                     k = k_bufs.index(s).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
-                    slot = _turn_wait(turn, slot, WG, PINGPONG)
+                    slot = _turn_wait(turn, slot, WG, PINGPONG and TURNS)
                     sc = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
                     acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                     mbarrier.wait(v_ready.index(prev), prev_ph)
                     v = v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM])
                     acc = warpgroup_mma(p_op, v, acc, is_async=True)
-                    _turn_pass(turn, WG, PINGPONG, WGS)
+                    _turn_pass(turn, WG, PINGPONG and TURNS, WGS)
                     sc = warpgroup_mma_wait(1, deps=[sc])
                     mbarrier.arrive(k_empty.index(s), count=1)
                     p, m_i, l_i, alpha = _scores(sc, j, first_masked, my_m, m_i, l_i, TQ, TK, scale_log2,
@@ -345,10 +355,10 @@ if AVAILABLE:
                 mbarrier.arrive(q_empty.index(qs), count=1)
                 mbarrier.wait(v_ready.index(prev), prev_ph)
                 v = v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM])
-                slot = _turn_wait(turn, slot, WG, PINGPONG)
+                slot = _turn_wait(turn, slot, WG, PINGPONG and TURNS)
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                 acc = warpgroup_mma(p_op, v, acc, is_async=True)
-                _turn_pass(turn, WG, PINGPONG, WGS)
+                _turn_pass(turn, WG, PINGPONG and TURNS, WGS)
                 acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
                 mbarrier.arrive(v_empty.index(prev), count=1)
             else:
@@ -363,12 +373,12 @@ if AVAILABLE:
                     mbarrier.arrive(k_empty.index(s), count=1)
                     mbarrier.wait(v_ready.index(s), ph)
                     mbarrier.arrive(v_empty.index(s), count=1)
-                    slot = _turn_wait(turn, slot, WG, PINGPONG)
-                    _turn_pass(turn, WG, PINGPONG, WGS)
+                    slot = _turn_wait(turn, slot, WG, PINGPONG and TURNS)
+                    _turn_pass(turn, WG, PINGPONG and TURNS, WGS)
                     cnt += 1
                 if n == 0 and n_tile > 0:
-                    slot = _turn_wait(turn, slot, WG, PINGPONG)
-                    _turn_pass(turn, WG, PINGPONG, WGS)
+                    slot = _turn_wait(turn, slot, WG, PINGPONG and TURNS)
+                    _turn_pass(turn, WG, PINGPONG and TURNS, WGS)
             i += 1
             # normalize and store; a row that saw no key gets 0 and lse -inf
             seen = l_i > 0.0
@@ -431,12 +441,13 @@ if AVAILABLE:
                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                             NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
                             num_warps: gl.constexpr, OWN_RANGES: gl.constexpr = False, D: gl.constexpr = 0,
-                            o_desc=None, O_TMA: gl.constexpr = False):
+                            o_desc=None, O_TMA: gl.constexpr = False, TURNS: gl.constexpr = True):
         """PINGPONG: consumer warpgroups (num_warps 4 each) of 64 rows of the tile each, two (BLOCK_M 128) or three
         (BLOCK_M 192), taking turns on the tensor cores; else one consumer of num_warps warps for the whole tile.
         OWN_RANGES (three warpgroups): each computes only the key blocks its own rows see (_consumer's OWN). D > 0:
         the head dim, narrower than the HEAD_DIM columns of the tiles. O_TMA: the output by TMA stores of o_desc's
-        tiles (a consumer warpgroup's rows each), through a slot a consumer warpgroup."""
+        tiles (a consumer warpgroup's rows each), through a slot a consumer warpgroup. TURNS: the ping-pong
+        warpgroups take turns on the tensor cores (_consumer's TURNS)."""
         if PINGPONG and BLOCK_M == 192:  # q_desc's tiles are a warpgroup's 64 rows, two slots of three
             rings = _query_tile_rings(q_desc, k_desc, v_desc, NUM_BUF, 3, Q_SLOTS=8)
         else:
@@ -451,15 +462,15 @@ if AVAILABLE:
                 (_consumer, (0, True, turn, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
                              v_empty, O, LSE, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK,
                              SCHED, scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, 64, num_warps, 3,
-                             OWN_RANGES, D, O_TMA, o_desc, o_bufs)),
+                             OWN_RANGES, D, O_TMA, o_desc, o_bufs, TURNS)),
                 (_consumer, (1, True, turn, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
                              v_empty, O, LSE, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK,
                              SCHED, scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, 64, num_warps, 3,
-                             OWN_RANGES, D, O_TMA, o_desc, o_bufs)),
+                             OWN_RANGES, D, O_TMA, o_desc, o_bufs, TURNS)),
                 (_consumer, (2, True, turn, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
                              v_empty, O, LSE, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK,
                              SCHED, scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, 64, num_warps, 3,
-                             OWN_RANGES, D, O_TMA, o_desc, o_bufs)),
+                             OWN_RANGES, D, O_TMA, o_desc, o_bufs, TURNS)),
                 (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
                              v_ready, v_empty, B, NH, GROUP, TQ, TK, SCHED, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL,
                              None, None, False, 3)),
@@ -469,11 +480,11 @@ if AVAILABLE:
                 (_consumer, (0, True, turn, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
                              v_empty, O, LSE, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK,
                              SCHED, scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, BLOCK_M // 2, num_warps,
-                             2, False, D, O_TMA, o_desc, o_bufs)),
+                             2, False, D, O_TMA, o_desc, o_bufs, TURNS)),
                 (_consumer, (1, True, turn, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
                              v_empty, O, LSE, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK,
                              SCHED, scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, BLOCK_M // 2, num_warps,
-                             2, False, D, O_TMA, o_desc, o_bufs)),
+                             2, False, D, O_TMA, o_desc, o_bufs, TURNS)),
                 (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
                              v_ready, v_empty, B, NH, GROUP, TQ, TK, SCHED, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL)),
             ], [num_warps, 1], [240, 24])
@@ -482,7 +493,7 @@ if AVAILABLE:
                 (_consumer, (0, False, turn, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty, v_ready,
                              v_empty, O, LSE, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, B, NH, TQ, TK,
                              SCHED, scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL, BLOCK_M, num_warps,
-                             2, False, D, O_TMA, o_desc, o_bufs)),
+                             2, False, D, O_TMA, o_desc, o_bufs, TURNS)),
                 (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,
                              v_ready, v_empty, B, NH, GROUP, TQ, TK, SCHED, BLOCK_M, BLOCK_N, NUM_BUF, CAUSAL)),
             ], [1], [24])
@@ -1121,16 +1132,21 @@ def bwd_dq(dout, q, k, v, out, lse, delta, dq, causal: bool, scale: float, confi
 
 
 def fwd(q, k, v, causal: bool, scale: float, config=None, heads=None, programs=None, own_ranges: bool | None = None,
-        o_tma: bool = True):
+        o_tma: bool = True, turns: bool | None = None):
     """(out, lse) for fixed-length (B, T, heads, hs) q, k, v that ``supported`` accepts. ``heads`` (heads per group
     of the tile schedule, see _schedule) and ``programs`` (at most this many persistent programs instead of one per
     SM) are for tests and tuning; any value gives the same results. ``own_ranges`` (tiles of three consumer
     warpgroups): each warpgroup computes only the key blocks its own rows see; None: with causal masks (the faster
     one there; without one every warpgroup sees every block). ``o_tma``: the output by TMA stores (_consumer's
-    O_TMA), measured level or ahead of the 16-byte stores at every length (docs/tuning.md); False: those stores."""
+    O_TMA), measured level or ahead of the 16-byte stores at every length (docs/tuning.md); False: those stores.
+    ``turns``: the ping-pong warpgroups take turns on the tensor cores (_consumer's TURNS); None: as
+    ``default_turns`` says."""
     batch, tq, nh, hs = q.shape
     tk, nkv = k.shape[1], k.shape[2]
-    block_m, block_n, warps, bufs, pingpong = config or default_config(hs, causal, tq)
+    config = config or default_config(hs, causal, tq)
+    block_m, block_n, warps, bufs, pingpong = config
+    if turns is None:
+        turns = default_turns(hs, config)
     if own_ranges is None:
         own_ranges = causal and pingpong and block_m == 192
     if pingpong and (block_m not in (128, 192) or warps != 4 or (block_m == 192 and hs != 64)):
@@ -1157,5 +1173,6 @@ def fwd(q, k, v, causal: bool, scale: float, config=None, heads=None, programs=N
         HEAD_DIM=width, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal, PINGPONG=pingpong,
         num_warps=warps, OWN_RANGES=own_ranges, D=0 if hs == width else hs,
         o_desc=_descriptor(out, 64 if pingpong else block_m, width) if o_tma else None, O_TMA=o_tma,
+        TURNS=turns,
     )
     return out, lse

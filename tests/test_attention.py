@@ -433,10 +433,10 @@ def _compile_gluon(fn, constexprs: dict, tiles: dict, pointers: dict, hs: int):
 
 
 def compile_gluon_for_sm90(hs: int, causal: bool, pingpong: bool, three: bool = False, own: bool = False,
-                           o_tma: bool = False):
+                           o_tma: bool = False, turns: bool = True):
     """_compile_gluon's facts for the Gluon forward with the CONFIGS tiles of head dim hs (``three``: its
-    CONFIGS_THREE tiles, ``own`` with each warpgroup's own key ranges, ``o_tma`` the output by TMA stores; None
-    without Gluon)."""
+    CONFIGS_THREE tiles, ``own`` with each warpgroup's own key ranges, ``o_tma`` the output by TMA stores,
+    ``turns`` the ping-pong warpgroups taking turns; None without Gluon)."""
     from megakern import _attention_gluon as g
 
     if not g.AVAILABLE:
@@ -445,7 +445,7 @@ def compile_gluon_for_sm90(hs: int, causal: bool, pingpong: bool, three: bool = 
     block_m, block_n, warps, bufs, _ = g.CONFIGS_THREE[hs][0] if three else g.CONFIGS[width]
     constexprs = dict(HEAD_DIM=width, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=bufs, CAUSAL=causal,
                       PINGPONG=pingpong, num_warps=warps if pingpong else 2 * warps, OWN_RANGES=own,
-                      D=0 if hs == width else hs, O_TMA=o_tma, **_sched(causal))
+                      D=0 if hs == width else hs, O_TMA=o_tma, TURNS=turns, **_sched(causal))
     tiles = {"q_desc": 64 if block_m == 192 else block_m, "k_desc": block_n, "v_desc": block_n}
     if o_tma:
         tiles["o_desc"] = 64 if pingpong else block_m
@@ -493,8 +493,8 @@ def compile_gluon_bwd_for_sm90(kernel: str, hs: int, causal: bool, config=None):
 
 
 @pytest.mark.parametrize("kernel", ("forward", "forward-one-consumer", "forward-three-consumers",
-                                    "forward-three-consumers-own-ranges", "forward-vector-stores", "dkdv", "dq",
-                                    "single", "single-128-rows"))
+                                    "forward-three-consumers-own-ranges", "forward-vector-stores", "forward-no-turns",
+                                    "dkdv", "dq", "single", "single-128-rows"))
 @pytest.mark.parametrize("causal", (True, False), ids=("causal", "full"))
 @pytest.mark.parametrize("hs", (64, 96, 128))
 def test_gluon_kernels_compile_for_sm90(hs, causal, kernel):
@@ -517,7 +517,7 @@ def test_gluon_kernels_compile_for_sm90(hs, causal, kernel):
             if kernel in ("dq", "dkdv", "single")
             else f"compile_gluon_for_sm90({hs}, {causal}, {kernel != 'forward-one-consumer'}, "
                  f"{kernel.startswith('forward-three-consumers')}, {kernel.endswith('own-ranges')}, "
-                 f"{kernel != 'forward-vector-stores'})")
+                 f"{kernel != 'forward-vector-stores'}, {kernel != 'forward-no-turns'})")
     result = sm90_lowering("test_attention", call)
     if result is None:
         pytest.skip("this Triton has no Gluon (Triton >= 3.5)")
@@ -560,6 +560,10 @@ def test_gluon_forward_tiles():
         assert g.default_config(64, causal, start) == three and g.default_config(64, causal, 1 << 20) == three
         assert g.default_config(64, causal, start - 1) == g.CONFIGS[64]
     assert g.default_config(128, False, 1 << 16) == g.CONFIGS[128] and g.CONFIGS[128][0] == 128
+    # turns: all but the two warpgroups of head dim 64 (docs/tuning.md)
+    assert not g.default_turns(64, g.default_config(64, True, 1024)) and not g.default_turns(48, g.CONFIGS[64])
+    assert g.default_turns(64, g.default_config(64, True, 4096)) and g.default_turns(128, g.CONFIGS[128])
+    assert g.default_turns(96, g.default_config(96, False, 256))
     q = torch.randn(1, 8, 2, 128, dtype=torch.bfloat16)
     for config in ((192, 128, 4, 2, True), (256, 128, 4, 2, True), (128, 128, 8, 2, True)):
         with pytest.raises(ValueError, match="ping-pong takes 4-warp consumers of 64 rows"):
@@ -667,6 +671,30 @@ def test_gluon_forward_o_tma(case, layout):
               "three-consumers": g.CONFIGS_THREE.get(hs, (None,))[0]}[layout]
     want = g.fwd(q, k, v, causal, hs ** -0.5, config, o_tma=False)
     got = g.fwd(q, k, v, causal, hs ** -0.5, config, o_tma=True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ("pingpong", "three-consumers"))
+@pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: "x".join(map(str, c)))
+def test_gluon_forward_without_turns(case, layout):
+    """The ping-pong warpgroups issuing their matmuls without taking turns (``turns=False``): the same out and lse
+    bit for bit (the order of the warpgroups' matmuls changes no result), ragged tiles, GQA and head dim 96
+    included."""
+    from megakern import _attention_gluon as g
+
+    b, tq, tk, nh, nkv, hs, causal = case
+    if layout == "three-consumers" and hs not in g.CONFIGS_THREE:
+        pytest.skip(f"three consumer warpgroups take head dims {tuple(g.CONFIGS_THREE)}")
+    seed("gluon-no-turns", case, layout)
+    q, k, v = _qkv(b, tq, tk, nh, nkv, hs, torch.bfloat16)
+    if not g.supported(q, k, v, causal, (-1, 0 if causal else -1), None):
+        pytest.skip("the Gluon forward needs an sm_90 GPU and Triton with Gluon")
+    block_m, block_n, warps, bufs, _ = g.CONFIGS[g.block_d(hs)]
+    config = {"pingpong": (block_m, block_n, warps, bufs, True),
+              "three-consumers": g.CONFIGS_THREE.get(hs, (None,))[0]}[layout]
+    want = g.fwd(q, k, v, causal, hs ** -0.5, config, turns=True)
+    got = g.fwd(q, k, v, causal, hs ** -0.5, config, turns=False)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
