@@ -5,8 +5,7 @@ registers, y written once. Backward: a persistent grid; each program walks a con
 dy once, writes dx, and keeps its dweight / dbias partial sums in registers until one final store, so the
 column reduction costs one small (programs, N) sum afterwards instead of a second pass over x and dy. Rows too wide
 for registers have two-pass kernels (``wide``) that walk each row in chunks, the second pass reading from L2 (the
-backward's partial sums kept there too); RMSNorm's forward takes its two-pass kernel at the widths where it measured
-faster (WIDE_RMS_FWD).
+backward's partial sums kept there too).
 
 Launchers take validated 2-D views (rows, N) with unit stride along N; tensors in, tensors out, no autograd.
 """
@@ -427,42 +426,18 @@ def tail_split(n: int) -> tuple[int, int] | None:
 
 
 # Launch geometry, measured on the H200 with profiles/tune_norm.py (figures in docs/tuning.md, norms).
-class FwdConfig(NamedTuple):
-    """The forward's launch geometry: rows a program, warps, the row as two power-of-two tiles where ``tail_split``
-    has them (``tail``), or the two-pass kernel (``wide``) with ``chunk`` columns at a time."""
-    rows: int
-    warps: int
-    tail: bool = False
-    wide: bool = False
-    chunk: int = 4096
-
-
-# RMSNorm widths whose forward measured faster as the two-pass kernel: (warps, chunk). tune_norm at 7edaebf and
-# 70204d4: 0.02-0.05 of copy ahead of the rows in registers; behind them at 5120, 10240, 14336 and 32768.
-WIDE_RMS_FWD = {4096: (4, 2048), 8192: (8, 4096), 9216: (8, 2048), 12288: (8, 4096), 16384: (16, 4096)}
-
-
-def _fwd_register_config(n: int) -> FwdConfig:
-    """The register kernel's geometry for rows of ``n``: below hidden 2048, rows enough for 2048 elements a program
+def _fwd_config(n: int) -> tuple[int, int, bool]:
+    """(rows per program, warps, tail) for rows of ``n``: below hidden 2048, rows enough for 2048 elements a program
     at 4 warps (8192 at 8 below 1024); from 2048 one row a program, 4 warps to 2048, 8 to 16384, 32 above; between
     2048 and 16384 a row that ``tail_split`` takes as two power-of-two tiles as those tiles, at 4 warps."""
     block = _block(n)
     if block < 1024:
-        return FwdConfig(8192 // block, 8)
+        return 8192 // block, 8, False
     if block <= 2048:
-        return FwdConfig(2048 // block, 4)
+        return 2048 // block, 4, False
     if block <= 16384:
-        return FwdConfig(1, 4, True) if tail_split(n) else FwdConfig(1, 8)
-    return FwdConfig(1, 32)
-
-
-def _fwd_config(n: int, is_rms: bool) -> FwdConfig:
-    """The forward's geometry: the two-pass kernel at RMSNorm's widths in WIDE_RMS_FWD, else the register
-    kernel's."""
-    if is_rms and n in WIDE_RMS_FWD:
-        warps, chunk = WIDE_RMS_FWD[n]
-        return FwdConfig(1, warps, wide=True, chunk=chunk)
-    return _fwd_register_config(n)
+        return (1, 4, True) if tail_split(n) else (1, 8, False)
+    return 1, 32, False
 
 
 class BwdConfig(NamedTuple):
@@ -542,22 +517,19 @@ def _programs(rows: int, device: torch.device, per_sm: int = 1) -> int:
 
 
 def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | None = None,
-        rows_per_program: int | None = None, wide: bool | None = None, chunk: int | None = None, stages: int = 2,
+        rows_per_program: int | None = None, wide: bool = False, chunk: int = 4096, stages: int = 2,
         tail: bool | None = None):
-    """(y, residual_out | None, mean | None, rstd) for 2-D ``x``; the other arguments override the launch table
-    (tuning; None keeps it): ``num_warps``, ``rows_per_program``; ``wide``: the two-pass kernel, a row a program,
-    ``chunk`` columns at a time with ``stages`` of them in flight, or (False) the register kernel, each from its
-    own table's geometry; ``tail``: the register kernel's row as two power-of-two tiles where ``tail_split`` has
-    them (no effect elsewhere).
+    """(y, residual_out | None, mean | None, rstd) for 2-D ``x``; ``num_warps`` and ``rows_per_program`` override
+    the defaults (tuning). ``wide``: the two-pass kernel for rows too wide for registers, a row a program, ``chunk``
+    columns at a time with ``stages`` of them in flight (measured slower than rows in registers up to hidden 32768:
+    docs/tuning.md). ``tail``: a row as two power-of-two tiles where ``tail_split`` has them (no effect elsewhere);
+    None: as the launch table says.
     """
     rows, n = x.shape
     block = _block(n)
-    config = _fwd_config(n, is_rms)
-    if wide is not None and wide != config.wide:
-        config = _fwd_register_config(n) if not wide else FwdConfig(1, config.warps, wide=True)
-    warps, wide = num_warps or config.warps, config.wide
-    rows_per_program, chunk = rows_per_program or config.rows, chunk or config.chunk
-    tail = config.tail if tail is None else tail
+    default_rows, warps, default_tail = _fwd_config(n)
+    rows_per_program, warps = rows_per_program or default_rows, num_warps or warps
+    tail = default_tail if tail is None else tail
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     res_out = None if residual is None else torch.empty((rows, n), dtype=residual.dtype, device=x.device)
     mean = None if is_rms else torch.empty(rows, dtype=torch.float32, device=x.device)

@@ -155,13 +155,12 @@ def test_triton_tail(op, setup, rows):
         x, w, b, r = make_inputs(op, dtype, (2, 5, n), setup)
         if op == "layer_norm":  # rows far from zero mean: the mean must come from both tiles
             x.add_(torch.linspace(-8, 8, n, dtype=dtype, device=x.device))
-        tail = functools.partial(fwd, tail=True, rows_per_program=rows, wide=False)
+        tail = functools.partial(fwd, tail=True, rows_per_program=rows)
         for prefetch in (False, True):  # the backward as two tiles as well
             tail_bwd = functools.partial(bwd, tail=True, rows=rows, prefetch=prefetch, per_sm=3)
             check_fwd_bwd("triton", op, dtype, x, w, b, r, launchers=(tail, tail_bwd))
         args = (x.reshape(-1, n), None if r is None else r.reshape(-1, n), w, b, 1e-5, op == "rms_norm")
-        one = nt.fwd(*args, rows_per_program=rows, tail=False, wide=False)
-        two = nt.fwd(*args, rows_per_program=rows, tail=True, wide=False)
+        one, two = nt.fwd(*args, rows_per_program=rows, tail=False), nt.fwd(*args, rows_per_program=rows, tail=True)
         for a, c in zip(one, two):
             if a is not None:
                 torch.testing.assert_close(c, a, rtol=1e-5 if a.dtype == torch.float32 else 1e-2, atol=1e-5)
@@ -616,8 +615,7 @@ def test_launch_table_tail():
     from megakern import _norm_triton as nt
 
     for n in (2560, 3072, 5120, 6144, 9216, 10240, 12288):
-        assert nt.tail_split(n) and nt._fwd_config(n, False) == (1, 4, True, False, 4096)
-        assert nt._fwd_config(n, True).wide or nt._fwd_config(n, True) == nt._fwd_config(n, False)
+        assert nt.tail_split(n) and nt._fwd_config(n) == (1, 4, True)
         for is_rms in (True, False):
             config = nt._bwd_config(n, is_rms)
             assert config.tail == (n > 8192) and not config.wide
@@ -625,28 +623,9 @@ def test_launch_table_tail():
                 assert nt.resolve_bwd_config(n, is_rms, dict(tail=False)).tail is False
     assert not nt._bwd_config(9216, False).prefetch and nt._bwd_config(9216, True).prefetch
     for n in (768, 1536, 2048, 4096, 8192, 14336, 16384, 32768):
-        assert not nt._fwd_config(n, False).tail
+        assert not nt._fwd_config(n)[2]
         assert not nt._bwd_config(n, True).tail and not nt._bwd_config(n, False).tail
     assert nt._bwd_config(16384, False).wide and nt._bwd_config(14336, False).wide
-
-
-def test_launch_table_wide_forward():
-    """RMSNorm's forward takes the two-pass kernel at the widths of WIDE_RMS_FWD only (LayerNorm never), with their
-    warps and chunks; ``wide`` named against the table gives the other kernel its own table's geometry."""
-    from megakern import _norm_triton as nt
-
-    for n in (1024, 2048, 3072, 4096, 5120, 8192, 9216, 10240, 12288, 14336, 16384, 32768):
-        assert not nt._fwd_config(n, False).wide
-        assert nt._fwd_config(n, True).wide == (n in nt.WIDE_RMS_FWD)
-    assert nt._fwd_config(9216, True) == (1, 8, False, True, 2048)
-    assert nt._fwd_config(16384, True) == (1, 16, False, True, 4096)
-    assert nt._fwd_config(5120, True) == nt._fwd_register_config(5120) == (1, 4, True, False, 4096)
-    x = torch.randn(3, 4096, device=DEVICE)
-    w = torch.randn(4096, device=DEVICE)
-    want = nt.fwd(x, None, w, None, 1e-5, True, wide=False)
-    for got in (nt.fwd(x, None, w, None, 1e-5, True), nt.fwd(x, None, w, None, 1e-5, True, wide=True, chunk=512)):
-        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(got[3], want[3], rtol=1e-5, atol=1e-6)
 
 
 def test_backward_launch_overrides():
