@@ -78,9 +78,10 @@ def check(configs, own_ranges: bool = False) -> bool:
 
 
 def run_bench(hss, seqs, masks, configs, heads=(None,), own_ranges: bool = False, graph: bool = False,
-              vector_stores: bool = False) -> None:
+              vector_stores: bool = False, turns: bool = False) -> None:
     """TFLOP/s of the forward: Triton's, the Gluon one (each of ``configs``, or the default tiles; ``vector_stores``:
-    also with the output by 16-byte stores in place of TMA stores), SDPA's flash and cuDNN kernels."""
+    also with the output by 16-byte stores in place of TMA stores; ``turns``: with the ping-pong warpgroups taking
+    turns and without, in place of default_turns), SDPA's flash and cuDNN kernels."""
     dev = torch.device("cuda")
     peak = measure_matmul_tflops(dev)
     print(f"bf16 matmul {peak:.1f} TFLOP/s")
@@ -98,11 +99,13 @@ def run_bench(hss, seqs, masks, configs, heads=(None,), own_ranges: bool = False
                     for hg in heads:
                         for own in _variants((hs, *cfg), own_ranges):
                             for o_tma in (True, False) if vector_stores else (True,):
-                                runs.append((f"gluon {cfg}{' own ranges' if own else ''} heads {hg}"
-                                             f"{'' if o_tma else ' 16-byte stores'}",
-                                             lambda c=cfg, hg=hg, own=own, o_tma=o_tma: glu.fwd(
-                                                 q, k, v, causal, hs ** -0.5, c, heads=hg, own_ranges=own,
-                                                 o_tma=o_tma)))
+                                for turn in (True, False) if turns else (None,):
+                                    runs.append((f"gluon {cfg}{' own ranges' if own else ''} heads {hg}"
+                                                 f"{'' if o_tma else ' 16-byte stores'}"
+                                                 f"{'' if turn is None else ' turns' if turn else ' no turns'}",
+                                                 lambda c=cfg, hg=hg, own=own, o_tma=o_tma, turn=turn: glu.fwd(
+                                                     q, k, v, causal, hs ** -0.5, c, heads=hg, own_ranges=own,
+                                                     o_tma=o_tma, turns=turn)))
                 for name, backend in (("sdpa-flash", SDPBackend.FLASH_ATTENTION),
                                       ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
                     def fn(backend=backend):
@@ -268,6 +271,8 @@ def main() -> None:
                    help="192-row configurations also with each warpgroup's own key ranges")
     p.add_argument("--vector-stores", action="store_true",
                    help="--bench: the Gluon forward also with its output by 16-byte stores (o_tma=False)")
+    p.add_argument("--turns", action="store_true",
+                   help="--bench: the Gluon forward with its ping-pong warpgroups taking turns and without")
     p.add_argument("--heads", default="", help="tile orders to time: (batch, head) pairs per group, comma "
                    "separated, 0 for all in one group")
     a = p.parse_args()
@@ -285,7 +290,7 @@ def main() -> None:
         host()
     if a.bench:
         run_bench([int(h) for h in a.hs.split(",")], [int(s) for s in a.seq.split(",")], a.masks.split(","),
-                  configs, heads, a.own_ranges, a.graph, a.vector_stores)
+                  configs, heads, a.own_ranges, a.graph, a.vector_stores, a.turns)
 
 
 if __name__ == "__main__":
