@@ -5,7 +5,7 @@ The forward:
   shared-memory slots); the consumer warps (two warpgroups, 64 query rows each) only do tensor-core and softmax work.
   Ready / empty mbarriers hand each slot back and forth.
 - Ping-pong: the two consumer warpgroups take turns issuing their matmuls (an mbarrier per turn), so one's softmax
-  runs while the other's matmuls keep the tensor cores busy.
+  runs while the other's matmuls keep the tensor cores busy (``default_turns``: not at head dim 64's short tiles).
 - Persistent: one program per SM walks its list of tiles; while the consumers finish a tile (the last P V, the
   normalization, the stores), the producer already loads the next tile's q, k and v. The lists (``_schedule``) keep
   the tiles of a few heads running together, so the k and v they stream come from L2 rather than HBM, and balance the
