@@ -650,6 +650,25 @@ def test_gluon_forward(case, dtype, layout):
     _assert_grads(grads, q, k, v, dout, causal, dtype)
 
 
+def _gluon_forward_layout(case, layout, tag):
+    """(q, k, v, causal, hs, config) of a GLUON_CASES case in one of the forward's layouts (ping-pong, one
+    consumer, three consumers); skips where the layout or the Gluon forward does not apply."""
+    from megakern import _attention_gluon as g
+
+    b, tq, tk, nh, nkv, hs, causal = case
+    if layout == "three-consumers" and hs not in g.CONFIGS_THREE:
+        pytest.skip(f"three consumer warpgroups take head dims {tuple(g.CONFIGS_THREE)}")
+    seed(tag, case, layout)
+    q, k, v = _qkv(b, tq, tk, nh, nkv, hs, torch.bfloat16)
+    if not g.supported(q, k, v, causal, (-1, 0 if causal else -1), None):
+        pytest.skip("the Gluon forward needs an sm_90 GPU and Triton with Gluon")
+    block_m, block_n, warps, bufs, _ = g.CONFIGS[g.block_d(hs)]
+    config = {"pingpong": (block_m, block_n, warps, bufs, True),
+              "one-consumer": (block_m, block_n, 2 * warps, bufs, False),
+              "three-consumers": g.CONFIGS_THREE.get(hs, (None,))[0]}[layout]
+    return q, k, v, causal, hs, config
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ("pingpong", "one-consumer", "three-consumers"))
 @pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: "x".join(map(str, c)))
@@ -658,17 +677,7 @@ def test_gluon_forward_o_tma(case, layout):
     last tiles (rows past T clipped) and head dim 96 (columns past it clipped) included."""
     from megakern import _attention_gluon as g
 
-    b, tq, tk, nh, nkv, hs, causal = case
-    if layout == "three-consumers" and hs not in g.CONFIGS_THREE:
-        pytest.skip(f"three consumer warpgroups take head dims {tuple(g.CONFIGS_THREE)}")
-    seed("gluon-o-tma", case, layout)
-    q, k, v = _qkv(b, tq, tk, nh, nkv, hs, torch.bfloat16)
-    if not g.supported(q, k, v, causal, (-1, 0 if causal else -1), None):
-        pytest.skip("the Gluon forward needs an sm_90 GPU and Triton with Gluon")
-    block_m, block_n, warps, bufs, _ = g.CONFIGS[g.block_d(hs)]
-    config = {"pingpong": (block_m, block_n, warps, bufs, True),
-              "one-consumer": (block_m, block_n, 2 * warps, bufs, False),
-              "three-consumers": g.CONFIGS_THREE.get(hs, (None,))[0]}[layout]
+    q, k, v, causal, hs, config = _gluon_forward_layout(case, layout, "gluon-o-tma")
     want = g.fwd(q, k, v, causal, hs ** -0.5, config, o_tma=False)
     got = g.fwd(q, k, v, causal, hs ** -0.5, config, o_tma=True)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
@@ -683,16 +692,7 @@ def test_gluon_forward_without_turns(case, layout):
     included."""
     from megakern import _attention_gluon as g
 
-    b, tq, tk, nh, nkv, hs, causal = case
-    if layout == "three-consumers" and hs not in g.CONFIGS_THREE:
-        pytest.skip(f"three consumer warpgroups take head dims {tuple(g.CONFIGS_THREE)}")
-    seed("gluon-no-turns", case, layout)
-    q, k, v = _qkv(b, tq, tk, nh, nkv, hs, torch.bfloat16)
-    if not g.supported(q, k, v, causal, (-1, 0 if causal else -1), None):
-        pytest.skip("the Gluon forward needs an sm_90 GPU and Triton with Gluon")
-    block_m, block_n, warps, bufs, _ = g.CONFIGS[g.block_d(hs)]
-    config = {"pingpong": (block_m, block_n, warps, bufs, True),
-              "three-consumers": g.CONFIGS_THREE.get(hs, (None,))[0]}[layout]
+    q, k, v, causal, hs, config = _gluon_forward_layout(case, layout, "gluon-no-turns")
     want = g.fwd(q, k, v, causal, hs ** -0.5, config, turns=True)
     got = g.fwd(q, k, v, causal, hs ** -0.5, config, turns=False)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
