@@ -517,12 +517,13 @@ def _programs(rows: int, device: torch.device, per_sm: int = 1) -> int:
 
 
 def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | None = None,
-        rows_per_program: int | None = None, wide: bool = False, chunk: int = 4096, stages: int = 2,
+        rows_per_program: int | None = None, wide: bool = False, chunk: int = 4096, stages: int = 1,
         tail: bool | None = None):
     """(y, residual_out | None, mean | None, rstd) for 2-D ``x``; ``num_warps`` and ``rows_per_program`` override
     the defaults (tuning). ``wide``: the two-pass kernel for rows too wide for registers, a row a program, ``chunk``
-    columns at a time with ``stages`` of them in flight (measured level with or behind rows in registers up to
-    hidden 32768 under graph replay: docs/tuning.md). ``tail``: a row as two power-of-two tiles where ``tail_split`` has them (no effect elsewhere);
+    columns at a time (measured level with or behind rows in registers up to hidden 32768 under graph replay:
+    docs/tuning.md); ``stages`` > 1 has Triton pipeline its loops through shared memory (cp.async, barriers),
+    measured slower. ``tail``: a row as two power-of-two tiles where ``tail_split`` has them (no effect elsewhere);
     None: as the launch table says.
     """
     rows, n = x.shape
