@@ -1,0 +1,131 @@
+"""Resources of the norm and cross-entropy Triton kernels compiled for sm_90, without a GPU.
+
+Compiles a kernel with the specializations a launch on aligned tensors gets (pointers, strides and the row length
+divisible by 16; without them the loads are not vectorized and the figures mean nothing), for sm_90, and reads the
+cubin with the cuobjdump that ships with Triton: registers a thread, bytes spilled to local memory, SASS
+instructions and barriers (BAR), the local loads and stores (LDL, STL) and shared memory. Figures are those of this
+machine's Triton and its ptxas: install the Triton the GPU machines run (3.6) to read theirs.
+
+    python profiles/sass_sm90.py norm --ops rms,ln --hidden 9216,12288 --warps 4,8,16 [--tail] [--rows 1]
+                                      [--backward [--prefetch]] [--residual]
+    python profiles/sass_sm90.py ce --blocks 8192,16384,32768 --warps 32 [--smoothing] [--softcap]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+os.environ.setdefault("TRITON_INTERPRET", "0")  # real kernels: an interpreted one has nothing to compile
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from megakern import _cross_entropy_triton, _norm_triton  # noqa: E402
+
+
+def compile_sm90(fn, constexprs: dict, types: dict, warps: int):
+    """``fn`` compiled for sm_90: arguments in ``constexprs`` as constants, the others typed by ``types`` (i32 when
+    absent); pointers, strides and the names in ``types`` marked "/16" (stripped) divisible by 16."""
+    signature, divisible = {}, []
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+            continue
+        kind = types.get(name, "i32")
+        signature[name] = kind.removesuffix("/16")
+        if kind.startswith("*") or kind.endswith("/16") or name.startswith("stride"):
+            divisible.append((i,))
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs,
+                       attrs={key: [["tt.divisibility", 16]] for key in divisible})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+
+
+def resources(compiled) -> str:
+    """One line of the compiled kernel's resources, read from its cubin."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([tool, "--dump-resource-usage", cubin.name], capture_output=True, text=True,
+                               check=True).stdout
+        sass = subprocess.run([tool, "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
+    code = [line.split("*/", 1)[1].strip() for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
+
+    def count(opcode: str) -> int:
+        return sum(1 for line in code if re.match(r"(@!?U?P\w+ )?" + opcode + r"\b", line))
+
+    regs, spill = re.search(r"REG:(\d+)", usage).group(1), re.search(r"STACK:(\d+)", usage).group(1)
+    return (f"regs {regs:>3} spilled {spill:>4} B  instructions {len(code):5d}  BAR {count('BAR'):3d}  "
+            f"LDL {count('LDL'):3d}  STL {count('STL'):3d}  shared {compiled.metadata.shared} B")
+
+
+NORM_POINTERS = {"X", "RES", "W", "B", "Y", "RES_OUT", "DY", "DRES_OUT", "DX"}
+NORM_FP32 = {"MEAN", "RSTD", "DRES", "DW_PARTIAL", "DB_PARTIAL"}
+
+
+def norm_row(is_rms: bool, n: int, warps: int, tail: bool, rows: int, backward: bool, prefetch: bool,
+             residual: bool) -> str:
+    """The register kernel (forward or backward) of one geometry, as its launcher would compile it."""
+    split = _norm_triton.tail_split(n) if tail else None
+    head, tail_cols = split or (triton.next_power_of_2(n), 0)
+    types = {name: "*bf16" for name in NORM_POINTERS} | {name: "*fp32" for name in NORM_FP32} | {
+        "eps": "fp32", "N": "i32/16"}
+    flags = dict(IS_RMS=is_rms, HAS_W=True, BLOCK_M=rows, BLOCK_N=head, BLOCK_T=tail_cols)
+    if backward:
+        fn = _norm_triton._norm_bwd_kernel
+        flags |= dict(HAS_DW=True, HAS_DB=not is_rms, HAS_DRES_OUT=residual, HAS_DRES=False, PREFETCH=prefetch)
+    else:
+        fn = _norm_triton._norm_fwd_kernel
+        flags |= dict(HAS_RES=residual, HAS_B=not is_rms)
+    label = (f"{'rms' if is_rms else 'ln '} {'bwd' if backward else 'fwd'} {n:5d} warps {warps:2d} rows {rows} "
+             f"tiles {(head, tail_cols) if tail_cols else head}{' prefetch' if backward and prefetch else ''}")
+    return f"{label:58s} {resources(compile_sm90(fn, flags, types, warps))}"
+
+
+def ce_row(block: int, warps: int, smoothing: bool, softcap: bool) -> str:
+    """The cross-entropy kernel with the gradient, as its launcher would compile it."""
+    types = {"LOGITS": "*bf16", "GRAD": "*bf16", "TARGETS": "*i64", "LOSS": "*fp32", "LSE": "*fp32",
+             "SCALE": "*fp32", "label_smoothing": "fp32", "softcap": "fp32", "V": "i32/16"}
+    flags = dict(HAS_SMOOTHING=smoothing, HAS_SOFTCAP=softcap, HAS_GRAD=True, BLOCK_V=block)
+    compiled = compile_sm90(_cross_entropy_triton._cross_entropy_kernel, flags, types, warps)
+    label = f"ce block {block:5d} warps {warps:2d}{' smoothing' if smoothing else ''}{' softcap' if softcap else ''}"
+    return f"{label:58s} {resources(compiled)}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="kernel", required=True)
+    norm = sub.add_parser("norm")
+    norm.add_argument("--ops", default="rms,ln")
+    norm.add_argument("--hidden", default="9216")
+    norm.add_argument("--warps", default="4,8,16")
+    norm.add_argument("--rows", type=int, default=1)
+    norm.add_argument("--tail", action="store_true", help="the row as two power-of-two tiles (tail_split)")
+    norm.add_argument("--backward", action="store_true")
+    norm.add_argument("--prefetch", action="store_true", help="--backward: the next step's rows loaded ahead")
+    norm.add_argument("--residual", action="store_true")
+    ce = sub.add_parser("ce")
+    ce.add_argument("--blocks", default="16384")
+    ce.add_argument("--warps", default="32")
+    ce.add_argument("--smoothing", action="store_true")
+    ce.add_argument("--softcap", action="store_true")
+    args = parser.parse_args(argv)
+    print(f"triton {triton.__version__}, sm_90")
+    if args.kernel == "norm":
+        for op in args.ops.split(","):
+            for n in map(int, args.hidden.split(",")):
+                for warps in map(int, args.warps.split(",")):
+                    print(norm_row(op == "rms", n, warps, args.tail, args.rows, args.backward, args.prefetch,
+                                   args.residual), flush=True)
+    else:
+        for block in map(int, args.blocks.split(",")):
+            for warps in map(int, args.warps.split(",")):
+                print(ce_row(block, warps, args.smoothing, args.softcap), flush=True)
+
+
+if __name__ == "__main__":
+    main()
