@@ -39,9 +39,29 @@ def _fwd_part(X, RES, RES_OUT, rows, cols, mask, stride_xm, stride_resm, stride_
 
 
 @triton.jit
+def _row_sum(v, BLOCK_M: tl.constexpr):
+    """The sums of the rows of a (BLOCK_M, n) tile; of one row, a scalar. A scalar has no layout: the sums of a
+    row's two tiles (whose layouts differ where the tail tile is narrower than the threads' 16-byte groups) add,
+    and broadcast back over both, without conversions through shared memory and their barriers."""
+    if BLOCK_M == 1:
+        return tl.sum(v)
+    else:
+        return tl.sum(v, axis=1)
+
+
+@triton.jit
+def _col(v, BLOCK_M: tl.constexpr):
+    """A statistic of ``_row_sum`` made to broadcast over the rows' tile: (BLOCK_M, 1), or the scalar as it is."""
+    if BLOCK_M == 1:
+        return v
+    else:
+        return v[:, None]
+
+
+@triton.jit
 def _fwd_out(Y, W, B, xc, rstd, rows, cols, col_mask, mask, stride_ym, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
-    """y = xc * rstd (* w) (+ b) of the rows' columns ``cols``, stored."""
-    y = xc * rstd[:, None]
+    """y = xc * rstd (* w) (+ b) of the rows' columns ``cols``, stored; ``rstd`` as ``_col`` makes it."""
+    y = xc * rstd
     if HAS_W:
         y = y * tl.load(W + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)[None, :]
     if HAS_B:
@@ -70,29 +90,29 @@ def _norm_fwd_kernel(
         col_mask_t = cols_t < N
         mask_t = row_mask[:, None] & col_mask_t[None, :]
         x_t = _fwd_part(X, RES, RES_OUT, rows, cols_t, mask_t, stride_xm, stride_resm, stride_resoutm, HAS_RES)
-    # statistics in fp32
+    # statistics in fp32 (scalars for one row: _row_sum)
     if IS_RMS:
         xc = x
-        ss = tl.sum(xc * xc, axis=1)
+        ss = _row_sum(xc * xc, BLOCK_M)
         if BLOCK_T > 0:
             xc_t = x_t
-            ss += tl.sum(xc_t * xc_t, axis=1)
+            ss += _row_sum(xc_t * xc_t, BLOCK_M)
     else:
-        total = tl.sum(x, axis=1)
+        total = _row_sum(x, BLOCK_M)
         if BLOCK_T > 0:
-            total += tl.sum(x_t, axis=1)
+            total += _row_sum(x_t, BLOCK_M)
         mean = total / N
-        xc = tl.where(mask, x - mean[:, None], 0.0)
-        ss = tl.sum(xc * xc, axis=1)
+        xc = tl.where(mask, x - _col(mean, BLOCK_M), 0.0)
+        ss = _row_sum(xc * xc, BLOCK_M)
         if BLOCK_T > 0:
-            xc_t = tl.where(mask_t, x_t - mean[:, None], 0.0)
-            ss += tl.sum(xc_t * xc_t, axis=1)
+            xc_t = tl.where(mask_t, x_t - _col(mean, BLOCK_M), 0.0)
+            ss += _row_sum(xc_t * xc_t, BLOCK_M)
         tl.store(MEAN + rows, mean, mask=row_mask)
     rstd = 1.0 / tl.sqrt(ss / N + eps)
     tl.store(RSTD + rows, rstd, mask=row_mask)
-    _fwd_out(Y, W, B, xc, rstd, rows, cols, col_mask, mask, stride_ym, HAS_W, HAS_B)
+    _fwd_out(Y, W, B, xc, _col(rstd, BLOCK_M), rows, cols, col_mask, mask, stride_ym, HAS_W, HAS_B)
     if BLOCK_T > 0:
-        _fwd_out(Y, W, B, xc_t, rstd, rows, cols_t, col_mask_t, mask_t, stride_ym, HAS_W, HAS_B)
+        _fwd_out(Y, W, B, xc_t, _col(rstd, BLOCK_M), rows, cols_t, col_mask_t, mask_t, stride_ym, HAS_W, HAS_B)
 
 
 @triton.jit
