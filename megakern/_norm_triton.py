@@ -190,16 +190,22 @@ def _load_bwd_tile(X, DY, rows, row_end, cols, col_mask, stride_xm, stride_dym):
 
 
 @triton.jit
-def _load_bwd_rows(X, DY, MEAN, RSTD, rows, row_end, cols, col_mask, stride_xm, stride_dym, IS_RMS: tl.constexpr):
-    """One step's rows of x and dy (as stored), and their statistics; rows past ``row_end`` read as zeros."""
-    row_mask = rows < row_end
-    rows64 = rows.to(tl.int64)
-    x, dy = _load_bwd_tile(X, DY, rows, row_end, cols, col_mask, stride_xm, stride_dym)
-    rstd = tl.load(RSTD + rows64, mask=row_mask, other=0.0)
+def _load_bwd_rows(X, DY, MEAN, RSTD, row0, row_end, cols, col_mask, stride_xm, stride_dym, IS_RMS: tl.constexpr,
+                   BLOCK_M: tl.constexpr):
+    """The step's rows row0 .. + BLOCK_M - 1 of x and dy (as stored), and their statistics (one row's as scalars,
+    see _row_sum); rows past ``row_end`` read as zeros."""
+    x, dy = _load_bwd_tile(X, DY, row0 + tl.arange(0, BLOCK_M), row_end, cols, col_mask, stride_xm, stride_dym)
+    if BLOCK_M == 1:
+        at = row0  # a row index: int32 is enough for the statistics
+        live = row0 < row_end
+    else:
+        at = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+        live = row0 + tl.arange(0, BLOCK_M) < row_end
+    rstd = tl.load(RSTD + at, mask=live, other=0.0)
     if IS_RMS:
         mean = rstd
     else:
-        mean = tl.load(MEAN + rows64, mask=row_mask, other=0.0)
+        mean = tl.load(MEAN + at, mask=live, other=0.0)
     return x, dy, mean, rstd
 
 
@@ -219,13 +225,13 @@ def _bwd_columns(W, first, N, BLOCK: tl.constexpr, HAS_W: tl.constexpr):
 
 @triton.jit
 def _bwd_xhat_g(x, dy, w, mean, rstd, mask, IS_RMS: tl.constexpr, HAS_W: tl.constexpr):
-    """(dy, xhat, g = dy * w) in fp32 of one tile of a step's rows."""
+    """(dy, xhat, g = dy * w) in fp32 of one tile of a step's rows; ``mean`` and ``rstd`` as ``_col`` makes them."""
     x = x.to(tl.float32)
     dy = dy.to(tl.float32)
     if IS_RMS:
-        xhat = x * rstd[:, None]
+        xhat = x * rstd
     else:
-        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        xhat = tl.where(mask, (x - mean) * rstd, 0.0)
     g = dy * w[None, :] if HAS_W else dy
     return dy, xhat, g
 
@@ -235,11 +241,11 @@ def _bwd_dx_out(DRES_OUT, DX, DRES, g, xhat, mean_gx, mean_g, rstd, rows64, cols
                 stride_dresoutm, stride_dxm, stride_dresm, IS_RMS: tl.constexpr, HAS_DRES_OUT: tl.constexpr,
                 HAS_DRES: tl.constexpr):
     """dx = rstd * (g - xhat * mean(g * xhat) - mean(g)) (RMSNorm: no mean(g)) of one tile, plus the residual's
-    gradient, stored (and in fp32 to DRES)."""
-    dx = g - xhat * mean_gx[:, None]
+    gradient, stored (and in fp32 to DRES); the statistics as ``_col`` makes them."""
+    dx = g - xhat * mean_gx
     if not IS_RMS:
-        dx = dx - mean_g[:, None]
-    dx = dx * rstd[:, None]
+        dx = dx - mean_g
+    dx = dx * rstd
     if HAS_DRES_OUT:
         dx = dx + tl.load(DRES_OUT + rows64[:, None] * stride_dresoutm + cols[None, :], mask=mask,
                           other=0.0).to(tl.float32)
@@ -267,8 +273,7 @@ def _norm_bwd_kernel(
     row_end = tl.minimum(row_start + rows_per_program, M)
     if PREFETCH:  # the next step's rows are loaded before this step's math: their latency hides under it
         x_next, dy_next, mean_next, rstd_next = _load_bwd_rows(
-            X, DY, MEAN, RSTD, row_start + tl.arange(0, BLOCK_M), row_end, cols, col_mask, stride_xm, stride_dym,
-            IS_RMS)
+            X, DY, MEAN, RSTD, row_start, row_end, cols, col_mask, stride_xm, stride_dym, IS_RMS, BLOCK_M)
         if BLOCK_T > 0:
             x_next_t, dy_next_t = _load_bwd_tile(X, DY, row_start + tl.arange(0, BLOCK_M), row_end, cols_t,
                                                  col_mask_t, stride_xm, stride_dym)
@@ -277,35 +282,40 @@ def _norm_bwd_kernel(
         if PREFETCH:
             x, dy, mean, rstd = x_next, dy_next, mean_next, rstd_next
             x_next, dy_next, mean_next, rstd_next = _load_bwd_rows(
-                X, DY, MEAN, RSTD, rows + BLOCK_M, row_end, cols, col_mask, stride_xm, stride_dym, IS_RMS)
+                X, DY, MEAN, RSTD, row0 + BLOCK_M, row_end, cols, col_mask, stride_xm, stride_dym, IS_RMS, BLOCK_M)
             if BLOCK_T > 0:
                 x_t, dy_t = x_next_t, dy_next_t
                 x_next_t, dy_next_t = _load_bwd_tile(X, DY, rows + BLOCK_M, row_end, cols_t, col_mask_t, stride_xm,
                                                      stride_dym)
         else:
-            x, dy, mean, rstd = _load_bwd_rows(X, DY, MEAN, RSTD, rows, row_end, cols, col_mask, stride_xm,
-                                               stride_dym, IS_RMS)
+            x, dy, mean, rstd = _load_bwd_rows(X, DY, MEAN, RSTD, row0, row_end, cols, col_mask, stride_xm,
+                                               stride_dym, IS_RMS, BLOCK_M)
             if BLOCK_T > 0:
                 x_t, dy_t = _load_bwd_tile(X, DY, rows, row_end, cols_t, col_mask_t, stride_xm, stride_dym)
         row_mask = rows < row_end
         rows64 = rows.to(tl.int64)
         mask = row_mask[:, None] & col_mask[None, :]
-        dy, xhat, g = _bwd_xhat_g(x, dy, w, mean, rstd, mask, IS_RMS, HAS_W)
-        sum_gx = tl.sum(g * xhat, axis=1)
+        # the statistics broadcast over the tiles (scalars for one row: no layout conversions between two tiles)
+        mean_c = _col(mean, BLOCK_M)
+        rstd_c = _col(rstd, BLOCK_M)
+        dy, xhat, g = _bwd_xhat_g(x, dy, w, mean_c, rstd_c, mask, IS_RMS, HAS_W)
+        sum_gx = _row_sum(g * xhat, BLOCK_M)
         sum_g = sum_gx  # RMSNorm: unused
         if not IS_RMS:
-            sum_g = tl.sum(g, axis=1)
+            sum_g = _row_sum(g, BLOCK_M)
         if BLOCK_T > 0:
             mask_t = row_mask[:, None] & col_mask_t[None, :]
-            dy_t, xhat_t, g_t = _bwd_xhat_g(x_t, dy_t, w_t, mean, rstd, mask_t, IS_RMS, HAS_W)
-            sum_gx += tl.sum(g_t * xhat_t, axis=1)
+            dy_t, xhat_t, g_t = _bwd_xhat_g(x_t, dy_t, w_t, mean_c, rstd_c, mask_t, IS_RMS, HAS_W)
+            sum_gx += _row_sum(g_t * xhat_t, BLOCK_M)
             if not IS_RMS:
-                sum_g += tl.sum(g_t, axis=1)
+                sum_g += _row_sum(g_t, BLOCK_M)
         # dx = rstd * (g - xhat * mean(g * xhat) - mean(g))   (RMSNorm: no mean(g))
-        _bwd_dx_out(DRES_OUT, DX, DRES, g, xhat, sum_gx / N, sum_g / N, rstd, rows64, cols, mask, stride_dresoutm,
+        mean_gx = _col(sum_gx / N, BLOCK_M)
+        mean_g = _col(sum_g / N, BLOCK_M)
+        _bwd_dx_out(DRES_OUT, DX, DRES, g, xhat, mean_gx, mean_g, rstd_c, rows64, cols, mask, stride_dresoutm,
                     stride_dxm, stride_dresm, IS_RMS, HAS_DRES_OUT, HAS_DRES)
         if BLOCK_T > 0:
-            _bwd_dx_out(DRES_OUT, DX, DRES, g_t, xhat_t, sum_gx / N, sum_g / N, rstd, rows64, cols_t, mask_t,
+            _bwd_dx_out(DRES_OUT, DX, DRES, g_t, xhat_t, mean_gx, mean_g, rstd_c, rows64, cols_t, mask_t,
                         stride_dresoutm, stride_dxm, stride_dresm, IS_RMS, HAS_DRES_OUT, HAS_DRES)
         # partial dweight / dbias stay in registers across this program's rows
         if HAS_DW:
@@ -367,7 +377,7 @@ def _norm_bwd_wide_kernel(
             dy = tl.load(dy_rows + cols[None, :], mask=m, other=0.0, eviction_policy="evict_last")
             if HAS_W:
                 w = tl.load(W + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-            dy, xhat, g = _bwd_xhat_g(x, dy, w, mean, rstd, m, IS_RMS, HAS_W)
+            dy, xhat, g = _bwd_xhat_g(x, dy, w, mean[:, None], rstd[:, None], m, IS_RMS, HAS_W)
             lane_gx += g * xhat
             if not IS_RMS:
                 lane_g += g
@@ -382,8 +392,9 @@ def _norm_bwd_wide_kernel(
             dy = tl.load(dy_rows + cols[None, :], mask=m, other=0.0, eviction_policy="evict_first")
             if HAS_W:
                 w = tl.load(W + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-            dy, xhat, g = _bwd_xhat_g(x, dy, w, mean, rstd, m, IS_RMS, HAS_W)
-            _bwd_dx_out(DRES_OUT, DX, DRES, g, xhat, mean_gx, mean_g, rstd, rows, cols, m, stride_dresoutm,
+            dy, xhat, g = _bwd_xhat_g(x, dy, w, mean[:, None], rstd[:, None], m, IS_RMS, HAS_W)
+            _bwd_dx_out(DRES_OUT, DX, DRES, g, xhat, mean_gx[:, None], mean_g[:, None], rstd[:, None], rows, cols, m,
+                        stride_dresoutm,
                         stride_dxm, stride_dresm, IS_RMS, HAS_DRES_OUT, HAS_DRES)
             if HAS_DW:
                 dw_at = DW_PARTIAL + part_row + cols
@@ -409,15 +420,14 @@ def _norm_bwd_dwdb_kernel(
     dw = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
     db = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
     for row0 in range(row_start, row_end, BLOCK_M):
-        rows = row0 + tl.arange(0, BLOCK_M)
-        x, dy, mean, rstd = _load_bwd_rows(X, DY, MEAN, RSTD, rows, row_end, cols, col_mask, stride_xm, stride_dym,
-                                           IS_RMS)
+        x, dy, mean, rstd = _load_bwd_rows(X, DY, MEAN, RSTD, row0, row_end, cols, col_mask, stride_xm, stride_dym,
+                                           IS_RMS, BLOCK_M)
         dy = dy.to(tl.float32)
         if HAS_DW:  # rows past the end read x, dy and rstd as zeros: they add nothing
             if IS_RMS:
-                dw += dy * (x.to(tl.float32) * rstd[:, None])
+                dw += dy * (x.to(tl.float32) * _col(rstd, BLOCK_M))
             else:
-                dw += dy * ((x.to(tl.float32) - mean[:, None]) * rstd[:, None])
+                dw += dy * ((x.to(tl.float32) - _col(mean, BLOCK_M)) * _col(rstd, BLOCK_M))
         if HAS_DB:
             db += dy
     if HAS_DW:
