@@ -102,7 +102,10 @@ def _norm_fwd_kernel(
         if BLOCK_T > 0:
             total += _row_sum(x_t, BLOCK_M)
         mean = total / N
-        xc = tl.where(mask, x - _col(mean, BLOCK_M), 0.0)
+        if BLOCK_T > 0 and BLOCK_M == 1:  # the head tile of a row of two holds only columns < N: nothing masked
+            xc = x - _col(mean, BLOCK_M)
+        else:
+            xc = tl.where(mask, x - _col(mean, BLOCK_M), 0.0)
         ss = _row_sum(xc * xc, BLOCK_M)
         if BLOCK_T > 0:
             xc_t = tl.where(mask_t, x_t - _col(mean, BLOCK_M), 0.0)
