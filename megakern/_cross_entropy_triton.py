@@ -67,7 +67,9 @@ def _cross_entropy_kernel(
             if HAS_SOFTCAP:
                 z = tl.where(mask, _softcapped(z, softcap, HAS_SOFTCAP), float("-inf"))
             m_new = tl.maximum(m, tl.max(z, axis=0))
-            d = d * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+            # while every logit so far is -inf, shift by 0 (-inf - -inf would make d NaN)
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            d = d * tl.exp(m - m_ref) + tl.sum(tl.exp(z - m_ref), axis=0)
             if HAS_SMOOTHING:
                 z_sum += tl.sum(tl.where(mask, z, 0.0), axis=0)
             m = m_new

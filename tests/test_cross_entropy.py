@@ -13,6 +13,7 @@ import importlib
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import ATOL, DEVICE, HAS_CUDA, assert_close_to_ref, require_triton, seed
 
 ce = importlib.import_module("megakern.cross_entropy")  # the module (megakern.cross_entropy is also the function)
@@ -240,6 +241,35 @@ def test_kernel_makes_out_of_range_targets_nan():
     targets = torch.tensor([3, 70, -100, -5], device=DEVICE)
     loss, _ = _cross_entropy_triton.fwd(logits, targets, None, None, -100, 0.0, None)
     assert torch.isfinite(loss[0]) and torch.isnan(loss[1]) and loss[2] == 0 and torch.isnan(loss[3])
+
+
+@pytest.mark.parametrize("smoothing", (0.0, 0.1))
+def test_kernel_masked_and_nan_logits(smoothing):
+    """Logits of -inf (a masked vocabulary), in some lanes of every block, in whole blocks, and as a row's first
+    block: the loss, lse and gradient of torch's fp64 cross-entropy; a NaN logit in one block makes its row's loss
+    and lse NaN and leaves the other rows alone."""
+    require_triton()
+    from megakern import _cross_entropy_triton as kern
+
+    v, block = 200, 32
+    logits = torch.randn(5, v, device=DEVICE, dtype=torch.float32) * 4
+    logits[0, 1::3] = float("-inf")  # lanes of every block
+    logits[1, 64:128] = float("-inf")  # whole blocks
+    logits[2, :block] = float("-inf")  # the first block: every lane starts at -inf
+    logits[3, 150:] = float("-inf")  # the last, partial block
+    logits[4, 77] = float("nan")
+    targets = torch.tensor([0, 5, 40, 3, 9], device=DEVICE)
+    grad = torch.empty_like(logits)
+    scale = torch.ones(1, device=DEVICE)
+    loss, lse = kern.fwd(logits, targets, grad, scale, -100, smoothing, None, block=block)
+    assert torch.isnan(loss[4]) and torch.isnan(lse[4])
+    if smoothing == 0.0:  # a -inf logit smoothed into the loss makes it inf in torch as here
+        ref = logits[:4].double().requires_grad_(True)
+        want = F.cross_entropy(ref, targets[:4], reduction="none")
+        want.sum().backward()
+        torch.testing.assert_close(loss[:4].double(), want.detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse[:4].double(), torch.logsumexp(ref.detach(), 1), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(grad[:4].double(), ref.grad, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("block, warps", [(16, 1), (32, 2), (64, None)])
