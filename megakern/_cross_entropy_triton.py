@@ -26,7 +26,7 @@ import triton.language as tl
 from megakern._intmath import next_power_of_2
 from megakern._round_triton import rounded
 
-MAX_BLOCK_V = 32768
+DEFAULT_BLOCK_V = 8192
 SCALE_BLOCK, SCALE_WARPS = 4096, 8
 
 
@@ -118,12 +118,12 @@ def _scale_kernel(X, OUT, FACTOR, n, BLOCK: tl.constexpr, ROUND_BY_BITS: tl.cons
 
 
 def block_v(vocab: int, device: torch.device) -> tuple[int, int]:
-    """(BLOCK_V, num_warps) for a row of ``vocab`` logits: whole rows up to 32768 on a GPU (one pass over a row per
-    loop), 32 warps for the long ones; small blocks under the interpreter."""
+    """(BLOCK_V, num_warps) for a row of ``vocab`` logits: blocks of up to 8192 at 8 warps on a GPU (4 below 1024;
+    measured under graph replay at V 32000-202048, docs/tuning.md), small blocks under the interpreter."""
     if device.type != "cuda":
         return min(next_power_of_2(vocab), 64), 4
-    block = min(next_power_of_2(vocab), MAX_BLOCK_V)
-    return block, (32 if block >= 16384 else 16 if block >= 4096 else 8 if block >= 1024 else 4)
+    block = min(next_power_of_2(vocab), DEFAULT_BLOCK_V)
+    return block, (8 if block >= 1024 else 4)
 
 
 def fwd(logits: torch.Tensor, targets: torch.Tensor, grad: torch.Tensor | None, scale: torch.Tensor | None,

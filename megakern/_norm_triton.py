@@ -479,17 +479,26 @@ def tail_split(n: int) -> tuple[int, int] | None:
 
 
 # Launch geometry, measured on the H200 with profiles/tune_norm.py (figures in docs/tuning.md, norms).
-def _fwd_config(n: int) -> tuple[int, int, bool]:
+def _fwd_config(n: int, is_rms: bool) -> tuple[int, int, bool]:
     """(rows per program, warps, tail) for rows of ``n``: below hidden 2048, rows enough for 2048 elements a program
-    at 4 warps (8192 at 8 below 1024); from 2048 one row a program, 4 warps to 2048, 8 to 16384, 32 above; between
-    2048 and 16384 a row that ``tail_split`` takes as two power-of-two tiles as those tiles, at 4 warps."""
+    at 4 warps (8192 at 8 below 1024); from 2048 one row a program, 4 warps to 2048, 8 to 16384 (LayerNorm 4 at
+    4096 and 16 at 16384), 32 above. Between 2048 and 16384 a row that ``tail_split`` takes as two power-of-two
+    tiles as those tiles: at 4 warps, or where the tail is at most a quarter of the head of 4096 or more (5120,
+    9216, 10240), a warp for every 512 of the head's columns (RMSNorm) or 1024 (LayerNorm)."""
     block = _block(n)
     if block < 1024:
         return 8192 // block, 8, False
     if block <= 2048:
         return 2048 // block, 4, False
     if block <= 16384:
-        return (1, 4, True) if tail_split(n) else (1, 8, False)
+        split = tail_split(n)
+        if split:
+            head, tail = split
+            short_tail = head >= 4096 and 4 * tail <= head
+            return 1, (head // (512 if is_rms else 1024) if short_tail else 4), True
+        if not is_rms and block in (4096, 16384):
+            return 1, block // 1024, False
+        return 1, 8, False
     return 1, 32, False
 
 
@@ -581,7 +590,7 @@ def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | No
     """
     rows, n = x.shape
     block = _block(n)
-    default_rows, warps, default_tail = _fwd_config(n)
+    default_rows, warps, default_tail = _fwd_config(n, is_rms)
     rows_per_program, warps = rows_per_program or default_rows, num_warps or warps
     tail = default_tail if tail is None else tail
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device)

@@ -2,7 +2,8 @@
 bf16 logits, the gradient written over them as the fused linear cross-entropy does, against the same-run copy
 bandwidth. GB/s counts the 4 bytes an element a pass must move (read the logits once, write the gradient once; the
 kernel reads a row twice, the second time mostly from L2). Each configuration's loss, log-sum-exp and gradient
-must match the default's before it is timed. The winner becomes block_v's table.
+must match the default's before it is timed, under graph replay (the kernel's GPU time, as in the training step's
+CUDA graph). The winner becomes block_v's table.
 
     python profiles/tune_cross_entropy.py [--rows 8192] [--vocab 50304,128256,151936]
 """
@@ -57,7 +58,7 @@ def main() -> None:
                 continue
             # timed in place, as the fused loss runs it (the gradient becomes the next call's logits: finite values)
             t = bench(lambda: kern.fwd(work, targets, work, scale, IGNORE_INDEX, 0.0, None, block=block,
-                                       warps=warps), device=dev)
+                                       warps=warps), device=dev, graph=True)
             gbps = nbytes / (t["median"] * 1e-3) / 1e9
             print(f"{label}  {t['median'] * 1e3:8.1f} us  {gbps:6.0f} GB/s ({gbps / copy:.2f})", flush=True)
 

@@ -640,15 +640,20 @@ def test_launch_table_tail():
     from megakern import _norm_triton as nt
 
     for n in (2560, 3072, 5120, 6144, 9216, 10240, 12288):
-        assert nt.tail_split(n) and nt._fwd_config(n) == (1, 4, True)
+        assert nt.tail_split(n) and nt._fwd_config(n, False)[::2] == (1, True) == nt._fwd_config(n, True)[::2]
         for is_rms in (True, False):
             config = nt._bwd_config(n, is_rms)
             assert config.tail == (n > 8192) and not config.wide
             if n > 8192:
                 assert nt.resolve_bwd_config(n, is_rms, dict(tail=False)).tail is False
     assert not nt._bwd_config(9216, False).prefetch and nt._bwd_config(9216, True).prefetch
+    # the forward's warps: more where the tail is short beside a head of 4096 or more
+    warps = {n: (nt._fwd_config(n, True)[1], nt._fwd_config(n, False)[1]) for n in (3072, 5120, 9216, 10240, 12288)}
+    assert warps == {3072: (4, 4), 5120: (8, 4), 9216: (16, 8), 10240: (16, 8), 12288: (4, 4)}
+    assert [nt._fwd_config(n, False)[1] for n in (2048, 4096, 8192, 16384)] == [4, 4, 8, 16]
+    assert [nt._fwd_config(n, True)[1] for n in (2048, 4096, 8192, 16384)] == [4, 8, 8, 8]
     for n in (768, 1536, 2048, 4096, 8192, 14336, 16384, 32768):
-        assert not nt._fwd_config(n)[2]
+        assert not nt._fwd_config(n, True)[2] and not nt._fwd_config(n, False)[2]
         assert not nt._bwd_config(n, True).tail and not nt._bwd_config(n, False).tail
     assert nt._bwd_config(16384, False).wide and nt._bwd_config(14336, False).wide
 
