@@ -525,9 +525,9 @@ class BwdConfig(NamedTuple):
 def _bwd_config(n: int, is_rms: bool) -> BwdConfig:
     """Rows in registers up to hidden 8192 (RMSNorm 16384): 16 elements of a step's rows a thread, 16 warps an SM,
     the next step's rows loaded before this step's math. Between 8192 and 16384 a row that ``tail_split`` takes as
-    two power-of-two tiles, as those tiles in registers (LayerNorm too, without loading ahead). Wider rows
-    (LayerNorm from 16384, whose dweight and dbias sums overflow the registers), the two-pass kernel, 4 rows a
-    step."""
+    two power-of-two tiles, as those tiles in registers (LayerNorm too, without loading ahead). LayerNorm's other
+    rows to 16384, whose dweight and dbias sums beside dx overflow the registers: dx in registers alone and the sums
+    by the strips kernel (``split``). Wider rows, the two-pass kernel, 4 rows a step."""
     block = _block(n)
     if block <= 4096:
         warps = max(2, min(16, block // 256))
@@ -538,6 +538,8 @@ def _bwd_config(n: int, is_rms: bool) -> BwdConfig:
         return BwdConfig(1, 16, 1, prefetch=is_rms, tail=True)
     if block <= 16384 and is_rms:
         return BwdConfig(1, 16, 1)
+    if block <= 16384:
+        return BwdConfig(1, 16, 1, split=True, split_geometry=(1024, 4, 8, 2))
     return BwdConfig(4, 8, 2, wide=True, chunk=2048, stages=3)
 
 

@@ -24,7 +24,7 @@ OPS = ("rms_norm", "layer_norm")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # odd sizes (scalar path), 16-byte multiples (vector path), short rows (a warp per row), long rows (streaming)
 SHAPES = [(5, 123, 123), (4, 333, 1024), (2, 300, 8192), (64, 16384), (3, 4097), (2, 3, 65536), (7, 33), (6, 3072),
-          (3, 5, 9216)] if HAS_CUDA \
+          (3, 5, 9216), (5, 14000)] if HAS_CUDA \
     else [(5, 7, 123), (3, 64), (2, 1)]
 SETUPS = ("affine", "residual", "fp32-residual-fp32-weight", "no-affine")
 
@@ -655,7 +655,9 @@ def test_launch_table_tail():
     for n in (768, 1536, 2048, 4096, 8192, 14336, 16384, 32768):
         assert not nt._fwd_config(n, True)[2] and not nt._fwd_config(n, False)[2]
         assert not nt._bwd_config(n, True).tail and not nt._bwd_config(n, False).tail
-    assert nt._bwd_config(16384, False).wide and nt._bwd_config(14336, False).wide
+    # LayerNorm's rows of 14336 and 16384: dx in registers, the dweight / dbias sums by the strips kernel
+    assert all(nt._bwd_config(n, False).split and not nt._bwd_config(n, False).wide for n in (14336, 16384))
+    assert nt._bwd_config(32768, False).wide and nt._bwd_config(32768, True).wide
 
 
 def test_backward_launch_overrides():
