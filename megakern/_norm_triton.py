@@ -417,8 +417,7 @@ def _norm_bwd_wide_kernel(
                 w = tl.load(W + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
             dy, xhat, g = _bwd_xhat_g(x, dy, w, mean[:, None], rstd[:, None], m, IS_RMS, HAS_W)
             _bwd_dx_out(DRES_OUT, DX, DRES, g, xhat, mean_gx[:, None], mean_g[:, None], rstd[:, None], rows, cols, m,
-                        stride_dresoutm,
-                        stride_dxm, stride_dresm, IS_RMS, HAS_DRES_OUT, HAS_DRES)
+                        stride_dresoutm, stride_dxm, stride_dresm, IS_RMS, HAS_DRES_OUT, HAS_DRES)
             if HAS_DW:
                 dw_at = DW_PARTIAL + part_row + cols
                 tl.store(dw_at, tl.load(dw_at, mask=col_mask, other=0.0) + tl.sum(dy * xhat, axis=0), mask=col_mask)
