@@ -75,14 +75,16 @@ def _norm_fwd_kernel(
     stride_xm, stride_resm, stride_ym, stride_resoutm,
     M, N, eps,
     IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr = 0,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr = 0, EVEN_N: tl.constexpr = False,
 ):
     """BLOCK_M rows per program, as a (BLOCK_M, BLOCK_N) tile; BLOCK_T > 0: the columns past BLOCK_N as a second
-    (BLOCK_M, BLOCK_T) tile (a row of 12288 as 8192 + 4096 columns, where one power-of-two tile would hold 16384)."""
+    (BLOCK_M, BLOCK_T) tile (a row of 12288 as 8192 + 4096 columns, where one power-of-two tile would hold 16384).
+    EVEN_N: N == BLOCK_N (no tail), so no column is masked."""
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     row_mask = rows < M
-    col_mask = cols < N
+    # the head tile's columns are all < N where N == BLOCK_N or a tail tile follows: no column mask there
+    col_mask = cols < (BLOCK_N if EVEN_N or BLOCK_T > 0 else N)
     mask = row_mask[:, None] & col_mask[None, :]
     x = _fwd_part(X, RES, RES_OUT, rows, cols, mask, stride_xm, stride_resm, stride_resoutm, HAS_RES)
     if BLOCK_T > 0:
@@ -102,7 +104,7 @@ def _norm_fwd_kernel(
         if BLOCK_T > 0:
             total += _row_sum(x_t, BLOCK_M)
         mean = total / N
-        if BLOCK_T > 0 and BLOCK_M == 1:  # the head tile of a row of two holds only columns < N: nothing masked
+        if EVEN_N or BLOCK_T > 0:  # no masked column in the head tile (a row past M loads zeros: mean 0, xc 0)
             xc = x - _col(mean, BLOCK_M)
         else:
             xc = tl.where(mask, x - _col(mean, BLOCK_M), 0.0)
@@ -227,14 +229,17 @@ def _bwd_columns(W, first, N, BLOCK: tl.constexpr, HAS_W: tl.constexpr):
 
 
 @triton.jit
-def _bwd_xhat_g(x, dy, w, mean, rstd, mask, IS_RMS: tl.constexpr, HAS_W: tl.constexpr):
-    """(dy, xhat, g = dy * w) in fp32 of one tile of a step's rows; ``mean`` and ``rstd`` as ``_col`` makes them."""
+def _bwd_xhat_g(x, dy, w, mean, rstd, mask, IS_RMS: tl.constexpr, HAS_W: tl.constexpr, MASKED: tl.constexpr = True):
+    """(dy, xhat, g = dy * w) in fp32 of one tile of a step's rows; ``mean`` and ``rstd`` as ``_col`` makes them.
+    MASKED False: no column of the tile is masked (a row past the end loads zeros and statistics of 0: xhat 0)."""
     x = x.to(tl.float32)
     dy = dy.to(tl.float32)
     if IS_RMS:
         xhat = x * rstd
-    else:
+    elif MASKED:
         xhat = tl.where(mask, (x - mean) * rstd, 0.0)
+    else:
+        xhat = (x - mean) * rstd
     g = dy * w[None, :] if HAS_W else dy
     return dy, xhat, g
 
@@ -271,12 +276,13 @@ def _norm_bwd_kernel(
     M, N, rows_per_program,
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_DW: tl.constexpr, HAS_DB: tl.constexpr,
     HAS_DRES_OUT: tl.constexpr, HAS_DRES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PREFETCH: tl.constexpr, BLOCK_T: tl.constexpr = 0,
+    PREFETCH: tl.constexpr, BLOCK_T: tl.constexpr = 0, EVEN_N: tl.constexpr = False,
 ):
     """A program's rows, BLOCK_M a step as a (BLOCK_M, BLOCK_N) tile (more loads in flight per program); BLOCK_T >
-    0: the columns past BLOCK_N as a second (BLOCK_M, BLOCK_T) tile, as the forward's."""
+    0: the columns past BLOCK_N as a second (BLOCK_M, BLOCK_T) tile, as the forward's. EVEN_N: N == BLOCK_N."""
     pid = tl.program_id(0)
-    cols, col_mask, w, dw, db = _bwd_columns(W, 0, N, BLOCK_N, HAS_W)
+    # the head tile's columns are all < N where N == BLOCK_N or a tail tile follows: no column mask there
+    cols, col_mask, w, dw, db = _bwd_columns(W, 0, BLOCK_N if EVEN_N or BLOCK_T > 0 else N, BLOCK_N, HAS_W)
     if BLOCK_T > 0:
         cols_t, col_mask_t, w_t, dw_t, db_t = _bwd_columns(W, BLOCK_N, N, BLOCK_T, HAS_W)
     row_start = pid * rows_per_program
@@ -318,11 +324,11 @@ def _norm_bwd_kernel(
                 sum_gx += _row_sum(_rms_gx(x_t, dy_t, w_t, HAS_W), BLOCK_M)
             sum_gx = sum_gx * rstd
             sum_g = sum_gx  # unused
-            dy, xhat, g = _bwd_xhat_g(x, dy, w, mean_c, rstd_c, mask, IS_RMS, HAS_W)
+            dy, xhat, g = _bwd_xhat_g(x, dy, w, mean_c, rstd_c, mask, IS_RMS, HAS_W, not (EVEN_N or BLOCK_T > 0))
             if BLOCK_T > 0:
                 dy_t, xhat_t, g_t = _bwd_xhat_g(x_t, dy_t, w_t, mean_c, rstd_c, mask_t, IS_RMS, HAS_W)
         else:  # (this order of the sums spills least at LayerNorm 12288)
-            dy, xhat, g = _bwd_xhat_g(x, dy, w, mean_c, rstd_c, mask, IS_RMS, HAS_W)
+            dy, xhat, g = _bwd_xhat_g(x, dy, w, mean_c, rstd_c, mask, IS_RMS, HAS_W, not (EVEN_N or BLOCK_T > 0))
             sum_gx = _row_sum(g * xhat, BLOCK_M)
             sum_g = sum_gx  # RMSNorm: unused
             if not IS_RMS:
@@ -611,7 +617,7 @@ def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | No
         split = tail_split(n) if tail else None
         head, tail_cols = split or (block, 0)
         _norm_fwd_kernel[(cdiv(rows, rows_per_program),)](*args, BLOCK_M=rows_per_program, BLOCK_N=head,
-                                                          BLOCK_T=tail_cols, **flags)
+                                                          BLOCK_T=tail_cols, EVEN_N=n == head, **flags)
     return y, res_out, mean, rstd
 
 
@@ -660,7 +666,7 @@ def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype, need_
     else:
         head, tail_cols = (tail_split(n) if config.tail else None) or (block, 0)
         _norm_bwd_kernel[(programs,)](*args, BLOCK_M=config.rows, BLOCK_N=head, PREFETCH=config.prefetch,
-                                      BLOCK_T=tail_cols, **flags)
+                                      BLOCK_T=tail_cols, EVEN_N=n == head, **flags)
     sums = sum_rows(parts, weight.dtype) if parts is not None else None  # summed and cast in one launch
     dw = sums[0] if need_dw else None
     db = sums[-1] if has_db else None

@@ -77,10 +77,11 @@ def norm_row(is_rms: bool, n: int, warps: int, tail: bool, rows: int, backward: 
     flags = dict(IS_RMS=is_rms, HAS_W=True, BLOCK_M=rows, BLOCK_N=head, BLOCK_T=tail_cols)
     if backward:
         fn = _norm_triton._norm_bwd_kernel
-        flags |= dict(HAS_DW=True, HAS_DB=not is_rms, HAS_DRES_OUT=residual, HAS_DRES=False, PREFETCH=prefetch)
+        flags |= dict(HAS_DW=True, HAS_DB=not is_rms, HAS_DRES_OUT=residual, HAS_DRES=False, PREFETCH=prefetch,
+                      EVEN_N=n == head)
     else:
         fn = _norm_triton._norm_fwd_kernel
-        flags |= dict(HAS_RES=residual, HAS_B=not is_rms)
+        flags |= dict(HAS_RES=residual, HAS_B=not is_rms, EVEN_N=n == head)
     label = (f"{'rms' if is_rms else 'ln '} {'bwd' if backward else 'fwd'} {n:5d} warps {warps:2d} rows {rows} "
              f"tiles {(head, tail_cols) if tail_cols else head}{' prefetch' if backward and prefetch else ''}")
     return f"{label:58s} {resources(compile_sm90(fn, flags, types, warps))}"

@@ -205,18 +205,22 @@ def compile_for_sm90() -> list:
     for is_rms, residual in ((True, False), (False, True)):
         flags = dict(IS_RMS=is_rms, HAS_W=True)
         cases = [("fwd", nt._norm_fwd_kernel, dict(flags, HAS_RES=residual, HAS_B=not is_rms, BLOCK_M=1,
-                                                   BLOCK_N=8192, BLOCK_T=0), 8),
+                                                   BLOCK_N=8192, BLOCK_T=0, EVEN_N=False), 8),
+                 ("fwd even", nt._norm_fwd_kernel, dict(flags, HAS_RES=residual, HAS_B=not is_rms, BLOCK_M=1,
+                                                        BLOCK_N=8192, BLOCK_T=0, EVEN_N=True), 8),
                  ("fwd tail", nt._norm_fwd_kernel, dict(flags, HAS_RES=residual, HAS_B=not is_rms, BLOCK_M=1,
-                                                        BLOCK_N=8192, BLOCK_T=4096), 8),
+                                                        BLOCK_N=8192, BLOCK_T=4096, EVEN_N=False), 8),
                  ("bwd", nt._norm_bwd_kernel, dict(flags, HAS_DW=True, HAS_DB=not is_rms, HAS_DRES_OUT=residual,
                                                    HAS_DRES=False, BLOCK_M=1, BLOCK_N=8192, PREFETCH=True,
-                                                   BLOCK_T=0), 16),
+                                                   BLOCK_T=0, EVEN_N=True), 16),
                  ("bwd tail", nt._norm_bwd_kernel, dict(flags, HAS_DW=True, HAS_DB=not is_rms,
                                                         HAS_DRES_OUT=residual, HAS_DRES=False, BLOCK_M=1,
-                                                        BLOCK_N=8192, PREFETCH=True, BLOCK_T=4096), 16),
+                                                        BLOCK_N=8192, PREFETCH=True, BLOCK_T=4096,
+                                                        EVEN_N=False), 16),
                  ("bwd tail no weight", nt._norm_bwd_kernel, dict(flags, HAS_W=False, HAS_DW=False, HAS_DB=False,
                                                                   HAS_DRES_OUT=residual, HAS_DRES=False, BLOCK_M=1,
-                                                                  BLOCK_N=8192, PREFETCH=True, BLOCK_T=4096), 16),
+                                                                  BLOCK_N=8192, PREFETCH=True, BLOCK_T=4096,
+                                                                  EVEN_N=False), 16),
                  ("fwd wide", nt._norm_fwd_wide_kernel, dict(flags, HAS_RES=residual, HAS_B=not is_rms, CHUNK=4096,
                                                              STAGES=2), 8),
                  ("bwd wide", nt._norm_bwd_wide_kernel, dict(flags, HAS_DW=True, HAS_DB=not is_rms,
@@ -240,7 +244,7 @@ def test_kernels_compile_for_sm90():
     from conftest import sm90_lowering
 
     results = sm90_lowering("test_norm", "compile_for_sm90()")
-    assert len(results) == 16, results
+    assert len(results) == 18, results
 
 
 def test_sass_profile_reads_resources():
