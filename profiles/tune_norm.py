@@ -15,7 +15,8 @@ caches the timing process then reads (most of a sweep's time is compilation); 1 
 do_bench, which flushes the L2 before every call; a geometry that wins here only with a cold L2 can lose there.
 ``--against REV``: an A/B in one process: every matched Triton configuration is timed twice in a row, first with
 megakern/_norm_triton.py as it is at the git revision REV (loaded beside the checkout's, importing the checkout's
-other modules), labelled "@REV", then with the checkout's. Options the old module lacks make its row fail.
+other modules), labelled "@REV", then with the checkout's. Options the old module lacks make its row fail. REV may
+also be the path of a copy of that file (a machine whose tree carries no git history, or an older one).
 """
 from __future__ import annotations
 
@@ -188,6 +189,17 @@ def load_revision(rev: str, directory: str):
     """megakern/_norm_triton.py as it is at git revision ``rev``, written into ``directory`` and imported as a module
     of its own (its imports are the checkout's modules)."""
     root = Path(__file__).resolve().parents[1]
+    if rev.endswith(".py"):
+        try:
+            source = Path(rev).read_text()
+        except OSError as exc:
+            raise SystemExit(f"tune_norm: --against {rev!r}: cannot read that file: {exc}")
+        if "def _fwd_config" not in source:
+            raise SystemExit(f"tune_norm: --against {rev!r}: not a copy of megakern/_norm_triton.py "
+                             "(no _fwd_config)")
+        path = Path(directory) / "_norm_triton_against.py"
+        path.write_text(source)
+        return import_path(str(path))
     try:
         source = subprocess.run(["git", "show", f"{rev}:megakern/_norm_triton.py"], cwd=root, capture_output=True,
                                 text=True, check=True).stdout
@@ -248,7 +260,7 @@ def main() -> None:
                         help="regular expression: only the configurations whose label it matches (e.g. 'default|tail')")
     parser.add_argument("--graph", action="store_true", help="time by CUDA-graph replay (no L2 flush)")
     parser.add_argument("--against", metavar="REV", default=None,
-                        help="git revision: its megakern/_norm_triton.py timed beside the checkout's (an A/B)")
+                        help="git revision (or a .py copy of megakern/_norm_triton.py): timed beside the checkout's (an A/B)")
     args = parser.parse_args()
     try:
         match = re.compile(args.match or "")

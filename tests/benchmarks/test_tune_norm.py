@@ -57,3 +57,21 @@ def test_variants(tune):
 def test_against_unknown_revision(tune, tmp_path):
     with pytest.raises(SystemExit, match="--against 'no-such-revision-x'"):
         tune.load_revision("no-such-revision-x", str(tmp_path))
+
+
+def test_against_a_copy_of_the_file(tune, tmp_path):
+    from conftest import require_triton
+
+    require_triton()
+    copy = tmp_path / "norm_copy.py"
+    copy.write_text((REPO / "megakern" / "_norm_triton.py").read_text())
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    old = tune.load_revision(str(copy), str(scratch))
+    assert old.__file__ == str(scratch / "_norm_triton_against.py") and hasattr(old, "_fwd_config")
+    other = tmp_path / "other.py"
+    other.write_text("x = 1\n")
+    with pytest.raises(SystemExit, match="not a copy of megakern/_norm_triton.py"):
+        tune.load_revision(str(other), str(scratch))
+    with pytest.raises(SystemExit, match="cannot read that file"):
+        tune.load_revision(str(tmp_path / "missing.py"), str(scratch))
