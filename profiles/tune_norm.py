@@ -5,19 +5,30 @@ knobs, bf16, against the copy roofline measured in the same run, and the host ti
 input (what a launch costs the CPU). The defaults in the launchers are set from this table.
 
     python profiles/tune_norm.py [--hidden 8192,16384] [--ops rms,ln] [--residual] [--jobs 12] [--rep-ms 500]
+                                 [--match REGEX] [--graph] [--against REV]
 
 ``--residual``: the backward also reads the gradient of the residual stream (the fused residual add of a pre-norm
 block, as in training: one more M x N read), and the sweep covers more programs per SM. ``--jobs``: before the
 timing, that many processes call every configuration once, so that the kernels compile in parallel into the
 caches the timing process then reads (most of a sweep's time is compilation); 1 compiles as it times.
+``--graph``: each configuration timed by CUDA-graph replay (GPU time, as a training step's graph runs it), not by
+do_bench, which flushes the L2 before every call; a geometry that wins here only with a cold L2 can lose there.
+``--against REV``: an A/B in one process: every matched Triton configuration is timed twice in a row, first with
+megakern/_norm_triton.py as it is at the git revision REV (loaded beside the checkout's, importing the checkout's
+other modules), labelled "@REV", then with the checkout's. Options the old module lacks make its row fail. REV may
+also be the path of a copy of that file (a machine whose tree carries no git history, or an older one).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import multiprocessing
 import re
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 from concurrent.futures import ProcessPoolExecutor
 
 import torch
@@ -158,33 +169,80 @@ class Inputs:
         self.stats = {is_rms: _norm_triton.fwd(self.x, None, self.w, None if is_rms else self.b, 1e-5, is_rms)[2:]
                       for is_rms in OPS.values()}
 
-    def call(self, launcher: str, is_rms: bool, kwargs: dict):
-        """One call of ``launcher`` with ``kwargs``."""
+    def call(self, launcher: str, is_rms: bool, kwargs: dict, triton_module=None):
+        """One call of ``launcher`` with ``kwargs``; the Triton launchers from ``triton_module`` (default: the
+        checkout's megakern._norm_triton)."""
         bias = None if is_rms else self.b
         mean, rstd = self.stats[is_rms]
         residual_dtype = self.x.dtype if self.dres is not None else None
+        triton_module = triton_module or _norm_triton
         if launcher == "triton fwd":
-            return _norm_triton.fwd(self.x, None, self.w, bias, 1e-5, is_rms, **kwargs)
+            return triton_module.fwd(self.x, None, self.w, bias, 1e-5, is_rms, **kwargs)
         if launcher == "cuda fwd":
             return _norm_cuda.fwd(self.x, None, self.w, bias, 1e-5, is_rms, **kwargs)
-        module = _norm_triton if launcher == "triton bwd" else _norm_cuda
+        module = triton_module if launcher == "triton bwd" else _norm_cuda
         return module.bwd(self.dy, self.x, self.dres, self.w, mean, rstd, is_rms, residual_dtype, True, not is_rms,
                           **kwargs)
 
 
-def _warm(job: tuple[int, bool, list[str], set[str], str, int, int]) -> int:
+def load_revision(rev: str, directory: str):
+    """megakern/_norm_triton.py as it is at git revision ``rev``, written into ``directory`` and imported as a module
+    of its own (its imports are the checkout's modules)."""
+    root = Path(__file__).resolve().parents[1]
+    if rev.endswith(".py"):
+        try:
+            source = Path(rev).read_text()
+        except OSError as exc:
+            raise SystemExit(f"tune_norm: --against {rev!r}: cannot read that file: {exc}")
+        if "def _fwd_config" not in source:
+            raise SystemExit(f"tune_norm: --against {rev!r}: not a copy of megakern/_norm_triton.py "
+                             "(no _fwd_config)")
+        path = Path(directory) / "_norm_triton_against.py"
+        path.write_text(source)
+        return import_path(str(path))
+    try:
+        source = subprocess.run(["git", "show", f"{rev}:megakern/_norm_triton.py"], cwd=root, capture_output=True,
+                                text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as exc:
+        raise SystemExit(f"tune_norm: --against {rev!r}: cannot read megakern/_norm_triton.py there: "
+                         f"{getattr(exc, 'stderr', '') or exc}".strip())
+    path = Path(directory) / "_norm_triton_against.py"
+    path.write_text(source)
+    return import_path(str(path))
+
+
+def import_path(path: str):
+    """The module at ``path`` (a copy of megakern/_norm_triton.py that ``load_revision`` wrote)."""
+    spec = importlib.util.spec_from_file_location("_norm_triton_against", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def variants(launcher: str, against) -> list:
+    """(label suffix, Triton module) pairs to time ``launcher`` with: the revision's module first where there is
+    one (the CUDA launchers have none), then the checkout's."""
+    if against is None or not launcher.startswith("triton"):
+        return [("", None)]
+    rev, module = against
+    return [(f" @{rev}", module), ("", None)]
+
+
+def _warm(job: tuple[int, bool, list[str], set[str], str, int, int, tuple | None]) -> int:
     """A worker of --jobs: calls every ``parts``-th configuration of hidden size ``n`` from the ``part``-th on once
-    (compiling its kernels into the caches); returns how many ran."""
-    n, residual, ops, launchers, pattern, part, parts = job
+    (compiling its kernels into the caches), with the --against revision's module too; returns how many ran."""
+    n, residual, ops, launchers, pattern, part, parts, against_path = job
+    against = None if against_path is None else (against_path[0], import_path(against_path[1]))
     inputs, done = Inputs(n, residual, torch.device("cuda")), 0
     for op in ops:
         chosen = [spec for spec in specs(n, OPS[op], residual) if spec[1] in launchers and re.search(pattern, spec[0])]
         for _, launcher, kwargs in chosen[part::parts]:
-            try:
-                inputs.call(launcher, OPS[op], kwargs)
-                done += 1
-            except Exception:  # the timing process reports it
-                pass
+            for _, module in variants(launcher, against):
+                try:
+                    inputs.call(launcher, OPS[op], kwargs, module)
+                    done += 1
+                except Exception:  # the timing process reports it
+                    pass
     torch.cuda.synchronize()
     return done
 
@@ -200,6 +258,9 @@ def main() -> None:
                         help=f"comma-separated, of: {', '.join(LAUNCHERS)}")
     parser.add_argument("--match", default=None,
                         help="regular expression: only the configurations whose label it matches (e.g. 'default|tail')")
+    parser.add_argument("--graph", action="store_true", help="time by CUDA-graph replay (no L2 flush)")
+    parser.add_argument("--against", metavar="REV", default=None,
+                        help="git revision (or a .py copy of megakern/_norm_triton.py): timed beside the checkout's (an A/B)")
     args = parser.parse_args()
     try:
         match = re.compile(args.match or "")
@@ -212,17 +273,22 @@ def main() -> None:
     launchers = {name.strip() for name in args.launchers.split(",") if name.strip()}
     if unknown := launchers - set(LAUNCHERS):
         raise SystemExit(f"tune_norm: unknown launcher(s) {sorted(unknown)}; known: {', '.join(LAUNCHERS)}")
+    against, against_path, scratch = None, None, tempfile.TemporaryDirectory(prefix="tune_norm_")
+    if args.against:
+        against = (args.against, load_revision(args.against, scratch.name))
+        against_path = (args.against, str(Path(scratch.name) / "_norm_triton_against.py"))
     dev = torch.device("cuda")
     if args.jobs > 1:
         start = time.perf_counter()
         parts = max(1, args.jobs // len(hidden))  # processes per hidden size, each with its own tensors
-        jobs = [(n, args.residual, ops, launchers, match.pattern, part, parts) for n in hidden for part in range(parts)]
+        jobs = [(n, args.residual, ops, launchers, match.pattern, part, parts, against_path) for n in hidden
+                for part in range(parts)]
         with ProcessPoolExecutor(len(jobs), mp_context=multiprocessing.get_context("spawn")) as pool:
             done = sum(pool.map(_warm, jobs))
         print(f"compiled: {done} configurations called once by {len(jobs)} processes in "
               f"{time.perf_counter() - start:.0f} s")
     copy = measure_copy_gbps(dev)
-    print(f"copy roofline {copy:.0f} GB/s")
+    print(f"copy roofline {copy:.0f} GB/s; timed by {'CUDA-graph replay' if args.graph else 'do_bench, L2 flushed'}")
     for n in hidden:
         m = ROWS_TOTAL // n
         inputs = Inputs(n, args.residual, dev)
@@ -232,13 +298,16 @@ def main() -> None:
                 if launcher not in launchers or not match.search(name):
                     continue
                 nbytes = 2 * act if launcher.endswith("fwd") else (4 if args.residual else 3) * act
-                try:
-                    t = bench(lambda: inputs.call(launcher, OPS[op], kwargs), device=dev, rep_ms=args.rep_ms)["median"]
-                except Exception as exc:  # a geometry the kernel rejects: report it, keep sweeping
-                    print(f"{op} {m}x{n} {name:55} failed: {str(exc).splitlines()[0][:80]}")
-                    continue
-                gbps = nbytes / t / 1e6
-                print(f"{op} {m}x{n} {name:55} {t * 1e3:8.1f} us {gbps:6.0f} GB/s {gbps / copy:5.2f}")
+                for suffix, module in variants(launcher, against):
+                    label = name + suffix
+                    try:
+                        t = bench(lambda: inputs.call(launcher, OPS[op], kwargs, module), device=dev,
+                                  rep_ms=args.rep_ms, graph=args.graph)["median"]
+                    except Exception as exc:  # a geometry the kernel rejects: report it, keep sweeping
+                        print(f"{op} {m}x{n} {label:55} failed: {(str(exc).splitlines() or [''])[0][:80]}")
+                        continue
+                    gbps = nbytes / t / 1e6
+                    print(f"{op} {m}x{n} {label:55} {t * 1e3:8.1f} us {gbps:6.0f} GB/s {gbps / copy:5.2f}")
         del inputs
     import megakern
 
