@@ -281,8 +281,10 @@ def _norm_bwd_kernel(
     """A program's rows, BLOCK_M a step as a (BLOCK_M, BLOCK_N) tile (more loads in flight per program); BLOCK_T >
     0: the columns past BLOCK_N as a second (BLOCK_M, BLOCK_T) tile, as the forward's. EVEN_N: N == BLOCK_N."""
     pid = tl.program_id(0)
-    # the head tile's columns are all < N where N == BLOCK_N or a tail tile follows: no column mask there
-    cols, col_mask, w, dw, db = _bwd_columns(W, 0, BLOCK_N if EVEN_N or BLOCK_T > 0 else N, BLOCK_N, HAS_W)
+    # the head tile's columns are all < N where N == BLOCK_N or a tail tile follows: no column mask there, except
+    # in LayerNorm's row of two without the rows loaded ahead, whose masked head measured faster (docs/results.md)
+    cols, col_mask, w, dw, db = _bwd_columns(
+        W, 0, BLOCK_N if EVEN_N or (BLOCK_T > 0 and (IS_RMS or PREFETCH)) else N, BLOCK_N, HAS_W)
     if BLOCK_T > 0:
         cols_t, col_mask_t, w_t, dw_t, db_t = _bwd_columns(W, BLOCK_N, N, BLOCK_T, HAS_W)
     row_start = pid * rows_per_program
@@ -324,11 +326,13 @@ def _norm_bwd_kernel(
                 sum_gx += _row_sum(_rms_gx(x_t, dy_t, w_t, HAS_W), BLOCK_M)
             sum_gx = sum_gx * rstd
             sum_g = sum_gx  # unused
-            dy, xhat, g = _bwd_xhat_g(x, dy, w, mean_c, rstd_c, mask, IS_RMS, HAS_W, not (EVEN_N or BLOCK_T > 0))
+            dy, xhat, g = _bwd_xhat_g(x, dy, w, mean_c, rstd_c, mask, IS_RMS, HAS_W,
+                                      not (EVEN_N or (BLOCK_T > 0 and (IS_RMS or PREFETCH))))
             if BLOCK_T > 0:
                 dy_t, xhat_t, g_t = _bwd_xhat_g(x_t, dy_t, w_t, mean_c, rstd_c, mask_t, IS_RMS, HAS_W)
         else:  # (this order of the sums spills least at LayerNorm 12288)
-            dy, xhat, g = _bwd_xhat_g(x, dy, w, mean_c, rstd_c, mask, IS_RMS, HAS_W, not (EVEN_N or BLOCK_T > 0))
+            dy, xhat, g = _bwd_xhat_g(x, dy, w, mean_c, rstd_c, mask, IS_RMS, HAS_W,
+                                      not (EVEN_N or (BLOCK_T > 0 and (IS_RMS or PREFETCH))))
             sum_gx = _row_sum(g * xhat, BLOCK_M)
             sum_g = sum_gx  # RMSNorm: unused
             if not IS_RMS:
