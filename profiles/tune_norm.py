@@ -28,8 +28,8 @@ import re
 import subprocess
 import tempfile
 import time
-from pathlib import Path
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 import torch
 
@@ -186,8 +186,8 @@ class Inputs:
 
 
 def load_revision(rev: str, directory: str):
-    """megakern/_norm_triton.py as it is at git revision ``rev``, written into ``directory`` and imported as a module
-    of its own (its imports are the checkout's modules)."""
+    """megakern/_norm_triton.py as it is at git revision ``rev`` (or the copy at ``rev``, a path ending in .py),
+    written into ``directory`` and imported as a module of its own (its imports are the checkout's modules)."""
     root = Path(__file__).resolve().parents[1]
     if rev.endswith(".py"):
         try:
@@ -197,15 +197,13 @@ def load_revision(rev: str, directory: str):
         if "def _fwd_config" not in source:
             raise SystemExit(f"tune_norm: --against {rev!r}: not a copy of megakern/_norm_triton.py "
                              "(no _fwd_config)")
-        path = Path(directory) / "_norm_triton_against.py"
-        path.write_text(source)
-        return import_path(str(path))
-    try:
-        source = subprocess.run(["git", "show", f"{rev}:megakern/_norm_triton.py"], cwd=root, capture_output=True,
-                                text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError) as exc:
-        raise SystemExit(f"tune_norm: --against {rev!r}: cannot read megakern/_norm_triton.py there: "
-                         f"{getattr(exc, 'stderr', '') or exc}".strip())
+    else:
+        try:
+            source = subprocess.run(["git", "show", f"{rev}:megakern/_norm_triton.py"], cwd=root,
+                                    capture_output=True, text=True, check=True).stdout
+        except (OSError, subprocess.CalledProcessError) as exc:
+            raise SystemExit(f"tune_norm: --against {rev!r}: cannot read megakern/_norm_triton.py there: "
+                             f"{getattr(exc, 'stderr', '') or exc}".strip())
     path = Path(directory) / "_norm_triton_against.py"
     path.write_text(source)
     return import_path(str(path))
@@ -260,7 +258,8 @@ def main() -> None:
                         help="regular expression: only the configurations whose label it matches (e.g. 'default|tail')")
     parser.add_argument("--graph", action="store_true", help="time by CUDA-graph replay (no L2 flush)")
     parser.add_argument("--against", metavar="REV", default=None,
-                        help="git revision (or a .py copy of megakern/_norm_triton.py): timed beside the checkout's (an A/B)")
+                        help="git revision (or a .py copy of megakern/_norm_triton.py): timed beside the "
+                        "checkout's (an A/B)")
     args = parser.parse_args()
     try:
         match = re.compile(args.match or "")
