@@ -20,7 +20,10 @@ faster); per chunk:
     grad_x_c  = dlogits_c @ W              (chunk, C)
     grad_W   += dlogits_c^T @ x_c          (V, C), accumulated in fp32
 
-so the gradients are done when the forward returns; the backward only scales them by the incoming gradient.
+so the gradients are done when the forward returns; the backward only scales them by the incoming gradient. A caller
+that knows that gradient in advance (a training step's 1 / tokens) passes it as ``grad_scale``: the forward's
+gradients then carry it, and the backward's factor, the incoming gradient over it, is exactly 1, where the weight-sized
+gradients are neither read nor written again.
 Memory beyond the inputs: one chunk of logits, grad_x (N, C) and grad_W (V, C). When no input requires a gradient
 the kernel writes none and no gradient GEMM runs.
 
@@ -249,6 +252,29 @@ def take_gradients(ctx, name: str) -> tuple:
     return grads
 
 
+def check_grad_scale(op: str, grad_scale, device) -> None:
+    """``grad_scale`` None or a one-element floating tensor on ``device`` (TypeError / ValueError naming it)."""
+    if grad_scale is None:
+        return
+    if not isinstance(grad_scale, torch.Tensor):
+        raise TypeError(f"{op}: grad_scale must be a one-element tensor or None, got {type(grad_scale).__name__}")
+    if grad_scale.numel() != 1:
+        raise ValueError(f"{op}: grad_scale must hold one element, got shape {tuple(grad_scale.shape)}")
+    if not grad_scale.is_floating_point():
+        raise TypeError(f"{op}: grad_scale must be a floating tensor, got {grad_scale.dtype}")
+    if grad_scale.device != device:
+        raise ValueError(f"{op}: grad_scale is on {grad_scale.device} but x is on {device}")
+
+
+def _announced(grad_scale: torch.Tensor | None) -> torch.Tensor | None:
+    """The fp32 one-element factor the forward's gradients carry for ``grad_scale``: itself where finite and
+    nonzero, else 1 (a factor that could not be divided out again), read on the device (no sync)."""
+    if grad_scale is None:
+        return None
+    g = grad_scale.detach().reshape(1).to(torch.float32)
+    return torch.where(torch.isfinite(g) & (g != 0), g, torch.ones_like(g))
+
+
 def _scale(targets, ignore_index, reduction, device) -> torch.Tensor:
     """The 1-element fp32 factor of every row's gradient: 1 / (rows that count) for "mean", else 1 (no sync)."""
     if reduction == "mean":
@@ -268,13 +294,17 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     """loss(x @ W^T + b, targets), chunked over the rows of x (N, C); every gradient computed in the forward."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, targets, ignore_index, reduction, label_smoothing, softcap, chunk):
+    def forward(ctx, x, weight, bias, targets, ignore_index, reduction, label_smoothing, softcap, chunk,
+                announced=None):
         kern = _kernels()
         n, _ = x.shape
         vocab = weight.shape[0]
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         need_grad = need_dx or need_dw or need_db
         scale = _scale(targets, ignore_index, reduction, x.device)
+        # the gradients carry the announced incoming gradient (``_announced``); the backward divides it out again
+        ctx.announced = announced
+        grad_factor = scale if announced is None else scale * announced
         losses = torch.empty(n, dtype=torch.float32, device=x.device)
         grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_dx else None
         one_chunk = chunk >= n
@@ -288,8 +318,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             x_c = x[start:end]
             # logits in x's dtype, then overwritten with their gradient
             logits = x_c @ weight.t() if bias_c is None else torch.addmm(bias_c, x_c, weight.t())
-            loss_c, _ = kern.fwd(logits, targets[start:end], logits if need_grad else None, scale, ignore_index,
-                                 label_smoothing, softcap)
+            loss_c, _ = kern.fwd(logits, targets[start:end], logits if need_grad else None, grad_factor,
+                                 ignore_index, label_smoothing, softcap)
             losses[start:end] = loss_c
             if need_dx:
                 torch.mm(logits, weight, out=grad_x[start:end])
@@ -309,7 +339,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grads = take_gradients(ctx, "linear_cross_entropy")
-        return (*scale_gradients(grads, grad_loss, inplace=True), None, None, None, None, None, None)
+        # exactly 1 (nothing read or written) when the gradient arrives as announced
+        factor = grad_loss if ctx.announced is None else grad_loss.to(torch.float32) / ctx.announced
+        return (*scale_gradients(grads, factor, inplace=True), None, None, None, None, None, None, None)
 
 
 class CrossEntropyFunction(torch.autograd.Function):
@@ -350,7 +382,8 @@ def autocast_inputs(x, weight, bias):
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                          bias: torch.Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
                          label_smoothing: float = 0.0, softcap: float | None = None, chunk_size: int | None = None,
-                         backend: str | Mapping[str, str] | None = None, check_targets: bool = True) -> torch.Tensor:
+                         backend: str | Mapping[str, str] | None = None, check_targets: bool = True,
+                         grad_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Cross-entropy of logits = x @ weight^T (+ bias) against ``targets``, without the (N, V) logits.
 
     x (N, C) or (..., C), weight (V, C), targets (N,) or (...) int; ``reduction`` "mean" | "sum" ("none", per-row
@@ -359,11 +392,16 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
     ``check_targets``: check that every target is in [0, V) or ignore_index (ValueError naming the first bad one),
     which costs one host-device sync per call; pass False where the data pipeline already checked every id (a
     target out of range then gives a NaN loss on the kernels' path, never an out-of-bounds read).
+    ``grad_scale``: the gradient the loss's backward will receive, where the caller knows it in advance (one element
+    on x's device, e.g. a training step's 1 / tokens, as ``(loss * grad_scale).backward()`` sends it): the kernels'
+    gradients are made with it, so that the backward, when that gradient arrives, reads and writes nothing. Any
+    other incoming gradient still gives the right gradients (one more pass over them); the torch backend ignores it.
     Returns the fp32 loss.
     """
     x, weight, bias = autocast_inputs(x, weight, bias)
     check_inputs(x, weight, targets, bias, ignore_index, reduction, label_smoothing, softcap, chunk_size,
                  check_targets)
+    check_grad_scale("linear_cross_entropy", grad_scale, x.device)
     name = _backend.resolve("cross_entropy", x.device, backend, size=weight.shape[0])
     if name == "triton" and x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"linear_cross_entropy: the triton backend takes float32 / float16 / bfloat16, got {x.dtype}")
@@ -383,7 +421,7 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
                                             hidden=weight.shape[1] if weight_grad else None,
                                             device_memory=_device_memory(x.device))
         loss = LinearCrossEntropyFunction.apply(x2, weight, bias, t2, ignore_index, reduction,
-                                                float(label_smoothing), softcap, chunk)
+                                                float(label_smoothing), softcap, chunk, _announced(grad_scale))
         return loss.reshape(targets.shape) if reduction == "none" else loss
 
 

@@ -782,7 +782,8 @@ class GPT(nn.Module):
     # -- forward --
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
                 cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None,
-                position_ids: Optional[torch.Tensor] = None, reduction: str = "mean", check_values: bool = True):
+                position_ids: Optional[torch.Tensor] = None, reduction: str = "mean", check_values: bool = True,
+                grad_scale: Optional[torch.Tensor] = None):
         """idx (B, T) int64 token ids (or, for a pipeline stage without wte, the hidden state (B, T, C)).
 
         Returns logits (B, T, padded_vocab) without ``targets``, else the cross-entropy of ``targets`` (B, T) int64
@@ -792,9 +793,14 @@ class GPT(nn.Module):
         ``check_values`` False skips the checks that read device memory, one host-device sync each: the targets'
         range, the position ids' range and, given ``max_seqlen``, cu_seqlens' offsets (for callers whose data
         pipeline made and checked them, as the training program's does; shapes and dtypes are always checked).
+        ``grad_scale``: with ``targets``, the gradient the loss's backward will receive, as
+        ``megakern.linear_cross_entropy`` takes it (the one-process head; the vocab-parallel loss takes its gradient
+        as it comes).
         """
         config = self.config
         B, T = self._check_inputs(idx, targets, cu_seqlens, position_ids, check_values)
+        if grad_scale is not None and targets is None:
+            raise ValueError("GPT: grad_scale is the loss's incoming gradient; it needs targets")
         if cu_seqlens is not None:
             # the caller's max_seqlen is taken on trust without check_values (reading cu_seqlens waits for the GPU)
             longest = (max(document_lengths("GPT", cu_seqlens, B * T)) if check_values or max_seqlen is None
@@ -837,7 +843,8 @@ class GPT(nn.Module):
             return self.vocab_parallel_loss(y, weight, targets.reshape(-1), **common,
                                             vocab_size=config.vocab_size if masked else None)
         # one process: the real vocabulary's rows of the head, a view (their gradient flows into the padded weight)
-        return linear_cross_entropy(y, weight[:config.vocab_size] if masked else weight, targets.reshape(-1), **common)
+        return linear_cross_entropy(y, weight[:config.vocab_size] if masked else weight, targets.reshape(-1), **common,
+                                    grad_scale=grad_scale)
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0, top_k: Optional[int] = None,
                  generator: Optional[torch.Generator] = None, eos_id=None,

@@ -490,14 +490,17 @@ class ParallelModel:
             out.append((torch.tensor(local, dtype=torch.int32), longest_j))
         return out
 
-    def _loss_sum(self, module, idx, targets, pos, packed=(None, None)):
+    def _loss_sum(self, module, idx, targets, pos, packed=(None, None), grad_scale=None):
         # the model reads no device value: the targets were checked once per batch (_check_values), the position
         # ids and packed offsets are this class's own. Under tensor parallelism the GPT's loss is the vocab-parallel
-        # fused linear cross-entropy (tensor_parallel.py sets it): no (tokens x vocab/tp) fp32 logits
+        # fused linear cross-entropy (tensor_parallel.py sets it): no (tokens x vocab/tp) fp32 logits.
+        # ``grad_scale``: the gradient the sum's backward will receive (forward_backward's scale), which the fused
+        # loss folds into the gradients it makes in the forward
         cu_seqlens, max_seqlen = packed
+        extra = {} if grad_scale is None else {"grad_scale": grad_scale}
         with self._dropout_rng():
             return module(idx, targets, position_ids=pos, reduction="sum", cu_seqlens=cu_seqlens,
-                          max_seqlen=max_seqlen, check_values=False)
+                          max_seqlen=max_seqlen, check_values=False, **extra)
 
     def _check_values(self, idx, targets) -> None:
         """Token ids and targets in range (targets may be ignore_index): one host read for the whole batch."""
@@ -544,9 +547,9 @@ class ParallelModel:
                 set_grad_sync(self.modules_chunks, last)
                 with (module.no_sync() if self.ddp and not last else contextlib.nullcontext()):
                     with torch.profiler.record_function("forward"):  # ranges of a profile (torch.profiler)
-                        s = self._loss_sum(module, x, t, pos[j], packed[j])
+                        s = self._loss_sum(module, x, t, pos[j], packed[j], grad_scale=scale)
                     with torch.profiler.record_function("backward"):
-                        (s * scale).backward()
+                        (s * scale).backward()  # s's gradient is scale, as announced
                 total += s.detach().float()
         if self.masters is not None:
             self.masters.end_step()

@@ -427,6 +427,64 @@ def test_linear_cross_entropy_hands_on_its_gradients_without_a_copy():
         assert got is t and torch.equal(got, want)
 
 
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+@pytest.mark.parametrize("arrives", ["as announced", "other", "announced zero", "announced inf"])
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_linear_cross_entropy_grad_scale(reduction, arrives, dtype, monkeypatch):
+    """``grad_scale`` (the incoming gradient announced in advance, as a training step's 1 / tokens): the loss is
+    unchanged, every gradient holds the 2x rule against the fp64 reference of (loss * incoming gradient), and when
+    the gradient arrives as announced the backward's factor is exactly 1 (its kernel reads and writes nothing); any
+    other incoming gradient, or an announced 0 / inf (which the forward cannot carry), still gives the right
+    gradients."""
+    require_triton()
+    seed("lce-grad-scale", reduction, arrives, dtype)
+    n, c, vocab = 29, 24, 101
+    x, w, b = _inputs(n, c, vocab, dtype, bias=True)
+    targets = _targets(n, vocab)
+    announced = {"as announced": 1 / 300, "other": 1 / 300, "announced zero": 0.0,
+                 "announced inf": float("inf")}[arrives]
+    incoming = 0.37 if arrives != "as announced" else announced
+    grad_scale = torch.tensor(announced, device=DEVICE)
+    factors = []
+    real = ce.scale_gradients
+    monkeypatch.setattr(ce, "scale_gradients", lambda grads, factor, **kw: factors.append(factor.clone()) or
+                        real(grads, factor, **kw))
+    loss = linear_cross_entropy(x, w, targets, bias=b, reduction=reduction, chunk_size=8, backend="triton",
+                                grad_scale=grad_scale)
+    plain = linear_cross_entropy(x, w, targets, bias=b, reduction=reduction, chunk_size=8, backend="triton")
+    assert torch.equal(loss, plain)
+    grads = _grads(loss, (x, w, b), torch.tensor(incoming, device=DEVICE))
+    if arrives == "as announced":
+        assert factors[-1].item() == 1.0
+    truth_in, lowp_in = _leaves((x, w, b), torch.float64), _leaves((x, w, b), dtype)
+    truth = linear_cross_entropy_ref(*truth_in[:2], targets, bias=truth_in[2], reduction=reduction)
+    lowp = linear_cross_entropy_ref(*lowp_in[:2], targets, bias=lowp_in[2], reduction=reduction, upcast=False)
+    for name, g, g64, gl in zip(("x", "weight", "bias"), grads,
+                                _grads(truth, truth_in, torch.tensor(incoming, dtype=torch.float64, device=DEVICE)),
+                                _grads(lowp, lowp_in, torch.tensor(incoming, device=DEVICE).to(dtype))):
+        assert g.dtype == dtype
+        assert_close_to_ref(f"grad {name}", g, g64, gl, ATOL[dtype])
+
+
+def test_linear_cross_entropy_grad_scale_checks():
+    """A grad_scale that is not a one-element floating tensor on x's device is refused, naming the problem; the
+    torch backend takes it and computes its gradients in the backward as always."""
+    x, w, _ = _inputs(5, 8, 11, torch.float32)
+    targets = _targets(5, 11, ignored=0)
+    for bad, err, match in ((0.5, TypeError, "one-element tensor"),
+                            (torch.ones(2, device=DEVICE), ValueError, "one element"),
+                            (torch.ones(1, dtype=torch.int64, device=DEVICE), TypeError, "floating"),
+                            (torch.ones(1, device="meta"), ValueError, "is on meta")):
+        with pytest.raises(err, match=match):
+            linear_cross_entropy(x, w, targets, grad_scale=bad)
+    scale = torch.tensor(0.25, device=DEVICE)
+    loss = linear_cross_entropy(x, w, targets, reduction="sum", backend="torch", grad_scale=scale)
+    (gw,) = _grads(loss, (w,), scale)
+    plain = linear_cross_entropy(x, w, targets, reduction="sum", backend="torch")
+    (gw_plain,) = _grads(plain, (w,), scale)
+    assert torch.equal(gw, gw_plain)
+
+
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
 def test_linear_cross_entropy_without_rows_gives_zero_gradients(reduction):
     """No rows at all: the loss of an empty batch (0, or NaN for "mean" as torch), and exactly zero weight and bias

@@ -307,6 +307,10 @@ def test_input_errors():
         model(idx, torch.full_like(targets, 128))
     with pytest.raises(ValueError, match="reduction must be one of"):
         model(idx, targets, reduction="max")
+    with pytest.raises(ValueError, match="grad_scale is the loss's incoming gradient; it needs targets"):
+        model(idx, grad_scale=torch.tensor(0.5))
+    with pytest.raises(ValueError, match="grad_scale must hold one element"):
+        model(idx, targets, grad_scale=torch.ones(2))
 
 
 def test_position_ids_move_learned_and_rotary_positions():

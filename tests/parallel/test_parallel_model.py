@@ -164,3 +164,52 @@ def test_all_ignored_targets_report_zero_loss():
     (zero0, mean0), (zero1, mean1) = pool(2).run(check_all_ignored_targets)
     assert zero0 == zero1 == 0.0
     assert mean0 == mean1 and mean0 > 0  # rank 0's targets alone make the global mean
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_forward_backward_announces_the_loss_gradient(monkeypatch, micro):
+    """One process, the fused loss on its Triton kernel: forward_backward hands the loss its incoming gradient (1 /
+    the step's tokens) in advance, so the loss's backward factor is exactly 1 at every micro-batch (its kernel reads
+    and writes nothing), and the gradients equal (within fp32 rounding) those of a step that announces nothing."""
+    import dataclasses
+    import datetime
+    import importlib
+
+    from conftest import require_triton
+
+    from megakern.models import gpt as gpt_module
+    from megakern.parallel import ParallelDims, ParallelMesh, parallelize
+
+    require_triton()
+    ce = importlib.import_module("megakern.cross_entropy")  # the module (megakern.cross_entropy is the function)
+    cfg = dataclasses.replace(tiny_config("llama", n_layer=1), kernels={"cross_entropy": "triton"})
+    g = torch.Generator().manual_seed(3)
+    idx = torch.randint(0, cfg.vocab_size, (4, 16), generator=g)
+    targets = torch.randint(0, cfg.vocab_size, (4, 16), generator=g)
+    targets[0, :5] = -100
+
+    def step(announce: bool):
+        with torch.device("meta"):
+            model = GPT(cfg)
+        mesh = ParallelMesh(ParallelDims(world_size=1).resolve(1), "cpu", datetime.timedelta(seconds=60), local=True)
+        pmodel = parallelize(model, mesh, None, generator=torch.Generator().manual_seed(7), microbatches=micro)
+        factors = []
+        real_scale, real_lce = ce.scale_gradients, gpt_module.linear_cross_entropy
+        with monkeypatch.context() as m:
+            m.setattr(ce, "scale_gradients",
+                      lambda grads, factor, **kw: factors.append(factor.item()) or real_scale(grads, factor, **kw))
+            if not announce:
+                m.setattr(gpt_module, "linear_cross_entropy",
+                          lambda *a, grad_scale=None, **kw: real_lce(*a, **kw))
+            loss = pmodel.forward_backward(idx, targets, check_values=False)
+        grads = {n: p.grad.clone() for n, p in pmodel.gpts[0].named_parameters() if p.grad is not None}
+        return loss, factors, grads
+
+    loss, factors, grads = step(True)
+    loss_plain, factors_plain, grads_plain = step(False)
+    assert len(factors) == micro and all(f == 1.0 for f in factors), factors
+    assert all(f != 1.0 for f in factors_plain), factors_plain
+    assert torch.equal(loss, loss_plain)
+    assert grads.keys() == grads_plain.keys() and grads
+    for name, gr in grads.items():
+        torch.testing.assert_close(gr, grads_plain[name], rtol=1e-5, atol=1e-7, msg=name)
