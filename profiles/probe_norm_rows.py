@@ -13,15 +13,12 @@ Bytes counted: x read once, y written once (the statistics are a float a row). F
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import bench, int_list, measure_copy_gbps  # noqa: E402
-from megakern import _norm_triton  # noqa: E402
+from benchmarks.common import bench, int_list, measure_copy_gbps
+from megakern import _norm_triton
 
 
 def rows_view(rows: int, hidden: int, pad: int, device, dtype=torch.bfloat16) -> torch.Tensor:
