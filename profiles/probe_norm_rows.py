@@ -13,7 +13,6 @@ Bytes counted: x read once, y written once (the statistics are a float a row). F
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import torch
 
