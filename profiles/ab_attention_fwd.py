@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import bench, int_list  # noqa: E402
-from megakern import _attention_gluon as new  # noqa: E402
+from benchmarks.common import bench, int_list
+from megakern import _attention_gluon as new
 
 # (B, Tq, Tk, heads, kv heads, hs, causal): odd lengths, GQA, Tq != Tk (bottom-right causal), tiny and long rows
 CHECKS = ((2, 1000, 1000, 4, 4, 128, True), (2, 513, 700, 8, 2, 64, False), (3, 17, 17, 4, 2, 64, True),
