@@ -168,30 +168,32 @@ def test_all_ignored_targets_report_zero_loss():
 
 @pytest.mark.parametrize("micro", [1, 2])
 def test_forward_backward_announces_the_loss_gradient(monkeypatch, micro):
-    """One process, the fused loss on its Triton kernel: forward_backward hands the loss its incoming gradient (1 /
-    the step's tokens) in advance, so the loss's backward factor is exactly 1 at every micro-batch (its kernel reads
-    and writes nothing), and the gradients equal (within fp32 rounding) those of a step that announces nothing."""
+    """One process on the test device, the fused loss on its Triton kernel: forward_backward hands the loss its
+    incoming gradient (1 / the step's tokens) in advance, so the loss's backward factor is exactly 1 at every
+    micro-batch (its kernel reads and writes nothing), and the gradients equal (within fp32 rounding) those of a step
+    that announces nothing."""
     import dataclasses
     import datetime
     import importlib
 
-    from conftest import require_triton
+    from conftest import DEVICE, require_triton
 
     from megakern.models import gpt as gpt_module
     from megakern.parallel import ParallelDims, ParallelMesh, parallelize
 
-    require_triton()
+    require_triton()  # on DEVICE: the interpreter on CPU, the compiled kernel on a GPU
     ce = importlib.import_module("megakern.cross_entropy")  # the module (megakern.cross_entropy is the function)
     cfg = dataclasses.replace(tiny_config("llama", n_layer=1), kernels={"cross_entropy": "triton"})
     g = torch.Generator().manual_seed(3)
     idx = torch.randint(0, cfg.vocab_size, (4, 16), generator=g)
     targets = torch.randint(0, cfg.vocab_size, (4, 16), generator=g)
     targets[0, :5] = -100
+    idx, targets = idx.to(DEVICE), targets.to(DEVICE)
 
     def step(announce: bool):
         with torch.device("meta"):
             model = GPT(cfg)
-        mesh = ParallelMesh(ParallelDims(world_size=1).resolve(1), "cpu", datetime.timedelta(seconds=60), local=True)
+        mesh = ParallelMesh(ParallelDims(world_size=1).resolve(1), DEVICE.type, datetime.timedelta(seconds=60), local=True)
         pmodel = parallelize(model, mesh, None, generator=torch.Generator().manual_seed(7), microbatches=micro)
         factors = []
         real_scale, real_lce = ce.scale_gradients, gpt_module.linear_cross_entropy
