@@ -493,7 +493,8 @@ def _fwd_config(n: int, is_rms: bool) -> tuple[int, int, bool]:
     at 4 warps (8192 at 8 below 1024); from 2048 one row a program, 4 warps to 2048, 8 to 16384 (LayerNorm 4 at
     4096 and 16 at 16384), 32 above. Between 2048 and 16384 a row that ``tail_split`` takes as two power-of-two
     tiles as those tiles: at 4 warps, or where the tail is at most a quarter of the head of 4096 or more (5120,
-    9216, 10240), a warp for every 512 of the head's columns (RMSNorm) or 1024 (LayerNorm)."""
+    9216, 10240), a warp for every 512 of the head's columns (RMSNorm) or 1024 (LayerNorm); LayerNorm's head of
+    8192 takes 8 warps whatever its tail (11264, 12288 too)."""
     block = _block(n)
     if block < 1024:
         return 8192 // block, 8, False
@@ -504,7 +505,9 @@ def _fwd_config(n: int, is_rms: bool) -> tuple[int, int, bool]:
         if split:
             head, tail = split
             short_tail = head >= 4096 and 4 * tail <= head
-            return 1, (head // (512 if is_rms else 1024) if short_tail else 4), True
+            if is_rms:
+                return 1, (head // 512 if short_tail else 4), True
+            return 1, (head // 1024 if short_tail or head >= 8192 else 4), True
         if not is_rms and block in (4096, 16384):
             return 1, block // 1024, False
         return 1, 8, False

@@ -651,9 +651,11 @@ def test_launch_table_tail():
             if n > 8192:
                 assert nt.resolve_bwd_config(n, is_rms, dict(tail=False)).tail is False
     assert not nt._bwd_config(9216, False).prefetch and nt._bwd_config(9216, True).prefetch
-    # the forward's warps: more where the tail is short beside a head of 4096 or more
-    warps = {n: (nt._fwd_config(n, True)[1], nt._fwd_config(n, False)[1]) for n in (3072, 5120, 9216, 10240, 12288)}
-    assert warps == {3072: (4, 4), 5120: (8, 4), 9216: (16, 8), 10240: (16, 8), 12288: (4, 4)}
+    # the forward's warps: more where the tail is short beside a head of 4096 or more; LayerNorm 8 beside a head of 8192
+    sizes = (3072, 5120, 6144, 9216, 10240, 11264, 12288)
+    warps = {n: (nt._fwd_config(n, True)[1], nt._fwd_config(n, False)[1]) for n in sizes}
+    assert warps == {3072: (4, 4), 5120: (8, 4), 6144: (4, 4), 9216: (16, 8), 10240: (16, 8), 11264: (4, 8),
+                     12288: (4, 8)}
     assert [nt._fwd_config(n, False)[1] for n in (2048, 4096, 8192, 16384)] == [4, 4, 8, 16]
     assert [nt._fwd_config(n, True)[1] for n in (2048, 4096, 8192, 16384)] == [4, 8, 8, 8]
     for n in (768, 1536, 2048, 4096, 8192, 14336, 16384, 32768):
