@@ -15,6 +15,7 @@ import argparse
 import atexit
 import csv
 import datetime
+import importlib.util
 import os
 import re
 import signal
@@ -54,6 +55,15 @@ def gpu_slug(device) -> str:
     if len(words) > 1 and words[0] in ("rtx", "gtx"):  # 'RTX 4090' -> 'rtx4090'
         words[0] += words.pop(1)
     return re.sub(r"[^a-z0-9]", "", words[0]) if words else "gpu"
+
+
+def import_file(path, name: str):
+    """The Python file at ``path`` imported as a module named ``name`` (a profile script, or another version of a
+    megakern module placed beside the checkout's for an A/B), not registered in sys.modules."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def git_sha() -> str:

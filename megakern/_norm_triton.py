@@ -87,7 +87,8 @@ def _norm_fwd_kernel(
     cols = tl.arange(0, BLOCK_N)
     row_mask = rows < M
     # the head tile's columns are all < N where N == BLOCK_N or a tail tile follows: no column mask there
-    col_mask = cols < (BLOCK_N if EVEN_N or BLOCK_T > 0 else N)
+    HEAD_FULL: tl.constexpr = EVEN_N or BLOCK_T > 0
+    col_mask = cols < (BLOCK_N if HEAD_FULL else N)
     mask = row_mask[:, None] & col_mask[None, :]
     x = _fwd_part(X, RES, RES_OUT, rows, cols, mask, stride_xm, stride_resm, stride_resoutm, HAS_RES)
     if BLOCK_T > 0:
@@ -118,7 +119,7 @@ def _norm_fwd_kernel(
         if BLOCK_U > 0:
             total += _row_sum(x_u, BLOCK_M)
         mean = total / N
-        if EVEN_N or BLOCK_T > 0:  # no masked column in the head tile (a row past M loads zeros: mean 0, xc 0)
+        if HEAD_FULL:  # no masked column in the head tile (a row past M loads zeros: mean 0, xc 0)
             xc = x - _col(mean, BLOCK_M)
         else:
             xc = tl.where(mask, x - _col(mean, BLOCK_M), 0.0)
@@ -308,8 +309,8 @@ def _norm_bwd_kernel(
     pid = tl.program_id(0)
     # the head tile's columns are all < N where N == BLOCK_N or a tail tile follows: no column mask there, except
     # in LayerNorm's row of two without the rows loaded ahead, whose masked head measured faster (docs/results.md)
-    cols, col_mask, w, dw, db = _bwd_columns(
-        W, 0, BLOCK_N if EVEN_N or (BLOCK_T > 0 and (IS_RMS or PREFETCH)) else N, BLOCK_N, HAS_W)
+    HEAD_FULL: tl.constexpr = EVEN_N or (BLOCK_T > 0 and (IS_RMS or PREFETCH))
+    cols, col_mask, w, dw, db = _bwd_columns(W, 0, BLOCK_N if HEAD_FULL else N, BLOCK_N, HAS_W)
     if BLOCK_T > 0:
         cols_t, col_mask_t, w_t, dw_t, db_t = _bwd_columns(W, BLOCK_N, N, BLOCK_T, HAS_W)
     row_start = pid * rows_per_program
@@ -351,13 +352,11 @@ def _norm_bwd_kernel(
                 sum_gx += _row_sum(_rms_gx(x_t, dy_t, w_t, HAS_W), BLOCK_M)
             sum_gx = sum_gx * rstd
             sum_g = sum_gx  # unused
-            dy, xhat, g = _bwd_xhat_g(x, dy, w, mean_c, rstd_c, mask, IS_RMS, HAS_W,
-                                      not (EVEN_N or (BLOCK_T > 0 and (IS_RMS or PREFETCH))))
+            dy, xhat, g = _bwd_xhat_g(x, dy, w, mean_c, rstd_c, mask, IS_RMS, HAS_W, not HEAD_FULL)
             if BLOCK_T > 0:
                 dy_t, xhat_t, g_t = _bwd_xhat_g(x_t, dy_t, w_t, mean_c, rstd_c, mask_t, IS_RMS, HAS_W)
         else:  # (this order of the sums spills least at LayerNorm 12288)
-            dy, xhat, g = _bwd_xhat_g(x, dy, w, mean_c, rstd_c, mask, IS_RMS, HAS_W,
-                                      not (EVEN_N or (BLOCK_T > 0 and (IS_RMS or PREFETCH))))
+            dy, xhat, g = _bwd_xhat_g(x, dy, w, mean_c, rstd_c, mask, IS_RMS, HAS_W, not HEAD_FULL)
             sum_gx = _row_sum(g * xhat, BLOCK_M)
             sum_g = sum_gx  # RMSNorm: unused
             if not IS_RMS:

@@ -16,11 +16,10 @@ TFLOP/s: the dk/dv pass's four products (2x the forward's FLOPs), the backward's
 from __future__ import annotations
 
 import argparse
-import importlib.util
 
 import torch
 
-from benchmarks.common import bench
+from benchmarks.common import bench, import_file
 from megakern import _attention_gluon as new
 from megakern.attention import _bwd_kernels, _fwd_kernels
 
@@ -28,13 +27,6 @@ SHAPES = ((2, 4096, 32, 8, 128, True), (4, 4096, 16, 16, 128, True), (2, 8192, 1
           (8, 2048, 16, 16, 128, True), (16, 1024, 16, 16, 128, True), (4, 4096, 16, 16, 128, False),
           (8, 2048, 32, 32, 64, True), (4, 4096, 32, 32, 64, True), (4, 4096, 32, 32, 64, False),
           (2, 3000, 8, 2, 128, True))  # (B, T, heads, kv heads, hs, causal)
-
-
-def _load(path: str):
-    spec = importlib.util.spec_from_file_location("base_attention_gluon", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _case(b, t, nh, nkv, hs, causal, dev):
@@ -110,7 +102,7 @@ def main() -> None:
     a = p.parse_args()
     dev = torch.device("cuda")
     if a.base:
-        ab(_load(a.base), dev, _tiles(a.single_config), _tiles(a.dkdv_config))
+        ab(import_file(a.base, "base_attention_gluon"), dev, _tiles(a.single_config), _tiles(a.dkdv_config))
     if a.pair:
         pair_against_single(dev)
 

@@ -12,12 +12,11 @@ TFLOP/s: 4 B H T^2 hs (half of it causal), bf16. "base" is the module given, "th
 from __future__ import annotations
 
 import argparse
-import importlib.util
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import bench, int_list
+from benchmarks.common import bench, import_file, int_list
 from megakern import _attention_gluon as new
 
 # (B, Tq, Tk, heads, kv heads, hs, causal): odd lengths, GQA, Tq != Tk (bottom-right causal), tiny and long rows
@@ -30,9 +29,7 @@ def load(path: str):
     """The module at ``path`` (a copy of megakern/_attention_gluon.py), imported under a name of its own."""
     if not Path(path).is_file():
         raise SystemExit(f"ab_attention_fwd: --base {path!r}: no such file")
-    spec = importlib.util.spec_from_file_location("base_attention_gluon", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = import_file(path, "base_attention_gluon")
     if not hasattr(module, "fwd"):
         raise SystemExit(f"ab_attention_fwd: --base {path!r} has no fwd: not a copy of megakern/_attention_gluon.py")
     return module

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import multiprocessing
 import re
 import subprocess
@@ -33,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import bench, host_us, measure_copy_gbps
+from benchmarks.common import bench, host_us, import_file, measure_copy_gbps
 import megakern
 from megakern import _norm_cuda, _norm_triton
 from megakern._intmath import next_power_of_2
@@ -210,15 +209,7 @@ def load_revision(rev: str, directory: str):
                              f"{getattr(exc, 'stderr', '') or exc}".strip())
     path = Path(directory) / "_norm_triton_against.py"
     path.write_text(source)
-    return import_path(str(path))
-
-
-def import_path(path: str):
-    """The module at ``path`` (a copy of megakern/_norm_triton.py that ``load_revision`` wrote)."""
-    spec = importlib.util.spec_from_file_location("_norm_triton_against", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return import_file(path, "_norm_triton_against")
 
 
 def variants(launcher: str, against) -> list:
@@ -234,7 +225,7 @@ def _warm(job: tuple[int, bool, list[str], set[str], str, int, int, tuple | None
     """A worker of --jobs: calls every ``parts``-th configuration of hidden size ``n`` from the ``part``-th on once
     (compiling its kernels into the caches), with the --against revision's module too; returns how many ran."""
     n, residual, ops, launchers, pattern, part, parts, against_path = job
-    against = None if against_path is None else (against_path[0], import_path(against_path[1]))
+    against = None if against_path is None else (against_path[0], import_file(against_path[1], "_norm_triton_against"))
     inputs, done = Inputs(n, residual, torch.device("cuda")), 0
     for op in ops:
         chosen = [spec for spec in specs(n, OPS[op], residual) if spec[1] in launchers and re.search(pattern, spec[0])]

@@ -1,19 +1,17 @@
 """profiles/ab_attention_fwd.py without a GPU: a --base that is missing or not a copy of the Gluon module is a clear
 error, and a copy of the module loads under a name of its own (the timing itself needs a Hopper GPU)."""
-import importlib.util
 from pathlib import Path
 
 import pytest
+
+from benchmarks.common import import_file
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def mod():
-    spec = importlib.util.spec_from_file_location("ab_attention_fwd", REPO / "profiles" / "ab_attention_fwd.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return import_file(REPO / "profiles" / "ab_attention_fwd.py", "ab_attention_fwd")
 
 
 def test_base_must_exist(mod, tmp_path):

@@ -1,10 +1,11 @@
 """profiles/probe_norm_rows.py on CPU: rows read from a wider buffer give the contiguous rows' output (the probe
 checks it against torch), a negative pad and an unknown op are clear errors."""
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
+
+from benchmarks.common import import_file
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -14,10 +15,7 @@ def mod():
     from conftest import require_triton
 
     require_triton()
-    spec = importlib.util.spec_from_file_location("probe_norm_rows", REPO / "profiles" / "probe_norm_rows.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return import_file(REPO / "profiles" / "probe_norm_rows.py", "probe_norm_rows")
 
 
 def test_rows_view(mod):

@@ -1,20 +1,18 @@
 """profiles/tune_grouped_gemm.py on CPU: the sweep's machinery at the tiny shape under the Triton interpreter
 (candidates checked against the fp32 reference, a wrong one reported and skipped, the budget's stop, the file), and
 that its GPU candidates are the launcher's Config."""
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
+from benchmarks.common import import_file
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("tune_grouped_gemm", REPO / "profiles" / "tune_grouped_gemm.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return import_file(REPO / "profiles" / "tune_grouped_gemm.py", "tune_grouped_gemm")
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,13 @@
 """profiles/tune_norm.py's A/B (--against REV) on CPU: the revision's megakern/_norm_triton.py loaded beside the
 checkout's computes what the checkout's does (at HEAD they are the same source), the Triton launchers are timed
 with both and the CUDA ones once, and a revision that does not exist is a clear error."""
-import importlib.util
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+
+from benchmarks.common import import_file
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -15,10 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 def tune():
     if subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True).returncode:
         pytest.skip("not a git checkout: --against reads a revision's source with git")
-    spec = importlib.util.spec_from_file_location("tune_norm", REPO / "profiles" / "tune_norm.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return import_file(REPO / "profiles" / "tune_norm.py", "tune_norm")
 
 
 def test_against_head_matches_the_checkout(tune, tmp_path):
