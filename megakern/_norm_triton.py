@@ -76,10 +76,13 @@ def _norm_fwd_kernel(
     M, N, eps,
     IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr = 0, EVEN_N: tl.constexpr = False,
+    BLOCK_U: tl.constexpr = 0,
 ):
     """BLOCK_M rows per program, as a (BLOCK_M, BLOCK_N) tile; BLOCK_T > 0: the columns past BLOCK_N as a second
-    (BLOCK_M, BLOCK_T) tile (a row of 12288 as 8192 + 4096 columns, where one power-of-two tile would hold 16384).
-    EVEN_N: N == BLOCK_N (no tail), so no column is masked."""
+    (BLOCK_M, BLOCK_T) tile (a row of 12288 as 8192 + 4096 columns, where one power-of-two tile would hold 16384);
+    BLOCK_U > 0 (with BLOCK_T): the columns past both as a third (BLOCK_M, BLOCK_U) tile (13312 as 8192 + 4096 +
+    1024). EVEN_N: N == BLOCK_N (no tail), or with three tiles N == BLOCK_N + BLOCK_T + BLOCK_U, so no column is
+    masked."""
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     row_mask = rows < M
@@ -90,9 +93,15 @@ def _norm_fwd_kernel(
     x = _fwd_part(X, RES, RES_OUT, rows, cols, mask, stride_xm, stride_resm, stride_resoutm, HAS_RES)
     if BLOCK_T > 0:
         cols_t = BLOCK_N + tl.arange(0, BLOCK_T)
-        col_mask_t = cols_t < N
+        # the middle tile of three lies below N as the head does
+        col_mask_t = cols_t < (BLOCK_N + BLOCK_T if BLOCK_U > 0 else N)
         mask_t = row_mask[:, None] & col_mask_t[None, :]
         x_t = _fwd_part(X, RES, RES_OUT, rows, cols_t, mask_t, stride_xm, stride_resm, stride_resoutm, HAS_RES)
+    if BLOCK_U > 0:
+        cols_u = BLOCK_N + BLOCK_T + tl.arange(0, BLOCK_U)
+        col_mask_u = cols_u < (BLOCK_N + BLOCK_T + BLOCK_U if EVEN_N else N)
+        mask_u = row_mask[:, None] & col_mask_u[None, :]
+        x_u = _fwd_part(X, RES, RES_OUT, rows, cols_u, mask_u, stride_xm, stride_resm, stride_resoutm, HAS_RES)
     # statistics in fp32 (scalars for one row: _row_sum)
     if IS_RMS:
         xc = x
@@ -100,10 +109,15 @@ def _norm_fwd_kernel(
         if BLOCK_T > 0:
             xc_t = x_t
             ss += _row_sum(xc_t * xc_t, BLOCK_M)
+        if BLOCK_U > 0:
+            xc_u = x_u
+            ss += _row_sum(xc_u * xc_u, BLOCK_M)
     else:
         total = _row_sum(x, BLOCK_M)
         if BLOCK_T > 0:
             total += _row_sum(x_t, BLOCK_M)
+        if BLOCK_U > 0:
+            total += _row_sum(x_u, BLOCK_M)
         mean = total / N
         if HEAD_FULL:  # no masked column in the head tile (a row past M loads zeros: mean 0, xc 0)
             xc = x - _col(mean, BLOCK_M)
@@ -111,14 +125,25 @@ def _norm_fwd_kernel(
             xc = tl.where(mask, x - _col(mean, BLOCK_M), 0.0)
         ss = _row_sum(xc * xc, BLOCK_M)
         if BLOCK_T > 0:
-            xc_t = tl.where(mask_t, x_t - _col(mean, BLOCK_M), 0.0)
+            if BLOCK_U > 0:  # the middle tile: no masked column
+                xc_t = x_t - _col(mean, BLOCK_M)
+            else:
+                xc_t = tl.where(mask_t, x_t - _col(mean, BLOCK_M), 0.0)
             ss += _row_sum(xc_t * xc_t, BLOCK_M)
+        if BLOCK_U > 0:
+            if EVEN_N:
+                xc_u = x_u - _col(mean, BLOCK_M)
+            else:
+                xc_u = tl.where(mask_u, x_u - _col(mean, BLOCK_M), 0.0)
+            ss += _row_sum(xc_u * xc_u, BLOCK_M)
         tl.store(MEAN + rows, mean, mask=row_mask)
     rstd = 1.0 / tl.sqrt(ss / N + eps)
     tl.store(RSTD + rows, rstd, mask=row_mask)
     _fwd_out(Y, W, B, xc, _col(rstd, BLOCK_M), rows, cols, col_mask, mask, stride_ym, HAS_W, HAS_B)
     if BLOCK_T > 0:
         _fwd_out(Y, W, B, xc_t, _col(rstd, BLOCK_M), rows, cols_t, col_mask_t, mask_t, stride_ym, HAS_W, HAS_B)
+    if BLOCK_U > 0:
+        _fwd_out(Y, W, B, xc_u, _col(rstd, BLOCK_M), rows, cols_u, col_mask_u, mask_u, stride_ym, HAS_W, HAS_B)
 
 
 @triton.jit
@@ -486,6 +511,20 @@ def tail_split(n: int) -> tuple[int, int] | None:
     return (head, tail) if head + tail < block else None
 
 
+def three_split(n: int) -> tuple[int, int, int] | None:
+    """(head, middle, tail) columns of the forward's three tiles for a row of ``n`` that ``tail_split`` leaves whole:
+    half, a quarter and the power of two that holds the rest of the one power-of-two tile's columns, where the three
+    hold fewer columns than that tile (13312: 8192 + 4096 + 1024, 14336: 8192 + 4096 + 2048, 7168: 4096 + 2048 +
+    1024); None elsewhere (tail_split's widths, powers of two, 15360)."""
+    block = _block(n)
+    head = block // 2
+    if n <= head or n == block or tail_split(n):
+        return None
+    middle = head // 2
+    tail = next_power_of_2(n - head - middle)
+    return (head, middle, tail) if head + middle + tail < block else None
+
+
 # Launch geometry, measured on the H200 with profiles/tune_norm.py (figures in docs/tuning.md, norms).
 def _fwd_config(n: int, is_rms: bool) -> tuple[int, int, bool]:
     """(rows per program, warps, tail) for rows of ``n``: below hidden 2048, rows enough for 2048 elements a program
@@ -593,13 +632,14 @@ def _programs(rows: int, device: torch.device, per_sm: int = 1) -> int:
 
 def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | None = None,
         rows_per_program: int | None = None, wide: bool = False, chunk: int = 4096, stages: int = 1,
-        tail: bool | None = None):
+        tail: bool | None = None, three: bool = False):
     """(y, residual_out | None, mean | None, rstd) for 2-D ``x``; ``num_warps`` and ``rows_per_program`` override
     the defaults (tuning). ``wide``: the two-pass kernel for rows too wide for registers, a row a program, ``chunk``
     columns at a time (measured level with or behind rows in registers up to hidden 32768 under graph replay:
     docs/tuning.md); ``stages`` > 1 has Triton pipeline its loops through shared memory (cp.async, barriers),
     measured slower. ``tail``: a row as two power-of-two tiles where ``tail_split`` has them (no effect elsewhere);
-    None: as the launch table says.
+    None: as the launch table says. ``three``: a row as three power-of-two tiles where ``three_split`` has them (no
+    effect elsewhere; tuning, not in the launch table until measured).
     """
     rows, n = x.shape
     block = _block(n)
@@ -620,10 +660,16 @@ def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | No
     if wide:
         _norm_fwd_wide_kernel[(rows,)](*args, CHUNK=min(next_power_of_2(chunk), block), STAGES=stages, **flags)
     else:
-        split = tail_split(n) if tail else None
-        head, tail_cols = split or (block, 0)
+        thirds = three_split(n) if three else None
+        if thirds:
+            head, tail_cols, third_cols = thirds
+        else:
+            head, tail_cols = (tail_split(n) if tail else None) or (block, 0)
+            third_cols = 0
         _norm_fwd_kernel[(cdiv(rows, rows_per_program),)](*args, BLOCK_M=rows_per_program, BLOCK_N=head,
-                                                          BLOCK_T=tail_cols, EVEN_N=n == head, **flags)
+                                                          BLOCK_T=tail_cols, BLOCK_U=third_cols,
+                                                          EVEN_N=n == head + tail_cols + third_cols
+                                                          if thirds else n == head, **flags)
     return y, res_out, mean, rstd
 
 

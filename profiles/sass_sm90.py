@@ -68,10 +68,13 @@ NORM_FP32 = {"MEAN", "RSTD", "DRES", "DW_PARTIAL", "DB_PARTIAL"}
 
 
 def norm_row(is_rms: bool, n: int, warps: int, tail: bool, rows: int, backward: bool, prefetch: bool,
-             residual: bool) -> str:
-    """The register kernel (forward or backward) of one geometry, as its launcher would compile it."""
+             residual: bool, three: bool = False) -> str:
+    """The register kernel (forward or backward) of one geometry, as its launcher would compile it; ``three``: the
+    forward's three tiles (three_split), where the width has them."""
+    thirds = _norm_triton.three_split(n) if three and not backward else None
     split = _norm_triton.tail_split(n) if tail else None
-    head, tail_cols = split or (triton.next_power_of_2(n), 0)
+    head, tail_cols = thirds[:2] if thirds else split or (triton.next_power_of_2(n), 0)
+    third_cols = thirds[2] if thirds else 0
     types = {name: "*bf16" for name in NORM_POINTERS} | {name: "*fp32" for name in NORM_FP32} | {
         "eps": "fp32", "N": "i32/16"}
     flags = dict(IS_RMS=is_rms, HAS_W=True, BLOCK_M=rows, BLOCK_N=head, BLOCK_T=tail_cols)
@@ -81,9 +84,11 @@ def norm_row(is_rms: bool, n: int, warps: int, tail: bool, rows: int, backward: 
                       EVEN_N=n == head)
     else:
         fn = _norm_triton._norm_fwd_kernel
-        flags |= dict(HAS_RES=residual, HAS_B=not is_rms, EVEN_N=n == head)
+        flags |= dict(HAS_RES=residual, HAS_B=not is_rms, BLOCK_U=third_cols,
+                      EVEN_N=n == head + tail_cols + third_cols if thirds else n == head)
+    tiles = thirds or ((head, tail_cols) if tail_cols else head)
     label = (f"{'rms' if is_rms else 'ln '} {'bwd' if backward else 'fwd'} {n:5d} warps {warps:2d} rows {rows} "
-             f"tiles {(head, tail_cols) if tail_cols else head}{' prefetch' if backward and prefetch else ''}")
+             f"tiles {tiles}{' prefetch' if backward and prefetch else ''}")
     return f"{label:58s} {resources(compile_sm90(fn, flags, types, warps))}"
 
 
@@ -106,6 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     norm.add_argument("--warps", default="4,8,16")
     norm.add_argument("--rows", type=int, default=1)
     norm.add_argument("--tail", action="store_true", help="the row as two power-of-two tiles (tail_split)")
+    norm.add_argument("--three", action="store_true", help="the forward's row as three tiles (three_split)")
     norm.add_argument("--backward", action="store_true")
     norm.add_argument("--prefetch", action="store_true", help="--backward: the next step's rows loaded ahead")
     norm.add_argument("--residual", action="store_true")
@@ -121,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
             for n in map(int, args.hidden.split(",")):
                 for warps in map(int, args.warps.split(",")):
                     print(norm_row(op == "rms", n, warps, args.tail, args.rows, args.backward, args.prefetch,
-                                   args.residual), flush=True)
+                                   args.residual, args.three), flush=True)
     else:
         for block in map(int, args.blocks.split(",")):
             for warps in map(int, args.warps.split(",")):

@@ -166,6 +166,33 @@ def test_triton_tail(op, setup, rows):
                 torch.testing.assert_close(c, a, rtol=1e-5 if a.dtype == torch.float32 else 1e-2, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", (1, 2))
+@pytest.mark.parametrize("setup", ("affine", "residual", "fp32-residual-fp32-weight", "no-affine"))
+@pytest.mark.parametrize("op", OPS)
+def test_triton_three_tiles(op, setup, rows):
+    """The forward with a row as three power-of-two tiles (``three``): hidden sizes whose last tile is partly masked
+    or full (every column in a tile), one and several rows a program, against the references (the backward as the
+    launch table has it); its statistics and output equal to the one-tile forward's to rounding."""
+    from megakern import _norm_triton as nt
+
+    fwd, bwd = launchers_for("triton")
+    dtype = torch.bfloat16 if HAS_CUDA else torch.float32
+    for n in ((3584, 13000, 13312) if HAS_CUDA else (27, 28)):
+        assert nt.three_split(n) is not None
+        seed(op, setup, rows, n, "three")
+        x, w, b, r = make_inputs(op, dtype, (2, 5, n), setup)
+        if op == "layer_norm":  # rows far from zero mean: the mean must come from all three tiles
+            x.add_(torch.linspace(-8, 8, n, dtype=dtype, device=x.device))
+        check_fwd_bwd("triton", op, dtype, x, w, b, r,
+                      launchers=(functools.partial(fwd, three=True, rows_per_program=rows), bwd))
+        args = (x.reshape(-1, n), None if r is None else r.reshape(-1, n), w, b, 1e-5, op == "rms_norm")
+        one = nt.fwd(*args, rows_per_program=rows, tail=False)
+        three = nt.fwd(*args, rows_per_program=rows, three=True)
+        for a, c in zip(one, three):
+            if a is not None:
+                torch.testing.assert_close(c, a, rtol=1e-5 if a.dtype == torch.float32 else 1e-2, atol=1e-5)
+
+
 @pytest.mark.parametrize("geometry", GEOMETRIES)
 @pytest.mark.parametrize("setup", ("affine", "residual", "fp32-residual-fp32-weight", "no-affine"))
 @pytest.mark.parametrize("op", OPS)
