@@ -526,30 +526,40 @@ def three_split(n: int) -> tuple[int, int, int] | None:
 
 
 # Launch geometry, measured on the H200 with profiles/tune_norm.py (figures in docs/tuning.md, norms).
-def _fwd_config(n: int, is_rms: bool) -> tuple[int, int, bool]:
-    """(rows per program, warps, tail) for rows of ``n``: below hidden 2048, rows enough for 2048 elements a program
-    at 4 warps (8192 at 8 below 1024); from 2048 one row a program, 4 warps to 2048, 8 to 16384 (LayerNorm 4 at
-    4096 and 16 at 16384), 32 above. Between 2048 and 16384 a row that ``tail_split`` takes as two power-of-two
-    tiles as those tiles: at 4 warps, or where the tail is at most a quarter of the head of 4096 or more (5120,
-    9216, 10240), a warp for every 512 of the head's columns (RMSNorm) or 1024 (LayerNorm); LayerNorm's head of
-    8192 takes 8 warps whatever its tail (11264, 12288 too)."""
+def _fwd_config(n: int, is_rms: bool) -> tuple[int, int, int]:
+    """(rows per program, warps, tiles) for rows of ``n``: below hidden 2048, rows enough for 2048 elements a
+    program at 4 warps (8192 at 8 below 1024); from 2048 one row a program, 4 warps to 2048, 8 to 16384 (LayerNorm
+    4 at 4096 and 16 at 16384), 32 above; one power-of-two tile a row (``tiles`` 1). Between 2048 and 16384 a row
+    that ``tail_split`` takes as two power-of-two tiles as those tiles (``tiles`` 2): at 4 warps, or where the tail
+    is at most a quarter of the head of 4096 or more (5120, 9216, 10240), a warp for every 512 of the head's columns
+    (RMSNorm) or 1024 (LayerNorm); LayerNorm's head of 8192 takes 8 warps whatever its tail (11264, 12288 too). A
+    row that ``three_split`` takes as three tiles as those (``tiles`` 3) where they won: RMSNorm beside a head of
+    8192 (12544-14336) at 4 warps, LayerNorm beside a head of 4096 (6400-7168) at 4 warps and beside a head of 8192
+    with a tail of 2048 (13568-14336) at 8."""
     block = _block(n)
     if block < 1024:
-        return 8192 // block, 8, False
+        return 8192 // block, 8, 1
     if block <= 2048:
-        return 2048 // block, 4, False
+        return 2048 // block, 4, 1
     if block <= 16384:
         split = tail_split(n)
         if split:
             head, tail = split
             short_tail = head >= 4096 and 4 * tail <= head
             if is_rms:
-                return 1, (head // 512 if short_tail else 4), True
-            return 1, (head // 1024 if short_tail or head >= 8192 else 4), True
+                return 1, (head // 512 if short_tail else 4), 2
+            return 1, (head // 1024 if short_tail or head >= 8192 else 4), 2
+        thirds = three_split(n)
+        if thirds:
+            head, _, tail = thirds
+            if is_rms and head == 8192:
+                return 1, 4, 3
+            if not is_rms and (head == 4096 or tail == 2048 and head == 8192):
+                return 1, (4 if head == 4096 else 8), 3
         if not is_rms and block in (4096, 16384):
-            return 1, block // 1024, False
-        return 1, 8, False
-    return 1, 32, False
+            return 1, block // 1024, 1
+        return 1, 8, 1
+    return 1, 32, 1
 
 
 class BwdConfig(NamedTuple):
@@ -632,20 +642,21 @@ def _programs(rows: int, device: torch.device, per_sm: int = 1) -> int:
 
 def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | None = None,
         rows_per_program: int | None = None, wide: bool = False, chunk: int = 4096, stages: int = 1,
-        tail: bool | None = None, three: bool = False):
+        tiles: int | None = None):
     """(y, residual_out | None, mean | None, rstd) for 2-D ``x``; ``num_warps`` and ``rows_per_program`` override
     the defaults (tuning). ``wide``: the two-pass kernel for rows too wide for registers, a row a program, ``chunk``
     columns at a time (measured level with or behind rows in registers up to hidden 32768 under graph replay:
     docs/tuning.md); ``stages`` > 1 has Triton pipeline its loops through shared memory (cp.async, barriers),
-    measured slower. ``tail``: a row as two power-of-two tiles where ``tail_split`` has them (no effect elsewhere);
-    None: as the launch table says. ``three``: a row as three power-of-two tiles where ``three_split`` has them (no
-    effect elsewhere; tuning, not in the launch table until measured).
+    measured slower. ``tiles``: 1, a row as one power-of-two tile; 2, as two where ``tail_split`` has them; 3, as
+    three where ``three_split`` has them (2 and 3 fall back to fewer tiles elsewhere); None: as the launch table says.
     """
     rows, n = x.shape
     block = _block(n)
-    default_rows, warps, default_tail = _fwd_config(n, is_rms)
+    default_rows, warps, default_tiles = _fwd_config(n, is_rms)
     rows_per_program, warps = rows_per_program or default_rows, num_warps or warps
-    tail = default_tail if tail is None else tail
+    tiles = default_tiles if tiles is None else tiles
+    if tiles not in (1, 2, 3):
+        raise ValueError(f"norm forward: tiles must be 1, 2 or 3, got {tiles!r}")
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     res_out = None if residual is None else torch.empty((rows, n), dtype=residual.dtype, device=x.device)
     mean = None if is_rms else torch.empty(rows, dtype=torch.float32, device=x.device)
@@ -660,11 +671,11 @@ def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | No
     if wide:
         _norm_fwd_wide_kernel[(rows,)](*args, CHUNK=min(next_power_of_2(chunk), block), STAGES=stages, **flags)
     else:
-        thirds = three_split(n) if three else None
+        thirds = three_split(n) if tiles == 3 else None
         if thirds:
             head, tail_cols, third_cols = thirds
         else:
-            head, tail_cols = (tail_split(n) if tail else None) or (block, 0)
+            head, tail_cols = (tail_split(n) if tiles >= 2 else None) or (block, 0)
             third_cols = 0
         _norm_fwd_kernel[(cdiv(rows, rows_per_program),)](*args, BLOCK_M=rows_per_program, BLOCK_N=head,
                                                           BLOCK_T=tail_cols, BLOCK_U=third_cols,

@@ -80,15 +80,15 @@ def specs(n: int, is_rms: bool, residual: bool) -> list[tuple[str, str, dict]]:
     out = [("triton fwd default", "triton fwd", {})]
     for warps, rows_pp in ((4, 1), (8, 1), (16, 1), (4, 2), (8, 2), (16, 2), (16, 4), (4, 4), (8, 8)):
         out.append((f"triton fwd warps={warps} rows/program={rows_pp}", "triton fwd",
-                    dict(num_warps=warps, rows_per_program=rows_pp, tail=False)))
+                    dict(num_warps=warps, rows_per_program=rows_pp, tiles=1)))
     if _norm_triton.tail_split(n):  # the row as two power-of-two tiles (fwd's tail), where they hold fewer columns
         for warps, rows_pp in ((4, 1), (8, 1), (16, 1), (8, 2), (4, 4)) + (((8, 8), (4, 2)) if n < 2048 else ()):
             out.append((f"triton fwd tail {_norm_triton.tail_split(n)} warps={warps} rows/program={rows_pp}",
-                        "triton fwd", dict(num_warps=warps, rows_per_program=rows_pp, tail=True)))
+                        "triton fwd", dict(num_warps=warps, rows_per_program=rows_pp, tiles=2)))
     if _norm_triton.three_split(n):  # the row as three power-of-two tiles, where they hold fewer columns than one
         for warps in (4, 8, 16):
             out.append((f"triton fwd three {_norm_triton.three_split(n)} warps={warps} rows/program=1", "triton fwd",
-                        dict(num_warps=warps, rows_per_program=1, three=True)))
+                        dict(num_warps=warps, rows_per_program=1, tiles=3)))
     # the two-pass forward for wide rows: (warps, chunk, stages; 2 pipelines its loops through shared memory, slower)
     if n >= 4096:
         for warps, chunk, stages in [(w, c, 1) for w in (4, 8, 16) for c in (1024, 2048, 4096)] + [(16, 8192, 1)]:

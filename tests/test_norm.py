@@ -141,10 +141,10 @@ GEOMETRIES = {"1-row": dict(rows=1), "2-rows": dict(rows=2), "1-row-prefetch": d
 @pytest.mark.parametrize("setup", ("affine", "residual", "fp32-residual-fp32-weight", "no-affine"))
 @pytest.mark.parametrize("op", OPS)
 def test_triton_tail(op, setup, rows):
-    """The forward and the backward with a row as two power-of-two tiles (``tail``): hidden sizes whose tail tile is
-    partly masked or full, one and several rows a program or step (the backward with and without the next step
-    loaded ahead), against the references; the forward's statistics and output equal to the one-tile forward's to
-    rounding."""
+    """The forward and the backward with a row as two power-of-two tiles (the forward's ``tiles=2``, the
+    backward's ``tail``): hidden sizes whose tail tile is partly masked or full, one and several rows a program or
+    step (the backward with and without the next step loaded ahead), against the references; the forward's
+    statistics and output equal to the one-tile forward's to rounding."""
     from megakern import _norm_triton as nt
 
     fwd, bwd = launchers_for("triton")
@@ -155,12 +155,12 @@ def test_triton_tail(op, setup, rows):
         x, w, b, r = make_inputs(op, dtype, (2, 5, n), setup)
         if op == "layer_norm":  # rows far from zero mean: the mean must come from both tiles
             x.add_(torch.linspace(-8, 8, n, dtype=dtype, device=x.device))
-        tail = functools.partial(fwd, tail=True, rows_per_program=rows)
+        tail = functools.partial(fwd, tiles=2, rows_per_program=rows)
         for prefetch in (False, True):  # the backward as two tiles as well
             tail_bwd = functools.partial(bwd, tail=True, rows=rows, prefetch=prefetch, per_sm=3)
             check_fwd_bwd("triton", op, dtype, x, w, b, r, launchers=(tail, tail_bwd))
         args = (x.reshape(-1, n), None if r is None else r.reshape(-1, n), w, b, 1e-5, op == "rms_norm")
-        one, two = nt.fwd(*args, rows_per_program=rows, tail=False), nt.fwd(*args, rows_per_program=rows, tail=True)
+        one, two = nt.fwd(*args, rows_per_program=rows, tiles=1), nt.fwd(*args, rows_per_program=rows, tiles=2)
         for a, c in zip(one, two):
             if a is not None:
                 torch.testing.assert_close(c, a, rtol=1e-5 if a.dtype == torch.float32 else 1e-2, atol=1e-5)
@@ -170,7 +170,7 @@ def test_triton_tail(op, setup, rows):
 @pytest.mark.parametrize("setup", ("affine", "residual", "fp32-residual-fp32-weight", "no-affine"))
 @pytest.mark.parametrize("op", OPS)
 def test_triton_three_tiles(op, setup, rows):
-    """The forward with a row as three power-of-two tiles (``three``): hidden sizes whose last tile is partly masked
+    """The forward with a row as three power-of-two tiles (``tiles=3``): hidden sizes whose last tile is partly masked
     or full (every column in a tile), one and several rows a program, against the references (the backward as the
     launch table has it); its statistics and output equal to the one-tile forward's to rounding."""
     from megakern import _norm_triton as nt
@@ -184,10 +184,10 @@ def test_triton_three_tiles(op, setup, rows):
         if op == "layer_norm":  # rows far from zero mean: the mean must come from all three tiles
             x.add_(torch.linspace(-8, 8, n, dtype=dtype, device=x.device))
         check_fwd_bwd("triton", op, dtype, x, w, b, r,
-                      launchers=(functools.partial(fwd, three=True, rows_per_program=rows), bwd))
+                      launchers=(functools.partial(fwd, tiles=3, rows_per_program=rows), bwd))
         args = (x.reshape(-1, n), None if r is None else r.reshape(-1, n), w, b, 1e-5, op == "rms_norm")
-        one = nt.fwd(*args, rows_per_program=rows, tail=False)
-        three = nt.fwd(*args, rows_per_program=rows, three=True)
+        one = nt.fwd(*args, rows_per_program=rows, tiles=1)
+        three = nt.fwd(*args, rows_per_program=rows, tiles=3)
         for a, c in zip(one, three):
             if a is not None:
                 torch.testing.assert_close(c, a, rtol=1e-5 if a.dtype == torch.float32 else 1e-2, atol=1e-5)
@@ -217,8 +217,8 @@ def test_triton_geometries(op, setup, geometry):
 
 def compile_for_sm90() -> list:
     """(kernel, shared memory bytes) for the forward and backward kernels of both ops, for rows in registers (the
-    backward with prefetch; both also as two tiles) and for wide rows, with and without the fused residual, compiled
-    for sm_90 (TRITON_INTERPRET=0)."""
+    backward with prefetch; both also as two tiles, the forward as three) and for wide rows, with and without the
+    fused residual, compiled for sm_90 (TRITON_INTERPRET=0)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -232,11 +232,13 @@ def compile_for_sm90() -> list:
     for is_rms, residual in ((True, False), (False, True)):
         flags = dict(IS_RMS=is_rms, HAS_W=True)
         cases = [("fwd", nt._norm_fwd_kernel, dict(flags, HAS_RES=residual, HAS_B=not is_rms, BLOCK_M=1,
-                                                   BLOCK_N=8192, BLOCK_T=0, EVEN_N=False), 8),
+                                                   BLOCK_N=8192, BLOCK_T=0, BLOCK_U=0, EVEN_N=False), 8),
                  ("fwd even", nt._norm_fwd_kernel, dict(flags, HAS_RES=residual, HAS_B=not is_rms, BLOCK_M=1,
-                                                        BLOCK_N=8192, BLOCK_T=0, EVEN_N=True), 8),
+                                                        BLOCK_N=8192, BLOCK_T=0, BLOCK_U=0, EVEN_N=True), 8),
                  ("fwd tail", nt._norm_fwd_kernel, dict(flags, HAS_RES=residual, HAS_B=not is_rms, BLOCK_M=1,
-                                                        BLOCK_N=8192, BLOCK_T=4096, EVEN_N=False), 8),
+                                                        BLOCK_N=8192, BLOCK_T=4096, BLOCK_U=0, EVEN_N=False), 8),
+                 ("fwd three", nt._norm_fwd_kernel, dict(flags, HAS_RES=residual, HAS_B=not is_rms, BLOCK_M=1,
+                                                         BLOCK_N=8192, BLOCK_T=4096, BLOCK_U=1024, EVEN_N=True), 8),
                  ("bwd", nt._norm_bwd_kernel, dict(flags, HAS_DW=True, HAS_DB=not is_rms, HAS_DRES_OUT=residual,
                                                    HAS_DRES=False, BLOCK_M=1, BLOCK_N=8192, PREFETCH=True,
                                                    BLOCK_T=0, EVEN_N=True), 16),
@@ -271,7 +273,7 @@ def test_kernels_compile_for_sm90():
     from conftest import sm90_lowering
 
     results = sm90_lowering("test_norm", "compile_for_sm90()")
-    assert len(results) == 18, results
+    assert len(results) == 20, results
 
 
 def test_sass_profile_reads_resources():
@@ -666,12 +668,13 @@ def test_cuda_staged_backward_refuses_what_it_cannot_take():
 
 def test_launch_table_tail():
     """The launch table takes a row as two power-of-two tiles between hidden 2048 and 16384 where ``tail_split`` has
-    them, forward and backward (LayerNorm's backward in registers then, not the two-pass kernel), and one tile for
-    powers of two, below 2048 and at 14336, whose two tiles would hold no fewer columns; an explicit ``tail`` wins."""
+    them, forward and backward (LayerNorm's backward in registers then, not the two-pass kernel), the forward's as
+    three where ``three_split`` has them and they won, and one tile for powers of two, below 2048 and at 15360; an
+    explicit ``tail`` wins; a forward of four tiles is refused."""
     from megakern import _norm_triton as nt
 
     for n in (2560, 3072, 5120, 6144, 9216, 10240, 12288):
-        assert nt.tail_split(n) and nt._fwd_config(n, False)[::2] == (1, True) == nt._fwd_config(n, True)[::2]
+        assert nt.tail_split(n) and nt._fwd_config(n, False)[::2] == (1, 2) == nt._fwd_config(n, True)[::2]
         for is_rms in (True, False):
             config = nt._bwd_config(n, is_rms)
             assert config.tail == (n > 8192) and not config.wide
@@ -685,9 +688,16 @@ def test_launch_table_tail():
                      12288: (4, 8)}
     assert [nt._fwd_config(n, False)[1] for n in (2048, 4096, 8192, 16384)] == [4, 4, 8, 16]
     assert [nt._fwd_config(n, True)[1] for n in (2048, 4096, 8192, 16384)] == [4, 8, 8, 8]
-    for n in (768, 1536, 2048, 4096, 8192, 14336, 16384, 32768):
-        assert not nt._fwd_config(n, True)[2] and not nt._fwd_config(n, False)[2]
+    for n in (768, 1536, 2048, 4096, 8192, 15360, 16384, 32768):
+        assert nt._fwd_config(n, True)[2] == 1 == nt._fwd_config(n, False)[2]
         assert not nt._bwd_config(n, True).tail and not nt._bwd_config(n, False).tail
+    # three tiles where they won: RMSNorm beside a head of 8192 at 4 warps; LayerNorm beside a head of 4096 at 4
+    # warps, beside 8192 with a tail of 2048 at 8; one tile elsewhere (LayerNorm 13312, 3584; RMSNorm 7168, 3584)
+    three = {n: (nt._fwd_config(n, True), nt._fwd_config(n, False)) for n in (3584, 7168, 12544, 13312, 14336)}
+    assert three == {3584: ((1, 8, 1), (1, 4, 1)), 7168: ((1, 8, 1), (1, 4, 3)), 12544: ((1, 4, 3), (1, 16, 1)),
+                     13312: ((1, 4, 3), (1, 16, 1)), 14336: ((1, 4, 3), (1, 8, 3))}
+    with pytest.raises(ValueError, match="tiles must be 1, 2 or 3"):
+        nt.fwd(torch.ones(2, 64), None, None, None, 1e-5, True, tiles=4)
     # LayerNorm's rows of 14336 and 16384: dx in registers, the dweight / dbias sums by the strips kernel
     assert all(nt._bwd_config(n, False).split and not nt._bwd_config(n, False).wide for n in (14336, 16384))
     assert nt._bwd_config(32768, False).wide and nt._bwd_config(32768, True).wide
