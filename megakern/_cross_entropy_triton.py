@@ -57,6 +57,12 @@ def _cross_entropy_kernel(
                 tl.store(GRAD + row * stride_gn + start + cols,
                          tl.zeros([BLOCK_V], tl.float32).to(GRAD.dtype.element_ty), mask=start + cols < V)
     else:
+        # the target's logit, read before pass 1: with GRAD the same memory as LOGITS, pass 2 overwrites it, and a
+        # warp may store the target's block in pass 2 while another has yet to read it; pass 1's reductions
+        # synchronise the warps after every read here. A target outside [0, V) (unchecked when traced by
+        # torch.compile) reads nothing and makes the loss NaN
+        in_range = (target >= 0) & (target < V)
+        z_t = tl.load(logits + target, mask=in_range, other=float("nan")).to(tl.float32)
         # pass 1: running max m and running sum d of exp(z - m), in fp32; the sum of z for label smoothing
         m = tl.full([], float("-inf"), tl.float32)
         d = tl.full([], 0.0, tl.float32)
@@ -74,10 +80,7 @@ def _cross_entropy_kernel(
                 z_sum += tl.sum(tl.where(mask, z, 0.0), axis=0)
             m = m_new
         lse = m + tl.log(d)
-        # a target outside [0, V) (unchecked when traced by torch.compile) reads nothing and makes the loss NaN
-        in_range = (target >= 0) & (target < V)
-        z_t = _softcapped(tl.load(logits + target, mask=in_range, other=float("nan")).to(tl.float32), softcap,
-                          HAS_SOFTCAP)
+        z_t = _softcapped(z_t, softcap, HAS_SOFTCAP)
         # loss = (1 - eps) (lse - z_t) + eps (lse - mean(z))
         loss = lse - z_t
         if HAS_SMOOTHING:

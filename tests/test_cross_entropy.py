@@ -272,6 +272,30 @@ def test_kernel_masked_and_nan_logits(smoothing):
         torch.testing.assert_close(grad[:4].double(), ref.grad, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_kernel_in_place_reads_the_target_logit_first(softcap):
+    """In place (the gradient written over the logits, as the fused linear cross-entropy runs it) every row's loss
+    equals the out-of-place loss bit for bit with every target in the row's last block, the first that pass 2
+    overwrites: the target's logit is read before any warp can store over it (on a GPU 8 warps a row, 8192 rows)."""
+    require_triton()
+    from megakern import _cross_entropy_triton as kern
+
+    seed("ce-in-place-target", softcap)
+    rows, vocab = (8192, 50304) if DEVICE.type == "cuda" else (6, 70)
+    logits = (torch.randn(rows, vocab, device=DEVICE) * 3).to(torch.bfloat16 if DEVICE.type == "cuda" else
+                                                              torch.float32)
+    last = vocab - (vocab - 1) % (8192 if DEVICE.type == "cuda" else 64) - 1  # the first column of the last block
+    targets = torch.randint(last, vocab, (rows,), device=DEVICE)
+    scale = torch.full((1,), 1.0, device=DEVICE)
+    out = torch.empty_like(logits)
+    ref = kern.fwd(logits, targets, out, scale, -100, 0.0, softcap)
+    grad = logits.clone()
+    got = kern.fwd(grad, targets, grad, scale, -100, 0.0, softcap)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b), int((a != b).sum())
+    assert torch.equal(grad, out)
+
+
 @pytest.mark.parametrize("block, warps", [(16, 1), (32, 2), (64, None)])
 def test_kernel_block_and_warps_overrides(block, warps):
     """The tuning overrides (profiles/tune_cross_entropy.py): any block and warps give the default's loss, lse and
