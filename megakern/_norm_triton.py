@@ -533,9 +533,10 @@ def _fwd_config(n: int, is_rms: bool) -> tuple[int, int, int]:
     that ``tail_split`` takes as two power-of-two tiles as those tiles (``tiles`` 2): at 4 warps, or where the tail
     is at most a quarter of the head of 4096 or more (5120, 9216, 10240), a warp for every 512 of the head's columns
     (RMSNorm) or 1024 (LayerNorm); LayerNorm's head of 8192 takes 8 warps whatever its tail (11264, 12288 too). A
-    row that ``three_split`` takes as three tiles as those (``tiles`` 3) where they won: RMSNorm beside a head of
-    8192 (12544-14336) at 4 warps, LayerNorm beside a head of 4096 (6400-7168) at 4 warps and beside a head of 8192
-    with a tail of 2048 (13568-14336) at 8."""
+    row that ``three_split`` takes as three tiles as those (``tiles`` 3) where they won: RMSNorm 12800 and 13312
+    (8192 + 4096 + a full 512 or 1024) at 4 warps, LayerNorm 6657-7168 (4096 + 2048 + 1024) at 4 and 14336 (8192 +
+    4096 + 2048) at 8. Elsewhere three tiles were level or lost, most where the last tile is a small or a partly
+    masked one (6400, 6656; RMSNorm 13056, both 13568-14080: 0.68-0.84 of copy against 0.81-0.94)."""
     block = _block(n)
     if block < 1024:
         return 8192 // block, 8, 1
@@ -551,11 +552,14 @@ def _fwd_config(n: int, is_rms: bool) -> tuple[int, int, int]:
             return 1, (head // 1024 if short_tail or head >= 8192 else 4), 2
         thirds = three_split(n)
         if thirds:
-            head, _, tail = thirds
-            if is_rms and head == 8192:
+            head, middle, tail = thirds
+            full = n == head + middle + tail  # no masked column in the last tile
+            if is_rms and head == 8192 and full and tail in (512, 1024):
                 return 1, 4, 3
-            if not is_rms and (head == 4096 or tail == 2048 and head == 8192):
-                return 1, (4 if head == 4096 else 8), 3
+            if not is_rms and head == 4096 and tail == 1024:
+                return 1, 4, 3
+            if not is_rms and head == 8192 and full and tail == 2048:
+                return 1, 8, 3
         if not is_rms and block in (4096, 16384):
             return 1, block // 1024, 1
         return 1, 8, 1

@@ -691,11 +691,15 @@ def test_launch_table_tail():
     for n in (768, 1536, 2048, 4096, 8192, 15360, 16384, 32768):
         assert nt._fwd_config(n, True)[2] == 1 == nt._fwd_config(n, False)[2]
         assert not nt._bwd_config(n, True).tail and not nt._bwd_config(n, False).tail
-    # three tiles where they won: RMSNorm beside a head of 8192 at 4 warps; LayerNorm beside a head of 4096 at 4
-    # warps, beside 8192 with a tail of 2048 at 8; one tile elsewhere (LayerNorm 13312, 3584; RMSNorm 7168, 3584)
-    three = {n: (nt._fwd_config(n, True), nt._fwd_config(n, False)) for n in (3584, 7168, 12544, 13312, 14336)}
-    assert three == {3584: ((1, 8, 1), (1, 4, 1)), 7168: ((1, 8, 1), (1, 4, 3)), 12544: ((1, 4, 3), (1, 16, 1)),
-                     13312: ((1, 4, 3), (1, 16, 1)), 14336: ((1, 4, 3), (1, 8, 3))}
+    # three tiles where they won: RMSNorm 12800 and 13312 at 4 warps; LayerNorm 6657-7168 at 4, 14336 at 8; one
+    # tile at the other widths three_split takes
+    sizes = (3584, 6656, 6912, 7168, 12544, 12800, 13056, 13312, 13824, 14336)
+    three = {n: (nt._fwd_config(n, True), nt._fwd_config(n, False)) for n in sizes}
+    assert all(nt.three_split(n) for n in sizes)
+    assert three == {3584: ((1, 8, 1), (1, 4, 1)), 6656: ((1, 8, 1), (1, 8, 1)), 6912: ((1, 8, 1), (1, 4, 3)),
+                     7168: ((1, 8, 1), (1, 4, 3)), 12544: ((1, 8, 1), (1, 16, 1)), 12800: ((1, 4, 3), (1, 16, 1)),
+                     13056: ((1, 8, 1), (1, 16, 1)), 13312: ((1, 4, 3), (1, 16, 1)),
+                     13824: ((1, 8, 1), (1, 16, 1)), 14336: ((1, 8, 1), (1, 8, 3))}
     with pytest.raises(ValueError, match="tiles must be 1, 2 or 3"):
         nt.fwd(torch.ones(2, 64), None, None, None, 1e-5, True, tiles=4)
     # LayerNorm's rows of 14336 and 16384: dx in registers, the dweight / dbias sums by the strips kernel
