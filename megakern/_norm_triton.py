@@ -147,40 +147,88 @@ def _norm_fwd_kernel(
 
 
 @triton.jit
+def _wide_load(ptr, m, EVEN_N: tl.constexpr, POLICY: tl.constexpr):
+    """A chunk's columns as fp32: unmasked where the chunks fill the row (EVEN_N), else zeros past its end."""
+    if EVEN_N:
+        v = tl.load(ptr, eviction_policy=POLICY)
+    else:
+        v = tl.load(ptr, mask=m, other=0.0, eviction_policy=POLICY)
+    return v.to(tl.float32)
+
+
+@triton.jit
+def _wide_fwd_stats(x_row, RES, RES_OUT, row, cols, N, i, lane_mean, lane_m2, stride_resm, stride_resoutm,
+                    IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, EVEN_N: tl.constexpr):
+    """Pass 1 of the wide forward over the chunk ``i`` (columns ``cols``): the lanes' statistics updated."""
+    m = cols < N
+    x = _wide_load(x_row + cols, m, EVEN_N, "evict_last")
+    if HAS_RES:
+        h = (x + _wide_load(RES + row * stride_resm + cols, m, EVEN_N, "evict_first")).to(RES_OUT.dtype.element_ty)
+        if EVEN_N:
+            tl.store(RES_OUT + row * stride_resoutm + cols, h)
+        else:
+            tl.store(RES_OUT + row * stride_resoutm + cols, h, mask=m)
+        x = h.to(tl.float32)
+    if IS_RMS:
+        lane_m2 += x * x
+    else:  # a lane that holds a column in this chunk held one in each chunk before: its count is i + 1
+        delta = x - lane_mean
+        if not EVEN_N:
+            delta = tl.where(m, delta, 0.0)
+        lane_mean += delta * (1.0 / (i + 1.0))  # one reciprocal a chunk, not a division a column
+        lane_m2 += delta * (x - lane_mean)
+    return lane_mean, lane_m2
+
+
+@triton.jit
+def _wide_fwd_out(x_row, W, B, Y, RES_OUT, row, cols, N, mean, rstd, stride_ym, stride_resoutm,
+                  HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, EVEN_N: tl.constexpr):
+    """Pass 2 of the wide forward over the columns ``cols``: y from the row read again (from L2)."""
+    m = cols < N
+    if HAS_RES:
+        x = _wide_load(RES_OUT + row * stride_resoutm + cols, m, EVEN_N, "evict_first")
+    else:
+        x = _wide_load(x_row + cols, m, EVEN_N, "evict_first")
+    y = (x - mean) * rstd
+    if HAS_W:
+        y = y * _wide_load(W + cols, m, EVEN_N, "evict_last")
+    if HAS_B:
+        y = y + _wide_load(B + cols, m, EVEN_N, "evict_last")
+    if EVEN_N:
+        tl.store(Y + row * stride_ym + cols, y.to(Y.dtype.element_ty))
+    else:
+        tl.store(Y + row * stride_ym + cols, y.to(Y.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _norm_fwd_wide_kernel(
     X, RES, W, B, Y, RES_OUT, MEAN, RSTD,
     stride_xm, stride_resm, stride_ym, stride_resoutm,
     M, N, eps,
     IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-    CHUNK: tl.constexpr, STAGES: tl.constexpr,
+    CHUNK: tl.constexpr, STAGES: tl.constexpr, CHUNKS: tl.constexpr = 0, EVEN_N: tl.constexpr = False,
 ):
     """The forward for rows too wide for registers: a row a program, in CHUNK-column pieces, twice. The first pass
     reads the row (and the residual, storing their sum) from memory for its statistics, kept per lane of the chunk
     (RMSNorm: the sum of squares; LayerNorm: Welford's mean and squared deviations, the lanes' counts one more for
     the lanes of a partial last chunk) and combined across the lanes once, after the loop, so that no chunk waits
     on a reduction; the second reads the row again from L2 (loaded to stay there the first time, to leave it the
-    second) and writes y."""
+    second) and writes y. CHUNKS > 0: the row's chunk count known when compiling (cdiv(N, CHUNK)), both passes
+    unrolled so that all of a pass's loads can be in flight at once; EVEN_N (with it): N == CHUNKS * CHUNK, no
+    column masked."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, CHUNK)
     x_row = X + row * stride_xm
     lane_mean = tl.zeros([CHUNK], dtype=tl.float32)
     lane_m2 = tl.zeros([CHUNK], dtype=tl.float32)
-    for i in tl.range(0, tl.cdiv(N, CHUNK), num_stages=STAGES):
-        cols = i * CHUNK + offs
-        m = cols < N
-        x = tl.load(x_row + cols, mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        if HAS_RES:
-            h = x + tl.load(RES + row * stride_resm + cols, mask=m, other=0.0,
-                            eviction_policy="evict_first").to(tl.float32)
-            h = h.to(RES_OUT.dtype.element_ty)
-            tl.store(RES_OUT + row * stride_resoutm + cols, h, mask=m)
-            x = h.to(tl.float32)
-        if IS_RMS:
-            lane_m2 += x * x
-        else:  # a lane that holds a column in this chunk held one in each chunk before: its count is i + 1
-            delta = tl.where(m, x - lane_mean, 0.0)
-            lane_mean += delta * (1.0 / (i + 1.0))  # one reciprocal a chunk, not a division a column
-            lane_m2 += delta * (x - lane_mean)
+    if CHUNKS > 0:
+        for i in tl.static_range(CHUNKS):
+            lane_mean, lane_m2 = _wide_fwd_stats(x_row, RES, RES_OUT, row, i * CHUNK + offs, N, i, lane_mean,
+                                                 lane_m2, stride_resm, stride_resoutm, IS_RMS, HAS_RES, EVEN_N)
+    else:
+        for i in tl.range(0, tl.cdiv(N, CHUNK), num_stages=STAGES):
+            lane_mean, lane_m2 = _wide_fwd_stats(x_row, RES, RES_OUT, row, i * CHUNK + offs, N, i, lane_mean,
+                                                 lane_m2, stride_resm, stride_resoutm, IS_RMS, HAS_RES, False)
     if IS_RMS:
         mean = 0.0
         m2 = tl.sum(lane_m2, axis=0)
@@ -194,20 +242,14 @@ def _norm_fwd_wide_kernel(
     tl.store(RSTD + row, rstd)
     if not IS_RMS:
         tl.store(MEAN + row, mean)
-    for c0 in tl.range(0, N, CHUNK, num_stages=STAGES):
-        cols = c0 + offs
-        m = cols < N
-        if HAS_RES:
-            x = tl.load(RES_OUT + row * stride_resoutm + cols, mask=m, other=0.0,
-                        eviction_policy="evict_first").to(tl.float32)
-        else:
-            x = tl.load(x_row + cols, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        y = (x - mean) * rstd
-        if HAS_W:
-            y = y * tl.load(W + cols, mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        if HAS_B:
-            y = y + tl.load(B + cols, mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        tl.store(Y + row * stride_ym + cols, y.to(Y.dtype.element_ty), mask=m)
+    if CHUNKS > 0:
+        for i in tl.static_range(CHUNKS):
+            _wide_fwd_out(x_row, W, B, Y, RES_OUT, row, i * CHUNK + offs, N, mean, rstd, stride_ym, stride_resoutm,
+                          HAS_RES, HAS_W, HAS_B, EVEN_N)
+    else:
+        for c0 in tl.range(0, N, CHUNK, num_stages=STAGES):
+            _wide_fwd_out(x_row, W, B, Y, RES_OUT, row, c0 + offs, N, mean, rstd, stride_ym, stride_resoutm,
+                          HAS_RES, HAS_W, HAS_B, False)
 
 
 @triton.jit
@@ -646,12 +688,13 @@ def _programs(rows: int, device: torch.device, per_sm: int = 1) -> int:
 
 def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | None = None,
         rows_per_program: int | None = None, wide: bool = False, chunk: int = 4096, stages: int = 1,
-        tiles: int | None = None):
+        tiles: int | None = None, unrolled: bool = False):
     """(y, residual_out | None, mean | None, rstd) for 2-D ``x``; ``num_warps`` and ``rows_per_program`` override
     the defaults (tuning). ``wide``: the two-pass kernel for rows too wide for registers, a row a program, ``chunk``
     columns at a time (measured level with or behind rows in registers up to hidden 32768 under graph replay:
     docs/tuning.md); ``stages`` > 1 has Triton pipeline its loops through shared memory (cp.async, barriers),
-    measured slower. ``tiles``: 1, a row as one power-of-two tile; 2, as two where ``tail_split`` has them; 3, as
+    measured slower; ``unrolled``: its loops unrolled over the row's chunk count, compiled in (a kernel per count;
+    ``stages`` then has no effect). ``tiles``: 1, a row as one power-of-two tile; 2, as two where ``tail_split`` has them; 3, as
     three where ``three_split`` has them (2 and 3 fall back to fewer tiles elsewhere); None: as the launch table says.
     """
     rows, n = x.shape
@@ -673,7 +716,10 @@ def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | No
     flags = dict(IS_RMS=is_rms, HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
                  num_warps=warps)
     if wide:
-        _norm_fwd_wide_kernel[(rows,)](*args, CHUNK=min(next_power_of_2(chunk), block), STAGES=stages, **flags)
+        chunk = min(next_power_of_2(chunk), block)
+        chunks = cdiv(n, chunk) if unrolled else 0
+        _norm_fwd_wide_kernel[(rows,)](*args, CHUNK=chunk, STAGES=stages, CHUNKS=chunks,
+                                       EVEN_N=unrolled and n == chunks * chunk, **flags)
     else:
         thirds = three_split(n) if tiles == 3 else None
         if thirds:

@@ -94,6 +94,11 @@ def specs(n: int, is_rms: bool, residual: bool) -> list[tuple[str, str, dict]]:
         for warps, chunk, stages in [(w, c, 1) for w in (4, 8, 16) for c in (1024, 2048, 4096)] + [(16, 8192, 1)]:
             out.append((f"triton fwd wide warps={warps} chunk={chunk} stages={stages}", "triton fwd",
                         dict(num_warps=warps, wide=True, chunk=chunk, stages=stages)))
+        # the same with the row's chunk count compiled in, both loops unrolled (torch.compile's RMSNorm at 9216-16384
+        # is a looped reduction of 2048-column chunks at 16 warps over a row of known width)
+        for warps, chunk in [(w, c) for w in (8, 16, 32) for c in (1024, 2048, 4096)]:
+            out.append((f"triton fwd wide unrolled warps={warps} chunk={chunk}", "triton fwd",
+                        dict(num_warps=warps, wide=True, chunk=chunk, unrolled=True)))
     default = _norm_cuda.launch_config(n, torch.bfloat16, False)
     out.append((f"cuda fwd default {default}", "cuda fwd", {}))
     for config in cuda_geometries(n, backward=False):

@@ -193,6 +193,31 @@ def test_triton_three_tiles(op, setup, rows):
                 torch.testing.assert_close(c, a, rtol=1e-5 if a.dtype == torch.float32 else 1e-2, atol=1e-5)
 
 
+@pytest.mark.parametrize("setup", ("affine", "residual", "fp32-residual-fp32-weight", "no-affine"))
+@pytest.mark.parametrize("op", OPS)
+def test_triton_wide_forward_unrolled(op, setup):
+    """The two-pass forward with the row's chunk count compiled in (``unrolled``): a partial last chunk and a row
+    its chunks fill (no mask), against the references and equal to the looped kernel's output and statistics to
+    rounding."""
+    from megakern import _norm_triton as nt
+
+    fwd, bwd = launchers_for("triton")
+    dtype = torch.bfloat16 if HAS_CUDA else torch.float32
+    chunk = 2048 if HAS_CUDA else 32
+    for n in ((9000, 12288) if HAS_CUDA else (100, 128)):
+        seed(op, setup, n, "wide-unrolled")
+        x, w, b, r = make_inputs(op, dtype, (2, 7, n), setup)
+        if op == "layer_norm":  # rows far from zero mean: the lanes' Welford statistics must not cancel
+            x.add_(torch.linspace(-8, 8, n, dtype=dtype, device=x.device))
+        unrolled = functools.partial(fwd, wide=True, chunk=chunk, unrolled=True)
+        check_fwd_bwd("triton", op, dtype, x, w, b, r, launchers=(unrolled, bwd))
+        args = (x.reshape(-1, n), None if r is None else r.reshape(-1, n), w, b, 1e-5, op == "rms_norm")
+        looped = nt.fwd(*args, wide=True, chunk=chunk)
+        for a, c in zip(looped, nt.fwd(*args, wide=True, chunk=chunk, unrolled=True)):
+            if a is not None:
+                torch.testing.assert_close(c, a, rtol=1e-5 if a.dtype == torch.float32 else 1e-2, atol=1e-5)
+
+
 @pytest.mark.parametrize("geometry", GEOMETRIES)
 @pytest.mark.parametrize("setup", ("affine", "residual", "fp32-residual-fp32-weight", "no-affine"))
 @pytest.mark.parametrize("op", OPS)
@@ -251,7 +276,10 @@ def compile_for_sm90() -> list:
                                                                   BLOCK_N=8192, PREFETCH=True, BLOCK_T=4096,
                                                                   EVEN_N=False), 16),
                  ("fwd wide", nt._norm_fwd_wide_kernel, dict(flags, HAS_RES=residual, HAS_B=not is_rms, CHUNK=4096,
-                                                             STAGES=2), 8),
+                                                             STAGES=2, CHUNKS=0, EVEN_N=False), 8),
+                 ("fwd wide unrolled", nt._norm_fwd_wide_kernel, dict(flags, HAS_RES=residual, HAS_B=not is_rms,
+                                                                      CHUNK=2048, STAGES=1, CHUNKS=6, EVEN_N=True),
+                  16),
                  ("bwd wide", nt._norm_bwd_wide_kernel, dict(flags, HAS_DW=True, HAS_DB=not is_rms,
                                                              HAS_DRES_OUT=residual, HAS_DRES=residual, BLOCK_M=2,
                                                              CHUNK=2048, STAGES=2), 8),
@@ -273,7 +301,7 @@ def test_kernels_compile_for_sm90():
     from conftest import sm90_lowering
 
     results = sm90_lowering("test_norm", "compile_for_sm90()")
-    assert len(results) == 20, results
+    assert len(results) == 22, results
 
 
 def test_sass_profile_reads_resources():
