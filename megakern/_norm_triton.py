@@ -694,8 +694,9 @@ def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | No
     columns at a time (measured level with or behind rows in registers up to hidden 32768 under graph replay:
     docs/tuning.md); ``stages`` > 1 has Triton pipeline its loops through shared memory (cp.async, barriers),
     measured slower; ``unrolled``: its loops unrolled over the row's chunk count, compiled in (a kernel per count;
-    ``stages`` then has no effect). ``tiles``: 1, a row as one power-of-two tile; 2, as two where ``tail_split`` has them; 3, as
-    three where ``three_split`` has them (2 and 3 fall back to fewer tiles elsewhere); None: as the launch table says.
+    ``stages`` then has no effect). ``tiles``: 1, a row as one power-of-two tile; 2, as two where ``tail_split``
+    has them; 3, as three where ``three_split`` has them (2 and 3 fall back to fewer tiles elsewhere); None: as the
+    launch table says.
     """
     rows, n = x.shape
     block = _block(n)
