@@ -688,7 +688,7 @@ def _programs(rows: int, device: torch.device, per_sm: int = 1) -> int:
 
 def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | None = None,
         rows_per_program: int | None = None, wide: bool = False, chunk: int = 4096, stages: int = 1,
-        tiles: int | None = None, unrolled: bool = False):
+        tiles: int | None = None, unrolled: bool = False, maxnreg: int | None = None):
     """(y, residual_out | None, mean | None, rstd) for 2-D ``x``; ``num_warps`` and ``rows_per_program`` override
     the defaults (tuning). ``wide``: the two-pass kernel for rows too wide for registers, a row a program, ``chunk``
     columns at a time (measured level with or behind rows in registers up to hidden 32768 under graph replay:
@@ -696,7 +696,9 @@ def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | No
     measured slower; ``unrolled``: its loops unrolled over the row's chunk count, compiled in (a kernel per count;
     ``stages`` then has no effect). ``tiles``: 1, a row as one power-of-two tile; 2, as two where ``tail_split``
     has them; 3, as three where ``three_split`` has them (2 and 3 fall back to fewer tiles elsewhere); None: as the
-    launch table says.
+    launch table says. ``maxnreg``: a bound on the registers a thread of the register kernel may hold (ptxas
+    ``.maxnreg``), so that more programs fit an SM (LayerNorm 13312 as three tiles at 8 warps: 115 registers, 2
+    programs an SM; at 80, 3, with no spill in sm_90 SASS); None: ptxas's choice.
     """
     rows, n = x.shape
     block = _block(n)
@@ -705,6 +707,8 @@ def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | No
     tiles = default_tiles if tiles is None else tiles
     if tiles not in (1, 2, 3):
         raise ValueError(f"norm forward: tiles must be 1, 2 or 3, got {tiles!r}")
+    if maxnreg is not None and not (isinstance(maxnreg, int) and 24 <= maxnreg <= 255):
+        raise ValueError(f"norm forward: maxnreg must be an int in [24, 255], got {maxnreg!r}")
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     res_out = None if residual is None else torch.empty((rows, n), dtype=residual.dtype, device=x.device)
     mean = None if is_rms else torch.empty(rows, dtype=torch.float32, device=x.device)
@@ -728,6 +732,8 @@ def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | No
         else:
             head, tail_cols = (tail_split(n) if tiles >= 2 else None) or (block, 0)
             third_cols = 0
+        if maxnreg is not None:
+            flags["maxnreg"] = maxnreg
         _norm_fwd_kernel[(cdiv(rows, rows_per_program),)](*args, BLOCK_M=rows_per_program, BLOCK_N=head,
                                                           BLOCK_T=tail_cols, BLOCK_U=third_cols,
                                                           EVEN_N=n == head + tail_cols + third_cols

@@ -7,7 +7,7 @@ instructions and barriers (BAR), the local loads and stores (LDL, STL) and share
 machine's Triton and its ptxas: install the Triton the GPU machines run (3.6) to read theirs.
 
     python profiles/sass_sm90.py norm --ops rms,ln --hidden 9216,12288 --warps 4,8,16 [--tail] [--rows 1]
-                                      [--backward [--prefetch]] [--residual]
+                                      [--three] [--backward [--prefetch]] [--residual] [--maxnreg 80]
     python profiles/sass_sm90.py ce --blocks 8192,16384,32768 --warps 32 [--smoothing] [--softcap]
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from megakern import _cross_entropy_triton, _norm_triton  # noqa: E402
 
 
-def compile_sm90(fn, constexprs: dict, types: dict, warps: int):
+def compile_sm90(fn, constexprs: dict, types: dict, warps: int, maxnreg: int | None = None):
     """``fn`` compiled for sm_90: arguments in ``constexprs`` as constants, the others typed by ``types`` (i32 when
     absent); pointers, strides and the names in ``types`` marked "/16" (stripped) divisible by 16."""
     signature, divisible = {}, []
@@ -41,7 +41,8 @@ def compile_sm90(fn, constexprs: dict, types: dict, warps: int):
             divisible.append((i,))
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs,
                        attrs={key: [["tt.divisibility", 16]] for key in divisible})
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+    options = dict(num_warps=warps) if maxnreg is None else dict(num_warps=warps, maxnreg=maxnreg)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def resources(compiled) -> str:
@@ -68,7 +69,7 @@ NORM_FP32 = {"MEAN", "RSTD", "DRES", "DW_PARTIAL", "DB_PARTIAL"}
 
 
 def norm_row(is_rms: bool, n: int, warps: int, tail: bool, rows: int, backward: bool, prefetch: bool,
-             residual: bool, three: bool = False) -> str:
+             residual: bool, three: bool = False, maxnreg: int | None = None) -> str:
     """The register kernel (forward or backward) of one geometry, as its launcher would compile it; ``three``: the
     forward's three tiles (three_split), where the width has them."""
     thirds = _norm_triton.three_split(n) if three and not backward else None
@@ -89,7 +90,8 @@ def norm_row(is_rms: bool, n: int, warps: int, tail: bool, rows: int, backward: 
     tiles = thirds or ((head, tail_cols) if tail_cols else head)
     label = (f"{'rms' if is_rms else 'ln '} {'bwd' if backward else 'fwd'} {n:5d} warps {warps:2d} rows {rows} "
              f"tiles {tiles}{' prefetch' if backward and prefetch else ''}")
-    return f"{label:58s} {resources(compile_sm90(fn, flags, types, warps))}"
+    label += f" maxnreg {maxnreg}" if maxnreg else ""
+    return f"{label:58s} {resources(compile_sm90(fn, flags, types, warps, maxnreg))}"
 
 
 def ce_row(block: int, warps: int, smoothing: bool, softcap: bool) -> str:
@@ -115,6 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     norm.add_argument("--backward", action="store_true")
     norm.add_argument("--prefetch", action="store_true", help="--backward: the next step's rows loaded ahead")
     norm.add_argument("--residual", action="store_true")
+    norm.add_argument("--maxnreg", type=int, default=None, help="a bound on a thread's registers (ptxas .maxnreg)")
     ce = sub.add_parser("ce")
     ce.add_argument("--blocks", default="16384")
     ce.add_argument("--warps", default="32")
@@ -127,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
             for n in map(int, args.hidden.split(",")):
                 for warps in map(int, args.warps.split(",")):
                     print(norm_row(op == "rms", n, warps, args.tail, args.rows, args.backward, args.prefetch,
-                                   args.residual, args.three), flush=True)
+                                   args.residual, args.three, args.maxnreg), flush=True)
     else:
         for block in map(int, args.blocks.split(",")):
             for warps in map(int, args.warps.split(",")):

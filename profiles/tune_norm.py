@@ -78,6 +78,11 @@ def specs(n: int, is_rms: bool, residual: bool) -> list[tuple[str, str, dict]]:
     """(label, launcher, keyword overrides) of every configuration swept at hidden size ``n``; launcher is one of
     'triton fwd', 'triton bwd', 'cuda fwd', 'cuda bwd'."""
     out = [("triton fwd default", "triton fwd", {})]
+    # the table's geometry with the registers bounded (ptxas .maxnreg) so that one more program fits an SM: 3 of 8
+    # warps at 84 or fewer, 4 at 64, 5 at 51; 6 of 4 warps at 85, 7 at 73, 8 at 64
+    if n >= 2048:
+        for maxnreg in (48, 64, 72, 80, 84):
+            out.append((f"triton fwd maxnreg={maxnreg} (the table's geometry)", "triton fwd", dict(maxnreg=maxnreg)))
     for warps, rows_pp in ((4, 1), (8, 1), (16, 1), (4, 2), (8, 2), (16, 2), (16, 4), (4, 4), (8, 8)):
         out.append((f"triton fwd warps={warps} rows/program={rows_pp}", "triton fwd",
                     dict(num_warps=warps, rows_per_program=rows_pp, tiles=1)))
@@ -89,6 +94,10 @@ def specs(n: int, is_rms: bool, residual: bool) -> list[tuple[str, str, dict]]:
         for warps in (4, 8, 16):
             out.append((f"triton fwd three {_norm_triton.three_split(n)} warps={warps} rows/program=1", "triton fwd",
                         dict(num_warps=warps, rows_per_program=1, tiles=3)))
+        # at 8 warps with the registers bounded, so that 3 programs fit an SM (65536 registers / 256 threads / 3)
+        for maxnreg in (80, 84):
+            out.append((f"triton fwd three {_norm_triton.three_split(n)} warps=8 rows/program=1 maxnreg={maxnreg}",
+                        "triton fwd", dict(num_warps=8, rows_per_program=1, tiles=3, maxnreg=maxnreg)))
     # the two-pass forward for wide rows: (warps, chunk, stages; 2 pipelines its loops through shared memory, slower)
     if n >= 4096:
         for warps, chunk, stages in [(w, c, 1) for w in (4, 8, 16) for c in (1024, 2048, 4096)] + [(16, 8192, 1)]:

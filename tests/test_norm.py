@@ -218,6 +218,28 @@ def test_triton_wide_forward_unrolled(op, setup):
                 torch.testing.assert_close(c, a, rtol=1e-5 if a.dtype == torch.float32 else 1e-2, atol=1e-5)
 
 
+@pytest.mark.parametrize("op", OPS)
+def test_triton_forward_register_bound(op):
+    """The forward with its registers bounded (``maxnreg``, tuning) gives the unbounded kernel's output and
+    statistics bit for bit (three tiles at 8 warps on a GPU, where the bound lets a third program onto an SM); a bound
+    outside [24, 255] is refused by name."""
+    from megakern import _norm_triton as nt
+
+    dtype = torch.bfloat16 if HAS_CUDA else torch.float32
+    n = 13312 if HAS_CUDA else 28
+    seed(op, n, "maxnreg")
+    x, w, b, _ = make_inputs(op, dtype, (3, 67, n), "affine")
+    args = (x.reshape(-1, n), None, w, None if op == "rms_norm" else b, 1e-5, op == "rms_norm")
+    free = nt.fwd(*args, num_warps=8, tiles=3)
+    bound = nt.fwd(*args, num_warps=8, tiles=3, maxnreg=80)
+    for a, c in zip(free, bound):
+        if a is not None:
+            assert torch.equal(a, c)
+    for bad in (16, 256, 80.0):
+        with pytest.raises(ValueError, match="maxnreg must be an int in \\[24, 255\\]"):
+            nt.fwd(*args, maxnreg=bad)
+
+
 @pytest.mark.parametrize("geometry", GEOMETRIES)
 @pytest.mark.parametrize("setup", ("affine", "residual", "fp32-residual-fp32-weight", "no-affine"))
 @pytest.mark.parametrize("op", OPS)
