@@ -157,17 +157,18 @@ def _wide_load(ptr, m, EVEN_N: tl.constexpr, POLICY: tl.constexpr):
 
 
 @triton.jit
-def _wide_fwd_stats(x_row, RES, RES_OUT, row, cols, N, i, lane_mean, lane_m2, stride_resm, stride_resoutm,
+def _wide_fwd_stats(x_ptrs, res_ptrs, res_out_ptrs, offs, start, N, i, lane_mean, lane_m2,
                     IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, EVEN_N: tl.constexpr):
-    """Pass 1 of the wide forward over the chunk ``i`` (columns ``cols``): the lanes' statistics updated."""
-    m = cols < N
-    x = _wide_load(x_row + cols, m, EVEN_N, "evict_last")
+    """Pass 1 of the wide forward over the chunk ``i`` (columns ``start + offs``; the pointers are the row's at
+    ``offs``): the lanes' statistics updated."""
+    m = start + offs < N
+    x = _wide_load(x_ptrs + start, m, EVEN_N, "evict_last")
     if HAS_RES:
-        h = (x + _wide_load(RES + row * stride_resm + cols, m, EVEN_N, "evict_first")).to(RES_OUT.dtype.element_ty)
+        h = (x + _wide_load(res_ptrs + start, m, EVEN_N, "evict_first")).to(res_out_ptrs.dtype.element_ty)
         if EVEN_N:
-            tl.store(RES_OUT + row * stride_resoutm + cols, h)
+            tl.store(res_out_ptrs + start, h)
         else:
-            tl.store(RES_OUT + row * stride_resoutm + cols, h, mask=m)
+            tl.store(res_out_ptrs + start, h, mask=m)
         x = h.to(tl.float32)
     if IS_RMS:
         lane_m2 += x * x
@@ -181,23 +182,21 @@ def _wide_fwd_stats(x_row, RES, RES_OUT, row, cols, N, i, lane_mean, lane_m2, st
 
 
 @triton.jit
-def _wide_fwd_out(x_row, W, B, Y, RES_OUT, row, cols, N, mean, rstd, stride_ym, stride_resoutm,
-                  HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, EVEN_N: tl.constexpr):
-    """Pass 2 of the wide forward over the columns ``cols``: y from the row read again (from L2)."""
-    m = cols < N
-    if HAS_RES:
-        x = _wide_load(RES_OUT + row * stride_resoutm + cols, m, EVEN_N, "evict_first")
-    else:
-        x = _wide_load(x_row + cols, m, EVEN_N, "evict_first")
+def _wide_fwd_out(x_ptrs, w_ptrs, b_ptrs, y_ptrs, offs, start, N, mean, rstd,
+                  HAS_W: tl.constexpr, HAS_B: tl.constexpr, EVEN_N: tl.constexpr):
+    """Pass 2 of the wide forward over the columns ``start + offs``: y from the row read again (from L2; ``x_ptrs``
+    the residual sum's where there is one)."""
+    m = start + offs < N
+    x = _wide_load(x_ptrs + start, m, EVEN_N, "evict_first")
     y = (x - mean) * rstd
     if HAS_W:
-        y = y * _wide_load(W + cols, m, EVEN_N, "evict_last")
+        y = y * _wide_load(w_ptrs + start, m, EVEN_N, "evict_last")
     if HAS_B:
-        y = y + _wide_load(B + cols, m, EVEN_N, "evict_last")
+        y = y + _wide_load(b_ptrs + start, m, EVEN_N, "evict_last")
     if EVEN_N:
-        tl.store(Y + row * stride_ym + cols, y.to(Y.dtype.element_ty))
+        tl.store(y_ptrs + start, y.to(y_ptrs.dtype.element_ty))
     else:
-        tl.store(Y + row * stride_ym + cols, y.to(Y.dtype.element_ty), mask=m)
+        tl.store(y_ptrs + start, y.to(y_ptrs.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -218,17 +217,21 @@ def _norm_fwd_wide_kernel(
     column masked."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, CHUNK)
-    x_row = X + row * stride_xm
+    x_ptrs = X + row * stride_xm + offs
+    res_ptrs, res_out_ptrs = x_ptrs, x_ptrs  # unused without a residual (RES, RES_OUT are None then)
+    if HAS_RES:
+        res_ptrs = RES + row * stride_resm + offs
+        res_out_ptrs = RES_OUT + row * stride_resoutm + offs
     lane_mean = tl.zeros([CHUNK], dtype=tl.float32)
     lane_m2 = tl.zeros([CHUNK], dtype=tl.float32)
     if CHUNKS > 0:
         for i in tl.static_range(CHUNKS):
-            lane_mean, lane_m2 = _wide_fwd_stats(x_row, RES, RES_OUT, row, i * CHUNK + offs, N, i, lane_mean,
-                                                 lane_m2, stride_resm, stride_resoutm, IS_RMS, HAS_RES, EVEN_N)
+            lane_mean, lane_m2 = _wide_fwd_stats(x_ptrs, res_ptrs, res_out_ptrs, offs, i * CHUNK, N, i, lane_mean,
+                                                 lane_m2, IS_RMS, HAS_RES, EVEN_N)
     else:
         for i in tl.range(0, tl.cdiv(N, CHUNK), num_stages=STAGES):
-            lane_mean, lane_m2 = _wide_fwd_stats(x_row, RES, RES_OUT, row, i * CHUNK + offs, N, i, lane_mean,
-                                                 lane_m2, stride_resm, stride_resoutm, IS_RMS, HAS_RES, False)
+            lane_mean, lane_m2 = _wide_fwd_stats(x_ptrs, res_ptrs, res_out_ptrs, offs, i * CHUNK, N, i, lane_mean,
+                                                 lane_m2, IS_RMS, HAS_RES, False)
     if IS_RMS:
         mean = 0.0
         m2 = tl.sum(lane_m2, axis=0)
@@ -242,14 +245,20 @@ def _norm_fwd_wide_kernel(
     tl.store(RSTD + row, rstd)
     if not IS_RMS:
         tl.store(MEAN + row, mean)
+    y_ptrs = Y + row * stride_ym + offs
+    w_ptrs, b_ptrs = y_ptrs, y_ptrs  # unused without a weight or bias (W, B are None then)
+    if HAS_W:
+        w_ptrs = W + offs
+    if HAS_B:
+        b_ptrs = B + offs
     if CHUNKS > 0:
         for i in tl.static_range(CHUNKS):
-            _wide_fwd_out(x_row, W, B, Y, RES_OUT, row, i * CHUNK + offs, N, mean, rstd, stride_ym, stride_resoutm,
-                          HAS_RES, HAS_W, HAS_B, EVEN_N)
+            _wide_fwd_out(res_out_ptrs if HAS_RES else x_ptrs, w_ptrs, b_ptrs, y_ptrs, offs, i * CHUNK, N, mean,
+                          rstd, HAS_W, HAS_B, EVEN_N)
     else:
         for c0 in tl.range(0, N, CHUNK, num_stages=STAGES):
-            _wide_fwd_out(x_row, W, B, Y, RES_OUT, row, c0 + offs, N, mean, rstd, stride_ym, stride_resoutm,
-                          HAS_RES, HAS_W, HAS_B, False)
+            _wide_fwd_out(res_out_ptrs if HAS_RES else x_ptrs, w_ptrs, b_ptrs, y_ptrs, offs, c0, N, mean, rstd,
+                          HAS_W, HAS_B, False)
 
 
 @triton.jit
