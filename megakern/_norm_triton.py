@@ -577,44 +577,78 @@ def three_split(n: int) -> tuple[int, int, int] | None:
 
 
 # Launch geometry, measured on the H200 with profiles/tune_norm.py (figures in docs/tuning.md, norms).
-def _fwd_config(n: int, is_rms: bool) -> tuple[int, int, int]:
-    """(rows per program, warps, tiles) for rows of ``n``: below hidden 2048, rows enough for 2048 elements a
-    program at 4 warps (8192 at 8 below 1024); from 2048 one row a program, 4 warps to 2048, 8 to 16384 (LayerNorm
-    4 at 4096 and 16 at 16384), 32 above; one power-of-two tile a row (``tiles`` 1). Between 2048 and 16384 a row
-    that ``tail_split`` takes as two power-of-two tiles as those tiles (``tiles`` 2): at 4 warps, or where the tail
-    is at most a quarter of the head of 4096 or more (5120, 9216, 10240), a warp for every 512 of the head's columns
-    (RMSNorm) or 1024 (LayerNorm); LayerNorm's head of 8192 takes 8 warps whatever its tail (11264, 12288 too). A
-    row that ``three_split`` takes as three tiles as those (``tiles`` 3) where they won: RMSNorm 12800 and 13312
-    (8192 + 4096 + a full 512 or 1024) at 4 warps, LayerNorm 6657-7168 (4096 + 2048 + 1024) at 4 and 14336 (8192 +
-    4096 + 2048) at 8. Elsewhere three tiles were level or lost, most where the last tile is a small or a partly
-    masked one (6400, 6656; RMSNorm 13056, both 13568-14080: 0.68-0.84 of copy against 0.81-0.94)."""
+class FwdConfig(NamedTuple):
+    """The forward's launch geometry: rows a program and warps; for the register kernel the power-of-two tiles a row
+    takes (``tiles``: 1, 2 as ``tail_split``, 3 as ``three_split``) and a bound on a thread's registers
+    (``maxnreg``, ptxas ``.maxnreg``; None: ptxas's choice); ``wide``: the two-pass kernel, ``chunk`` columns at a
+    time, ``unrolled`` over the row's chunk count."""
+    rows: int
+    warps: int
+    tiles: int = 1
+    maxnreg: int | None = None
+    wide: bool = False
+    chunk: int = 4096
+    unrolled: bool = False
+
+
+def _register_fwd_config(n: int, is_rms: bool, itemsize: int = 2) -> FwdConfig:
+    """The register kernel's geometry for rows of ``n``: below hidden 2048, rows enough for 2048 elements a program
+    at 4 warps (8192 at 8 below 1024); from 2048 one row a program, 4 warps to 2048, 8 to 16384 (LayerNorm 4 at 4096
+    and 16 at 16384), 32 above; one power-of-two tile a row. Between 2048 and 16384 a row that ``tail_split`` takes
+    as two power-of-two tiles as those tiles (``tiles`` 2): at 4 warps, or where the tail is at most a quarter of the
+    head of 4096 or more (5120, 9216, 10240), a warp for every 512 of the head's columns (RMSNorm) or 1024
+    (LayerNorm); LayerNorm's head of 8192 takes 8 warps whatever its tail (11264, 12288 too), and beside a tail of
+    512-2048 (8449-10240) of 16-bit rows, 64 registers a thread (``maxnreg``) so that 4 programs fit an SM in place
+    of 3 (fp32 rows spill there; from 10752 the bound lost). A row that ``three_split`` takes as three tiles as those
+    (``tiles`` 3) where they won: RMSNorm 12800 and 13312 (8192 + 4096 + a full 512 or 1024) at 4 warps, LayerNorm
+    6657-7168 (4096 + 2048 + 1024) at 4 and 14336 (8192 + 4096 + 2048) at 8; elsewhere they were level or lost, most
+    where the last tile is a small or a partly masked one. docs/tuning.md, norms, has the measurements."""
     block = _block(n)
     if block < 1024:
-        return 8192 // block, 8, 1
+        return FwdConfig(8192 // block, 8)
     if block <= 2048:
-        return 2048 // block, 4, 1
+        return FwdConfig(2048 // block, 4)
     if block <= 16384:
         split = tail_split(n)
         if split:
             head, tail = split
             short_tail = head >= 4096 and 4 * tail <= head
             if is_rms:
-                return 1, (head // 512 if short_tail else 4), 2
-            return 1, (head // 1024 if short_tail or head >= 8192 else 4), 2
+                return FwdConfig(1, head // 512 if short_tail else 4, 2)
+            bound = 64 if head == 8192 and 512 <= tail <= 2048 and itemsize == 2 else None
+            return FwdConfig(1, head // 1024 if short_tail or head >= 8192 else 4, 2, bound)
         thirds = three_split(n)
         if thirds:
             head, middle, tail = thirds
             full = n == head + middle + tail  # no masked column in the last tile
             if is_rms and head == 8192 and full and tail in (512, 1024):
-                return 1, 4, 3
+                return FwdConfig(1, 4, 3)
             if not is_rms and head == 4096 and tail == 1024:
-                return 1, 4, 3
+                return FwdConfig(1, 4, 3)
             if not is_rms and head == 8192 and full and tail == 2048:
-                return 1, 8, 3
+                return FwdConfig(1, 8, 3)
         if not is_rms and block in (4096, 16384):
-            return 1, block // 1024, 1
-        return 1, 8, 1
-    return 1, 32, 1
+            return FwdConfig(1, block // 1024)
+        return FwdConfig(1, 8)
+    return FwdConfig(1, 32)
+
+
+def _fwd_config(n: int, is_rms: bool, itemsize: int = 2) -> FwdConfig:
+    """The forward's launch table for rows of ``n`` elements, ``itemsize`` the widest of x's, the residual's, the
+    weight's and the bias's elements in bytes. Where the rows are all 16-bit and ``n`` a multiple of 16 (so that
+    Triton knows their alignment), the two-pass kernel unrolled over the row's chunks (``wide``, ``unrolled``), which
+    keeps all of a pass's loads in flight with few registers, where it beat the register kernel (docs/tuning.md,
+    norms): RMSNorm above 8192, 4096-column chunks at 16 warps to 16384 and 32 above; LayerNorm 12289-14336, 2048
+    at 8 warps, and above 16384, 4096 at 16 warps to 24576 and 32 above. Elsewhere ``_register_fwd_config``."""
+    _block(n)  # refuses rows wider than the kernels take
+    if itemsize == 2 and n % 16 == 0 and n > 8192:
+        if is_rms:
+            return FwdConfig(1, 16 if n <= 16384 else 32, wide=True, chunk=4096, unrolled=True)
+        if 12288 < n <= 14336:
+            return FwdConfig(1, 8, wide=True, chunk=2048, unrolled=True)
+        if n > 16384:
+            return FwdConfig(1, 16 if n <= 24576 else 32, wide=True, chunk=4096, unrolled=True)
+    return _register_fwd_config(n, is_rms, itemsize)
 
 
 class BwdConfig(NamedTuple):
@@ -695,29 +729,57 @@ def _programs(rows: int, device: torch.device, per_sm: int = 1) -> int:
     return max(1, min(rows, target))
 
 
-def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | None = None,
-        rows_per_program: int | None = None, wide: bool = False, chunk: int = 4096, stages: int = 1,
-        tiles: int | None = None, unrolled: bool = False, maxnreg: int | None = None):
-    """(y, residual_out | None, mean | None, rstd) for 2-D ``x``; ``num_warps`` and ``rows_per_program`` override
-    the defaults (tuning). ``wide``: the two-pass kernel for rows too wide for registers, a row a program, ``chunk``
-    columns at a time (measured level with or behind rows in registers up to hidden 32768 under graph replay:
-    docs/tuning.md); ``stages`` > 1 has Triton pipeline its loops through shared memory (cp.async, barriers),
-    measured slower; ``unrolled``: its loops unrolled over the row's chunk count, compiled in (a kernel per count;
-    ``stages`` then has no effect). ``tiles``: 1, a row as one power-of-two tile; 2, as two where ``tail_split``
-    has them; 3, as three where ``three_split`` has them (2 and 3 fall back to fewer tiles elsewhere); None: as the
-    launch table says. ``maxnreg``: a bound on the registers a thread of the register kernel may hold (ptxas
-    ``.maxnreg``), so that more programs fit an SM (LayerNorm 13312 as three tiles at 8 warps: 115 registers, 2
-    programs an SM; at 80, 3, with no spill in sm_90 SASS); None: ptxas's choice.
-    """
-    rows, n = x.shape
-    block = _block(n)
-    default_rows, warps, default_tiles = _fwd_config(n, is_rms)
-    rows_per_program, warps = rows_per_program or default_rows, num_warps or warps
-    tiles = default_tiles if tiles is None else tiles
-    if tiles not in (1, 2, 3):
+def resolve_fwd_config(n: int, is_rms: bool, itemsize: int = 2, num_warps: int | None = None,
+                       rows_per_program: int | None = None, wide: bool | None = None, chunk: int | None = None,
+                       tiles: int | None = None, unrolled: bool | None = None,
+                       maxnreg: int | None = None) -> FwdConfig:
+    """The forward's geometry for rows of ``n``: ``_fwd_config``'s with the overrides (tuning; None keeps the
+    table's) in its place. ``wide``: True, the two-pass kernel from its own defaults (a row a program, the register
+    table's warps, chunk 4096, not unrolled); False, the register kernel (``_register_fwd_config``); None, the
+    table's kernel, or the register kernel where ``rows_per_program``, ``tiles`` or ``maxnreg`` is named. The
+    table's ``maxnreg`` belongs to its geometry: it holds only where neither ``num_warps``, ``rows_per_program`` nor
+    ``tiles`` is named."""
+    if tiles is not None and tiles not in (1, 2, 3):
         raise ValueError(f"norm forward: tiles must be 1, 2 or 3, got {tiles!r}")
     if maxnreg is not None and not (isinstance(maxnreg, int) and 24 <= maxnreg <= 255):
         raise ValueError(f"norm forward: maxnreg must be an int in [24, 255], got {maxnreg!r}")
+    table = _fwd_config(n, is_rms, itemsize)
+    explicit = wide is not None
+    if not explicit:
+        wide = table.wide and rows_per_program is None and tiles is None and maxnreg is None
+    if wide and maxnreg is not None:
+        raise ValueError("norm forward: maxnreg bounds the register kernel's registers; the two-pass kernel "
+                         "(wide=True) takes none")
+    if explicit and (wide or table.wide):  # the named kernel from its own defaults, the register table's warps
+        registers = _register_fwd_config(n, is_rms, itemsize)
+        table = FwdConfig(1, registers.warps, wide=True) if wide else registers
+    elif not wide and table.wide:  # register-kernel overrides named at a width the two-pass kernel has
+        table = _register_fwd_config(n, is_rms, itemsize)
+    if maxnreg is None and num_warps is None and rows_per_program is None and tiles is None:
+        maxnreg = table.maxnreg
+    return FwdConfig(rows_per_program or table.rows, num_warps or table.warps, table.tiles if tiles is None else tiles,
+                     maxnreg, table.wide, chunk or table.chunk, table.unrolled if unrolled is None else unrolled)
+
+
+def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | None = None,
+        rows_per_program: int | None = None, wide: bool | None = None, chunk: int | None = None, stages: int = 1,
+        tiles: int | None = None, unrolled: bool | None = None, maxnreg: int | None = None):
+    """(y, residual_out | None, mean | None, rstd) for 2-D ``x``, launched as ``_fwd_config`` says for its width
+    and the widest of its tensors' elements; the other arguments override the table as ``resolve_fwd_config`` has
+    it (tuning). ``num_warps``: warps a program; ``rows_per_program``: the register kernel's rows a program.
+    ``wide``: the two-pass kernel for rows too wide for registers, a row a program, ``chunk`` columns at a time;
+    ``stages`` > 1 has Triton pipeline its loops through shared memory (cp.async, barriers), measured slower;
+    ``unrolled``: its loops unrolled over the row's chunk count, compiled in (a kernel per count; ``stages`` then has
+    no effect). ``tiles``: 1, a row as one power-of-two tile; 2, as two where ``tail_split`` has them; 3, as three
+    where ``three_split`` has them (2 and 3 fall back to fewer tiles elsewhere). ``maxnreg``: a bound on the
+    registers a thread of the register kernel may hold (ptxas ``.maxnreg``), so that more programs fit an SM.
+    """
+    rows, n = x.shape
+    block = _block(n)
+    itemsize = max(t.element_size() for t in (x, residual, weight, bias) if t is not None)
+    config = resolve_fwd_config(n, is_rms, itemsize, num_warps, rows_per_program, wide, chunk, tiles, unrolled,
+                                maxnreg)
+    rows_per_program, warps, tiles, maxnreg, wide, chunk, unrolled = config
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     res_out = None if residual is None else torch.empty((rows, n), dtype=residual.dtype, device=x.device)
     mean = None if is_rms else torch.empty(rows, dtype=torch.float32, device=x.device)

@@ -724,7 +724,8 @@ def test_launch_table_tail():
     from megakern import _norm_triton as nt
 
     for n in (2560, 3072, 5120, 6144, 9216, 10240, 12288):
-        assert nt.tail_split(n) and nt._fwd_config(n, False)[::2] == (1, 2) == nt._fwd_config(n, True)[::2]
+        tables = (nt._register_fwd_config(n, False), nt._register_fwd_config(n, True))
+        assert nt.tail_split(n) and all((t.rows, t.tiles) == (1, 2) for t in tables)
         for is_rms in (True, False):
             config = nt._bwd_config(n, is_rms)
             assert config.tail == (n > 8192) and not config.wide
@@ -733,18 +734,18 @@ def test_launch_table_tail():
     assert not nt._bwd_config(9216, False).prefetch and nt._bwd_config(9216, True).prefetch
     # the forward's warps: more where the tail is short beside a head of 4096 or more; LayerNorm 8 beside a head of 8192
     sizes = (3072, 5120, 6144, 9216, 10240, 11264, 12288)
-    warps = {n: (nt._fwd_config(n, True)[1], nt._fwd_config(n, False)[1]) for n in sizes}
+    warps = {n: (nt._register_fwd_config(n, True)[1], nt._register_fwd_config(n, False)[1]) for n in sizes}
     assert warps == {3072: (4, 4), 5120: (8, 4), 6144: (4, 4), 9216: (16, 8), 10240: (16, 8), 11264: (4, 8),
                      12288: (4, 8)}
-    assert [nt._fwd_config(n, False)[1] for n in (2048, 4096, 8192, 16384)] == [4, 4, 8, 16]
-    assert [nt._fwd_config(n, True)[1] for n in (2048, 4096, 8192, 16384)] == [4, 8, 8, 8]
+    assert [nt._register_fwd_config(n, False)[1] for n in (2048, 4096, 8192, 16384)] == [4, 4, 8, 16]
+    assert [nt._register_fwd_config(n, True)[1] for n in (2048, 4096, 8192, 16384)] == [4, 8, 8, 8]
     for n in (768, 1536, 2048, 4096, 8192, 15360, 16384, 32768):
-        assert nt._fwd_config(n, True)[2] == 1 == nt._fwd_config(n, False)[2]
+        assert nt._register_fwd_config(n, True)[2] == 1 == nt._register_fwd_config(n, False)[2]
         assert not nt._bwd_config(n, True).tail and not nt._bwd_config(n, False).tail
     # three tiles where they won: RMSNorm 12800 and 13312 at 4 warps; LayerNorm 6657-7168 at 4, 14336 at 8; one
     # tile at the other widths three_split takes
     sizes = (3584, 6656, 6912, 7168, 12544, 12800, 13056, 13312, 13824, 14336)
-    three = {n: (nt._fwd_config(n, True), nt._fwd_config(n, False)) for n in sizes}
+    three = {n: (nt._register_fwd_config(n, True)[:3], nt._register_fwd_config(n, False)[:3]) for n in sizes}
     assert all(nt.three_split(n) for n in sizes)
     assert three == {3584: ((1, 8, 1), (1, 4, 1)), 6656: ((1, 8, 1), (1, 8, 1)), 6912: ((1, 8, 1), (1, 4, 3)),
                      7168: ((1, 8, 1), (1, 4, 3)), 12544: ((1, 8, 1), (1, 16, 1)), 12800: ((1, 4, 3), (1, 16, 1)),
@@ -755,6 +756,71 @@ def test_launch_table_tail():
     # LayerNorm's rows of 14336 and 16384: dx in registers, the dweight / dbias sums by the strips kernel
     assert all(nt._bwd_config(n, False).split and not nt._bwd_config(n, False).wide for n in (14336, 16384))
     assert nt._bwd_config(32768, False).wide and nt._bwd_config(32768, True).wide
+
+
+def test_forward_launch_table_wide_and_bound():
+    """The forward's table: the two-pass kernel unrolled over the row's chunks for 16-bit rows whose width is a
+    multiple of 16 where it won (RMSNorm above 8192, LayerNorm 12289-14336 and above 16384), LayerNorm's register
+    kernel bounded to 64 registers beside a tail of 512-2048; fp32 tensors, odd widths and the other widths keep
+    the register table. Overrides: the named kernel from its own defaults, register-kernel options select the
+    register kernel, the table's register bound only with the table's geometry, a bound on the two-pass kernel
+    refused by name."""
+    from megakern import _norm_triton as nt
+
+    for n, warps in ((8448, 16), (9216, 16), (12288, 16), (14336, 16), (16384, 16), (20480, 32), (65536, 32)):
+        assert nt._fwd_config(n, True) == nt.FwdConfig(1, warps, wide=True, chunk=4096, unrolled=True)
+    for n in (12800, 13312, 14336):
+        assert nt._fwd_config(n, False) == nt.FwdConfig(1, 8, wide=True, chunk=2048, unrolled=True)
+    for n, warps in ((20480, 16), (24576, 16), (32768, 32)):
+        assert nt._fwd_config(n, False) == nt.FwdConfig(1, warps, wide=True, chunk=4096, unrolled=True)
+    for n, is_rms in ((8192, True), (9000, True), (13000, False), (12288, False), (15360, False), (16384, False)):
+        assert nt._fwd_config(n, is_rms) == nt._register_fwd_config(n, is_rms) and not nt._fwd_config(n, is_rms).wide
+    for n in (9216, 20480):
+        assert not nt._fwd_config(n, True, itemsize=4).wide
+    assert {n: nt._fwd_config(n, False).maxnreg for n in (8448, 8704, 9216, 10240, 10752, 12288)} == {
+        8448: None, 8704: 64, 9216: 64, 10240: 64, 10752: None, 12288: None}
+    assert nt._fwd_config(9216, False, itemsize=4).maxnreg is None and nt._fwd_config(9216, True).maxnreg is None
+    with pytest.raises(ValueError, match="exceeds the Triton kernels' limit of 65536"):
+        nt._fwd_config(65536 + 16, True)
+
+    resolve = nt.resolve_fwd_config
+    assert resolve(12288, True) == nt._fwd_config(12288, True)
+    assert resolve(12288, True, num_warps=32) == nt._fwd_config(12288, True)._replace(warps=32)
+    assert resolve(12288, True, wide=True) == nt.FwdConfig(1, 4, wide=True)  # not unrolled, chunk 4096
+    assert resolve(12288, True, wide=True, unrolled=True, chunk=2048) == nt.FwdConfig(1, 4, wide=True, chunk=2048,
+                                                                                       unrolled=True)
+    for overrides in (dict(wide=False), dict(tiles=1), dict(rows_per_program=1), dict(maxnreg=64)):
+        config = resolve(12288, True, **overrides)
+        assert not config.wide and not config.unrolled and config.warps == 4
+    assert resolve(12288, True, tiles=1).tiles == 1 and resolve(12288, True, wide=False).tiles == 2
+    assert resolve(9216, False).maxnreg == 64 and resolve(9216, False, wide=False).maxnreg == 64
+    assert resolve(9216, False, num_warps=16).maxnreg is None and resolve(9216, False, tiles=2).maxnreg is None
+    assert resolve(9216, False, maxnreg=72).maxnreg == 72
+    assert resolve(4096, True, wide=True) == nt.FwdConfig(1, 8, wide=True)
+    with pytest.raises(ValueError, match="the two-pass kernel \\(wide=True\\) takes none"):
+        resolve(4096, True, wide=True, maxnreg=64)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="the two-pass rows of the table are 16-bit; CPU runs test fp32")
+@pytest.mark.parametrize("setup", ("affine", "residual", "no-affine"))
+@pytest.mark.parametrize("op", OPS)
+def test_triton_forward_table_wide_rows(op, setup):
+    """The launch table's forward where it takes the two-pass kernel unrolled, or LayerNorm's bounded register kernel
+    (bf16 rows, a partial last chunk at 12800 and 20000), against the references, and equal to the register kernel's
+    output and statistics to rounding."""
+    from megakern import _norm_triton as nt
+
+    fwd, bwd = launchers_for("triton")
+    for n in (9216, 12800, 14336, 20000):
+        seed(op, setup, n, "table-wide")
+        x, w, b, r = make_inputs(op, torch.bfloat16, (3, 5, n), setup)
+        if op == "layer_norm":
+            x.add_(torch.linspace(-8, 8, n, dtype=x.dtype, device=x.device))
+        check_fwd_bwd("triton", op, torch.bfloat16, x, w, b, r, launchers=(fwd, bwd))
+        args = (x.reshape(-1, n), None if r is None else r.reshape(-1, n), w, b, 1e-5, op == "rms_norm")
+        for a, c in zip(nt.fwd(*args, wide=False), nt.fwd(*args)):
+            if a is not None:
+                torch.testing.assert_close(c, a, rtol=1e-5 if a.dtype == torch.float32 else 1e-2, atol=1e-5)
 
 
 def test_backward_launch_overrides():
