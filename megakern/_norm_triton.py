@@ -445,20 +445,86 @@ def _norm_bwd_kernel(
 
 
 @triton.jit
+def _wide_bwd_masks(row_mask, cols, N, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, EVEN_N: tl.constexpr):
+    """(column mask, tile mask) of a step's rows over the columns ``cols``; EVEN_N: no column masked, the tile's
+    mask the rows' alone, constant along a row (so its loads stay vectors)."""
+    if EVEN_N:
+        return cols < N, tl.broadcast_to(row_mask[:, None], (BLOCK_M, CHUNK))
+    col_mask = cols < N
+    return col_mask, row_mask[:, None] & col_mask[None, :]
+
+
+@triton.jit
+def _wide_bwd_sums(x_rows, dy_rows, W, offs, c0, N, row_mask, mean, rstd, w, lane_gx, lane_g,
+                   IS_RMS: tl.constexpr, HAS_W: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+                   EVEN_N: tl.constexpr):
+    """Pass 1 of the wide backward over the columns ``c0 + offs``: the lanes' sums of g * xhat (and g) updated."""
+    cols = c0 + offs
+    col_mask, m = _wide_bwd_masks(row_mask, cols, N, BLOCK_M, CHUNK, EVEN_N)
+    x = tl.load(x_rows + cols[None, :], mask=m, other=0.0, eviction_policy="evict_last")
+    dy = tl.load(dy_rows + cols[None, :], mask=m, other=0.0, eviction_policy="evict_last")
+    if HAS_W:
+        if EVEN_N:
+            w = tl.load(W + cols, eviction_policy="evict_last").to(tl.float32)
+        else:
+            w = tl.load(W + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    dy, xhat, g = _bwd_xhat_g(x, dy, w, mean[:, None], rstd[:, None], m, IS_RMS, HAS_W, not EVEN_N)
+    lane_gx += g * xhat
+    if not IS_RMS:
+        lane_g += g
+    return lane_gx, lane_g
+
+
+@triton.jit
+def _wide_bwd_out(x_rows, dy_rows, W, DRES_OUT, DX, DRES, DW_PARTIAL, DB_PARTIAL, offs, c0, N, rows, row_mask, mean,
+                  rstd, w, mean_gx, mean_g, part_row, stride_dresoutm, stride_dxm, stride_dresm,
+                  IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_DW: tl.constexpr, HAS_DB: tl.constexpr,
+                  HAS_DRES_OUT: tl.constexpr, HAS_DRES: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+                  EVEN_N: tl.constexpr):
+    """Pass 2 of the wide backward over the columns ``c0 + offs``: dx (x and dy read again, from L2), and the
+    step's column sums added to this program's partial rows of dweight (and dbias)."""
+    cols = c0 + offs
+    col_mask, m = _wide_bwd_masks(row_mask, cols, N, BLOCK_M, CHUNK, EVEN_N)
+    x = tl.load(x_rows + cols[None, :], mask=m, other=0.0, eviction_policy="evict_first")
+    dy = tl.load(dy_rows + cols[None, :], mask=m, other=0.0, eviction_policy="evict_first")
+    if HAS_W:
+        if EVEN_N:
+            w = tl.load(W + cols, eviction_policy="evict_last").to(tl.float32)
+        else:
+            w = tl.load(W + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    dy, xhat, g = _bwd_xhat_g(x, dy, w, mean[:, None], rstd[:, None], m, IS_RMS, HAS_W, not EVEN_N)
+    _bwd_dx_out(DRES_OUT, DX, DRES, g, xhat, mean_gx[:, None], mean_g[:, None], rstd[:, None], rows, cols, m,
+                stride_dresoutm, stride_dxm, stride_dresm, IS_RMS, HAS_DRES_OUT, HAS_DRES)
+    if HAS_DW:
+        dw_at = DW_PARTIAL + part_row + cols
+        if EVEN_N:
+            tl.store(dw_at, tl.load(dw_at) + tl.sum(dy * xhat, axis=0))
+        else:
+            tl.store(dw_at, tl.load(dw_at, mask=col_mask, other=0.0) + tl.sum(dy * xhat, axis=0), mask=col_mask)
+    if HAS_DB:
+        db_at = DB_PARTIAL + part_row + cols
+        if EVEN_N:
+            tl.store(db_at, tl.load(db_at) + tl.sum(dy, axis=0))
+        else:
+            tl.store(db_at, tl.load(db_at, mask=col_mask, other=0.0) + tl.sum(dy, axis=0), mask=col_mask)
+
+
+@triton.jit
 def _norm_bwd_wide_kernel(
     X, DY, DRES_OUT, W, MEAN, RSTD, DX, DRES, DW_PARTIAL, DB_PARTIAL,
     stride_xm, stride_dym, stride_dresoutm, stride_dxm, stride_dresm,
     M, N, rows_per_program,
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_DW: tl.constexpr, HAS_DB: tl.constexpr,
     HAS_DRES_OUT: tl.constexpr, HAS_DRES: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, CHUNKS: tl.constexpr = 0, EVEN_N: tl.constexpr = False,
 ):
     """The backward for rows too wide for registers: BLOCK_M rows a step, in CHUNK-column pieces, twice. The first
     pass reads x and dy from memory for each row's two sums (kept per lane of the chunk, summed across the lanes once
     after the loop, so that no chunk waits on a reduction); the second reads them again (from L2, where the first
     pass left them), writes dx and adds the step's column sums of dy * xhat (and dy) into this program's partial rows
     of dweight (and dbias), zeroed by the launcher, which stay in L2 across the program's rows: one read-modify-write
-    of them a step, so more rows a step means less L2 traffic per row."""
+    of them a step, so more rows a step means less L2 traffic per row. CHUNKS > 0: the row's chunk count known when
+    compiling (cdiv(N, CHUNK)), both passes unrolled; EVEN_N (with it): N == CHUNKS * CHUNK, no column masked."""
     pid = tl.program_id(0)
     offs = tl.arange(0, CHUNK)
     row_start = pid.to(tl.int64) * rows_per_program  # int64 bounds: the row loop's offsets are 64-bit
@@ -477,38 +543,29 @@ def _norm_bwd_wide_kernel(
         # pass 1: sum(g * xhat) and sum(g) over each row (g = dy * w; zero where masked, so no masking of the sums)
         lane_gx = tl.zeros([BLOCK_M, CHUNK], dtype=tl.float32)
         lane_g = tl.zeros([BLOCK_M, CHUNK], dtype=tl.float32)
-        for c0 in tl.range(0, N, CHUNK, num_stages=STAGES):
-            cols = c0 + offs
-            col_mask = cols < N
-            m = row_mask[:, None] & col_mask[None, :]
-            x = tl.load(x_rows + cols[None, :], mask=m, other=0.0, eviction_policy="evict_last")
-            dy = tl.load(dy_rows + cols[None, :], mask=m, other=0.0, eviction_policy="evict_last")
-            if HAS_W:
-                w = tl.load(W + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-            dy, xhat, g = _bwd_xhat_g(x, dy, w, mean[:, None], rstd[:, None], m, IS_RMS, HAS_W)
-            lane_gx += g * xhat
-            if not IS_RMS:
-                lane_g += g
+        if CHUNKS > 0:
+            for i in tl.static_range(CHUNKS):
+                lane_gx, lane_g = _wide_bwd_sums(x_rows, dy_rows, W, offs, i * CHUNK, N, row_mask, mean, rstd, w,
+                                                 lane_gx, lane_g, IS_RMS, HAS_W, BLOCK_M, CHUNK, EVEN_N)
+        else:
+            for c0 in tl.range(0, N, CHUNK, num_stages=STAGES):
+                lane_gx, lane_g = _wide_bwd_sums(x_rows, dy_rows, W, offs, c0, N, row_mask, mean, rstd, w, lane_gx,
+                                                 lane_g, IS_RMS, HAS_W, BLOCK_M, CHUNK, False)
         mean_gx = tl.sum(lane_gx, axis=1) / N
         mean_g = tl.sum(lane_g, axis=1) / N
         # pass 2: dx, and the step's column sums added to this program's partial rows (zeroed by the launcher)
-        for c0 in tl.range(0, N, CHUNK, num_stages=STAGES):
-            cols = c0 + offs
-            col_mask = cols < N
-            m = row_mask[:, None] & col_mask[None, :]
-            x = tl.load(x_rows + cols[None, :], mask=m, other=0.0, eviction_policy="evict_first")
-            dy = tl.load(dy_rows + cols[None, :], mask=m, other=0.0, eviction_policy="evict_first")
-            if HAS_W:
-                w = tl.load(W + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-            dy, xhat, g = _bwd_xhat_g(x, dy, w, mean[:, None], rstd[:, None], m, IS_RMS, HAS_W)
-            _bwd_dx_out(DRES_OUT, DX, DRES, g, xhat, mean_gx[:, None], mean_g[:, None], rstd[:, None], rows, cols, m,
-                        stride_dresoutm, stride_dxm, stride_dresm, IS_RMS, HAS_DRES_OUT, HAS_DRES)
-            if HAS_DW:
-                dw_at = DW_PARTIAL + part_row + cols
-                tl.store(dw_at, tl.load(dw_at, mask=col_mask, other=0.0) + tl.sum(dy * xhat, axis=0), mask=col_mask)
-            if HAS_DB:
-                db_at = DB_PARTIAL + part_row + cols
-                tl.store(db_at, tl.load(db_at, mask=col_mask, other=0.0) + tl.sum(dy, axis=0), mask=col_mask)
+        if CHUNKS > 0:
+            for i in tl.static_range(CHUNKS):
+                _wide_bwd_out(x_rows, dy_rows, W, DRES_OUT, DX, DRES, DW_PARTIAL, DB_PARTIAL, offs, i * CHUNK, N,
+                              rows, row_mask, mean, rstd, w, mean_gx, mean_g, part_row, stride_dresoutm, stride_dxm,
+                              stride_dresm, IS_RMS, HAS_W, HAS_DW, HAS_DB, HAS_DRES_OUT, HAS_DRES, BLOCK_M, CHUNK,
+                              EVEN_N)
+        else:
+            for c0 in tl.range(0, N, CHUNK, num_stages=STAGES):
+                _wide_bwd_out(x_rows, dy_rows, W, DRES_OUT, DX, DRES, DW_PARTIAL, DB_PARTIAL, offs, c0, N, rows,
+                              row_mask, mean, rstd, w, mean_gx, mean_g, part_row, stride_dresoutm, stride_dxm,
+                              stride_dresm, IS_RMS, HAS_W, HAS_DW, HAS_DB, HAS_DRES_OUT, HAS_DRES, BLOCK_M, CHUNK,
+                              False)
 
 
 @triton.jit
@@ -658,7 +715,8 @@ class BwdConfig(NamedTuple):
     dbias sums that crowd its registers or its L2, and those sums by a second kernel over strips of columns
     (``_norm_bwd_dwdb_kernel``, ``split_geometry``: columns a strip, rows a step, warps, programs per SM), which
     reads x and dy once more. ``tail``: the register kernel's rows as two power-of-two tiles where ``tail_split`` has
-    them, as the forward's."""
+    them, as the forward's. ``unrolled``: the two-pass kernel's loops unrolled over the row's chunk count, compiled
+    in (a kernel per count; ``stages`` then has no effect)."""
     rows: int
     warps: int
     per_sm: int
@@ -669,6 +727,7 @@ class BwdConfig(NamedTuple):
     split: bool = False
     split_geometry: tuple = (256, 16, 4, 4)
     tail: bool = False
+    unrolled: bool = False
 
 
 def _bwd_config(n: int, is_rms: bool) -> BwdConfig:
@@ -853,7 +912,9 @@ def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype, need_
         parts.zero_()
     if config.wide:
         chunk, stages = _wide_pipeline(config, block, [t for t in (x, dy, dres_out) if t is not None])
-        _norm_bwd_wide_kernel[(programs,)](*args, BLOCK_M=config.rows, CHUNK=chunk, STAGES=stages, **flags)
+        chunks = cdiv(n, chunk) if config.unrolled else 0
+        _norm_bwd_wide_kernel[(programs,)](*args, BLOCK_M=config.rows, CHUNK=chunk, STAGES=stages, CHUNKS=chunks,
+                                           EVEN_N=config.unrolled and n == chunks * chunk, **flags)
     else:
         head, tail_cols = (tail_split(n) if config.tail else None) or (block, 0)
         _norm_bwd_kernel[(programs,)](*args, BLOCK_M=config.rows, BLOCK_N=head, PREFETCH=config.prefetch,

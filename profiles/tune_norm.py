@@ -154,6 +154,12 @@ def specs(n: int, is_rms: bool, residual: bool) -> list[tuple[str, str, dict]]:
             out.append((f"triton bwd wide rows/step={rows} warps={warps} per_sm={per_sm} chunk={chunk} "
                         f"stages={stages}", "triton bwd",
                         dict(rows=rows, warps=warps, per_sm=per_sm, wide=True, chunk=chunk, stages=stages)))
+        # the same with the row's chunk count compiled in, both loops unrolled (as the forward's table has it)
+        for rows, warps, per_sm, chunk in ((1, 16, 1, 4096), (1, 8, 2, 4096), (1, 8, 2, 2048), (1, 16, 1, 2048),
+                                           (2, 8, 2, 2048), (2, 16, 1, 4096), (4, 8, 2, 1024), (1, 32, 1, 4096)):
+            out.append((f"triton bwd wide unrolled rows/step={rows} warps={warps} per_sm={per_sm} chunk={chunk}",
+                        "triton bwd", dict(rows=rows, warps=warps, per_sm=per_sm, wide=True, chunk=chunk,
+                                           unrolled=True)))
     if n >= 8192:  # the split backward: dx alone (rows in registers to 16384, else two-pass), then the column sums
         dx_kernels = [dict(rows=1, warps=16, per_sm=1, wide=False, tail=False),
                       dict(rows=1, warps=8, per_sm=2, wide=False, tail=False),

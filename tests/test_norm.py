@@ -218,6 +218,41 @@ def test_triton_wide_forward_unrolled(op, setup):
                 torch.testing.assert_close(c, a, rtol=1e-5 if a.dtype == torch.float32 else 1e-2, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", (1, 2))
+@pytest.mark.parametrize("setup", ("affine", "residual", "fp32-residual-fp32-weight", "no-affine"))
+@pytest.mark.parametrize("op", OPS)
+def test_triton_wide_backward_unrolled(op, setup, rows):
+    """The two-pass backward with the row's chunk count compiled in (``unrolled``): a partial last chunk and a row
+    its chunks fill (no column mask), one and two rows a step over row counts that leave a step partial, against the
+    references, and its dx, dweight and dbias equal to the looped kernel's to rounding."""
+    from megakern import _norm_triton as nt
+
+    fwd, bwd = launchers_for("triton")
+    dtype = torch.bfloat16 if HAS_CUDA else torch.float32
+    chunk = 2048 if HAS_CUDA else 32
+    for n in ((9000, 12288) if HAS_CUDA else (100, 128)):
+        seed(op, setup, rows, n, "wide-bwd-unrolled")
+        x, w, b, r = make_inputs(op, dtype, (3, 7, n), setup)
+        if op == "layer_norm":
+            x.add_(torch.linspace(-8, 8, n, dtype=dtype, device=x.device))
+        unrolled = functools.partial(bwd, wide=True, rows=rows, chunk=chunk, unrolled=True)
+        check_fwd_bwd("triton", op, dtype, x, w, b, r, launchers=(fwd, unrolled))
+        x2 = x.detach().reshape(-1, n)
+        r2 = None if r is None else r.detach().reshape(-1, n)
+        is_rms = op == "rms_norm"
+        w2, b2 = (None if t is None else t.detach() for t in (w, b))
+        _, res_out, mean, rstd = nt.fwd(x2, r2, w2, b2, 1e-5, is_rms)
+        dy = torch.randn_like(x2)
+        dres_out = None if r2 is None else torch.randn_like(x2)
+        residual_dtype = None if r2 is None else r2.dtype
+        args = (dy, x2 if res_out is None else res_out, dres_out, w2, mean, rstd, is_rms, residual_dtype,
+                w2 is not None, b2 is not None)
+        looped = nt.bwd(*args, wide=True, rows=rows, chunk=chunk)
+        for a, c in zip(looped, nt.bwd(*args, wide=True, rows=rows, chunk=chunk, unrolled=True)):
+            if a is not None:
+                torch.testing.assert_close(c, a, rtol=1e-5 if a.dtype == torch.float32 else 1e-2, atol=1e-4)
+
+
 @pytest.mark.parametrize("op", OPS)
 def test_triton_forward_register_bound(op):
     """The forward with its registers bounded (``maxnreg``, tuning) gives the unbounded kernel's output and
