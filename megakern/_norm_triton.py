@@ -730,13 +730,17 @@ class BwdConfig(NamedTuple):
     unrolled: bool = False
 
 
-def _bwd_config(n: int, is_rms: bool) -> BwdConfig:
+def _bwd_config(n: int, is_rms: bool, itemsize: int = 2) -> BwdConfig:
     """Rows in registers up to hidden 8192 (RMSNorm 16384): 16 elements of a step's rows a thread, 16 warps an SM,
     the next step's rows loaded before this step's math. Between 8192 and 16384 a row that ``tail_split`` takes as
     two power-of-two tiles, as those tiles in registers (LayerNorm too, without loading ahead). LayerNorm's other
     rows to 16384, whose dweight and dbias sums beside dx overflow the registers: dx in registers alone and the sums
-    by the strips kernel (``split``). Wider rows, the two-pass kernel, 4 rows a step."""
+    by the strips kernel (``split``). Wider rows, the two-pass kernel, 4 rows a step; RMSNorm's 16-bit rows
+    (``itemsize``: the widest element of x, dy, the residual's gradient and the weight) of 16385-24576 columns, a
+    multiple of 16, unrolled over 4096-column chunks, 2 rows a step at 16 warps, where it won (docs/tuning.md)."""
     block = _block(n)
+    if is_rms and itemsize == 2 and n % 16 == 0 and 16384 < n <= 24576:
+        return BwdConfig(2, 16, 1, wide=True, chunk=4096, unrolled=True)
     if block <= 4096:
         warps = max(2, min(16, block // 256))
         return BwdConfig(2, warps, 16 // warps, True)
@@ -751,16 +755,16 @@ def _bwd_config(n: int, is_rms: bool) -> BwdConfig:
     return BwdConfig(4, 8, 2, wide=True, chunk=2048, stages=3)
 
 
-def resolve_bwd_config(n: int, is_rms: bool, overrides: dict) -> BwdConfig:
+def resolve_bwd_config(n: int, is_rms: bool, overrides: dict, itemsize: int = 2) -> BwdConfig:
     """The launch table's BwdConfig with ``overrides`` (fields of BwdConfig; None keeps the table's) in its place;
-    naming ``wide`` against the table's kernel starts from that kernel's own defaults (one row a step, chunk 4096,
-    2 stages) before the other overrides apply."""
+    naming ``wide`` against the table's kernel, or against its unrolled two-pass kernel, starts from that kernel's
+    own defaults (one row a step, chunk 4096, 2 stages, looped) before the other overrides apply."""
     unknown = set(overrides) - set(BwdConfig._fields)
     if unknown:
         raise TypeError(f"unknown backward launch options {sorted(unknown)}; known: {BwdConfig._fields}")
     overrides = {k: v for k, v in overrides.items() if v is not None}
-    table = _bwd_config(n, is_rms)
-    if "wide" in overrides and bool(overrides["wide"]) != table.wide:
+    table = _bwd_config(n, is_rms, itemsize)
+    if "wide" in overrides and (bool(overrides["wide"]) != table.wide or table.unrolled):
         table = BwdConfig(1, table.warps, table.per_sm, wide=bool(overrides["wide"]))
     return table._replace(**overrides)
 
@@ -878,7 +882,8 @@ def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype, need_
     fields as named or at their defaults)."""
     rows, n = dy.shape
     block = _block(n)
-    config = resolve_bwd_config(n, is_rms, overrides)
+    itemsize = max(t.element_size() for t in (dy, x, dres_out, weight) if t is not None)
+    config = resolve_bwd_config(n, is_rms, overrides, itemsize)
     programs = _programs(rows, dy.device, config.per_sm)
     rows_per_program = math.ceil(rows / programs) if rows else 0
     split_cols, split_rows, split_warps, split_per_sm = config.split_geometry

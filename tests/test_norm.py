@@ -841,8 +841,8 @@ def test_forward_launch_table_wide_and_bound():
 @pytest.mark.parametrize("op", OPS)
 def test_triton_forward_table_wide_rows(op, setup):
     """The launch table's forward where it takes the two-pass kernel unrolled, or LayerNorm's bounded register kernel
-    (bf16 rows, a partial last chunk at 12800 and 20000), against the references, and equal to the register kernel's
-    output and statistics to rounding."""
+    (bf16 rows, a partial last chunk at 12800 and 20000), and RMSNorm's unrolled backward at 20000, against the
+    references, and the forward equal to the register kernel's output and statistics to rounding."""
     from megakern import _norm_triton as nt
 
     fwd, bwd = launchers_for("triton")
@@ -873,3 +873,12 @@ def test_backward_launch_overrides():
     assert nt.resolve_bwd_config(32768, False, dict(wide=True)) == nt._bwd_config(32768, False)
     with pytest.raises(TypeError, match="unknown backward launch options"):
         nt.resolve_bwd_config(1024, True, dict(num_warps=4))
+    # RMSNorm's 16-bit rows of 16385-24576 (a multiple of 16): the two-pass kernel unrolled, 2 rows a step
+    unrolled = nt.BwdConfig(2, 16, 1, wide=True, chunk=4096, unrolled=True)
+    assert all(nt._bwd_config(n, True) == unrolled for n in (16400, 20000, 20480, 24576))
+    looped = nt._bwd_config(32768, True)
+    assert looped.wide and not looped.unrolled
+    for n, is_rms, itemsize in ((20008, True, 2), (24592, True, 2), (20480, True, 4), (20480, False, 2)):
+        assert nt._bwd_config(n, is_rms, itemsize) == looped
+    assert nt.resolve_bwd_config(20480, True, dict(wide=True)) == nt.BwdConfig(1, 16, 1, wide=True)
+    assert nt.resolve_bwd_config(20480, True, dict(unrolled=False)) == unrolled._replace(unrolled=False)
