@@ -339,7 +339,11 @@ def compile_for_sm90() -> list:
                   16),
                  ("bwd wide", nt._norm_bwd_wide_kernel, dict(flags, HAS_DW=True, HAS_DB=not is_rms,
                                                              HAS_DRES_OUT=residual, HAS_DRES=residual, BLOCK_M=2,
-                                                             CHUNK=2048, STAGES=2), 8),
+                                                             CHUNK=2048, STAGES=2, CHUNKS=0, EVEN_N=False), 8),
+                 ("bwd wide unrolled", nt._norm_bwd_wide_kernel, dict(flags, HAS_DW=True, HAS_DB=not is_rms,
+                                                                      HAS_DRES_OUT=residual, HAS_DRES=residual,
+                                                                      BLOCK_M=2, CHUNK=4096, STAGES=1, CHUNKS=5,
+                                                                      EVEN_N=True), 16),
                  ("bwd dwdb", nt._norm_bwd_dwdb_kernel, dict(IS_RMS=is_rms, HAS_DW=True, HAS_DB=not is_rms,
                                                             BLOCK_M=16, BLOCK_C=256), 4)]
         for name, kernel, constexprs, warps in cases:
@@ -358,7 +362,7 @@ def test_kernels_compile_for_sm90():
     from conftest import sm90_lowering
 
     results = sm90_lowering("test_norm", "compile_for_sm90()")
-    assert len(results) == 22, results
+    assert len(results) == 24, results
 
 
 def test_sass_profile_reads_resources():

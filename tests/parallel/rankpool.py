@@ -133,6 +133,17 @@ def threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
+def settled_threads(window_s: float = 1.0) -> int:
+    """The fewest of this process's threads over ``window_s`` (polled every 10 ms): a thread that is ending, as a
+    destroyed group's may still be for a moment on a loaded machine, does not count; one that stays does."""
+    fewest = threads()
+    deadline = time.monotonic() + window_s
+    while time.monotonic() < deadline:
+        time.sleep(0.01)
+        fewest = min(fewest, threads())
+    return fewest
+
+
 class RankCrashed(AssertionError):
     """A check failed because a rank's process died of a signal."""
 

@@ -5,7 +5,7 @@ import gc
 
 import torch
 import torch.distributed as dist
-from rankpool import pool, threads
+from rankpool import pool, settled_threads
 from torch.distributed.tensor import DTensor, Shard
 
 from megakern.parallel import ParallelDims
@@ -28,7 +28,7 @@ def build_use_close(rounds: int) -> list:
         assert pm.mesh is None and pm.dp_cp_mesh is None
         pm.close()  # a second close does nothing
         gc.collect()
-        out.append((gathered, threads()))
+        out.append((gathered, settled_threads()))
     return out
 
 
@@ -50,10 +50,10 @@ def test_close_destroys_the_groups_and_a_new_mesh_of_the_layout_works():
 def test_pool_releases_each_checks_meshes():
     ranks = pool(4)
     ranks.run(build_and_leave)
-    before = ranks.run(threads)
+    before = ranks.run(settled_threads)
     for _ in range(3):
         ranks.run(build_and_leave)
-    after = ranks.run(threads)
+    after = ranks.run(settled_threads)
     assert after == before, f"threads per rank before {before}, after 3 more checks {after}"
     assert ranks.run(_live_groups) == [0] * 4
 
