@@ -455,20 +455,31 @@ def _wide_bwd_masks(row_mask, cols, N, BLOCK_M: tl.constexpr, CHUNK: tl.constexp
 
 
 @triton.jit
-def _wide_bwd_sums(x_rows, dy_rows, W, offs, c0, N, row_mask, mean, rstd, w, lane_gx, lane_g,
-                   IS_RMS: tl.constexpr, HAS_W: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
-                   EVEN_N: tl.constexpr):
-    """Pass 1 of the wide backward over the columns ``c0 + offs``: the lanes' sums of g * xhat (and g) updated."""
+def _wide_bwd_chunk(x_rows, dy_rows, W, offs, c0, N, row_mask, mean, rstd, w, IS_RMS: tl.constexpr,
+                    HAS_W: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, EVEN_N: tl.constexpr,
+                    POLICY: tl.constexpr):
+    """A step's rows of x and dy over the columns ``c0 + offs`` (loaded with the eviction ``POLICY``), and the
+    weight's: (columns, column mask, tile mask, dy, xhat, g) in fp32."""
     cols = c0 + offs
     col_mask, m = _wide_bwd_masks(row_mask, cols, N, BLOCK_M, CHUNK, EVEN_N)
-    x = tl.load(x_rows + cols[None, :], mask=m, other=0.0, eviction_policy="evict_last")
-    dy = tl.load(dy_rows + cols[None, :], mask=m, other=0.0, eviction_policy="evict_last")
+    x = tl.load(x_rows + cols[None, :], mask=m, other=0.0, eviction_policy=POLICY)
+    dy = tl.load(dy_rows + cols[None, :], mask=m, other=0.0, eviction_policy=POLICY)
     if HAS_W:
         if EVEN_N:
             w = tl.load(W + cols, eviction_policy="evict_last").to(tl.float32)
         else:
             w = tl.load(W + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
     dy, xhat, g = _bwd_xhat_g(x, dy, w, mean[:, None], rstd[:, None], m, IS_RMS, HAS_W, not EVEN_N)
+    return cols, col_mask, m, dy, xhat, g
+
+
+@triton.jit
+def _wide_bwd_sums(x_rows, dy_rows, W, offs, c0, N, row_mask, mean, rstd, w, lane_gx, lane_g,
+                   IS_RMS: tl.constexpr, HAS_W: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+                   EVEN_N: tl.constexpr):
+    """Pass 1 of the wide backward over the columns ``c0 + offs``: the lanes' sums of g * xhat (and g) updated."""
+    _, _, _, _, xhat, g = _wide_bwd_chunk(x_rows, dy_rows, W, offs, c0, N, row_mask, mean, rstd, w, IS_RMS, HAS_W,
+                                          BLOCK_M, CHUNK, EVEN_N, "evict_last")
     lane_gx += g * xhat
     if not IS_RMS:
         lane_g += g
@@ -483,16 +494,8 @@ def _wide_bwd_out(x_rows, dy_rows, W, DRES_OUT, DX, DRES, DW_PARTIAL, DB_PARTIAL
                   EVEN_N: tl.constexpr):
     """Pass 2 of the wide backward over the columns ``c0 + offs``: dx (x and dy read again, from L2), and the
     step's column sums added to this program's partial rows of dweight (and dbias)."""
-    cols = c0 + offs
-    col_mask, m = _wide_bwd_masks(row_mask, cols, N, BLOCK_M, CHUNK, EVEN_N)
-    x = tl.load(x_rows + cols[None, :], mask=m, other=0.0, eviction_policy="evict_first")
-    dy = tl.load(dy_rows + cols[None, :], mask=m, other=0.0, eviction_policy="evict_first")
-    if HAS_W:
-        if EVEN_N:
-            w = tl.load(W + cols, eviction_policy="evict_last").to(tl.float32)
-        else:
-            w = tl.load(W + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-    dy, xhat, g = _bwd_xhat_g(x, dy, w, mean[:, None], rstd[:, None], m, IS_RMS, HAS_W, not EVEN_N)
+    cols, col_mask, m, dy, xhat, g = _wide_bwd_chunk(x_rows, dy_rows, W, offs, c0, N, row_mask, mean, rstd, w,
+                                                     IS_RMS, HAS_W, BLOCK_M, CHUNK, EVEN_N, "evict_first")
     _bwd_dx_out(DRES_OUT, DX, DRES, g, xhat, mean_gx[:, None], mean_g[:, None], rstd[:, None], rows, cols, m,
                 stride_dresoutm, stride_dxm, stride_dresm, IS_RMS, HAS_DRES_OUT, HAS_DRES)
     if HAS_DW:

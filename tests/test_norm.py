@@ -76,6 +76,14 @@ def make_inputs(op, dtype, shape, setup, device=DEVICE):
     return x, w, b, r
 
 
+def assert_outputs_close(expected, actual, atol=1e-5):
+    """Two launches' outputs (None where a launch has none) equal to rounding: fp32 to 1e-5, 16-bit to 1e-2."""
+    for a, c in zip(expected, actual, strict=True):
+        assert (a is None) == (c is None)
+        if a is not None:
+            torch.testing.assert_close(c, a, rtol=1e-5 if a.dtype == torch.float32 else 1e-2, atol=atol)
+
+
 def check_fwd_bwd(variant, op, dtype, x, w, b, r, eps=1e-5, dy_fn=torch.randn_like, launchers=None):
     """Run one implementation and the two references, compare outputs and all gradients, check inputs intact."""
     skip_interpreter_faults(variant, dtype)
@@ -161,9 +169,7 @@ def test_triton_tail(op, setup, rows):
             check_fwd_bwd("triton", op, dtype, x, w, b, r, launchers=(tail, tail_bwd))
         args = (x.reshape(-1, n), None if r is None else r.reshape(-1, n), w, b, 1e-5, op == "rms_norm")
         one, two = nt.fwd(*args, rows_per_program=rows, tiles=1), nt.fwd(*args, rows_per_program=rows, tiles=2)
-        for a, c in zip(one, two):
-            if a is not None:
-                torch.testing.assert_close(c, a, rtol=1e-5 if a.dtype == torch.float32 else 1e-2, atol=1e-5)
+        assert_outputs_close(one, two)
 
 
 @pytest.mark.parametrize("rows", (1, 2))
@@ -188,9 +194,7 @@ def test_triton_three_tiles(op, setup, rows):
         args = (x.reshape(-1, n), None if r is None else r.reshape(-1, n), w, b, 1e-5, op == "rms_norm")
         one = nt.fwd(*args, rows_per_program=rows, tiles=1)
         three = nt.fwd(*args, rows_per_program=rows, tiles=3)
-        for a, c in zip(one, three):
-            if a is not None:
-                torch.testing.assert_close(c, a, rtol=1e-5 if a.dtype == torch.float32 else 1e-2, atol=1e-5)
+        assert_outputs_close(one, three)
 
 
 @pytest.mark.parametrize("setup", ("affine", "residual", "fp32-residual-fp32-weight", "no-affine"))
@@ -213,9 +217,7 @@ def test_triton_wide_forward_unrolled(op, setup):
         check_fwd_bwd("triton", op, dtype, x, w, b, r, launchers=(unrolled, bwd))
         args = (x.reshape(-1, n), None if r is None else r.reshape(-1, n), w, b, 1e-5, op == "rms_norm")
         looped = nt.fwd(*args, wide=True, chunk=chunk)
-        for a, c in zip(looped, nt.fwd(*args, wide=True, chunk=chunk, unrolled=True)):
-            if a is not None:
-                torch.testing.assert_close(c, a, rtol=1e-5 if a.dtype == torch.float32 else 1e-2, atol=1e-5)
+        assert_outputs_close(looped, nt.fwd(*args, wide=True, chunk=chunk, unrolled=True))
 
 
 @pytest.mark.parametrize("rows", (1, 2))
@@ -248,9 +250,7 @@ def test_triton_wide_backward_unrolled(op, setup, rows):
         args = (dy, x2 if res_out is None else res_out, dres_out, w2, mean, rstd, is_rms, residual_dtype,
                 w2 is not None, b2 is not None)
         looped = nt.bwd(*args, wide=True, rows=rows, chunk=chunk)
-        for a, c in zip(looped, nt.bwd(*args, wide=True, rows=rows, chunk=chunk, unrolled=True)):
-            if a is not None:
-                torch.testing.assert_close(c, a, rtol=1e-5 if a.dtype == torch.float32 else 1e-2, atol=1e-4)
+        assert_outputs_close(looped, nt.bwd(*args, wide=True, rows=rows, chunk=chunk, unrolled=True), atol=1e-4)
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -857,9 +857,7 @@ def test_triton_forward_table_wide_rows(op, setup):
             x.add_(torch.linspace(-8, 8, n, dtype=x.dtype, device=x.device))
         check_fwd_bwd("triton", op, torch.bfloat16, x, w, b, r, launchers=(fwd, bwd))
         args = (x.reshape(-1, n), None if r is None else r.reshape(-1, n), w, b, 1e-5, op == "rms_norm")
-        for a, c in zip(nt.fwd(*args, wide=False), nt.fwd(*args)):
-            if a is not None:
-                torch.testing.assert_close(c, a, rtol=1e-5 if a.dtype == torch.float32 else 1e-2, atol=1e-5)
+        assert_outputs_close(nt.fwd(*args, wide=False), nt.fwd(*args))
 
 
 def test_backward_launch_overrides():
