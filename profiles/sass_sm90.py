@@ -8,6 +8,7 @@ machine's Triton and its ptxas: install the Triton the GPU machines run (3.6) to
 
     python profiles/sass_sm90.py norm --ops rms,ln --hidden 9216,12288 --warps 4,8,16 [--tail] [--rows 1]
                                       [--three] [--backward [--prefetch]] [--residual] [--maxnreg 80]
+                                      [--wide 2048 [--unrolled] [--stages 2] [--order]]
     python profiles/sass_sm90.py ce --blocks 8192,16384,32768 --warps 32 [--smoothing] [--softcap]
 """
 from __future__ import annotations
@@ -45,8 +46,8 @@ def compile_sm90(fn, constexprs: dict, types: dict, warps: int, maxnreg: int | N
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def resources(compiled) -> str:
-    """One line of the compiled kernel's resources, read from its cubin."""
+def _cubin_text(compiled) -> tuple[str, list[str]]:
+    """(resource usage, SASS instructions without their encodings) of the compiled kernel's cubin."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
@@ -54,7 +55,13 @@ def resources(compiled) -> str:
         usage = subprocess.run([tool, "--dump-resource-usage", cubin.name], capture_output=True, text=True,
                                check=True).stdout
         sass = subprocess.run([tool, "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
-    code = [line.split("*/", 1)[1].strip() for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
+    return usage, [line.split("*/", 1)[1].strip() for line in sass.splitlines()
+                   if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
+
+
+def resources(compiled) -> str:
+    """One line of the compiled kernel's resources, read from its cubin."""
+    usage, code = _cubin_text(compiled)
 
     def count(opcode: str) -> int:
         return sum(1 for line in code if re.match(r"(@!?U?P\w+ )?" + opcode + r"\b", line))
@@ -62,6 +69,21 @@ def resources(compiled) -> str:
     regs, spill = re.search(r"REG:(\d+)", usage).group(1), re.search(r"STACK:(\d+)", usage).group(1)
     return (f"regs {regs:>3} spilled {spill:>4} B  instructions {len(code):5d}  BAR {count('BAR'):3d}  "
             f"LDL {count('LDL'):3d}  STL {count('STL'):3d}  shared {compiled.metadata.shared} B")
+
+
+def order(compiled, width: int = 100) -> str:
+    """The kernel's global loads (L), stores (S), float arithmetic (F) and barriers (B) in SASS order, the first
+    ``width``: whether ptxas issued a pass's loads before its math."""
+    def kind(line: str) -> str:
+        op = re.sub(r"^@!?U?P\w+ ", "", line).split(" ", 1)[0]
+        if op.startswith(("LDG", "LDGSTS")):
+            return "L"
+        if op.startswith("STG"):
+            return "S"
+        if op.startswith(("FFMA", "FMUL", "FADD")):
+            return "F"
+        return "B" if op.startswith("BAR") else ""
+    return "".join(kind(line) for line in _cubin_text(compiled)[1])[:width]
 
 
 NORM_POINTERS = {"X", "RES", "W", "B", "Y", "RES_OUT", "DY", "DRES_OUT", "DX"}
@@ -94,6 +116,30 @@ def norm_row(is_rms: bool, n: int, warps: int, tail: bool, rows: int, backward: 
     return f"{label:58s} {resources(compile_sm90(fn, flags, types, warps, maxnreg))}"
 
 
+def norm_wide_row(is_rms: bool, n: int, warps: int, chunk: int, unrolled: bool, rows: int, backward: bool,
+                  residual: bool, stages: int = 1, show_order: bool = False) -> str:
+    """The two-pass kernel (forward or backward) for rows of ``n`` in ``chunk``-column pieces, looped (``stages``
+    through shared memory) or unrolled over the row's chunk count, as its launcher would compile it."""
+    chunks = -(-n // chunk) if unrolled else 0
+    types = {name: "*bf16" for name in NORM_POINTERS} | {name: "*fp32" for name in NORM_FP32} | {
+        "eps": "fp32", "N": "i32/16"}
+    flags = dict(IS_RMS=is_rms, HAS_W=True, CHUNK=chunk, STAGES=stages, CHUNKS=chunks,
+                 EVEN_N=unrolled and n == chunks * chunk)
+    if backward:
+        fn = _norm_triton._norm_bwd_wide_kernel
+        flags |= dict(HAS_DW=True, HAS_DB=not is_rms, HAS_DRES_OUT=residual, HAS_DRES=False, BLOCK_M=rows)
+    else:
+        fn = _norm_triton._norm_fwd_wide_kernel
+        flags |= dict(HAS_RES=residual, HAS_B=not is_rms)
+    if "ALIGN" in fn.arg_names:
+        flags["ALIGN"] = 1
+    compiled = compile_sm90(fn, flags, types, warps)
+    label = (f"{'rms' if is_rms else 'ln '} {'bwd' if backward else 'fwd'} {n:5d} warps {warps:2d} wide chunk "
+             f"{chunk} {'unrolled' if unrolled else f'looped stages {stages}'}{f' rows {rows}' if backward else ''}")
+    line = f"{label:58s} {resources(compiled)}"
+    return line + f"\n    order {order(compiled)}" if show_order else line
+
+
 def ce_row(block: int, warps: int, smoothing: bool, softcap: bool) -> str:
     """The cross-entropy kernel with the gradient, as its launcher would compile it."""
     types = {"LOGITS": "*bf16", "GRAD": "*bf16", "TARGETS": "*i64", "LOSS": "*fp32", "LSE": "*fp32",
@@ -118,6 +164,12 @@ def main(argv: list[str] | None = None) -> None:
     norm.add_argument("--prefetch", action="store_true", help="--backward: the next step's rows loaded ahead")
     norm.add_argument("--residual", action="store_true")
     norm.add_argument("--maxnreg", type=int, default=None, help="a bound on a thread's registers (ptxas .maxnreg)")
+    norm.add_argument("--wide", type=int, default=None, metavar="CHUNK",
+                      help="the two-pass kernel, CHUNK columns at a time (--rows: the backward's rows a step)")
+    norm.add_argument("--unrolled", action="store_true", help="--wide: unrolled over the row's chunk count")
+    norm.add_argument("--stages", type=int, default=1, help="--wide, looped: chunks in flight through shared memory")
+    norm.add_argument("--order", action="store_true",
+                      help="--wide: the loads (L), stores (S), float math (F) and barriers (B) in SASS order")
     ce = sub.add_parser("ce")
     ce.add_argument("--blocks", default="16384")
     ce.add_argument("--warps", default="32")
@@ -129,6 +181,10 @@ def main(argv: list[str] | None = None) -> None:
         for op in args.ops.split(","):
             for n in map(int, args.hidden.split(",")):
                 for warps in map(int, args.warps.split(",")):
+                    if args.wide:
+                        print(norm_wide_row(op == "rms", n, warps, args.wide, args.unrolled, args.rows,
+                                            args.backward, args.residual, args.stages, args.order), flush=True)
+                        continue
                     print(norm_row(op == "rms", n, warps, args.tail, args.rows, args.backward, args.prefetch,
                                    args.residual, args.three, args.maxnreg), flush=True)
     else:

@@ -388,6 +388,14 @@ def test_sass_profile_reads_resources():
     assert row, run.stdout
     regs, spilled, instructions = map(int, row.groups())
     assert 16 <= regs <= 64 and spilled == 0 and 50 < instructions < 320, run.stdout
+    # the two-pass kernel, unrolled over a row of 6 chunks, with its SASS order of loads and math
+    run = subprocess.run([sys.executable, str(root / "profiles" / "sass_sm90.py"), "norm", "--ops", "ln",
+                          "--hidden", "12288", "--warps", "8", "--wide", "2048", "--unrolled", "--order"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert re.search(r"ln  fwd 12288 warps  8 wide chunk 2048 unrolled +regs +\d+ spilled +0 B", run.stdout), run.stdout
+    order = re.search(r"order ([LSFB]+)", run.stdout)
+    assert order and order.group(1).count("L") >= 3 and "F" in order.group(1), run.stdout
 
 
 LAYOUTS = ("padded-rows", "strided-leading", "transposed", "misaligned")
