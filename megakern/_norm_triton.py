@@ -157,6 +157,16 @@ def _wide_load(ptr, m, EVEN_N: tl.constexpr, POLICY: tl.constexpr):
 
 
 @triton.jit
+def _wide_store(ptr, v, m, EVEN_N: tl.constexpr):
+    """A chunk's columns stored in ``ptr``'s dtype: unmasked where the chunks fill the row (EVEN_N), else up to its
+    end."""
+    if EVEN_N:
+        tl.store(ptr, v.to(ptr.dtype.element_ty))
+    else:
+        tl.store(ptr, v.to(ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _wide_fwd_stats(x_ptrs, res_ptrs, res_out_ptrs, offs, start, N, i, lane_mean, lane_m2,
                     IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, EVEN_N: tl.constexpr):
     """Pass 1 of the wide forward over the chunk ``i`` (columns ``start + offs``; the pointers are the row's at
@@ -165,10 +175,7 @@ def _wide_fwd_stats(x_ptrs, res_ptrs, res_out_ptrs, offs, start, N, i, lane_mean
     x = _wide_load(x_ptrs + start, m, EVEN_N, "evict_last")
     if HAS_RES:
         h = (x + _wide_load(res_ptrs + start, m, EVEN_N, "evict_first")).to(res_out_ptrs.dtype.element_ty)
-        if EVEN_N:
-            tl.store(res_out_ptrs + start, h)
-        else:
-            tl.store(res_out_ptrs + start, h, mask=m)
+        _wide_store(res_out_ptrs + start, h, m, EVEN_N)
         x = h.to(tl.float32)
     if IS_RMS:
         lane_m2 += x * x
@@ -193,10 +200,7 @@ def _wide_fwd_out(x_ptrs, w_ptrs, b_ptrs, y_ptrs, offs, start, N, mean, rstd,
         y = y * _wide_load(w_ptrs + start, m, EVEN_N, "evict_last")
     if HAS_B:
         y = y + _wide_load(b_ptrs + start, m, EVEN_N, "evict_last")
-    if EVEN_N:
-        tl.store(y_ptrs + start, y.to(y_ptrs.dtype.element_ty))
-    else:
-        tl.store(y_ptrs + start, y.to(y_ptrs.dtype.element_ty), mask=m)
+    _wide_store(y_ptrs + start, y, m, EVEN_N)
 
 
 @triton.jit
