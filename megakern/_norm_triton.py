@@ -476,23 +476,24 @@ def _norm_bwd_kernel(
 
 
 @triton.jit
-def _wide_bwd_masks(row_mask, cols, N, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, EVEN_N: tl.constexpr):
+def _wide_bwd_masks(row_mask, cols, N, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, EVEN_N: tl.constexpr,
+                    ALIGN: tl.constexpr = 1):
     """(column mask, tile mask) of a step's rows over the columns ``cols``; EVEN_N: no column masked, the tile's
-    mask the rows' alone, constant along a row (so its loads stay vectors)."""
+    mask the rows' alone, constant along a row (so its loads stay vectors); ALIGN as ``_below``'s."""
     if EVEN_N:
         return cols < N, tl.broadcast_to(row_mask[:, None], (BLOCK_M, CHUNK))
-    col_mask = cols < N
+    col_mask = _below(cols, N, ALIGN)
     return col_mask, row_mask[:, None] & col_mask[None, :]
 
 
 @triton.jit
 def _wide_bwd_chunk(x_rows, dy_rows, W, offs, c0, N, row_mask, mean, rstd, w, IS_RMS: tl.constexpr,
                     HAS_W: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, EVEN_N: tl.constexpr,
-                    POLICY: tl.constexpr):
+                    POLICY: tl.constexpr, ALIGN: tl.constexpr = 1):
     """A step's rows of x and dy over the columns ``c0 + offs`` (loaded with the eviction ``POLICY``), and the
     weight's: (columns, column mask, tile mask, dy, xhat, g) in fp32."""
     cols = c0 + offs
-    col_mask, m = _wide_bwd_masks(row_mask, cols, N, BLOCK_M, CHUNK, EVEN_N)
+    col_mask, m = _wide_bwd_masks(row_mask, cols, N, BLOCK_M, CHUNK, EVEN_N, ALIGN)
     x = tl.load(x_rows + cols[None, :], mask=m, other=0.0, eviction_policy=POLICY)
     dy = tl.load(dy_rows + cols[None, :], mask=m, other=0.0, eviction_policy=POLICY)
     if HAS_W:
@@ -507,10 +508,10 @@ def _wide_bwd_chunk(x_rows, dy_rows, W, offs, c0, N, row_mask, mean, rstd, w, IS
 @triton.jit
 def _wide_bwd_sums(x_rows, dy_rows, W, offs, c0, N, row_mask, mean, rstd, w, lane_gx, lane_g,
                    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
-                   EVEN_N: tl.constexpr):
+                   EVEN_N: tl.constexpr, ALIGN: tl.constexpr = 1):
     """Pass 1 of the wide backward over the columns ``c0 + offs``: the lanes' sums of g * xhat (and g) updated."""
     _, _, _, _, xhat, g = _wide_bwd_chunk(x_rows, dy_rows, W, offs, c0, N, row_mask, mean, rstd, w, IS_RMS, HAS_W,
-                                          BLOCK_M, CHUNK, EVEN_N, "evict_last")
+                                          BLOCK_M, CHUNK, EVEN_N, "evict_last", ALIGN)
     lane_gx += g * xhat
     if not IS_RMS:
         lane_g += g
@@ -522,13 +523,13 @@ def _wide_bwd_out(x_rows, dy_rows, W, DRES_OUT, DX, DRES, DW_PARTIAL, DB_PARTIAL
                   rstd, w, mean_gx, mean_g, part_row, stride_dresoutm, stride_dxm, stride_dresm,
                   IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_DW: tl.constexpr, HAS_DB: tl.constexpr,
                   HAS_DRES_OUT: tl.constexpr, HAS_DRES: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
-                  EVEN_N: tl.constexpr):
+                  EVEN_N: tl.constexpr, ALIGN: tl.constexpr = 1):
     """Pass 2 of the wide backward over the columns ``c0 + offs``: dx (x and dy read again, from L2), and the
     step's column sums added to this program's partial rows of dweight (and dbias)."""
     cols, col_mask, m, dy, xhat, g = _wide_bwd_chunk(x_rows, dy_rows, W, offs, c0, N, row_mask, mean, rstd, w,
-                                                     IS_RMS, HAS_W, BLOCK_M, CHUNK, EVEN_N, "evict_first")
+                                                     IS_RMS, HAS_W, BLOCK_M, CHUNK, EVEN_N, "evict_first", ALIGN)
     _bwd_dx_out(DRES_OUT, DX, DRES, g, xhat, mean_gx[:, None], mean_g[:, None], rstd[:, None], rows, cols, m,
-                stride_dresoutm, stride_dxm, stride_dresm, IS_RMS, HAS_DRES_OUT, HAS_DRES)
+                stride_dresoutm, stride_dxm, stride_dresm, IS_RMS, HAS_DRES_OUT, HAS_DRES, ALIGN)
     if HAS_DW:
         dw_at = DW_PARTIAL + part_row + cols
         if EVEN_N:
@@ -550,7 +551,7 @@ def _norm_bwd_wide_kernel(
     M, N, rows_per_program,
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_DW: tl.constexpr, HAS_DB: tl.constexpr,
     HAS_DRES_OUT: tl.constexpr, HAS_DRES: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
-    STAGES: tl.constexpr, CHUNKS: tl.constexpr = 0, EVEN_N: tl.constexpr = False,
+    STAGES: tl.constexpr, CHUNKS: tl.constexpr = 0, EVEN_N: tl.constexpr = False, ALIGN: tl.constexpr = 1,
 ):
     """The backward for rows too wide for registers: BLOCK_M rows a step, in CHUNK-column pieces, twice. The first
     pass reads x and dy from memory for each row's two sums (kept per lane of the chunk, summed across the lanes once
@@ -558,17 +559,20 @@ def _norm_bwd_wide_kernel(
     pass left them), writes dx and adds the step's column sums of dy * xhat (and dy) into this program's partial rows
     of dweight (and dbias), zeroed by the launcher, which stay in L2 across the program's rows: one read-modify-write
     of them a step, so more rows a step means less L2 traffic per row. CHUNKS > 0: the row's chunk count known when
-    compiling (cdiv(N, CHUNK)), both passes unrolled; EVEN_N (with it): N == CHUNKS * CHUNK, no column masked."""
+    compiling (cdiv(N, CHUNK)), both passes unrolled; EVEN_N (with it): N == CHUNKS * CHUNK, no column masked.
+    ALIGN > 1: N and the row strides are multiples of it (``_row_starts``, ``_below``)."""
     pid = tl.program_id(0)
     offs = tl.arange(0, CHUNK)
     row_start = pid.to(tl.int64) * rows_per_program  # int64 bounds: the row loop's offsets are 64-bit
     row_end = tl.minimum(row_start + rows_per_program, M)
     part_row = pid.to(tl.int64) * N
+    if ALIGN > 1:
+        part_row = tl.multiple_of(part_row, ALIGN)
     for row0 in range(row_start, row_end, BLOCK_M):
         rows = row0 + tl.arange(0, BLOCK_M)
         row_mask = rows < row_end
-        x_rows = X + rows[:, None] * stride_xm
-        dy_rows = DY + rows[:, None] * stride_dym
+        x_rows = X + _row_starts(rows, stride_xm, ALIGN)
+        dy_rows = DY + _row_starts(rows, stride_dym, ALIGN)
         rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
         mean = rstd  # RMSNorm: unused
         if not IS_RMS:
@@ -580,11 +584,11 @@ def _norm_bwd_wide_kernel(
         if CHUNKS > 0:
             for i in tl.static_range(CHUNKS):
                 lane_gx, lane_g = _wide_bwd_sums(x_rows, dy_rows, W, offs, i * CHUNK, N, row_mask, mean, rstd, w,
-                                                 lane_gx, lane_g, IS_RMS, HAS_W, BLOCK_M, CHUNK, EVEN_N)
+                                                 lane_gx, lane_g, IS_RMS, HAS_W, BLOCK_M, CHUNK, EVEN_N, ALIGN)
         else:
             for c0 in tl.range(0, N, CHUNK, num_stages=STAGES):
                 lane_gx, lane_g = _wide_bwd_sums(x_rows, dy_rows, W, offs, c0, N, row_mask, mean, rstd, w, lane_gx,
-                                                 lane_g, IS_RMS, HAS_W, BLOCK_M, CHUNK, False)
+                                                 lane_g, IS_RMS, HAS_W, BLOCK_M, CHUNK, False, ALIGN)
         mean_gx = tl.sum(lane_gx, axis=1) / N
         mean_g = tl.sum(lane_g, axis=1) / N
         # pass 2: dx, and the step's column sums added to this program's partial rows (zeroed by the launcher)
@@ -593,13 +597,13 @@ def _norm_bwd_wide_kernel(
                 _wide_bwd_out(x_rows, dy_rows, W, DRES_OUT, DX, DRES, DW_PARTIAL, DB_PARTIAL, offs, i * CHUNK, N,
                               rows, row_mask, mean, rstd, w, mean_gx, mean_g, part_row, stride_dresoutm, stride_dxm,
                               stride_dresm, IS_RMS, HAS_W, HAS_DW, HAS_DB, HAS_DRES_OUT, HAS_DRES, BLOCK_M, CHUNK,
-                              EVEN_N)
+                              EVEN_N, ALIGN)
         else:
             for c0 in tl.range(0, N, CHUNK, num_stages=STAGES):
                 _wide_bwd_out(x_rows, dy_rows, W, DRES_OUT, DX, DRES, DW_PARTIAL, DB_PARTIAL, offs, c0, N, rows,
                               row_mask, mean, rstd, w, mean_gx, mean_g, part_row, stride_dresoutm, stride_dxm,
                               stride_dresm, IS_RMS, HAS_W, HAS_DW, HAS_DB, HAS_DRES_OUT, HAS_DRES, BLOCK_M, CHUNK,
-                              False)
+                              False, ALIGN)
 
 
 @triton.jit
@@ -962,15 +966,15 @@ def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype, need_
             num_warps=split_warps)
     elif config.split and parts is not None:
         parts.zero_()
+    align = row_alignment(n, x.stride(0), dy.stride(0), dres_out.stride(0) if dres_out is not None else 0,
+                          dx.stride(0), dres.stride(0) if dres is not None else 0)
     if config.wide:
         chunk, stages = _wide_pipeline(config, block, [t for t in (x, dy, dres_out) if t is not None])
         chunks = cdiv(n, chunk) if config.unrolled else 0
         _norm_bwd_wide_kernel[(programs,)](*args, BLOCK_M=config.rows, CHUNK=chunk, STAGES=stages, CHUNKS=chunks,
-                                           EVEN_N=config.unrolled and n == chunks * chunk, **flags)
+                                           EVEN_N=config.unrolled and n == chunks * chunk, ALIGN=align, **flags)
     else:
         head, tail_cols = (tail_split(n) if config.tail else None) or (block, 0)
-        align = row_alignment(n, x.stride(0), dy.stride(0), dres_out.stride(0) if dres_out is not None else 0,
-                              dx.stride(0), dres.stride(0) if dres is not None else 0)
         _norm_bwd_kernel[(programs,)](*args, BLOCK_M=config.rows, BLOCK_N=head, PREFETCH=config.prefetch,
                                       BLOCK_T=tail_cols, EVEN_N=n == head, ALIGN=align, **flags)
     sums = sum_rows(parts, weight.dtype) if parts is not None else None  # summed and cast in one launch

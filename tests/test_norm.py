@@ -235,12 +235,13 @@ def test_row_alignment():
 def test_triton_widths_not_multiples_of_16(op, setup):
     """Rows whose width (or stride) is not a multiple of 16, where the launchers tell the kernels the power of two
     that divides them (ALIGN 8, 4, 2) or nothing (odd), forward and backward against the references, one tile and
-    two (9000 = 8192 + 1024 on a GPU), and rows padded to a stride 8 past the width."""
+    two (9000 = 8192 + 1024 on a GPU) and the two-pass backward (20008), and rows padded to a stride 8 past the
+    width."""
     from megakern import _norm_triton as nt
 
     fwd, bwd = launchers_for("triton")
     dtype = torch.bfloat16 if HAS_CUDA else torch.float32
-    widths = (9000, 5000, 4100, 2050, 1001) if HAS_CUDA else (40, 100, 50, 27)
+    widths = (9000, 5000, 4100, 2050, 1001, 20008) if HAS_CUDA else (40, 100, 50, 27)
     for n in widths:
         seed(op, setup, n, "odd-width")
         x, w, b, r = make_inputs(op, dtype, (3, 7, n), setup)
@@ -377,6 +378,10 @@ def compile_for_sm90() -> list:
                  ("bwd wide", nt._norm_bwd_wide_kernel, dict(flags, HAS_DW=True, HAS_DB=not is_rms,
                                                              HAS_DRES_OUT=residual, HAS_DRES=residual, BLOCK_M=2,
                                                              CHUNK=2048, STAGES=2, CHUNKS=0, EVEN_N=False), 8),
+                 ("bwd wide aligned by 8", nt._norm_bwd_wide_kernel, dict(flags, HAS_DW=True, HAS_DB=not is_rms,
+                                                                         HAS_DRES_OUT=residual, HAS_DRES=residual,
+                                                                         BLOCK_M=4, CHUNK=2048, STAGES=3, CHUNKS=0,
+                                                                         EVEN_N=False, ALIGN=8), 8),
                  ("bwd wide unrolled", nt._norm_bwd_wide_kernel, dict(flags, HAS_DW=True, HAS_DB=not is_rms,
                                                                       HAS_DRES_OUT=residual, HAS_DRES=residual,
                                                                       BLOCK_M=2, CHUNK=4096, STAGES=1, CHUNKS=5,
@@ -401,7 +406,7 @@ def test_kernels_compile_for_sm90():
     from conftest import sm90_lowering
 
     results = sm90_lowering("test_norm", "compile_for_sm90()")
-    assert len(results) == 28, results
+    assert len(results) == 30, results
 
 
 def test_sass_profile_reads_resources():
