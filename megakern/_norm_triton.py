@@ -26,14 +26,34 @@ MAX_BLOCK = 65536
 
 
 @triton.jit
-def _fwd_part(X, RES, RES_OUT, rows, cols, mask, stride_xm, stride_resm, stride_resoutm, HAS_RES: tl.constexpr):
+def _row_starts(rows, stride, ALIGN: tl.constexpr):
+    """The rows' first elements' offsets, (BLOCK_M, 1); ALIGN > 1: a multiple of ALIGN, told to the compiler (the
+    launcher checked the stride), so that a row's loads and stores stay vectors where Triton cannot see it."""
+    starts = rows * stride
+    if ALIGN > 1:
+        starts = tl.multiple_of(starts, ALIGN)
+    return starts[:, None]
+
+
+@triton.jit
+def _below(cols, limit, ALIGN: tl.constexpr):
+    """cols < limit; ALIGN > 1 (``limit`` a multiple of it): compared by groups of ALIGN columns, so that the mask is
+    constant over each group and masked loads of a row whose width Triton cannot see divided by 16 stay vectors."""
+    if ALIGN > 1:
+        return (cols // ALIGN) < (limit // ALIGN)
+    return cols < limit
+
+
+@triton.jit
+def _fwd_part(X, RES, RES_OUT, rows, cols, mask, stride_xm, stride_resm, stride_resoutm, HAS_RES: tl.constexpr,
+              ALIGN: tl.constexpr = 1):
     """The rows' columns ``cols`` in fp32, plus the residual rounded to the residual's dtype and stored: what is
     normalized is what is kept."""
-    x = tl.load(X + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(X + _row_starts(rows, stride_xm, ALIGN) + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
-        r = tl.load(RES + rows[:, None] * stride_resm + cols[None, :], mask=mask, other=0.0)
+        r = tl.load(RES + _row_starts(rows, stride_resm, ALIGN) + cols[None, :], mask=mask, other=0.0)
         h = (x + r.to(tl.float32)).to(RES_OUT.dtype.element_ty)
-        tl.store(RES_OUT + rows[:, None] * stride_resoutm + cols[None, :], h, mask=mask)
+        tl.store(RES_OUT + _row_starts(rows, stride_resoutm, ALIGN) + cols[None, :], h, mask=mask)
         x = h.to(tl.float32)
     return x
 
@@ -59,14 +79,15 @@ def _col(v, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _fwd_out(Y, W, B, xc, rstd, rows, cols, col_mask, mask, stride_ym, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
+def _fwd_out(Y, W, B, xc, rstd, rows, cols, col_mask, mask, stride_ym, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+             ALIGN: tl.constexpr = 1):
     """y = xc * rstd (* w) (+ b) of the rows' columns ``cols``, stored; ``rstd`` as ``_col`` makes it."""
     y = xc * rstd
     if HAS_W:
         y = y * tl.load(W + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)[None, :]
     if HAS_B:
         y = y + tl.load(B + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)[None, :]
-    tl.store(Y + rows[:, None] * stride_ym + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + _row_starts(rows, stride_ym, ALIGN) + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -76,32 +97,34 @@ def _norm_fwd_kernel(
     M, N, eps,
     IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr = 0, EVEN_N: tl.constexpr = False,
-    BLOCK_U: tl.constexpr = 0,
+    BLOCK_U: tl.constexpr = 0, ALIGN: tl.constexpr = 1,
 ):
     """BLOCK_M rows per program, as a (BLOCK_M, BLOCK_N) tile; BLOCK_T > 0: the columns past BLOCK_N as a second
     (BLOCK_M, BLOCK_T) tile (a row of 12288 as 8192 + 4096 columns, where one power-of-two tile would hold 16384);
     BLOCK_U > 0 (with BLOCK_T): the columns past both as a third (BLOCK_M, BLOCK_U) tile (13312 as 8192 + 4096 +
     1024). EVEN_N: N == BLOCK_N (no tail), or with three tiles N == BLOCK_N + BLOCK_T + BLOCK_U, so no column is
-    masked."""
+    masked. ALIGN > 1: N and the row strides are multiples of it (``_row_starts``, ``_below``)."""
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     row_mask = rows < M
     # the head tile's columns are all < N where N == BLOCK_N or a tail tile follows: no column mask there
     HEAD_FULL: tl.constexpr = EVEN_N or BLOCK_T > 0
-    col_mask = cols < (BLOCK_N if HEAD_FULL else N)
+    col_mask = _below(cols, BLOCK_N if HEAD_FULL else N, ALIGN)
     mask = row_mask[:, None] & col_mask[None, :]
-    x = _fwd_part(X, RES, RES_OUT, rows, cols, mask, stride_xm, stride_resm, stride_resoutm, HAS_RES)
+    x = _fwd_part(X, RES, RES_OUT, rows, cols, mask, stride_xm, stride_resm, stride_resoutm, HAS_RES, ALIGN)
     if BLOCK_T > 0:
         cols_t = BLOCK_N + tl.arange(0, BLOCK_T)
         # the middle tile of three lies below N as the head does
-        col_mask_t = cols_t < (BLOCK_N + BLOCK_T if BLOCK_U > 0 else N)
+        col_mask_t = _below(cols_t, BLOCK_N + BLOCK_T if BLOCK_U > 0 else N, ALIGN)
         mask_t = row_mask[:, None] & col_mask_t[None, :]
-        x_t = _fwd_part(X, RES, RES_OUT, rows, cols_t, mask_t, stride_xm, stride_resm, stride_resoutm, HAS_RES)
+        x_t = _fwd_part(X, RES, RES_OUT, rows, cols_t, mask_t, stride_xm, stride_resm, stride_resoutm, HAS_RES,
+                        ALIGN)
     if BLOCK_U > 0:
         cols_u = BLOCK_N + BLOCK_T + tl.arange(0, BLOCK_U)
-        col_mask_u = cols_u < (BLOCK_N + BLOCK_T + BLOCK_U if EVEN_N else N)
+        col_mask_u = _below(cols_u, BLOCK_N + BLOCK_T + BLOCK_U if EVEN_N else N, ALIGN)
         mask_u = row_mask[:, None] & col_mask_u[None, :]
-        x_u = _fwd_part(X, RES, RES_OUT, rows, cols_u, mask_u, stride_xm, stride_resm, stride_resoutm, HAS_RES)
+        x_u = _fwd_part(X, RES, RES_OUT, rows, cols_u, mask_u, stride_xm, stride_resm, stride_resoutm, HAS_RES,
+                        ALIGN)
     # statistics in fp32 (scalars for one row: _row_sum)
     if IS_RMS:
         xc = x
@@ -139,11 +162,13 @@ def _norm_fwd_kernel(
         tl.store(MEAN + rows, mean, mask=row_mask)
     rstd = 1.0 / tl.sqrt(ss / N + eps)
     tl.store(RSTD + rows, rstd, mask=row_mask)
-    _fwd_out(Y, W, B, xc, _col(rstd, BLOCK_M), rows, cols, col_mask, mask, stride_ym, HAS_W, HAS_B)
+    _fwd_out(Y, W, B, xc, _col(rstd, BLOCK_M), rows, cols, col_mask, mask, stride_ym, HAS_W, HAS_B, ALIGN)
     if BLOCK_T > 0:
-        _fwd_out(Y, W, B, xc_t, _col(rstd, BLOCK_M), rows, cols_t, col_mask_t, mask_t, stride_ym, HAS_W, HAS_B)
+        _fwd_out(Y, W, B, xc_t, _col(rstd, BLOCK_M), rows, cols_t, col_mask_t, mask_t, stride_ym, HAS_W, HAS_B,
+                 ALIGN)
     if BLOCK_U > 0:
-        _fwd_out(Y, W, B, xc_u, _col(rstd, BLOCK_M), rows, cols_u, col_mask_u, mask_u, stride_ym, HAS_W, HAS_B)
+        _fwd_out(Y, W, B, xc_u, _col(rstd, BLOCK_M), rows, cols_u, col_mask_u, mask_u, stride_ym, HAS_W, HAS_B,
+                 ALIGN)
 
 
 @triton.jit
@@ -266,21 +291,22 @@ def _norm_fwd_wide_kernel(
 
 
 @triton.jit
-def _load_bwd_tile(X, DY, rows, row_end, cols, col_mask, stride_xm, stride_dym):
+def _load_bwd_tile(X, DY, rows, row_end, cols, col_mask, stride_xm, stride_dym, ALIGN: tl.constexpr = 1):
     """One step's rows of x and dy (as stored) in the columns ``cols``; rows past ``row_end`` read as zeros."""
     rows64 = rows.to(tl.int64)
     mask = (rows < row_end)[:, None] & col_mask[None, :]
-    x = tl.load(X + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
-    dy = tl.load(DY + rows64[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0)
+    x = tl.load(X + _row_starts(rows64, stride_xm, ALIGN) + cols[None, :], mask=mask, other=0.0)
+    dy = tl.load(DY + _row_starts(rows64, stride_dym, ALIGN) + cols[None, :], mask=mask, other=0.0)
     return x, dy
 
 
 @triton.jit
 def _load_bwd_rows(X, DY, MEAN, RSTD, row0, row_end, cols, col_mask, stride_xm, stride_dym, IS_RMS: tl.constexpr,
-                   BLOCK_M: tl.constexpr):
+                   BLOCK_M: tl.constexpr, ALIGN: tl.constexpr = 1):
     """The step's rows row0 .. + BLOCK_M - 1 of x and dy (as stored), and their statistics (one row's as scalars,
     see _row_sum); rows past ``row_end`` read as zeros."""
-    x, dy = _load_bwd_tile(X, DY, row0 + tl.arange(0, BLOCK_M), row_end, cols, col_mask, stride_xm, stride_dym)
+    x, dy = _load_bwd_tile(X, DY, row0 + tl.arange(0, BLOCK_M), row_end, cols, col_mask, stride_xm, stride_dym,
+                           ALIGN)
     if BLOCK_M == 1:
         at = row0  # a row index: int32 is enough for the statistics
         live = row0 < row_end
@@ -296,12 +322,12 @@ def _load_bwd_rows(X, DY, MEAN, RSTD, row0, row_end, cols, col_mask, stride_xm, 
 
 
 @triton.jit
-def _bwd_columns(W, first, N, BLOCK: tl.constexpr, HAS_W: tl.constexpr):
+def _bwd_columns(W, first, N, BLOCK: tl.constexpr, HAS_W: tl.constexpr, ALIGN: tl.constexpr = 1):
     """(columns first .. + BLOCK - 1, their mask, the weight there in fp32, zeroed dweight and dbias sums) of one
     tile of the backward's rows. Without a weight, zeros in its place (unused: a returned tuple cannot hold None
     once compiled)."""
     cols = first + tl.arange(0, BLOCK)
-    col_mask = cols < N
+    col_mask = _below(cols, N, ALIGN)
     zeros = tl.zeros([BLOCK], dtype=tl.float32)
     w = zeros
     if HAS_W:
@@ -335,7 +361,7 @@ def _rms_gx(x, dy, w, HAS_W: tl.constexpr):
 @triton.jit
 def _bwd_dx_out(DRES_OUT, DX, DRES, g, xhat, mean_gx, mean_g, rstd, rows64, cols, mask,
                 stride_dresoutm, stride_dxm, stride_dresm, IS_RMS: tl.constexpr, HAS_DRES_OUT: tl.constexpr,
-                HAS_DRES: tl.constexpr):
+                HAS_DRES: tl.constexpr, ALIGN: tl.constexpr = 1):
     """dx = rstd * (g - xhat * mean(g * xhat) - mean(g)) (RMSNorm: no mean(g)) of one tile, plus the residual's
     gradient, stored (and in fp32 to DRES); the statistics as ``_col`` makes them."""
     dx = g - xhat * mean_gx
@@ -343,11 +369,11 @@ def _bwd_dx_out(DRES_OUT, DX, DRES, g, xhat, mean_gx, mean_g, rstd, rows64, cols
         dx = dx - mean_g
     dx = dx * rstd
     if HAS_DRES_OUT:
-        dx = dx + tl.load(DRES_OUT + rows64[:, None] * stride_dresoutm + cols[None, :], mask=mask,
+        dx = dx + tl.load(DRES_OUT + _row_starts(rows64, stride_dresoutm, ALIGN) + cols[None, :], mask=mask,
                           other=0.0).to(tl.float32)
-    tl.store(DX + rows64[:, None] * stride_dxm + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+    tl.store(DX + _row_starts(rows64, stride_dxm, ALIGN) + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
     if HAS_DRES:
-        tl.store(DRES + rows64[:, None] * stride_dresm + cols[None, :], dx, mask=mask)
+        tl.store(DRES + _row_starts(rows64, stride_dresm, ALIGN) + cols[None, :], dx, mask=mask)
 
 
 @triton.jit
@@ -357,40 +383,42 @@ def _norm_bwd_kernel(
     M, N, rows_per_program,
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_DW: tl.constexpr, HAS_DB: tl.constexpr,
     HAS_DRES_OUT: tl.constexpr, HAS_DRES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PREFETCH: tl.constexpr, BLOCK_T: tl.constexpr = 0, EVEN_N: tl.constexpr = False,
+    PREFETCH: tl.constexpr, BLOCK_T: tl.constexpr = 0, EVEN_N: tl.constexpr = False, ALIGN: tl.constexpr = 1,
 ):
     """A program's rows, BLOCK_M a step as a (BLOCK_M, BLOCK_N) tile (more loads in flight per program); BLOCK_T >
-    0: the columns past BLOCK_N as a second (BLOCK_M, BLOCK_T) tile, as the forward's. EVEN_N: N == BLOCK_N."""
+    0: the columns past BLOCK_N as a second (BLOCK_M, BLOCK_T) tile, as the forward's. EVEN_N: N == BLOCK_N.
+    ALIGN > 1: N and the row strides are multiples of it (``_row_starts``, ``_below``)."""
     pid = tl.program_id(0)
     # the head tile's columns are all < N where N == BLOCK_N or a tail tile follows: no column mask there, except
     # in LayerNorm's row of two without the rows loaded ahead, whose masked head measured faster (docs/results.md)
     HEAD_FULL: tl.constexpr = EVEN_N or (BLOCK_T > 0 and (IS_RMS or PREFETCH))
-    cols, col_mask, w, dw, db = _bwd_columns(W, 0, BLOCK_N if HEAD_FULL else N, BLOCK_N, HAS_W)
+    cols, col_mask, w, dw, db = _bwd_columns(W, 0, BLOCK_N if HEAD_FULL else N, BLOCK_N, HAS_W, ALIGN)
     if BLOCK_T > 0:
-        cols_t, col_mask_t, w_t, dw_t, db_t = _bwd_columns(W, BLOCK_N, N, BLOCK_T, HAS_W)
+        cols_t, col_mask_t, w_t, dw_t, db_t = _bwd_columns(W, BLOCK_N, N, BLOCK_T, HAS_W, ALIGN)
     row_start = pid * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, M)
     if PREFETCH:  # the next step's rows are loaded before this step's math: their latency hides under it
         x_next, dy_next, mean_next, rstd_next = _load_bwd_rows(
-            X, DY, MEAN, RSTD, row_start, row_end, cols, col_mask, stride_xm, stride_dym, IS_RMS, BLOCK_M)
+            X, DY, MEAN, RSTD, row_start, row_end, cols, col_mask, stride_xm, stride_dym, IS_RMS, BLOCK_M, ALIGN)
         if BLOCK_T > 0:
             x_next_t, dy_next_t = _load_bwd_tile(X, DY, row_start + tl.arange(0, BLOCK_M), row_end, cols_t,
-                                                 col_mask_t, stride_xm, stride_dym)
+                                                 col_mask_t, stride_xm, stride_dym, ALIGN)
     for row0 in range(row_start, row_end, BLOCK_M):
         rows = row0 + tl.arange(0, BLOCK_M)
         if PREFETCH:
             x, dy, mean, rstd = x_next, dy_next, mean_next, rstd_next
             x_next, dy_next, mean_next, rstd_next = _load_bwd_rows(
-                X, DY, MEAN, RSTD, row0 + BLOCK_M, row_end, cols, col_mask, stride_xm, stride_dym, IS_RMS, BLOCK_M)
+                X, DY, MEAN, RSTD, row0 + BLOCK_M, row_end, cols, col_mask, stride_xm, stride_dym, IS_RMS, BLOCK_M,
+                ALIGN)
             if BLOCK_T > 0:
                 x_t, dy_t = x_next_t, dy_next_t
                 x_next_t, dy_next_t = _load_bwd_tile(X, DY, rows + BLOCK_M, row_end, cols_t, col_mask_t, stride_xm,
-                                                     stride_dym)
+                                                     stride_dym, ALIGN)
         else:
             x, dy, mean, rstd = _load_bwd_rows(X, DY, MEAN, RSTD, row0, row_end, cols, col_mask, stride_xm,
-                                               stride_dym, IS_RMS, BLOCK_M)
+                                               stride_dym, IS_RMS, BLOCK_M, ALIGN)
             if BLOCK_T > 0:
-                x_t, dy_t = _load_bwd_tile(X, DY, rows, row_end, cols_t, col_mask_t, stride_xm, stride_dym)
+                x_t, dy_t = _load_bwd_tile(X, DY, rows, row_end, cols_t, col_mask_t, stride_xm, stride_dym, ALIGN)
         row_mask = rows < row_end
         rows64 = rows.to(tl.int64)
         mask = row_mask[:, None] & col_mask[None, :]
@@ -425,10 +453,10 @@ def _norm_bwd_kernel(
         mean_gx = _col(sum_gx / N, BLOCK_M)
         mean_g = _col(sum_g / N, BLOCK_M)
         _bwd_dx_out(DRES_OUT, DX, DRES, g, xhat, mean_gx, mean_g, rstd_c, rows64, cols, mask, stride_dresoutm,
-                    stride_dxm, stride_dresm, IS_RMS, HAS_DRES_OUT, HAS_DRES)
+                    stride_dxm, stride_dresm, IS_RMS, HAS_DRES_OUT, HAS_DRES, ALIGN)
         if BLOCK_T > 0:
             _bwd_dx_out(DRES_OUT, DX, DRES, g_t, xhat_t, mean_gx, mean_g, rstd_c, rows64, cols_t, mask_t,
-                        stride_dresoutm, stride_dxm, stride_dresm, IS_RMS, HAS_DRES_OUT, HAS_DRES)
+                        stride_dresoutm, stride_dxm, stride_dresm, IS_RMS, HAS_DRES_OUT, HAS_DRES, ALIGN)
         # partial dweight / dbias stay in registers across this program's rows
         if HAS_DW:
             dw += tl.sum(dy * xhat, axis=0)
@@ -438,34 +466,38 @@ def _norm_bwd_kernel(
             db += tl.sum(dy, axis=0)
             if BLOCK_T > 0:
                 db_t += tl.sum(dy_t, axis=0)
+    part = pid * N
+    if ALIGN > 1:
+        part = tl.multiple_of(part, ALIGN)
     if HAS_DW:
-        tl.store(DW_PARTIAL + pid * N + cols, dw, mask=col_mask)
+        tl.store(DW_PARTIAL + part + cols, dw, mask=col_mask)
         if BLOCK_T > 0:
-            tl.store(DW_PARTIAL + pid * N + cols_t, dw_t, mask=col_mask_t)
+            tl.store(DW_PARTIAL + part + cols_t, dw_t, mask=col_mask_t)
     if HAS_DB:
-        tl.store(DB_PARTIAL + pid * N + cols, db, mask=col_mask)
+        tl.store(DB_PARTIAL + part + cols, db, mask=col_mask)
         if BLOCK_T > 0:
-            tl.store(DB_PARTIAL + pid * N + cols_t, db_t, mask=col_mask_t)
+            tl.store(DB_PARTIAL + part + cols_t, db_t, mask=col_mask_t)
 
 
 @triton.jit
-def _wide_bwd_masks(row_mask, cols, N, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, EVEN_N: tl.constexpr):
+def _wide_bwd_masks(row_mask, cols, N, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, EVEN_N: tl.constexpr,
+                    ALIGN: tl.constexpr = 1):
     """(column mask, tile mask) of a step's rows over the columns ``cols``; EVEN_N: no column masked, the tile's
-    mask the rows' alone, constant along a row (so its loads stay vectors)."""
+    mask the rows' alone, constant along a row (so its loads stay vectors); ALIGN as ``_below``'s."""
     if EVEN_N:
         return cols < N, tl.broadcast_to(row_mask[:, None], (BLOCK_M, CHUNK))
-    col_mask = cols < N
+    col_mask = _below(cols, N, ALIGN)
     return col_mask, row_mask[:, None] & col_mask[None, :]
 
 
 @triton.jit
 def _wide_bwd_chunk(x_rows, dy_rows, W, offs, c0, N, row_mask, mean, rstd, w, IS_RMS: tl.constexpr,
                     HAS_W: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, EVEN_N: tl.constexpr,
-                    POLICY: tl.constexpr):
+                    POLICY: tl.constexpr, ALIGN: tl.constexpr = 1):
     """A step's rows of x and dy over the columns ``c0 + offs`` (loaded with the eviction ``POLICY``), and the
     weight's: (columns, column mask, tile mask, dy, xhat, g) in fp32."""
     cols = c0 + offs
-    col_mask, m = _wide_bwd_masks(row_mask, cols, N, BLOCK_M, CHUNK, EVEN_N)
+    col_mask, m = _wide_bwd_masks(row_mask, cols, N, BLOCK_M, CHUNK, EVEN_N, ALIGN)
     x = tl.load(x_rows + cols[None, :], mask=m, other=0.0, eviction_policy=POLICY)
     dy = tl.load(dy_rows + cols[None, :], mask=m, other=0.0, eviction_policy=POLICY)
     if HAS_W:
@@ -480,10 +512,10 @@ def _wide_bwd_chunk(x_rows, dy_rows, W, offs, c0, N, row_mask, mean, rstd, w, IS
 @triton.jit
 def _wide_bwd_sums(x_rows, dy_rows, W, offs, c0, N, row_mask, mean, rstd, w, lane_gx, lane_g,
                    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
-                   EVEN_N: tl.constexpr):
+                   EVEN_N: tl.constexpr, ALIGN: tl.constexpr = 1):
     """Pass 1 of the wide backward over the columns ``c0 + offs``: the lanes' sums of g * xhat (and g) updated."""
     _, _, _, _, xhat, g = _wide_bwd_chunk(x_rows, dy_rows, W, offs, c0, N, row_mask, mean, rstd, w, IS_RMS, HAS_W,
-                                          BLOCK_M, CHUNK, EVEN_N, "evict_last")
+                                          BLOCK_M, CHUNK, EVEN_N, "evict_last", ALIGN)
     lane_gx += g * xhat
     if not IS_RMS:
         lane_g += g
@@ -495,13 +527,13 @@ def _wide_bwd_out(x_rows, dy_rows, W, DRES_OUT, DX, DRES, DW_PARTIAL, DB_PARTIAL
                   rstd, w, mean_gx, mean_g, part_row, stride_dresoutm, stride_dxm, stride_dresm,
                   IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_DW: tl.constexpr, HAS_DB: tl.constexpr,
                   HAS_DRES_OUT: tl.constexpr, HAS_DRES: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
-                  EVEN_N: tl.constexpr):
+                  EVEN_N: tl.constexpr, ALIGN: tl.constexpr = 1):
     """Pass 2 of the wide backward over the columns ``c0 + offs``: dx (x and dy read again, from L2), and the
     step's column sums added to this program's partial rows of dweight (and dbias)."""
     cols, col_mask, m, dy, xhat, g = _wide_bwd_chunk(x_rows, dy_rows, W, offs, c0, N, row_mask, mean, rstd, w,
-                                                     IS_RMS, HAS_W, BLOCK_M, CHUNK, EVEN_N, "evict_first")
+                                                     IS_RMS, HAS_W, BLOCK_M, CHUNK, EVEN_N, "evict_first", ALIGN)
     _bwd_dx_out(DRES_OUT, DX, DRES, g, xhat, mean_gx[:, None], mean_g[:, None], rstd[:, None], rows, cols, m,
-                stride_dresoutm, stride_dxm, stride_dresm, IS_RMS, HAS_DRES_OUT, HAS_DRES)
+                stride_dresoutm, stride_dxm, stride_dresm, IS_RMS, HAS_DRES_OUT, HAS_DRES, ALIGN)
     if HAS_DW:
         dw_at = DW_PARTIAL + part_row + cols
         if EVEN_N:
@@ -523,7 +555,7 @@ def _norm_bwd_wide_kernel(
     M, N, rows_per_program,
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_DW: tl.constexpr, HAS_DB: tl.constexpr,
     HAS_DRES_OUT: tl.constexpr, HAS_DRES: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
-    STAGES: tl.constexpr, CHUNKS: tl.constexpr = 0, EVEN_N: tl.constexpr = False,
+    STAGES: tl.constexpr, CHUNKS: tl.constexpr = 0, EVEN_N: tl.constexpr = False, ALIGN: tl.constexpr = 1,
 ):
     """The backward for rows too wide for registers: BLOCK_M rows a step, in CHUNK-column pieces, twice. The first
     pass reads x and dy from memory for each row's two sums (kept per lane of the chunk, summed across the lanes once
@@ -531,17 +563,20 @@ def _norm_bwd_wide_kernel(
     pass left them), writes dx and adds the step's column sums of dy * xhat (and dy) into this program's partial rows
     of dweight (and dbias), zeroed by the launcher, which stay in L2 across the program's rows: one read-modify-write
     of them a step, so more rows a step means less L2 traffic per row. CHUNKS > 0: the row's chunk count known when
-    compiling (cdiv(N, CHUNK)), both passes unrolled; EVEN_N (with it): N == CHUNKS * CHUNK, no column masked."""
+    compiling (cdiv(N, CHUNK)), both passes unrolled; EVEN_N (with it): N == CHUNKS * CHUNK, no column masked.
+    ALIGN > 1: N and the row strides are multiples of it (``_row_starts``, ``_below``)."""
     pid = tl.program_id(0)
     offs = tl.arange(0, CHUNK)
     row_start = pid.to(tl.int64) * rows_per_program  # int64 bounds: the row loop's offsets are 64-bit
     row_end = tl.minimum(row_start + rows_per_program, M)
     part_row = pid.to(tl.int64) * N
+    if ALIGN > 1:
+        part_row = tl.multiple_of(part_row, ALIGN)
     for row0 in range(row_start, row_end, BLOCK_M):
         rows = row0 + tl.arange(0, BLOCK_M)
         row_mask = rows < row_end
-        x_rows = X + rows[:, None] * stride_xm
-        dy_rows = DY + rows[:, None] * stride_dym
+        x_rows = X + _row_starts(rows, stride_xm, ALIGN)
+        dy_rows = DY + _row_starts(rows, stride_dym, ALIGN)
         rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
         mean = rstd  # RMSNorm: unused
         if not IS_RMS:
@@ -553,11 +588,11 @@ def _norm_bwd_wide_kernel(
         if CHUNKS > 0:
             for i in tl.static_range(CHUNKS):
                 lane_gx, lane_g = _wide_bwd_sums(x_rows, dy_rows, W, offs, i * CHUNK, N, row_mask, mean, rstd, w,
-                                                 lane_gx, lane_g, IS_RMS, HAS_W, BLOCK_M, CHUNK, EVEN_N)
+                                                 lane_gx, lane_g, IS_RMS, HAS_W, BLOCK_M, CHUNK, EVEN_N, ALIGN)
         else:
             for c0 in tl.range(0, N, CHUNK, num_stages=STAGES):
                 lane_gx, lane_g = _wide_bwd_sums(x_rows, dy_rows, W, offs, c0, N, row_mask, mean, rstd, w, lane_gx,
-                                                 lane_g, IS_RMS, HAS_W, BLOCK_M, CHUNK, False)
+                                                 lane_g, IS_RMS, HAS_W, BLOCK_M, CHUNK, False, ALIGN)
         mean_gx = tl.sum(lane_gx, axis=1) / N
         mean_g = tl.sum(lane_g, axis=1) / N
         # pass 2: dx, and the step's column sums added to this program's partial rows (zeroed by the launcher)
@@ -566,13 +601,13 @@ def _norm_bwd_wide_kernel(
                 _wide_bwd_out(x_rows, dy_rows, W, DRES_OUT, DX, DRES, DW_PARTIAL, DB_PARTIAL, offs, i * CHUNK, N,
                               rows, row_mask, mean, rstd, w, mean_gx, mean_g, part_row, stride_dresoutm, stride_dxm,
                               stride_dresm, IS_RMS, HAS_W, HAS_DW, HAS_DB, HAS_DRES_OUT, HAS_DRES, BLOCK_M, CHUNK,
-                              EVEN_N)
+                              EVEN_N, ALIGN)
         else:
             for c0 in tl.range(0, N, CHUNK, num_stages=STAGES):
                 _wide_bwd_out(x_rows, dy_rows, W, DRES_OUT, DX, DRES, DW_PARTIAL, DB_PARTIAL, offs, c0, N, rows,
                               row_mask, mean, rstd, w, mean_gx, mean_g, part_row, stride_dresoutm, stride_dxm,
                               stride_dresm, IS_RMS, HAS_W, HAS_DW, HAS_DB, HAS_DRES_OUT, HAS_DRES, BLOCK_M, CHUNK,
-                              False)
+                              False, ALIGN)
 
 
 @triton.jit
@@ -612,6 +647,17 @@ def _block(n: int) -> int:
     if block > MAX_BLOCK:
         raise ValueError(f"hidden size {n} exceeds the Triton kernels' limit of {MAX_BLOCK}")
     return block
+
+
+def row_alignment(n: int, *strides: int) -> int:
+    """The kernels' ``ALIGN``: the largest power of two up to 16 that divides ``n`` and every row stride, told to
+    the compiler where it cannot see it; 1 where all are multiples of 16 (Triton specializes those itself)."""
+    if n % 16 == 0 and all(s % 16 == 0 for s in strides):
+        return 1
+    align = 16
+    while align > 1 and (n % align or any(s % align for s in strides)):
+        align //= 2
+    return align
 
 
 def tail_split(n: int) -> tuple[int, int] | None:
@@ -875,10 +921,12 @@ def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | No
             third_cols = 0
         if maxnreg is not None:
             flags["maxnreg"] = maxnreg
+        align = row_alignment(n, x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
+                              res_out.stride(0) if res_out is not None else 0)
         _norm_fwd_kernel[(cdiv(rows, rows_per_program),)](*args, BLOCK_M=rows_per_program, BLOCK_N=head,
                                                           BLOCK_T=tail_cols, BLOCK_U=third_cols,
                                                           EVEN_N=n == head + tail_cols + third_cols
-                                                          if thirds else n == head, **flags)
+                                                          if thirds else n == head, ALIGN=align, **flags)
     return y, res_out, mean, rstd
 
 
@@ -922,15 +970,17 @@ def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype, need_
             num_warps=split_warps)
     elif config.split and parts is not None:
         parts.zero_()
+    align = row_alignment(n, x.stride(0), dy.stride(0), dres_out.stride(0) if dres_out is not None else 0,
+                          dx.stride(0), dres.stride(0) if dres is not None else 0)
     if config.wide:
         chunk, stages = _wide_pipeline(config, block, [t for t in (x, dy, dres_out) if t is not None])
         chunks = cdiv(n, chunk) if config.unrolled else 0
         _norm_bwd_wide_kernel[(programs,)](*args, BLOCK_M=config.rows, CHUNK=chunk, STAGES=stages, CHUNKS=chunks,
-                                           EVEN_N=config.unrolled and n == chunks * chunk, **flags)
+                                           EVEN_N=config.unrolled and n == chunks * chunk, ALIGN=align, **flags)
     else:
         head, tail_cols = (tail_split(n) if config.tail else None) or (block, 0)
         _norm_bwd_kernel[(programs,)](*args, BLOCK_M=config.rows, BLOCK_N=head, PREFETCH=config.prefetch,
-                                      BLOCK_T=tail_cols, EVEN_N=n == head, **flags)
+                                      BLOCK_T=tail_cols, EVEN_N=n == head, ALIGN=align, **flags)
     sums = sum_rows(parts, weight.dtype) if parts is not None else None  # summed and cast in one launch
     dw = sums[0] if need_dw else None
     db = sums[-1] if has_db else None

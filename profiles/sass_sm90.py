@@ -100,7 +100,7 @@ def norm_row(is_rms: bool, n: int, warps: int, tail: bool, rows: int, backward: 
     third_cols = thirds[2] if thirds else 0
     types = {name: "*bf16" for name in NORM_POINTERS} | {name: "*fp32" for name in NORM_FP32} | {
         "eps": "fp32", "N": "i32/16"}
-    flags = dict(IS_RMS=is_rms, HAS_W=True, BLOCK_M=rows, BLOCK_N=head, BLOCK_T=tail_cols)
+    flags = dict(IS_RMS=is_rms, HAS_W=True, BLOCK_M=rows, BLOCK_N=head, BLOCK_T=tail_cols, ALIGN=1)
     if backward:
         fn = _norm_triton._norm_bwd_kernel
         flags |= dict(HAS_DW=True, HAS_DB=not is_rms, HAS_DRES_OUT=residual, HAS_DRES=False, PREFETCH=prefetch,

@@ -220,6 +220,37 @@ def test_triton_wide_forward_unrolled(op, setup):
         assert_outputs_close(looped, nt.fwd(*args, wide=True, chunk=chunk, unrolled=True))
 
 
+def test_row_alignment():
+    """The kernels' ALIGN: the largest power of two up to 16 dividing the width and every row stride (a stride of 0,
+    rows broadcast, divides by anything); 1 where all are multiples of 16, which Triton sees itself."""
+    from megakern import _norm_triton as nt
+
+    assert [nt.row_alignment(n, n) for n in (4096, 9000, 1000, 4100, 2050, 999, 64)] == [1, 8, 8, 4, 2, 1, 1]
+    assert nt.row_alignment(4096, 4096 + 8) == 8 and nt.row_alignment(4096, 4096 + 4, 0) == 4
+    assert nt.row_alignment(9000, 9000, 18000, 0) == 8 and nt.row_alignment(9000, 9001) == 1
+
+
+@pytest.mark.parametrize("setup", ("affine", "residual", "fp32-residual-fp32-weight", "no-affine"))
+@pytest.mark.parametrize("op", OPS)
+def test_triton_widths_not_multiples_of_16(op, setup):
+    """Rows whose width (or stride) is not a multiple of 16, where the launchers tell the kernels the power of two
+    that divides them (ALIGN 8, 4, 2) or nothing (odd), forward and backward against the references, one tile and
+    two (9000 = 8192 + 1024 on a GPU) and the two-pass backward (20008), and rows padded to a stride 8 past the
+    width."""
+    from megakern import _norm_triton as nt
+
+    fwd, bwd = launchers_for("triton")
+    dtype = torch.bfloat16 if HAS_CUDA else torch.float32
+    widths = (9000, 5000, 4100, 2050, 1001, 20008) if HAS_CUDA else (40, 100, 50, 27)
+    for n in widths:
+        seed(op, setup, n, "odd-width")
+        x, w, b, r = make_inputs(op, dtype, (3, 7, n), setup)
+        check_fwd_bwd("triton", op, dtype, x, w, b, r, launchers=(fwd, bwd))
+        padded = torch.randn(3, 7, n + 8, dtype=dtype, device=DEVICE)[..., :n]
+        assert nt.row_alignment(n, padded.stride(1)) == nt.row_alignment(n, n + 8) > 1 or n % 2
+        check_fwd_bwd("triton", op, dtype, padded, w, b, None, launchers=(fwd, bwd))
+
+
 @pytest.mark.parametrize("rows", (1, 2))
 @pytest.mark.parametrize("setup", ("affine", "residual", "fp32-residual-fp32-weight", "no-affine"))
 @pytest.mark.parametrize("op", OPS)
@@ -321,6 +352,9 @@ def compile_for_sm90() -> list:
                                                         BLOCK_N=8192, BLOCK_T=4096, BLOCK_U=0, EVEN_N=False), 8),
                  ("fwd three", nt._norm_fwd_kernel, dict(flags, HAS_RES=residual, HAS_B=not is_rms, BLOCK_M=1,
                                                          BLOCK_N=8192, BLOCK_T=4096, BLOCK_U=1024, EVEN_N=True), 8),
+                 ("fwd aligned by 8", nt._norm_fwd_kernel, dict(flags, HAS_RES=residual, HAS_B=not is_rms,
+                                                                BLOCK_M=2, BLOCK_N=8192, BLOCK_T=1024, BLOCK_U=0,
+                                                                EVEN_N=False, ALIGN=8), 8),
                  ("bwd", nt._norm_bwd_kernel, dict(flags, HAS_DW=True, HAS_DB=not is_rms, HAS_DRES_OUT=residual,
                                                    HAS_DRES=False, BLOCK_M=1, BLOCK_N=8192, PREFETCH=True,
                                                    BLOCK_T=0, EVEN_N=True), 16),
@@ -332,6 +366,10 @@ def compile_for_sm90() -> list:
                                                                   HAS_DRES_OUT=residual, HAS_DRES=False, BLOCK_M=1,
                                                                   BLOCK_N=8192, PREFETCH=True, BLOCK_T=4096,
                                                                   EVEN_N=False), 16),
+                 ("bwd aligned by 8", nt._norm_bwd_kernel, dict(flags, HAS_DW=True, HAS_DB=not is_rms,
+                                                                HAS_DRES_OUT=residual, HAS_DRES=False, BLOCK_M=1,
+                                                                BLOCK_N=8192, PREFETCH=True, BLOCK_T=1024,
+                                                                EVEN_N=False, ALIGN=8), 16),
                  ("fwd wide", nt._norm_fwd_wide_kernel, dict(flags, HAS_RES=residual, HAS_B=not is_rms, CHUNK=4096,
                                                              STAGES=2, CHUNKS=0, EVEN_N=False), 8),
                  ("fwd wide unrolled", nt._norm_fwd_wide_kernel, dict(flags, HAS_RES=residual, HAS_B=not is_rms,
@@ -340,6 +378,10 @@ def compile_for_sm90() -> list:
                  ("bwd wide", nt._norm_bwd_wide_kernel, dict(flags, HAS_DW=True, HAS_DB=not is_rms,
                                                              HAS_DRES_OUT=residual, HAS_DRES=residual, BLOCK_M=2,
                                                              CHUNK=2048, STAGES=2, CHUNKS=0, EVEN_N=False), 8),
+                 ("bwd wide aligned by 8", nt._norm_bwd_wide_kernel, dict(flags, HAS_DW=True, HAS_DB=not is_rms,
+                                                                         HAS_DRES_OUT=residual, HAS_DRES=residual,
+                                                                         BLOCK_M=4, CHUNK=2048, STAGES=3, CHUNKS=0,
+                                                                         EVEN_N=False, ALIGN=8), 8),
                  ("bwd wide unrolled", nt._norm_bwd_wide_kernel, dict(flags, HAS_DW=True, HAS_DB=not is_rms,
                                                                       HAS_DRES_OUT=residual, HAS_DRES=residual,
                                                                       BLOCK_M=2, CHUNK=4096, STAGES=1, CHUNKS=5,
@@ -347,6 +389,8 @@ def compile_for_sm90() -> list:
                  ("bwd dwdb", nt._norm_bwd_dwdb_kernel, dict(IS_RMS=is_rms, HAS_DW=True, HAS_DB=not is_rms,
                                                             BLOCK_M=16, BLOCK_C=256), 4)]
         for name, kernel, constexprs, warps in cases:
+            if "ALIGN" in kernel.arg_names:  # a constexpr the launcher always passes
+                constexprs = dict(constexprs, ALIGN=constexprs.get("ALIGN", 1))
             signature = {a: "constexpr" if a in constexprs else
                          ("*fp32" if a in fp32 else "*bf16") if a in pointers else
                          "fp32" if a == "eps" else "i32" for a in kernel.arg_names}
@@ -362,7 +406,7 @@ def test_kernels_compile_for_sm90():
     from conftest import sm90_lowering
 
     results = sm90_lowering("test_norm", "compile_for_sm90()")
-    assert len(results) == 24, results
+    assert len(results) == 30, results
 
 
 def test_sass_profile_reads_resources():
