@@ -192,16 +192,24 @@ def _wide_store(ptr, v, m, EVEN_N: tl.constexpr):
 
 
 @triton.jit
-def _wide_fwd_stats(x_ptrs, res_ptrs, res_out_ptrs, offs, start, N, i, lane_mean, lane_m2,
-                    IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, EVEN_N: tl.constexpr):
-    """Pass 1 of the wide forward over the chunk ``i`` (columns ``start + offs``; the pointers are the row's at
-    ``offs``): the lanes' statistics updated."""
-    m = start + offs < N
+def _wide_fwd_x(x_ptrs, res_ptrs, res_out_ptrs, start, m, HAS_RES: tl.constexpr, EVEN_N: tl.constexpr):
+    """A chunk of the row for pass 1 of the wide forward (columns ``start + offs``; the pointers are the row's at
+    ``offs``), in fp32, zeros past its end: x, or x plus the residual, that sum stored."""
     x = _wide_load(x_ptrs + start, m, EVEN_N, "evict_last")
     if HAS_RES:
         h = (x + _wide_load(res_ptrs + start, m, EVEN_N, "evict_first")).to(res_out_ptrs.dtype.element_ty)
         _wide_store(res_out_ptrs + start, h, m, EVEN_N)
         x = h.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _wide_fwd_stats(x_ptrs, res_ptrs, res_out_ptrs, offs, start, N, i, lane_mean, lane_m2,
+                    IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, EVEN_N: tl.constexpr):
+    """Pass 1 of the wide forward over the chunk ``i`` (columns ``start + offs``; the pointers are the row's at
+    ``offs``): the lanes' statistics updated."""
+    m = start + offs < N
+    x = _wide_fwd_x(x_ptrs, res_ptrs, res_out_ptrs, start, m, HAS_RES, EVEN_N)
     if IS_RMS:
         lane_m2 += x * x
     else:  # a lane that holds a column in this chunk held one in each chunk before: its count is i + 1
@@ -238,12 +246,12 @@ def _norm_fwd_wide_kernel(
 ):
     """The forward for rows too wide for registers: a row a program, in CHUNK-column pieces, twice. The first pass
     reads the row (and the residual, storing their sum) from memory for its statistics, kept per lane of the chunk
-    (RMSNorm: the sum of squares; LayerNorm: Welford's mean and squared deviations, the lanes' counts one more for
-    the lanes of a partial last chunk) and combined across the lanes once, after the loop, so that no chunk waits
-    on a reduction; the second reads the row again from L2 (loaded to stay there the first time, to leave it the
-    second) and writes y. CHUNKS > 0: the row's chunk count known when compiling (cdiv(N, CHUNK)), both passes
-    unrolled so that all of a pass's loads can be in flight at once; EVEN_N (with it): N == CHUNKS * CHUNK, no
-    column masked."""
+    (RMSNorm: the sum of squares; LayerNorm: Welford's mean and squared deviations, or unrolled, the sums of the
+    lane's columns less its first column and of their squares, the lanes' counts one more for the lanes of a partial
+    last chunk) and combined across the lanes once, after the loop, so that no chunk waits on a reduction; the
+    second reads the row again from L2 (loaded to stay there the first time, to leave it the second) and writes y.
+    CHUNKS > 0: the row's chunk count known when compiling (cdiv(N, CHUNK)), both passes unrolled so that all of a
+    pass's loads can be in flight at once; EVEN_N (with it): N == CHUNKS * CHUNK, no column masked."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, CHUNK)
     x_ptrs = X + row * stride_xm + offs
@@ -253,10 +261,26 @@ def _norm_fwd_wide_kernel(
         res_out_ptrs = RES_OUT + row * stride_resoutm + offs
     lane_mean = tl.zeros([CHUNK], dtype=tl.float32)
     lane_m2 = tl.zeros([CHUNK], dtype=tl.float32)
+    lane_n = tl.maximum(N - offs + CHUNK - 1, 0) // CHUNK  # chunks in which the lane held a column
+    lane_n = lane_n.to(tl.float32)
     if CHUNKS > 0:
-        for i in tl.static_range(CHUNKS):
-            lane_mean, lane_m2 = _wide_fwd_stats(x_ptrs, res_ptrs, res_out_ptrs, offs, i * CHUNK, N, i, lane_mean,
-                                                 lane_m2, IS_RMS, HAS_RES, EVEN_N)
+        if IS_RMS:
+            for i in tl.static_range(CHUNKS):
+                lane_mean, lane_m2 = _wide_fwd_stats(x_ptrs, res_ptrs, res_out_ptrs, offs, i * CHUNK, N, i,
+                                                     lane_mean, lane_m2, IS_RMS, HAS_RES, EVEN_N)
+        else:  # LayerNorm: sums of the lane's columns less its first one, no chain of means from chunk to chunk
+            shift = _wide_fwd_x(x_ptrs, res_ptrs, res_out_ptrs, 0, offs < N, HAS_RES, EVEN_N)
+            lane_s1 = tl.zeros([CHUNK], dtype=tl.float32)
+            for i in tl.static_range(1, CHUNKS):
+                m = i * CHUNK + offs < N
+                d = _wide_fwd_x(x_ptrs, res_ptrs, res_out_ptrs, i * CHUNK, m, HAS_RES, EVEN_N) - shift
+                if not EVEN_N:
+                    d = tl.where(m, d, 0.0)
+                lane_s1 += d
+                lane_m2 += d * d
+            count = tl.maximum(lane_n, 1.0)
+            lane_mean = shift + lane_s1 / count
+            lane_m2 = tl.maximum(lane_m2 - lane_s1 * (lane_s1 / count), 0.0)
     else:
         for i in tl.range(0, tl.cdiv(N, CHUNK), num_stages=STAGES):
             lane_mean, lane_m2 = _wide_fwd_stats(x_ptrs, res_ptrs, res_out_ptrs, offs, i * CHUNK, N, i, lane_mean,
@@ -265,8 +289,6 @@ def _norm_fwd_wide_kernel(
         mean = 0.0
         m2 = tl.sum(lane_m2, axis=0)
     else:  # the lanes' statistics combined: M2 = sum of the lanes' M2 + n_lane (mean_lane - mean)^2
-        lane_n = tl.maximum(N - offs + CHUNK - 1, 0) // CHUNK  # chunks in which the lane held a column
-        lane_n = lane_n.to(tl.float32)
         mean = tl.sum(lane_mean * lane_n, axis=0) / N
         spread = lane_mean - mean
         m2 = tl.sum(lane_m2 + lane_n * spread * spread, axis=0)

@@ -220,6 +220,28 @@ def test_triton_wide_forward_unrolled(op, setup):
         assert_outputs_close(looped, nt.fwd(*args, wide=True, chunk=chunk, unrolled=True))
 
 
+@pytest.mark.parametrize("offset", (0.0, 100.0, 1e4))
+def test_triton_wide_forward_statistics_far_from_zero(offset):
+    """LayerNorm's two-pass forward, looped (Welford's lanes) and unrolled (the lanes' sums less their first
+    column), on rows whose mean is far from zero beside their spread, with a partial last chunk and without: mean and
+    rstd against float64's of the same rows."""
+    from megakern import _norm_triton as nt
+
+    dtype = torch.bfloat16 if HAS_CUDA else torch.float32
+    chunk = 2048 if HAS_CUDA else 32
+    for n in ((12800, 14336) if HAS_CUDA else (100, 128)):
+        seed(offset, n, "wide-far")
+        x = (torch.randn(9, n, device=DEVICE) * 0.5 + offset
+             + torch.linspace(-1, 1, 9, device=DEVICE)[:, None] * offset).to(dtype)
+        ref = x.double()
+        mean, var = ref.mean(dim=1), ref.var(dim=1, unbiased=False)
+        rstd = torch.rsqrt(var + 1e-5)
+        for unrolled in (False, True):
+            _, _, got_mean, got_rstd = nt.fwd(x, None, None, None, 1e-5, False, wide=True, chunk=chunk,
+                                              unrolled=unrolled)
+            torch.testing.assert_close(got_mean.double(), mean, rtol=1e-6, atol=1e-6 * max(offset, 1.0))
+            # rstd to a relative 1e-3 at an offset 2e4 times the spread: fp32 rows hold the mean to 2^-24 of it
+            torch.testing.assert_close(got_rstd.double(), rstd, rtol=1e-3, atol=0)
 def test_row_alignment():
     """The kernels' ALIGN: the largest power of two up to 16 dividing the width and every row stride (a stride of 0,
     rows broadcast, divides by anything); 1 where all are multiples of 16, which Triton sees itself."""
