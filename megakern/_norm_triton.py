@@ -204,15 +204,16 @@ def _wide_fwd_x(x_ptrs, res_ptrs, res_out_ptrs, start, m, HAS_RES: tl.constexpr,
 
 
 @triton.jit
-def _wide_fwd_stats(x_ptrs, res_ptrs, res_out_ptrs, offs, start, N, i, lane_mean, lane_m2,
+def _wide_fwd_stats(x_ptrs, res_ptrs, res_out_ptrs, offs, start, N, i, lane_mean, lane_m2, shift,
                     IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, EVEN_N: tl.constexpr):
     """Pass 1 of the wide forward over the chunk ``i`` (columns ``start + offs``; the pointers are the row's at
-    ``offs``): the lanes' statistics updated."""
+    ``offs``): the lanes' statistics updated (LayerNorm's of the columns less ``shift``)."""
     m = start + offs < N
     x = _wide_fwd_x(x_ptrs, res_ptrs, res_out_ptrs, start, m, HAS_RES, EVEN_N)
     if IS_RMS:
         lane_m2 += x * x
     else:  # a lane that holds a column in this chunk held one in each chunk before: its count is i + 1
+        x = x - shift
         delta = x - lane_mean
         if not EVEN_N:
             delta = tl.where(m, delta, 0.0)
@@ -246,9 +247,9 @@ def _norm_fwd_wide_kernel(
 ):
     """The forward for rows too wide for registers: a row a program, in CHUNK-column pieces, twice. The first pass
     reads the row (and the residual, storing their sum) from memory for its statistics, kept per lane of the chunk
-    (RMSNorm: the sum of squares; LayerNorm: Welford's mean and squared deviations, or unrolled, the sums of the
-    lane's columns less its first column and of their squares, the lanes' counts one more for the lanes of a partial
-    last chunk) and combined across the lanes once, after the loop, so that no chunk waits on a reduction; the
+    (RMSNorm: the sum of squares; LayerNorm, of the row less its first column: Welford's mean and squared
+    deviations, or unrolled, the sums of the lane's columns less its first column and of their squares, the lanes'
+    counts one more for the lanes of a partial last chunk) and combined across the lanes once, after the loop, so that no chunk waits on a reduction; the
     second reads the row again from L2 (loaded to stay there the first time, to leave it the second) and writes y.
     CHUNKS > 0: the row's chunk count known when compiling (cdiv(N, CHUNK)), both passes unrolled so that all of a
     pass's loads can be in flight at once; EVEN_N (with it): N == CHUNKS * CHUNK, no column masked."""
@@ -263,11 +264,19 @@ def _norm_fwd_wide_kernel(
     lane_m2 = tl.zeros([CHUNK], dtype=tl.float32)
     lane_n = tl.maximum(N - offs + CHUNK - 1, 0) // CHUNK  # chunks in which the lane held a column
     lane_n = lane_n.to(tl.float32)
+    # LayerNorm's statistics are of the row less its first column, so that the lanes' means, and their spread
+    # about the row's, keep their digits on rows whose mean is far from zero beside their spread
+    row_shift = 0.0
+    if not IS_RMS:
+        row_shift = tl.load(X + row * stride_xm).to(tl.float32)
+        if HAS_RES:
+            row_shift = row_shift + tl.load(RES + row * stride_resm).to(tl.float32)
+            row_shift = row_shift.to(RES_OUT.dtype.element_ty).to(tl.float32)
     if CHUNKS > 0:
         if IS_RMS:
             for i in tl.static_range(CHUNKS):
                 lane_mean, lane_m2 = _wide_fwd_stats(x_ptrs, res_ptrs, res_out_ptrs, offs, i * CHUNK, N, i,
-                                                     lane_mean, lane_m2, IS_RMS, HAS_RES, EVEN_N)
+                                                     lane_mean, lane_m2, row_shift, IS_RMS, HAS_RES, EVEN_N)
         else:  # LayerNorm: sums of the lane's columns less its first one, no chain of means from chunk to chunk
             shift = _wide_fwd_x(x_ptrs, res_ptrs, res_out_ptrs, 0, offs < N, HAS_RES, EVEN_N)
             lane_s1 = tl.zeros([CHUNK], dtype=tl.float32)
@@ -279,12 +288,12 @@ def _norm_fwd_wide_kernel(
                 lane_s1 += d
                 lane_m2 += d * d
             count = tl.maximum(lane_n, 1.0)
-            lane_mean = shift + lane_s1 / count
+            lane_mean = (shift - row_shift) + lane_s1 / count
             lane_m2 = tl.maximum(lane_m2 - lane_s1 * (lane_s1 / count), 0.0)
     else:
         for i in tl.range(0, tl.cdiv(N, CHUNK), num_stages=STAGES):
             lane_mean, lane_m2 = _wide_fwd_stats(x_ptrs, res_ptrs, res_out_ptrs, offs, i * CHUNK, N, i, lane_mean,
-                                                 lane_m2, IS_RMS, HAS_RES, False)
+                                                 lane_m2, row_shift, IS_RMS, HAS_RES, False)
     if IS_RMS:
         mean = 0.0
         m2 = tl.sum(lane_m2, axis=0)
@@ -292,6 +301,7 @@ def _norm_fwd_wide_kernel(
         mean = tl.sum(lane_mean * lane_n, axis=0) / N
         spread = lane_mean - mean
         m2 = tl.sum(lane_m2 + lane_n * spread * spread, axis=0)
+        mean = row_shift + mean
     rstd = 1.0 / tl.sqrt(m2 / N + eps)
     tl.store(RSTD + row, rstd)
     if not IS_RMS:

@@ -220,36 +220,37 @@ def test_triton_wide_forward_unrolled(op, setup):
         assert_outputs_close(looped, nt.fwd(*args, wide=True, chunk=chunk, unrolled=True))
 
 
+@pytest.mark.parametrize("residual", (False, True))
 @pytest.mark.parametrize("offset", (0.0, 100.0, 1e4))
-def test_triton_wide_forward_statistics_far_from_zero(offset):
+def test_triton_wide_forward_statistics_far_from_zero(offset, residual):
     """LayerNorm's two-pass forward, looped (Welford's lanes) and unrolled (the lanes' sums less their first
-    column), on rows whose mean is far from zero beside their spread, with a partial last chunk and without: mean and
-    rstd against float64's of the same rows."""
+    column), on rows whose mean is far from zero beside their spread, with a partial last chunk and without, x alone
+    or x plus a residual: mean and rstd against float64's of the same rows. The rows are bf16 values, so that at an
+    offset of 1e4 most rows are one value repeated: a variance of zero that a mean rounded in fp32 would not give."""
     from megakern import _norm_triton as nt
 
     dtype = torch.bfloat16 if HAS_CUDA else torch.float32
     chunk = 2048 if HAS_CUDA else 32
     for n in ((12800, 14336) if HAS_CUDA else (100, 128)):
-        seed(offset, n, "wide-far")
-        x = (torch.randn(9, n, device=DEVICE) * 0.5 + offset
-             + torch.linspace(-1, 1, 9, device=DEVICE)[:, None] * offset).to(dtype)
-        ref = x.double()
+        seed(offset, n, residual, "wide-far")
+        h = (torch.randn(9, n, device=DEVICE) * 0.5 + offset
+             + torch.linspace(-1, 1, 9, device=DEVICE)[:, None] * offset).to(torch.bfloat16).to(dtype)
+        x, res = h, None
+        if residual:  # x + res == h exactly: res is x's bf16 half, and h - res is a bf16 value too
+            res = (h / 2).to(torch.bfloat16).to(dtype)
+            x = h - res
+            assert torch.equal(x + res, h)
+        ref = h.double()
         mean, var = ref.mean(dim=1), ref.var(dim=1, unbiased=False)
         rstd = torch.rsqrt(var + 1e-5)
         for unrolled in (False, True):
-            _, _, got_mean, got_rstd = nt.fwd(x, None, None, None, 1e-5, False, wide=True, chunk=chunk,
-                                              unrolled=unrolled)
+            _, res_out, got_mean, got_rstd = nt.fwd(x, res, None, None, 1e-5, False, wide=True, chunk=chunk,
+                                                    unrolled=unrolled)
+            if residual:
+                assert torch.equal(res_out, h)
             torch.testing.assert_close(got_mean.double(), mean, rtol=1e-6, atol=1e-6 * max(offset, 1.0))
-            # rstd to a relative 1e-3 at an offset 2e4 times the spread: fp32 rows hold the mean to 2^-24 of it
-            torch.testing.assert_close(got_rstd.double(), rstd, rtol=1e-3, atol=0)
-def test_row_alignment():
-    """The kernels' ALIGN: the largest power of two up to 16 dividing the width and every row stride (a stride of 0,
-    rows broadcast, divides by anything); 1 where all are multiples of 16, which Triton sees itself."""
-    from megakern import _norm_triton as nt
-
-    assert [nt.row_alignment(n, n) for n in (4096, 9000, 1000, 4100, 2050, 999, 64)] == [1, 8, 8, 4, 2, 1, 1]
-    assert nt.row_alignment(4096, 4096 + 8) == 8 and nt.row_alignment(4096, 4096 + 4, 0) == 4
-    assert nt.row_alignment(9000, 9000, 18000, 0) == 8 and nt.row_alignment(9000, 9001) == 1
+            # the statistics are of the row less its first column: fp32 keeps the spread's digits, not the mean's
+            torch.testing.assert_close(got_rstd.double(), rstd, rtol=1e-4, atol=0)
 
 
 @pytest.mark.parametrize("setup", ("affine", "residual", "fp32-residual-fp32-weight", "no-affine"))
