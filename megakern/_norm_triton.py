@@ -141,7 +141,7 @@ def _norm_fwd_kernel(
             total += _row_sum(x_t, BLOCK_M)
         if BLOCK_U > 0:
             total += _row_sum(x_u, BLOCK_M)
-        mean = total / N
+        mean = tl.math.div_rn(total, N.to(tl.float32))  # rounded, so that a row of one value has it as mean
         if HEAD_FULL:  # no masked column in the head tile (a row past M loads zeros: mean 0, xc 0)
             xc = x - _col(mean, BLOCK_M)
         else:
@@ -244,12 +244,13 @@ def _norm_fwd_wide_kernel(
     M, N, eps,
     IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     CHUNK: tl.constexpr, STAGES: tl.constexpr, CHUNKS: tl.constexpr = 0, EVEN_N: tl.constexpr = False,
+    SUMS: tl.constexpr = False,
 ):
     """The forward for rows too wide for registers: a row a program, in CHUNK-column pieces, twice. The first pass
     reads the row (and the residual, storing their sum) from memory for its statistics, kept per lane of the chunk
     (RMSNorm: the sum of squares; LayerNorm, of the row less its first column: Welford's mean and squared
-    deviations, or unrolled, the sums of the lane's columns less its first column and of their squares, the lanes'
-    counts one more for the lanes of a partial last chunk) and combined across the lanes once, after the loop, so that no chunk waits on a reduction; the
+    deviations, or unrolled with SUMS, the sums of the lane's columns less its first column and of their squares;
+    the lanes' counts one more for the lanes of a partial last chunk) and combined across the lanes once, after the loop, so that no chunk waits on a reduction; the
     second reads the row again from L2 (loaded to stay there the first time, to leave it the second) and writes y.
     CHUNKS > 0: the row's chunk count known when compiling (cdiv(N, CHUNK)), both passes unrolled so that all of a
     pass's loads can be in flight at once; EVEN_N (with it): N == CHUNKS * CHUNK, no column masked."""
@@ -273,7 +274,7 @@ def _norm_fwd_wide_kernel(
             row_shift = row_shift + tl.load(RES + row * stride_resm).to(tl.float32)
             row_shift = row_shift.to(RES_OUT.dtype.element_ty).to(tl.float32)
     if CHUNKS > 0:
-        if IS_RMS:
+        if IS_RMS or not SUMS:
             for i in tl.static_range(CHUNKS):
                 lane_mean, lane_m2 = _wide_fwd_stats(x_ptrs, res_ptrs, res_out_ptrs, offs, i * CHUNK, N, i,
                                                      lane_mean, lane_m2, row_shift, IS_RMS, HAS_RES, EVEN_N)
@@ -909,6 +910,12 @@ def resolve_fwd_config(n: int, is_rms: bool, itemsize: int = 2, num_warps: int |
                      maxnreg, table.wide, chunk or table.chunk, table.unrolled if unrolled is None else unrolled)
 
 
+def wide_fwd_sums(is_rms: bool, unrolled: bool, chunk: int) -> bool:
+    """Whether the wide forward takes LayerNorm's lane statistics as shifted sums (SUMS) rather than Welford's
+    chain: unrolled, at chunks of up to 2048 columns, where it measured faster (docs/tuning.md)."""
+    return bool(unrolled) and not is_rms and chunk <= 2048
+
+
 def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | None = None,
         rows_per_program: int | None = None, wide: bool | None = None, chunk: int | None = None, stages: int = 1,
         tiles: int | None = None, unrolled: bool | None = None, maxnreg: int | None = None):
@@ -943,7 +950,8 @@ def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | No
         chunk = min(next_power_of_2(chunk), block)
         chunks = cdiv(n, chunk) if unrolled else 0
         _norm_fwd_wide_kernel[(rows,)](*args, CHUNK=chunk, STAGES=stages, CHUNKS=chunks,
-                                       EVEN_N=unrolled and n == chunks * chunk, **flags)
+                                       EVEN_N=unrolled and n == chunks * chunk,
+                                       SUMS=wide_fwd_sums(is_rms, unrolled, chunk), **flags)
     else:
         thirds = three_split(n) if tiles == 3 else None
         if thirds:

@@ -220,6 +220,30 @@ def test_triton_wide_forward_unrolled(op, setup):
         assert_outputs_close(looped, nt.fwd(*args, wide=True, chunk=chunk, unrolled=True))
 
 
+def test_triton_layer_norm_rows_of_one_value():
+    """A row of one value has that value as its mean, a variance of zero and y equal to the bias, exactly, in every
+    LayerNorm forward: the register kernel (one tile; three), the wide one looped, unrolled as shifted sums and as
+    Welford's chain. (On a GPU a mean divided approximately would miss the value by an ulp, and rstd = eps^-1/2
+    would scale that to a visible y.)"""
+    from megakern import _norm_triton as nt
+
+    values = torch.tensor([0.0, 1.0, -3.5, 100.5, 1e4, -12480.0, 3e5, 2.0**-10], device=DEVICE)
+    launches = ((1000, {}), (13312, dict(wide=False, tiles=3)), (12800, dict(wide=True, chunk=2048)),
+                (12800, dict(wide=True, chunk=2048, unrolled=True)), (20000, dict(wide=True, chunk=4096, unrolled=True)))
+    if not HAS_CUDA:
+        launches = ((100, {}), (100, dict(wide=True, chunk=32)), (100, dict(wide=True, chunk=32, unrolled=True)),
+                    (4100, dict(wide=True, chunk=4096, unrolled=True)))
+    for n, kwargs in launches:
+        seed(n, "one-value")
+        x = values[:, None].expand(-1, n).to(torch.bfloat16)
+        w = torch.randn(n, device=DEVICE).to(torch.bfloat16)
+        b = torch.randn(n, device=DEVICE).to(torch.bfloat16)
+        y, _, mean, rstd = nt.fwd(x, None, w, b, 1e-5, False, **kwargs)
+        assert torch.equal(mean, values.to(torch.bfloat16).float()), (n, kwargs, mean)
+        torch.testing.assert_close(rstd, torch.full_like(rstd, 1e-5 ** -0.5), rtol=1e-6, atol=0)
+        assert torch.equal(y, b.expand_as(y)), (n, kwargs, (y.float() - b.float()).abs().max())
+
+
 @pytest.mark.parametrize("residual", (False, True))
 @pytest.mark.parametrize("offset", (0.0, 100.0, 1e4))
 def test_triton_wide_forward_statistics_far_from_zero(offset, residual):
@@ -396,8 +420,11 @@ def compile_for_sm90() -> list:
                  ("fwd wide", nt._norm_fwd_wide_kernel, dict(flags, HAS_RES=residual, HAS_B=not is_rms, CHUNK=4096,
                                                              STAGES=2, CHUNKS=0, EVEN_N=False), 8),
                  ("fwd wide unrolled", nt._norm_fwd_wide_kernel, dict(flags, HAS_RES=residual, HAS_B=not is_rms,
-                                                                      CHUNK=2048, STAGES=1, CHUNKS=6, EVEN_N=True),
-                  16),
+                                                                      CHUNK=2048, STAGES=1, CHUNKS=6, EVEN_N=True,
+                                                                      SUMS=not is_rms), 16),
+                 ("fwd wide unrolled chain", nt._norm_fwd_wide_kernel, dict(flags, HAS_RES=residual,
+                                                                            HAS_B=not is_rms, CHUNK=4096, STAGES=1,
+                                                                            CHUNKS=5, EVEN_N=False, SUMS=False), 16),
                  ("bwd wide", nt._norm_bwd_wide_kernel, dict(flags, HAS_DW=True, HAS_DB=not is_rms,
                                                              HAS_DRES_OUT=residual, HAS_DRES=residual, BLOCK_M=2,
                                                              CHUNK=2048, STAGES=2, CHUNKS=0, EVEN_N=False), 8),
@@ -429,7 +456,7 @@ def test_kernels_compile_for_sm90():
     from conftest import sm90_lowering
 
     results = sm90_lowering("test_norm", "compile_for_sm90()")
-    assert len(results) == 30, results
+    assert len(results) == 32, results
 
 
 def test_sass_profile_reads_resources():
