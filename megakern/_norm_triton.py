@@ -141,7 +141,10 @@ def _norm_fwd_kernel(
             total += _row_sum(x_t, BLOCK_M)
         if BLOCK_U > 0:
             total += _row_sum(x_u, BLOCK_M)
-        mean = tl.math.div_rn(total, N.to(tl.float32))  # rounded, so that a row of one value has it as mean
+        # the quotient corrected by its exact remainder (fma): a row of one value has that value as its mean
+        n_f = N.to(tl.float32)
+        mean = total / n_f
+        mean += tl.fma(-mean, n_f, total) / n_f
         if HEAD_FULL:  # no masked column in the head tile (a row past M loads zeros: mean 0, xc 0)
             xc = x - _col(mean, BLOCK_M)
         else:
