@@ -253,8 +253,9 @@ def _norm_fwd_wide_kernel(
     reads the row (and the residual, storing their sum) from memory for its statistics, kept per lane of the chunk
     (RMSNorm: the sum of squares; LayerNorm, of the row less its first column: Welford's mean and squared
     deviations, or unrolled with SUMS, the sums of the lane's columns less its first column and of their squares;
-    the lanes' counts one more for the lanes of a partial last chunk) and combined across the lanes once, after the loop, so that no chunk waits on a reduction; the
-    second reads the row again from L2 (loaded to stay there the first time, to leave it the second) and writes y.
+    the lanes' counts one more for the lanes of a partial last chunk) and combined across the lanes once, after
+    the loop, so that no chunk waits on a reduction; the second reads the row again from L2 (loaded to stay there
+    the first time, to leave it the second) and writes y.
     CHUNKS > 0: the row's chunk count known when compiling (cdiv(N, CHUNK)), both passes unrolled so that all of a
     pass's loads can be in flight at once; EVEN_N (with it): N == CHUNKS * CHUNK, no column masked."""
     row = tl.program_id(0).to(tl.int64)
