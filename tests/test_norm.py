@@ -229,7 +229,8 @@ def test_triton_layer_norm_rows_of_one_value():
 
     values = torch.tensor([0.0, 1.0, -3.5, 100.5, 1e4, -12480.0, 3e5, 2.0**-10], device=DEVICE)
     launches = ((1000, {}), (13312, dict(wide=False, tiles=3)), (12800, dict(wide=True, chunk=2048)),
-                (12800, dict(wide=True, chunk=2048, unrolled=True)), (20000, dict(wide=True, chunk=4096, unrolled=True)))
+                (12800, dict(wide=True, chunk=2048, unrolled=True)),
+                (20000, dict(wide=True, chunk=4096, unrolled=True)))
     if not HAS_CUDA:
         launches = ((100, {}), (100, dict(wide=True, chunk=32)), (100, dict(wide=True, chunk=32, unrolled=True)),
                     (4100, dict(wide=True, chunk=4096, unrolled=True)))
