@@ -821,6 +821,30 @@ def test_cuda_staged_backward_specializations_equal_the_generic_kernel(op, case,
         assert got is None or torch.equal(got, want), f"{name}: the specialized instance differs from the generic one"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", CUDA_VARIANTS)
+def test_cuda_layer_norm_rows_of_one_value(variant):
+    """The CUDA LayerNorm forward keeps a row of one value exact, as the Triton forwards do: its mean is the value,
+    its variance zero and y the bias, in rows held in registers (one and several rows a block) and streamed rows.
+    (A mean taken as sum * (1 / cols) misses the value by an ulp at some widths, and rstd = eps^-1/2 scales that
+    to a visible y.)"""
+    from megakern import _norm_cuda
+
+    path = variant.removeprefix("cuda-")
+    if problem := cuda_path_problem(path):
+        pytest.skip(f"the {path} path is unavailable: {problem}")
+    values = torch.tensor([0.0, 1.0, -3.5, 100.5, 1e4, -12480.0, 3e5, 2.0**-10], device=DEVICE)
+    for n in (1000, 4100, 13312, 65536):
+        seed(n, variant, "cuda-one-value")
+        x = values[:, None].expand(-1, n).to(torch.bfloat16).contiguous()
+        w = torch.randn(n, device=DEVICE).to(torch.bfloat16)
+        b = torch.randn(n, device=DEVICE).to(torch.bfloat16)
+        y, _, mean, rstd = _norm_cuda.fwd(x, None, w, b, 1e-5, False, path=path)
+        assert torch.equal(mean, values.to(torch.bfloat16).float()), (n, mean)
+        torch.testing.assert_close(rstd, torch.full_like(rstd, 1e-5 ** -0.5), rtol=1e-6, atol=0)
+        assert torch.equal(y, b.expand_as(y)), (n, (y.float() - b.float()).abs().max())
+
+
 def test_cuda_forward_refuses_a_launch_it_cannot_take():
     """A forward launch override the kernels were not built for is refused by name before any launch."""
     from megakern import _norm_cuda

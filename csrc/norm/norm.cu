@@ -46,6 +46,12 @@ norm_fwd_kernel(const T* __restrict__ x, const void* __restrict__ residual, cons
   if (row >= rows) return;  // only with a warp per row, where no barrier follows
   const T* xr = x + row * stride_x;
   const float inv_cols = 1.f / cols;
+  // sum / cols, corrected by one fma: sum * (1 / cols) alone can miss the quotient by an ulp, and a row of one
+  // value must have that value as its mean (a variance of zero, y equal to the bias)
+  auto row_mean = [&](float sum) {
+    const float m = sum * inv_cols;
+    return m + fmaf(-m, (float)cols, sum) * inv_cols;
+  };
 
   // The group of VEC inputs at column c. First visit: x (+ residual, rounded and stored as residual_out);
   // later visits (streaming mode) read the stored sum back.
@@ -141,7 +147,7 @@ norm_fwd_kernel(const T* __restrict__ x, const void* __restrict__ residual, cons
       }
       row_sum<ROWS>(mean, smem);
 #pragma unroll
-      for (int r = 0; r < ROWS; ++r) mean[r] *= inv_cols;
+      for (int r = 0; r < ROWS; ++r) mean[r] = row_mean(mean[r]);
     } else {
 #pragma unroll
       for (int r = 0; r < ROWS; ++r) mean[r] = 0.f;
@@ -181,7 +187,7 @@ norm_fwd_kernel(const T* __restrict__ x, const void* __restrict__ residual, cons
         for (int i = 0; i < VEC; ++i) s[0] += v[i];
       }
       row_sum<1>(s, smem);
-      mean = s[0] * inv_cols;
+      mean = row_mean(s[0]);
       first = false;
     }
     float ss[1] = {0.f};
