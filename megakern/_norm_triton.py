@@ -727,8 +727,9 @@ def three_split(n: int) -> tuple[int, int, int] | None:
 class FwdConfig(NamedTuple):
     """The forward's launch geometry: rows a program and warps; for the register kernel the power-of-two tiles a row
     takes (``tiles``: 1, 2 as ``tail_split``, 3 as ``three_split``) and a bound on a thread's registers
-    (``maxnreg``, ptxas ``.maxnreg``; None: ptxas's choice); ``wide``: the two-pass kernel, ``chunk`` columns at a
-    time, ``unrolled`` over the row's chunk count."""
+    (``maxnreg``, ptxas ``.maxnreg``; None: ptxas's choice; the two-pass kernel's too); ``wide``: the two-pass
+    kernel, ``chunk`` columns at a time, ``unrolled`` over the row's chunk count; ``sums``: LayerNorm's unrolled
+    two-pass statistics as shifted sums (True) or Welford's chain (False), None as ``wide_fwd_sums`` has it."""
     rows: int
     warps: int
     tiles: int = 1
@@ -736,6 +737,7 @@ class FwdConfig(NamedTuple):
     wide: bool = False
     chunk: int = 4096
     unrolled: bool = False
+    sums: bool | None = None
 
 
 def _register_fwd_config(n: int, is_rms: bool, itemsize: int = 2) -> FwdConfig:
@@ -885,13 +887,14 @@ def _programs(rows: int, device: torch.device, per_sm: int = 1) -> int:
 def resolve_fwd_config(n: int, is_rms: bool, itemsize: int = 2, num_warps: int | None = None,
                        rows_per_program: int | None = None, wide: bool | None = None, chunk: int | None = None,
                        tiles: int | None = None, unrolled: bool | None = None,
-                       maxnreg: int | None = None) -> FwdConfig:
+                       maxnreg: int | None = None, sums: bool | None = None) -> FwdConfig:
     """The forward's geometry for rows of ``n``: ``_fwd_config``'s with the overrides (tuning; None keeps the
     table's) in its place. ``wide``: True, the two-pass kernel from its own defaults (a row a program, the register
     table's warps, chunk 4096, not unrolled); False, the register kernel (``_register_fwd_config``); None, the
     table's kernel, or the register kernel where ``rows_per_program``, ``tiles`` or ``maxnreg`` is named. The
     table's ``maxnreg`` belongs to its geometry: it holds only where neither ``num_warps``, ``rows_per_program`` nor
-    ``tiles`` is named."""
+    ``tiles`` is named. With ``wide`` True, ``maxnreg`` bounds the two-pass kernel's registers. ``sums``: LayerNorm's
+    unrolled two-pass statistics (FwdConfig.sums)."""
     if tiles is not None and tiles not in (1, 2, 3):
         raise ValueError(f"norm forward: tiles must be 1, 2 or 3, got {tiles!r}")
     if maxnreg is not None and not (isinstance(maxnreg, int) and 24 <= maxnreg <= 255):
@@ -900,9 +903,6 @@ def resolve_fwd_config(n: int, is_rms: bool, itemsize: int = 2, num_warps: int |
     explicit = wide is not None
     if not explicit:
         wide = table.wide and rows_per_program is None and tiles is None and maxnreg is None
-    if wide and maxnreg is not None:
-        raise ValueError("norm forward: maxnreg bounds the register kernel's registers; the two-pass kernel "
-                         "(wide=True) takes none")
     if explicit and (wide or table.wide):  # the named kernel from its own defaults, the register table's warps
         registers = _register_fwd_config(n, is_rms, itemsize)
         table = FwdConfig(1, registers.warps, wide=True) if wide else registers
@@ -910,8 +910,14 @@ def resolve_fwd_config(n: int, is_rms: bool, itemsize: int = 2, num_warps: int |
         table = _register_fwd_config(n, is_rms, itemsize)
     if maxnreg is None and num_warps is None and rows_per_program is None and tiles is None:
         maxnreg = table.maxnreg
-    return FwdConfig(rows_per_program or table.rows, num_warps or table.warps, table.tiles if tiles is None else tiles,
-                     maxnreg, table.wide, chunk or table.chunk, table.unrolled if unrolled is None else unrolled)
+    config = FwdConfig(rows_per_program or table.rows, num_warps or table.warps,
+                       table.tiles if tiles is None else tiles, maxnreg, table.wide, chunk or table.chunk,
+                       table.unrolled if unrolled is None else unrolled, table.sums if sums is None else sums)
+    if config.sums is not None and not (config.wide and config.unrolled and not is_rms):
+        raise ValueError("norm forward: sums chooses LayerNorm's statistics in the unrolled two-pass kernel "
+                         "(wide=True, unrolled=True); this launch takes "
+                         f"{'RMSNorm' if is_rms else 'the register kernel' if not config.wide else 'it looped'}")
+    return config
 
 
 def wide_fwd_sums(is_rms: bool, unrolled: bool, chunk: int) -> bool:
@@ -922,7 +928,8 @@ def wide_fwd_sums(is_rms: bool, unrolled: bool, chunk: int) -> bool:
 
 def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | None = None,
         rows_per_program: int | None = None, wide: bool | None = None, chunk: int | None = None, stages: int = 1,
-        tiles: int | None = None, unrolled: bool | None = None, maxnreg: int | None = None):
+        tiles: int | None = None, unrolled: bool | None = None, maxnreg: int | None = None,
+        sums: bool | None = None):
     """(y, residual_out | None, mean | None, rstd) for 2-D ``x``, launched as ``_fwd_config`` says for its width
     and the widest of its tensors' elements; the other arguments override the table as ``resolve_fwd_config`` has
     it (tuning). ``num_warps``: warps a program; ``rows_per_program``: the register kernel's rows a program.
@@ -931,14 +938,15 @@ def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | No
     ``unrolled``: its loops unrolled over the row's chunk count, compiled in (a kernel per count; ``stages`` then has
     no effect). ``tiles``: 1, a row as one power-of-two tile; 2, as two where ``tail_split`` has them; 3, as three
     where ``three_split`` has them (2 and 3 fall back to fewer tiles elsewhere). ``maxnreg``: a bound on the
-    registers a thread of the register kernel may hold (ptxas ``.maxnreg``), so that more programs fit an SM.
+    registers a thread may hold (ptxas ``.maxnreg``), so that more programs fit an SM. ``sums``: LayerNorm's
+    statistics in the unrolled two-pass kernel as shifted sums or Welford's chain (``FwdConfig.sums``).
     """
     rows, n = x.shape
     block = _block(n)
     itemsize = max(t.element_size() for t in (x, residual, weight, bias) if t is not None)
     config = resolve_fwd_config(n, is_rms, itemsize, num_warps, rows_per_program, wide, chunk, tiles, unrolled,
-                                maxnreg)
-    rows_per_program, warps, tiles, maxnreg, wide, chunk, unrolled = config
+                                maxnreg, sums)
+    rows_per_program, warps, tiles, maxnreg, wide, chunk, unrolled, sums = config
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     res_out = None if residual is None else torch.empty((rows, n), dtype=residual.dtype, device=x.device)
     mean = None if is_rms else torch.empty(rows, dtype=torch.float32, device=x.device)
@@ -950,12 +958,15 @@ def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | No
             res_out.stride(0) if res_out is not None else 0, rows, n, eps)
     flags = dict(IS_RMS=is_rms, HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
                  num_warps=warps)
+    if maxnreg is not None:
+        flags["maxnreg"] = maxnreg
     if wide:
         chunk = min(next_power_of_2(chunk), block)
         chunks = cdiv(n, chunk) if unrolled else 0
         _norm_fwd_wide_kernel[(rows,)](*args, CHUNK=chunk, STAGES=stages, CHUNKS=chunks,
                                        EVEN_N=unrolled and n == chunks * chunk,
-                                       SUMS=wide_fwd_sums(is_rms, unrolled, chunk), **flags)
+                                       SUMS=wide_fwd_sums(is_rms, unrolled, chunk) if sums is None else sums,
+                                       **flags)
     else:
         thirds = three_split(n) if tiles == 3 else None
         if thirds:
@@ -963,8 +974,6 @@ def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | No
         else:
             head, tail_cols = (tail_split(n) if tiles >= 2 else None) or (block, 0)
             third_cols = 0
-        if maxnreg is not None:
-            flags["maxnreg"] = maxnreg
         align = row_alignment(n, x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
                               res_out.stride(0) if res_out is not None else 0)
         _norm_fwd_kernel[(cdiv(rows, rows_per_program),)](*args, BLOCK_M=rows_per_program, BLOCK_N=head,

@@ -108,6 +108,15 @@ def specs(n: int, is_rms: bool, residual: bool) -> list[tuple[str, str, dict]]:
         for warps, chunk in [(w, c) for w in (8, 16, 32) for c in (1024, 2048, 4096)]:
             out.append((f"triton fwd wide unrolled warps={warps} chunk={chunk}", "triton fwd",
                         dict(num_warps=warps, wide=True, chunk=chunk, unrolled=True)))
+    # LayerNorm's unrolled two-pass kernel with either statistics (shifted sums, Welford's chain) and its registers
+    # bounded, so that more of its programs fit an SM (at 8 warps: 4 at 64 registers, 6 at 40, 8 at 32)
+    if n > 8192 and not is_rms:
+        for warps, chunk in ((8, 2048), (16, 2048), (8, 4096), (16, 4096)):
+            for sums in (True, False):
+                for maxnreg in (None, 32, 40, 48):
+                    out.append((f"triton fwd wide unrolled warps={warps} chunk={chunk} sums={int(sums)} "
+                                f"maxnreg={maxnreg}", "triton fwd", dict(num_warps=warps, wide=True, chunk=chunk,
+                                                                          unrolled=True, sums=sums, maxnreg=maxnreg)))
     default = _norm_cuda.launch_config(n, torch.bfloat16, False)
     out.append((f"cuda fwd default {default}", "cuda fwd", {}))
     for config in cuda_geometries(n, backward=False):

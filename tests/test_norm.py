@@ -335,8 +335,9 @@ def test_triton_wide_backward_unrolled(op, setup, rows):
 @pytest.mark.parametrize("op", OPS)
 def test_triton_forward_register_bound(op):
     """The forward with its registers bounded (``maxnreg``, tuning) gives the unbounded kernel's output and
-    statistics bit for bit (three tiles at 8 warps on a GPU, where the bound lets a third program onto an SM); a bound
-    outside [24, 255] is refused by name."""
+    statistics bit for bit (three tiles at 8 warps on a GPU, where the bound lets a third program onto an SM; the
+    two-pass kernel unrolled, LayerNorm's statistics as shifted sums and as Welford's chain, each close to the
+    register kernel's); a bound outside [24, 255] is refused by name."""
     from megakern import _norm_triton as nt
 
     dtype = torch.bfloat16 if HAS_CUDA else torch.float32
@@ -349,6 +350,17 @@ def test_triton_forward_register_bound(op):
     for a, c in zip(free, bound):
         if a is not None:
             assert torch.equal(a, c)
+    # the two-pass kernel unrolled (a partial last chunk) under a bound that leaves it 32 registers, LayerNorm's
+    # statistics either way
+    wide = dict(num_warps=8, wide=True, unrolled=True, chunk=2048 if HAS_CUDA else 8)
+    for sums in (None,) if op == "rms_norm" else (True, False):
+        free = nt.fwd(*args, sums=sums, **wide)
+        for a, c in zip(free, nt.fwd(*args, sums=sums, maxnreg=32, **wide)):
+            if a is not None:
+                assert torch.equal(a, c), sums
+        for a, c in zip(free, bound):
+            if a is not None:
+                torch.testing.assert_close(a, c, rtol=2e-2 if a.dtype == torch.bfloat16 else 1e-5, atol=1e-5)
     for bad in (16, 256, 80.0):
         with pytest.raises(ValueError, match="maxnreg must be an int in \\[24, 255\\]"):
             nt.fwd(*args, maxnreg=bad)
@@ -963,8 +975,14 @@ def test_forward_launch_table_wide_and_bound():
     assert resolve(9216, False, num_warps=16).maxnreg is None and resolve(9216, False, tiles=2).maxnreg is None
     assert resolve(9216, False, maxnreg=72).maxnreg == 72
     assert resolve(4096, True, wide=True) == nt.FwdConfig(1, 8, wide=True)
-    with pytest.raises(ValueError, match="the two-pass kernel \\(wide=True\\) takes none"):
-        resolve(4096, True, wide=True, maxnreg=64)
+    assert resolve(4096, True, wide=True, maxnreg=64) == nt.FwdConfig(1, 8, maxnreg=64, wide=True)
+    assert resolve(13312, False, sums=False) == nt._fwd_config(13312, False)._replace(sums=False)
+    assert resolve(13312, False, maxnreg=40).wide is False  # a bound alone names the register kernel
+    for overrides, message in ((dict(is_rms=True), "RMSNorm"), (dict(wide=False), "the register kernel"),
+                               (dict(unrolled=False), "it looped")):
+        is_rms = overrides.pop("is_rms", False)
+        with pytest.raises(ValueError, match=f"sums chooses .* takes {message}"):
+            resolve(13312, is_rms, sums=True, **overrides)
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="the two-pass rows of the table are 16-bit; CPU runs test fp32")
