@@ -32,8 +32,18 @@ ENTRY_POINTS = ("norm_fwd_rows", "norm_bwd", "norm_bwd_kernel_regs", "fp8_cast",
 REBUILD = "python setup.py build_ext --inplace"
 
 
+CSRC_ENV = "MEGAKERN_CSRC"  # another tree of kernel sources for the NVRTC path (an A/B of two versions)
+
+
 def csrc_root() -> Path:
-    """The kernel sources: a copy installed inside the package, or csrc/ of a source checkout."""
+    """The kernel sources: the tree that MEGAKERN_CSRC names (the NVRTC path compiles from it; a copy of an older
+    csrc/, for an A/B in one process), else a copy installed inside the package, or csrc/ of a source checkout."""
+    if override := os.environ.get(CSRC_ENV):
+        root = Path(override).resolve()
+        if not (root / "common" / "common.h").is_file():
+            raise FileNotFoundError(f"{CSRC_ENV}={override!r} is not a tree of megakern's kernel sources "
+                                    f"(no common/common.h there)")
+        return root
     here = Path(__file__).resolve().parent
     for root in (here / "_csrc", here.parent / "csrc"):
         if (root / "common" / "common.h").is_file():
@@ -135,15 +145,18 @@ def _cuda_include_dirs() -> list[str]:
     return [f"-I{d}" for d in dirs if (d / "cuda_bf16.h").is_file()]
 
 
-@functools.lru_cache(maxsize=None)
 def nvrtc_kernel(source: str, name: str, defines: tuple[str, ...] = ()):
     """The kernel ``name`` (a C++ name expression, e.g. 'megakern::norm_fwd_kernel<float, 2, 1, true>') of
-    csrc/``source``; ``defines``: preprocessor definitions ('NAME=value') for the compile (tuning switches a source
-    reads, such as csrc/norm/norm.cu's MEGAKERN_NORM_FWD_MAXNREG)."""
+    csrc/``source`` (of ``csrc_root()``); ``defines``: preprocessor definitions ('NAME=value') for the compile
+    (tuning switches a source reads, such as csrc/norm/norm.cu's MEGAKERN_NORM_FWD_MAXNREG)."""
+    return _nvrtc_kernel(csrc_root(), source, name, defines)
+
+
+@functools.lru_cache(maxsize=None)
+def _nvrtc_kernel(root: Path, source: str, name: str, defines: tuple[str, ...]):
     cupy, problem = _cupy()
     if cupy is None:
         raise RuntimeError(problem)
-    root = csrc_root()
     code = _inline_includes(root / source, root, set())
     options = ("-std=c++17", *_cuda_include_dirs(), *(f"-D{d}" for d in defines))
     module = cupy.RawModule(code=code, options=options, name_expressions=(name,))

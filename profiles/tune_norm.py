@@ -5,7 +5,7 @@ knobs, bf16, against the copy roofline measured in the same run, and the host ti
 input (what a launch costs the CPU). The defaults in the launchers are set from this table.
 
     python profiles/tune_norm.py [--hidden 8192,16384] [--ops rms,ln] [--residual] [--jobs 12] [--rep-ms 500]
-                                 [--match REGEX] [--graph] [--against REV]
+                                 [--match REGEX] [--graph] [--against REV] [--against-csrc REV]
 
 ``--residual``: the backward also reads the gradient of the residual stream (the fused residual add of a pre-norm
 block, as in training: one more M x N read), and the sweep covers more programs per SM. ``--jobs``: before the
@@ -17,14 +17,22 @@ do_bench, which flushes the L2 before every call; a geometry that wins here only
 megakern/_norm_triton.py as it is at the git revision REV (loaded beside the checkout's, importing the checkout's
 other modules), labelled "@REV", then with the checkout's. Options the old module lacks make its row fail. REV may
 also be the path of a copy of that file (a machine whose tree carries no git history, or an older one).
+``--against-csrc REV``: the same for the CUDA launchers: every matched CUDA configuration timed twice in a row
+through NVRTC, first compiled from csrc/ as it is at REV (or from a directory holding a copy of csrc/), labelled
+"@REV", then from the checkout's csrc/ (megakern._cuda's MEGAKERN_CSRC; both rows NVRTC's, whatever path the
+launcher would take).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import io
 import multiprocessing
+import os
 import re
 import subprocess
+import tarfile
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -34,7 +42,7 @@ import torch
 
 from benchmarks.common import bench, host_us, import_file, measure_copy_gbps
 import megakern
-from megakern import _norm_cuda, _norm_triton
+from megakern import _cuda, _norm_cuda, _norm_triton
 from megakern._intmath import next_power_of_2
 
 ROWS_TOTAL = 2**27  # elements of each (M, N) tensor
@@ -201,20 +209,44 @@ class Inputs:
         self.stats = {is_rms: _norm_triton.fwd(self.x, None, self.w, None if is_rms else self.b, 1e-5, is_rms)[2:]
                       for is_rms in OPS.values()}
 
-    def call(self, launcher: str, is_rms: bool, kwargs: dict, triton_module=None):
+    def call(self, launcher: str, is_rms: bool, kwargs: dict, triton_module=None, csrc: str | None = None):
         """One call of ``launcher`` with ``kwargs``; the Triton launchers from ``triton_module`` (default: the
-        checkout's megakern._norm_triton)."""
+        checkout's megakern._norm_triton); the CUDA launchers through NVRTC from the sources at ``csrc`` where it is
+        given ('': the checkout's), else by the path the launcher takes."""
         bias = None if is_rms else self.b
         mean, rstd = self.stats[is_rms]
         residual_dtype = self.x.dtype if self.dres is not None else None
         triton_module = triton_module or _norm_triton
         if launcher == "triton fwd":
             return triton_module.fwd(self.x, None, self.w, bias, 1e-5, is_rms, **kwargs)
-        if launcher == "cuda fwd":
-            return _norm_cuda.fwd(self.x, None, self.w, bias, 1e-5, is_rms, **kwargs)
-        module = triton_module if launcher == "triton bwd" else _norm_cuda
-        return module.bwd(self.dy, self.x, self.dres, self.w, mean, rstd, is_rms, residual_dtype, True, not is_rms,
-                          **kwargs)
+        if launcher == "triton bwd":
+            return triton_module.bwd(self.dy, self.x, self.dres, self.w, mean, rstd, is_rms, residual_dtype, True,
+                                     not is_rms, **kwargs)
+        if csrc is not None:
+            kwargs = dict(kwargs, path="nvrtc")
+        with csrc_sources(csrc):
+            if launcher == "cuda fwd":
+                return _norm_cuda.fwd(self.x, None, self.w, bias, 1e-5, is_rms, **kwargs)
+            return _norm_cuda.bwd(self.dy, self.x, self.dres, self.w, mean, rstd, is_rms, residual_dtype, True,
+                                  not is_rms, **kwargs)
+
+
+@contextlib.contextmanager
+def csrc_sources(root: str | None):
+    """The NVRTC path compiling from the kernel sources at ``root`` within the block (megakern._cuda's
+    MEGAKERN_CSRC); '' or None: the checkout's."""
+    before = os.environ.get(_cuda.CSRC_ENV)
+    if root:
+        os.environ[_cuda.CSRC_ENV] = root
+    else:
+        os.environ.pop(_cuda.CSRC_ENV, None)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(_cuda.CSRC_ENV, None)
+        else:
+            os.environ[_cuda.CSRC_ENV] = before
 
 
 def load_revision(rev: str, directory: str):
@@ -241,27 +273,50 @@ def load_revision(rev: str, directory: str):
     return import_file(path, "_norm_triton_against")
 
 
-def variants(launcher: str, against) -> list:
-    """(label suffix, Triton module) pairs to time ``launcher`` with: the revision's module first where there is
-    one (the CUDA launchers have none), then the checkout's."""
-    if against is None or not launcher.startswith("triton"):
-        return [("", None)]
-    rev, module = against
-    return [(f" @{rev}", module), ("", None)]
+def load_csrc(rev: str, directory: str) -> str:
+    """The kernel sources of --against-csrc: a directory holding a copy of csrc/ (its common/common.h, or
+    csrc/common/common.h below it), else csrc/ as it is at git revision ``rev``, written into ``directory``."""
+    path = Path(rev)
+    for root in (path, path / "csrc"):
+        if (root / "common" / "common.h").is_file():
+            return str(root.resolve())
+    try:
+        archive = subprocess.run(["git", "archive", rev, "csrc"], cwd=Path(__file__).resolve().parents[1],
+                                 capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as exc:
+        raise SystemExit(f"tune_norm: --against-csrc {rev!r}: neither a copy of csrc/ nor a revision whose csrc/ "
+                         f"git can read: {getattr(exc, 'stderr', b'').decode(errors='replace') or exc}".strip())
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(directory, filter="data")
+    return str(Path(directory) / "csrc")
 
 
-def _warm(job: tuple[int, bool, list[str], set[str], str, int, int, tuple | None]) -> int:
+def variants(launcher: str, against, against_csrc=None) -> list:
+    """(label suffix, Triton module, CUDA sources) triples to time ``launcher`` with: the revision's first where
+    there is one (``against``: (REV, module) for the Triton launchers; ``against_csrc``: (REV, csrc directory) for
+    the CUDA ones, both rows then through NVRTC, the second from the checkout's sources, ''), then the checkout's."""
+    if launcher.startswith("triton") and against is not None:
+        rev, module = against
+        return [(f" @{rev}", module, None), ("", None, None)]
+    if launcher.startswith("cuda") and against_csrc is not None:
+        rev, root = against_csrc
+        return [(f" @{rev}", None, root), ("", None, "")]
+    return [("", None, None)]
+
+
+def _warm(job: tuple[int, bool, list[str], set[str], str, int, int, tuple | None, tuple | None]) -> int:
     """A worker of --jobs: calls every ``parts``-th configuration of hidden size ``n`` from the ``part``-th on once
-    (compiling its kernels into the caches), with the --against revision's module too; returns how many ran."""
-    n, residual, ops, launchers, pattern, part, parts, against_path = job
+    (compiling its kernels into the caches), with the --against revision's module and the --against-csrc sources
+    too; returns how many ran."""
+    n, residual, ops, launchers, pattern, part, parts, against_path, against_csrc = job
     against = None if against_path is None else (against_path[0], import_file(against_path[1], "_norm_triton_against"))
     inputs, done = Inputs(n, residual, torch.device("cuda")), 0
     for op in ops:
         chosen = [spec for spec in specs(n, OPS[op], residual) if spec[1] in launchers and re.search(pattern, spec[0])]
         for _, launcher, kwargs in chosen[part::parts]:
-            for _, module in variants(launcher, against):
+            for _, module, csrc in variants(launcher, against, against_csrc):
                 try:
-                    inputs.call(launcher, OPS[op], kwargs, module)
+                    inputs.call(launcher, OPS[op], kwargs, module, csrc)
                     done += 1
                 except Exception:  # the timing process reports it
                     pass
@@ -284,6 +339,9 @@ def main() -> None:
     parser.add_argument("--against", metavar="REV", default=None,
                         help="git revision (or a .py copy of megakern/_norm_triton.py): timed beside the "
                         "checkout's (an A/B)")
+    parser.add_argument("--against-csrc", metavar="REV", default=None,
+                        help="git revision (or a directory holding a copy of csrc/) whose CUDA kernels are timed "
+                        "beside the checkout's, both through NVRTC (an A/B)")
     args = parser.parse_args()
     try:
         match = re.compile(args.match or "")
@@ -300,12 +358,15 @@ def main() -> None:
     if args.against:
         against = (args.against, load_revision(args.against, scratch.name))
         against_path = (args.against, str(Path(scratch.name) / "_norm_triton_against.py"))
+    against_csrc = None
+    if args.against_csrc:
+        against_csrc = (args.against_csrc, load_csrc(args.against_csrc, scratch.name))
     dev = torch.device("cuda")
     if args.jobs > 1:
         start = time.perf_counter()
         parts = max(1, args.jobs // len(hidden))  # processes per hidden size, each with its own tensors
-        jobs = [(n, args.residual, ops, launchers, match.pattern, part, parts, against_path) for n in hidden
-                for part in range(parts)]
+        jobs = [(n, args.residual, ops, launchers, match.pattern, part, parts, against_path, against_csrc)
+                for n in hidden for part in range(parts)]
         with ProcessPoolExecutor(len(jobs), mp_context=multiprocessing.get_context("spawn")) as pool:
             done = sum(pool.map(_warm, jobs))
         print(f"compiled: {done} configurations called once by {len(jobs)} processes in "
@@ -321,10 +382,10 @@ def main() -> None:
                 if launcher not in launchers or not match.search(name):
                     continue
                 nbytes = 2 * act if launcher.endswith("fwd") else (4 if args.residual else 3) * act
-                for suffix, module in variants(launcher, against):
+                for suffix, module, csrc in variants(launcher, against, against_csrc):
                     label = name + suffix
                     try:
-                        t = bench(lambda: inputs.call(launcher, OPS[op], kwargs, module), device=dev,
+                        t = bench(lambda: inputs.call(launcher, OPS[op], kwargs, module, csrc), device=dev,
                                   rep_ms=args.rep_ms, graph=args.graph)["median"]
                     except Exception as exc:  # a geometry the kernel rejects: report it, keep sweeping
                         print(f"{op} {m}x{n} {label:55} failed: {(str(exc).splitlines() or [''])[0][:80]}")

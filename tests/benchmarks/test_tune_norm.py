@@ -1,6 +1,7 @@
-"""profiles/tune_norm.py's A/B (--against REV) on CPU: the revision's megakern/_norm_triton.py loaded beside the
-checkout's computes what the checkout's does (at HEAD they are the same source), the Triton launchers are timed
-with both and the CUDA ones once, and a revision that does not exist is a clear error."""
+"""profiles/tune_norm.py's A/B (--against REV, --against-csrc REV) on CPU: the revision's megakern/_norm_triton.py
+loaded beside the checkout's computes what the checkout's does (at HEAD they are the same source), the Triton
+launchers are timed with both and the CUDA ones once (twice, through NVRTC, with --against-csrc, whose sources the
+NVRTC path then compiles from), and a revision that does not exist is a clear error."""
 import subprocess
 from pathlib import Path
 
@@ -46,10 +47,39 @@ def test_against_head_matches_the_checkout(tune, tmp_path):
 
 def test_variants(tune):
     module = object()
-    assert tune.variants("triton fwd", ("abc123", module)) == [(" @abc123", module), ("", None)]
+    assert tune.variants("triton fwd", ("abc123", module)) == [(" @abc123", module, None), ("", None, None)]
     assert tune.variants("triton bwd", ("abc123", module))[0][1] is module
-    assert tune.variants("cuda fwd", ("abc123", module)) == [("", None)]
-    assert tune.variants("triton fwd", None) == [("", None)]
+    assert tune.variants("cuda fwd", ("abc123", module)) == [("", None, None)]
+    assert tune.variants("triton fwd", None) == [("", None, None)]
+    # --against-csrc: the CUDA launchers twice, through NVRTC, from the revision's sources and then the checkout's
+    assert tune.variants("cuda bwd", None, ("abc123", "/old/csrc")) == [(" @abc123", None, "/old/csrc"),
+                                                                        ("", None, "")]
+    assert tune.variants("triton fwd", None, ("abc123", "/old/csrc")) == [("", None, None)]
+
+
+def test_against_csrc(tune, tmp_path, monkeypatch):
+    """--against-csrc: csrc/ at a revision (git archive) or a directory holding a copy, and the NVRTC path's
+    sources switched to it within csrc_sources (megakern._cuda.csrc_root), the checkout's outside; a revision that
+    does not exist and a tree without the sources are clear errors."""
+    from megakern import _cuda
+
+    monkeypatch.delenv(_cuda.CSRC_ENV, raising=False)
+    checkout = _cuda.csrc_root()
+    root = tune.load_csrc("HEAD", str(tmp_path))
+    assert Path(root) == tmp_path / "csrc" and (Path(root) / "norm" / "norm.cu").is_file()
+    assert tune.load_csrc(str(tmp_path), str(tmp_path / "unused")) == str((tmp_path / "csrc").resolve())
+    assert tune.load_csrc(root, str(tmp_path / "unused")) == str(Path(root).resolve())
+    with tune.csrc_sources(root):
+        assert _cuda.csrc_root() == Path(root).resolve()
+        with tune.csrc_sources(""):
+            assert _cuda.csrc_root() == checkout
+        assert _cuda.csrc_root() == Path(root).resolve()
+    assert _cuda.csrc_root() == checkout
+    with pytest.raises(SystemExit, match="--against-csrc 'no-such-revision-x'"):
+        tune.load_csrc("no-such-revision-x", str(tmp_path / "x"))
+    monkeypatch.setenv(_cuda.CSRC_ENV, str(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError, match="MEGAKERN_CSRC=.* is not a tree of megakern's kernel sources"):
+        _cuda.csrc_root()
 
 
 def test_against_unknown_revision(tune, tmp_path):
