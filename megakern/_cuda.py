@@ -37,13 +37,23 @@ CSRC_ENV = "MEGAKERN_CSRC"  # another tree of kernel sources for the NVRTC path 
 
 def csrc_root() -> Path:
     """The kernel sources: the tree that MEGAKERN_CSRC names (the NVRTC path compiles from it; a copy of an older
-    csrc/, for an A/B in one process), else a copy installed inside the package, or csrc/ of a source checkout."""
-    if override := os.environ.get(CSRC_ENV):
-        root = Path(override).resolve()
-        if not (root / "common" / "common.h").is_file():
-            raise FileNotFoundError(f"{CSRC_ENV}={override!r} is not a tree of megakern's kernel sources "
-                                    f"(no common/common.h there)")
-        return root
+    csrc/, for an A/B in one process), else a copy installed inside the package, or csrc/ of a source checkout.
+    Read at every NVRTC kernel lookup, so it costs a dictionary lookup once the tree is known."""
+    override = os.environ.get(CSRC_ENV)
+    return _named_root(override) if override else _own_root()
+
+
+@functools.lru_cache(maxsize=None)
+def _named_root(override: str) -> Path:
+    root = Path(override).resolve()
+    if not (root / "common" / "common.h").is_file():
+        raise FileNotFoundError(f"{CSRC_ENV}={override!r} is not a tree of megakern's kernel sources "
+                                f"(no common/common.h there)")
+    return root
+
+
+@functools.lru_cache(maxsize=None)
+def _own_root() -> Path:
     here = Path(__file__).resolve().parent
     for root in (here / "_csrc", here.parent / "csrc"):
         if (root / "common" / "common.h").is_file():
