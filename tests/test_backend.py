@@ -237,3 +237,40 @@ def test_extension_not_built_stale_or_for_another_torch(fresh_probes, monkeypatc
     module, why = _cuda.extension()
     assert module is None and "megakern._C does not load (megakern/_C.so: undefined symbol: " in why
     assert f"built against another torch or CUDA than this one (torch {torch.__version__})" in why
+
+
+def test_nvrtc_kernels_compile_from_the_named_sources(monkeypatch, tmp_path):
+    """The NVRTC path compiles from csrc/, or from the tree MEGAKERN_CSRC names (an A/B of two versions in one
+    process): each tree's kernel compiled once and cached by its tree, a tree without the sources named."""
+    import shutil
+
+    compiled = []
+
+    class RawModule:  # cupy's, recording what it is asked to compile
+        def __init__(self, code, options, name_expressions):
+            compiled.append(code)
+            self.code = code
+
+        def get_function(self, name):
+            return (name, self.code)
+
+    fake = types.SimpleNamespace(RawModule=RawModule, cuda=types.SimpleNamespace(get_cuda_path=lambda: "/none"))
+    monkeypatch.setattr(_cuda, "_cupy", lambda: (fake, ""))
+    _cuda._nvrtc_kernel.cache_clear()
+    monkeypatch.delenv(_cuda.CSRC_ENV, raising=False)
+    name = "megakern::fp8_cast_kernel"
+    own = _cuda.nvrtc_kernel("fp8/fp8.cu", name)
+    other = tmp_path / "csrc"
+    shutil.copytree(_cuda.csrc_root(), other)
+    (other / "fp8" / "fp8.cu").write_text((other / "fp8" / "fp8.cu").read_text() + "\n// the other version\n")
+    monkeypatch.setenv(_cuda.CSRC_ENV, str(other))
+    assert _cuda.csrc_root() == other.resolve()
+    theirs = _cuda.nvrtc_kernel("fp8/fp8.cu", name)
+    assert "// the other version" in theirs[1] and "// the other version" not in own[1]
+    assert _cuda.nvrtc_kernel("fp8/fp8.cu", name) is theirs and len(compiled) == 2
+    monkeypatch.delenv(_cuda.CSRC_ENV)
+    assert _cuda.nvrtc_kernel("fp8/fp8.cu", name) is own and len(compiled) == 2
+    monkeypatch.setenv(_cuda.CSRC_ENV, str(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError, match="is not a tree of megakern's kernel sources"):
+        _cuda.nvrtc_kernel("fp8/fp8.cu", name)
+    _cuda._nvrtc_kernel.cache_clear()
