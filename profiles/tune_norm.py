@@ -222,9 +222,9 @@ class Inputs:
         if launcher == "triton bwd":
             return triton_module.bwd(self.dy, self.x, self.dres, self.w, mean, rstd, is_rms, residual_dtype, True,
                                      not is_rms, **kwargs)
-        if csrc is not None:
+        if csrc is not None:  # an A/B: both rows through NVRTC, each from its own sources
             kwargs = dict(kwargs, path="nvrtc")
-        with csrc_sources(csrc):
+        with csrc_sources(csrc) if csrc is not None else contextlib.nullcontext():
             if launcher == "cuda fwd":
                 return _norm_cuda.fwd(self.x, None, self.w, bias, 1e-5, is_rms, **kwargs)
             return _norm_cuda.bwd(self.dy, self.x, self.dres, self.w, mean, rstd, is_rms, residual_dtype, True,
@@ -232,9 +232,9 @@ class Inputs:
 
 
 @contextlib.contextmanager
-def csrc_sources(root: str | None):
+def csrc_sources(root: str):
     """The NVRTC path compiling from the kernel sources at ``root`` within the block (megakern._cuda's
-    MEGAKERN_CSRC); '' or None: the checkout's."""
+    MEGAKERN_CSRC); '': the checkout's."""
     before = os.environ.get(_cuda.CSRC_ENV)
     if root:
         os.environ[_cuda.CSRC_ENV] = root
