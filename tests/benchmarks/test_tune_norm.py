@@ -21,7 +21,7 @@ def tune():
 
 
 def test_against_head_matches_the_checkout(tune, tmp_path):
-    from conftest import require_triton
+    from conftest import DEVICE, require_triton
 
     require_triton()
     from megakern import _norm_triton
@@ -33,8 +33,8 @@ def test_against_head_matches_the_checkout(tune, tmp_path):
     if source != (REPO / "megakern" / "_norm_triton.py").read_text():
         pytest.skip("megakern/_norm_triton.py differs from HEAD's in this checkout")
     torch.manual_seed(0)
-    x = torch.randn(5, 48)
-    w, b = torch.randn(48), torch.randn(48)
+    x = torch.randn(5, 48, device=DEVICE)
+    w, b = torch.randn(48, device=DEVICE), torch.randn(48, device=DEVICE)
     for is_rms in (True, False):
         bias = None if is_rms else b
         want = _norm_triton.fwd(x, None, w, bias, 1e-5, is_rms)
