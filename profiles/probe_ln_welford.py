@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
-from benchmarks.common import bench, int_list, measure_copy_gbps
+from benchmarks.common import bench, import_file, int_list, measure_copy_gbps
 from megakern import _norm_triton
 
 EPS = 1e-5
@@ -143,28 +144,35 @@ def variants(warps: list[int], chunks: list[int]) -> list[tuple[str, dict]]:
     return out
 
 
-def cases(x, w, b, warps: list[int], chunks: list[int], with_compile: bool) -> list[tuple[str, object]]:
-    """(label, zero-argument callable returning y) of every provider timed at one width."""
+def cases(x, w, b, warps: list[int], chunks: list[int], with_compile: bool, against=None,
+          probes: bool = True) -> list[tuple[str, object]]:
+    """(label, zero-argument callable returning y) of every provider timed at one width: torch.compile's, megakern's
+    table and two-pass kernel unrolled (either statistics), each also as the module ``against`` (a (label, megakern._norm_triton module) pair) has them, first; the probe's variants."""
     out = []
     if with_compile:
         compiled = torch.compile(lambda x, w, b: torch.nn.functional.layer_norm(x, x.shape[-1:], w, b, EPS),
                                  dynamic=False)
         out.append(("torch.compile", lambda: compiled(x, w, b)))
-    out.append(("megakern table", lambda: _norm_triton.fwd(x, None, w, b, EPS, False)[0]))
+    modules = ([(f" @{against[0]}", against[1])] if against else []) + [("", _norm_triton)]
+    for tag, mod in modules:
+        out.append((f"megakern table{tag}", lambda mod=mod: mod.fwd(x, None, w, b, EPS, False)[0]))
     for wp, c in itertools.product(warps, chunks):
-        for sums in (True, False):
-            out.append((f"megakern wide unrolled warps={wp} chunk={c} sums={int(sums)}",
-                        lambda wp=wp, c=c, sums=sums: _norm_triton.fwd(x, None, w, b, EPS, False, num_warps=wp,
-                                                                       wide=True, chunk=c, unrolled=True,
-                                                                       sums=sums)[0]))
-    for label, kwargs in variants(warps, chunks):
-        out.append((label, lambda kwargs=kwargs: probe_fwd(x, w, b, **kwargs)))
+        for tag, mod in modules:
+            for sums in (True, False):
+                out.append((f"megakern wide unrolled warps={wp} chunk={c} sums={int(sums)}{tag}",
+                            lambda wp=wp, c=c, sums=sums, mod=mod: mod.fwd(x, None, w, b, EPS, False, num_warps=wp,
+                                                                           wide=True, chunk=c, unrolled=True,
+                                                                           sums=sums)[0]))
+    if probes:
+        for label, kwargs in variants(warps, chunks):
+            out.append((label, lambda kwargs=kwargs: probe_fwd(x, w, b, **kwargs)))
     return out
 
 
 def run(hidden: int, rows: int, device, warps: list[int], chunks: list[int], rep_ms: int = 200,
-        with_compile: bool = True) -> list[tuple[str, float, float]]:
-    """(label, ms, GB/s) of every provider at ``hidden``, each checked against torch's fp32 LayerNorm first."""
+        with_compile: bool = True, against=None, probes: bool = True) -> list[tuple[str, float, float]]:
+    """(label, ms, GB/s) of every provider at ``hidden`` (``cases``), each checked against torch's fp32 LayerNorm
+    first."""
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     x = torch.randn(rows, hidden, device=device, dtype=dtype) * 2 + 3
     w = 1 + 0.1 * torch.randn(hidden, device=device, dtype=dtype)
@@ -172,7 +180,7 @@ def run(hidden: int, rows: int, device, warps: list[int], chunks: list[int], rep
     ref = torch.nn.functional.layer_norm(x.float(), (hidden,), w.float(), b.float(), EPS)
     tol = 0.05 if dtype == torch.bfloat16 else 1e-4
     out = []
-    for label, fn in cases(x, w, b, warps, chunks, with_compile):
+    for label, fn in cases(x, w, b, warps, chunks, with_compile, against, probes):
         err = (fn().float() - ref).abs().max().item()
         if err > tol * max(1.0, ref.abs().max().item()):
             raise AssertionError(f"probe_ln_welford: hidden {hidden}, {label}: output off by {err}")
@@ -189,18 +197,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mib", type=int, default=256, help="MiB of bf16 input a case")
     parser.add_argument("--rep-ms", type=int, default=200)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--against", metavar="PATH", default=None,
+                        help="a copy of megakern/_norm_triton.py (e.g. git show main:megakern/_norm_triton.py) whose "
+                        "table and unrolled kernel are timed too, each just before the checkout's (an A/B)")
+    parser.add_argument("--no-probe", action="store_true", help="megakern's kernels and torch.compile's only")
     args = parser.parse_args(argv)
     if min(args.hidden) < 1 or args.mib < 1:
         raise SystemExit(f"probe_ln_welford: --hidden and --mib must be >= 1, got {args.hidden} and {args.mib}")
     if any(c < 16 or c & (c - 1) for c in args.chunks):
         raise SystemExit(f"probe_ln_welford: --chunks must be powers of two >= 16, got {args.chunks}")
     cuda = torch.device(args.device).type == "cuda"
+    against = None
+    if args.against:
+        if not Path(args.against).is_file():
+            raise SystemExit(f"probe_ln_welford: --against {args.against!r} is not a file")
+        against = (Path(args.against).stem, import_file(Path(args.against), "_norm_triton_against"))
     copy = measure_copy_gbps(args.device)
     print(f"copy {copy:.0f} GB/s; LayerNorm forward, bf16, graph replay on CUDA")
     for hidden in args.hidden:
         rows = max(1, args.mib * 2**20 // (2 * hidden))
-        for label, ms, gbps in run(hidden, rows, args.device, args.warps, args.chunks, args.rep_ms, cuda):
-            print(f"{rows}x{hidden} {label:56s} {ms * 1e3:8.1f} us  {gbps:6.0f} GB/s  {gbps / copy:.2f}")
+        for label, ms, gbps in run(hidden, rows, args.device, args.warps, args.chunks, args.rep_ms, cuda,
+                                   against, not args.no_probe):
+            print(f"{rows}x{hidden} {label:64s} {ms * 1e3:8.1f} us  {gbps:6.0f} GB/s  {gbps / copy:.2f}")
 
 
 if __name__ == "__main__":

@@ -29,6 +29,22 @@ def test_every_variant_matches_torch(mod, hidden):
     assert all(ms > 0 and gbps > 0 for _, ms, gbps in results)
 
 
+def test_against_and_no_probe(mod):
+    """--against: main's module timed beside the checkout's, each just before it; --no-probe: megakern's alone."""
+    from megakern import _norm_triton
+
+    torch.manual_seed(2)
+    results = mod.run(80, 2, "cpu", [4], [32], rep_ms=5, with_compile=False, against=("main", _norm_triton),
+                      probes=False)
+    labels = [label for label, _, _ in results]
+    assert labels == ["megakern table @main", "megakern table",
+                      "megakern wide unrolled warps=4 chunk=32 sums=1 @main",
+                      "megakern wide unrolled warps=4 chunk=32 sums=0 @main",
+                      "megakern wide unrolled warps=4 chunk=32 sums=1", "megakern wide unrolled warps=4 chunk=32 sums=0"]
+    with pytest.raises(SystemExit, match="not a file"):
+        mod.main(["--hidden", "64", "--against", "/nonexistent/_norm_triton.py", "--device", "cpu"])
+
+
 def test_probe_statistics(mod):
     """The probe's y on rows far from zero, against float64 (the run's check is against fp32 torch)."""
     torch.manual_seed(1)
