@@ -247,7 +247,7 @@ def _norm_fwd_wide_kernel(
     M, N, eps,
     IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     CHUNK: tl.constexpr, STAGES: tl.constexpr, CHUNKS: tl.constexpr = 0, EVEN_N: tl.constexpr = False,
-    SUMS: tl.constexpr = False,
+    SUMS: tl.constexpr = False, WIDTH: tl.constexpr = 0,
 ):
     """The forward for rows too wide for registers: a row a program, in CHUNK-column pieces, twice. The first pass
     reads the row (and the residual, storing their sum) from memory for its statistics, kept per lane of the chunk
@@ -257,7 +257,10 @@ def _norm_fwd_wide_kernel(
     the loop, so that no chunk waits on a reduction; the second reads the row again from L2 (loaded to stay there
     the first time, to leave it the second) and writes y.
     CHUNKS > 0: the row's chunk count known when compiling (cdiv(N, CHUNK)), both passes unrolled so that all of a
-    pass's loads can be in flight at once; EVEN_N (with it): N == CHUNKS * CHUNK, no column masked."""
+    pass's loads can be in flight at once; EVEN_N (with it): N == CHUNKS * CHUNK, no column masked; WIDTH (with
+    it): N itself compiled in, so that no chunk the row fills is masked (the compiler sees which they are)."""
+    if WIDTH > 0:
+        N = WIDTH
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, CHUNK)
     x_ptrs = X + row * stride_xm + offs
@@ -728,8 +731,9 @@ class FwdConfig(NamedTuple):
     """The forward's launch geometry: rows a program and warps; for the register kernel the power-of-two tiles a row
     takes (``tiles``: 1, 2 as ``tail_split``, 3 as ``three_split``) and a bound on a thread's registers
     (``maxnreg``, ptxas ``.maxnreg``; None: ptxas's choice; the two-pass kernel's too); ``wide``: the two-pass
-    kernel, ``chunk`` columns at a time, ``unrolled`` over the row's chunk count; ``sums``: LayerNorm's unrolled
-    two-pass statistics as shifted sums (True) or Welford's chain (False), None as ``wide_fwd_sums`` has it."""
+    kernel, ``chunk`` columns at a time, ``unrolled`` over the row's chunk count (compiled in, with the row's width);
+    ``sums``: LayerNorm's unrolled two-pass statistics as shifted sums (True) or Welford's chain (False), None as
+    ``wide_fwd_sums`` has it."""
     rows: int
     warps: int
     tiles: int = 1
@@ -787,14 +791,17 @@ def _fwd_config(n: int, is_rms: bool, itemsize: int = 2) -> FwdConfig:
     weight's and the bias's elements in bytes. Where the rows are all 16-bit and ``n`` a multiple of 16 (so that
     Triton knows their alignment), the two-pass kernel unrolled over the row's chunks (``wide``, ``unrolled``), which
     keeps all of a pass's loads in flight with few registers, where it beat the register kernel (docs/tuning.md,
-    norms): RMSNorm above 8192, 4096-column chunks at 16 warps to 16384 and 32 above; LayerNorm 12289-14336, 2048
-    at 8 warps, and above 16384, 4096 at 16 warps to 24576 and 32 above. Elsewhere ``_register_fwd_config``."""
+    norms): RMSNorm above 8192, 4096-column chunks at 16 warps to 16384 and 32 above; LayerNorm 12289-13312, 2048
+    at 8 warps, 13313-16384, 4096 as shifted sums at 8 warps (16 at 16384), and above 16384, 4096 at 16 warps to
+    24576 and 32 above. Elsewhere ``_register_fwd_config``."""
     _block(n)  # refuses rows wider than the kernels take
     if itemsize == 2 and n % 16 == 0 and n > 8192:
         if is_rms:
             return FwdConfig(1, 16 if n <= 16384 else 32, wide=True, chunk=4096, unrolled=True)
-        if 12288 < n <= 14336:
+        if 12288 < n <= 13312:
             return FwdConfig(1, 8, wide=True, chunk=2048, unrolled=True)
+        if 13312 < n <= 16384:
+            return FwdConfig(1, 8 if n <= 15360 else 16, wide=True, chunk=4096, unrolled=True, sums=True)
         if n > 16384:
             return FwdConfig(1, 16 if n <= 24576 else 32, wide=True, chunk=4096, unrolled=True)
     return _register_fwd_config(n, is_rms, itemsize)
@@ -966,7 +973,7 @@ def fwd(x, residual, weight, bias, eps: float, is_rms: bool, num_warps: int | No
         _norm_fwd_wide_kernel[(rows,)](*args, CHUNK=chunk, STAGES=stages, CHUNKS=chunks,
                                        EVEN_N=unrolled and n == chunks * chunk,
                                        SUMS=wide_fwd_sums(is_rms, unrolled, chunk) if sums is None else sums,
-                                       **flags)
+                                       WIDTH=n if unrolled else 0, **flags)
     else:
         thirds = three_split(n) if tiles == 3 else None
         if thirds:

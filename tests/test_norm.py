@@ -230,10 +230,13 @@ def test_triton_layer_norm_rows_of_one_value():
     values = torch.tensor([0.0, 1.0, -3.5, 100.5, 1e4, -12480.0, 3e5, 2.0**-10], device=DEVICE)
     launches = ((1000, {}), (13312, dict(wide=False, tiles=3)), (12800, dict(wide=True, chunk=2048)),
                 (12800, dict(wide=True, chunk=2048, unrolled=True)),
-                (20000, dict(wide=True, chunk=4096, unrolled=True)))
+                (20000, dict(wide=True, chunk=4096, unrolled=True)),
+                (13312, dict(wide=True, chunk=4096, unrolled=True, sums=True)),
+                (13312, dict(wide=True, chunk=4096, unrolled=True, sums=False)))
     if not HAS_CUDA:
         launches = ((100, {}), (100, dict(wide=True, chunk=32)), (100, dict(wide=True, chunk=32, unrolled=True)),
-                    (4100, dict(wide=True, chunk=4096, unrolled=True)))
+                    (4100, dict(wide=True, chunk=4096, unrolled=True)),
+                    (100, dict(wide=True, chunk=32, unrolled=True, sums=False)))
     for n, kwargs in launches:
         seed(n, "one-value")
         x = values[:, None].expand(-1, n).to(torch.bfloat16)
@@ -249,7 +252,7 @@ def test_triton_layer_norm_rows_of_one_value():
 @pytest.mark.parametrize("offset", (0.0, 100.0, 1e4))
 def test_triton_wide_forward_statistics_far_from_zero(offset, residual):
     """LayerNorm's two-pass forward, looped (Welford's lanes) and unrolled (the lanes' sums less their first
-    column), on rows whose mean is far from zero beside their spread, with a partial last chunk and without, x alone
+    column, or Welford's lanes), on rows whose mean is far from zero beside their spread, with a partial last chunk and without, x alone
     or x plus a residual: mean and rstd against float64's of the same rows. The rows are bf16 values, so that at an
     offset of 1e4 most rows are one value repeated: a variance of zero that a mean rounded in fp32 would not give."""
     from megakern import _norm_triton as nt
@@ -268,9 +271,9 @@ def test_triton_wide_forward_statistics_far_from_zero(offset, residual):
         ref = h.double()
         mean, var = ref.mean(dim=1), ref.var(dim=1, unbiased=False)
         rstd = torch.rsqrt(var + 1e-5)
-        for unrolled in (False, True):
+        for unrolled, sums in ((False, None), (True, True), (True, False)):
             _, res_out, got_mean, got_rstd = nt.fwd(x, res, None, None, 1e-5, False, wide=True, chunk=chunk,
-                                                    unrolled=unrolled)
+                                                    unrolled=unrolled, sums=sums)
             if residual:
                 assert torch.equal(res_out, h)
             torch.testing.assert_close(got_mean.double(), mean, rtol=1e-6, atol=1e-6 * max(offset, 1.0))
@@ -434,10 +437,15 @@ def compile_for_sm90() -> list:
                                                              STAGES=2, CHUNKS=0, EVEN_N=False), 8),
                  ("fwd wide unrolled", nt._norm_fwd_wide_kernel, dict(flags, HAS_RES=residual, HAS_B=not is_rms,
                                                                       CHUNK=2048, STAGES=1, CHUNKS=6, EVEN_N=True,
-                                                                      SUMS=not is_rms), 16),
+                                                                      SUMS=not is_rms, WIDTH=12288), 16),
                  ("fwd wide unrolled chain", nt._norm_fwd_wide_kernel, dict(flags, HAS_RES=residual,
                                                                             HAS_B=not is_rms, CHUNK=4096, STAGES=1,
-                                                                            CHUNKS=5, EVEN_N=False, SUMS=False), 16),
+                                                                            CHUNKS=5, EVEN_N=False, SUMS=False,
+                                                                            WIDTH=18000), 16),
+                 ("fwd wide unrolled sums 4096", nt._norm_fwd_wide_kernel, dict(flags, HAS_RES=residual,
+                                                                                HAS_B=not is_rms, CHUNK=4096,
+                                                                                STAGES=1, CHUNKS=4, EVEN_N=False,
+                                                                                SUMS=not is_rms, WIDTH=14336), 8),
                  ("bwd wide", nt._norm_bwd_wide_kernel, dict(flags, HAS_DW=True, HAS_DB=not is_rms,
                                                              HAS_DRES_OUT=residual, HAS_DRES=residual, BLOCK_M=2,
                                                              CHUNK=2048, STAGES=2, CHUNKS=0, EVEN_N=False), 8),
@@ -469,7 +477,7 @@ def test_kernels_compile_for_sm90():
     from conftest import sm90_lowering
 
     results = sm90_lowering("test_norm", "compile_for_sm90()")
-    assert len(results) == 32, results
+    assert len(results) == 34, results
 
 
 def test_sass_profile_reads_resources():
@@ -938,7 +946,7 @@ def test_launch_table_tail():
 
 def test_forward_launch_table_wide_and_bound():
     """The forward's table: the two-pass kernel unrolled over the row's chunks for 16-bit rows whose width is a
-    multiple of 16 where it won (RMSNorm above 8192, LayerNorm 12289-14336 and above 16384), LayerNorm's register
+    multiple of 16 where it won (RMSNorm above 8192, LayerNorm above 12288), LayerNorm's register
     kernel bounded to 64 registers beside a tail of 512-2048; fp32 tensors, odd widths and the other widths keep
     the register table. Overrides: the named kernel from its own defaults, register-kernel options select the
     register kernel, the table's register bound only with the table's geometry, a bound on the two-pass kernel
@@ -947,11 +955,13 @@ def test_forward_launch_table_wide_and_bound():
 
     for n, warps in ((8448, 16), (9216, 16), (12288, 16), (14336, 16), (16384, 16), (20480, 32), (65536, 32)):
         assert nt._fwd_config(n, True) == nt.FwdConfig(1, warps, wide=True, chunk=4096, unrolled=True)
-    for n in (12800, 13312, 14336):
+    for n in (12800, 13312):
         assert nt._fwd_config(n, False) == nt.FwdConfig(1, 8, wide=True, chunk=2048, unrolled=True)
+    for n, warps in ((13328, 8), (14336, 8), (15360, 8), (16384, 16)):  # 4096-column chunks, the shifted sums
+        assert nt._fwd_config(n, False) == nt.FwdConfig(1, warps, wide=True, chunk=4096, unrolled=True, sums=True)
     for n, warps in ((20480, 16), (24576, 16), (32768, 32)):
         assert nt._fwd_config(n, False) == nt.FwdConfig(1, warps, wide=True, chunk=4096, unrolled=True)
-    for n, is_rms in ((8192, True), (9000, True), (13000, False), (12288, False), (15360, False), (16384, False)):
+    for n, is_rms in ((8192, True), (9000, True), (13000, False), (12288, False), (15000, False), (16383, False)):
         assert nt._fwd_config(n, is_rms) == nt._register_fwd_config(n, is_rms) and not nt._fwd_config(n, is_rms).wide
     for n in (9216, 20480):
         assert not nt._fwd_config(n, True, itemsize=4).wide
