@@ -792,8 +792,8 @@ def _fwd_config(n: int, is_rms: bool, itemsize: int = 2) -> FwdConfig:
     Triton knows their alignment), the two-pass kernel unrolled over the row's chunks (``wide``, ``unrolled``), which
     keeps all of a pass's loads in flight with few registers, where it beat the register kernel (docs/tuning.md,
     norms): RMSNorm above 8192, 4096-column chunks at 16 warps to 16384 and 32 above; LayerNorm 12289-13312, 2048
-    at 8 warps, 13313-16384, 4096 as shifted sums at 8 warps (16 at 16384), and above 16384, 4096 at 16 warps to
-    24576 and 32 above. Elsewhere ``_register_fwd_config``."""
+    at 8 warps, above 13312, 4096 as shifted sums at 8 warps to 15360 and 16 above. Elsewhere
+    ``_register_fwd_config``."""
     _block(n)  # refuses rows wider than the kernels take
     if itemsize == 2 and n % 16 == 0 and n > 8192:
         if is_rms:
@@ -803,7 +803,7 @@ def _fwd_config(n: int, is_rms: bool, itemsize: int = 2) -> FwdConfig:
         if 13312 < n <= 16384:
             return FwdConfig(1, 8 if n <= 15360 else 16, wide=True, chunk=4096, unrolled=True, sums=True)
         if n > 16384:
-            return FwdConfig(1, 16 if n <= 24576 else 32, wide=True, chunk=4096, unrolled=True)
+            return FwdConfig(1, 16, wide=True, chunk=4096, unrolled=True, sums=True)
     return _register_fwd_config(n, is_rms, itemsize)
 
 

@@ -1,7 +1,7 @@
-"""profiles/probe_ln_welford.py on CPU (the Triton interpreter, fp32): every probe variant (one Chan merge or two
-reductions, a division or a reciprocal a step, unrolled or looped) and megakern's kernels match torch's LayerNorm
-at widths that fill their steps and widths that do not (the probe checks each before timing); bad sizes are clear
-errors."""
+"""profiles/probe_ln_welford.py on the test device (a CPU: the Triton interpreter, fp32): every probe variant (one
+Chan merge or two reductions, a division or a reciprocal a step, unrolled or looped) and megakern's kernels match
+torch's LayerNorm at widths that fill their steps and widths that do not (the probe checks each before timing); bad
+sizes are clear errors."""
 from pathlib import Path
 
 import pytest
@@ -22,8 +22,10 @@ def mod():
 
 @pytest.mark.parametrize("hidden", [64, 100])
 def test_every_variant_matches_torch(mod, hidden):
+    from conftest import DEVICE
+
     torch.manual_seed(hidden)
-    results = mod.run(hidden, 3, "cpu", [4], [32], rep_ms=5, with_compile=False)
+    results = mod.run(hidden, 3, DEVICE, [4], [32], rep_ms=5, with_compile=False)
     labels = [label for label, _, _ in results]
     assert len(labels) == 1 + 2 + 8 and len(set(labels)) == len(labels)
     assert all(ms > 0 and gbps > 0 for _, ms, gbps in results)
@@ -31,10 +33,11 @@ def test_every_variant_matches_torch(mod, hidden):
 
 def test_against_and_no_probe(mod):
     """--against: main's module timed beside the checkout's, each just before it; --no-probe: megakern's alone."""
+    from conftest import DEVICE
     from megakern import _norm_triton
 
     torch.manual_seed(2)
-    results = mod.run(80, 2, "cpu", [4], [32], rep_ms=5, with_compile=False, against=("main", _norm_triton),
+    results = mod.run(80, 2, DEVICE, [4], [32], rep_ms=5, with_compile=False, against=("main", _norm_triton),
                       probes=False)
     labels = [label for label, _, _ in results]
     assert labels == ["megakern table @main", "megakern table",
@@ -47,9 +50,11 @@ def test_against_and_no_probe(mod):
 
 def test_probe_statistics(mod):
     """The probe's y on rows far from zero, against float64 (the run's check is against fp32 torch)."""
+    from conftest import DEVICE
+
     torch.manual_seed(1)
-    x = torch.randn(4, 96) * 0.5 + 1e3
-    w, b = torch.randn(96), torch.randn(96)
+    x = torch.randn(4, 96, device=DEVICE) * 0.5 + 1e3
+    w, b = torch.randn(96, device=DEVICE), torch.randn(96, device=DEVICE)
     ref = torch.nn.functional.layer_norm(x.double(), (96,), w.double(), b.double(), mod.EPS)
     for _, kwargs in mod.variants([4], [32]):
         y = mod.probe_fwd(x, w, b, **kwargs)
