@@ -130,7 +130,8 @@ def norm_wide_row(is_rms: bool, n: int, warps: int, chunk: int, unrolled: bool, 
         flags |= dict(HAS_DW=True, HAS_DB=not is_rms, HAS_DRES_OUT=residual, HAS_DRES=False, BLOCK_M=rows)
     else:
         fn = _norm_triton._norm_fwd_wide_kernel
-        flags |= dict(HAS_RES=residual, HAS_B=not is_rms, SUMS=_norm_triton.wide_fwd_sums(is_rms, unrolled, chunk))
+        flags |= dict(HAS_RES=residual, HAS_B=not is_rms, SUMS=_norm_triton.wide_fwd_sums(is_rms, unrolled, chunk),
+                      WIDTH=n if unrolled else 0)
     if "ALIGN" in fn.arg_names:
         flags["ALIGN"] = 1
     compiled = compile_sm90(fn, flags, types, warps)
