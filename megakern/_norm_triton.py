@@ -590,12 +590,13 @@ def _wide_bwd_out(x_rows, dy_rows, W, DRES_OUT, DX, DRES, DW_PARTIAL, DB_PARTIAL
 
 @triton.jit
 def _norm_bwd_wide_kernel(
-    X, DY, DRES_OUT, W, MEAN, RSTD, DX, DRES, DW_PARTIAL, DB_PARTIAL,
+    X, DY, DRES_OUT, W, MEAN, RSTD, DX, DRES, DW_PARTIAL, DB_PARTIAL, ROW_SUMS,
     stride_xm, stride_dym, stride_dresoutm, stride_dxm, stride_dresm,
     M, N, rows_per_program,
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_DW: tl.constexpr, HAS_DB: tl.constexpr,
     HAS_DRES_OUT: tl.constexpr, HAS_DRES: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
     STAGES: tl.constexpr, CHUNKS: tl.constexpr = 0, EVEN_N: tl.constexpr = False, ALIGN: tl.constexpr = 1,
+    SUMS_ONLY: tl.constexpr = False,
 ):
     """The backward for rows too wide for registers: BLOCK_M rows a step, in CHUNK-column pieces, twice. The first
     pass reads x and dy from memory for each row's two sums (kept per lane of the chunk, summed across the lanes once
@@ -604,7 +605,9 @@ def _norm_bwd_wide_kernel(
     of dweight (and dbias), zeroed by the launcher, which stay in L2 across the program's rows: one read-modify-write
     of them a step, so more rows a step means less L2 traffic per row. CHUNKS > 0: the row's chunk count known when
     compiling (cdiv(N, CHUNK)), both passes unrolled; EVEN_N (with it): N == CHUNKS * CHUNK, no column masked.
-    ALIGN > 1: N and the row strides are multiples of it (``_row_starts``, ``_below``)."""
+    ALIGN > 1: N and the row strides are multiples of it (``_row_starts``, ``_below``). SUMS_ONLY: the first pass
+    alone, each row's mean(g * xhat) and mean(g) stored to ROW_SUMS (2 x M: rows, then M on) for the strips kernel
+    that writes dx (``_norm_bwd_dwdb_kernel`` with HAS_DX)."""
     pid = tl.program_id(0)
     offs = tl.arange(0, CHUNK)
     row_start = pid.to(tl.int64) * rows_per_program  # int64 bounds: the row loop's offsets are 64-bit
@@ -635,8 +638,12 @@ def _norm_bwd_wide_kernel(
                                                  lane_g, IS_RMS, HAS_W, BLOCK_M, CHUNK, False, ALIGN)
         mean_gx = tl.sum(lane_gx, axis=1) / N
         mean_g = tl.sum(lane_g, axis=1) / N
+        if SUMS_ONLY:
+            tl.store(ROW_SUMS + rows, mean_gx, mask=row_mask)
+            if not IS_RMS:
+                tl.store(ROW_SUMS + M + rows, mean_g, mask=row_mask)
         # pass 2: dx, and the step's column sums added to this program's partial rows (zeroed by the launcher)
-        if CHUNKS > 0:
+        elif CHUNKS > 0:
             for i in tl.static_range(CHUNKS):
                 _wide_bwd_out(x_rows, dy_rows, W, DRES_OUT, DX, DRES, DW_PARTIAL, DB_PARTIAL, offs, i * CHUNK, N,
                               rows, row_mask, mean, rstd, w, mean_gx, mean_g, part_row, stride_dresoutm, stride_dxm,
@@ -654,10 +661,15 @@ def _norm_bwd_wide_kernel(
 def _norm_bwd_dwdb_kernel(
     X, DY, MEAN, RSTD, DW_PARTIAL, DB_PARTIAL, stride_xm, stride_dym, M, N, rows_per_program,
     IS_RMS: tl.constexpr, HAS_DW: tl.constexpr, HAS_DB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+    W=None, DRES_OUT=None, DX=None, DRES=None, ROW_SUMS=None, stride_dresoutm=0, stride_dxm=0, stride_dresm=0,
+    HAS_DX: tl.constexpr = False, HAS_W: tl.constexpr = False, HAS_DRES_OUT: tl.constexpr = False,
+    HAS_DRES: tl.constexpr = False,
 ):
     """The split backward's weight (and bias) gradient: a strip of BLOCK_C columns over this program's share of the
     rows, BLOCK_M rows a step, the column sums of dy * xhat (and dy) kept per row of the step until the end, then
-    written as this program's partial row (every column of it: an empty share writes zeros)."""
+    written as this program's partial row (every column of it: an empty share writes zeros). HAS_DX: the strip's dx
+    too (and the residual's gradient, as ``_bwd_dx_out``), from each row's mean(g * xhat) and mean(g) in ROW_SUMS
+    (the wide kernel's SUMS_ONLY pass), so that x and dy are read once here and once there."""
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < N
     part = tl.program_id(1).to(tl.int64)
@@ -665,9 +677,25 @@ def _norm_bwd_dwdb_kernel(
     row_end = tl.minimum(row_start + rows_per_program, M)
     dw = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
     db = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
+    w = tl.zeros([BLOCK_C], dtype=tl.float32)  # without a weight (or dx): unused
+    if HAS_DX and HAS_W:
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
     for row0 in range(row_start, row_end, BLOCK_M):
         x, dy, mean, rstd = _load_bwd_rows(X, DY, MEAN, RSTD, row0, row_end, cols, col_mask, stride_xm, stride_dym,
                                            IS_RMS, BLOCK_M)
+        if HAS_DX:
+            rows = row0 + tl.arange(0, BLOCK_M)
+            live = rows < row_end
+            mask = live[:, None] & col_mask[None, :]
+            mean_gx = tl.load(ROW_SUMS + rows, mask=live, other=0.0)
+            mean_g = mean_gx  # RMSNorm: unused
+            if not IS_RMS:
+                mean_g = tl.load(ROW_SUMS + M + rows, mask=live, other=0.0)
+            # unmasked xhat: a masked column's dx is not stored, and its dy of zero adds nothing below
+            _, xhat, g = _bwd_xhat_g(x, dy, w, _col(mean, BLOCK_M), _col(rstd, BLOCK_M), mask, IS_RMS, HAS_W, False)
+            _bwd_dx_out(DRES_OUT, DX, DRES, g, xhat, mean_gx[:, None], mean_g[:, None], _col(rstd, BLOCK_M),
+                        rows.to(tl.int64), cols, mask, stride_dresoutm, stride_dxm, stride_dresm, IS_RMS,
+                        HAS_DRES_OUT, HAS_DRES)
         dy = dy.to(tl.float32)
         if HAS_DW:  # rows past the end read x, dy and rstd as zeros: they add nothing
             if IS_RMS:
@@ -815,7 +843,9 @@ class BwdConfig(NamedTuple):
     (``_norm_bwd_dwdb_kernel``, ``split_geometry``: columns a strip, rows a step, warps, programs per SM), which
     reads x and dy once more. ``tail``: the register kernel's rows as two power-of-two tiles where ``tail_split`` has
     them, as the forward's. ``unrolled``: the two-pass kernel's loops unrolled over the row's chunk count, compiled
-    in (a kernel per count; ``stages`` then has no effect)."""
+    in (a kernel per count; ``stages`` then has no effect). ``strip_dx`` (with ``split`` and ``wide``): the two-pass
+    kernel takes only each row's two sums (its first pass, x and dy read once), and the strips kernel writes dx
+    beside the column sums, so that no pass depends on rows staying in L2."""
     rows: int
     warps: int
     per_sm: int
@@ -827,6 +857,7 @@ class BwdConfig(NamedTuple):
     split_geometry: tuple = (256, 16, 4, 4)
     tail: bool = False
     unrolled: bool = False
+    strip_dx: bool = False
 
 
 def _bwd_config(n: int, is_rms: bool, itemsize: int = 2) -> BwdConfig:
@@ -865,7 +896,12 @@ def resolve_bwd_config(n: int, is_rms: bool, overrides: dict, itemsize: int = 2)
     table = _bwd_config(n, is_rms, itemsize)
     if "wide" in overrides and (bool(overrides["wide"]) != table.wide or table.unrolled):
         table = BwdConfig(1, table.warps, table.per_sm, wide=bool(overrides["wide"]))
-    return table._replace(**overrides)
+    config = table._replace(**overrides)
+    if config.strip_dx and not (config.split and config.wide):
+        raise ValueError("norm backward: strip_dx has the split backward's strips write dx after the two-pass "
+                         f"kernel's row sums (split=True, wide=True); this launch has split={config.split}, "
+                         f"wide={config.wide}")
+    return config
 
 
 WIDE_PIPELINE_BYTES = 160 * 1024  # shared memory the wide backward's loads in flight may take (228 KiB an SM)
@@ -1023,21 +1059,41 @@ def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype, need_
     flags = dict(IS_RMS=is_rms, HAS_W=weight is not None, HAS_DW=need_dw and not config.split,
                  HAS_DB=has_db and not config.split, HAS_DRES_OUT=dres_out is not None, HAS_DRES=separate_dres,
                  num_warps=config.warps)
-    if config.split and parts is not None and rows:
+    align = row_alignment(n, x.stride(0), dy.stride(0), dres_out.stride(0) if dres_out is not None else 0,
+                          dx.stride(0), dres.stride(0) if dres is not None else 0)
+    if config.strip_dx:  # the rows' sums by the two-pass kernel's first pass, then dx and the column sums by strips
+        row_sums = torch.empty((1 if is_rms else 2, rows), dtype=torch.float32, device=dy.device)
+        if rows:
+            chunk, stages = _wide_pipeline(config, block, [x, dy])
+            chunks = cdiv(n, chunk) if config.unrolled else 0
+            _norm_bwd_wide_kernel[(programs,)](
+                x, dy, None, weight, mean, rstd, None, None, None, None, row_sums, x.stride(0), dy.stride(0), 0, 0,
+                0, rows, n, rows_per_program, IS_RMS=is_rms, HAS_W=weight is not None, HAS_DW=False, HAS_DB=False,
+                HAS_DRES_OUT=False, HAS_DRES=False, BLOCK_M=config.rows, CHUNK=chunk, STAGES=stages, CHUNKS=chunks,
+                EVEN_N=config.unrolled and n == chunks * chunk, ALIGN=align, SUMS_ONLY=True, num_warps=config.warps)
+            _norm_bwd_dwdb_kernel[(strips, shares)](
+                x, dy, mean, rstd, dw_partial, db_partial, x.stride(0), dy.stride(0), rows, n, rows_per_share,
+                IS_RMS=is_rms, HAS_DW=need_dw, HAS_DB=has_db, BLOCK_M=split_rows, BLOCK_C=split_cols, W=weight,
+                DRES_OUT=dres_out, DX=dx, DRES=dres, ROW_SUMS=row_sums,
+                stride_dresoutm=dres_out.stride(0) if dres_out is not None else 0, stride_dxm=dx.stride(0),
+                stride_dresm=dres.stride(0) if dres is not None else 0, HAS_DX=True, HAS_W=weight is not None,
+                HAS_DRES_OUT=dres_out is not None, HAS_DRES=separate_dres, num_warps=split_warps)
+        elif parts is not None:
+            parts.zero_()
+    elif config.split and parts is not None and rows:
         _norm_bwd_dwdb_kernel[(strips, shares)](
             x, dy, mean, rstd, dw_partial, db_partial, x.stride(0), dy.stride(0), rows, n, rows_per_share,
             IS_RMS=is_rms, HAS_DW=need_dw, HAS_DB=has_db, BLOCK_M=split_rows, BLOCK_C=split_cols,
             num_warps=split_warps)
     elif config.split and parts is not None:
         parts.zero_()
-    align = row_alignment(n, x.stride(0), dy.stride(0), dres_out.stride(0) if dres_out is not None else 0,
-                          dx.stride(0), dres.stride(0) if dres is not None else 0)
-    if config.wide:
+    if config.wide and not config.strip_dx:
         chunk, stages = _wide_pipeline(config, block, [t for t in (x, dy, dres_out) if t is not None])
         chunks = cdiv(n, chunk) if config.unrolled else 0
-        _norm_bwd_wide_kernel[(programs,)](*args, BLOCK_M=config.rows, CHUNK=chunk, STAGES=stages, CHUNKS=chunks,
-                                           EVEN_N=config.unrolled and n == chunks * chunk, ALIGN=align, **flags)
-    else:
+        _norm_bwd_wide_kernel[(programs,)](*args[:10], None, *args[10:], BLOCK_M=config.rows, CHUNK=chunk,
+                                           STAGES=stages, CHUNKS=chunks, EVEN_N=config.unrolled and n == chunks * chunk,
+                                           ALIGN=align, **flags)
+    elif not config.wide:
         head, tail_cols = (tail_split(n) if config.tail else None) or (block, 0)
         _norm_bwd_kernel[(programs,)](*args, BLOCK_M=config.rows, BLOCK_N=head, PREFETCH=config.prefetch,
                                       BLOCK_T=tail_cols, EVEN_N=n == head, ALIGN=align, **flags)

@@ -87,7 +87,7 @@ def order(compiled, width: int = 100) -> str:
 
 
 NORM_POINTERS = {"X", "RES", "W", "B", "Y", "RES_OUT", "DY", "DRES_OUT", "DX"}
-NORM_FP32 = {"MEAN", "RSTD", "DRES", "DW_PARTIAL", "DB_PARTIAL"}
+NORM_FP32 = {"MEAN", "RSTD", "DRES", "DW_PARTIAL", "DB_PARTIAL", "ROW_SUMS"}
 
 
 def norm_row(is_rms: bool, n: int, warps: int, tail: bool, rows: int, backward: bool, prefetch: bool,

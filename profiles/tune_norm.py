@@ -189,6 +189,17 @@ def specs(n: int, is_rms: bool, residual: bool) -> list[tuple[str, str, dict]]:
                 label = " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in dx.items())
                 out.append((f"triton bwd split {label} columns/rows/warps/per_sm={'/'.join(map(str, geometry))}",
                             "triton bwd", dict(dx, split=True, split_geometry=geometry)))
+        # the rows' two sums alone by the two-pass kernel (x and dy read once), then dx with the column sums by the
+        # strips (x and dy read again): no pass leans on rows kept in L2
+        sums_kernels = [dict(rows=1, warps=16, per_sm=4, chunk=4096, unrolled=True),
+                        dict(rows=1, warps=8, per_sm=8, chunk=4096, unrolled=True),
+                        dict(rows=1, warps=16, per_sm=2, chunk=4096, unrolled=True),
+                        dict(rows=2, warps=8, per_sm=2, chunk=2048, stages=2)]
+        for sums in sums_kernels:
+            for geometry in ((256, 16, 4, 4), (128, 32, 4, 4), (512, 8, 8, 2), (256, 32, 8, 2), (1024, 4, 8, 2)):
+                label = " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in sums.items())
+                out.append((f"triton bwd strip_dx {label} columns/rows/warps/per_sm={'/'.join(map(str, geometry))}",
+                            "triton bwd", dict(sums, wide=True, split=True, strip_dx=True, split_geometry=geometry)))
     out.append((f"cuda bwd default {_norm_cuda.launch_config(n, torch.bfloat16, True)}", "cuda bwd", {}))
     for config in cuda_geometries(n, backward=True):
         out.append((f"cuda bwd {config}", "cuda bwd", dict(config=config)))

@@ -142,7 +142,10 @@ GEOMETRIES = {"1-row": dict(rows=1), "2-rows": dict(rows=2), "1-row-prefetch": d
               "wide-4-rows": dict(wide=True, rows=4, chunk=32),
               "split": dict(split=True), "split-2-rows-prefetch": dict(split=True, rows=2, prefetch=True),
               "split-wide": dict(split=True, wide=True, rows=2, chunk=32),
-              "split-narrow-strips": dict(split=True, split_geometry=(32, 4, 2, 2))}
+              "split-narrow-strips": dict(split=True, split_geometry=(32, 4, 2, 2)),
+              "split-strip-dx": dict(split=True, wide=True, strip_dx=True, rows=2, chunk=32),
+              "split-strip-dx-unrolled": dict(split=True, wide=True, strip_dx=True, rows=1, chunk=32, unrolled=True,
+                                              split_geometry=(32, 4, 2, 2))}
 
 
 @pytest.mark.parametrize("rows", (1, 2))
@@ -374,7 +377,8 @@ def test_triton_forward_register_bound(op):
 @pytest.mark.parametrize("op", OPS)
 def test_triton_geometries(op, setup, geometry):
     """Each backward geometry the launch table picks from (rows a step, the next step's rows loaded ahead or not, the
-    two-pass kernels for wide rows, forward and backward, the split backward's dx kernels and its column kernel), on
+    two-pass kernels for wide rows, forward and backward, the split backward's dx kernels and its column kernel, the
+    latter also writing dx after the two-pass kernel's row sums), on
     row counts that leave programs a partial last step, one row, or none, and on a hidden size that leaves the last
     chunk of a wide row partial."""
     fwd, bwd = launchers_for("triton")
@@ -402,8 +406,8 @@ def compile_for_sm90() -> list:
     from megakern import _norm_triton as nt
 
     pointers = {"X", "RES", "W", "B", "Y", "RES_OUT", "MEAN", "RSTD", "DY", "DRES_OUT", "DX", "DRES", "DW_PARTIAL",
-                "DB_PARTIAL"}
-    fp32 = {"MEAN", "RSTD", "DRES", "DW_PARTIAL", "DB_PARTIAL"}
+                "DB_PARTIAL", "ROW_SUMS"}
+    fp32 = {"MEAN", "RSTD", "DRES", "DW_PARTIAL", "DB_PARTIAL", "ROW_SUMS"}
     results = []
     for is_rms, residual in ((True, False), (False, True)):
         flags = dict(IS_RMS=is_rms, HAS_W=True)
@@ -458,7 +462,15 @@ def compile_for_sm90() -> list:
                                                                       BLOCK_M=2, CHUNK=4096, STAGES=1, CHUNKS=5,
                                                                       EVEN_N=True), 16),
                  ("bwd dwdb", nt._norm_bwd_dwdb_kernel, dict(IS_RMS=is_rms, HAS_DW=True, HAS_DB=not is_rms,
-                                                            BLOCK_M=16, BLOCK_C=256), 4)]
+                                                            BLOCK_M=16, BLOCK_C=256, HAS_DX=False, HAS_W=False,
+                                                            HAS_DRES_OUT=False, HAS_DRES=False), 4),
+                 ("bwd wide row sums", nt._norm_bwd_wide_kernel, dict(flags, HAS_DW=False, HAS_DB=False,
+                                                                      HAS_DRES_OUT=False, HAS_DRES=False, BLOCK_M=1,
+                                                                      CHUNK=4096, STAGES=1, CHUNKS=8, EVEN_N=True,
+                                                                      SUMS_ONLY=True), 16),
+                 ("bwd strips dx", nt._norm_bwd_dwdb_kernel, dict(IS_RMS=is_rms, HAS_DW=True, HAS_DB=not is_rms,
+                                                                 BLOCK_M=16, BLOCK_C=256, HAS_DX=True, HAS_W=True,
+                                                                 HAS_DRES_OUT=residual, HAS_DRES=residual), 4)]
         for name, kernel, constexprs, warps in cases:
             if "ALIGN" in kernel.arg_names:  # a constexpr the launcher always passes
                 constexprs = dict(constexprs, ALIGN=constexprs.get("ALIGN", 1))
@@ -477,7 +489,7 @@ def test_kernels_compile_for_sm90():
     from conftest import sm90_lowering
 
     results = sm90_lowering("test_norm", "compile_for_sm90()")
-    assert len(results) == 34, results
+    assert len(results) == 38, results
 
 
 def test_sass_profile_reads_resources():
@@ -1029,6 +1041,11 @@ def test_backward_launch_overrides():
     assert nt.resolve_bwd_config(32768, False, dict(wide=True)) == nt._bwd_config(32768, False)
     with pytest.raises(TypeError, match="unknown backward launch options"):
         nt.resolve_bwd_config(1024, True, dict(num_warps=4))
+    strips = nt.resolve_bwd_config(32768, False, dict(split=True, strip_dx=True))
+    assert strips.split and strips.wide and strips.strip_dx
+    for overrides in (dict(strip_dx=True), dict(split=True, wide=False, strip_dx=True)):
+        with pytest.raises(ValueError, match="strip_dx has the split backward's strips write dx"):
+            nt.resolve_bwd_config(32768, False, overrides)
     # RMSNorm's 16-bit rows of 16385-24576 (a multiple of 16): the two-pass kernel unrolled, 2 rows a step
     unrolled = nt.BwdConfig(2, 16, 1, wide=True, chunk=4096, unrolled=True)
     assert all(nt._bwd_config(n, True) == unrolled for n in (16400, 20000, 20480, 24576))
