@@ -116,12 +116,13 @@ def specs(n: int, is_rms: bool, residual: bool) -> list[tuple[str, str, dict]]:
         for warps, chunk in [(w, c) for w in (8, 16, 32) for c in (1024, 2048, 4096)]:
             out.append((f"triton fwd wide unrolled warps={warps} chunk={chunk}", "triton fwd",
                         dict(num_warps=warps, wide=True, chunk=chunk, unrolled=True)))
-    # LayerNorm's unrolled two-pass kernel with either statistics (shifted sums, Welford's chain) and its registers
-    # bounded, so that more of its programs fit an SM (at 8 warps: 4 at 64 registers, 6 at 40, 8 at 32)
+    # LayerNorm's unrolled two-pass kernel with either statistics (shifted sums, Welford's chain), and at 8-16 warps
+    # its registers bounded so that more of its programs fit an SM (at 8 warps: 4 at 64 registers, 6 at 40; 32-48
+    # lost or were level at 12800-15360, profiles/h200/tune_ln_fwd_wide_bound_d321b2e.txt)
     if n > 8192 and not is_rms:
-        for warps, chunk in ((8, 2048), (16, 2048), (8, 4096), (16, 4096)):
+        for warps, chunk in ((4, 1024), (4, 2048), (8, 1024), (8, 2048), (16, 2048), (8, 4096), (16, 4096)):
             for sums in (True, False):
-                for maxnreg in (None, 32, 40, 48):
+                for maxnreg in (None, 40) if chunk >= 2048 and warps >= 8 else (None,):
                     out.append((f"triton fwd wide unrolled warps={warps} chunk={chunk} sums={int(sums)} "
                                 f"maxnreg={maxnreg}", "triton fwd", dict(num_warps=warps, wide=True, chunk=chunk,
                                                                           unrolled=True, sums=sums, maxnreg=maxnreg)))
