@@ -16,6 +16,7 @@ Inductor picked a row a program, 2048 columns a step and 16 warps at hidden 9216
 sweep of the same session (`profiles/h200/tune_ln_fwd_16384_d321b2e.txt`).
 
     python profiles/probe_ln_welford.py --hidden 12288,14336,16384 [--warps 8,16] [--chunks 2048] [--mib 256]
+        [--against COPY_OF_NORM_TRITON.py] [--no-probe]
 
 Bytes counted: x read once, y written once. Fraction: of the same-run copy. Every variant's output is checked
 against torch's in fp32 before it is timed.
