@@ -552,10 +552,15 @@ def _wide_bwd_chunk(x_rows, dy_rows, W, offs, c0, N, row_mask, mean, rstd, w, IS
 @triton.jit
 def _wide_bwd_sums(x_rows, dy_rows, W, offs, c0, N, row_mask, mean, rstd, w, lane_gx, lane_g,
                    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
-                   EVEN_N: tl.constexpr, ALIGN: tl.constexpr = 1):
-    """Pass 1 of the wide backward over the columns ``c0 + offs``: the lanes' sums of g * xhat (and g) updated."""
-    _, _, _, _, xhat, g = _wide_bwd_chunk(x_rows, dy_rows, W, offs, c0, N, row_mask, mean, rstd, w, IS_RMS, HAS_W,
-                                          BLOCK_M, CHUNK, EVEN_N, "evict_last", ALIGN)
+                   EVEN_N: tl.constexpr, ALIGN: tl.constexpr = 1, KEEP: tl.constexpr = True):
+    """Pass 1 of the wide backward over the columns ``c0 + offs``: the lanes' sums of g * xhat (and g) updated; x and
+    dy loaded to stay in L2 for pass 2 (KEEP; without it, where no pass 2 follows, to leave it)."""
+    if KEEP:
+        _, _, _, _, xhat, g = _wide_bwd_chunk(x_rows, dy_rows, W, offs, c0, N, row_mask, mean, rstd, w, IS_RMS, HAS_W,
+                                              BLOCK_M, CHUNK, EVEN_N, "evict_last", ALIGN)
+    else:
+        _, _, _, _, xhat, g = _wide_bwd_chunk(x_rows, dy_rows, W, offs, c0, N, row_mask, mean, rstd, w, IS_RMS, HAS_W,
+                                              BLOCK_M, CHUNK, EVEN_N, "evict_first", ALIGN)
     lane_gx += g * xhat
     if not IS_RMS:
         lane_g += g
@@ -631,11 +636,12 @@ def _norm_bwd_wide_kernel(
         if CHUNKS > 0:
             for i in tl.static_range(CHUNKS):
                 lane_gx, lane_g = _wide_bwd_sums(x_rows, dy_rows, W, offs, i * CHUNK, N, row_mask, mean, rstd, w,
-                                                 lane_gx, lane_g, IS_RMS, HAS_W, BLOCK_M, CHUNK, EVEN_N, ALIGN)
+                                                 lane_gx, lane_g, IS_RMS, HAS_W, BLOCK_M, CHUNK, EVEN_N, ALIGN,
+                                                 not SUMS_ONLY)
         else:
             for c0 in tl.range(0, N, CHUNK, num_stages=STAGES):
                 lane_gx, lane_g = _wide_bwd_sums(x_rows, dy_rows, W, offs, c0, N, row_mask, mean, rstd, w, lane_gx,
-                                                 lane_g, IS_RMS, HAS_W, BLOCK_M, CHUNK, False, ALIGN)
+                                                 lane_g, IS_RMS, HAS_W, BLOCK_M, CHUNK, False, ALIGN, not SUMS_ONLY)
         mean_gx = tl.sum(lane_gx, axis=1) / N
         mean_g = tl.sum(lane_g, axis=1) / N
         if SUMS_ONLY:
