@@ -29,8 +29,10 @@ from megakern import _cross_entropy_triton, _norm_triton  # noqa: E402
 
 
 def compile_sm90(fn, constexprs: dict, types: dict, warps: int, maxnreg: int | None = None):
-    """``fn`` compiled for sm_90: arguments in ``constexprs`` as constants, the others typed by ``types`` (i32 when
-    absent); pointers, strides and the names in ``types`` marked "/16" (stripped) divisible by 16."""
+    """``fn`` compiled for sm_90: arguments in ``constexprs`` as constants (the constexprs left out at their defaults,
+    as a launch leaves them), the others typed by ``types`` (i32 when absent); pointers, strides and the names in
+    ``types`` marked "/16" (stripped) divisible by 16."""
+    constexprs = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default} | constexprs
     signature, divisible = {}, []
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
