@@ -595,13 +595,13 @@ def _wide_bwd_out(x_rows, dy_rows, W, DRES_OUT, DX, DRES, DW_PARTIAL, DB_PARTIAL
 
 @triton.jit
 def _norm_bwd_wide_kernel(
-    X, DY, DRES_OUT, W, MEAN, RSTD, DX, DRES, DW_PARTIAL, DB_PARTIAL, ROW_SUMS,
+    X, DY, DRES_OUT, W, MEAN, RSTD, DX, DRES, DW_PARTIAL, DB_PARTIAL,
     stride_xm, stride_dym, stride_dresoutm, stride_dxm, stride_dresm,
     M, N, rows_per_program,
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_DW: tl.constexpr, HAS_DB: tl.constexpr,
     HAS_DRES_OUT: tl.constexpr, HAS_DRES: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
     STAGES: tl.constexpr, CHUNKS: tl.constexpr = 0, EVEN_N: tl.constexpr = False, ALIGN: tl.constexpr = 1,
-    SUMS_ONLY: tl.constexpr = False,
+    ROW_SUMS=None, SUMS_ONLY: tl.constexpr = False,
 ):
     """The backward for rows too wide for registers: BLOCK_M rows a step, in CHUNK-column pieces, twice. The first
     pass reads x and dy from memory for each row's two sums (kept per lane of the chunk, summed across the lanes once
@@ -1073,10 +1073,11 @@ def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype, need_
             chunk, stages = _wide_pipeline(config, block, [x, dy])
             chunks = cdiv(n, chunk) if config.unrolled else 0
             _norm_bwd_wide_kernel[(programs,)](
-                x, dy, None, weight, mean, rstd, None, None, None, None, row_sums, x.stride(0), dy.stride(0), 0, 0,
-                0, rows, n, rows_per_program, IS_RMS=is_rms, HAS_W=weight is not None, HAS_DW=False, HAS_DB=False,
+                x, dy, None, weight, mean, rstd, None, None, None, None, x.stride(0), dy.stride(0), 0, 0, 0, rows, n,
+                rows_per_program, IS_RMS=is_rms, HAS_W=weight is not None, HAS_DW=False, HAS_DB=False,
                 HAS_DRES_OUT=False, HAS_DRES=False, BLOCK_M=config.rows, CHUNK=chunk, STAGES=stages, CHUNKS=chunks,
-                EVEN_N=config.unrolled and n == chunks * chunk, ALIGN=align, SUMS_ONLY=True, num_warps=config.warps)
+                EVEN_N=config.unrolled and n == chunks * chunk, ALIGN=align, ROW_SUMS=row_sums, SUMS_ONLY=True,
+                num_warps=config.warps)
             _norm_bwd_dwdb_kernel[(strips, shares)](
                 x, dy, mean, rstd, dw_partial, db_partial, x.stride(0), dy.stride(0), rows, n, rows_per_share,
                 IS_RMS=is_rms, HAS_DW=need_dw, HAS_DB=has_db, BLOCK_M=split_rows, BLOCK_C=split_cols, W=weight,
@@ -1096,9 +1097,8 @@ def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype, need_
     if config.wide and not config.strip_dx:
         chunk, stages = _wide_pipeline(config, block, [t for t in (x, dy, dres_out) if t is not None])
         chunks = cdiv(n, chunk) if config.unrolled else 0
-        _norm_bwd_wide_kernel[(programs,)](*args[:10], None, *args[10:], BLOCK_M=config.rows, CHUNK=chunk,
-                                           STAGES=stages, CHUNKS=chunks, EVEN_N=config.unrolled and n == chunks * chunk,
-                                           ALIGN=align, **flags)
+        _norm_bwd_wide_kernel[(programs,)](*args, BLOCK_M=config.rows, CHUNK=chunk, STAGES=stages, CHUNKS=chunks,
+                                           EVEN_N=config.unrolled and n == chunks * chunk, ALIGN=align, **flags)
     elif not config.wide:
         head, tail_cols = (tail_split(n) if config.tail else None) or (block, 0)
         _norm_bwd_kernel[(programs,)](*args, BLOCK_M=config.rows, BLOCK_N=head, PREFETCH=config.prefetch,
