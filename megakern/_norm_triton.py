@@ -870,10 +870,13 @@ def _bwd_config(n: int, is_rms: bool, itemsize: int = 2) -> BwdConfig:
     """Rows in registers up to hidden 8192 (RMSNorm 16384): 16 elements of a step's rows a thread, 16 warps an SM,
     the next step's rows loaded before this step's math. Between 8192 and 16384 a row that ``tail_split`` takes as
     two power-of-two tiles, as those tiles in registers (LayerNorm too, without loading ahead). LayerNorm's other
-    rows to 16384, whose dweight and dbias sums beside dx overflow the registers: dx in registers alone and the sums
-    by the strips kernel (``split``). Wider rows, the two-pass kernel, 4 rows a step; RMSNorm's 16-bit rows
+    rows below 16384, whose dweight and dbias sums beside dx overflow the registers: dx in registers alone and the
+    sums by the strips kernel (``split``). Wider rows, the two-pass kernel; RMSNorm's 16-bit rows
     (``itemsize``: the widest element of x, dy, the residual's gradient and the weight) of 16385-24576 columns, a
-    multiple of 16, unrolled over 4096-column chunks, 2 rows a step at 16 warps, where it won (docs/tuning.md)."""
+    multiple of 16, unrolled over 4096-column chunks, 2 rows a step at 16 warps, where it won (docs/tuning.md).
+    LayerNorm's rows from 16384 and RMSNorm's other rows above 16384: ``strip_dx``, each row's two sums by the
+    two-pass kernel's first pass (one row a step, unrolled over 4096-column chunks),
+    then dx with the column sums by strips of 128 columns, 32 rows a step: no pass reads rows back from L2."""
     block = _block(n)
     if is_rms and itemsize == 2 and n % 16 == 0 and 16384 < n <= 24576:
         return BwdConfig(2, 16, 1, wide=True, chunk=4096, unrolled=True)
@@ -886,22 +889,27 @@ def _bwd_config(n: int, is_rms: bool, itemsize: int = 2) -> BwdConfig:
         return BwdConfig(1, 16, 1, prefetch=is_rms, tail=True)
     if block <= 16384 and is_rms:
         return BwdConfig(1, 16, 1)
-    if block <= 16384:
+    if block <= 16384 and n < 16384:
         return BwdConfig(1, 16, 1, split=True, split_geometry=(1024, 4, 8, 2))
-    return BwdConfig(4, 8, 2, wide=True, chunk=2048, stages=3)
+    warps, per_sm = (16, 2) if is_rms else (8, 8)
+    return BwdConfig(1, warps, per_sm, wide=True, chunk=4096, unrolled=True, split=True,
+                     split_geometry=(128, 32, 4, 4), strip_dx=True)
 
 
 def resolve_bwd_config(n: int, is_rms: bool, overrides: dict, itemsize: int = 2) -> BwdConfig:
     """The launch table's BwdConfig with ``overrides`` (fields of BwdConfig; None keeps the table's) in its place;
-    naming ``wide`` against the table's kernel, or against its unrolled two-pass kernel, starts from that kernel's
-    own defaults (one row a step, chunk 4096, 2 stages, looped) before the other overrides apply."""
+    naming ``wide`` against the table's kernel, its unrolled two-pass kernel or its ``strip_dx``, starts from that
+    kernel's own defaults (one row a step, chunk 4096, 2 stages, looped, fused) before the other overrides apply;
+    ``split=False`` against the table's ``strip_dx`` names the fused two-pass kernel."""
     unknown = set(overrides) - set(BwdConfig._fields)
     if unknown:
         raise TypeError(f"unknown backward launch options {sorted(unknown)}; known: {BwdConfig._fields}")
     overrides = {k: v for k, v in overrides.items() if v is not None}
     table = _bwd_config(n, is_rms, itemsize)
-    if "wide" in overrides and (bool(overrides["wide"]) != table.wide or table.unrolled):
+    if "wide" in overrides and (bool(overrides["wide"]) != table.wide or table.unrolled or table.strip_dx):
         table = BwdConfig(1, table.warps, table.per_sm, wide=bool(overrides["wide"]))
+    if table.strip_dx and "strip_dx" not in overrides and not overrides.get("split", True):
+        table = table._replace(strip_dx=False)  # split=False alone names the fused two-pass kernel
     config = table._replace(**overrides)
     if config.strip_dx and not (config.split and config.wide):
         raise ValueError("norm backward: strip_dx has the split backward's strips write dx after the two-pass "

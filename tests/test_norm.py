@@ -951,9 +951,15 @@ def test_launch_table_tail():
                      13824: ((1, 8, 1), (1, 16, 1)), 14336: ((1, 8, 1), (1, 8, 3))}
     with pytest.raises(ValueError, match="tiles must be 1, 2 or 3"):
         nt.fwd(torch.ones(2, 64), None, None, None, 1e-5, True, tiles=4)
-    # LayerNorm's rows of 14336 and 16384: dx in registers, the dweight / dbias sums by the strips kernel
-    assert all(nt._bwd_config(n, False).split and not nt._bwd_config(n, False).wide for n in (14336, 16384))
-    assert nt._bwd_config(32768, False).wide and nt._bwd_config(32768, True).wide
+    # LayerNorm's rows of 13313-16383 (not two tiles): dx in registers, the dweight / dbias sums by the strips kernel
+    assert all(nt._bwd_config(n, False).split and not nt._bwd_config(n, False).wide for n in (14336, 15360, 16376))
+    # from 16384 (RMSNorm above, beside its unrolled rows): the row sums alone, then dx by the strips kernel
+    for n, is_rms in ((16384, False), (20480, False), (32768, False), (32768, True), (20008, True)):
+        config = nt._bwd_config(n, is_rms)
+        assert config.strip_dx and config.split and config.wide and config.unrolled and config.rows == 1
+        assert config.split_geometry == (128, 32, 4, 4)
+    assert not nt._bwd_config(16384, True).strip_dx
+    assert nt._bwd_config(nt.MAX_BLOCK, False).strip_dx and nt._bwd_config(nt.MAX_BLOCK - 8, True).strip_dx
 
 
 def test_forward_launch_table_wide_and_bound():
@@ -1011,12 +1017,13 @@ def test_forward_launch_table_wide_and_bound():
 @pytest.mark.parametrize("op", OPS)
 def test_triton_forward_table_wide_rows(op, setup):
     """The launch table's forward where it takes the two-pass kernel unrolled, or LayerNorm's bounded register kernel
-    (bf16 rows, a partial last chunk at 12800 and 20000), and RMSNorm's unrolled backward at 20000, against the
-    references, and the forward equal to the register kernel's output and statistics to rounding."""
+    (bf16 rows, a partial last chunk at 12800 and 20000), RMSNorm's unrolled backward at 20000 and the backward's
+    row sums then dx by strips (LayerNorm from 16384, RMSNorm at 24592), against the references, and the forward
+    equal to the register kernel's output and statistics to rounding."""
     from megakern import _norm_triton as nt
 
     fwd, bwd = launchers_for("triton")
-    for n in (9216, 12800, 14336, 20000):
+    for n in (9216, 12800, 14336, 16384, 20000, 24592):
         seed(op, setup, n, "table-wide")
         x, w, b, r = make_inputs(op, torch.bfloat16, (3, 5, n), setup)
         if op == "layer_norm":
@@ -1038,20 +1045,26 @@ def test_backward_launch_overrides():
     wide = nt.resolve_bwd_config(1024, True, dict(wide=True, chunk=256))
     assert wide.wide and wide.rows == 1 and wide.chunk == 256 and wide.stages == 2
     assert not nt.resolve_bwd_config(32768, False, dict(wide=False)).wide
-    assert nt.resolve_bwd_config(32768, False, dict(wide=True)) == nt._bwd_config(32768, False)
+    fused = nt.resolve_bwd_config(32768, False, dict(wide=True))
+    assert fused == nt.BwdConfig(1, 8, 8, wide=True) and not fused.strip_dx
+    not_split = nt.resolve_bwd_config(32768, False, dict(split=False))
+    assert not_split.wide and not not_split.split and not not_split.strip_dx
+    assert not nt.resolve_bwd_config(nt.MAX_BLOCK, True, dict(wide=True)).strip_dx
     with pytest.raises(TypeError, match="unknown backward launch options"):
         nt.resolve_bwd_config(1024, True, dict(num_warps=4))
     strips = nt.resolve_bwd_config(32768, False, dict(split=True, strip_dx=True))
     assert strips.split and strips.wide and strips.strip_dx
-    for overrides in (dict(strip_dx=True), dict(split=True, wide=False, strip_dx=True)):
+    for n, overrides in ((8192, dict(strip_dx=True)), (32768, dict(split=True, wide=False, strip_dx=True)),
+                         (32768, dict(split=False, strip_dx=True))):
         with pytest.raises(ValueError, match="strip_dx has the split backward's strips write dx"):
-            nt.resolve_bwd_config(32768, False, overrides)
+            nt.resolve_bwd_config(n, False, overrides)
     # RMSNorm's 16-bit rows of 16385-24576 (a multiple of 16): the two-pass kernel unrolled, 2 rows a step
     unrolled = nt.BwdConfig(2, 16, 1, wide=True, chunk=4096, unrolled=True)
     assert all(nt._bwd_config(n, True) == unrolled for n in (16400, 20000, 20480, 24576))
-    looped = nt._bwd_config(32768, True)
-    assert looped.wide and not looped.unrolled
-    for n, is_rms, itemsize in ((20008, True, 2), (24592, True, 2), (20480, True, 4), (20480, False, 2)):
-        assert nt._bwd_config(n, is_rms, itemsize) == looped
+    strips = nt._bwd_config(32768, True)
+    assert strips.strip_dx and (strips.warps, strips.per_sm) == (16, 2)
+    for n, is_rms, itemsize in ((20008, True, 2), (24592, True, 2), (20480, True, 4)):
+        assert nt._bwd_config(n, is_rms, itemsize) == strips
+    assert nt._bwd_config(20480, False) == strips._replace(warps=8, per_sm=8)
     assert nt.resolve_bwd_config(20480, True, dict(wide=True)) == nt.BwdConfig(1, 16, 1, wide=True)
     assert nt.resolve_bwd_config(20480, True, dict(unrolled=False)) == unrolled._replace(unrolled=False)
