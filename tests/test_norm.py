@@ -145,7 +145,9 @@ GEOMETRIES = {"1-row": dict(rows=1), "2-rows": dict(rows=2), "1-row-prefetch": d
               "split-narrow-strips": dict(split=True, split_geometry=(32, 4, 2, 2)),
               "split-strip-dx": dict(split=True, wide=True, strip_dx=True, rows=2, chunk=32),
               "split-strip-dx-unrolled": dict(split=True, wide=True, strip_dx=True, rows=1, chunk=32, unrolled=True,
-                                              split_geometry=(32, 4, 2, 2))}
+                                              split_geometry=(32, 4, 2, 2)),
+              "split-strip-dx-wide-strips": dict(split=True, wide=True, strip_dx=True, rows=1, chunk=32, unrolled=True,
+                                                 warps=8, split_geometry=(1024, 4, 8, 2))}
 
 
 @pytest.mark.parametrize("rows", (1, 2))
