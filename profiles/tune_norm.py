@@ -138,8 +138,9 @@ def specs(n: int, is_rms: bool, residual: bool) -> list[tuple[str, str, dict]]:
     # the kernel that reads its flags at run time, where the default takes a specialized instance (csrc/norm/norm.h)
     generic = dataclasses.replace(default, specialize=False)
     out.append((f"cuda fwd {generic}", "cuda fwd", dict(config=generic)))
-    # the backward in registers, named as such (where the table takes the two-pass kernel, LayerNorm from 16384,
-    # these time the register kernel, not that one): (rows a step, warps, programs per SM, prefetch), warps from the
+    # the backward in registers, named as such, dweight and dbias in the same kernel (where the table takes the
+    # two-pass kernel or the strips, LayerNorm from 12289, these time the fused register kernel, not those):
+    # (rows a step, warps, programs per SM, prefetch), warps from the
     # elements each thread holds of a step's rows (8, 16 or 32) and programs per SM filling 16 or 32 warps an SM;
     # several rows a step only up to 8192 elements a step
     geometries = set()
@@ -157,13 +158,15 @@ def specs(n: int, is_rms: bool, residual: bool) -> list[tuple[str, str, dict]]:
     for rows, warps, per_sm, prefetch in sorted(geometries):
         out.append((f"triton bwd warps={warps} per_sm={per_sm} rows/step={rows} prefetch={int(prefetch)}",
                     "triton bwd",
-                    dict(warps=warps, per_sm=per_sm, rows=rows, prefetch=prefetch, wide=False, tail=False)))
+                    dict(warps=warps, per_sm=per_sm, rows=rows, prefetch=prefetch, wide=False, tail=False,
+                         split=False, strip_dx=False)))
     out.append(("triton bwd default", "triton bwd", {}))
     if _norm_triton.tail_split(n):  # the register backward's rows as two power-of-two tiles
         for rows, warps, per_sm, prefetch in sorted(geometries):
             out.append((f"triton bwd tail {_norm_triton.tail_split(n)} warps={warps} per_sm={per_sm} rows/step={rows} "
                         f"prefetch={int(prefetch)}", "triton bwd",
-                        dict(warps=warps, per_sm=per_sm, rows=rows, prefetch=prefetch, tail=True, wide=False)))
+                        dict(warps=warps, per_sm=per_sm, rows=rows, prefetch=prefetch, tail=True, wide=False,
+                             split=False, strip_dx=False)))
     if 4096 < n <= 16384:  # one row a step in registers with the weight loaded every step (``reload_w``), and
         # LayerNorm's dbias alone by the strips (``strip_db``), as the table's tiles have the row
         tail = bool(_norm_triton.tail_split(n))
