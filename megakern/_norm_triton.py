@@ -1117,19 +1117,13 @@ def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype, need_
                 HAS_DRES_OUT=dres_out is not None, HAS_DRES=separate_dres, num_warps=split_warps)
         elif parts is not None:
             parts.zero_()
-    elif config.strip_db:  # dbias alone by the strips (dy read again, not x); dweight by the register kernel
-        if has_db and rows:
-            _norm_bwd_dwdb_kernel[(strips, shares)](
-                x, dy, mean, rstd, None, db_partial, x.stride(0), dy.stride(0), rows, n, rows_per_share,
-                IS_RMS=is_rms, HAS_DW=False, HAS_DB=True, BLOCK_M=split_rows, BLOCK_C=split_cols,
-                num_warps=split_warps)
-        elif has_db:
-            db_partial.zero_()
     elif config.split and parts is not None and rows:
-        _norm_bwd_dwdb_kernel[(strips, shares)](
-            x, dy, mean, rstd, dw_partial, db_partial, x.stride(0), dy.stride(0), rows, n, rows_per_share,
-            IS_RMS=is_rms, HAS_DW=need_dw, HAS_DB=has_db, BLOCK_M=split_rows, BLOCK_C=split_cols,
-            num_warps=split_warps)
+        strips_dw = need_dw and not config.strip_db  # strip_db: dweight by the register kernel, dbias here (no x)
+        if strips_dw or has_db:
+            _norm_bwd_dwdb_kernel[(strips, shares)](
+                x, dy, mean, rstd, dw_partial, db_partial, x.stride(0), dy.stride(0), rows, n, rows_per_share,
+                IS_RMS=is_rms, HAS_DW=strips_dw, HAS_DB=has_db, BLOCK_M=split_rows, BLOCK_C=split_cols,
+                num_warps=split_warps)
     elif config.split and parts is not None:
         parts.zero_()
     if config.wide and not config.strip_dx:
