@@ -27,12 +27,12 @@ import gc
 import os
 import queue
 import signal
-import socket
 import time
 import traceback
 import warnings
 
 import torch.multiprocessing as mp
+from ports import free_port  # noqa: F401 - the parallel tests take it from here
 
 PG_TIMEOUT_S = 45.0  # every collective in a worker; a mismatched collective raises after this
 RUN_TIMEOUT_S = 120.0  # a whole check, all ranks
@@ -46,12 +46,6 @@ def _context():
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "megakern.parallel"])
     return ctx
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, tasks, results, pg_timeout: float) -> None:

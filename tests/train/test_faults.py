@@ -25,7 +25,8 @@ from megakern.data import DataError
 from megakern.train.run_dir import RunDirError, RunLock
 from megakern.train.schedule import lr_at
 from megakern.train.stopping import EXIT_INTERRUPTED
-from test_train import REPO, TINY, _free_port, _small_dataset, data_cache, trainer  # noqa: F401 (fixture)
+from ports import free_port
+from test_train import REPO, TINY, _small_dataset, data_cache, trainer  # noqa: F401 (fixture)
 from benchmarks.common import run_launch, stop_launch
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -426,7 +427,7 @@ def test_a_rank_that_never_comes_is_an_error_line(tmp_path, data_cache):
     parallel.init_timeout_s, no traceback, no run directory made."""
     pytest.importorskip("megakern.parallel")
     env = {**ENV, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(_free_port())}
+           "MASTER_PORT": str(free_port())}
     cmd = [sys.executable, "-m", "megakern.train", *TINY, "parallel.dp=2", "parallel.init_timeout_s=3",
            f"data.cache_dir={data_cache}", f"log.run_dir={tmp_path / 'run'}"]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)

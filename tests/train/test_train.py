@@ -13,7 +13,6 @@ import json
 import math
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -590,12 +589,6 @@ def test_gpu_profile_of_the_default_graph_step(tmp_path, data_cache):
     assert "profile: waits 4 steps" in log and "step 4: captured the training step in a CUDA graph" in log
     steps = _timeline.analyze(_timeline.load(out / "trace.json"))
     assert len(steps) == t.config.log.profile_active and all(s.kernels > 0 for s in steps)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _logged_losses(run_dir: Path) -> dict[int, float]:
