@@ -8,45 +8,36 @@ xdist worker draws from its own slice, never hands out the same port twice, and 
 """
 from __future__ import annotations
 
-import itertools
 import os
 import random
 import socket
+from pathlib import Path
 
 _LOWEST = 10000  # below this, ports that services listen on by convention
-_FALLBACK_EPHEMERAL = (32768, 60999)
+_FALLBACK_EPHEMERAL_START = 32768  # Linux's default ip_local_port_range starts here
 
 
-def _ephemeral_range() -> tuple[int, int]:
+def _ephemeral_start() -> int:
     try:
-        lo, hi = open("/proc/sys/net/ipv4/ip_local_port_range").read().split()
-        return int(lo), int(hi)
-    except (OSError, ValueError):
-        return _FALLBACK_EPHEMERAL
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return _FALLBACK_EPHEMERAL_START
 
 
-def _worker_slice() -> range:
+def _worker_ports() -> range:
     """This process's ports: its xdist worker's share of [_LOWEST, the ephemeral range's start)."""
-    lo = _ephemeral_range()[0]
+    lo = _ephemeral_start()
     if lo - _LOWEST < 1000:  # an ephemeral range that starts low: nothing sits outside it
         return range(0)
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    index = int(worker[2:]) if worker[2:].isdigit() else 0
-    width = (lo - _LOWEST) // max(count, 1)
-    start = _LOWEST + (index % max(count, 1)) * width
-    return range(start, start + width)
+    count = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), 1)
+    index = int(worker[2:]) % count if worker[2:].isdigit() else 0
+    width = (lo - _LOWEST) // count
+    return range(_LOWEST + index * width, _LOWEST + (index + 1) * width)
 
 
-def _candidates():
-    ports = _worker_slice()
-    if not ports:
-        return iter(())
-    first = random.Random(os.getpid()).randrange(len(ports))
-    return (ports[(first + i) % len(ports)] for i in itertools.count())
-
-
-_NEXT = _candidates()
+_PORTS = _worker_ports()
+_next = random.Random(os.getpid()).randrange(len(_PORTS)) if _PORTS else 0  # where this process starts in its slice
 _TRIES = 200
 
 
@@ -61,7 +52,10 @@ def _binds(port: int) -> bool:
 
 def free_port() -> int:
     """A port on 127.0.0.1 that binds now and that no other check of this test run was given."""
-    for port in itertools.islice(_NEXT, _TRIES):
+    global _next
+    for _ in range(min(_TRIES, len(_PORTS))):
+        port = _PORTS[_next % len(_PORTS)]
+        _next += 1
         if _binds(port):
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # no port outside the ephemeral range binds
