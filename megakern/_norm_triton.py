@@ -887,14 +887,19 @@ def _bwd_config(n: int, is_rms: bool, itemsize: int = 2) -> BwdConfig:
     two power-of-two tiles, as those tiles in registers (LayerNorm too, without loading ahead). LayerNorm's other
     rows below 16384, whose dweight and dbias sums beside dx overflow the registers: dx in registers alone and the
     sums by the strips kernel (``split``). Wider rows, the two-pass kernel; RMSNorm's 16-bit rows
-    (``itemsize``: the widest element of x, dy, the residual's gradient and the weight) of 16385-24576 columns, a
+    (``itemsize``: the widest element of x, dy, the residual's gradient and the weight) of 16385-20480 columns, a
     multiple of 16, unrolled over 4096-column chunks, 2 rows a step at 16 warps, where it won (docs/tuning.md).
     LayerNorm's rows from 16384 and RMSNorm's other rows above 16384: ``strip_dx``, each row's two sums by the
     two-pass kernel's first pass (one row a step, unrolled over 4096-column chunks),
-    then dx with the column sums by strips of 128 columns, 32 rows a step: no pass reads rows back from L2."""
+    then dx with the column sums by strips of 128 columns, 32 rows a step: no pass reads rows back from L2
+    (RMSNorm's 16-bit rows of 20481-24576, a multiple of 16: the sums at 8 warps, 8 programs an SM, and strips of
+    1024 columns, 4 rows a step, 8 warps, 2 programs an SM)."""
     block = _block(n)
-    if is_rms and itemsize == 2 and n % 16 == 0 and 16384 < n <= 24576:
+    if is_rms and itemsize == 2 and n % 16 == 0 and 16384 < n <= 20480:
         return BwdConfig(2, 16, 1, wide=True, chunk=4096, unrolled=True)
+    if is_rms and itemsize == 2 and n % 16 == 0 and 20480 < n <= 24576:
+        return BwdConfig(1, 8, 8, wide=True, chunk=4096, unrolled=True, split=True, split_geometry=(1024, 4, 8, 2),
+                         strip_dx=True)
     if block <= 4096:
         warps = max(2, min(16, block // 256))
         return BwdConfig(2, warps, 16 // warps, True)

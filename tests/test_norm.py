@@ -1032,12 +1032,13 @@ def test_forward_launch_table_wide_and_bound():
 def test_triton_forward_table_wide_rows(op, setup):
     """The launch table's forward where it takes the two-pass kernel unrolled, or LayerNorm's bounded register kernel
     (bf16 rows, a partial last chunk at 12800 and 20000), RMSNorm's unrolled backward at 20000 and the backward's
-    row sums then dx by strips (LayerNorm from 16384, RMSNorm at 24592), against the references, and the forward
+    row sums then dx by strips (LayerNorm from 16384, RMSNorm at 22528 and 24592), against the references, and the
+    forward
     equal to the register kernel's output and statistics to rounding."""
     from megakern import _norm_triton as nt
 
     fwd, bwd = launchers_for("triton")
-    for n in (9216, 12800, 14336, 16384, 20000, 24592):
+    for n in (9216, 12800, 14336, 16384, 20000, 22528, 24592):
         seed(op, setup, n, "table-wide")
         x, w, b, r = make_inputs(op, torch.bfloat16, (3, 5, n), setup)
         if op == "layer_norm":
@@ -1080,9 +1081,14 @@ def test_backward_launch_overrides():
                          (32768, dict(split=False, strip_dx=True))):
         with pytest.raises(ValueError, match="strip_dx has the split backward's strips write dx"):
             nt.resolve_bwd_config(n, False, overrides)
-    # RMSNorm's 16-bit rows of 16385-24576 (a multiple of 16): the two-pass kernel unrolled, 2 rows a step
+    # RMSNorm's 16-bit rows of 16385-20480 (a multiple of 16): the two-pass kernel unrolled, 2 rows a step; of
+    # 20481-24576, the row sums at 8 warps, 8 an SM, then dx by strips of 1024 columns
     unrolled = nt.BwdConfig(2, 16, 1, wide=True, chunk=4096, unrolled=True)
-    assert all(nt._bwd_config(n, True) == unrolled for n in (16400, 20000, 20480, 24576))
+    assert all(nt._bwd_config(n, True) == unrolled for n in (16400, 20000, 20480))
+    wide_strips = nt.BwdConfig(1, 8, 8, wide=True, chunk=4096, unrolled=True, split=True,
+                               split_geometry=(1024, 4, 8, 2), strip_dx=True)
+    assert all(nt._bwd_config(n, True) == wide_strips for n in (20496, 22528, 24576))
+    assert nt._bwd_config(22528, True, 4).split_geometry == (128, 32, 4, 4)
     strips = nt._bwd_config(32768, True)
     assert strips.strip_dx and (strips.warps, strips.per_sm) == (16, 2)
     for n, is_rms, itemsize in ((20008, True, 2), (24592, True, 2), (20480, True, 4)):
