@@ -424,12 +424,10 @@ def _norm_bwd_kernel(
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_DW: tl.constexpr, HAS_DB: tl.constexpr,
     HAS_DRES_OUT: tl.constexpr, HAS_DRES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PREFETCH: tl.constexpr, BLOCK_T: tl.constexpr = 0, EVEN_N: tl.constexpr = False, ALIGN: tl.constexpr = 1,
-    RELOAD_W: tl.constexpr = False,
 ):
     """A program's rows, BLOCK_M a step as a (BLOCK_M, BLOCK_N) tile (more loads in flight per program); BLOCK_T >
     0: the columns past BLOCK_N as a second (BLOCK_M, BLOCK_T) tile, as the forward's. EVEN_N: N == BLOCK_N.
-    ALIGN > 1: N and the row strides are multiples of it (``_row_starts``, ``_below``). RELOAD_W: the weight
-    loaded every step (from L1 / L2) rather than held in registers across the program's rows."""
+    ALIGN > 1: N and the row strides are multiples of it (``_row_starts``, ``_below``)."""
     pid = tl.program_id(0)
     # the head tile's columns are all < N where N == BLOCK_N or a tail tile follows: no column mask there, except
     # in LayerNorm's row of two without the rows loaded ahead, whose masked head measured faster (docs/results.md)
@@ -469,32 +467,25 @@ def _norm_bwd_kernel(
         rstd_c = _col(rstd, BLOCK_M)
         if BLOCK_T > 0:
             mask_t = row_mask[:, None] & col_mask_t[None, :]
-        w_step = w
-        if RELOAD_W and HAS_W:  # a new name: the weight is not carried across the loop's steps
-            w_step = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-        if BLOCK_T > 0:
-            w_step_t = w_t
-            if RELOAD_W and HAS_W:
-                w_step_t = tl.load(W + cols_t, mask=col_mask_t, other=0.0).to(tl.float32)
         if IS_RMS and not PREFETCH:  # sum(g * xhat) from x and dy as loaded, xhat and g formed after it: fewer
             # values held across the reduction (sm_90 at 16384, 16 warps: 168 -> 40 bytes spilled; with the next
             # rows loaded ahead it spills more, so those keep the sum of g * xhat)
-            sum_gx = _row_sum(_rms_gx(x, dy, w_step, HAS_W), BLOCK_M)
+            sum_gx = _row_sum(_rms_gx(x, dy, w, HAS_W), BLOCK_M)
             if BLOCK_T > 0:
-                sum_gx += _row_sum(_rms_gx(x_t, dy_t, w_step_t, HAS_W), BLOCK_M)
+                sum_gx += _row_sum(_rms_gx(x_t, dy_t, w_t, HAS_W), BLOCK_M)
             sum_gx = sum_gx * rstd
             sum_g = sum_gx  # unused
-            dy, xhat, g = _bwd_xhat_g(x, dy, w_step, mean_c, rstd_c, mask, IS_RMS, HAS_W, not HEAD_FULL)
+            dy, xhat, g = _bwd_xhat_g(x, dy, w, mean_c, rstd_c, mask, IS_RMS, HAS_W, not HEAD_FULL)
             if BLOCK_T > 0:
-                dy_t, xhat_t, g_t = _bwd_xhat_g(x_t, dy_t, w_step_t, mean_c, rstd_c, mask_t, IS_RMS, HAS_W)
+                dy_t, xhat_t, g_t = _bwd_xhat_g(x_t, dy_t, w_t, mean_c, rstd_c, mask_t, IS_RMS, HAS_W)
         else:  # (this order of the sums spills least at LayerNorm 12288)
-            dy, xhat, g = _bwd_xhat_g(x, dy, w_step, mean_c, rstd_c, mask, IS_RMS, HAS_W, not HEAD_FULL)
+            dy, xhat, g = _bwd_xhat_g(x, dy, w, mean_c, rstd_c, mask, IS_RMS, HAS_W, not HEAD_FULL)
             sum_gx = _row_sum(g * xhat, BLOCK_M)
             sum_g = sum_gx  # RMSNorm: unused
             if not IS_RMS:
                 sum_g = _row_sum(g, BLOCK_M)
             if BLOCK_T > 0:
-                dy_t, xhat_t, g_t = _bwd_xhat_g(x_t, dy_t, w_step_t, mean_c, rstd_c, mask_t, IS_RMS, HAS_W)
+                dy_t, xhat_t, g_t = _bwd_xhat_g(x_t, dy_t, w_t, mean_c, rstd_c, mask_t, IS_RMS, HAS_W)
                 sum_gx += _row_sum(g_t * xhat_t, BLOCK_M)
                 if not IS_RMS:
                     sum_g += _row_sum(g_t, BLOCK_M)
@@ -860,11 +851,7 @@ class BwdConfig(NamedTuple):
     them, as the forward's. ``unrolled``: the two-pass kernel's loops unrolled over the row's chunk count, compiled
     in (a kernel per count; ``stages`` then has no effect). ``strip_dx`` (with ``split`` and ``wide``): the two-pass
     kernel takes only each row's two sums (its first pass, x and dy read once), and the strips kernel writes dx
-    beside the column sums, so that no pass depends on rows staying in L2. ``strip_db`` (LayerNorm, with ``split``,
-    the register kernel): the register kernel keeps dweight's sums beside dx, and the strips kernel takes dbias
-    alone, reading dy once more but not x (one partial row a program of the register kernel for both).
-    ``reload_w`` (the register kernel): the weight loaded every step (from L1 / L2) rather than held in registers
-    across the program's rows, which frees a thread's registers for the row and the sums."""
+    beside the column sums, so that no pass depends on rows staying in L2."""
     rows: int
     warps: int
     per_sm: int
@@ -877,8 +864,6 @@ class BwdConfig(NamedTuple):
     tail: bool = False
     unrolled: bool = False
     strip_dx: bool = False
-    strip_db: bool = False
-    reload_w: bool = False
 
 
 def _bwd_config(n: int, is_rms: bool, itemsize: int = 2) -> BwdConfig:
@@ -935,13 +920,6 @@ def resolve_bwd_config(n: int, is_rms: bool, overrides: dict, itemsize: int = 2)
         raise ValueError("norm backward: strip_dx has the split backward's strips write dx after the two-pass "
                          f"kernel's row sums (split=True, wide=True); this launch has split={config.split}, "
                          f"wide={config.wide}")
-    if config.strip_db and (is_rms or not config.split or config.wide):
-        raise ValueError("norm backward: strip_db has the register kernel keep dweight's sums and the strips kernel "
-                         "take LayerNorm's dbias (LayerNorm, split=True, wide=False); this launch has "
-                         f"{'RMSNorm' if is_rms else 'LayerNorm'}, split={config.split}, wide={config.wide}")
-    if config.reload_w and config.wide:
-        raise ValueError("norm backward: reload_w is the register kernel's (the two-pass kernel loads the weight a "
-                         "chunk at a time); this launch has wide=True")
     return config
 
 
@@ -1081,8 +1059,8 @@ def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype, need_
     split_cols, split_rows, split_warps, split_per_sm = config.split_geometry
     strips = cdiv(n, split_cols)
     # the split backward's partial rows: one a share of the rows, enough shares for split_per_sm programs an SM
-    shares = max(1, min(rows, cdiv(_programs(rows * strips, dy.device, split_per_sm), strips))) \
-        if config.split and not config.strip_db else programs
+    shares = max(1, min(rows, cdiv(_programs(rows * strips, dy.device, split_per_sm), strips))) if config.split \
+        else programs
     rows_per_share = math.ceil(rows / shares) if rows else 0
     dx = torch.empty((rows, n), dtype=dy.dtype, device=dy.device)
     separate_dres = residual_dtype is not None and residual_dtype != dy.dtype
@@ -1097,7 +1075,7 @@ def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype, need_
     args = (x, dy, dres_out, weight, mean, rstd, dx, dres, dw_partial, db_partial,
             x.stride(0), dy.stride(0), dres_out.stride(0) if dres_out is not None else 0, dx.stride(0),
             dres.stride(0) if dres is not None else 0, rows, n, rows_per_program)
-    flags = dict(IS_RMS=is_rms, HAS_W=weight is not None, HAS_DW=need_dw and (config.strip_db or not config.split),
+    flags = dict(IS_RMS=is_rms, HAS_W=weight is not None, HAS_DW=need_dw and not config.split,
                  HAS_DB=has_db and not config.split, HAS_DRES_OUT=dres_out is not None, HAS_DRES=separate_dres,
                  num_warps=config.warps)
     align = row_alignment(n, x.stride(0), dy.stride(0), dres_out.stride(0) if dres_out is not None else 0,
@@ -1123,12 +1101,10 @@ def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype, need_
         elif parts is not None:
             parts.zero_()
     elif config.split and parts is not None and rows:
-        strips_dw = need_dw and not config.strip_db  # strip_db: dweight by the register kernel, dbias here (no x)
-        if strips_dw or has_db:
-            _norm_bwd_dwdb_kernel[(strips, shares)](
-                x, dy, mean, rstd, dw_partial, db_partial, x.stride(0), dy.stride(0), rows, n, rows_per_share,
-                IS_RMS=is_rms, HAS_DW=strips_dw, HAS_DB=has_db, BLOCK_M=split_rows, BLOCK_C=split_cols,
-                num_warps=split_warps)
+        _norm_bwd_dwdb_kernel[(strips, shares)](
+            x, dy, mean, rstd, dw_partial, db_partial, x.stride(0), dy.stride(0), rows, n, rows_per_share,
+            IS_RMS=is_rms, HAS_DW=need_dw, HAS_DB=has_db, BLOCK_M=split_rows, BLOCK_C=split_cols,
+            num_warps=split_warps)
     elif config.split and parts is not None:
         parts.zero_()
     if config.wide and not config.strip_dx:
@@ -1139,8 +1115,7 @@ def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype, need_
     elif not config.wide:
         head, tail_cols = (tail_split(n) if config.tail else None) or (block, 0)
         _norm_bwd_kernel[(programs,)](*args, BLOCK_M=config.rows, BLOCK_N=head, PREFETCH=config.prefetch,
-                                      BLOCK_T=tail_cols, EVEN_N=n == head, ALIGN=align, RELOAD_W=config.reload_w,
-                                      **flags)
+                                      BLOCK_T=tail_cols, EVEN_N=n == head, ALIGN=align, **flags)
     sums = sum_rows(parts, weight.dtype) if parts is not None else None  # summed and cast in one launch
     dw = sums[0] if need_dw else None
     db = sums[-1] if has_db else None

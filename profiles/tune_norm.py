@@ -167,26 +167,6 @@ def specs(n: int, is_rms: bool, residual: bool) -> list[tuple[str, str, dict]]:
                         f"prefetch={int(prefetch)}", "triton bwd",
                         dict(warps=warps, per_sm=per_sm, rows=rows, prefetch=prefetch, tail=True, wide=False,
                              split=False, strip_dx=False)))
-    if 4096 < n <= 16384:  # one row a step in registers with the weight loaded every step (``reload_w``), and
-        # LayerNorm's dbias alone by the strips (``strip_db``), as the table's tiles have the row
-        tail = bool(_norm_triton.tail_split(n))
-        for warps, per_sm in ((16, 1), (32, 1), (8, 2)):
-            if next_power_of_2(n) // (32 * warps) > 32:
-                continue
-            for prefetch in (False, True):
-                out.append((f"triton bwd reload_w warps={warps} per_sm={per_sm} tail={int(tail)} "
-                            f"prefetch={int(prefetch)}", "triton bwd",
-                            dict(rows=1, warps=warps, per_sm=per_sm, prefetch=prefetch, tail=tail, wide=False,
-                                 split=False, strip_dx=False, reload_w=True)))
-            if is_rms:
-                continue
-            for reload_w in (False, True):
-                for geometry in ((1024, 4, 8, 2), (512, 8, 8, 2), (256, 16, 4, 4)):
-                    out.append((f"triton bwd strip_db warps={warps} per_sm={per_sm} tail={int(tail)} "
-                                f"reload_w={int(reload_w)} columns/rows/warps/per_sm={'/'.join(map(str, geometry))}",
-                                "triton bwd", dict(rows=1, warps=warps, per_sm=per_sm, tail=tail, wide=False,
-                                                   split=True, strip_dx=False, strip_db=True, reload_w=reload_w,
-                                                   split_geometry=geometry)))
     if n >= 8192:  # the two-pass backward for wide rows: (rows a step, warps, programs per SM, chunk, stages)
         for rows, warps, per_sm, chunk, stages in ((1, 16, 1, 8192, 2), (1, 8, 2, 4096, 2), (2, 8, 2, 2048, 2),
                                                    (2, 8, 2, 4096, 2), (4, 8, 2, 1024, 2), (4, 8, 1, 2048, 2),

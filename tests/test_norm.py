@@ -147,10 +147,7 @@ GEOMETRIES = {"1-row": dict(rows=1), "2-rows": dict(rows=2), "1-row-prefetch": d
               "split-strip-dx-unrolled": dict(split=True, wide=True, strip_dx=True, rows=1, chunk=32, unrolled=True,
                                               split_geometry=(32, 4, 2, 2)),
               "split-strip-dx-wide-strips": dict(split=True, wide=True, strip_dx=True, rows=1, chunk=32, unrolled=True,
-                                                 warps=8, split_geometry=(1024, 4, 8, 2)),
-              "reload-w": dict(reload_w=True), "reload-w-2-rows-prefetch": dict(rows=2, prefetch=True, reload_w=True),
-              "split-strip-db": dict(split=True, strip_db=True),
-              "split-strip-db-reload-w": dict(split=True, strip_db=True, reload_w=True, split_geometry=(32, 4, 2, 2))}
+                                                 warps=8, split_geometry=(1024, 4, 8, 2))}
 
 
 @pytest.mark.parametrize("rows", (1, 2))
@@ -386,8 +383,6 @@ def test_triton_geometries(op, setup, geometry):
     latter also writing dx after the two-pass kernel's row sums), on
     row counts that leave programs a partial last step, one row, or none, and on a hidden size that leaves the last
     chunk of a wide row partial."""
-    if "strip-db" in geometry and op == "rms_norm":
-        pytest.skip("strip_db takes LayerNorm's dbias; RMSNorm has none (test_backward_launch_overrides)")
     fwd, bwd = launchers_for("triton")
     if geometry.startswith("wide"):  # the wide forward with it
         fwd = functools.partial(fwd, wide=True, chunk=GEOMETRIES[geometry]["chunk"])
@@ -477,14 +472,7 @@ def compile_for_sm90() -> list:
                                                                       SUMS_ONLY=True), 16),
                  ("bwd strips dx", nt._norm_bwd_dwdb_kernel, dict(IS_RMS=is_rms, HAS_DW=True, HAS_DB=not is_rms,
                                                                  BLOCK_M=16, BLOCK_C=256, HAS_DX=True, HAS_W=True,
-                                                                 HAS_DRES_OUT=residual, HAS_DRES=residual), 4),
-                 ("bwd tail weight reloaded", nt._norm_bwd_kernel, dict(flags, HAS_DW=True, HAS_DB=False,
-                                                                        HAS_DRES_OUT=residual, HAS_DRES=False,
-                                                                        BLOCK_M=1, BLOCK_N=8192, PREFETCH=False,
-                                                                        BLOCK_T=4096, EVEN_N=False, RELOAD_W=True),
-                  16),
-                 ("bwd strips dbias", nt._norm_bwd_dwdb_kernel, dict(IS_RMS=is_rms, HAS_DW=False, HAS_DB=True,
-                                                                    BLOCK_M=4, BLOCK_C=1024), 8)]
+                                                                 HAS_DRES_OUT=residual, HAS_DRES=residual), 4)]
         for name, kernel, constexprs, warps in cases:
             # the constexprs a case leaves out at their defaults, as a launch leaves them
             constexprs = {p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default} | constexprs
@@ -503,7 +491,7 @@ def test_kernels_compile_for_sm90():
     from conftest import sm90_lowering
 
     results = sm90_lowering("test_norm", "compile_for_sm90()")
-    assert len(results) == 42, results
+    assert len(results) == 38, results
 
 
 def test_sass_profile_reads_resources():
@@ -1069,14 +1057,6 @@ def test_backward_launch_overrides():
         nt.resolve_bwd_config(1024, True, dict(num_warps=4))
     strips = nt.resolve_bwd_config(32768, False, dict(split=True, strip_dx=True))
     assert strips.split and strips.wide and strips.strip_dx
-    for is_rms, overrides, message in ((True, dict(split=True, strip_db=True), "RMSNorm"),
-                                       (False, dict(strip_db=True, split=False), "split=False"),
-                                       (False, dict(split=True, wide=True, strip_db=True), "wide=True")):
-        with pytest.raises(ValueError, match=f"strip_db has the register kernel keep .*{message}"):
-            nt.resolve_bwd_config(12800, is_rms, overrides)
-    with pytest.raises(ValueError, match="reload_w is the register kernel's"):
-        nt.resolve_bwd_config(32768, False, dict(reload_w=True))
-    assert nt.resolve_bwd_config(12800, False, dict(strip_db=True)).split  # the table's split there
     for n, overrides in ((8192, dict(strip_dx=True)), (32768, dict(split=True, wide=False, strip_dx=True)),
                          (32768, dict(split=False, strip_dx=True))):
         with pytest.raises(ValueError, match="strip_dx has the split backward's strips write dx"):
