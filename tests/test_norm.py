@@ -980,9 +980,9 @@ def test_forward_launch_table_wide_and_bound():
     for n, warps in ((13328, 8), (14336, 8), (15360, 8), (16384, 16), (20480, 16), (32768, 16), (65536, 16)):
         # 4096-column chunks, the shifted sums
         assert nt._fwd_config(n, False) == nt.FwdConfig(1, warps, wide=True, chunk=4096, unrolled=True, sums=True)
-    for n in (4096, 6144, 8192):  # RMSNorm's 16-bit rows of 4096-8192: 2048-column chunks at 8 warps
+    for n in (4096, 6144, 7168):  # RMSNorm's 16-bit rows of 4096-7168: 2048-column chunks at 8 warps
         assert nt._fwd_config(n, True) == nt.FwdConfig(1, 8, wide=True, chunk=2048, unrolled=True)
-    for n, is_rms in ((4080, True), (8192, False), (9000, True), (13000, False), (12288, False), (15000, False),
+    for n, is_rms in ((4080, True), (7184, True), (8192, True), (8192, False), (9000, True), (13000, False), (12288, False), (15000, False),
                       (16383, False)):
         assert nt._fwd_config(n, is_rms) == nt._register_fwd_config(n, is_rms) and not nt._fwd_config(n, is_rms).wide
     for n in (9216, 20480):
