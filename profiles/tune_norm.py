@@ -107,13 +107,15 @@ def specs(n: int, is_rms: bool, residual: bool) -> list[tuple[str, str, dict]]:
             out.append((f"triton fwd three {_norm_triton.three_split(n)} warps=8 rows/program=1 maxnreg={maxnreg}",
                         "triton fwd", dict(num_warps=8, rows_per_program=1, tiles=3, maxnreg=maxnreg)))
     # the two-pass forward for wide rows: (warps, chunk, stages; 2 pipelines its loops through shared memory, slower)
-    if n >= 4096:
+    if n >= 2048:
         for warps, chunk, stages in [(w, c, 1) for w in (4, 8, 16) for c in (1024, 2048, 4096)] + [(16, 8192, 1)]:
+            if chunk > n:
+                continue
             out.append((f"triton fwd wide warps={warps} chunk={chunk} stages={stages}", "triton fwd",
                         dict(num_warps=warps, wide=True, chunk=chunk, stages=stages)))
         # the same with the row's chunk count compiled in, both loops unrolled (torch.compile's RMSNorm at 9216-16384
         # is a looped reduction of 2048-column chunks at 16 warps over a row of known width)
-        for warps, chunk in [(w, c) for w in (8, 16, 32) for c in (1024, 2048, 4096)]:
+        for warps, chunk in [(w, c) for w in (4, 8, 16, 32) for c in (512, 1024, 2048, 4096) if c <= n]:
             out.append((f"triton fwd wide unrolled warps={warps} chunk={chunk}", "triton fwd",
                         dict(num_warps=warps, wide=True, chunk=chunk, unrolled=True)))
     # LayerNorm's unrolled two-pass kernel with either statistics (shifted sums, Welford's chain), and at 8-16 warps
