@@ -883,9 +883,9 @@ def _bwd_config(n: int, is_rms: bool, itemsize: int = 2) -> BwdConfig:
     (RMSNorm's 16-bit rows of 20481-24576, a multiple of 16: the sums at 8 warps, 8 programs an SM, and strips of
     1024 columns, 4 rows a step, 8 warps, 2 programs an SM)."""
     block = _block(n)
-    if is_rms and itemsize == 2 and n % 16 == 0 and 16384 < n <= 20480:
-        return BwdConfig(2, 16, 1, wide=True, chunk=4096, unrolled=True)
-    if is_rms and itemsize == 2 and n % 16 == 0 and 20480 < n <= 24576:
+    if is_rms and itemsize == 2 and n % 16 == 0 and 16384 < n <= 24576:
+        if n <= 20480:
+            return BwdConfig(2, 16, 1, wide=True, chunk=4096, unrolled=True)
         return BwdConfig(1, 8, 8, wide=True, chunk=4096, unrolled=True, split=True, split_geometry=(1024, 4, 8, 2),
                          strip_dx=True)
     if block <= 4096:
@@ -1083,31 +1083,27 @@ def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype, need_
                  num_warps=config.warps)
     align = row_alignment(n, x.stride(0), dy.stride(0), dres_out.stride(0) if dres_out is not None else 0,
                           dx.stride(0), dres.stride(0) if dres is not None else 0)
-    if config.strip_dx:  # the rows' sums by the two-pass kernel's first pass, then dx and the column sums by strips
+    row_sums = None
+    if config.strip_dx and rows:  # the rows' sums by the two-pass kernel's first pass (dx by the strips below)
         row_sums = torch.empty((1 if is_rms else 2, rows), dtype=torch.float32, device=dy.device)
-        if rows:
-            chunk, stages = _wide_pipeline(config, block, [x, dy])
-            chunks = cdiv(n, chunk) if config.unrolled else 0
-            _norm_bwd_wide_kernel[(programs,)](
-                x, dy, None, weight, mean, rstd, None, None, None, None, x.stride(0), dy.stride(0), 0, 0, 0, rows, n,
-                rows_per_program, IS_RMS=is_rms, HAS_W=weight is not None, HAS_DW=False, HAS_DB=False,
-                HAS_DRES_OUT=False, HAS_DRES=False, BLOCK_M=config.rows, CHUNK=chunk, STAGES=stages, CHUNKS=chunks,
-                EVEN_N=config.unrolled and n == chunks * chunk, ALIGN=align, ROW_SUMS=row_sums, SUMS_ONLY=True,
-                num_warps=config.warps)
-            _norm_bwd_dwdb_kernel[(strips, shares)](
-                x, dy, mean, rstd, dw_partial, db_partial, x.stride(0), dy.stride(0), rows, n, rows_per_share,
-                IS_RMS=is_rms, HAS_DW=need_dw, HAS_DB=has_db, BLOCK_M=split_rows, BLOCK_C=split_cols, W=weight,
-                DRES_OUT=dres_out, DX=dx, DRES=dres, ROW_SUMS=row_sums,
-                stride_dresoutm=dres_out.stride(0) if dres_out is not None else 0, stride_dxm=dx.stride(0),
-                stride_dresm=dres.stride(0) if dres is not None else 0, HAS_DX=True, HAS_W=weight is not None,
-                HAS_DRES_OUT=dres_out is not None, HAS_DRES=separate_dres, num_warps=split_warps)
-        elif parts is not None:
-            parts.zero_()
-    elif config.split and parts is not None and rows:
+        chunk, stages = _wide_pipeline(config, block, [x, dy])
+        chunks = cdiv(n, chunk) if config.unrolled else 0
+        _norm_bwd_wide_kernel[(programs,)](
+            x, dy, None, weight, mean, rstd, None, None, None, None, x.stride(0), dy.stride(0), 0, 0, 0, rows, n,
+            rows_per_program, IS_RMS=is_rms, HAS_W=weight is not None, HAS_DW=False, HAS_DB=False,
+            HAS_DRES_OUT=False, HAS_DRES=False, BLOCK_M=config.rows, CHUNK=chunk, STAGES=stages, CHUNKS=chunks,
+            EVEN_N=config.unrolled and n == chunks * chunk, ALIGN=align, ROW_SUMS=row_sums, SUMS_ONLY=True,
+            num_warps=config.warps)
+    if config.split and rows and (parts is not None or row_sums is not None):
+        # the column sums by strips; with strip_dx, dx (and the residual's gradient) beside them
+        dx_args = dict(W=weight, DRES_OUT=dres_out, DX=dx, DRES=dres, ROW_SUMS=row_sums,
+                       stride_dresoutm=dres_out.stride(0) if dres_out is not None else 0, stride_dxm=dx.stride(0),
+                       stride_dresm=dres.stride(0) if dres is not None else 0, HAS_DX=True, HAS_W=weight is not None,
+                       HAS_DRES_OUT=dres_out is not None, HAS_DRES=separate_dres) if row_sums is not None else {}
         _norm_bwd_dwdb_kernel[(strips, shares)](
             x, dy, mean, rstd, dw_partial, db_partial, x.stride(0), dy.stride(0), rows, n, rows_per_share,
             IS_RMS=is_rms, HAS_DW=need_dw, HAS_DB=has_db, BLOCK_M=split_rows, BLOCK_C=split_cols,
-            num_warps=split_warps)
+            num_warps=split_warps, **dx_args)
     elif config.split and parts is not None:
         parts.zero_()
     if config.wide and not config.strip_dx:
