@@ -825,16 +825,16 @@ def _fwd_config(n: int, is_rms: bool, itemsize: int = 2) -> FwdConfig:
     weight's and the bias's elements in bytes. Where the rows are all 16-bit and ``n`` a multiple of 16 (so that
     Triton knows their alignment), the two-pass kernel unrolled over the row's chunks (``wide``, ``unrolled``), which
     keeps all of a pass's loads in flight with few registers, where it beat the register kernel (docs/tuning.md,
-    norms): RMSNorm 4096-7168, 2048-column chunks at 8 warps, above 8192, 4096-column chunks at 16 warps to 16384
+    norms): RMSNorm 4096-7168, 2048-column chunks at 8 warps, from 8192, 4096-column chunks at 16 warps to 16384
     and 32 above; LayerNorm 12289-13312, 2048
     at 8 warps, above 13312, 4096 as shifted sums at 8 warps to 15360 and 16 above. Elsewhere
     ``_register_fwd_config``."""
     _block(n)  # refuses rows wider than the kernels take
     if is_rms and itemsize == 2 and n % 16 == 0 and 4096 <= n <= 7168:
         return FwdConfig(1, 8, wide=True, chunk=2048, unrolled=True)
+    if is_rms and itemsize == 2 and n % 16 == 0 and n >= 8192:
+        return FwdConfig(1, 16 if n <= 16384 else 32, wide=True, chunk=4096, unrolled=True)
     if itemsize == 2 and n % 16 == 0 and n > 8192:
-        if is_rms:
-            return FwdConfig(1, 16 if n <= 16384 else 32, wide=True, chunk=4096, unrolled=True)
         if 12288 < n <= 13312:
             return FwdConfig(1, 8, wide=True, chunk=2048, unrolled=True)
         if 13312 < n <= 16384:

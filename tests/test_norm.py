@@ -966,14 +966,14 @@ def test_launch_table_tail():
 
 def test_forward_launch_table_wide_and_bound():
     """The forward's table: the two-pass kernel unrolled over the row's chunks for 16-bit rows whose width is a
-    multiple of 16 where it won (RMSNorm above 8192, LayerNorm above 12288), LayerNorm's register
+    multiple of 16 where it won (RMSNorm 4096-7168 and from 8192, LayerNorm above 12288), LayerNorm's register
     kernel bounded to 64 registers beside a tail of 512-2048; fp32 tensors, odd widths and the other widths keep
     the register table. Overrides: the named kernel from its own defaults, register-kernel options select the
     register kernel, the table's register bound only with the table's geometry, a bound on the two-pass kernel
     refused by name."""
     from megakern import _norm_triton as nt
 
-    for n, warps in ((8448, 16), (9216, 16), (12288, 16), (14336, 16), (16384, 16), (20480, 32), (65536, 32)):
+    for n, warps in ((8192, 16), (8448, 16), (9216, 16), (12288, 16), (14336, 16), (16384, 16), (20480, 32), (65536, 32)):
         assert nt._fwd_config(n, True) == nt.FwdConfig(1, warps, wide=True, chunk=4096, unrolled=True)
     for n in (12800, 13312):
         assert nt._fwd_config(n, False) == nt.FwdConfig(1, 8, wide=True, chunk=2048, unrolled=True)
@@ -982,8 +982,8 @@ def test_forward_launch_table_wide_and_bound():
         assert nt._fwd_config(n, False) == nt.FwdConfig(1, warps, wide=True, chunk=4096, unrolled=True, sums=True)
     for n in (4096, 6144, 7168):  # RMSNorm's 16-bit rows of 4096-7168: 2048-column chunks at 8 warps
         assert nt._fwd_config(n, True) == nt.FwdConfig(1, 8, wide=True, chunk=2048, unrolled=True)
-    for n, is_rms in ((4080, True), (7184, True), (8192, True), (8192, False), (9000, True), (13000, False), (12288, False), (15000, False),
-                      (16383, False)):
+    for n, is_rms in ((4080, True), (7184, True), (8176, True), (8192, False), (9000, True), (13000, False),
+                      (12288, False), (15000, False), (16383, False)):
         assert nt._fwd_config(n, is_rms) == nt._register_fwd_config(n, is_rms) and not nt._fwd_config(n, is_rms).wide
     for n in (9216, 20480):
         assert not nt._fwd_config(n, True, itemsize=4).wide
