@@ -18,7 +18,7 @@ Letters: B batch, T sequence, C = n_embd, nh / nkv query / key-value heads, hs h
 
 Kernels: every op takes its backend from ``config.kernels`` (``{op: backend}``, passed as ``backend=`` to the
 megakern ops: "rms_norm" | "layer_norm" | "rotary" | "attention" | "cross_entropy" | "bias_gelu" | "linear" |
-"moe" | "grouped_mm" | "qkv_order"); an op not named takes the fastest backend available for the tensors' device
+"moe" | "grouped_mm" | "qkv_order" | "embedding"); an op not named takes the fastest backend available for the tensors' device
 (the torch references on CPU).
 
 Loss: ``forward(idx, targets)`` returns the cross-entropy of the next tokens through
@@ -77,7 +77,7 @@ RECOMPUTE = ("none", "selective", "full")
 OUTPUT_PROJECTIONS = ("attn.proj.weight", "mlp.proj.weight", "mlp.shared.proj.weight", "mlp.w_out")
 VOCAB_MULTIPLE = 128
 KERNEL_OPS = ("rms_norm", "layer_norm", "rotary", "attention", "cross_entropy", "bias_gelu", "swiglu", "linear",
-              "moe", "grouped_mm")
+              "moe", "grouped_mm", "qkv_order", "embedding")
 IGNORE_INDEX = -100
 
 
@@ -151,7 +151,8 @@ class GPTConfig:
     """Backend per op, {op: "torch" | "triton" | "cuda"}, ops: rms_norm, layer_norm, rotary, attention,
     cross_entropy, bias_gelu (the MLP's fc bias + GELU), linear (the other biased projections' bias gradient), moe
     (the experts' permute / unpermute), grouped_mm (the experts' GEMMs), qkv_order (the fused qkv weight's rows in
-    the heads-major order, grouped queries); ops not named take the fastest available backend."""
+    the heads-major order, grouped queries), embedding (wte's lookup; its gradient in one pass); ops not named take
+    the fastest available backend."""
     ce_chunk: Optional[int] = None
     """Tokens per chunk of the fused linear cross-entropy (None: chosen from the vocabulary size)."""
     n_experts: int = 0
@@ -812,7 +813,7 @@ class GPT(nn.Module):
             max_seqlen = longest if max_seqlen is None else max_seqlen
         device = idx.device
         if self.wte is not None:
-            x = self.wte(idx)  # (B, T, C)
+            x = self._embed(idx)  # (B, T, C)
             if self.wpe is not None:
                 positions = self._learned_positions(B, T, cu_seqlens, position_ids, device)
                 x = x + self.wpe(positions.expand(B, T) if self.positions_per_token else positions)
@@ -897,6 +898,16 @@ class GPT(nn.Module):
                     raise ValueError(f"GPT: position_ids span {lo}..{hi}; positions must lie in 0..{config.max_seqlen - 1}"
                                      " (max_seqlen)")
         return B, T
+
+    def _embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """wte's rows at idx through megakern.embedding (the table's gradient in one pass) where wte is a plain
+        nn.Embedding of the lookup alone; a replaced one (tensor parallel's VocabParallelEmbedding) by its own
+        forward."""
+        wte = self.wte
+        if type(wte) is nn.Embedding and wte.padding_idx is None and wte.max_norm is None and not (
+                wte.scale_grad_by_freq or wte.sparse):
+            return megakern.embedding(idx, wte.weight, backend=self.config.kernels)
+        return wte(idx)
 
     @staticmethod
     def _learned_positions(B, T, cu_seqlens, position_ids, device) -> torch.Tensor:

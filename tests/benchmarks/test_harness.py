@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from benchmarks import (bench_activation, bench_attention, bench_fp8, bench_gemm, bench_norm, bench_optim,
-                        bench_qkv_order, common)
+from benchmarks import (bench_activation, bench_attention, bench_embedding, bench_fp8, bench_gemm, bench_norm,
+                        bench_optim, bench_qkv_order, common)
 from benchmarks.common import (CSV_HEADER, Results, Unavailable, bench, file_rows, gpu_slug, git_sha, load_providers,
                                measure_copy_gbps, measure_matmul_tflops, record, run_launch)
 
@@ -456,6 +456,25 @@ def test_bench_qkv_order_cpu_smoke(tmp_path, capsys):
         (p, m, c) for p in providers for m in ("to heads-major", "to grouped")
         for c in ("qkv tiny 80x40 bf16", "qkv tiny-mha 144x24 bf16")}
     assert all(float(r["value"]) > 0 for r in records)
+
+
+def test_bench_embedding_cpu_smoke(tmp_path, capsys):
+    """Both providers on tiny tables: the fp32 sums (else the row is missing), filed; Zipf ids in range."""
+    import megakern
+
+    bench_embedding.main(["--device", "cpu", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert " on embedding " not in out, out  # no provider failed at run time
+    records = [dict(zip(CSV_HEADER, row)) for row in _read_csv(tmp_path / "cpu" / "embedding.csv")[1:]]
+    providers = {"torch"} | ({"megakern-triton"} if not megakern.available_backends("cpu")["triton"] else set())
+    assert {(r["provider"], r["mode"], r["case"]) for r in records if r["provider"] != "roofline"} == {
+        (p, "bwd", c) for p in providers
+        for c in ("embedding tiny 97x40 300 tokens bf16", "embedding tiny-wide 13x130 64 tokens bf16")}
+    assert all(float(r["value"]) > 0 for r in records)
+    ids = bench_embedding.zipf_ids(1000, 5000, torch.device("cpu"), torch.Generator().manual_seed(1))
+    assert 0 <= int(ids.min()) and int(ids.max()) < 1000
+    counts = torch.bincount(ids, minlength=1000).sort(descending=True).values
+    assert counts[:10].sum() > 0.2 * 5000 and (counts == 0).sum() > 100  # a few ids take much, many none
 
 
 def test_bench_gemm_linears():

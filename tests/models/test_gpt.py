@@ -356,7 +356,7 @@ def test_sum_reduction_and_all_ignored():
 
 # ---- the Triton kernels inside the model (interpreter on CPU) ---------------------------------------------------------
 TRITON_KERNELS = {"rms_norm": "triton", "layer_norm": "triton", "rotary": "triton", "cross_entropy": "triton",
-                  "bias_gelu": "triton", "linear": "triton"}
+                  "bias_gelu": "triton", "linear": "triton", "embedding": "triton"}
 
 
 @pytest.mark.parametrize("name", CONFIGS)
