@@ -192,7 +192,7 @@ def compile_for_sm90() -> list:
     results = []
     for rows, tok, block, warps in ((kern.ROWS, kern.TOK, kern.BLOCK_C, kern.WARPS), (8, 32, 2048, 8)):
         constexprs = {"ROWS": rows, "TOK": tok, "BLOCK_C": block}
-        types = {"ORDER": "*i64", "STARTS": "*i32", "V": "i32", "C": "i32", "stride_g": "i32", "stride_w": "i32"}
+        types = {"STARTS": "*i32", "V": "i32", "C": "i32", "stride_g": "i32", "stride_w": "i32"}
         signature = {a: "constexpr" if a in constexprs else types.get(a, "*bf16") for a in fn.arg_names}
         src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=warps))
