@@ -59,9 +59,9 @@ DEFAULTS: dict[str, tuple[tuple[int, tuple[str, ...]], ...]] = {
     # the fused qkv rows' order: one Triton pass, ahead of the reference's two strided copies
     # (benchmarks/results/h200/qkv_order.csv)
     "qkv_order": ((1 << 30, ("triton", "torch")),),
-    # the table's gradient in one Triton pass, ahead of torch's fill, sort and segment sums
-    # (benchmarks/results/h200/embedding.csv)
-    "embedding": ((1 << 30, ("triton", "torch")),),
+    # (size: the table's width) torch's backward to 2048, where the Triton pass lost or was level with Zipf ids (one
+    # program sums a frequent id's rows alone), the Triton pass above (profiles/h200/tune_embedding_ffb600b.txt)
+    "embedding": ((2048, ("torch", "triton")), (1 << 30, ("triton", "torch"))),
 }
 
 

@@ -4,8 +4,8 @@ The forward is ``F.embedding``'s row gather. Its backward in torch (``aten::embe
 a zero gradient the size of the table, sorts the ids, sums each id's rows in partial segments and adds them into the
 table: four kinds of launch, and the table's bytes written twice, which at a vocabulary of 128256 and a hidden size
 of 4096 is 1 GiB each time. Here (backend 'triton', op "embedding") the ids are sorted (``torch.sort``, stable), each
-table row's range found in them (``torch.searchsorted``), the lookup's gradient rows gathered in that order, and one
-Triton pass (megakern/_embedding_triton.py) writes every row of the table's gradient once: the fp32 sum of the gradient rows of the tokens that took it, in token order (zeros
+table row's range found in them (``torch.searchsorted``), and one Triton pass (megakern/_embedding_triton.py) writes
+every row of the gradient once: the fp32 sum of the gradient rows of the tokens that took it, in token order (zeros
 where none did). The same bits every run, as torch's.
 
 ``embedding(ids, weight, backend=None)``: ids an int32 / int64 tensor of any shape with values in [0, V), weight
@@ -78,14 +78,13 @@ def embedding_grad(grad: torch.Tensor, ids: torch.Tensor, num_rows: int, dtype: 
                 0, flat_ids, flat.float()).to(dtype)
         from megakern import _embedding_triton
 
+        if flat.stride(-1) != 1:
+            flat = flat.contiguous()
         sorted_ids, order = torch.sort(flat_ids, stable=True)
         bounds = torch.arange(num_rows + 1, dtype=sorted_ids.dtype, device=grad.device)
         starts = torch.searchsorted(sorted_ids, bounds, out_int32=True)
-        # the gradient's rows in id order (a gather of the lookup's gradient, a small fraction of the table's bytes):
-        # an id's rows are then contiguous, and the kernel's loads need no index loaded first
-        ordered = flat.index_select(0, order)
         out = torch.empty(num_rows, cols, dtype=dtype, device=grad.device)
-        _embedding_triton.table_grad(ordered, starts, out, **launch)
+        _embedding_triton.table_grad(flat, order, starts, out, **launch)
         return out
 
 
