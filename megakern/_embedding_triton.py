@@ -32,7 +32,8 @@ def _embedding_grad_kernel(G, ORDER, STARTS, DW, V, C, stride_g, stride_w, ROWS:
             t = tl.load(ORDER + idx, mask=take, other=0).to(tl.int64)
             g = tl.load(G + t[:, None] * stride_g + cols[None, :], mask=take[:, None] & cmask[None, :], other=0.0)
             acc += tl.sum(g.to(tl.float32), axis=0)
-        tl.store(DW + v.to(tl.int64) * stride_w + cols, acc.to(DW.dtype.element_ty), mask=cmask & (tl.zeros((BLOCK_C,), tl.int32) + v < V))
+        inside = tl.zeros((BLOCK_C,), tl.int32) + v < V  # a vector mask (the interpreter takes no scalar one)
+        tl.store(DW + v.to(tl.int64) * stride_w + cols, acc.to(DW.dtype.element_ty), mask=cmask & inside)
 
 
 def table_grad(grad, order, starts, out, *, rows: int = ROWS, tok: int = TOK, block_c: int = BLOCK_C,
