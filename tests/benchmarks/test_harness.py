@@ -443,34 +443,32 @@ else:
     assert [r[-4:-1] for r in rows[1:]] == [["fwd", "torch", "ms"], ["fwd", "torch", "GB/s"]] * len(cases)
 
 
-def test_bench_qkv_order_cpu_smoke(tmp_path, capsys):
-    """Both providers on tiny grouped-query shapes, both directions: the same rows (else the row is missing), filed."""
+def _smoke_torch_and_triton(bench, name: str, word: str, modes: tuple, cases: tuple, tmp_path, capsys) -> None:
+    """A CPU run of ``bench`` (providers torch and megakern-triton, the latter where the interpreter runs): no
+    provider failed, and a positive row filed for every (provider, mode, case)."""
     import megakern
 
-    bench_qkv_order.main(["--device", "cpu", "--out", str(tmp_path)])
+    bench.main(["--device", "cpu", "--out", str(tmp_path)])
     out = capsys.readouterr().out
-    assert " on qkv " not in out, out  # no provider failed at run time
-    records = [dict(zip(CSV_HEADER, row)) for row in _read_csv(tmp_path / "cpu" / "qkv_order.csv")[1:]]
+    assert f" on {word} " not in out, out  # no provider failed at run time
+    records = [dict(zip(CSV_HEADER, row)) for row in _read_csv(tmp_path / "cpu" / f"{name}.csv")[1:]]
     providers = {"torch"} | ({"megakern-triton"} if not megakern.available_backends("cpu")["triton"] else set())
     assert {(r["provider"], r["mode"], r["case"]) for r in records if r["provider"] != "roofline"} == {
-        (p, m, c) for p in providers for m in ("to heads-major", "to grouped")
-        for c in ("qkv tiny 80x40 bf16", "qkv tiny-mha 144x24 bf16")}
+        (p, m, c) for p in providers for m in modes for c in cases}
     assert all(float(r["value"]) > 0 for r in records)
+
+
+def test_bench_qkv_order_cpu_smoke(tmp_path, capsys):
+    """Both providers on tiny grouped-query shapes, both directions: the same rows (else the row is missing), filed."""
+    _smoke_torch_and_triton(bench_qkv_order, "qkv_order", "qkv", ("to heads-major", "to grouped"),
+                            ("qkv tiny 80x40 bf16", "qkv tiny-mha 144x24 bf16"), tmp_path, capsys)
 
 
 def test_bench_embedding_cpu_smoke(tmp_path, capsys):
     """Both providers on tiny tables: the fp32 sums (else the row is missing), filed; Zipf ids in range."""
-    import megakern
-
-    bench_embedding.main(["--device", "cpu", "--out", str(tmp_path)])
-    out = capsys.readouterr().out
-    assert " on embedding " not in out, out  # no provider failed at run time
-    records = [dict(zip(CSV_HEADER, row)) for row in _read_csv(tmp_path / "cpu" / "embedding.csv")[1:]]
-    providers = {"torch"} | ({"megakern-triton"} if not megakern.available_backends("cpu")["triton"] else set())
-    assert {(r["provider"], r["mode"], r["case"]) for r in records if r["provider"] != "roofline"} == {
-        (p, "bwd", c) for p in providers
-        for c in ("embedding tiny 97x40 300 tokens bf16", "embedding tiny-wide 13x130 64 tokens bf16")}
-    assert all(float(r["value"]) > 0 for r in records)
+    _smoke_torch_and_triton(bench_embedding, "embedding", "embedding", ("bwd",),
+                            ("embedding tiny 97x40 300 tokens bf16", "embedding tiny-wide 13x130 64 tokens bf16"),
+                            tmp_path, capsys)
     ids = bench_embedding.zipf_ids(1000, 5000, torch.device("cpu"), torch.Generator().manual_seed(1))
     assert 0 <= int(ids.min()) and int(ids.max()) < 1000
     counts = torch.bincount(ids, minlength=1000).sort(descending=True).values
