@@ -267,6 +267,7 @@ def test_presets_validate_and_build_on_meta():
     (dict(position="rotary", rope_scaling={"rope_type": "yarn"}), "rope_scaling"),
     (dict(kernels={"attention": "cuda"}), "attention has no backend 'cuda'"),
     (dict(kernels={"softmax": "triton"}), "unknown op 'softmax'"),
+    (dict(kernels={"embedding": "cuda"}), "embedding has no backend 'cuda'"),
     (dict(ce_chunk=0), "ce_chunk must be None or an int >= 1"),
     (dict(norm_eps=-1.0), "norm_eps must be > 0"),
     (dict(parallel_residual="yes"), "parallel_residual must be a bool"),
@@ -277,6 +278,17 @@ def test_config_errors(fields, message):
         GPTConfig(**fields).validate()
     with pytest.raises(ValueError, match=message):
         GPT(GPTConfig(**fields))
+
+
+def test_config_names_every_op():
+    """Every op the model runs can be named in config.kernels, with each backend it offers."""
+    import megakern
+    from megakern.models.gpt import KERNEL_OPS
+
+    assert {"qkv_order", "embedding", "swiglu"} <= set(KERNEL_OPS)
+    for op in KERNEL_OPS:
+        for backend in megakern.op_backends(op):
+            GPTConfig(kernels={op: backend}).validate()
 
 
 def test_preset_errors():
