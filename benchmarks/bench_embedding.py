@@ -25,7 +25,7 @@ else:  # python benchmarks/bench_embedding.py
 # (name, padded vocabulary, width, tokens a step)
 SHAPES = (("gpt-char", 128, 384, 16384), ("gpt-350m", 50304, 1024, 16384), ("llama-1b", 128256, 2048, 8192),
           ("qwen-7b", 152064, 3584, 8192), ("llama-8b", 128256, 4096, 8192), ("llama-8b-b1", 128256, 4096, 4096))
-CPU_SHAPES = (("tiny", 97, 40, 300), ("tiny-wide", 13, 130, 64))
+CPU_SHAPES = (("tiny", 29, 40, 120), ("tiny-wide", 13, 130, 64))
 ZIPF = 1.1
 
 
