@@ -4,7 +4,8 @@ Order: the explicit ``backend=`` argument of the call; the model config's kernel
 ``{op: backend}``, passed in the same ``backend=`` argument); the default for the device. Nothing is read from
 module-level state or environment variables at import time.
 
-- ``torch``: the fp32 reference of each op, differentiated by autograd. Runs anywhere.
+- ``torch``: the fp32 reference of each op, differentiated by autograd (for the ops of ``TORCH_KERNEL_OPS``,
+  torch's own kernel). Runs anywhere.
 - ``triton``: Triton kernels; on CUDA tensors, or on CPU tensors when ``TRITON_INTERPRET=1`` is set.
 - ``cuda``: the hand-written CUDA C++ kernels of csrc/, through the built extension ``megakern._C`` or, when it
   is not built, compiled at run time by NVRTC through cupy (see ``megakern._cuda``).
@@ -63,6 +64,11 @@ DEFAULTS: dict[str, tuple[tuple[int, tuple[str, ...]], ...]] = {
     # program sums a frequent id's rows alone), the Triton pass above (profiles/h200/tune_embedding_ffb600b.txt)
     "embedding": ((2048, ("torch", "triton")), (1 << 30, ("triton", "torch"))),
 }
+
+
+# ops whose 'torch' backend is torch's own kernel rather than an fp32 reference: only these may put it ahead of
+# megakern's where it measured faster (the embedding's backward: aten's on narrow tables)
+TORCH_KERNEL_OPS = frozenset({"embedding"})
 
 
 def op_backends(op: str) -> tuple[str, ...]:

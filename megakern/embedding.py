@@ -25,12 +25,16 @@ import torch.nn.functional as F
 from megakern import _backend, _nvtx
 
 
+def _check_ids(who: str, ids: torch.Tensor) -> None:
+    if ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{who}: ids must be int32 or int64, got {ids.dtype}")
+
+
 def _check(ids, weight) -> None:
     if not isinstance(ids, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise TypeError(f"embedding: ids and weight must be tensors, got {type(ids).__name__} and "
                         f"{type(weight).__name__}")
-    if ids.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"embedding: ids must be int32 or int64, got {ids.dtype}")
+    _check_ids("embedding", ids)
     if weight.dim() != 2 or not weight.is_floating_point():
         raise ValueError(f"embedding: weight must be a 2-D floating-point table (V, C), got {weight.dtype} of shape "
                          f"{tuple(weight.shape)}")
@@ -56,8 +60,7 @@ def embedding_grad(grad: torch.Tensor, ids: torch.Tensor, num_rows: int, dtype: 
     kernel's geometry (rows, tok, block_c, warps; megakern/_embedding_triton.py)."""
     if not isinstance(grad, torch.Tensor) or not isinstance(ids, torch.Tensor):
         raise TypeError("embedding_grad: grad and ids must be tensors")
-    if ids.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"embedding_grad: ids must be int32 or int64, got {ids.dtype}")
+    _check_ids("embedding_grad", ids)
     if grad.dim() < 1 or tuple(grad.shape[:-1]) != tuple(ids.shape) or not grad.is_floating_point():
         raise ValueError(f"embedding_grad: grad must be floating point of shape (*ids.shape, C) = "
                          f"({', '.join(map(str, ids.shape))}{', ' if ids.dim() else ''}C), got {grad.dtype} of "

@@ -17,9 +17,9 @@
 Letters: B batch, T sequence, C = n_embd, nh / nkv query / key-value heads, hs head dim, V the padded vocabulary.
 
 Kernels: every op takes its backend from ``config.kernels`` (``{op: backend}``, passed as ``backend=`` to the
-megakern ops: "rms_norm" | "layer_norm" | "rotary" | "attention" | "cross_entropy" | "bias_gelu" | "linear" |
-"moe" | "grouped_mm" | "qkv_order" | "embedding"); an op not named takes the fastest backend available for the tensors' device
-(the torch references on CPU).
+megakern ops: "rms_norm" | "layer_norm" | "rotary" | "attention" | "cross_entropy" | "bias_gelu" | "swiglu" |
+"linear" | "moe" | "grouped_mm" | "qkv_order" | "embedding", ``KERNEL_OPS``); an op not named takes the fastest
+backend available for the tensors' device (the torch references on CPU).
 
 Loss: ``forward(idx, targets)`` returns the cross-entropy of the next tokens through
 ``megakern.linear_cross_entropy``, which never holds fp32 logits for the whole vocabulary (chunked over tokens).

@@ -54,9 +54,9 @@ def test_defaults_are_known_backends():
         limits = [limit for limit, _ in table]
         assert limits == sorted(limits) and limits[-1] >= 65536, op  # every hidden size has an order
         for _, order in table:
-            # the reference last, except where it is torch's own CUDA kernel and that measured faster (the
-            # embedding's backward at narrow tables)
-            assert (order[-1] == "torch" or op == "embedding") and set(order) <= set(_backend.BACKENDS), op
+            # the reference last, unless 'torch' is torch's own kernel (TORCH_KERNEL_OPS)
+            assert order[-1] == "torch" or op in _backend.TORCH_KERNEL_OPS, op
+            assert "torch" in order and set(order) <= set(_backend.BACKENDS), op
             assert sorted(order) == sorted(table[0][1]), op  # every size offers the same backends
     assert _backend.default_order("layer_norm", 8192)[0] == "triton"
     assert _backend.default_order("rms_norm", 1 << 16)[0] == "triton"  # wide rows too: the two-pass backward
