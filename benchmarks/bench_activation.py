@@ -2,7 +2,8 @@
 activations of GPT-2- and Llama / Mixtral-shaped models.
 
 Shapes: h, y, dy, dh (M, N), bias (N,); bf16 on CUDA, fp32 on CPU (smoke runs only). Cases: GPT-350M's fc output
-16384 x 4096 (micro-batch 16 x 1024 tokens), GPT-1.3B's 8192 x 8192, and a 2**26-element sweep of N.
+16384 x 4096 (micro-batch 16 x 1024 tokens), GPT-1.3B's 8192 x 8192, and a 2**26-element sweep of N; without a bias
+("gelu" cases): nanoGPT's shakespeare_char fc output 16384 x 1536 (64 x 256 tokens) and GPT-350M's.
 
 Bytes a fused pass must move, e = bytes per element of h:
     fwd      = read h + write y                           2*M*N*e
@@ -35,16 +36,19 @@ MODES = ("fwd", "fwd+bwd")
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
-def shapes(device: torch.device, quick: bool) -> list[tuple[int, int]]:
+def shapes(device: torch.device, quick: bool) -> list[tuple[int, int, bool]]:
+    """(M, N, with a bias) of the GELU cases."""
     if device.type != "cuda":
-        return [(64, 96), (33, 200)]
+        return [(64, 96, True), (33, 200, True), (33, 72, False)]
     sweep = () if quick else (1024, 3072, 16384)
-    return list(dict.fromkeys([(16384, 4096), (8192, 8192), *((2**26 // n, n) for n in sweep)]))
+    biased = [(16384, 4096), (8192, 8192), *((2**26 // n, n) for n in sweep)]
+    plain = [(16384, 1536)] + ([] if quick else [(16384, 4096)])
+    return list(dict.fromkeys([(m, n, True) for m, n in biased] + [(m, n, False) for m, n in plain]))
 
 
-def bytes_moved(mode: str, rows: int, cols: int, esize: int) -> int:
-    act = rows * cols * esize
-    return 2 * act + cols * esize if mode == "fwd" else 5 * act + 2 * cols * esize
+def bytes_moved(mode: str, rows: int, cols: int, esize: int, bias: bool = True) -> int:
+    act, vec = rows * cols * esize, (cols * esize if bias else 0)
+    return 2 * act + vec if mode == "fwd" else 5 * act + 2 * vec
 
 
 def swiglu_shapes(device: torch.device, quick: bool) -> list[tuple[int, int]]:
@@ -60,7 +64,7 @@ def swiglu_bytes(mode: str, rows: int, units: int, esize: int) -> int:
 
 
 def _eager(h, b):
-    return F.gelu(h + b, approximate="tanh")
+    return F.gelu(h if b is None else h + b, approximate="tanh")
 
 
 def _eager_swiglu(h):
@@ -113,7 +117,7 @@ SWIGLU_PROVIDERS = {"torch": _load_swiglu_torch, "compile": _load_swiglu_compile
 
 def _outputs(fn, h, b, dy):
     y = fn(h, b)
-    return (y, *torch.autograd.grad(y, (h, b), dy))
+    return (y, *torch.autograd.grad(y, (h,) if b is None else (h, b), dy))
 
 
 def main(argv: list[str] | None = None) -> Results:
@@ -126,19 +130,21 @@ def main(argv: list[str] | None = None) -> Results:
     keep_rows_on_exit(results, 'activation', args.out, args.no_save)
     results.add_roofline("GB/s", measure_copy_gbps(device))
     torch.manual_seed(0)
-    for rows, cols in shapes(device, args.quick):
-        case = f"bias_gelu {rows}x{cols} {DTYPE_NAMES[dtype]}"
+    for rows, cols, bias in shapes(device, args.quick):
+        case = f"{'bias_gelu' if bias else 'gelu'} {rows}x{cols} {DTYPE_NAMES[dtype]}"
         h = (2 * torch.randn(rows, cols, device=device)).to(dtype).requires_grad_()
-        b = (0.5 * torch.randn(cols, device=device)).to(dtype).requires_grad_()
+        b = (0.5 * torch.randn(cols, device=device)).to(dtype).requires_grad_() if bias else None
+        leaves = (h, b) if bias else (h,)
         dy = torch.randn_like(h)
-        ref = _outputs(_eager, h.detach().float().requires_grad_(), b.detach().float().requires_grad_(), dy.float())
+        ref = _outputs(_eager, h.detach().float().requires_grad_(),
+                       b.detach().float().requires_grad_() if bias else None, dy.float())
         for name, fn in providers.items():
             try:
-                check_outputs(("y", "dh", "dbias"), _outputs(fn, h, b, dy), ref, tol)
+                check_outputs(("y", "dh", "dbias")[:len(ref)], _outputs(fn, h, b, dy), ref, tol)
                 for mode in MODES:
-                    step = (lambda: fn(h, b)) if mode == "fwd" else (lambda: torch.autograd.grad(fn(h, b), (h, b), dy))
+                    step = (lambda: fn(h, b)) if mode == "fwd" else (lambda: torch.autograd.grad(fn(h, b), leaves, dy))
                     t = bench(step, device=device, graph=args.graph)
-                    gbps = bytes_moved(mode, rows, cols, h.element_size()) / (t["median"] * 1e-3) / 1e9
+                    gbps = bytes_moved(mode, rows, cols, h.element_size(), bias) / (t["median"] * 1e-3) / 1e9
                     record(results, case, mode + (" graph" if args.graph else ""), name, t, "GB/s", gbps)
             except Exception as e:
                 report_failure(name, case, e)

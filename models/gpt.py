@@ -9,8 +9,8 @@
             q, k, v = views of qkv; q, k rotated (RoPE) in place
             out = core(q, k, v) = megakern.attention(causal), (B, T, nh, hs) -> proj
     mlp:    proj(gelu(fc(y)))  or  proj(silu(gate) * up) with (gate, up) interleaved rows of fc (SwiGLU); with a
-            bias, gelu(y W^T + b) is megakern.bias_gelu (its backward also makes the bias gradient); "gelu_exact" the
-            erf GELU (GPT-NeoX's, torch's F.gelu)
+            bias, gelu(y W^T + b) is megakern.bias_gelu (its backward also makes the bias gradient), without one
+            megakern.bias_gelu(y W^T, None); "gelu_exact" the erf GELU (GPT-NeoX's, torch's F.gelu)
     parallel_residual (GPT-NeoX): both branches read the same stream, h + attn(attn_norm(h)) + mlp(mlp_norm(h)):
             y, h = attn_norm(x, residual=h); x = attn(y) + mlp(mlp_norm(h))
 
@@ -149,10 +149,10 @@ class GPTConfig:
     on Hopper, docs/tuning.md), run-to-run differences in the last bits allowed."""
     kernels: dict = field(default_factory=dict)
     """Backend per op, {op: "torch" | "triton" | "cuda"}, ops: rms_norm, layer_norm, rotary, attention,
-    cross_entropy, bias_gelu (the MLP's fc bias + GELU), linear (the other biased projections' bias gradient), moe
-    (the experts' permute / unpermute), grouped_mm (the experts' GEMMs), qkv_order (the fused qkv weight's rows in
-    the heads-major order, grouped queries), embedding (wte's lookup; its gradient in one pass); ops not named take
-    the fastest available backend."""
+    cross_entropy, bias_gelu (the MLP's tanh GELU, with fc's bias if any), linear (the other biased projections'
+    bias gradient), moe (the experts' permute / unpermute), grouped_mm (the experts' GEMMs), qkv_order (the fused
+    qkv weight's rows in the heads-major order, grouped queries), embedding (wte's lookup; its gradient in one
+    pass); ops not named take the fastest available backend."""
     ce_chunk: Optional[int] = None
     """Tokens per chunk of the fused linear cross-entropy (None: chosen from the vocabulary size)."""
     n_experts: int = 0
@@ -587,8 +587,11 @@ class MLP(nn.Module):
             h = megakern.swiglu(self.fc(x), backend=self.kernels)
         elif self.gelu_exact:  # (megakern.bias_gelu is the tanh approximation)
             h = F.gelu(self.fc(x))
-        elif (type(self.fc) is nn.Linear or hasattr(self.fc, "product")) and self.fc.bias is not None and \
-                bias_gelu_backend(x, self.kernels) != "torch":
+        elif bias_gelu_backend(x, self.kernels) == "torch":
+            h = F.gelu(self.fc(x), approximate="tanh")
+        elif self.fc.bias is None:
+            h = megakern.bias_gelu(self.fc(x), None, backend=self.kernels)
+        elif type(self.fc) is nn.Linear or hasattr(self.fc, "product"):
             # the bias rides in the activation's pass; its gradient comes out of the GELU backward's pass (a
             # tensor-parallel fc gives its product without the bias: ColumnParallelLinear.product)
             product = F.linear(x, self.fc.weight) if type(self.fc) is nn.Linear else self.fc.product(x)

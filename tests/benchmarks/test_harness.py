@@ -344,8 +344,10 @@ def test_bench_activation_cpu_smoke(tmp_path, capsys):
 
     bench_activation.main(["--device", "cpu", "--providers", "torch,megakern-triton", "--out", str(tmp_path)])
     out = capsys.readouterr().out
-    assert "| bias_gelu 64x96 fp32 | fwd+bwd |" in out
+    assert "| bias_gelu 64x96 fp32 | fwd+bwd |" in out and "| gelu 33x72 fp32 | fwd+bwd |" in out
+    assert " on gelu" not in out and " on bias_gelu" not in out, out  # no provider failed its check
     records = [dict(zip(CSV_HEADER, row)) for row in _read_csv(tmp_path / "cpu" / "activation.csv")[1:]]
+    assert {r["case"] for r in records if r["provider"] == "torch"} >= {"gelu 33x72 fp32", "bias_gelu 64x96 fp32"}
     # megakern-triton runs on CPU tensors under the interpreter only (a GPU machine's suite does not interpret)
     providers = ("torch",) + (("megakern-triton",) if not megakern.available_backends("cpu")["triton"] else ())
     assert {(r["provider"], r["mode"]) for r in records if r["provider"] != "roofline"} == {

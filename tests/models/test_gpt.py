@@ -379,6 +379,24 @@ def test_triton_kernels_match_reference_fp32(name):
     check_against_reference(model, B=2, T=9, atol=ATOL[torch.float32])
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_mlp_gelu_takes_the_bias_gelu_op(bias, monkeypatch):
+    """The tanh GELU runs as megakern.bias_gelu with fc's bias or without one (None), the product without the bias
+    when there is one; torch's own GELU only where the op's backend is torch."""
+    import megakern
+
+    require_triton()
+    calls = []
+    real = megakern.bias_gelu
+    monkeypatch.setattr(megakern, "bias_gelu", lambda h, b, **kw: calls.append(b) or real(h, b, **kw))
+    model = make(GPT2_LIKE, n_layer=1, bias=bias, kernels={"bias_gelu": "triton"}).to(DEVICE)
+    check_against_reference(model, B=2, T=9, atol=ATOL[torch.float32])
+    assert calls and all((b is model.blocks["0"].mlp.fc.bias) if bias else b is None for b in calls)
+    calls.clear()
+    make(GPT2_LIKE, n_layer=1, bias=bias, kernels={"bias_gelu": "torch"}).to(DEVICE)(*batch(model.config, 1, 5))
+    assert not calls
+
+
 @pytest.mark.parametrize("name", ["llama-like", "mqa"])
 def test_traced_rotary_path_matches_in_place(name, monkeypatch):
     """Under torch.compile the rotation runs out of place after a plain split; same loss and gradients."""
