@@ -393,7 +393,8 @@ def test_mlp_gelu_takes_the_bias_gelu_op(bias, monkeypatch):
     check_against_reference(model, B=2, T=9, atol=ATOL[torch.float32])
     assert calls and all((b is model.blocks["0"].mlp.fc.bias) if bias else b is None for b in calls)
     calls.clear()
-    make(GPT2_LIKE, n_layer=1, bias=bias, kernels={"bias_gelu": "torch"}).to(DEVICE)(*batch(model.config, 1, 5))
+    idx, targets = (t.to(DEVICE) for t in batch(model.config, 1, 5))
+    make(GPT2_LIKE, n_layer=1, bias=bias, kernels={"bias_gelu": "torch"}).to(DEVICE)(idx, targets)
     assert not calls
 
 
