@@ -1,10 +1,13 @@
 """Triton kernels of megakern.activation: bias + GELU (tanh approximation) forward, and its backward with the bias
 gradient's column sums made in the same pass; SwiGLU on interleaved (gate, up) pairs, forward and backward.
 
+GELU in its sigmoid form: 0.5 (1 + tanh(u)) = s = 1 / (1 + exp(-2u)), u = sqrt(2 / pi) (x + 0.044715 x^3), so
+gelu(x) = x s and gelu'(x) = s + 2 x s (1 - s) u': one exp2 and one division an element, no tanh.
 Forward: h (M, N) contiguous, flat blocks of BLOCK elements, y = gelu(h + b[col]) in fp32, stored in h's dtype.
-Backward: a program per (BLOCK_M x BLOCK_N) tile writes dh = dy * gelu'(h + b) and the column sums of its tile of
-dh (as stored, in fp32) to its row of an (M / BLOCK_M, N) fp32 buffer, which the launcher sums. The separate
-bias-gradient pass over dh (a read of M x N) is gone; the partial sums add 1/16 of dh's bytes (bf16, BLOCK_M 32).
+Backward with a bias: a program per (BLOCK_M x BLOCK_N) tile writes dh = dy * gelu'(h + b) and the column sums of
+its tile of dh (as stored, in fp32) to its row of an (M / BLOCK_M, N) fp32 buffer, which the launcher sums. The
+separate bias-gradient pass over dh (a read of M x N) is gone; the partial sums add 1/16 of dh's bytes (bf16,
+BLOCK_M 32). Without a bias: flat blocks, as the forward (faster than the tiles, which only the sums need).
 
 SwiGLU: h (..., 2F) contiguous holds unit i's gate at column 2i and its up at 2i + 1, so output element o of y
 (..., F) reads the pair at flat offsets 2o, 2o + 1: a program loads a (BLOCK, 2) tile (contiguous bytes) and splits
@@ -21,15 +24,23 @@ from megakern._reduce_triton import sum_rows
 
 from megakern._intmath import cdiv
 
-# gelu_tanh(x) = 0.5 x (1 + tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x^3); the constants are literals in the kernels
-# (Triton kernels read module globals only as constexprs, which the interpreter does not multiply with tensors)
+# the constants are literals in the kernels (Triton kernels read module globals only as constexprs, which the
+# interpreter does not multiply with tensors): -2 u log2(e) = x (-2.3022... - 0.10294... x^2), 2 u' = 1.5957... +
+# 0.21406... x^2
 
 
 @triton.jit
-def _tanh(z):
-    e = tl.exp(-2.0 * tl.abs(z))  # in (0, 1]: no overflow
-    t = (1.0 - e) / (1.0 + e)
-    return tl.where(z < 0, -t, t)
+def _sigmoid_2u(x):
+    """1 / (1 + exp(-2u)): the exponent capped at 2^126, where the quotient is 0 in any dtype and a fast division
+    still holds"""
+    z = tl.minimum(x * (-2.302208198144325 - 0.1029432395800235 * x * x), 126.0)
+    return 1.0 / (1.0 + tl.exp2(z))
+
+
+@triton.jit
+def _gelu_grad(x):
+    s = _sigmoid_2u(x)
+    return s + (x - x * s) * s * (1.5957691216057308 + 0.21406444881780073 * x * x)
 
 
 @triton.jit
@@ -39,13 +50,20 @@ def _bias_gelu_fwd_kernel(H, B, Y, numel, N, HAS_BIAS: tl.constexpr, BLOCK: tl.c
     x = tl.load(H + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         x += tl.load(B + offs % N, mask=mask, other=0.0).to(tl.float32)
-    t = _tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))
-    tl.store(Y + offs, (0.5 * x * (1.0 + t)).to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + offs, (x * _sigmoid_2u(x)).to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _bias_gelu_bwd_kernel(DY, H, B, DH, PART, M, N, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr):
+def _gelu_bwd_kernel(DY, H, DH, numel, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    x = tl.load(H + offs, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(DH + offs, (dy * _gelu_grad(x)).to(DH.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bias_gelu_bwd_kernel(DY, H, B, DH, PART, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -53,15 +71,16 @@ def _bias_gelu_bwd_kernel(DY, H, B, DH, PART, M, N, HAS_BIAS: tl.constexpr, BLOC
     mask = (rows < M)[:, None] & col_ok[None, :]
     offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
     x = tl.load(H + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        x += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    x += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
-    t = _tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))
-    grad = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * x * x)
-    dh = (dy * grad).to(DH.dtype.element_ty)
+    dh = (dy * _gelu_grad(x)).to(DH.dtype.element_ty)
     tl.store(DH + offs, dh, mask=mask)
-    if HAS_BIAS:
-        tl.store(PART + pid_m.to(tl.int64) * N + cols, tl.sum(dh.to(tl.float32), axis=0), mask=col_ok)
+    tl.store(PART + pid_m.to(tl.int64) * N + cols, tl.sum(dh.to(tl.float32), axis=0), mask=col_ok)
+
+
+def _flat_block(h: torch.Tensor) -> tuple[int, int]:
+    """(BLOCK, warps) of the flat kernels (docs/tuning.md, bias + GELU)."""
+    return (2048, 4) if h.is_cuda else (256, 4)
 
 
 def fwd(h: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -69,10 +88,9 @@ def fwd(h: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     numel, n = h.numel(), h.shape[-1]
     if numel == 0:
         return y
-    block = 4096 if h.is_cuda else 256
+    block, warps = _flat_block(h)
     _bias_gelu_fwd_kernel[(cdiv(numel, block),)](h, bias if bias is not None else h, y, numel, n,
-                                                 HAS_BIAS=bias is not None, BLOCK=block,
-                                                 num_warps=8 if h.is_cuda else 4)
+                                                 HAS_BIAS=bias is not None, BLOCK=block, num_warps=warps)
     return y
 
 
@@ -84,14 +102,17 @@ def bwd(dy: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None) -> tuple[t
     dh = torch.empty_like(h)
     if h.numel() == 0:
         return dh, (torch.zeros(n, dtype=torch.float32, device=h.device) if bias is not None else None)
+    if bias is None:
+        block, warps = _flat_block(h)
+        _gelu_bwd_kernel[(cdiv(h.numel(), block),)](dy, h, dh, h.numel(), BLOCK=block, num_warps=warps)
+        return dh, None
     # a tile per program, its column sums to a row of part: (M / BLOCK_M) x N fp32, 1/16 of dh's bytes in bf16; the
     # tiles are profiles/tune_bias_gelu.py's best on the H100 (docs/tuning.md, bias + GELU)
     block_m, block_n, warps = (32, 128, 4) if h.is_cuda else (8, 32, 4)
     grid = (cdiv(m, block_m), cdiv(n, block_n))
-    part = torch.empty((grid[0], n), dtype=torch.float32, device=h.device) if bias is not None else h
-    _bias_gelu_bwd_kernel[grid](dy, h, bias if bias is not None else h, dh, part, m, n, HAS_BIAS=bias is not None,
-                                BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
-    return dh, (sum_rows(part, bias.dtype) if bias is not None else None)
+    part = torch.empty((grid[0], n), dtype=torch.float32, device=h.device)
+    _bias_gelu_bwd_kernel[grid](dy, h, bias, dh, part, m, n, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+    return dh, sum_rows(part, bias.dtype)
 
 
 @triton.jit

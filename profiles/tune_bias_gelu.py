@@ -36,7 +36,7 @@ def main() -> None:
             part = torch.empty((cdiv(m, bm), n), dtype=torch.float32, device=dev)
 
             def kernel():
-                kern._bias_gelu_bwd_kernel[(cdiv(m, bm), cdiv(n, bn))](dy, h, b, dh, part, m, n, HAS_BIAS=True,
+                kern._bias_gelu_bwd_kernel[(cdiv(m, bm), cdiv(n, bn))](dy, h, b, dh, part, m, n,
                                                                          BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
 
             def whole():
