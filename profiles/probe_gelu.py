@@ -1,7 +1,8 @@
 """GELU (tanh) in three forms (0: tanh from exp and a division, 1: the sigmoid form x / (1 + exp2(.)), 2: the
 hardware tanh.approx) and launch geometries (flat, 2-D tiles, tiles looping over rows), bf16 on one GPU, against the
 same-run copy bandwidth, each checked against fp64. `python profiles/probe_gelu.py` (flat and tile forms),
-`python profiles/probe_gelu.py loop` (the bias forms that loop over rows). Results: docs/tuning.md, bias + GELU."""
+`python profiles/probe_gelu.py loop` (the bias forms that loop over rows), `python profiles/probe_gelu.py order`
+(the bias backward's tiles in both program orders). Results: docs/tuning.md, bias + GELU."""
 import sys
 
 import torch
@@ -9,6 +10,7 @@ import triton
 import triton.language as tl
 
 from benchmarks.common import bench, measure_copy_gbps
+from megakern._activation_triton import _gelu_grad
 
 
 
@@ -110,6 +112,29 @@ def bwd_tile(DY, H, Bp, DH, PART, M, N, HAS_BIAS: tl.constexpr, FORM: tl.constex
     tl.store(DH + offs, dh, mask=mask)
     if HAS_BIAS:
         tl.store(PART + pid_m.to(tl.int64) * N + cols, tl.sum(dh.to(tl.float32), axis=0), mask=col_ok)
+
+
+@triton.jit
+def bwd_tile_order(DY, H, Bp, DH, PART, M, N, COLS_FAST: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """bwd_tile with a bias in megakern's form (its _gelu_grad: the same bits), its programs ordered along the
+    columns first (COLS_FAST: the programs running at once cover whole rows) or down the rows first (as the
+    kernel's launcher orders them)"""
+    if COLS_FAST:
+        pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+    else:
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    col_ok = cols < N
+    mask = (rows < M)[:, None] & col_ok[None, :]
+    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    x = tl.load(H + offs, mask=mask, other=0.0).to(tl.float32)
+    x += tl.load(Bp + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+    dh = (dy * _gelu_grad(x)).to(DH.dtype.element_ty)
+    tl.store(DH + offs, dh, mask=mask)
+    tl.store(PART + pid_m.to(tl.int64) * N + cols, tl.sum(dh.to(tl.float32), axis=0), mask=col_ok)
 
 
 @triton.jit
@@ -267,5 +292,43 @@ def main2():
                       flush=True)
 
 
+ORDER_TILES = ((32, 128, 4), (16, 256, 4), (8, 512, 4), (4, 1024, 4), (64, 64, 4), (32, 256, 8))
+
+
+def main_order():
+    """The backward with a bias, its tiles in both program orders, beside the launcher's whole backward (tiles and
+    the sums' pass: megakern._activation_triton.bwd)."""
+    from megakern import _activation_triton as kern
+
+    dev = torch.device("cuda")
+    copy = measure_copy_gbps(dev)
+    print(f"copy {copy:.0f} GB/s", flush=True)
+    for m, n in ((16384, 1536), (16384, 4096), (8192, 8192), (65536, 1024)):
+        torch.manual_seed(0)
+        h = (2 * torch.randn(m, n, device=dev)).to(torch.bfloat16)
+        b = (0.5 * torch.randn(n, device=dev)).to(torch.bfloat16)
+        dy = torch.randn_like(h)
+        nbytes = 3 * h.numel() * 2
+        want_dh, want_db = kern.bwd(dy, h, b)
+        t = bench(lambda: kern.bwd(dy, h, b), device=dev)["median"]
+        print(f"== {m}x{n}: megakern bwd (tiles + sums) {t * 1e3:7.1f} us ({nbytes / t / 1e6 / copy:.2f})", flush=True)
+        dh = torch.empty_like(h)
+        for bm, bn, warps in ORDER_TILES:
+            part = torch.empty((triton.cdiv(m, bm), n), dtype=torch.float32, device=dev)
+            for cols_fast in (False, True):
+                tiles = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+                grid = tiles[::-1] if cols_fast else tiles
+
+                def f():
+                    bwd_tile_order[grid](dy, h, b, dh, part, m, n, COLS_FAST=cols_fast, BLOCK_M=bm, BLOCK_N=bn,
+                                         num_warps=warps)
+
+                f()
+                ok = torch.equal(dh, want_dh) and torch.allclose(part.sum(0), want_db.float(), rtol=1e-2, atol=1e-1)
+                t = bench(f, device=dev)["median"]
+                print(f"tile {bm}x{bn} {warps}w {'columns first' if cols_fast else 'rows first   '} {t * 1e3:7.1f} us "
+                      f"({nbytes / t / 1e6 / copy:.2f}){'' if ok else ' WRONG'}", flush=True)
+
+
 if __name__ == "__main__":
-    main2() if sys.argv[1:] == ["loop"] else main()
+    {"loop": main2, "order": main_order}.get(sys.argv[1] if sys.argv[1:] else "", main)()
