@@ -179,15 +179,29 @@ def ref(h, b):
     return y, g
 
 
+def _inputs(m, n, dev):
+    """h, bias and dy in bf16, the same draw for every probe"""
+    torch.manual_seed(0)
+    h = (2 * torch.randn(m, n, device=dev)).to(torch.bfloat16)
+    return h, (0.5 * torch.randn(n, device=dev)).to(torch.bfloat16), torch.randn_like(h)
+
+
+def _time_all(form, cfgs, out, truth, nbytes, copy, dev):
+    """each (name, launch) of cfgs run once, checked against the fp64 truth, then timed"""
+    for name, f in cfgs:
+        f()
+        err = (out.double() - truth).abs().max().item()
+        t = bench(f, device=dev)["median"]
+        gb = nbytes / t / 1e6
+        print(f"form {form} {name:24} {t * 1e3:7.1f} us {gb:6.0f} GB/s ({gb / copy:.2f}) err {err:.3g}", flush=True)
+
+
 def main():
     dev = torch.device("cuda")
     copy = measure_copy_gbps(dev)
     print(f"copy {copy:.0f} GB/s", flush=True)
     for m, n in ((16384, 1536), (16384, 4096)):
-        torch.manual_seed(0)
-        h = (2 * torch.randn(m, n, device=dev)).to(torch.bfloat16)
-        b = (0.5 * torch.randn(n, device=dev)).to(torch.bfloat16)
-        dy = torch.randn_like(h)
+        h, b, dy = _inputs(m, n, dev)
         numel = h.numel()
         act = numel * 2
         for bias in (False, True):
@@ -218,15 +232,8 @@ def main():
                                                                                    BLOCK_M=bm, BLOCK_N=bn,
                                                                                    num_warps=warps)
                         cfgs.append((f"fwd tile {bm}x{bn}/{warps}w", f))
-                for name, f in cfgs:
-                    f()
-                    err = (y.double() - y64).abs().max().item()
-                    t = bench(f, device=dev)["median"]
-                    gb = 2 * act / t / 1e6
-                    print(f"form {form} {name:24} {t * 1e3:7.1f} us {gb:6.0f} GB/s ({gb / copy:.2f}) err {err:.3g}",
-                          flush=True)
+                _time_all(form, cfgs, y, y64, 2 * act, copy, dev)
                 dh = torch.empty_like(h)
-                part = torch.empty((triton.cdiv(m, 32), n), dtype=torch.float32, device=dev)
                 bcfgs = []
                 if not bias:
                     for block, warps in ((2048, 4), (4096, 8), (8192, 8)):
@@ -241,13 +248,7 @@ def main():
                                                                            FORM=form, BLOCK_M=bm, BLOCK_N=bn,
                                                                            num_warps=warps)
                     bcfgs.append((f"bwd tile {bm}x{bn}/{warps}w", f))
-                for name, f in bcfgs:
-                    f()
-                    err = (dh.double() - dh64).abs().max().item()
-                    t = bench(f, device=dev)["median"]
-                    gb = 3 * act / t / 1e6
-                    print(f"form {form} {name:24} {t * 1e3:7.1f} us {gb:6.0f} GB/s ({gb / copy:.2f}) err {err:.3g}",
-                          flush=True)
+                _time_all(form, bcfgs, dh, dh64, 3 * act, copy, dev)
 
 
 LOOPS = ((32, 128, 128, 4), (32, 128, 256, 4), (16, 256, 128, 4), (16, 256, 256, 4), (32, 256, 256, 8),
@@ -259,10 +260,7 @@ def main2():
     copy = measure_copy_gbps(dev)
     print(f"copy {copy:.0f} GB/s", flush=True)
     for m, n in ((16384, 1536), (16384, 4096), (8192, 8192), (16384, 1024), (4096, 16384)):
-        torch.manual_seed(0)
-        h = (2 * torch.randn(m, n, device=dev)).to(torch.bfloat16)
-        b = (0.5 * torch.randn(n, device=dev)).to(torch.bfloat16)
-        dy = torch.randn_like(h)
+        h, b, dy = _inputs(m, n, dev)
         act = h.numel() * 2
         y64, g64 = ref(h, b)
         dh64 = dy.double() * g64
@@ -304,10 +302,7 @@ def main_order():
     copy = measure_copy_gbps(dev)
     print(f"copy {copy:.0f} GB/s", flush=True)
     for m, n in ((16384, 1536), (16384, 4096), (8192, 8192), (65536, 1024)):
-        torch.manual_seed(0)
-        h = (2 * torch.randn(m, n, device=dev)).to(torch.bfloat16)
-        b = (0.5 * torch.randn(n, device=dev)).to(torch.bfloat16)
-        dy = torch.randn_like(h)
+        h, b, dy = _inputs(m, n, dev)
         nbytes = 3 * h.numel() * 2
         want_dh, want_db = kern.bwd(dy, h, b)
         t = bench(lambda: kern.bwd(dy, h, b), device=dev)["median"]
