@@ -50,6 +50,8 @@ def _dgelu(x, FORM: tl.constexpr):
         s = 1.0 / (1.0 + tl.exp2(x * (-2.302208198 + -0.102943240 * x2)))
         # d/dx x s(2u) = s + 2 x s (1 - s) u'
         g = s + (x - x * s) * s * (1.5957691216057308 + 0.2140644488178018 * x2)
+    elif FORM == 3:  # megakern's own (the same bits as its kernels)
+        g = _gelu_grad(x)
     else:
         x2 = x * x
         t = _tanh_hw(x * (0.7978845608028654 + 0.035677408136300125 * x2))
@@ -97,8 +99,13 @@ def bwd_flat(DY, H, DH, numel, FORM: tl.constexpr, BLOCK: tl.constexpr):
 
 @triton.jit
 def bwd_tile(DY, H, Bp, DH, PART, M, N, HAS_BIAS: tl.constexpr, FORM: tl.constexpr, BLOCK_M: tl.constexpr,
-             BLOCK_N: tl.constexpr):
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+             BLOCK_N: tl.constexpr, COLS_FAST: tl.constexpr = False):
+    """COLS_FAST: the programs ordered along the columns first (those running at once cover whole rows), else down
+    the rows first (as megakern's launcher orders them)"""
+    if COLS_FAST:
+        pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+    else:
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     col_ok = cols < N
@@ -112,29 +119,6 @@ def bwd_tile(DY, H, Bp, DH, PART, M, N, HAS_BIAS: tl.constexpr, FORM: tl.constex
     tl.store(DH + offs, dh, mask=mask)
     if HAS_BIAS:
         tl.store(PART + pid_m.to(tl.int64) * N + cols, tl.sum(dh.to(tl.float32), axis=0), mask=col_ok)
-
-
-@triton.jit
-def bwd_tile_order(DY, H, Bp, DH, PART, M, N, COLS_FAST: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
-    """bwd_tile with a bias in megakern's form (its _gelu_grad: the same bits), its programs ordered along the
-    columns first (COLS_FAST: the programs running at once cover whole rows) or down the rows first (as the
-    kernel's launcher orders them)"""
-    if COLS_FAST:
-        pid_n, pid_m = tl.program_id(0), tl.program_id(1)
-    else:
-        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    col_ok = cols < N
-    mask = (rows < M)[:, None] & col_ok[None, :]
-    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-    x = tl.load(H + offs, mask=mask, other=0.0).to(tl.float32)
-    x += tl.load(Bp + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
-    dh = (dy * _gelu_grad(x)).to(DH.dtype.element_ty)
-    tl.store(DH + offs, dh, mask=mask)
-    tl.store(PART + pid_m.to(tl.int64) * N + cols, tl.sum(dh.to(tl.float32), axis=0), mask=col_ok)
 
 
 @triton.jit
@@ -315,8 +299,8 @@ def main_order():
                 grid = tiles[::-1] if cols_fast else tiles
 
                 def f():
-                    bwd_tile_order[grid](dy, h, b, dh, part, m, n, COLS_FAST=cols_fast, BLOCK_M=bm, BLOCK_N=bn,
-                                         num_warps=warps)
+                    bwd_tile[grid](dy, h, b, dh, part, m, n, HAS_BIAS=True, FORM=3, BLOCK_M=bm, BLOCK_N=bn,
+                                   COLS_FAST=cols_fast, num_warps=warps)
 
                 f()
                 ok = torch.equal(dh, want_dh) and torch.allclose(part.sum(0), want_db.float(), rtol=1e-2, atol=1e-1)
