@@ -31,8 +31,8 @@ from megakern._intmath import cdiv
 
 @triton.jit
 def _sigmoid_2u(x):
-    """1 / (1 + exp(-2u)): the exponent capped at 2^126, where the quotient is 0 in any dtype and a fast division
-    still holds"""
+    """1 / (1 + exp(-2u)), the exponent of 2 capped at 126: there s is about 1e-38 (its true value is smaller
+    still, and x s rounds to 0 or to a few 1e-37) and the fast division is still within its range"""
     z = tl.minimum(x * (-2.302208198144325 - 0.1029432395800235 * x * x), 126.0)
     return 1.0 / (1.0 + tl.exp2(z))
 
