@@ -6,8 +6,9 @@ gelu(x) = x s and gelu'(x) = s + 2 x s (1 - s) u': one exp2 and one division an 
 Forward: h (M, N) contiguous, flat blocks of BLOCK elements, y = gelu(h + b[col]) in fp32, stored in h's dtype.
 Backward with a bias: a program per (BLOCK_M x BLOCK_N) tile writes dh = dy * gelu'(h + b) and the column sums of
 its tile of dh (as stored, in fp32) to its row of an (M / BLOCK_M, N) fp32 buffer, which the launcher sums. The
-separate bias-gradient pass over dh (a read of M x N) is gone; the partial sums add 1/16 of dh's bytes (bf16,
-BLOCK_M 32). Without a bias: flat blocks, as the forward (faster than the tiles, which only the sums need).
+separate bias-gradient pass over dh (a read of M x N) is gone; the partial sums add 1/32 of dh's bytes (bf16,
+BLOCK_M 64). The programs run in column order (a row of tiles, then the next), so that those in flight together
+read whole rows. Without a bias: flat blocks, as the forward (faster than the tiles, which only the sums need).
 
 SwiGLU: h (..., 2F) contiguous holds unit i's gate at column 2i and its up at 2i + 1, so output element o of y
 (..., F) reads the pair at flat offsets 2o, 2o + 1: a program loads a (BLOCK, 2) tile (contiguous bytes) and splits
@@ -63,8 +64,14 @@ def _gelu_bwd_kernel(DY, H, DH, numel, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _bias_gelu_bwd_kernel(DY, H, B, DH, PART, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+def _bias_gelu_bwd_kernel(DY, H, B, DH, PART, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          COLS_FAST: tl.constexpr = True):
+    """dh of one (BLOCK_M, BLOCK_N) tile, and its column sums as a row of PART. COLS_FAST: the grid is (column
+    tiles, row tiles), so that the programs in flight together cover whole rows; else (row tiles, column tiles)."""
+    if COLS_FAST:
+        pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+    else:
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     col_ok = cols < N
@@ -76,6 +83,15 @@ def _bias_gelu_bwd_kernel(DY, H, B, DH, PART, M, N, BLOCK_M: tl.constexpr, BLOCK
     dh = (dy * _gelu_grad(x)).to(DH.dtype.element_ty)
     tl.store(DH + offs, dh, mask=mask)
     tl.store(PART + pid_m.to(tl.int64) * N + cols, tl.sum(dh.to(tl.float32), axis=0), mask=col_ok)
+
+
+# a CUDA grid's second and third axes hold at most 65535 programs
+_GRID_Y_MAX = 65535
+
+
+def _bias_bwd_tile(h: torch.Tensor) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps) of the backward with a bias (docs/tuning.md, bias + GELU)."""
+    return (64, 64, 4) if h.is_cuda else (8, 32, 4)
 
 
 def _flat_block(h: torch.Tensor) -> tuple[int, int]:
@@ -106,12 +122,15 @@ def bwd(dy: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None) -> tuple[t
         block, warps = _flat_block(h)
         _gelu_bwd_kernel[(cdiv(h.numel(), block),)](dy, h, dh, h.numel(), BLOCK=block, num_warps=warps)
         return dh, None
-    # a tile per program, its column sums to a row of part: (M / BLOCK_M) x N fp32, 1/16 of dh's bytes in bf16; the
-    # tiles are profiles/tune_bias_gelu.py's best on the H100 (docs/tuning.md, bias + GELU)
-    block_m, block_n, warps = (32, 128, 4) if h.is_cuda else (8, 32, 4)
-    grid = (cdiv(m, block_m), cdiv(n, block_n))
-    part = torch.empty((grid[0], n), dtype=torch.float32, device=h.device)
-    _bias_gelu_bwd_kernel[grid](dy, h, bias, dh, part, m, n, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+    # a tile per program, its column sums to a row of part: (M / BLOCK_M) x N fp32, 1/32 of dh's bytes in bf16;
+    # the programs in column order where the row tiles fit the grid's second axis (docs/tuning.md, bias + GELU)
+    block_m, block_n, warps = _bias_bwd_tile(h)
+    row_tiles, col_tiles = cdiv(m, block_m), cdiv(n, block_n)
+    cols_fast = row_tiles <= _GRID_Y_MAX
+    grid = (col_tiles, row_tiles) if cols_fast else (row_tiles, col_tiles)
+    part = torch.empty((row_tiles, n), dtype=torch.float32, device=h.device)
+    _bias_gelu_bwd_kernel[grid](dy, h, bias, dh, part, m, n, BLOCK_M=block_m, BLOCK_N=block_n, COLS_FAST=cols_fast,
+                                num_warps=warps)
     return dh, sum_rows(part, bias.dtype)
 
 

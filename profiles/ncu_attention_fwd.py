@@ -1,10 +1,10 @@
-"""The attention forward at one shape, megakern's Gluon kernel and, where installed, FlashAttention-4's, each under
-its own NVTX range, for Nsight Compute side by side (sections, or warp stalls per SASS line with --set full).
+"""The attention forward at one shape, megakern's Gluon kernel or, where installed, FlashAttention-4's, for Nsight
+Compute (sections, or warp stalls per SASS line with --set full), one provider a profiled process:
 
-    ncu --nvtx --nvtx-include "prof/" --launch-count 2 --section SpeedOfLight --section WarpStateStats ... \
-        python profiles/ncu_attention_fwd.py [--hs 128] [--seq 8192] [--batch 2] [--heads 16] [--causal]
+    ncu --nvtx --nvtx-include "prof/" --section SpeedOfLight --section WarpStateStats ... \
+        python profiles/ncu_attention_fwd.py --provider megakern|fa4 [--hs 128] [--seq 8192] [--batch 2] [--causal]
 
-Each provider runs three times first (compilation, autotuning), then once inside the range "prof/<provider>".
+The provider runs three times first (compilation, autotuning), then once inside the NVTX range "prof".
 It also prints the Gluon forward's registers, spills and shared memory as the machine's Triton compiled it.
 """
 from __future__ import annotations
@@ -24,29 +24,26 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--causal", action="store_true")
-    p.add_argument("--providers", default="megakern,fa4")
+    p.add_argument("--provider", default="megakern", choices=("megakern", "fa4"))
     a = p.parse_args()
     dev = torch.device("cuda")
     q, k, v = (torch.randn(a.batch, a.seq, a.heads, a.hs, device=dev, dtype=torch.bfloat16) for _ in range(3))
     win = (-1, 0 if a.causal else -1)
-    calls = {"megakern": lambda: _fwd_kernels(q, k, v, a.causal, a.hs ** -0.5, win, None, None)}
-    if "fa4" in a.providers:
-        try:
-            from flash_attn.cute import flash_attn_func
-        except ImportError as e:
-            print(f"fa4: not installed ({e})")
-        else:
-            calls["fa4"] = lambda: flash_attn_func(q, k, v, causal=a.causal)
-    for name in a.providers.split(","):
-        if name not in calls:
-            continue
-        for _ in range(3):
-            calls[name]()
-        torch.cuda.synchronize()
-        torch.cuda.nvtx.range_push(f"prof/{name}")
-        calls[name]()
-        torch.cuda.synchronize()
-        torch.cuda.nvtx.range_pop()
+    if a.provider == "fa4":
+        from flash_attn.cute import flash_attn_func
+
+        def call():
+            flash_attn_func(q, k, v, causal=a.causal)
+    else:
+        def call():
+            _fwd_kernels(q, k, v, a.causal, a.hs ** -0.5, win, None, None)
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    torch.cuda.nvtx.range_push("prof")
+    call()
+    torch.cuda.synchronize()
+    torch.cuda.nvtx.range_pop()
     fn = glu._attn_fwd_ws_kernel
     for cache in getattr(fn, "device_caches", {}).values():
         kernels = cache[0] if isinstance(cache, tuple) else cache

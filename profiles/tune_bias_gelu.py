@@ -1,6 +1,7 @@
 """Tile sweep for megakern.bias_gelu's backward kernel (megakern._activation_triton), bf16, against the same-run copy
-bandwidth: (BLOCK_M, BLOCK_N, warps) per shape, the kernel alone and with the partial sums' reduction, in GB/s of
-the bytes it must move (read h and dy, write dh: 3 * M * N * 2). The winner goes into ``_activation_triton.bwd``.
+bandwidth: (BLOCK_M, BLOCK_N, warps) per shape, the programs in column order as the launcher runs them, the kernel
+alone and with the partial sums' reduction, in GB/s of the bytes it must move (read h and dy, write dh:
+3 * M * N * 2). The winner goes into ``_activation_triton._bias_bwd_tile``.
 
     python profiles/tune_bias_gelu.py [--shapes 16384x4096,8192x8192]
 """
@@ -14,13 +15,13 @@ from benchmarks.common import bench, measure_copy_gbps
 from megakern import _activation_triton as kern
 from megakern._intmath import cdiv
 
-TILES = [(64, 256, 8), (32, 256, 4), (16, 256, 4), (32, 128, 4), (64, 128, 8), (128, 128, 8), (16, 512, 8),
-         (8, 1024, 8), (32, 512, 8)]
+TILES = [(64, 64, 4), (64, 64, 2), (128, 64, 4), (128, 64, 8), (64, 128, 4), (64, 128, 8), (128, 32, 4), (64, 32, 2),
+         (32, 64, 2), (32, 128, 4), (64, 256, 8)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--shapes", default="16384x4096,8192x8192,16384x1024")
+    parser.add_argument("--shapes", default="16384x4096,8192x8192,16384x1024,16384x1536,65536x1024")
     args = parser.parse_args()
     dev = torch.device("cuda")
     copy = measure_copy_gbps(dev)
@@ -36,8 +37,8 @@ def main() -> None:
             part = torch.empty((cdiv(m, bm), n), dtype=torch.float32, device=dev)
 
             def kernel():
-                kern._bias_gelu_bwd_kernel[(cdiv(m, bm), cdiv(n, bn))](dy, h, b, dh, part, m, n,
-                                                                         BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+                kern._bias_gelu_bwd_kernel[(cdiv(n, bn), cdiv(m, bm))](dy, h, b, dh, part, m, n, BLOCK_M=bm,
+                                                                         BLOCK_N=bn, COLS_FAST=True, num_warps=warps)
 
             def whole():
                 kernel()
