@@ -6,8 +6,8 @@ gelu(x) = x s and gelu'(x) = s + 2 x s (1 - s) u': one exp2 and one division an 
 Forward: h (M, N) contiguous, flat blocks of BLOCK elements, y = gelu(h + b[col]) in fp32, stored in h's dtype.
 Backward with a bias: a program per (BLOCK_M x BLOCK_N) tile writes dh = dy * gelu'(h + b) and the column sums of
 its tile of dh (as stored, in fp32) to its row of an (M / BLOCK_M, N) fp32 buffer, which the launcher sums. The
-separate bias-gradient pass over dh (a read of M x N) is gone; the partial sums add 1/32 of dh's bytes (bf16,
-BLOCK_M 64). The programs run in column order (a row of tiles, then the next), so that those in flight together
+separate bias-gradient pass over dh (a read of M x N) is gone; the partial sums add 1/64 of dh's bytes (bf16,
+BLOCK_M 128). The programs run in column order (a row of tiles, then the next), so that those in flight together
 read whole rows. Without a bias: flat blocks, as the forward (faster than the tiles, which only the sums need).
 
 SwiGLU: h (..., 2F) contiguous holds unit i's gate at column 2i and its up at 2i + 1, so output element o of y
@@ -91,7 +91,7 @@ _GRID_Y_MAX = 65535
 
 def _bias_bwd_tile(h: torch.Tensor) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, warps) of the backward with a bias (docs/tuning.md, bias + GELU)."""
-    return (64, 64, 4) if h.is_cuda else (8, 32, 4)
+    return (128, 64, 8) if h.is_cuda else (8, 32, 4)
 
 
 def _flat_block(h: torch.Tensor) -> tuple[int, int]:
@@ -122,7 +122,7 @@ def bwd(dy: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None) -> tuple[t
         block, warps = _flat_block(h)
         _gelu_bwd_kernel[(cdiv(h.numel(), block),)](dy, h, dh, h.numel(), BLOCK=block, num_warps=warps)
         return dh, None
-    # a tile per program, its column sums to a row of part: (M / BLOCK_M) x N fp32, 1/32 of dh's bytes in bf16;
+    # a tile per program, its column sums to a row of part: (M / BLOCK_M) x N fp32, 1/64 of dh's bytes in bf16;
     # the programs in column order where the row tiles fit the grid's second axis (docs/tuning.md, bias + GELU)
     block_m, block_n, warps = _bias_bwd_tile(h)
     row_tiles, col_tiles = cdiv(m, block_m), cdiv(n, block_n)

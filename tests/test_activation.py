@@ -177,7 +177,7 @@ def compile_for_sm90() -> list:
     results = []
     for fn, name, constexprs, warps in (
             (kern._bias_gelu_fwd_kernel, "fwd", {"HAS_BIAS": True, "BLOCK": 2048}, 4),
-            (kern._bias_gelu_bwd_kernel, "bwd", {"BLOCK_M": 64, "BLOCK_N": 64, "COLS_FAST": True}, 4),
+            (kern._bias_gelu_bwd_kernel, "bwd", {"BLOCK_M": 128, "BLOCK_N": 64, "COLS_FAST": True}, 8),
             (kern._gelu_bwd_kernel, "bwd without bias", {"BLOCK": 2048}, 4),
             (kern._swiglu_fwd_kernel, "swiglu fwd", {"BLOCK": 2048}, 8),
             (kern._swiglu_bwd_kernel, "swiglu bwd", {"BLOCK": 2048}, 8)):
