@@ -36,6 +36,7 @@ first per case, saving nothing.
 (`python benchmarks/bench_rotary.py` works too, but finds megakern only where it is installed.)
 """
 
+import dataclasses
 import sys
 from typing import Callable, NamedTuple
 
@@ -302,6 +303,14 @@ def tune(device: torch.device, copy_gbps: float, providers: set[str] | None) -> 
                             t = bench(lambda: _rotary_cuda.fwd(*args, path=path, config=cfg), device=device)
                             rows.append((gb / (t["median"] * 1e-3), f"cuda-{path} {cfg}"
                                          f"{' (default)' if cfg == default else ''}"))
+                # the default geometry with the registers capped (NVRTC), so that more blocks fit an SM
+                if path == "nvrtc" and not staged and not narrow:
+                    for items in (2, 4):
+                        for cap in (64, 72, 80, 96):
+                            cfg = dataclasses.replace(_rotary_cuda.launch_config(heads, groups, items=items,
+                                                                                 tokens=tokens), max_registers=cap)
+                            t = bench(lambda: _rotary_cuda.fwd(*args, config=cfg), device=device)
+                            rows.append((gb / (t["median"] * 1e-3), f"cuda-nvrtc {cfg}"))
             print(f"{case._replace(interleaved=interleaved).name(dtype)} fwd; copy roofline {copy_gbps:.0f} GB/s")
             for gbps, what in sorted(rows, reverse=True):
                 print(f"{gbps:9.1f} GB/s ({gbps / copy_gbps:.3f})  {what}")

@@ -29,6 +29,12 @@ class LaunchConfig:
     items: int  # heads each thread loads before any math (template ITEMS)
     tokens_per_block: int
     head_runs: int = 1  # grid.y: the heads cut into this many runs
+    # tuning: a cap on the kernel's registers a thread (NVRTC, MEGAKERN_ROTARY_MAXNREG; 0: the launch bounds' choice)
+    max_registers: int = 0
+
+    def __post_init__(self):
+        if self.max_registers and not 24 <= self.max_registers <= 255:
+            raise ValueError(f"rotary launch: max_registers must be 0 or in [24, 255], got {self.max_registers}")
 
 
 # Defaults (benchmarks/bench_rotary.py --tune sweeps them; docs/tuning.md, rotary): a block of DEFAULT_THREADS
@@ -168,8 +174,12 @@ def fwd(q, k, q_out, k_out, cos, sin, position_ids, cu_seqlens, offsets, offset:
         config: Optional[LaunchConfig] = None):
     """(q_out, k_out | None), written, for 4-D q (B, T, nh, hs), k (B, T, nkv, hs) or None; see
     csrc/rotary/rotary.cu. ``q_out``, ``k_out``: tensors of q's and k's shapes, or with ``inplace`` q and k
-    themselves. ``conj``: rotate by -theta (the backward)."""
-    path = _cuda.choose_path(path)
+    themselves. ``conj``: rotate by -theta (the backward). ``config`` overrides ``launch_config`` (tuning; one with
+    ``max_registers`` compiles the kernel by NVRTC under that cap)."""
+    capped = config is not None and config.max_registers
+    if capped and path == "extension":
+        raise ValueError("rotary launch: a register cap (max_registers) is compiled by NVRTC, not the extension")
+    path = "nvrtc" if capped else _cuda.choose_path(path)
     batch, seqlen, nh, hs = q.shape
     nkv = k.shape[2] if k is not None else 0
     tokens = batch * seqlen
@@ -210,8 +220,9 @@ def fwd(q, k, q_out, k_out, cos, sin, position_ids, cu_seqlens, offsets, offset:
                                     flags, dtype_code, table_f32, interleaved, cfg.items, cfg.threads,
                                     cfg.tokens_per_block, grid, cfg.head_runs)
         return q_out, k_out
+    defines = (f"MEGAKERN_ROTARY_MAXNREG={cfg.max_registers}",) if cfg.max_registers else ()
     kernel = _cuda.nvrtc_kernel("rotary/rotary.cu",
-                                kernel_name(q.dtype, table_f32, interleaved, io_mode(flags), cfg.items))
+                                kernel_name(q.dtype, table_f32, interleaved, io_mode(flags), cfg.items), defines)
     ks = k.stride()[:3] if k is not None else (0, 0, 0)
     kos = k_out.stride()[:3] if k is not None else (0, 0, 0)
     stride_pb = position_ids.stride(0) if position_ids is not None and position_ids.shape[0] > 1 else 0

@@ -714,6 +714,38 @@ def test_triton_cuda_parity(dtype, layout):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("items", (2, 4))
+@pytest.mark.parametrize("cap", (64, 80))
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_cuda_kernel_under_a_register_cap(layout, cap, items):
+    """The CUDA kernel compiled under a register cap (MEGAKERN_ROTARY_MAXNREG, NVRTC; tuning) gives the uncapped
+    kernel's outputs bit for bit (the same arithmetic, other registers and spills), forward and backward rotation."""
+    import dataclasses
+
+    from megakern import _rotary_cuda
+
+    if problem := cuda_path_problem("nvrtc"):
+        pytest.skip(f"the NVRTC path is unavailable: {problem}")
+    seed(layout, cap, items, "register cap")
+    cos, sin = rotary_table(4096, 128, device=DEVICE)
+    q = torch.randn(2, 1000, 12, 128, dtype=torch.bfloat16, device=DEVICE)
+    k = torch.randn(2, 1000, 4, 128, dtype=torch.bfloat16, device=DEVICE)
+    plain_cfg = _rotary_cuda.launch_config(16, 16, items=items, tokens=2000)
+    capped_cfg = dataclasses.replace(plain_cfg, max_registers=cap)
+    for conj in (False, True):
+        outs = []
+        for cfg in (plain_cfg, capped_cfg):
+            q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+            _rotary_cuda.fwd(q, k, q_out, k_out, cos, sin, None, None, None, 7, 128, layout == "interleaved", conj,
+                             False, path="nvrtc", config=cfg)
+            outs.append((q_out, k_out))
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    with pytest.raises(ValueError, match="compiled by NVRTC, not the extension"):
+        _rotary_cuda.fwd(q, k, q, k, cos, sin, None, None, None, 0, 128, False, False, True, path="extension",
+                         config=capped_cfg)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["triton", "cuda-extension", "cuda-nvrtc"])
 def test_long_tables_and_unaligned_views(variant):
     """Positions past 65535 (int64 position ids, a 2**17-row table), and q / k views that start one element off

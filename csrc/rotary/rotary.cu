@@ -28,6 +28,15 @@
 
 namespace megakern {
 
+// MEGAKERN_ROTARY_MAXNREG (tuning, NVRTC only: bench_rotary --tune): a cap on the kernel's registers a thread in place
+// of its launch bounds (nvcc and NVRTC ignore --maxrregcount for a kernel with launch bounds), so that more blocks fit
+// an SM, at the cost of spills (megakern/_rotary_cuda.py's LaunchConfig.max_registers: 24-255).
+#ifdef MEGAKERN_ROTARY_MAXNREG
+#define MEGAKERN_ROTARY_BOUNDS __maxnreg__(MEGAKERN_ROTARY_MAXNREG)
+#else
+#define MEGAKERN_ROTARY_BOUNDS __launch_bounds__(ROTARY_MAX_THREADS)
+#endif
+
 // N elements of S at p as floats, the first `valid` only (0 beyond): MODE 16, whole 16-byte transactions (all N
 // exist, p 16-byte aligned); MODE 8, 8-byte ones for every whole 8-byte piece that exists (p 8-byte aligned), the
 // rest element by element; MODE 0, element by element.
@@ -267,7 +276,7 @@ __device__ __forceinline__ void rotary_rows(const T* q, const T* k, T* q_out, T*
 // 2, every chunk of every group (and of the table) whole and 16-byte aligned (only the 16-byte path is compiled);
 // 3, rows of whole 16-byte chunks staged in shared memory (rotary_rows).
 template <typename T, typename TC, bool INTERLEAVED, int IO, int ITEMS>
-__global__ void __launch_bounds__(ROTARY_MAX_THREADS)
+__global__ void MEGAKERN_ROTARY_BOUNDS
 rotary_kernel(const T* q, const T* k, T* q_out, T* k_out, const TC* __restrict__ cos, const TC* __restrict__ sin,
               const void* __restrict__ pos_ids, const int* __restrict__ cu_seqlens, const void* __restrict__ offsets,
               i64 tokens, i64 seqlen, int nh, int nkv, int head_dim, int rot_half, int tokens_per_block,

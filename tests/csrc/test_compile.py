@@ -40,6 +40,24 @@ def test_nvrtc_compiles_every_kernel_instance(source, host):
     assert ok, log[-4000:]
 
 
+@pytest.mark.skipif(find_libnvrtc() is None, reason="libnvrtc not found (pip install nvidia-cuda-nvrtc)")
+def test_nvrtc_compiles_rotary_under_a_register_cap():
+    """The rotary kernel's tuning cap (MEGAKERN_ROTARY_MAXNREG, LaunchConfig.max_registers) compiles with NVRTC, as
+    a launch with that config compiles it."""
+    code = _cuda._inline_includes(CSRC / "rotary/rotary.cu", CSRC, set())
+    names = [_rotary_cuda.kernel_name(torch.bfloat16, True, il, 2, items) for il in (False, True) for items in (2, 4)]
+    ok, log = compile_ptx(code, names, ["-std=c++17", "-arch=compute_90a", "-DMEGAKERN_ROTARY_MAXNREG=64",
+                                        *_cuda._cuda_include_dirs()])
+    assert ok, log[-4000:]
+
+
+def test_rotary_register_cap_is_checked():
+    assert _rotary_cuda.LaunchConfig(128, 4, 1, max_registers=64).max_registers == 64
+    for bad in (8, 256):
+        with pytest.raises(ValueError, match=r"max_registers must be 0 or in \[24, 255\], got " + str(bad)):
+            _rotary_cuda.LaunchConfig(128, 4, 1, max_registers=bad)
+
+
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=str)
 def test_rotary_launch_config_covers_shapes(dtype):
     """Every head count and head dim gets a geometry within the kernel's limits and an instantiated kernel."""
