@@ -219,9 +219,7 @@ if AVAILABLE:
     @gluon.jit
     def _scores(s, j, first_masked, start_m, m_i, l_i, TQ, TK, scale_log2,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr):
-        """Online softmax of one block of scores: (p, new running max, new running sums, rescale factor). The
-        running sums ``l_i`` are each thread's partial sums of its rows (``_row_parts``), None before the first
-        block; ``_row_total`` adds them up once the keys are done."""
+        """Online softmax of one block of scores: (p, new running max, new running sum, rescale factor)."""
         if j >= first_masked:
             rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
             s = gl.where(_seen(rows, j, TQ, TK, BLOCK_N, CAUSAL, s_layout), s, float("-inf"))
@@ -229,22 +227,8 @@ if AVAILABLE:
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s * scale_log2 - m_use[:, None])
         alpha = gl.exp2(m_i - m_use)
-        parts = _row_parts(p, BLOCK_M, BLOCK_N)
-        if l_i is not None:
-            parts = l_i * gl.convert_layout(alpha, gl.SliceLayout(1, parts.type.layout))[:, None] + parts
-        return p, m_new, parts, alpha
-
-    @gluon.jit
-    def _row_parts(p, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
-        """(ROWS, 8) partial sums of p's rows, each of a thread's own columns: in the wgmma accumulator's layout a
-        thread holds the columns 8 j + c of its rows for a fixed c pair, so summing over j takes no shuffle; the
-        8 partial sums of a row lie in its quad of threads."""
-        return gl.sum(p.reshape([ROWS, BLOCK_N // 8, 8]), axis=1)
-
-    @gluon.jit
-    def _row_total(parts, row_layout: gl.constexpr):
-        """The rows' sums from ``_row_parts``' partial sums, in ``row_layout``."""
-        return gl.convert_layout(gl.sum(parts, axis=1), row_layout)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        return p, m_new, l_i, alpha
 
     @gluon.jit
     def _turn_wait(turn, slot, WG: gl.constexpr, PINGPONG: gl.constexpr):
@@ -338,8 +322,8 @@ if AVAILABLE:
                 _turn_pass(turn, WG, PINGPONG and TURNS, WGS)
                 sc = warpgroup_mma_wait(0, deps=[sc])
                 mbarrier.arrive(k_empty.index(s), count=1)
-                p, m_i, l_parts, alpha = _scores(sc, 0, first_masked, my_m, m_i, None, TQ, TK, scale_log2,
-                                                 ROWS, BLOCK_N, CAUSAL, s_layout)
+                p, m_i, l_i, alpha = _scores(sc, 0, first_masked, my_m, m_i, l_i, TQ, TK, scale_log2,
+                                             ROWS, BLOCK_N, CAUSAL, s_layout)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
                 prev = s
                 prev_ph = (cnt // NUM_BUF) & 1
@@ -359,8 +343,8 @@ if AVAILABLE:
                     _turn_pass(turn, WG, PINGPONG and TURNS, WGS)
                     sc = warpgroup_mma_wait(1, deps=[sc])
                     mbarrier.arrive(k_empty.index(s), count=1)
-                    p, m_i, l_parts, alpha = _scores(sc, j, first_masked, my_m, m_i, l_parts, TQ, TK, scale_log2,
-                                                     ROWS, BLOCK_N, CAUSAL, s_layout)
+                    p, m_i, l_i, alpha = _scores(sc, j, first_masked, my_m, m_i, l_i, TQ, TK, scale_log2,
+                                                 ROWS, BLOCK_N, CAUSAL, s_layout)
                     p_next = gl.convert_layout(p.to(dtype), p_layout)
                     acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
                     mbarrier.arrive(v_empty.index(prev), count=1)
@@ -375,7 +359,6 @@ if AVAILABLE:
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                 acc = warpgroup_mma(p_op, v, acc, is_async=True)
                 _turn_pass(turn, WG, PINGPONG and TURNS, WGS)
-                l_i = _row_total(l_parts, row_s)
                 acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
                 mbarrier.arrive(v_empty.index(prev), count=1)
             else:
