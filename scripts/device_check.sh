@@ -16,7 +16,10 @@
 # them (MEGAKERN_TEST_GPUS, default every GPU): split it across calls
 # that have a time limit, or give TEST_BUDGET_S so that the summary naming the failures is still printed).
 # BENCHES="norm attention" picks benchmarks (default: every bench_*.py); each
-# full benchmark takes minutes, so split them across calls when a call has a time limit. Wheels of missing Python packages (e.g. liger_kernel for the side-by-side
+# full benchmark takes minutes, so split them across calls when a call has a time limit. BENCH_TIMEOUT_S ends each
+# benchmark (and each peers benchmark) after so many seconds with SIGTERM, on which it files the rows it has
+# measured (benchmarks.common.keep_rows_on_exit), and SIGKILL 30 s later: give it less than the call's limit, whose
+# own end may kill the process before it can file anything. Wheels of missing Python packages (e.g. liger_kernel for the side-by-side
 # benchmarks) are installed from .whl/ when present. Benchmark rows are appended to benchmarks/results/<gpu>/
 # in this tree and copied to $OUT.
 set -uo pipefail
@@ -25,6 +28,7 @@ OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
 fresh_out=; [ -z "$(ls -A "$OUT")" ] && fresh_out=1  # PACK empties only a folder this run filled
 STAGES=${*:-build test bench profile}  # train only when named
+bench_limit=(); [ -n "${BENCH_TIMEOUT_S:-}" ] && bench_limit=(timeout -k 30 "$BENCH_TIMEOUT_S")
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 status=0
 want() { [[ " $STAGES " == *" $1 "* ]]; }
@@ -75,7 +79,8 @@ if want bench; then
   step benchmarks
   names=${BENCHES:-$(ls benchmarks/bench_*.py | sed 's|benchmarks/bench_||; s|\.py$||')}
   for name in $names; do
-    python3 -m "benchmarks.bench_$name" ${BENCH_ARGS:-} > "$OUT/bench_$name.log" 2>&1 || { status=1; tail -30 "$OUT/bench_$name.log"; }
+    ${bench_limit[@]+"${bench_limit[@]}"} python3 -m "benchmarks.bench_$name" ${BENCH_ARGS:-} > "$OUT/bench_$name.log" 2>&1 \
+      || { status=1; tail -30 "$OUT/bench_$name.log"; }
   done
   gpu=$(gpu_dir)
   cp benchmarks/results/"$gpu"/*.csv "$OUT/" 2>/dev/null
@@ -113,8 +118,8 @@ if want peers; then
         cross_entropy) args=(--providers megakern-triton,compile,cce,quack,liger --tokens 8192) ;;
         *) echo "PEER_BENCHES: unknown $name"; status=1; continue ;;
       esac
-      python3 -m "benchmarks.bench_$name" "${args[@]}" > "$OUT/peers_$name.log" 2>&1 \
-        || { status=1; tail -30 "$OUT/peers_$name.log"; }
+      ${bench_limit[@]+"${bench_limit[@]}"} python3 -m "benchmarks.bench_$name" "${args[@]}" \
+        > "$OUT/peers_$name.log" 2>&1 || { status=1; tail -30 "$OUT/peers_$name.log"; }
       sed -n '/^|/,$p' "$OUT/peers_$name.log" | head -60
     done
     gpu=$(gpu_dir)
