@@ -32,7 +32,12 @@ def main() -> None:
         _bwd_kernels(do, q, k, v, out, lse, causal, a.hs ** -0.5, win, None, None, not a.single, gluon=True,
                      gluon_dq=False if a.single else True)
     torch.cuda.synchronize()
-    for name in ("_attn_bwd_dkdv_ws_kernel", "_attn_bwd_dq_ws_kernel", "_attn_fwd_ws_kernel"):
+    print_resources(("_attn_bwd_dkdv_ws_kernel", "_attn_bwd_dq_ws_kernel", "_attn_fwd_ws_kernel"))
+
+
+def print_resources(names) -> None:
+    """Registers, spills and shared memory of each compiled instance of the Gluon kernels ``names``."""
+    for name in names:
         fn = getattr(glu, name)
         for cache in getattr(fn, "device_caches", {}).values():
             kernels = cache[0] if isinstance(cache, tuple) else cache

@@ -13,8 +13,8 @@ import argparse
 
 import torch
 
-from megakern import _attention_gluon as glu
 from megakern.attention import _fwd_kernels
+from ncu_attention_bwd import print_resources  # profiles/ beside this script
 
 
 def main() -> None:
@@ -44,12 +44,7 @@ def main() -> None:
     call()
     torch.cuda.synchronize()
     torch.cuda.nvtx.range_pop()
-    fn = glu._attn_fwd_ws_kernel
-    for cache in getattr(fn, "device_caches", {}).values():
-        kernels = cache[0] if isinstance(cache, tuple) else cache
-        for kern in kernels.values():
-            print(f"_attn_fwd_ws_kernel: {getattr(kern, 'n_regs', '?')} registers, {getattr(kern, 'n_spills', '?')} "
-                  f"spills, {kern.metadata.shared} B shared")
+    print_resources(("_attn_fwd_ws_kernel",))
 
 
 if __name__ == "__main__":
