@@ -110,9 +110,11 @@ def fwd(h: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return y
 
 
-def bwd(dy: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def bwd(dy: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None,
+        tile: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(dh, dbias): dh like h, dbias the column sums of dh summed in fp32, in the bias's dtype (None without a
-    bias)."""
+    bias). ``tile``: (BLOCK_M, BLOCK_N, warps) of the backward with a bias in place of ``_bias_bwd_tile``'s
+    (tuning)."""
     n = h.shape[-1]
     m = h.numel() // max(n, 1)
     dh = torch.empty_like(h)
@@ -124,7 +126,7 @@ def bwd(dy: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None) -> tuple[t
         return dh, None
     # a tile per program, its column sums to a row of part: (M / BLOCK_M) x N fp32, 1/64 of dh's bytes in bf16;
     # the programs in column order where the row tiles fit the grid's second axis (docs/tuning.md, bias + GELU)
-    block_m, block_n, warps = _bias_bwd_tile(h)
+    block_m, block_n, warps = tile or _bias_bwd_tile(h)
     row_tiles, col_tiles = cdiv(m, block_m), cdiv(n, block_n)
     cols_fast = row_tiles <= _GRID_Y_MAX
     grid = (col_tiles, row_tiles) if cols_fast else (row_tiles, col_tiles)

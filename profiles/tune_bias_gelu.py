@@ -44,12 +44,7 @@ def main() -> None:
                                                                          BLOCK_N=bn, COLS_FAST=True, num_warps=warps)
 
             def whole(tile=(bm, bn, warps)):
-                saved = kern._bias_bwd_tile
-                kern._bias_bwd_tile = lambda _h: tile
-                try:
-                    return kern.bwd(dy, h, b)
-                finally:
-                    kern._bias_bwd_tile = saved
+                return kern.bwd(dy, h, b, tile=tile)
 
             kernel()
             whole_dh, db = whole()

@@ -64,7 +64,7 @@ def test_non_contiguous_input_and_large_values():
 def test_backward_program_orders_agree(monkeypatch):
     """The backward with a bias runs its tiles in column order; where the row tiles would overflow the grid's second
     axis (65535 programs) in row order. Both orders give the same dh and dbias bits (the grid limit lowered to force
-    the second)."""
+    the second), and a tile given for tuning gives the same dh."""
     require_triton()
     from megakern import _activation_triton as kern
 
@@ -77,6 +77,8 @@ def test_backward_program_orders_agree(monkeypatch):
     monkeypatch.setattr(kern, "_GRID_Y_MAX", 3)
     dh_rows, db_rows = kern.bwd(dy, h, b)
     assert torch.equal(dh, dh_rows) and torch.equal(db, db_rows)
+    dh_tile, db_tile = kern.bwd(dy, h, b, tile=(16, 32, 4))
+    assert torch.equal(dh, dh_tile) and db_tile.shape == db.shape
 
 
 def test_empty_and_torch_backend():
