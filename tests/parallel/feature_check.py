@@ -54,6 +54,9 @@ def _train(mesh, options: dict, feature: str | None, style: str, n_layer: int, s
         kwargs["fp8"] = fp8.DelayedScaling()
     elif feature == "compile":
         kwargs["compile"] = "aot_eager"  # dynamo's capture and AOT autograd, without a C++ compiler
+        # each run starts with dynamo's caches empty, as a training run does: the pool's ranks live across checks,
+        # and the graphs of earlier checks' models (other layouts, other block classes) would otherwise pile up
+        torch.compiler.reset()
     pmodel = parallelize(model, mesh, None, generator=torch.Generator().manual_seed(7), **options, **kwargs)
     layers = [m for g in pmodel.gpts for m in g.modules() if isinstance(m, fp8.Linear)]
     assert (feature == "fp8") == bool(layers), f"FP8 layers: {len(layers)}"
