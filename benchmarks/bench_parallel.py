@@ -64,7 +64,8 @@ bandwidth, driver), the ceiling of any K-GPU layout on this machine.
         --override model.moe_capacity_factor=1.25 --layouts 1-graph,dp2.ep2-ddp-graph --overlap   # fixed-size dispatch
 
 Environment of every run: NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1 (NVLink
-multicast stays off), OMP_NUM_THREADS=4 unless set.
+multicast stays off), OMP_NUM_THREADS unless set: the cores shared out among the run's processes, at most 4 each
+(on a CPU, more threads than cores made a gloo data-parallel step 15x slower).
 """
 from __future__ import annotations
 
@@ -199,11 +200,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _run_env() -> dict:
-    """A training run's environment: NVLink multicast off, OMP_NUM_THREADS=4 unless set."""
+def _run_env(processes: int) -> dict:
+    """A training run's environment: NVLink multicast off; unless set, OMP_NUM_THREADS at each of the run's
+    ``processes`` share of the cores, at most 4."""
     env = {**os.environ, **NO_MULTICAST}
-    env.setdefault("OMP_NUM_THREADS", "4")
+    env.setdefault("OMP_NUM_THREADS", str(omp_threads(processes)))
     return env
+
+
+def omp_threads(processes: int, cores: int | None = None) -> int:
+    """Threads for each of ``processes`` processes at once: their share of the cores, at least 1, at most 4."""
+    cores = cores if cores is not None else (os.cpu_count() or 1)
+    return max(1, min(4, cores // max(processes, 1)))
 
 
 def run_layout(layout: Layout, args, run_dir: Path, data_cache: Path) -> tuple[dict, str]:
@@ -242,7 +250,7 @@ def run_layout(layout: Layout, args, run_dir: Path, data_cache: Path) -> tuple[d
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(layout.world),
                "--master-port", str(free_port()), "-m", "megakern.train", *overrides]
-    env = _run_env()
+    env = _run_env(layout.world)
     start = time.perf_counter()
     try:
         proc = run_launch(cmd, timeout=args.timeout, cwd=REPO, env=env)
@@ -304,7 +312,7 @@ def _run_copies(layout: Layout, args, run_dir: Path, overrides: list[str]) -> tu
     tokens/s of all together at that pace. Against layout "1" this is what the host alone costs data parallelism."""
     procs, start = [], time.perf_counter()
     for i in range(layout.copies):
-        env = _run_env()
+        env = _run_env(layout.copies * layout.world)
         if args.device.startswith("cuda"):
             env["CUDA_VISIBLE_DEVICES"] = str(i)
         cmd = [sys.executable, "-m", "megakern.train",
@@ -421,7 +429,7 @@ def collective_ms(world: int, numel: int, kind: str, timeout: float, device_type
                   count: int = 1, dtype: str = "float32") -> float:
     """Median ms of one step's data-parallel collectives, timed by a torchrun of ``world`` workers. A failed launch
     is tried again on a new port (the free port found may be taken by a concurrent run before torchrun binds it)."""
-    env = {**os.environ, **NO_MULTICAST}
+    env = _run_env(world)
     for attempt in range(tries):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port",
                str(free_port()), "-m", "benchmarks.bench_parallel", "--collective-worker", kind, "--numel",

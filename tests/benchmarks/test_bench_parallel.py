@@ -9,6 +9,22 @@ from benchmarks.bench_parallel import Layout
 from benchmarks.common import CSV_HEADER
 
 
+def test_runs_share_the_cores_out():
+    """A run's processes split the cores between them (gloo ranks with more threads than cores ran a data-parallel
+    step 15x slower), at least one thread each and at most 4; OMP_NUM_THREADS set by the user is kept."""
+    assert [bench_parallel.omp_threads(p, cores=2) for p in (1, 2, 4)] == [2, 1, 1]
+    assert [bench_parallel.omp_threads(p, cores=64) for p in (1, 4, 8)] == [4, 4, 4]
+    assert bench_parallel.omp_threads(3, cores=8) == 2
+
+
+def test_run_env_keeps_the_users_thread_count(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    assert bench_parallel._run_env(2)["OMP_NUM_THREADS"] == "7"
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    env = bench_parallel._run_env(2)
+    assert env["OMP_NUM_THREADS"] == str(bench_parallel.omp_threads(2)) and env["NCCL_NVLS_ENABLE"] == "0"
+
+
 def test_layout_specs():
     assert Layout.parse("1").world == 1
     layout = Layout.parse("tp2.pp2.dp2-ddp-zero1")

@@ -123,7 +123,8 @@ def _ranks(rank, world, init_file, timeout_case):
             with pytest.raises(RuntimeError, match=f"rank {rank}: the all-gather of check_ranks_agree failed or did "
                                                    "not finish within 1 s"):
                 check_ranks_agree("fp", 5, timeout=1)
-            assert time.monotonic() - start < 2.5
+            # well before the group's 30 s timeout: the check's own 1 s bounded the wait (slack for a loaded machine)
+            assert time.monotonic() - start < 10
             return
         assert check_ranks_agree("fp", 5, timeout=10) is True
         with pytest.raises(DataError, match=r"ranks \[1\] differ from the majority \(this rank, "

@@ -295,7 +295,7 @@ def test_second_signal_exits_at_once_without_a_traceback(tmp_path, data_cache):
     second = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
-    assert time.monotonic() - second < 10
+    assert time.monotonic() - second < 30  # the save sleeps 60 s: well inside that, with slack for a loaded machine
     assert proc.returncode == EXIT_INTERRUPTED
     assert "Traceback" not in err and "second signal (SIGTERM): exiting now, without a checkpoint" in err, err
     assert "megakern-train: stopped: SIGTERM (second signal): stopped without saving" in err
