@@ -23,11 +23,13 @@ import torch
 import triton
 import triton.language as tl
 
+from megakern._gemm_shared_triton import device_index, sm_count
 from megakern._intmath import next_power_of_2
 from megakern._round_triton import rounded
 
 DEFAULT_BLOCK_V = 8192
 SCALE_BLOCK, SCALE_WARPS = 4096, 8
+SCALE_PROGRAMS_PER_SM = 8  # in place: 8 programs of 8 warps fill an SM's 64 warps
 
 
 @triton.jit
@@ -111,13 +113,16 @@ def _cross_entropy_kernel(
 
 @triton.jit
 def _scale_kernel(X, OUT, FACTOR, n, BLOCK: tl.constexpr, ROUND_BY_BITS: tl.constexpr, IN_PLACE: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    # blocks pid, pid + programs, ...: the in-place launch is a few programs an SM, so that where the factor is 1
+    # (nothing to read or write) it ends at once instead of scheduling one empty program per block
     factor = tl.load(FACTOR).to(tl.float32)
     if IN_PLACE:  # x * 1 rounds to x: nothing to read or write
         n = tl.where(factor != 1.0, n, 0)
-    mask = offs < n
-    y = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) * factor
-    tl.store(OUT + offs, rounded(y, OUT.dtype.element_ty, ROUND_BY_BITS), mask=mask)
+    for b in range(tl.program_id(0), tl.cdiv(n, BLOCK), tl.num_programs(0)):
+        offs = tl.cast(b, tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        y = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) * factor
+        tl.store(OUT + offs, rounded(y, OUT.dtype.element_ty, ROUND_BY_BITS), mask=mask)
 
 
 def block_v(vocab: int, device: torch.device) -> tuple[int, int]:
@@ -161,13 +166,17 @@ def fwd(logits: torch.Tensor, targets: torch.Tensor, grad: torch.Tensor | None, 
 
 def scale(x: torch.Tensor, factor: torch.Tensor, inplace: bool = False) -> torch.Tensor:
     """x * factor in x's dtype, a new tensor, or with ``inplace`` x itself (each element read before it is written by
-    the same program, and where the factor is 1 nothing read or written): ``x`` contiguous, ``factor`` a one-element
-    tensor on x's device (any float dtype, read as fp32)."""
+    the same program, and where the factor is 1 nothing read or written: the fused linear cross-entropy's backward
+    when the loss's gradient arrives as announced, so that launch is a few programs an SM that end at once): ``x``
+    contiguous, ``factor`` a one-element tensor on x's device (any float dtype, read as fp32)."""
     out = x if inplace else torch.empty_like(x)
     n = x.numel()
     if n:
         block = SCALE_BLOCK if x.is_cuda else 64
-        _scale_kernel[(triton.cdiv(n, block),)](x, out, factor, n, BLOCK=block, num_warps=SCALE_WARPS,
-                                                 IN_PLACE=inplace,
-                                                 ROUND_BY_BITS=x.dtype == torch.bfloat16 and not x.is_cuda)
+        programs = triton.cdiv(n, block)
+        if inplace:  # the factor is most often 1 there (``scale``'s doc): a few programs an SM, each a loop
+            per_sm = SCALE_PROGRAMS_PER_SM if x.is_cuda else 1
+            programs = min(programs, per_sm * (sm_count(device_index(x.device)) if x.is_cuda else 2))
+        _scale_kernel[(programs,)](x, out, factor, n, BLOCK=block, num_warps=SCALE_WARPS, IN_PLACE=inplace,
+                                   ROUND_BY_BITS=x.dtype == torch.bfloat16 and not x.is_cuda)
     return out
