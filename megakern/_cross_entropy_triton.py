@@ -113,8 +113,7 @@ def _cross_entropy_kernel(
 
 @triton.jit
 def _scale_kernel(X, OUT, FACTOR, n, BLOCK: tl.constexpr, ROUND_BY_BITS: tl.constexpr, IN_PLACE: tl.constexpr):
-    # blocks pid, pid + programs, ...: the in-place launch is a few programs an SM, so that where the factor is 1
-    # (nothing to read or write) it ends at once instead of scheduling one empty program per block
+    # blocks pid, pid + programs, ... (``scale`` launches fewer programs than blocks in place)
     factor = tl.load(FACTOR).to(tl.float32)
     if IN_PLACE:  # x * 1 rounds to x: nothing to read or write
         n = tl.where(factor != 1.0, n, 0)
@@ -174,9 +173,8 @@ def scale(x: torch.Tensor, factor: torch.Tensor, inplace: bool = False) -> torch
     if n:
         block = SCALE_BLOCK if x.is_cuda else 64
         programs = triton.cdiv(n, block)
-        if inplace:  # the factor is most often 1 there (``scale``'s doc): a few programs an SM, each a loop
-            per_sm = SCALE_PROGRAMS_PER_SM if x.is_cuda else 1
-            programs = min(programs, per_sm * (sm_count(device_index(x.device)) if x.is_cuda else 2))
+        if inplace:  # a factor of 1 then ends every program at once: few programs, each looping over blocks
+            programs = min(programs, SCALE_PROGRAMS_PER_SM * sm_count(device_index(x.device)) if x.is_cuda else 2)
         _scale_kernel[(programs,)](x, out, factor, n, BLOCK=block, num_warps=SCALE_WARPS, IN_PLACE=inplace,
                                    ROUND_BY_BITS=x.dtype == torch.bfloat16 and not x.is_cuda)
     return out
