@@ -75,6 +75,14 @@ void norm_bwd(const at::Tensor& x, const at::Tensor& dy, const OptTensor& dres_o
                "norm_bwd launch");
 }
 
+int64_t norm_fwd_kernel_regs(int64_t dtype, int64_t nv, int64_t flags) {
+  int regs = 0;
+  check_launch(megakern::norm_fwd_num_regs(static_cast<int>(dtype), static_cast<int>(nv), static_cast<int>(flags),
+                                           &regs),
+               "norm_fwd_num_regs");
+  return regs;
+}
+
 int64_t norm_bwd_kernel_regs(int64_t dtype, int64_t nv, bool has_db, int64_t flags) {
   int regs = 0;
   check_launch(megakern::norm_bwd_num_regs(static_cast<int>(dtype), static_cast<int>(nv), has_db,
@@ -176,6 +184,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "megakern CUDA kernels (raw entry points; use megakern.rms_norm / megakern.layer_norm / megakern.apply_rotary / megakern.fp8.quantize)";
   m.def("norm_fwd_rows", &norm_fwd, "LayerNorm / RMSNorm forward, several rows a row group (see csrc/norm/norm.cu)");
   m.def("norm_bwd", &norm_bwd, "LayerNorm / RMSNorm backward (see csrc/norm/norm.cu)");
+  m.def("norm_fwd_kernel_regs", &norm_fwd_kernel_regs,
+        "registers per thread of the forward's team kernel instance a launch's flags select");
   m.def("norm_bwd_kernel_regs", &norm_bwd_kernel_regs,
         "registers per thread of the norm_bwd kernel instance a launch's flags select (register or staged kernel)");
   m.def("fp8_cast", &fp8_cast, "per-tensor FP8 cast with the amax in the same pass (see csrc/fp8/fp8.cu)");

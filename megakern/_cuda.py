@@ -28,7 +28,7 @@ import torch
 PATHS = ("extension", "nvrtc")
 MIN_CUPY = (13, 0)  # the NVRTC path's floor (pyproject.toml's nvrtc extra declares the same)
 # What megakern's launchers call on megakern._C (csrc/bindings.cpp); a build that lacks one is from older sources.
-ENTRY_POINTS = ("norm_fwd_rows", "norm_bwd", "norm_bwd_kernel_regs", "fp8_cast", "rotary")
+ENTRY_POINTS = ("norm_fwd_rows", "norm_fwd_kernel_regs", "norm_bwd", "norm_bwd_kernel_regs", "fp8_cast", "rotary")
 REBUILD = "python setup.py build_ext --inplace"
 
 

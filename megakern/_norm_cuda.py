@@ -16,7 +16,7 @@ from megakern import _cuda
 # Flag bits, mirrored from csrc/norm/norm.h.
 RMS, VECTORIZED, HAS_WEIGHT, HAS_BIAS, W_F32 = 1, 2, 4, 8, 16
 HAS_RESIDUAL, RES_F32, HAS_DRES_OUT, HAS_DRES, HAS_DW, STAGED = 32, 64, 128, 256, 512, 1024
-GENERIC = 2048
+GENERIC, TEAM, NO_PREFETCH = 2048, 4096, 8192
 # The forward's specialized instances (csrc/norm/norm.h, NORM_FWD_SPECS): 16-bit rows with 16-byte I/O whose flags
 # are one of these take a kernel with them as compile-time constants (fewer registers: more blocks an SM)
 SPEC_MASK = RMS | HAS_WEIGHT | HAS_BIAS | W_F32 | HAS_RESIDUAL | RES_F32
@@ -43,6 +43,10 @@ FWD_WIDE_CAP, FWD_WIDE_THREADS = 32, 512
 # The forward takes several rows at once while a block's threads x rows stay within this many (profiles/tune_norm.py;
 # with the specialized instances' fewer registers, as many as the launch bounds allow)
 FWD_BATCH_THREADS = FWD_MAX_THREADS
+# The forward's team kernel (csrc/norm/norm.cu, norm_fwd_team_kernel): 16-bit rows with 16-byte I/O whose flags have
+# a specialized instance. TEAM_CHUNKS: the 16-byte chunks a thread holds of its row (the instances built); a row of
+# up to TEAM_MAX_THREADS x TEAM_CHUNKS[-1] chunks takes it. TEAM_WARP_ROWS: the one-warp teams a block.
+TEAM_CHUNKS, TEAM_MAX_THREADS, TEAM_WARP_ROWS = (1, 2, 4), 512, 4
 BWD_CAP, BWD_MAX_THREADS = 16, 512
 
 
@@ -60,6 +64,11 @@ class LaunchConfig:
     max_registers: int = 0  # forward, tuning: a register cap a thread (NVRTC, MEGAKERN_NORM_FWD_MAXNREG; 0: none)
     # a specialized instance where the flags have one (FWD_SPECS; the staged backward: BWD_SPECS); False: GENERIC
     specialize: bool = True
+    # forward: the persistent team kernel (nv: its chunks a thread, TEAM_CHUNKS; threads: a row's team; rows_per_block:
+    # one-warp teams a block); per_sm: its blocks an SM at most (0: as many as fit)
+    team: bool = False
+    per_sm: int = 0
+    prefetch: bool = True  # forward, team kernel: the next row's loads in flight during this row's reductions
 
 
 def staged_smem_bytes(cols: int, itemsize: int, nv: int, has_db: bool) -> int:
@@ -103,8 +112,32 @@ def launch_config(cols: int, dtype: torch.dtype, backward: bool) -> LaunchConfig
     return LaunchConfig(nv, threads, rows_per_block, row_batch=batch)
 
 
+def team_config(cols: int, dtype: torch.dtype) -> Optional[LaunchConfig]:
+    """The team kernel's default geometry for ``dtype`` rows of ``cols`` elements, or None where it does not take
+    them (32-bit rows, rows above TEAM_MAX_THREADS x TEAM_CHUNKS[-1] chunks): the fewest warps a row at
+    TEAM_CHUNKS[-1] chunks a thread, TEAM_WARP_ROWS rows a block where a warp holds a row."""
+    if _VEC[dtype] != 8:
+        return None
+    nv = TEAM_CHUNKS[-1]
+    threads = 32 * math.ceil(math.ceil(cols / 8) / (32 * nv))
+    if threads > TEAM_MAX_THREADS:
+        return None
+    return LaunchConfig(nv, threads, TEAM_WARP_ROWS if threads == 32 else 1, team=True)
+
+
 def check_fwd_config(cfg: LaunchConfig) -> None:
     """Raise ValueError naming what the forward kernels cannot take in ``cfg`` (a tuning override)."""
+    if cfg.team:
+        if cfg.nv not in TEAM_CHUNKS:
+            raise ValueError(f"{cfg}: the team kernel holds {TEAM_CHUNKS} chunks a thread")
+        if cfg.threads % 32 or cfg.threads * cfg.rows_per_block > TEAM_MAX_THREADS or (
+                cfg.rows_per_block > 1 and cfg.threads != 32):
+            raise ValueError(f"{cfg}: a team is whole warps, several a block only of one warp, at most "
+                             f"{TEAM_MAX_THREADS} threads a block")
+        if cfg.row_batch != 1 or not cfg.specialize or cfg.per_sm < 0:
+            raise ValueError(f"{cfg}: the team kernel takes no row_batch or generic flags, and per_sm >= 0")
+    elif not cfg.prefetch or cfg.per_sm:
+        raise ValueError(f"{cfg}: prefetch and per_sm are the team kernel's")
     if cfg.staged:
         raise ValueError(f"{cfg}: the staged kernel is a backward")
     if cfg.row_batch not in ROW_BATCHES:
@@ -114,7 +147,7 @@ def check_fwd_config(cfg: LaunchConfig) -> None:
     if cfg.threads * cfg.rows_per_block * cfg.row_batch > FWD_MAX_THREADS:
         raise ValueError(f"{cfg}: threads x rows_per_block x row_batch is above {FWD_MAX_THREADS} (the kernel's "
                          "launch bounds)")
-    if cfg.max_registers and not 24 <= cfg.max_registers <= 64:
+    if cfg.max_registers and not 24 <= cfg.max_registers <= (128 if cfg.team else 64):
         raise ValueError(f"{cfg}: max_registers must be 0 or in [24, 64] (a cap above 64 would not bound 1024-thread "
                          "blocks)")
 
@@ -153,6 +186,10 @@ def _fwd_name(ctype: str, nv: int, vecio: bool, row_batch: int = 1, spec: int = 
     return f"megakern::norm_fwd_kernel<{ctype}, {nv}, {row_batch}, {_b(vecio)}, {spec}>"
 
 
+def _team_name(ctype: str, nv: int, spec: int, prefetch: bool = True) -> str:
+    return f"megakern::norm_fwd_team_kernel<{ctype}, {nv}, {spec}, {_b(prefetch)}>"
+
+
 def _bwd_name(ctype: str, nv: int, has_db: bool, vecio: bool) -> str:
     return f"megakern::norm_bwd_kernel<{ctype}, {nv}, {_b(has_db)}, {_b(vecio)}>"
 
@@ -174,6 +211,8 @@ def kernel_names() -> list[str]:
             names += [_bwd_name(ctype, nv, db, io) for nv in (0, 1, 2, 4, 8) if nv * vec <= BWD_CAP
                       for db in (False, True)]
         if dtype != torch.float32:
+            names += [_team_name(ctype, nv, spec, pf) for nv in TEAM_CHUNKS for spec in FWD_SPECS
+                      for pf in (True, False)]
             names += [_bwd_staged_name(ctype, nv, db, spec) for nv in STAGED_NV for db in (False, True)
                       for spec in (0, *(sp for sp in BWD_SPECS if not (db and sp & RMS)))]
     return names
@@ -209,10 +248,10 @@ def _nvrtc_args(*args):
 
 def _bwd_grid(rows: int, cfg: LaunchConfig, regs: int, device: torch.device, smem: int = 0) -> int:
     """Persistent grid: as many blocks as the device holds at once (by registers, threads and ``smem`` bytes of
-    dynamic shared memory a block)."""
+    dynamic shared memory a block; at most ``cfg.per_sm`` where it is set)."""
     threads = cfg.threads * cfg.rows_per_block
     regs_per_block = 8 * math.ceil(max(regs, 1) / 8) * threads
-    per_sm = max(1, min(65536 // regs_per_block, 2048 // threads, 32))
+    per_sm = max(1, min(65536 // regs_per_block, 2048 // threads, 32, cfg.per_sm or 32))
     if smem:
         props = torch.cuda.get_device_properties(device)
         per_sm_smem = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
@@ -261,23 +300,43 @@ def fwd(x, residual, weight, bias, eps: float, is_rms: bool, path: Optional[str]
         flags |= VECTORIZED
     if config is not None and not config.specialize:
         flags |= GENERIC
-    cfg = config or launch_config(cols, x.dtype, backward=False)
+    spec = fwd_spec(flags, x.dtype)
+    cfg = config or (team_config(cols, x.dtype) if spec else None) or launch_config(cols, x.dtype, backward=False)
     if config is not None:
         check_fwd_config(config)
-    grid = math.ceil(rows / (cfg.rows_per_block * cfg.row_batch))
+        if config.team and not spec:
+            raise ValueError(f"norm forward: the team kernel {config} takes 16-bit rows on 16-byte boundaries, a "
+                             f"multiple of 8 wide, with one of the flags {FWD_SPECS} (these have {flags & SPEC_MASK})")
+        if config.team and config.threads * config.nv * 8 < cols:
+            raise ValueError(f"norm forward: {config.threads} threads x {config.nv} chunks of 8 do not cover a row "
+                             f"of {cols}")
     if rows == 0:
         return y, res_out, mean, rstd
+    cap = "MEGAKERN_NORM_TEAM_MAXNREG" if cfg.team else "MEGAKERN_NORM_FWD_MAXNREG"
+    defines = (f"{cap}={cfg.max_registers}",) if cfg.max_registers else ()
+    if cfg.team:
+        flags |= TEAM | (0 if cfg.prefetch else NO_PREFETCH)
+        if path == "extension":
+            regs = _cuda.extension()[0].norm_fwd_kernel_regs(dtype_code, cfg.nv, flags)
+        else:
+            kernel = _cuda.nvrtc_kernel("norm/norm.cu", _team_name(ctype, cfg.nv, spec, cfg.prefetch), defines)
+            regs = kernel.num_regs
+        grid = _bwd_grid(rows, cfg, regs, x.device)
+    else:
+        grid = math.ceil(rows / (cfg.rows_per_block * cfg.row_batch))
     if path == "extension":
         _cuda.extension()[0].norm_fwd_rows(x, residual, weight, bias, y, res_out, mean, rstd, eps, flags, dtype_code,
                                            cfg.nv, cfg.row_batch, cfg.threads, cfg.rows_per_block, grid)
     else:
-        defines = (f"MEGAKERN_NORM_FWD_MAXNREG={cfg.max_registers}",) if cfg.max_registers else ()
-        name = _fwd_name(ctype, cfg.nv, bool(flags & VECTORIZED), cfg.row_batch, fwd_spec(flags, x.dtype))
-        kernel = _cuda.nvrtc_kernel("norm/norm.cu", name, defines)
+        if not cfg.team:
+            name = _fwd_name(ctype, cfg.nv, bool(flags & VECTORIZED), cfg.row_batch, spec)
+            kernel = _cuda.nvrtc_kernel("norm/norm.cu", name, defines)
         args = _nvrtc_args(("p", _ptr(x)), ("p", _ptr(residual)), ("p", _ptr(weight)), ("p", _ptr(bias)),
                            ("p", _ptr(y)), ("p", _ptr(res_out)), ("p", _ptr(mean)), ("p", _ptr(rstd)),
                            ("i64", rows), ("i32", cols), ("i64", _stride(x)), ("i64", _stride(residual)),
-                           ("i64", _stride(y)), ("i64", _stride(res_out)), ("f32", eps), ("i32", flags))
+                           ("i64", _stride(y)), ("i64", _stride(res_out)), ("f32", eps))
+        if not cfg.team:
+            args += _nvrtc_args(("i32", flags))
         _cuda.nvrtc_launch(kernel, (grid,), (cfg.threads, cfg.rows_per_block), args, x.device)
     return y, res_out, mean, rstd
 

@@ -140,6 +140,22 @@ def specs(n: int, is_rms: bool, residual: bool) -> list[tuple[str, str, dict]]:
     # the kernel that reads its flags at run time, where the default takes a specialized instance (csrc/norm/norm.h)
     generic = dataclasses.replace(default, specialize=False)
     out.append((f"cuda fwd {generic}", "cuda fwd", dict(config=generic)))
+    # the team kernel (16-bit rows of the specialized flags): chunks a thread, with and without the next row in
+    # flight, one-warp teams a block; the default also at fewer blocks an SM and under register caps (NVRTC)
+    team = _norm_cuda.team_config(n, torch.bfloat16)
+    groups8 = -(-n // 8)  # 16-byte chunks of a bf16 row
+    if team:
+        out.append((f"cuda fwd team default {team}", "cuda fwd", dict(config=team)))
+        for nv in _norm_cuda.TEAM_CHUNKS:
+            threads = 32 * -(-groups8 // (32 * nv))
+            for prefetch in (True, False):
+                for rows_per_block in (4, 8) if threads == 32 else (1,):
+                    config = _norm_cuda.LaunchConfig(nv, threads, rows_per_block, team=True, prefetch=prefetch)
+                    if threads * rows_per_block <= _norm_cuda.TEAM_MAX_THREADS and config != team:
+                        out.append((f"cuda fwd team {config}", "cuda fwd", dict(config=config)))
+        for change in [dict(per_sm=p) for p in (1, 2, 4)] + [dict(max_registers=r) for r in (64, 80, 96)]:
+            config = dataclasses.replace(team, **change)
+            out.append((f"cuda fwd team {config}", "cuda fwd", dict(config=config)))
     # the backward in registers, named as such, dweight and dbias in the same kernel (where the table takes the
     # two-pass kernel or the strips, LayerNorm from 12289, these time the fused register kernel, not those):
     # (rows a step, warps, programs per SM, prefetch), warps from the

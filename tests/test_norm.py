@@ -821,11 +821,86 @@ def test_cuda_forward_specializations_equal_the_generic_kernel(op, shape, setup,
     seed("spec", op, shape, setup, variant)
     x, w, b, r = bf16_inputs(op, shape, setup)
     x2, r2 = x.reshape(-1, x.shape[-1]), None if r is None else r.reshape(-1, r.shape[-1])
-    generic = dataclasses.replace(_norm_cuda.launch_config(shape[-1], x.dtype, False), specialize=False)
-    fast = _norm_cuda.fwd(x2, r2, w, b, 1e-5, op == "rms_norm", path=path)
-    slow = _norm_cuda.fwd(x2, r2, w, b, 1e-5, op == "rms_norm", path=path, config=generic)
+    table = _norm_cuda.launch_config(shape[-1], x.dtype, False)
+    fast = _norm_cuda.fwd(x2, r2, w, b, 1e-5, op == "rms_norm", path=path, config=table)
+    slow = _norm_cuda.fwd(x2, r2, w, b, 1e-5, op == "rms_norm", path=path,
+                          config=dataclasses.replace(table, specialize=False))
     for got, want in zip(fast, slow):
         assert (got is None) == (want is None) and (got is None or torch.equal(got, want))
+
+
+# (shape, nv, threads, rows_per_block): the team kernel's geometries, on row counts that leave some teams without a
+# row and others with several; widths that fill the team's chunks, and widths that leave chunks past the row's end
+TEAM = [((3, 77, 1024), 4, 32, 4), ((3, 77, 1024), 1, 128, 1), ((45, 1000), 2, 64, 1), ((37, 512), 2, 32, 8),
+        ((3, 41, 4096), 4, 128, 1), ((130, 2048), 2, 128, 1), ((7, 16384), 4, 512, 1), ((5, 12296), 4, 512, 1),
+        ((9, 5120), 4, 160, 1), ((2, 2, 8), 1, 32, 16)]
+
+
+def team_cases(test):
+    """A GPU test over every team geometry (TEAM), with and without the next row in flight, each norm and CUDA
+    path."""
+    for mark in (pytest.mark.parametrize("op", OPS), pytest.mark.parametrize("prefetch", (True, False)),
+                 pytest.mark.parametrize("case", TEAM, ids=lambda c: f"{'x'.join(map(str, c[0]))}-nv{c[1]}-t{c[2]}"
+                                                                     f"x{c[3]}"),
+                 pytest.mark.parametrize("variant", CUDA_VARIANTS), pytest.mark.gpu):
+        test = mark(test)
+    return test
+
+
+@team_cases
+@pytest.mark.parametrize("setup", ("affine", "residual"))
+def test_cuda_forward_team(op, case, prefetch, setup, variant):
+    """The forward's team kernel (persistent row teams, the next row's loads in flight) through both CUDA paths,
+    against the fp64 reference (2x rule); the backward is the table's."""
+    from megakern import _norm_cuda
+
+    shape, nv, threads, rows_per_block = case
+    config = _norm_cuda.LaunchConfig(nv, threads, rows_per_block, team=True, prefetch=prefetch)
+    check_launch_override(op, shape, setup, variant, fwd_config=config)
+
+
+@team_cases
+def test_cuda_forward_team_launches_agree(op, case, prefetch, variant):
+    """One team shape gives the same bits with or without the next row in flight, on a grid of one block an SM or
+    of as many as fit, and (NVRTC) under a register cap: the same arithmetic in the same order."""
+    from megakern import _norm_cuda
+
+    path = variant.removeprefix("cuda-")
+    if problem := cuda_path_problem(path):
+        pytest.skip(f"the {path} path is unavailable: {problem}")
+    seed("team-bits", op, case, prefetch, variant)
+    shape, nv, threads, rows_per_block = case
+    x, w, b, r = bf16_inputs(op, shape, "residual")
+    x2, r2 = x.reshape(-1, x.shape[-1]), r.reshape(-1, r.shape[-1])
+    config = _norm_cuda.LaunchConfig(nv, threads, rows_per_block, team=True)
+    want = _norm_cuda.fwd(x2, r2, w, b, 1e-5, op == "rms_norm", path=path, config=config)
+    changes = [dict(prefetch=prefetch, per_sm=1)] + ([dict(prefetch=prefetch, max_registers=64)] if path == "nvrtc"
+                                                      else [])
+    for change in changes:
+        got = _norm_cuda.fwd(x2, r2, w, b, 1e-5, op == "rms_norm", path=path,
+                             config=dataclasses.replace(config, **change))
+        for name, g, e in zip(("y", "residual_out", "mean", "rstd"), got, want):
+            assert (g is None) == (e is None) and (g is None or torch.equal(g, e)), (name, change)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", CUDA_VARIANTS)
+def test_cuda_forward_team_refuses_what_it_cannot_take(variant):
+    """A team launch on tensors it was not built for (no weight, an fp32 weight, rows off 16-byte boundaries, a
+    row wider than the team) is refused by name before any launch."""
+    from megakern import _norm_cuda
+
+    path = variant.removeprefix("cuda-")
+    if problem := cuda_path_problem(path):
+        pytest.skip(f"the {path} path is unavailable: {problem}")
+    config = _norm_cuda.LaunchConfig(4, 32, 4, team=True)
+    x = torch.randn(6, 1024, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.randn(1024, device=DEVICE, dtype=torch.bfloat16)
+    for xs, ws, message in ((x, None, "one of the flags"), (x, w.float(), "one of the flags"),
+                            (x[:, 4:1020], w[4:1020], "16-byte boundaries"),
+                            (torch.cat([x, x], 1), torch.cat([w, w]), "do not cover a row")):
+        with pytest.raises(ValueError, match=message):
+            _norm_cuda.fwd(xs, None, ws, None, 1e-5, True, path=path, config=config)
 
 
 @staged_cases
@@ -890,10 +965,18 @@ def test_cuda_forward_refuses_a_launch_it_cannot_take():
                             (LC(1, 512, 1, row_batch=4), "launch bounds"),
                             (LC(1, 128, 1, staged=True), "staged kernel is a backward"),
                             (LC(2, 256, 1, max_registers=80), "max_registers must be 0 or in \\[24, 64\\]"),
-                            (LC(2, 256, 1, max_registers=8), "max_registers must be 0 or in")):
+                            (LC(2, 256, 1, max_registers=8), "max_registers must be 0 or in"),
+                            (LC(8, 32, 4, team=True), "chunks a thread"),
+                            (LC(4, 64, 2, team=True), "whole warps"),
+                            (LC(4, 1024, 1, team=True), "at most 512 threads"),
+                            (LC(4, 128, 1, team=True, row_batch=2), "no row_batch"),
+                            (LC(4, 128, 1, team=True, max_registers=200), "max_registers must be 0 or in"),
+                            (LC(2, 256, 1, prefetch=False), "the team kernel's"),
+                            (LC(2, 256, 1, per_sm=2), "the team kernel's")):
         with pytest.raises(ValueError, match=message):
             _norm_cuda.check_fwd_config(config)
     _norm_cuda.check_fwd_config(_norm_cuda.launch_config(1024, torch.bfloat16, False))
+    _norm_cuda.check_fwd_config(_norm_cuda.team_config(1024, torch.bfloat16))
 
 
 @pytest.mark.gpu

@@ -210,6 +210,138 @@ norm_fwd_kernel(const T* __restrict__ x, const void* __restrict__ residual, cons
   }
 }
 
+// The forward's team kernel: 16-bit rows with 16-byte I/O whose flags are one of NORM_FWD_SPECS (SPEC, a weight and
+// residual of the rows' dtype). A row belongs to a team of blockDim.x threads (one warp, or several with blockDim.y
+// == 1); the grid is persistent, each team walks rows team, team + teams, ... Each thread keeps CH 16-byte chunks of
+// its row as raw bits (chunk k at column (k * blockDim.x + threadIdx.x) * 8) and converts them where they are used:
+// the next row's chunks are loaded before this row's reductions and stay in flight across them, and a warp team
+// reduces by shuffles alone (several warps: one barrier a reduction, the partial sums alternating between two
+// buffers). PREFETCH false: no next row in flight (fewer registers; the SM's other teams hide the loads). Same
+// arithmetic as norm_fwd_kernel a value; the row sums are added in the team's order.
+// MEGAKERN_NORM_TEAM_MAXNREG (tuning, NVRTC only): a cap on its registers a thread in place of the launch bounds.
+#ifdef MEGAKERN_NORM_TEAM_MAXNREG
+#define MEGAKERN_NORM_TEAM_BOUNDS __maxnreg__(MEGAKERN_NORM_TEAM_MAXNREG)
+#else
+#define MEGAKERN_NORM_TEAM_BOUNDS __launch_bounds__(512)
+#endif
+template <typename T, int CH, int SPEC, bool PREFETCH>
+__global__ void MEGAKERN_NORM_TEAM_BOUNDS
+norm_fwd_team_kernel(const T* __restrict__ x, const T* __restrict__ residual, const T* __restrict__ weight,
+                     const T* __restrict__ bias, T* __restrict__ y, T* __restrict__ residual_out,
+                     float* __restrict__ mean_out, float* __restrict__ rstd_out, i64 rows, int cols, i64 stride_x,
+                     i64 stride_res, i64 stride_y, i64 stride_res_out, float eps) {
+  static_assert(sizeof(T) == 2, "16-bit rows");
+  static_assert((SPEC & NORM_HAS_WEIGHT) && !(SPEC & (NORM_W_F32 | NORM_RES_F32)), "one of NORM_FWD_SPECS");
+  constexpr int VEC = 8;
+  constexpr bool RMS = SPEC & NORM_RMS, HAS_B = SPEC & NORM_HAS_BIAS, RES = SPEC & NORM_HAS_RESIDUAL;
+  __shared__ float partial[2][32];
+  const i64 teams = (i64)gridDim.x * blockDim.y;
+  i64 row = (i64)blockIdx.x * blockDim.y + threadIdx.y;
+  if (row >= rows) return;  // a whole block where blockDim.y == 1; else a warp team, which meets no barrier
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  const float inv_cols = 1.f / cols;
+  int buf = 0;
+  auto team_sum = [&](float v) {
+    v = warp_sum(v);
+    if (warps == 1) return v;
+    if (lane == 0) partial[buf][warp] = v;
+    __syncthreads();
+    v = warp_sum(lane < warps ? partial[buf][lane] : 0.f);
+    buf ^= 1;
+    return v;
+  };
+  auto column = [&](int k) { return (k * blockDim.x + threadIdx.x) * VEC; };
+  // After a reduction the chunks are unpacked again rather than kept as floats (twice the registers): an empty asm
+  // statement that "changes" them keeps the compiler from reusing the earlier conversion.
+  auto opaque = [](uint4(&c)[CH]) {
+#pragma unroll
+    for (int k = 0; k < CH; ++k) asm volatile("" : "+r"(c[k].x), "+r"(c[k].y), "+r"(c[k].z), "+r"(c[k].w));
+  };
+  constexpr uint4 zero = {0u, 0u, 0u, 0u};
+  uint4 nx[CH], nr[RES ? CH : 1];
+  // the chunks of row r; a row past the end reads the last row again (no branch between the loads)
+  auto fetch = [&](i64 r) {
+    r = r < rows ? r : rows - 1;
+#pragma unroll
+    for (int k = 0; k < CH; ++k) {
+      const int c = column(k);
+      nx[k] = c < cols ? *reinterpret_cast<const uint4*>(x + r * stride_x + c) : zero;
+      if constexpr (RES) nr[k] = c < cols ? *reinterpret_cast<const uint4*>(residual + r * stride_res + c) : zero;
+    }
+  };
+  if constexpr (PREFETCH) fetch(row);
+  for (; row < rows; row += teams) {
+    uint4 h[CH];
+    if constexpr (!PREFETCH) fetch(row);
+    if constexpr (RES) {
+#pragma unroll
+      for (int k = 0; k < CH; ++k) {
+        float a[VEC], b[VEC];
+        unpack16<T, VEC>(&nx[k], a);
+        unpack16<T, VEC>(&nr[k], b);
+        T* e = reinterpret_cast<T*>(&h[k]);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) e[i] = from_float<T>(a[i] + b[i]);
+        const int c = column(k);
+        if (c < cols) *reinterpret_cast<uint4*>(residual_out + row * stride_res_out + c) = h[k];
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < CH; ++k) h[k] = nx[k];
+    }
+    if constexpr (PREFETCH) fetch(row + teams);
+    float mean = 0.f;
+    if constexpr (!RMS) {
+      float s = 0.f;
+#pragma unroll
+      for (int k = 0; k < CH; ++k) {
+        float v[VEC];
+        unpack16<T, VEC>(&h[k], v);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) s += v[i];
+      }
+      s = team_sum(s);
+      opaque(h);
+      mean = s * inv_cols;
+      mean += fmaf(-mean, (float)cols, s) * inv_cols;  // as norm_fwd_kernel's row_mean
+    }
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < CH; ++k) {
+      float v[VEC], s = 0.f;
+      unpack16<T, VEC>(&h[k], v);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) s = fmaf(v[i] - mean, v[i] - mean, s);
+      ss += column(k) < cols ? s : 0.f;
+    }
+    const float rstd = rsqrtf(team_sum(ss) * inv_cols + eps);
+    opaque(h);
+#pragma unroll
+    for (int k = 0; k < CH; ++k) {
+      const int c = column(k);
+      if (c >= cols) continue;
+      float v[VEC], w[VEC], b[VEC], o[VEC];
+      unpack16<T, VEC>(&h[k], v);
+      const uint4 wr = *reinterpret_cast<const uint4*>(weight + c);
+      unpack16<T, VEC>(&wr, w);
+      if constexpr (HAS_B) {
+        const uint4 br = *reinterpret_cast<const uint4*>(bias + c);
+        unpack16<T, VEC>(&br, b);
+      }
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        const float t = (v[i] - mean) * rstd;
+        o[i] = HAS_B ? fmaf(t, w[i], b[i]) : t * w[i];
+      }
+      store_n<T, VEC>(y + row * stride_y + c, o, VEC, true);
+    }
+    if (threadIdx.x == 0) {
+      rstd_out[row] = rstd;
+      if (!RMS && mean_out != nullptr) mean_out[row] = mean;
+    }
+  }
+}
+
 template <typename T, int NV, bool HAS_DB, bool VECIO>
 __global__ void __launch_bounds__(512)
 norm_bwd_kernel(const void* __restrict__ x, const T* __restrict__ dy, const void* __restrict__ dres_out,
@@ -630,8 +762,69 @@ static cudaError_t norm_bwd_t(int nv, dim3 grid, dim3 block, const NormBwdArgs& 
                                      : norm_bwd_v<T, HAS_DB, false>(nv, grid, block, a, stream, regs);
 }
 
+// The team kernel (NORM_TEAM, 16-bit T): a launch, or (regs non-null) a registers query.
+template <typename T, int CH, int SPEC>
+static cudaError_t norm_fwd_team_run(dim3 grid, dim3 block, const NormFwdArgs& a, cudaStream_t stream, int* regs) {
+  auto kernel = (a.flags & NORM_NO_PREFETCH) ? norm_fwd_team_kernel<T, CH, SPEC, false>
+                                             : norm_fwd_team_kernel<T, CH, SPEC, true>;
+  if (regs != nullptr) {
+    cudaFuncAttributes attr;
+    MEGAKERN_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+    *regs = attr.numRegs;
+    return cudaSuccess;
+  }
+  kernel<<<grid, block, 0, stream>>>(
+      static_cast<const T*>(a.x), static_cast<const T*>(a.residual), static_cast<const T*>(a.weight),
+      static_cast<const T*>(a.bias), static_cast<T*>(a.y), static_cast<T*>(a.residual_out), a.mean, a.rstd, a.rows,
+      a.cols, a.stride_x, a.stride_res, a.stride_y, a.stride_res_out, a.eps);
+  return cudaGetLastError();
+}
+
+template <typename T, int SPEC>
+static cudaError_t norm_fwd_team_c(int nv, dim3 grid, dim3 block, const NormFwdArgs& a, cudaStream_t stream,
+                                   int* regs) {
+  switch (nv) {
+    case 1: return norm_fwd_team_run<T, 1, SPEC>(grid, block, a, stream, regs);
+    case 2: return norm_fwd_team_run<T, 2, SPEC>(grid, block, a, stream, regs);
+    case 4: return norm_fwd_team_run<T, 4, SPEC>(grid, block, a, stream, regs);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+template <typename T>
+static cudaError_t norm_fwd_team_t(int nv, dim3 grid, dim3 block, const NormFwdArgs& a, cudaStream_t stream,
+                                   int* regs) {
+  constexpr int RMS_W = NORM_RMS | NORM_HAS_WEIGHT, W_B = NORM_HAS_WEIGHT | NORM_HAS_BIAS, RES = NORM_HAS_RESIDUAL;
+  switch (norm_fwd_spec(a.flags)) {
+    case RMS_W: return norm_fwd_team_c<T, RMS_W>(nv, grid, block, a, stream, regs);
+    case RMS_W | RES: return norm_fwd_team_c<T, RMS_W | RES>(nv, grid, block, a, stream, regs);
+    case W_B: return norm_fwd_team_c<T, W_B>(nv, grid, block, a, stream, regs);
+    case W_B | RES: return norm_fwd_team_c<T, W_B | RES>(nv, grid, block, a, stream, regs);
+    default: return cudaErrorInvalidValue;  // the team kernel takes only the specialized flags
+  }
+}
+
+static cudaError_t norm_fwd_team(int dtype, int nv, dim3 grid, dim3 block, const NormFwdArgs& a,
+                                 cudaStream_t stream, int* regs) {
+  if (regs == nullptr && ((long long)block.x * block.y > 512 || block.x % 32 || (block.y > 1 && block.x != 32)))
+    return cudaErrorInvalidValue;  // launch bounds; a team is whole warps, several teams a block only of one warp
+  switch (dtype) {
+    case NORM_F16: return norm_fwd_team_t<__half>(nv, grid, block, a, stream, regs);
+    case NORM_BF16: return norm_fwd_team_t<__nv_bfloat16>(nv, grid, block, a, stream, regs);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+cudaError_t norm_fwd_num_regs(int dtype, int nv, int flags, int* regs) {
+  if (!(flags & NORM_TEAM)) return cudaErrorInvalidValue;
+  NormFwdArgs args{};
+  args.flags = flags;
+  return norm_fwd_team(dtype, nv, dim3(), dim3(), args, nullptr, regs);
+}
+
 cudaError_t norm_fwd(int dtype, int nv, int row_batch, dim3 grid, dim3 block, const NormFwdArgs& args,
                      cudaStream_t stream) {
+  if (args.flags & NORM_TEAM) return norm_fwd_team(dtype, nv, grid, block, args, stream, nullptr);
   if ((long long)block.x * block.y * row_batch > 1024) return cudaErrorInvalidValue;  // the kernel's launch bounds
   switch (dtype) {
     case NORM_F32: return norm_fwd_t<float>(nv, row_batch, grid, block, args, stream);

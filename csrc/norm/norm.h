@@ -24,6 +24,8 @@ enum NormFlags {
   NORM_HAS_DW = 1 << 9,       // bwd: weight gradient partials wanted
   NORM_STAGED = 1 << 10,      // bwd: the staged kernel (needs NORM_VECTORIZED and x of the kernel's dtype)
   NORM_GENERIC = 1 << 11,     // the kernel that reads its flags at run time, where a specialized one exists
+  NORM_TEAM = 1 << 12,        // fwd: the persistent team kernel (16-bit rows, 16-byte I/O, one of NORM_FWD_SPECS)
+  NORM_NO_PREFETCH = 1 << 13, // fwd, team kernel: without the next row's loads in flight
 };
 
 }  // namespace megakern
@@ -105,10 +107,14 @@ struct NormBwdArgs {
 // dtype: NormDType of x / y / dy / dx. nv in {0, 1, 2, 4, 8}; row_batch (forward) in {1, 2, 4}: the rows each
 // row's threads take at once (1 when streaming; block.x * block.y * row_batch <= 1024); args.flags &
 // NORM_VECTORIZED picks the 16-byte instance, args.flags & NORM_STAGED the staged backward (16-bit dtypes, nv in
-// {1, 2, 4}, one row a block). Returns
-// the launch's error, if any.
+// {1, 2, 4}, one row a block), args.flags & NORM_TEAM the forward's team kernel (16-bit dtypes, flags one of
+// NORM_FWD_SPECS, nv in {1, 2, 4} chunks a thread, row_batch ignored, block.x a multiple of 32, block.y > 1 only
+// with block.x == 32, at most 512 threads). Returns the launch's error, if any.
 cudaError_t norm_fwd(int dtype, int nv, int row_batch, dim3 grid, dim3 block, const NormFwdArgs& args,
                      cudaStream_t stream);
+// Registers per thread of the forward's team kernel (flags with NORM_TEAM; nv: its chunks a thread) that the same
+// arguments select (sizes its persistent grid).
+cudaError_t norm_fwd_num_regs(int dtype, int nv, int flags, int* regs);
 cudaError_t norm_bwd(int dtype, int nv, bool has_db, dim3 grid, dim3 block, const NormBwdArgs& args,
                      cudaStream_t stream);
 // The staged backward's dynamic shared memory, in bytes, for rows of `cols` elements of `elem_bytes` each: the next
