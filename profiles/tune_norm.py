@@ -148,12 +148,13 @@ def specs(n: int, is_rms: bool, residual: bool) -> list[tuple[str, str, dict]]:
         out.append((f"cuda fwd team default {team}", "cuda fwd", dict(config=team)))
         for nv in _norm_cuda.TEAM_CHUNKS:
             threads = 32 * -(-groups8 // (32 * nv))
-            for prefetch in (True, False):
+            for prefetch, weight_regs in ((True, False), (False, False), (True, True), (False, True)):
                 for rows_per_block in (4, 8) if threads == 32 else (1,):
-                    config = _norm_cuda.LaunchConfig(nv, threads, rows_per_block, team=True, prefetch=prefetch)
+                    config = _norm_cuda.LaunchConfig(nv, threads, rows_per_block, team=True, prefetch=prefetch,
+                                                     weight_regs=weight_regs)
                     if threads * rows_per_block <= _norm_cuda.TEAM_MAX_THREADS and config != team:
                         out.append((f"cuda fwd team {config}", "cuda fwd", dict(config=config)))
-        for change in [dict(per_sm=p) for p in (1, 2, 4)] + [dict(max_registers=r) for r in (64, 80, 96)]:
+        for change in [dict(max_registers=r) for r in (96, 128)]:
             config = dataclasses.replace(team, **change)
             out.append((f"cuda fwd team {config}", "cuda fwd", dict(config=config)))
     # the backward in registers, named as such, dweight and dbias in the same kernel (where the table takes the

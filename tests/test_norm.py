@@ -837,9 +837,11 @@ TEAM = [((3, 77, 1024), 4, 32, 4), ((3, 77, 1024), 1, 128, 1), ((45, 1000), 2, 6
 
 
 def team_cases(test):
-    """A GPU test over every team geometry (TEAM), with and without the next row in flight, each norm and CUDA
-    path."""
-    for mark in (pytest.mark.parametrize("op", OPS), pytest.mark.parametrize("prefetch", (True, False)),
+    """A GPU test over every team geometry (TEAM), with and without the next row in flight and the weight in
+    registers (``mode``: LaunchConfig fields), each norm and CUDA path."""
+    modes = [dict(prefetch=p, weight_regs=w) for p in (True, False) for w in (False, True)]
+    for mark in (pytest.mark.parametrize("op", OPS),
+                 pytest.mark.parametrize("mode", modes, ids=lambda m: f"pf{int(m['prefetch'])}-w{int(m['weight_regs'])}"),
                  pytest.mark.parametrize("case", TEAM, ids=lambda c: f"{'x'.join(map(str, c[0]))}-nv{c[1]}-t{c[2]}"
                                                                      f"x{c[3]}"),
                  pytest.mark.parametrize("variant", CUDA_VARIANTS), pytest.mark.gpu):
@@ -849,33 +851,33 @@ def team_cases(test):
 
 @team_cases
 @pytest.mark.parametrize("setup", ("affine", "residual"))
-def test_cuda_forward_team(op, case, prefetch, setup, variant):
+def test_cuda_forward_team(op, case, mode, setup, variant):
     """The forward's team kernel (persistent row teams, the next row's loads in flight) through both CUDA paths,
     against the fp64 reference (2x rule); the backward is the table's."""
     from megakern import _norm_cuda
 
     shape, nv, threads, rows_per_block = case
-    config = _norm_cuda.LaunchConfig(nv, threads, rows_per_block, team=True, prefetch=prefetch)
+    config = _norm_cuda.LaunchConfig(nv, threads, rows_per_block, team=True, **mode)
     check_launch_override(op, shape, setup, variant, fwd_config=config)
 
 
 @team_cases
-def test_cuda_forward_team_launches_agree(op, case, prefetch, variant):
-    """One team shape gives the same bits with or without the next row in flight, on a grid of one block an SM or
-    of as many as fit, and (NVRTC) under a register cap: the same arithmetic in the same order."""
+def test_cuda_forward_team_launches_agree(op, case, mode, variant):
+    """One team shape gives the same bits with or without the next row in flight and the weight in registers, on a
+    grid of one block an SM or of as many as fit, and (NVRTC) under a register cap: the same arithmetic in the same
+    order."""
     from megakern import _norm_cuda
 
     path = variant.removeprefix("cuda-")
     if problem := cuda_path_problem(path):
         pytest.skip(f"the {path} path is unavailable: {problem}")
-    seed("team-bits", op, case, prefetch, variant)
+    seed("team-bits", op, case, str(mode), variant)
     shape, nv, threads, rows_per_block = case
     x, w, b, r = bf16_inputs(op, shape, "residual")
     x2, r2 = x.reshape(-1, x.shape[-1]), r.reshape(-1, r.shape[-1])
     config = _norm_cuda.LaunchConfig(nv, threads, rows_per_block, team=True)
     want = _norm_cuda.fwd(x2, r2, w, b, 1e-5, op == "rms_norm", path=path, config=config)
-    changes = [dict(prefetch=prefetch, per_sm=1)] + ([dict(prefetch=prefetch, max_registers=64)] if path == "nvrtc"
-                                                      else [])
+    changes = [dict(mode, per_sm=1)] + ([dict(mode, max_registers=64)] if path == "nvrtc" else [])
     for change in changes:
         got = _norm_cuda.fwd(x2, r2, w, b, 1e-5, op == "rms_norm", path=path,
                              config=dataclasses.replace(config, **change))
@@ -972,7 +974,8 @@ def test_cuda_forward_refuses_a_launch_it_cannot_take():
                             (LC(4, 128, 1, team=True, row_batch=2), "no row_batch"),
                             (LC(4, 128, 1, team=True, max_registers=200), "max_registers must be 0 or in"),
                             (LC(2, 256, 1, prefetch=False), "the team kernel's"),
-                            (LC(2, 256, 1, per_sm=2), "the team kernel's")):
+                            (LC(2, 256, 1, per_sm=2), "the team kernel's"),
+                            (LC(2, 256, 1, weight_regs=True), "the team kernel's")):
         with pytest.raises(ValueError, match=message):
             _norm_cuda.check_fwd_config(config)
     _norm_cuda.check_fwd_config(_norm_cuda.launch_config(1024, torch.bfloat16, False))

@@ -216,15 +216,17 @@ norm_fwd_kernel(const T* __restrict__ x, const void* __restrict__ residual, cons
 // its row as raw bits (chunk k at column (k * blockDim.x + threadIdx.x) * 8) and converts them where they are used:
 // the next row's chunks are loaded before this row's reductions and stay in flight across them, and a warp team
 // reduces by shuffles alone (several warps: one barrier a reduction, the partial sums alternating between two
-// buffers). PREFETCH false: no next row in flight (fewer registers; the SM's other teams hide the loads). Same
-// arithmetic as norm_fwd_kernel a value; the row sums are added in the team's order.
+// buffers). PREFETCH false: no next row in flight (fewer registers; the SM's other teams hide the loads). WREG: the
+// thread's chunks of the weight (and bias) loaded once, held in registers for every row; else read a row at a time
+// after the reductions (L1 or L2). The rows stream past L1 (ld.global.nc.L1::no_allocate), which keeps the weight
+// there. Same arithmetic as norm_fwd_kernel a value; the row sums are added in the team's order.
 // MEGAKERN_NORM_TEAM_MAXNREG (tuning, NVRTC only): a cap on its registers a thread in place of the launch bounds.
 #ifdef MEGAKERN_NORM_TEAM_MAXNREG
 #define MEGAKERN_NORM_TEAM_BOUNDS __maxnreg__(MEGAKERN_NORM_TEAM_MAXNREG)
 #else
 #define MEGAKERN_NORM_TEAM_BOUNDS __launch_bounds__(512)
 #endif
-template <typename T, int CH, int SPEC, bool PREFETCH>
+template <typename T, int CH, int SPEC, bool PREFETCH, bool WREG>
 __global__ void MEGAKERN_NORM_TEAM_BOUNDS
 norm_fwd_team_kernel(const T* __restrict__ x, const T* __restrict__ residual, const T* __restrict__ weight,
                      const T* __restrict__ bias, T* __restrict__ y, T* __restrict__ residual_out,
@@ -258,6 +260,21 @@ norm_fwd_team_kernel(const T* __restrict__ x, const T* __restrict__ residual, co
     for (int k = 0; k < CH; ++k) asm volatile("" : "+r"(c[k].x), "+r"(c[k].y), "+r"(c[k].z), "+r"(c[k].w));
   };
   constexpr uint4 zero = {0u, 0u, 0u, 0u};
+  auto stream_load = [](const T* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+  };
+  uint4 wk[WREG ? CH : 1], bk[WREG && HAS_B ? CH : 1];
+  if constexpr (WREG) {
+#pragma unroll
+    for (int k = 0; k < CH; ++k) {
+      const int c = column(k);
+      wk[k] = c < cols ? *reinterpret_cast<const uint4*>(weight + c) : zero;
+      if constexpr (HAS_B) bk[k] = c < cols ? *reinterpret_cast<const uint4*>(bias + c) : zero;
+    }
+  }
   uint4 nx[CH], nr[RES ? CH : 1];
   // the chunks of row r; a row past the end reads the last row again (no branch between the loads)
   auto fetch = [&](i64 r) {
@@ -265,8 +282,8 @@ norm_fwd_team_kernel(const T* __restrict__ x, const T* __restrict__ residual, co
 #pragma unroll
     for (int k = 0; k < CH; ++k) {
       const int c = column(k);
-      nx[k] = c < cols ? *reinterpret_cast<const uint4*>(x + r * stride_x + c) : zero;
-      if constexpr (RES) nr[k] = c < cols ? *reinterpret_cast<const uint4*>(residual + r * stride_res + c) : zero;
+      nx[k] = c < cols ? stream_load(x + r * stride_x + c) : zero;
+      if constexpr (RES) nr[k] = c < cols ? stream_load(residual + r * stride_res + c) : zero;
     }
   };
   if constexpr (PREFETCH) fetch(row);
@@ -322,10 +339,10 @@ norm_fwd_team_kernel(const T* __restrict__ x, const T* __restrict__ residual, co
       if (c >= cols) continue;
       float v[VEC], w[VEC], b[VEC], o[VEC];
       unpack16<T, VEC>(&h[k], v);
-      const uint4 wr = *reinterpret_cast<const uint4*>(weight + c);
+      const uint4 wr = WREG ? wk[k] : *reinterpret_cast<const uint4*>(weight + c);
       unpack16<T, VEC>(&wr, w);
       if constexpr (HAS_B) {
-        const uint4 br = *reinterpret_cast<const uint4*>(bias + c);
+        const uint4 br = WREG ? bk[k] : *reinterpret_cast<const uint4*>(bias + c);
         unpack16<T, VEC>(&br, b);
       }
 #pragma unroll
@@ -765,8 +782,10 @@ static cudaError_t norm_bwd_t(int nv, dim3 grid, dim3 block, const NormBwdArgs& 
 // The team kernel (NORM_TEAM, 16-bit T): a launch, or (regs non-null) a registers query.
 template <typename T, int CH, int SPEC>
 static cudaError_t norm_fwd_team_run(dim3 grid, dim3 block, const NormFwdArgs& a, cudaStream_t stream, int* regs) {
-  auto kernel = (a.flags & NORM_NO_PREFETCH) ? norm_fwd_team_kernel<T, CH, SPEC, false>
-                                             : norm_fwd_team_kernel<T, CH, SPEC, true>;
+  const bool pf = !(a.flags & NORM_NO_PREFETCH), wreg = a.flags & NORM_WEIGHT_REGS;
+  auto kernel = pf ? (wreg ? norm_fwd_team_kernel<T, CH, SPEC, true, true> : norm_fwd_team_kernel<T, CH, SPEC, true, false>)
+                   : (wreg ? norm_fwd_team_kernel<T, CH, SPEC, false, true>
+                           : norm_fwd_team_kernel<T, CH, SPEC, false, false>);
   if (regs != nullptr) {
     cudaFuncAttributes attr;
     MEGAKERN_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));

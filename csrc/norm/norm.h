@@ -26,6 +26,7 @@ enum NormFlags {
   NORM_GENERIC = 1 << 11,     // the kernel that reads its flags at run time, where a specialized one exists
   NORM_TEAM = 1 << 12,        // fwd: the persistent team kernel (16-bit rows, 16-byte I/O, one of NORM_FWD_SPECS)
   NORM_NO_PREFETCH = 1 << 13, // fwd, team kernel: without the next row's loads in flight
+  NORM_WEIGHT_REGS = 1 << 14, // fwd, team kernel: the weight (and bias) held in registers for every row
 };
 
 }  // namespace megakern
