@@ -115,15 +115,21 @@ def launch_config(cols: int, dtype: torch.dtype, backward: bool) -> LaunchConfig
 
 def team_config(cols: int, dtype: torch.dtype) -> Optional[LaunchConfig]:
     """The team kernel's default geometry for ``dtype`` rows of ``cols`` elements, or None where it does not take
-    them (32-bit rows, rows above TEAM_MAX_THREADS x TEAM_CHUNKS[-1] chunks): the fewest warps a row at
-    TEAM_CHUNKS[-1] chunks a thread, TEAM_WARP_ROWS rows a block where a warp holds a row."""
+    them (32-bit rows, rows above TEAM_MAX_THREADS x TEAM_CHUNKS[-1] chunks). From the sweep on the H200
+    (profiles/tune_norm.py; docs/tuning.md, norms): rows of up to 1024 elements a warp each at 4 chunks a thread,
+    TEAM_WARP_ROWS warps a block; wider rows 2 chunks a thread with the weight in registers while the row fits
+    TEAM_MAX_THREADS threads, else 4 (the weight read a row at a time: at 4 chunks it would spill); the next row's
+    loads in flight throughout."""
     if _VEC[dtype] != 8:
         return None
-    nv = TEAM_CHUNKS[-1]
-    threads = 32 * math.ceil(math.ceil(cols / 8) / (32 * nv))
-    if threads > TEAM_MAX_THREADS:
-        return None
-    return LaunchConfig(nv, threads, TEAM_WARP_ROWS if threads == 32 else 1, team=True)
+    chunks = math.ceil(cols / 8)
+    if chunks <= 32 * TEAM_CHUNKS[-1]:
+        return LaunchConfig(TEAM_CHUNKS[-1], 32, TEAM_WARP_ROWS, team=True)
+    for nv, weight_regs in ((2, True), (TEAM_CHUNKS[-1], False)):
+        threads = 32 * math.ceil(chunks / (32 * nv))
+        if threads <= TEAM_MAX_THREADS:
+            return LaunchConfig(nv, threads, 1, team=True, weight_regs=weight_regs)
+    return None
 
 
 def check_fwd_config(cfg: LaunchConfig) -> None:
