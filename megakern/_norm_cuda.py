@@ -47,6 +47,9 @@ FWD_BATCH_THREADS = FWD_MAX_THREADS
 # a specialized instance. TEAM_CHUNKS: the 16-byte chunks a thread holds of its row (the instances built); a row of
 # up to TEAM_MAX_THREADS x TEAM_CHUNKS[-1] chunks takes it. TEAM_WARP_ROWS: the one-warp teams a block.
 TEAM_CHUNKS, TEAM_MAX_THREADS, TEAM_WARP_ROWS = (1, 2, 4), 512, 4
+# Where the team kernel is the default (team_config): rows up to TEAM_DEFAULT_COLS elements, LayerNorm's within
+# TEAM_LN_WIDE; elsewhere the row-group kernel measured level or ahead
+TEAM_DEFAULT_COLS, TEAM_LN_WIDE = 3072, (12288, 16384)
 BWD_CAP, BWD_MAX_THREADS = 16, 512
 
 
@@ -113,9 +116,9 @@ def launch_config(cols: int, dtype: torch.dtype, backward: bool) -> LaunchConfig
     return LaunchConfig(nv, threads, rows_per_block, row_batch=batch)
 
 
-def team_config(cols: int, dtype: torch.dtype) -> Optional[LaunchConfig]:
-    """The team kernel's default geometry for ``dtype`` rows of ``cols`` elements, or None where it does not take
-    them (32-bit rows, rows above TEAM_MAX_THREADS x TEAM_CHUNKS[-1] chunks). From the sweep on the H200
+def team_geometry(cols: int, dtype: torch.dtype) -> Optional[LaunchConfig]:
+    """The team kernel's geometry for ``dtype`` rows of ``cols`` elements, or None where it does not take them
+    (32-bit rows, rows above TEAM_MAX_THREADS x TEAM_CHUNKS[-1] chunks). From the sweep on the H200
     (profiles/tune_norm.py; docs/tuning.md, norms): rows of up to 1024 elements a warp each at 4 chunks a thread,
     TEAM_WARP_ROWS warps a block; wider rows 2 chunks a thread with the weight in registers while the row fits
     TEAM_MAX_THREADS threads, else 4 (the weight read a row at a time: at 4 chunks it would spill); the next row's
@@ -129,6 +132,15 @@ def team_config(cols: int, dtype: torch.dtype) -> Optional[LaunchConfig]:
         threads = 32 * math.ceil(chunks / (32 * nv))
         if threads <= TEAM_MAX_THREADS:
             return LaunchConfig(nv, threads, 1, team=True, weight_regs=weight_regs)
+    return None
+
+
+def team_config(cols: int, dtype: torch.dtype, is_rms: bool) -> Optional[LaunchConfig]:
+    """The team kernel's geometry where it is the forward's default, else None (the row-group kernel): rows of up to
+    TEAM_DEFAULT_COLS elements, and LayerNorm's rows within TEAM_LN_WIDE (docs/results.md, norms: where it measured
+    ahead of the row-group kernel on the H200)."""
+    if cols <= TEAM_DEFAULT_COLS or not is_rms and TEAM_LN_WIDE[0] <= cols <= TEAM_LN_WIDE[1]:
+        return team_geometry(cols, dtype)
     return None
 
 
@@ -308,7 +320,8 @@ def fwd(x, residual, weight, bias, eps: float, is_rms: bool, path: Optional[str]
     if config is not None and not config.specialize:
         flags |= GENERIC
     spec = fwd_spec(flags, x.dtype)
-    cfg = config or (team_config(cols, x.dtype) if spec else None) or launch_config(cols, x.dtype, backward=False)
+    cfg = config or (team_config(cols, x.dtype, is_rms) if spec else None) or launch_config(cols, x.dtype,
+                                                                                            backward=False)
     if config is not None:
         check_fwd_config(config)
         if config.team and not spec:

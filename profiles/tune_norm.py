@@ -128,8 +128,11 @@ def specs(n: int, is_rms: bool, residual: bool) -> list[tuple[str, str, dict]]:
                     out.append((f"triton fwd wide unrolled warps={warps} chunk={chunk} sums={int(sums)} "
                                 f"maxnreg={maxnreg}", "triton fwd", dict(num_warps=warps, wide=True, chunk=chunk,
                                                                           unrolled=True, sums=sums, maxnreg=maxnreg)))
-    default = _norm_cuda.launch_config(n, torch.bfloat16, False)
-    out.append((f"cuda fwd default {default}", "cuda fwd", {}))
+    default = _norm_cuda.launch_config(n, torch.bfloat16, False)  # the row-group kernel's table geometry
+    chosen = _norm_cuda.team_config(n, torch.bfloat16, is_rms) or default  # what a call without a config takes
+    out.append((f"cuda fwd default {chosen}", "cuda fwd", {}))
+    if chosen != default:
+        out.append((f"cuda fwd row-group table {default}", "cuda fwd", dict(config=default)))
     for config in cuda_geometries(n, backward=False):
         out.append((f"cuda fwd {config}", "cuda fwd", dict(config=config)))
     # the default geometry under register caps (NVRTC --maxrregcount): more blocks an SM, so more bytes in flight
@@ -141,11 +144,11 @@ def specs(n: int, is_rms: bool, residual: bool) -> list[tuple[str, str, dict]]:
     generic = dataclasses.replace(default, specialize=False)
     out.append((f"cuda fwd {generic}", "cuda fwd", dict(config=generic)))
     # the team kernel (16-bit rows of the specialized flags): chunks a thread, with and without the next row in
-    # flight, one-warp teams a block; the default also at fewer blocks an SM and under register caps (NVRTC)
-    team = _norm_cuda.team_config(n, torch.bfloat16)
+    # flight, one-warp teams a block; its table geometry also at fewer blocks an SM and under register caps (NVRTC)
+    team = _norm_cuda.team_geometry(n, torch.bfloat16)
     groups8 = -(-n // 8)  # 16-byte chunks of a bf16 row
     if team:
-        out.append((f"cuda fwd team default {team}", "cuda fwd", dict(config=team)))
+        out.append((f"cuda fwd team geometry {team}", "cuda fwd", dict(config=team)))
         for nv in _norm_cuda.TEAM_CHUNKS:
             threads = 32 * -(-groups8 // (32 * nv))
             for prefetch, weight_regs in ((True, False), (False, False), (True, True), (False, True)):

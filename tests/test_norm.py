@@ -979,7 +979,7 @@ def test_cuda_forward_refuses_a_launch_it_cannot_take():
         with pytest.raises(ValueError, match=message):
             _norm_cuda.check_fwd_config(config)
     _norm_cuda.check_fwd_config(_norm_cuda.launch_config(1024, torch.bfloat16, False))
-    _norm_cuda.check_fwd_config(_norm_cuda.team_config(1024, torch.bfloat16))
+    _norm_cuda.check_fwd_config(_norm_cuda.team_geometry(1024, torch.bfloat16))
 
 
 @pytest.mark.gpu
@@ -1166,3 +1166,25 @@ def test_backward_launch_overrides():
     assert nt._bwd_config(20480, False) == strips._replace(warps=8, per_sm=8)
     assert nt.resolve_bwd_config(20480, True, dict(wide=True)) == nt.BwdConfig(1, 16, 1, wide=True)
     assert nt.resolve_bwd_config(20480, True, dict(unrolled=False)) == unrolled._replace(unrolled=False)
+
+
+def test_team_table():
+    """The team kernel's geometry covers a row with whole warps within its bounds at every width it takes, holds the
+    weight in registers only at 2 chunks a thread (at 4 it spills), and is the default only where the table says:
+    16-bit rows up to TEAM_DEFAULT_COLS, LayerNorm's within TEAM_LN_WIDE."""
+    from megakern import _norm_cuda as nc
+
+    assert nc.team_geometry(1024, torch.float32) is None and nc.team_config(1024, torch.float32, True) is None
+    top = nc.TEAM_MAX_THREADS * nc.TEAM_CHUNKS[-1] * 8
+    assert nc.team_geometry(top + 8, torch.bfloat16) is None
+    for dtype in (torch.bfloat16, torch.float16):
+        for cols in (8, 1000, 1024, 1032, 2048, 3072, 4096, 5120, 8192, 8200, 12288, 14336, top):
+            g = nc.team_geometry(cols, dtype)
+            nc.check_fwd_config(g)
+            assert g.team and g.threads * g.nv * 8 >= cols and g.threads % 32 == 0, (cols, g)
+            assert g.threads * g.rows_per_block <= nc.TEAM_MAX_THREADS and (g.rows_per_block == 1 or g.threads == 32)
+            assert not g.weight_regs or g.nv <= 2, (cols, g)
+            for is_rms in (True, False):
+                default = cols <= nc.TEAM_DEFAULT_COLS or (not is_rms and nc.TEAM_LN_WIDE[0] <= cols
+                                                           <= nc.TEAM_LN_WIDE[1])
+                assert nc.team_config(cols, dtype, is_rms) == (g if default else None), (cols, is_rms)
