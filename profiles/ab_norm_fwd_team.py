@@ -1,0 +1,69 @@
+"""The CUDA norm forward's two kernels in one process on one card: the row-group kernel at its table geometry
+(``launch_config``) and the team kernel at its geometry (``team_geometry``), beside the Triton forward, at each
+hidden size; fraction of the same run's copy bandwidth. Which of the two CUDA kernels is the default at a width is
+``team_config``'s table (megakern/_norm_cuda.py): this is the A/B that sets it.
+
+    python profiles/ab_norm_fwd_team.py --hidden 1024,2048,4096,8192,12288,16384
+
+Timed by CUDA-graph replay (``benchmarks.common.bench(graph=True)``, the best median of two windows); bf16 tensors of
+2**27 elements, NVRTC path; both norms with a weight (and LayerNorm's bias), no residual.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+
+import torch
+
+from benchmarks.common import bench, measure_copy_gbps
+from megakern import _norm_cuda, _norm_triton
+
+ELEMENTS = 2**27
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", default="1024,2048,3072,4096,5120,8192,12288,16384",
+                        help="comma-separated hidden sizes (multiples of 8, at most the team kernel's widest row)")
+    parser.add_argument("--ops", default="rms,ln", help="comma-separated: rms, ln")
+    parser.add_argument("--rep-ms", type=int, default=300, help="timing window of each measurement")
+    args = parser.parse_args(argv)
+    try:
+        hidden = [int(h) for h in args.hidden.split(",")]
+    except ValueError:
+        raise SystemExit(f"ab_norm_fwd_team: --hidden {args.hidden!r} is not a comma-separated list of integers")
+    ops = [op.strip() for op in args.ops.split(",") if op.strip()]
+    if set(ops) - {"rms", "ln"}:
+        raise SystemExit(f"ab_norm_fwd_team: unknown op(s) {sorted(set(ops) - {'rms', 'ln'})}; known: rms, ln")
+    for n in hidden:
+        if n % 8 or _norm_cuda.team_geometry(n, torch.bfloat16) is None:
+            raise SystemExit(f"ab_norm_fwd_team: the team kernel does not take bf16 rows of {n} (multiples of 8 up "
+                             f"to {_norm_cuda.TEAM_MAX_THREADS * _norm_cuda.TEAM_CHUNKS[-1] * 8})")
+    if not torch.cuda.is_available():
+        raise SystemExit("ab_norm_fwd_team: needs a CUDA device")
+    device = torch.device("cuda")
+    copy = measure_copy_gbps(device)
+    print(f"{torch.cuda.get_device_name()}: copy {copy:.0f} GB/s; fraction of copy, graph replay")
+    for n in hidden:
+        x = torch.randn(ELEMENTS // n, n, device=device, dtype=torch.bfloat16)
+        w = torch.randn(n, device=device, dtype=torch.bfloat16)
+        b = torch.randn(n, device=device, dtype=torch.bfloat16)
+        nbytes = 2 * x.numel() * x.element_size()
+        for op in ops:
+            rms = op == "rms"
+            bias = None if rms else b
+            fwd = functools.partial(_norm_cuda.fwd, x, None, w, bias, 1e-5, rms, path="nvrtc")
+            rows = _norm_cuda.launch_config(n, x.dtype, False)
+            team = _norm_cuda.team_geometry(n, x.dtype)
+            default = "team" if _norm_cuda.team_config(n, x.dtype, rms) else "row-group"
+            line = f"{op:3s} {x.shape[0]}x{n} (default {default:9s})"
+            for label, fn in (("triton", lambda: _norm_triton.fwd(x, None, w, bias, 1e-5, rms)),
+                              ("row-group", functools.partial(fwd, config=rows)),
+                              ("team", functools.partial(fwd, config=team))):
+                t = min(bench(fn, graph=True, device=device, rep_ms=args.rep_ms)["median"] for _ in range(2)) * 1e-3
+                line += f" | {label} {t * 1e6:6.1f} us {nbytes / t / 1e9 / copy:.3f}"
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
