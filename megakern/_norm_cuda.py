@@ -166,9 +166,10 @@ def check_fwd_config(cfg: LaunchConfig) -> None:
     if cfg.threads * cfg.rows_per_block * cfg.row_batch > FWD_MAX_THREADS:
         raise ValueError(f"{cfg}: threads x rows_per_block x row_batch is above {FWD_MAX_THREADS} (the kernel's "
                          "launch bounds)")
-    if cfg.max_registers and not 24 <= cfg.max_registers <= (128 if cfg.team else 64):
-        raise ValueError(f"{cfg}: max_registers must be 0 or in [24, 64] (a cap above 64 would not bound 1024-thread "
-                         "blocks)")
+    top = 128 if cfg.team else 64  # what bounds the kernel's largest block: 512 threads (team), 1024
+    if cfg.max_registers and not 24 <= cfg.max_registers <= top:
+        raise ValueError(f"{cfg}: max_registers must be 0 or in [24, {top}] (a cap above {top} would not bound the "
+                         "kernel's largest blocks)")
 
 
 def _b(flag: bool) -> str:
@@ -265,7 +266,7 @@ def _nvrtc_args(*args):
     return tuple(out)
 
 
-def _bwd_grid(rows: int, cfg: LaunchConfig, regs: int, device: torch.device, smem: int = 0) -> int:
+def _persistent_grid(rows: int, cfg: LaunchConfig, regs: int, device: torch.device, smem: int = 0) -> int:
     """Persistent grid: as many blocks as the device holds at once (by registers, threads and ``smem`` bytes of
     dynamic shared memory a block; at most ``cfg.per_sm`` where it is set)."""
     threads = cfg.threads * cfg.rows_per_block
@@ -342,7 +343,7 @@ def fwd(x, residual, weight, bias, eps: float, is_rms: bool, path: Optional[str]
             kernel = _cuda.nvrtc_kernel("norm/norm.cu", _team_name(ctype, cfg.nv, spec, cfg.prefetch, cfg.weight_regs),
                                         defines)
             regs = kernel.num_regs
-        grid = _bwd_grid(rows, cfg, regs, x.device)
+        grid = _persistent_grid(rows, cfg, regs, x.device)
     else:
         grid = math.ceil(rows / (cfg.rows_per_block * cfg.row_batch))
     if path == "extension":
@@ -408,7 +409,7 @@ def bwd(dy, x, dres_out, weight, mean, rstd, is_rms: bool, residual_dtype: Optio
                 else _bwd_name(ctype, cfg.nv, has_db, vecio))
         kernel = _cuda.nvrtc_kernel("norm/norm.cu", name)
         regs = kernel.num_regs
-    grid = _bwd_grid(max(rows, 1), cfg, regs, dy.device, smem)
+    grid = _persistent_grid(max(rows, 1), cfg, regs, dy.device, smem)
     slots = grid * cfg.rows_per_block
     dw_partial = torch.empty((slots, cols), dtype=torch.float32, device=dy.device) if need_dw else None
     db_partial = torch.empty((slots, cols), dtype=torch.float32, device=dy.device) if has_db else None

@@ -841,7 +841,8 @@ def team_cases(test):
     registers (``mode``: LaunchConfig fields), each norm and CUDA path."""
     modes = [dict(prefetch=p, weight_regs=w) for p in (True, False) for w in (False, True)]
     for mark in (pytest.mark.parametrize("op", OPS),
-                 pytest.mark.parametrize("mode", modes, ids=lambda m: f"pf{int(m['prefetch'])}-w{int(m['weight_regs'])}"),
+                 pytest.mark.parametrize("mode", modes,
+                                         ids=lambda m: f"pf{int(m['prefetch'])}-w{int(m['weight_regs'])}"),
                  pytest.mark.parametrize("case", TEAM, ids=lambda c: f"{'x'.join(map(str, c[0]))}-nv{c[1]}-t{c[2]}"
                                                                      f"x{c[3]}"),
                  pytest.mark.parametrize("variant", CUDA_VARIANTS), pytest.mark.gpu):
@@ -972,7 +973,7 @@ def test_cuda_forward_refuses_a_launch_it_cannot_take():
                             (LC(4, 64, 2, team=True), "whole warps"),
                             (LC(4, 1024, 1, team=True), "at most 512 threads"),
                             (LC(4, 128, 1, team=True, row_batch=2), "no row_batch"),
-                            (LC(4, 128, 1, team=True, max_registers=200), "max_registers must be 0 or in"),
+                            (LC(4, 128, 1, team=True, max_registers=200), "max_registers must be 0 or in \\[24, 128\\]"),
                             (LC(2, 256, 1, prefetch=False), "the team kernel's"),
                             (LC(2, 256, 1, per_sm=2), "the team kernel's"),
                             (LC(2, 256, 1, weight_regs=True), "the team kernel's")):

@@ -788,7 +788,8 @@ static cudaError_t norm_bwd_t(int nv, dim3 grid, dim3 block, const NormBwdArgs& 
 template <typename T, int CH, int SPEC>
 static cudaError_t norm_fwd_team_run(dim3 grid, dim3 block, const NormFwdArgs& a, cudaStream_t stream, int* regs) {
   const bool pf = !(a.flags & NORM_NO_PREFETCH), wreg = a.flags & NORM_WEIGHT_REGS;
-  auto kernel = pf ? (wreg ? norm_fwd_team_kernel<T, CH, SPEC, true, true> : norm_fwd_team_kernel<T, CH, SPEC, true, false>)
+  auto kernel = pf ? (wreg ? norm_fwd_team_kernel<T, CH, SPEC, true, true>
+                           : norm_fwd_team_kernel<T, CH, SPEC, true, false>)
                    : (wreg ? norm_fwd_team_kernel<T, CH, SPEC, false, true>
                            : norm_fwd_team_kernel<T, CH, SPEC, false, false>);
   if (regs != nullptr) {
