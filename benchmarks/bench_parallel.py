@@ -255,12 +255,13 @@ def run_layout(layout: Layout, args, run_dir: Path, data_cache: Path) -> tuple[d
     try:
         proc = run_launch(cmd, timeout=args.timeout, cwd=REPO, env=env)
     except subprocess.TimeoutExpired as exc:  # what the run printed before it was stopped: where it hung
-        raise RuntimeError(f"no exit within {args.timeout:g} s (--timeout); the run's last output:\n"
-                           f"{exc.stdout[-2000:]}{exc.stderr[-4000:]}".strip()) from None
+        raise RuntimeError(f"no exit within {args.timeout:g} s (--timeout);{_log_text_tail(run_dir)} the run's last "
+                           f"output:\n{exc.stdout[-2000:]}{exc.stderr[-4000:]}".strip()) from None
     wall = time.perf_counter() - start
     tail = (proc.stdout[-2000:] + proc.stderr[-4000:]).strip()
     if proc.returncode != 0:
-        raise RuntimeError(f"exit {proc.returncode} after {wall:.0f} s:\n{tail}")
+        raise RuntimeError(f"exit {proc.returncode} after {wall:.0f} s;{_log_text_tail(run_dir)} the run's last "
+                           f"output:\n{tail}")
     if args.profile:
         # one directory per rank (…-rank<r> under torchrun): rank 0's tables, then every other rank's timeline
         tables = sorted((run_dir / "profile").glob("*/kernels.txt"),
@@ -285,6 +286,18 @@ def run_layout(layout: Layout, args, run_dir: Path, data_cache: Path) -> tuple[d
         return {"profile": dest}, tail
     return _figures(run_dir, layout.untimed(args.warmup), args.micro_batch * layout.dp * accum * args.seq, wall,
                     accum), tail
+
+
+def _log_text_tail(run_dir: Path, lines: int = 20) -> str:
+    """The last ``lines`` text lines of a run's train.log, as a block to quote in a failure's message (the step
+    watchdog's verdict and a rank's error land there, while torchrun's own report fills the output's tail); "" when
+    the run wrote none."""
+    try:
+        text = [line for line in (run_dir / "train.log").read_text(errors="replace").splitlines()
+                if line.strip() and not line.startswith("{")]
+    except OSError:
+        return ""
+    return " its train.log ends:\n" + "\n".join(text[-lines:]) + "\n" if text else ""
 
 
 def _figures(run_dir: Path, untimed: int, tokens: int, wall: float, accum: int) -> dict:

@@ -78,6 +78,9 @@ def test_bench_parallel_cpu_smoke(tmp_path, capsys):
     else:  # 4 CPU ranks fit (a 16-core GPU machine): tp4 runs and is filed too
         ran.add("tp4")
         assert figures["tp4", "tok/s"] > 0
+    # every layout ran: a failed one printed "<layout> FAILED: <why>" (its train.log's last lines, then its output)
+    failed = [line for line in out.splitlines() if " FAILED: " in line]
+    assert ran <= {layout for layout, _ in figures} and not failed, out[out.find(failed[0]):] if failed else out
     for layout in ("1", "dp2-ddp"):
         tokens = 2 * 256 * (2 if layout == "dp2-ddp" else 1)  # micro-batch 2 per data-parallel rank, T 256
         assert math.isclose(figures[layout, "tok/s"], tokens / (figures[layout, "ms"] / 1e3))
@@ -158,3 +161,13 @@ def test_bench_parallel_reports_where_a_stopped_run_was(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "1                FAILED: no exit within 0.5 s (--timeout); the run's last output:" in out, out[-2000:]
     assert not [f for f in results.figures if f[1] == "1"]
+
+
+def test_a_failed_runs_message_quotes_its_log(tmp_path):
+    """A run that fails names why in its train.log (the step watchdog's verdict, a rank's error); the failure's
+    message quotes the log's last text lines, not its JSON records."""
+    assert bench_parallel._log_text_tail(tmp_path) == ""  # no log written
+    lines = [f"note {i}" for i in range(30)]
+    (tmp_path / "train.log").write_text('{"step": 1}\n' + "\n".join(lines) + '\n{"step": 2}\n\n')
+    text = bench_parallel._log_text_tail(tmp_path, lines=3)
+    assert text == " its train.log ends:\nnote 27\nnote 28\nnote 29\n"

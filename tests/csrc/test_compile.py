@@ -23,8 +23,11 @@ def test_kernel_sources_are_torch_free():
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: str(p.relative_to(CSRC)))
 def test_nvcc_compiles_for_sm90a(source, tmp_path):
-    cmd = ["nvcc", "-std=c++17", "-O3", f"-I{CSRC}", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v", "-c",
-           str(source), "-o", str(tmp_path / "out.o")]
+    """Host and device code through nvcc's whole chain, ptxas included (it checks the inline PTX). Device code at
+    -O1 (cicc and ptxas), about half of -O3's time; -O3's code generation is the extension build's (setup.py) on
+    the GPU machines."""
+    cmd = ["nvcc", "-std=c++17", "-O3", f"-I{CSRC}", "-gencode=arch=compute_90a,code=sm_90a", "-Xcicc", "-O1",
+           "-Xptxas", "-O1", "-Xptxas", "-v", "-c", str(source), "-o", str(tmp_path / "out.o")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "bytes spill stores" in proc.stderr
