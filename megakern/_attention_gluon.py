@@ -43,6 +43,7 @@ import functools
 
 import torch
 
+from megakern._cuda import sm_count
 from megakern._intmath import tma_aligned
 
 try:  # Gluon (Triton >= 3.5); its Hopper API as of Triton 3.6
@@ -928,11 +929,6 @@ def _descriptor(t: torch.Tensor, rows: int, cols: int | None = None):
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-@functools.lru_cache(maxsize=None)
 def _is_sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
 
@@ -1089,7 +1085,7 @@ def _launch_dkdv(dout, q, k, v, lse, delta, dk, dv, causal, scale, tiles, heads,
     block_m, block_n, warps, bufs = tiles
     width = block_d(hs)
     lengths = tile_lengths(True, tq, tk, block_m, block_n, causal)
-    grid = min(batch * nkv * len(lengths), programs or _num_sms(q.device.index))
+    grid = min(batch * nkv * len(lengths), programs or sm_count(q.device.index))
     sched = _schedule(q.device, batch * nkv, lengths, grid, 2 * tq * hs * q.element_size() * (nh // nkv), heads)
     _attn_bwd_dkdv_ws_kernel[(grid,)](
         _descriptor(q, block_m, width), _descriptor(k, block_n, width), _descriptor(v, block_n, width),
@@ -1117,7 +1113,7 @@ def bwd_dq(dout, q, k, v, out, lse, delta, dq, causal: bool, scale: float, confi
     width = block_d(hs)
     block_m, block_n, warps, bufs, pingpong = config or DQ_CONFIGS[width]
     lengths = tile_lengths(False, tq, tk, block_m, block_n, causal)
-    grid = min(batch * nh * len(lengths), programs or _num_sms(q.device.index))
+    grid = min(batch * nh * len(lengths), programs or sm_count(q.device.index))
     sched = _schedule(q.device, batch * nh, lengths, grid, 2 * tk * hs * k.element_size(), heads)
     _attn_bwd_dq_ws_kernel[(grid,)](
         _descriptor(q, block_m, width), _descriptor(k, block_n, width), _descriptor(v, block_n, width),
@@ -1162,7 +1158,7 @@ def fwd(q, k, v, causal: bool, scale: float, config=None, heads=None, programs=N
     if tk == 0:
         return out.zero_(), lse.fill_(float("-inf"))
     lengths = tile_lengths(False, tq, tk, block_m, block_n, causal)
-    grid = min(batch * nh * len(lengths), programs or _num_sms(q.device.index))
+    grid = min(batch * nh * len(lengths), programs or sm_count(q.device.index))
     sched = _schedule(q.device, batch * nh, lengths, grid, 2 * tk * hs * k.element_size(), heads)
     width = block_d(hs)
     _attn_fwd_ws_kernel[(grid,)](

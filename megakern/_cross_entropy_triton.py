@@ -23,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from megakern._gemm_shared_triton import device_index, sm_count
+from megakern._cuda import sm_count
+from megakern._gemm_shared_triton import device_index
 from megakern._intmath import next_power_of_2
 from megakern._round_triton import rounded
 

@@ -17,12 +17,11 @@ clamps finite values to +-FMAX before the cast (round to nearest even), so only 
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from megakern._cuda import sm_count
 from megakern._intmath import cdiv, next_power_of_2
 
 
@@ -168,15 +167,10 @@ PROGRAMS_PER_SM = 8  # persistent: one program per tile queues its amax atomics 
 PROGRAMS_PER_SM_TRANSPOSE = 16
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _programs(x: torch.Tensor, tiles: int, per_sm: int) -> int:
     if x.device.type != "cuda" or not per_sm:
         return tiles
-    return min(tiles, per_sm * _sm_count(x.device.index if x.device.index is not None else
+    return min(tiles, per_sm * sm_count(x.device.index if x.device.index is not None else
                                          torch.cuda.current_device()))
 
 

@@ -30,9 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
+from megakern._cuda import sm_count
 from megakern._intmath import cdiv
-from megakern._gemm_shared_triton import (device_index, ensure_allocator, mma, pointer_k_loop, sm_count,
-                                          tma_strides_ok, tma_usable)
+from megakern._gemm_shared_triton import (device_index, ensure_allocator, mma, pointer_k_loop, tma_strides_ok,
+                                          tma_usable)
 
 
 class Config(NamedTuple):
