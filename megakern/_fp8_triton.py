@@ -171,7 +171,7 @@ def _programs(x: torch.Tensor, tiles: int, per_sm: int) -> int:
     if x.device.type != "cuda" or not per_sm:
         return tiles
     return min(tiles, per_sm * sm_count(x.device.index if x.device.index is not None else
-                                         torch.cuda.current_device()))
+                                        torch.cuda.current_device()))
 
 
 def amax(x2: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
