@@ -16,7 +16,7 @@ from megakern import _cuda
 # Flag bits, mirrored from csrc/norm/norm.h.
 RMS, VECTORIZED, HAS_WEIGHT, HAS_BIAS, W_F32 = 1, 2, 4, 8, 16
 HAS_RESIDUAL, RES_F32, HAS_DRES_OUT, HAS_DRES, HAS_DW, STAGED = 32, 64, 128, 256, 512, 1024
-GENERIC, TEAM, NO_PREFETCH, WEIGHT_REGS = 2048, 4096, 8192, 16384
+GENERIC, TEAM, NO_PREFETCH, WEIGHT_REGS, RELOAD = 2048, 4096, 8192, 16384, 32768
 # The forward's specialized instances (csrc/norm/norm.h, NORM_FWD_SPECS): 16-bit rows with 16-byte I/O whose flags
 # are one of these take a kernel with them as compile-time constants (fewer registers: more blocks an SM)
 SPEC_MASK = RMS | HAS_WEIGHT | HAS_BIAS | W_F32 | HAS_RESIDUAL | RES_F32
@@ -47,6 +47,9 @@ FWD_BATCH_THREADS = FWD_MAX_THREADS
 # a specialized instance. TEAM_CHUNKS: the 16-byte chunks a thread holds of its row (the instances built); a row of
 # up to TEAM_MAX_THREADS x TEAM_CHUNKS[-1] chunks takes it. TEAM_WARP_ROWS: the one-warp teams a block.
 TEAM_CHUNKS, TEAM_MAX_THREADS, TEAM_WARP_ROWS = (1, 2, 4), 512, 4
+# The team kernel's instances: (prefetch, weight_regs, reload)
+TEAM_MODES = ((True, True, False), (True, False, False), (False, True, False), (False, False, False),
+              (False, False, True))
 # Where the team kernel is the default (team_config): rows up to TEAM_DEFAULT_COLS elements, LayerNorm's within
 # TEAM_LN_WIDE; elsewhere the row-group kernel measured level or ahead
 TEAM_DEFAULT_COLS, TEAM_LN_WIDE = 3072, (12288, 16384)
@@ -73,6 +76,9 @@ class LaunchConfig:
     per_sm: int = 0
     prefetch: bool = True  # forward, team kernel: the next row's loads in flight during this row's reductions
     weight_regs: bool = False  # forward, team kernel: the weight (and bias) in registers for every row
+    # forward, team kernel: the row read again from L1 after each reduction, nothing held across them (few registers,
+    # a full SM of teams); without prefetch and weight_regs
+    reload: bool = False
 
 
 def staged_smem_bytes(cols: int, itemsize: int, nv: int, has_db: bool) -> int:
@@ -155,8 +161,11 @@ def check_fwd_config(cfg: LaunchConfig) -> None:
                              f"{TEAM_MAX_THREADS} threads a block")
         if cfg.row_batch != 1 or not cfg.specialize or cfg.per_sm < 0:
             raise ValueError(f"{cfg}: the team kernel takes no row_batch or generic flags, and per_sm >= 0")
-    elif not cfg.prefetch or cfg.per_sm or cfg.weight_regs:
-        raise ValueError(f"{cfg}: prefetch, per_sm and weight_regs are the team kernel's")
+        if cfg.reload and (cfg.prefetch or cfg.weight_regs):
+            raise ValueError(f"{cfg}: reload holds nothing across a row's reductions: it takes prefetch=False and "
+                             "weight_regs=False")
+    elif not cfg.prefetch or cfg.per_sm or cfg.weight_regs or cfg.reload:
+        raise ValueError(f"{cfg}: prefetch, per_sm, weight_regs and reload are the team kernel's")
     if cfg.staged:
         raise ValueError(f"{cfg}: the staged kernel is a backward")
     if cfg.row_batch not in ROW_BATCHES:
@@ -206,8 +215,10 @@ def _fwd_name(ctype: str, nv: int, vecio: bool, row_batch: int = 1, spec: int = 
     return f"megakern::norm_fwd_kernel<{ctype}, {nv}, {row_batch}, {_b(vecio)}, {spec}>"
 
 
-def _team_name(ctype: str, nv: int, spec: int, prefetch: bool = True, weight_regs: bool = False) -> str:
-    return f"megakern::norm_fwd_team_kernel<{ctype}, {nv}, {spec}, {_b(prefetch)}, {_b(weight_regs)}>"
+def _team_name(ctype: str, nv: int, spec: int, prefetch: bool = True, weight_regs: bool = False,
+               reload: bool = False) -> str:
+    return (f"megakern::norm_fwd_team_kernel<{ctype}, {nv}, {spec}, {_b(prefetch)}, {_b(weight_regs)}, "
+            f"{_b(reload)}>")
 
 
 def _bwd_name(ctype: str, nv: int, has_db: bool, vecio: bool) -> str:
@@ -231,8 +242,8 @@ def kernel_names() -> list[str]:
             names += [_bwd_name(ctype, nv, db, io) for nv in (0, 1, 2, 4, 8) if nv * vec <= BWD_CAP
                       for db in (False, True)]
         if dtype != torch.float32:
-            names += [_team_name(ctype, nv, spec, pf, wr) for nv in TEAM_CHUNKS for spec in FWD_SPECS
-                      for pf in (True, False) for wr in (True, False)]
+            names += [_team_name(ctype, nv, spec, pf, wr, rl) for nv in TEAM_CHUNKS for spec in FWD_SPECS
+                      for pf, wr, rl in TEAM_MODES]
             names += [_bwd_staged_name(ctype, nv, db, spec) for nv in STAGED_NV for db in (False, True)
                       for spec in (0, *(sp for sp in BWD_SPECS if not (db and sp & RMS)))]
     return names
@@ -336,12 +347,13 @@ def fwd(x, residual, weight, bias, eps: float, is_rms: bool, path: Optional[str]
     cap = "MEGAKERN_NORM_TEAM_MAXNREG" if cfg.team else "MEGAKERN_NORM_FWD_MAXNREG"
     defines = (f"{cap}={cfg.max_registers}",) if cfg.max_registers else ()
     if cfg.team:
-        flags |= TEAM | (0 if cfg.prefetch else NO_PREFETCH) | (WEIGHT_REGS if cfg.weight_regs else 0)
+        flags |= TEAM | (0 if cfg.prefetch else NO_PREFETCH) | (WEIGHT_REGS if cfg.weight_regs else 0) | (
+            RELOAD if cfg.reload else 0)
         if path == "extension":
             regs = _cuda.extension()[0].norm_fwd_kernel_regs(dtype_code, cfg.nv, flags)
         else:
-            kernel = _cuda.nvrtc_kernel("norm/norm.cu", _team_name(ctype, cfg.nv, spec, cfg.prefetch, cfg.weight_regs),
-                                        defines)
+            name = _team_name(ctype, cfg.nv, spec, cfg.prefetch, cfg.weight_regs, cfg.reload)
+            kernel = _cuda.nvrtc_kernel("norm/norm.cu", name, defines)
             regs = kernel.num_regs
         grid = _persistent_grid(rows, cfg, regs, x.device)
     else:

@@ -838,11 +838,13 @@ TEAM = [((3, 77, 1024), 4, 32, 4), ((3, 77, 1024), 1, 128, 1), ((45, 1000), 2, 6
 
 def team_cases(test):
     """A GPU test over every team geometry (TEAM), with and without the next row in flight and the weight in
-    registers (``mode``: LaunchConfig fields), each norm and CUDA path."""
-    modes = [dict(prefetch=p, weight_regs=w) for p in (True, False) for w in (False, True)]
+    registers, and the row read again from L1 (``mode``: LaunchConfig fields), each norm and CUDA path."""
+    from megakern import _norm_cuda
+
+    modes = [dict(prefetch=p, weight_regs=w, reload=r) for p, w, r in _norm_cuda.TEAM_MODES]
     for mark in (pytest.mark.parametrize("op", OPS),
-                 pytest.mark.parametrize("mode", modes,
-                                         ids=lambda m: f"pf{int(m['prefetch'])}-w{int(m['weight_regs'])}"),
+                 pytest.mark.parametrize("mode", modes, ids=lambda m: f"pf{int(m['prefetch'])}-w{int(m['weight_regs'])}"
+                                                                      f"-r{int(m['reload'])}"),
                  pytest.mark.parametrize("case", TEAM, ids=lambda c: f"{'x'.join(map(str, c[0]))}-nv{c[1]}-t{c[2]}"
                                                                      f"x{c[3]}"),
                  pytest.mark.parametrize("variant", CUDA_VARIANTS), pytest.mark.gpu):
@@ -864,7 +866,8 @@ def test_cuda_forward_team(op, case, mode, setup, variant):
 
 @team_cases
 def test_cuda_forward_team_launches_agree(op, case, mode, variant):
-    """One team shape gives the same bits with or without the next row in flight and the weight in registers, on a
+    """One team shape gives the same bits with or without the next row in flight, the weight in registers or the row
+    read again from L1, on a
     grid of one block an SM or of as many as fit, and (NVRTC) under a register cap: the same arithmetic in the same
     order."""
     from megakern import _norm_cuda
@@ -976,7 +979,11 @@ def test_cuda_forward_refuses_a_launch_it_cannot_take():
                             (LC(4, 128, 1, team=True, max_registers=200), "max_registers must be 0 or in \\[24, 128\\]"),
                             (LC(2, 256, 1, prefetch=False), "the team kernel's"),
                             (LC(2, 256, 1, per_sm=2), "the team kernel's"),
-                            (LC(2, 256, 1, weight_regs=True), "the team kernel's")):
+                            (LC(2, 256, 1, weight_regs=True), "the team kernel's"),
+                            (LC(2, 256, 1, prefetch=False, reload=True), "the team kernel's"),
+                            (LC(2, 256, 1, team=True, reload=True), "reload holds nothing"),
+                            (LC(2, 256, 1, team=True, prefetch=False, weight_regs=True, reload=True),
+                             "reload holds nothing")):
         with pytest.raises(ValueError, match=message):
             _norm_cuda.check_fwd_config(config)
     _norm_cuda.check_fwd_config(_norm_cuda.launch_config(1024, torch.bfloat16, False))

@@ -219,14 +219,18 @@ norm_fwd_kernel(const T* __restrict__ x, const void* __restrict__ residual, cons
 // buffers). PREFETCH false: no next row in flight (fewer registers; the SM's other teams hide the loads). WREG: the
 // thread's chunks of the weight (and bias) loaded once, held in registers for every row; else read a row at a time
 // after the reductions (L1 or L2). The rows stream past L1 (ld.global.nc.L1::no_allocate), which keeps the weight
-// there. Same arithmetic as norm_fwd_kernel a value; the row sums are added in the team's order.
+// there. RELOAD (without PREFETCH and WREG): no chunk is held across a reduction; the row is loaded into L1 and read
+// again from there after each reduction (x and the residual, their sum recomputed), the last time to leave L1, so
+// that a thread needs few registers and an SM holds a full complement of teams (bounded for 4 blocks of 512 threads,
+// 3 with 4 chunks a thread: at 32 registers those spill).
+// Same arithmetic as norm_fwd_kernel a value; the row sums are added in the team's order.
 // MEGAKERN_NORM_TEAM_MAXNREG (tuning, NVRTC only): a cap on its registers a thread in place of the launch bounds.
 #ifdef MEGAKERN_NORM_TEAM_MAXNREG
 #define MEGAKERN_NORM_TEAM_BOUNDS __maxnreg__(MEGAKERN_NORM_TEAM_MAXNREG)
 #else
-#define MEGAKERN_NORM_TEAM_BOUNDS __launch_bounds__(512)
+#define MEGAKERN_NORM_TEAM_BOUNDS __launch_bounds__(512, RELOAD ? (CH > 2 ? 3 : 4) : 1)
 #endif
-template <typename T, int CH, int SPEC, bool PREFETCH, bool WREG>
+template <typename T, int CH, int SPEC, bool PREFETCH, bool WREG, bool RELOAD>
 __global__ void MEGAKERN_NORM_TEAM_BOUNDS
 norm_fwd_team_kernel(const T* __restrict__ x, const T* __restrict__ residual, const T* __restrict__ weight,
                      const T* __restrict__ bias, T* __restrict__ y, T* __restrict__ residual_out,
@@ -234,6 +238,7 @@ norm_fwd_team_kernel(const T* __restrict__ x, const T* __restrict__ residual, co
                      i64 stride_res, i64 stride_y, i64 stride_res_out, float eps) {
   static_assert(sizeof(T) == 2, "16-bit rows");
   static_assert((SPEC & NORM_HAS_WEIGHT) && !(SPEC & (NORM_W_F32 | NORM_RES_F32)), "one of NORM_FWD_SPECS");
+  static_assert(!(RELOAD && (PREFETCH || WREG)), "RELOAD holds nothing across a row's reductions");
   constexpr int VEC = 8;
   constexpr bool RMS = SPEC & NORM_RMS, HAS_B = SPEC & NORM_HAS_BIAS, RES = SPEC & NORM_HAS_RESIDUAL;
   __shared__ float partial[2][32];
@@ -260,11 +265,38 @@ norm_fwd_team_kernel(const T* __restrict__ x, const T* __restrict__ residual, co
     for (int k = 0; k < CH; ++k) asm volatile("" : "+r"(c[k].x), "+r"(c[k].y), "+r"(c[k].z), "+r"(c[k].w));
   };
   constexpr uint4 zero = {0u, 0u, 0u, 0u};
+  // a row's first read: past L1 (RELOAD: into L1, to stay there for the reads after the reductions)
   auto stream_load = [](const T* p) {
     uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    if constexpr (RELOAD)
+      asm volatile("ld.global.nc.L1::evict_last.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    else
+      asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
+  };
+  // RELOAD: a read after a reduction, from L1; the last one leaves it
+  auto reread = [](const T* p, bool last) {
+    uint4 v;
+    if (last)
+      asm volatile("ld.global.nc.L1::evict_first.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    else
+      asm volatile("ld.global.nc.L1::evict_last.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+  };
+  // x + residual, rounded to T, 8 values at a time
+  auto add = [](const uint4& xa, const uint4& ra) {
+    float a[VEC], b[VEC];
+    unpack16<T, VEC>(&xa, a);
+    unpack16<T, VEC>(&ra, b);
+    uint4 h;
+    T* e = reinterpret_cast<T*>(&h);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) e[i] = from_float<T>(a[i] + b[i]);
+    return h;
   };
   uint4 wk[WREG ? CH : 1], bk[WREG && HAS_B ? CH : 1];
   if constexpr (WREG) {
@@ -286,6 +318,20 @@ norm_fwd_team_kernel(const T* __restrict__ x, const T* __restrict__ residual, co
       if constexpr (RES) nr[k] = c < cols ? stream_load(residual + r * stride_res + c) : zero;
     }
   };
+  // after a reduction: the chunks unpacked again from the same registers, or (RELOAD) read again from L1
+  auto again = [&](uint4(&h)[CH], bool last) {
+    if constexpr (RELOAD) {
+#pragma unroll
+      for (int k = 0; k < CH; ++k) {
+        const int c = column(k);
+        const uint4 a = c < cols ? reread(x + row * stride_x + c, last) : zero;
+        if constexpr (RES) h[k] = add(a, c < cols ? reread(residual + row * stride_res + c, last) : zero);
+        else h[k] = a;
+      }
+    } else {
+      opaque(h);
+    }
+  };
   if constexpr (PREFETCH) fetch(row);
   for (; row < rows; row += teams) {
     uint4 h[CH];
@@ -293,12 +339,7 @@ norm_fwd_team_kernel(const T* __restrict__ x, const T* __restrict__ residual, co
     if constexpr (RES) {
 #pragma unroll
       for (int k = 0; k < CH; ++k) {
-        float a[VEC], b[VEC];
-        unpack16<T, VEC>(&nx[k], a);
-        unpack16<T, VEC>(&nr[k], b);
-        T* e = reinterpret_cast<T*>(&h[k]);
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) e[i] = from_float<T>(a[i] + b[i]);
+        h[k] = add(nx[k], nr[k]);
         const int c = column(k);
         if (c < cols) *reinterpret_cast<uint4*>(residual_out + row * stride_res_out + c) = h[k];
       }
@@ -318,7 +359,7 @@ norm_fwd_team_kernel(const T* __restrict__ x, const T* __restrict__ residual, co
         for (int i = 0; i < VEC; ++i) s += v[i];
       }
       s = team_sum(s);
-      opaque(h);
+      again(h, false);
       mean = s * inv_cols;
       mean += fmaf(-mean, (float)cols, s) * inv_cols;  // as norm_fwd_kernel's row_mean
     }
@@ -332,7 +373,7 @@ norm_fwd_team_kernel(const T* __restrict__ x, const T* __restrict__ residual, co
       ss += column(k) < cols ? s : 0.f;
     }
     const float rstd = rsqrtf(team_sum(ss) * inv_cols + eps);
-    opaque(h);
+    again(h, true);
 #pragma unroll
     for (int k = 0; k < CH; ++k) {
       const int c = column(k);
@@ -787,11 +828,13 @@ static cudaError_t norm_bwd_t(int nv, dim3 grid, dim3 block, const NormBwdArgs& 
 // The team kernel (NORM_TEAM, 16-bit T): a launch, or (regs non-null) a registers query.
 template <typename T, int CH, int SPEC>
 static cudaError_t norm_fwd_team_run(dim3 grid, dim3 block, const NormFwdArgs& a, cudaStream_t stream, int* regs) {
-  const bool pf = !(a.flags & NORM_NO_PREFETCH), wreg = a.flags & NORM_WEIGHT_REGS;
-  auto kernel = pf ? (wreg ? norm_fwd_team_kernel<T, CH, SPEC, true, true>
-                           : norm_fwd_team_kernel<T, CH, SPEC, true, false>)
-                   : (wreg ? norm_fwd_team_kernel<T, CH, SPEC, false, true>
-                           : norm_fwd_team_kernel<T, CH, SPEC, false, false>);
+  const bool pf = !(a.flags & NORM_NO_PREFETCH), wreg = a.flags & NORM_WEIGHT_REGS, reload = a.flags & NORM_RELOAD;
+  if (reload && (pf || wreg)) return cudaErrorInvalidValue;  // RELOAD holds nothing across a row's reductions
+  auto kernel = reload ? norm_fwd_team_kernel<T, CH, SPEC, false, false, true>
+                : pf   ? (wreg ? norm_fwd_team_kernel<T, CH, SPEC, true, true, false>
+                               : norm_fwd_team_kernel<T, CH, SPEC, true, false, false>)
+                       : (wreg ? norm_fwd_team_kernel<T, CH, SPEC, false, true, false>
+                               : norm_fwd_team_kernel<T, CH, SPEC, false, false, false>);
   if (regs != nullptr) {
     cudaFuncAttributes attr;
     MEGAKERN_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));

@@ -27,6 +27,8 @@ enum NormFlags {
   NORM_TEAM = 1 << 12,        // fwd: the persistent team kernel (16-bit rows, 16-byte I/O, one of NORM_FWD_SPECS)
   NORM_NO_PREFETCH = 1 << 13, // fwd, team kernel: without the next row's loads in flight
   NORM_WEIGHT_REGS = 1 << 14, // fwd, team kernel: the weight (and bias) held in registers for every row
+  NORM_RELOAD = 1 << 15,      // fwd, team kernel: the row read again from L1 after each reduction (not with the two
+                              // above)
 };
 
 }  // namespace megakern
