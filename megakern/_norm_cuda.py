@@ -79,6 +79,9 @@ class LaunchConfig:
     # forward, team kernel: the row read again from L1 after each reduction, nothing held across them (few registers,
     # a full SM of teams); without prefetch and weight_regs
     reload: bool = False
+    # forward, team kernel: a persistent grid (as many blocks as fit at once, each team walking rows); False: a team
+    # for every row, one row each
+    persistent: bool = True
 
 
 def staged_smem_bytes(cols: int, itemsize: int, nv: int, has_db: bool) -> int:
@@ -161,11 +164,13 @@ def check_fwd_config(cfg: LaunchConfig) -> None:
                              f"{TEAM_MAX_THREADS} threads a block")
         if cfg.row_batch != 1 or not cfg.specialize or cfg.per_sm < 0:
             raise ValueError(f"{cfg}: the team kernel takes no row_batch or generic flags, and per_sm >= 0")
+        if cfg.per_sm and not cfg.persistent:
+            raise ValueError(f"{cfg}: per_sm caps a persistent grid; a grid of a team a row has no cap")
         if cfg.reload and (cfg.prefetch or cfg.weight_regs):
             raise ValueError(f"{cfg}: reload holds nothing across a row's reductions: it takes prefetch=False and "
                              "weight_regs=False")
-    elif not cfg.prefetch or cfg.per_sm or cfg.weight_regs or cfg.reload:
-        raise ValueError(f"{cfg}: prefetch, per_sm, weight_regs and reload are the team kernel's")
+    elif not cfg.prefetch or cfg.per_sm or cfg.weight_regs or cfg.reload or not cfg.persistent:
+        raise ValueError(f"{cfg}: prefetch, per_sm, weight_regs, reload and persistent are the team kernel's")
     if cfg.staged:
         raise ValueError(f"{cfg}: the staged kernel is a backward")
     if cfg.row_batch not in ROW_BATCHES:
@@ -355,7 +360,8 @@ def fwd(x, residual, weight, bias, eps: float, is_rms: bool, path: Optional[str]
             name = _team_name(ctype, cfg.nv, spec, cfg.prefetch, cfg.weight_regs, cfg.reload)
             kernel = _cuda.nvrtc_kernel("norm/norm.cu", name, defines)
             regs = kernel.num_regs
-        grid = _persistent_grid(rows, cfg, regs, x.device)
+        grid = (_persistent_grid(rows, cfg, regs, x.device) if cfg.persistent
+                else math.ceil(rows / cfg.rows_per_block))
     else:
         grid = math.ceil(rows / (cfg.rows_per_block * cfg.row_batch))
     if path == "extension":

@@ -1,7 +1,7 @@
 """The CUDA norm forward's two kernels in one process on one card: the row-group kernel at its table geometry
 (``launch_config``) and the team kernel at its geometry (``team_geometry``) and reading the row again from L1
-(``reload``, at each chunk count a thread), beside the Triton forward, at each hidden size; fraction of the same
-run's copy bandwidth. Which of the two CUDA kernels is the default at a width is
+(``reload``, a team a row rather than a persistent grid, at each chunk count a thread), beside the Triton forward, at
+each hidden size; fraction of the same run's copy bandwidth. Which of the two CUDA kernels is the default at a width is
 ``team_config``'s table (megakern/_norm_cuda.py): this is the A/B that sets it.
 
     python profiles/ab_norm_fwd_team.py --hidden 1024,2048,4096,8192,12288,16384
@@ -23,14 +23,15 @@ ELEMENTS = 2**27
 
 
 def reload_geometries(n: int) -> list[_norm_cuda.LaunchConfig]:
-    """The team kernel reading the row again from L1 (``reload``) at each chunk count a thread that covers a bf16 row
-    of ``n`` within its bounds: one-warp teams, TEAM_WARP_ROWS a block, where a warp covers the row."""
+    """The team kernel reading the row again from L1 (``reload``), a team a row (``persistent=False``), at each chunk
+    count a thread that covers a bf16 row of ``n`` within its bounds: one-warp teams, TEAM_WARP_ROWS a block, where a
+    warp covers the row."""
     out = []
     for nv in _norm_cuda.TEAM_CHUNKS:
         threads = 32 * -(-n // (8 * 32 * nv))
         if threads <= _norm_cuda.TEAM_MAX_THREADS:
             out.append(_norm_cuda.LaunchConfig(nv, threads, _norm_cuda.TEAM_WARP_ROWS if threads == 32 else 1,
-                                               team=True, prefetch=False, reload=True))
+                                               team=True, prefetch=False, reload=True, persistent=False))
     return out
 
 
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
             line = f"{op:3s} {x.shape[0]}x{n} (default {default:9s})"
             runs = [("triton", lambda: _norm_triton.fwd(x, None, w, bias, 1e-5, rms)),
                     ("row-group", functools.partial(fwd, config=rows)), ("team", functools.partial(fwd, config=team))]
-            runs += [(f"reload {g.nv}x{g.threads}", functools.partial(fwd, config=g)) for g in reload_geometries(n)]
+            runs += [(f"reload-row {g.nv}x{g.threads}", functools.partial(fwd, config=g)) for g in reload_geometries(n)]
             for label, fn in runs:
                 t = min(bench(fn, graph=True, device=device, rep_ms=args.rep_ms)["median"] for _ in range(2)) * 1e-3
                 line += f" | {label} {t * 1e6:6.1f} us {nbytes / t / 1e9 / copy:.3f}"

@@ -144,20 +144,23 @@ def specs(n: int, is_rms: bool, residual: bool) -> list[tuple[str, str, dict]]:
     generic = dataclasses.replace(default, specialize=False)
     out.append((f"cuda fwd {generic}", "cuda fwd", dict(config=generic)))
     # the team kernel (16-bit rows of the specialized flags): chunks a thread, with and without the next row in
-    # flight, one-warp teams a block; its table geometry also at fewer blocks an SM and under register caps (NVRTC)
+    # flight, the weight in registers, or the row read again from L1 (on a persistent grid or a team a row), one-warp
+    # teams a block; its table geometry also under register caps (NVRTC) and on a grid of a team a row
     team = _norm_cuda.team_geometry(n, torch.bfloat16)
     groups8 = -(-n // 8)  # 16-byte chunks of a bf16 row
     if team:
         out.append((f"cuda fwd team geometry {team}", "cuda fwd", dict(config=team)))
         for nv in _norm_cuda.TEAM_CHUNKS:
             threads = 32 * -(-groups8 // (32 * nv))
-            for prefetch, weight_regs in ((True, False), (False, False), (True, True), (False, True)):
+            for prefetch, weight_regs, reload in _norm_cuda.TEAM_MODES:
                 for rows_per_block in (4, 8) if threads == 32 else (1,):
-                    config = _norm_cuda.LaunchConfig(nv, threads, rows_per_block, team=True, prefetch=prefetch,
-                                                     weight_regs=weight_regs)
-                    if threads * rows_per_block <= _norm_cuda.TEAM_MAX_THREADS and config != team:
-                        out.append((f"cuda fwd team {config}", "cuda fwd", dict(config=config)))
-        for change in [dict(max_registers=r) for r in (96, 128)]:
+                    for persistent in (True, False) if reload else (True,):
+                        config = _norm_cuda.LaunchConfig(nv, threads, rows_per_block, team=True, prefetch=prefetch,
+                                                         weight_regs=weight_regs, reload=reload,
+                                                         persistent=persistent)
+                        if threads * rows_per_block <= _norm_cuda.TEAM_MAX_THREADS and config != team:
+                            out.append((f"cuda fwd team {config}", "cuda fwd", dict(config=config)))
+        for change in [dict(max_registers=r) for r in (96, 128)] + [dict(persistent=False)]:
             config = dataclasses.replace(team, **change)
             out.append((f"cuda fwd team {config}", "cuda fwd", dict(config=config)))
     # the backward in registers, named as such, dweight and dbias in the same kernel (where the table takes the

@@ -867,9 +867,8 @@ def test_cuda_forward_team(op, case, mode, setup, variant):
 @team_cases
 def test_cuda_forward_team_launches_agree(op, case, mode, variant):
     """One team shape gives the same bits with or without the next row in flight, the weight in registers or the row
-    read again from L1, on a
-    grid of one block an SM or of as many as fit, and (NVRTC) under a register cap: the same arithmetic in the same
-    order."""
+    read again from L1, on a grid of one block an SM, of as many as fit or of a team a row, and (NVRTC) under a
+    register cap: the same arithmetic in the same order."""
     from megakern import _norm_cuda
 
     path = variant.removeprefix("cuda-")
@@ -881,7 +880,8 @@ def test_cuda_forward_team_launches_agree(op, case, mode, variant):
     x2, r2 = x.reshape(-1, x.shape[-1]), r.reshape(-1, r.shape[-1])
     config = _norm_cuda.LaunchConfig(nv, threads, rows_per_block, team=True)
     want = _norm_cuda.fwd(x2, r2, w, b, 1e-5, op == "rms_norm", path=path, config=config)
-    changes = [dict(mode, per_sm=1)] + ([dict(mode, max_registers=64)] if path == "nvrtc" else [])
+    changes = [dict(mode, per_sm=1), dict(mode, persistent=False)] + (
+        [dict(mode, max_registers=64)] if path == "nvrtc" else [])
     for change in changes:
         got = _norm_cuda.fwd(x2, r2, w, b, 1e-5, op == "rms_norm", path=path,
                              config=dataclasses.replace(config, **change))
@@ -979,6 +979,8 @@ def test_cuda_forward_refuses_a_launch_it_cannot_take():
                             (LC(4, 128, 1, team=True, max_registers=200), "max_registers must be 0 or in \\[24, 128\\]"),
                             (LC(2, 256, 1, prefetch=False), "the team kernel's"),
                             (LC(2, 256, 1, per_sm=2), "the team kernel's"),
+                            (LC(2, 256, 1, persistent=False), "the team kernel's"),
+                            (LC(2, 256, 1, team=True, per_sm=2, persistent=False), "per_sm caps a persistent grid"),
                             (LC(2, 256, 1, weight_regs=True), "the team kernel's"),
                             (LC(2, 256, 1, prefetch=False, reload=True), "the team kernel's"),
                             (LC(2, 256, 1, team=True, reload=True), "reload holds nothing"),
