@@ -35,6 +35,25 @@ def reload_geometries(n: int) -> list[_norm_cuda.LaunchConfig]:
     return out
 
 
+def widths_and_ops(script: str, hidden: str, ops: str) -> tuple[list[int], list[str]]:
+    """The hidden sizes and ops of ``--hidden`` and ``--ops``, each width one the team kernel takes (bf16), on a machine
+    with CUDA; else SystemExit naming the problem (``script`` names the tool)."""
+    try:
+        widths = [int(h) for h in hidden.split(",")]
+    except ValueError:
+        raise SystemExit(f"{script}: --hidden {hidden!r} is not a comma-separated list of integers")
+    names = [op.strip() for op in ops.split(",") if op.strip()]
+    if set(names) - {"rms", "ln"}:
+        raise SystemExit(f"{script}: unknown op(s) {sorted(set(names) - {'rms', 'ln'})}; known: rms, ln")
+    for n in widths:
+        if n % 8 or _norm_cuda.team_geometry(n, torch.bfloat16) is None:
+            raise SystemExit(f"{script}: the team kernel does not take bf16 rows of {n} (multiples of 8 up to "
+                             f"{_norm_cuda.TEAM_MAX_THREADS * _norm_cuda.TEAM_CHUNKS[-1] * 8})")
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{script}: needs a CUDA device")
+    return widths, names
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", default="1024,2048,3072,4096,5120,8192,12288,16384",
@@ -42,19 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ops", default="rms,ln", help="comma-separated: rms, ln")
     parser.add_argument("--rep-ms", type=int, default=300, help="timing window of each measurement")
     args = parser.parse_args(argv)
-    try:
-        hidden = [int(h) for h in args.hidden.split(",")]
-    except ValueError:
-        raise SystemExit(f"ab_norm_fwd_team: --hidden {args.hidden!r} is not a comma-separated list of integers")
-    ops = [op.strip() for op in args.ops.split(",") if op.strip()]
-    if set(ops) - {"rms", "ln"}:
-        raise SystemExit(f"ab_norm_fwd_team: unknown op(s) {sorted(set(ops) - {'rms', 'ln'})}; known: rms, ln")
-    for n in hidden:
-        if n % 8 or _norm_cuda.team_geometry(n, torch.bfloat16) is None:
-            raise SystemExit(f"ab_norm_fwd_team: the team kernel does not take bf16 rows of {n} (multiples of 8 up "
-                             f"to {_norm_cuda.TEAM_MAX_THREADS * _norm_cuda.TEAM_CHUNKS[-1] * 8})")
-    if not torch.cuda.is_available():
-        raise SystemExit("ab_norm_fwd_team: needs a CUDA device")
+    hidden, ops = widths_and_ops("ab_norm_fwd_team", args.hidden, args.ops)
     device = torch.device("cuda")
     copy = measure_copy_gbps(device)
     print(f"{torch.cuda.get_device_name()}: copy {copy:.0f} GB/s; fraction of copy, graph replay")

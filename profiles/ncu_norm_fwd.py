@@ -15,6 +15,7 @@ import dataclasses
 
 import torch
 
+from ab_norm_fwd_team import widths_and_ops  # profiles/ beside this script
 from megakern import _norm_cuda, _norm_triton
 
 ELEMENTS = 2**27
@@ -26,18 +27,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hidden", default="4096", help="comma-separated hidden sizes (multiples of 8)")
     parser.add_argument("--ops", default="rms", help="comma-separated: rms, ln")
     args = parser.parse_args(argv)
-    try:
-        hidden = [int(h) for h in args.hidden.split(",")]
-    except ValueError:
-        raise SystemExit(f"ncu_norm_fwd: --hidden {args.hidden!r} is not a comma-separated list of integers")
-    ops = [op.strip() for op in args.ops.split(",") if op.strip()]
-    if set(ops) - {"rms", "ln"}:
-        raise SystemExit(f"ncu_norm_fwd: unknown op(s) {sorted(set(ops) - {'rms', 'ln'})}; known: rms, ln")
-    for n in hidden:
-        if n % 8 or _norm_cuda.team_geometry(n, torch.bfloat16) is None:
-            raise SystemExit(f"ncu_norm_fwd: the team kernel does not take bf16 rows of {n}")
-    if not torch.cuda.is_available():
-        raise SystemExit("ncu_norm_fwd: needs a CUDA device")
+    hidden, ops = widths_and_ops("ncu_norm_fwd", args.hidden, args.ops)
     for op in ops:
         rms = op == "rms"
         for n in hidden:

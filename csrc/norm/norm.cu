@@ -265,28 +265,23 @@ norm_fwd_team_kernel(const T* __restrict__ x, const T* __restrict__ residual, co
     for (int k = 0; k < CH; ++k) asm volatile("" : "+r"(c[k].x), "+r"(c[k].y), "+r"(c[k].z), "+r"(c[k].w));
   };
   constexpr uint4 zero = {0u, 0u, 0u, 0u};
-  // a row's first read: past L1 (RELOAD: into L1, to stay there for the reads after the reductions)
-  auto stream_load = [](const T* p) {
+  // 16 bytes of a row by the read-only path, with an L1 policy: 0 past L1 (no_allocate), 1 into L1 to stay there
+  // (evict_last), 2 from L1 for the last time (evict_first)
+  auto load = [](const T* p, int policy) {
     uint4 v;
-    if constexpr (RELOAD)
-      asm volatile("ld.global.nc.L1::evict_last.v4.u32 {%0, %1, %2, %3}, [%4];"
-                   : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    else
+    if (policy == 0)
       asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
                    : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-  };
-  // RELOAD: a read after a reduction, from L1; the last one leaves it
-  auto reread = [](const T* p, bool last) {
-    uint4 v;
-    if (last)
-      asm volatile("ld.global.nc.L1::evict_first.v4.u32 {%0, %1, %2, %3}, [%4];"
-                   : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    else
+    else if (policy == 1)
       asm volatile("ld.global.nc.L1::evict_last.v4.u32 {%0, %1, %2, %3}, [%4];"
                    : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    else
+      asm volatile("ld.global.nc.L1::evict_first.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
   };
+  // a row's first read: past L1, or (RELOAD) into it for the reads after the reductions
+  constexpr int first_policy = RELOAD ? 1 : 0;
   // x + residual, rounded to T, 8 values at a time
   auto add = [](const uint4& xa, const uint4& ra) {
     float a[VEC], b[VEC];
@@ -314,8 +309,8 @@ norm_fwd_team_kernel(const T* __restrict__ x, const T* __restrict__ residual, co
 #pragma unroll
     for (int k = 0; k < CH; ++k) {
       const int c = column(k);
-      nx[k] = c < cols ? stream_load(x + r * stride_x + c) : zero;
-      if constexpr (RES) nr[k] = c < cols ? stream_load(residual + r * stride_res + c) : zero;
+      nx[k] = c < cols ? load(x + r * stride_x + c, first_policy) : zero;
+      if constexpr (RES) nr[k] = c < cols ? load(residual + r * stride_res + c, first_policy) : zero;
     }
   };
   // after a reduction: the chunks unpacked again from the same registers, or (RELOAD) read again from L1
@@ -324,8 +319,8 @@ norm_fwd_team_kernel(const T* __restrict__ x, const T* __restrict__ residual, co
 #pragma unroll
       for (int k = 0; k < CH; ++k) {
         const int c = column(k);
-        const uint4 a = c < cols ? reread(x + row * stride_x + c, last) : zero;
-        if constexpr (RES) h[k] = add(a, c < cols ? reread(residual + row * stride_res + c, last) : zero);
+        const uint4 a = c < cols ? load(x + row * stride_x + c, last ? 2 : 1) : zero;
+        if constexpr (RES) h[k] = add(a, c < cols ? load(residual + row * stride_res + c, last ? 2 : 1) : zero);
         else h[k] = a;
       }
     } else {
