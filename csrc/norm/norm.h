@@ -112,7 +112,8 @@ struct NormBwdArgs {
 // NORM_VECTORIZED picks the 16-byte instance, args.flags & NORM_STAGED the staged backward (16-bit dtypes, nv in
 // {1, 2, 4}, one row a block), args.flags & NORM_TEAM the forward's team kernel (16-bit dtypes, flags one of
 // NORM_FWD_SPECS, nv in {1, 2, 4} chunks a thread, row_batch ignored, block.x a multiple of 32, block.y > 1 only
-// with block.x == 32, at most 512 threads). Returns the launch's error, if any.
+// with block.x == 32, at most 512 threads; NORM_RELOAD only without NORM_WEIGHT_REGS and with NORM_NO_PREFETCH).
+// Returns the launch's error, if any.
 cudaError_t norm_fwd(int dtype, int nv, int row_batch, dim3 grid, dim3 block, const NormFwdArgs& args,
                      cudaStream_t stream);
 // Registers per thread of the forward's team kernel (flags with NORM_TEAM; nv: its chunks a thread) that the same
